@@ -1,0 +1,105 @@
+// The narrow interface of fastattn's C++ core.
+//
+// Only csrc/attention.cpp includes cudnn-frontend (one such file takes ~70 s to
+// compile); everything else, the Cython module included, sees this header alone.
+// Errors are values: no function here throws, and every exception cudnn-frontend
+// raises is caught inside the core and returned as a Status.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace fastattn {
+
+// Mirrored by fastattn/errors.py: a status code selects the Python exception class.
+enum class Code : int {
+    kOk              = 0,
+    kInvalidArgument = 1,  // bad pointer, bad config value, wrong call for this plan
+    kNotSupported    = 2,  // cuDNN refuses this graph on this GPU; the message is cuDNN's reason
+    kLibraryError    = 3,  // a shared library (cuDNN, CUDA runtime, driver) is missing or unusable
+    kCudaError       = 4,  // a CUDA runtime or driver call failed
+    kCudnnError      = 5,  // cuDNN failed while running a plan that it had accepted
+    kCorruptPlan     = 6,  // a serialized plan could not be parsed or loaded
+    kInternal        = 7,  // anything else: a bug in fastattn
+};
+
+struct Status {
+    Code code = Code::kOk;
+    std::string message;
+
+    bool ok() const { return code == Code::kOk; }
+};
+
+// Plain data mirror of fastattn.config.AttentionConfig. Python validates and
+// canonicalizes before filling it, so the core trusts its values.
+struct Config {
+    int64_t batch = 0, heads_q = 0, heads_kv = 0, seqlen_q = 0, seqlen_kv = 0;
+    int64_t head_dim_qk = 0, head_dim_v = 0;
+    int dtype = 0;  // 0: fp16, 1: bf16
+    // Element strides of q, k, v, o in (batch, head, seq, dim) order. The
+    // gradients share the strides of their tensors: dq of q, dk of k, dv of v, do of o.
+    int64_t q_stride[4] = {}, k_stride[4] = {}, v_stride[4] = {}, o_stride[4] = {};
+    int mask = 0;  // 0: none, 1: causal (top-left diagonal), 2: causal (bottom-right diagonal)
+    // FlashAttention's convention: query i sees keys j with i - left <= j <= i + right
+    // (shifted by seqlen_kv - seqlen_q for the bottom-right diagonal); -1 is unbounded.
+    int64_t window_left = -1, window_right = -1;
+    float scale        = 1.0f;
+    bool training      = false;  // forward writes softmax stats; a backward graph exists
+    bool deterministic = false;  // backward uses cuDNN's deterministic algorithm
+};
+
+enum class Direction : int { kForward = 0, kBackward = 1 };
+
+// What a built or loaded graph reports about itself.
+struct GraphInfo {
+    int64_t workspace_size = 0;  // bytes the caller must provide at execute
+    std::string engine_name;     // cuDNN's name of the chosen plan
+    double build_ms = 0.0;       // wall time of build or deserialize
+};
+
+struct DeviceInfo {
+    std::string name;
+    int major = 0, minor = 0, sm_count = 0;
+    int driver_version = 0, runtime_version = 0;
+};
+
+class Graph;  // a built cuDNN graph with one execution plan; opaque outside the core
+
+struct GraphDeleter {
+    void operator()(Graph *g) const;
+};
+using GraphPtr = std::unique_ptr<Graph, GraphDeleter>;
+
+// Makes the cuDNN library at `path` (already loaded by the Python loader, which
+// also made its dependencies loadable) the one cudnn-frontend calls. Idempotent.
+Status load_cudnn(const std::string &path, int64_t *version);
+int64_t cudnn_version();          // runtime version, 0 before load_cudnn
+int64_t cudnn_header_version();   // CUDNN_VERSION of the headers built against
+int64_t frontend_version();       // CUDNN_FRONTEND_VERSION built against
+
+Status device_count(int *count);
+Status current_device(int *device);
+Status device_info(int device, DeviceInfo *out);
+
+// Builds the graph for one direction of `cfg` on `device` and one execution plan
+// for it. The probe, the plan cache and the runtime all call this one function,
+// so a probed plan is the plan that runs. kNotSupported carries cuDNN's reason.
+Status build_graph(const Config &cfg, Direction dir, int device, GraphPtr *out, GraphInfo *info);
+
+// Plan blob without graph structure: what the persistent cache stores.
+Status serialize_graph(const Graph *g, std::vector<uint8_t> *blob);
+Status deserialize_graph(const uint8_t *data, size_t size, Direction dir, bool training, int device,
+                         GraphPtr *out, GraphInfo *info);
+
+// The hot path: validates pointers, then runs. No allocation, synchronization or
+// copy. Pointers and the stream are raw addresses; 0 is null / the default stream.
+Status execute_forward(const Graph *g, int device, intptr_t q, intptr_t k, intptr_t v, intptr_t o,
+                       intptr_t stats, intptr_t workspace, intptr_t stream);
+Status execute_backward(const Graph *g, int device, intptr_t q, intptr_t k, intptr_t v, intptr_t o,
+                        intptr_t d_o, intptr_t stats, intptr_t d_q, intptr_t d_k, intptr_t d_v,
+                        intptr_t workspace, intptr_t stream);
+
+}  // namespace fastattn

@@ -1,0 +1,46 @@
+"""fastattn: cuDNN's fused attention with its plans built once, probed honestly, run cheaply.
+
+    import fastattn
+    cfg = fastattn.AttentionConfig(batch=1, heads_q=32, seqlen_q=4096, head_dim_qk=128,
+                                   mask="causal", dtype="bf16")
+    result = fastattn.probe(cfg)          # supported? cuDNN's reason if not
+    p = fastattn.plan(cfg)                # built once per process
+    p.forward(q, k, v, o, workspace=ws, stream=s)   # raw CUDA device addresses
+
+Importing fastattn loads no CUDA library; the first GPU call does (fastattn._loader).
+"""
+
+__version__ = "0.1.0"
+
+from .config import AttentionConfig
+from .errors import (
+    CorruptPlanError,
+    CudaError,
+    CudnnError,
+    FastAttnError,
+    InternalError,
+    InvalidArgumentError,
+    LibraryError,
+    NotSupportedError,
+)
+from .runtime import ProbeResult, clear, device_info, plan, probe, stats, versions
+
+__all__ = [
+    "AttentionConfig",
+    "ProbeResult",
+    "probe",
+    "plan",
+    "stats",
+    "clear",
+    "device_info",
+    "versions",
+    "FastAttnError",
+    "InvalidArgumentError",
+    "NotSupportedError",
+    "LibraryError",
+    "CudaError",
+    "CudnnError",
+    "CorruptPlanError",
+    "InternalError",
+    "__version__",
+]

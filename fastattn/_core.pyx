@@ -1,0 +1,336 @@
+# cython: language_level=3, embedsignature=True
+# distutils: language = c++
+"""fastattn's only extension module: plan objects over the C++ core in csrc/.
+
+Thin by design: build, serialize, deserialize and execute call straight into C++
+with the GIL released; a C++ status becomes an exception through one table
+(fastattn.errors). Files, keys and policy live in Python modules, not here.
+"""
+
+from libc.stdint cimport int64_t, intptr_t, uint8_t
+from libcpp cimport bool as cbool
+from libcpp.string cimport string
+from libcpp.vector cimport vector
+
+from fastattn.errors import error_for_code
+
+
+cdef extern from "fastattn.h" namespace "fastattn" nogil:
+    cdef enum class Code(int):
+        kOk
+
+    cdef cppclass Status:
+        Code code
+        string message
+        cbool ok()
+
+    cdef cppclass Config:
+        int64_t batch, heads_q, heads_kv, seqlen_q, seqlen_kv, head_dim_qk, head_dim_v
+        int dtype
+        int64_t q_stride[4]
+        int64_t k_stride[4]
+        int64_t v_stride[4]
+        int64_t o_stride[4]
+        int mask
+        int64_t window_left, window_right
+        float scale
+        cbool training, deterministic
+
+    cdef enum class Direction(int):
+        kForward
+        kBackward
+
+    cdef cppclass GraphInfo:
+        int64_t workspace_size
+        string engine_name
+        double build_ms
+
+    cdef cppclass DeviceInfo:
+        string name
+        int major, minor, sm_count, driver_version, runtime_version
+
+    cdef cppclass Graph:
+        pass
+
+    cdef cppclass GraphPtr:
+        Graph* get()
+
+    Status load_cudnn(const string& path, int64_t* version)
+    int64_t cudnn_version()
+    int64_t cudnn_header_version()
+    int64_t frontend_version()
+    Status device_count(int* count)
+    Status current_device(int* device)
+    Status device_info(int device, DeviceInfo* out)
+    Status build_graph(const Config& cfg, Direction dir, int device, GraphPtr* out, GraphInfo* info)
+    Status serialize_graph(const Graph* g, vector[uint8_t]* blob)
+    Status deserialize_graph(const uint8_t* data, size_t size, Direction dir, cbool training, int device,
+                             GraphPtr* out, GraphInfo* info)
+    Status execute_forward(const Graph* g, int device, intptr_t q, intptr_t k, intptr_t v, intptr_t o,
+                           intptr_t stats, intptr_t workspace, intptr_t stream)
+    Status execute_backward(const Graph* g, int device, intptr_t q, intptr_t k, intptr_t v, intptr_t o,
+                            intptr_t d_o, intptr_t stats, intptr_t d_q, intptr_t d_k, intptr_t d_v,
+                            intptr_t workspace, intptr_t stream)
+
+
+cdef inline object _error(const Status& st, str prefix=None):
+    msg = st.message.decode("utf-8", "replace")
+    if prefix:
+        msg = f"{prefix}: {msg}"
+    return error_for_code(<int>st.code, msg)
+
+
+cdef dict _DTYPE = {"fp16": 0, "bf16": 1}
+cdef dict _MASK = {"none": 0, "causal": 1, "causal_bottom_right": 2}
+
+
+cdef Config _c_config(cfg) except *:
+    cdef Config c
+    cdef int i
+    c.batch = cfg.batch
+    c.heads_q = cfg.heads_q
+    c.heads_kv = cfg.heads_kv
+    c.seqlen_q = cfg.seqlen_q
+    c.seqlen_kv = cfg.seqlen_kv
+    c.head_dim_qk = cfg.head_dim_qk
+    c.head_dim_v = cfg.head_dim_v
+    c.dtype = _DTYPE[cfg.dtype]
+    q, k, v, o = cfg.strides("q"), cfg.strides("k"), cfg.strides("v"), cfg.strides("o")
+    for i in range(4):
+        c.q_stride[i] = q[i]
+        c.k_stride[i] = k[i]
+        c.v_stride[i] = v[i]
+        c.o_stride[i] = o[i]
+    c.mask = _MASK[cfg.mask]
+    c.window_left = cfg.window[0]
+    c.window_right = cfg.window[1]
+    c.scale = cfg.scale
+    c.training = cfg.training
+    c.deterministic = cfg.deterministic
+    return c
+
+
+def init_cudnn(str path):
+    """Hands the already-loaded libcudnn at `path` to the core; returns its version."""
+    cdef string p = path.encode()
+    cdef int64_t version = 0
+    cdef Status st
+    with nogil:
+        st = load_cudnn(p, &version)
+    if not st.ok():
+        raise _error(st)
+    return version
+
+
+def versions():
+    """(cuDNN loaded at run time or 0, cuDNN headers built against, cudnn-frontend built against)."""
+    return cudnn_version(), cudnn_header_version(), frontend_version()
+
+
+def get_device_count():
+    cdef int n = 0
+    cdef Status st = device_count(&n)
+    if not st.ok():
+        raise _error(st)
+    return n
+
+
+def get_current_device():
+    cdef int d = 0
+    cdef Status st = current_device(&d)
+    if not st.ok():
+        raise _error(st)
+    return d
+
+
+def get_device_info(int device):
+    """A dict: name, compute capability, SM count, driver and runtime versions."""
+    cdef DeviceInfo info
+    cdef Status st
+    with nogil:
+        st = device_info(device, &info)
+    if not st.ok():
+        raise _error(st)
+    return {
+        "name": info.name.decode("utf-8", "replace"),
+        "compute_capability": (info.major, info.minor),
+        "sm_count": info.sm_count,
+        "driver_version": info.driver_version,
+        "runtime_version": info.runtime_version,
+    }
+
+
+cdef class Plan:
+    """A built (or loaded) cuDNN attention plan for one AttentionConfig on one device.
+
+    Made by fastattn.plan(config); not constructed directly. Holds the forward graph
+    and, when config.training, the backward graph.
+
+    Attributes:
+      config: the AttentionConfig.
+      device: the CUDA device the plan runs on.
+      forward_workspace_size, backward_workspace_size: bytes of workspace each
+        direction needs (0: none, and workspace may be 0).
+      workspace_size: the larger of the two: one buffer of this size serves both.
+      forward_engine, backward_engine: cuDNN's names of the chosen plans.
+      forward_ms, backward_ms: wall time to build (or deserialize) each graph.
+    """
+
+    cdef GraphPtr _fwd
+    cdef GraphPtr _bwd
+    cdef readonly object config
+    cdef readonly int device
+    cdef readonly int64_t forward_workspace_size
+    cdef readonly int64_t backward_workspace_size
+    cdef readonly str forward_engine
+    cdef readonly str backward_engine
+    cdef readonly double forward_ms
+    cdef readonly double backward_ms
+    cdef cbool _training
+
+    def __init__(self):
+        raise TypeError("Plan objects are made by fastattn.plan(config)")
+
+    @property
+    def workspace_size(self):
+        return max(self.forward_workspace_size, self.backward_workspace_size)
+
+    @property
+    def training(self):
+        return self._training
+
+    def __repr__(self):
+        return (f"<fastattn.Plan device={self.device} forward={self.forward_engine!r} "
+                f"backward={self.backward_engine!r} workspace={self.workspace_size} config={self.config.to_json()}>")
+
+    def forward(self, intptr_t q, intptr_t k, intptr_t v, intptr_t o, intptr_t stats=0,
+                intptr_t workspace=0, intptr_t stream=0):
+        """Runs attention forward: o = softmax(scale * q @ k^T, masked) @ v.
+
+        Every argument is a CUDA device address as an int (16-byte aligned); stream is a
+        cudaStream_t as an int (0: the legacy default stream). Shapes, strides and dtype
+        are the config's (see fastattn.config): q (b, hq, sq, dqk), k (b, hkv, skv, dqk),
+        v (b, hkv, skv, dv), o (b, hq, sq, dv) in config.dtype; stats (b, hq, sq, 1)
+        float32, contiguous, required when config.training and 0 otherwise; workspace
+        of plan.forward_workspace_size bytes (0 allowed when that is 0).
+
+        Asynchronous on `stream`: nothing is allocated, copied or synchronized.
+        Raises InvalidArgumentError for a null, misaligned or unexpected pointer,
+        CudnnError or CudaError when the launch fails.
+        """
+        cdef Status st
+        with nogil:
+            st = execute_forward(self._fwd.get(), self.device, q, k, v, o, stats, workspace, stream)
+        if not st.ok():
+            raise _error(st)
+
+    def backward(self, intptr_t q, intptr_t k, intptr_t v, intptr_t o, intptr_t d_o, intptr_t stats,
+                 intptr_t d_q, intptr_t d_k, intptr_t d_v, intptr_t workspace=0, intptr_t stream=0):
+        """Runs attention backward: writes d_q, d_k, d_v from q, k, v, the forward's o and
+        stats, and the output gradient d_o.
+
+        Device addresses as ints (16-byte aligned). d_q, d_k, d_v, d_o have the shapes
+        and strides of q, k, v, o, in config.dtype; stats is the float32 tensor the
+        training forward wrote; workspace of plan.backward_workspace_size bytes.
+        Needs a plan built with training=True. Asynchronous on `stream`; with GQA the
+        kernels accumulate d_k and d_v internally, so nothing needs zeroing first.
+
+        Raises InvalidArgumentError (bad pointer, plan without backward), CudnnError or
+        CudaError when the launch fails.
+        """
+        cdef Status st
+        if not self._training:
+            from fastattn.errors import InvalidArgumentError
+            raise InvalidArgumentError("this plan has no backward graph: build it with training=True")
+        with nogil:
+            st = execute_backward(self._bwd.get(), self.device, q, k, v, o, d_o, stats, d_q, d_k, d_v,
+                                  workspace, stream)
+        if not st.ok():
+            raise _error(st)
+
+    def serialize(self):
+        """(forward blob, backward blob or None): the plans without graph structure, for
+        the persistent cache. Load them with fastattn._core.load_plan."""
+        cdef vector[uint8_t] blob
+        cdef Status st
+        with nogil:
+            st = serialize_graph(self._fwd.get(), &blob)
+        if not st.ok():
+            raise _error(st)
+        fwd = bytes(blob) if blob.size() else b""
+        if not self._training:
+            return fwd, None
+        blob.clear()
+        with nogil:
+            st = serialize_graph(self._bwd.get(), &blob)
+        if not st.ok():
+            raise _error(st)
+        return fwd, (bytes(blob) if blob.size() else b"")
+
+
+cdef Plan _new_plan(cfg, int device):
+    cdef Plan p = Plan.__new__(Plan)
+    p.config = cfg
+    p.device = device
+    p._training = cfg.training
+    p.forward_engine = None
+    p.backward_engine = None
+    return p
+
+
+def build_plan(cfg, int device):
+    """Builds the forward graph and, when cfg.training, the backward graph of `cfg` on
+    `device`. Raises NotSupportedError with cuDNN's reason, prefixed by the direction."""
+    cdef Config c = _c_config(cfg)
+    cdef GraphInfo info
+    cdef Status st
+    cdef Plan p = _new_plan(cfg, device)
+    with nogil:
+        st = build_graph(c, Direction.kForward, device, &p._fwd, &info)
+    if not st.ok():
+        raise _error(st, "forward")
+    p.forward_workspace_size = info.workspace_size
+    p.forward_engine = info.engine_name.decode("utf-8", "replace")
+    p.forward_ms = info.build_ms
+    if c.training:
+        with nogil:
+            st = build_graph(c, Direction.kBackward, device, &p._bwd, &info)
+        if not st.ok():
+            raise _error(st, "backward")
+        p.backward_workspace_size = info.workspace_size
+        p.backward_engine = info.engine_name.decode("utf-8", "replace")
+        p.backward_ms = info.build_ms
+    return p
+
+
+def load_plan(cfg, int device, bytes forward_blob, bytes backward_blob=None):
+    """A Plan from blobs that Plan.serialize produced for the same cfg on the same kind
+    of GPU and cuDNN. Raises CorruptPlanError when a blob does not load."""
+    cdef GraphInfo info
+    cdef Status st
+    cdef Plan p = _new_plan(cfg, device)
+    cdef cbool training = cfg.training
+    cdef const uint8_t[::1] view
+    if training and backward_blob is None:
+        from fastattn.errors import CorruptPlanError
+        raise CorruptPlanError("a training plan needs a backward blob")
+    view = forward_blob
+    with nogil:
+        st = deserialize_graph(&view[0] if view.shape[0] else NULL, view.shape[0], Direction.kForward,
+                               training, device, &p._fwd, &info)
+    if not st.ok():
+        raise _error(st, "forward")
+    p.forward_workspace_size = info.workspace_size
+    p.forward_engine = info.engine_name.decode("utf-8", "replace")
+    p.forward_ms = info.build_ms
+    if training:
+        view = backward_blob
+        with nogil:
+            st = deserialize_graph(&view[0] if view.shape[0] else NULL, view.shape[0], Direction.kBackward,
+                                   training, device, &p._bwd, &info)
+        if not st.ok():
+            raise _error(st, "backward")
+        p.backward_workspace_size = info.workspace_size
+        p.backward_engine = info.engine_name.decode("utf-8", "replace")
+        p.backward_ms = info.build_ms
+    return p

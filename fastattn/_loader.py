@@ -1,0 +1,147 @@
+"""Finding and loading libcudnn and what it needs, at first GPU use.
+
+fastattn links against no CUDA library, so ``import fastattn`` works on a machine
+with no GPU, driver or cuDNN. The first call that needs the GPU comes here, which:
+
+1. loads cuBLASLt and NVRTC before cuDNN: cuDNN dlopens cuBLASLt by itself and, when
+   it cannot find it, prints "Cannot load symbol cublasLtGetVersion" and aborts the
+   whole process; runtime-compiled engines need NVRTC, and without it cuDNN only
+   says "No execution plans support the graph";
+2. loads the CUDA runtime and tells cudnn-frontend to use that one (it would
+   otherwise pick whichever libcudart.so.12/13 the system loader finds first);
+3. checks that the NVIDIA driver (libcuda.so.1) loads;
+4. loads libcudnn.so.9 and hands it to the C++ core.
+
+Libraries come from the installed NVIDIA wheels first, then the system loader (the
+search is cuda-pathfinder's), unless a FASTATTN_*_PATH variable names a file. Every
+missing piece is reported in one LibraryError that says how to install it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+from dataclasses import dataclass
+
+from .errors import LibraryError
+
+__all__ = ["Libraries", "ensure_loaded"]
+
+# (pathfinder name, override variable, how to install it)
+_DEPENDENCIES = (
+    ("cublasLt", "FASTATTN_CUBLASLT_PATH", "pip install nvidia-cublas (a dependency of nvidia-cudnn-cu13)"),
+    ("nvrtc", "FASTATTN_NVRTC_PATH", "pip install nvidia-cuda-nvrtc"),
+    ("cudart", "FASTATTN_CUDART_PATH", "pip install nvidia-cuda-runtime"),
+)
+_CUDNN = ("cudnn", "FASTATTN_CUDNN_PATH", "pip install nvidia-cudnn-cu13")
+_DRIVER_HINT = "install the NVIDIA driver; fastattn needs an NVIDIA GPU (compute capability 8.0 or newer for most configs)"
+
+
+@dataclass(frozen=True)
+class Libraries:
+    """Where each library was loaded from, and the cuDNN version found at run time."""
+
+    cudnn: str
+    cudart: str
+    nvrtc: str
+    cublaslt: str
+    cudnn_version: int
+
+
+_lock = threading.Lock()
+_loaded: Libraries | None = None
+
+
+def _load_one(name: str, env: str, hint: str) -> tuple[str | None, str | None]:
+    """(path, None) when loaded, (None, why) when not."""
+    override = os.environ.get(env)
+    if override:
+        try:
+            ctypes.CDLL(override, mode=ctypes.RTLD_GLOBAL)
+        except OSError as e:
+            return None, f"{env}={override!r} could not be loaded: {e}"
+        return override, None
+    try:
+        from cuda.pathfinder import load_nvidia_dynamic_lib
+    except ImportError as e:  # pragma: no cover - cuda-python is a dependency
+        return None, f"cuda-pathfinder is not importable ({e}); pip install cuda-python"
+    try:
+        return load_nvidia_dynamic_lib(name).abs_path, None
+    except Exception as e:  # pathfinder raises its own DynamicLibNotFoundError and OSErrors
+        return None, f"lib{name} was not found ({type(e).__name__}: {e}); {hint}, or set {env}"
+
+
+def _check_driver() -> str | None:
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError as e:
+        return f"the NVIDIA driver library libcuda.so.1 could not be loaded ({e}); {_DRIVER_HINT}"
+    return None
+
+
+def ensure_loaded() -> Libraries:
+    """Loads everything the GPU path needs, once per process. Raises LibraryError
+    (an OSError) listing each missing piece. A failure is not remembered: a later
+    call tries again (after the user installs what was missing, or sets a variable)."""
+    global _loaded
+    if _loaded is not None:
+        return _loaded
+    with _lock:
+        if _loaded is not None:
+            return _loaded
+        paths: dict[str, str] = {}
+        problems: list[str] = []
+        for name, env, hint in _DEPENDENCIES:
+            path, why = _load_one(name, env, hint)
+            if why:
+                problems.append(why)
+            else:
+                paths[name] = path
+        driver_problem = _check_driver()
+        if driver_problem:
+            problems.append(driver_problem)
+        # cuDNN last: its dependencies must be loadable before it looks for them.
+        if not problems:
+            path, why = _load_one(*_CUDNN)
+            if why:
+                problems.append(why)
+            else:
+                paths["cudnn"] = path
+        else:
+            # Still tell the user whether cuDNN itself is there, without loading it.
+            problems.extend(_locate_cudnn_problem())
+        if problems:
+            raise LibraryError("fastattn cannot use the GPU:\n  - " + "\n  - ".join(problems))
+
+        # cudnn-frontend dlopens libcudart by name; make it take the one loaded above.
+        os.environ.setdefault("CUDNN_FRONTEND_CUDART_LIB_NAME", paths["cudart"])
+        from . import _core
+
+        version = _core.init_cudnn(paths["cudnn"])
+        if version < 90000:
+            raise LibraryError(f"cuDNN {version} at {paths['cudnn']} is too old: fastattn needs cuDNN 9")
+        _loaded = Libraries(
+            cudnn=paths["cudnn"],
+            cudart=paths["cudart"],
+            nvrtc=paths["nvrtc"],
+            cublaslt=paths["cublasLt"],
+            cudnn_version=version,
+        )
+        return _loaded
+
+
+def _locate_cudnn_problem() -> list[str]:
+    name, env, hint = _CUDNN
+    override = os.environ.get(env)
+    if override:
+        return [] if os.path.isfile(override) else [f"{env}={override!r} is not a file"]
+    try:
+        from cuda.pathfinder import locate_nvidia_dynamic_lib  # newer cuda-pathfinder only
+    except ImportError:
+        return []
+    try:
+        locate_nvidia_dynamic_lib(name)
+    except Exception as e:
+        return [f"lib{name} was not found ({type(e).__name__}: {e}); {hint}, or set {env}"]
+    return []

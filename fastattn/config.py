@@ -1,0 +1,348 @@
+"""AttentionConfig: one description of an attention call, for the probe, the plan and the cache.
+
+The config is validated in full when it is made (an error names the field and the
+value), is canonical (two configs that describe the same cuDNN graph compare equal,
+hash equal and serialize to the same JSON), and round-trips through JSON. cuDNN's own
+limits (head dims, sequence lengths per GPU and version) are deliberately not checked
+here: the probe asks cuDNN by building the graph.
+
+Tensors, in the logical (batch, head, seq, dim) order that strides use here:
+
+=======  ==============================================  =======
+tensor   logical shape                                   dtype
+=======  ==============================================  =======
+q, d_q   (batch, heads_q, seqlen_q, head_dim_qk)          dtype
+k, d_k   (batch, heads_kv, seqlen_kv, head_dim_qk)        dtype
+v, d_v   (batch, heads_kv, seqlen_kv, head_dim_v)         dtype
+o, d_o   (batch, heads_q, seqlen_q, head_dim_v)           dtype
+stats    (batch, heads_q, seqlen_q, 1), contiguous        float32
+=======  ==============================================  =======
+
+``stats`` is the log-sum-exp of each row of scaled scores (natural log), written by a
+training forward and read by backward.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import operator
+import struct
+from typing import Any, Mapping
+
+from .errors import InvalidArgumentError
+
+__all__ = ["AttentionConfig", "LAYOUTS", "MASKS", "DTYPES"]
+
+DTYPES = ("fp16", "bf16")
+MASKS = ("none", "causal", "causal_bottom_right")
+LAYOUTS = ("bshd", "sbhd", "bhsd")
+TENSORS = ("q", "k", "v", "o")
+
+_DTYPE_ALIASES = {
+    "fp16": "fp16",
+    "float16": "fp16",
+    "half": "fp16",
+    "torch.float16": "fp16",
+    "torch.half": "fp16",
+    "bf16": "bf16",
+    "bfloat16": "bf16",
+    "torch.bfloat16": "bf16",
+}
+_INT_LIMIT = 2**31  # cuDNN takes int64 dims, but its masks and windows are int32
+_FIELDS_ORDER = (
+    "batch",
+    "heads_q",
+    "heads_kv",
+    "seqlen_q",
+    "seqlen_kv",
+    "head_dim_qk",
+    "head_dim_v",
+    "dtype",
+    "layout",
+    "mask",
+    "window",
+    "scale",
+    "training",
+    "deterministic",
+)
+
+
+def _bad(field: str, value: Any, why: str) -> InvalidArgumentError:
+    return InvalidArgumentError(f"{field}={value!r}: {why}")
+
+
+def _int(field: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool):
+        raise _bad(field, value, "must be an integer, not a bool")
+    try:
+        v = operator.index(value)
+    except TypeError:
+        raise _bad(field, value, "must be an integer") from None
+    if v < minimum:
+        raise _bad(field, value, f"must be >= {minimum}")
+    if v >= _INT_LIMIT:
+        raise _bad(field, value, "must be < 2**31")
+    return v
+
+
+def _bool(field: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    # numpy.bool_ and friends, but never ints or strings: "false" must not mean True.
+    if type(value).__name__ in ("bool_", "bool8"):
+        return bool(value)
+    raise _bad(field, value, "must be True or False")
+
+
+def _float32(value: float) -> float:
+    """The value cuDNN will see: the scale is passed to the graph as a float32."""
+    return struct.unpack("f", struct.pack("f", value))[0]
+
+
+def named_strides(layout: str, batch: int, heads: int, seqlen: int, head_dim: int) -> tuple[int, int, int, int]:
+    """Element strides, in (batch, head, seq, dim) order, of a densely packed tensor
+    whose memory order is the named layout."""
+    if layout == "bshd":
+        return (seqlen * heads * head_dim, head_dim, heads * head_dim, 1)
+    if layout == "sbhd":
+        return (heads * head_dim, head_dim, batch * heads * head_dim, 1)
+    if layout == "bhsd":
+        return (heads * seqlen * head_dim, seqlen * head_dim, head_dim, 1)
+    raise _bad("layout", layout, f"must be one of {LAYOUTS} or explicit strides")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AttentionConfig:
+    """One attention call: shapes, dtype, memory layout, masking and mode.
+
+    Fields (all keyword-only):
+      batch, heads_q, seqlen_q, head_dim_qk: sizes, >= 1.
+      heads_kv: key/value heads (default heads_q); heads_q must be a multiple of it
+        (GQA; heads_kv=1 is MQA).
+      seqlen_kv: key/value sequence length (default seqlen_q).
+      head_dim_v: value head dim (default head_dim_qk).
+      dtype: "fp16" or "bf16" (aliases: "float16", "half", "bfloat16", torch dtypes).
+      layout: memory order of q, k, v, o and their gradients: "bshd" (default),
+        "sbhd", "bhsd", or explicit element strides given in (batch, head, seq, dim)
+        order as a mapping {"q": (4 ints), "k": ..., "v": ..., "o": ...}. Explicit
+        strides equal to a named layout's are stored as that name.
+      mask: "none", "causal" (diagonal at the top left: query i sees keys j <= i), or
+        "causal_bottom_right" (diagonal at the bottom right: j <= i + seqlen_kv - seqlen_q).
+      window: (left, right), FlashAttention's convention: query i sees keys j with
+        i - left <= j <= i + right, shifted by seqlen_kv - seqlen_q when mask is
+        "causal_bottom_right"; -1 is unbounded. A causal mask fixes right at 0.
+      scale: softmax scale (default 1/sqrt(head_dim_qk)); stored as the float32 cuDNN uses.
+      training: forward also writes softmax stats, and the plan has a backward graph.
+      deterministic: backward uses cuDNN's deterministic algorithm (needs training).
+
+    Raises InvalidArgumentError (a ValueError) naming the field and value.
+    """
+
+    batch: int
+    heads_q: int
+    seqlen_q: int
+    head_dim_qk: int
+    heads_kv: int | None = None
+    seqlen_kv: int | None = None
+    head_dim_v: int | None = None
+    dtype: str = "bf16"
+    layout: Any = "bshd"
+    mask: str = "none"
+    window: tuple[int, int] = (-1, -1)
+    scale: float | None = None
+    training: bool = False
+    deterministic: bool = False
+
+    def __post_init__(self) -> None:
+        set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen)
+        set_("batch", _int("batch", self.batch, 1))
+        set_("heads_q", _int("heads_q", self.heads_q, 1))
+        set_("seqlen_q", _int("seqlen_q", self.seqlen_q, 1))
+        set_("head_dim_qk", _int("head_dim_qk", self.head_dim_qk, 1))
+        set_("heads_kv", self.heads_q if self.heads_kv is None else _int("heads_kv", self.heads_kv, 1))
+        set_("seqlen_kv", self.seqlen_q if self.seqlen_kv is None else _int("seqlen_kv", self.seqlen_kv, 1))
+        set_("head_dim_v", self.head_dim_qk if self.head_dim_v is None else _int("head_dim_v", self.head_dim_v, 1))
+        if self.heads_q % self.heads_kv:
+            raise _bad("heads_kv", self.heads_kv, f"heads_q={self.heads_q} must be a multiple of heads_kv")
+
+        # str() also accepts torch.bfloat16 and the like without importing torch.
+        dtype = _DTYPE_ALIASES.get(str(self.dtype).lower())
+        if dtype is None:
+            raise _bad("dtype", self.dtype, f"must be one of {DTYPES}")
+        set_("dtype", dtype)
+
+        if not isinstance(self.mask, str) or self.mask not in MASKS:
+            raise _bad("mask", self.mask, f"must be one of {MASKS}")
+        set_("window", self._canonical_window())
+
+        if self.scale is None:
+            scale = 1.0 / math.sqrt(self.head_dim_qk)
+        else:
+            if isinstance(self.scale, bool):
+                raise _bad("scale", self.scale, "must be a number")
+            try:
+                scale = float(self.scale)
+            except (TypeError, ValueError):
+                raise _bad("scale", self.scale, "must be a number") from None
+            if not math.isfinite(scale) or scale <= 0.0:
+                raise _bad("scale", self.scale, "must be a finite number > 0")
+        scale32 = _float32(scale)
+        if scale32 == 0.0 or math.isinf(scale32):
+            raise _bad("scale", self.scale, "is out of float32 range")
+        set_("scale", scale32)
+
+        set_("training", _bool("training", self.training))
+        set_("deterministic", _bool("deterministic", self.deterministic))
+        if self.deterministic and not self.training:
+            raise _bad("deterministic", True, "selects the backward algorithm and needs training=True")
+
+        set_("layout", self._canonical_layout())
+
+    def _canonical_window(self) -> tuple[int, int]:
+        w = self.window
+        if w is None:
+            w = (-1, -1)
+        if isinstance(w, (str, bytes)) or not hasattr(w, "__len__") or len(w) != 2:
+            raise _bad("window", self.window, "must be a pair (left, right); -1 is unbounded")
+        left = _int("window[0] (left)", -1 if w[0] is None else w[0], -1)
+        right = _int("window[1] (right)", -1 if w[1] is None else w[1], -1)
+        if self.mask != "none":
+            if right > 0:
+                raise _bad("window", self.window, f"mask={self.mask!r} fixes the right bound at 0")
+            right = -1  # the mask already bounds the right side at the diagonal
+        return (left, right)
+
+    def _canonical_layout(self) -> str | tuple[tuple[int, ...], ...]:
+        layout = self.layout
+        if isinstance(layout, str):
+            if layout not in LAYOUTS:
+                raise _bad("layout", layout, f"must be one of {LAYOUTS} or explicit strides")
+            return layout
+        if isinstance(layout, Mapping):
+            unknown = set(layout) - set(TENSORS)
+            missing = [t for t in TENSORS if t not in layout]
+            if unknown or missing:
+                raise _bad("layout", layout, f"explicit strides need exactly the keys {TENSORS}")
+            given = [layout[t] for t in TENSORS]
+        elif isinstance(layout, (list, tuple)) and len(layout) == 4:
+            given = list(layout)
+        else:
+            raise _bad("layout", layout, f"must be one of {LAYOUTS} or explicit strides {{'q': (b, h, s, d), ...}}")
+        strides = []
+        for name, s in zip(TENSORS, given):
+            if isinstance(s, (str, bytes)) or not hasattr(s, "__len__") or len(s) != 4:
+                raise _bad(f"layout[{name!r}]", s, "must be 4 strides in (batch, head, seq, dim) order")
+            strides.append(tuple(_int(f"layout[{name!r}]", x, 1) for x in s))
+        strides = tuple(strides)
+        for name, s in zip(TENSORS, strides):
+            self._check_no_overlap(name, s)
+        for named in LAYOUTS:
+            if strides == self._strides_for(named):
+                return named
+        return strides
+
+    def _check_no_overlap(self, name: str, strides: tuple[int, ...]) -> None:
+        # Dense or with gaps is fine; two elements at one address is a silent wrong answer.
+        dims = sorted((s, n) for s, n in zip(strides, self.shape(name)) if n > 1)
+        span = 1
+        for stride, extent in dims:
+            if stride < span:
+                raise _bad(f"layout[{name!r}]", strides, f"strides make elements of {name} overlap")
+            span = stride * extent
+
+    # -- tensors ----------------------------------------------------------------------
+
+    def shape(self, tensor: str) -> tuple[int, int, int, int]:
+        """Logical (batch, head, seq, dim) shape of "q", "k", "v", "o" (and their
+        gradients), or "stats"."""
+        if tensor in ("q", "d_q"):
+            return (self.batch, self.heads_q, self.seqlen_q, self.head_dim_qk)
+        if tensor in ("k", "d_k"):
+            return (self.batch, self.heads_kv, self.seqlen_kv, self.head_dim_qk)
+        if tensor in ("v", "d_v"):
+            return (self.batch, self.heads_kv, self.seqlen_kv, self.head_dim_v)
+        if tensor in ("o", "d_o"):
+            return (self.batch, self.heads_q, self.seqlen_q, self.head_dim_v)
+        if tensor == "stats":
+            return (self.batch, self.heads_q, self.seqlen_q, 1)
+        raise _bad("tensor", tensor, "must be one of q, k, v, o, d_q, d_k, d_v, d_o, stats")
+
+    def _strides_for(self, layout: str) -> tuple[tuple[int, ...], ...]:
+        out = []
+        for t in TENSORS:
+            b, h, s, d = self.shape(t)
+            out.append(named_strides(layout, b, h, s, d))
+        return tuple(out)
+
+    def strides(self, tensor: str) -> tuple[int, int, int, int]:
+        """Element strides of a tensor in (batch, head, seq, dim) order."""
+        if tensor == "stats":
+            return (self.heads_q * self.seqlen_q, self.seqlen_q, 1, 1)
+        base = tensor[2:] if tensor.startswith("d_") else tensor
+        if base not in TENSORS:
+            raise _bad("tensor", tensor, "must be one of q, k, v, o, d_q, d_k, d_v, d_o, stats")
+        table = self._strides_for(self.layout) if isinstance(self.layout, str) else self.layout
+        return table[TENSORS.index(base)]
+
+    def storage_elements(self, tensor: str) -> int:
+        """Elements a buffer for the tensor must hold: 1 + the largest offset."""
+        return 1 + sum((n - 1) * s for n, s in zip(self.shape(tensor), self.strides(tensor)))
+
+    @property
+    def itemsize(self) -> int:
+        """Bytes per element of q, k, v, o and gradients (stats are float32)."""
+        return 2
+
+    # -- canonical form -------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        """The canonical form, as plain JSON types."""
+        d: dict[str, Any] = {f: getattr(self, f) for f in _FIELDS_ORDER}
+        d["window"] = list(self.window)
+        if not isinstance(self.layout, str):
+            d["layout"] = {t: list(s) for t, s in zip(TENSORS, self.layout)}
+        return d
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "AttentionConfig":
+        if not isinstance(data, Mapping):
+            raise _bad("config", data, "must be a mapping of field names to values")
+        unknown = sorted(set(data) - set(_FIELDS_ORDER))
+        if unknown:
+            raise _bad(unknown[0], data[unknown[0]], f"is not a field of AttentionConfig (fields: {', '.join(_FIELDS_ORDER)})")
+        for required in ("batch", "heads_q", "seqlen_q", "head_dim_qk"):
+            if required not in data:
+                raise InvalidArgumentError(f"{required} is required")
+        kwargs = dict(data)
+        if isinstance(kwargs.get("window"), list):
+            kwargs["window"] = tuple(kwargs["window"])
+        return cls(**kwargs)
+
+    def to_json(self) -> str:
+        """Canonical JSON: sorted keys, no spaces. Equal configs give equal strings."""
+        return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str) -> "AttentionConfig":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise InvalidArgumentError(f"config JSON is not valid JSON: {e}") from None
+        return cls.from_dict(data)
+
+    def replace(self, **changes: Any) -> "AttentionConfig":
+        """A copy with some fields changed (and validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def coerce(cls, value: Any) -> "AttentionConfig":
+        """An AttentionConfig from a config, a mapping or a JSON string."""
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, Mapping):
+            return cls.from_dict(value)
+        if isinstance(value, str):
+            return cls.from_json(value)
+        raise _bad("config", value, "must be an AttentionConfig, a mapping or a JSON string")

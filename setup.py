@@ -1,0 +1,103 @@
+"""Declares the one extension, fastattn._core, and finds the headers it compiles against.
+
+Headers come from pip wheels so that a machine with no CUDA toolkit can build; each
+location can be overridden by an environment variable, with CUDA_HOME as the last
+resort for CUDA's headers. Nothing is linked but libdl: cuDNN and CUDA are loaded
+at run time (fastattn/_loader.py).
+"""
+
+import os
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from importlib import metadata
+from pathlib import Path
+
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+ROOT = Path(__file__).parent.resolve()
+
+
+def _wheel_dir(dist: str, *parts: str) -> Path | None:
+    try:
+        path = Path(metadata.distribution(dist).locate_file(Path(*parts)))
+    except metadata.PackageNotFoundError:
+        return None
+    return path if path.is_dir() else None
+
+
+def _include(env: str, header: str, candidates, what: str) -> str:
+    """The first directory holding `header`: $env if set, else the candidates."""
+    override = os.environ.get(env)
+    dirs = [Path(override)] if override else [c for c in candidates if c is not None]
+    for d in dirs:
+        if (d / header).exists():
+            return str(d)
+    looked = ", ".join(str(d) for d in dirs) or "nowhere (no candidate found)"
+    sys.exit(
+        f"fastattn build: {header} ({what}) not found; looked in {looked}. "
+        f"Install the wheel named in pyproject.toml's build requirements or set {env}."
+    )
+
+
+def include_dirs():
+    cuda_home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    cuda_home_inc = Path(cuda_home) / "include" if cuda_home else None
+    cu13 = _wheel_dir("nvidia-cuda-runtime", "nvidia", "cu13", "include")
+    dirs = [
+        _include("FASTATTN_CUDNN_FRONTEND_INCLUDE", "cudnn_frontend.h",
+                 [_wheel_dir("nvidia-cudnn-frontend", "include")], "cudnn-frontend, nvidia-cudnn-frontend"),
+        _include("FASTATTN_CUDNN_INCLUDE", "cudnn.h",
+                 [_wheel_dir("nvidia-cudnn-cu13", "nvidia", "cudnn", "include"), cuda_home_inc], "cuDNN, nvidia-cudnn-cu13"),
+        _include("FASTATTN_CUDA_INCLUDE", "cuda_runtime.h", [cu13, cuda_home_inc], "CUDA runtime, nvidia-cuda-runtime"),
+        _include("FASTATTN_CUDA_CRT_INCLUDE", "crt/host_config.h",
+                 [_wheel_dir("nvidia-cuda-crt", "nvidia", "cu13", "include"), cu13, cuda_home_inc],
+                 "CUDA crt headers, nvidia-cuda-crt"),
+        # cuda_fp16.h includes <nv/target>, which is CCCL's.
+        _include("FASTATTN_CCCL_INCLUDE", "nv/target",
+                 [_wheel_dir("nvidia-cuda-cccl", "nvidia", "cu13", "include"), cu13, cuda_home_inc],
+                 "CUDA CCCL headers, nvidia-cuda-cccl"),
+        # cudnn-frontend includes nvrtc.h unconditionally.
+        _include("FASTATTN_NVRTC_INCLUDE", "nvrtc.h",
+                 [_wheel_dir("nvidia-cuda-nvrtc", "nvidia", "cu13", "include"), cu13, cuda_home_inc],
+                 "NVRTC, nvidia-cuda-nvrtc"),
+    ]
+    return [str(ROOT / "csrc")] + list(dict.fromkeys(dirs))
+
+
+class ParallelBuildExt(build_ext):
+    """Compiles the extension's sources in parallel: the cudnn-frontend translation
+    unit alone takes ~70 s, and the Cython one should not wait behind it."""
+
+    def build_extension(self, ext):
+        compiler = self.compiler
+        original = compiler.compile
+
+        def compile_parallel(sources, *args, **kwargs):
+            with ThreadPoolExecutor(max_workers=max(1, min(len(sources), os.cpu_count() or 1))) as pool:
+                results = list(pool.map(lambda s: original([s], *args, **kwargs), sources))
+            return [obj for objs in results for obj in objs]
+
+        compiler.compile = compile_parallel
+        try:
+            super().build_extension(ext)
+        finally:
+            compiler.compile = original
+
+
+def extensions():
+    from Cython.Build import cythonize
+
+    ext = Extension(
+        "fastattn._core",
+        sources=["fastattn/_core.pyx", "csrc/attention.cpp"],
+        include_dirs=include_dirs(),
+        language="c++",
+        define_macros=[("NV_CUDNN_FRONTEND_USE_DYNAMIC_LOADING", None)],
+        extra_compile_args=["-std=c++17", "-O2", "-fvisibility=hidden", "-Wno-deprecated-declarations"],
+        libraries=["dl"],
+    )
+    return cythonize([ext], compiler_directives={"language_level": "3"})
+
+
+setup(ext_modules=extensions(), cmdclass={"build_ext": ParallelBuildExt})
