@@ -55,7 +55,8 @@ def include_dirs():
                  "CUDA crt headers, nvidia-cuda-crt"),
         # cuda_fp16.h includes <nv/target>, which is CCCL's.
         _include("FASTATTN_CCCL_INCLUDE", "nv/target",
-                 [_wheel_dir("nvidia-cuda-cccl", "nvidia", "cu13", "include"), cu13, cuda_home_inc],
+                 [_wheel_dir("nvidia-cuda-cccl", "nvidia", "cu13", "include"), cu13, cuda_home_inc,
+                  cuda_home_inc / "cccl" if cuda_home_inc else None],
                  "CUDA CCCL headers, nvidia-cuda-cccl"),
         # cudnn-frontend includes nvrtc.h unconditionally.
         _include("FASTATTN_NVRTC_INCLUDE", "nvrtc.h",

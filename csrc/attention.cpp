@@ -259,14 +259,16 @@ Status build_step(const fe::error_t &e, const char *stage) {
         if (!_st.ok()) return _st;        \
     } while (0)
 
-Status finish(Graph &graph, const char *stage_prefix, GraphInfo *info) {
+// A deserialized graph has no engine configs, and asking it for its plan name reads
+// past the end of an empty vector: only built graphs are asked (`built`).
+Status finish(Graph &graph, const char *stage_prefix, bool built, GraphInfo *info) {
     auto uids = graph.g->get_variant_pack_uids_sorted();
     if (uids != expected_uids(graph.dir, graph.training)) {
         return error(Code::kCorruptPlan, std::string(stage_prefix) + ": plan's tensors do not match its config");
     }
     FA_RETURN_IF_ERROR(build_step(graph.g->get_workspace_size(graph.workspace), "get_workspace_size"));
     info->workspace_size = graph.workspace;
-    FA_RETURN_IF_ERROR(build_step(graph.g->get_plan_name(info->engine_name), "get_plan_name"));
+    if (built) FA_RETURN_IF_ERROR(build_step(graph.g->get_plan_name(info->engine_name), "get_plan_name"));
     return {};
 }
 
@@ -392,7 +394,7 @@ Status build_graph(const Config &cfg, Direction dir, int device, GraphPtr *out, 
                                       "create_execution_plans"));
         FA_RETURN_IF_ERROR(build_step(g.check_support(h), "check_support"));
         FA_RETURN_IF_ERROR(build_step(g.build_plans(fe::BuildPlanPolicy_t::HEURISTICS_CHOICE), "build_plans"));
-        FA_RETURN_IF_ERROR(finish(*graph, "build", info));
+        FA_RETURN_IF_ERROR(finish(*graph, "build", /*built=*/true, info));
         info->build_ms = ms_since(t0);
         *out           = std::move(graph);
         return {};
@@ -427,7 +429,7 @@ Status deserialize_graph(const uint8_t *data, size_t size, Direction dir, bool t
         graph->g        = std::make_shared<fe::graph::Graph>();
         auto e = graph->g->deserialize(h, blob, /*enforce_precompiled=*/false, /*run_warmup=*/false);
         if (e.is_bad()) return error(Code::kCorruptPlan, "deserialize: " + e.err_msg);
-        FA_RETURN_IF_ERROR(finish(*graph, "deserialize", info));
+        FA_RETURN_IF_ERROR(finish(*graph, "deserialize", /*built=*/false, info));
         info->build_ms = ms_since(t0);
         *out           = std::move(graph);
         return {};
@@ -472,6 +474,28 @@ Status execute_backward(const Graph *g, int device, intptr_t q, intptr_t k, intp
                      reinterpret_cast<void *>(o),     reinterpret_cast<void *>(stats), reinterpret_cast<void *>(d_o),
                      reinterpret_cast<void *>(d_q),   reinterpret_cast<void *>(d_k), reinterpret_cast<void *>(d_v)};
     return run(*g, device, ptrs, 9, workspace, stream);
+}
+
+Status time_raw_execute(const Graph *g, int device, const intptr_t *ptrs, int n, intptr_t workspace,
+                        intptr_t stream, int iters, double *seconds) {
+    if (g == nullptr || n > 16) return error(Code::kInvalidArgument, "time_raw_execute: bad arguments");
+    return guarded(Code::kCudnnError, "time_raw_execute", [&]() -> Status {
+        DeviceGuard guard(device);
+        FA_RETURN_IF_ERROR(guard.status());
+        cudnnHandle_t h;
+        FA_RETURN_IF_ERROR(thread_handle(device, &h));
+        FA_RETURN_IF_ERROR(set_stream(device, h, stream));
+        void *p[16];
+        for (int i = 0; i < n; ++i) p[i] = reinterpret_cast<void *>(ptrs[i]);
+        auto ws = reinterpret_cast<void *>(workspace);
+        auto t0 = std::chrono::steady_clock::now();
+        for (int i = 0; i < iters; ++i) {
+            auto e = g->g->execute(h, p, n, ws);
+            if (e.is_bad()) return error(Code::kCudnnError, "execute: " + e.err_msg);
+        }
+        *seconds = ms_since(t0) / 1000.0;
+        return {};
+    });
 }
 
 }  // namespace fastattn

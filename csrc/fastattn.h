@@ -56,7 +56,7 @@ enum class Direction : int { kForward = 0, kBackward = 1 };
 // What a built or loaded graph reports about itself.
 struct GraphInfo {
     int64_t workspace_size = 0;  // bytes the caller must provide at execute
-    std::string engine_name;     // cuDNN's name of the chosen plan
+    std::string engine_name;     // cuDNN's name of the chosen plan (empty after deserialize)
     double build_ms = 0.0;       // wall time of build or deserialize
 };
 
@@ -101,5 +101,11 @@ Status execute_forward(const Graph *g, int device, intptr_t q, intptr_t k, intpt
 Status execute_backward(const Graph *g, int device, intptr_t q, intptr_t k, intptr_t v, intptr_t o,
                         intptr_t d_o, intptr_t stats, intptr_t d_q, intptr_t d_k, intptr_t d_v,
                         intptr_t workspace, intptr_t stream);
+
+// Benchmark hook: cudnn-frontend's own execute on this plan, `iters` times, with
+// none of fastattn's checks around it: the C++ floor that tools/bench_core.py
+// compares plan.forward against. `ptrs` are in the order execute_* takes them.
+Status time_raw_execute(const Graph *g, int device, const intptr_t *ptrs, int n, intptr_t workspace,
+                        intptr_t stream, int iters, double *seconds);
 
 }  // namespace fastattn

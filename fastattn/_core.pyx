@@ -71,6 +71,8 @@ cdef extern from "fastattn.h" namespace "fastattn" nogil:
     Status execute_backward(const Graph* g, int device, intptr_t q, intptr_t k, intptr_t v, intptr_t o,
                             intptr_t d_o, intptr_t stats, intptr_t d_q, intptr_t d_k, intptr_t d_v,
                             intptr_t workspace, intptr_t stream)
+    Status time_raw_execute(const Graph* g, int device, const intptr_t* ptrs, int n, intptr_t workspace,
+                            intptr_t stream, int iters, double* seconds)
 
 
 cdef inline object _error(const Status& st, str prefix=None):
@@ -303,9 +305,11 @@ def build_plan(cfg, int device):
     return p
 
 
-def load_plan(cfg, int device, bytes forward_blob, bytes backward_blob=None):
+def load_plan(cfg, int device, bytes forward_blob, bytes backward_blob=None, str forward_engine="",
+              str backward_engine=""):
     """A Plan from blobs that Plan.serialize produced for the same cfg on the same kind
-    of GPU and cuDNN. Raises CorruptPlanError when a blob does not load."""
+    of GPU and cuDNN. A loaded plan cannot name its engine, so the caller passes the
+    names it stored with the blobs. Raises CorruptPlanError when a blob does not load."""
     cdef GraphInfo info
     cdef Status st
     cdef Plan p = _new_plan(cfg, device)
@@ -321,7 +325,7 @@ def load_plan(cfg, int device, bytes forward_blob, bytes backward_blob=None):
     if not st.ok():
         raise _error(st, "forward")
     p.forward_workspace_size = info.workspace_size
-    p.forward_engine = info.engine_name.decode("utf-8", "replace")
+    p.forward_engine = forward_engine
     p.forward_ms = info.build_ms
     if training:
         view = backward_blob
@@ -331,6 +335,30 @@ def load_plan(cfg, int device, bytes forward_blob, bytes backward_blob=None):
         if not st.ok():
             raise _error(st, "backward")
         p.backward_workspace_size = info.workspace_size
-        p.backward_engine = info.engine_name.decode("utf-8", "replace")
+        p.backward_engine = backward_engine
         p.backward_ms = info.build_ms
     return p
+
+
+def bench_raw_execute(Plan plan, str direction, ptrs, intptr_t workspace=0, intptr_t stream=0, int iters=1000):
+    """Seconds for `iters` calls of cudnn-frontend's own C++ execute on the plan's
+    graph, with no fastattn checks: the floor that plan.forward is measured against.
+    For tools/ benchmarks only. `ptrs` in the order plan.forward/backward take them
+    (without workspace and stream)."""
+    cdef intptr_t p[16]
+    cdef int n = len(ptrs), i
+    cdef double seconds = 0
+    cdef Status st
+    cdef const Graph* g = plan._fwd.get() if direction == "forward" else plan._bwd.get()
+    if n > 16:
+        raise ValueError("too many pointers")
+    if direction == "backward":
+        # backward() takes d_o before stats; the graph wants uid order (stats, then d_o).
+        ptrs = list(ptrs[:4]) + [ptrs[5], ptrs[4]] + list(ptrs[6:])
+    for i in range(n):
+        p[i] = ptrs[i]
+    with nogil:
+        st = time_raw_execute(g, plan.device, p, n, workspace, stream, iters, &seconds)
+    if not st.ok():
+        raise _error(st)
+    return seconds

@@ -1,0 +1,48 @@
+"""Test setup: an isolated cache directory per session, and the `gpu` marker.
+
+A test marked `gpu` is skipped only when this machine has no usable NVIDIA GPU or
+no cuDNN, with the loader's reason. FASTATTN_REQUIRE_GPU=1 (set by tools/gpu_run.sh
+on the GPU machine) turns that skip into a failure, so a broken loader there cannot
+pass as "no GPU".
+"""
+
+import os
+
+import pytest
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _isolated_cache(tmp_path_factory):
+    os.environ["FASTATTN_CACHE_DIR"] = str(tmp_path_factory.mktemp("fastattn-cache"))
+    yield
+
+
+_gpu_state = None
+
+
+def _gpu_unavailable_reason():
+    global _gpu_state
+    if _gpu_state is None:
+        import fastattn
+        from fastattn import _core
+        from fastattn._loader import ensure_loaded
+
+        try:
+            ensure_loaded()
+            if _core.get_device_count() < 1:
+                _gpu_state = "no CUDA device"
+            else:
+                _gpu_state = ""
+        except (fastattn.LibraryError, fastattn.CudaError) as e:
+            _gpu_state = str(e)
+    return _gpu_state
+
+
+def pytest_runtest_setup(item):
+    if item.get_closest_marker("gpu") is None:
+        return
+    reason = _gpu_unavailable_reason()
+    if reason:
+        if os.environ.get("FASTATTN_REQUIRE_GPU") == "1":
+            pytest.fail(f"FASTATTN_REQUIRE_GPU=1 but the GPU is unusable: {reason}")
+        pytest.skip(f"no usable GPU: {reason}")

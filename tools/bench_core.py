@@ -1,0 +1,236 @@
+"""Core runtime benchmarks, fastattn side by side with its peers in one process.
+
+(a) Host time per forward call on a small shape (default 1x8x128x64 bf16 causal):
+    fastattn plan.forward, cudnn-frontend's own C++ execute on the same plan (the
+    floor), and PyTorch scaled_dot_product_attention with its cuDNN and flash
+    backends (when torch is installed).
+(b) Build time per new config, forward and backward, after the process's first
+    build: fastattn against cudnn-frontend's Python API building the same graph
+    (when the `cudnn` module is importable) and PyTorch's first call on a new shape.
+
+Reported as ratios; nothing is asserted. Usage:
+    python tools/bench_core.py [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import numpy as np
+
+import fastattn
+from fastattn import AttentionConfig, _core
+
+
+def _cuda():
+    from cuda.bindings import runtime as rt
+
+    return rt
+
+
+def _check(res):
+    if int(res[0]) != 0:
+        raise RuntimeError(f"CUDA error {res[0]}")
+    return res[1] if len(res) > 1 else None
+
+
+def _sync():
+    _check(_cuda().cudaDeviceSynchronize())
+
+
+def _alloc(nbytes):
+    ptr = int(_check(_cuda().cudaMalloc(max(nbytes, 16))))
+    _check(_cuda().cudaMemset(ptr, 0, max(nbytes, 16)))
+    return ptr
+
+
+def host_time_per_call(fn, iters: int, repeats: int) -> float:
+    """Median over `repeats` of (wall time of `iters` back-to-back calls) / iters, in
+    microseconds. The shape is small enough that the GPU keeps up with the host, so
+    the loop measures the host's cost of one call."""
+    for _ in range(50):
+        fn()
+    _sync()
+    samples = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        samples.append((time.perf_counter() - t0) / iters * 1e6)
+        _sync()
+    return statistics.median(samples)
+
+
+def bench_host_overhead(args) -> dict:
+    cfg = AttentionConfig(batch=args.batch, heads_q=args.heads, seqlen_q=args.seqlen, head_dim_qk=args.head_dim,
+                          dtype="bf16", mask="causal")
+    p = fastattn.plan(cfg)
+    q = _alloc(cfg.storage_elements("q") * 2)
+    k = _alloc(cfg.storage_elements("k") * 2)
+    v = _alloc(cfg.storage_elements("v") * 2)
+    o = _alloc(cfg.storage_elements("o") * 2)
+    ws = _alloc(p.workspace_size)
+    stream = int(_check(_cuda().cudaStreamCreate()))
+    res = {"shape": f"{args.batch}x{args.heads}x{args.seqlen}x{args.head_dim} bf16 causal", "engine": p.forward_engine}
+
+    res["fastattn_plan_forward_us"] = host_time_per_call(
+        lambda: p.forward(q, k, v, o, 0, ws, stream), args.iters, args.repeats)
+    floor = []
+    for _ in range(args.repeats):
+        _sync()
+        floor.append(_core.bench_raw_execute(p, "forward", (q, k, v, o), ws, stream, args.iters) / args.iters * 1e6)
+    _sync()
+    res["cudnn_frontend_cpp_execute_us"] = statistics.median(floor)
+    # Measure fastattn again after the floor, so drift between the two shows.
+    res["fastattn_plan_forward_again_us"] = host_time_per_call(
+        lambda: p.forward(q, k, v, o, 0, ws, stream), args.iters, args.repeats)
+
+    try:
+        import torch
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+    except ImportError:
+        torch = None
+    if torch is not None:
+        shape = (args.batch, args.heads, args.seqlen, args.head_dim)
+        tq, tk, tv = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+        for name, backend in (("torch_sdpa_cudnn_us", SDPBackend.CUDNN_ATTENTION),
+                              ("torch_sdpa_flash_us", SDPBackend.FLASH_ATTENTION)):
+            with sdpa_kernel(backend):
+                res[name] = host_time_per_call(lambda: sdpa(tq, tk, tv, is_causal=True), args.iters, args.repeats)
+        res["torch"] = torch.__version__
+    floor_us = res["cudnn_frontend_cpp_execute_us"]
+    res["ratio_fastattn_to_cpp_floor"] = res["fastattn_plan_forward_us"] / floor_us
+    if "torch_sdpa_cudnn_us" in res:
+        res["ratio_fastattn_to_torch_cudnn"] = res["fastattn_plan_forward_us"] / res["torch_sdpa_cudnn_us"]
+    return res
+
+
+def _frontend_build_ms(cfg: AttentionConfig, backward: bool) -> float | None:
+    """cudnn-frontend's Python API building the same graph (bhsd layout, causal)."""
+    try:
+        import cudnn
+    except ImportError:
+        return None
+    handle = _frontend_build_ms.handle = getattr(_frontend_build_ms, "handle", None) or cudnn.create_handle()
+    b, h, s, d = cfg.batch, cfg.heads_q, cfg.seqlen_q, cfg.head_dim_qk
+    dims, strides = [b, h, s, d], [h * s * d, s * d, d, 1]
+    t0 = time.perf_counter()
+    g = cudnn.pygraph(io_data_type=cudnn.data_type.BFLOAT16, intermediate_data_type=cudnn.data_type.FLOAT,
+                      compute_data_type=cudnn.data_type.FLOAT, handle=handle)
+    q = g.tensor(dim=dims, stride=strides, data_type=cudnn.data_type.BFLOAT16)
+    k = g.tensor(dim=dims, stride=strides, data_type=cudnn.data_type.BFLOAT16)
+    v = g.tensor(dim=dims, stride=strides, data_type=cudnn.data_type.BFLOAT16)
+    if not backward:
+        o, stats = g.sdpa(q=q, k=k, v=v, generate_stats=False, attn_scale=cfg.scale,
+                          diagonal_band_right_bound=0, diagonal_alignment=cudnn.diagonal_alignment.TOP_LEFT)
+        o.set_output(True).set_dim(dims).set_stride(strides)
+    else:
+        o = g.tensor(dim=dims, stride=strides, data_type=cudnn.data_type.BFLOAT16)
+        d_o = g.tensor(dim=dims, stride=strides, data_type=cudnn.data_type.BFLOAT16)
+        st = g.tensor(dim=[b, h, s, 1], stride=[h * s, s, 1, 1], data_type=cudnn.data_type.FLOAT)
+        dq, dk, dv = g.sdpa_backward(q=q, k=k, v=v, o=o, dO=d_o, stats=st, attn_scale=cfg.scale,
+                                     diagonal_band_right_bound=0,
+                                     diagonal_alignment=cudnn.diagonal_alignment.TOP_LEFT)
+        for t in (dq, dk, dv):
+            t.set_output(True).set_dim(dims).set_stride(strides)
+    g.build([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+    return (time.perf_counter() - t0) * 1e3
+
+
+def bench_build(args) -> dict:
+    # The first build in a process pays cuDNN's one-time initialization (~1.6 s): do it
+    # first, for each peer, and time later builds of new shapes only.
+    warm = AttentionConfig(batch=1, heads_q=32, seqlen_q=64, head_dim_qk=128, dtype="bf16", mask="causal",
+                           layout="bhsd", training=True)
+    t0 = time.perf_counter()
+    fastattn.plan(warm)
+    first = time.perf_counter() - t0
+    fe_error = None
+    try:
+        have_fe = _frontend_build_ms(warm, False) is not None
+        if have_fe:
+            _frontend_build_ms(warm, True)
+    except Exception as e:  # the peer's API differs between versions: report, don't abort
+        have_fe, fe_error = False, f"{type(e).__name__}: {e}"
+    rows = []
+    for s in args.build_seqlens:
+        cfg = warm.replace(seqlen_q=s)
+        p = fastattn.plan(cfg)
+        row = {"seqlen": s, "fastattn_fwd_ms": p.forward_ms, "fastattn_bwd_ms": p.backward_ms}
+        if have_fe:
+            row["frontend_fwd_ms"] = _frontend_build_ms(cfg, False)
+            row["frontend_bwd_ms"] = _frontend_build_ms(cfg, True)
+        rows.append(row)
+    out = {"first_build_in_process_s": first, "rows": rows, "frontend_error": fe_error}
+    keys = [k for k in rows[0] if k != "seqlen"]
+    out["median"] = {k: statistics.median(r[k] for r in rows) for k in keys}
+    if have_fe:
+        m = out["median"]
+        out["ratio_fwd_fastattn_to_frontend"] = m["fastattn_fwd_ms"] / m["frontend_fwd_ms"]
+        out["ratio_bwd_fastattn_to_frontend"] = m["fastattn_bwd_ms"] / m["frontend_bwd_ms"]
+    try:
+        import torch
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+    except ImportError:
+        return out
+    first_call = []
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        for s in [64] + list(args.build_seqlens):
+            x = [torch.randn(1, 32, s + 1, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                 for _ in range(3)]
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            y = torch.nn.functional.scaled_dot_product_attention(*x, is_causal=True)
+            y.sum().backward()
+            torch.cuda.synchronize()
+            first_call.append((time.perf_counter() - t0) * 1e3)
+    out["torch_cudnn_first_fwd_bwd_call_ms_median"] = statistics.median(first_call[1:])
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--seqlen", type=int, default=128)
+    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--iters", type=int, default=500)
+    ap.add_argument("--repeats", type=int, default=21)
+    ap.add_argument("--build-seqlens", type=int, nargs="+", default=[192, 320, 448, 576, 704, 832, 960, 1088])
+    ap.add_argument("--json", help="write the full results here")
+    args = ap.parse_args(argv)
+
+    results = {
+        "date": time.strftime("%Y-%m-%d"),
+        "device": fastattn.device_info(),
+        "versions": fastattn.versions(),
+        "build": bench_build(args),
+        "host_overhead": bench_host_overhead(args),
+    }
+    text = json.dumps(results, indent=2)
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(text)
+    print(text)
+    h, b = results["host_overhead"], results["build"]
+    print("\nsummary:")
+    print(f"  host us/call: fastattn {h['fastattn_plan_forward_us']:.2f} (again {h['fastattn_plan_forward_again_us']:.2f}),"
+          f" C++ floor {h['cudnn_frontend_cpp_execute_us']:.2f}, ratio {h['ratio_fastattn_to_cpp_floor']:.3f}")
+    if "torch_sdpa_cudnn_us" in h:
+        print(f"  torch sdpa cudnn {h['torch_sdpa_cudnn_us']:.2f} us, flash {h['torch_sdpa_flash_us']:.2f} us;"
+              f" fastattn/torch-cudnn {h['ratio_fastattn_to_torch_cudnn']:.3f}")
+    print(f"  build ms (median): {json.dumps({k: round(v, 1) for k, v in b['median'].items()})};"
+          f" first build in process {b['first_build_in_process_s']:.2f} s")
+    for k in ("ratio_fwd_fastattn_to_frontend", "ratio_bwd_fastattn_to_frontend"):
+        if k in b:
+            print(f"  {k}: {b[k]:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

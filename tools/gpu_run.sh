@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# One call on the GPU machine: build the extension there, run the whole test suite
+# (GPU tests must not skip: FASTATTN_REQUIRE_GPU=1), then the benchmarks. Full logs
+# go to $OUT (the device tool brings them back); a short summary is printed last.
+#
+#   bash tools/gpu_run.sh [pytest args...]      (carry .whl: nvidia-cudnn-frontend, platformdirs)
+set -uo pipefail
+OUT=${OUT:-/tmp/fastattn-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+cd "$(dirname "$0")/.."
+
+{
+  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv
+  python3 -c 'import sys, torch; print(sys.version); print("torch", torch.__version__)'
+} > "$OUT/env.log" 2>&1
+
+# The machine has no network: the frontend headers and platformdirs come as wheels.
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  > "$OUT/pip.log" 2>&1 || { echo "wheel install failed"; cat "$OUT/pip.log"; exit 1; }
+export PYTHONPATH=/tmp/site:$PWD
+export FASTATTN_CUDNN_FRONTEND_INCLUDE=/tmp/site/include
+export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
+export CFLAGS="${CFLAGS:-} -g"  # symbols for a backtrace if anything crashes
+
+# FASTATTN_PREBUILT=1 runs a carried cp312 build instead (quick iterations while
+# debugging); the run that counts builds here.
+t0=$(date +%s)
+if [ "${FASTATTN_PREBUILT:-0}" = "1" ]; then
+  echo "build: skipped, using carried $(ls fastattn/_core*.so)"
+elif ! python3 setup.py build_ext --inplace -j "$(nproc)" > "$OUT/build.log" 2>&1; then
+  echo "BUILD FAILED"; grep -E "error|Error" "$OUT/build.log" | head -40; exit 1
+else
+  echo "build: $(( $(date +%s) - t0 )) s"
+fi
+
+export FASTATTN_REQUIRE_GPU=1
+python3 -m pytest tests -q -rfEs -p no:cacheprovider "$@" > "$OUT/pytest.log" 2>&1
+rc=$?
+if [ $rc -ge 128 ]; then
+  # A crash: run the suite again under cuda-gdb (there is no gdb there) for the C++ stack.
+  timeout 400 cuda-gdb -q -batch -ex run -ex bt --args python3 -m pytest tests -x -q -p no:cacheprovider "$@" \
+    > "$OUT/crash_bt.log" 2>&1
+  echo "=== crash backtrace"; grep -v "New Thread\|Thread 0x" "$OUT/crash_bt.log" | tail -30
+fi
+if [ "${SKIP_BENCH:-0}" != "1" ]; then
+  python3 tools/bench_core.py --json "$OUT/bench_core.json" > "$OUT/bench_core.log" 2>&1 || echo "bench_core failed (see bench_core.log)"
+fi
+
+echo "=== env"; cat "$OUT/env.log"
+echo "=== pytest (failures)"; grep -E "^(FAILED|ERROR|SKIPPED)" "$OUT/pytest.log" | head -40
+echo "=== bench"; sed -n '/^summary:/,$p' "$OUT/bench_core.log" 2>/dev/null
+echo "=== pytest summary"; tail -n 1 "$OUT/pytest.log"
+exit $rc
