@@ -176,7 +176,10 @@ def test_corrupt_blob_is_an_error_not_a_crash():
 
 
 def test_refused_config_reports_cudnns_reason():
-    cfg = AttentionConfig(batch=1, heads_q=2, seqlen_q=128, head_dim_qk=1024, dtype="bf16")
+    # A sliding window with more queries than keys: refused by cuDNN (frontend 1.28,
+    # cuDNN 9.19). The verdict and its words are cuDNN's; fastattn has no rule for it.
+    cfg = AttentionConfig(batch=1, heads_q=2, seqlen_q=256, seqlen_kv=128, head_dim_qk=128, dtype="bf16",
+                          mask="causal", window=(16, 0))
     result = fastattn.probe(cfg)
     assert result.supported is False
     assert result.reason.startswith("forward: ") and len(result.reason) > len("forward: ") + 10
@@ -189,7 +192,7 @@ def test_refused_config_reports_cudnns_reason():
 
 
 def test_probe_and_plan_share_one_build():
-    cfg = make_config("fp16", "none", "mha", "same", "bhsd", training=True)
+    cfg = make_config("fp16", "none", "mha", "same", "bhsd", training=True).replace(seqlen_q=201, seqlen_kv=201)
     before = fastattn.stats()["builds"]
     result = fastattn.probe(cfg)
     assert result.supported and not result.cached and result.build_seconds > 0
@@ -250,12 +253,14 @@ def test_plans_run_from_other_threads_and_streams():
         rt.cudaStreamDestroy(stream)
 
 
+@pytest.fixture(scope="module")
+def setup():
+    cfg = make_config("bf16", "causal", "gqa", "same", "bshd", training=True)
+    p = fastattn.plan(cfg)
+    return cfg, p, Run(cfg, p, seed=1)
+
+
 class TestBadInput:
-    @pytest.fixture(scope="class")
-    def setup(self):
-        cfg = make_config("bf16", "causal", "gqa", "same", "bshd", training=True)
-        p = fastattn.plan(cfg)
-        return cfg, p, Run(cfg, p, seed=1)
 
     def test_null_pointer(self, setup):
         _, p, r = setup
@@ -314,3 +319,18 @@ def test_device_info_describes_the_gpu():
     assert info["name"] and info["sm_count"] > 0 and info["compute_capability"][0] >= 7
     v = fastattn.versions()
     assert v["cudnn_loaded"] and v["cudnn_loaded"] >= 90000
+
+
+def test_cli_probe_on_the_gpu(capsys):
+    import json
+
+    from fastattn import cli
+
+    code = cli.main(["probe", "--batch", "1", "--heads-q", "8", "--seqlen-q", "256", "--seqlen-kv", "128",
+                     "--head-dim-qk", "128", "--mask", "causal", "--window", "16", "0", "--json"])
+    body = json.loads(capsys.readouterr().out)
+    assert code == cli.EXIT_UNSUPPORTED and not body["supported"] and body["reason"]
+    code = cli.main(["probe", "--batch", "1", "--heads-q", "8", "--seqlen-q", "256", "--head-dim-qk", "128",
+                     "--training", "--json"])
+    body = json.loads(capsys.readouterr().out)
+    assert code == cli.EXIT_OK and body["supported"] and body["backward_engine"]

@@ -23,16 +23,29 @@ export FASTATTN_CUDNN_FRONTEND_INCLUDE=/tmp/site/include
 export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
 export CFLAGS="${CFLAGS:-} -g"  # symbols for a backtrace if anything crashes
 
+# The image's default g++ (/opt/gcc) links libstdc++ statically into the extension
+# (seen 2026-11-29): two C++ runtimes in one process, and iostreams crash inside
+# cudnn-frontend. Build with the system compiler, whose libstdc++ is shared.
+if [ -x /usr/bin/g++ ]; then
+  export CC=/usr/bin/gcc CXX=/usr/bin/g++ LDSHARED="/usr/bin/g++ -shared"
+fi
+{ echo "CXX=${CXX:-default}"; command -v g++; g++ --version | head -1; ls /usr/bin/g++* /opt/gcc/lib64/libstdc++* 2>&1; } >> "$OUT/env.log" 2>&1
+
 # FASTATTN_PREBUILT=1 runs a carried cp312 build instead (quick iterations while
 # debugging); the run that counts builds here.
 t0=$(date +%s)
 if [ "${FASTATTN_PREBUILT:-0}" = "1" ]; then
   echo "build: skipped, using carried $(ls fastattn/_core*.so)"
-elif ! python3 setup.py build_ext --inplace -j "$(nproc)" > "$OUT/build.log" 2>&1; then
+elif ! python3 setup.py build_ext --inplace --force -j "$(nproc)" > "$OUT/build.log" 2>&1; then
   echo "BUILD FAILED"; grep -E "error|Error" "$OUT/build.log" | head -40; exit 1
 else
   echo "build: $(( $(date +%s) - t0 )) s"
 fi
+so=$(ls fastattn/_core*.so)
+if nm -C --defined-only "$so" | grep -q "std::locale::classic"; then
+  echo "WARNING: $so carries its own copy of libstdc++ (statically linked)"
+fi
+echo "libstdc++: $(ldd "$so" | grep -o 'libstdc++[^ ]* => [^ ]*' || echo 'not dynamically linked')"
 
 export FASTATTN_REQUIRE_GPU=1
 python3 -m pytest tests -q -rfEs -p no:cacheprovider "$@" > "$OUT/pytest.log" 2>&1
@@ -47,7 +60,7 @@ if [ "${SKIP_BENCH:-0}" != "1" ]; then
   python3 tools/bench_core.py --json "$OUT/bench_core.json" > "$OUT/bench_core.log" 2>&1 || echo "bench_core failed (see bench_core.log)"
 fi
 
-echo "=== env"; cat "$OUT/env.log"
+echo "=== env"; cat "$OUT/env.log" | head -20
 echo "=== pytest (failures)"; grep -E "^(FAILED|ERROR|SKIPPED)" "$OUT/pytest.log" | head -40
 echo "=== bench"; sed -n '/^summary:/,$p' "$OUT/bench_core.log" 2>/dev/null
 echo "=== pytest summary"; tail -n 1 "$OUT/pytest.log"

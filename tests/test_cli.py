@@ -1,0 +1,96 @@
+"""The fastattn command: argument and config errors, exit codes, JSON output."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from fastattn import cli
+
+from conftest import _gpu_unavailable_reason
+
+PROBE = ["probe", "--batch", "1", "--heads-q", "8", "--seqlen-q", "128", "--head-dim-qk", "64"]
+
+
+def run(argv, capsys):
+    code = cli.main(argv)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_missing_field_is_bad_input(capsys):
+    code, out, err = run(["probe", "--batch", "1"], capsys)
+    assert code == cli.EXIT_BAD_INPUT and "heads_q is required" in err
+
+
+def test_invalid_value_names_the_field(capsys):
+    code, out, err = run(PROBE + ["--heads-kv", "3", "--json"], capsys)
+    assert code == cli.EXIT_BAD_INPUT
+    body = json.loads(out)
+    assert body["error"] == "InvalidArgumentError" and body["message"].startswith("heads_kv=3")
+
+
+def test_unknown_choice_is_bad_input(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(PROBE + ["--mask", "diagonal"])
+    assert e.value.code == cli.EXIT_BAD_INPUT
+    assert "invalid choice: 'diagonal'" in capsys.readouterr().err
+
+
+def test_config_file_errors_point_at_the_file(tmp_path, capsys):
+    missing = tmp_path / "nope.json"
+    code, _, err = run(["probe", "--config", str(missing)], capsys)
+    assert code == cli.EXIT_BAD_INPUT and str(missing) in err and "No such file" in err
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"batch": 1,\n "heads_q": }')
+    code, _, err = run(["probe", "--config", str(bad)], capsys)
+    assert code == cli.EXIT_BAD_INPUT and str(bad) in err and "line 2" in err
+    unknown = tmp_path / "unknown.json"
+    unknown.write_text('{"batch": 1, "heads_q": 8, "seqlen_q": 64, "head_dim_qk": 64, "seq_len": 3}')
+    code, _, err = run(["probe", "--config", str(unknown)], capsys)
+    assert code == cli.EXIT_BAD_INPUT and "seq_len=3: is not a field" in err
+
+
+def test_flags_override_the_config_file(tmp_path, capsys, monkeypatch):
+    seen = {}
+
+    def fake_probe(cfg, device=None):
+        seen["cfg"] = cfg
+        from fastattn.runtime import ProbeResult
+
+        return ProbeResult(cfg, 0, False, "forward: no")
+
+    monkeypatch.setattr(cli.runtime, "probe", fake_probe)
+    f = tmp_path / "c.json"
+    f.write_text('{"batch": 4, "heads_q": 8, "seqlen_q": 64, "head_dim_qk": 64, "mask": "causal"}')
+    code, out, _ = run(["probe", "--config", str(f), "--batch", "2", "--window", "16", "0", "--training", "--json"],
+                       capsys)
+    assert code == cli.EXIT_UNSUPPORTED
+    assert seen["cfg"].batch == 2 and seen["cfg"].mask == "causal" and seen["cfg"].window == (16, -1)
+    assert seen["cfg"].training is True
+    assert json.loads(out)["reason"] == "forward: no"
+
+
+def test_probe_exit_code_matches_the_machine(capsys):
+    code, out, err = run(PROBE + ["--json"], capsys)
+    if _gpu_unavailable_reason():
+        assert code == cli.EXIT_NO_GPU and json.loads(out)["error"] == "LibraryError"
+    else:
+        assert code == cli.EXIT_OK and json.loads(out)["supported"] is True
+
+
+def test_info_reports_versions_everywhere(capsys):
+    code, out, _ = run(["info", "--json"], capsys)
+    body = json.loads(out)
+    assert body["versions"]["fastattn"] and body["versions"]["cudnn_frontend"]
+    if _gpu_unavailable_reason():
+        assert code == cli.EXIT_NO_GPU
+        assert "libcuda" in body["gpu_error"] or "cudnn" in body["gpu_error"].lower()
+    else:
+        assert code == cli.EXIT_OK and body["device"]["sm_count"] > 0
+
+
+def test_python_dash_m_runs():
+    r = subprocess.run([sys.executable, "-m", "fastattn", "--help"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "probe" in r.stdout and "info" in r.stdout
