@@ -12,7 +12,7 @@ from libcpp cimport bool as cbool
 from libcpp.string cimport string
 from libcpp.vector cimport vector
 
-from fastattn.errors import error_for_code
+from fastattn.errors import CorruptPlanError, InvalidArgumentError, error_for_code
 
 
 cdef extern from "fastattn.h" namespace "fastattn" nogil:
@@ -242,7 +242,6 @@ cdef class Plan:
         """
         cdef Status st
         if not self._training:
-            from fastattn.errors import InvalidArgumentError
             raise InvalidArgumentError("this plan has no backward graph: build it with training=True")
         with nogil:
             st = execute_backward(self._bwd.get(), self.device, q, k, v, o, d_o, stats, d_q, d_k, d_v,
@@ -316,7 +315,6 @@ def load_plan(cfg, int device, bytes forward_blob, bytes backward_blob=None, str
     cdef cbool training = cfg.training
     cdef const uint8_t[::1] view
     if training and backward_blob is None:
-        from fastattn.errors import CorruptPlanError
         raise CorruptPlanError("a training plan needs a backward blob")
     view = forward_blob
     with nogil:
