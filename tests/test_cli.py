@@ -1,6 +1,7 @@
 """The fastattn command: argument and config errors, exit codes, JSON output."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -92,5 +93,6 @@ def test_info_reports_versions_everywhere(capsys):
 
 
 def test_python_dash_m_runs():
-    r = subprocess.run([sys.executable, "-m", "fastattn", "--help"], capture_output=True, text=True, timeout=60)
+    here = os.path.dirname(os.path.abspath(__file__))  # not the checkout root: its fastattn/ is unbuilt
+    r = subprocess.run([sys.executable, "-m", "fastattn", "--help"], capture_output=True, text=True, timeout=60, cwd=here)
     assert r.returncode == 0 and "probe" in r.stdout and "info" in r.stdout

@@ -59,8 +59,9 @@ def test_error_codes_match_the_cpp_header():
 
 
 def _python(code: str, **env) -> subprocess.CompletedProcess:
+    # Run from tests/, so `-c` puts no source checkout's unbuilt fastattn/ on sys.path.
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
-                          env={**os.environ, **env}, timeout=120)
+                          env={**os.environ, **env}, timeout=120, cwd=os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_import_loads_no_cuda_library():
