@@ -279,62 +279,60 @@ cdef Plan _new_plan(cfg, int device):
     return p
 
 
+cdef void _record(Plan p, Direction d, const GraphInfo& info, str engine):
+    if d == Direction.kForward:
+        p.forward_workspace_size, p.forward_engine, p.forward_ms = info.workspace_size, engine, info.build_ms
+    else:
+        p.backward_workspace_size, p.backward_engine, p.backward_ms = info.workspace_size, engine, info.build_ms
+
+
+cdef _build_one(Plan p, const Config& c, Direction d):
+    cdef GraphInfo info
+    cdef Status st
+    cdef GraphPtr* out = &p._fwd if d == Direction.kForward else &p._bwd
+    with nogil:
+        st = build_graph(c, d, p.device, out, &info)
+    if not st.ok():
+        raise _error(st, "forward" if d == Direction.kForward else "backward")
+    _record(p, d, info, info.engine_name.decode("utf-8", "replace"))
+
+
+cdef _load_one(Plan p, Direction d, bytes blob, str engine):
+    cdef GraphInfo info
+    cdef Status st
+    cdef const uint8_t[::1] view = blob
+    cdef size_t n = view.shape[0]
+    cdef const uint8_t* data = &view[0] if n else NULL
+    cdef GraphPtr* out = &p._fwd if d == Direction.kForward else &p._bwd
+    with nogil:
+        st = deserialize_graph(data, n, d, p._training, p.device, out, &info)
+    if not st.ok():
+        raise _error(st, "forward" if d == Direction.kForward else "backward")
+    _record(p, d, info, engine)
+
+
 def build_plan(cfg, int device):
     """Builds the forward graph and, when cfg.training, the backward graph of `cfg` on
     `device`. Raises NotSupportedError with cuDNN's reason, prefixed by the direction."""
     cdef Config c = _c_config(cfg)
-    cdef GraphInfo info
-    cdef Status st
     cdef Plan p = _new_plan(cfg, device)
-    with nogil:
-        st = build_graph(c, Direction.kForward, device, &p._fwd, &info)
-    if not st.ok():
-        raise _error(st, "forward")
-    p.forward_workspace_size = info.workspace_size
-    p.forward_engine = info.engine_name.decode("utf-8", "replace")
-    p.forward_ms = info.build_ms
+    _build_one(p, c, Direction.kForward)
     if c.training:
-        with nogil:
-            st = build_graph(c, Direction.kBackward, device, &p._bwd, &info)
-        if not st.ok():
-            raise _error(st, "backward")
-        p.backward_workspace_size = info.workspace_size
-        p.backward_engine = info.engine_name.decode("utf-8", "replace")
-        p.backward_ms = info.build_ms
+        _build_one(p, c, Direction.kBackward)
     return p
 
 
-def load_plan(cfg, int device, bytes forward_blob, bytes backward_blob=None, str forward_engine="",
+def load_plan(cfg, int device, bytes forward_blob not None, bytes backward_blob=None, str forward_engine="",
               str backward_engine=""):
     """A Plan from blobs that Plan.serialize produced for the same cfg on the same kind
     of GPU and cuDNN. A loaded plan cannot name its engine, so the caller passes the
     names it stored with the blobs. Raises CorruptPlanError when a blob does not load."""
-    cdef GraphInfo info
-    cdef Status st
     cdef Plan p = _new_plan(cfg, device)
-    cdef cbool training = cfg.training
-    cdef const uint8_t[::1] view
-    if training and backward_blob is None:
+    if p._training and backward_blob is None:
         raise CorruptPlanError("a training plan needs a backward blob")
-    view = forward_blob
-    with nogil:
-        st = deserialize_graph(&view[0] if view.shape[0] else NULL, view.shape[0], Direction.kForward,
-                               training, device, &p._fwd, &info)
-    if not st.ok():
-        raise _error(st, "forward")
-    p.forward_workspace_size = info.workspace_size
-    p.forward_engine = forward_engine
-    p.forward_ms = info.build_ms
-    if training:
-        view = backward_blob
-        with nogil:
-            st = deserialize_graph(&view[0] if view.shape[0] else NULL, view.shape[0], Direction.kBackward,
-                                   training, device, &p._bwd, &info)
-        if not st.ok():
-            raise _error(st, "backward")
-        p.backward_workspace_size = info.workspace_size
-        p.backward_engine = backward_engine
-        p.backward_ms = info.build_ms
+    _load_one(p, Direction.kForward, forward_blob, forward_engine)
+    if p._training:
+        _load_one(p, Direction.kBackward, backward_blob, backward_engine)
     return p
 
 
