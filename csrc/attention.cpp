@@ -326,6 +326,7 @@ Status load_cudnn(const std::string &path, int64_t *version) {
 int64_t cudnn_version() { return g_cudnn_version; }
 int64_t cudnn_header_version() { return CUDNN_VERSION; }
 int64_t frontend_version() { return CUDNN_FRONTEND_VERSION; }
+const char *plan_policy() { return "heuristics=A,FALLBACK;build=HEURISTICS_CHOICE"; }
 
 Status device_count(int *count) {
     return guarded(Code::kLibraryError, "CUDA runtime", [&]() -> Status {
@@ -390,6 +391,7 @@ Status build_graph(const Config &cfg, Direction dir, int device, GraphPtr *out, 
         auto &g         = *graph->g;
         FA_RETURN_IF_ERROR(build_step(g.validate(), "validate"));
         FA_RETURN_IF_ERROR(build_step(g.build_operation_graph(h), "build_operation_graph"));
+        // Keep in step with plan_policy().
         FA_RETURN_IF_ERROR(build_step(g.create_execution_plans({fe::HeurMode_t::A, fe::HeurMode_t::FALLBACK}),
                                       "create_execution_plans"));
         FA_RETURN_IF_ERROR(build_step(g.check_support(h), "check_support"));

@@ -79,6 +79,8 @@ Status load_cudnn(const std::string &path, int64_t *version);
 int64_t cudnn_version();          // runtime version, 0 before load_cudnn
 int64_t cudnn_header_version();   // CUDNN_VERSION of the headers built against
 int64_t frontend_version();       // CUDNN_FRONTEND_VERSION built against
+// How build_graph picks a plan among cuDNN's candidates; part of every cache key.
+const char *plan_policy();
 
 Status device_count(int *count);
 Status current_device(int *device);

@@ -23,13 +23,15 @@ from .errors import (
     LibraryError,
     NotSupportedError,
 )
-from .runtime import ProbeResult, clear, device_info, plan, probe, stats, versions
+from .runtime import ProbeResult, clear, configure, device_info, plan, preload, probe, stats, versions
 
 __all__ = [
     "AttentionConfig",
     "ProbeResult",
     "probe",
     "plan",
+    "preload",
+    "configure",
     "stats",
     "clear",
     "device_info",

@@ -59,6 +59,7 @@ cdef extern from "fastattn.h" namespace "fastattn" nogil:
     int64_t cudnn_version()
     int64_t cudnn_header_version()
     int64_t frontend_version()
+    const char* plan_policy()
     Status device_count(int* count)
     Status current_device(int* device)
     Status device_info(int device, DeviceInfo* out)
@@ -127,6 +128,11 @@ def init_cudnn(str path):
 def versions():
     """(cuDNN loaded at run time or 0, cuDNN headers built against, cudnn-frontend built against)."""
     return cudnn_version(), cudnn_header_version(), frontend_version()
+
+
+def policy():
+    """How the core chooses a plan among cuDNN's candidates (part of the cache key)."""
+    return plan_policy().decode()
 
 
 def get_device_count():

@@ -154,7 +154,7 @@ def fake_build(monkeypatch):
     calls = []
     lock = threading.Lock()
 
-    def build(config, device):
+    def build(config, device, refresh=False):
         with lock:
             calls.append(config)
         time.sleep(0.05)
@@ -164,7 +164,7 @@ def fake_build(monkeypatch):
         if config.head_dim_qk == 1024:
             runtime._count(unsupported=1)
             return None, runtime.ProbeResult(config, device, False, "forward: cuDNN says no")
-        return FakePlan(), runtime.ProbeResult(config, device, True, "", 128, 0, "fake_engine", "", 0.05)
+        return FakePlan(), runtime.ProbeResult(config, device, True, "", 128, 0, "fake_engine", "", 0.05, "built")
 
     monkeypatch.setattr(runtime, "_build", build)
     monkeypatch.setattr(runtime, "_resolve_device", lambda d: 0 if d is None else d)
