@@ -200,14 +200,16 @@ def _build(config: AttentionConfig, device: int, refresh: bool = False):
     """(plan or None, result): from disk, else built by this process and published."""
     cache = _the_cache()
     key = store.key_of(_description(config, device)) if cache.tiers else None
+    seen = cache.signature(key) if key is not None else None
     if key is not None and not refresh:
         hit = _from_disk(config, device, key, cache)
         if hit is not None:
             return hit
     lock = cache.lock(key) if key is not None else contextlib.nullcontext(False)
-    with lock as locked:
-        if locked and not refresh:
-            hit = _from_disk(config, device, key, cache)  # another process built it while we waited
+    with lock:
+        # Another process may have published the entry while we waited for the lock.
+        if key is not None and not refresh and cache.signature(key) != seen:
+            hit = _from_disk(config, device, key, cache)
             if hit is not None:
                 return hit
         _count(misses=1)

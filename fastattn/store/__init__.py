@@ -116,6 +116,11 @@ class TieredCache:
     def put(self, entry: Entry) -> bool:
         return self.main.put(entry) if self.main else False
 
+    def signature(self, key: str):
+        """Changes when the main directory's entry for `key` is published or replaced
+        (only the main directory is ever written)."""
+        return self.main.signature(key) if self.main else None
+
     def lock(self, key: str, timeout: float = 120.0):
         if self.main is None:
             return contextlib.nullcontext(False)

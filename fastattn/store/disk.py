@@ -105,12 +105,21 @@ class DiskStore:
         self._touch(path)
         return entry
 
+    def signature(self, key: str) -> tuple[int, int, int] | None:
+        """(inode, mtime, size) of the entry file, or None: tells whether another
+        process published the entry since we last looked, without reading it."""
+        try:
+            st = os.stat(self.path_for(key))
+        except OSError:
+            return None
+        return (st.st_ino, st.st_mtime_ns, st.st_size)
+
     def _touch(self, path: str) -> None:
         if not self.writable:
             return
         try:
             st = os.stat(path)
-            os.utime(path, (time.time(), st.st_mtime))
+            os.utime(path, ns=(time.time_ns(), st.st_mtime_ns))  # mtime kept exactly: see signature()
         except OSError:
             pass  # a file pruned or replaced since we read it: nothing to record
 

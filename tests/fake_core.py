@@ -1,0 +1,75 @@
+"""A stand-in for fastattn._core on machines without a GPU: builds "plans" whose blobs
+are derived from the config, so the runtime and the persistent cache can be tested
+for real (keys, entries, locks, counters) without cuDNN.
+
+FAKE_BUILD_LOG: a file that gets one line per build (to count builds across processes).
+FAKE_BUILD_SECONDS: how long a build takes (default 0.01).
+"""
+
+import hashlib
+import os
+import time
+
+from fastattn.errors import CorruptPlanError, NotSupportedError
+
+CUDNN_VERSION = [91900]
+GPU_NAME = ["NVIDIA H200"]
+
+
+class FakePlan:
+    def __init__(self, cfg, device, forward, backward, engines=("fake_fwd", "fake_bwd")):
+        self.config, self.device = cfg, device
+        self._blobs = (forward, backward)
+        self.forward_workspace_size = 256
+        self.backward_workspace_size = 1024 if cfg.training else 0
+        self.forward_engine = engines[0]
+        self.backward_engine = engines[1] if cfg.training else None
+        self.workspace_size = max(self.forward_workspace_size, self.backward_workspace_size)
+
+    def serialize(self):
+        return self._blobs
+
+    def output(self):
+        """What running the plan would give: a function of the blobs alone."""
+        return hashlib.sha256(b"|".join(b or b"" for b in self._blobs)).hexdigest()
+
+
+def _blob(cfg, direction):
+    return f"{direction}:{cfg.to_json()}:{CUDNN_VERSION[0]}".encode() * 20
+
+
+def build_plan(cfg, device):
+    with open(os.environ.get("FAKE_BUILD_LOG", os.devnull), "a") as f:
+        f.write(f"{os.getpid()} {cfg.to_json()}\n")
+    time.sleep(float(os.environ.get("FAKE_BUILD_SECONDS", "0.01")))
+    if cfg.head_dim_qk == 1024:
+        raise NotSupportedError("forward: fake cuDNN refuses head_dim_qk=1024")
+    return FakePlan(cfg, device, _blob(cfg, "forward"), _blob(cfg, "backward") if cfg.training else None)
+
+
+def load_plan(cfg, device, forward, backward=None, forward_engine="", backward_engine=""):
+    if forward != _blob(cfg, "forward") or (cfg.training and backward != _blob(cfg, "backward")):
+        raise CorruptPlanError("forward: fake cuDNN rejects this blob")
+    return FakePlan(cfg, device, forward, backward, (forward_engine, backward_engine))
+
+
+def get_device_info(device):
+    return {"name": GPU_NAME[0], "compute_capability": (9, 0), "sm_count": 132, "driver_version": 13000,
+            "runtime_version": 13000}
+
+
+def get_current_device():
+    return 0
+
+
+def versions():
+    return CUDNN_VERSION[0], 91900, 12800
+
+
+def policy():
+    return "heuristics=A,FALLBACK;build=HEURISTICS_CHOICE"
+
+
+def install(runtime):
+    """Makes `runtime` use this module instead of the extension."""
+    runtime._core = lambda: __import__("fake_core")
