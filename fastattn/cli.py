@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from typing import Any, Sequence
 
@@ -94,7 +93,14 @@ def _info(args) -> tuple[int, dict[str, Any]]:
     from . import _loader
 
     out: dict[str, Any] = {"versions": runtime.versions()}
-    out["cache_dir"] = os.environ.get("FASTATTN_CACHE_DIR")
+    cache = runtime._the_cache()
+    out["cache"] = {
+        "directory": cache.settings.directory,
+        "mode": cache.settings.mode,
+        "extra_dirs": list(cache.settings.extra_dirs),
+        "entries": [{"directory": t.root, "entries": len(infos), "bytes": sum(i.size for i in infos)}
+                    for t in cache.tiers for infos in [list(t.entries(with_headers=False))]],
+    }
     try:
         libs = _loader.ensure_loaded()
         out["libraries"] = {"cudnn": libs.cudnn, "cudart": libs.cudart, "nvrtc": libs.nvrtc, "cublasLt": libs.cublaslt}

@@ -120,6 +120,17 @@ def test_every_kind_of_damage_is_detected():
             pytest.fail(name)
 
 
+def test_header_is_read_without_the_blobs(tmp_path):
+    import io
+
+    data = entry_mod.encode(make_entry(size=100_000))
+    f = io.BytesIO(data)
+    assert entry_mod.read_header_from_file(f)["key"] == KEY
+    assert f.tell() < 1000
+    with pytest.raises(entry_mod.EntryError):
+        entry_mod.read_header_from_file(io.BytesIO(data[:20]))
+
+
 def test_entry_for_another_key_is_rejected():
     data = entry_mod.encode(make_entry())
     with pytest.raises(entry_mod.EntryError, match="not"):

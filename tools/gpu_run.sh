@@ -56,12 +56,13 @@ if [ $rc -ge 128 ]; then
     > "$OUT/crash_bt.log" 2>&1
   echo "=== crash backtrace"; grep -v "New Thread\|Thread 0x" "$OUT/crash_bt.log" | tail -30
 fi
-if [ "${SKIP_BENCH:-0}" != "1" ]; then
-  python3 tools/bench_core.py --json "$OUT/bench_core.json" > "$OUT/bench_core.log" 2>&1 || echo "bench_core failed (see bench_core.log)"
-fi
+# BENCH: which benchmarks to run after the tests ("core coldstart" by default, "" for none).
+for b in ${BENCH-core coldstart}; do
+  python3 "tools/bench_$b.py" --json "$OUT/bench_$b.json" > "$OUT/bench_$b.log" 2>&1 || echo "bench_$b failed (see bench_$b.log)"
+done
 
 echo "=== env"; cat "$OUT/env.log" | head -20
 echo "=== pytest (failures)"; grep -E "^(FAILED|ERROR|SKIPPED)" "$OUT/pytest.log" | head -40
-echo "=== bench"; sed -n '/^summary:/,$p' "$OUT/bench_core.log" 2>/dev/null
+echo "=== bench"; for f in "$OUT"/bench_*.log; do [ -f "$f" ] && sed -n '/^summary:/,$p' "$f"; done
 echo "=== pytest summary"; tail -n 1 "$OUT/pytest.log"
 exit $rc

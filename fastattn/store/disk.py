@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass
 from typing import Iterator
 
-from .entry import Entry, EntryError, decode, encode, read_header
+from .entry import Entry, EntryError, decode, encode, read_header_from_file
 
 __all__ = ["DiskStore", "EntryInfo"]
 
@@ -254,7 +254,7 @@ class DiskStore:
                 if with_headers:
                     try:
                         with open(path, "rb") as f:
-                            header = read_header(f.read(1 << 21))
+                            header = read_header_from_file(f)
                     except (OSError, EntryError):
                         header = None
                 created = float(header.get("created", st.st_mtime)) if header else st.st_mtime

@@ -25,7 +25,7 @@ from typing import Any
 
 from .keys import FORMAT_VERSION
 
-__all__ = ["MAGIC", "Entry", "EntryError", "encode", "decode", "read_header"]
+__all__ = ["MAGIC", "Entry", "EntryError", "encode", "decode", "read_header", "read_header_from_file"]
 
 MAGIC = b"FASTATTN"
 _FIXED = struct.Struct("<8sII")
@@ -100,6 +100,16 @@ def _split(data: bytes) -> tuple[dict[str, Any], bytes, int]:
 def read_header(data: bytes) -> dict[str, Any]:
     """The header alone (no checksum check): for listing entries cheaply."""
     return _split(data)[0]
+
+
+def read_header_from_file(f) -> dict[str, Any]:
+    """The header of an open entry file, reading only the header's bytes."""
+    fixed = f.read(_FIXED.size)
+    if len(fixed) == _FIXED.size:
+        _, _, header_len = _FIXED.unpack(fixed)
+        if header_len <= _MAX_HEADER:
+            fixed += f.read(header_len)
+    return _split(fixed)[0]
 
 
 def decode(data: bytes, expected_key: str | None = None) -> Entry:

@@ -1,0 +1,69 @@
+"""One "process" of the GPU cache tests: plans the configs given as JSON, runs each
+forward (and backward when training) on seeded random inputs, and prints one JSON
+line: the runtime's stats and a sha256 of every output, so that two processes can be
+compared bit for bit.
+
+    python gpu_cache_worker.py CONFIGS_JSON [--wait-until T] [--fake-cudnn-version V]
+"""
+
+import argparse
+import hashlib
+import json
+import sys
+import time
+
+import numpy as np
+
+import fastattn
+from fastattn import AttentionConfig, runtime
+
+from gpu_helpers import DeviceBuffer, Tensor, random_inputs, synchronize
+
+
+def run_one(cfg: AttentionConfig, seed: int) -> str:
+    p = fastattn.plan(cfg)
+    q, k, v, d_o = random_inputs(cfg, np.random.default_rng(seed), backward=cfg.training)
+    t = {n: Tensor(cfg, n) for n in ("q", "k", "v", "o")}
+    for n, x in (("q", q), ("k", k), ("v", v)):
+        t[n].write(x)
+    ws = DeviceBuffer(p.workspace_size)
+    digest = hashlib.sha256()
+    if cfg.training:
+        for n in ("stats", "d_o", "d_q", "d_k", "d_v"):
+            t[n] = Tensor(cfg, n)
+        t["d_o"].write(d_o)
+        p.forward(t["q"].ptr, t["k"].ptr, t["v"].ptr, t["o"].ptr, stats=t["stats"].ptr, workspace=ws.ptr)
+        p.backward(t["q"].ptr, t["k"].ptr, t["v"].ptr, t["o"].ptr, t["d_o"].ptr, t["stats"].ptr, t["d_q"].ptr,
+                   t["d_k"].ptr, t["d_v"].ptr, workspace=ws.ptr)
+        names = ("o", "stats", "d_q", "d_k", "d_v")
+    else:
+        p.forward(t["q"].ptr, t["k"].ptr, t["v"].ptr, t["o"].ptr, workspace=ws.ptr)
+        names = ("o",)
+    synchronize()
+    for n in names:
+        digest.update(t[n].raw())
+    return digest.hexdigest()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("configs")
+    ap.add_argument("--wait-until", type=float, default=0.0)
+    ap.add_argument("--fake-cudnn-version", type=int, default=0)
+    args = ap.parse_args()
+    configs = [AttentionConfig.from_dict(c) for c in json.loads(args.configs)]
+    if args.fake_cudnn_version:
+        # Describe this process as running another cuDNN: its keys then differ.
+        desc = runtime._description(configs[0], 0)
+        runtime._device_descriptions[0]["cudnn_version"] = args.fake_cudnn_version
+        assert runtime._description(configs[0], 0) != desc
+    while time.time() < args.wait_until:
+        time.sleep(0.001)
+    hashes = [run_one(c, seed=1234 + i) for i, c in enumerate(configs)]
+    s = fastattn.stats()
+    print(json.dumps({"hashes": hashes, "builds": s["builds"], "disk_hits": s["disk_hits"],
+                      "deserializations": s["deserializations"], "misses": s["misses"]}))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

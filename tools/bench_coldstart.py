@@ -1,0 +1,180 @@
+"""Cold start: how long a fresh process takes to the first outputs of 8 prefill shapes.
+
+Shapes: batch 1, 32 heads, head dim 128, bf16, causal, bshd, seqlen 256 ... 4096.
+Each variant runs in its own fresh process; the time is from just before the first
+attention call (CUDA context and inputs ready) until the outputs of all 8 shapes are
+on the device (synchronized):
+
+  fastattn cold   empty cache directory: every plan is built
+  fastattn warm   the cache the cold run left: every plan is deserialized
+  torch cudnn     torch.nn.functional.scaled_dot_product_attention, cuDNN backend
+  torch flash     the same, flash backend
+
+each forward only and forward+backward. Usage:
+
+    python tools/bench_coldstart.py [--json out.json]     # on the GPU
+    python tools/bench_coldstart.py --plot out.json --png chart.png   # anywhere, needs matplotlib
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+SEQLENS = (256, 512, 768, 1024, 1536, 2048, 3072, 4096)
+HEADS, HEAD_DIM = 32, 128
+
+
+def child(variant: str, backward: bool) -> dict:
+    """Runs in the fresh process."""
+    import torch
+
+    torch.cuda.init()
+    inputs = []
+    for s in SEQLENS:
+        q, k, v = (torch.randn(1, s, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16,
+                               requires_grad=backward) for _ in range(3))
+        inputs.append((q, k, v))
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    if variant.startswith("fastattn"):
+        import fastattn
+
+        for (q, k, v), s in zip(inputs, SEQLENS):
+            cfg = fastattn.AttentionConfig(batch=1, heads_q=HEADS, seqlen_q=s, head_dim_qk=HEAD_DIM, dtype="bf16",
+                                           layout="bshd", mask="causal", training=backward)
+            p = fastattn.plan(cfg)
+            o = torch.empty_like(q)
+            ws = torch.empty(p.workspace_size, dtype=torch.uint8, device="cuda")
+            stream = torch.cuda.current_stream().cuda_stream
+            if backward:
+                stats = torch.empty(1, HEADS, s, 1, dtype=torch.float32, device="cuda")
+                p.forward(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), stats=stats.data_ptr(),
+                          workspace=ws.data_ptr(), stream=stream)
+                d_o = torch.ones_like(o)
+                dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+                p.backward(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), d_o.data_ptr(), stats.data_ptr(),
+                           dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), workspace=ws.data_ptr(), stream=stream)
+            else:
+                p.forward(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), workspace=ws.data_ptr(),
+                          stream=stream)
+        torch.cuda.synchronize()
+        elapsed = time.perf_counter() - t0
+        s = fastattn.stats()
+        return {"seconds": elapsed, "builds": s["builds"], "disk_hits": s["disk_hits"]}
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backend = SDPBackend.CUDNN_ATTENTION if variant == "torch_cudnn" else SDPBackend.FLASH_ATTENTION
+    with sdpa_kernel(backend):
+        for q, k, v in inputs:
+            # SDPA takes (b, h, s, d): transposed views of the same bshd memory.
+            o = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                                                 v.transpose(1, 2), is_causal=True)
+            if backward:
+                o.backward(torch.ones_like(o))
+    torch.cuda.synchronize()
+    return {"seconds": time.perf_counter() - t0}
+
+
+def run_fresh(variant: str, backward: bool, cache_dir: str) -> dict:
+    env = {**os.environ, "FASTATTN_CACHE_DIR": cache_dir, "PYTHONUNBUFFERED": "1"}
+    t0 = time.perf_counter()
+    out = subprocess.run([sys.executable, __file__, "--child", variant] + (["--backward"] if backward else []),
+                         capture_output=True, text=True, env=env, timeout=600)
+    if out.returncode != 0:
+        return {"error": out.stderr[-2000:]}
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    res["process_seconds"] = time.perf_counter() - t0
+    return res
+
+
+def measure() -> dict:
+    results: dict = {"date": time.strftime("%Y-%m-%d"), "seqlens": SEQLENS, "heads": HEADS, "head_dim": HEAD_DIM}
+    for backward in (False, True):
+        mode = "fwd_bwd" if backward else "fwd"
+        cache_dir = tempfile.mkdtemp(prefix="fastattn-coldstart-")
+        results[mode] = {
+            "fastattn_cold": run_fresh("fastattn_cold", backward, cache_dir),
+            "fastattn_warm": run_fresh("fastattn_warm", backward, cache_dir),
+            "torch_cudnn": run_fresh("torch_cudnn", backward, cache_dir),
+            "torch_flash": run_fresh("torch_flash", backward, cache_dir),
+        }
+        r = results[mode]
+        if all("seconds" in r[k] for k in ("fastattn_warm", "torch_cudnn")):
+            results[f"{mode}_speedup_warm_vs_torch_cudnn"] = r["torch_cudnn"]["seconds"] / r["fastattn_warm"]["seconds"]
+    import fastattn
+
+    results["device"] = fastattn.device_info()
+    results["versions"] = fastattn.versions()
+    return results
+
+
+def summary(results: dict) -> str:
+    lines = ["variant            fwd ms   fwd+bwd ms"]
+    for name in ("fastattn_cold", "fastattn_warm", "torch_cudnn", "torch_flash"):
+        cells = []
+        for mode in ("fwd", "fwd_bwd"):
+            r = results[mode][name]
+            cells.append(f"{r['seconds'] * 1e3:10.1f}" if "seconds" in r else "     error")
+        lines.append(f"{name:<16} {cells[0]} {cells[1]}")
+    for mode in ("fwd", "fwd_bwd"):
+        key = f"{mode}_speedup_warm_vs_torch_cudnn"
+        if key in results:
+            lines.append(f"{key}: {results[key]:.1f}x")
+    return "\n".join(lines)
+
+
+def plot(results: dict, png: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = ["fastattn_cold", "fastattn_warm", "torch_cudnn", "torch_flash"]
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    width = 0.38
+    for i, mode in enumerate(("fwd", "fwd_bwd")):
+        vals = [results[mode][n].get("seconds", 0) * 1e3 for n in names]
+        bars = ax.bar([x + (i - 0.5) * width for x in range(len(names))], vals, width,
+                      label="forward" if mode == "fwd" else "forward + backward")
+        ax.bar_label(bars, fmt="%.0f", fontsize=8)
+    ax.set_xticks(range(len(names)), ["fastattn\ncold cache", "fastattn\nwarm cache", "PyTorch\ncuDNN", "PyTorch\nflash"])
+    ax.set_ylabel("ms to first outputs of 8 shapes")
+    dev = results.get("device", {}).get("name", "GPU")
+    ax.set_title(f"Cold start, 8 prefill shapes (1x32xSx128 bf16 causal), {dev}, {results['date']}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--child")
+    ap.add_argument("--backward", action="store_true")
+    ap.add_argument("--json")
+    ap.add_argument("--plot", help="draw the chart from this JSON instead of measuring")
+    ap.add_argument("--png", default="docs/coldstart.png")
+    args = ap.parse_args(argv)
+    if args.child:
+        print(json.dumps(child(args.child, args.backward)))
+        return 0
+    if args.plot:
+        with open(args.plot) as f:
+            plot(json.load(f), args.png)
+        return 0
+    results = measure()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+    print(json.dumps(results, indent=2))
+    print("\nsummary:\n" + summary(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
