@@ -283,8 +283,11 @@ _HAMMER = textwrap.dedent("""
 def test_concurrent_writers_and_readers_never_see_a_torn_entry(tmp_path):
     root = str(tmp_path / "c")
     here = os.path.dirname(os.path.abspath(__file__))
+    # Keep the caller's PYTHONPATH: where fastattn is not installed (the GPU machine
+    # runs the suite from the source tree), it is how the children find it.
+    path = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
     procs = [subprocess.Popen([sys.executable, "-c", _HAMMER, root, str(w)], stdout=subprocess.PIPE, text=True,
-                              cwd=here, env={**os.environ, "PYTHONPATH": here}) for w in range(6)]
+                              cwd=here, env={**os.environ, "PYTHONPATH": path}) for w in range(6)]
     outs = [p.communicate(timeout=120)[0].strip() for p in procs]
     assert all(p.returncode == 0 for p in procs), outs
     assert all(o == "0" for o in outs), outs  # no reader ever saw a corrupt entry
