@@ -6,7 +6,8 @@ attention call (CUDA context and inputs ready) until the outputs of all 8 shapes
 on the device (synchronized):
 
   fastattn cold   empty cache directory: every plan is built
-  fastattn warm   the cache the cold run left: every plan is deserialized
+  fastattn warm   the cache the cold run left: every plan is deserialized, lazily
+  fastattn warm + preload   the same, with fastattn.preload(configs, threads=8) first
   torch cudnn     torch.nn.functional.scaled_dot_product_attention, cuDNN backend
   torch flash     the same, flash backend
 
@@ -44,10 +45,16 @@ def child(variant: str, backward: bool) -> dict:
     t0 = time.perf_counter()
     if variant.startswith("fastattn"):
         import fastattn
+        from fastattn._loader import ensure_loaded
 
-        for (q, k, v), s in zip(inputs, SEQLENS):
-            cfg = fastattn.AttentionConfig(batch=1, heads_q=HEADS, seqlen_q=s, head_dim_qk=HEAD_DIM, dtype="bf16",
-                                           layout="bshd", mask="causal", training=backward)
+        ensure_loaded()  # timed apart: loading cuDNN and its dependencies
+        t_libs = time.perf_counter()
+        configs = [fastattn.AttentionConfig(batch=1, heads_q=HEADS, seqlen_q=s, head_dim_qk=HEAD_DIM, dtype="bf16",
+                                            layout="bshd", mask="causal", training=backward) for s in SEQLENS]
+        if variant == "fastattn_warm_preload":
+            fastattn.preload(configs, threads=len(configs))
+        t_plans = time.perf_counter()
+        for (q, k, v), s, cfg in zip(inputs, SEQLENS, configs):
             p = fastattn.plan(cfg)
             o = torch.empty_like(q)
             ws = torch.empty(p.workspace_size, dtype=torch.uint8, device="cuda")
@@ -66,7 +73,9 @@ def child(variant: str, backward: bool) -> dict:
         torch.cuda.synchronize()
         elapsed = time.perf_counter() - t0
         s = fastattn.stats()
-        return {"seconds": elapsed, "builds": s["builds"], "disk_hits": s["disk_hits"]}
+        return {"seconds": elapsed, "builds": s["builds"], "disk_hits": s["disk_hits"],
+                "libraries_seconds": t_libs - t0, "preload_seconds": t_plans - t_libs,
+                "load_seconds": s["load_seconds"], "build_seconds": s["build_seconds"]}
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     backend = SDPBackend.CUDNN_ATTENTION if variant == "torch_cudnn" else SDPBackend.FLASH_ATTENTION
@@ -101,12 +110,14 @@ def measure() -> dict:
         results[mode] = {
             "fastattn_cold": run_fresh("fastattn_cold", backward, cache_dir),
             "fastattn_warm": run_fresh("fastattn_warm", backward, cache_dir),
+            "fastattn_warm_preload": run_fresh("fastattn_warm_preload", backward, cache_dir),
             "torch_cudnn": run_fresh("torch_cudnn", backward, cache_dir),
             "torch_flash": run_fresh("torch_flash", backward, cache_dir),
         }
         r = results[mode]
-        if all("seconds" in r[k] for k in ("fastattn_warm", "torch_cudnn")):
-            results[f"{mode}_speedup_warm_vs_torch_cudnn"] = r["torch_cudnn"]["seconds"] / r["fastattn_warm"]["seconds"]
+        for warm in ("fastattn_warm", "fastattn_warm_preload"):
+            if all("seconds" in r[k] for k in (warm, "torch_cudnn")):
+                results[f"{mode}_speedup_{warm}_vs_torch_cudnn"] = r["torch_cudnn"]["seconds"] / r[warm]["seconds"]
     import fastattn
 
     results["device"] = fastattn.device_info()
@@ -115,17 +126,16 @@ def measure() -> dict:
 
 
 def summary(results: dict) -> str:
-    lines = ["variant            fwd ms   fwd+bwd ms"]
-    for name in ("fastattn_cold", "fastattn_warm", "torch_cudnn", "torch_flash"):
+    lines = ["variant                    fwd ms   fwd+bwd ms"]
+    for name in ("fastattn_cold", "fastattn_warm", "fastattn_warm_preload", "torch_cudnn", "torch_flash"):
         cells = []
         for mode in ("fwd", "fwd_bwd"):
-            r = results[mode][name]
-            cells.append(f"{r['seconds'] * 1e3:10.1f}" if "seconds" in r else "     error")
-        lines.append(f"{name:<16} {cells[0]} {cells[1]}")
-    for mode in ("fwd", "fwd_bwd"):
-        key = f"{mode}_speedup_warm_vs_torch_cudnn"
-        if key in results:
-            lines.append(f"{key}: {results[key]:.1f}x")
+            r = results[mode].get(name, {})
+            cells.append(f"{r['seconds'] * 1e3:10.1f}" if "seconds" in r else ("     error" if r else "       n/a"))
+        lines.append(f"{name:<21} {cells[0]} {cells[1]}")
+    for key, value in results.items():
+        if "_speedup_" in key:
+            lines.append(f"{key}: {value:.1f}x")
     return "\n".join(lines)
 
 
@@ -135,7 +145,11 @@ def plot(results: dict, png: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = ["fastattn_cold", "fastattn_warm", "torch_cudnn", "torch_flash"]
+    names = [n for n in ("fastattn_cold", "fastattn_warm", "fastattn_warm_preload", "torch_cudnn", "torch_flash")
+             if n in results["fwd"]]
+    labels = {"fastattn_cold": "fastattn\ncold cache", "fastattn_warm": "fastattn\nwarm cache",
+              "fastattn_warm_preload": "fastattn warm\n+ preload", "torch_cudnn": "PyTorch\ncuDNN",
+              "torch_flash": "PyTorch\nflash"}
     fig, ax = plt.subplots(figsize=(8, 4.5))
     width = 0.38
     for i, mode in enumerate(("fwd", "fwd_bwd")):
@@ -143,7 +157,7 @@ def plot(results: dict, png: str) -> None:
         bars = ax.bar([x + (i - 0.5) * width for x in range(len(names))], vals, width,
                       label="forward" if mode == "fwd" else "forward + backward")
         ax.bar_label(bars, fmt="%.0f", fontsize=8)
-    ax.set_xticks(range(len(names)), ["fastattn\ncold cache", "fastattn\nwarm cache", "PyTorch\ncuDNN", "PyTorch\nflash"])
+    ax.set_xticks(range(len(names)), [labels[n] for n in names])
     ax.set_ylabel("ms to first outputs of 8 shapes")
     dev = results.get("device", {}).get("name", "GPU")
     ax.set_title(f"Cold start, 8 prefill shapes (1x32xSx128 bf16 causal), {dev}, {results['date']}")
