@@ -8,6 +8,7 @@ FAKE_BUILD_SECONDS: how long a build takes (default 0.01).
 
 import hashlib
 import os
+import signal
 import time
 
 from fastattn.errors import CorruptPlanError, NotSupportedError
@@ -42,6 +43,8 @@ def build_plan(cfg, device):
     with open(os.environ.get("FAKE_BUILD_LOG", os.devnull), "a") as f:
         f.write(f"{os.getpid()} {cfg.to_json()}\n")
     time.sleep(float(os.environ.get("FAKE_BUILD_SECONDS", "0.01")))
+    if cfg.head_dim_qk == 72:  # stands for a config that crashes cuDNN
+        os.kill(os.getpid(), signal.SIGSEGV)
     if cfg.head_dim_qk == 1024:
         raise NotSupportedError("forward: fake cuDNN refuses head_dim_qk=1024")
     return FakePlan(cfg, device, _blob(cfg, "forward"), _blob(cfg, "backward") if cfg.training else None)

@@ -1,0 +1,204 @@
+"""Config files: lists of AttentionConfigs and sweeps over their fields, in JSON or TOML.
+
+A file holds {"configs": [entry, ...]} (TOML: [[configs]] tables). Each entry maps
+AttentionConfig fields to values; a field may also be swept:
+
+  a list          [1, 8]                           every value in turn
+  a range         {"from": 256, "to": 4096, "step": 256}     inclusive
+  a doubling      {"from": 512, "to": 8192, "times": 2}      512, 1024, ... 8192
+
+and the entry stands for every combination (the cartesian product). `window` is a
+pair, so a sweep over windows is a list of pairs. Errors name the file, the entry
+(and its line in JSON files) and the field.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import sys
+from typing import Any, Mapping
+
+from .config import AttentionConfig
+from .errors import InvalidArgumentError
+
+__all__ = ["load_configs", "expand_entry", "builtin_configs", "describe_config", "MAX_CONFIGS"]
+
+MAX_CONFIGS = 100_000  # a sweep that expands past this is almost certainly a typo
+
+
+def _range(where: str, spec: Mapping[str, Any]) -> list[int]:
+    keys = set(spec)
+    if not ({"from", "to"} <= keys and keys <= {"from", "to", "step", "times"} and len(keys & {"step", "times"}) <= 1):
+        raise InvalidArgumentError(f"{where}={dict(spec)!r}: a range is {{from, to, step}} or {{from, to, times}}")
+    start, stop = spec["from"], spec["to"]
+    step, times = spec.get("step"), spec.get("times")
+    for name, v in (("from", start), ("to", stop), ("step", step), ("times", times)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
+            raise InvalidArgumentError(f"{where}.{name}={v!r}: must be an integer")
+    if start > stop:
+        raise InvalidArgumentError(f"{where}: from={start} is greater than to={stop}")
+    if times is not None:
+        if times < 2 or start < 1:
+            raise InvalidArgumentError(f"{where}: times must be >= 2 and from >= 1")
+        out, v = [], start
+        while v <= stop:
+            out.append(v)
+            v *= times
+        return out
+    step = 1 if step is None else step
+    if step < 1:
+        raise InvalidArgumentError(f"{where}.step={step!r}: must be >= 1")
+    if (stop - start) // step + 1 > MAX_CONFIGS:
+        raise InvalidArgumentError(f"{where}: the range has more than {MAX_CONFIGS} values")
+    return list(range(start, stop + 1, step))
+
+
+def _values(field: str, value: Any, where: str) -> list[Any]:
+    """The values one field of an entry sweeps over."""
+    if field == "window":  # a pair, or a list of pairs
+        if isinstance(value, list) and value and all(isinstance(w, (list, tuple)) for w in value):
+            return [tuple(w) for w in value]
+        return [tuple(value) if isinstance(value, list) else value]
+    if field == "layout":  # a name or explicit strides, or a list of those
+        if isinstance(value, list) and all(isinstance(v, (str, Mapping)) for v in value):
+            return value
+        return [value]
+    if isinstance(value, Mapping):
+        return _range(f"{where}.{field}", value)
+    if isinstance(value, list):
+        return value
+    return [value]
+
+
+def expand_entry(entry: Mapping[str, Any], where: str = "entry") -> list[AttentionConfig]:
+    """Every config one entry stands for, validated."""
+    if not isinstance(entry, Mapping):
+        raise InvalidArgumentError(f"{where}: must be a table/object of AttentionConfig fields, got {entry!r}")
+    axes: list[tuple[str, list[Any]]] = []
+    for field, value in entry.items():
+        values = _values(field, value, where)
+        if not values:
+            raise InvalidArgumentError(f"{where}.{field}: an empty list sweeps nothing")
+        axes.append((field, values))
+    total = 1
+    for _, values in axes:
+        total *= len(values)
+    if total > MAX_CONFIGS:
+        raise InvalidArgumentError(f"{where}: expands to {total} configs (more than {MAX_CONFIGS})")
+    out = []
+    names = [name for name, _ in axes]
+    for combo in itertools.product(*(values for _, values in axes)):
+        try:
+            out.append(AttentionConfig.from_dict(dict(zip(names, combo))))
+        except InvalidArgumentError as e:
+            raise InvalidArgumentError(f"{where}: {e}") from None
+    return out
+
+
+def _json_entry_lines(text: str, count: int) -> list[int | None]:
+    """Best effort: the line where each entry of "configs" starts, for error messages."""
+    lines: list[int | None] = []
+    decoder = json.JSONDecoder()
+    at = text.find("[", text.find('"configs"'))
+    if at < 0:
+        return [None] * count
+    pos = at + 1
+    for _ in range(count):
+        while pos < len(text) and text[pos] in " \t\r\n,":
+            pos += 1
+        lines.append(text.count("\n", 0, pos) + 1)
+        try:
+            _, pos = decoder.raw_decode(text, pos)
+        except json.JSONDecodeError:
+            lines.extend([None] * (count - len(lines)))
+            break
+    return lines
+
+
+def _parse(path: str) -> tuple[Any, list[int | None] | None]:
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError as e:
+        raise InvalidArgumentError(f"{path}: {e.strerror}") from None
+    if path.endswith(".toml"):
+        if sys.version_info >= (3, 11):
+            import tomllib
+        else:  # pragma: no cover - Python 3.10
+            import tomli as tomllib
+        try:
+            return tomllib.loads(raw.decode("utf-8")), None
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+            raise InvalidArgumentError(f"{path}: not valid TOML: {e}") from None
+    try:
+        text = raw.decode("utf-8")
+        data = json.loads(text)
+    except UnicodeDecodeError as e:
+        raise InvalidArgumentError(f"{path}: not UTF-8: {e}") from None
+    except json.JSONDecodeError as e:
+        raise InvalidArgumentError(f"{path}:{e.lineno}:{e.colno}: not valid JSON: {e.msg}") from None
+    count = len(data.get("configs", [])) if isinstance(data, dict) and isinstance(data.get("configs"), list) else 0
+    return data, _json_entry_lines(text, count)
+
+
+def load_configs(path: str) -> list[AttentionConfig]:
+    """The configs a JSON (.json) or TOML (.toml) file describes, sweeps expanded,
+    duplicates dropped, in file order."""
+    data, lines = _parse(path)
+    if isinstance(data, list):
+        data = {"configs": data}
+    if not isinstance(data, dict) or not isinstance(data.get("configs"), list):
+        raise InvalidArgumentError(f"{path}: expected a top-level \"configs\" list (TOML: [[configs]] tables)")
+    unknown = sorted(set(data) - {"configs"})
+    if unknown:
+        raise InvalidArgumentError(f"{path}: unknown top-level key {unknown[0]!r}")
+    out: dict[AttentionConfig, None] = {}
+    for i, entry in enumerate(data["configs"]):
+        line = lines[i] if lines else None
+        where = f"{path}:{line}: configs[{i}]" if line else f"{path}: configs[{i}]"
+        for cfg in expand_entry(entry, where):
+            out.setdefault(cfg, None)
+        if len(out) > MAX_CONFIGS:
+            raise InvalidArgumentError(f"{path}: more than {MAX_CONFIGS} configs")
+    return list(out)
+
+
+# Attention shapes of widely used open models: (name, heads_q, heads_kv, head_dim_qk, head_dim_v).
+BUILTIN_MODELS = (
+    ("llama-3-8b / mistral-7b / mixtral-8x7b", 32, 8, 128, 128),
+    ("llama-3-70b / qwen2.5-72b", 64, 8, 128, 128),
+    ("qwen2.5-7b", 28, 4, 128, 128),
+    ("qwen2.5-32b", 40, 8, 128, 128),
+    ("gemma-2-9b", 16, 8, 256, 256),
+    ("phi-3-mini", 32, 32, 96, 96),
+    ("gpt-2 / bert-base", 12, 12, 64, 64),
+    ("deepseek-v2-lite (mla, no rope split)", 16, 16, 192, 128),
+)
+BUILTIN_SEQLENS = (512, 1024, 2048, 4096, 8192)
+
+
+def builtin_configs() -> list[AttentionConfig]:
+    """The set `fastattn warm` uses with no file: causal bf16 prefill (batch 1) of the
+    models above over typical sequence lengths, inference and training."""
+    out = []
+    for _, hq, hkv, dqk, dv in BUILTIN_MODELS:
+        for s, training in itertools.product(BUILTIN_SEQLENS, (False, True)):
+            out.append(AttentionConfig(batch=1, heads_q=hq, heads_kv=hkv, seqlen_q=s, head_dim_qk=dqk, head_dim_v=dv,
+                                       dtype="bf16", mask="causal", training=training))
+    return out
+
+
+def describe_config(cfg: AttentionConfig) -> str:
+    """One short line for tables and progress."""
+    heads = f"{cfg.heads_q}/{cfg.heads_kv}h" if cfg.heads_kv != cfg.heads_q else f"{cfg.heads_q}h"
+    dims = f"d{cfg.head_dim_qk}" + (f"/{cfg.head_dim_v}" if cfg.head_dim_v != cfg.head_dim_qk else "")
+    seq = f"s{cfg.seqlen_q}" + (f"/{cfg.seqlen_kv}" if cfg.seqlen_kv != cfg.seqlen_q else "")
+    extra = [cfg.dtype, cfg.mask]
+    if cfg.window != (-1, -1):
+        extra.append(f"win{cfg.window[0]},{cfg.window[1]}")
+    if not isinstance(cfg.layout, str) or cfg.layout != "bshd":
+        extra.append(cfg.layout if isinstance(cfg.layout, str) else "strided")
+    if cfg.training:
+        extra.append("train" + ("/det" if cfg.deterministic else ""))
+    return f"b{cfg.batch} {heads} {seq} {dims} " + " ".join(extra)

@@ -1,0 +1,192 @@
+"""Pre-warming the persistent cache for many configs, in parallel worker processes.
+
+Each worker is a fresh Python process (`python -m fastattn._warm_worker`) that loads or
+builds one config at a time through fastattn.probe, which stores what it builds. A
+crash inside cuDNN (reported for some backward plans) kills only its worker: that
+config is reported failed with the signal, a new worker takes its place, and the run
+goes on.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+from .config import AttentionConfig
+from .errors import InvalidArgumentError
+
+__all__ = ["WarmItem", "WarmReport", "warm"]
+
+STATUSES = ("loaded", "built", "unsupported", "failed")
+
+
+@dataclass
+class WarmItem:
+    config: AttentionConfig
+    status: str = "pending"  # loaded, built, unsupported, failed
+    seconds: float = 0.0
+    reason: str = ""  # cuDNN's reason, or what failed
+    forward_engine: str = ""
+    backward_engine: str = ""
+    error_type: str = ""  # the exception class or signal of a failure
+
+    def to_dict(self) -> dict:
+        return {"config": self.config.to_dict(), "status": self.status, "seconds": self.seconds, "reason": self.reason,
+                "forward_engine": self.forward_engine, "backward_engine": self.backward_engine,
+                "error_type": self.error_type}
+
+
+@dataclass
+class WarmReport:
+    items: list[WarmItem]
+    seconds: float
+    workers: int
+    counts: dict[str, int] = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return {"seconds": self.seconds, "workers": self.workers, "counts": self.counts,
+                "items": [i.to_dict() for i in self.items]}
+
+
+class _Worker:
+    def __init__(self, device: int | None, log_dir: str, index: int):
+        self.log_path = os.path.join(log_dir, f"worker-{index}.log")
+        self.log = open(self.log_path, "ab")
+        cmd = [sys.executable, "-m", "fastattn._warm_worker"] + ([] if device is None else ["--device", str(device)])
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, bufsize=0)
+        self.buffer = b""
+        self.item: WarmItem | None = None
+        self.started = 0.0
+
+    def send(self, item: WarmItem) -> None:
+        self.item, self.started = item, time.perf_counter()
+        self.proc.stdin.write((item.config.to_json() + "\n").encode())
+
+    def close(self) -> None:
+        try:
+            self.proc.stdin.close()
+        except OSError:
+            pass
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+
+    def tail(self, lines: int = 5) -> str:
+        try:
+            with open(self.log_path, "rb") as f:
+                return b"\n".join(f.read().splitlines()[-lines:]).decode("utf-8", "replace")
+        except OSError:
+            return ""
+
+
+def _apply(item: WarmItem, msg: dict, elapsed: float) -> None:
+    item.seconds = elapsed
+    if "error" in msg:
+        item.status, item.error_type, item.reason = "failed", msg["error"], msg.get("message", "")
+        return
+    item.forward_engine, item.backward_engine = msg.get("forward_engine", ""), msg.get("backward_engine", "")
+    if not msg["supported"]:
+        item.status, item.reason = "unsupported", msg.get("reason", "")
+    else:
+        item.status = "loaded" if msg.get("source") in ("disk", "memory") else "built"
+
+
+def _crashed(item: WarmItem, worker: _Worker, elapsed: float) -> None:
+    rc = worker.proc.wait()
+    item.seconds = elapsed
+    item.status = "failed"
+    if rc < 0:
+        name = signal.Signals(-rc).name if -rc in signal.valid_signals() else f"signal {-rc}"
+        item.error_type, item.reason = name, f"the worker process was killed by {name}"
+    else:
+        item.error_type, item.reason = "exit", f"the worker process exited with code {rc}"
+    tail = worker.tail()
+    if tail:
+        item.reason += f"; its last output: {tail}"
+
+
+def warm(
+    configs: Sequence[AttentionConfig],
+    *,
+    workers: int | None = None,
+    device: int | None = None,
+    progress: Callable[[int, int, WarmItem], None] | None = None,
+) -> WarmReport:
+    """Loads or builds every config in `workers` processes (default: up to 8, at most
+    one per config), storing what is built in the persistent cache. Never raises for
+    a config: refusals and failures are in the report."""
+    if workers is None:
+        workers = min(8, os.cpu_count() or 1)
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise InvalidArgumentError(f"workers={workers!r}: must be an integer >= 1")
+    items = [WarmItem(AttentionConfig.coerce(c)) for c in configs]
+    t0 = time.perf_counter()
+    todo = list(reversed(items))
+    done = 0
+    sel = selectors.DefaultSelector()
+    with tempfile.TemporaryDirectory(prefix="fastattn-warm-") as log_dir:
+        pool: list[_Worker] = []
+        spawned = 0
+
+        def start_worker() -> None:
+            nonlocal spawned
+            w = _Worker(device, log_dir, spawned)
+            spawned += 1
+            pool.append(w)
+            sel.register(w.proc.stdout, selectors.EVENT_READ, w)
+            feed(w)
+
+        def feed(w: _Worker) -> None:
+            if todo:
+                try:
+                    w.send(todo.pop())
+                except (BrokenPipeError, OSError):
+                    pass  # it died before reading: the EOF below reports it
+            else:
+                w.item = None
+                retire(w)
+
+        def retire(w: _Worker) -> None:
+            sel.unregister(w.proc.stdout)
+            pool.remove(w)
+            w.close()
+
+        for _ in range(min(workers, len(items))):
+            start_worker()
+        while pool:
+            for key, _ in sel.select(timeout=1.0):
+                w: _Worker = key.data
+                chunk = os.read(w.proc.stdout.fileno(), 1 << 16)
+                if not chunk:  # the worker died
+                    item = w.item
+                    retire(w)
+                    if item is not None:
+                        _crashed(item, w, time.perf_counter() - w.started)
+                        done += 1
+                        if progress:
+                            progress(done, len(items), item)
+                    if todo:
+                        start_worker()
+                    continue
+                w.buffer += chunk
+                while b"\n" in w.buffer and w.item is not None:
+                    line, w.buffer = w.buffer.split(b"\n", 1)
+                    item = w.item
+                    _apply(item, json.loads(line), time.perf_counter() - w.started)
+                    done += 1
+                    if progress:
+                        progress(done, len(items), item)
+                    feed(w)
+    counts = {s: sum(1 for i in items if i.status == s) for s in STATUSES}
+    return WarmReport(items, time.perf_counter() - t0, workers, counts)

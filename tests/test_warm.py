@@ -1,0 +1,134 @@
+"""Config files, sweep expansion and the parallel warm run (worker processes with the
+fake core on the CPU)."""
+
+import json
+import os
+
+import pytest
+
+from fastattn import AttentionConfig, InvalidArgumentError, sweep, warm
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def write(tmp_path, name, text):
+    p = tmp_path / name
+    p.write_text(text)
+    return str(p)
+
+
+def test_json_and_toml_sweeps_expand_alike(tmp_path):
+    j = write(tmp_path, "s.json", json.dumps({"configs": [
+        {"batch": [1, 2], "heads_q": 32, "heads_kv": 8, "seqlen_q": {"from": 512, "to": 2048, "times": 2},
+         "head_dim_qk": 128, "mask": ["none", "causal"]},
+        {"batch": 1, "heads_q": 8, "seqlen_q": {"from": 100, "to": 300, "step": 100}, "head_dim_qk": 64,
+         "window": [[16, 0], [32, 0]], "mask": "causal", "layout": ["bshd", "bhsd"]},
+    ]}))
+    t = write(tmp_path, "s.toml", """
+[[configs]]
+batch = [1, 2]
+heads_q = 32
+heads_kv = 8
+seqlen_q = { from = 512, to = 2048, times = 2 }
+head_dim_qk = 128
+mask = ["none", "causal"]
+
+[[configs]]
+batch = 1
+heads_q = 8
+seqlen_q = { from = 100, to = 300, step = 100 }
+head_dim_qk = 64
+window = [[16, 0], [32, 0]]
+mask = "causal"
+layout = ["bshd", "bhsd"]
+""")
+    a, b = sweep.load_configs(j), sweep.load_configs(t)
+    assert a == b and len(a) == 2 * 3 * 2 + 3 * 2 * 2
+    assert {c.seqlen_q for c in a[:12]} == {512, 1024, 2048}
+    assert {c.window for c in a[12:]} == {(16, -1), (32, -1)} and {c.layout for c in a[12:]} == {"bshd", "bhsd"}
+
+
+def test_duplicates_are_dropped_in_order(tmp_path):
+    p = write(tmp_path, "d.json", json.dumps([
+        {"batch": 1, "heads_q": 8, "seqlen_q": 64, "head_dim_qk": 64},
+        {"batch": [2, 1], "heads_q": 8, "seqlen_q": 64, "head_dim_qk": 64, "dtype": "bfloat16"},
+    ]))
+    assert [c.batch for c in sweep.load_configs(p)] == [1, 2]
+
+
+@pytest.mark.parametrize("text,match", [
+    ('{"configs": [{"batch": 1,\n "heads_q": }]}', r"d\.json:2:\d+: not valid JSON"),
+    ('{"configs": [\n  {"batch": 1, "heads_q": 8, "seqlen_q": 64, "head_dim_qk": 64},\n'
+     '  {"batch": 0, "heads_q": 8, "seqlen_q": 64, "head_dim_qk": 64}\n]}', r"d\.json:3: configs\[1\]: batch=0"),
+    ('{"configs": [{"batch": 1, "heads_q": 8, "seqlen_q": {"from": 9, "to": 1}, "head_dim_qk": 64}]}',
+     r"configs\[0\]\.seqlen_q: from=9 is greater than to=1"),
+    ('{"configs": [{"batch": 1, "heads_q": 8, "seqlen_q": {"start": 1}, "head_dim_qk": 64}]}', r"a range is"),
+    ('{"configs": [{"batch": [], "heads_q": 8, "seqlen_q": 64, "head_dim_qk": 64}]}', r"configs\[0\]\.batch: an empty"),
+    ('{"config": []}', r'expected a top-level "configs" list'),
+    ('{"configs": [], "extra": 1}', r"unknown top-level key 'extra'"),
+    ('{"configs": [{"batch": 1, "heads_q": 8, "seqlen": 64, "head_dim_qk": 64}]}', r"seqlen=64: is not a field"),
+    ('{"configs": [{"batch": {"from": 1, "to": 1000}, "heads_q": 8, "seqlen_q": {"from": 1, "to": 1000},'
+     ' "head_dim_qk": 64}]}', r"expands to"),
+])
+def test_file_errors_point_at_file_line_and_field(tmp_path, text, match):
+    with pytest.raises(InvalidArgumentError, match=match):
+        sweep.load_configs(write(tmp_path, "d.json", text))
+
+
+def test_toml_syntax_error_names_the_file(tmp_path):
+    with pytest.raises(InvalidArgumentError, match=r"t\.toml: not valid TOML"):
+        sweep.load_configs(write(tmp_path, "t.toml", "[[configs]]\nbatch = \n"))
+    with pytest.raises(InvalidArgumentError, match=r"nope\.json: No such file"):
+        sweep.load_configs(str(tmp_path / "nope.json"))
+
+
+def test_builtin_set_is_valid_and_varied():
+    configs = sweep.builtin_configs()
+    assert len(configs) == len(set(configs)) >= 64
+    assert {c.head_dim_qk for c in configs} >= {64, 128, 256}
+    assert any(c.heads_kv < c.heads_q for c in configs) and any(c.heads_kv == c.heads_q for c in configs)
+
+
+@pytest.fixture
+def fake_workers(tmp_path, monkeypatch):
+    """Worker processes that use tests/fake_core.py instead of cuDNN."""
+    monkeypatch.setenv("FASTATTN_TEST_FAKE_CORE", "1")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        p for p in (os.path.join(HERE, "fake_site"), HERE, os.environ.get("PYTHONPATH")) if p))
+    monkeypatch.setenv("FASTATTN_CACHE_DIR", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def cfgs(*seqlens, **kw):
+    base = dict(batch=1, heads_q=8, head_dim_qk=64, mask="causal")
+    return [AttentionConfig(**{**base, "seqlen_q": s, **kw}) for s in seqlens]
+
+
+def test_warm_builds_then_loads_and_survives_a_crash(fake_workers):
+    configs = cfgs(128, 256, 384, 512) + cfgs(128, head_dim_qk=1024) + cfgs(128, head_dim_qk=72) + cfgs(640, 768)
+    seen = []
+    report = warm.warm(configs, workers=3, progress=lambda done, total, item: seen.append((done, total)))
+    by_status = {i.config: i for i in report.items}
+    crashed = by_status[configs[5]]
+    assert crashed.status == "failed" and crashed.error_type == "SIGSEGV" and "SIGSEGV" in crashed.reason
+    assert by_status[configs[4]].status == "unsupported" and "1024" in by_status[configs[4]].reason
+    assert report.counts == {"built": 6, "loaded": 0, "unsupported": 1, "failed": 1}
+    assert [d for d, _ in seen] == list(range(1, 9)) and all(t == 8 for _, t in seen)
+    again = warm.warm(configs, workers=2)
+    assert again.counts == {"built": 0, "loaded": 6, "unsupported": 1, "failed": 1}
+    assert {i.status for i in again.items if i.config.head_dim_qk == 64} == {"loaded"}
+
+
+def test_warm_reports_a_missing_gpu_stack_per_config(tmp_path, monkeypatch):
+    monkeypatch.setenv("FASTATTN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("FASTATTN_CUDNN_PATH", "/nonexistent/libcudnn.so.9")
+    report = warm.warm(cfgs(128, 256), workers=2)
+    assert report.counts["failed"] == 2
+    assert {i.error_type for i in report.items} == {"LibraryError"}
+    assert all("FASTATTN_CUDNN_PATH" in i.reason for i in report.items)
+
+
+def test_warm_rejects_bad_worker_counts():
+    with pytest.raises(InvalidArgumentError, match="^workers=0"):
+        warm.warm([], workers=0)
+    assert warm.warm([], workers=2).items == []
