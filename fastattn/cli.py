@@ -3,9 +3,14 @@
     fastattn info [--json]
     fastattn probe --batch 1 --heads-q 32 --seqlen-q 4096 --head-dim-qk 128 --mask causal [--json]
     fastattn probe --config cfg.json [--json]
+    fastattn warm [FILE] [--workers N] [--report report.json] [--json]
+    fastattn cache ls | show KEY | verify [--load] | prune [--max-bytes N] [--max-age 30d] | clear
+    fastattn cache export BUNDLE [--all] | import BUNDLE [--force]
 
-Exit codes: 0 success (probe: supported), 1 not supported by cuDNN, 2 bad input,
-3 no usable GPU stack (driver, CUDA or cuDNN missing, CUDA error).
+Every subcommand takes --json. Exit codes: 0 success (probe: supported), 1 not
+supported by cuDNN (warm: some configs), 2 bad input (flags, files, a refused bundle),
+3 no usable GPU stack (driver, CUDA or cuDNN missing, CUDA error), 4 some work failed
+(warm: a config crashed or errored; verify: damaged entries).
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from . import runtime
 from .config import DTYPES, LAYOUTS, MASKS, AttentionConfig
 from .errors import CudaError, CudnnError, FastAttnError, InvalidArgumentError, LibraryError
 
-EXIT_OK, EXIT_UNSUPPORTED, EXIT_BAD_INPUT, EXIT_NO_GPU = 0, 1, 2, 3
+EXIT_OK, EXIT_UNSUPPORTED, EXIT_BAD_INPUT, EXIT_NO_GPU, EXIT_FAILED = 0, 1, 2, 3, 4
 
 # flag name -> AttentionConfig field, for the fields given as plain integers
 _INT_FLAGS = {
@@ -60,7 +65,62 @@ def _parser() -> argparse.ArgumentParser:
     probe.add_argument("--deterministic", action="store_true", default=None)
     probe.add_argument("--device", type=int, default=None, help="CUDA device (default: current)")
     probe.add_argument("--json", action="store_true", help="print JSON")
+
+    warm = sub.add_parser("warm", help="load or build every config a file describes, and store them")
+    warm.add_argument("file", nargs="?", help="JSON or TOML config file with sweeps (default: built-in model shapes)")
+    warm.add_argument("--workers", type=int, default=None, help="worker processes (default: min(8, CPUs))")
+    warm.add_argument("--device", type=int, default=None)
+    warm.add_argument("--report", help="write the full report as JSON to this file")
+    warm.add_argument("--json", action="store_true", help="print the report as JSON")
+    warm.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    cache = sub.add_parser("cache", help="inspect and manage the persistent plan cache")
+    csub = cache.add_subparsers(dest="cache_command", required=True, parser_class=_Parser)
+    for name, text in (("ls", "list entries"), ("show", "print one entry's header"),
+                       ("verify", "check every entry's checksum (and, with --load, that it deserializes here)"),
+                       ("prune", "remove least-recently-used or old entries"), ("clear", "remove every entry"),
+                       ("export", "write entries to a bundle"), ("import", "add a bundle's entries")):
+        c = csub.add_parser(name, help=text)
+        c.add_argument("--json", action="store_true", help="print JSON")
+        if name == "show":
+            c.add_argument("key", help="an entry's key or a unique prefix of it")
+        if name == "verify":
+            c.add_argument("--load", action="store_true", help="also deserialize plans made for this GPU")
+        if name == "prune":
+            c.add_argument("--max-bytes", type=_size, help="keep at most this much (e.g. 500M, 2G)")
+            c.add_argument("--max-age", type=_age, help="remove entries unused for this long (e.g. 12h, 30d)")
+        if name == "export":
+            c.add_argument("bundle")
+            c.add_argument("--all", action="store_true", help="every entry, not only this GPU's and cuDNN's")
+        if name == "import":
+            c.add_argument("bundle")
+            c.add_argument("--force", action="store_true", help="import entries made for another GPU or cuDNN")
     return p
+
+
+def _size(text: str) -> int:
+    units = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+    t = text.strip().lower().removesuffix("b").removesuffix("i")
+    num, unit = (t[:-1], t[-1]) if t and t[-1] in units else (t, "")
+    try:
+        value = float(num) * units[unit]
+    except (ValueError, KeyError):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size (e.g. 500M, 2G)") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is negative")
+    return int(value)
+
+
+def _age(text: str) -> float:
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+    t = text.strip().lower()
+    try:
+        value = float(t[:-1]) * units[t[-1]] if t and t[-1] in units else float(t)
+    except (ValueError, KeyError):
+        raise argparse.ArgumentTypeError(f"{text!r} is not an age (e.g. 90s, 12h, 30d)") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is negative")
+    return value
 
 
 def _config_from_args(args: argparse.Namespace) -> AttentionConfig:
@@ -144,16 +204,22 @@ def _print_human(command: str, out: dict[str, Any]) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    from .cli_cache import cache_command, warm_command
+
+    handler = {"info": _info, "probe": _probe, "warm": warm_command, "cache": cache_command}[args.command]
     try:
-        code, out = (_info if args.command == "info" else _probe)(args)
+        code, out = handler(args)
     except InvalidArgumentError as e:
         return _fail(args, EXIT_BAD_INPUT, e)
     except (LibraryError, CudaError, CudnnError) as e:
         return _fail(args, EXIT_NO_GPU, e)
     except FastAttnError as e:  # pragma: no cover - a bug; still report it as data
         return _fail(args, EXIT_NO_GPU, e)
+    text = out.pop("_text", None)  # the human form, when a handler made one
     if args.json:
         print(json.dumps(out, indent=2, sort_keys=True))
+    elif text is not None:
+        print(text)
     else:
         _print_human(args.command, out)
     return code

@@ -358,19 +358,24 @@ def preload(configs: Iterable[Any] | None = None, *, device: int | None = None, 
     return future
 
 
+def cache_environment(device: int | None = None) -> dict[str, Any]:
+    """What a cache entry must have been made for to be used on `device` by this
+    process: GPU, versions, policy and build variables (a key's description minus
+    the config)."""
+    any_config = AttentionConfig(batch=1, heads_q=1, seqlen_q=1, head_dim_qk=8)
+    return store.environment_of(_description(any_config, _resolve_device(device)))
+
+
 def _configs_in_cache(device: int) -> list[AttentionConfig]:
     """The configs of every cache entry stored for this device's GPU and this
-    process's versions (the description, minus the config, must match)."""
-    probe_cfg = AttentionConfig(batch=1, heads_q=1, seqlen_q=1, head_dim_qk=8)
-    want = _description(probe_cfg, device)
-    want.pop("config")
+    process's versions."""
+    want = cache_environment(device)
     seen, out = set(), []
     for _, info in _the_cache().entries():
         desc = (info.header or {}).get("description")
         if not isinstance(desc, dict) or "config" not in desc:
             continue
-        rest = {k: v for k, v in desc.items() if k != "config"}
-        if rest != want:
+        if store.environment_of(desc) != want:
             continue
         try:
             cfg = AttentionConfig.from_dict(desc["config"])

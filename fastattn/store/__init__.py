@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Iterator, Mapping
 
 from ..errors import InvalidArgumentError
+from .bundle import ImportReport, environment_of, export_bundle, import_bundle
 from .disk import DiskStore, EntryInfo
 from .entry import Entry, EntryError
 from .keys import FORMAT_VERSION, build_env_vars, canonical_json, describe, key_of
@@ -38,6 +39,10 @@ __all__ = [
     "Entry",
     "EntryError",
     "EntryInfo",
+    "ImportReport",
+    "environment_of",
+    "export_bundle",
+    "import_bundle",
     "FORMAT_VERSION",
     "build_env_vars",
     "canonical_json",

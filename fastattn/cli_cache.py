@@ -1,0 +1,222 @@
+"""`fastattn warm` and `fastattn cache ...`: the command's pre-warming and cache management.
+
+Each handler returns (exit code, result dict); "_text" in the dict is the human form.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any
+
+from . import runtime, store, sweep
+from .config import AttentionConfig
+from .errors import CudaError, InvalidArgumentError, LibraryError
+from .store.entry import decode
+from .warm import WarmItem, warm
+
+EXIT_OK, EXIT_UNSUPPORTED, EXIT_BAD_INPUT, EXIT_NO_GPU, EXIT_FAILED = 0, 1, 2, 3, 4
+
+
+# -- warm ---------------------------------------------------------------------------------
+
+
+def _progress_bar(total: int):
+    if not sys.stderr.isatty():
+        return None
+    counts: dict[str, int] = {}
+
+    def draw(done: int, total_: int, item: WarmItem) -> None:
+        counts[item.status] = counts.get(item.status, 0) + 1
+        width = 30
+        filled = int(width * done / max(total_, 1))
+        summary = " ".join(f"{k} {v}" for k, v in sorted(counts.items()))
+        sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total_} {summary}   ")
+        if done == total_:
+            sys.stderr.write("\n")
+        sys.stderr.flush()
+
+    return draw
+
+
+def warm_command(args) -> tuple[int, dict[str, Any]]:
+    configs = sweep.load_configs(args.file) if args.file else sweep.builtin_configs()
+    report = warm(configs, workers=args.workers, device=args.device,
+                  progress=None if args.no_progress or args.json else _progress_bar(len(configs)))
+    out = report.to_dict()
+    out["source"] = args.file or "built-in model shapes"
+    if args.report:
+        import json
+
+        try:
+            with open(args.report, "w") as f:
+                json.dump(out, f, indent=2, sort_keys=True)
+        except OSError as e:
+            raise InvalidArgumentError(f"--report {args.report!r}: {e.strerror}") from None
+    c = report.counts
+    lines = [f"{'status':<12} {'seconds':>8}  config", "-" * 72]
+    for item in report.items:
+        lines.append(f"{item.status:<12} {item.seconds:8.3f}  {sweep.describe_config(item.config)}")
+        if item.status in ("unsupported", "failed"):
+            lines.append(f"{'':<22}{item.error_type + ': ' if item.error_type else ''}{item.reason[:300]}")
+    lines.append("-" * 72)
+    lines.append(f"{len(report.items)} configs in {report.seconds:.1f} s with {report.workers} workers: "
+                 f"loaded {c['loaded']}, built {c['built']}, unsupported {c['unsupported']}, failed {c['failed']}")
+    out["_text"] = "\n".join(lines)
+    failed = [i for i in report.items if i.status == "failed"]
+    if failed and all(i.error_type in ("LibraryError", "CudaError") for i in failed) and len(failed) == len(report.items):
+        return EXIT_NO_GPU, out
+    if failed:
+        return EXIT_FAILED, out
+    return (EXIT_UNSUPPORTED if c["unsupported"] else EXIT_OK), out
+
+
+# -- cache --------------------------------------------------------------------------------
+
+
+def _this_environment() -> dict[str, Any] | None:
+    """This machine's GPU and versions, or None when there is no usable GPU."""
+    try:
+        return runtime.cache_environment()
+    except (LibraryError, CudaError):
+        return None
+
+
+def _age(seconds: float) -> str:
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.0f}{unit}"
+    return f"{seconds:.0f}s"
+
+
+def _summary(header: dict | None) -> str:
+    if not header:
+        return "(unreadable header)"
+    desc = header.get("description") or {}
+    try:
+        cfg = sweep.describe_config(AttentionConfig.from_dict(desc["config"]))
+    except (KeyError, TypeError, InvalidArgumentError):
+        cfg = "(unknown config)"
+    gpu = (desc.get("gpu") or {}).get("name", "?")
+    return f"{header.get('kind', '?'):<11} {cfg}  [{gpu}, cuDNN {desc.get('cudnn', '?')}]"
+
+
+def cache_command(args) -> tuple[int, dict[str, Any]]:
+    cache = runtime._the_cache()
+    handler = {"ls": _ls, "show": _show, "verify": _verify, "prune": _prune, "clear": _clear,
+               "export": _export, "import": _import}[args.cache_command]
+    return handler(args, cache)
+
+
+def _ls(args, cache) -> tuple[int, dict[str, Any]]:
+    now = time.time()
+    rows = []
+    for tier, info in cache.entries():
+        rows.append({"key": info.key, "directory": tier.root, "size": info.size, "created": info.created,
+                     "last_used": info.last_used, "kind": (info.header or {}).get("kind"),
+                     "config": ((info.header or {}).get("description") or {}).get("config"),
+                     "summary": _summary(info.header)})
+    lines = [f"{'key':<16} {'size':>9} {'age':>5} {'used':>5}  kind        config"]
+    for r in rows:
+        lines.append(f"{r['key'][:16]} {r['size']:>9} {_age(now - r['created']):>5} {_age(now - r['last_used']):>5}"
+                     f"  {r['summary']}")
+    total = sum(r["size"] for r in rows)
+    lines.append(f"{len(rows)} entries, {total} bytes, in {', '.join(t.root for t in cache.tiers) or '(cache off)'}")
+    return EXIT_OK, {"entries": rows, "total_bytes": total, "_text": "\n".join(lines)}
+
+
+def _find(cache, prefix: str):
+    prefix = prefix.lower()
+    matches = [(t, i) for t, i in cache.entries() if i.key.startswith(prefix)]
+    keys = {i.key for _, i in matches}
+    if not prefix or len(keys) != 1:
+        what = "no entry" if not keys else f"{len(keys)} entries"
+        raise InvalidArgumentError(f"key {prefix!r}: {what} match; give more of the key (fastattn cache ls)")
+    return matches[0]
+
+
+def _show(args, cache) -> tuple[int, dict[str, Any]]:
+    tier, info = _find(cache, args.key)
+    import json
+
+    out = {"key": info.key, "path": info.path, "size": info.size, "header": info.header}
+    return EXIT_OK, {**out, "_text": json.dumps(out, indent=2, sort_keys=True)}
+
+
+def _verify(args, cache) -> tuple[int, dict[str, Any]]:
+    env = _this_environment() if args.load else None
+    if args.load and env is None:
+        raise LibraryError("cache verify --load needs a usable GPU; run without --load to check checksums only")
+    rows = []
+    for tier, info in cache.entries():
+        row = {"key": info.key, "path": info.path, "status": "ok", "reason": ""}
+        try:
+            with open(info.path, "rb") as f:
+                entry = decode(f.read(), expected_key=info.key)
+        except (OSError, store.EntryError) as e:
+            row.update(status="damaged", reason=str(e))
+            rows.append(row)
+            continue
+        if args.load and entry.kind == "plan":
+            if store.environment_of(entry.description) != env:
+                row.update(status="skipped", reason="made for another GPU or cuDNN")
+            else:
+                row.update(_load(entry))
+        rows.append(row)
+    bad = [r for r in rows if r["status"] in ("damaged", "does not load")]
+    lines = [f"{r['key'][:16]} {r['status']:<14} {r['reason']}" for r in rows]
+    lines.append(f"{len(rows)} entries: {len(rows) - len(bad)} good, {len(bad)} bad")
+    return (EXIT_FAILED if bad else EXIT_OK), {"entries": rows, "bad": len(bad), "_text": "\n".join(lines)}
+
+
+def _load(entry) -> dict[str, str]:
+    from .errors import CorruptPlanError
+
+    try:
+        cfg = AttentionConfig.from_dict(entry.description["config"])
+        runtime._core().load_plan(cfg, runtime._resolve_device(None), entry.blobs.get("forward", b""),
+                                  entry.blobs.get("backward"))
+    except (CorruptPlanError, InvalidArgumentError, KeyError) as e:
+        return {"status": "does not load", "reason": str(e)}
+    return {"status": "ok (loads)"}
+
+
+def _prune(args, cache) -> tuple[int, dict[str, Any]]:
+    if cache.main is None:
+        raise InvalidArgumentError("the cache is off (FASTATTN_CACHE_MODE=off)")
+    if args.max_bytes is None and args.max_age is None:
+        raise InvalidArgumentError("cache prune needs --max-bytes or --max-age")
+    removed = cache.main.prune(max_bytes=args.max_bytes, max_age=args.max_age)
+    return EXIT_OK, {"removed": removed, "_text": f"removed {removed} entries from {cache.main.root}"}
+
+
+def _clear(args, cache) -> tuple[int, dict[str, Any]]:
+    if cache.main is None:
+        raise InvalidArgumentError("the cache is off (FASTATTN_CACHE_MODE=off)")
+    removed = cache.main.clear()
+    return EXIT_OK, {"removed": removed, "_text": f"removed {removed} entries from {cache.main.root}"}
+
+
+def _export(args, cache) -> tuple[int, dict[str, Any]]:
+    keep = None
+    if not args.all:
+        env = _this_environment()
+        if env is None:
+            raise InvalidArgumentError("no usable GPU here to choose entries by: use --all to export every entry")
+        keep = lambda description: store.environment_of(description) == env  # noqa: E731
+    try:
+        count = store.export_bundle(cache.tiers, args.bundle, keep=keep)
+    except OSError as e:
+        raise InvalidArgumentError(f"{args.bundle}: {e.strerror}") from None
+    return EXIT_OK, {"exported": count, "bundle": args.bundle, "_text": f"exported {count} entries to {args.bundle}"}
+
+
+def _import(args, cache) -> tuple[int, dict[str, Any]]:
+    if cache.main is None or not cache.main.writable:
+        raise InvalidArgumentError(f"the cache is not writable (FASTATTN_CACHE_MODE={cache.settings.mode})")
+    report = store.import_bundle(args.bundle, cache.main, environment=_this_environment(), force=args.force)
+    out = {"imported": report.imported, "already_present": report.already_present,
+           "mismatched_forced": len(report.mismatched) if args.force else 0}
+    out["_text"] = (f"imported {report.imported} entries into {cache.main.root}"
+                    + (f" ({len(report.mismatched)} made for another GPU or cuDNN, forced)" if report.mismatched else ""))
+    return EXIT_OK, out

@@ -1,0 +1,249 @@
+"""`fastattn warm` and `fastattn cache ...` on synthetic entries (tests/fake_core.py
+stands in for cuDNN), bundles included."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import tarfile
+
+import pytest
+
+import fastattn
+from fastattn import cli, runtime, store
+
+import fake_core
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+BASE = dict(batch=1, heads_q=8, head_dim_qk=64, mask="causal")
+
+
+@pytest.fixture
+def env(tmp_path, monkeypatch):
+    monkeypatch.setenv("FASTATTN_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(runtime, "_core", lambda: fake_core)
+    monkeypatch.setattr(fake_core, "GPU_NAME", ["NVIDIA H200"])
+    runtime.clear()
+    runtime._device_descriptions.clear()
+    yield tmp_path
+    runtime.clear()
+    runtime._device_descriptions.clear()
+
+
+def fill(n=3):
+    for s in range(n):
+        fastattn.plan({**BASE, "seqlen_q": 128 * (s + 1)})
+    fastattn.probe({**BASE, "seqlen_q": 128, "head_dim_qk": 1024})
+
+
+def run(argv, capsys):
+    code = cli.main(argv)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def run_json(argv, capsys):
+    code, out, err = run(argv + ["--json"], capsys)
+    return code, json.loads(out)
+
+
+def test_ls_and_show(env, capsys):
+    fill()
+    code, body = run_json(["cache", "ls"], capsys)
+    assert code == 0 and len(body["entries"]) == 4
+    assert sorted(e["kind"] for e in body["entries"]) == ["plan"] * 3 + ["unsupported"]
+    assert {e["config"]["seqlen_q"] for e in body["entries"]} == {128, 256, 384}
+    code, text, _ = run(["cache", "ls"], capsys)
+    assert "b1 8h s256 d64 bf16 causal" in text and "4 entries" in text
+    key = body["entries"][0]["key"]
+    code, shown = run_json(["cache", "show", key[:10]], capsys)
+    assert code == 0 and shown["key"] == key and shown["header"]["description"]["gpu"]["name"] == "NVIDIA H200"
+    code, out, err = run(["cache", "show", "zz"], capsys)
+    assert code == cli.EXIT_BAD_INPUT and "no entry" in err
+    code, out, err = run(["cache", "show", ""], capsys)
+    assert code == cli.EXIT_BAD_INPUT
+
+
+def test_verify_finds_damage(env, capsys):
+    fill()
+    assert run_json(["cache", "verify"], capsys)[0] == 0
+    victim = next(store.DiskStore(str(env / "cache")).entries())
+    with open(victim.path, "r+b") as f:
+        f.seek(victim.size - 3)
+        f.write(b"zzz")
+    code, body = run_json(["cache", "verify"], capsys)
+    assert code == cli.EXIT_FAILED and body["bad"] == 1
+    assert [e["status"] for e in body["entries"] if e["key"] == victim.key] == ["damaged"]
+
+
+def test_verify_load_uses_the_core(env, capsys):
+    fill()
+    code, body = run_json(["cache", "verify", "--load"], capsys)
+    assert code == 0 and {e["status"] for e in body["entries"]} == {"ok", "ok (loads)"}
+
+
+def test_prune_and_clear(env, capsys):
+    fill()
+    code, body = run_json(["cache", "prune", "--max-bytes", "1"], capsys)
+    assert code == 0 and body["removed"] == 4
+    runtime.clear()  # a new process: the plans are rebuilt and stored again
+    fill()
+    assert run_json(["cache", "prune", "--max-age", "1d"], capsys) == (0, {"removed": 0})
+    assert run(["cache", "prune"], capsys)[0] == cli.EXIT_BAD_INPUT
+    with pytest.raises(SystemExit) as e:
+        cli.main(["cache", "prune", "--max-age", "soon"])
+    assert e.value.code == cli.EXIT_BAD_INPUT and "not an age" in capsys.readouterr().err
+    assert run_json(["cache", "clear"], capsys) == (0, {"removed": 4})
+    assert run_json(["cache", "ls"], capsys)[1]["entries"] == []
+
+
+def _new_process(cache_dir, monkeypatch):
+    monkeypatch.setenv("FASTATTN_CACHE_DIR", str(cache_dir))
+    runtime.clear()
+    runtime._device_descriptions.clear()
+
+
+def test_bundle_round_trip_then_zero_builds(env, capsys, monkeypatch):
+    fill()
+    bundle = str(env / "b.tar.gz")
+    assert run_json(["cache", "export", bundle], capsys) == (0, {"exported": 4, "bundle": bundle})
+    _new_process(env / "other", monkeypatch)
+    code, body = run_json(["cache", "import", bundle], capsys)
+    assert code == 0 and body["imported"] == 4
+    _new_process(env / "other", monkeypatch)
+    for s in range(3):
+        fastattn.plan({**BASE, "seqlen_q": 128 * (s + 1)})
+    assert not fastattn.probe({**BASE, "seqlen_q": 128, "head_dim_qk": 1024}).supported
+    assert fastattn.stats()["builds"] == 0 and fastattn.stats()["disk_hits"] == 3
+
+
+def test_export_only_this_gpus_entries_unless_all(env, capsys, monkeypatch):
+    fill(2)
+    monkeypatch.setattr(fake_core, "GPU_NAME", ["Another GPU"])
+    _new_process(env / "cache", monkeypatch)
+    fastattn.plan({**BASE, "seqlen_q": 999})
+    bundle = str(env / "b.tar.gz")
+    assert run_json(["cache", "export", bundle], capsys)[1]["exported"] == 1
+    assert run_json(["cache", "export", bundle, "--all"], capsys)[1]["exported"] == 4
+
+
+def test_import_refuses_another_gpu_unless_forced(env, capsys, monkeypatch):
+    fill()
+    bundle = str(env / "b.tar.gz")
+    run_json(["cache", "export", bundle], capsys)
+    monkeypatch.setattr(fake_core, "GPU_NAME", ["NVIDIA H100 80GB HBM3"])
+    _new_process(env / "other", monkeypatch)
+    code, out, err = run(["cache", "import", bundle], capsys)
+    assert code == cli.EXIT_BAD_INPUT and "another GPU or cuDNN" in err and "NVIDIA H100" in err
+    assert not os.path.exists(env / "other")
+    code, body = run_json(["cache", "import", bundle, "--force"], capsys)
+    assert code == 0 and body["imported"] == 4 and body["mismatched_forced"] == 4
+
+
+def _tar(path, members):
+    with tarfile.open(path, "w:gz") as tar:
+        for name, data, kind in members:
+            info = tarfile.TarInfo(name)
+            if kind == "symlink":
+                info.type, info.linkname = tarfile.SYMTYPE, data.decode()
+                tar.addfile(info)
+            else:
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+
+
+def _valid_members(env, capsys):
+    fill(1)
+    bundle = str(env / "good.tar.gz")
+    run_json(["cache", "export", bundle], capsys)
+    with tarfile.open(bundle) as tar:
+        return {m.name: tar.extractfile(m).read() for m in tar}
+
+
+@pytest.mark.parametrize("case", ["dotdot", "absolute", "symlink", "entry_dotdot", "unlisted", "bad_checksum",
+                                  "missing", "no_manifest", "bad_manifest"])
+def test_hostile_or_broken_bundles_are_refused_whole(env, capsys, monkeypatch, case):
+    members = _valid_members(env, capsys)
+    manifest = json.loads(members["manifest.json"])
+    entry_name = sorted(n for n in members if n.startswith("entries/"))[0]
+    evil = env / "evil.entry"
+    rows = [(n, d, "file") for n, d in members.items()]
+    if case == "dotdot":
+        rows.append(("../evil.entry", b"x", "file"))
+    elif case == "absolute":
+        rows.append((str(evil), b"x", "file"))
+    elif case == "symlink":
+        rows.append(("entries/" + "a" * 64 + ".entry", str(evil).encode(), "symlink"))
+    elif case == "entry_dotdot":
+        rows.append(("entries/../../evil.entry", b"x", "file"))
+    elif case == "unlisted":
+        rows.append(("entries/" + "b" * 64 + ".entry", members[entry_name], "file"))
+    elif case == "bad_checksum":
+        manifest["entries"][0]["sha256"] = "0" * 64
+        rows = [(n, json.dumps(manifest).encode() if n == "manifest.json" else d, k) for n, d, k in rows]
+    elif case == "missing":
+        rows = [r for r in rows if r[0] != entry_name]
+    elif case == "no_manifest":
+        rows = [r for r in rows if r[0] != "manifest.json"]
+    elif case == "bad_manifest":
+        rows = [(n, b"{not json" if n == "manifest.json" else d, k) for n, d, k in rows]
+    bundle = str(env / "bad.tar.gz")
+    _tar(bundle, rows)
+    _new_process(env / "target", monkeypatch)
+    code, out, err = run(["cache", "import", bundle, "--force"], capsys)
+    assert code == cli.EXIT_BAD_INPUT and "bundle" in err
+    expected = {"dotdot": "unexpected member '../evil.entry'", "absolute": "unexpected member",
+                "symlink": "is not a regular file", "entry_dotdot": "unexpected member 'entries/../../evil.entry'",
+                "unlisted": "is not in the manifest", "bad_checksum": "does not match its checksum",
+                "missing": "is listed but missing", "no_manifest": "no manifest.json", "bad_manifest": "bad manifest"}
+    assert expected[case] in err, err
+    assert not evil.exists()
+    assert not os.path.exists(env / "target") or list(store.DiskStore(str(env / "target")).entries()) == []
+
+
+def test_import_of_a_non_bundle(env, capsys, tmp_path):
+    p = tmp_path / "x.tar.gz"
+    p.write_bytes(b"not an archive")
+    code, out, err = run(["cache", "import", str(p)], capsys)
+    assert code == cli.EXIT_BAD_INPUT and "not a readable bundle" in err
+
+
+# -- warm through the command ------------------------------------------------------------
+
+
+@pytest.fixture
+def fake_workers(tmp_path, monkeypatch):
+    monkeypatch.setenv("FASTATTN_TEST_FAKE_CORE", "1")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        p for p in (os.path.join(HERE, "fake_site"), HERE, os.environ.get("PYTHONPATH")) if p))
+    monkeypatch.setenv("FASTATTN_CACHE_DIR", str(tmp_path / "cache"))
+    return tmp_path
+
+
+def test_warm_command_report_and_second_run(fake_workers, capsys):
+    f = fake_workers / "w.toml"
+    f.write_text('[[configs]]\nbatch = 1\nheads_q = 8\nhead_dim_qk = [64, 1024]\nseqlen_q = [128, 256]\n')
+    report = fake_workers / "r.json"
+    code, text, _ = run(["warm", str(f), "--workers", "2", "--report", str(report)], capsys)
+    assert code == cli.EXIT_UNSUPPORTED  # two configs are refused
+    assert "4 configs" in text and "built 2" in text and "unsupported 2" in text
+    body = json.loads(report.read_text())
+    assert body["counts"] == {"built": 2, "loaded": 0, "unsupported": 2, "failed": 0}
+    code, body = run_json(["warm", str(f), "--workers", "2"], capsys)
+    assert body["counts"]["loaded"] == 2 and body["counts"]["built"] == 0
+
+
+def test_warm_command_bad_file(fake_workers, capsys):
+    f = fake_workers / "w.json"
+    f.write_text('{"configs": [\n {"batch": 1, "heads_q": 8, "seqlen_q": 64, "head_dim_qk": 64, "mask": "diag"}]}')
+    code, out, err = run(["warm", str(f)], capsys)
+    assert code == cli.EXIT_BAD_INPUT and "w.json:2: configs[0]: mask='diag'" in err
+
+
+def test_warm_command_crash_is_exit_4(fake_workers, capsys):
+    f = fake_workers / "w.json"
+    f.write_text(json.dumps({"configs": [{"batch": 1, "heads_q": 8, "seqlen_q": [64, 128], "head_dim_qk": [64, 72]}]}))
+    code, body = run_json(["warm", str(f), "--workers", "2"], capsys)
+    assert code == cli.EXIT_FAILED and body["counts"] == {"built": 2, "loaded": 0, "unsupported": 0, "failed": 2}
+    assert {i["error_type"] for i in body["items"] if i["status"] == "failed"} == {"SIGSEGV"}
