@@ -4,6 +4,7 @@
     fastattn probe --batch 1 --heads-q 32 --seqlen-q 4096 --head-dim-qk 128 --mask causal [--json]
     fastattn probe --config cfg.json [--json]
     fastattn warm [FILE] [--workers N] [--report report.json] [--json]
+    fastattn matrix [--head-dims 64,128,256] [--masks none,causal] [--gqa 1,4] [--png grid.png]
     fastattn cache ls | show KEY | verify [--load] | prune [--max-bytes N] [--max-age 30d] | clear
     fastattn cache export BUNDLE [--all] | import BUNDLE [--force]
 
@@ -74,6 +75,22 @@ def _parser() -> argparse.ArgumentParser:
     warm.add_argument("--json", action="store_true", help="print the report as JSON")
     warm.add_argument("--no-progress", action="store_true", help="no progress bar")
 
+    matrix = sub.add_parser("matrix", help="probe a grid of configs and show which cuDNN supports on this GPU")
+    matrix.add_argument("--head-dims", type=_ints, default=[64, 96, 128, 192, 256], metavar="D,D,...",
+                        help="head_dim_qk values (head_dim_v the same)")
+    matrix.add_argument("--masks", type=_choices(MASKS), default=list(MASKS), metavar="M,M,...")
+    matrix.add_argument("--dtypes", type=_choices(DTYPES), default=list(DTYPES), metavar="T,T,...")
+    matrix.add_argument("--gqa", type=_ints, default=[1, 4], metavar="R,R,...",
+                        help="heads_q / heads_kv ratios (1: MHA)")
+    matrix.add_argument("--seqlens", type=_ints, default=[1024], metavar="S,S,...")
+    matrix.add_argument("--heads", type=int, default=8, help="heads_q")
+    matrix.add_argument("--batch", type=int, default=1)
+    matrix.add_argument("--training", action="store_true", help="also build backward graphs")
+    matrix.add_argument("--workers", type=int, default=None)
+    matrix.add_argument("--device", type=int, default=None)
+    matrix.add_argument("--png", help="also draw a heatmap to this PNG file (needs matplotlib)")
+    matrix.add_argument("--json", action="store_true")
+
     cache = sub.add_parser("cache", help="inspect and manage the persistent plan cache")
     csub = cache.add_subparsers(dest="cache_command", required=True, parser_class=_Parser)
     for name, text in (("ls", "list entries"), ("show", "print one entry's header"),
@@ -96,6 +113,27 @@ def _parser() -> argparse.ArgumentParser:
             c.add_argument("bundle")
             c.add_argument("--force", action="store_true", help="import entries made for another GPU or cuDNN")
     return p
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
+    if not values:
+        raise argparse.ArgumentTypeError("an empty list")
+    return values
+
+
+def _choices(allowed):
+    def parse(text: str) -> list[str]:
+        values = [v.strip() for v in text.split(",") if v.strip()]
+        bad = [v for v in values if v not in allowed]
+        if bad or not values:
+            raise argparse.ArgumentTypeError(f"{bad[0] if bad else text!r} is not one of {', '.join(allowed)}")
+        return values
+
+    return parse
 
 
 def _size(text: str) -> int:
@@ -204,9 +242,10 @@ def _print_human(command: str, out: dict[str, Any]) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    from .cli_cache import cache_command, warm_command
+    from .cli_cache import cache_command, matrix_command, warm_command
 
-    handler = {"info": _info, "probe": _probe, "warm": warm_command, "cache": cache_command}[args.command]
+    handler = {"info": _info, "probe": _probe, "warm": warm_command, "cache": cache_command,
+               "matrix": matrix_command}[args.command]
     try:
         code, out = handler(args)
     except InvalidArgumentError as e:

@@ -1,4 +1,5 @@
-"""`fastattn warm` and `fastattn cache ...`: the command's pre-warming and cache management.
+"""`fastattn warm`, `fastattn matrix` and `fastattn cache ...`: pre-warming, support
+grids and cache management.
 
 Each handler returns (exit code, result dict); "_text" in the dict is the human form.
 """
@@ -69,6 +70,69 @@ def warm_command(args) -> tuple[int, dict[str, Any]]:
     if failed:
         return EXIT_FAILED, out
     return (EXIT_UNSUPPORTED if c["unsupported"] else EXIT_OK), out
+
+
+# -- matrix -------------------------------------------------------------------------------
+
+
+def matrix_command(args) -> tuple[int, dict[str, Any]]:
+    import itertools
+
+    configs, axes = [], []
+    for d, mask, dtype, ratio, s in itertools.product(args.head_dims, args.masks, args.dtypes, args.gqa, args.seqlens):
+        if args.heads % ratio:
+            raise InvalidArgumentError(f"--gqa {ratio}: --heads {args.heads} is not a multiple of it")
+        configs.append(AttentionConfig(batch=args.batch, heads_q=args.heads, heads_kv=args.heads // ratio,
+                                       seqlen_q=s, head_dim_qk=d, dtype=dtype, mask=mask, training=args.training))
+        axes.append({"head_dim": d, "mask": mask, "dtype": dtype, "gqa": ratio, "seqlen": s})
+    report = warm(configs, workers=args.workers, device=args.device)
+    rows = [{**a, "status": i.status, "reason": i.reason, "forward_engine": i.forward_engine,
+             "backward_engine": i.backward_engine} for a, i in zip(axes, report.items)]
+    ok = {"built", "loaded"}
+    cols = sorted({(r["mask"], r["dtype"], r["gqa"], r["seqlen"]) for r in rows},
+                  key=lambda c: (args.masks.index(c[0]), args.dtypes.index(c[1]), c[2], c[3]))
+    mark = {r_key: ("yes" if r["status"] in ok else "no" if r["status"] == "unsupported" else "FAIL")
+            for r in rows for r_key in [(r["head_dim"], r["mask"], r["dtype"], r["gqa"], r["seqlen"])]}
+    header = "head_dim " + " ".join(f"{m[:6]}/{t}/g{g}/s{s}".rjust(22) for m, t, g, s in cols)
+    lines = [header]
+    for d in args.head_dims:
+        lines.append(f"{d:>8} " + " ".join(mark[(d, *c)].rjust(22) for c in cols))
+    reasons = sorted({r["reason"][:200] for r in rows if r["status"] != "built" and r["status"] != "loaded"})
+    if reasons:
+        lines.append("reasons:")
+        lines.extend(f"  {r}" for r in reasons)
+    if args.png:
+        _heatmap(args.png, args.head_dims, cols, mark)
+        lines.append(f"heatmap written to {args.png}")
+    out = {"configs": rows, "counts": report.counts, "_text": "\n".join(lines)}
+    failed = [i for i in report.items if i.status == "failed"]
+    if failed and len(failed) == len(report.items) and all(i.error_type in ("LibraryError", "CudaError")
+                                                           for i in failed):
+        return EXIT_NO_GPU, out
+    return (EXIT_FAILED if failed else EXIT_OK), out
+
+
+def _heatmap(path: str, head_dims, cols, mark) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise InvalidArgumentError("--png needs matplotlib (pip install matplotlib)") from None
+    value = {"yes": 1.0, "no": 0.0, "FAIL": 0.5}
+    grid = [[value[mark[(d, *c)]] for c in cols] for d in head_dims]
+    fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(cols) + 2), 0.5 * len(head_dims) + 2))
+    ax.imshow(grid, cmap="RdYlGn", vmin=0, vmax=1, aspect="auto")
+    ax.set_xticks(range(len(cols)), [f"{m}\n{t} gqa{g}\ns{s}" for m, t, g, s in cols], fontsize=7)
+    ax.set_yticks(range(len(head_dims)), [str(d) for d in head_dims])
+    ax.set_ylabel("head dim")
+    for y, d in enumerate(head_dims):
+        for x, c in enumerate(cols):
+            ax.text(x, y, mark[(d, *c)], ha="center", va="center", fontsize=7)
+    ax.set_title("cuDNN support on this GPU (green: supported)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 # -- cache --------------------------------------------------------------------------------

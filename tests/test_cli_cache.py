@@ -247,3 +247,41 @@ def test_warm_command_crash_is_exit_4(fake_workers, capsys):
     code, body = run_json(["warm", str(f), "--workers", "2"], capsys)
     assert code == cli.EXIT_FAILED and body["counts"] == {"built": 2, "loaded": 0, "unsupported": 0, "failed": 2}
     assert {i["error_type"] for i in body["items"] if i["status"] == "failed"} == {"SIGSEGV"}
+
+
+# -- matrix ----------------------------------------------------------------------------------
+
+
+def test_matrix_grid_and_reasons(fake_workers, capsys):
+    argv = ["matrix", "--head-dims", "64,1024", "--masks", "none,causal", "--dtypes", "bf16", "--gqa", "1,2",
+            "--seqlens", "256", "--workers", "2"]
+    code, body = run_json(argv, capsys)
+    assert code == 0 and len(body["configs"]) == 8
+    assert {(r["head_dim"], r["status"]) for r in body["configs"]} == {(64, "built"), (1024, "unsupported")}
+    code, text, _ = run(argv, capsys)
+    rows = text.splitlines()
+    assert rows[1].split() == ["64"] + ["yes"] * 4 and rows[2].split() == ["1024"] + ["no"] * 4
+    assert "fake cuDNN refuses head_dim_qk=1024" in text
+
+
+def test_matrix_png(fake_workers, capsys):
+    png = fake_workers / "grid.png"
+    argv = ["matrix", "--head-dims", "64", "--masks", "causal", "--dtypes", "bf16", "--gqa", "1", "--png", str(png)]
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        code, out, err = run(argv, capsys)
+        assert code == cli.EXIT_BAD_INPUT and "needs matplotlib" in err
+        return
+    code, out, err = run(argv, capsys)
+    assert code == 0 and png.read_bytes().startswith(b"\x89PNG")
+
+
+def test_matrix_bad_arguments(capsys):
+    for argv, msg in ((["matrix", "--head-dims", "64,x"], "not a comma-separated list"),
+                      (["matrix", "--masks", "causal,diag"], "'diag' is not one of")):
+        with pytest.raises(SystemExit) as e:
+            cli.main(argv)
+        assert e.value.code == cli.EXIT_BAD_INPUT and msg in capsys.readouterr().err
+    code, out, err = run(["matrix", "--heads", "6", "--gqa", "4"], capsys)
+    assert code == cli.EXIT_BAD_INPUT and "--gqa 4: --heads 6" in err
