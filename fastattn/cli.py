@@ -27,16 +27,8 @@ from .errors import CudaError, CudnnError, FastAttnError, InvalidArgumentError, 
 
 EXIT_OK, EXIT_UNSUPPORTED, EXIT_BAD_INPUT, EXIT_NO_GPU, EXIT_FAILED = 0, 1, 2, 3, 4
 
-# flag name -> AttentionConfig field, for the fields given as plain integers
-_INT_FLAGS = {
-    "batch": "batch",
-    "heads_q": "heads_q",
-    "heads_kv": "heads_kv",
-    "seqlen_q": "seqlen_q",
-    "seqlen_kv": "seqlen_kv",
-    "head_dim_qk": "head_dim_qk",
-    "head_dim_v": "head_dim_v",
-}
+# AttentionConfig fields given as plain integer flags (--heads-q for heads_q, ...)
+_INT_FLAGS = ("batch", "heads_q", "heads_kv", "seqlen_q", "seqlen_kv", "head_dim_qk", "head_dim_v")
 
 
 class _Parser(argparse.ArgumentParser):

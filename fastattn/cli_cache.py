@@ -16,7 +16,18 @@ from .errors import CudaError, InvalidArgumentError, LibraryError
 from .store.entry import decode
 from .warm import WarmItem, warm
 
-EXIT_OK, EXIT_UNSUPPORTED, EXIT_BAD_INPUT, EXIT_NO_GPU, EXIT_FAILED = 0, 1, 2, 3, 4
+from .cli import EXIT_FAILED, EXIT_NO_GPU, EXIT_OK, EXIT_UNSUPPORTED
+
+
+def _exit_code(report) -> int:
+    """No GPU stack at all, some configs failed, some refused, or all good."""
+    failed = [i for i in report.items if i.status == "failed"]
+    if failed and len(failed) == len(report.items) and all(i.error_type in ("LibraryError", "CudaError")
+                                                           for i in failed):
+        return EXIT_NO_GPU
+    if failed:
+        return EXIT_FAILED
+    return EXIT_UNSUPPORTED if report.counts["unsupported"] else EXIT_OK
 
 
 # -- warm ---------------------------------------------------------------------------------
@@ -64,12 +75,7 @@ def warm_command(args) -> tuple[int, dict[str, Any]]:
     lines.append(f"{len(report.items)} configs in {report.seconds:.1f} s with {report.workers} workers: "
                  f"loaded {c['loaded']}, built {c['built']}, unsupported {c['unsupported']}, failed {c['failed']}")
     out["_text"] = "\n".join(lines)
-    failed = [i for i in report.items if i.status == "failed"]
-    if failed and all(i.error_type in ("LibraryError", "CudaError") for i in failed) and len(failed) == len(report.items):
-        return EXIT_NO_GPU, out
-    if failed:
-        return EXIT_FAILED, out
-    return (EXIT_UNSUPPORTED if c["unsupported"] else EXIT_OK), out
+    return _exit_code(report), out
 
 
 # -- matrix -------------------------------------------------------------------------------
@@ -105,11 +111,8 @@ def matrix_command(args) -> tuple[int, dict[str, Any]]:
         _heatmap(args.png, args.head_dims, cols, mark)
         lines.append(f"heatmap written to {args.png}")
     out = {"configs": rows, "counts": report.counts, "_text": "\n".join(lines)}
-    failed = [i for i in report.items if i.status == "failed"]
-    if failed and len(failed) == len(report.items) and all(i.error_type in ("LibraryError", "CudaError")
-                                                           for i in failed):
-        return EXIT_NO_GPU, out
-    return (EXIT_FAILED if failed else EXIT_OK), out
+    code = _exit_code(report)
+    return (EXIT_OK if code == EXIT_UNSUPPORTED else code), out  # refusals are the grid's answer, not a failure
 
 
 def _heatmap(path: str, head_dims, cols, mark) -> None:
