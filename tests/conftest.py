@@ -17,6 +17,18 @@ def _isolated_cache(tmp_path_factory):
     yield
 
 
+@pytest.fixture
+def fake_workers(tmp_path, monkeypatch):
+    """Worker processes (fastattn warm, matrix) that use tests/fake_core.py instead of
+    cuDNN, through tests/fake_site/sitecustomize.py; a fresh cache directory."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    monkeypatch.setenv("FASTATTN_TEST_FAKE_CORE", "1")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        p for p in (os.path.join(here, "fake_site"), here, os.environ.get("PYTHONPATH")) if p))
+    monkeypatch.setenv("FASTATTN_CACHE_DIR", str(tmp_path / "cache"))
+    return tmp_path
+
+
 _gpu_state = None
 
 

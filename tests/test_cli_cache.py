@@ -212,14 +212,6 @@ def test_import_of_a_non_bundle(env, capsys, tmp_path):
 # -- warm through the command ------------------------------------------------------------
 
 
-@pytest.fixture
-def fake_workers(tmp_path, monkeypatch):
-    monkeypatch.setenv("FASTATTN_TEST_FAKE_CORE", "1")
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
-        p for p in (os.path.join(HERE, "fake_site"), HERE, os.environ.get("PYTHONPATH")) if p))
-    monkeypatch.setenv("FASTATTN_CACHE_DIR", str(tmp_path / "cache"))
-    return tmp_path
-
 
 def test_warm_command_report_and_second_run(fake_workers, capsys):
     f = fake_workers / "w.toml"

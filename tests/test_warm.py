@@ -89,15 +89,6 @@ def test_builtin_set_is_valid_and_varied():
     assert any(c.heads_kv < c.heads_q for c in configs) and any(c.heads_kv == c.heads_q for c in configs)
 
 
-@pytest.fixture
-def fake_workers(tmp_path, monkeypatch):
-    """Worker processes that use tests/fake_core.py instead of cuDNN."""
-    monkeypatch.setenv("FASTATTN_TEST_FAKE_CORE", "1")
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
-        p for p in (os.path.join(HERE, "fake_site"), HERE, os.environ.get("PYTHONPATH")) if p))
-    monkeypatch.setenv("FASTATTN_CACHE_DIR", str(tmp_path / "cache"))
-    return tmp_path / "cache"
-
 
 def cfgs(*seqlens, **kw):
     base = dict(batch=1, heads_q=8, head_dim_qk=64, mask="causal")
