@@ -61,7 +61,10 @@ class _Worker:
         self.log_path = os.path.join(log_dir, f"worker-{index}.log")
         self.log = open(self.log_path, "ab")
         cmd = [sys.executable, "-m", "fastattn._warm_worker"] + ([] if device is None else ["--device", str(device)])
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, bufsize=0)
+        # cwd: `python -m` puts it first on sys.path; from a source checkout that would
+        # shadow the installed fastattn with an unbuilt one.
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, bufsize=0,
+                                     cwd=log_dir)
         self.buffer = b""
         self.item: WarmItem | None = None
         self.started = 0.0
