@@ -1,7 +1,7 @@
 """The persistent plan cache: keys, the entry format, directories of entries, tiers.
 
 The store deals in opaque bytes and knows nothing of cuDNN: it is tested without a
-GPU. Lookups go through the main directory, then any extra read-only directories;
+GPU. Bundles (store.bundle) are imported on demand: tarfile is slow to import. Lookups go through the main directory, then any extra read-only directories;
 writes go to the main directory only.
 
 Configuration (environment, read when the cache is first used or on configure()):
@@ -27,10 +27,9 @@ from dataclasses import dataclass, field
 from typing import Iterator, Mapping
 
 from ..errors import InvalidArgumentError
-from .bundle import ImportReport, environment_of, export_bundle, import_bundle
 from .disk import DiskStore, EntryInfo
 from .entry import Entry, EntryError
-from .keys import FORMAT_VERSION, build_env_vars, canonical_json, describe, key_of
+from .keys import FORMAT_VERSION, build_env_vars, canonical_json, describe, environment_of, key_of
 
 __all__ = [
     "CacheSettings",
@@ -39,10 +38,7 @@ __all__ = [
     "Entry",
     "EntryError",
     "EntryInfo",
-    "ImportReport",
     "environment_of",
-    "export_bundle",
-    "import_bundle",
     "FORMAT_VERSION",
     "build_env_vars",
     "canonical_json",

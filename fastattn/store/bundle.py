@@ -22,18 +22,13 @@ from typing import Any, Callable, Iterable
 from ..errors import InvalidArgumentError
 from .disk import DiskStore
 from .entry import EntryError, decode
+from .keys import environment_of
 
-__all__ = ["BUNDLE_FORMAT", "export_bundle", "import_bundle", "ImportReport", "environment_of"]
+__all__ = ["BUNDLE_FORMAT", "export_bundle", "import_bundle", "ImportReport"]
 
 BUNDLE_FORMAT = 1
 _ENTRY_NAME = re.compile(r"^entries/([0-9a-f]{64})\.entry$")
 _MAX_MEMBER = 256 << 20
-
-
-def environment_of(description: dict[str, Any]) -> dict[str, Any]:
-    """What must match between machines for an entry to be usable: the description
-    without the config."""
-    return {k: v for k, v in description.items() if k != "config"}
 
 
 def export_bundle(stores: Iterable[DiskStore], path: str, *,

@@ -13,7 +13,7 @@ import json
 import os
 from typing import Any, Mapping
 
-__all__ = ["FORMAT_VERSION", "describe", "key_of", "canonical_json", "build_env_vars"]
+__all__ = ["FORMAT_VERSION", "describe", "environment_of", "key_of", "canonical_json", "build_env_vars"]
 
 # Bump whenever the description, the key or the entry layout changes.
 FORMAT_VERSION = 1
@@ -66,6 +66,12 @@ def describe(
         "policy": policy,
         "env": dict(sorted(env.items())),
     }
+
+
+def environment_of(description: Mapping[str, Any]) -> dict[str, Any]:
+    """What must match between machines for an entry to be usable: the description
+    without the config."""
+    return {k: v for k, v in description.items() if k != "config"}
 
 
 def canonical_json(description: Mapping[str, Any]) -> str:
