@@ -20,7 +20,7 @@ from typing import Any, Iterable
 
 from . import store
 from .config import AttentionConfig
-from .errors import CorruptPlanError, InvalidArgumentError, NotSupportedError
+from .errors import CorruptPlanError, FastAttnError, InvalidArgumentError, NotSupportedError
 
 __all__ = ["ProbeResult", "probe", "plan", "preload", "stats", "clear", "configure", "device_info", "versions"]
 
@@ -199,7 +199,8 @@ def _from_disk(config: AttentionConfig, device: int, key: str, cache: store.Tier
 def _build(config: AttentionConfig, device: int, refresh: bool = False):
     """(plan or None, result): from disk, else built by this process and published."""
     cache = _the_cache()
-    key = store.key_of(_description(config, device)) if cache.tiers else None
+    description = _description(config, device) if cache.tiers else None
+    key = store.key_of(description) if description is not None else None
     seen = cache.signature(key) if key is not None else None
     if key is not None and not refresh:
         hit = _from_disk(config, device, key, cache)
@@ -215,7 +216,7 @@ def _build(config: AttentionConfig, device: int, refresh: bool = False):
         _count(misses=1)
         p, result = _build_now(config, device)
         if key is not None:
-            _publish(cache, key, config, device, p, result)
+            _publish(cache, key, description, p, result)
     return p, result
 
 
@@ -233,12 +234,17 @@ def _build_now(config: AttentionConfig, device: int):
     return p, _result_from_plan(config, device, p, elapsed, "built")
 
 
-def _publish(cache: store.TieredCache, key: str, config, device, p, result: ProbeResult) -> None:
-    description = _description(config, device)
+def _publish(cache: store.TieredCache, key: str, description: dict[str, Any], p, result: ProbeResult) -> None:
+    """Stores what was just built. A plan that cannot be serialized stays in memory:
+    the cache never makes real work fail."""
     if p is None:
         entry = store.Entry(key, "unsupported", description, meta={"reason": result.reason}, created=time.time())
     else:
-        forward, backward = p.serialize()
+        try:
+            forward, backward = p.serialize()
+        except FastAttnError as e:
+            log.warning("fastattn cache: cannot serialize plan %s (%s); it stays in memory only", key[:16], e)
+            return
         blobs = {"forward": forward}
         if backward is not None:
             blobs["backward"] = backward

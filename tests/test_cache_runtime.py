@@ -221,3 +221,14 @@ def test_processes_started_together_build_once(cache_dir, tmp_path):
     assert len(log.read_text().splitlines()) == 1
     assert sorted(int(r[0]) for r in rows) == [0] * 7 + [1]
     assert len({r[2] for r in rows}) == 1
+
+
+def test_a_plan_that_cannot_be_serialized_still_works(cache_dir, monkeypatch, caplog):
+    def broken(self):
+        raise fastattn.InternalError("serialize: no")
+
+    monkeypatch.setattr(fake_core.FakePlan, "serialize", broken)
+    p = fastattn.plan(CFG)
+    assert p is not None and fastattn.stats()["builds"] == 1
+    assert "cannot serialize" in caplog.text
+    assert list(store.DiskStore(str(cache_dir)).entries()) == []
