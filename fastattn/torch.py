@@ -1,0 +1,220 @@
+"""fastattn for PyTorch: a drop-in attention function with autograd, torch.compile and
+CUDA graphs. Imported on demand (`import fastattn.torch`); `import fastattn` never
+imports PyTorch.
+
+    from fastattn.torch import attention
+    o = attention(q, k, v, causal=True)          # q: (batch, seq, heads, dim), like FlashAttention
+
+The work is two custom ops, fastattn::attention_forward and fastattn::attention_backward,
+with fake (meta) implementations and a registered autograd formula, so that
+torch.compile(fullgraph=True) traces them without a graph break. They run on PyTorch's
+current stream, take their workspace from PyTorch's caching allocator and never
+synchronize, so a call can be captured in a CUDA graph after one warm-up call.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+
+from .config import AttentionConfig
+from .errors import InvalidArgumentError
+
+__all__ = ["attention"]
+
+# The dimension order of the tensors' shapes: layout name -> position of (batch, head, seq, dim).
+_AXES = {"bshd": (0, 2, 1, 3), "sbhd": (1, 2, 0, 3), "bhsd": (0, 1, 2, 3)}
+_DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+# (shapes, strides, dtype, options, device) -> plan. A dict lookup on a tuple of ints is
+# what a call costs once its plan exists; building an AttentionConfig (validation,
+# canonical form) happens only on a miss.
+_plans: dict[tuple, Any] = {}
+_plans_lock = threading.Lock()
+
+
+def _logical(t: torch.Tensor, layout: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(shape, strides) in (batch, head, seq, dim) order."""
+    axes = _AXES[layout]
+    shape, stride = t.shape, t.stride()
+    return tuple(shape[a] for a in axes), tuple(stride[a] for a in axes)
+
+
+def _plan_for(q, k, v, o, layout: str, causal: bool, bottom_right: bool, window_left: int, window_right: int,
+              scale: float, deterministic: bool, training: bool):
+    key = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), o.stride(), q.dtype, layout, causal,
+           bottom_right, window_left, window_right, scale, deterministic, training, q.device.index)
+    p = _plans.get(key)
+    if p is not None:
+        return p
+    import fastattn
+
+    (b, hq, sq, dqk), q_st = _logical(q, layout)
+    (_, hkv, skv, _), k_st = _logical(k, layout)
+    (_, _, _, dv), v_st = _logical(v, layout)
+    _, o_st = _logical(o, layout)
+    cfg = AttentionConfig(
+        batch=b, heads_q=hq, heads_kv=hkv, seqlen_q=sq, seqlen_kv=skv, head_dim_qk=dqk, head_dim_v=dv,
+        dtype=_DTYPES[q.dtype], layout={"q": q_st, "k": k_st, "v": v_st, "o": o_st},
+        mask="causal_bottom_right" if bottom_right else "causal" if causal else "none",
+        window=(window_left, window_right), scale=None if scale <= 0 else scale, training=training,
+        deterministic=deterministic,
+    )
+    p = fastattn.plan(cfg, device=q.device.index)
+    with _plans_lock:
+        _plans[key] = p
+    return p
+
+
+def _out_shape(q: torch.Tensor, v: torch.Tensor, layout: str) -> list[int]:
+    """o has q's shape with v's head dim."""
+    shape = list(q.shape)
+    shape[_AXES[layout][3]] = v.shape[_AXES[layout][3]]
+    return shape
+
+
+def _stats_shape(q: torch.Tensor, layout: str) -> list[int]:
+    axes = _AXES[layout]
+    return [q.shape[axes[0]], q.shape[axes[1]], q.shape[axes[2]], 1]
+
+
+def _workspace(size: int, device: torch.device) -> torch.Tensor:
+    return torch.empty(max(size, 1), dtype=torch.uint8, device=device)
+
+
+def _stats_like(q: torch.Tensor, layout: str, training: bool) -> torch.Tensor:
+    # Inference writes no stats: an empty tensor keeps the op's signature fixed.
+    return q.new_empty(_stats_shape(q, layout) if training else [0], dtype=torch.float32)
+
+
+def _forward_impl(q, k, v, layout, causal, bottom_right, window_left, window_right, scale, deterministic, training):
+    o = q.new_empty(_out_shape(q, v, layout))
+    stats = _stats_like(q, layout, training)
+    p = _plan_for(q, k, v, o, layout, causal, bottom_right, window_left, window_right, scale, deterministic, training)
+    ws = _workspace(p.forward_workspace_size, q.device)
+    stream = torch.cuda.current_stream(q.device).cuda_stream
+    p.forward(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), stats.data_ptr() if training else 0,
+              ws.data_ptr() if p.forward_workspace_size else 0, stream)
+    return o, stats
+
+
+@torch.library.custom_op("fastattn::attention_forward", mutates_args=())
+def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str, causal: bool, bottom_right: bool,
+             window_left: int, window_right: int, scale: float, deterministic: bool,
+             training: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    return _forward_impl(q, k, v, layout, causal, bottom_right, window_left, window_right, scale, deterministic,
+                         training)
+
+
+@_forward.register_fake
+def _(q, k, v, layout, causal, bottom_right, window_left, window_right, scale, deterministic, training):
+    return q.new_empty(_out_shape(q, v, layout)), _stats_like(q, layout, training)
+
+
+@torch.library.custom_op("fastattn::attention_backward", mutates_args=())
+def _backward(d_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+              stats: torch.Tensor, layout: str, causal: bool, bottom_right: bool, window_left: int,
+              window_right: int, scale: float, deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if d_o.stride() != o.stride():
+        # The backward graph reads d_o at o's strides (cuDNN's plan is built for them).
+        d_o = torch.empty_strided(o.shape, o.stride(), dtype=o.dtype, device=o.device).copy_(d_o)
+    p = _plan_for(q, k, v, o, layout, causal, bottom_right, window_left, window_right, scale, deterministic, True)
+    d_q = torch.empty_strided(q.shape, q.stride(), dtype=q.dtype, device=q.device)
+    d_k = torch.empty_strided(k.shape, k.stride(), dtype=k.dtype, device=k.device)
+    d_v = torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device)
+    ws = _workspace(p.backward_workspace_size, q.device)
+    stream = torch.cuda.current_stream(q.device).cuda_stream
+    p.backward(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), d_o.data_ptr(), stats.data_ptr(),
+               d_q.data_ptr(), d_k.data_ptr(), d_v.data_ptr(), ws.data_ptr() if p.backward_workspace_size else 0,
+               stream)
+    return d_q, d_k, d_v
+
+
+@_backward.register_fake
+def _(d_o, q, k, v, o, stats, layout, causal, bottom_right, window_left, window_right, scale, deterministic):
+    return (torch.empty_strided(q.shape, q.stride(), dtype=q.dtype, device=q.device),
+            torch.empty_strided(k.shape, k.stride(), dtype=k.dtype, device=k.device),
+            torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device))
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, layout, causal, bottom_right, window_left, window_right, scale, deterministic, training = inputs
+    o, stats = output
+    ctx.save_for_backward(q, k, v, o, stats)
+    ctx.options = (layout, causal, bottom_right, window_left, window_right, scale, deterministic)
+    ctx.training = training
+
+
+def _grad(ctx, d_o, d_stats):
+    if not ctx.training:
+        raise RuntimeError("fastattn: backward through a call made without gradients enabled")
+    q, k, v, o, stats = ctx.saved_tensors
+    d_q, d_k, d_v = _backward(d_o, q, k, v, o, stats, *ctx.options)
+    return d_q, d_k, d_v, None, None, None, None, None, None, None, None
+
+
+_forward.register_autograd(_grad, setup_context=_setup_context)
+
+
+def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise InvalidArgumentError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        if t.device.type not in ("cuda", "meta"):
+            raise InvalidArgumentError(f"{name} is on {t.device}: fastattn runs on CUDA tensors")
+        if t.dim() != 4:
+            raise InvalidArgumentError(f"{name} has shape {tuple(t.shape)}: expected 4 dimensions in {layout} order")
+        if t.dtype not in _DTYPES:
+            raise InvalidArgumentError(f"{name} has dtype {t.dtype}: expected torch.float16 or torch.bfloat16")
+    if not (q.device == k.device == v.device):
+        raise InvalidArgumentError(f"q, k, v are on different devices: {q.device}, {k.device}, {v.device}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise InvalidArgumentError(f"q, k, v have different dtypes: {q.dtype}, {k.dtype}, {v.dtype}")
+    b, h, s, d = _AXES[layout]
+    if k.shape[b] != q.shape[b] or v.shape[b] != q.shape[b]:
+        raise InvalidArgumentError(f"batch sizes differ: q {q.shape[b]}, k {k.shape[b]}, v {v.shape[b]}")
+    if k.shape[h] != v.shape[h] or q.shape[h] % k.shape[h]:
+        raise InvalidArgumentError(f"heads: q has {q.shape[h]}, k {k.shape[h]}, v {v.shape[h]}; k and v must match "
+                                   "and divide q's")
+    if k.shape[s] != v.shape[s]:
+        raise InvalidArgumentError(f"k has {k.shape[s]} keys but v has {v.shape[s]}")
+    if k.shape[d] != q.shape[d]:
+        raise InvalidArgumentError(f"head dims differ: q {q.shape[d]}, k {k.shape[d]}")
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
+              causal_bottom_right: bool = False, window: tuple[int, int] | None = None, scale: float | None = None,
+              layout: str = "bshd", deterministic: bool = False) -> torch.Tensor:
+    """Scaled dot-product attention on cuDNN's fused kernels, with autograd.
+
+    q: (batch, seqlen_q, heads_q, head_dim_qk) for layout="bshd" (FlashAttention's order;
+      "bhsd" is scaled_dot_product_attention's, "sbhd" is sequence-first); k and v the
+      same with seqlen_kv and heads_kv (heads_q a multiple of it: GQA, MQA); v's head
+      dim may differ. float16 or bfloat16 CUDA tensors on one device, any strides cuDNN
+      accepts. Returns o with q's shape and v's head dim, in the same order.
+    causal: query i sees keys j <= i (top-left diagonal); causal_bottom_right: the
+      diagonal at the bottom right (j <= i + seqlen_kv - seqlen_q).
+    window: (left, right) sliding window, FlashAttention's convention (-1 unbounded).
+    scale: softmax scale (default 1/sqrt(head_dim_qk)).
+    deterministic: a deterministic backward.
+
+    Raises InvalidArgumentError (a ValueError) for CPU tensors, mismatched devices,
+    dtypes or shapes, NotSupportedError when cuDNN refuses the config.
+    """
+    if layout not in _AXES:
+        raise InvalidArgumentError(f"layout={layout!r}: must be one of {tuple(_AXES)}")
+    _check(q, k, v, layout)
+    if causal and causal_bottom_right:
+        raise InvalidArgumentError("causal and causal_bottom_right are exclusive")
+    if scale is not None and not float(scale) > 0:
+        raise InvalidArgumentError(f"scale={scale!r}: must be > 0")
+    left, right = (-1, -1) if window is None else (int(window[0]), int(window[1]))
+    training = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    args = (q, k, v, layout, bool(causal), bool(causal_bottom_right), left, right,
+            0.0 if scale is None else float(scale), bool(deterministic), training)
+    if not training and q.is_cuda and not torch.compiler.is_compiling():
+        # Eager inference needs neither autograd nor tracing: skip the dispatcher.
+        return _forward_impl(*args)[0]
+    return _forward(*args)[0]

@@ -1,0 +1,144 @@
+"""GPU: fastattn.torch against PyTorch's math in float64, torch.compile, CUDA graphs."""
+
+import itertools
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="PyTorch is an optional extra (pip install torch)")
+
+import fastattn  # noqa: E402
+from fastattn import AttentionConfig  # noqa: E402
+
+from gpu_helpers import allowed  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+FWD_TOL = {torch.float16: 4e-3, torch.bfloat16: 2e-2}
+BWD_TOL = {torch.float16: 1e-2, torch.bfloat16: 4e-2}
+AXES = {"bshd": (0, 2, 1, 3), "sbhd": (1, 2, 0, 3), "bhsd": (0, 1, 2, 3)}
+
+
+def to_bhsd(t, layout):
+    return t.permute(*AXES[layout])
+
+
+def from_bhsd_shape(shape, layout):
+    b, h, s, d = shape
+    return {"bshd": (b, s, h, d), "sbhd": (s, b, h, d), "bhsd": (b, h, s, d)}[layout]
+
+
+def reference(q, k, v, cfg, layout):
+    """float64 attention on (b, h, s, d) views; GQA by repeating k and v."""
+    q64, k64, v64 = (to_bhsd(t, layout).double() for t in (q, k, v))
+    group = q64.shape[1] // k64.shape[1]
+    k64, v64 = k64.repeat_interleave(group, 1), v64.repeat_interleave(group, 1)
+    mask = torch.from_numpy(allowed(cfg)).to(q.device)
+    s = cfg.scale * q64 @ k64.transpose(-1, -2)
+    p = torch.softmax(s.masked_fill(~mask, float("-inf")), dim=-1)
+    return p @ v64
+
+
+def rel(a, b):
+    a = a.double()
+    assert torch.isfinite(a).all()
+    return ((a - b).norm() / b.norm()).item()
+
+
+CASES = list(itertools.product(
+    (torch.float16, torch.bfloat16),
+    (("none", 200, 200, None), ("causal", 200, 200, None), ("causal_bottom_right", 100, 300, None),
+     ("causal", 200, 200, (47, 0))),
+    ((4, 4), (4, 2), (4, 1)),
+    ((128, 128), (128, 64)),
+    ("bshd", "bhsd"),
+))
+
+
+@pytest.mark.parametrize("dtype,mask,heads,dims,layout", CASES,
+                         ids=[f"{str(c[0])[6:]}-{c[1][0]}-{c[1][3]}-{c[2]}-{c[3]}-{c[4]}" for c in CASES])
+def test_forward_and_gradients_match_float64(dtype, mask, heads, dims, layout):
+    mask_name, sq, skv, window = mask
+    (hq, hkv), (dqk, dv) = heads, dims
+    cfg = AttentionConfig(batch=2, heads_q=hq, heads_kv=hkv, seqlen_q=sq, seqlen_kv=skv, head_dim_qk=dqk,
+                          head_dim_v=dv, mask=mask_name, window=window)
+    dev = "cuda"
+    q = torch.randn(from_bhsd_shape((2, hq, sq, dqk), layout), device=dev, dtype=dtype, requires_grad=True)
+    k = torch.randn(from_bhsd_shape((2, hkv, skv, dqk), layout), device=dev, dtype=dtype, requires_grad=True)
+    v = torch.randn(from_bhsd_shape((2, hkv, skv, dv), layout), device=dev, dtype=dtype, requires_grad=True)
+    o = fastattn.torch.attention(q, k, v, causal=mask_name == "causal",
+                                 causal_bottom_right=mask_name == "causal_bottom_right", window=window, layout=layout)
+    ref = reference(q.detach(), k.detach(), v.detach(), cfg, layout)
+    assert rel(to_bhsd(o, layout), ref) < FWD_TOL[dtype]
+    d_o = torch.randn_like(o)
+    grads = torch.autograd.grad(o, (q, k, v), d_o)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref = reference(q64, k64, v64, cfg, layout)
+    ref_grads = torch.autograd.grad(ref, (q64, k64, v64), to_bhsd(d_o, layout).double())
+    for g, rg in zip(grads, ref_grads):
+        assert rel(g, rg) < BWD_TOL[dtype]
+
+
+def test_cuda_tensor_mismatched_devices_and_cpu_errors():
+    q = torch.randn(1, 16, 2, 64, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(fastattn.InvalidArgumentError, match="on cpu"):
+        fastattn.torch.attention(q, q.cpu(), q)
+
+
+def test_deterministic_backward_is_bitwise_stable():
+    q, k, v = (torch.randn(2, 512, h, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for h in (8, 2, 2))
+    o = fastattn.torch.attention(q, k, v, causal=True, deterministic=True)
+    d_o = torch.randn_like(o)
+    first = torch.autograd.grad(o, (q, k, v), d_o, retain_graph=True)
+    for _ in range(2):
+        again = torch.autograd.grad(o, (q, k, v), d_o, retain_graph=True)
+        assert all(torch.equal(a, b) for a, b in zip(first, again))
+
+
+class Block(torch.nn.Module):
+    def __init__(self, dim=256, heads=4):
+        super().__init__()
+        self.heads = heads
+        self.qkv = torch.nn.Linear(dim, 3 * dim)
+        self.out = torch.nn.Linear(dim, dim)
+
+    def forward(self, x):
+        b, s, d = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.heads, d // self.heads).unbind(2)
+        o = fastattn.torch.attention(q, k, v, causal=True)
+        return self.out(o.reshape(b, s, d))
+
+
+def test_torch_compile_fullgraph_matches_eager():
+    torch.manual_seed(0)
+    block = Block().cuda().to(torch.bfloat16)
+    compiled = torch.compile(block, fullgraph=True)
+    for s in (128, 256):  # a new shape must not break the graph
+        x = torch.randn(2, s, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        y_eager = block(x)
+        y_comp = compiled(x)
+        assert rel(y_comp, y_eager.double()) < 1e-2
+        g_eager = torch.autograd.grad(y_eager.sum(), x)[0]
+        g_comp = torch.autograd.grad(y_comp.sum(), x)[0]
+        assert rel(g_comp, g_eager.double()) < 2e-2
+
+
+def test_cuda_graph_capture_and_replay():
+    shape = (1, 256, 8, 64)
+    static = [torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fastattn.torch.attention(*static, causal=True)  # warm-up: plan built, workspace sized
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fastattn.torch.attention(*static, causal=True)
+    for _ in range(3):
+        fresh = [torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+        for s, f in zip(static, fresh):
+            s.copy_(f)
+        graph.replay()
+        expected = fastattn.torch.attention(*fresh, causal=True)
+        torch.cuda.synchronize()
+        assert torch.equal(out, expected)

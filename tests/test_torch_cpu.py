@@ -1,0 +1,88 @@
+"""fastattn.torch without a GPU: the import boundary, input errors, the fake (meta)
+implementations and tracing. Numerics are in test_gpu_torch.py."""
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="PyTorch is an optional extra (pip install torch)")
+
+import fastattn  # noqa: E402
+from fastattn.torch import attention  # noqa: E402
+
+
+def test_import_fastattn_does_not_import_torch():
+    r = subprocess.run([sys.executable, "-c", textwrap.dedent("""
+        import sys, fastattn
+        assert "torch" not in sys.modules
+        import fastattn.torch
+        assert "torch" in sys.modules
+    """)], capture_output=True, text=True, cwd="/")
+    assert r.returncode == 0, r.stderr
+
+
+def qkv(device="meta", dtype=torch.bfloat16, b=2, s=128, h=8, hkv=None, d=64, dv=None, layout="bshd", grad=False):
+    hkv, dv = hkv or h, dv or d
+    shapes = {"bshd": lambda hh, dd: (b, s, hh, dd), "bhsd": lambda hh, dd: (b, hh, s, dd),
+              "sbhd": lambda hh, dd: (s, b, hh, dd)}[layout]
+    return tuple(torch.empty(shapes(hh, dd), device=device, dtype=dtype, requires_grad=grad)
+                 for hh, dd in ((h, d), (hkv, d), (hkv, dv)))
+
+
+def test_cpu_tensors_are_refused_with_a_clear_error():
+    q, k, v = qkv(device="cpu")
+    with pytest.raises(fastattn.InvalidArgumentError, match=r"^q is on cpu: fastattn runs on CUDA tensors"):
+        attention(q, k, v)
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(dtype=torch.float32), "dtype torch.float32"),
+    (dict(hkv=3), "heads: q has 8, k 3"),
+])
+def test_bad_inputs(change, match):
+    with pytest.raises(fastattn.InvalidArgumentError, match=match):
+        attention(*qkv(**change))
+
+
+def test_mismatches():
+    q, k, v = qkv()
+    with pytest.raises(fastattn.InvalidArgumentError, match="different dtypes"):
+        attention(q, k.to(torch.float16), v)
+    with pytest.raises(fastattn.InvalidArgumentError, match="expected 4 dimensions"):
+        attention(q[0], k, v)
+    with pytest.raises(fastattn.InvalidArgumentError, match="batch sizes differ"):
+        attention(q, k[:1], v[:1])
+    with pytest.raises(fastattn.InvalidArgumentError, match="k has 128 keys but v has 64"):
+        attention(q, k, v[:, :64])
+    with pytest.raises(fastattn.InvalidArgumentError, match="^layout='bsh'"):
+        attention(q, k, v, layout="bsh")
+    with pytest.raises(fastattn.InvalidArgumentError, match="exclusive"):
+        attention(q, k, v, causal=True, causal_bottom_right=True)
+    with pytest.raises(fastattn.InvalidArgumentError, match="^scale=0"):
+        attention(q, k, v, scale=0)
+
+
+@pytest.mark.parametrize("layout", ["bshd", "bhsd", "sbhd"])
+def test_fake_shapes(layout):
+    q, k, v = qkv(layout=layout, h=8, hkv=2, d=128, dv=64)
+    o = attention(q, k, v, causal=True, layout=layout)
+    expected = list(q.shape)
+    expected[3] = 64
+    assert list(o.shape) == expected and o.dtype == q.dtype and o.device.type == "meta"
+
+
+def test_traces_forward_and_backward_as_two_ops():
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def step(q, k, v):
+        o = attention(q, k, v, causal=True)
+        (g_q, g_k, g_v) = torch.autograd.grad(o.sum(), (q, k, v))
+        return o, g_q, g_k, g_v
+
+    q, k, v = qkv(grad=True, h=8, hkv=2)
+    gm = make_fx(step, tracing_mode="fake")(q, k, v)
+    targets = [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+    assert "fastattn.attention_forward.default" in targets
+    assert "fastattn.attention_backward.default" in targets
