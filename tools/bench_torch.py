@@ -1,0 +1,132 @@
+"""fastattn.torch against PyTorch's SDPA backends, in one process on one GPU.
+
+(a) Host time per call on a small shape (1x8x128x64 bf16 causal): fastattn.torch.attention
+    vs scaled_dot_product_attention with the cuDNN and flash backends (target: at most
+    0.75x PyTorch cuDNN's).
+(b) Forward and backward TFLOP/s on large shapes, causal and not (target: at least
+    0.98x PyTorch cuDNN's), timed with CUDA events over rotating inputs.
+
+    python tools/bench_torch.py [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import fastattn
+import fastattn.torch as fat
+
+
+def _sdpa(backend):
+    def run(q, k, v, causal):
+        with sdpa_kernel(backend):
+            # SDPA wants (b, h, s, d): transposed views of the same bshd tensors.
+            return torch.nn.functional.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal).transpose(1, 2)
+    return run
+
+
+PEERS = {
+    "fastattn": lambda q, k, v, causal: fat.attention(q, k, v, causal=causal),
+    "torch_cudnn": _sdpa(SDPBackend.CUDNN_ATTENTION),
+    "torch_flash": _sdpa(SDPBackend.FLASH_ATTENTION),
+}
+
+
+def host_overhead(iters: int, repeats: int) -> dict:
+    q, k, v = (torch.randn(1, 128, 8, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    for fn in PEERS.values():
+        for _ in range(20):
+            fn(q, k, v, True)
+    torch.cuda.synchronize()
+    samples = {name: [] for name in PEERS}
+    for _ in range(repeats):  # interleaved, so drift hits every peer alike
+        for name, fn in PEERS.items():
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                fn(q, k, v, True)
+            samples[name].append((time.perf_counter() - t0) / iters * 1e6)
+            torch.cuda.synchronize()
+    res = {f"{n}_us": statistics.median(s) for n, s in samples.items()}
+    res["ratio_fastattn_to_torch_cudnn"] = res["fastattn_us"] / res["torch_cudnn_us"]
+    return res
+
+
+def _flops(b, h, s, d, causal, backward):
+    f = 4 * b * h * s * s * d * (0.5 if causal else 1.0)
+    return f * (2.5 if backward else 1.0)  # backward is ~2.5x the forward's matmul work
+
+
+def throughput(shapes, reps: int) -> list[dict]:
+    rows = []
+    for (b, h, s, d), causal in shapes:
+        inputs = [[torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                   for _ in range(3)] for _ in range(3)]  # rotate inputs: no cache effects
+        row = {"shape": f"{b}x{h}x{s}x{d}", "causal": causal}
+        for name, fn in PEERS.items():
+            for mode in ("fwd", "bwd"):
+                def once(i):
+                    q, k, v = inputs[i % 3]
+                    if mode == "fwd":
+                        with torch.no_grad():
+                            fn(q, k, v, causal)
+                    else:
+                        o = fn(q, k, v, causal)
+                        torch.autograd.grad(o, (q, k, v), torch.ones_like(o))
+                for i in range(3):
+                    once(i)
+                torch.cuda.synchronize()
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                for i in range(reps):
+                    once(i)
+                end.record()
+                torch.cuda.synchronize()
+                ms = start.elapsed_time(end) / reps
+                flops = _flops(b, h, s, d, causal, mode == "bwd")
+                if mode == "bwd":  # the timed region ran forward + backward
+                    flops += _flops(b, h, s, d, causal, False)
+                row[f"{name}_{mode}_tflops"] = flops / ms / 1e9
+        for mode in ("fwd", "bwd"):
+            row[f"ratio_{mode}_fastattn_to_torch_cudnn"] = row[f"fastattn_{mode}_tflops"] / row[f"torch_cudnn_{mode}_tflops"]
+        rows.append(row)
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--iters", type=int, default=300)
+    ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--json")
+    args = ap.parse_args(argv)
+    shapes = [((2, 16, 8192, 128), c) for c in (False, True)] + [((4, 32, 4096, 128), c) for c in (False, True)]
+    res = {"date": time.strftime("%Y-%m-%d"), "device": fastattn.device_info(), "versions": fastattn.versions(),
+           "torch": torch.__version__, "host_overhead": host_overhead(args.iters, args.repeats),
+           "throughput": throughput(shapes, args.reps)}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=2)
+    print(json.dumps(res, indent=2))
+    h = res["host_overhead"]
+    print("\nsummary:")
+    print(f"  host us/call: fastattn {h['fastattn_us']:.2f}, torch cudnn {h['torch_cudnn_us']:.2f}, "
+          f"flash {h['torch_flash_us']:.2f}; ratio to cudnn {h['ratio_fastattn_to_torch_cudnn']:.2f} (target <= 0.75)")
+    for r in res["throughput"]:
+        print(f"  {r['shape']} causal={r['causal']}: fwd {r['fastattn_fwd_tflops']:.0f} vs cudnn "
+              f"{r['torch_cudnn_fwd_tflops']:.0f} ({r['ratio_fwd_fastattn_to_torch_cudnn']:.3f}), fwd+bwd "
+              f"{r['fastattn_bwd_tflops']:.0f} vs {r['torch_cudnn_bwd_tflops']:.0f} "
+              f"({r['ratio_bwd_fastattn_to_torch_cudnn']:.3f}); flash fwd {r['torch_flash_fwd_tflops']:.0f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
