@@ -56,8 +56,8 @@ if [ $rc -ge 128 ]; then
     > "$OUT/crash_bt.log" 2>&1
   echo "=== crash backtrace"; grep -v "New Thread\|Thread 0x" "$OUT/crash_bt.log" | tail -30
 fi
-# BENCH: which benchmarks to run after the tests ("core coldstart torch" by default, "" for none).
-for b in ${BENCH-core coldstart torch}; do
+# BENCH: which benchmarks to run after the tests ("core coldstart torch warm" by default, "" for none).
+for b in ${BENCH-core coldstart torch warm}; do
   python3 "tools/bench_$b.py" --json "$OUT/bench_$b.json" > "$OUT/bench_$b.log" 2>&1 || echo "bench_$b failed (see bench_$b.log)"
 done
 

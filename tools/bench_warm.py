@@ -1,0 +1,71 @@
+"""How `fastattn warm` scales with worker processes, and what a second run costs.
+
+64 configs (GQA and MHA, head dims 64 and 128, seqlen 256 ... 8192, causal bf16, half
+of them training) are warmed into an empty cache with 1, 4, 8 and 16 workers (target:
+speed-up of at least 0.6 x workers over one), then warmed again from the cache.
+
+    python tools/bench_warm.py [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import sys
+import tempfile
+import time
+
+from fastattn import AttentionConfig
+from fastattn.warm import warm
+
+
+def configs() -> list[AttentionConfig]:
+    out = []
+    for (hq, hkv), d, s, training in itertools.product(((32, 8), (16, 16)), (64, 128),
+                                                       (256, 512, 1024, 2048, 4096, 8192, 384, 768), (False, True)):
+        out.append(AttentionConfig(batch=1, heads_q=hq, heads_kv=hkv, seqlen_q=s, head_dim_qk=d, dtype="bf16",
+                                   mask="causal", training=training))
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workers", type=int, nargs="+", default=[1, 4, 8, 16])
+    ap.add_argument("--json")
+    args = ap.parse_args(argv)
+    todo = configs()
+    assert len(todo) == 64
+    rows = []
+    for n in args.workers:
+        with tempfile.TemporaryDirectory(prefix="fastattn-bench-warm-") as d:
+            os.environ["FASTATTN_CACHE_DIR"] = d
+            t0 = time.perf_counter()
+            first = warm(todo, workers=n)
+            cold = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            second = warm(todo, workers=n)
+            rows.append({"workers": n, "cold_seconds": cold, "second_run_seconds": time.perf_counter() - t0,
+                         "first_counts": first.counts, "second_counts": second.counts})
+    base = rows[0]["cold_seconds"] if rows[0]["workers"] == 1 else None
+    for r in rows:
+        if base:
+            r["speedup"] = base / r["cold_seconds"]
+            r["speedup_per_worker"] = r["speedup"] / r["workers"]
+        r["second_over_first"] = r["second_run_seconds"] / r["cold_seconds"]
+    res = {"date": time.strftime("%Y-%m-%d"), "configs": len(todo), "rows": rows}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=2)
+    print(json.dumps(res, indent=2))
+    print("\nsummary:")
+    for r in rows:
+        print(f"  {r['workers']:>2} workers: cold {r['cold_seconds']:.1f} s"
+              + (f" (speed-up {r['speedup']:.1f}x, {r['speedup_per_worker']:.2f} per worker)" if base else "")
+              + f", second run {r['second_run_seconds']:.1f} s ({r['second_over_first']:.2f} of the first)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
