@@ -7,6 +7,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="PyTorch is an optional extra (pip install torch)")
 
 import fastattn  # noqa: E402
+import fastattn.torch  # noqa: E402,F401
 from fastattn import AttentionConfig  # noqa: E402
 
 from gpu_helpers import allowed  # noqa: E402
