@@ -11,13 +11,12 @@ import time
 from typing import Any
 
 from . import runtime, store, sweep
+from .cli import EXIT_FAILED, EXIT_NO_GPU, EXIT_OK, EXIT_UNSUPPORTED
 from .config import AttentionConfig
 from .errors import CudaError, InvalidArgumentError, LibraryError
 from .store import bundle
 from .store.entry import decode
 from .warm import WarmItem, warm
-
-from .cli import EXIT_FAILED, EXIT_NO_GPU, EXIT_OK, EXIT_UNSUPPORTED
 
 
 def _exit_code(report) -> int:
@@ -34,7 +33,8 @@ def _exit_code(report) -> int:
 # -- warm ---------------------------------------------------------------------------------
 
 
-def _progress_bar(total: int):
+def _progress_bar():
+    """A one-line bar on stderr, only on a terminal (logs and pipes get the table alone)."""
     if not sys.stderr.isatty():
         return None
     counts: dict[str, int] = {}
@@ -55,7 +55,7 @@ def _progress_bar(total: int):
 def warm_command(args) -> tuple[int, dict[str, Any]]:
     configs = sweep.load_configs(args.file) if args.file else sweep.builtin_configs()
     report = warm(configs, workers=args.workers, device=args.device,
-                  progress=None if args.no_progress or args.json else _progress_bar(len(configs)))
+                  progress=None if args.no_progress or args.json else _progress_bar())
     out = report.to_dict()
     out["source"] = args.file or "built-in model shapes"
     if args.report:
