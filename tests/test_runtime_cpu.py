@@ -82,6 +82,25 @@ def test_versions_without_gpu_calls():
     assert v["cudnn_frontend"].count(".") == 2 and v["cudnn_headers"] >= 90000
 
 
+def test_wheel_libraries_load_without_cuda_pathfinder():
+    # Importing cuda-pathfinder costs ~50 ms of cold start: the pip-wheel layout is
+    # found without it. (On a machine without the driver the load stops there.)
+    r = _python("""
+        import sys, fastattn
+        from fastattn import _loader
+        for name in ("cublasLt", "nvrtc", "cudart", "cudnn"):
+            assert _loader._from_wheels(name), name
+        try:
+            _loader.ensure_loaded()
+        except fastattn.LibraryError:
+            pass
+        assert "cuda.pathfinder" not in sys.modules
+        maps = open("/proc/self/maps").read()
+        assert "libcublasLt.so.13" in maps and "libnvrtc.so.13" in maps and "libcudart.so.13" in maps
+    """)
+    assert r.returncode == 0, r.stderr
+
+
 def test_missing_cudnn_is_a_clear_library_error():
     r = _python("""
         import fastattn
