@@ -66,6 +66,8 @@ def _parser() -> argparse.ArgumentParser:
     warm.add_argument("--report", help="write the full report as JSON to this file")
     warm.add_argument("--json", action="store_true", help="print the report as JSON")
     warm.add_argument("--no-progress", action="store_true", help="no progress bar")
+    warm.add_argument("--timeout", type=float, default=600.0,
+                      help="seconds one config may take before its worker is killed (default 600)")
 
     matrix = sub.add_parser("matrix", help="probe a grid of configs and show which cuDNN supports on this GPU")
     matrix.add_argument("--head-dims", type=_ints, default=[64, 96, 128, 192, 256], metavar="D,D,...",

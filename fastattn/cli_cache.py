@@ -54,7 +54,7 @@ def _progress_bar():
 
 def warm_command(args) -> tuple[int, dict[str, Any]]:
     configs = sweep.load_configs(args.file) if args.file else sweep.builtin_configs()
-    report = warm(configs, workers=args.workers, device=args.device,
+    report = warm(configs, workers=args.workers, device=args.device, timeout=args.timeout,
                   progress=None if args.no_progress or args.json else _progress_bar())
     out = report.to_dict()
     out["source"] = args.file or "built-in model shapes"

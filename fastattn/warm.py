@@ -68,6 +68,7 @@ class _Worker:
         self.buffer = b""
         self.item: WarmItem | None = None
         self.started = 0.0
+        self.timed_out = False
 
     def send(self, item: WarmItem) -> None:
         self.item, self.started = item, time.perf_counter()
@@ -114,6 +115,8 @@ def _crashed(item: WarmItem, worker: _Worker, elapsed: float) -> None:
         item.error_type, item.reason = name, f"the worker process was killed by {name}"
     else:
         item.error_type, item.reason = "exit", f"the worker process exited with code {rc}"
+    if worker.timed_out:
+        item.error_type, item.reason = "timeout", f"no answer after {elapsed:.0f} s: the worker was killed"
     tail = worker.tail()
     if tail:
         item.reason += f"; its last output: {tail}"
@@ -125,10 +128,12 @@ def warm(
     workers: int | None = None,
     device: int | None = None,
     progress: Callable[[int, int, WarmItem], None] | None = None,
+    timeout: float = 600.0,
 ) -> WarmReport:
     """Loads or builds every config in `workers` processes (default: up to 8, at most
-    one per config), storing what is built in the persistent cache. Never raises for
-    a config: refusals and failures are in the report."""
+    one per config), storing what is built in the persistent cache. A config that takes
+    longer than `timeout` seconds has its worker killed and is reported failed. Never
+    raises for a config: refusals and failures are in the report."""
     if workers is None:
         workers = min(8, os.cpu_count() or 1)
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
@@ -168,6 +173,11 @@ def warm(
         for _ in range(min(workers, len(items))):
             start_worker()
         while pool:
+            now = time.perf_counter()
+            for w in pool:
+                if w.item is not None and not w.timed_out and now - w.started > timeout:
+                    w.timed_out = True
+                    w.proc.kill()  # its EOF below reports the config
             for key, _ in sel.select(timeout=1.0):
                 w: _Worker = key.data
                 chunk = os.read(w.proc.stdout.fileno(), 1 << 16)

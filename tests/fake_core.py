@@ -45,6 +45,8 @@ def build_plan(cfg, device):
     time.sleep(float(os.environ.get("FAKE_BUILD_SECONDS", "0.01")))
     if cfg.head_dim_qk == 72:  # stands for a config that crashes cuDNN
         os.kill(os.getpid(), signal.SIGSEGV)
+    if cfg.head_dim_qk == 80:  # stands for a config that hangs
+        time.sleep(3600)
     if cfg.head_dim_qk == 1024:
         raise NotSupportedError("forward: fake cuDNN refuses head_dim_qk=1024")
     return FakePlan(cfg, device, _blob(cfg, "forward"), _blob(cfg, "backward") if cfg.training else None)

@@ -3,6 +3,7 @@ fake core on the CPU)."""
 
 import json
 import os
+import time
 
 import pytest
 
@@ -123,3 +124,13 @@ def test_warm_rejects_bad_worker_counts():
     with pytest.raises(InvalidArgumentError, match="^workers=0"):
         warm.warm([], workers=0)
     assert warm.warm([], workers=2).items == []
+
+
+def test_a_hanging_config_is_killed_after_the_timeout(fake_workers):
+    configs = cfgs(128, 256) + cfgs(128, head_dim_qk=80)
+    t0 = time.monotonic()
+    report = warm.warm(configs, workers=2, timeout=2.0)
+    assert time.monotonic() - t0 < 30
+    hung = report.items[2]
+    assert hung.status == "failed" and hung.error_type == "timeout" and "killed" in hung.reason
+    assert report.counts["built"] == 2
