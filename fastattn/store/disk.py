@@ -179,15 +179,6 @@ class DiskStore:
         if total > self.max_bytes:
             self.prune(max_bytes=self.max_bytes)
 
-    def remove(self, key: str) -> bool:
-        try:
-            os.unlink(self.path_for(key))
-        except OSError:
-            return False
-        with self._lock:
-            self._total = None
-        return True
-
     # -- locks ------------------------------------------------------------------------
 
     @contextlib.contextmanager
