@@ -329,6 +329,35 @@ def plan(config: Any, *, device: int | None = None):
     return entry.plan
 
 
+def peek(config: Any, *, device: int | None = None) -> ProbeResult | None:
+    """The answer already known for `config`, without building or deserializing
+    anything: from memory (source "memory"), else from a persistent cache entry whose
+    checksum holds (source "disk"), else None. An entry found here is not proven to
+    deserialize (cuDNN only says so when loading it; `fastattn cache verify` does)."""
+    config = AttentionConfig.coerce(config)
+    device = _resolve_device(device)
+    with _lock:
+        entry = _entries.get((config, device))
+    if entry is not None and entry.done.is_set() and entry.result is not None:
+        return replace(entry.result, source="memory", build_seconds=0.0)
+    cache = _the_cache()
+    if not cache.tiers:
+        return None
+    found = cache.get(store.key_of(_description(config, device)))
+    if found is None:
+        return None
+    e, _ = found
+    if e.kind == "unsupported":
+        return ProbeResult(config, device, False, str(e.meta.get("reason", "")), source="disk")
+    m = e.meta
+    try:
+        sizes = int(m.get("forward_workspace_size", 0)), int(m.get("backward_workspace_size", 0))
+    except (TypeError, ValueError):
+        return None  # not what this version writes: let a real load decide
+    return ProbeResult(config, device, True, "", *sizes, str(m.get("forward_engine", "")),
+                       str(m.get("backward_engine", "")), 0.0, "disk")
+
+
 def preload(configs: Iterable[Any] | None = None, *, device: int | None = None, threads: int = 4,
             background: bool = False):
     """Loads (or builds) plans ahead of first use, in `threads` parallel threads (each

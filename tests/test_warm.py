@@ -134,3 +134,26 @@ def test_a_hanging_config_is_killed_after_the_timeout(fake_workers):
     hung = report.items[2]
     assert hung.status == "failed" and hung.error_type == "timeout" and "killed" in hung.reason
     assert report.counts["built"] == 2
+
+
+def test_a_second_run_answers_from_the_cache_without_workers(fake_workers, monkeypatch):
+    import fake_core
+    from fastattn import runtime
+
+    configs = cfgs(128, 256) + cfgs(128, head_dim_qk=1024)
+    first = warm.warm(configs, workers=2)
+    assert first.counts == {"built": 2, "loaded": 0, "unsupported": 1, "failed": 0}
+    # This process can now read the cache too (the same fake GPU and versions as the
+    # workers'): nothing is left for a worker to do.
+    monkeypatch.setattr(runtime, "_core", lambda: fake_core)
+    runtime.clear()
+    runtime._device_descriptions.clear()
+    monkeypatch.setattr(warm, "_Worker", lambda *a, **k: pytest.fail("a worker was started"))
+    seen = []
+    again = warm.warm(configs, workers=2, progress=lambda done, total, item: seen.append(done))
+    assert again.counts == {"built": 0, "loaded": 2, "unsupported": 1, "failed": 0}
+    assert "1024" in again.items[2].reason and again.items[0].forward_engine == "fake_fwd"
+    s = runtime.stats()
+    assert seen == [1, 2, 3] and s["builds"] == 0 and s["deserializations"] == 0
+    runtime.clear()
+    runtime._device_descriptions.clear()

@@ -47,6 +47,7 @@ def child(variant: str, backward: bool) -> dict:
         import fastattn
         from fastattn._loader import ensure_loaded
 
+        t_import = time.perf_counter()
         ensure_loaded()  # timed apart: loading cuDNN and its dependencies
         t_libs = time.perf_counter()
         configs = [fastattn.AttentionConfig(batch=1, heads_q=HEADS, seqlen_q=s, head_dim_qk=HEAD_DIM, dtype="bf16",
@@ -54,8 +55,13 @@ def child(variant: str, backward: bool) -> dict:
         if variant == "fastattn_warm_preload":
             fastattn.preload(configs, threads=len(configs))
         t_plans = time.perf_counter()
+        plan_ms = []  # per shape: fastattn.plan() (lookup, load or build), then its first run
+        run_ms = []
         for (q, k, v), s, cfg in zip(inputs, SEQLENS, configs):
+            t_a = time.perf_counter()
             p = fastattn.plan(cfg)
+            t_b = time.perf_counter()
+            plan_ms.append(round((t_b - t_a) * 1e3, 2))
             o = torch.empty_like(q)
             ws = torch.empty(p.workspace_size, dtype=torch.uint8, device="cuda")
             stream = torch.cuda.current_stream().cuda_stream
@@ -70,11 +76,13 @@ def child(variant: str, backward: bool) -> dict:
             else:
                 p.forward(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), workspace=ws.data_ptr(),
                           stream=stream)
+            run_ms.append(round((time.perf_counter() - t_b) * 1e3, 2))
         torch.cuda.synchronize()
         elapsed = time.perf_counter() - t0
         s = fastattn.stats()
         return {"seconds": elapsed, "builds": s["builds"], "disk_hits": s["disk_hits"],
-                "libraries_seconds": t_libs - t0, "preload_seconds": t_plans - t_libs,
+                "import_seconds": t_import - t0, "libraries_seconds": t_libs - t_import,
+                "preload_seconds": t_plans - t_libs, "plan_ms": plan_ms, "run_ms": run_ms,
                 "load_seconds": s["load_seconds"], "build_seconds": s["build_seconds"]}
     from torch.nn.attention import SDPBackend, sdpa_kernel
 

@@ -47,7 +47,9 @@ def main(argv=None) -> int:
             t0 = time.perf_counter()
             second = warm(todo, workers=n)
             rows.append({"workers": n, "cold_seconds": cold, "second_run_seconds": time.perf_counter() - t0,
-                         "first_counts": first.counts, "second_counts": second.counts})
+                         "first_counts": first.counts, "second_counts": second.counts,
+                         "first_item_seconds": sorted(round(i.seconds, 3) for i in first.items),
+                         "second_item_seconds": sorted(round(i.seconds, 3) for i in second.items)})
     base = rows[0]["cold_seconds"] if rows[0]["workers"] == 1 else None
     for r in rows:
         if base:
@@ -64,6 +66,10 @@ def main(argv=None) -> int:
         print(f"  {r['workers']:>2} workers: cold {r['cold_seconds']:.1f} s"
               + (f" (speed-up {r['speedup']:.1f}x, {r['speedup_per_worker']:.2f} per worker)" if base else "")
               + f", second run {r['second_run_seconds']:.1f} s ({r['second_over_first']:.2f} of the first)")
+        for run in ("first", "second"):
+            t = r[f"{run}_item_seconds"]
+            print(f"      {run} run, seconds per config: median {t[len(t) // 2]:.3f}, max {t[-1]:.3f}, "
+                  f"sum {sum(t):.1f}")
     return 0
 
 

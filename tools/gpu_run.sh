@@ -1,23 +1,26 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build the extension there, run the whole test suite
 # (GPU tests must not skip: FASTATTN_REQUIRE_GPU=1), then the benchmarks. Full logs
-# go to $OUT (the device tool brings them back); a short summary is printed last.
+# and JSON results go to $OUT/logs.tgz (the device tool brings back at most 8 files);
+# a short summary is printed last.
 #
 #   bash tools/gpu_run.sh [pytest args...]      (carry .whl: nvidia-cudnn-frontend, platformdirs)
 set -uo pipefail
 OUT=${OUT:-/tmp/fastattn-out}
+LOGS=$(mktemp -d /tmp/fastattn-logs.XXXX)
 mkdir -p "$OUT"
+trap 'tar czf "$OUT/logs.tgz" -C "$LOGS" .' EXIT
 export PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/.."
 
 {
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv
   python3 -c 'import sys, torch; print(sys.version); print("torch", torch.__version__)'
-} > "$OUT/env.log" 2>&1
+} > "$LOGS/env.log" 2>&1
 
 # The machine has no network: the frontend headers and platformdirs come as wheels.
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-  > "$OUT/pip.log" 2>&1 || { echo "wheel install failed"; cat "$OUT/pip.log"; exit 1; }
+  > "$LOGS/pip.log" 2>&1 || { echo "wheel install failed"; cat "$LOGS/pip.log"; exit 1; }
 export PYTHONPATH=/tmp/site:$PWD
 export FASTATTN_CUDNN_FRONTEND_INCLUDE=/tmp/site/include
 export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
@@ -29,15 +32,15 @@ export CFLAGS="${CFLAGS:-} -g"  # symbols for a backtrace if anything crashes
 if [ -x /usr/bin/g++ ]; then
   export CC=/usr/bin/gcc CXX=/usr/bin/g++ LDSHARED="/usr/bin/g++ -shared"
 fi
-{ echo "CXX=${CXX:-default}"; command -v g++; g++ --version | head -1; ls /usr/bin/g++* /opt/gcc/lib64/libstdc++* 2>&1; } >> "$OUT/env.log" 2>&1
+{ echo "CXX=${CXX:-default}"; command -v g++; g++ --version | head -1; ls /usr/bin/g++* /opt/gcc/lib64/libstdc++* 2>&1; } >> "$LOGS/env.log" 2>&1
 
 # FASTATTN_PREBUILT=1 runs a carried cp312 build instead (quick iterations while
 # debugging); the run that counts builds here.
 t0=$(date +%s)
 if [ "${FASTATTN_PREBUILT:-0}" = "1" ]; then
   echo "build: skipped, using carried $(ls fastattn/_core*.so)"
-elif ! python3 setup.py build_ext --inplace --force -j "$(nproc)" > "$OUT/build.log" 2>&1; then
-  echo "BUILD FAILED"; grep -E "error|Error" "$OUT/build.log" | head -40; exit 1
+elif ! python3 setup.py build_ext --inplace --force -j "$(nproc)" > "$LOGS/build.log" 2>&1; then
+  echo "BUILD FAILED"; grep -E "error|Error" "$LOGS/build.log" | head -40; exit 1
 else
   echo "build: $(( $(date +%s) - t0 )) s"
 fi
@@ -48,21 +51,27 @@ fi
 echo "libstdc++: $(ldd "$so" | grep -o 'libstdc++[^ ]* => [^ ]*' || echo 'not dynamically linked')"
 
 export FASTATTN_REQUIRE_GPU=1
-python3 -m pytest tests -q -rfEs -p no:cacheprovider "$@" > "$OUT/pytest.log" 2>&1
+python3 -m pytest tests -q -rfEs -p no:cacheprovider "$@" > "$LOGS/pytest.log" 2>&1
 rc=$?
 if [ $rc -ge 128 ]; then
   # A crash: run the suite again under cuda-gdb (there is no gdb there) for the C++ stack.
   timeout 400 cuda-gdb -q -batch -ex run -ex bt --args python3 -m pytest tests -x -q -p no:cacheprovider "$@" \
-    > "$OUT/crash_bt.log" 2>&1
-  echo "=== crash backtrace"; grep -v "New Thread\|Thread 0x" "$OUT/crash_bt.log" | tail -30
+    > "$LOGS/crash_bt.log" 2>&1
+  echo "=== crash backtrace"; grep -v "New Thread\|Thread 0x" "$LOGS/crash_bt.log" | tail -30
 fi
-# BENCH: which benchmarks to run after the tests ("core coldstart torch warm" by default, "" for none).
+# pip byte-compiles an installed package; the source tree here has no .pyc files, and
+# compiling them inside a timed cold start would bill fastattn for it.
+python3 -m compileall -q fastattn > /dev/null
+# BENCH: what to run after the tests: tools/bench_NAME.py or tools/NAME.py for each NAME
+# ("core coldstart torch warm" by default, "" for none).
 for b in ${BENCH-core coldstart torch warm}; do
-  python3 "tools/bench_$b.py" --json "$OUT/bench_$b.json" > "$OUT/bench_$b.log" 2>&1 || echo "bench_$b failed (see bench_$b.log)"
+  script=tools/bench_$b.py; [ -f "$script" ] || script=tools/$b.py
+  python3 "$script" --json "$LOGS/bench_$b.json" > "$LOGS/bench_$b.log" 2>&1 || echo "$script failed (see bench_$b.log)"
 done
 
-echo "=== env"; cat "$OUT/env.log" | head -20
-echo "=== pytest (failures)"; grep -E "^(FAILED|ERROR|SKIPPED)" "$OUT/pytest.log" | head -40
-echo "=== bench"; for f in "$OUT"/bench_*.log; do [ -f "$f" ] && sed -n '/^summary:/,$p' "$f"; done
-echo "=== pytest summary"; tail -n 1 "$OUT/pytest.log"
+echo "=== env"; cat "$LOGS/env.log" | head -20
+echo "=== pytest (failures)"; grep -E "^(FAILED|ERROR|SKIPPED)" "$LOGS/pytest.log" | head -40
+grep -E "^E  " "$LOGS/pytest.log" | head -20
+echo "=== bench"; for f in "$LOGS"/bench_*.log; do [ -f "$f" ] && sed -n '/^summary:/,$p' "$f"; done
+echo "=== pytest summary"; tail -n 1 "$LOGS/pytest.log"
 exit $rc
