@@ -81,11 +81,17 @@ using GetCountFn       = cudaError_t(int *);
 using AttributeFn      = cudaError_t(int *, cudaDeviceAttr, int);
 using VersionFn        = cudaError_t(int *);
 using ErrorStringFn    = const char *(cudaError_t);
+using GetLastErrorFn   = cudaError_t();
 using DeviceGetNameFn  = CUresult(char *, int, CUdevice);
 using DeviceGetFn      = CUresult(CUdevice *, int);
 
 Status cuda_status(cudaError_t err, const char *what) {
     if (err == cudaSuccess) return {};
+    // A failed runtime call also stays behind as the thread's "last error", which
+    // the next library to check it (PyTorch, after its next kernel launch) would
+    // report as its own failure. The error is ours: clear it.
+    static GetLastErrorFn *clear = cudart<GetLastErrorFn>("cudaGetLastError");
+    (void)clear();
     static ErrorStringFn *str = cudart<ErrorStringFn>("cudaGetErrorString");
     std::ostringstream msg;
     msg << what << " failed: " << str(err) << " (cudaError " << int(err) << ")";

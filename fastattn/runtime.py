@@ -124,6 +124,9 @@ def _resolve_device(device: int | None) -> int:
         return core.get_current_device()
     if isinstance(device, bool) or not isinstance(device, int) or device < 0:
         raise InvalidArgumentError(f"device={device!r}: must be a CUDA device index >= 0")
+    count = core.get_device_count()
+    if device >= count:
+        raise InvalidArgumentError(f"device={device}: this process sees {count} CUDA device(s)")
     return device
 
 
@@ -329,18 +332,16 @@ def plan(config: Any, *, device: int | None = None):
     return entry.plan
 
 
-def peek(config: Any, *, device: int | None = None) -> ProbeResult | None:
-    """The answer already known for `config`, without building or deserializing
-    anything: from memory (source "memory"), else from a persistent cache entry whose
-    checksum holds (source "disk"), else None. An entry found here is not proven to
-    deserialize (cuDNN only says so when loading it; `fastattn cache verify` does)."""
+def stored_answer(config: Any, *, device: int | None = None,
+                  cache: store.TieredCache | None = None) -> ProbeResult | None:
+    """The answer the persistent cache holds for `config` (source "disk"), read
+    without building or deserializing anything, or None. `cache`: the directories to
+    look in (default: this process's). An entry found here has a valid checksum but
+    is not proven to deserialize: cuDNN only says so when loading it (`fastattn cache
+    verify` does)."""
     config = AttentionConfig.coerce(config)
     device = _resolve_device(device)
-    with _lock:
-        entry = _entries.get((config, device))
-    if entry is not None and entry.done.is_set() and entry.result is not None:
-        return replace(entry.result, source="memory", build_seconds=0.0)
-    cache = _the_cache()
+    cache = cache or _the_cache()
     if not cache.tiers:
         return None
     found = cache.get(store.key_of(_description(config, device)))

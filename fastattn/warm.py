@@ -31,7 +31,7 @@ STATUSES = ("loaded", "built", "unsupported", "failed")
 @dataclass
 class WarmItem:
     config: AttentionConfig
-    status: str = "pending"  # loaded, built, unsupported, failed
+    status: str = "pending"  # loaded (found in the cache), built, unsupported, failed
     seconds: float = 0.0
     reason: str = ""  # cuDNN's reason, or what failed
     forward_engine: str = ""
@@ -123,16 +123,17 @@ def _crashed(item: WarmItem, worker: _Worker, elapsed: float) -> None:
 
 
 def _answer_from_cache(items: list[WarmItem], device: int | None):
-    """Settles, and yields, each item whose answer is in this process's memory or the
-    persistent cache. Reading entries builds and deserializes nothing, so it is safe
-    outside a worker. Where the GPU stack cannot even start here, the workers report
-    why."""
-    from . import runtime
+    """Settles, and yields, each item whose answer the persistent cache already holds.
+    The cache is the one the workers would use (the FASTATTN_CACHE_* variables now),
+    and reading entries builds and deserializes nothing, so this is safe outside a
+    worker. Where the GPU stack cannot even start here, the workers report why."""
+    from . import runtime, store
 
+    cache = store.TieredCache(store.settings_from_env())
     for item in items:
         t0 = time.perf_counter()
         try:
-            known = runtime.peek(item.config, device=device)
+            known = runtime.stored_answer(item.config, device=device, cache=cache)
         except FastAttnError:
             return
         if known is None:

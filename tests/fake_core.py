@@ -14,7 +14,7 @@ import time
 from fastattn.errors import CorruptPlanError, NotSupportedError
 
 CUDNN_VERSION = [91900]
-GPU_NAME = ["NVIDIA H200"]
+GPU_NAME = ["Fake GPU (tests/fake_core.py)"]  # never a real GPU's: fake entries must not match real ones
 
 
 class FakePlan:
@@ -61,6 +61,10 @@ def load_plan(cfg, device, forward, backward=None, forward_engine="", backward_e
 def get_device_info(device):
     return {"name": GPU_NAME[0], "compute_capability": (9, 0), "sm_count": 132, "driver_version": 13000,
             "runtime_version": 13000}
+
+
+def get_device_count():
+    return 2
 
 
 def get_current_device():

@@ -232,3 +232,9 @@ def test_a_plan_that_cannot_be_serialized_still_works(cache_dir, monkeypatch, ca
     assert p is not None and fastattn.stats()["builds"] == 1
     assert "cannot serialize" in caplog.text
     assert list(store.DiskStore(str(cache_dir)).entries()) == []
+
+
+def test_a_device_this_process_does_not_have_is_named(cache_dir):
+    with pytest.raises(fastattn.InvalidArgumentError, match=r"device=5: this process sees 2 CUDA device"):
+        fastattn.plan(CFG, device=5)
+    assert fastattn.plan(CFG, device=1) is not None

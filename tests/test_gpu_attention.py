@@ -304,8 +304,23 @@ class TestBadInput:
     def test_bad_device(self):
         with pytest.raises(fastattn.InvalidArgumentError, match="device=-1"):
             fastattn.probe(make_config("bf16", "none", "mha", "same", "bshd"), device=-1)
-        with pytest.raises(fastattn.FastAttnError):
+        with pytest.raises(fastattn.InvalidArgumentError, match="device=63: this process sees"):
             fastattn.probe(make_config("bf16", "none", "mha", "same", "bshd"), device=63)
+
+    def test_a_failed_cuda_call_leaves_no_error_behind(self):
+        # PyTorch reads the CUDA runtime's last error after its kernel launches: a
+        # failure of ours left there would surface as PyTorch's own ("invalid device
+        # ordinal" from torch.randn, seen 2026-11-29).
+        import ctypes
+
+        from fastattn import _core
+        from fastattn._loader import ensure_loaded
+
+        cudart = ctypes.CDLL(ensure_loaded().cudart)
+        assert cudart.cudaGetLastError() == 0
+        with pytest.raises(fastattn.CudaError, match="invalid device ordinal"):
+            _core.get_device_info(63)
+        assert cudart.cudaGetLastError() == 0
 
     def test_invalid_config_raises_before_any_build(self):
         before = fastattn.stats()["builds"]

@@ -30,6 +30,14 @@ def configs() -> list[AttentionConfig]:
     return out
 
 
+def _children_cpu() -> float:
+    """CPU seconds (user + system) of the finished worker processes so far."""
+    import resource
+
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workers", type=int, nargs="+", default=[1, 4, 8, 16])
@@ -41,12 +49,12 @@ def main(argv=None) -> int:
     for n in args.workers:
         with tempfile.TemporaryDirectory(prefix="fastattn-bench-warm-") as d:
             os.environ["FASTATTN_CACHE_DIR"] = d
-            t0 = time.perf_counter()
+            t0, cpu0 = time.perf_counter(), _children_cpu()
             first = warm(todo, workers=n)
-            cold = time.perf_counter() - t0
+            cold, cpu = time.perf_counter() - t0, _children_cpu() - cpu0
             t0 = time.perf_counter()
             second = warm(todo, workers=n)
-            rows.append({"workers": n, "cold_seconds": cold, "second_run_seconds": time.perf_counter() - t0,
+            rows.append({"workers": n, "cold_seconds": cold, "cold_cpu_seconds": cpu, "second_run_seconds": time.perf_counter() - t0,
                          "first_counts": first.counts, "second_counts": second.counts,
                          "first_item_seconds": sorted(round(i.seconds, 3) for i in first.items),
                          "second_item_seconds": sorted(round(i.seconds, 3) for i in second.items)})
@@ -56,7 +64,7 @@ def main(argv=None) -> int:
             r["speedup"] = base / r["cold_seconds"]
             r["speedup_per_worker"] = r["speedup"] / r["workers"]
         r["second_over_first"] = r["second_run_seconds"] / r["cold_seconds"]
-    res = {"date": time.strftime("%Y-%m-%d"), "configs": len(todo), "rows": rows}
+    res = {"date": time.strftime("%Y-%m-%d"), "configs": len(todo), "cpus": os.cpu_count(), "rows": rows}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=2)
@@ -65,7 +73,8 @@ def main(argv=None) -> int:
     for r in rows:
         print(f"  {r['workers']:>2} workers: cold {r['cold_seconds']:.1f} s"
               + (f" (speed-up {r['speedup']:.1f}x, {r['speedup_per_worker']:.2f} per worker)" if base else "")
-              + f", second run {r['second_run_seconds']:.1f} s ({r['second_over_first']:.2f} of the first)")
+              + f", second run {r['second_run_seconds']:.1f} s ({r['second_over_first']:.2f} of the first)"
+              + f"; workers' CPU {r['cold_cpu_seconds']:.1f} s = {r['cold_cpu_seconds'] / r['cold_seconds']:.1f} cores")
         for run in ("first", "second"):
             t = r[f"{run}_item_seconds"]
             print(f"      {run} run, seconds per config: median {t[len(t) // 2]:.3f}, max {t[-1]:.3f}, "

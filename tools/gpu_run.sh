@@ -4,7 +4,7 @@
 # and JSON results go to $OUT/logs.tgz (the device tool brings back at most 8 files);
 # a short summary is printed last.
 #
-#   bash tools/gpu_run.sh [pytest args...]      (carry .whl: nvidia-cudnn-frontend, platformdirs)
+#   bash tools/gpu_run.sh [pytest args...]   (default: tests)      (carry .whl: nvidia-cudnn-frontend, platformdirs)
 set -uo pipefail
 OUT=${OUT:-/tmp/fastattn-out}
 LOGS=$(mktemp -d /tmp/fastattn-logs.XXXX)
@@ -51,11 +51,13 @@ fi
 echo "libstdc++: $(ldd "$so" | grep -o 'libstdc++[^ ]* => [^ ]*' || echo 'not dynamically linked')"
 
 export FASTATTN_REQUIRE_GPU=1
-python3 -m pytest tests -q -rfEs -p no:cacheprovider "$@" > "$LOGS/pytest.log" 2>&1
+# Arguments name what to test (default: everything under tests/).
+[ $# -gt 0 ] || set -- tests
+python3 -m pytest -q -rfEs -p no:cacheprovider "$@" > "$LOGS/pytest.log" 2>&1
 rc=$?
 if [ $rc -ge 128 ]; then
   # A crash: run the suite again under cuda-gdb (there is no gdb there) for the C++ stack.
-  timeout 400 cuda-gdb -q -batch -ex run -ex bt --args python3 -m pytest tests -x -q -p no:cacheprovider "$@" \
+  timeout 400 cuda-gdb -q -batch -ex run -ex bt --args python3 -m pytest -x -q -p no:cacheprovider "$@" \
     > "$LOGS/crash_bt.log" 2>&1
   echo "=== crash backtrace"; grep -v "New Thread\|Thread 0x" "$LOGS/crash_bt.log" | tail -30
 fi
