@@ -41,8 +41,18 @@ def _children_cpu() -> float:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workers", type=int, nargs="+", default=[1, 4, 8, 16])
+    ap.add_argument("--threads", type=int, nargs="*", default=[1, 4, 8, 16],
+                    help="also build the same configs in one process with this many threads (no crash isolation)")
+    ap.add_argument("--child-threads", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--json")
     args = ap.parse_args(argv)
+    if args.child_threads:
+        import fastattn
+
+        t0 = time.perf_counter()
+        fastattn.preload(configs(), threads=args.child_threads)
+        print(json.dumps({"seconds": time.perf_counter() - t0, "builds": fastattn.stats()["builds"]}))
+        return 0
     todo = configs()
     assert len(todo) == 64
     rows = []
@@ -58,13 +68,30 @@ def main(argv=None) -> int:
                          "first_counts": first.counts, "second_counts": second.counts,
                          "first_item_seconds": sorted(round(i.seconds, 3) for i in first.items),
                          "second_item_seconds": sorted(round(i.seconds, 3) for i in second.items)})
+    thread_rows = []
+    for n in args.threads:
+        # For comparison: the same builds on threads of one fresh process.
+        import subprocess
+
+        with tempfile.TemporaryDirectory(prefix="fastattn-bench-warm-") as d:
+            t0, cpu0 = time.perf_counter(), _children_cpu()
+            out = subprocess.run([sys.executable, __file__, "--child-threads", str(n)], capture_output=True, text=True,
+                                 env={**os.environ, "FASTATTN_CACHE_DIR": d}, check=False)
+            wall, cpu = time.perf_counter() - t0, _children_cpu() - cpu0
+        row = {"threads": n, "process_seconds": wall, "cpu_seconds": cpu}
+        if out.returncode == 0:
+            row.update(json.loads(out.stdout.strip().splitlines()[-1]))
+        else:
+            row["error"] = out.stderr[-1500:]
+        thread_rows.append(row)
     base = rows[0]["cold_seconds"] if rows[0]["workers"] == 1 else None
     for r in rows:
         if base:
             r["speedup"] = base / r["cold_seconds"]
             r["speedup_per_worker"] = r["speedup"] / r["workers"]
         r["second_over_first"] = r["second_run_seconds"] / r["cold_seconds"]
-    res = {"date": time.strftime("%Y-%m-%d"), "configs": len(todo), "cpus": os.cpu_count(), "rows": rows}
+    res = {"date": time.strftime("%Y-%m-%d"), "configs": len(todo), "cpus": os.cpu_count(), "rows": rows,
+           "thread_rows": thread_rows}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=2)
@@ -79,6 +106,10 @@ def main(argv=None) -> int:
             t = r[f"{run}_item_seconds"]
             print(f"      {run} run, seconds per config: median {t[len(t) // 2]:.3f}, max {t[-1]:.3f}, "
                   f"sum {sum(t):.1f}")
+    for r in thread_rows:
+        print(f"  one process, {r['threads']:>2} threads: " + (f"error {r['error'][-200:]}" if "error" in r else
+              f"builds {r['seconds']:.1f} s ({r['builds']} builds), process {r['process_seconds']:.1f} s, "
+              f"CPU {r['cpu_seconds']:.1f} s = {r['cpu_seconds'] / r['process_seconds']:.1f} cores"))
     return 0
 
 
