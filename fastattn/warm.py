@@ -32,14 +32,16 @@ STATUSES = ("loaded", "built", "unsupported", "failed")
 class WarmItem:
     config: AttentionConfig
     status: str = "pending"  # loaded (found in the cache), built, unsupported, failed
-    seconds: float = 0.0
+    seconds: float = 0.0  # wall time from handing it to a worker to its answer
+    build_seconds: float = 0.0  # the part the worker spent building or loading it
     reason: str = ""  # cuDNN's reason, or what failed
     forward_engine: str = ""
     backward_engine: str = ""
     error_type: str = ""  # the exception class or signal of a failure
 
     def to_dict(self) -> dict:
-        return {"config": self.config.to_dict(), "status": self.status, "seconds": self.seconds, "reason": self.reason,
+        return {"config": self.config.to_dict(), "status": self.status, "seconds": self.seconds,
+                "build_seconds": self.build_seconds, "reason": self.reason,
                 "forward_engine": self.forward_engine, "backward_engine": self.backward_engine,
                 "error_type": self.error_type}
 
@@ -100,6 +102,7 @@ def _apply(item: WarmItem, msg: dict, elapsed: float) -> None:
         item.status, item.error_type, item.reason = "failed", msg["error"], msg.get("message", "")
         return
     item.forward_engine, item.backward_engine = msg.get("forward_engine", ""), msg.get("backward_engine", "")
+    item.build_seconds = float(msg.get("build_seconds", 0.0))
     if not msg["supported"]:
         item.status, item.reason = "unsupported", msg.get("reason", "")
     else:

@@ -50,8 +50,9 @@ def main(argv=None) -> int:
         import fastattn
 
         t0 = time.perf_counter()
-        fastattn.preload(configs(), threads=args.child_threads)
-        print(json.dumps({"seconds": time.perf_counter() - t0, "builds": fastattn.stats()["builds"]}))
+        results = fastattn.preload(configs(), threads=args.child_threads)
+        print(json.dumps({"seconds": time.perf_counter() - t0, "builds": fastattn.stats()["builds"],
+                          "build_seconds_sum": sum(r.build_seconds for r in results)}))
         return 0
     todo = configs()
     assert len(todo) == 64
@@ -67,6 +68,8 @@ def main(argv=None) -> int:
             rows.append({"workers": n, "cold_seconds": cold, "cold_cpu_seconds": cpu, "second_run_seconds": time.perf_counter() - t0,
                          "first_counts": first.counts, "second_counts": second.counts,
                          "first_item_seconds": sorted(round(i.seconds, 3) for i in first.items),
+                         "first_build_seconds": [round(i.build_seconds, 3) for i in first.items],
+                         "first_item_seconds_in_order": [round(i.seconds, 3) for i in first.items],
                          "second_item_seconds": sorted(round(i.seconds, 3) for i in second.items)})
     thread_rows = []
     for n in args.threads:
@@ -105,10 +108,11 @@ def main(argv=None) -> int:
         for run in ("first", "second"):
             t = r[f"{run}_item_seconds"]
             print(f"      {run} run, seconds per config: median {t[len(t) // 2]:.3f}, max {t[-1]:.3f}, "
-                  f"sum {sum(t):.1f}")
+                  f"sum {sum(t):.1f}" + (f" (of it building in the workers: {sum(r['first_build_seconds']):.1f})"
+                                         if run == "first" else ""))
     for r in thread_rows:
         print(f"  one process, {r['threads']:>2} threads: " + (f"error {r['error'][-200:]}" if "error" in r else
-              f"builds {r['seconds']:.1f} s ({r['builds']} builds), process {r['process_seconds']:.1f} s, "
+              f"builds {r['seconds']:.1f} s ({r['builds']} builds, sum {r['build_seconds_sum']:.1f} s), process {r['process_seconds']:.1f} s, "
               f"CPU {r['cpu_seconds']:.1f} s = {r['cpu_seconds'] / r['process_seconds']:.1f} cores"))
     return 0
 
