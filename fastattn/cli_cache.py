@@ -73,7 +73,8 @@ def warm_command(args) -> tuple[int, dict[str, Any]]:
         if item.status in ("unsupported", "failed"):
             lines.append(f"{'':<22}{item.error_type + ': ' if item.error_type else ''}{item.reason[:300]}")
     lines.append("-" * 72)
-    lines.append(f"{len(report.items)} configs in {report.seconds:.1f} s with {report.workers} workers: "
+    lines.append(f"{len(report.items)} configs in {report.seconds:.1f} s, {report.processes} worker processes "
+                 f"(at most {report.workers}): "
                  f"loaded {c['loaded']}, built {c['built']}, unsupported {c['unsupported']}, failed {c['failed']}")
     out["_text"] = "\n".join(lines)
     return _exit_code(report), out

@@ -52,14 +52,16 @@ class WarmReport:
     seconds: float
     workers: int
     counts: dict[str, int] = field(default_factory=dict)
+    processes: int = 0  # worker processes started (crashed ones replaced included)
 
     def to_dict(self) -> dict:
-        return {"seconds": self.seconds, "workers": self.workers, "counts": self.counts,
+        return {"seconds": self.seconds, "workers": self.workers, "processes": self.processes, "counts": self.counts,
                 "items": [i.to_dict() for i in self.items]}
 
 
 class _Worker:
     def __init__(self, device: int | None, log_dir: str, index: int):
+        self.index = index
         self.log_path = os.path.join(log_dir, f"worker-{index}.log")
         self.log = open(self.log_path, "ab")
         cmd = [sys.executable, "-m", "fastattn._warm_worker"] + ([] if device is None else ["--device", str(device)])
@@ -94,6 +96,55 @@ class _Worker:
                 return b"\n".join(f.read().splitlines()[-lines:]).decode("utf-8", "replace")
         except OSError:
             return ""
+
+
+def kernel_family(config: AttentionConfig) -> tuple:
+    """What a config's kernels likely depend on. cuDNN compiles each kernel variant
+    once per process and reuses it for other shapes: on the H200 the first config of a
+    head dim took 0.6 s (forward) to 1.6 s (forward and backward) to build, later
+    sequence lengths, batch sizes and head counts 0.05-0.15 s. A guess used only to
+    schedule: a wrong one costs time, never correctness."""
+    return (config.dtype, config.head_dim_qk, config.head_dim_v, config.mask, config.window, config.training,
+            config.deterministic)
+
+
+class _Queue:
+    """The configs left, by kernel family. A worker keeps to families it has compiled;
+    a new worker takes a family nobody has, else helps with the family that has the
+    most configs left per worker on it, when that is worth compiling its kernels again
+    (STEAL_AT configs or more each)."""
+
+    STEAL_AT = 8
+
+    def __init__(self, items: list[WarmItem]):
+        self.groups: dict[tuple, list[WarmItem]] = {}
+        for item in reversed(items):  # pop() from the end keeps the given order
+            self.groups.setdefault(kernel_family(item.config), []).append(item)
+        self.owners: dict[tuple, set[int]] = {g: set() for g in self.groups}
+
+    def __len__(self) -> int:
+        return sum(len(v) for v in self.groups.values())
+
+    def take(self, worker: int) -> WarmItem | None:
+        mine = [g for g, owners in self.owners.items() if worker in owners and self.groups[g]]
+        if not mine:
+            left = [g for g in self.groups if self.groups[g]]
+            fresh = [g for g in left if not self.owners[g]]
+            if fresh:
+                mine = [max(fresh, key=lambda g: len(self.groups[g]))]
+            elif left:
+                g = max(left, key=lambda g: len(self.groups[g]) / len(self.owners[g]))
+                if len(self.groups[g]) / len(self.owners[g]) >= self.STEAL_AT:
+                    mine = [g]
+            if not mine:
+                return None
+            self.owners[mine[0]].add(worker)
+        return self.groups[mine[0]].pop()
+
+    def forget(self, worker: int) -> None:
+        """A worker is gone: its families are free for others."""
+        for owners in self.owners.values():
+            owners.discard(worker)
 
 
 def _apply(item: WarmItem, msg: dict, elapsed: float) -> None:
@@ -159,9 +210,12 @@ def warm(
     timeout: float = 600.0,
 ) -> WarmReport:
     """Loads or builds every config in `workers` processes (default: up to 8, at most
-    one per config), storing what is built in the persistent cache. A config that takes
-    longer than `timeout` seconds has its worker killed and is reported failed. Never
-    raises for a config: refusals and failures are in the report."""
+    one per config), storing what is built in the persistent cache. Configs the cache
+    already holds are answered here without a worker. Workers keep to configs of the
+    same kernel family (kernel_family), whose compiled kernels a process reuses, so
+    fewer workers than asked may start. A config that takes longer than `timeout`
+    seconds has its worker killed and is reported failed. Never raises for a config:
+    refusals and failures are in the report."""
     if workers is None:
         workers = min(8, os.cpu_count() or 1)
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
@@ -175,37 +229,38 @@ def warm(
         done += 1
         if progress:
             progress(done, len(items), item)
-    todo = [i for i in reversed(items) if i.status == "pending"]
+    queue = _Queue([i for i in items if i.status == "pending"])
     sel = selectors.DefaultSelector()
     with tempfile.TemporaryDirectory(prefix="fastattn-warm-") as log_dir:
         pool: list[_Worker] = []
         spawned = 0
 
-        def start_worker() -> None:
+        def start_workers() -> None:
+            # Up to `workers`, and only while there is work for a new one.
             nonlocal spawned
-            w = _Worker(device, log_dir, spawned)
-            spawned += 1
-            pool.append(w)
-            sel.register(w.proc.stdout, selectors.EVENT_READ, w)
-            feed(w)
+            while len(pool) < workers:
+                item = queue.take(spawned)
+                if item is None:
+                    return
+                w = _Worker(device, log_dir, spawned)
+                spawned += 1
+                pool.append(w)
+                sel.register(w.proc.stdout, selectors.EVENT_READ, w)
+                send(w, item)
 
-        def feed(w: _Worker) -> None:
-            if todo:
-                try:
-                    w.send(todo.pop())
-                except (BrokenPipeError, OSError):
-                    pass  # it died before reading: the EOF below reports it
-            else:
-                w.item = None
-                retire(w)
+        def send(w: _Worker, item: WarmItem) -> None:
+            try:
+                w.send(item)
+            except (BrokenPipeError, OSError):
+                pass  # it died before reading: the EOF below reports it
 
         def retire(w: _Worker) -> None:
             sel.unregister(w.proc.stdout)
             pool.remove(w)
+            queue.forget(w.index)
             w.close()
 
-        for _ in range(min(workers, len(todo))):
-            start_worker()
+        start_workers()
         while pool:
             now = time.perf_counter()
             for w in pool:
@@ -223,8 +278,7 @@ def warm(
                         done += 1
                         if progress:
                             progress(done, len(items), item)
-                    if todo:
-                        start_worker()
+                    start_workers()
                     continue
                 w.buffer += chunk
                 while b"\n" in w.buffer and w.item is not None:
@@ -234,6 +288,12 @@ def warm(
                     done += 1
                     if progress:
                         progress(done, len(items), item)
-                    feed(w)
+                    nxt = queue.take(w.index)
+                    if nxt is None:
+                        w.item = None
+                        retire(w)
+                    else:
+                        send(w, nxt)
+            start_workers()  # a retired worker may have left a family for a new one
     counts = {s: sum(1 for i in items if i.status == s) for s in STATUSES}
-    return WarmReport(items, time.perf_counter() - t0, workers, counts)
+    return WarmReport(items, time.perf_counter() - t0, workers, counts, spawned)

@@ -157,3 +157,30 @@ def test_a_second_run_answers_from_the_cache_without_workers(fake_workers, monke
     assert seen == [1, 2, 3] and s["builds"] == 0 and s["deserializations"] == 0
     runtime.clear()
     runtime._device_descriptions.clear()
+
+
+def test_workers_keep_to_a_kernel_family():
+    a, b = cfgs(128, 256, 384), cfgs(128, 256, head_dim_qk=128)
+    q = warm._Queue([warm.WarmItem(c) for c in a + b])
+    assert q.take(0).config == a[0]  # the largest family first, in the given order
+    assert q.take(1).config == b[0]  # a new worker takes the family nobody has
+    assert q.take(2) is None  # too little left to be worth compiling a family twice
+    assert [q.take(0).config, q.take(0).config] == a[1:]
+    assert q.take(0) is None  # its family is done; the other is worker 1's
+    assert q.take(1).config == b[1] and len(q) == 0
+
+
+def test_a_big_family_is_shared_and_a_lost_worker_frees_its_family():
+    big = cfgs(*range(64, 64 + 20))
+    q = warm._Queue([warm.WarmItem(c) for c in big])
+    assert q.take(0) and q.take(1) and q.take(2)  # 19 left for 1 worker, then 18 for 2: shared
+    assert q.take(3) is None  # 17 for 3: not worth another compile
+    q.forget(0), q.forget(1), q.forget(2)
+    assert q.take(3) is not None  # nobody has the family now
+
+
+def test_warm_starts_no_more_workers_than_families(fake_workers):
+    report = warm.warm(cfgs(128, 256, 384, 512), workers=4)
+    assert report.counts["built"] == 4 and report.processes == 1
+    report = warm.warm(cfgs(640, 768) + cfgs(640, 768, head_dim_qk=128), workers=4)
+    assert report.counts["built"] == 4 and report.processes == 2
