@@ -2,7 +2,11 @@
 
 64 configs (GQA and MHA, head dims 64 and 128, seqlen 256 ... 8192, causal bf16, half
 of them training) are warmed into an empty cache with 1, 4, 8 and 16 workers (target:
-speed-up of at least 0.6 x workers over one), then warmed again from the cache.
+speed-up of at least 0.6 x workers over one), then warmed again from the cache. For
+comparison, the same configs are also built on 1 and 16 threads of one process
+(fastattn.preload), which has no crash isolation. It reports the worker processes'
+CPU time, the processes `warm` started, and how much of each config's time its worker
+spent building.
 
     python tools/bench_warm.py [--json out.json]
 """
@@ -41,7 +45,7 @@ def _children_cpu() -> float:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workers", type=int, nargs="+", default=[1, 4, 8, 16])
-    ap.add_argument("--threads", type=int, nargs="*", default=[1, 4, 8, 16],
+    ap.add_argument("--threads", type=int, nargs="*", default=[1, 16],
                     help="also build the same configs in one process with this many threads (no crash isolation)")
     ap.add_argument("--child-threads", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--json")
@@ -65,7 +69,7 @@ def main(argv=None) -> int:
             cold, cpu = time.perf_counter() - t0, _children_cpu() - cpu0
             t0 = time.perf_counter()
             second = warm(todo, workers=n)
-            rows.append({"workers": n, "cold_seconds": cold, "cold_cpu_seconds": cpu, "second_run_seconds": time.perf_counter() - t0,
+            rows.append({"workers": n, "processes": first.processes, "cold_seconds": cold, "cold_cpu_seconds": cpu, "second_run_seconds": time.perf_counter() - t0,
                          "first_counts": first.counts, "second_counts": second.counts,
                          "first_item_seconds": sorted(round(i.seconds, 3) for i in first.items),
                          "first_build_seconds": [round(i.build_seconds, 3) for i in first.items],
@@ -101,7 +105,7 @@ def main(argv=None) -> int:
     print(json.dumps(res, indent=2))
     print("\nsummary:")
     for r in rows:
-        print(f"  {r['workers']:>2} workers: cold {r['cold_seconds']:.1f} s"
+        print(f"  {r['workers']:>2} workers ({r['processes']} started): cold {r['cold_seconds']:.1f} s"
               + (f" (speed-up {r['speedup']:.1f}x, {r['speedup_per_worker']:.2f} per worker)" if base else "")
               + f", second run {r['second_run_seconds']:.1f} s ({r['second_over_first']:.2f} of the first)"
               + f"; workers' CPU {r['cold_cpu_seconds']:.1f} s = {r['cold_cpu_seconds'] / r['cold_seconds']:.1f} cores")
