@@ -68,10 +68,13 @@ def warm_command(args) -> tuple[int, dict[str, Any]]:
             raise InvalidArgumentError(f"--report {args.report!r}: {e.strerror}") from None
     c = report.counts
     lines = [f"{'status':<12} {'seconds':>8}  config", "-" * 72]
+    previous = None
     for item in report.items:
         lines.append(f"{item.status:<12} {item.seconds:8.3f}  {sweep.describe_config(item.config)}")
         if item.status in ("unsupported", "failed"):
-            lines.append(f"{'':<22}{item.error_type + ': ' if item.error_type else ''}{item.reason[:300]}")
+            why = f"{item.error_type + ': ' if item.error_type else ''}{item.reason[:300]}"
+            lines.append(f"{'':<22}{'(the same as above)' if why == previous else why}")
+            previous = why
     lines.append("-" * 72)
     lines.append(f"{len(report.items)} configs in {report.seconds:.1f} s, {report.processes} worker processes "
                  f"(at most {report.workers}): "

@@ -171,10 +171,10 @@ def test_workers_keep_to_a_kernel_family():
 
 
 def test_a_big_family_is_shared_and_a_lost_worker_frees_its_family():
-    big = cfgs(*range(64, 64 + 20))
+    big = cfgs(*range(64, 64 + 2 * warm._Queue.STEAL_AT + 2))
     q = warm._Queue([warm.WarmItem(c) for c in big])
-    assert q.take(0) and q.take(1) and q.take(2)  # 19 left for 1 worker, then 18 for 2: shared
-    assert q.take(3) is None  # 17 for 3: not worth another compile
+    assert q.take(0) and q.take(1) and q.take(2)  # 2S+1 left for 1 worker, then 2S for 2: shared
+    assert q.take(3) is None  # 2S-1 for 3: not worth another compile
     q.forget(0), q.forget(1), q.forget(2)
     assert q.take(3) is not None  # nobody has the family now
 
