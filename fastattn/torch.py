@@ -15,7 +15,6 @@ synchronize, so a call can be captured in a CUDA graph after one warm-up call.
 from __future__ import annotations
 
 import threading
-from typing import Any
 
 import torch
 
@@ -28,11 +27,33 @@ __all__ = ["attention"]
 _AXES = {"bshd": (0, 2, 1, 3), "sbhd": (1, 2, 0, 3), "bhsd": (0, 1, 2, 3)}
 _DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 
-# (shapes, strides, dtype, options, device) -> plan. A dict lookup on a tuple of ints is
-# what a call costs once its plan exists; building an AttentionConfig (validation,
-# canonical form) happens only on a miss.
-_plans: dict[tuple, Any] = {}
+# What a call costs once its plan exists: one dict lookup on a tuple of shapes,
+# strides and options. Building an AttentionConfig (validation, canonical form) happens
+# only on a miss. Forward keys leave out o, which the forward allocates itself
+# (contiguous in the layout, so its strides follow from the shapes); backward keys
+# include the o and d_o they are given.
+_plans: dict[tuple, _Cached] = {}
 _plans_lock = threading.Lock()
+
+try:  # the raw stream handle without a torch.cuda.Stream object (~2 us less per call)
+    from torch._C import _cuda_getCurrentRawStream as _raw_stream
+except ImportError:  # pragma: no cover - older or CPU-only builds
+    def _raw_stream(device: int) -> int:
+        return torch.cuda.current_stream(device).cuda_stream
+
+
+class _Cached:
+    """A plan and what each call needs from it, computed once."""
+
+    __slots__ = ("backward_workspace", "device", "forward_workspace", "out_shape", "plan", "stats_shape")
+
+    def __init__(self, plan, q: torch.Tensor, v: torch.Tensor, layout: str):
+        self.plan = plan
+        self.device = q.get_device()
+        self.out_shape = _out_shape(q, v, layout)
+        self.stats_shape = _stats_shape(q, layout)
+        self.forward_workspace = plan.forward_workspace_size
+        self.backward_workspace = plan.backward_workspace_size
 
 
 def _logical(t: torch.Tensor, layout: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -43,19 +64,21 @@ def _logical(t: torch.Tensor, layout: str) -> tuple[tuple[int, ...], tuple[int, 
 
 
 def _plan_for(q, k, v, o, layout: str, causal: bool, bottom_right: bool, window_left: int, window_right: int,
-              scale: float, deterministic: bool, training: bool):
-    """The plan for these tensors. The key holds everything _check looks at, so only a
-    miss needs validating: a hit means these inputs were checked once already."""
-    key = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), o.stride(), q.dtype, k.dtype, v.dtype,
-           q.get_device(), k.get_device(), v.get_device(), layout, causal, bottom_right, window_left, window_right,
-           scale, deterministic, training)
-    p = _plans.get(key)
-    if p is not None:
-        return p
+              scale: float, deterministic: bool, training: bool) -> _Cached:
+    """The plan for these tensors; o=None means the forward's own fresh output. The key
+    holds everything _check looks at, so only a miss needs validating: a hit means
+    these inputs were checked once already."""
+    key = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), None if o is None else o.stride(),
+           q.dtype, k.dtype, v.dtype, q.get_device(), k.get_device(), v.get_device(), layout, causal, bottom_right,
+           window_left, window_right, scale, deterministic, training)
+    hit = _plans.get(key)
+    if hit is not None:
+        return hit
     import fastattn
 
     _check(q, k, v, layout)
-
+    if o is None:
+        o = q.new_empty(_out_shape(q, v, layout), device="meta")  # only its strides are needed
     (b, hq, sq, dqk), q_st = _logical(q, layout)
     (_, hkv, skv, _), k_st = _logical(k, layout)
     (_, _, _, dv), v_st = _logical(v, layout)
@@ -67,10 +90,10 @@ def _plan_for(q, k, v, o, layout: str, causal: bool, bottom_right: bool, window_
         window=(window_left, window_right), scale=None if scale <= 0 else scale, training=training,
         deterministic=deterministic,
     )
-    p = fastattn.plan(cfg, device=q.device.index)
+    hit = _Cached(fastattn.plan(cfg, device=q.device.index), q, v, layout)
     with _plans_lock:
-        _plans[key] = p
-    return p
+        _plans[key] = hit
+    return hit
 
 
 def _out_shape(q: torch.Tensor, v: torch.Tensor, layout: str) -> list[int]:
@@ -85,10 +108,6 @@ def _stats_shape(q: torch.Tensor, layout: str) -> list[int]:
     return [q.shape[axes[0]], q.shape[axes[1]], q.shape[axes[2]], 1]
 
 
-def _workspace(size: int, device: torch.device) -> torch.Tensor:
-    return torch.empty(max(size, 1), dtype=torch.uint8, device=device)
-
-
 def _stats_like(q: torch.Tensor, layout: str, training: bool) -> torch.Tensor:
     # Inference writes no stats: an empty tensor keeps the op's signature fixed.
     return q.new_empty(_stats_shape(q, layout) if training else [0], dtype=torch.float32)
@@ -96,13 +115,15 @@ def _stats_like(q: torch.Tensor, layout: str, training: bool) -> torch.Tensor:
 
 def _forward_impl(q, k, v, layout, causal, bottom_right, window_left, window_right, scale, deterministic, training):
     """(o, stats); stats is None when not training."""
-    o = q.new_empty(_out_shape(q, v, layout))
-    stats = q.new_empty(_stats_shape(q, layout), dtype=torch.float32) if training else None
-    p = _plan_for(q, k, v, o, layout, causal, bottom_right, window_left, window_right, scale, deterministic, training)
-    ws = _workspace(p.forward_workspace_size, q.device)
-    stream = torch.cuda.current_stream(q.device).cuda_stream
-    p.forward(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), stats.data_ptr() if training else 0,
-              ws.data_ptr() if p.forward_workspace_size else 0, stream)
+    c = _plan_for(q, k, v, None, layout, causal, bottom_right, window_left, window_right, scale, deterministic,
+                  training)
+    o = q.new_empty(c.out_shape)
+    stats = q.new_empty(c.stats_shape, dtype=torch.float32) if training else None
+    # Workspace from PyTorch's caching allocator, on this stream: freed when this
+    # returns, reused only by work queued after ours.
+    ws = q.new_empty(c.forward_workspace, dtype=torch.uint8) if c.forward_workspace else None
+    c.plan.forward(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), stats.data_ptr() if training else 0,
+                   ws.data_ptr() if ws is not None else 0, _raw_stream(c.device))
     return o, stats
 
 
@@ -127,15 +148,14 @@ def _backward(d_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     if d_o.stride() != o.stride():
         # The backward graph reads d_o at o's strides (cuDNN's plan is built for them).
         d_o = torch.empty_strided(o.shape, o.stride(), dtype=o.dtype, device=o.device).copy_(d_o)
-    p = _plan_for(q, k, v, o, layout, causal, bottom_right, window_left, window_right, scale, deterministic, True)
+    c = _plan_for(q, k, v, o, layout, causal, bottom_right, window_left, window_right, scale, deterministic, True)
     d_q = torch.empty_strided(q.shape, q.stride(), dtype=q.dtype, device=q.device)
     d_k = torch.empty_strided(k.shape, k.stride(), dtype=k.dtype, device=k.device)
     d_v = torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device)
-    ws = _workspace(p.backward_workspace_size, q.device)
-    stream = torch.cuda.current_stream(q.device).cuda_stream
-    p.backward(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), d_o.data_ptr(), stats.data_ptr(),
-               d_q.data_ptr(), d_k.data_ptr(), d_v.data_ptr(), ws.data_ptr() if p.backward_workspace_size else 0,
-               stream)
+    ws = q.new_empty(c.backward_workspace, dtype=torch.uint8) if c.backward_workspace else None
+    c.plan.backward(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), d_o.data_ptr(), stats.data_ptr(),
+                    d_q.data_ptr(), d_k.data_ptr(), d_v.data_ptr(), ws.data_ptr() if ws is not None else 0,
+                    _raw_stream(c.device))
     return d_q, d_k, d_v
 
 
