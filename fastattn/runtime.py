@@ -361,9 +361,12 @@ def stored_answer(config: Any, *, device: int | None = None,
 
 def preload(configs: Iterable[Any] | None = None, *, device: int | None = None, threads: int = 4,
             background: bool = False):
-    """Loads (or builds) plans ahead of first use, in `threads` parallel threads (each
-    thread gets its own cuDNN handle; deserializing 16 plans took 93 ms on one thread
-    and 34 ms on 16 on an H200).
+    """Loads (or builds) plans ahead of first use, in `threads` parallel threads, each
+    with its own cuDNN handle. Threads pay for training plans and not for inference
+    ones: on an H200, 8 training plans (forward and backward graphs) loaded in 54 ms on
+    8 threads against 93 ms one after another, while 8 inference plans took 58 ms on 8
+    threads against ~51 ms on one (docs/BENCHMARKS.md). In the background
+    (background=True) it overlaps whatever else the process does at startup.
 
     configs: the configs to load; None means every entry in the cache directories that
     was stored for this GPU, cuDNN, cudnn-frontend, fastattn and policy.
