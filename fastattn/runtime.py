@@ -38,8 +38,8 @@ class ProbeResult:
     forward_workspace_size, backward_workspace_size: bytes (0 when not supported).
     forward_engine, backward_engine: cuDNN's plan names ("" when absent).
     build_seconds: wall time this call spent building or loading (0.0 from memory).
-    source: "built" (cuDNN built it now), "disk" (loaded from the persistent cache) or
-      "memory" (this process already had it).
+    source: "built" (cuDNN built it now), "disk" (loaded from a cache directory),
+      "remote" (loaded from the Redis tier) or "memory" (this process already had it).
     """
 
     config: AttentionConfig
@@ -179,10 +179,15 @@ def _from_disk(config: AttentionConfig, device: int, key: str, cache: store.Tier
     found = cache.get(key)
     if found is None:
         return None
-    entry, tier = found
+    return _from_entry(config, device, key, *found)
+
+
+def _from_entry(config: AttentionConfig, device: int, key: str, entry: store.Entry, tier):
+    """(plan, result) from a cache entry, or None when cuDNN refuses its blobs."""
     if entry.kind == "unsupported":
         _count(negative_hits=1)
-        return None, ProbeResult(config, device, False, str(entry.meta.get("reason", "")), source="disk")
+        return None, ProbeResult(config, device, False, str(entry.meta.get("reason", "")),
+                                 source=_source(tier))
     core = _core()
     t0 = time.perf_counter()
     try:
@@ -196,11 +201,15 @@ def _from_disk(config: AttentionConfig, device: int, key: str, cache: store.Tier
         return None
     elapsed = time.perf_counter() - t0
     _count(disk_hits=1, deserializations=1, load_seconds=elapsed)
-    return p, _result_from_plan(config, device, p, elapsed, "disk")
+    return p, _result_from_plan(config, device, p, elapsed, _source(tier))
+
+
+def _source(tier) -> str:
+    return "remote" if isinstance(tier, store.RemoteStore) else "disk"
 
 
 def _build(config: AttentionConfig, device: int, refresh: bool = False):
-    """(plan or None, result): from disk, else built by this process and published."""
+    """(plan or None, result): from the cache, else built by this process and published."""
     cache = _the_cache()
     description = _description(config, device) if cache.tiers else None
     key = store.key_of(description) if description is not None else None
@@ -216,10 +225,17 @@ def _build(config: AttentionConfig, device: int, refresh: bool = False):
             hit = _from_disk(config, device, key, cache)
             if hit is not None:
                 return hit
-        _count(misses=1)
-        p, result = _build_now(config, device)
-        if key is not None:
-            _publish(cache, key, description, p, result)
+        # Another machine may be building it: wait for its entry (fleet single flight).
+        flight = cache.flight(key) if key is not None and not refresh else contextlib.nullcontext(None)
+        with flight as found:
+            if found is not None:
+                hit = _from_entry(config, device, key, found, cache.remote)
+                if hit is not None:
+                    return hit
+            _count(misses=1)
+            p, result = _build_now(config, device)
+            if key is not None:
+                _publish(cache, key, description, p, result)
     return p, result
 
 

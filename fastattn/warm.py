@@ -161,7 +161,7 @@ def _apply(item: WarmItem, msg: dict, elapsed: float) -> None:
     if not msg["supported"]:
         item.status, item.reason = "unsupported", msg.get("reason", "")
     else:
-        item.status = "loaded" if msg.get("source") in ("disk", "memory") else "built"
+        item.status = "loaded" if msg.get("source") in ("disk", "remote", "memory") else "built"
 
 
 def _crashed(item: WarmItem, worker: _Worker, elapsed: float) -> None:

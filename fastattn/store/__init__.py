@@ -16,7 +16,14 @@ FASTATTN_CACHE_SHARED          1: group-writable files (0664) and directories (2
                                (0600 / 0700)
 FASTATTN_CACHE_MAX_BYTES       prune least-recently-used entries above this size
                                (default 4 GiB; 0 means no limit)
+FASTATTN_CACHE_HMAC_KEY(_FILE)  the secret that signs entries shared through Redis and
+                               bundles (store.signing)
+FASTATTN_REMOTE_*              the Redis tier behind the directories (store.remote)
 =============================  ========================================================
+
+With a remote tier, lookups go memory, main directory, extra directories, then Redis;
+what Redis has is copied into the main directory, and what this process builds is
+published to Redis (mode read-write only).
 """
 
 from __future__ import annotations
@@ -30,6 +37,8 @@ from ..errors import InvalidArgumentError
 from .disk import DiskStore, EntryInfo
 from .entry import Entry, EntryError
 from .keys import FORMAT_VERSION, build_env_vars, canonical_json, describe, environment_of, key_of
+from .remote import RemoteSettings, RemoteStore, remote_settings_from_env
+from .signing import load_secret
 
 __all__ = [
     "CacheSettings",
@@ -38,6 +47,8 @@ __all__ = [
     "Entry",
     "EntryError",
     "EntryInfo",
+    "RemoteSettings",
+    "RemoteStore",
     "environment_of",
     "FORMAT_VERSION",
     "build_env_vars",
@@ -58,6 +69,8 @@ class CacheSettings:
     extra_dirs: tuple[str, ...] = field(default_factory=tuple)
     shared: bool = False
     max_bytes: int | None = DEFAULT_MAX_BYTES
+    remote: RemoteSettings | None = None
+    secret: bytes | None = field(default=None, repr=False)  # never printed
 
 
 def _default_dir() -> str:
@@ -88,34 +101,67 @@ def settings_from_env(environ: Mapping[str, str] | None = None) -> CacheSettings
         if max_bytes < 0:
             raise InvalidArgumentError(f"FASTATTN_CACHE_MAX_BYTES={raw_max!r}: must be >= 0")
         max_bytes = max_bytes or None
-    return CacheSettings(directory, mode, extras, shared_raw in ("1", "true", "yes"), max_bytes)
+    return CacheSettings(directory, mode, extras, shared_raw in ("1", "true", "yes"), max_bytes,
+                         remote_settings_from_env(env), load_secret(env))
 
 
 class TieredCache:
-    """The main directory, then extra read-only directories."""
+    """The main directory, then extra read-only directories, then the remote tier."""
 
     def __init__(self, settings: CacheSettings):
         self.settings = settings
         self.main: DiskStore | None = None
         self.extras: list[DiskStore] = []
+        self.remote: RemoteStore | None = None
         if settings.mode != "off":
             self.main = DiskStore(settings.directory, writable=settings.mode == "read-write", shared=settings.shared,
                                   max_bytes=settings.max_bytes)
             self.extras = [DiskStore(d, writable=False) for d in settings.extra_dirs]
+            if settings.remote is not None:
+                self.remote = RemoteStore(settings.remote, settings.secret)
 
     @property
     def tiers(self) -> list[DiskStore]:
+        """The directories (the remote tier is self.remote)."""
         return ([self.main] if self.main else []) + self.extras
 
-    def get(self, key: str) -> tuple[Entry, DiskStore] | None:
+    def get(self, key: str) -> tuple[Entry, DiskStore | RemoteStore] | None:
         for store in self.tiers:
             entry = store.get(key)
             if entry is not None:
                 return entry, store
+        if self.remote is not None:
+            entry = self.remote.get(key)
+            if entry is not None:
+                self._keep(entry)
+                return entry, self.remote
         return None
 
+    def _keep(self, entry: Entry) -> None:
+        """A copy of a remote entry in the main directory: the next process finds it
+        without the network."""
+        if self.main is not None and self.main.writable:
+            self.main.put(entry)
+
     def put(self, entry: Entry) -> bool:
-        return self.main.put(entry) if self.main else False
+        """Stores an entry this process made: in the main directory, and in Redis."""
+        stored = self.main.put(entry) if self.main else False
+        if self.remote is not None and self.settings.mode == "read-write":
+            self.remote.put(entry)
+        return stored
+
+    @contextlib.contextmanager
+    def flight(self, key: str) -> Iterator[Entry | None]:
+        """Across machines, what DiskStore.lock is across processes: yields an entry
+        another machine published meanwhile (kept locally too), or None: build it and
+        put() it inside the block."""
+        if self.remote is None or self.settings.mode != "read-write":
+            yield None
+            return
+        with self.remote.flight(key) as found:
+            if found is not None:
+                self._keep(found)
+            yield found
 
     def signature(self, key: str):
         """Changes when the main directory's entry for `key` is published or replaced
@@ -134,7 +180,7 @@ class TieredCache:
 
     def counters(self) -> dict[str, int]:
         total: dict[str, int] = {}
-        for store in self.tiers:
+        for store in self.tiers + ([self.remote] if self.remote else []):
             for k, v in store.counters.items():
                 total[k] = total.get(k, 0) + v
         return total

@@ -1,0 +1,297 @@
+"""The remote tier: entries shared by a fleet through Redis, behind the local directories.
+
+A lookup that misses locally asks Redis; a plan built here is published there. Redis
+can only ever cost a short timeout: connection errors, timeouts and a server that goes
+away mid-run are misses (one warning per outage, counted), and the tier stays quiet
+for `retry_after` seconds before it tries again, so a dead server does not charge its
+timeout to every lookup.
+
+Fleet single flight: before building a missing plan a process takes a Redis lock with
+an expiry (SET NX PX); the others wait up to `wait` seconds for the builder's entry
+to appear, then build anyway. A builder that dies leaves the lock to expire.
+
+Configuration (environment):
+
+=============================  ========================================================
+FASTATTN_REMOTE_CACHE          redis://[user:password@]host:port/db (rediss:// for TLS);
+                               unset: no remote tier
+FASTATTN_REMOTE_PREFIX         key prefix (default "fastattn:")
+FASTATTN_REMOTE_TIMEOUT        seconds per Redis operation and connection (default 0.25)
+FASTATTN_REMOTE_WAIT           seconds to wait for another machine's build (default 10)
+FASTATTN_REMOTE_RETRY          seconds to leave Redis alone after a failure (default 5)
+FASTATTN_REMOTE_TRUSTED        1: use the store without a signing secret (see signing)
+=============================  ========================================================
+
+Without FASTATTN_CACHE_HMAC_KEY(_FILE) and without FASTATTN_REMOTE_TRUSTED=1 the tier
+stays off, with a warning that says so.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from urllib.parse import urlsplit, urlunsplit
+
+from ..errors import InvalidArgumentError
+from .entry import Entry, EntryError, decode, encode
+from .signing import unwrap, wrap
+
+__all__ = ["RemoteSettings", "RemoteStore", "remote_settings_from_env"]
+
+log = logging.getLogger("fastattn")
+
+COUNTERS = ("remote_hits", "remote_misses", "remote_errors", "remote_rejected", "remote_published", "remote_waits",
+            "remote_waited_hits")
+
+# Deletes the lock only if it is still ours (it may have expired and been retaken).
+_RELEASE = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) else return 0 end"
+
+
+@dataclass(frozen=True)
+class RemoteSettings:
+    url: str
+    prefix: str = "fastattn:"
+    timeout: float = 0.25
+    wait: float = 10.0
+    retry_after: float = 5.0
+    trusted: bool = False
+
+
+def _seconds(env: Mapping[str, str], name: str, default: float) -> float:
+    raw = env.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise InvalidArgumentError(f"{name}={raw!r}: must be a number of seconds") from None
+    if not value >= 0:
+        raise InvalidArgumentError(f"{name}={raw!r}: must be >= 0")
+    return value
+
+
+def remote_settings_from_env(environ: Mapping[str, str]) -> RemoteSettings | None:
+    url = environ.get("FASTATTN_REMOTE_CACHE", "").strip()
+    if not url:
+        return None
+    scheme = urlsplit(url).scheme
+    if scheme not in ("redis", "rediss", "unix"):
+        raise InvalidArgumentError(f"FASTATTN_REMOTE_CACHE={redact(url)!r}: expected redis://host:port/db")
+    trusted = environ.get("FASTATTN_REMOTE_TRUSTED", "0").strip().lower()
+    if trusted not in ("0", "1", "true", "false", "yes", "no", ""):
+        raise InvalidArgumentError(f"FASTATTN_REMOTE_TRUSTED={trusted!r}: must be 0 or 1")
+    return RemoteSettings(
+        url=url,
+        prefix=environ.get("FASTATTN_REMOTE_PREFIX", "fastattn:"),
+        timeout=_seconds(environ, "FASTATTN_REMOTE_TIMEOUT", 0.25) or 0.25,
+        wait=_seconds(environ, "FASTATTN_REMOTE_WAIT", 10.0),
+        retry_after=_seconds(environ, "FASTATTN_REMOTE_RETRY", 5.0),
+        trusted=trusted in ("1", "true", "yes"),
+    )
+
+
+def redact(url: str) -> str:
+    """The URL without its password, for messages."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.replace(":" + parts.password + "@", ":***@")
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+class RemoteStore:
+    """Entries in Redis under prefix + key; locks under prefix + "lock:" + key."""
+
+    def __init__(self, settings: RemoteSettings, secret: bytes | None):
+        self.settings = settings
+        self.secret = secret
+        self.root = redact(settings.url)  # how messages name this tier
+        self.counters = dict.fromkeys(COUNTERS, 0)
+        self.state = "not connected yet"
+        self.disabled = ""
+        if secret is None and not settings.trusted:
+            self.disabled = ("no signing secret (FASTATTN_CACHE_HMAC_KEY or FASTATTN_CACHE_HMAC_KEY_FILE) and the "
+                             "store is not declared trusted (FASTATTN_REMOTE_TRUSTED=1)")
+            log.warning("fastattn remote cache %s is off: %s", self.root, self.disabled)
+        self._client = None
+        self._errors: tuple = ()
+        self._down_until = 0.0
+        self._warned: set[str] = set()
+        self._lock = threading.Lock()
+
+    # -- connection ---------------------------------------------------------------
+
+    def _conn(self):
+        """The client, or None while the tier is off or resting after a failure."""
+        if self.disabled or time.monotonic() < self._down_until:
+            return None
+        if self._client is None:
+            with self._lock:
+                if self._client is None:
+                    try:
+                        import redis
+                    except ImportError:
+                        self.disabled = "the redis client is not installed (pip install 'fastattn[redis]')"
+                        log.warning("fastattn remote cache %s is off: %s", self.root, self.disabled)
+                        return None
+                    t = self.settings.timeout
+                    self._errors = (redis.RedisError, OSError)
+                    self._client = redis.Redis.from_url(self.settings.url, socket_timeout=t, socket_connect_timeout=t,
+                                                        retry_on_timeout=False, health_check_interval=0)
+        return self._client
+
+    def _failed(self, e: BaseException) -> None:
+        self.counters["remote_errors"] += 1
+        self._down_until = time.monotonic() + self.settings.retry_after
+        if not self.state.startswith("down"):
+            log.warning("fastattn remote cache %s: %s; building locally, trying again in %.0f s", self.root, e,
+                        self.settings.retry_after)
+        self.state = f"down ({type(e).__name__}: {e})"
+
+    def _ok(self) -> None:
+        if self.state.startswith("down"):
+            log.warning("fastattn remote cache %s: reachable again", self.root)
+        self.state = "connected"
+
+    def _warn_once(self, what: str, message: str, *args) -> None:
+        if what not in self._warned:
+            self._warned.add(what)
+            log.warning(message, *args)
+
+    # -- entries --------------------------------------------------------------------
+
+    def get(self, key: str) -> Entry | None:
+        """The entry for `key` if Redis has one that verifies, else None."""
+        c = self._conn()
+        if c is None:
+            return None
+        try:
+            value = c.get(self.settings.prefix + key)
+        except self._errors as e:
+            self._failed(e)
+            return None
+        self._ok()
+        if value is None:
+            self.counters["remote_misses"] += 1
+            return None
+        return self._verify(key, value)
+
+    def _verify(self, key: str, value: bytes) -> Entry | None:
+        data, why = unwrap(self.secret, key, value)
+        if data is not None:
+            try:
+                return self._hit(decode(data, expected_key=key))
+            except EntryError as e:
+                why = str(e)
+        self.counters["remote_rejected"] += 1
+        self._warn_once("rejected:" + key, "fastattn remote cache %s: ignoring entry %s: %s", self.root, key[:16],
+                        why)
+        return None
+
+    def _hit(self, entry: Entry) -> Entry:
+        self.counters["remote_hits"] += 1
+        return entry
+
+    def put(self, entry: Entry) -> bool:
+        """Publishes `entry` (signed when there is a secret). False when it could not."""
+        c = self._conn()
+        if c is None:
+            return False
+        try:
+            c.set(self.settings.prefix + entry.key, wrap(self.secret, entry.key, encode(entry)))
+        except self._errors as e:
+            self._failed(e)
+            return False
+        self._ok()
+        self.counters["remote_published"] += 1
+        return True
+
+    @contextlib.contextmanager
+    def flight(self, key: str) -> Iterator[Entry | None]:
+        """Fleet single flight around a build of `key`. Yields an entry another process
+        published while this one waited (use it), or None (build, publish, then leave
+        the block, which releases the lock)."""
+        c = self._conn()
+        if c is None:
+            yield None
+            return
+        lock_key, token = self.settings.prefix + "lock:" + key, uuid.uuid4().hex
+        # The lock outlives a slow build by far; a dead builder's expires.
+        ttl_ms = int(max(60.0, 6 * self.settings.wait) * 1000)
+        try:
+            mine = bool(c.set(lock_key, token, nx=True, px=ttl_ms))
+        except self._errors as e:
+            self._failed(e)
+            yield None
+            return
+        if mine:
+            try:
+                yield None
+            finally:
+                try:
+                    c.eval(_RELEASE, 1, lock_key, token)
+                except self._errors as e:
+                    self._failed(e)
+            return
+        self.counters["remote_waits"] += 1
+        deadline = time.monotonic() + self.settings.wait
+        found = None
+        while found is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+            found = self.get(key)
+            if found is not None:
+                self.counters["remote_waited_hits"] += 1
+                break
+            try:
+                if self._conn() is None or not c.exists(lock_key):
+                    # Down, or the builder let go without publishing (it failed): build.
+                    found = self.get(key)
+                    break
+            except self._errors as e:
+                self._failed(e)
+                break
+        yield found
+
+    def keys(self) -> Iterator[str]:
+        """Every entry key in the store (not the locks). Raises the client's error when
+        Redis cannot be reached: listing is an explicit request."""
+        c = self._conn()
+        if c is None:
+            raise ConnectionError(self.disabled or self.state)
+        prefix = self.settings.prefix
+        for raw in c.scan_iter(match=_glob_escape(prefix) + "*", count=500):
+            name = raw.decode("utf-8", "replace")[len(prefix) :]
+            if not name.startswith("lock:"):
+                yield name
+
+    def fetch(self, key: str) -> Entry | None:
+        """get() that raises instead of resting after a failure: for push and pull."""
+        c = self._conn()
+        if c is None:
+            raise ConnectionError(self.disabled or self.state)
+        value = c.get(self.settings.prefix + key)
+        if value is None:
+            return None
+        return self._verify(key, value)
+
+    def publish(self, entry: Entry) -> None:
+        """put() that raises: for push."""
+        c = self._conn()
+        if c is None:
+            raise ConnectionError(self.disabled or self.state)
+        c.set(self.settings.prefix + entry.key, wrap(self.secret, entry.key, encode(entry)))
+        self.counters["remote_published"] += 1
+
+    def status(self) -> dict:
+        return {"url": self.root, "prefix": self.settings.prefix, "signed": self.secret is not None,
+                "trusted": self.settings.trusted, "state": self.disabled and f"off: {self.disabled}" or self.state,
+                "timeout_seconds": self.settings.timeout, "counters": dict(self.counters)}
+
+
+def _glob_escape(text: str) -> str:
+    return "".join("\\" + ch if ch in "*?[]\\" else ch for ch in text)

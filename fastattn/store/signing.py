@@ -1,0 +1,82 @@
+"""Signed entries: an HMAC-SHA256 over an entry's key and bytes, with a shared secret.
+
+Deserializing a plan loads native code, so a store that other machines write to is a
+way in. An entry fetched from a shared store is used only when its signature verifies
+with this process's secret (or when the user declared the store trusted and set no
+secret). The checksum inside an entry catches damage; only the signature catches an
+entry that someone wrote on purpose.
+
+The secret: FASTATTN_CACHE_HMAC_KEY (the secret itself, as text) or
+FASTATTN_CACHE_HMAC_KEY_FILE (a file holding it; surrounding whitespace is ignored).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+from collections.abc import Mapping
+
+from ..errors import InvalidArgumentError
+
+__all__ = ["SIGNED_MAGIC", "load_secret", "sign", "unwrap", "wrap"]
+
+SIGNED_MAGIC = b"FASIGN01"  # then a 32-byte HMAC, then the entry's bytes
+_MAC = 32
+
+
+def load_secret(environ: Mapping[str, str] | None = None) -> bytes | None:
+    """The shared secret from the environment, or None when none is configured. A key
+    file that cannot be read, or an empty secret, is an InvalidArgumentError naming
+    the variable: signing with a secret nobody meant is worse than failing."""
+    env = os.environ if environ is None else environ
+    text = env.get("FASTATTN_CACHE_HMAC_KEY")
+    name = "FASTATTN_CACHE_HMAC_KEY"
+    if not text and env.get("FASTATTN_CACHE_HMAC_KEY_FILE"):
+        name = "FASTATTN_CACHE_HMAC_KEY_FILE"
+        path = env[name]
+        try:
+            with open(path, "rb") as f:
+                raw = f.read().strip()
+        except OSError as e:
+            raise InvalidArgumentError(f"{name}={path!r}: cannot read it ({e.strerror})") from None
+        if not raw:
+            raise InvalidArgumentError(f"{name}={path!r}: the file is empty")
+        return raw
+    if text is None:
+        return None
+    if not text.strip():
+        raise InvalidArgumentError(f"{name} is set but empty")
+    return text.strip().encode("utf-8")
+
+
+def sign(secret: bytes, key: str, data: bytes) -> bytes:
+    """The HMAC of `data` stored under `key`: binding the key stops a valid entry from
+    being replayed under another key."""
+    return hmac.new(secret, key.encode("ascii") + b"\0" + data, hashlib.sha256).digest()
+
+
+def wrap(secret: bytes | None, key: str, data: bytes) -> bytes:
+    """What goes into a shared store: signed when there is a secret, else as is."""
+    if secret is None:
+        return data
+    return SIGNED_MAGIC + sign(secret, key, data) + data
+
+
+def unwrap(secret: bytes | None, key: str, value: bytes) -> tuple[bytes | None, str]:
+    """(entry bytes, "") when `value` may be used, else (None, why). With a secret, only
+    values signed with it for this key pass; without one (a store declared trusted),
+    signed and unsigned values pass, their signature unchecked."""
+    signed = value.startswith(SIGNED_MAGIC)
+    if signed:
+        mac = value[len(SIGNED_MAGIC) : len(SIGNED_MAGIC) + _MAC]
+        data = value[len(SIGNED_MAGIC) + _MAC :]
+    else:
+        mac, data = b"", value
+    if secret is None:
+        return data, ""
+    if not signed:
+        return None, "unsigned"
+    if len(mac) != _MAC or not hmac.compare_digest(mac, sign(secret, key, data)):
+        return None, "bad signature"
+    return data, ""
