@@ -6,12 +6,12 @@
     fastattn warm [FILE] [--workers N] [--report report.json] [--json]
     fastattn matrix [--head-dims 64,128,256] [--masks none,causal] [--gqa 1,4] [--png grid.png]
     fastattn cache ls | show KEY | verify [--load] | prune [--max-bytes N] [--max-age 30d] | clear
-    fastattn cache export BUNDLE [--all] | import BUNDLE [--force]
+    fastattn cache export BUNDLE [--all] | import BUNDLE [--force] | push [--all] | pull [--all]
 
 Every subcommand takes --json. Exit codes: 0 success (probe: supported), 1 not
 supported by cuDNN (warm: some configs), 2 bad input (flags, files, a refused bundle),
 3 no usable GPU stack (driver, CUDA or cuDNN missing, CUDA error), 4 some work failed
-(warm: a config crashed or errored; verify: damaged entries).
+(warm: a config crashed or errored; verify: damaged entries; push, pull: Redis unreachable).
 """
 
 from __future__ import annotations
@@ -90,7 +90,9 @@ def _parser() -> argparse.ArgumentParser:
     for name, text in (("ls", "list entries"), ("show", "print one entry's header"),
                        ("verify", "check every entry's checksum (and, with --load, that it deserializes here)"),
                        ("prune", "remove least-recently-used or old entries"), ("clear", "remove every entry"),
-                       ("export", "write entries to a bundle"), ("import", "add a bundle's entries")):
+                       ("export", "write entries to a bundle"), ("import", "add a bundle's entries"),
+                       ("push", "publish the local entries to the Redis tier (FASTATTN_REMOTE_CACHE)"),
+                       ("pull", "fetch the Redis tier's entries for this GPU and cuDNN into the local cache")):
         c = csub.add_parser(name, help=text)
         c.add_argument("--json", action="store_true", help="print JSON")
         if name == "show":
@@ -106,6 +108,8 @@ def _parser() -> argparse.ArgumentParser:
         if name == "import":
             c.add_argument("bundle")
             c.add_argument("--force", action="store_true", help="import entries made for another GPU or cuDNN")
+        if name in ("push", "pull"):
+            c.add_argument("--all", action="store_true", help="every entry, not only this GPU's and cuDNN's")
     return p
 
 
@@ -192,6 +196,7 @@ def _info(args) -> tuple[int, dict[str, Any]]:
         "extra_dirs": list(cache.settings.extra_dirs),
         "entries": [{"directory": t.root, "entries": len(infos), "bytes": sum(i.size for i in infos)}
                     for t in cache.tiers for infos in [list(t.entries(with_headers=False))]],
+        "remote": cache.remote.status() if cache.remote else None,
     }
     try:
         libs = _loader.ensure_loaded()
@@ -246,6 +251,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _fail(args, EXIT_BAD_INPUT, e)
     except (LibraryError, CudaError, CudnnError) as e:
         return _fail(args, EXIT_NO_GPU, e)
+    except ConnectionError as e:  # the remote tier, for push and pull
+        return _fail(args, EXIT_FAILED, e)
     except FastAttnError as e:  # pragma: no cover - a bug; still report it as data
         return _fail(args, EXIT_NO_GPU, e)
     text = out.pop("_text", None)  # the human form, when a handler made one

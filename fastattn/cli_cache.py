@@ -176,7 +176,7 @@ def _summary(header: dict | None) -> str:
 def cache_command(args) -> tuple[int, dict[str, Any]]:
     cache = runtime._the_cache()
     handler = {"ls": _ls, "show": _show, "verify": _verify, "prune": _prune, "clear": _clear,
-               "export": _export, "import": _import}[args.cache_command]
+               "export": _export, "import": _import, "push": _push, "pull": _pull}[args.cache_command]
     return handler(args, cache)
 
 
@@ -292,3 +292,80 @@ def _import(args, cache) -> tuple[int, dict[str, Any]]:
     out["_text"] = (f"imported {report.imported} entries into {cache.main.root}"
                     + (f" ({len(report.mismatched)} made for another GPU or cuDNN, forced)" if report.mismatched else ""))
     return EXIT_OK, out
+
+
+def _remote(cache):
+    if cache.remote is None:
+        raise InvalidArgumentError("no remote tier: set FASTATTN_REMOTE_CACHE=redis://host:port/db")
+    if cache.remote.disabled:
+        raise InvalidArgumentError(f"the remote tier is off: {cache.remote.disabled}")
+    return cache.remote
+
+
+def _keep_for(args):
+    """Which entries to move: this GPU's and cuDNN's, or with --all every one."""
+    if args.all:
+        return lambda description: True
+    env = _this_environment()
+    if env is None:
+        raise InvalidArgumentError("no usable GPU here to choose entries by: use --all to move every entry")
+    return lambda description: store.environment_of(description) == env
+
+
+def _push(args, cache) -> tuple[int, dict[str, Any]]:
+    remote = _remote(cache)
+    keep = _keep_for(args)
+    pushed, skipped, seen = 0, 0, set()
+    try:
+        for tier, info in cache.entries():
+            if info.key in seen:
+                continue
+            seen.add(info.key)
+            try:
+                with open(info.path, "rb") as f:
+                    entry = decode(f.read(), expected_key=info.key)
+            except (OSError, store.EntryError):
+                skipped += 1  # damaged: `fastattn cache verify` reports it
+                continue
+            if not keep(entry.description):
+                continue
+            remote.publish(entry)
+            pushed += 1
+    except (OSError, *_redis_errors()) as e:
+        raise ConnectionError(f"remote cache {remote.root}: {e}") from None
+    return EXIT_OK, {"pushed": pushed, "damaged": skipped, "remote": remote.root,
+                     "_text": f"pushed {pushed} entries to {remote.root}" + (f" ({skipped} damaged, skipped)"
+                                                                           if skipped else "")}
+
+
+def _pull(args, cache) -> tuple[int, dict[str, Any]]:
+    remote = _remote(cache)
+    if cache.main is None or not cache.main.writable:
+        raise InvalidArgumentError(f"the cache is not writable (FASTATTN_CACHE_MODE={cache.settings.mode})")
+    keep = _keep_for(args)
+    pulled, present, rejected = 0, 0, 0
+    try:
+        for key in list(remote.keys()):
+            if cache.main.signature(key) is not None:
+                present += 1
+                continue
+            entry = remote.fetch(key)
+            if entry is None:
+                rejected += 1  # unsigned, wrongly signed or damaged: counted and warned about
+                continue
+            if keep(entry.description) and cache.main.put(entry):
+                pulled += 1
+    except (OSError, *_redis_errors()) as e:
+        raise ConnectionError(f"remote cache {remote.root}: {e}") from None
+    return EXIT_OK, {"pulled": pulled, "already_present": present, "rejected": rejected, "remote": remote.root,
+                     "_text": f"pulled {pulled} entries from {remote.root} into {cache.main.root}"
+                              + (f" ({present} already here)" if present else "")
+                              + (f"; {rejected} rejected (see the warnings)" if rejected else "")}
+
+
+def _redis_errors() -> tuple:
+    try:
+        import redis
+    except ImportError:
+        return ()
+    return (redis.RedisError,)
