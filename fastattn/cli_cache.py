@@ -277,7 +277,7 @@ def _export(args, cache) -> tuple[int, dict[str, Any]]:
             raise InvalidArgumentError("no usable GPU here to choose entries by: use --all to export every entry")
         keep = lambda description: store.environment_of(description) == env  # noqa: E731
     try:
-        count = bundle.export_bundle(cache.tiers, args.bundle, keep=keep)
+        count = bundle.export_bundle(cache.tiers, args.bundle, keep=keep, secret=cache.settings.secret)
     except OSError as e:
         raise InvalidArgumentError(f"{args.bundle}: {e.strerror}") from None
     return EXIT_OK, {"exported": count, "bundle": args.bundle, "_text": f"exported {count} entries to {args.bundle}"}
@@ -286,7 +286,8 @@ def _export(args, cache) -> tuple[int, dict[str, Any]]:
 def _import(args, cache) -> tuple[int, dict[str, Any]]:
     if cache.main is None or not cache.main.writable:
         raise InvalidArgumentError(f"the cache is not writable (FASTATTN_CACHE_MODE={cache.settings.mode})")
-    report = bundle.import_bundle(args.bundle, cache.main, environment=_this_environment(), force=args.force)
+    report = bundle.import_bundle(args.bundle, cache.main, environment=_this_environment(), force=args.force,
+                                  secret=cache.settings.secret)
     out = {"imported": report.imported, "already_present": report.already_present,
            "mismatched_forced": len(report.mismatched) if args.force else 0}
     out["_text"] = (f"imported {report.imported} entries into {cache.main.root}"

@@ -6,11 +6,15 @@ members into memory and publishes them through DiskStore.put, which derives ever
 path from a validated key: whatever names the archive holds, nothing is written
 outside the cache directory. A bundle with any member other than the manifest and
 well-named entries, or whose checksums or keys disagree, is refused whole.
+
+With a signing secret (store.signing), export signs the manifest (which holds every
+entry's sha256) and import refuses a bundle that is unsigned or signed otherwise.
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import io
 import json
 import re
@@ -22,7 +26,8 @@ from typing import Any, Callable, Iterable
 from ..errors import InvalidArgumentError
 from .disk import DiskStore
 from .entry import EntryError, decode
-from .keys import environment_of
+from .keys import canonical_json, environment_of
+from .signing import sign
 
 __all__ = ["BUNDLE_FORMAT", "export_bundle", "import_bundle", "ImportReport"]
 
@@ -31,10 +36,16 @@ _ENTRY_NAME = re.compile(r"^entries/([0-9a-f]{64})\.entry$")
 _MAX_MEMBER = 256 << 20
 
 
+def _manifest_mac(secret: bytes, manifest: dict[str, Any]) -> str:
+    body = {k: v for k, v in manifest.items() if k != "signature"}
+    return sign(secret, "bundle", canonical_json(body).encode()).hex()
+
+
 def export_bundle(stores: Iterable[DiskStore], path: str, *,
-                  keep: Callable[[dict[str, Any]], bool] | None = None) -> int:
+                  keep: Callable[[dict[str, Any]], bool] | None = None, secret: bytes | None = None) -> int:
     """Writes the valid entries of `stores` (those `keep(description)` accepts) to a
-    bundle at `path`; returns how many. Damaged entries are left out."""
+    bundle at `path`, signed when `secret` is given; returns how many. Damaged entries
+    are left out."""
     manifest: dict[str, Any] = {"format": BUNDLE_FORMAT, "created": time.time(), "entries": []}
     seen: set[str] = set()
     buf = io.BytesIO()
@@ -61,6 +72,8 @@ def export_bundle(stores: Iterable[DiskStore], path: str, *,
                     "environment": environment_of(entry.description),
                     "config": entry.description.get("config"),
                 })
+        if secret is not None:
+            manifest["signature"] = _manifest_mac(secret, manifest)
         _add(tar, "manifest.json", json.dumps(manifest, indent=1, sort_keys=True).encode())
     with open(path, "wb") as f:
         f.write(buf.getvalue())
@@ -109,12 +122,20 @@ def _read_bundle(path: str) -> tuple[dict[str, Any], dict[str, bytes]]:
     return manifest, members
 
 
-def import_bundle(path: str, store: DiskStore, *, environment: dict[str, Any] | None, force: bool = False) -> ImportReport:
-    """Checks a bundle (manifest, checksums, keys; and, unless `force`, that every
-    entry was made for `environment`, this machine's GPU and versions) and publishes
-    its entries into `store`. Raises InvalidArgumentError and imports nothing when any
-    check fails. environment=None means "unknown" (no GPU here): only `force` imports."""
+def import_bundle(path: str, store: DiskStore, *, environment: dict[str, Any] | None, force: bool = False,
+                  secret: bytes | None = None) -> ImportReport:
+    """Checks a bundle (with a `secret`, its signature; manifest, checksums, keys; and,
+    unless `force`, that every entry was made for `environment`, this machine's GPU
+    and versions) and publishes its entries into `store`. Raises InvalidArgumentError
+    and imports nothing when any check fails. environment=None means "unknown" (no GPU
+    here): only `force` imports. `force` never overrides the signature."""
     manifest, members = _read_bundle(path)
+    if secret is not None:
+        mac = manifest.get("signature")
+        if not isinstance(mac, str):
+            raise InvalidArgumentError(f"{path}: refusing bundle: it is not signed, and a signing secret is set")
+        if not hmac.compare_digest(mac, _manifest_mac(secret, manifest)):
+            raise InvalidArgumentError(f"{path}: refusing bundle: its signature does not match this secret")
     listed = {}
     for item in manifest["entries"]:
         try:
