@@ -196,7 +196,7 @@ def _info(args) -> tuple[int, dict[str, Any]]:
         "extra_dirs": list(cache.settings.extra_dirs),
         "entries": [{"directory": t.root, "entries": len(infos), "bytes": sum(i.size for i in infos)}
                     for t in cache.tiers for infos in [list(t.entries(with_headers=False))]],
-        "remote": cache.remote.status() if cache.remote else None,
+        "remote": cache.remote.status(check=True) if cache.remote else None,
     }
     try:
         libs = _loader.ensure_loaded()

@@ -275,6 +275,7 @@ class RemoteStore:
         if c is None:
             raise ConnectionError(self.disabled or self.state)
         value = c.get(self.settings.prefix + key)
+        self._ok()
         if value is None:
             return None
         return self._verify(key, value)
@@ -285,9 +286,18 @@ class RemoteStore:
         if c is None:
             raise ConnectionError(self.disabled or self.state)
         c.set(self.settings.prefix + entry.key, wrap(self.secret, entry.key, encode(entry)))
+        self._ok()
         self.counters["remote_published"] += 1
 
-    def status(self) -> dict:
+    def status(self, check: bool = False) -> dict:
+        """What `fastattn info` shows; check=True first asks the server (one PING)."""
+        c = self._conn() if check else None
+        if c is not None:
+            try:
+                c.ping()
+                self._ok()
+            except self._errors as e:
+                self._failed(e)
         return {"url": self.root, "prefix": self.settings.prefix, "signed": self.secret is not None,
                 "trusted": self.settings.trusted, "state": self.disabled and f"off: {self.disabled}" or self.state,
                 "timeout_seconds": self.settings.timeout, "counters": dict(self.counters)}

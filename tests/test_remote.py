@@ -1,0 +1,371 @@
+"""The Redis tier and signed entries, against a real redis-server on loopback (CPU; the
+plans are tests/fake_core.py's synthetic blobs).
+
+redis-server and the redis client are needed; where either is missing these tests
+skip with the reason, and FASTATTN_REQUIRE_REDIS=1 (set by .ci/run) makes that a
+failure instead.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+
+import fastattn
+from fastattn import cli, runtime, store
+from fastattn.store import bundle, signing
+from fastattn.store.remote import RemoteSettings, RemoteStore
+
+import fake_core
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+CFG = dict(batch=1, heads_q=32, seqlen_q=512, head_dim_qk=128, mask="causal", training=True)
+SECRET = b"correct horse battery staple"
+
+
+def _missing() -> str:
+    if shutil.which("redis-server") is None:
+        return "redis-server is not installed (apt-get install redis-server)"
+    try:
+        import redis  # noqa: F401
+    except ImportError:
+        return "the redis client is not installed (pip install 'fastattn[redis]')"
+    return ""
+
+
+class Server:
+    """A private redis-server on a free loopback port, no persistence."""
+
+    def __init__(self, workdir):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.workdir = str(workdir)
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.proc = None
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+             "--dir", self.workdir, "--enable-debug-command", "yes"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                if self.client().ping():
+                    return
+            except Exception:
+                if time.monotonic() > deadline or self.proc.poll() is not None:
+                    raise RuntimeError("redis-server did not start") from None
+                time.sleep(0.05)
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            self.proc.wait(timeout=10)
+            self.proc = None
+
+    def client(self):
+        import redis
+
+        return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=5)
+
+
+@pytest.fixture
+def server(tmp_path):
+    why = _missing()
+    if why:
+        if os.environ.get("FASTATTN_REQUIRE_REDIS") == "1":
+            pytest.fail(f"FASTATTN_REQUIRE_REDIS=1 but {why}")
+        pytest.skip(why)
+    s = Server(tmp_path)
+    s.start()
+    yield s
+    s.stop()
+
+
+def remote(server, secret=SECRET, **kw) -> RemoteStore:
+    return RemoteStore(RemoteSettings(url=server.url, **{"timeout": 0.3, "retry_after": 0.3, **kw}), secret)
+
+
+def entry(key="ab" * 32, blob=b"plan-bytes" * 100) -> store.Entry:
+    return store.Entry(key, "plan", {"config": {"batch": 1}}, {"forward": blob}, {"forward_engine": "e"}, 1.0)
+
+
+# -- the store ---------------------------------------------------------------------
+
+
+def test_signed_entries_round_trip(server):
+    r = remote(server)
+    e = entry()
+    assert r.put(e)
+    raw = server.client().get("fastattn:" + e.key)
+    assert raw.startswith(signing.SIGNED_MAGIC)
+    got = r.get(e.key)
+    assert got.blobs == e.blobs and got.meta == e.meta
+    assert r.get("cd" * 32) is None
+    assert r.counters["remote_hits"] == 1 and r.counters["remote_misses"] == 1 and r.counters["remote_published"] == 1
+
+
+def test_unsigned_tampered_and_wrongly_signed_entries_are_ignored(server, caplog):
+    r = remote(server)
+    c = server.client()
+    good = store.entry.encode(entry("01" * 32))
+    c.set("fastattn:" + "01" * 32, good)  # unsigned
+    c.set("fastattn:" + "02" * 32, signing.wrap(b"another secret", "02" * 32, store.entry.encode(entry("02" * 32))))
+    signed = bytearray(signing.wrap(SECRET, "03" * 32, store.entry.encode(entry("03" * 32))))
+    signed[-1] ^= 1  # one flipped bit in the blob
+    c.set("fastattn:" + "03" * 32, bytes(signed))
+    # A valid signed entry, replayed under another key.
+    c.set("fastattn:" + "04" * 32, signing.wrap(SECRET, "05" * 32, store.entry.encode(entry("05" * 32))))
+    with caplog.at_level(logging.WARNING, logger="fastattn"):
+        assert all(r.get(k * 32) is None for k in ("01", "02", "03", "04"))
+    assert r.counters["remote_rejected"] == 4 and r.counters["remote_hits"] == 0
+    text = caplog.text
+    assert "unsigned" in text and text.count("bad signature") == 3
+
+
+def test_a_trusted_store_without_a_secret_reads_plain_entries(server):
+    r = remote(server, secret=None, trusted=True)
+    e = entry()
+    assert r.put(e)
+    assert not server.client().get("fastattn:" + e.key).startswith(signing.SIGNED_MAGIC)
+    assert r.get(e.key).blobs == e.blobs
+    # A reader with a secret does not take what nobody signed.
+    assert remote(server).get(e.key) is None
+
+
+def test_no_secret_and_not_trusted_leaves_the_tier_off(server, caplog):
+    with caplog.at_level(logging.WARNING, logger="fastattn"):
+        r = remote(server, secret=None)
+    assert "is off" in caplog.text and "FASTATTN_REMOTE_TRUSTED" in caplog.text
+    assert not r.put(entry()) and r.get(entry().key) is None
+    assert server.client().dbsize() == 0 and r.status()["state"].startswith("off:")
+
+
+def test_redis_stopped_mid_run_then_restarted(server, caplog):
+    r = remote(server)
+    e = entry()
+    assert r.put(e) and r.get(e.key) is not None
+    server.stop()
+    with caplog.at_level(logging.WARNING, logger="fastattn"):
+        t0 = time.monotonic()
+        assert r.get(e.key) is None  # a miss, not an exception
+        assert r.get(e.key) is None and not r.put(e)  # resting: no new attempt, no new warning
+        assert time.monotonic() - t0 < 2
+    assert r.counters["remote_errors"] == 1 and r.status()["state"].startswith("down")
+    assert caplog.text.count("trying again in") == 1
+    server.start()  # same port, empty: no persistence
+    time.sleep(0.35)  # past retry_after
+    assert r.put(e) and r.get(e.key) is not None and r.status()["state"] == "connected"
+
+
+def test_a_slow_redis_costs_its_timeout_not_a_stall(server):
+    r = remote(server, timeout=0.2)
+    assert r.put(entry())
+    blocker = threading.Thread(target=lambda: server.client().execute_command("DEBUG", "SLEEP", "2"))
+    blocker.start()
+    time.sleep(0.2)
+    t0 = time.monotonic()
+    assert r.get(entry().key) is None
+    elapsed = time.monotonic() - t0
+    blocker.join()
+    assert elapsed < 1.0 and r.counters["remote_errors"] == 1
+
+
+def test_settings_from_the_environment():
+    env = {"FASTATTN_REMOTE_CACHE": "redis://:hunter2@cache:6379/3", "FASTATTN_REMOTE_PREFIX": "fleet-a:",
+           "FASTATTN_REMOTE_TIMEOUT": "0.5", "FASTATTN_CACHE_HMAC_KEY": "s3cret", "FASTATTN_CACHE_DIR": "/tmp/x"}
+    s = store.settings_from_env(env)
+    assert s.remote.prefix == "fleet-a:" and s.remote.timeout == 0.5 and s.secret == b"s3cret"
+    assert "s3cret" not in repr(s)
+    r = RemoteStore(s.remote, s.secret)
+    assert "hunter2" not in r.root and "***" in r.root
+    for name, value, match in (("FASTATTN_REMOTE_CACHE", "http://x", "expected redis://"),
+                               ("FASTATTN_REMOTE_TIMEOUT", "soon", "FASTATTN_REMOTE_TIMEOUT='soon'"),
+                               ("FASTATTN_REMOTE_WAIT", "-1", "must be >= 0"),
+                               ("FASTATTN_CACHE_HMAC_KEY", " ", "FASTATTN_CACHE_HMAC_KEY is set but empty"),
+                               ("FASTATTN_CACHE_HMAC_KEY_FILE", "/nonexistent/key", "cannot read it")):
+        bad = {**env, name: value}
+        if name == "FASTATTN_CACHE_HMAC_KEY_FILE":
+            bad.pop("FASTATTN_CACHE_HMAC_KEY")
+        with pytest.raises(fastattn.InvalidArgumentError, match=match):
+            store.settings_from_env(bad)
+
+
+# -- the runtime: memory, disk, Redis -------------------------------------------------
+
+
+@pytest.fixture
+def fleet(server, tmp_path, monkeypatch):
+    """Environment for a fleet sharing `server`; the runtime uses the fake core."""
+    monkeypatch.setenv("FASTATTN_REMOTE_CACHE", server.url)
+    monkeypatch.setenv("FASTATTN_CACHE_HMAC_KEY", SECRET.decode())
+    monkeypatch.setenv("FASTATTN_REMOTE_RETRY", "0.3")
+    monkeypatch.setattr(runtime, "_core", lambda: fake_core)
+    yield server
+    runtime.clear()
+    runtime._device_descriptions.clear()
+    runtime.configure()
+
+
+def fresh_process(cache_dir, monkeypatch):
+    """What a new process on another machine has: its own empty disk cache, nothing in memory."""
+    monkeypatch.setenv("FASTATTN_CACHE_DIR", str(cache_dir))
+    runtime.clear()
+    runtime._device_descriptions.clear()
+    runtime.configure()
+
+
+def test_a_plan_built_on_one_machine_is_loaded_by_another(fleet, tmp_path, monkeypatch):
+    fresh_process(tmp_path / "a", monkeypatch)
+    a = fastattn.plan(CFG)
+    assert fastattn.stats()["builds"] == 1 and fastattn.stats()["cache"]["remote_published"] == 1
+    fresh_process(tmp_path / "b", monkeypatch)
+    r = fastattn.probe(CFG)
+    s = fastattn.stats()
+    assert r.source == "remote" and s["builds"] == 0 and s["cache"]["remote_hits"] == 1
+    assert fastattn.plan(CFG).output() == a.output()
+    # Kept on b's disk: the next process there needs no network.
+    monkeypatch.setenv("FASTATTN_REMOTE_CACHE", "redis://127.0.0.1:1/0")
+    fresh_process(tmp_path / "b", monkeypatch)
+    assert fastattn.probe(CFG).source == "disk" and fastattn.stats()["cache"].get("remote_hits", 0) == 0
+
+
+def test_refusals_travel_too(fleet, tmp_path, monkeypatch):
+    refused = {**CFG, "head_dim_qk": 1024}
+    fresh_process(tmp_path / "a", monkeypatch)
+    assert not fastattn.probe(refused).supported
+    fresh_process(tmp_path / "b", monkeypatch)
+    r = fastattn.probe(refused)
+    assert not r.supported and r.source == "remote" and "1024" in r.reason and fastattn.stats()["builds"] == 0
+
+
+def test_redis_down_costs_one_timeout_and_one_warning(fleet, tmp_path, monkeypatch, caplog):
+    fleet.stop()
+    fresh_process(tmp_path / "a", monkeypatch)
+    with caplog.at_level(logging.WARNING, logger="fastattn"):
+        t0 = time.monotonic()
+        for s in (128, 256, 384):
+            assert fastattn.plan({**CFG, "seqlen_q": s})
+        elapsed = time.monotonic() - t0
+    s = fastattn.stats()
+    assert s["builds"] == 3 and s["cache"]["remote_errors"] == 1 and elapsed < 2
+    assert caplog.text.count("building locally") == 1
+
+
+def _script(body: str) -> list[str]:
+    return [sys.executable, "-c", textwrap.dedent(body)]
+
+
+def _fake_env(**extra) -> dict:
+    return {**os.environ, "FASTATTN_TEST_FAKE_CORE": "1",
+            "PYTHONPATH": os.pathsep.join(p for p in (os.path.join(HERE, "fake_site"), HERE,
+                                                      os.environ.get("PYTHONPATH")) if p), **extra}
+
+
+def test_many_machines_missing_one_key_build_it_once(server, tmp_path):
+    log_path = tmp_path / "builds.log"
+    body = f"""
+        import json, fastattn
+        r = fastattn.probe({CFG!r})
+        print(json.dumps({{"source": r.source, "builds": fastattn.stats()["builds"]}}))
+    """
+    procs = [subprocess.Popen(_script(body), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=_fake_env(FASTATTN_CACHE_DIR=str(tmp_path / f"m{i}"), FASTATTN_REMOTE_CACHE=server.url,
+                                            FASTATTN_CACHE_HMAC_KEY=SECRET.decode(), FAKE_BUILD_SECONDS="1.5",
+                                            FAKE_BUILD_LOG=str(log_path)))
+             for i in range(6)]
+    results = []
+    for p in procs:
+        out, err = p.communicate(timeout=60)
+        assert p.returncode == 0, err
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    assert len(log_path.read_text().splitlines()) == 1
+    assert sorted(r["source"] for r in results) == ["built"] + ["remote"] * 5
+
+
+def test_a_builder_that_dies_leaves_the_others_to_build(fleet, tmp_path, monkeypatch):
+    # Another machine took the lock and died: its lock expires, but nobody waits that long.
+    monkeypatch.setenv("FASTATTN_REMOTE_WAIT", "0.5")
+    fresh_process(tmp_path / "a", monkeypatch)
+    key = store.key_of(runtime._description(fastattn.AttentionConfig.coerce(CFG), 0))
+    fleet.client().set("fastattn:lock:" + key, "someone", px=60_000)
+    t0 = time.monotonic()
+    assert fastattn.probe(CFG).source == "built"
+    assert 0.4 < time.monotonic() - t0 < 3 and fastattn.stats()["cache"]["remote_waits"] == 1
+
+
+# -- the command ------------------------------------------------------------------------
+
+
+def run(argv, capsys):
+    code = cli.main(argv + ["--json"])
+    return code, json.loads(capsys.readouterr().out)
+
+
+def test_push_then_pull_into_an_empty_cache(fleet, tmp_path, monkeypatch, capsys):
+    fresh_process(tmp_path / "a", monkeypatch)
+    for s in (128, 256):
+        fastattn.plan({**CFG, "seqlen_q": s})
+    fleet.client().flushall()  # as if published by nobody yet
+    code, out = run(["cache", "push", "--all"], capsys)
+    assert code == 0 and out["pushed"] == 2 and fleet.client().dbsize() == 2
+    fresh_process(tmp_path / "b", monkeypatch)
+    code, out = run(["cache", "pull", "--all"], capsys)
+    assert code == 0 and out["pulled"] == 2
+    code, out = run(["cache", "pull", "--all"], capsys)
+    assert code == 0 and out["pulled"] == 0 and out["already_present"] == 2
+    code, out = run(["info"], capsys)
+    assert out["cache"]["remote"]["signed"] and out["cache"]["remote"]["state"] == "connected"
+    assert "correct horse" not in json.dumps(out)
+
+
+def test_push_with_redis_down_is_exit_4(fleet, tmp_path, monkeypatch, capsys):
+    fresh_process(tmp_path / "a", monkeypatch)
+    fastattn.plan(CFG)
+    fleet.stop()
+    runtime.configure()
+    code = cli.main(["cache", "push", "--all"])
+    assert code == cli.EXIT_FAILED and "remote cache" in capsys.readouterr().err
+
+
+def test_push_without_a_remote_tier_is_bad_input(tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv("FASTATTN_REMOTE_CACHE", raising=False)
+    monkeypatch.setenv("FASTATTN_CACHE_DIR", str(tmp_path))
+    runtime.configure()
+    try:
+        assert cli.main(["cache", "pull", "--all"]) == cli.EXIT_BAD_INPUT
+        assert "FASTATTN_REMOTE_CACHE" in capsys.readouterr().err
+    finally:
+        runtime.configure()
+
+
+# -- signed bundles (no Redis needed) -----------------------------------------------------
+
+
+def test_signed_bundles(tmp_path):
+    src = store.DiskStore(str(tmp_path / "src"))
+    src.put(entry())
+    path = str(tmp_path / "b.tar.gz")
+    assert bundle.export_bundle([src], path, secret=SECRET) == 1
+    dst = store.DiskStore(str(tmp_path / "dst"))
+    env = store.environment_of(entry().description)
+    assert bundle.import_bundle(path, dst, environment=env, secret=SECRET).imported == 1
+    with pytest.raises(fastattn.InvalidArgumentError, match="signature does not match"):
+        bundle.import_bundle(path, dst, environment=env, secret=b"another secret")
+    unsigned = str(tmp_path / "u.tar.gz")
+    bundle.export_bundle([src], unsigned)
+    with pytest.raises(fastattn.InvalidArgumentError, match="not signed"):
+        bundle.import_bundle(unsigned, dst, environment=env, force=True, secret=SECRET)
+    assert bundle.import_bundle(unsigned, dst, environment=env).already_present == 1  # no secret: as before
