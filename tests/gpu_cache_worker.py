@@ -62,7 +62,8 @@ def main():
     hashes = [run_one(c, seed=1234 + i) for i, c in enumerate(configs)]
     s = fastattn.stats()
     print(json.dumps({"hashes": hashes, "builds": s["builds"], "disk_hits": s["disk_hits"],
-                      "deserializations": s["deserializations"], "misses": s["misses"]}))
+                      "deserializations": s["deserializations"], "misses": s["misses"],
+                      "remote_hits": s["cache"].get("remote_hits", 0)}))
 
 
 if __name__ == "__main__":

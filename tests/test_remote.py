@@ -11,8 +11,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
-import socket
 import subprocess
 import sys
 import textwrap
@@ -27,69 +25,16 @@ from fastattn.store import bundle, signing
 from fastattn.store.remote import RemoteSettings, RemoteStore
 
 import fake_core
+from redis_helpers import start_server
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CFG = dict(batch=1, heads_q=32, seqlen_q=512, head_dim_qk=128, mask="causal", training=True)
 SECRET = b"correct horse battery staple"
 
 
-def _missing() -> str:
-    if shutil.which("redis-server") is None:
-        return "redis-server is not installed (apt-get install redis-server)"
-    try:
-        import redis  # noqa: F401
-    except ImportError:
-        return "the redis client is not installed (pip install 'fastattn[redis]')"
-    return ""
-
-
-class Server:
-    """A private redis-server on a free loopback port, no persistence."""
-
-    def __init__(self, workdir):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.workdir = str(workdir)
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.proc = None
-
-    def start(self) -> None:
-        self.proc = subprocess.Popen(
-            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", self.workdir, "--enable-debug-command", "yes"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                if self.client().ping():
-                    return
-            except Exception:
-                if time.monotonic() > deadline or self.proc.poll() is not None:
-                    raise RuntimeError("redis-server did not start") from None
-                time.sleep(0.05)
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            self.proc.terminate()
-            self.proc.wait(timeout=10)
-            self.proc = None
-
-    def client(self):
-        import redis
-
-        return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=5)
-
-
 @pytest.fixture
 def server(tmp_path):
-    why = _missing()
-    if why:
-        if os.environ.get("FASTATTN_REQUIRE_REDIS") == "1":
-            pytest.fail(f"FASTATTN_REQUIRE_REDIS=1 but {why}")
-        pytest.skip(why)
-    s = Server(tmp_path)
-    s.start()
+    s = start_server(tmp_path)
     yield s
     s.stop()
 
