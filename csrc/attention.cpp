@@ -29,7 +29,7 @@ class Graph {
    public:
     std::shared_ptr<fe::graph::Graph> g;
     Direction dir     = Direction::kForward;
-    bool training     = false;
+    GraphKind kind;
     int64_t workspace = 0;
 };
 
@@ -39,10 +39,7 @@ namespace {
 
 // Fixed tensor uids. The sorted-pointer execute takes user pointers in uid order,
 // so these numbers fix the argument order of execute_forward / execute_backward.
-enum Uid : int64_t { kQ = 1, kK, kV, kO, kStats, kDO, kDQ, kDK, kDV };
-const std::vector<int64_t> kForwardUids          = {kQ, kK, kV, kO};
-const std::vector<int64_t> kForwardTrainingUids  = {kQ, kK, kV, kO, kStats};
-const std::vector<int64_t> kBackwardUids         = {kQ, kK, kV, kO, kStats, kDO, kDQ, kDK, kDV};
+enum Uid : int64_t { kQ = 1, kK, kV, kO, kStats, kDO, kDQ, kDK, kDV, kSeqLenQ, kSeqLenKV };
 constexpr int kMaxDevices                        = 64;
 constexpr uintptr_t kAlignment                   = 16;
 
@@ -210,10 +207,22 @@ std::shared_ptr<fe::graph::Graph> make_graph(const Config &c, Direction dir) {
     auto q = input(*g, "q", kQ, q_dims, strides(c.q_stride));
     auto k = input(*g, "k", kK, k_dims, strides(c.k_stride));
     auto v = input(*g, "v", kV, v_dims, strides(c.v_stride));
+    std::shared_ptr<fe::graph::Tensor_attributes> seq_len_q, seq_len_kv;
+    if (c.padding) {
+        const std::vector<int64_t> dims = {c.batch, 1, 1, 1}, unit = {1, 1, 1, 1};
+        seq_len_q  = input(*g, "seq_len_q", kSeqLenQ, dims, unit);
+        seq_len_kv = input(*g, "seq_len_kv", kSeqLenKV, dims, unit);
+        seq_len_q->set_data_type(fe::DataType_t::INT32);
+        seq_len_kv->set_data_type(fe::DataType_t::INT32);
+    }
+    auto apply_padding = [&](auto &a) {
+        if (c.padding) a.set_padding_mask(true).set_seq_len_q(seq_len_q).set_seq_len_kv(seq_len_kv);
+    };
 
     if (dir == Direction::kForward) {
         auto a = fe::graph::SDPA_attributes().set_name("sdpa").set_generate_stats(c.training).set_attn_scale(c.scale);
         apply_mask(c, a);
+        apply_padding(a);
         auto [o, stats] = g->sdpa(q, k, v, a);
         set_output(o, "o", kO, o_dims, strides(c.o_stride));
         if (c.training) {
@@ -231,6 +240,7 @@ std::shared_ptr<fe::graph::Graph> make_graph(const Config &c, Direction dir) {
                  .set_attn_scale(c.scale)
                  .set_deterministic_algorithm(c.deterministic);
     apply_mask(c, a);
+    apply_padding(a);
     auto [d_q, d_k, d_v] = g->sdpa_backward(q, k, v, o, d_o, stats, a);
     set_output(d_q, "d_q", kDQ, q_dims, strides(c.q_stride));
     set_output(d_k, "d_k", kDK, k_dims, strides(c.k_stride));
@@ -238,9 +248,17 @@ std::shared_ptr<fe::graph::Graph> make_graph(const Config &c, Direction dir) {
     return g;
 }
 
-const std::vector<int64_t> &expected_uids(Direction dir, bool training) {
-    if (dir == Direction::kBackward) return kBackwardUids;
-    return training ? kForwardTrainingUids : kForwardUids;
+// The uids a graph of this kind takes at execute, sorted: the order of the
+// pointers that execute_forward / execute_backward pass on.
+std::vector<int64_t> expected_uids(Direction dir, GraphKind kind) {
+    std::vector<int64_t> uids = {kQ, kK, kV, kO};
+    if (dir == Direction::kBackward) {
+        uids.insert(uids.end(), {kStats, kDO, kDQ, kDK, kDV});
+    } else if (kind.training) {
+        uids.push_back(kStats);
+    }
+    if (kind.padding) uids.insert(uids.end(), {kSeqLenQ, kSeqLenKV});
+    return uids;
 }
 
 // A failed build step is cuDNN refusing the graph, unless the failure is the
@@ -269,7 +287,7 @@ Status build_step(const fe::error_t &e, const char *stage) {
 // past the end of an empty vector: only built graphs are asked (`built`).
 Status finish(Graph &graph, const char *stage_prefix, bool built, GraphInfo *info) {
     auto uids = graph.g->get_variant_pack_uids_sorted();
-    if (uids != expected_uids(graph.dir, graph.training)) {
+    if (uids != expected_uids(graph.dir, graph.kind)) {
         return error(Code::kCorruptPlan, std::string(stage_prefix) + ": plan's tensors do not match its config");
     }
     FA_RETURN_IF_ERROR(build_step(graph.g->get_workspace_size(graph.workspace), "get_workspace_size"));
@@ -392,7 +410,7 @@ Status build_graph(const Config &cfg, Direction dir, int device, GraphPtr *out, 
 
         GraphPtr graph(new Graph);
         graph->dir      = dir;
-        graph->training = cfg.training;
+        graph->kind     = GraphKind{cfg.training, cfg.padding};
         graph->g        = make_graph(cfg, dir);
         auto &g         = *graph->g;
         FA_RETURN_IF_ERROR(build_step(g.validate(), "validate"));
@@ -418,7 +436,7 @@ Status serialize_graph(const Graph *graph, std::vector<uint8_t> *blob) {
     });
 }
 
-Status deserialize_graph(const uint8_t *data, size_t size, Direction dir, bool training, int device, GraphPtr *out,
+Status deserialize_graph(const uint8_t *data, size_t size, Direction dir, GraphKind kind, int device, GraphPtr *out,
                          GraphInfo *info) {
     if (fe::cudnn_dlhandle == nullptr) return error(Code::kLibraryError, "cuDNN is not loaded");
     if (data == nullptr || size == 0) return error(Code::kCorruptPlan, "deserialize: empty plan blob");
@@ -433,7 +451,7 @@ Status deserialize_graph(const uint8_t *data, size_t size, Direction dir, bool t
         const std::vector<uint8_t> blob(data, data + size);
         GraphPtr graph(new Graph);
         graph->dir      = dir;
-        graph->training = training;
+        graph->kind     = kind;
         graph->g        = std::make_shared<fe::graph::Graph>();
         auto e = graph->g->deserialize(h, blob, /*enforce_precompiled=*/false, /*run_warmup=*/false);
         if (e.is_bad()) return error(Code::kCorruptPlan, "deserialize: " + e.err_msg);
@@ -444,28 +462,49 @@ Status deserialize_graph(const uint8_t *data, size_t size, Direction dir, bool t
     });
 }
 
+// The optional per-sequence lengths: required by a padding graph, refused by others.
+Status check_seq_lens(const Graph &g, intptr_t seq_len_q, intptr_t seq_len_kv) {
+    if (g.kind.padding) {
+        FA_RETURN_IF_ERROR(check_pointer(seq_len_q, "seq_len_q"));
+        return check_pointer(seq_len_kv, "seq_len_kv");
+    }
+    if (seq_len_q != 0 || seq_len_kv != 0) {
+        return error(Code::kInvalidArgument,
+                     "seq_len_q / seq_len_kv given, but the plan was built with padding=False");
+    }
+    return {};
+}
+
 Status execute_forward(const Graph *g, int device, intptr_t q, intptr_t k, intptr_t v, intptr_t o, intptr_t stats,
-                       intptr_t workspace, intptr_t stream) {
+                       intptr_t seq_len_q, intptr_t seq_len_kv, intptr_t workspace, intptr_t stream) {
     if (g == nullptr || g->dir != Direction::kForward) return error(Code::kInvalidArgument, "not a forward graph");
     FA_RETURN_IF_ERROR(check_pointer(q, "q"));
     FA_RETURN_IF_ERROR(check_pointer(k, "k"));
     FA_RETURN_IF_ERROR(check_pointer(v, "v"));
     FA_RETURN_IF_ERROR(check_pointer(o, "o"));
-    if (g->training) {
+    if (g->kind.training) {
         FA_RETURN_IF_ERROR(check_pointer(stats, "stats"));
     } else if (stats != 0) {
         return error(Code::kInvalidArgument,
                      "stats given, but the plan was built with training=False and writes no softmax stats");
     }
+    FA_RETURN_IF_ERROR(check_seq_lens(*g, seq_len_q, seq_len_kv));
     FA_RETURN_IF_ERROR(check_workspace(*g, workspace));
-    void *ptrs[5] = {reinterpret_cast<void *>(q), reinterpret_cast<void *>(k), reinterpret_cast<void *>(v),
-                     reinterpret_cast<void *>(o), reinterpret_cast<void *>(stats)};
-    return run(*g, device, ptrs, g->training ? 5 : 4, workspace, stream);
+    // Sorted by uid: q, k, v, o, [stats], [seq_len_q, seq_len_kv].
+    void *ptrs[7] = {reinterpret_cast<void *>(q), reinterpret_cast<void *>(k), reinterpret_cast<void *>(v),
+                     reinterpret_cast<void *>(o)};
+    int n = 4;
+    if (g->kind.training) ptrs[n++] = reinterpret_cast<void *>(stats);
+    if (g->kind.padding) {
+        ptrs[n++] = reinterpret_cast<void *>(seq_len_q);
+        ptrs[n++] = reinterpret_cast<void *>(seq_len_kv);
+    }
+    return run(*g, device, ptrs, n, workspace, stream);
 }
 
 Status execute_backward(const Graph *g, int device, intptr_t q, intptr_t k, intptr_t v, intptr_t o, intptr_t d_o,
-                        intptr_t stats, intptr_t d_q, intptr_t d_k, intptr_t d_v, intptr_t workspace,
-                        intptr_t stream) {
+                        intptr_t stats, intptr_t d_q, intptr_t d_k, intptr_t d_v, intptr_t seq_len_q,
+                        intptr_t seq_len_kv, intptr_t workspace, intptr_t stream) {
     if (g == nullptr || g->dir != Direction::kBackward) return error(Code::kInvalidArgument, "not a backward graph");
     FA_RETURN_IF_ERROR(check_pointer(q, "q"));
     FA_RETURN_IF_ERROR(check_pointer(k, "k"));
@@ -476,12 +515,14 @@ Status execute_backward(const Graph *g, int device, intptr_t q, intptr_t k, intp
     FA_RETURN_IF_ERROR(check_pointer(d_q, "d_q"));
     FA_RETURN_IF_ERROR(check_pointer(d_k, "d_k"));
     FA_RETURN_IF_ERROR(check_pointer(d_v, "d_v"));
+    FA_RETURN_IF_ERROR(check_seq_lens(*g, seq_len_q, seq_len_kv));
     FA_RETURN_IF_ERROR(check_workspace(*g, workspace));
-    // Sorted by uid: q, k, v, o, stats, d_o, d_q, d_k, d_v.
-    void *ptrs[9] = {reinterpret_cast<void *>(q),     reinterpret_cast<void *>(k),   reinterpret_cast<void *>(v),
-                     reinterpret_cast<void *>(o),     reinterpret_cast<void *>(stats), reinterpret_cast<void *>(d_o),
-                     reinterpret_cast<void *>(d_q),   reinterpret_cast<void *>(d_k), reinterpret_cast<void *>(d_v)};
-    return run(*g, device, ptrs, 9, workspace, stream);
+    // Sorted by uid: q, k, v, o, stats, d_o, d_q, d_k, d_v, [seq_len_q, seq_len_kv].
+    void *ptrs[11] = {reinterpret_cast<void *>(q),     reinterpret_cast<void *>(k),   reinterpret_cast<void *>(v),
+                      reinterpret_cast<void *>(o),     reinterpret_cast<void *>(stats), reinterpret_cast<void *>(d_o),
+                      reinterpret_cast<void *>(d_q),   reinterpret_cast<void *>(d_k), reinterpret_cast<void *>(d_v),
+                      reinterpret_cast<void *>(seq_len_q), reinterpret_cast<void *>(seq_len_kv)};
+    return run(*g, device, ptrs, g->kind.padding ? 11 : 9, workspace, stream);
 }
 
 Status time_raw_execute(const Graph *g, int device, const intptr_t *ptrs, int n, intptr_t workspace,

@@ -49,6 +49,16 @@ struct Config {
     float scale        = 1.0f;
     bool training      = false;  // forward writes softmax stats; a backward graph exists
     bool deterministic = false;  // backward uses cuDNN's deterministic algorithm
+    // Per-sequence lengths: int32 device arrays seq_len_q and seq_len_kv of `batch`
+    // entries, given at execute; queries and keys past them are ignored.
+    bool padding = false;
+};
+
+// What a graph takes at execute, beyond its config's shapes: which optional
+// tensors exist. Deserialization needs it to check a blob against its config.
+struct GraphKind {
+    bool training = false;
+    bool padding  = false;
 };
 
 enum class Direction : int { kForward = 0, kBackward = 1 };
@@ -93,16 +103,18 @@ Status build_graph(const Config &cfg, Direction dir, int device, GraphPtr *out, 
 
 // Plan blob without graph structure: what the persistent cache stores.
 Status serialize_graph(const Graph *g, std::vector<uint8_t> *blob);
-Status deserialize_graph(const uint8_t *data, size_t size, Direction dir, bool training, int device,
+Status deserialize_graph(const uint8_t *data, size_t size, Direction dir, GraphKind kind, int device,
                          GraphPtr *out, GraphInfo *info);
 
 // The hot path: validates pointers, then runs. No allocation, synchronization or
 // copy. Pointers and the stream are raw addresses; 0 is null / the default stream.
+// seq_len_q and seq_len_kv are required by a padding graph and must be 0 otherwise.
 Status execute_forward(const Graph *g, int device, intptr_t q, intptr_t k, intptr_t v, intptr_t o,
-                       intptr_t stats, intptr_t workspace, intptr_t stream);
+                       intptr_t stats, intptr_t seq_len_q, intptr_t seq_len_kv, intptr_t workspace,
+                       intptr_t stream);
 Status execute_backward(const Graph *g, int device, intptr_t q, intptr_t k, intptr_t v, intptr_t o,
                         intptr_t d_o, intptr_t stats, intptr_t d_q, intptr_t d_k, intptr_t d_v,
-                        intptr_t workspace, intptr_t stream);
+                        intptr_t seq_len_q, intptr_t seq_len_kv, intptr_t workspace, intptr_t stream);
 
 // Benchmark hook: cudnn-frontend's own execute on this plan, `iters` times, with
 // none of fastattn's checks around it: the C++ floor that tools/bench_core.py

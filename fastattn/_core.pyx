@@ -34,7 +34,10 @@ cdef extern from "fastattn.h" namespace "fastattn" nogil:
         int mask
         int64_t window_left, window_right
         float scale
-        cbool training, deterministic
+        cbool training, deterministic, padding
+
+    cdef cppclass GraphKind:
+        cbool training, padding
 
     cdef enum class Direction(int):
         kForward
@@ -65,13 +68,14 @@ cdef extern from "fastattn.h" namespace "fastattn" nogil:
     Status device_info(int device, DeviceInfo* out)
     Status build_graph(const Config& cfg, Direction dir, int device, GraphPtr* out, GraphInfo* info)
     Status serialize_graph(const Graph* g, vector[uint8_t]* blob)
-    Status deserialize_graph(const uint8_t* data, size_t size, Direction dir, cbool training, int device,
+    Status deserialize_graph(const uint8_t* data, size_t size, Direction dir, GraphKind kind, int device,
                              GraphPtr* out, GraphInfo* info)
     Status execute_forward(const Graph* g, int device, intptr_t q, intptr_t k, intptr_t v, intptr_t o,
-                           intptr_t stats, intptr_t workspace, intptr_t stream)
+                           intptr_t stats, intptr_t seq_len_q, intptr_t seq_len_kv, intptr_t workspace,
+                           intptr_t stream)
     Status execute_backward(const Graph* g, int device, intptr_t q, intptr_t k, intptr_t v, intptr_t o,
                             intptr_t d_o, intptr_t stats, intptr_t d_q, intptr_t d_k, intptr_t d_v,
-                            intptr_t workspace, intptr_t stream)
+                            intptr_t seq_len_q, intptr_t seq_len_kv, intptr_t workspace, intptr_t stream)
     Status time_raw_execute(const Graph* g, int device, const intptr_t* ptrs, int n, intptr_t workspace,
                             intptr_t stream, int iters, double* seconds)
 
@@ -110,6 +114,7 @@ cdef Config _c_config(cfg) except *:
     c.scale = cfg.scale
     c.training = cfg.training
     c.deterministic = cfg.deterministic
+    c.padding = cfg.padding
     return c
 
 
@@ -195,6 +200,7 @@ cdef class Plan:
     cdef readonly double forward_ms
     cdef readonly double backward_ms
     cdef cbool _training
+    cdef cbool _padding
 
     def __init__(self):
         raise TypeError("Plan objects are made by fastattn.plan(config)")
@@ -212,7 +218,7 @@ cdef class Plan:
                 f"backward={self.backward_engine!r} workspace={self.workspace_size} config={self.config.to_json()}>")
 
     def forward(self, intptr_t q, intptr_t k, intptr_t v, intptr_t o, intptr_t stats=0,
-                intptr_t workspace=0, intptr_t stream=0):
+                intptr_t workspace=0, intptr_t stream=0, intptr_t seq_len_q=0, intptr_t seq_len_kv=0):
         """Runs attention forward: o = softmax(scale * q @ k^T, masked) @ v.
 
         Every argument is a CUDA device address as an int (16-byte aligned); stream is a
@@ -220,7 +226,9 @@ cdef class Plan:
         are the config's (see fastattn.config): q (b, hq, sq, dqk), k (b, hkv, skv, dqk),
         v (b, hkv, skv, dv), o (b, hq, sq, dv) in config.dtype; stats (b, hq, sq, 1)
         float32, contiguous, required when config.training and 0 otherwise; workspace
-        of plan.forward_workspace_size bytes (0 allowed when that is 0).
+        of plan.forward_workspace_size bytes (0 allowed when that is 0). seq_len_q and
+        seq_len_kv: int32 arrays of `batch` lengths, required when config.padding and 0
+        otherwise.
 
         Asynchronous on `stream`: nothing is allocated, copied or synchronized.
         Raises InvalidArgumentError for a null, misaligned or unexpected pointer,
@@ -228,18 +236,21 @@ cdef class Plan:
         """
         cdef Status st
         with nogil:
-            st = execute_forward(self._fwd.get(), self.device, q, k, v, o, stats, workspace, stream)
+            st = execute_forward(self._fwd.get(), self.device, q, k, v, o, stats, seq_len_q, seq_len_kv,
+                                 workspace, stream)
         if not st.ok():
             raise _error(st)
 
     def backward(self, intptr_t q, intptr_t k, intptr_t v, intptr_t o, intptr_t d_o, intptr_t stats,
-                 intptr_t d_q, intptr_t d_k, intptr_t d_v, intptr_t workspace=0, intptr_t stream=0):
+                 intptr_t d_q, intptr_t d_k, intptr_t d_v, intptr_t workspace=0, intptr_t stream=0,
+                 intptr_t seq_len_q=0, intptr_t seq_len_kv=0):
         """Runs attention backward: writes d_q, d_k, d_v from q, k, v, the forward's o and
         stats, and the output gradient d_o.
 
         Device addresses as ints (16-byte aligned). d_q, d_k, d_v, d_o have the shapes
         and strides of q, k, v, o, in config.dtype; stats is the float32 tensor the
-        training forward wrote; workspace of plan.backward_workspace_size bytes.
+        training forward wrote; workspace of plan.backward_workspace_size bytes;
+        seq_len_q and seq_len_kv as for forward.
         Needs a plan built with training=True. Asynchronous on `stream`; with GQA the
         kernels accumulate d_k and d_v internally, so nothing needs zeroing first.
 
@@ -251,7 +262,7 @@ cdef class Plan:
             raise InvalidArgumentError("this plan has no backward graph: build it with training=True")
         with nogil:
             st = execute_backward(self._bwd.get(), self.device, q, k, v, o, d_o, stats, d_q, d_k, d_v,
-                                  workspace, stream)
+                                  seq_len_q, seq_len_kv, workspace, stream)
         if not st.ok():
             raise _error(st)
 
@@ -280,6 +291,7 @@ cdef Plan _new_plan(cfg, int device):
     p.config = cfg
     p.device = device
     p._training = cfg.training
+    p._padding = cfg.padding
     p.forward_engine = None
     p.backward_engine = None
     return p
@@ -310,8 +322,11 @@ cdef _load_one(Plan p, Direction d, bytes blob, str engine):
     cdef size_t n = view.shape[0]
     cdef const uint8_t* data = &view[0] if n else NULL
     cdef GraphPtr* out = &p._fwd if d == Direction.kForward else &p._bwd
+    cdef GraphKind kind
+    kind.training = p._training
+    kind.padding = p._padding
     with nogil:
-        st = deserialize_graph(data, n, d, p._training, p.device, out, &info)
+        st = deserialize_graph(data, n, d, kind, p.device, out, &info)
     if not st.ok():
         raise _error(st, "forward" if d == Direction.kForward else "backward")
     _record(p, d, info, engine)

@@ -66,7 +66,11 @@ _FIELDS_ORDER = (
     "scale",
     "training",
     "deterministic",
+    "padding",
 )
+
+
+_OPTIONAL_FEATURES = ("padding",)
 
 
 def _bad(field: str, value: Any, why: str) -> InvalidArgumentError:
@@ -136,6 +140,10 @@ class AttentionConfig:
       scale: softmax scale (default 1/sqrt(head_dim_qk)); stored as the float32 cuDNN uses.
       training: forward also writes softmax stats, and the plan has a backward graph.
       deterministic: backward uses cuDNN's deterministic algorithm (needs training).
+      padding: each sequence has its own length, given at run time as int32 device
+        arrays seq_len_q and seq_len_kv of `batch` entries (at most seqlen_q and
+        seqlen_kv); queries and keys past them are not read, and the masks and window
+        apply within each sequence's lengths.
 
     Raises InvalidArgumentError (a ValueError) naming the field and value.
     """
@@ -154,6 +162,7 @@ class AttentionConfig:
     scale: float | None = None
     training: bool = False
     deterministic: bool = False
+    padding: bool = False
 
     def __post_init__(self) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen)
@@ -197,6 +206,7 @@ class AttentionConfig:
         set_("deterministic", _bool("deterministic", self.deterministic))
         if self.deterministic and not self.training:
             raise _bad("deterministic", True, "selects the backward algorithm and needs training=True")
+        set_("padding", _bool("padding", self.padding))
 
         set_("layout", self._canonical_layout())
 
@@ -300,6 +310,11 @@ class AttentionConfig:
     def to_dict(self) -> dict[str, Any]:
         """The canonical form, as plain JSON types."""
         d: dict[str, Any] = {f: getattr(self, f) for f in _FIELDS_ORDER}
+        # Features added after the first release appear only when used, so that the
+        # configs (and cache keys) of everything else stay what they were.
+        for name in _OPTIONAL_FEATURES:
+            if not d[name]:
+                del d[name]
         d["window"] = list(self.window)
         if not isinstance(self.layout, str):
             d["layout"] = {t: list(s) for t, s in zip(TENSORS, self.layout)}

@@ -201,4 +201,6 @@ def describe_config(cfg: AttentionConfig) -> str:
         extra.append(cfg.layout if isinstance(cfg.layout, str) else "strided")
     if cfg.training:
         extra.append("train" + ("/det" if cfg.deterministic else ""))
+    if cfg.padding:
+        extra.append("padded")
     return f"b{cfg.batch} {heads} {seq} {dims} " + " ".join(extra)

@@ -65,11 +65,11 @@ def test_flags_override_the_config_file(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(cli.runtime, "probe", fake_probe)
     f = tmp_path / "c.json"
     f.write_text('{"batch": 4, "heads_q": 8, "seqlen_q": 64, "head_dim_qk": 64, "mask": "causal"}')
-    code, out, _ = run(["probe", "--config", str(f), "--batch", "2", "--window", "16", "0", "--training", "--json"],
-                       capsys)
+    code, out, _ = run(["probe", "--config", str(f), "--batch", "2", "--window", "16", "0", "--training", "--padding",
+                        "--json"], capsys)
     assert code == cli.EXIT_UNSUPPORTED
     assert seen["cfg"].batch == 2 and seen["cfg"].mask == "causal" and seen["cfg"].window == (16, -1)
-    assert seen["cfg"].training is True
+    assert seen["cfg"].training is True and seen["cfg"].padding is True
     assert json.loads(out)["reason"] == "forward: no"
 
 

@@ -100,7 +100,7 @@ def test_scale_default_explicit_and_invalid():
             cfg(scale=bad)
 
 
-@pytest.mark.parametrize("field", ["training", "deterministic"])
+@pytest.mark.parametrize("field", ["training", "deterministic", "padding"])
 @pytest.mark.parametrize("bad", [1, 0, "true", "false", None])
 def test_bool_fields_must_be_bool(field, bad):
     with pytest.raises(InvalidArgumentError, match=rf"^{field}="):
@@ -187,6 +187,7 @@ VARIANTS = [
     cfg(layout={"q": (3 * 128 * 8 * 64, 64, 3 * 8 * 64, 1), "k": (3 * 128 * 8 * 64, 64, 3 * 8 * 64, 1),
                 "v": (3 * 128 * 8 * 64, 64, 3 * 8 * 64, 1), "o": cfg().strides("o")}),
     cfg(window=(10, 5)),
+    cfg(padding=True, mask="causal_bottom_right", seqlen_kv=200, training=True),
 ]
 
 
@@ -207,6 +208,12 @@ def test_canonical_json_is_stable():
         '"heads_q":8,"layout":"bshd","mask":"none","scale":0.125,"seqlen_kv":128,"seqlen_q":128,'
         '"training":false,"window":[-1,-1]}'
     )
+
+
+def test_features_appear_in_the_canonical_form_only_when_used():
+    # So that adding a feature leaves the keys of every config without it unchanged.
+    assert "padding" not in cfg().to_dict() and cfg(padding=True).to_dict()["padding"] is True
+    assert cfg(padding=True) != cfg() and AttentionConfig.from_dict(cfg().to_dict()).padding is False
 
 
 def test_equivalent_spellings_give_one_canonical_form():
