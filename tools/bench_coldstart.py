@@ -10,6 +10,8 @@ on the device (synchronized):
   fastattn warm + preload   the same, with fastattn.preload(configs, threads=8) first
   torch cudnn     torch.nn.functional.scaled_dot_product_attention, cuDNN backend
   torch flash     the same, flash backend
+  fastattn cold/warm padded   one padding plan for the longest shape serves all 8
+                  (experimental; see child_padded)
 
 each forward only and forward+backward. Usage:
 
@@ -31,8 +33,51 @@ SEQLENS = (256, 512, 768, 1024, 1536, 2048, 3072, 4096)
 HEADS, HEAD_DIM = 32, 128
 
 
+def child_padded(variant: str, backward: bool) -> dict:
+    """One padding plan (config.padding) built for the longest shape serves all 8: each
+    call passes its sequence's length. Buffers are views into longest-shape buffers,
+    allocated before the clock starts, so that rows past a sequence's length are
+    memory the plan may touch. Experimental (issue 3 idea): needs the padding
+    feature's GPU tests to pass first."""
+    import torch
+
+    torch.cuda.init()
+    smax = max(SEQLENS)
+
+    q, k, v, d_o = (torch.randn(1, smax, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    lengths = {s: torch.tensor([s], dtype=torch.int32, device="cuda") for s in SEQLENS}
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    import fastattn
+
+    cfg = fastattn.AttentionConfig(batch=1, heads_q=HEADS, seqlen_q=smax, head_dim_qk=HEAD_DIM, dtype="bf16",
+                                   layout="bshd", mask="causal", training=backward, padding=True)
+    stream = torch.cuda.current_stream().cuda_stream
+    for s in SEQLENS:
+        p = fastattn.plan(cfg)
+        o = torch.empty_like(q)
+        ws = torch.empty(p.workspace_size, dtype=torch.uint8, device="cuda")
+        n = lengths[s].data_ptr()
+        if backward:
+            stats = torch.empty(1, HEADS, smax, 1, dtype=torch.float32, device="cuda")
+            p.forward(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), stats=stats.data_ptr(),
+                      workspace=ws.data_ptr(), stream=stream, seq_len_q=n, seq_len_kv=n)
+            dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+            p.backward(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), d_o.data_ptr(), stats.data_ptr(),
+                       dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), workspace=ws.data_ptr(), stream=stream,
+                       seq_len_q=n, seq_len_kv=n)
+        else:
+            p.forward(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), workspace=ws.data_ptr(),
+                      stream=stream, seq_len_q=n, seq_len_kv=n)
+    torch.cuda.synchronize()
+    st = fastattn.stats()
+    return {"seconds": time.perf_counter() - t0, "builds": st["builds"], "disk_hits": st["disk_hits"]}
+
+
 def child(variant: str, backward: bool) -> dict:
     """Runs in the fresh process."""
+    if variant.endswith("_padded"):
+        return child_padded(variant, backward)
     import torch
 
     torch.cuda.init()
@@ -121,9 +166,11 @@ def measure() -> dict:
             "fastattn_warm_preload": run_fresh("fastattn_warm_preload", backward, cache_dir),
             "torch_cudnn": run_fresh("torch_cudnn", backward, cache_dir),
             "torch_flash": run_fresh("torch_flash", backward, cache_dir),
+            "fastattn_cold_padded": run_fresh("fastattn_cold_padded", backward, cache_dir),
+            "fastattn_warm_padded": run_fresh("fastattn_warm_padded", backward, cache_dir),
         }
         r = results[mode]
-        for warm in ("fastattn_warm", "fastattn_warm_preload"):
+        for warm in ("fastattn_warm", "fastattn_warm_preload", "fastattn_warm_padded"):
             if all("seconds" in r[k] for k in (warm, "torch_cudnn")):
                 results[f"{mode}_speedup_{warm}_vs_torch_cudnn"] = r["torch_cudnn"]["seconds"] / r[warm]["seconds"]
     import fastattn
@@ -135,7 +182,8 @@ def measure() -> dict:
 
 def summary(results: dict) -> str:
     lines = ["variant                    fwd ms   fwd+bwd ms"]
-    for name in ("fastattn_cold", "fastattn_warm", "fastattn_warm_preload", "torch_cudnn", "torch_flash"):
+    for name in ("fastattn_cold", "fastattn_warm", "fastattn_warm_preload", "torch_cudnn", "torch_flash",
+                 "fastattn_cold_padded", "fastattn_warm_padded"):
         cells = []
         for mode in ("fwd", "fwd_bwd"):
             r = results[mode].get(name, {})
