@@ -350,8 +350,8 @@ def plan(config: Any, *, device: int | None = None):
 
 def stored_answer(config: Any, *, device: int | None = None,
                   cache: store.TieredCache | None = None) -> ProbeResult | None:
-    """The answer the persistent cache holds for `config` (source "disk"), read
-    without building or deserializing anything, or None. `cache`: the directories to
+    """The answer the persistent cache holds for `config` (source "disk" or
+    "remote"), read without building or deserializing anything, or None. `cache`: the directories to
     look in (default: this process's). An entry found here has a valid checksum but
     is not proven to deserialize: cuDNN only says so when loading it (`fastattn cache
     verify` does)."""
@@ -363,16 +363,16 @@ def stored_answer(config: Any, *, device: int | None = None,
     found = cache.get(store.key_of(_description(config, device)))
     if found is None:
         return None
-    e, _ = found
+    e, tier = found
     if e.kind == "unsupported":
-        return ProbeResult(config, device, False, str(e.meta.get("reason", "")), source="disk")
+        return ProbeResult(config, device, False, str(e.meta.get("reason", "")), source=_source(tier))
     m = e.meta
     try:
         sizes = int(m.get("forward_workspace_size", 0)), int(m.get("backward_workspace_size", 0))
     except (TypeError, ValueError):
         return None  # not what this version writes: let a real load decide
     return ProbeResult(config, device, True, "", *sizes, str(m.get("forward_engine", "")),
-                       str(m.get("backward_engine", "")), 0.0, "disk")
+                       str(m.get("backward_engine", "")), 0.0, _source(tier))
 
 
 def preload(configs: Iterable[Any] | None = None, *, device: int | None = None, threads: int = 4,

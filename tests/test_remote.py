@@ -314,3 +314,16 @@ def test_signed_bundles(tmp_path):
     with pytest.raises(fastattn.InvalidArgumentError, match="not signed"):
         bundle.import_bundle(unsigned, dst, environment=env, force=True, secret=SECRET)
     assert bundle.import_bundle(unsigned, dst, environment=env).already_present == 1  # no secret: as before
+
+
+def test_warm_answers_what_redis_holds_without_workers(fleet, tmp_path, monkeypatch):
+    from fastattn import warm
+
+    fresh_process(tmp_path / "a", monkeypatch)
+    fastattn.plan(CFG)  # built on machine a, published
+    fresh_process(tmp_path / "b", monkeypatch)
+    monkeypatch.setattr(warm, "_Worker", lambda *a, **k: pytest.fail("a worker was started"))
+    report = warm.warm([CFG], workers=2)
+    assert report.counts["loaded"] == 1 and report.processes == 0
+    assert store.DiskStore(str(tmp_path / "b")).signature(
+        store.key_of(runtime._description(fastattn.AttentionConfig.coerce(CFG), 0))) is not None  # kept on b's disk
