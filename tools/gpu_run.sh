@@ -70,8 +70,10 @@ fi
 # compiling them inside a timed cold start would bill fastattn for it.
 python3 -m compileall -q fastattn > /dev/null
 # BENCH: what to run after the tests: tools/bench_NAME.py or tools/NAME.py for each NAME
-# ("core coldstart torch warm" by default, "" for none).
-for b in ${BENCH-core coldstart torch warm}; do
+# ("core coldstart torch warm", and "remote" where a redis-server is carried; "" for none).
+default_bench="core coldstart torch warm"
+[ -x .redis/redis-server ] && default_bench="$default_bench remote"
+for b in ${BENCH-$default_bench}; do
   script=tools/bench_$b.py; [ -f "$script" ] || script=tools/$b.py
   python3 "$script" --json "$LOGS/bench_$b.json" > "$LOGS/bench_$b.log" 2>&1 || echo "$script failed (see bench_$b.log)"
 done
