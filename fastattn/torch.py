@@ -63,20 +63,25 @@ def _logical(t: torch.Tensor, layout: str) -> tuple[tuple[int, ...], tuple[int, 
     return tuple(shape[a] for a in axes), tuple(stride[a] for a in axes)
 
 
-def _plan_for(q, k, v, o, layout: str, causal: bool, bottom_right: bool, window_left: int, window_right: int,
-              scale: float, deterministic: bool, training: bool) -> _Cached:
+def _lengths_key(t):
+    return None if t is None else (t.dtype, t.shape, t.stride(), t.get_device())
+
+
+def _plan_for(q, k, v, o, seq_len_q, seq_len_kv, layout: str, causal: bool, bottom_right: bool, window_left: int,
+              window_right: int, scale: float, deterministic: bool, training: bool) -> _Cached:
     """The plan for these tensors; o=None means the forward's own fresh output. The key
     holds everything _check looks at, so only a miss needs validating: a hit means
     these inputs were checked once already."""
     key = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), None if o is None else o.stride(),
            q.dtype, k.dtype, v.dtype, q.get_device(), k.get_device(), v.get_device(), layout, causal, bottom_right,
-           window_left, window_right, scale, deterministic, training)
+           window_left, window_right, scale, deterministic, training,
+           None if seq_len_q is None else (_lengths_key(seq_len_q), _lengths_key(seq_len_kv)))
     hit = _plans.get(key)
     if hit is not None:
         return hit
     import fastattn
 
-    _check(q, k, v, layout)
+    _check(q, k, v, layout, seq_len_q, seq_len_kv)
     if o is None:
         o = q.new_empty(_out_shape(q, v, layout), device="meta")  # only its strides are needed
     (b, hq, sq, dqk), q_st = _logical(q, layout)
@@ -88,7 +93,7 @@ def _plan_for(q, k, v, o, layout: str, causal: bool, bottom_right: bool, window_
         dtype=_DTYPES[q.dtype], layout={"q": q_st, "k": k_st, "v": v_st, "o": o_st},
         mask="causal_bottom_right" if bottom_right else "causal" if causal else "none",
         window=(window_left, window_right), scale=None if scale <= 0 else scale, training=training,
-        deterministic=deterministic,
+        deterministic=deterministic, padding=seq_len_q is not None,
     )
     hit = _Cached(fastattn.plan(cfg, device=q.device.index), q, v, layout)
     with _plans_lock:
@@ -113,63 +118,77 @@ def _stats_like(q: torch.Tensor, layout: str, training: bool) -> torch.Tensor:
     return q.new_empty(_stats_shape(q, layout) if training else [0], dtype=torch.float32)
 
 
-def _forward_impl(q, k, v, layout, causal, bottom_right, window_left, window_right, scale, deterministic, training):
+def _forward_impl(q, k, v, seq_len_q, seq_len_kv, layout, causal, bottom_right, window_left, window_right, scale,
+                  deterministic, training):
     """(o, stats); stats is None when not training."""
-    c = _plan_for(q, k, v, None, layout, causal, bottom_right, window_left, window_right, scale, deterministic,
-                  training)
-    o = q.new_empty(c.out_shape)
+    c = _plan_for(q, k, v, None, seq_len_q, seq_len_kv, layout, causal, bottom_right, window_left, window_right,
+                  scale, deterministic, training)
+    padded = seq_len_q is not None
+    # Rows past a sequence's length are zero, not whatever the allocator held: they
+    # flow into the next layer (and its weight gradients) unless the caller masks them.
+    o = q.new_zeros(c.out_shape) if padded else q.new_empty(c.out_shape)
     stats = q.new_empty(c.stats_shape, dtype=torch.float32) if training else None
     # Workspace from PyTorch's caching allocator, on this stream: freed when this
     # returns, reused only by work queued after ours.
     ws = q.new_empty(c.forward_workspace, dtype=torch.uint8) if c.forward_workspace else None
     c.plan.forward(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), stats.data_ptr() if training else 0,
-                   ws.data_ptr() if ws is not None else 0, _raw_stream(c.device))
+                   ws.data_ptr() if ws is not None else 0, _raw_stream(c.device),
+                   seq_len_q.data_ptr() if padded else 0, seq_len_kv.data_ptr() if padded else 0)
     return o, stats
 
 
 @torch.library.custom_op("fastattn::attention_forward", mutates_args=())
-def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str, causal: bool, bottom_right: bool,
-             window_left: int, window_right: int, scale: float, deterministic: bool,
+def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_len_q: torch.Tensor | None,
+             seq_len_kv: torch.Tensor | None, layout: str, causal: bool, bottom_right: bool, window_left: int,
+             window_right: int, scale: float, deterministic: bool,
              training: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    o, stats = _forward_impl(q, k, v, layout, causal, bottom_right, window_left, window_right, scale, deterministic,
-                             training)
+    o, stats = _forward_impl(q, k, v, seq_len_q, seq_len_kv, layout, causal, bottom_right, window_left,
+                             window_right, scale, deterministic, training)
     return o, stats if stats is not None else _stats_like(q, layout, False)
 
 
 @_forward.register_fake
-def _(q, k, v, layout, causal, bottom_right, window_left, window_right, scale, deterministic, training):
+def _(q, k, v, seq_len_q, seq_len_kv, layout, causal, bottom_right, window_left, window_right, scale, deterministic,
+      training):
     return q.new_empty(_out_shape(q, v, layout)), _stats_like(q, layout, training)
 
 
 @torch.library.custom_op("fastattn::attention_backward", mutates_args=())
 def _backward(d_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
-              stats: torch.Tensor, layout: str, causal: bool, bottom_right: bool, window_left: int,
-              window_right: int, scale: float, deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+              stats: torch.Tensor, seq_len_q: torch.Tensor | None, seq_len_kv: torch.Tensor | None, layout: str,
+              causal: bool, bottom_right: bool, window_left: int, window_right: int, scale: float,
+              deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     if d_o.stride() != o.stride():
         # The backward graph reads d_o at o's strides (cuDNN's plan is built for them).
         d_o = torch.empty_strided(o.shape, o.stride(), dtype=o.dtype, device=o.device).copy_(d_o)
-    c = _plan_for(q, k, v, o, layout, causal, bottom_right, window_left, window_right, scale, deterministic, True)
-    d_q = torch.empty_strided(q.shape, q.stride(), dtype=q.dtype, device=q.device)
-    d_k = torch.empty_strided(k.shape, k.stride(), dtype=k.dtype, device=k.device)
-    d_v = torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device)
+    c = _plan_for(q, k, v, o, seq_len_q, seq_len_kv, layout, causal, bottom_right, window_left, window_right, scale,
+                  deterministic, True)
+    padded = seq_len_q is not None
+    d_q, d_k, d_v = (torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device) for t in (q, k, v))
+    if padded:
+        for g in (d_q, d_k, d_v):
+            g.zero_()  # padded rows get zero gradients (see _forward_impl)
     ws = q.new_empty(c.backward_workspace, dtype=torch.uint8) if c.backward_workspace else None
     c.plan.backward(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), d_o.data_ptr(), stats.data_ptr(),
                     d_q.data_ptr(), d_k.data_ptr(), d_v.data_ptr(), ws.data_ptr() if ws is not None else 0,
-                    _raw_stream(c.device))
+                    _raw_stream(c.device), seq_len_q.data_ptr() if padded else 0,
+                    seq_len_kv.data_ptr() if padded else 0)
     return d_q, d_k, d_v
 
 
 @_backward.register_fake
-def _(d_o, q, k, v, o, stats, layout, causal, bottom_right, window_left, window_right, scale, deterministic):
+def _(d_o, q, k, v, o, stats, seq_len_q, seq_len_kv, layout, causal, bottom_right, window_left, window_right, scale,
+      deterministic):
     return (torch.empty_strided(q.shape, q.stride(), dtype=q.dtype, device=q.device),
             torch.empty_strided(k.shape, k.stride(), dtype=k.dtype, device=k.device),
             torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device))
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, layout, causal, bottom_right, window_left, window_right, scale, deterministic, training = inputs
+    (q, k, v, seq_len_q, seq_len_kv, layout, causal, bottom_right, window_left, window_right, scale, deterministic,
+     training) = inputs
     o, stats = output
-    ctx.save_for_backward(q, k, v, o, stats)
+    ctx.save_for_backward(q, k, v, o, stats, seq_len_q, seq_len_kv)
     ctx.options = (layout, causal, bottom_right, window_left, window_right, scale, deterministic)
     ctx.training = training
 
@@ -177,15 +196,15 @@ def _setup_context(ctx, inputs, output):
 def _grad(ctx, d_o, d_stats):
     if not ctx.training:
         raise RuntimeError("fastattn: backward through a call made without gradients enabled")
-    q, k, v, o, stats = ctx.saved_tensors
-    d_q, d_k, d_v = _backward(d_o, q, k, v, o, stats, *ctx.options)
-    return d_q, d_k, d_v, None, None, None, None, None, None, None, None
+    q, k, v, o, stats, seq_len_q, seq_len_kv = ctx.saved_tensors
+    d_q, d_k, d_v = _backward(d_o, q, k, v, o, stats, seq_len_q, seq_len_kv, *ctx.options)
+    return (d_q, d_k, d_v) + (None,) * 10
 
 
 _forward.register_autograd(_grad, setup_context=_setup_context)
 
 
-def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str) -> None:
+def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str, seq_len_q=None, seq_len_kv=None) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise InvalidArgumentError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
@@ -209,11 +228,25 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str) -> No
         raise InvalidArgumentError(f"k has {k.shape[s]} keys but v has {v.shape[s]}")
     if k.shape[d] != q.shape[d]:
         raise InvalidArgumentError(f"head dims differ: q {q.shape[d]}, k {k.shape[d]}")
+    for name, t in (("seq_lens_q", seq_len_q), ("seq_lens_kv", seq_len_kv)):
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.int32:
+            raise InvalidArgumentError(f"{name} has dtype {getattr(t, 'dtype', type(t).__name__)}: expected a "
+                                       "torch.int32 tensor")
+        if t.dim() != 1 or t.shape[0] != q.shape[b]:
+            raise InvalidArgumentError(f"{name} has shape {tuple(t.shape)}: expected ({q.shape[b]},), one length "
+                                       "per sequence")
+        if t.device != q.device:
+            raise InvalidArgumentError(f"{name} is on {t.device}, q on {q.device}")
+        if not t.is_contiguous():
+            raise InvalidArgumentError(f"{name} must be contiguous")
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
               causal_bottom_right: bool = False, window: tuple[int, int] | None = None, scale: float | None = None,
-              layout: str = "bshd", deterministic: bool = False) -> torch.Tensor:
+              layout: str = "bshd", deterministic: bool = False, seq_lens_q: torch.Tensor | None = None,
+              seq_lens_kv: torch.Tensor | None = None) -> torch.Tensor:
     """Scaled dot-product attention on cuDNN's fused kernels, with autograd.
 
     q: (batch, seqlen_q, heads_q, head_dim_qk) for layout="bshd" (FlashAttention's order;
@@ -226,21 +259,30 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     window: (left, right) sliding window, FlashAttention's convention (-1 unbounded).
     scale: softmax scale (default 1/sqrt(head_dim_qk)).
     deterministic: a deterministic backward.
+    seq_lens_q, seq_lens_kv: padding masks: int32 CUDA tensors of shape (batch,), each
+      sequence's own query and key lengths (at most the tensors' sequence lengths; not
+      checked, as that would synchronize); seq_lens_kv defaults to seq_lens_q. Queries
+      and keys past them are not read, and o (and in backward d_q, d_k, d_v) is zero
+      there. The masks apply within each sequence's lengths.
 
     Raises InvalidArgumentError (a ValueError) for CPU tensors, mismatched devices,
     dtypes or shapes, NotSupportedError when cuDNN refuses the config.
     """
     if layout not in _AXES:
         raise InvalidArgumentError(f"layout={layout!r}: must be one of {tuple(_AXES)}")
+    if seq_lens_kv is None:
+        seq_lens_kv = seq_lens_q
+    elif seq_lens_q is None:
+        raise InvalidArgumentError("seq_lens_kv given without seq_lens_q")
     if not (isinstance(q, torch.Tensor) and q.is_cuda):
-        _check(q, k, v, layout)  # CUDA inputs are checked once per plan, in _plan_for
+        _check(q, k, v, layout, seq_lens_q, seq_lens_kv)  # CUDA inputs are checked once per plan, in _plan_for
     if causal and causal_bottom_right:
         raise InvalidArgumentError("causal and causal_bottom_right are exclusive")
     if scale is not None and not float(scale) > 0:
         raise InvalidArgumentError(f"scale={scale!r}: must be > 0")
     left, right = (-1, -1) if window is None else (int(window[0]), int(window[1]))
     training = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-    args = (q, k, v, layout, bool(causal), bool(causal_bottom_right), left, right,
+    args = (q, k, v, seq_lens_q, seq_lens_kv, layout, bool(causal), bool(causal_bottom_right), left, right,
             0.0 if scale is None else float(scale), bool(deterministic), training)
     if not training and q.is_cuda and not torch.compiler.is_compiling():
         # Eager inference needs neither autograd nor tracing: skip the dispatcher.

@@ -86,3 +86,33 @@ def test_traces_forward_and_backward_as_two_ops():
     targets = [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
     assert "fastattn.attention_forward.default" in targets
     assert "fastattn.attention_backward.default" in targets
+
+
+def test_padding_lengths_are_checked():
+    q, k, v = qkv()
+    lengths = torch.empty(2, dtype=torch.int32, device="meta")
+    with pytest.raises(fastattn.InvalidArgumentError, match=r"^seq_lens_q has dtype torch.int64"):
+        attention(q, k, v, seq_lens_q=lengths.long())
+    with pytest.raises(fastattn.InvalidArgumentError, match=r"^seq_lens_kv has shape \(3,\): expected \(2,\)"):
+        attention(q, k, v, seq_lens_q=lengths, seq_lens_kv=torch.empty(3, dtype=torch.int32, device="meta"))
+    with pytest.raises(fastattn.InvalidArgumentError, match="seq_lens_kv given without seq_lens_q"):
+        attention(q, k, v, seq_lens_kv=lengths)
+    with pytest.raises(fastattn.InvalidArgumentError, match="^seq_lens_q is on cpu"):
+        attention(q, k, v, seq_lens_q=torch.zeros(2, dtype=torch.int32))
+    assert attention(q, k, v, causal=True, seq_lens_q=lengths).shape == q.shape
+
+
+def test_padding_traces_with_its_lengths():
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def step(q, k, v, lengths):
+        o = attention(q, k, v, seq_lens_q=lengths)
+        return o, torch.autograd.grad(o.sum(), (q, k, v))
+
+    q, k, v = qkv(grad=True)
+    gm = make_fx(step, tracing_mode="fake")(q, k, v, torch.empty(2, dtype=torch.int32, device="meta"))
+    calls = [n for n in gm.graph.nodes if n.op == "call_function" and "fastattn" in str(n.target)]
+    assert [str(n.target) for n in calls] == ["fastattn.attention_forward.default",
+                                              "fastattn.attention_backward.default"]
+    lengths = next(n for n in gm.graph.nodes if n.op == "placeholder" and n.name.startswith("lengths"))
+    assert all(lengths in n.all_input_nodes for n in calls)
