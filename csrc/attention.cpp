@@ -215,14 +215,15 @@ std::shared_ptr<fe::graph::Graph> make_graph(const Config &c, Direction dir) {
         seq_len_q->set_data_type(fe::DataType_t::INT32);
         seq_len_kv->set_data_type(fe::DataType_t::INT32);
     }
-    auto apply_padding = [&](auto &a) {
+    auto apply_features = [&](auto &a) {  // what both directions share beyond the mask
         if (c.padding) a.set_padding_mask(true).set_seq_len_q(seq_len_q).set_seq_len_kv(seq_len_kv);
+        if (c.alibi) a.set_alibi_mask(true);
     };
 
     if (dir == Direction::kForward) {
         auto a = fe::graph::SDPA_attributes().set_name("sdpa").set_generate_stats(c.training).set_attn_scale(c.scale);
         apply_mask(c, a);
-        apply_padding(a);
+        apply_features(a);
         auto [o, stats] = g->sdpa(q, k, v, a);
         set_output(o, "o", kO, o_dims, strides(c.o_stride));
         if (c.training) {
@@ -240,7 +241,7 @@ std::shared_ptr<fe::graph::Graph> make_graph(const Config &c, Direction dir) {
                  .set_attn_scale(c.scale)
                  .set_deterministic_algorithm(c.deterministic);
     apply_mask(c, a);
-    apply_padding(a);
+    apply_features(a);
     auto [d_q, d_k, d_v] = g->sdpa_backward(q, k, v, o, d_o, stats, a);
     set_output(d_q, "d_q", kDQ, q_dims, strides(c.q_stride));
     set_output(d_k, "d_k", kDK, k_dims, strides(c.k_stride));

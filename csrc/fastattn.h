@@ -52,6 +52,9 @@ struct Config {
     // Per-sequence lengths: int32 device arrays seq_len_q and seq_len_kv of `batch`
     // entries, given at execute; queries and keys past them are ignored.
     bool padding = false;
+    // ALiBi: scores get slope[h] * (j - i) after scaling, with cuDNN's slopes for
+    // heads_q heads (copied from host memory into the workspace at each execute).
+    bool alibi = false;
 };
 
 // What a graph takes at execute, beyond its config's shapes: which optional

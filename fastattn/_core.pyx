@@ -34,7 +34,7 @@ cdef extern from "fastattn.h" namespace "fastattn" nogil:
         int mask
         int64_t window_left, window_right
         float scale
-        cbool training, deterministic, padding
+        cbool training, deterministic, padding, alibi
 
     cdef cppclass GraphKind:
         cbool training, padding
@@ -115,6 +115,7 @@ cdef Config _c_config(cfg) except *:
     c.training = cfg.training
     c.deterministic = cfg.deterministic
     c.padding = cfg.padding
+    c.alibi = cfg.alibi
     return c
 
 

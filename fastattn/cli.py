@@ -58,6 +58,7 @@ def _parser() -> argparse.ArgumentParser:
     probe.add_argument("--deterministic", action="store_true", default=None)
     probe.add_argument("--padding", action="store_true", default=None,
                        help="per-sequence lengths given at run time (seq_len_q, seq_len_kv)")
+    probe.add_argument("--alibi", action="store_true", default=None, help="ALiBi position biases")
     probe.add_argument("--device", type=int, default=None, help="CUDA device (default: current)")
     probe.add_argument("--json", action="store_true", help="print JSON")
 
@@ -178,7 +179,7 @@ def _config_from_args(args: argparse.Namespace) -> AttentionConfig:
         if not isinstance(loaded, dict):
             raise InvalidArgumentError(f"--config {args.config!r}: must be a JSON object of AttentionConfig fields")
         fields.update(loaded)
-    for name in list(_INT_FLAGS) + ["dtype", "layout", "mask", "scale", "training", "deterministic", "padding"]:
+    for name in list(_INT_FLAGS) + ["dtype", "layout", "mask", "scale", "training", "deterministic", "padding", "alibi"]:
         value = getattr(args, name)
         if value is not None:
             fields[name] = value

@@ -67,10 +67,11 @@ _FIELDS_ORDER = (
     "training",
     "deterministic",
     "padding",
+    "alibi",
 )
 
 
-_OPTIONAL_FEATURES = ("padding",)
+_OPTIONAL_FEATURES = ("padding", "alibi")
 
 
 def _bad(field: str, value: Any, why: str) -> InvalidArgumentError:
@@ -144,6 +145,9 @@ class AttentionConfig:
         arrays seq_len_q and seq_len_kv of `batch` entries (at most seqlen_q and
         seqlen_kv); queries and keys past them are not read, and the masks and window
         apply within each sequence's lengths.
+      alibi: ALiBi: each score gets slope[h] * (j - i) after scaling, with the slopes
+        of the ALiBi paper for heads_q heads (cuDNN computes them; it needs the right
+        bound of the mask at the diagonal, as a causal mask has).
 
     Raises InvalidArgumentError (a ValueError) naming the field and value.
     """
@@ -163,6 +167,7 @@ class AttentionConfig:
     training: bool = False
     deterministic: bool = False
     padding: bool = False
+    alibi: bool = False
 
     def __post_init__(self) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen)
@@ -207,6 +212,7 @@ class AttentionConfig:
         if self.deterministic and not self.training:
             raise _bad("deterministic", True, "selects the backward algorithm and needs training=True")
         set_("padding", _bool("padding", self.padding))
+        set_("alibi", _bool("alibi", self.alibi))
 
         set_("layout", self._canonical_layout())
 

@@ -203,4 +203,6 @@ def describe_config(cfg: AttentionConfig) -> str:
         extra.append("train" + ("/det" if cfg.deterministic else ""))
     if cfg.padding:
         extra.append("padded")
+    if cfg.alibi:
+        extra.append("alibi")
     return f"b{cfg.batch} {heads} {seq} {dims} " + " ".join(extra)

@@ -68,13 +68,13 @@ def _lengths_key(t):
 
 
 def _plan_for(q, k, v, o, seq_len_q, seq_len_kv, layout: str, causal: bool, bottom_right: bool, window_left: int,
-              window_right: int, scale: float, deterministic: bool, training: bool) -> _Cached:
+              window_right: int, scale: float, deterministic: bool, alibi: bool, training: bool) -> _Cached:
     """The plan for these tensors; o=None means the forward's own fresh output. The key
     holds everything _check looks at, so only a miss needs validating: a hit means
     these inputs were checked once already."""
     key = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), None if o is None else o.stride(),
            q.dtype, k.dtype, v.dtype, q.get_device(), k.get_device(), v.get_device(), layout, causal, bottom_right,
-           window_left, window_right, scale, deterministic, training,
+           window_left, window_right, scale, deterministic, alibi, training,
            None if seq_len_q is None else (_lengths_key(seq_len_q), _lengths_key(seq_len_kv)))
     hit = _plans.get(key)
     if hit is not None:
@@ -93,7 +93,7 @@ def _plan_for(q, k, v, o, seq_len_q, seq_len_kv, layout: str, causal: bool, bott
         dtype=_DTYPES[q.dtype], layout={"q": q_st, "k": k_st, "v": v_st, "o": o_st},
         mask="causal_bottom_right" if bottom_right else "causal" if causal else "none",
         window=(window_left, window_right), scale=None if scale <= 0 else scale, training=training,
-        deterministic=deterministic, padding=seq_len_q is not None,
+        deterministic=deterministic, padding=seq_len_q is not None, alibi=alibi,
     )
     hit = _Cached(fastattn.plan(cfg, device=q.device.index), q, v, layout)
     with _plans_lock:
@@ -119,10 +119,10 @@ def _stats_like(q: torch.Tensor, layout: str, training: bool) -> torch.Tensor:
 
 
 def _forward_impl(q, k, v, seq_len_q, seq_len_kv, layout, causal, bottom_right, window_left, window_right, scale,
-                  deterministic, training):
+                  deterministic, alibi, training):
     """(o, stats); stats is None when not training."""
     c = _plan_for(q, k, v, None, seq_len_q, seq_len_kv, layout, causal, bottom_right, window_left, window_right,
-                  scale, deterministic, training)
+                  scale, deterministic, alibi, training)
     padded = seq_len_q is not None
     # Rows past a sequence's length are zero, not whatever the allocator held: they
     # flow into the next layer (and its weight gradients) unless the caller masks them.
@@ -140,16 +140,16 @@ def _forward_impl(q, k, v, seq_len_q, seq_len_kv, layout, causal, bottom_right, 
 @torch.library.custom_op("fastattn::attention_forward", mutates_args=())
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_len_q: torch.Tensor | None,
              seq_len_kv: torch.Tensor | None, layout: str, causal: bool, bottom_right: bool, window_left: int,
-             window_right: int, scale: float, deterministic: bool,
+             window_right: int, scale: float, deterministic: bool, alibi: bool,
              training: bool) -> tuple[torch.Tensor, torch.Tensor]:
     o, stats = _forward_impl(q, k, v, seq_len_q, seq_len_kv, layout, causal, bottom_right, window_left,
-                             window_right, scale, deterministic, training)
+                             window_right, scale, deterministic, alibi, training)
     return o, stats if stats is not None else _stats_like(q, layout, False)
 
 
 @_forward.register_fake
 def _(q, k, v, seq_len_q, seq_len_kv, layout, causal, bottom_right, window_left, window_right, scale, deterministic,
-      training):
+      alibi, training):
     return q.new_empty(_out_shape(q, v, layout)), _stats_like(q, layout, training)
 
 
@@ -157,12 +157,12 @@ def _(q, k, v, seq_len_q, seq_len_kv, layout, causal, bottom_right, window_left,
 def _backward(d_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
               stats: torch.Tensor, seq_len_q: torch.Tensor | None, seq_len_kv: torch.Tensor | None, layout: str,
               causal: bool, bottom_right: bool, window_left: int, window_right: int, scale: float,
-              deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+              deterministic: bool, alibi: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     if d_o.stride() != o.stride():
         # The backward graph reads d_o at o's strides (cuDNN's plan is built for them).
         d_o = torch.empty_strided(o.shape, o.stride(), dtype=o.dtype, device=o.device).copy_(d_o)
     c = _plan_for(q, k, v, o, seq_len_q, seq_len_kv, layout, causal, bottom_right, window_left, window_right, scale,
-                  deterministic, True)
+                  deterministic, alibi, True)
     padded = seq_len_q is not None
     d_q, d_k, d_v = (torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device) for t in (q, k, v))
     if padded:
@@ -178,7 +178,7 @@ def _backward(d_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
 
 @_backward.register_fake
 def _(d_o, q, k, v, o, stats, seq_len_q, seq_len_kv, layout, causal, bottom_right, window_left, window_right, scale,
-      deterministic):
+      deterministic, alibi):
     return (torch.empty_strided(q.shape, q.stride(), dtype=q.dtype, device=q.device),
             torch.empty_strided(k.shape, k.stride(), dtype=k.dtype, device=k.device),
             torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device))
@@ -186,10 +186,10 @@ def _(d_o, q, k, v, o, stats, seq_len_q, seq_len_kv, layout, causal, bottom_righ
 
 def _setup_context(ctx, inputs, output):
     (q, k, v, seq_len_q, seq_len_kv, layout, causal, bottom_right, window_left, window_right, scale, deterministic,
-     training) = inputs
+     alibi, training) = inputs
     o, stats = output
     ctx.save_for_backward(q, k, v, o, stats, seq_len_q, seq_len_kv)
-    ctx.options = (layout, causal, bottom_right, window_left, window_right, scale, deterministic)
+    ctx.options = (layout, causal, bottom_right, window_left, window_right, scale, deterministic, alibi)
     ctx.training = training
 
 
@@ -198,7 +198,7 @@ def _grad(ctx, d_o, d_stats):
         raise RuntimeError("fastattn: backward through a call made without gradients enabled")
     q, k, v, o, stats, seq_len_q, seq_len_kv = ctx.saved_tensors
     d_q, d_k, d_v = _backward(d_o, q, k, v, o, stats, seq_len_q, seq_len_kv, *ctx.options)
-    return (d_q, d_k, d_v) + (None,) * 10
+    return (d_q, d_k, d_v) + (None,) * 11
 
 
 _forward.register_autograd(_grad, setup_context=_setup_context)
@@ -246,7 +246,7 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str, seq_l
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
               causal_bottom_right: bool = False, window: tuple[int, int] | None = None, scale: float | None = None,
               layout: str = "bshd", deterministic: bool = False, seq_lens_q: torch.Tensor | None = None,
-              seq_lens_kv: torch.Tensor | None = None) -> torch.Tensor:
+              seq_lens_kv: torch.Tensor | None = None, alibi: bool = False) -> torch.Tensor:
     """Scaled dot-product attention on cuDNN's fused kernels, with autograd.
 
     q: (batch, seqlen_q, heads_q, head_dim_qk) for layout="bshd" (FlashAttention's order;
@@ -264,6 +264,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
       checked, as that would synchronize); seq_lens_kv defaults to seq_lens_q. Queries
       and keys past them are not read, and o (and in backward d_q, d_k, d_v) is zero
       there. The masks apply within each sequence's lengths.
+    alibi: ALiBi position biases (slope[h] * (key - query) added after scaling, the
+      ALiBi paper's slopes); cuDNN needs a causal mask (or a window's right bound at 0)
+      with it.
 
     Raises InvalidArgumentError (a ValueError) for CPU tensors, mismatched devices,
     dtypes or shapes, NotSupportedError when cuDNN refuses the config.
@@ -283,7 +286,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     left, right = (-1, -1) if window is None else (int(window[0]), int(window[1]))
     training = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     args = (q, k, v, seq_lens_q, seq_lens_kv, layout, bool(causal), bool(causal_bottom_right), left, right,
-            0.0 if scale is None else float(scale), bool(deterministic), training)
+            0.0 if scale is None else float(scale), bool(deterministic), bool(alibi), training)
     if not training and q.is_cuda and not torch.compiler.is_compiling():
         # Eager inference needs neither autograd nor tracing: skip the dispatcher.
         return _forward_impl(*args)[0]

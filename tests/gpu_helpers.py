@@ -152,6 +152,15 @@ def allowed(cfg: AttentionConfig) -> np.ndarray:
     return ok
 
 
+def alibi_slopes(heads: int) -> np.ndarray:
+    """cuDNN's ALiBi slopes for `heads` query heads (cudnn-frontend's get_alibi_slope,
+    in float32 as it computes them): the ALiBi paper's, interleaved for head counts
+    that are not powers of two."""
+    n = 1 << int(np.log2(heads))
+    base = [i + 1.0 for i in range(n)] + [(2 * j + 1) * 0.5 for j in range(heads - n)]
+    return np.array([np.power(np.float32(2.0), np.float32(-8.0 * x) / np.float32(n)) for x in base], dtype=np.float64)
+
+
 def reference(cfg: AttentionConfig, q, k, v, d_o=None):
     """Float64 attention: returns (o, stats, (d_q, d_k, d_v) or None)."""
     group = cfg.heads_q // cfg.heads_kv
@@ -159,6 +168,9 @@ def reference(cfg: AttentionConfig, q, k, v, d_o=None):
     v_full = np.repeat(v, group, axis=1)
     mask = allowed(cfg)
     s = cfg.scale * np.einsum("bhqd,bhkd->bhqk", q, k_full)
+    if cfg.alibi:  # after the scale, before the mask, as cuDNN's graph adds it
+        rel_pos = np.arange(cfg.seqlen_kv)[None, :] - np.arange(cfg.seqlen_q)[:, None]
+        s = s + alibi_slopes(cfg.heads_q)[None, :, None, None] * rel_pos[None, None]
     s = np.where(mask, s, -np.inf)
     m = s.max(axis=-1, keepdims=True)
     e = np.exp(s - m)

@@ -100,7 +100,7 @@ def test_scale_default_explicit_and_invalid():
             cfg(scale=bad)
 
 
-@pytest.mark.parametrize("field", ["training", "deterministic", "padding"])
+@pytest.mark.parametrize("field", ["training", "deterministic", "padding", "alibi"])
 @pytest.mark.parametrize("bad", [1, 0, "true", "false", None])
 def test_bool_fields_must_be_bool(field, bad):
     with pytest.raises(InvalidArgumentError, match=rf"^{field}="):

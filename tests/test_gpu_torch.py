@@ -10,7 +10,7 @@ import fastattn  # noqa: E402
 import fastattn.torch  # noqa: E402,F401
 from fastattn import AttentionConfig  # noqa: E402
 
-from gpu_helpers import allowed  # noqa: E402
+from gpu_helpers import alibi_slopes, allowed  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -35,6 +35,10 @@ def reference(q, k, v, cfg, layout):
     k64, v64 = k64.repeat_interleave(group, 1), v64.repeat_interleave(group, 1)
     mask = torch.from_numpy(allowed(cfg)).to(q.device)
     s = cfg.scale * q64 @ k64.transpose(-1, -2)
+    if cfg.alibi:
+        i = torch.arange(cfg.seqlen_q, device=q.device)[:, None]
+        j = torch.arange(cfg.seqlen_kv, device=q.device)[None, :]
+        s = s + torch.from_numpy(alibi_slopes(cfg.heads_q)).to(q.device)[None, :, None, None] * (j - i)
     p = torch.softmax(s.masked_fill(~mask, float("-inf")), dim=-1)
     return p @ v64
 
@@ -169,3 +173,19 @@ def test_padding_matches_float64_per_sequence_and_zeroes_padded_rows(dtype, caus
         for g, rg in zip(grads, ref_grads):
             assert rel(g[i:i + 1, :n], rg) < BWD_TOL[dtype]
         assert torch.all(o[i, n:] == 0) and all(torch.all(g[i, n:] == 0) for g in grads)
+
+
+def test_alibi_matches_float64():
+    cfg = AttentionConfig(batch=2, heads_q=8, heads_kv=2, seqlen_q=200, head_dim_qk=64, dtype="bf16", mask="causal",
+                          alibi=True)
+    q, k, v = (torch.randn(2, 200, h, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for h in (8, 2, 2))
+    o = fastattn.torch.attention(q, k, v, causal=True, alibi=True)
+    ref = reference(q.detach(), k.detach(), v.detach(), cfg, "bshd")
+    assert rel(to_bhsd(o, "bshd"), ref) < FWD_TOL[torch.bfloat16]
+    d_o = torch.randn_like(o)
+    grads = torch.autograd.grad(o, (q, k, v), d_o)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref_grads = torch.autograd.grad(reference(q64, k64, v64, cfg, "bshd"), (q64, k64, v64),
+                                    to_bhsd(d_o, "bshd").double())
+    for g, rg in zip(grads, ref_grads):
+        assert rel(g, rg) < BWD_TOL[torch.bfloat16]

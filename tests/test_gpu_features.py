@@ -1,7 +1,11 @@
-"""GPU: padding masks (config.padding): each sequence of the batch has its own lengths,
-given at run time. Checked against a float64 reference computed on each sequence alone,
-with its own lengths; every padded query row, key and value, and output gradient row
-holds NaN, so a kernel that reads one produces NaN where the test looks."""
+"""GPU: the features beyond the dense case (issue 6), against float64 references.
+
+Padding masks (config.padding): each sequence of the batch has its own lengths, given
+at run time. Checked against a reference computed on each sequence alone, with its own
+lengths; every padded query row, key and value, and output gradient row holds NaN, so a
+kernel that reads one produces NaN where the test looks.
+
+ALiBi (config.alibi): slope[h] * (j - i) added to the scaled scores."""
 
 import itertools
 
@@ -11,7 +15,7 @@ import pytest
 import fastattn
 from fastattn import AttentionConfig
 
-from gpu_helpers import DeviceBuffer, Tensor, random_inputs, reference, rel_error, synchronize
+from gpu_helpers import DeviceBuffer, Tensor, alibi_slopes, random_inputs, reference, rel_error, synchronize
 
 pytestmark = pytest.mark.gpu
 
@@ -94,3 +98,58 @@ def test_a_padding_plan_reloads_from_the_cache():
     assert again.workspace_size == p.workspace_size
     with pytest.raises(fastattn.CorruptPlanError):
         _core.load_plan(cfg.replace(padding=False), p.device, fwd, bwd)  # its tensors are not that config's
+
+
+def test_alibi_slopes_are_the_papers():
+    # The ALiBi paper's slopes for 8 heads: 1/2, 1/4, ..., 1/256.
+    assert np.allclose(alibi_slopes(8), [2.0 ** -(i + 1) for i in range(8)])
+    assert len(alibi_slopes(12)) == 12
+
+
+ALIBI_CASES = list(itertools.product(("fp16", "bf16"), (("causal", 200, 200), ("causal_bottom_right", 100, 300))))
+
+
+@pytest.mark.parametrize("dtype,mask", ALIBI_CASES, ids=[f"{d}-{m[0]}" for d, m in ALIBI_CASES])
+def test_alibi_matches_float64(dtype, mask):
+    name, sq, skv = mask
+    cfg = AttentionConfig(batch=2, heads_q=12, heads_kv=4, seqlen_q=sq, seqlen_kv=skv, head_dim_qk=128, dtype=dtype,
+                          mask=name, alibi=True, training=True)
+    result = fastattn.probe(cfg)
+    assert result.supported, result.reason
+    plan = fastattn.plan(cfg)
+    q, k, v, d_o = random_inputs(cfg, np.random.default_rng(11), backward=True)
+    t = {n: Tensor(cfg, n) for n in ("q", "k", "v", "o", "stats", "d_o", "d_q", "d_k", "d_v")}
+    for n, x in (("q", q), ("k", k), ("v", v), ("d_o", d_o)):
+        t[n].write(x)
+    ws = DeviceBuffer(plan.workspace_size)
+    plan.forward(t["q"].ptr, t["k"].ptr, t["v"].ptr, t["o"].ptr, stats=t["stats"].ptr, workspace=ws.ptr)
+    plan.backward(t["q"].ptr, t["k"].ptr, t["v"].ptr, t["o"].ptr, t["d_o"].ptr, t["stats"].ptr, t["d_q"].ptr,
+                  t["d_k"].ptr, t["d_v"].ptr, workspace=ws.ptr)
+    synchronize()
+    o_ref, stats_ref, grads_ref = reference(cfg, q, k, v, d_o)
+    errors = {"o": rel_error(t["o"].read(), o_ref), "stats": rel_error(t["stats"].read(), stats_ref)}
+    errors.update({n: rel_error(t[n].read(), r) for n, r in zip(("d_q", "d_k", "d_v"), grads_ref)})
+    assert errors["o"] < FWD_TOL[dtype] and errors["stats"] < 1e-3, errors
+    assert max(errors[n] for n in ("d_q", "d_k", "d_v")) < BWD_TOL[dtype], errors
+
+
+def test_an_alibi_plan_reloaded_from_its_blob_gives_the_same_bits():
+    # cuDNN writes the slopes into the workspace at each run; a deserialized plan must
+    # still do so.
+    from fastattn import _core
+
+    cfg = AttentionConfig(batch=1, heads_q=8, seqlen_q=256, head_dim_qk=64, mask="causal", alibi=True)
+    built = fastattn.plan(cfg)
+    loaded = _core.load_plan(cfg, built.device, built.serialize()[0], None)
+    q, k, v, _ = random_inputs(cfg, np.random.default_rng(3), backward=False)
+    outs = []
+    for p in (built, loaded):
+        t = {n: Tensor(cfg, n) for n in ("q", "k", "v", "o")}
+        for n, x in (("q", q), ("k", k), ("v", v)):
+            t[n].write(x)
+        ws = DeviceBuffer(p.workspace_size)
+        ws.poison()
+        p.forward(t["q"].ptr, t["k"].ptr, t["v"].ptr, t["o"].ptr, workspace=ws.ptr)
+        synchronize()
+        outs.append(t["o"].raw())
+    assert outs[0] == outs[1]
