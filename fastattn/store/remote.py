@@ -52,6 +52,9 @@ COUNTERS = ("remote_hits", "remote_misses", "remote_errors", "remote_rejected", 
 _RELEASE = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) else return 0 end"
 
 
+_warned_off: set[str] = set()
+
+
 @dataclass(frozen=True)
 class RemoteSettings:
     url: str
@@ -117,7 +120,9 @@ class RemoteStore:
         if secret is None and not settings.trusted:
             self.disabled = ("no signing secret (FASTATTN_CACHE_HMAC_KEY or FASTATTN_CACHE_HMAC_KEY_FILE) and the "
                              "store is not declared trusted (FASTATTN_REMOTE_TRUSTED=1)")
-            log.warning("fastattn remote cache %s is off: %s", self.root, self.disabled)
+            if self.root not in _warned_off:  # once per process and URL, however many caches are made
+                _warned_off.add(self.root)
+                log.warning("fastattn remote cache %s is off: %s", self.root, self.disabled)
         self._client = None
         self._errors: tuple = ()
         self._down_until = 0.0
@@ -242,7 +247,7 @@ class RemoteStore:
         deadline = time.monotonic() + self.settings.wait
         found = None
         while found is None and time.monotonic() < deadline:
-            time.sleep(0.02)
+            time.sleep(0.05)  # two small commands per waiter and poll: light even for a large fleet
             found = self.get(key)
             if found is not None:
                 self.counters["remote_waited_hits"] += 1
