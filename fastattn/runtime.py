@@ -205,7 +205,7 @@ def _from_entry(config: AttentionConfig, device: int, key: str, entry: store.Ent
 
 
 def _source(tier) -> str:
-    return "remote" if isinstance(tier, store.RemoteStore) else "disk"
+    return "disk" if isinstance(tier, store.DiskStore) else "remote"
 
 
 def _build(config: AttentionConfig, device: int, refresh: bool = False):

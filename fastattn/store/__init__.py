@@ -31,14 +31,27 @@ from __future__ import annotations
 import contextlib
 import os
 from dataclasses import dataclass, field
-from typing import Iterator, Mapping
+from typing import TYPE_CHECKING, Iterator, Mapping
 
 from ..errors import InvalidArgumentError
 from .disk import DiskStore, EntryInfo
 from .entry import Entry, EntryError
 from .keys import FORMAT_VERSION, build_env_vars, canonical_json, describe, environment_of, key_of
-from .remote import RemoteSettings, RemoteStore, remote_settings_from_env
-from .signing import load_secret
+
+if TYPE_CHECKING:
+    from .remote import RemoteSettings, RemoteStore
+
+# The Redis tier and signing are imported only when configured: most processes never
+# use them, and every millisecond of `import fastattn` is a millisecond of cold start.
+_LAZY = {"RemoteSettings": "remote", "RemoteStore": "remote"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 __all__ = [
     "CacheSettings",
@@ -101,8 +114,16 @@ def settings_from_env(environ: Mapping[str, str] | None = None) -> CacheSettings
         if max_bytes < 0:
             raise InvalidArgumentError(f"FASTATTN_CACHE_MAX_BYTES={raw_max!r}: must be >= 0")
         max_bytes = max_bytes or None
-    return CacheSettings(directory, mode, extras, shared_raw in ("1", "true", "yes"), max_bytes,
-                         remote_settings_from_env(env), load_secret(env))
+    remote = secret = None
+    if env.get("FASTATTN_REMOTE_CACHE", "").strip():
+        from .remote import remote_settings_from_env
+
+        remote = remote_settings_from_env(env)
+    if env.get("FASTATTN_CACHE_HMAC_KEY") is not None or env.get("FASTATTN_CACHE_HMAC_KEY_FILE"):
+        from .signing import load_secret
+
+        secret = load_secret(env)
+    return CacheSettings(directory, mode, extras, shared_raw in ("1", "true", "yes"), max_bytes, remote, secret)
 
 
 class TieredCache:
@@ -118,6 +139,8 @@ class TieredCache:
                                   max_bytes=settings.max_bytes)
             self.extras = [DiskStore(d, writable=False) for d in settings.extra_dirs]
             if settings.remote is not None:
+                from .remote import RemoteStore
+
                 self.remote = RemoteStore(settings.remote, settings.secret)
 
     @property
