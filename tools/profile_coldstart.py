@@ -1,10 +1,11 @@
 """Where a warm-cache cold start spends its time, step by step, in fresh processes.
 
 Fills a cache directory once (a cold process builds the 8 prefill shapes of
-bench_coldstart.py, forward+backward), then runs fresh processes on it and times
-each step: importing fastattn, loading each library, the first cudnnCreate (which
-loads cuDNN's engine libraries), each plan's lookup and deserialization, and the
-first run. A diagnostic for the cold-start work, not a benchmark:
+bench_coldstart.py, inference and training plans), then runs fresh processes on it,
+one per mode, and times each step: importing fastattn, loading each library, cuDNN's
+sub-libraries by hand (sublibs), a first cudnnCreate (create_first), each plan's
+lookup and deserialization, all plans on threads (parallel_*), and the first and
+second run of each plan (exec). A diagnostic for the cold-start work, not a benchmark:
 
     python tools/profile_coldstart.py [--json out.json]      # on the GPU
 """
