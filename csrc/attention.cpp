@@ -29,7 +29,7 @@ class Graph {
    public:
     std::shared_ptr<fe::graph::Graph> g;
     Direction dir     = Direction::kForward;
-    GraphKind kind;
+    uint32_t slots    = 0;  // bit s set: the graph takes the tensor of Slot s at execute
     int64_t workspace = 0;
 };
 
@@ -37,9 +37,42 @@ void GraphDeleter::operator()(Graph *g) const { delete g; }
 
 namespace {
 
-// Fixed tensor uids. The sorted-pointer execute takes user pointers in uid order,
-// so these numbers fix the argument order of execute_forward / execute_backward.
-enum Uid : int64_t { kQ = 1, kK, kV, kO, kStats, kDO, kDQ, kDK, kDV, kSeqLenQ, kSeqLenKV };
+// A tensor's uid is its slot + 1: the sorted-pointer execute takes user pointers in
+// uid order, which is then slot order.
+constexpr int64_t uid(Slot s) { return static_cast<int64_t>(s) + 1; }
+constexpr uint32_t bit(Slot s) { return 1u << s; }
+static_assert(kNumSlots <= 32, "slot masks are 32-bit");
+
+// Each slot's name in errors, and why a plan may not take it.
+struct SlotSpec {
+    const char *name;
+    const char *absent;
+};
+constexpr SlotSpec kSlots[kNumSlots] = {
+    {"q", ""},
+    {"k", ""},
+    {"v", ""},
+    {"o", ""},
+    {"stats", "the plan was built with training=False and writes no softmax stats"},
+    {"d_o", "a forward graph takes no gradients"},
+    {"d_q", "a forward graph takes no gradients"},
+    {"d_k", "a forward graph takes no gradients"},
+    {"d_v", "a forward graph takes no gradients"},
+    {"seq_len_q", "the plan was built with padding=False"},
+    {"seq_len_kv", "the plan was built with padding=False"},
+    {"ragged_q", "the plan was built with ragged=False"},
+    {"ragged_k", "the plan was built with ragged=False"},
+    {"ragged_v", "the plan was built with ragged=False"},
+    {"ragged_o", "the plan was built with ragged=False"},
+    {"bias", "the plan was built with bias='none'"},
+    {"d_bias", "only a backward graph built with bias_grad=True writes d_bias"},
+    {"seed", "the plan was built with dropout=0"},
+    {"offset", "the plan was built with dropout=0"},
+    {"sink", "the plan was built with sinks=False"},
+    {"d_sink", "only the backward graph of a plan built with sinks=True writes d_sink"},
+    {"page_table_k", "the plan was built with page_size=0 (dense k and v)"},
+    {"page_table_v", "the plan was built with page_size=0 (dense k and v)"},
+};
 constexpr int kMaxDevices                        = 64;
 constexpr uintptr_t kAlignment                   = 16;
 
@@ -165,14 +198,25 @@ Status set_stream(int device, cudnnHandle_t h, intptr_t stream) {
 
 std::vector<int64_t> strides(const int64_t s[4]) { return {s[0], s[1], s[2], s[3]}; }
 
-std::shared_ptr<fe::graph::Tensor_attributes> input(fe::graph::Graph &g, const char *name, int64_t uid,
-                                                    std::vector<int64_t> dims, std::vector<int64_t> stride) {
-    return g.tensor(fe::graph::Tensor_attributes().set_name(name).set_uid(uid).set_dim(dims).set_stride(stride));
+using TensorPtr = std::shared_ptr<fe::graph::Tensor_attributes>;
+
+TensorPtr input(fe::graph::Graph &g, Slot slot, std::vector<int64_t> dims, std::vector<int64_t> stride) {
+    return g.tensor(fe::graph::Tensor_attributes()
+                        .set_name(kSlots[slot].name)
+                        .set_uid(uid(slot))
+                        .set_dim(dims)
+                        .set_stride(stride));
 }
 
-void set_output(const std::shared_ptr<fe::graph::Tensor_attributes> &t, const char *name, int64_t uid,
-                std::vector<int64_t> dims, std::vector<int64_t> stride) {
-    t->set_output(true).set_name(name).set_uid(uid).set_dim(dims).set_stride(stride);
+// Per-sequence lengths and ragged offsets: int32 columns of n entries.
+TensorPtr index_input(fe::graph::Graph &g, Slot slot, int64_t n) {
+    auto t = input(g, slot, {n, 1, 1, 1}, {1, 1, 1, 1});
+    t->set_data_type(fe::DataType_t::INT32);
+    return t;
+}
+
+void set_output(const TensorPtr &t, Slot slot, std::vector<int64_t> dims, std::vector<int64_t> stride) {
+    t->set_output(true).set_name(kSlots[slot].name).set_uid(uid(slot)).set_dim(dims).set_stride(stride);
 }
 
 // Masks and windows, shared by both directions. The frontend's left bound counts
@@ -197,68 +241,138 @@ std::shared_ptr<fe::graph::Graph> make_graph(const Config &c, Direction dir) {
         .set_intermediate_data_type(fe::DataType_t::FLOAT)
         .set_compute_data_type(fe::DataType_t::FLOAT);
 
+    // A paged k or v is a pool of pages; the page tables say which hold a sequence.
+    const int64_t kv_batch = c.page_size > 0 ? c.num_pages : c.batch;
+    const int64_t kv_seq   = c.page_size > 0 ? c.page_size : c.seqlen_kv;
     const std::vector<int64_t> q_dims  = {c.batch, c.heads_q, c.seqlen_q, c.head_dim_qk};
-    const std::vector<int64_t> k_dims  = {c.batch, c.heads_kv, c.seqlen_kv, c.head_dim_qk};
-    const std::vector<int64_t> v_dims  = {c.batch, c.heads_kv, c.seqlen_kv, c.head_dim_v};
+    const std::vector<int64_t> k_dims  = {kv_batch, c.heads_kv, kv_seq, c.head_dim_qk};
+    const std::vector<int64_t> v_dims  = {kv_batch, c.heads_kv, kv_seq, c.head_dim_v};
     const std::vector<int64_t> o_dims  = {c.batch, c.heads_q, c.seqlen_q, c.head_dim_v};
     const std::vector<int64_t> s_dims  = {c.batch, c.heads_q, c.seqlen_q, 1};
     const std::vector<int64_t> s_strides = {c.heads_q * c.seqlen_q, c.seqlen_q, 1, 1};
+    const std::vector<int64_t> b_dims    = {c.bias_batch, c.bias_heads, c.seqlen_q, c.seqlen_kv};
+    const std::vector<int64_t> b_strides = {c.bias_heads * c.seqlen_q * c.seqlen_kv, c.seqlen_q * c.seqlen_kv,
+                                            c.seqlen_kv, 1};
+    const std::vector<int64_t> sink_dims = {1, c.heads_q, 1, 1}, sink_strides = {c.heads_q, 1, 1, 1};
 
-    auto q = input(*g, "q", kQ, q_dims, strides(c.q_stride));
-    auto k = input(*g, "k", kK, k_dims, strides(c.k_stride));
-    auto v = input(*g, "v", kV, v_dims, strides(c.v_stride));
-    std::shared_ptr<fe::graph::Tensor_attributes> seq_len_q, seq_len_kv;
+    auto q = input(*g, kSlotQ, q_dims, strides(c.q_stride));
+    auto k = input(*g, kSlotK, k_dims, strides(c.k_stride));
+    auto v = input(*g, kSlotV, v_dims, strides(c.v_stride));
+    TensorPtr seq_len_q, seq_len_kv, ragged[4], bias, seed, offset, sink;
     if (c.padding) {
-        const std::vector<int64_t> dims = {c.batch, 1, 1, 1}, unit = {1, 1, 1, 1};
-        seq_len_q  = input(*g, "seq_len_q", kSeqLenQ, dims, unit);
-        seq_len_kv = input(*g, "seq_len_kv", kSeqLenKV, dims, unit);
-        seq_len_q->set_data_type(fe::DataType_t::INT32);
-        seq_len_kv->set_data_type(fe::DataType_t::INT32);
+        seq_len_q  = index_input(*g, kSlotSeqLenQ, c.batch);
+        seq_len_kv = index_input(*g, kSlotSeqLenKV, c.batch);
+    }
+    if (c.ragged) {  // q, k, v, o; each gradient shares its tensor's offsets
+        for (int i = 0; i < 4; ++i) ragged[i] = index_input(*g, static_cast<Slot>(kSlotRaggedQ + i), c.batch + 1);
+        q->set_ragged_offset(ragged[0]);
+        k->set_ragged_offset(ragged[1]);
+        v->set_ragged_offset(ragged[2]);
+    }
+    if (c.bias_batch > 0) bias = input(*g, kSlotBias, b_dims, b_strides);
+    if (c.dropout > 0.0f) {
+        seed   = input(*g, kSlotSeed, {1, 1, 1, 1}, {1, 1, 1, 1});
+        offset = input(*g, kSlotOffset, {1, 1, 1, 1}, {1, 1, 1, 1});
+        seed->set_data_type(fe::DataType_t::INT64);
+        offset->set_data_type(fe::DataType_t::INT64);
+    }
+    if (c.sinks) {
+        sink = input(*g, kSlotSink, sink_dims, sink_strides);
+        sink->set_data_type(fe::DataType_t::FLOAT);
     }
     auto apply_features = [&](auto &a) {  // what both directions share beyond the mask
         if (c.padding) a.set_padding_mask(true).set_seq_len_q(seq_len_q).set_seq_len_kv(seq_len_kv);
+        if (c.ragged) a.set_max_total_seq_len_q(c.max_tokens_q).set_max_total_seq_len_kv(c.max_tokens_kv);
         if (c.alibi) a.set_alibi_mask(true);
+        if (bias) a.set_bias(bias);
+        if (seed) a.set_dropout(c.dropout, seed, offset);
+        if (sink) a.set_sink_token(sink);
     };
 
     if (dir == Direction::kForward) {
         auto a = fe::graph::SDPA_attributes().set_name("sdpa").set_generate_stats(c.training).set_attn_scale(c.scale);
         apply_mask(c, a);
         apply_features(a);
+        if (c.page_size > 0) {
+            const int64_t pages = (c.seqlen_kv + c.page_size - 1) / c.page_size;
+            auto table_k        = input(*g, kSlotPageTableK, {c.batch, 1, pages, 1}, {pages, pages, 1, 1});
+            auto table_v        = input(*g, kSlotPageTableV, {c.batch, 1, pages, 1}, {pages, pages, 1, 1});
+            table_k->set_data_type(fe::DataType_t::INT32);
+            table_v->set_data_type(fe::DataType_t::INT32);
+            a.set_paged_attention_k_table(table_k)
+                .set_paged_attention_v_table(table_v)
+                .set_paged_attention_max_seq_len_kv(static_cast<int>(c.seqlen_kv));
+        }
         auto [o, stats] = g->sdpa(q, k, v, a);
-        set_output(o, "o", kO, o_dims, strides(c.o_stride));
+        set_output(o, kSlotO, o_dims, strides(c.o_stride));
+        if (c.ragged) o->set_ragged_offset(ragged[3]);
         if (c.training) {
-            set_output(stats, "stats", kStats, s_dims, s_strides);
+            set_output(stats, kSlotStats, s_dims, s_strides);
             stats->set_data_type(fe::DataType_t::FLOAT);
         }
         return g;
     }
-    auto o     = input(*g, "o", kO, o_dims, strides(c.o_stride));
-    auto d_o   = input(*g, "d_o", kDO, o_dims, strides(c.o_stride));
-    auto stats = input(*g, "stats", kStats, s_dims, s_strides);
+    auto o     = input(*g, kSlotO, o_dims, strides(c.o_stride));
+    auto d_o   = input(*g, kSlotDO, o_dims, strides(c.o_stride));
+    auto stats = input(*g, kSlotStats, s_dims, s_strides);
     stats->set_data_type(fe::DataType_t::FLOAT);
+    if (c.ragged) {
+        o->set_ragged_offset(ragged[3]);
+        d_o->set_ragged_offset(ragged[3]);
+    }
     auto a = fe::graph::SDPA_backward_attributes()
                  .set_name("sdpa_backward")
                  .set_attn_scale(c.scale)
                  .set_deterministic_algorithm(c.deterministic);
     apply_mask(c, a);
     apply_features(a);
+    TensorPtr d_bias, d_sink;
+    if (c.bias_grad) {
+        d_bias = input(*g, kSlotDBias, b_dims, b_strides);
+        a.set_dbias(d_bias);
+    }
+    if (c.sinks) {
+        d_sink = input(*g, kSlotDSink, sink_dims, sink_strides);
+        d_sink->set_data_type(fe::DataType_t::FLOAT);
+        a.set_dsink_token(d_sink);
+    }
     auto [d_q, d_k, d_v] = g->sdpa_backward(q, k, v, o, d_o, stats, a);
-    set_output(d_q, "d_q", kDQ, q_dims, strides(c.q_stride));
-    set_output(d_k, "d_k", kDK, k_dims, strides(c.k_stride));
-    set_output(d_v, "d_v", kDV, v_dims, strides(c.v_stride));
+    set_output(d_q, kSlotDQ, q_dims, strides(c.q_stride));
+    set_output(d_k, kSlotDK, k_dims, strides(c.k_stride));
+    set_output(d_v, kSlotDV, v_dims, strides(c.v_stride));
+    if (c.ragged) {
+        d_q->set_ragged_offset(ragged[0]);
+        d_k->set_ragged_offset(ragged[1]);
+        d_v->set_ragged_offset(ragged[2]);
+    }
     return g;
 }
 
-// The uids a graph of this kind takes at execute, sorted: the order of the
-// pointers that execute_forward / execute_backward pass on.
-std::vector<int64_t> expected_uids(Direction dir, GraphKind kind) {
-    std::vector<int64_t> uids = {kQ, kK, kV, kO};
-    if (dir == Direction::kBackward) {
-        uids.insert(uids.end(), {kStats, kDO, kDQ, kDK, kDV});
-    } else if (kind.training) {
-        uids.push_back(kStats);
+// The slots a graph of this config and direction takes at execute.
+uint32_t slot_mask(const Config &c, Direction dir) {
+    const bool backward = dir == Direction::kBackward;
+    uint32_t m          = bit(kSlotQ) | bit(kSlotK) | bit(kSlotV) | bit(kSlotO);
+    if (backward) {
+        m |= bit(kSlotStats) | bit(kSlotDO) | bit(kSlotDQ) | bit(kSlotDK) | bit(kSlotDV);
+    } else if (c.training) {
+        m |= bit(kSlotStats);
     }
-    if (kind.padding) uids.insert(uids.end(), {kSeqLenQ, kSeqLenKV});
+    if (c.padding) m |= bit(kSlotSeqLenQ) | bit(kSlotSeqLenKV);
+    if (c.ragged) m |= bit(kSlotRaggedQ) | bit(kSlotRaggedK) | bit(kSlotRaggedV) | bit(kSlotRaggedO);
+    if (c.bias_batch > 0) m |= bit(kSlotBias);
+    if (backward && c.bias_grad) m |= bit(kSlotDBias);
+    if (c.dropout > 0.0f) m |= bit(kSlotSeed) | bit(kSlotOffset);
+    if (c.sinks) m |= bit(kSlotSink) | (backward ? bit(kSlotDSink) : 0u);
+    if (!backward && c.page_size > 0) m |= bit(kSlotPageTableK) | bit(kSlotPageTableV);
+    return m;
+}
+
+// The uids of a slot mask, sorted: what cuDNN's variant pack holds, in its order.
+std::vector<int64_t> mask_uids(uint32_t mask) {
+    std::vector<int64_t> uids;
+    for (int s = 0; s < kNumSlots; ++s) {
+        if (mask & bit(static_cast<Slot>(s))) uids.push_back(uid(static_cast<Slot>(s)));
+    }
     return uids;
 }
 
@@ -288,7 +402,7 @@ Status build_step(const fe::error_t &e, const char *stage) {
 // past the end of an empty vector: only built graphs are asked (`built`).
 Status finish(Graph &graph, const char *stage_prefix, bool built, GraphInfo *info) {
     auto uids = graph.g->get_variant_pack_uids_sorted();
-    if (uids != expected_uids(graph.dir, graph.kind)) {
+    if (uids != mask_uids(graph.slots)) {
         return error(Code::kCorruptPlan, std::string(stage_prefix) + ": plan's tensors do not match its config");
     }
     FA_RETURN_IF_ERROR(build_step(graph.g->get_workspace_size(graph.workspace), "get_workspace_size"));
@@ -411,7 +525,7 @@ Status build_graph(const Config &cfg, Direction dir, int device, GraphPtr *out, 
 
         GraphPtr graph(new Graph);
         graph->dir      = dir;
-        graph->kind     = GraphKind{cfg.training, cfg.padding};
+        graph->slots    = slot_mask(cfg, dir);
         graph->g        = make_graph(cfg, dir);
         auto &g         = *graph->g;
         FA_RETURN_IF_ERROR(build_step(g.validate(), "validate"));
@@ -437,8 +551,8 @@ Status serialize_graph(const Graph *graph, std::vector<uint8_t> *blob) {
     });
 }
 
-Status deserialize_graph(const uint8_t *data, size_t size, Direction dir, GraphKind kind, int device, GraphPtr *out,
-                         GraphInfo *info) {
+Status deserialize_graph(const uint8_t *data, size_t size, const Config &cfg, Direction dir, int device,
+                         GraphPtr *out, GraphInfo *info) {
     if (fe::cudnn_dlhandle == nullptr) return error(Code::kLibraryError, "cuDNN is not loaded");
     if (data == nullptr || size == 0) return error(Code::kCorruptPlan, "deserialize: empty plan blob");
     return guarded(Code::kCorruptPlan, "deserialize", [&]() -> Status {
@@ -452,7 +566,7 @@ Status deserialize_graph(const uint8_t *data, size_t size, Direction dir, GraphK
         const std::vector<uint8_t> blob(data, data + size);
         GraphPtr graph(new Graph);
         graph->dir      = dir;
-        graph->kind     = kind;
+        graph->slots    = slot_mask(cfg, dir);
         graph->g        = std::make_shared<fe::graph::Graph>();
         auto e = graph->g->deserialize(h, blob, /*enforce_precompiled=*/false, /*run_warmup=*/false);
         if (e.is_bad()) return error(Code::kCorruptPlan, "deserialize: " + e.err_msg);
@@ -463,79 +577,36 @@ Status deserialize_graph(const uint8_t *data, size_t size, Direction dir, GraphK
     });
 }
 
-// The optional per-sequence lengths: required by a padding graph, refused by others.
-Status check_seq_lens(const Graph &g, intptr_t seq_len_q, intptr_t seq_len_kv) {
-    if (g.kind.padding) {
-        FA_RETURN_IF_ERROR(check_pointer(seq_len_q, "seq_len_q"));
-        return check_pointer(seq_len_kv, "seq_len_kv");
-    }
-    if (seq_len_q != 0 || seq_len_kv != 0) {
+Status execute(const Graph *g, Direction dir, int device, const intptr_t *slots, intptr_t workspace,
+               intptr_t stream) {
+    if (g == nullptr || g->dir != dir) {
         return error(Code::kInvalidArgument,
-                     "seq_len_q / seq_len_kv given, but the plan was built with padding=False");
+                     dir == Direction::kForward ? "not a forward graph" : "not a backward graph");
     }
-    return {};
-}
-
-Status execute_forward(const Graph *g, int device, intptr_t q, intptr_t k, intptr_t v, intptr_t o, intptr_t stats,
-                       intptr_t seq_len_q, intptr_t seq_len_kv, intptr_t workspace, intptr_t stream) {
-    if (g == nullptr || g->dir != Direction::kForward) return error(Code::kInvalidArgument, "not a forward graph");
-    FA_RETURN_IF_ERROR(check_pointer(q, "q"));
-    FA_RETURN_IF_ERROR(check_pointer(k, "k"));
-    FA_RETURN_IF_ERROR(check_pointer(v, "v"));
-    FA_RETURN_IF_ERROR(check_pointer(o, "o"));
-    if (g->kind.training) {
-        FA_RETURN_IF_ERROR(check_pointer(stats, "stats"));
-    } else if (stats != 0) {
-        return error(Code::kInvalidArgument,
-                     "stats given, but the plan was built with training=False and writes no softmax stats");
+    void *ptrs[kNumSlots];
+    int n = 0;
+    for (int s = 0; s < kNumSlots; ++s) {
+        if (g->slots & bit(static_cast<Slot>(s))) {
+            FA_RETURN_IF_ERROR(check_pointer(slots[s], kSlots[s].name));
+            ptrs[n++] = reinterpret_cast<void *>(slots[s]);
+        } else if (slots[s] != 0) {
+            return error(Code::kInvalidArgument, std::string(kSlots[s].name) + " given, but " + kSlots[s].absent);
+        }
     }
-    FA_RETURN_IF_ERROR(check_seq_lens(*g, seq_len_q, seq_len_kv));
     FA_RETURN_IF_ERROR(check_workspace(*g, workspace));
-    // Sorted by uid: q, k, v, o, [stats], [seq_len_q, seq_len_kv].
-    void *ptrs[7] = {reinterpret_cast<void *>(q), reinterpret_cast<void *>(k), reinterpret_cast<void *>(v),
-                     reinterpret_cast<void *>(o)};
-    int n = 4;
-    if (g->kind.training) ptrs[n++] = reinterpret_cast<void *>(stats);
-    if (g->kind.padding) {
-        ptrs[n++] = reinterpret_cast<void *>(seq_len_q);
-        ptrs[n++] = reinterpret_cast<void *>(seq_len_kv);
-    }
     return run(*g, device, ptrs, n, workspace, stream);
-}
-
-Status execute_backward(const Graph *g, int device, intptr_t q, intptr_t k, intptr_t v, intptr_t o, intptr_t d_o,
-                        intptr_t stats, intptr_t d_q, intptr_t d_k, intptr_t d_v, intptr_t seq_len_q,
-                        intptr_t seq_len_kv, intptr_t workspace, intptr_t stream) {
-    if (g == nullptr || g->dir != Direction::kBackward) return error(Code::kInvalidArgument, "not a backward graph");
-    FA_RETURN_IF_ERROR(check_pointer(q, "q"));
-    FA_RETURN_IF_ERROR(check_pointer(k, "k"));
-    FA_RETURN_IF_ERROR(check_pointer(v, "v"));
-    FA_RETURN_IF_ERROR(check_pointer(o, "o"));
-    FA_RETURN_IF_ERROR(check_pointer(d_o, "d_o"));
-    FA_RETURN_IF_ERROR(check_pointer(stats, "stats"));
-    FA_RETURN_IF_ERROR(check_pointer(d_q, "d_q"));
-    FA_RETURN_IF_ERROR(check_pointer(d_k, "d_k"));
-    FA_RETURN_IF_ERROR(check_pointer(d_v, "d_v"));
-    FA_RETURN_IF_ERROR(check_seq_lens(*g, seq_len_q, seq_len_kv));
-    FA_RETURN_IF_ERROR(check_workspace(*g, workspace));
-    // Sorted by uid: q, k, v, o, stats, d_o, d_q, d_k, d_v, [seq_len_q, seq_len_kv].
-    void *ptrs[11] = {reinterpret_cast<void *>(q),     reinterpret_cast<void *>(k),   reinterpret_cast<void *>(v),
-                      reinterpret_cast<void *>(o),     reinterpret_cast<void *>(stats), reinterpret_cast<void *>(d_o),
-                      reinterpret_cast<void *>(d_q),   reinterpret_cast<void *>(d_k), reinterpret_cast<void *>(d_v),
-                      reinterpret_cast<void *>(seq_len_q), reinterpret_cast<void *>(seq_len_kv)};
-    return run(*g, device, ptrs, g->kind.padding ? 11 : 9, workspace, stream);
 }
 
 Status time_raw_execute(const Graph *g, int device, const intptr_t *ptrs, int n, intptr_t workspace,
                         intptr_t stream, int iters, double *seconds) {
-    if (g == nullptr || n > 16) return error(Code::kInvalidArgument, "time_raw_execute: bad arguments");
+    if (g == nullptr || n > kNumSlots) return error(Code::kInvalidArgument, "time_raw_execute: bad arguments");
     return guarded(Code::kCudnnError, "time_raw_execute", [&]() -> Status {
         DeviceGuard guard(device);
         FA_RETURN_IF_ERROR(guard.status());
         cudnnHandle_t h;
         FA_RETURN_IF_ERROR(thread_handle(device, &h));
         FA_RETURN_IF_ERROR(set_stream(device, h, stream));
-        void *p[16];
+        void *p[kNumSlots];
         for (int i = 0; i < n; ++i) p[i] = reinterpret_cast<void *>(ptrs[i]);
         auto ws = reinterpret_cast<void *>(workspace);
         auto t0 = std::chrono::steady_clock::now();

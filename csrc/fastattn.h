@@ -55,13 +55,39 @@ struct Config {
     // ALiBi: scores get slope[h] * (j - i) after scaling, with cuDNN's slopes for
     // heads_q heads (copied from host memory into the workspace at each execute).
     bool alibi = false;
+    // Packed variable-length sequences (THD): q, k, v, o and their gradients start
+    // each sequence at an element offset given at execute (int32, batch + 1 entries
+    // each); needs padding. max_tokens_* bound the packed tokens (cuDNN sizes its
+    // workspace by them).
+    bool ragged          = false;
+    int64_t max_tokens_q = 0, max_tokens_kv = 0;
+    // Additive bias after scaling, (bias_batch, bias_heads, seqlen_q, seqlen_kv),
+    // contiguous, in dtype; bias_batch is 1 or batch, bias_heads 1 or heads_q; 0: none.
+    int64_t bias_batch = 0, bias_heads = 0;
+    bool bias_grad     = false;  // backward also writes d_bias, of the bias's shape
+    // Dropout probability on the softmax; Philox seed and offset are int64 device
+    // scalars given at execute (the same ones to backward: the same mask).
+    float dropout = 0.0f;
+    // Attention sinks: a learnable float32 logit per query head, (1, heads_q, 1, 1),
+    // in every softmax denominator; backward also writes its gradient d_sink.
+    bool sinks = false;
+    // Paged KV cache (forward only): k and v are pools of num_pages pages of
+    // page_size tokens, (num_pages, heads_kv, page_size, dim) at k_stride / v_stride;
+    // int32 page tables (batch, 1, ceil(seqlen_kv / page_size), 1) map each
+    // sequence's pages; needs padding. 0: k and v are dense.
+    int64_t page_size = 0, num_pages = 0;
 };
 
-// What a graph takes at execute, beyond its config's shapes: which optional
-// tensors exist. Deserialization needs it to check a blob against its config.
-struct GraphKind {
-    bool training = false;
-    bool padding  = false;
+// The tensors a plan can take at execute. A graph takes the subset its config
+// implies; the others must be 0. The slot is also the tensor's uid minus one, so the
+// order here is the order of cuDNN's sorted variant pack.
+enum Slot : int {
+    kSlotQ, kSlotK, kSlotV, kSlotO, kSlotStats, kSlotDO, kSlotDQ, kSlotDK, kSlotDV,
+    kSlotSeqLenQ, kSlotSeqLenKV,
+    kSlotRaggedQ, kSlotRaggedK, kSlotRaggedV, kSlotRaggedO,
+    kSlotBias, kSlotDBias, kSlotSeed, kSlotOffset, kSlotSink, kSlotDSink,
+    kSlotPageTableK, kSlotPageTableV,
+    kNumSlots
 };
 
 enum class Direction : int { kForward = 0, kBackward = 1 };
@@ -106,22 +132,19 @@ Status build_graph(const Config &cfg, Direction dir, int device, GraphPtr *out, 
 
 // Plan blob without graph structure: what the persistent cache stores.
 Status serialize_graph(const Graph *g, std::vector<uint8_t> *blob);
-Status deserialize_graph(const uint8_t *data, size_t size, Direction dir, GraphKind kind, int device,
+// `cfg` must be the config the blob was built from: it says which tensors the plan takes.
+Status deserialize_graph(const uint8_t *data, size_t size, const Config &cfg, Direction dir, int device,
                          GraphPtr *out, GraphInfo *info);
 
 // The hot path: validates pointers, then runs. No allocation, synchronization or
-// copy. Pointers and the stream are raw addresses; 0 is null / the default stream.
-// seq_len_q and seq_len_kv are required by a padding graph and must be 0 otherwise.
-Status execute_forward(const Graph *g, int device, intptr_t q, intptr_t k, intptr_t v, intptr_t o,
-                       intptr_t stats, intptr_t seq_len_q, intptr_t seq_len_kv, intptr_t workspace,
-                       intptr_t stream);
-Status execute_backward(const Graph *g, int device, intptr_t q, intptr_t k, intptr_t v, intptr_t o,
-                        intptr_t d_o, intptr_t stats, intptr_t d_q, intptr_t d_k, intptr_t d_v,
-                        intptr_t seq_len_q, intptr_t seq_len_kv, intptr_t workspace, intptr_t stream);
+// copy. `slots` holds kNumSlots raw addresses indexed by Slot (0: not given); the
+// stream is a raw address too (0: the default stream). `dir` must be the graph's.
+Status execute(const Graph *g, Direction dir, int device, const intptr_t *slots, intptr_t workspace,
+               intptr_t stream);
 
 // Benchmark hook: cudnn-frontend's own execute on this plan, `iters` times, with
 // none of fastattn's checks around it: the C++ floor that tools/bench_core.py
-// compares plan.forward against. `ptrs` are in the order execute_* takes them.
+// compares plan.forward against. `ptrs` are the graph's tensors in slot order.
 Status time_raw_execute(const Graph *g, int device, const intptr_t *ptrs, int n, intptr_t workspace,
                         intptr_t stream, int iters, double *seconds);
 

@@ -8,6 +8,7 @@ with the GIL released; a C++ status becomes an exception through one table
 """
 
 from libc.stdint cimport int64_t, intptr_t, uint8_t
+from libc.string cimport memset
 from libcpp cimport bool as cbool
 from libcpp.string cimport string
 from libcpp.vector cimport vector
@@ -34,10 +35,19 @@ cdef extern from "fastattn.h" namespace "fastattn" nogil:
         int mask
         int64_t window_left, window_right
         float scale
-        cbool training, deterministic, padding, alibi
+        cbool training, deterministic, padding, alibi, ragged
+        int64_t max_tokens_q, max_tokens_kv, bias_batch, bias_heads
+        cbool bias_grad
+        float dropout
+        cbool sinks
+        int64_t page_size, num_pages
 
-    cdef cppclass GraphKind:
-        cbool training, padding
+    # Anonymous: Cython indexes arrays only with plain integer constants.
+    cdef enum:
+        kSlotQ, kSlotK, kSlotV, kSlotO, kSlotStats, kSlotDO, kSlotDQ, kSlotDK, kSlotDV,
+        kSlotSeqLenQ, kSlotSeqLenKV, kSlotRaggedQ, kSlotRaggedK, kSlotRaggedV, kSlotRaggedO,
+        kSlotBias, kSlotDBias, kSlotSeed, kSlotOffset, kSlotSink, kSlotDSink,
+        kSlotPageTableK, kSlotPageTableV, kNumSlots
 
     cdef enum class Direction(int):
         kForward
@@ -68,14 +78,10 @@ cdef extern from "fastattn.h" namespace "fastattn" nogil:
     Status device_info(int device, DeviceInfo* out)
     Status build_graph(const Config& cfg, Direction dir, int device, GraphPtr* out, GraphInfo* info)
     Status serialize_graph(const Graph* g, vector[uint8_t]* blob)
-    Status deserialize_graph(const uint8_t* data, size_t size, Direction dir, GraphKind kind, int device,
+    Status deserialize_graph(const uint8_t* data, size_t size, const Config& cfg, Direction dir, int device,
                              GraphPtr* out, GraphInfo* info)
-    Status execute_forward(const Graph* g, int device, intptr_t q, intptr_t k, intptr_t v, intptr_t o,
-                           intptr_t stats, intptr_t seq_len_q, intptr_t seq_len_kv, intptr_t workspace,
-                           intptr_t stream)
-    Status execute_backward(const Graph* g, int device, intptr_t q, intptr_t k, intptr_t v, intptr_t o,
-                            intptr_t d_o, intptr_t stats, intptr_t d_q, intptr_t d_k, intptr_t d_v,
-                            intptr_t seq_len_q, intptr_t seq_len_kv, intptr_t workspace, intptr_t stream)
+    Status execute(const Graph* g, Direction dir, int device, const intptr_t* slots, intptr_t workspace,
+                   intptr_t stream)
     Status time_raw_execute(const Graph* g, int device, const intptr_t* ptrs, int n, intptr_t workspace,
                             intptr_t stream, int iters, double* seconds)
 
@@ -89,6 +95,8 @@ cdef inline object _error(const Status& st, str prefix=None):
 
 cdef dict _DTYPE = {"fp16": 0, "bf16": 1}
 cdef dict _MASK = {"none": 0, "causal": 1, "causal_bottom_right": 2}
+# A bias's (batch, heads) extents, from its broadcast shape's name.
+cdef dict _BIAS = {"none": (0, 0), "11ss": (1, 1), "1hss": (1, -1), "b1ss": (-1, 1), "bhss": (-1, -1)}
 
 
 cdef Config _c_config(cfg) except *:
@@ -116,6 +124,17 @@ cdef Config _c_config(cfg) except *:
     c.deterministic = cfg.deterministic
     c.padding = cfg.padding
     c.alibi = cfg.alibi
+    c.ragged = cfg.ragged
+    c.max_tokens_q = cfg.max_tokens_q
+    c.max_tokens_kv = cfg.max_tokens_kv
+    bb, bh = _BIAS[cfg.bias]
+    c.bias_batch = cfg.batch if bb < 0 else bb
+    c.bias_heads = cfg.heads_q if bh < 0 else bh
+    c.bias_grad = cfg.bias_grad
+    c.dropout = cfg.dropout
+    c.sinks = cfg.sinks
+    c.page_size = cfg.page_size
+    c.num_pages = cfg.num_pages
     return c
 
 
@@ -200,8 +219,8 @@ cdef class Plan:
     cdef readonly str backward_engine
     cdef readonly double forward_ms
     cdef readonly double backward_ms
+    cdef Config _c
     cdef cbool _training
-    cdef cbool _padding
 
     def __init__(self):
         raise TypeError("Plan objects are made by fastattn.plan(config)")
@@ -219,7 +238,10 @@ cdef class Plan:
                 f"backward={self.backward_engine!r} workspace={self.workspace_size} config={self.config.to_json()}>")
 
     def forward(self, intptr_t q, intptr_t k, intptr_t v, intptr_t o, intptr_t stats=0,
-                intptr_t workspace=0, intptr_t stream=0, intptr_t seq_len_q=0, intptr_t seq_len_kv=0):
+                intptr_t workspace=0, intptr_t stream=0, intptr_t seq_len_q=0, intptr_t seq_len_kv=0, *,
+                intptr_t ragged_q=0, intptr_t ragged_k=0, intptr_t ragged_v=0, intptr_t ragged_o=0,
+                intptr_t bias=0, intptr_t seed=0, intptr_t offset=0, intptr_t sink=0,
+                intptr_t page_table_k=0, intptr_t page_table_v=0):
         """Runs attention forward: o = softmax(scale * q @ k^T, masked) @ v.
 
         Every argument is a CUDA device address as an int (16-byte aligned); stream is a
@@ -227,43 +249,94 @@ cdef class Plan:
         are the config's (see fastattn.config): q (b, hq, sq, dqk), k (b, hkv, skv, dqk),
         v (b, hkv, skv, dv), o (b, hq, sq, dv) in config.dtype; stats (b, hq, sq, 1)
         float32, contiguous, required when config.training and 0 otherwise; workspace
-        of plan.forward_workspace_size bytes (0 allowed when that is 0). seq_len_q and
-        seq_len_kv: int32 arrays of `batch` lengths, required when config.padding and 0
-        otherwise.
+        of plan.forward_workspace_size bytes (0 allowed when that is 0).
+        The config's features take more tensors, each required when the feature is on
+        and 0 otherwise (config.shape(name) gives each one's shape):
+          seq_len_q, seq_len_kv (padding): int32 (b,) lengths;
+          ragged_q, ragged_k, ragged_v, ragged_o (ragged): int32 (b + 1,) element
+            offsets of each sequence's first token in q, k, v, o;
+          bias (bias): config.dtype, the bias's shape, contiguous;
+          seed, offset (dropout): int64 scalars, Philox's seed and offset;
+          sink (sinks): float32 (1, hq, 1, 1);
+          page_table_k, page_table_v (page_size): int32 (b, 1, pages per sequence, 1).
 
         Asynchronous on `stream`: nothing is allocated, copied or synchronized.
         Raises InvalidArgumentError for a null, misaligned or unexpected pointer,
         CudnnError or CudaError when the launch fails.
         """
+        cdef intptr_t t[kNumSlots]
         cdef Status st
+        memset(t, 0, sizeof(t))
+        t[kSlotQ] = q
+        t[kSlotK] = k
+        t[kSlotV] = v
+        t[kSlotO] = o
+        t[kSlotStats] = stats
+        t[kSlotSeqLenQ] = seq_len_q
+        t[kSlotSeqLenKV] = seq_len_kv
+        t[kSlotRaggedQ] = ragged_q
+        t[kSlotRaggedK] = ragged_k
+        t[kSlotRaggedV] = ragged_v
+        t[kSlotRaggedO] = ragged_o
+        t[kSlotBias] = bias
+        t[kSlotSeed] = seed
+        t[kSlotOffset] = offset
+        t[kSlotSink] = sink
+        t[kSlotPageTableK] = page_table_k
+        t[kSlotPageTableV] = page_table_v
         with nogil:
-            st = execute_forward(self._fwd.get(), self.device, q, k, v, o, stats, seq_len_q, seq_len_kv,
-                                 workspace, stream)
+            st = execute(self._fwd.get(), Direction.kForward, self.device, t, workspace, stream)
         if not st.ok():
             raise _error(st)
 
     def backward(self, intptr_t q, intptr_t k, intptr_t v, intptr_t o, intptr_t d_o, intptr_t stats,
                  intptr_t d_q, intptr_t d_k, intptr_t d_v, intptr_t workspace=0, intptr_t stream=0,
-                 intptr_t seq_len_q=0, intptr_t seq_len_kv=0):
+                 intptr_t seq_len_q=0, intptr_t seq_len_kv=0, *, intptr_t ragged_q=0, intptr_t ragged_k=0,
+                 intptr_t ragged_v=0, intptr_t ragged_o=0, intptr_t bias=0, intptr_t d_bias=0,
+                 intptr_t seed=0, intptr_t offset=0, intptr_t sink=0, intptr_t d_sink=0):
         """Runs attention backward: writes d_q, d_k, d_v from q, k, v, the forward's o and
         stats, and the output gradient d_o.
 
         Device addresses as ints (16-byte aligned). d_q, d_k, d_v, d_o have the shapes
         and strides of q, k, v, o, in config.dtype; stats is the float32 tensor the
-        training forward wrote; workspace of plan.backward_workspace_size bytes;
-        seq_len_q and seq_len_kv as for forward.
+        training forward wrote; workspace of plan.backward_workspace_size bytes. The
+        feature tensors are forward's (give backward the same seed and offset: the same
+        dropout mask), plus d_bias (bias_grad: the bias's shape and dtype) and d_sink
+        (sinks: float32 (1, hq, 1, 1)), which backward writes.
         Needs a plan built with training=True. Asynchronous on `stream`; with GQA the
         kernels accumulate d_k and d_v internally, so nothing needs zeroing first.
 
         Raises InvalidArgumentError (bad pointer, plan without backward), CudnnError or
         CudaError when the launch fails.
         """
+        cdef intptr_t t[kNumSlots]
         cdef Status st
         if not self._training:
             raise InvalidArgumentError("this plan has no backward graph: build it with training=True")
+        memset(t, 0, sizeof(t))
+        t[kSlotQ] = q
+        t[kSlotK] = k
+        t[kSlotV] = v
+        t[kSlotO] = o
+        t[kSlotStats] = stats
+        t[kSlotDO] = d_o
+        t[kSlotDQ] = d_q
+        t[kSlotDK] = d_k
+        t[kSlotDV] = d_v
+        t[kSlotSeqLenQ] = seq_len_q
+        t[kSlotSeqLenKV] = seq_len_kv
+        t[kSlotRaggedQ] = ragged_q
+        t[kSlotRaggedK] = ragged_k
+        t[kSlotRaggedV] = ragged_v
+        t[kSlotRaggedO] = ragged_o
+        t[kSlotBias] = bias
+        t[kSlotDBias] = d_bias
+        t[kSlotSeed] = seed
+        t[kSlotOffset] = offset
+        t[kSlotSink] = sink
+        t[kSlotDSink] = d_sink
         with nogil:
-            st = execute_backward(self._bwd.get(), self.device, q, k, v, o, d_o, stats, d_q, d_k, d_v,
-                                  seq_len_q, seq_len_kv, workspace, stream)
+            st = execute(self._bwd.get(), Direction.kBackward, self.device, t, workspace, stream)
         if not st.ok():
             raise _error(st)
 
@@ -292,7 +365,7 @@ cdef Plan _new_plan(cfg, int device):
     p.config = cfg
     p.device = device
     p._training = cfg.training
-    p._padding = cfg.padding
+    p._c = _c_config(cfg)
     p.forward_engine = None
     p.backward_engine = None
     return p
@@ -323,11 +396,8 @@ cdef _load_one(Plan p, Direction d, bytes blob, str engine):
     cdef size_t n = view.shape[0]
     cdef const uint8_t* data = &view[0] if n else NULL
     cdef GraphPtr* out = &p._fwd if d == Direction.kForward else &p._bwd
-    cdef GraphKind kind
-    kind.training = p._training
-    kind.padding = p._padding
     with nogil:
-        st = deserialize_graph(data, n, d, kind, p.device, out, &info)
+        st = deserialize_graph(data, n, p._c, d, p.device, out, &info)
     if not st.ok():
         raise _error(st, "forward" if d == Direction.kForward else "backward")
     _record(p, d, info, engine)
@@ -336,11 +406,10 @@ cdef _load_one(Plan p, Direction d, bytes blob, str engine):
 def build_plan(cfg, int device):
     """Builds the forward graph and, when cfg.training, the backward graph of `cfg` on
     `device`. Raises NotSupportedError with cuDNN's reason, prefixed by the direction."""
-    cdef Config c = _c_config(cfg)
     cdef Plan p = _new_plan(cfg, device)
-    _build_one(p, c, Direction.kForward)
-    if c.training:
-        _build_one(p, c, Direction.kBackward)
+    _build_one(p, p._c, Direction.kForward)
+    if p._training:
+        _build_one(p, p._c, Direction.kBackward)
     return p
 
 
@@ -361,18 +430,15 @@ def load_plan(cfg, int device, bytes forward_blob not None, bytes backward_blob=
 def bench_raw_execute(Plan plan, str direction, ptrs, intptr_t workspace=0, intptr_t stream=0, int iters=1000):
     """Seconds for `iters` calls of cudnn-frontend's own C++ execute on the plan's
     graph, with no fastattn checks: the floor that plan.forward is measured against.
-    For tools/ benchmarks only. `ptrs` in the order plan.forward/backward take them
-    (without workspace and stream)."""
-    cdef intptr_t p[16]
+    For tools/ benchmarks only. `ptrs`: the graph's tensors in uid order (q, k, v, o,
+    stats, d_o, d_q, d_k, d_v, then the features' in fastattn.h's Slot order)."""
+    cdef intptr_t p[kNumSlots]
     cdef int n = len(ptrs), i
     cdef double seconds = 0
     cdef Status st
     cdef const Graph* g = plan._fwd.get() if direction == "forward" else plan._bwd.get()
-    if n > 16:
+    if n > kNumSlots:
         raise ValueError("too many pointers")
-    if direction == "backward":
-        # backward() takes d_o before stats; the graph wants uid order (stats, then d_o).
-        ptrs = list(ptrs[:4]) + [ptrs[5], ptrs[4]] + list(ptrs[6:])
     for i in range(n):
         p[i] = ptrs[i]
     with nogil:

@@ -22,13 +22,16 @@ import sys
 from typing import Any, Sequence
 
 from . import runtime
-from .config import DTYPES, LAYOUTS, MASKS, AttentionConfig
+from .config import BIAS_SHAPES, DTYPES, LAYOUTS, MASKS, AttentionConfig
 from .errors import CudaError, CudnnError, FastAttnError, InvalidArgumentError, LibraryError
 
 EXIT_OK, EXIT_UNSUPPORTED, EXIT_BAD_INPUT, EXIT_NO_GPU, EXIT_FAILED = 0, 1, 2, 3, 4
 
 # AttentionConfig fields given as plain integer flags (--heads-q for heads_q, ...)
-_INT_FLAGS = ("batch", "heads_q", "heads_kv", "seqlen_q", "seqlen_kv", "head_dim_qk", "head_dim_v")
+_INT_FLAGS = ("batch", "heads_q", "heads_kv", "seqlen_q", "seqlen_kv", "head_dim_qk", "head_dim_v", "max_tokens_q",
+              "max_tokens_kv", "page_size", "num_pages")
+_OTHER_FLAGS = ("dtype", "layout", "mask", "scale", "training", "deterministic", "padding", "alibi", "ragged", "bias",
+                "bias_grad", "dropout", "sinks")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -59,6 +62,13 @@ def _parser() -> argparse.ArgumentParser:
     probe.add_argument("--padding", action="store_true", default=None,
                        help="per-sequence lengths given at run time (seq_len_q, seq_len_kv)")
     probe.add_argument("--alibi", action="store_true", default=None, help="ALiBi position biases")
+    probe.add_argument("--ragged", action="store_true", default=None,
+                       help="packed variable-length sequences (THD; with --padding and bshd)")
+    probe.add_argument("--bias", choices=BIAS_SHAPES, help="additive bias of this broadcast shape")
+    probe.add_argument("--bias-grad", action="store_true", default=None, dest="bias_grad",
+                       help="backward also writes d_bias")
+    probe.add_argument("--dropout", type=float, help="dropout probability")
+    probe.add_argument("--sinks", action="store_true", default=None, help="attention sinks (a logit per head)")
     probe.add_argument("--device", type=int, default=None, help="CUDA device (default: current)")
     probe.add_argument("--json", action="store_true", help="print JSON")
 
@@ -179,7 +189,7 @@ def _config_from_args(args: argparse.Namespace) -> AttentionConfig:
         if not isinstance(loaded, dict):
             raise InvalidArgumentError(f"--config {args.config!r}: must be a JSON object of AttentionConfig fields")
         fields.update(loaded)
-    for name in list(_INT_FLAGS) + ["dtype", "layout", "mask", "scale", "training", "deterministic", "padding", "alibi"]:
+    for name in _INT_FLAGS + _OTHER_FLAGS:
         value = getattr(args, name)
         if value is not None:
             fields[name] = value

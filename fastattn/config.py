@@ -20,6 +20,21 @@ stats    (batch, heads_q, seqlen_q, 1), contiguous        float32
 
 ``stats`` is the log-sum-exp of each row of scaled scores (natural log), written by a
 training forward and read by backward.
+
+The features add tensors (``config.shape(name)``, ``config.strides(name)``):
+
+==========================  ==============================================  =======
+tensor                      shape                                           dtype
+==========================  ==============================================  =======
+seq_len_q, seq_len_kv       (batch,)                      padding            int32
+ragged_q, _k, _v, _o        (batch + 1,)                  ragged             int32
+bias, d_bias                (1|batch, 1|heads_q, seqlen_q, seqlen_kv)       dtype
+seed, offset                (1,)                          dropout            int64
+sink, d_sink                (1, heads_q, 1, 1)            sinks              float32
+page_table_k, page_table_v  (batch, 1, ceil(seqlen_kv / page_size), 1)      int32
+==========================  ==============================================  =======
+
+With page_size, k and v are page pools: (num_pages, heads_kv, page_size, head_dim).
 """
 
 from __future__ import annotations
@@ -68,10 +83,36 @@ _FIELDS_ORDER = (
     "deterministic",
     "padding",
     "alibi",
+    "ragged",
+    "max_tokens_q",
+    "max_tokens_kv",
+    "bias",
+    "bias_grad",
+    "dropout",
+    "sinks",
+    "page_size",
+    "num_pages",
 )
 
-
-_OPTIONAL_FEATURES = ("padding", "alibi")
+# Features added after the first release, with their off values: a config shows them
+# only when on, so that the configs (and cache keys) of everything else stay the same.
+_OPTIONAL_FEATURES = {"padding": False, "alibi": False, "ragged": False, "max_tokens_q": 0, "max_tokens_kv": 0,
+                      "bias": "none", "bias_grad": False, "dropout": 0.0, "sinks": False, "page_size": 0,
+                      "num_pages": 0}
+BIAS_SHAPES = ("none", "11ss", "1hss", "b1ss", "bhss")
+# Index tensors of the features, by name: (shape as a function of the config, dtype).
+_INDEX_TENSORS = {
+    "seq_len_q": (lambda c: (c.batch,), "int32"),
+    "seq_len_kv": (lambda c: (c.batch,), "int32"),
+    "ragged_q": (lambda c: (c.batch + 1,), "int32"),
+    "ragged_k": (lambda c: (c.batch + 1,), "int32"),
+    "ragged_v": (lambda c: (c.batch + 1,), "int32"),
+    "ragged_o": (lambda c: (c.batch + 1,), "int32"),
+    "seed": (lambda c: (1,), "int64"),
+    "offset": (lambda c: (1,), "int64"),
+    "page_table_k": (lambda c: (c.batch, 1, c.pages_per_sequence, 1), "int32"),
+    "page_table_v": (lambda c: (c.batch, 1, c.pages_per_sequence, 1), "int32"),
+}
 
 
 def _bad(field: str, value: Any, why: str) -> InvalidArgumentError:
@@ -143,11 +184,38 @@ class AttentionConfig:
       deterministic: backward uses cuDNN's deterministic algorithm (needs training).
       padding: each sequence has its own length, given at run time as int32 device
         arrays seq_len_q and seq_len_kv of `batch` entries (at most seqlen_q and
-        seqlen_kv); queries and keys past them are not read, and the masks and window
-        apply within each sequence's lengths.
+        seqlen_kv). Queries and keys past them are masked out, and the masks and
+        window apply within each sequence's lengths. cuDNN still reads the padded rows
+        of its last tile and multiplies them by zero, so they must hold finite values
+        (NaN there leaks into the results); it writes zero to the padded rows of o,
+        d_q, d_k and d_v, and leaves the padded rows of stats unspecified.
       alibi: ALiBi: each score gets slope[h] * (j - i) after scaling, with the slopes
         of the ALiBi paper for heads_q heads (cuDNN computes them; it needs the right
         bound of the mask at the diagonal, as a causal mask has).
+      ragged: packed variable-length sequences (THD; needs padding and layout "bshd"):
+        the sequences of q, k, v, o (and gradients) lie one after another, each
+        starting at the element offset given at run time in int32 arrays ragged_q,
+        ragged_k, ragged_v, ragged_o of batch + 1 entries (for tokens packed densely,
+        cumulative token counts times heads * head_dim). stats stay (batch, heads_q,
+        seqlen_q, 1): cuDNN 9.19 takes no packed stats. seqlen_q and seqlen_kv are the
+        longest sequences.
+      max_tokens_q, max_tokens_kv: with ragged, the most tokens the packed q (and o)
+        and k (and v) hold (default batch * seqlen); cuDNN sizes workspace by them.
+      bias: an additive bias after scaling, before masking and softmax, of shape
+        "11ss", "1hss", "b1ss" or "bhss" (TransformerEngine's names: 1 or batch, 1 or
+        heads_q, seqlen_q, seqlen_kv), contiguous, in dtype; "none" (default).
+      bias_grad: backward also writes d_bias (needs training and a bias).
+      dropout: probability of dropping each attention weight (kept ones scale by
+        1 / (1 - p)), in [0, 1); Philox seed and offset are int64 device scalars given
+        at run time, the same to backward.
+      sinks: attention sinks: a float32 logit per query head, sink (1, heads_q, 1, 1),
+        joins every row's softmax denominator; backward also writes d_sink.
+      page_size: a paged KV cache (forward only): k and v are pools of num_pages
+        pages of page_size tokens each, laid out as (num_pages, heads_kv, page_size,
+        head_dim) in the layout's order, and int32 page tables page_table_k and
+        page_table_v (batch, 1, ceil(seqlen_kv / page_size), 1) list each sequence's
+        pages; seqlen_kv is the longest KV sequence. Needs padding. 0 (default): dense.
+      num_pages: pages in each pool (default batch * ceil(seqlen_kv / page_size)).
 
     Raises InvalidArgumentError (a ValueError) naming the field and value.
     """
@@ -168,6 +236,15 @@ class AttentionConfig:
     deterministic: bool = False
     padding: bool = False
     alibi: bool = False
+    ragged: bool = False
+    max_tokens_q: int | None = None
+    max_tokens_kv: int | None = None
+    bias: str = "none"
+    bias_grad: bool = False
+    dropout: float = 0.0
+    sinks: bool = False
+    page_size: int = 0
+    num_pages: int | None = None
 
     def __post_init__(self) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen)
@@ -213,8 +290,58 @@ class AttentionConfig:
             raise _bad("deterministic", True, "selects the backward algorithm and needs training=True")
         set_("padding", _bool("padding", self.padding))
         set_("alibi", _bool("alibi", self.alibi))
+        self._canonical_features(set_)
 
         set_("layout", self._canonical_layout())
+        if self.ragged and self.layout != "bshd":
+            raise _bad("layout", self.layout, "ragged (packed) sequences need layout='bshd' (tokens, heads, dim)")
+
+    def _canonical_features(self, set_) -> None:
+        set_("ragged", _bool("ragged", self.ragged))
+        if self.ragged and not self.padding:
+            raise _bad("ragged", True, "needs padding=True: cuDNN takes each sequence's length with its offsets")
+        for name, seqlen in (("max_tokens_q", self.seqlen_q), ("max_tokens_kv", self.seqlen_kv)):
+            value = getattr(self, name)
+            if not self.ragged:
+                if value not in (None, 0):
+                    raise _bad(name, value, "applies only to ragged=True")
+                set_(name, 0)
+                continue
+            most = self.batch * seqlen
+            value = most if value is None else _int(name, value, 1)
+            if value > most:
+                raise _bad(name, value, f"exceeds batch * seqlen = {most}: no sequence is longer than seqlen")
+            set_(name, value)
+
+        if not isinstance(self.bias, str) or self.bias not in BIAS_SHAPES:
+            raise _bad("bias", self.bias, f"must be one of {BIAS_SHAPES}")
+        set_("bias_grad", _bool("bias_grad", self.bias_grad))
+        if self.bias_grad and (self.bias == "none" or not self.training):
+            raise _bad("bias_grad", True, "needs a bias and training=True")
+
+        if isinstance(self.dropout, (bool, str, bytes)):
+            raise _bad("dropout", self.dropout, "must be a number")
+        try:
+            p = float(self.dropout)
+        except (TypeError, ValueError):
+            raise _bad("dropout", self.dropout, "must be a number") from None
+        if not 0.0 <= p < 1.0:
+            raise _bad("dropout", self.dropout, "must be in [0, 1)")
+        set_("dropout", _float32(p))
+
+        set_("sinks", _bool("sinks", self.sinks))
+
+        set_("page_size", _int("page_size", self.page_size, 0))
+        if self.page_size == 0:
+            if self.num_pages not in (None, 0):
+                raise _bad("num_pages", self.num_pages, "applies only to a paged KV cache (page_size > 0)")
+            set_("num_pages", 0)
+            return
+        if self.training:
+            raise _bad("page_size", self.page_size, "a paged KV cache is forward only (training=False): "
+                       "cuDNN has no paged backward")
+        fewest = self.batch * self.pages_per_sequence
+        set_("num_pages", fewest if self.num_pages is None else _int("num_pages", self.num_pages, 1))
 
     def _canonical_window(self) -> tuple[int, int]:
         w = self.window
@@ -270,20 +397,43 @@ class AttentionConfig:
 
     # -- tensors ----------------------------------------------------------------------
 
-    def shape(self, tensor: str) -> tuple[int, int, int, int]:
+    @property
+    def pages_per_sequence(self) -> int:
+        """Entries per sequence in a page table (0 without a paged KV cache)."""
+        return -(-self.seqlen_kv // self.page_size) if self.page_size else 0
+
+    def shape(self, tensor: str) -> tuple[int, ...]:
         """Logical (batch, head, seq, dim) shape of "q", "k", "v", "o" (and their
-        gradients), or "stats"."""
+        gradients) or "stats"; the shape of a feature's tensor (see the module doc).
+        With page_size, "k" and "v" are the page pools."""
+        kv_batch, kv_seq = (self.num_pages, self.page_size) if self.page_size else (self.batch, self.seqlen_kv)
         if tensor in ("q", "d_q"):
             return (self.batch, self.heads_q, self.seqlen_q, self.head_dim_qk)
         if tensor in ("k", "d_k"):
-            return (self.batch, self.heads_kv, self.seqlen_kv, self.head_dim_qk)
+            return (kv_batch, self.heads_kv, kv_seq, self.head_dim_qk)
         if tensor in ("v", "d_v"):
-            return (self.batch, self.heads_kv, self.seqlen_kv, self.head_dim_v)
+            return (kv_batch, self.heads_kv, kv_seq, self.head_dim_v)
         if tensor in ("o", "d_o"):
             return (self.batch, self.heads_q, self.seqlen_q, self.head_dim_v)
         if tensor == "stats":
             return (self.batch, self.heads_q, self.seqlen_q, 1)
-        raise _bad("tensor", tensor, "must be one of q, k, v, o, d_q, d_k, d_v, d_o, stats")
+        if tensor in ("bias", "d_bias"):
+            return (self.batch if self.bias[0] == "b" else 1, self.heads_q if self.bias[1] == "h" else 1,
+                    self.seqlen_q, self.seqlen_kv)
+        if tensor in ("sink", "d_sink"):
+            return (1, self.heads_q, 1, 1)
+        if tensor in _INDEX_TENSORS:
+            return _INDEX_TENSORS[tensor][0](self)
+        raise _bad("tensor", tensor, "must be one of q, k, v, o, d_q, d_k, d_v, d_o, stats or a feature's tensor")
+
+    @staticmethod
+    def tensor_dtype(tensor: str, dtype: str = "bf16") -> str:
+        """A tensor's element type: the config's dtype, "float32", "int32" or "int64"."""
+        if tensor in ("stats", "sink", "d_sink"):
+            return "float32"
+        if tensor in _INDEX_TENSORS:
+            return _INDEX_TENSORS[tensor][1]
+        return dtype
 
     def _strides_for(self, layout: str) -> tuple[tuple[int, ...], ...]:
         out = []
@@ -294,8 +444,13 @@ class AttentionConfig:
 
     def strides(self, tensor: str) -> tuple[int, int, int, int]:
         """Element strides of a tensor in (batch, head, seq, dim) order."""
-        if tensor == "stats":
-            return (self.heads_q * self.seqlen_q, self.seqlen_q, 1, 1)
+        if tensor in ("stats", "bias", "d_bias", "sink", "d_sink") or tensor in _INDEX_TENSORS:
+            shape = self.shape(tensor)  # contiguous
+            out, step = [], 1
+            for n in reversed(shape):
+                out.append(step)
+                step *= n
+            return tuple(reversed(out))
         base = tensor[2:] if tensor.startswith("d_") else tensor
         if base not in TENSORS:
             raise _bad("tensor", tensor, "must be one of q, k, v, o, d_q, d_k, d_v, d_o, stats")
@@ -303,7 +458,11 @@ class AttentionConfig:
         return table[TENSORS.index(base)]
 
     def storage_elements(self, tensor: str) -> int:
-        """Elements a buffer for the tensor must hold: 1 + the largest offset."""
+        """Elements a buffer for the tensor must hold: 1 + the largest offset (with
+        ragged, the packed tokens: max_tokens * heads * head_dim)."""
+        if self.ragged and tensor in ("q", "k", "v", "o", "d_q", "d_k", "d_v", "d_o"):
+            _, heads, _, dim = self.shape(tensor)
+            return (self.max_tokens_q if tensor[-1] in "qo" else self.max_tokens_kv) * heads * dim
         return 1 + sum((n - 1) * s for n, s in zip(self.shape(tensor), self.strides(tensor)))
 
     @property
@@ -316,10 +475,8 @@ class AttentionConfig:
     def to_dict(self) -> dict[str, Any]:
         """The canonical form, as plain JSON types."""
         d: dict[str, Any] = {f: getattr(self, f) for f in _FIELDS_ORDER}
-        # Features added after the first release appear only when used, so that the
-        # configs (and cache keys) of everything else stay what they were.
-        for name in _OPTIONAL_FEATURES:
-            if not d[name]:
+        for name, off in _OPTIONAL_FEATURES.items():
+            if d[name] == off:
                 del d[name]
         d["window"] = list(self.window)
         if not isinstance(self.layout, str):

@@ -205,4 +205,14 @@ def describe_config(cfg: AttentionConfig) -> str:
         extra.append("padded")
     if cfg.alibi:
         extra.append("alibi")
+    if cfg.ragged:
+        extra.append("packed")
+    if cfg.bias != "none":
+        extra.append(f"bias{cfg.bias}" + ("/grad" if cfg.bias_grad else ""))
+    if cfg.dropout:
+        extra.append(f"drop{cfg.dropout:.3g}")
+    if cfg.sinks:
+        extra.append("sinks")
+    if cfg.page_size:
+        extra.append(f"paged{cfg.page_size}x{cfg.num_pages}")
     return f"b{cfg.batch} {heads} {seq} {dims} " + " ".join(extra)

@@ -262,8 +262,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     seq_lens_q, seq_lens_kv: padding masks: int32 CUDA tensors of shape (batch,), each
       sequence's own query and key lengths (at most the tensors' sequence lengths; not
       checked, as that would synchronize); seq_lens_kv defaults to seq_lens_q. Queries
-      and keys past them are not read, and o (and in backward d_q, d_k, d_v) is zero
-      there. The masks apply within each sequence's lengths.
+      and keys past them are masked out, and o (and in backward d_q, d_k, d_v) is zero
+      there. The masks apply within each sequence's lengths. The padded rows of q, k,
+      v and the output gradient must hold finite values (zeros, or anything finite):
+      cuDNN multiplies them by zero, so NaN or Inf there (torch.empty can hold them)
+      leaks into the results.
     alibi: ALiBi position biases (slope[h] * (key - query) added after scaling, the
       ALiBi paper's slopes); cuDNN needs a causal mask (or a window's right bound at 0)
       with it.

@@ -101,7 +101,7 @@ class Tensor:
         self.cfg, self.name = cfg, name
         self.shape = cfg.shape(name)
         self.strides = cfg.strides(name)
-        self.is_stats = name == "stats"
+        self.is_stats = AttentionConfig.tensor_dtype(name) == "float32"  # stats, sink, d_sink
         self.np_dtype = np.float32 if self.is_stats else np.uint16
         self.count = cfg.storage_elements(name)
         self.buf = DeviceBuffer(self.count * np.dtype(self.np_dtype).itemsize)
@@ -163,6 +163,16 @@ def alibi_slopes(heads: int) -> np.ndarray:
 
 def reference(cfg: AttentionConfig, q, k, v, d_o=None):
     """Float64 attention: returns (o, stats, (d_q, d_k, d_v) or None)."""
+    r = reference_full(cfg, q, k, v, d_o)
+    return r["o"], r["stats"], ((r["d_q"], r["d_k"], r["d_v"]) if d_o is not None else None)
+
+
+def reference_full(cfg: AttentionConfig, q, k, v, d_o=None, *, bias=None, sink=None, keep=None) -> dict:
+    """Float64 attention with the features: bias (broadcastable to (b, hq, sq, skv),
+    added after scaling), sink ((hq,) logits in every softmax denominator), keep (the
+    dropout mask as 0/1, (b, hq, sq, skv), kept weights scaled by 1 / (1 - dropout)).
+    Returns o and stats, and with d_o also d_q, d_k, d_v, d_bias (summed to bias's
+    shape) and d_sink ((hq,))."""
     group = cfg.heads_q // cfg.heads_kv
     k_full = np.repeat(k, group, axis=1)
     v_full = np.repeat(v, group, axis=1)
@@ -171,25 +181,40 @@ def reference(cfg: AttentionConfig, q, k, v, d_o=None):
     if cfg.alibi:  # after the scale, before the mask, as cuDNN's graph adds it
         rel_pos = np.arange(cfg.seqlen_kv)[None, :] - np.arange(cfg.seqlen_q)[:, None]
         s = s + alibi_slopes(cfg.heads_q)[None, :, None, None] * rel_pos[None, None]
+    if bias is not None:
+        s = s + bias
     s = np.where(mask, s, -np.inf)
     m = s.max(axis=-1, keepdims=True)
+    if sink is not None:
+        m = np.maximum(m, sink[None, :, None, None])
     e = np.exp(s - m)
     l = e.sum(axis=-1, keepdims=True)
+    if sink is not None:
+        l = l + np.exp(sink[None, :, None, None] - m)
     p = e / l
-    o = np.einsum("bhqk,bhkd->bhqd", p, v_full)
-    stats = m + np.log(l)
+    drop = p if keep is None else p * keep / (1.0 - cfg.dropout)
+    o = np.einsum("bhqk,bhkd->bhqd", drop, v_full)
+    out = {"o": o, "stats": m + np.log(l)}
     if d_o is None:
-        return o, stats, None
-    dv_full = np.einsum("bhqk,bhqd->bhkd", p, d_o)
+        return out
+    dv_full = np.einsum("bhqk,bhqd->bhkd", drop, d_o)
     dp = np.einsum("bhqd,bhkd->bhqk", d_o, v_full)
+    if keep is not None:
+        dp = dp * keep / (1.0 - cfg.dropout)
     delta = (d_o * o).sum(axis=-1, keepdims=True)
     ds = p * (dp - delta)
-    dq = cfg.scale * np.einsum("bhqk,bhkd->bhqd", ds, k_full)
+    out["d_q"] = cfg.scale * np.einsum("bhqk,bhkd->bhqd", ds, k_full)
     dk_full = cfg.scale * np.einsum("bhqk,bhqd->bhkd", ds, q)
     b, _, skv, _ = k.shape
-    dk = dk_full.reshape(b, cfg.heads_kv, group, skv, cfg.head_dim_qk).sum(axis=2)
-    dv = dv_full.reshape(b, cfg.heads_kv, group, skv, cfg.head_dim_v).sum(axis=2)
-    return o, stats, (dq, dk, dv)
+    out["d_k"] = dk_full.reshape(b, cfg.heads_kv, group, skv, cfg.head_dim_qk).sum(axis=2)
+    out["d_v"] = dv_full.reshape(b, cfg.heads_kv, group, skv, cfg.head_dim_v).sum(axis=2)
+    if bias is not None:
+        axes = tuple(i for i in (0, 1) if bias.shape[i] == 1)
+        out["d_bias"] = ds.sum(axis=axes, keepdims=True)
+    if sink is not None:  # d stats / d sink = p_sink; o depends on it through 1 / l
+        p_sink = np.exp(sink[None, :, None, None] - m) / l
+        out["d_sink"] = -(p_sink * delta).sum(axis=(0, 2, 3))
+    return out
 
 
 def rel_error(out: np.ndarray, ref: np.ndarray) -> float:

@@ -1,6 +1,7 @@
 """AttentionConfig: validation of every field, canonical form, JSON round trip, strides."""
 
 import json
+import struct
 import math
 
 import numpy as np
@@ -100,7 +101,7 @@ def test_scale_default_explicit_and_invalid():
             cfg(scale=bad)
 
 
-@pytest.mark.parametrize("field", ["training", "deterministic", "padding", "alibi"])
+@pytest.mark.parametrize("field", ["training", "deterministic", "padding", "alibi", "ragged", "sinks", "bias_grad"])
 @pytest.mark.parametrize("bad", [1, 0, "true", "false", None])
 def test_bool_fields_must_be_bool(field, bad):
     with pytest.raises(InvalidArgumentError, match=rf"^{field}="):
@@ -188,6 +189,9 @@ VARIANTS = [
                 "v": (3 * 128 * 8 * 64, 64, 3 * 8 * 64, 1), "o": cfg().strides("o")}),
     cfg(window=(10, 5)),
     cfg(padding=True, mask="causal_bottom_right", seqlen_kv=200, training=True),
+    cfg(padding=True, ragged=True, max_tokens_q=200, training=True),
+    cfg(bias="1hss", bias_grad=True, training=True, dropout=0.1, sinks=True),
+    cfg(seqlen_q=1, seqlen_kv=300, padding=True, page_size=64, num_pages=12),
 ]
 
 
@@ -214,6 +218,86 @@ def test_features_appear_in_the_canonical_form_only_when_used():
     # So that adding a feature leaves the keys of every config without it unchanged.
     assert "padding" not in cfg().to_dict() and cfg(padding=True).to_dict()["padding"] is True
     assert cfg(padding=True) != cfg() and AttentionConfig.from_dict(cfg().to_dict()).padding is False
+
+
+def test_every_feature_stays_out_of_the_canonical_form_when_off():
+    assert set(cfg().to_dict()) == {"batch", "deterministic", "dtype", "head_dim_qk", "head_dim_v", "heads_kv",
+                                    "heads_q", "layout", "mask", "scale", "seqlen_kv", "seqlen_q", "training",
+                                    "window"}
+    assert cfg(dropout=0.0, bias="none", page_size=0, max_tokens_q=None) == cfg()
+
+
+# -- the features' fields -----------------------------------------------------------------
+
+
+def test_ragged_needs_padding_and_packed_tokens():
+    with pytest.raises(InvalidArgumentError, match=r"^ragged=True: needs padding=True"):
+        cfg(ragged=True)
+    with pytest.raises(InvalidArgumentError, match=r"^layout='bhsd': ragged"):
+        cfg(padding=True, ragged=True, layout="bhsd")
+    c = cfg(padding=True, ragged=True)
+    assert (c.max_tokens_q, c.max_tokens_kv) == (2 * 128, 2 * 128)  # default: every sequence at its longest
+    assert c.storage_elements("q") == 256 * 8 * 64 and c.shape("ragged_q") == (3,)
+    c = cfg(padding=True, ragged=True, max_tokens_q=100, seqlen_kv=50, heads_kv=2, max_tokens_kv=7)
+    assert c.storage_elements("o") == 100 * 8 * 64 and c.storage_elements("v") == 7 * 2 * 64
+
+
+@pytest.mark.parametrize("field,value,why", [
+    ("max_tokens_q", 0, "must be >= 1"),
+    ("max_tokens_q", 257, "exceeds batch \\* seqlen = 256"),
+    ("max_tokens_kv", "9", "must be an integer"),
+])
+def test_max_tokens_validation(field, value, why):
+    with pytest.raises(InvalidArgumentError, match=rf"^{field}={value!r}: {why}"):
+        cfg(padding=True, ragged=True, **{field: value})
+    with pytest.raises(InvalidArgumentError, match=rf"^{field}=5: applies only to ragged=True"):
+        cfg(**{field: 5})
+
+
+def test_bias_shapes_and_validation():
+    c = cfg(batch=3, heads_q=4, heads_kv=4, seqlen_q=10, seqlen_kv=20, bias="b1ss")
+    assert c.shape("bias") == (3, 1, 10, 20) and c.strides("bias") == (200, 200, 20, 1)
+    assert cfg(bias="1hss").shape("d_bias") == (1, 8, 128, 128) and cfg(bias="11ss").shape("bias")[:2] == (1, 1)
+    assert cfg(bias="bhss").shape("bias") == (2, 8, 128, 128)
+    for bad in ("1h", "BHSS", None, 3):
+        with pytest.raises(InvalidArgumentError, match=r"^bias=.*: must be one of"):
+            cfg(bias=bad)
+    with pytest.raises(InvalidArgumentError, match=r"^bias_grad=True: needs a bias and training=True"):
+        cfg(bias="1hss", bias_grad=True)
+    with pytest.raises(InvalidArgumentError, match=r"^bias_grad=True: needs a bias"):
+        cfg(bias_grad=True, training=True)
+
+
+@pytest.mark.parametrize("bad", [-0.1, 1.0, 2, float("nan"), "0.1", True, None])
+def test_dropout_must_be_a_probability_below_one(bad):
+    with pytest.raises(InvalidArgumentError, match=r"^dropout="):
+        cfg(dropout=bad)
+
+
+def test_dropout_is_stored_as_the_float32_cudnn_uses():
+    assert cfg(dropout=0.1).dropout == struct.unpack("f", struct.pack("f", 0.1))[0]
+    assert cfg(dropout=0.1).shape("seed") == (1,) and AttentionConfig.tensor_dtype("offset") == "int64"
+
+
+def test_sinks_tensor():
+    c = cfg(sinks=True, training=True)
+    assert c.shape("sink") == (1, 8, 1, 1) == c.shape("d_sink") and c.tensor_dtype("d_sink") == "float32"
+
+
+def test_paged_kv_cache_fields():
+    c = cfg(batch=3, seqlen_q=1, seqlen_kv=300, padding=True, page_size=64)
+    assert c.pages_per_sequence == 5 and c.num_pages == 15  # default: every sequence at its longest
+    assert c.shape("k") == (15, 8, 64, 64) and c.shape("page_table_v") == (3, 1, 5, 1)
+    assert c.strides("k") == (64 * 8 * 64, 64, 8 * 64, 1)  # bshd pages: (page, token, head, dim)
+    assert c.tensor_dtype("page_table_k") == "int32" and c.shape("q") == (3, 8, 1, 64)
+    with pytest.raises(InvalidArgumentError, match=r"^page_size=64: a paged KV cache is forward only"):
+        cfg(page_size=64, padding=True, training=True)
+    with pytest.raises(InvalidArgumentError, match=r"^page_size=-1: must be >= 0"):
+        cfg(page_size=-1)
+    with pytest.raises(InvalidArgumentError, match=r"^num_pages=4: applies only to a paged KV cache"):
+        cfg(num_pages=4)
+    with pytest.raises(InvalidArgumentError, match=r"^num_pages=0: must be >= 1"):
+        cfg(page_size=16, num_pages=0)
 
 
 def test_equivalent_spellings_give_one_canonical_form():

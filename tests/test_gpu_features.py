@@ -2,10 +2,18 @@
 
 Padding masks (config.padding): each sequence of the batch has its own lengths, given
 at run time. Checked against a reference computed on each sequence alone, with its own
-lengths; every padded query row, key and value, and output gradient row holds NaN, so a
-kernel that reads one produces NaN where the test looks.
+lengths. Every padded query row, key and value, and output gradient row holds large
+finite garbage, so a kernel that lets one count changes the results where the test
+looks. (Not NaN: cuDNN reads the padded rows of its last tile and multiplies them by
+zero, so NaN there leaks into o and the gradients; measured on the H200 in run s3-2,
+see docs/BENCHMARKS.md. The padded rows must hold finite values, as documented.)
+The outputs start as NaN, and cuDNN writes zero to their padded rows.
 
-ALiBi (config.alibi): slope[h] * (j - i) added to the scaled scores."""
+ALiBi (config.alibi): slope[h] * (j - i) added to the scaled scores.
+
+Packed sequences (ragged), bias and its gradient, dropout, sinks and a paged KV
+cache: each against a float64 reference (gpu_helpers.reference_full) on fresh random
+inputs."""
 
 import itertools
 
@@ -15,7 +23,8 @@ import pytest
 import fastattn
 from fastattn import AttentionConfig
 
-from gpu_helpers import DeviceBuffer, Tensor, alibi_slopes, random_inputs, reference, rel_error, synchronize
+from gpu_helpers import (DeviceBuffer, Tensor, alibi_slopes, from_raw, quantize, random_inputs, reference, reference_full,
+                         rel_error, synchronize, to_raw)
 
 pytestmark = pytest.mark.gpu
 
@@ -31,10 +40,11 @@ def int32_buffer(values) -> DeviceBuffer:
     return buf
 
 
-def with_nan_padding(x: np.ndarray, lengths, axis_len: int) -> np.ndarray:
+def with_garbage_padding(x: np.ndarray, lengths, axis_len: int, rng: np.random.Generator) -> np.ndarray:
+    """Large finite values past each sequence's length (fp16 and bf16 hold them)."""
     x = x.copy()
     for b, n in enumerate(lengths):
-        x[b, :, n:axis_len] = np.nan
+        x[b, :, n:axis_len] = rng.uniform(-3e4, 3e4, size=x[b, :, n:axis_len].shape)
     return x
 
 
@@ -47,10 +57,11 @@ def test_each_sequence_matches_float64_on_its_own_lengths(dtype, mask, layout):
     plan = fastattn.plan(cfg)
     q, k, v, d_o = random_inputs(cfg, np.random.default_rng(7), backward=True)
     t = {n: Tensor(cfg, n) for n in ("q", "k", "v", "o", "stats", "d_o", "d_q", "d_k", "d_v")}
-    t["q"].write(with_nan_padding(q, SEQ_Q, cfg.seqlen_q))
-    t["k"].write(with_nan_padding(k, SEQ_KV, cfg.seqlen_kv))
-    t["v"].write(with_nan_padding(v, SEQ_KV, cfg.seqlen_kv))
-    t["d_o"].write(with_nan_padding(d_o, SEQ_Q, cfg.seqlen_q))
+    rng = np.random.default_rng(8)
+    t["q"].write(with_garbage_padding(q, SEQ_Q, cfg.seqlen_q, rng))
+    t["k"].write(with_garbage_padding(k, SEQ_KV, cfg.seqlen_kv, rng))
+    t["v"].write(with_garbage_padding(v, SEQ_KV, cfg.seqlen_kv, rng))
+    t["d_o"].write(with_garbage_padding(d_o, SEQ_Q, cfg.seqlen_q, rng))
     seq_q, seq_kv = int32_buffer(SEQ_Q), int32_buffer(SEQ_KV)
     ws = DeviceBuffer(plan.workspace_size)
     plan.forward(t["q"].ptr, t["k"].ptr, t["v"].ptr, t["o"].ptr, stats=t["stats"].ptr, workspace=ws.ptr,
@@ -72,6 +83,8 @@ def test_each_sequence_matches_float64_on_its_own_lengths(dtype, mask, layout):
         }
         assert errors["o"] < FWD_TOL[dtype] and errors["stats"] < 1e-3, (b, errors)
         assert max(errors[n] for n in ("d_q", "d_k", "d_v")) < BWD_TOL[dtype], (b, errors)
+        for name, length in (("o", lq), ("d_q", lq), ("d_k", lk), ("d_v", lk)):
+            assert np.all(out[name][b, :, length:] == 0), (b, name)  # written, and zero
 
 
 def test_lengths_are_required_by_a_padding_plan_and_refused_by_others():
@@ -161,3 +174,267 @@ def test_an_alibi_plan_reloaded_from_its_blob_gives_the_same_bits():
         synchronize()
         outs.append(t["o"].raw())
     assert outs[0] == outs[1]
+
+
+# -- packed sequences (THD) ---------------------------------------------------------------
+
+SLACK = 64  # garbage tokens after the packed ones: a kernel that reads or writes past them shows
+
+
+def packed_buffer(seqs, dtype, rng) -> DeviceBuffer:
+    """Sequences of (1, h, n, d) values packed token after token as (tokens, h, d), then
+    SLACK tokens of finite garbage."""
+    h, d = seqs[0].shape[1], seqs[0].shape[3]
+    rows = [x[0].transpose(1, 0, 2) for x in seqs] + [rng.uniform(-3e4, 3e4, size=(SLACK, h, d))]
+    raw = to_raw(np.concatenate(rows), dtype)
+    buf = DeviceBuffer(raw.nbytes)
+    buf.upload(raw)
+    return buf
+
+
+def unpack(buf: DeviceBuffer, lengths, h, d, dtype):
+    """(per-sequence (1, h, n, d) values, the SLACK tokens after them) of a packed buffer."""
+    total = sum(lengths) + SLACK
+    flat = from_raw(buf.download(np.uint16, total * h * d), dtype).reshape(total, h, d)
+    starts = np.cumsum([0] + list(lengths))
+    seqs = [flat[a:b].transpose(1, 0, 2)[None] for a, b in zip(starts[:-1], starts[1:])]
+    return seqs, flat[starts[-1]:]
+
+
+def offsets_buffer(lengths, per_token) -> DeviceBuffer:
+    return int32_buffer(np.cumsum([0] + list(lengths)) * per_token)
+
+
+def empty_packed(lengths, h, d) -> DeviceBuffer:
+    buf = DeviceBuffer((sum(lengths) + SLACK) * h * d * 2)
+    buf.poison()
+    return buf
+
+
+@pytest.mark.parametrize("dtype,mask", list(itertools.product(("fp16", "bf16"), ("none", "causal"))))
+def test_packed_sequences_match_float64_each_on_its_own(dtype, mask):
+    hq, hkv, d = 4, 2, 128
+    cfg = AttentionConfig(batch=3, heads_q=hq, heads_kv=hkv, seqlen_q=max(SEQ_Q), seqlen_kv=max(SEQ_KV), head_dim_qk=d,
+                          dtype=dtype, mask=mask, padding=True, ragged=True, training=True,
+                          max_tokens_q=sum(SEQ_Q), max_tokens_kv=sum(SEQ_KV))
+    result = fastattn.probe(cfg)
+    assert result.supported, result.reason
+    plan = fastattn.plan(cfg)
+    rng = np.random.default_rng(21)
+    ins = {"q": [], "k": [], "v": [], "d_o": []}
+    for lq, lk in zip(SEQ_Q, SEQ_KV):
+        ins["q"].append(quantize(rng.standard_normal((1, hq, lq, d)), dtype))
+        ins["d_o"].append(quantize(rng.standard_normal((1, hq, lq, d)), dtype))
+        ins["k"].append(quantize(rng.standard_normal((1, hkv, lk, d)), dtype))
+        ins["v"].append(quantize(rng.standard_normal((1, hkv, lk, d)), dtype))
+    bufs = {n: packed_buffer(x, dtype, rng) for n, x in ins.items()}
+    lens = {"q": SEQ_Q, "o": SEQ_Q, "d_q": SEQ_Q, "k": SEQ_KV, "v": SEQ_KV, "d_k": SEQ_KV, "d_v": SEQ_KV}
+    heads = {"q": hq, "o": hq, "d_q": hq, "k": hkv, "v": hkv, "d_k": hkv, "d_v": hkv}
+    for n in ("o", "d_q", "d_k", "d_v"):
+        bufs[n] = empty_packed(lens[n], heads[n], d)
+    offs = {n: offsets_buffer(lens[n], heads[n] * d) for n in ("q", "k", "v", "o")}
+    ragged = {f"ragged_{n}": offs[n].ptr for n in offs}
+    stats = Tensor(cfg, "stats")
+    seq_q, seq_kv = int32_buffer(SEQ_Q), int32_buffer(SEQ_KV)
+    ws = DeviceBuffer(plan.workspace_size)
+    plan.forward(bufs["q"].ptr, bufs["k"].ptr, bufs["v"].ptr, bufs["o"].ptr, stats=stats.ptr, workspace=ws.ptr,
+                 seq_len_q=seq_q.ptr, seq_len_kv=seq_kv.ptr, **ragged)
+    plan.backward(bufs["q"].ptr, bufs["k"].ptr, bufs["v"].ptr, bufs["o"].ptr, bufs["d_o"].ptr, stats.ptr,
+                  bufs["d_q"].ptr, bufs["d_k"].ptr, bufs["d_v"].ptr, workspace=ws.ptr, seq_len_q=seq_q.ptr,
+                  seq_len_kv=seq_kv.ptr, **ragged)
+    synchronize()
+    out, after = {}, {}
+    for n in ("o", "d_q", "d_k", "d_v"):
+        out[n], after[n] = unpack(bufs[n], lens[n], heads[n], d, dtype)
+    st = stats.read()
+    for b, (lq, lk) in enumerate(zip(SEQ_Q, SEQ_KV)):
+        one = AttentionConfig(batch=1, heads_q=hq, heads_kv=hkv, seqlen_q=lq, seqlen_kv=lk, head_dim_qk=d,
+                              dtype=dtype, mask=mask)
+        ref = reference_full(one, ins["q"][b], ins["k"][b], ins["v"][b], ins["d_o"][b])
+        errors = {n: rel_error(out[n][b], ref[n]) for n in ("o", "d_q", "d_k", "d_v")}
+        errors["stats"] = rel_error(st[b:b + 1, :, :lq], ref["stats"])
+        assert errors["o"] < FWD_TOL[dtype] and errors["stats"] < 1e-3, (b, errors)
+        assert max(errors[n] for n in ("d_q", "d_k", "d_v")) < BWD_TOL[dtype], (b, errors)
+    for n in ("o", "d_q", "d_k", "d_v"):  # nothing written past the packed tokens
+        assert np.all(np.isnan(after[n])), f"{n}: cuDNN wrote past the last sequence's tokens"
+
+
+def test_a_ragged_plan_needs_its_offsets():
+    cfg = AttentionConfig(batch=2, heads_q=4, seqlen_q=64, head_dim_qk=64, padding=True, ragged=True)
+    plan = fastattn.plan(cfg)
+    t = {n: DeviceBuffer(cfg.storage_elements(n) * 2) for n in ("q", "k", "v", "o")}
+    lengths = int32_buffer([64, 64])
+    ws = DeviceBuffer(plan.workspace_size)
+    with pytest.raises(fastattn.InvalidArgumentError, match="ragged_q is a null pointer"):
+        plan.forward(t["q"].ptr, t["k"].ptr, t["v"].ptr, t["o"].ptr, workspace=ws.ptr, seq_len_q=lengths.ptr,
+                     seq_len_kv=lengths.ptr)
+
+
+# -- bias and its gradient --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape", ("11ss", "1hss", "b1ss", "bhss"))
+def test_bias_and_its_gradient_match_float64(shape):
+    dtype = "fp16"
+    cfg = AttentionConfig(batch=2, heads_q=4, heads_kv=2, seqlen_q=130, seqlen_kv=200, head_dim_qk=64, dtype=dtype,
+                          mask="causal", bias=shape, training=True, bias_grad=True)
+    result = fastattn.probe(cfg)
+    if not result.supported:  # cuDNN's d_bias covers fewer shapes than its bias: then the bias alone
+        assert "bias" in result.reason.lower(), result.reason
+        cfg = cfg.replace(bias_grad=False)
+        result = fastattn.probe(cfg)
+    assert result.supported, result.reason
+    plan = fastattn.plan(cfg)
+    rng = np.random.default_rng(31)
+    q, k, v, d_o = random_inputs(cfg, rng, backward=True)
+    bias = quantize(rng.standard_normal(cfg.shape("bias")), dtype)
+    names = ("q", "k", "v", "o", "stats", "d_o", "d_q", "d_k", "d_v", "bias") + (("d_bias",) if cfg.bias_grad else ())
+    t = {n: Tensor(cfg, n) for n in names}
+    for n, x in (("q", q), ("k", k), ("v", v), ("d_o", d_o), ("bias", bias)):
+        t[n].write(x)
+    ws = DeviceBuffer(plan.workspace_size)
+    plan.forward(t["q"].ptr, t["k"].ptr, t["v"].ptr, t["o"].ptr, stats=t["stats"].ptr, workspace=ws.ptr,
+                 bias=t["bias"].ptr)
+    plan.backward(t["q"].ptr, t["k"].ptr, t["v"].ptr, t["o"].ptr, t["d_o"].ptr, t["stats"].ptr, t["d_q"].ptr,
+                  t["d_k"].ptr, t["d_v"].ptr, workspace=ws.ptr, bias=t["bias"].ptr,
+                  d_bias=t["d_bias"].ptr if cfg.bias_grad else 0)
+    synchronize()
+    ref = reference_full(cfg, q, k, v, d_o, bias=bias)
+    grads = ("d_q", "d_k", "d_v") + (("d_bias",) if cfg.bias_grad else ())
+    errors = {n: rel_error(t[n].read(), ref[n]) for n in ("o", "stats") + grads}
+    assert errors["o"] < FWD_TOL[dtype] and errors["stats"] < 1e-3, errors
+    assert max(errors[n] for n in grads) < BWD_TOL[dtype], errors
+    if shape == "1hss":  # TransformerEngine's usual shape: its gradient must exist
+        assert cfg.bias_grad
+
+
+# -- attention sinks ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype,mask", list(itertools.product(("fp16", "bf16"), ("none", "causal"))))
+def test_sinks_and_their_gradient_match_float64(dtype, mask):
+    cfg = AttentionConfig(batch=2, heads_q=8, heads_kv=2, seqlen_q=150, seqlen_kv=150, head_dim_qk=64, dtype=dtype,
+                          mask=mask, sinks=True, training=True)
+    result = fastattn.probe(cfg)
+    assert result.supported, result.reason
+    plan = fastattn.plan(cfg)
+    rng = np.random.default_rng(41)
+    q, k, v, d_o = random_inputs(cfg, rng, backward=True)
+    sink = rng.standard_normal(cfg.heads_q).astype(np.float32).astype(np.float64) + 1.0
+    t = {n: Tensor(cfg, n) for n in ("q", "k", "v", "o", "stats", "d_o", "d_q", "d_k", "d_v", "sink", "d_sink")}
+    for n, x in (("q", q), ("k", k), ("v", v), ("d_o", d_o), ("sink", sink.reshape(1, -1, 1, 1))):
+        t[n].write(x)
+    ws = DeviceBuffer(plan.workspace_size)
+    plan.forward(t["q"].ptr, t["k"].ptr, t["v"].ptr, t["o"].ptr, stats=t["stats"].ptr, workspace=ws.ptr,
+                 sink=t["sink"].ptr)
+    plan.backward(t["q"].ptr, t["k"].ptr, t["v"].ptr, t["o"].ptr, t["d_o"].ptr, t["stats"].ptr, t["d_q"].ptr,
+                  t["d_k"].ptr, t["d_v"].ptr, workspace=ws.ptr, sink=t["sink"].ptr, d_sink=t["d_sink"].ptr)
+    synchronize()
+    ref = reference_full(cfg, q, k, v, d_o, sink=sink)
+    errors = {n: rel_error(t[n].read(), ref[n]) for n in ("o", "stats", "d_q", "d_k", "d_v")}
+    errors["d_sink"] = rel_error(t["d_sink"].read().reshape(-1), ref["d_sink"])
+    assert errors["o"] < FWD_TOL[dtype] and errors["stats"] < 1e-3, errors
+    assert max(errors[n] for n in ("d_q", "d_k", "d_v", "d_sink")) < BWD_TOL[dtype], errors
+
+
+# -- dropout ----------------------------------------------------------------------------------------
+
+
+def int64_buffer(value: int) -> DeviceBuffer:
+    buf = DeviceBuffer(16)
+    buf.upload(np.array([value, 0], dtype=np.int64))
+    return buf
+
+
+def test_dropout_drops_at_its_rate_with_one_mask_for_forward_and_backward():
+    # With v[j] the one-hot vector e_j (seqlen_kv <= head_dim_v), o[i, j] is the dropped
+    # and rescaled weight p[i, j] * keep[i, j] / (1 - p): the forward shows its mask.
+    dtype, rate = "fp16", 0.25
+    cfg = AttentionConfig(batch=2, heads_q=4, heads_kv=2, seqlen_q=128, seqlen_kv=64, head_dim_qk=64, dtype=dtype,
+                          dropout=rate, training=True)
+    result = fastattn.probe(cfg)
+    assert result.supported, result.reason
+    plan = fastattn.plan(cfg)
+    rng = np.random.default_rng(51)
+    q, k, v, d_o = random_inputs(cfg, rng, backward=True)
+    t = {n: Tensor(cfg, n) for n in ("q", "k", "v", "o", "stats", "d_o", "d_q", "d_k", "d_v")}
+    for n, x in (("q", q), ("k", k), ("d_o", d_o)):
+        t[n].write(x)
+    ws = DeviceBuffer(plan.workspace_size)
+    seed, offset = int64_buffer(1234), int64_buffer(7)
+
+    def forward(values, seed_buf):
+        t["v"].write(values)
+        plan.forward(t["q"].ptr, t["k"].ptr, t["v"].ptr, t["o"].ptr, stats=t["stats"].ptr, workspace=ws.ptr,
+                     seed=seed_buf.ptr, offset=offset.ptr)
+        synchronize()
+        return t["o"].read()
+
+    one_hot = np.broadcast_to(np.eye(cfg.seqlen_kv, cfg.head_dim_v), cfg.shape("v")).copy()
+    keep = (forward(one_hot, seed)[..., :cfg.seqlen_kv] != 0).astype(np.float64)
+    n = keep.size
+    dropped = 1.0 - keep.mean()
+    assert abs(dropped - rate) < 5 * np.sqrt(rate * (1 - rate) / n), dropped
+    ref = reference_full(cfg, q, k, one_hot, keep=keep)
+    assert rel_error(t["o"].read(), ref["o"]) < FWD_TOL[dtype]
+    assert not np.array_equal(keep, forward(one_hot, int64_buffer(99))[..., :cfg.seqlen_kv] != 0)  # the seed counts
+
+    o = forward(v, seed)  # the same seed and offset: the same mask, whatever v holds
+    plan.backward(t["q"].ptr, t["k"].ptr, t["v"].ptr, t["o"].ptr, t["d_o"].ptr, t["stats"].ptr, t["d_q"].ptr,
+                  t["d_k"].ptr, t["d_v"].ptr, workspace=ws.ptr, seed=seed.ptr, offset=offset.ptr)
+    synchronize()
+    ref = reference_full(cfg, q, k, v, d_o, keep=keep)
+    errors = {"o": rel_error(o, ref["o"])}
+    errors.update({n: rel_error(t[n].read(), ref[n]) for n in ("d_q", "d_k", "d_v")})
+    assert errors["o"] < FWD_TOL[dtype], errors
+    assert max(errors[n] for n in ("d_q", "d_k", "d_v")) < BWD_TOL[dtype], errors
+
+
+# -- paged KV cache -------------------------------------------------------------------------------
+
+KV_LENS = (100, 257, 33)
+
+
+@pytest.mark.parametrize("q_lens,mask", [((1, 1, 1), "none"), ((32, 20, 32), "causal_bottom_right")],
+                         ids=["decode", "prefill"])
+def test_paged_kv_equals_the_same_kv_laid_out_densely(q_lens, mask):
+    dtype, hq, hkv, d, page = "bf16", 8, 2, 128, 64
+    cfg = AttentionConfig(batch=3, heads_q=hq, heads_kv=hkv, seqlen_q=max(q_lens), seqlen_kv=max(KV_LENS),
+                          head_dim_qk=d, dtype=dtype, mask=mask, padding=True, page_size=page, num_pages=20)
+    result = fastattn.probe(cfg)
+    assert result.supported, result.reason
+    plan = fastattn.plan(cfg)
+    rng = np.random.default_rng(61)
+    q = quantize(rng.standard_normal(cfg.shape("q")), dtype)
+    # The pool's pages in a random order, and finite garbage in the ones no sequence uses.
+    pool_k = quantize(rng.uniform(-3e4, 3e4, size=cfg.shape("k")), dtype)
+    pool_v = quantize(rng.uniform(-3e4, 3e4, size=cfg.shape("v")), dtype)
+    order = rng.permutation(cfg.num_pages)
+    table = np.zeros((cfg.batch, cfg.pages_per_sequence), dtype=np.int32)
+    dense_k, dense_v = [], []
+    for b, n in enumerate(KV_LENS):
+        k_b = quantize(rng.standard_normal((1, hkv, n, d)), dtype)
+        v_b = quantize(rng.standard_normal((1, hkv, n, d)), dtype)
+        dense_k.append(k_b)
+        dense_v.append(v_b)
+        for i in range(-(-n // page)):
+            p = order[b * cfg.pages_per_sequence + i]
+            table[b, i] = p
+            rows = slice(i * page, min(n, (i + 1) * page))
+            pool_k[p, :, :rows.stop - rows.start] = k_b[0, :, rows]
+            pool_v[p, :, :rows.stop - rows.start] = v_b[0, :, rows]
+    t = {n: Tensor(cfg, n) for n in ("q", "k", "v", "o")}
+    for n, x in (("q", q), ("k", pool_k), ("v", pool_v)):
+        t[n].write(x)
+    tables = int32_buffer(table.reshape(-1))
+    seq_q, seq_kv = int32_buffer(q_lens), int32_buffer(KV_LENS)
+    ws = DeviceBuffer(plan.workspace_size)
+    plan.forward(t["q"].ptr, t["k"].ptr, t["v"].ptr, t["o"].ptr, workspace=ws.ptr, seq_len_q=seq_q.ptr,
+                 seq_len_kv=seq_kv.ptr, page_table_k=tables.ptr, page_table_v=tables.ptr)
+    synchronize()
+    o = t["o"].read()
+    for b, (lq, lk) in enumerate(zip(q_lens, KV_LENS)):
+        one = AttentionConfig(batch=1, heads_q=hq, heads_kv=hkv, seqlen_q=lq, seqlen_kv=lk, head_dim_qk=d, dtype=dtype,
+                              mask=mask)
+        ref = reference_full(one, q[b:b + 1, :, :lq], dense_k[b], dense_v[b])
+        assert rel_error(o[b:b + 1, :, :lq], ref["o"]) < FWD_TOL[dtype], b

@@ -10,10 +10,15 @@ on the device (synchronized):
   fastattn warm + preload   the same, with fastattn.preload(configs, threads=8) first
   torch cudnn     torch.nn.functional.scaled_dot_product_attention, cuDNN backend
   torch flash     the same, flash backend
-  fastattn cold/warm padded   one padding plan for the longest shape serves all 8
-                  (experimental; see child_padded)
+  fastattn cold/warm padded   one padding plan (config.padding=True) built for the
+                  longest shape serves all 8, each call given its sequence's length;
+                  buffers have the longest shape; outputs checked against PyTorch SDPA
+                  after the clock stops (see child_padded)
 
-each forward only and forward+backward. Usage:
+each forward only and forward+backward. After the clock stops, fastattn warm and
+fastattn warm padded (forward) also time 20 back-to-back calls per shape (steady ms per
+call: what serving length s from the 4096-long padded plan costs vs a plan of length s).
+Usage:
 
     python tools/bench_coldstart.py [--json out.json]     # on the GPU
     python tools/bench_coldstart.py --plot out.json --png chart.png   # anywhere, needs matplotlib
@@ -33,12 +38,61 @@ SEQLENS = (256, 512, 768, 1024, 1536, 2048, 3072, 4096)
 HEADS, HEAD_DIM = 32, 128
 
 
+def _forward_call(p, q, k, v, o, ws, stream: int, seq_len: int = 0):
+    """One forward of plan p on the given buffers, as the timed call made it (seq_len: the
+    int32 device length a padding plan takes; 0 for a dense plan)."""
+    ptrs = (q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr())
+    wsp = ws.data_ptr()
+    return lambda: p.forward(*ptrs, workspace=wsp, stream=stream, seq_len_q=seq_len, seq_len_kv=seq_len)
+
+
+def _steady_ms(call, warmup: int = 3, iters: int = 20) -> float:
+    """GPU ms per call of `call`, back to back on the current stream (the timed calls' stream)."""
+    import torch
+
+    for _ in range(warmup):
+        call()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    # The GPU spins (~5 ms) while the host queues the calls: the events then time the
+    # kernels back to back, not the launch gaps a short kernel would leave.
+    torch.cuda._sleep(10_000_000)
+    start.record()
+    for _ in range(iters):
+        call()
+    end.record()
+    end.synchronize()
+    return round(start.elapsed_time(end) / iters, 4)
+
+
+def _sdpa_reference(q, k, v, d_o=None) -> list:
+    """Float32 PyTorch SDPA (math backend, causal) on bshd bf16 slices: [o] or [o, dq, dk, dv], bshd."""
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    # SDPA takes (b, h, s, d); leaves of their own so that backward fills .grad.
+    q32, k32, v32 = (x.float().transpose(1, 2).detach().requires_grad_(d_o is not None) for x in (q, k, v))
+    with sdpa_kernel(SDPBackend.MATH):
+        o = torch.nn.functional.scaled_dot_product_attention(q32, k32, v32, is_causal=True)
+    if d_o is None:
+        return [o.transpose(1, 2)]
+    o.backward(d_o.float().transpose(1, 2))
+    return [o.detach().transpose(1, 2)] + [x.grad.transpose(1, 2) for x in (q32, k32, v32)]
+
+
+def _rel_error(out, ref) -> float:
+    """||out - ref|| / ||ref||, Frobenius, in float64."""
+    out, ref = out.double(), ref.double()
+    return ((out - ref).norm() / ref.norm()).item()
+
+
 def child_padded(variant: str, backward: bool) -> dict:
     """One padding plan (config.padding) built for the longest shape serves all 8: each
-    call passes its sequence's length. Buffers are views into longest-shape buffers,
+    call passes its sequence's length. q, k, v and d_o are longest-shape buffers
     allocated before the clock starts, so that rows past a sequence's length are
-    memory the plan may touch. Experimental (issue 3 idea): needs the padding
-    feature's GPU tests to pass first."""
+    memory the plan may touch (finite values: cuDNN reads the padded rows of its last
+    tile). After the clock stops, each shape's outputs are checked against PyTorch SDPA
+    on the dense slices, and (warm, forward) the steady cost per call is timed."""
     import torch
 
     torch.cuda.init()
@@ -53,6 +107,7 @@ def child_padded(variant: str, backward: bool) -> dict:
     cfg = fastattn.AttentionConfig(batch=1, heads_q=HEADS, seqlen_q=smax, head_dim_qk=HEAD_DIM, dtype="bf16",
                                    layout="bshd", mask="causal", training=backward, padding=True)
     stream = torch.cuda.current_stream().cuda_stream
+    outs = []  # per shape: o (and dq, dk, dv), kept for the check after the clock
     for s in SEQLENS:
         p = fastattn.plan(cfg)
         o = torch.empty_like(q)
@@ -66,12 +121,49 @@ def child_padded(variant: str, backward: bool) -> dict:
             p.backward(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), d_o.data_ptr(), stats.data_ptr(),
                        dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), workspace=ws.data_ptr(), stream=stream,
                        seq_len_q=n, seq_len_kv=n)
+            outs.append((o, dq, dk, dv))
         else:
             p.forward(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), workspace=ws.data_ptr(),
                       stream=stream, seq_len_q=n, seq_len_kv=n)
+            outs.append((o,))
     torch.cuda.synchronize()
+    elapsed = time.perf_counter() - t0
     st = fastattn.stats()
-    return {"seconds": time.perf_counter() - t0, "builds": st["builds"], "disk_hits": st["disk_hits"]}
+    res = {"seconds": elapsed, "builds": st["builds"], "disk_hits": st["disk_hits"]}
+
+    # The clock has stopped. Correctness: rows [:, :s] against float32 SDPA on the dense
+    # slices, with the same d_o rows as upstream gradient. Rows past s must be exactly
+    # zero; fresh device memory often is zero already, so that is also checked on a
+    # re-run into NaN-filled outputs (same plan, inputs, lengths, workspace, stream).
+    # (p and ws are the last shape's: one config, so one plan and one workspace size.)
+    names = ("o", "dq", "dk", "dv") if backward else ("o",)
+    max_err, zero = 0.0, dict.fromkeys(names, True)
+    for s, timed in zip(SEQLENS, outs):
+        n = lengths[s].data_ptr()
+        again = [torch.full_like(q, float("nan")) for _ in names]
+        if backward:
+            stats = torch.empty(1, HEADS, smax, 1, dtype=torch.float32, device="cuda")
+            p.forward(q.data_ptr(), k.data_ptr(), v.data_ptr(), again[0].data_ptr(), stats=stats.data_ptr(),
+                      workspace=ws.data_ptr(), stream=stream, seq_len_q=n, seq_len_kv=n)
+            p.backward(q.data_ptr(), k.data_ptr(), v.data_ptr(), again[0].data_ptr(), d_o.data_ptr(),
+                       stats.data_ptr(), again[1].data_ptr(), again[2].data_ptr(), again[3].data_ptr(),
+                       workspace=ws.data_ptr(), stream=stream, seq_len_q=n, seq_len_kv=n)
+        else:
+            _forward_call(p, q, k, v, again[0], ws, stream, n)()
+        ref = _sdpa_reference(q[:, :s], k[:, :s], v[:, :s], d_o[:, :s] if backward else None)
+        for name, out, rerun, r in zip(names, timed, again, ref):
+            max_err = max(max_err, _rel_error(out[:, :s], r))
+            # != 0 so that NaN (an unwritten row of the re-run) counts as not zero.
+            for t in (out, rerun):
+                zero[name] = zero[name] and not (t[:, s:] != 0).any().item()
+        del again, ref
+    res.update({"max_rel_error": max_err, "padded_rows_zero": all(zero.values()),
+                "padded_rows_zero_by_tensor": zero})
+
+    if variant == "fastattn_warm_padded" and not backward:
+        res["steady_ms"] = {str(s): _steady_ms(_forward_call(p, q, k, v, out[0], ws, stream, lengths[s].data_ptr()))
+                            for s, out in zip(SEQLENS, outs)}
+    return res
 
 
 def child(variant: str, backward: bool) -> dict:
@@ -102,6 +194,8 @@ def child(variant: str, backward: bool) -> dict:
         t_plans = time.perf_counter()
         plan_ms = []  # per shape: fastattn.plan() (lookup, load or build), then its first run
         run_ms = []
+        steady = variant == "fastattn_warm" and not backward
+        kept = []  # per shape when steady: the timed call's plan and buffers, timed again after the clock
         for (q, k, v), s, cfg in zip(inputs, SEQLENS, configs):
             t_a = time.perf_counter()
             p = fastattn.plan(cfg)
@@ -121,14 +215,20 @@ def child(variant: str, backward: bool) -> dict:
             else:
                 p.forward(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), workspace=ws.data_ptr(),
                           stream=stream)
+                if steady:
+                    kept.append((p, q, k, v, o, ws, stream))
             run_ms.append(round((time.perf_counter() - t_b) * 1e3, 2))
         torch.cuda.synchronize()
         elapsed = time.perf_counter() - t0
         s = fastattn.stats()
-        return {"seconds": elapsed, "builds": s["builds"], "disk_hits": s["disk_hits"],
-                "import_seconds": t_import - t0, "libraries_seconds": t_libs - t_import,
-                "preload_seconds": t_plans - t_libs, "plan_ms": plan_ms, "run_ms": run_ms,
-                "load_seconds": s["load_seconds"], "build_seconds": s["build_seconds"]}
+        res = {"seconds": elapsed, "builds": s["builds"], "disk_hits": s["disk_hits"],
+               "import_seconds": t_import - t0, "libraries_seconds": t_libs - t_import,
+               "preload_seconds": t_plans - t_libs, "plan_ms": plan_ms, "run_ms": run_ms,
+               "load_seconds": s["load_seconds"], "build_seconds": s["build_seconds"]}
+        if steady:  # after the clock: the dense plans' cost per call, to set against the padded plan's
+            res["steady_ms"] = {str(seqlen): _steady_ms(_forward_call(*args))
+                                for seqlen, args in zip(SEQLENS, kept)}
+        return res
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     backend = SDPBackend.CUDNN_ATTENTION if variant == "torch_cudnn" else SDPBackend.FLASH_ATTENTION
@@ -192,6 +292,23 @@ def summary(results: dict) -> str:
     for key, value in results.items():
         if "_speedup_" in key:
             lines.append(f"{key}: {value:.1f}x")
+    for name in ("fastattn_cold_padded", "fastattn_warm_padded"):
+        for mode in ("fwd", "fwd_bwd"):
+            r = results.get(mode, {}).get(name, {})
+            if "max_rel_error" in r:
+                bad = [n for n, ok in r.get("padded_rows_zero_by_tensor", {}).items() if not ok]
+                lines.append(f"{name} {mode}: max_rel_error {r['max_rel_error']:.2e} vs SDPA, padded_rows_zero "
+                             f"{r['padded_rows_zero']}" + (f" (not: {', '.join(bad)})" if bad else ""))
+    dense = results.get("fwd", {}).get("fastattn_warm", {}).get("steady_ms")
+    padded = results.get("fwd", {}).get("fastattn_warm_padded", {}).get("steady_ms")
+    if dense or padded:
+        dense, padded = dense or {}, padded or {}
+        lines += ["steady ms per call, dense vs padded (forward)", "  seqlen     dense    padded  padded/dense"]
+        for s in SEQLENS:
+            d, p = dense.get(str(s)), padded.get(str(s))
+            ratio = f"{p / d:10.2f}x" if d and p else "       n/a"
+            lines.append(f"  {s:6d} {d if d is not None else float('nan'):9.3f} "
+                         f"{p if p is not None else float('nan'):9.3f}  {ratio}")
     return "\n".join(lines)
 
 
