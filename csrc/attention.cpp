@@ -30,6 +30,7 @@ class Graph {
     std::shared_ptr<fe::graph::Graph> g;
     Direction dir     = Direction::kForward;
     uint32_t slots    = 0;  // bit s set: the graph takes the tensor of Slot s at execute
+    bool host_seed    = false;  // seed and offset are host values: not held to device alignment
     int64_t workspace = 0;
 };
 
@@ -72,6 +73,7 @@ constexpr SlotSpec kSlots[kNumSlots] = {
     {"d_sink", "only the backward graph of a plan built with sinks=True writes d_sink"},
     {"page_table_k", "the plan was built with page_size=0 (dense k and v)"},
     {"page_table_v", "the plan was built with page_size=0 (dense k and v)"},
+    {"ragged_stats", "only a plan built with ragged=True and training=True has packed stats"},
 };
 constexpr int kMaxDevices                        = 64;
 constexpr uintptr_t kAlignment                   = 16;
@@ -249,7 +251,9 @@ std::shared_ptr<fe::graph::Graph> make_graph(const Config &c, Direction dir) {
     const std::vector<int64_t> v_dims  = {kv_batch, c.heads_kv, kv_seq, c.head_dim_v};
     const std::vector<int64_t> o_dims  = {c.batch, c.heads_q, c.seqlen_q, c.head_dim_v};
     const std::vector<int64_t> s_dims  = {c.batch, c.heads_q, c.seqlen_q, 1};
-    const std::vector<int64_t> s_strides = {c.heads_q * c.seqlen_q, c.seqlen_q, 1, 1};
+    // Packed sequences pack their stats too: (tokens, heads), each sequence at its offset.
+    const std::vector<int64_t> s_strides = c.ragged ? std::vector<int64_t>{c.heads_q * c.seqlen_q, 1, c.heads_q, 1}
+                                                    : std::vector<int64_t>{c.heads_q * c.seqlen_q, c.seqlen_q, 1, 1};
     const std::vector<int64_t> b_dims    = {c.bias_batch, c.bias_heads, c.seqlen_q, c.seqlen_kv};
     const std::vector<int64_t> b_strides = {c.bias_heads * c.seqlen_q * c.seqlen_kv, c.seqlen_q * c.seqlen_kv,
                                             c.seqlen_kv, 1};
@@ -258,7 +262,7 @@ std::shared_ptr<fe::graph::Graph> make_graph(const Config &c, Direction dir) {
     auto q = input(*g, kSlotQ, q_dims, strides(c.q_stride));
     auto k = input(*g, kSlotK, k_dims, strides(c.k_stride));
     auto v = input(*g, kSlotV, v_dims, strides(c.v_stride));
-    TensorPtr seq_len_q, seq_len_kv, ragged[4], bias, seed, offset, sink;
+    TensorPtr seq_len_q, seq_len_kv, ragged[4], ragged_stats, bias, seed, offset, sink;
     if (c.padding) {
         seq_len_q  = index_input(*g, kSlotSeqLenQ, c.batch);
         seq_len_kv = index_input(*g, kSlotSeqLenKV, c.batch);
@@ -268,13 +272,14 @@ std::shared_ptr<fe::graph::Graph> make_graph(const Config &c, Direction dir) {
         q->set_ragged_offset(ragged[0]);
         k->set_ragged_offset(ragged[1]);
         v->set_ragged_offset(ragged[2]);
+        if (c.training) ragged_stats = index_input(*g, kSlotRaggedStats, c.batch + 1);
     }
     if (c.bias_batch > 0) bias = input(*g, kSlotBias, b_dims, b_strides);
     if (c.dropout > 0.0f) {
         seed   = input(*g, kSlotSeed, {1, 1, 1, 1}, {1, 1, 1, 1});
         offset = input(*g, kSlotOffset, {1, 1, 1, 1}, {1, 1, 1, 1});
-        seed->set_data_type(fe::DataType_t::INT64);
-        offset->set_data_type(fe::DataType_t::INT64);
+        seed->set_data_type(fe::DataType_t::INT64).set_is_pass_by_value(c.host_seed);
+        offset->set_data_type(fe::DataType_t::INT64).set_is_pass_by_value(c.host_seed);
     }
     if (c.sinks) {
         sink = input(*g, kSlotSink, sink_dims, sink_strides);
@@ -309,6 +314,7 @@ std::shared_ptr<fe::graph::Graph> make_graph(const Config &c, Direction dir) {
         if (c.training) {
             set_output(stats, kSlotStats, s_dims, s_strides);
             stats->set_data_type(fe::DataType_t::FLOAT);
+            if (c.ragged) stats->set_ragged_offset(ragged_stats);
         }
         return g;
     }
@@ -319,6 +325,7 @@ std::shared_ptr<fe::graph::Graph> make_graph(const Config &c, Direction dir) {
     if (c.ragged) {
         o->set_ragged_offset(ragged[3]);
         d_o->set_ragged_offset(ragged[3]);
+        stats->set_ragged_offset(ragged_stats);
     }
     auto a = fe::graph::SDPA_backward_attributes()
                  .set_name("sdpa_backward")
@@ -359,6 +366,7 @@ uint32_t slot_mask(const Config &c, Direction dir) {
     }
     if (c.padding) m |= bit(kSlotSeqLenQ) | bit(kSlotSeqLenKV);
     if (c.ragged) m |= bit(kSlotRaggedQ) | bit(kSlotRaggedK) | bit(kSlotRaggedV) | bit(kSlotRaggedO);
+    if (c.ragged && c.training) m |= bit(kSlotRaggedStats);
     if (c.bias_batch > 0) m |= bit(kSlotBias);
     if (backward && c.bias_grad) m |= bit(kSlotDBias);
     if (c.dropout > 0.0f) m |= bit(kSlotSeed) | bit(kSlotOffset);
@@ -526,6 +534,7 @@ Status build_graph(const Config &cfg, Direction dir, int device, GraphPtr *out, 
         GraphPtr graph(new Graph);
         graph->dir      = dir;
         graph->slots    = slot_mask(cfg, dir);
+        graph->host_seed = cfg.host_seed;
         graph->g        = make_graph(cfg, dir);
         auto &g         = *graph->g;
         FA_RETURN_IF_ERROR(build_step(g.validate(), "validate"));
@@ -567,6 +576,7 @@ Status deserialize_graph(const uint8_t *data, size_t size, const Config &cfg, Di
         GraphPtr graph(new Graph);
         graph->dir      = dir;
         graph->slots    = slot_mask(cfg, dir);
+        graph->host_seed = cfg.host_seed;
         graph->g        = std::make_shared<fe::graph::Graph>();
         auto e = graph->g->deserialize(h, blob, /*enforce_precompiled=*/false, /*run_warmup=*/false);
         if (e.is_bad()) return error(Code::kCorruptPlan, "deserialize: " + e.err_msg);
@@ -587,7 +597,9 @@ Status execute(const Graph *g, Direction dir, int device, const intptr_t *slots,
     int n = 0;
     for (int s = 0; s < kNumSlots; ++s) {
         if (g->slots & bit(static_cast<Slot>(s))) {
-            FA_RETURN_IF_ERROR(check_pointer(slots[s], kSlots[s].name));
+            const bool host = g->host_seed && (s == kSlotSeed || s == kSlotOffset);  // a host int64
+            if (host && slots[s] == 0) return error(Code::kInvalidArgument, std::string(kSlots[s].name) + " is null");
+            if (!host) FA_RETURN_IF_ERROR(check_pointer(slots[s], kSlots[s].name));
             ptrs[n++] = reinterpret_cast<void *>(slots[s]);
         } else if (slots[s] != 0) {
             return error(Code::kInvalidArgument, std::string(kSlots[s].name) + " given, but " + kSlots[s].absent);

@@ -55,10 +55,10 @@ struct Config {
     // ALiBi: scores get slope[h] * (j - i) after scaling, with cuDNN's slopes for
     // heads_q heads (copied from host memory into the workspace at each execute).
     bool alibi = false;
-    // Packed variable-length sequences (THD): q, k, v, o and their gradients start
-    // each sequence at an element offset given at execute (int32, batch + 1 entries
-    // each); needs padding. max_tokens_* bound the packed tokens (cuDNN sizes its
-    // workspace by them).
+    // Packed variable-length sequences (THD): q, k, v, o, their gradients and stats
+    // start each sequence at an element offset given at execute (int32, batch + 1
+    // entries each); stats are then packed too, (tokens, heads_q). Needs padding.
+    // max_tokens_* bound the packed tokens (cuDNN sizes its workspace by them).
     bool ragged          = false;
     int64_t max_tokens_q = 0, max_tokens_kv = 0;
     // Additive bias after scaling, (bias_batch, bias_heads, seqlen_q, seqlen_kv),
@@ -68,6 +68,9 @@ struct Config {
     // Dropout probability on the softmax; Philox seed and offset are int64 device
     // scalars given at execute (the same ones to backward: the same mask).
     float dropout = 0.0f;
+    // Seed and offset are host int64 values passed by value (read at each execute on
+    // the host, so fixed inside a captured CUDA graph) instead of device scalars.
+    bool host_seed = false;
     // Attention sinks: a learnable float32 logit per query head, (1, heads_q, 1, 1),
     // in every softmax denominator; backward also writes its gradient d_sink.
     bool sinks = false;
@@ -86,7 +89,7 @@ enum Slot : int {
     kSlotSeqLenQ, kSlotSeqLenKV,
     kSlotRaggedQ, kSlotRaggedK, kSlotRaggedV, kSlotRaggedO,
     kSlotBias, kSlotDBias, kSlotSeed, kSlotOffset, kSlotSink, kSlotDSink,
-    kSlotPageTableK, kSlotPageTableV,
+    kSlotPageTableK, kSlotPageTableV, kSlotRaggedStats,
     kNumSlots
 };
 

@@ -39,6 +39,7 @@ cdef extern from "fastattn.h" namespace "fastattn" nogil:
         int64_t max_tokens_q, max_tokens_kv, bias_batch, bias_heads
         cbool bias_grad
         float dropout
+        cbool host_seed
         cbool sinks
         int64_t page_size, num_pages
 
@@ -47,7 +48,7 @@ cdef extern from "fastattn.h" namespace "fastattn" nogil:
         kSlotQ, kSlotK, kSlotV, kSlotO, kSlotStats, kSlotDO, kSlotDQ, kSlotDK, kSlotDV,
         kSlotSeqLenQ, kSlotSeqLenKV, kSlotRaggedQ, kSlotRaggedK, kSlotRaggedV, kSlotRaggedO,
         kSlotBias, kSlotDBias, kSlotSeed, kSlotOffset, kSlotSink, kSlotDSink,
-        kSlotPageTableK, kSlotPageTableV, kNumSlots
+        kSlotPageTableK, kSlotPageTableV, kSlotRaggedStats, kNumSlots
 
     cdef enum class Direction(int):
         kForward
@@ -132,6 +133,7 @@ cdef Config _c_config(cfg) except *:
     c.bias_heads = cfg.heads_q if bh < 0 else bh
     c.bias_grad = cfg.bias_grad
     c.dropout = cfg.dropout
+    c.host_seed = cfg.host_seed
     c.sinks = cfg.sinks
     c.page_size = cfg.page_size
     c.num_pages = cfg.num_pages
@@ -240,7 +242,7 @@ cdef class Plan:
     def forward(self, intptr_t q, intptr_t k, intptr_t v, intptr_t o, intptr_t stats=0,
                 intptr_t workspace=0, intptr_t stream=0, intptr_t seq_len_q=0, intptr_t seq_len_kv=0, *,
                 intptr_t ragged_q=0, intptr_t ragged_k=0, intptr_t ragged_v=0, intptr_t ragged_o=0,
-                intptr_t bias=0, intptr_t seed=0, intptr_t offset=0, intptr_t sink=0,
+                intptr_t ragged_stats=0, intptr_t bias=0, intptr_t seed=0, intptr_t offset=0, intptr_t sink=0,
                 intptr_t page_table_k=0, intptr_t page_table_v=0):
         """Runs attention forward: o = softmax(scale * q @ k^T, masked) @ v.
 
@@ -254,9 +256,11 @@ cdef class Plan:
         and 0 otherwise (config.shape(name) gives each one's shape):
           seq_len_q, seq_len_kv (padding): int32 (b,) lengths;
           ragged_q, ragged_k, ragged_v, ragged_o (ragged): int32 (b + 1,) element
-            offsets of each sequence's first token in q, k, v, o;
+            offsets of each sequence's first token in q, k, v, o; ragged_stats
+            (ragged and training) the same in the packed float32 stats (tokens, hq);
           bias (bias): config.dtype, the bias's shape, contiguous;
-          seed, offset (dropout): int64 scalars, Philox's seed and offset;
+          seed, offset (dropout): int64 scalars, Philox's seed and offset (with
+            config.host_seed, the values themselves, not addresses);
           sink (sinks): float32 (1, hq, 1, 1);
           page_table_k, page_table_v (page_size): int32 (b, 1, pages per sequence, 1).
 
@@ -265,8 +269,14 @@ cdef class Plan:
         CudnnError or CudaError when the launch fails.
         """
         cdef intptr_t t[kNumSlots]
+        cdef int64_t host[2]
         cdef Status st
         memset(t, 0, sizeof(t))
+        if self._c.host_seed:  # passed by value: cuDNN reads them from here during the call
+            host[0] = seed
+            host[1] = offset
+            seed = <intptr_t>&host[0]
+            offset = <intptr_t>&host[1]
         t[kSlotQ] = q
         t[kSlotK] = k
         t[kSlotV] = v
@@ -282,6 +292,7 @@ cdef class Plan:
         t[kSlotSeed] = seed
         t[kSlotOffset] = offset
         t[kSlotSink] = sink
+        t[kSlotRaggedStats] = ragged_stats
         t[kSlotPageTableK] = page_table_k
         t[kSlotPageTableV] = page_table_v
         with nogil:
@@ -292,7 +303,7 @@ cdef class Plan:
     def backward(self, intptr_t q, intptr_t k, intptr_t v, intptr_t o, intptr_t d_o, intptr_t stats,
                  intptr_t d_q, intptr_t d_k, intptr_t d_v, intptr_t workspace=0, intptr_t stream=0,
                  intptr_t seq_len_q=0, intptr_t seq_len_kv=0, *, intptr_t ragged_q=0, intptr_t ragged_k=0,
-                 intptr_t ragged_v=0, intptr_t ragged_o=0, intptr_t bias=0, intptr_t d_bias=0,
+                 intptr_t ragged_v=0, intptr_t ragged_o=0, intptr_t ragged_stats=0, intptr_t bias=0, intptr_t d_bias=0,
                  intptr_t seed=0, intptr_t offset=0, intptr_t sink=0, intptr_t d_sink=0):
         """Runs attention backward: writes d_q, d_k, d_v from q, k, v, the forward's o and
         stats, and the output gradient d_o.
@@ -310,10 +321,16 @@ cdef class Plan:
         CudaError when the launch fails.
         """
         cdef intptr_t t[kNumSlots]
+        cdef int64_t host[2]
         cdef Status st
         if not self._training:
             raise InvalidArgumentError("this plan has no backward graph: build it with training=True")
         memset(t, 0, sizeof(t))
+        if self._c.host_seed:
+            host[0] = seed
+            host[1] = offset
+            seed = <intptr_t>&host[0]
+            offset = <intptr_t>&host[1]
         t[kSlotQ] = q
         t[kSlotK] = k
         t[kSlotV] = v
@@ -329,6 +346,7 @@ cdef class Plan:
         t[kSlotRaggedK] = ragged_k
         t[kSlotRaggedV] = ragged_v
         t[kSlotRaggedO] = ragged_o
+        t[kSlotRaggedStats] = ragged_stats
         t[kSlotBias] = bias
         t[kSlotDBias] = d_bias
         t[kSlotSeed] = seed

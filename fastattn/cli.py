@@ -31,7 +31,7 @@ EXIT_OK, EXIT_UNSUPPORTED, EXIT_BAD_INPUT, EXIT_NO_GPU, EXIT_FAILED = 0, 1, 2, 3
 _INT_FLAGS = ("batch", "heads_q", "heads_kv", "seqlen_q", "seqlen_kv", "head_dim_qk", "head_dim_v", "max_tokens_q",
               "max_tokens_kv", "page_size", "num_pages")
 _OTHER_FLAGS = ("dtype", "layout", "mask", "scale", "training", "deterministic", "padding", "alibi", "ragged", "bias",
-                "bias_grad", "dropout", "sinks")
+                "bias_grad", "dropout", "host_seed", "sinks")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -68,6 +68,8 @@ def _parser() -> argparse.ArgumentParser:
     probe.add_argument("--bias-grad", action="store_true", default=None, dest="bias_grad",
                        help="backward also writes d_bias")
     probe.add_argument("--dropout", type=float, help="dropout probability")
+    probe.add_argument("--host-seed", action="store_true", default=None, dest="host_seed",
+                       help="dropout's seed and offset are host values")
     probe.add_argument("--sinks", action="store_true", default=None, help="attention sinks (a logit per head)")
     probe.add_argument("--device", type=int, default=None, help="CUDA device (default: current)")
     probe.add_argument("--json", action="store_true", help="print JSON")

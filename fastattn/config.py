@@ -28,6 +28,7 @@ tensor                      shape                                           dtyp
 ==========================  ==============================================  =======
 seq_len_q, seq_len_kv       (batch,)                      padding            int32
 ragged_q, _k, _v, _o        (batch + 1,)                  ragged             int32
+ragged_stats                (batch + 1,)                  ragged, training   int32
 bias, d_bias                (1|batch, 1|heads_q, seqlen_q, seqlen_kv)       dtype
 seed, offset                (1,)                          dropout            int64
 sink, d_sink                (1, heads_q, 1, 1)            sinks              float32
@@ -89,6 +90,7 @@ _FIELDS_ORDER = (
     "bias",
     "bias_grad",
     "dropout",
+    "host_seed",
     "sinks",
     "page_size",
     "num_pages",
@@ -97,7 +99,7 @@ _FIELDS_ORDER = (
 # Features added after the first release, with their off values: a config shows them
 # only when on, so that the configs (and cache keys) of everything else stay the same.
 _OPTIONAL_FEATURES = {"padding": False, "alibi": False, "ragged": False, "max_tokens_q": 0, "max_tokens_kv": 0,
-                      "bias": "none", "bias_grad": False, "dropout": 0.0, "sinks": False, "page_size": 0,
+                      "bias": "none", "bias_grad": False, "dropout": 0.0, "host_seed": False, "sinks": False, "page_size": 0,
                       "num_pages": 0}
 BIAS_SHAPES = ("none", "11ss", "1hss", "b1ss", "bhss")
 # Index tensors of the features, by name: (shape as a function of the config, dtype).
@@ -108,6 +110,7 @@ _INDEX_TENSORS = {
     "ragged_k": (lambda c: (c.batch + 1,), "int32"),
     "ragged_v": (lambda c: (c.batch + 1,), "int32"),
     "ragged_o": (lambda c: (c.batch + 1,), "int32"),
+    "ragged_stats": (lambda c: (c.batch + 1,), "int32"),
     "seed": (lambda c: (1,), "int64"),
     "offset": (lambda c: (1,), "int64"),
     "page_table_k": (lambda c: (c.batch, 1, c.pages_per_sequence, 1), "int32"),
@@ -196,9 +199,9 @@ class AttentionConfig:
         the sequences of q, k, v, o (and gradients) lie one after another, each
         starting at the element offset given at run time in int32 arrays ragged_q,
         ragged_k, ragged_v, ragged_o of batch + 1 entries (for tokens packed densely,
-        cumulative token counts times heads * head_dim). stats stay (batch, heads_q,
-        seqlen_q, 1): cuDNN 9.19 takes no packed stats. seqlen_q and seqlen_kv are the
-        longest sequences.
+        cumulative token counts times heads * head_dim). Training packs stats too:
+        float32 (tokens, heads_q), with offsets ragged_stats (cumulative token counts
+        times heads_q). seqlen_q and seqlen_kv are the longest sequences.
       max_tokens_q, max_tokens_kv: with ragged, the most tokens the packed q (and o)
         and k (and v) hold (default batch * seqlen); cuDNN sizes workspace by them.
       bias: an additive bias after scaling, before masking and softmax, of shape
@@ -207,7 +210,9 @@ class AttentionConfig:
       bias_grad: backward also writes d_bias (needs training and a bias).
       dropout: probability of dropping each attention weight (kept ones scale by
         1 / (1 - p)), in [0, 1); Philox seed and offset are int64 device scalars given
-        at run time, the same to backward.
+        at run time, the same to backward (the same mask).
+      host_seed: seed and offset are host integers, passed by value at run time,
+        instead of device scalars (a CUDA graph captures their values).
       sinks: attention sinks: a float32 logit per query head, sink (1, heads_q, 1, 1),
         joins every row's softmax denominator; backward also writes d_sink.
       page_size: a paged KV cache (forward only): k and v are pools of num_pages
@@ -242,6 +247,7 @@ class AttentionConfig:
     bias: str = "none"
     bias_grad: bool = False
     dropout: float = 0.0
+    host_seed: bool = False
     sinks: bool = False
     page_size: int = 0
     num_pages: int | None = None
@@ -328,6 +334,9 @@ class AttentionConfig:
         if not 0.0 <= p < 1.0:
             raise _bad("dropout", self.dropout, "must be in [0, 1)")
         set_("dropout", _float32(p))
+        set_("host_seed", _bool("host_seed", self.host_seed))
+        if self.host_seed and not p:
+            raise _bad("host_seed", True, "applies only to dropout > 0")
 
         set_("sinks", _bool("sinks", self.sinks))
 
@@ -444,6 +453,8 @@ class AttentionConfig:
 
     def strides(self, tensor: str) -> tuple[int, int, int, int]:
         """Element strides of a tensor in (batch, head, seq, dim) order."""
+        if tensor == "stats" and self.ragged:  # packed with the tokens: (tokens, heads_q)
+            return (self.heads_q * self.seqlen_q, 1, self.heads_q, 1)
         if tensor in ("stats", "bias", "d_bias", "sink", "d_sink") or tensor in _INDEX_TENSORS:
             shape = self.shape(tensor)  # contiguous
             out, step = [], 1
@@ -460,9 +471,10 @@ class AttentionConfig:
     def storage_elements(self, tensor: str) -> int:
         """Elements a buffer for the tensor must hold: 1 + the largest offset (with
         ragged, the packed tokens: max_tokens * heads * head_dim)."""
-        if self.ragged and tensor in ("q", "k", "v", "o", "d_q", "d_k", "d_v", "d_o"):
+        if self.ragged and tensor in ("q", "k", "v", "o", "d_q", "d_k", "d_v", "d_o", "stats"):
             _, heads, _, dim = self.shape(tensor)
-            return (self.max_tokens_q if tensor[-1] in "qo" else self.max_tokens_kv) * heads * dim
+            tokens = self.max_tokens_kv if tensor in ("k", "v", "d_k", "d_v") else self.max_tokens_q
+            return tokens * heads * dim
         return 1 + sum((n - 1) * s for n, s in zip(self.shape(tensor), self.strides(tensor)))
 
     @property

@@ -240,6 +240,9 @@ def test_ragged_needs_padding_and_packed_tokens():
     assert c.storage_elements("q") == 256 * 8 * 64 and c.shape("ragged_q") == (3,)
     c = cfg(padding=True, ragged=True, max_tokens_q=100, seqlen_kv=50, heads_kv=2, max_tokens_kv=7)
     assert c.storage_elements("o") == 100 * 8 * 64 and c.storage_elements("v") == 7 * 2 * 64
+    # Packed stats: (tokens, heads_q) float32.
+    assert c.strides("stats") == (8 * 128, 1, 8, 1) and c.storage_elements("stats") == 100 * 8
+    assert c.shape("ragged_stats") == (3,) and c.tensor_dtype("ragged_stats") == "int32"
 
 
 @pytest.mark.parametrize("field,value,why", [
@@ -277,6 +280,14 @@ def test_dropout_must_be_a_probability_below_one(bad):
 def test_dropout_is_stored_as_the_float32_cudnn_uses():
     assert cfg(dropout=0.1).dropout == struct.unpack("f", struct.pack("f", 0.1))[0]
     assert cfg(dropout=0.1).shape("seed") == (1,) and AttentionConfig.tensor_dtype("offset") == "int64"
+
+
+def test_host_seed_needs_dropout():
+    assert cfg(dropout=0.1, host_seed=True).to_dict()["host_seed"] is True and "host_seed" not in cfg(dropout=0.1).to_dict()
+    with pytest.raises(InvalidArgumentError, match=r"^host_seed=True: applies only to dropout > 0"):
+        cfg(host_seed=True)
+    with pytest.raises(InvalidArgumentError, match=r"^host_seed=1: must be True or False"):
+        cfg(dropout=0.1, host_seed=1)
 
 
 def test_sinks_tensor():

@@ -233,12 +233,18 @@ def test_packed_sequences_match_float64_each_on_its_own(dtype, mask):
     for n in ("o", "d_q", "d_k", "d_v"):
         bufs[n] = empty_packed(lens[n], heads[n], d)
     offs = {n: offsets_buffer(lens[n], heads[n] * d) for n in ("q", "k", "v", "o")}
+    offs["stats"] = offsets_buffer(SEQ_Q, hq)  # packed float32 stats: (tokens, heads_q)
     ragged = {f"ragged_{n}": offs[n].ptr for n in offs}
-    stats = Tensor(cfg, "stats")
+    stats = DeviceBuffer((sum(SEQ_Q) + SLACK) * hq * 4)
+    stats.poison()
     seq_q, seq_kv = int32_buffer(SEQ_Q), int32_buffer(SEQ_KV)
     ws = DeviceBuffer(plan.workspace_size)
     plan.forward(bufs["q"].ptr, bufs["k"].ptr, bufs["v"].ptr, bufs["o"].ptr, stats=stats.ptr, workspace=ws.ptr,
                  seq_len_q=seq_q.ptr, seq_len_kv=seq_kv.ptr, **ragged)
+    inference = fastattn.plan(cfg.replace(training=False))  # no stats: no ragged_stats
+    with pytest.raises(fastattn.InvalidArgumentError, match="ragged_stats given"):
+        inference.forward(bufs["q"].ptr, bufs["k"].ptr, bufs["v"].ptr, bufs["o"].ptr, workspace=ws.ptr,
+                          seq_len_q=seq_q.ptr, seq_len_kv=seq_kv.ptr, **ragged)
     plan.backward(bufs["q"].ptr, bufs["k"].ptr, bufs["v"].ptr, bufs["o"].ptr, bufs["d_o"].ptr, stats.ptr,
                   bufs["d_q"].ptr, bufs["d_k"].ptr, bufs["d_v"].ptr, workspace=ws.ptr, seq_len_q=seq_q.ptr,
                   seq_len_kv=seq_kv.ptr, **ragged)
@@ -246,16 +252,18 @@ def test_packed_sequences_match_float64_each_on_its_own(dtype, mask):
     out, after = {}, {}
     for n in ("o", "d_q", "d_k", "d_v"):
         out[n], after[n] = unpack(bufs[n], lens[n], heads[n], d, dtype)
-    st = stats.read()
+    flat_stats = stats.download(np.float32, (sum(SEQ_Q) + SLACK) * hq).astype(np.float64).reshape(-1, hq)
+    starts = np.cumsum([0] + list(SEQ_Q))
     for b, (lq, lk) in enumerate(zip(SEQ_Q, SEQ_KV)):
         one = AttentionConfig(batch=1, heads_q=hq, heads_kv=hkv, seqlen_q=lq, seqlen_kv=lk, head_dim_qk=d,
                               dtype=dtype, mask=mask)
         ref = reference_full(one, ins["q"][b], ins["k"][b], ins["v"][b], ins["d_o"][b])
         errors = {n: rel_error(out[n][b], ref[n]) for n in ("o", "d_q", "d_k", "d_v")}
-        errors["stats"] = rel_error(st[b:b + 1, :, :lq], ref["stats"])
+        errors["stats"] = rel_error(flat_stats[starts[b]:starts[b + 1]].T[None, :, :, None], ref["stats"])
         assert errors["o"] < FWD_TOL[dtype] and errors["stats"] < 1e-3, (b, errors)
         assert max(errors[n] for n in ("d_q", "d_k", "d_v")) < BWD_TOL[dtype], (b, errors)
-    for n in ("o", "d_q", "d_k", "d_v"):  # nothing written past the packed tokens
+    after["stats"] = flat_stats[starts[-1]:]
+    for n in after:  # nothing written past the packed tokens
         assert np.all(np.isnan(after[n])), f"{n}: cuDNN wrote past the last sequence's tokens"
 
 
@@ -438,3 +446,25 @@ def test_paged_kv_equals_the_same_kv_laid_out_densely(q_lens, mask):
                               mask=mask)
         ref = reference_full(one, q[b:b + 1, :, :lq], dense_k[b], dense_v[b])
         assert rel_error(o[b:b + 1, :, :lq], ref["o"]) < FWD_TOL[dtype], b
+
+
+def test_a_host_seed_draws_the_mask_of_the_same_device_seed():
+    # host_seed passes seed and offset by value; Philox must not care where they came from.
+    cfg = AttentionConfig(batch=1, heads_q=2, seqlen_q=64, seqlen_kv=64, head_dim_qk=64, dtype="fp16", dropout=0.5,
+                          training=True)
+    rng = np.random.default_rng(52)
+    q, k, _, d_o = random_inputs(cfg, rng, backward=True)
+    one_hot = np.broadcast_to(np.eye(64), cfg.shape("v")).copy()
+    keeps = []
+    for c in (cfg, cfg.replace(host_seed=True)):
+        plan = fastattn.plan(c)
+        t = {n: Tensor(c, n) for n in ("q", "k", "v", "o", "stats")}
+        for n, x in (("q", q), ("k", k), ("v", one_hot)):
+            t[n].write(x)
+        ws = DeviceBuffer(plan.workspace_size)
+        seed, offset = (int64_buffer(1234), int64_buffer(7)) if not c.host_seed else (1234, 7)
+        plan.forward(t["q"].ptr, t["k"].ptr, t["v"].ptr, t["o"].ptr, stats=t["stats"].ptr, workspace=ws.ptr,
+                     seed=seed if c.host_seed else seed.ptr, offset=offset if c.host_seed else offset.ptr)
+        synchronize()
+        keeps.append(t["o"].read() != 0)
+    assert 0.4 < 1 - keeps[0].mean() < 0.6 and np.array_equal(keeps[0], keeps[1])
