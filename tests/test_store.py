@@ -243,7 +243,7 @@ def _slow_writer(root, ready_path):
 
 def test_writer_killed_mid_write_leaves_no_entry(tmp_path):
     root, ready = str(tmp_path / "c"), str(tmp_path / "ready")
-    ctx = multiprocessing.get_context("fork")
+    ctx = multiprocessing.get_context("spawn")  # fork is unsafe where threads run (CUDA, cuDNN on the GPU machine)
     p = ctx.Process(target=_slow_writer, args=(root, ready))
     p.start()
     deadline = time.time() + 30

@@ -1,0 +1,95 @@
+"""Where the host time of one fastattn.torch.attention call goes (issue 5).
+
+On the small shape of bench_torch (1x8x128x64 bf16 causal, bshd, inference), times
+each piece of the eager path on its own, in one process, as the median of 15 samples
+of 2000 calls: the whole call, PyTorch SDPA's cuDNN backend on the same data
+((b, h, s, d) tensors, the backend selected once), and the pieces fastattn.torch does
+around plan.forward (the plan-cache key, the output allocation, the stream lookup,
+the checks in attention()) plus plan.forward itself with its arguments ready. The GPU
+work is tiny and asynchronous; every few thousand calls the queue is drained so it
+never fills.
+
+    python tools/profile_torch_call.py [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import fastattn
+import fastattn.torch as fat
+
+
+def _us(fn, iters: int = 2000, samples: int = 15) -> float:
+    for _ in range(200):
+        fn()
+    torch.cuda.synchronize()
+    out = []
+    for _ in range(samples):
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        out.append((time.perf_counter() - t0) / iters * 1e6)
+        torch.cuda.synchronize()
+    return round(statistics.median(out), 3)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json")
+    args = ap.parse_args(argv)
+    q, k, v = (torch.randn(1, 128, 8, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    qt, kt, vt = (t.transpose(1, 2).contiguous() for t in (q, k, v))
+    o = fat.attention(q, k, v, causal=True)
+    hit = next(iter(fat._plans.values()))
+    plan, shape = hit.plan, hit.out_shape
+    stream = fat._raw_stream(0)
+    ws = hit.forward_workspace
+    ptrs = (q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr())
+    options = ("bshd", True, False, -1, -1, 0.0, False, False, False)  # layout ... training, as attention() passes
+    fwd_args = (q, k, v, None, None) + options  # _forward_impl(q, k, v, seq_len_q, seq_len_kv, ...)
+    key_args = (q, k, v, None, None, None) + options  # _plan_for(q, k, v, o, seq_len_q, seq_len_kv, ...)
+    res = {}
+    res["attention_total"] = _us(lambda: fat.attention(q, k, v, causal=True))
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        res["sdpa_cudnn_total"] = _us(lambda: torch.nn.functional.scaled_dot_product_attention(qt, kt, vt,
+                                                                                             is_causal=True))
+    res["forward_impl"] = _us(lambda: fat._forward_impl(*fwd_args))
+    res["plan_for_lookup"] = _us(lambda: fat._plan_for(*key_args))
+    res["new_empty_output"] = _us(lambda: q.new_empty(shape))
+    res["raw_stream"] = _us(lambda: fat._raw_stream(0))
+    res["data_ptr_x4"] = _us(lambda: (q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr()))
+    res["is_compiling"] = _us(torch.compiler.is_compiling)
+    res["grad_checks"] = _us(lambda: torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
+                                                                 or v.requires_grad))
+    if ws == 0:
+        res["plan_forward_positional"] = _us(lambda: plan.forward(*ptrs, 0, 0, stream))
+        res["plan_forward_keywords"] = _us(lambda: plan.forward(*ptrs, stats=0, workspace=0, stream=stream,
+                                                                seq_len_q=0, seq_len_kv=0))
+        # The least a Python wrapper can do: a fresh output and one positional call.
+        res["floor_new_empty_and_forward"] = _us(
+            lambda: plan.forward(q.data_ptr(), k.data_ptr(), v.data_ptr(), q.new_empty(shape).data_ptr(), 0, 0,
+                                 stream))
+    res["ratio_attention_to_sdpa_cudnn"] = res["attention_total"] / res["sdpa_cudnn_total"]
+    res["device"] = fastattn.device_info()
+    res["torch"] = torch.__version__
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=2)
+    print(json.dumps(res, indent=2))
+    print("summary:")
+    for key, value in res.items():
+        if isinstance(value, float):
+            print(f"  {key:<30} {value:8.3f}" + ("" if key.startswith("ratio") else " us"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
