@@ -4,7 +4,8 @@
     fastattn probe --batch 1 --heads-q 32 --seqlen-q 4096 --head-dim-qk 128 --mask causal [--json]
     fastattn probe --config cfg.json [--json]
     fastattn warm [FILE] [--workers N] [--report report.json] [--json]
-    fastattn matrix [--head-dims 64,128,256] [--masks none,causal] [--gqa 1,4] [--png grid.png]
+    fastattn matrix [--head-dims 64,128,256] [--masks none,causal] [--gqa 1,4] [--features dense,bias,...]
+                    [--png grid.png]
     fastattn cache ls | show KEY | verify [--load] | prune [--max-bytes N] [--max-age 30d] | clear
     fastattn cache export BUNDLE [--all] | import BUNDLE [--force] | push [--all] | pull [--all]
 
@@ -23,6 +24,19 @@ from typing import Any, Sequence
 
 from . import runtime
 from .config import BIAS_SHAPES, DTYPES, LAYOUTS, MASKS, AttentionConfig
+
+# fastattn matrix --features: name -> (config fields it sets, what it means).
+MATRIX_FEATURES = {
+    "dense": ({}, "no feature"),
+    "padding": ({"padding": True}, "per-sequence lengths"),
+    "ragged": ({"padding": True, "ragged": True}, "packed sequences"),
+    "paged": ({"padding": True, "page_size": 64}, "paged KV, 64-token pages"),
+    "bias": ({"bias": "1hss"}, "a 1hss bias"),
+    "bias_grad": ({"bias": "1hss", "bias_grad": True}, "with its gradient; needs --training"),
+    "alibi": ({"alibi": True}, "ALiBi"),
+    "dropout": ({"dropout": 0.1}, "dropout 0.1"),
+    "sinks": ({"sinks": True}, "attention sinks"),
+}
 from .errors import CudaError, CudnnError, FastAttnError, InvalidArgumentError, LibraryError
 
 EXIT_OK, EXIT_UNSUPPORTED, EXIT_BAD_INPUT, EXIT_NO_GPU, EXIT_FAILED = 0, 1, 2, 3, 4
@@ -92,6 +106,9 @@ def _parser() -> argparse.ArgumentParser:
     matrix.add_argument("--gqa", type=_ints, default=[1, 4], metavar="R,R,...",
                         help="heads_q / heads_kv ratios (1: MHA)")
     matrix.add_argument("--seqlens", type=_ints, default=[1024], metavar="S,S,...")
+    matrix.add_argument("--features", type=_choices(tuple(MATRIX_FEATURES)), default=["dense"], metavar="F,F,...",
+                        help="what each column adds: " + ", ".join(f"{n} ({d})" for n, (_, d) in
+                                                                    MATRIX_FEATURES.items()))
     matrix.add_argument("--heads", type=int, default=8, help="heads_q")
     matrix.add_argument("--batch", type=int, default=1)
     matrix.add_argument("--training", action="store_true", help="also build backward graphs")

@@ -89,26 +89,39 @@ def warm_command(args) -> tuple[int, dict[str, Any]]:
 def matrix_command(args) -> tuple[int, dict[str, Any]]:
     import itertools
 
-    configs, axes = [], []
-    for d, mask, dtype, ratio, s in itertools.product(args.head_dims, args.masks, args.dtypes, args.gqa, args.seqlens):
+    from .cli import MATRIX_FEATURES
+
+    configs, axes, invalid = [], [], []
+    for d, mask, dtype, ratio, s, feature in itertools.product(args.head_dims, args.masks, args.dtypes, args.gqa,
+                                                               args.seqlens, args.features):
         if args.heads % ratio:
             raise InvalidArgumentError(f"--gqa {ratio}: --heads {args.heads} is not a multiple of it")
-        configs.append(AttentionConfig(batch=args.batch, heads_q=args.heads, heads_kv=args.heads // ratio,
-                                       seqlen_q=s, head_dim_qk=d, dtype=dtype, mask=mask, training=args.training))
-        axes.append({"head_dim": d, "mask": mask, "dtype": dtype, "gqa": ratio, "seqlen": s})
+        axis = {"head_dim": d, "mask": mask, "dtype": dtype, "gqa": ratio, "seqlen": s, "feature": feature}
+        try:
+            cfg = AttentionConfig(batch=args.batch, heads_q=args.heads, heads_kv=args.heads // ratio, seqlen_q=s,
+                                  head_dim_qk=d, dtype=dtype, mask=mask, training=args.training,
+                                  **MATRIX_FEATURES[feature][0])
+        except InvalidArgumentError as e:  # fastattn's own rules (paged is forward only, ...): no cuDNN question
+            invalid.append({**axis, "status": "invalid", "reason": str(e), "forward_engine": None,
+                            "backward_engine": None})
+            continue
+        configs.append(cfg)
+        axes.append(axis)
     report = warm(configs, workers=args.workers, device=args.device)
     rows = [{**a, "status": i.status, "reason": i.reason, "forward_engine": i.forward_engine,
-             "backward_engine": i.backward_engine} for a, i in zip(axes, report.items)]
+             "backward_engine": i.backward_engine} for a, i in zip(axes, report.items)] + invalid
     ok = {"built", "loaded"}
-    cols = sorted({(r["mask"], r["dtype"], r["gqa"], r["seqlen"]) for r in rows},
-                  key=lambda c: (args.masks.index(c[0]), args.dtypes.index(c[1]), c[2], c[3]))
-    mark = {r_key: ("yes" if r["status"] in ok else "no" if r["status"] == "unsupported" else "FAIL")
-            for r in rows for r_key in [(r["head_dim"], r["mask"], r["dtype"], r["gqa"], r["seqlen"])]}
-    header = "head_dim " + " ".join(f"{m[:6]}/{t}/g{g}/s{s}".rjust(22) for m, t, g, s in cols)
+    status_mark = {"unsupported": "no", "invalid": "n/a"}
+    cols = sorted({(r["mask"], r["dtype"], r["gqa"], r["seqlen"], r["feature"]) for r in rows},
+                  key=lambda c: (args.masks.index(c[0]), args.dtypes.index(c[1]), c[2], c[3],
+                                 args.features.index(c[4])))
+    mark = {r_key: ("yes" if r["status"] in ok else status_mark.get(r["status"], "FAIL"))
+            for r in rows for r_key in [(r["head_dim"], r["mask"], r["dtype"], r["gqa"], r["seqlen"], r["feature"])]}
+    header = "head_dim " + " ".join(_column(c).rjust(22) for c in cols)
     lines = [header]
     for d in args.head_dims:
         lines.append(f"{d:>8} " + " ".join(mark[(d, *c)].rjust(22) for c in cols))
-    reasons = sorted({r["reason"][:200] for r in rows if r["status"] != "built" and r["status"] != "loaded"})
+    reasons = sorted({r["reason"][:200] for r in rows if r["status"] not in ok})
     if reasons:
         lines.append("reasons:")
         lines.extend(f"  {r}" for r in reasons)
@@ -120,6 +133,11 @@ def matrix_command(args) -> tuple[int, dict[str, Any]]:
     return (EXIT_OK if code == EXIT_UNSUPPORTED else code), out  # refusals are the grid's answer, not a failure
 
 
+def _column(c) -> str:
+    m, t, g, s, f = c
+    return f"{m[:6]}/{t}/g{g}/s{s}" + ("" if f == "dense" else f"/{f}")
+
+
 def _heatmap(path: str, head_dims, cols, mark) -> None:
     try:
         import matplotlib
@@ -128,11 +146,12 @@ def _heatmap(path: str, head_dims, cols, mark) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         raise InvalidArgumentError("--png needs matplotlib (pip install matplotlib)") from None
-    value = {"yes": 1.0, "no": 0.0, "FAIL": 0.5}
+    value = {"yes": 1.0, "no": 0.0, "FAIL": 0.5, "n/a": 0.25}
     grid = [[value[mark[(d, *c)]] for c in cols] for d in head_dims]
     fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(cols) + 2), 0.5 * len(head_dims) + 2))
     ax.imshow(grid, cmap="RdYlGn", vmin=0, vmax=1, aspect="auto")
-    ax.set_xticks(range(len(cols)), [f"{m}\n{t} gqa{g}\ns{s}" for m, t, g, s in cols], fontsize=7)
+    ax.set_xticks(range(len(cols)), [f"{m}\n{t} gqa{g}\ns{s}" + ("" if f == "dense" else f"\n{f}")
+                                     for m, t, g, s, f in cols], fontsize=7)
     ax.set_yticks(range(len(head_dims)), [str(d) for d in head_dims])
     ax.set_ylabel("head dim")
     for y, d in enumerate(head_dims):

@@ -256,6 +256,24 @@ def test_matrix_grid_and_reasons(fake_workers, capsys):
     assert "fake cuDNN refuses head_dim_qk=1024" in text
 
 
+def test_matrix_feature_columns(fake_workers, capsys):
+    argv = ["matrix", "--head-dims", "64,1024", "--masks", "causal", "--dtypes", "bf16", "--gqa", "1",
+            "--seqlens", "256", "--features", "dense,bias_grad,paged", "--training", "--workers", "2"]
+    code, body = run_json(argv, capsys)
+    assert code == 0 and len(body["configs"]) == 6
+    by = {(r["head_dim"], r["feature"]): r for r in body["configs"]}
+    assert by[(64, "bias_grad")]["status"] == "built" and by[(1024, "bias_grad")]["status"] == "unsupported"
+    # fastattn's own rule, not cuDNN's answer: no worker asked
+    assert by[(64, "paged")]["status"] == "invalid" and "forward only" in by[(64, "paged")]["reason"]
+    code, text, _ = run(argv, capsys)
+    rows = text.splitlines()
+    assert rows[0].split()[1:] == ["causal/bf16/g1/s256", "causal/bf16/g1/s256/bias_grad", "causal/bf16/g1/s256/paged"]
+    assert rows[1].split() == ["64", "yes", "yes", "n/a"] and rows[2].split() == ["1024", "no", "no", "n/a"]
+    with pytest.raises(SystemExit):
+        cli.main(["matrix", "--features", "dense,flash"])
+    assert "'flash' is not one of" in capsys.readouterr().err
+
+
 def test_matrix_png(fake_workers, capsys):
     png = fake_workers / "grid.png"
     argv = ["matrix", "--head-dims", "64", "--masks", "causal", "--dtypes", "bf16", "--gqa", "1", "--png", str(png)]
