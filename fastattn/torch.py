@@ -67,21 +67,32 @@ def _lengths_key(t):
     return None if t is None else (t.dtype, t.shape, t.stride(), t.get_device())
 
 
+def _extras_key(bias, sink, dropout: float, bias_grad: bool):
+    """What the optional features add to a plan's key (None when none is used)."""
+    if bias is None and sink is None and not dropout:
+        return None
+    return (None if bias is None else (bias.dtype, bias.shape, bias.stride(), bias.get_device()),
+            None if sink is None else (sink.dtype, sink.shape, sink.stride(), sink.get_device()), dropout, bias_grad)
+
+
 def _plan_for(q, k, v, o, seq_len_q, seq_len_kv, layout: str, causal: bool, bottom_right: bool, window_left: int,
-              window_right: int, scale: float, deterministic: bool, alibi: bool, training: bool) -> _Cached:
+              window_right: int, scale: float, deterministic: bool, alibi: bool, training: bool, bias=None,
+              sink=None, dropout: float = 0.0, bias_grad: bool = False) -> _Cached:
     """The plan for these tensors; o=None means the forward's own fresh output. The key
     holds everything _check looks at, so only a miss needs validating: a hit means
     these inputs were checked once already."""
     key = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), None if o is None else o.stride(),
            q.dtype, k.dtype, v.dtype, q.get_device(), k.get_device(), v.get_device(), layout, causal, bottom_right,
            window_left, window_right, scale, deterministic, alibi, training,
-           None if seq_len_q is None else (_lengths_key(seq_len_q), _lengths_key(seq_len_kv)))
+           None if seq_len_q is None else (_lengths_key(seq_len_q), _lengths_key(seq_len_kv)),
+           _extras_key(bias, sink, dropout, bias_grad))
     hit = _plans.get(key)
     if hit is not None:
         return hit
     import fastattn
 
     _check(q, k, v, layout, seq_len_q, seq_len_kv)
+    _check_extras(q, layout, bias, sink)
     if o is None:
         o = q.new_empty(_out_shape(q, v, layout), device="meta")  # only its strides are needed
     (b, hq, sq, dqk), q_st = _logical(q, layout)
@@ -94,6 +105,8 @@ def _plan_for(q, k, v, o, seq_len_q, seq_len_kv, layout: str, causal: bool, bott
         mask="causal_bottom_right" if bottom_right else "causal" if causal else "none",
         window=(window_left, window_right), scale=None if scale <= 0 else scale, training=training,
         deterministic=deterministic, padding=seq_len_q is not None, alibi=alibi,
+        bias="none" if bias is None else _bias_shape(q, bias, layout), bias_grad=bias_grad, dropout=dropout,
+        sinks=sink is not None,
     )
     hit = _Cached(fastattn.plan(cfg, device=q.device.index), q, v, layout)
     with _plans_lock:
@@ -119,10 +132,10 @@ def _stats_like(q: torch.Tensor, layout: str, training: bool) -> torch.Tensor:
 
 
 def _forward_impl(q, k, v, seq_len_q, seq_len_kv, layout, causal, bottom_right, window_left, window_right, scale,
-                  deterministic, alibi, training):
+                  deterministic, alibi, training, bias=None, sink=None, rng=None, dropout=0.0, bias_grad=False):
     """(o, stats); stats is None when not training."""
     c = _plan_for(q, k, v, None, seq_len_q, seq_len_kv, layout, causal, bottom_right, window_left, window_right,
-                  scale, deterministic, alibi, training)
+                  scale, deterministic, alibi, training, bias, sink, dropout, bias_grad)
     padded = seq_len_q is not None
     # Rows past a sequence's length are zero, not whatever the allocator held: they
     # flow into the next layer (and its weight gradients) unless the caller masks them.
@@ -131,25 +144,46 @@ def _forward_impl(q, k, v, seq_len_q, seq_len_kv, layout, causal, bottom_right, 
     # Workspace from PyTorch's caching allocator, on this stream: freed when this
     # returns, reused only by work queued after ours.
     ws = q.new_empty(c.forward_workspace, dtype=torch.uint8) if c.forward_workspace else None
-    c.plan.forward(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), stats.data_ptr() if training else 0,
-                   ws.data_ptr() if ws is not None else 0, _raw_stream(c.device),
-                   seq_len_q.data_ptr() if padded else 0, seq_len_kv.data_ptr() if padded else 0)
+    if bias is None and sink is None and rng is None:
+        c.plan.forward(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), stats.data_ptr() if training else 0,
+                       ws.data_ptr() if ws is not None else 0, _raw_stream(c.device),
+                       seq_len_q.data_ptr() if padded else 0, seq_len_kv.data_ptr() if padded else 0)
+    else:
+        c.plan.forward(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), stats.data_ptr() if training else 0,
+                       ws.data_ptr() if ws is not None else 0, _raw_stream(c.device),
+                       seq_len_q.data_ptr() if padded else 0, seq_len_kv.data_ptr() if padded else 0,
+                       **_extra_pointers(bias, sink, rng))
     return o, stats
+
+
+def _extra_pointers(bias, sink, rng) -> dict[str, int]:
+    """The features' tensors as plan.forward / plan.backward keywords. rng holds Philox's
+    seed at element 0 and its offset at element 2 (16 bytes on: fastattn wants every
+    device pointer 16-byte aligned)."""
+    out = {}
+    if bias is not None:
+        out["bias"] = bias.data_ptr()
+    if sink is not None:
+        out["sink"] = sink.data_ptr()
+    if rng is not None:
+        out["seed"], out["offset"] = rng.data_ptr(), rng.data_ptr() + 16
+    return out
 
 
 @torch.library.custom_op("fastattn::attention_forward", mutates_args=())
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_len_q: torch.Tensor | None,
              seq_len_kv: torch.Tensor | None, layout: str, causal: bool, bottom_right: bool, window_left: int,
-             window_right: int, scale: float, deterministic: bool, alibi: bool,
-             training: bool) -> tuple[torch.Tensor, torch.Tensor]:
+             window_right: int, scale: float, deterministic: bool, alibi: bool, training: bool,
+             bias: torch.Tensor | None, sink: torch.Tensor | None, rng: torch.Tensor | None, dropout: float,
+             bias_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
     o, stats = _forward_impl(q, k, v, seq_len_q, seq_len_kv, layout, causal, bottom_right, window_left,
-                             window_right, scale, deterministic, alibi, training)
+                             window_right, scale, deterministic, alibi, training, bias, sink, rng, dropout, bias_grad)
     return o, stats if stats is not None else _stats_like(q, layout, False)
 
 
 @_forward.register_fake
 def _(q, k, v, seq_len_q, seq_len_kv, layout, causal, bottom_right, window_left, window_right, scale, deterministic,
-      alibi, training):
+      alibi, training, bias, sink, rng, dropout, bias_grad):
     return q.new_empty(_out_shape(q, v, layout)), _stats_like(q, layout, training)
 
 
@@ -157,48 +191,70 @@ def _(q, k, v, seq_len_q, seq_len_kv, layout, causal, bottom_right, window_left,
 def _backward(d_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
               stats: torch.Tensor, seq_len_q: torch.Tensor | None, seq_len_kv: torch.Tensor | None, layout: str,
               causal: bool, bottom_right: bool, window_left: int, window_right: int, scale: float,
-              deterministic: bool, alibi: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+              deterministic: bool, alibi: bool, bias: torch.Tensor | None, sink: torch.Tensor | None,
+              rng: torch.Tensor | None, dropout: float,
+              bias_grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(d_q, d_k, d_v, d_bias, d_sink); d_bias and d_sink are empty when not computed."""
     if d_o.stride() != o.stride():
         # The backward graph reads d_o at o's strides (cuDNN's plan is built for them).
         d_o = torch.empty_strided(o.shape, o.stride(), dtype=o.dtype, device=o.device).copy_(d_o)
     c = _plan_for(q, k, v, o, seq_len_q, seq_len_kv, layout, causal, bottom_right, window_left, window_right, scale,
-                  deterministic, alibi, True)
+                  deterministic, alibi, True, bias, sink, dropout, bias_grad)
     padded = seq_len_q is not None
     d_q, d_k, d_v = (torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device) for t in (q, k, v))
     if padded:
         for g in (d_q, d_k, d_v):
             g.zero_()  # padded rows get zero gradients (see _forward_impl)
     ws = q.new_empty(c.backward_workspace, dtype=torch.uint8) if c.backward_workspace else None
+    d_bias, d_sink = _extra_grads_like(q, bias, sink, bias_grad)
+    extras = _extra_pointers(bias, sink, rng)
+    if bias_grad:
+        extras["d_bias"] = d_bias.data_ptr()
+    if sink is not None:
+        extras["d_sink"] = d_sink.data_ptr()
     c.plan.backward(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), d_o.data_ptr(), stats.data_ptr(),
                     d_q.data_ptr(), d_k.data_ptr(), d_v.data_ptr(), ws.data_ptr() if ws is not None else 0,
                     _raw_stream(c.device), seq_len_q.data_ptr() if padded else 0,
-                    seq_len_kv.data_ptr() if padded else 0)
-    return d_q, d_k, d_v
+                    seq_len_kv.data_ptr() if padded else 0, **extras)
+    return d_q, d_k, d_v, d_bias, d_sink
+
+
+def _extra_grads_like(q, bias, sink, bias_grad: bool):
+    """Buffers for d_bias and d_sink, or empty tensors (a custom op returns tensors)."""
+    d_bias = torch.empty_like(bias, memory_format=torch.contiguous_format) if bias_grad else q.new_empty(0)
+    d_sink = torch.empty_like(sink) if sink is not None else q.new_empty(0, dtype=torch.float32)
+    return d_bias, d_sink
 
 
 @_backward.register_fake
 def _(d_o, q, k, v, o, stats, seq_len_q, seq_len_kv, layout, causal, bottom_right, window_left, window_right, scale,
-      deterministic, alibi):
+      deterministic, alibi, bias, sink, rng, dropout, bias_grad):
     return (torch.empty_strided(q.shape, q.stride(), dtype=q.dtype, device=q.device),
             torch.empty_strided(k.shape, k.stride(), dtype=k.dtype, device=k.device),
-            torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device))
+            torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device),
+            *_extra_grads_like(q, bias, sink, bias_grad))
 
 
 def _setup_context(ctx, inputs, output):
     (q, k, v, seq_len_q, seq_len_kv, layout, causal, bottom_right, window_left, window_right, scale, deterministic,
-     alibi, training) = inputs
+     alibi, training, bias, sink, rng, dropout, bias_grad) = inputs
     o, stats = output
-    ctx.save_for_backward(q, k, v, o, stats, seq_len_q, seq_len_kv)
+    ctx.save_for_backward(q, k, v, o, stats, seq_len_q, seq_len_kv, bias, sink, rng)
     ctx.options = (layout, causal, bottom_right, window_left, window_right, scale, deterministic, alibi)
+    ctx.extras = (dropout, bias_grad)
     ctx.training = training
 
 
 def _grad(ctx, d_o, d_stats):
     if not ctx.training:
         raise RuntimeError("fastattn: backward through a call made without gradients enabled")
-    q, k, v, o, stats, seq_len_q, seq_len_kv = ctx.saved_tensors
-    d_q, d_k, d_v = _backward(d_o, q, k, v, o, stats, seq_len_q, seq_len_kv, *ctx.options)
-    return (d_q, d_k, d_v) + (None,) * 11
+    q, k, v, o, stats, seq_len_q, seq_len_kv, bias, sink, rng = ctx.saved_tensors
+    dropout, bias_grad = ctx.extras
+    d_q, d_k, d_v, d_bias, d_sink = _backward(d_o, q, k, v, o, stats, seq_len_q, seq_len_kv, *ctx.options, bias,
+                                              sink, rng, dropout, bias_grad)
+    # Inputs: q, k, v, seq_len_q, seq_len_kv, 8 options, training, bias, sink, rng, dropout, bias_grad.
+    return ((d_q, d_k, d_v) + (None,) * 11 + (d_bias if bias_grad else None, d_sink if sink is not None else None)
+            + (None,) * 3)
 
 
 _forward.register_autograd(_grad, setup_context=_setup_context)
@@ -243,10 +299,39 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str, seq_l
             raise InvalidArgumentError(f"{name} must be contiguous")
 
 
+def _bias_shape(q: torch.Tensor, bias: torch.Tensor, layout: str) -> str:
+    """The config's name for a bias's broadcast shape: "11ss", "1hss", "b1ss" or "bhss"."""
+    b, h = q.shape[_AXES[layout][0]], q.shape[_AXES[layout][1]]
+    return ("b" if bias.shape[0] == b and b > 1 else "1") + ("h" if bias.shape[1] == h and h > 1 else "1") + "ss"
+
+
+def _check_extras(q: torch.Tensor, layout: str, bias, sink) -> None:
+    b, h, s_q = (q.shape[a] for a in _AXES[layout][:3])
+    if bias is not None:
+        if not isinstance(bias, torch.Tensor) or bias.dtype != q.dtype or bias.device != q.device:
+            raise InvalidArgumentError(f"bias: expected a {q.dtype} tensor on {q.device}, got "
+                                       f"{getattr(bias, 'dtype', type(bias).__name__)} on "
+                                       f"{getattr(bias, 'device', None)}")
+        if bias.dim() != 4 or bias.shape[0] not in (1, b) or bias.shape[1] not in (1, h) or bias.shape[2] != s_q:
+            raise InvalidArgumentError(f"bias has shape {tuple(bias.shape)}: expected (1 or {b}, 1 or {h}, {s_q}, "
+                                       "seqlen_kv)")
+        if not bias.is_contiguous():
+            raise InvalidArgumentError("bias must be contiguous")
+    if sink is not None:
+        if not isinstance(sink, torch.Tensor) or sink.dtype != torch.float32 or sink.device != q.device:
+            raise InvalidArgumentError(f"sinks: expected a torch.float32 tensor on {q.device}, got "
+                                       f"{getattr(sink, 'dtype', type(sink).__name__)} on "
+                                       f"{getattr(sink, 'device', None)}")
+        if sink.shape != (h,) or not sink.is_contiguous():
+            raise InvalidArgumentError(f"sinks has shape {tuple(sink.shape)}: expected ({h},), one logit per query "
+                                       "head, contiguous")
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
               causal_bottom_right: bool = False, window: tuple[int, int] | None = None, scale: float | None = None,
               layout: str = "bshd", deterministic: bool = False, seq_lens_q: torch.Tensor | None = None,
-              seq_lens_kv: torch.Tensor | None = None, alibi: bool = False) -> torch.Tensor:
+              seq_lens_kv: torch.Tensor | None = None, alibi: bool = False, bias: torch.Tensor | None = None,
+              dropout_p: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Scaled dot-product attention on cuDNN's fused kernels, with autograd.
 
     q: (batch, seqlen_q, heads_q, head_dim_qk) for layout="bshd" (FlashAttention's order;
@@ -270,6 +355,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     alibi: ALiBi position biases (slope[h] * (key - query) added after scaling, the
       ALiBi paper's slopes); cuDNN needs a causal mask (or a window's right bound at 0)
       with it.
+    bias: an additive bias after scaling, (1 or batch, 1 or heads_q, seqlen_q,
+      seqlen_kv), q's dtype, contiguous; it gets a gradient when it requires one.
+    dropout_p: dropout on the attention weights, as scaled_dot_product_attention's
+      (applied whenever > 0; pass 0 in evaluation). The mask comes from PyTorch's CUDA
+      generator (torch.manual_seed), and backward uses the same one.
+    sinks: attention sinks, a float32 logit per query head, (heads_q,), in every
+      softmax denominator; it gets a gradient when it requires one.
 
     Raises InvalidArgumentError (a ValueError) for CPU tensors, mismatched devices,
     dtypes or shapes, NotSupportedError when cuDNN refuses the config.
@@ -287,10 +379,22 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     if scale is not None and not float(scale) > 0:
         raise InvalidArgumentError(f"scale={scale!r}: must be > 0")
     left, right = (-1, -1) if window is None else (int(window[0]), int(window[1]))
-    training = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    training = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                            or (bias is not None and bias.requires_grad)
+                                            or (sinks is not None and sinks.requires_grad))
     args = (q, k, v, seq_lens_q, seq_lens_kv, layout, bool(causal), bool(causal_bottom_right), left, right,
             0.0 if scale is None else float(scale), bool(deterministic), bool(alibi), training)
+    if bias is not None or sinks is not None or dropout_p:
+        if not 0.0 <= float(dropout_p) < 1.0:
+            raise InvalidArgumentError(f"dropout_p={dropout_p!r}: must be in [0, 1)")
+        if not (isinstance(q, torch.Tensor) and q.is_cuda):
+            _check_extras(q, layout, bias, sinks)
+        # Philox's seed at element 0 and offset at element 2, drawn from PyTorch's generator.
+        rng = torch.randint(0, 2**62, (4,), device=q.device, dtype=torch.int64) if dropout_p else None
+        args += (bias, sinks, rng, float(dropout_p), bool(training and bias is not None and bias.requires_grad))
     if not training and q.is_cuda and not torch.compiler.is_compiling():
         # Eager inference needs neither autograd nor tracing: skip the dispatcher.
         return _forward_impl(*args)[0]
+    if len(args) == 14:
+        args += (None, None, None, 0.0, False)
     return _forward(*args)[0]

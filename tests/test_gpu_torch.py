@@ -189,3 +189,59 @@ def test_alibi_matches_float64():
                                     to_bhsd(d_o, "bshd").double())
     for g, rg in zip(grads, ref_grads):
         assert rel(g, rg) < BWD_TOL[torch.bfloat16]
+
+
+def reference_with_extras(q, k, v, cfg, layout, bias=None, sinks=None):
+    """float64 attention with an additive bias and sinks (a logit per query head in
+    every softmax denominator)."""
+    q64, k64, v64 = (to_bhsd(t, layout).double() for t in (q, k, v))
+    group = q64.shape[1] // k64.shape[1]
+    k64, v64 = k64.repeat_interleave(group, 1), v64.repeat_interleave(group, 1)
+    mask = torch.from_numpy(allowed(cfg)).to(q.device)
+    s = cfg.scale * q64 @ k64.transpose(-1, -2)
+    if bias is not None:
+        s = s + bias.double()
+    s = s.masked_fill(~mask, float("-inf"))
+    if sinks is None:
+        return torch.softmax(s, dim=-1) @ v64
+    column = sinks.double()[None, :, None, None].expand(*s.shape[:3], 1)
+    return torch.softmax(torch.cat([s, column], dim=-1), dim=-1)[..., :-1] @ v64
+
+
+@pytest.mark.parametrize("bias_shape", ((1, 8), (2, 1)), ids=("1hss", "b1ss"))
+def test_bias_and_sinks_match_float64_with_their_gradients(bias_shape):
+    b, s, hq, hkv, d, dtype = 2, 160, 8, 2, 64, torch.float16
+    cfg = AttentionConfig(batch=b, heads_q=hq, heads_kv=hkv, seqlen_q=s, head_dim_qk=d, mask="causal")
+    q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=dtype, requires_grad=True) for h in (hq, hkv, hkv))
+    bias = torch.randn(*bias_shape, s, s, device="cuda", dtype=dtype, requires_grad=True)
+    sinks = torch.randn(hq, device="cuda", requires_grad=True)
+    o = fastattn.torch.attention(q, k, v, causal=True, bias=bias, sinks=sinks)
+    d_o = torch.randn_like(o)
+    grads = torch.autograd.grad(o, (q, k, v, bias, sinks), d_o)
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v, bias, sinks)]
+    ref = reference_with_extras(*leaves[:3], cfg, "bshd", bias=leaves[3], sinks=leaves[4])
+    assert rel(to_bhsd(o, "bshd"), ref) < FWD_TOL[dtype]
+    ref_grads = torch.autograd.grad(ref, leaves, to_bhsd(d_o, "bshd").double())
+    for name, g, rg in zip(("d_q", "d_k", "d_v", "d_bias", "d_sinks"), grads, ref_grads):
+        assert rel(g, rg) < BWD_TOL[dtype], name
+
+
+def test_dropout_draws_from_torch_and_backward_uses_the_same_mask():
+    # v[j] = e_j (seqlen <= head dim): o[i, j] is the dropped, rescaled weight, so o shows
+    # the mask, and d_v must be o^T @ d_o if backward drops the same weights.
+    b, s, h, d, p = 2, 64, 4, 64, 0.3
+    q, k = (torch.randn(b, s, h, d, device="cuda", dtype=torch.float16) for _ in range(2))
+    v = torch.eye(s, d, device="cuda", dtype=torch.float16)[None, :, None, :].expand(b, s, h, d).contiguous()
+    v.requires_grad_()
+    torch.manual_seed(5)
+    o = fastattn.torch.attention(q, k, v, dropout_p=p)
+    torch.manual_seed(5)
+    assert torch.equal(o, fastattn.torch.attention(q, k, v, dropout_p=p))  # the generator decides the mask
+    dropped = (o.detach() == 0).double().mean().item()
+    assert abs(dropped - p) < 5 * (p * (1 - p) / o.numel()) ** 0.5
+    d_o = torch.randn_like(o)
+    (d_v,) = torch.autograd.grad(o, (v,), d_o)
+    w = to_bhsd(o.detach(), "bshd").double()  # (b, h, s_q, s_kv): the weights after dropout
+    expected = w.transpose(-1, -2) @ to_bhsd(d_o, "bshd").double()
+    assert rel(to_bhsd(d_v, "bshd"), expected) < BWD_TOL[torch.float16]
+    assert not torch.equal(o, fastattn.torch.attention(q, k, v, dropout_p=p))  # a new draw, a new mask

@@ -116,3 +116,41 @@ def test_padding_traces_with_its_lengths():
                                               "fastattn.attention_backward.default"]
     lengths = next(n for n in gm.graph.nodes if n.op == "placeholder" and n.name.startswith("lengths"))
     assert all(lengths in n.all_input_nodes for n in calls)
+
+
+def test_bias_sinks_and_dropout_are_checked():
+    q, k, v = qkv()
+    bias = torch.empty(1, 8, 128, 128, device="meta", dtype=torch.bfloat16)
+    with pytest.raises(fastattn.InvalidArgumentError, match=r"^bias: expected a torch.bfloat16 tensor"):
+        attention(q, k, v, bias=bias.half())
+    with pytest.raises(fastattn.InvalidArgumentError, match=r"^bias has shape \(1, 3, 128, 128\)"):
+        attention(q, k, v, bias=torch.empty(1, 3, 128, 128, device="meta", dtype=torch.bfloat16))
+    with pytest.raises(fastattn.InvalidArgumentError, match="bias must be contiguous"):
+        attention(q, k, v, bias=bias.transpose(2, 3))
+    with pytest.raises(fastattn.InvalidArgumentError, match=r"^sinks: expected a torch.float32 tensor"):
+        attention(q, k, v, sinks=torch.empty(8, device="meta", dtype=torch.bfloat16))
+    with pytest.raises(fastattn.InvalidArgumentError, match=r"^sinks has shape \(4,\): expected \(8,\)"):
+        attention(q, k, v, sinks=torch.empty(4, device="meta"))
+    with pytest.raises(fastattn.InvalidArgumentError, match=r"^dropout_p=1.0: must be in \[0, 1\)"):
+        attention(q, k, v, dropout_p=1.0)
+    assert attention(q, k, v, bias=bias, sinks=torch.empty(8, device="meta"), dropout_p=0.1).shape == q.shape
+
+
+def test_bias_sinks_and_dropout_trace_with_their_gradients():
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def step(q, k, v, bias, sinks):
+        o = attention(q, k, v, causal=True, bias=bias, sinks=sinks, dropout_p=0.1)
+        return o, torch.autograd.grad(o.sum(), (q, k, v, bias, sinks))
+
+    q, k, v = qkv(grad=True)
+    bias = torch.empty(2, 1, 128, 128, device="meta", dtype=torch.bfloat16, requires_grad=True)
+    sinks = torch.empty(8, device="meta", requires_grad=True)
+    gm = make_fx(step, tracing_mode="fake")(q, k, v, bias, sinks)
+    calls = [n for n in gm.graph.nodes if n.op == "call_function" and "fastattn" in str(n.target)]
+    assert [str(n.target) for n in calls] == ["fastattn.attention_forward.default",
+                                              "fastattn.attention_backward.default"]
+    o, grads = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+    shapes = [tuple(n.meta["val"].shape) for n in (o, *grads)]
+    assert shapes == [(2, 128, 8, 64)] * 4 + [(2, 1, 128, 128), (8,)]  # o, d_q, d_k, d_v, d_bias, d_sink
+    assert any("randint" in str(n.target) for n in gm.graph.nodes)  # dropout's seed and offset, traced
