@@ -92,7 +92,7 @@ def _plan_for(q, k, v, o, seq_len_q, seq_len_kv, layout: str, causal: bool, bott
     import fastattn
 
     _check(q, k, v, layout, seq_len_q, seq_len_kv)
-    _check_extras(q, layout, bias, sink)
+    _check_extras(q, k, layout, bias, sink)
     if o is None:
         o = q.new_empty(_out_shape(q, v, layout), device="meta")  # only its strides are needed
     (b, hq, sq, dqk), q_st = _logical(q, layout)
@@ -305,16 +305,18 @@ def _bias_shape(q: torch.Tensor, bias: torch.Tensor, layout: str) -> str:
     return ("b" if bias.shape[0] == b and b > 1 else "1") + ("h" if bias.shape[1] == h and h > 1 else "1") + "ss"
 
 
-def _check_extras(q: torch.Tensor, layout: str, bias, sink) -> None:
+def _check_extras(q: torch.Tensor, k: torch.Tensor, layout: str, bias, sink) -> None:
     b, h, s_q = (q.shape[a] for a in _AXES[layout][:3])
+    s_kv = k.shape[_AXES[layout][2]]
     if bias is not None:
         if not isinstance(bias, torch.Tensor) or bias.dtype != q.dtype or bias.device != q.device:
             raise InvalidArgumentError(f"bias: expected a {q.dtype} tensor on {q.device}, got "
                                        f"{getattr(bias, 'dtype', type(bias).__name__)} on "
                                        f"{getattr(bias, 'device', None)}")
-        if bias.dim() != 4 or bias.shape[0] not in (1, b) or bias.shape[1] not in (1, h) or bias.shape[2] != s_q:
+        if (bias.dim() != 4 or bias.shape[0] not in (1, b) or bias.shape[1] not in (1, h) or bias.shape[2] != s_q
+                or bias.shape[3] != s_kv):
             raise InvalidArgumentError(f"bias has shape {tuple(bias.shape)}: expected (1 or {b}, 1 or {h}, {s_q}, "
-                                       "seqlen_kv)")
+                                       f"{s_kv})")
         if not bias.is_contiguous():
             raise InvalidArgumentError("bias must be contiguous")
     if sink is not None:
@@ -388,7 +390,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
         if not 0.0 <= float(dropout_p) < 1.0:
             raise InvalidArgumentError(f"dropout_p={dropout_p!r}: must be in [0, 1)")
         if not (isinstance(q, torch.Tensor) and q.is_cuda):
-            _check_extras(q, layout, bias, sinks)
+            _check_extras(q, k, layout, bias, sinks)
         # Philox's seed at element 0 and offset at element 2, drawn from PyTorch's generator.
         rng = torch.randint(0, 2**62, (4,), device=q.device, dtype=torch.int64) if dropout_p else None
         args += (bias, sinks, rng, float(dropout_p), bool(training and bias is not None and bias.requires_grad))

@@ -125,6 +125,8 @@ def test_bias_sinks_and_dropout_are_checked():
         attention(q, k, v, bias=bias.half())
     with pytest.raises(fastattn.InvalidArgumentError, match=r"^bias has shape \(1, 3, 128, 128\)"):
         attention(q, k, v, bias=torch.empty(1, 3, 128, 128, device="meta", dtype=torch.bfloat16))
+    with pytest.raises(fastattn.InvalidArgumentError, match=r"expected \(1 or 2, 1 or 8, 128, 128\)"):
+        attention(q, k, v, bias=torch.empty(1, 8, 128, 64, device="meta", dtype=torch.bfloat16))
     with pytest.raises(fastattn.InvalidArgumentError, match="bias must be contiguous"):
         attention(q, k, v, bias=bias.transpose(2, 3))
     with pytest.raises(fastattn.InvalidArgumentError, match=r"^sinks: expected a torch.float32 tensor"):
