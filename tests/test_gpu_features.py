@@ -324,6 +324,9 @@ def test_sinks_and_their_gradient_match_float64(dtype, mask):
     cfg = AttentionConfig(batch=2, heads_q=8, heads_kv=2, seqlen_q=150, seqlen_kv=150, head_dim_qk=64, dtype=dtype,
                           mask=mask, sinks=True, training=True)
     result = fastattn.probe(cfg)
+    if fastattn.versions()["cudnn_loaded"] < 91300:  # the version gate is cudnn-frontend's: its reason names it
+        assert not result.supported and "9.13" in result.reason, result.reason
+        return
     assert result.supported, result.reason
     plan = fastattn.plan(cfg)
     rng = np.random.default_rng(41)
