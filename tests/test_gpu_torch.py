@@ -212,6 +212,7 @@ def reference_with_extras(q, k, v, cfg, layout, bias=None, sinks=None):
 def test_bias_and_sinks_match_float64_with_their_gradients(bias_shape):
     b, s, hq, hkv, d, dtype = 2, 160, 8, 2, 64, torch.float16
     cfg = AttentionConfig(batch=b, heads_q=hq, heads_kv=hkv, seqlen_q=s, head_dim_qk=d, mask="causal")
+    fastattn.probe(cfg)  # loads cuDNN: its version is known from here on
     if fastattn.versions()["cudnn_loaded"] < 91300:
         pytest.skip("sinks need cuDNN 9.13 (test_gpu_features checks the refusal)")
     q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=dtype, requires_grad=True) for h in (hq, hkv, hkv))
