@@ -471,3 +471,118 @@ def test_a_host_seed_draws_the_mask_of_the_same_device_seed():
         synchronize()
         keeps.append(t["o"].read() != 0)
     assert 0.4 < 1 - keeps[0].mean() < 0.6 and np.array_equal(keeps[0], keeps[1])
+
+
+# -- every feature's plan survives the persistent cache ---------------------------------------
+
+RELOAD_CASES = {
+    "padding": dict(padding=True, training=True),
+    "ragged": dict(padding=True, ragged=True, training=True),
+    "bias_grad": dict(bias="1hss", bias_grad=True, training=True, mask="causal"),
+    "alibi": dict(alibi=True, training=True, mask="causal"),
+    "dropout": dict(dropout=0.2, training=True),
+    "dropout_host_seed": dict(dropout=0.2, host_seed=True, training=True),
+    "sinks": dict(sinks=True, training=True, mask="causal"),
+    "paged": dict(padding=True, page_size=32, seqlen_q=1),
+}
+
+
+def feature_buffers(cfg: AttentionConfig, rng: np.random.Generator) -> tuple[dict, dict]:
+    """(inputs, outputs): device buffers for every tensor a plan of cfg takes, inputs
+    filled deterministically from rng, outputs poisoned. Host seeds are plain ints."""
+    b = cfg.batch
+    lens_q = [max(1, cfg.seqlen_q - 7 * i) for i in range(b)]
+    lens_kv = [max(1, cfg.seqlen_kv - 5 * i) for i in range(b)]
+
+    def filled(name, values=None):
+        n = cfg.storage_elements(name)
+        kind = AttentionConfig.tensor_dtype(name, cfg.dtype)
+        if values is None:
+            values = rng.standard_normal(n)
+        raw = np.asarray(values, dtype=np.float32) if kind == "float32" else to_raw(np.asarray(values), cfg.dtype)
+        buf = DeviceBuffer(raw.nbytes)
+        buf.upload(raw)
+        return buf
+
+    def empty(name):
+        itemsize = 4 if AttentionConfig.tensor_dtype(name, cfg.dtype) == "float32" else 2
+        buf = DeviceBuffer(cfg.storage_elements(name) * itemsize)
+        buf.poison()
+        return buf
+
+    ins = {n: filled(n) for n in ("q", "k", "v")}
+    outs = {"o": empty("o")}
+    if cfg.training:
+        ins["d_o"] = filled("d_o")
+        outs.update({n: empty(n) for n in ("stats", "d_q", "d_k", "d_v")})
+    if cfg.padding:
+        ins["seq_len_q"], ins["seq_len_kv"] = int32_buffer(lens_q), int32_buffer(lens_kv)
+    if cfg.ragged:
+        for n, lens, heads, dim in (("q", lens_q, cfg.heads_q, cfg.head_dim_qk), ("k", lens_kv, cfg.heads_kv,
+                                    cfg.head_dim_qk), ("v", lens_kv, cfg.heads_kv, cfg.head_dim_v),
+                                    ("o", lens_q, cfg.heads_q, cfg.head_dim_v)):
+            ins[f"ragged_{n}"] = offsets_buffer(lens, heads * dim)
+        if cfg.training:
+            ins["ragged_stats"] = offsets_buffer(lens_q, cfg.heads_q)
+    if cfg.bias != "none":
+        ins["bias"] = filled("bias")
+        if cfg.bias_grad:
+            outs["d_bias"] = empty("d_bias")
+    if cfg.dropout:
+        ins["seed"], ins["offset"] = (1234, 5) if cfg.host_seed else (int64_buffer(1234), int64_buffer(5))
+    if cfg.sinks:
+        ins["sink"] = filled("sink")
+        if cfg.training:
+            outs["d_sink"] = empty("d_sink")
+    if cfg.page_size:
+        table = np.arange(b * cfg.pages_per_sequence, dtype=np.int32) % cfg.num_pages
+        ins["page_table_k"] = ins["page_table_v"] = int32_buffer(table)
+    return ins, outs
+
+
+def run_features(plan, cfg: AttentionConfig, ins: dict, outs: dict) -> dict:
+    """Runs forward (and backward when training); returns every output's bytes."""
+    ptr = {n: (x if isinstance(x, int) else x.ptr) for n, x in {**ins, **outs}.items()}
+    extra = {n: ptr[n] for n in ("seq_len_q", "seq_len_kv") if n in ptr}
+    keywords = {n: ptr[n] for n in ("ragged_q", "ragged_k", "ragged_v", "ragged_o", "ragged_stats", "bias", "seed",
+                                    "offset", "sink", "page_table_k", "page_table_v") if n in ptr}
+    ws = DeviceBuffer(plan.workspace_size)
+    plan.forward(ptr["q"], ptr["k"], ptr["v"], ptr["o"], stats=ptr.get("stats", 0), workspace=ws.ptr, **extra,
+                 **keywords)
+    if cfg.training:  # (a paged plan has no backward)
+        grads = {n: ptr[n] for n in ("d_bias", "d_sink") if n in ptr}
+        plan.backward(ptr["q"], ptr["k"], ptr["v"], ptr["o"], ptr["d_o"], ptr["stats"], ptr["d_q"], ptr["d_k"],
+                      ptr["d_v"], workspace=ws.ptr, **extra, **keywords, **grads)
+    synchronize()
+    return {n: b.download(np.uint8, b.nbytes).tobytes() for n, b in outs.items()}
+
+
+@pytest.mark.parametrize("name", list(RELOAD_CASES))
+def test_every_features_plan_reloads_from_its_blob_and_computes_the_same(name):
+    from fastattn import _core
+
+    base = dict(batch=2, heads_q=4, heads_kv=2, seqlen_q=96, seqlen_kv=80, head_dim_qk=64, dtype="bf16")
+    cfg = AttentionConfig(**{**base, **RELOAD_CASES[name]})
+    result = fastattn.probe(cfg)
+    if name == "sinks" and fastattn.versions()["cudnn_loaded"] < 91300:
+        assert not result.supported
+        return
+    assert result.supported, result.reason
+    built = fastattn.plan(cfg)
+    loaded = _core.load_plan(cfg, built.device, *built.serialize())
+    assert loaded.workspace_size == built.workspace_size
+    ins, _ = feature_buffers(cfg, np.random.default_rng(71))
+    runs = []
+    for plan in (built, loaded):
+        _, outs = feature_buffers(cfg, np.random.default_rng(71))
+        runs.append(run_features(plan, cfg, ins, outs))
+    assert runs[0]["o"] == runs[1]["o"]  # forward: the same kernel on the same data, bit for bit
+    for n in runs[0]:  # backward may accumulate in another order (atomics): equal to rounding
+        if n == "stats" and cfg.padding:
+            continue  # what cuDNN leaves in padded rows of stats is unspecified
+        a, b = (np.frombuffer(r[n], dtype=np.float32 if n in ("stats", "d_sink") else np.uint16) for r in runs)
+        if n not in ("stats", "d_sink"):
+            a, b = from_raw(a.copy(), cfg.dtype), from_raw(b.copy(), cfg.dtype)
+        finite = np.isfinite(a) & np.isfinite(b)
+        assert np.array_equal(np.isfinite(a), np.isfinite(b)), n
+        assert np.abs(a[finite] - b[finite]).max(initial=0) <= 2e-2 * max(1.0, np.abs(a[finite]).max(initial=0)), n
