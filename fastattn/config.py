@@ -484,12 +484,21 @@ class AttentionConfig:
 
     # -- canonical form -------------------------------------------------------------
 
+    def _derived_defaults(self) -> dict[str, int]:
+        """The fields whose default follows from others, with that default (0: off)."""
+        return {"max_tokens_q": self.batch * self.seqlen_q if self.ragged else 0,
+                "max_tokens_kv": self.batch * self.seqlen_kv if self.ragged else 0,
+                "num_pages": self.batch * self.pages_per_sequence}
+
     def to_dict(self) -> dict[str, Any]:
         """The canonical form, as plain JSON types."""
         d: dict[str, Any] = {f: getattr(self, f) for f in _FIELDS_ORDER}
         for name, off in _OPTIONAL_FEATURES.items():
             if d[name] == off:
                 del d[name]
+        for name, default in self._derived_defaults().items():  # a default is implied, not stated
+            if d.get(name) == default:
+                d.pop(name, None)
         d["window"] = list(self.window)
         if not isinstance(self.layout, str):
             d["layout"] = {t: list(s) for t, s in zip(TENSORS, self.layout)}
@@ -523,7 +532,11 @@ class AttentionConfig:
         return cls.from_dict(data)
 
     def replace(self, **changes: Any) -> "AttentionConfig":
-        """A copy with some fields changed (and validated again)."""
+        """A copy with some fields changed (and validated again). Fields left at a
+        default that follows from others (max_tokens_*, num_pages) follow them again."""
+        for name, default in self._derived_defaults().items():
+            if name not in changes and getattr(self, name) == default:
+                changes[name] = None
         return dataclasses.replace(self, **changes)
 
     @classmethod

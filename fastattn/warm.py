@@ -105,7 +105,11 @@ def kernel_family(config: AttentionConfig) -> tuple:
     sequence lengths, batch sizes and head counts 0.05-0.15 s. A guess used only to
     schedule: a wrong one costs time, never correctness."""
     return (config.dtype, config.head_dim_qk, config.head_dim_v, config.mask, config.window, config.training,
-            config.deterministic)
+            config.deterministic,
+            # The features select other kernel variants; their sizes (page size, dropout
+            # rate, bias batch) do not.
+            config.padding, config.ragged, config.alibi, config.bias.replace("b", "1", 1), config.bias_grad,
+            config.dropout > 0, config.sinks, config.page_size > 0)
 
 
 class _Queue:

@@ -245,6 +245,19 @@ def test_ragged_needs_padding_and_packed_tokens():
     assert c.shape("ragged_stats") == (3,) and c.tensor_dtype("ragged_stats") == "int32"
 
 
+def test_defaults_that_follow_other_fields_follow_them_through_replace():
+    c = cfg(padding=True, ragged=True)
+    assert "max_tokens_q" not in c.to_dict() and c == cfg(padding=True, ragged=True, max_tokens_q=256)
+    assert c.replace(seqlen_q=64).max_tokens_q == 128  # the default again, not the old 256
+    assert c.replace(ragged=False).max_tokens_q == 0 and cfg().replace(padding=True, ragged=True).max_tokens_q == 256
+    explicit = cfg(padding=True, ragged=True, max_tokens_q=100)
+    assert explicit.to_dict()["max_tokens_q"] == 100 and explicit.replace(batch=3).max_tokens_q == 100
+    with pytest.raises(InvalidArgumentError, match=r"^max_tokens_q=100: applies only to ragged=True"):
+        explicit.replace(ragged=False)
+    paged = cfg(seqlen_q=1, seqlen_kv=300, padding=True, page_size=64)
+    assert paged.replace(seqlen_kv=600).num_pages == 2 * 10 and paged.replace(page_size=0).num_pages == 0
+
+
 @pytest.mark.parametrize("field,value,why", [
     ("max_tokens_q", 0, "must be >= 1"),
     ("max_tokens_q", 257, "exceeds batch \\* seqlen = 256"),

@@ -49,6 +49,39 @@ layout = ["bshd", "bhsd"]
     assert {c.window for c in a[12:]} == {(16, -1), (32, -1)} and {c.layout for c in a[12:]} == {"bshd", "bhsd"}
 
 
+def test_feature_fields_sweep_like_any_other(tmp_path):
+    t = write(tmp_path, "f.toml", """
+[[configs]]
+batch = 2
+heads_q = 8
+seqlen_q = 256
+head_dim_qk = 64
+training = true
+bias = ["none", "1hss"]
+dropout = [0.0, 0.1]
+sinks = [false, true]
+""")
+    configs = sweep.load_configs(t)
+    assert len(configs) == 8 and {(c.bias, c.dropout > 0, c.sinks) for c in configs} == {
+        (b, d, s) for b in ("none", "1hss") for d in (False, True) for s in (False, True)}
+    with pytest.raises(InvalidArgumentError, match="bias_grad=True: needs a bias"):
+        sweep.load_configs(write(tmp_path, "g.json", json.dumps({"configs": [
+            {"batch": 1, "heads_q": 8, "seqlen_q": 64, "head_dim_qk": 64, "training": True, "bias_grad": True}]})))
+
+
+def test_features_are_kernel_families_of_their_own():
+    from fastattn.warm import kernel_family
+
+    base = AttentionConfig(batch=1, heads_q=8, seqlen_q=256, head_dim_qk=64, training=True)
+    variants = [base, base.replace(bias="1hss"), base.replace(dropout=0.1), base.replace(sinks=True),
+                base.replace(padding=True), base.replace(padding=True, ragged=True), base.replace(alibi=True,
+                                                                                                mask="causal")]
+    assert len({kernel_family(c) for c in variants}) == len(variants)
+    # Sizes are not kernels: another dropout rate, batch or bias batch shares the family.
+    assert kernel_family(base.replace(dropout=0.1)) == kernel_family(base.replace(dropout=0.3, batch=4))
+    assert kernel_family(base.replace(bias="1hss")) == kernel_family(base.replace(bias="bhss", batch=3))
+
+
 def test_duplicates_are_dropped_in_order(tmp_path):
     p = write(tmp_path, "d.json", json.dumps([
         {"batch": 1, "heads_q": 8, "seqlen_q": 64, "head_dim_qk": 64},
