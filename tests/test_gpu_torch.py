@@ -248,3 +248,34 @@ def test_dropout_draws_from_torch_and_backward_uses_the_same_mask():
     expected = w.transpose(-1, -2) @ to_bhsd(d_o, "bshd").double()
     assert rel(to_bhsd(d_v, "bshd"), expected) < BWD_TOL[torch.float16]
     assert not torch.equal(o, fastattn.torch.attention(q, k, v, dropout_p=p))  # a new draw, a new mask
+
+
+@pytest.mark.parametrize("dtype", (torch.float16, torch.bfloat16), ids=("fp16", "bf16"))
+@pytest.mark.parametrize("causal", (False, True), ids=("none", "causal"))
+def test_varlen_matches_float64_per_sequence(dtype, causal):
+    lengths_q, lengths_kv = [200, 77, 129, 1], [200, 100, 129, 33]
+    hq, hkv, d = 8, 2, 128
+    cu_q = torch.tensor([0] + lengths_q, device="cuda").cumsum(0).to(torch.int32)
+    cu_kv = torch.tensor([0] + lengths_kv, device="cuda").cumsum(0).to(torch.int32)
+    q = torch.randn(sum(lengths_q), hq, d, device="cuda", dtype=dtype, requires_grad=True)
+    k, v = (torch.randn(sum(lengths_kv), hkv, d, device="cuda", dtype=dtype, requires_grad=True) for _ in range(2))
+    o = fastattn.torch.attention_varlen(q, k, v, cu_q, cu_kv, max(lengths_q), max(lengths_kv), causal=causal)
+    d_o = torch.randn_like(o)
+    grads = torch.autograd.grad(o, (q, k, v), d_o)
+    for i, (lq, lk) in enumerate(zip(lengths_q, lengths_kv)):
+        a, b = cu_q[i].item(), cu_kv[i].item()
+        one = AttentionConfig(batch=1, heads_q=hq, heads_kv=hkv, seqlen_q=lq, seqlen_kv=lk, head_dim_qk=d,
+                              mask="causal" if causal else "none")
+        leaves = [t.detach()[s:s + n][None].double().requires_grad_() for t, s, n in ((q, a, lq), (k, b, lk),
+                                                                                      (v, b, lk))]
+        ref = reference(*leaves, one, "bshd")
+        assert rel(to_bhsd(o[a:a + lq][None], "bshd"), ref) < FWD_TOL[dtype], i
+        ref_grads = torch.autograd.grad(ref, leaves, to_bhsd(d_o[a:a + lq][None], "bshd").double())
+        for g, s, n, rg in zip(grads, (a, b, b), (lq, lk, lk), ref_grads):
+            assert rel(g[s:s + n][None], rg) < BWD_TOL[dtype], i
+    # Batches of two sequences whose longest are 100 and then 120 share one plan (bucket 128).
+    for cut, longest in ((50, 100), (30, 120)):
+        before = fastattn.stats()["builds"]
+        cu = torch.tensor([0, cut, 150], device="cuda", dtype=torch.int32)
+        fastattn.torch.attention_varlen(q[:150], k[:150], v[:150], cu, cu, longest, longest, causal=causal)
+    assert fastattn.stats()["builds"] == before

@@ -156,3 +156,52 @@ def test_bias_sinks_and_dropout_trace_with_their_gradients():
     shapes = [tuple(n.meta["val"].shape) for n in (o, *grads)]
     assert shapes == [(2, 128, 8, 64)] * 4 + [(2, 1, 128, 128), (8,)]  # o, d_q, d_k, d_v, d_bias, d_sink
     assert any("randint" in str(n.target) for n in gm.graph.nodes)  # dropout's seed and offset, traced
+
+
+def varlen_inputs(lengths=(100, 37, 64), hq=8, hkv=2, d=64, grad=False):
+    total = sum(lengths)
+    q, k, v = (torch.empty(total, h, d, device="meta", dtype=torch.bfloat16, requires_grad=grad) for h in (hq, hkv, hkv))
+    cu = torch.empty(len(lengths) + 1, device="meta", dtype=torch.int32)
+    return q, k, v, cu
+
+
+def test_varlen_checks_its_inputs():
+    from fastattn.torch import attention_varlen
+
+    q, k, v, cu = varlen_inputs()
+    assert attention_varlen(q, k, v, cu, cu, 100, 100, causal=True).shape == (201, 8, 64)
+    with pytest.raises(fastattn.InvalidArgumentError, match=r"^cu_seqlens_q: expected an int32 tensor"):
+        attention_varlen(q, k, v, cu.long(), cu, 100, 100)
+    with pytest.raises(fastattn.InvalidArgumentError, match="cu_seqlens_q has 4 entries, cu_seqlens_kv 3"):
+        attention_varlen(q, k, v, cu, cu[:3], 100, 100)
+    with pytest.raises(fastattn.InvalidArgumentError, match=r"^q has shape \(201, 512\)"):
+        attention_varlen(q.flatten(1), k, v, cu, cu, 100, 100)
+    with pytest.raises(fastattn.InvalidArgumentError, match="q must be contiguous"):
+        attention_varlen(q.transpose(0, 1).contiguous().transpose(0, 1), k, v, cu, cu, 100, 100)
+    with pytest.raises(fastattn.InvalidArgumentError, match=r"^max_seqlen_kv=0: must be an int >= 1"):
+        attention_varlen(q, k, v, cu, cu, 100, 0)
+    with pytest.raises(fastattn.InvalidArgumentError, match="shapes do not fit"):
+        attention_varlen(q, k[:, :1].contiguous(), v, cu, cu, 100, 100)
+    with pytest.raises(fastattn.InvalidArgumentError, match=r"^q is on cpu"):
+        attention_varlen(torch.empty(201, 8, 64, dtype=torch.bfloat16), k, v, cu, cu, 100, 100)
+
+
+def test_varlen_traces_forward_and_backward_and_buckets_its_lengths():
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from fastattn.torch import _bucket, attention_varlen
+
+    assert [_bucket(n) for n in (1, 2, 3, 64, 65, 4096)] == [1, 2, 4, 64, 128, 4096]
+
+    def step(q, k, v, cu):
+        o = attention_varlen(q, k, v, cu, cu, 100, 100, causal=True)
+        return o, torch.autograd.grad(o.sum(), (q, k, v))
+
+    q, k, v, cu = varlen_inputs(grad=True)
+    gm = make_fx(step, tracing_mode="fake")(q, k, v, cu)
+    calls = [n for n in gm.graph.nodes if n.op == "call_function" and "fastattn" in str(n.target)]
+    assert [str(n.target) for n in calls] == ["fastattn.varlen_forward.default", "fastattn.varlen_backward.default"]
+    assert calls[0].args[5:7] == (128, 128)  # the plan's lengths: 100 rounded up
+    o, grads = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+    assert [tuple(n.meta["val"].shape) for n in (o, *grads)] == [(201, 8, 64), (201, 8, 64), (201, 2, 64),
+                                                                  (201, 2, 64)]
