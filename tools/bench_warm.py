@@ -8,7 +8,11 @@ comparison, the same configs are also built on 1 and 16 threads of one process
 CPU time, the processes `warm` started, and how much of each config's time its worker
 spent building.
 
-    python tools/bench_warm.py [--json out.json]
+--set families: another 64 configs, in 16 kernel families of 4 (head dims 64 and 128,
+bf16 and fp16, causal or not, inference or training; seqlen 512 ... 4096), where the
+default set has 4 families of 16: how warm scales when a deploy covers many kernels.
+
+    python tools/bench_warm.py [--set default|families] [--json out.json]
 """
 
 from __future__ import annotations
@@ -25,7 +29,12 @@ from fastattn import AttentionConfig
 from fastattn.warm import warm
 
 
-def configs() -> list[AttentionConfig]:
+def configs(which: str = "default") -> list[AttentionConfig]:
+    if which == "families":
+        return [AttentionConfig(batch=1, heads_q=16, heads_kv=4, seqlen_q=s, head_dim_qk=d, dtype=t, mask=m,
+                                training=training)
+                for d, t, m, training, s in itertools.product((64, 128), ("bf16", "fp16"), ("none", "causal"),
+                                                              (False, True), (512, 1024, 2048, 4096))]
     out = []
     for (hq, hkv), d, s, training in itertools.product(((32, 8), (16, 16)), (64, 128),
                                                        (256, 512, 1024, 2048, 4096, 8192, 384, 768), (False, True)):
@@ -47,6 +56,8 @@ def main(argv=None) -> int:
     ap.add_argument("--workers", type=int, nargs="+", default=[1, 4, 8, 16])
     ap.add_argument("--threads", type=int, nargs="*", default=[1, 16],
                     help="also build the same configs in one process with this many threads (no crash isolation)")
+    ap.add_argument("--set", choices=("default", "families"), default="default", dest="which",
+                    help="which 64 configs (see above)")
     ap.add_argument("--child-threads", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--json")
     args = ap.parse_args(argv)
@@ -54,11 +65,11 @@ def main(argv=None) -> int:
         import fastattn
 
         t0 = time.perf_counter()
-        results = fastattn.preload(configs(), threads=args.child_threads)
+        results = fastattn.preload(configs(args.which), threads=args.child_threads)
         print(json.dumps({"seconds": time.perf_counter() - t0, "builds": fastattn.stats()["builds"],
                           "build_seconds_sum": sum(r.build_seconds for r in results)}))
         return 0
-    todo = configs()
+    todo = configs(args.which)
     assert len(todo) == 64
     rows = []
     for n in args.workers:
@@ -82,7 +93,8 @@ def main(argv=None) -> int:
 
         with tempfile.TemporaryDirectory(prefix="fastattn-bench-warm-") as d:
             t0, cpu0 = time.perf_counter(), _children_cpu()
-            out = subprocess.run([sys.executable, __file__, "--child-threads", str(n)], capture_output=True, text=True,
+            out = subprocess.run([sys.executable, __file__, "--child-threads", str(n), "--set", args.which],
+                                 capture_output=True, text=True,
                                  env={**os.environ, "FASTATTN_CACHE_DIR": d}, check=False)
             wall, cpu = time.perf_counter() - t0, _children_cpu() - cpu0
         row = {"threads": n, "process_seconds": wall, "cpu_seconds": cpu}
@@ -97,7 +109,8 @@ def main(argv=None) -> int:
             r["speedup"] = base / r["cold_seconds"]
             r["speedup_per_worker"] = r["speedup"] / r["workers"]
         r["second_over_first"] = r["second_run_seconds"] / r["cold_seconds"]
-    res = {"date": time.strftime("%Y-%m-%d"), "configs": len(todo), "cpus": os.cpu_count(), "rows": rows,
+    res = {"date": time.strftime("%Y-%m-%d"), "set": args.which, "configs": len(todo), "cpus": os.cpu_count(),
+           "rows": rows,
            "thread_rows": thread_rows}
     if args.json:
         with open(args.json, "w") as f:
