@@ -98,9 +98,9 @@ _FIELDS_ORDER = (
 
 # Features added after the first release, with their off values: a config shows them
 # only when on, so that the configs (and cache keys) of everything else stay the same.
-_OPTIONAL_FEATURES = {"padding": False, "alibi": False, "ragged": False, "max_tokens_q": 0, "max_tokens_kv": 0,
-                      "bias": "none", "bias_grad": False, "dropout": 0.0, "host_seed": False, "sinks": False, "page_size": 0,
-                      "num_pages": 0}
+# (max_tokens_* and num_pages default to values other fields imply: see _derived_defaults.)
+_OPTIONAL_FEATURES = {"padding": False, "alibi": False, "ragged": False, "bias": "none", "bias_grad": False,
+                      "dropout": 0.0, "host_seed": False, "sinks": False, "page_size": 0}
 BIAS_SHAPES = ("none", "11ss", "1hss", "b1ss", "bhss")
 # Index tensors of the features, by name: (shape as a function of the config, dtype).
 _INDEX_TENSORS = {

@@ -47,11 +47,12 @@ class _Cached:
 
     __slots__ = ("backward_workspace", "device", "forward_workspace", "out_shape", "plan", "stats_shape")
 
-    def __init__(self, plan, q: torch.Tensor, v: torch.Tensor, layout: str):
+    def __init__(self, plan, q: torch.Tensor, v: torch.Tensor, layout: str | None):
+        """layout None: packed sequences, whose token count, so shapes, each call's tensors give."""
         self.plan = plan
         self.device = q.get_device()
-        self.out_shape = _out_shape(q, v, layout)
-        self.stats_shape = _stats_shape(q, layout)
+        self.out_shape = _out_shape(q, v, layout) if layout else None
+        self.stats_shape = _stats_shape(q, layout) if layout else None
         self.forward_workspace = plan.forward_workspace_size
         self.backward_workspace = plan.backward_workspace_size
 
@@ -144,7 +145,7 @@ def _forward_impl(q, k, v, seq_len_q, seq_len_kv, layout, causal, bottom_right, 
     # Workspace from PyTorch's caching allocator, on this stream: freed when this
     # returns, reused only by work queued after ours.
     ws = q.new_empty(c.forward_workspace, dtype=torch.uint8) if c.forward_workspace else None
-    if bias is None and sink is None and rng is None:
+    if bias is None and sink is None and rng is None:  # the common call: positional only, no keyword dict
         c.plan.forward(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), stats.data_ptr() if training else 0,
                        ws.data_ptr() if ws is not None else 0, _raw_stream(c.device),
                        seq_len_q.data_ptr() if padded else 0, seq_len_kv.data_ptr() if padded else 0)
@@ -260,16 +261,21 @@ def _grad(ctx, d_o, d_stats):
 _forward.register_autograd(_grad, setup_context=_setup_context)
 
 
-def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str, seq_len_q=None, seq_len_kv=None) -> None:
+def _check_qkv_tensors(q, k, v, dims: int, expected: str) -> None:
+    """Each of q, k, v: a CUDA (or meta) tensor of `dims` dimensions in fp16 or bf16."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise InvalidArgumentError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
         if t.device.type not in ("cuda", "meta"):
             raise InvalidArgumentError(f"{name} is on {t.device}: fastattn runs on CUDA tensors")
-        if t.dim() != 4:
-            raise InvalidArgumentError(f"{name} has shape {tuple(t.shape)}: expected 4 dimensions in {layout} order")
+        if t.dim() != dims:
+            raise InvalidArgumentError(f"{name} has shape {tuple(t.shape)}: expected {expected}")
         if t.dtype not in _DTYPES:
             raise InvalidArgumentError(f"{name} has dtype {t.dtype}: expected torch.float16 or torch.bfloat16")
+
+
+def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str, seq_len_q=None, seq_len_kv=None) -> None:
+    _check_qkv_tensors(q, k, v, 4, f"4 dimensions in {layout} order")
     if not (q.device == k.device == v.device):
         raise InvalidArgumentError(f"q, k, v are on different devices: {q.device}, {k.device}, {v.device}")
     if not (q.dtype == k.dtype == v.dtype):
@@ -410,19 +416,16 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
 # two: batches of varying lengths share plans, and the persistent cache keeps each one),
 # never by the token count.
 
-_varlen_plans: dict[tuple, _Cached] = {}
-
-
 def _bucket(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
 def _varlen_plan(q, k, v, batch: int, max_q: int, max_kv: int, causal: bool, bottom_right: bool, window_left: int,
                  window_right: int, scale: float, deterministic: bool, training: bool) -> _Cached:
-    key = (q.shape[1:], k.shape[1:], v.shape[1:], q.dtype, k.dtype, v.dtype, q.get_device(), k.get_device(),
-           v.get_device(), batch, max_q, max_kv, causal, bottom_right, window_left, window_right, scale,
-           deterministic, training)
-    hit = _varlen_plans.get(key)
+    key = ("varlen", q.shape[1:], k.shape[1:], v.shape[1:], q.dtype, k.dtype, v.dtype, q.get_device(),
+           k.get_device(), v.get_device(), batch, max_q, max_kv, causal, bottom_right, window_left, window_right,
+           scale, deterministic, training)
+    hit = _plans.get(key)
     if hit is not None:
         return hit
     import fastattn
@@ -435,13 +438,9 @@ def _varlen_plan(q, k, v, batch: int, max_q: int, max_kv: int, causal: bool, bot
         window=(window_left, window_right), scale=None if scale <= 0 else scale, training=training,
         deterministic=deterministic,
     )
-    plan = fastattn.plan(cfg, device=q.device.index)
-    hit = _Cached.__new__(_Cached)
-    hit.plan, hit.device = plan, q.get_device()
-    hit.out_shape, hit.stats_shape = None, None  # the token count varies: shapes come from each call's tensors
-    hit.forward_workspace, hit.backward_workspace = plan.forward_workspace_size, plan.backward_workspace_size
+    hit = _Cached(fastattn.plan(cfg, device=q.device.index), q, v, None)
     with _plans_lock:
-        _varlen_plans[key] = hit
+        _plans[key] = hit
     return hit
 
 
@@ -524,15 +523,8 @@ _varlen_forward.register_autograd(_varlen_grad, setup_context=_varlen_setup_cont
 
 
 def _check_varlen(q, k, v, cu_q, cu_kv) -> None:
+    _check_qkv_tensors(q, k, v, 3, "(tokens, heads, head_dim)")
     for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise InvalidArgumentError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-        if t.device.type not in ("cuda", "meta"):
-            raise InvalidArgumentError(f"{name} is on {t.device}: fastattn runs on CUDA tensors")
-        if t.dim() != 3:
-            raise InvalidArgumentError(f"{name} has shape {tuple(t.shape)}: expected (tokens, heads, head_dim)")
-        if t.dtype not in _DTYPES:
-            raise InvalidArgumentError(f"{name} has dtype {t.dtype}: expected torch.float16 or torch.bfloat16")
         if not t.is_contiguous():
             raise InvalidArgumentError(f"{name} must be contiguous (tokens, heads, head_dim): call .contiguous()")
     if not (q.device == k.device == v.device) or not (q.dtype == k.dtype == v.dtype):
