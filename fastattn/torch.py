@@ -45,9 +45,10 @@ except ImportError:  # pragma: no cover - older or CPU-only builds
 class _Cached:
     """A plan and what each call needs from it, computed once."""
 
-    __slots__ = ("backward_workspace", "device", "forward_workspace", "out_shape", "plan", "stats_shape")
+    __slots__ = ("backward_workspace", "device", "forward_workspace", "grads_like", "out_like_q", "out_shape",
+                 "plan", "stats_shape")
 
-    def __init__(self, plan, q: torch.Tensor, v: torch.Tensor, layout: str | None):
+    def __init__(self, plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str | None):
         """layout None: packed sequences, whose token count, so shapes, each call's tensors give."""
         self.plan = plan
         self.device = q.get_device()
@@ -55,6 +56,44 @@ class _Cached:
         self.stats_shape = _stats_shape(q, layout) if layout else None
         self.forward_workspace = plan.forward_workspace_size
         self.backward_workspace = plan.backward_workspace_size
+        # torch.empty_like costs ~40% less than new_empty(shape) or empty_strided (it parses
+        # no sizes): use it wherever it gives the strides the plan was built for. The key
+        # fixes the inputs' shapes and strides, so this holds for every call of the plan.
+        self.out_like_q = layout is not None and _like(q, self.out_shape)
+        self.grads_like = tuple(layout is not None and _like(t, list(t.shape), t.stride()) for t in (q, k, v))
+
+
+def _like(t: torch.Tensor, shape: list[int], stride: tuple[int, ...] | None = None) -> bool:
+    """Whether torch.empty_like(t) has this shape and these strides (None: contiguous)."""
+    if list(t.shape) != shape:
+        return False
+    like = torch.empty_like(t, device="meta")
+    return like.stride() == (stride if stride is not None else t.new_empty(shape, device="meta").stride())
+
+
+# Workspaces of up to _KEPT_WORKSPACE bytes are kept, one per (device, stream), and shared
+# by every call on that stream: the stream orders those calls on the GPU, so one buffer
+# serves them all, and a call saves an allocation (~4 us of a ~17 us small call on the
+# H200, tools/profile_torch_call.py). Not while a CUDA graph is captured: a graph replays
+# on any stream, so it takes its own buffer from the capture's pool. Larger workspaces
+# are allocated per call: next to their kernels' time the allocation is noise, and a
+# kept one would hold the memory.
+_KEPT_WORKSPACE = 16 << 20
+_workspaces: dict[tuple[int, int], torch.Tensor] = {}
+
+
+def _workspace(q: torch.Tensor, size: int, device: int, stream: int) -> torch.Tensor | None:
+    """A workspace of at least size bytes for a call on this stream (None when size is 0)."""
+    if not size:
+        return None
+    if size > _KEPT_WORKSPACE or torch.cuda.is_current_stream_capturing():
+        return q.new_empty(size, dtype=torch.uint8)
+    ws = _workspaces.get((device, stream))
+    if ws is None or ws.numel() < size:
+        # The old buffer goes back to the caching allocator once the last call holding it
+        # has queued its work: stream-ordered, like any tensor freed on this stream.
+        ws = _workspaces[(device, stream)] = q.new_empty(size, dtype=torch.uint8)
+    return ws
 
 
 def _logical(t: torch.Tensor, layout: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -109,7 +148,7 @@ def _plan_for(q, k, v, o, seq_len_q, seq_len_kv, layout: str, causal: bool, bott
         bias="none" if bias is None else _bias_shape(q, bias, layout), bias_grad=bias_grad, dropout=dropout,
         sinks=sink is not None,
     )
-    hit = _Cached(fastattn.plan(cfg, device=q.device.index), q, v, layout)
+    hit = _Cached(fastattn.plan(cfg, device=q.device.index), q, k, v, layout)
     with _plans_lock:
         _plans[key] = hit
     return hit
@@ -140,18 +179,21 @@ def _forward_impl(q, k, v, seq_len_q, seq_len_kv, layout, causal, bottom_right, 
     padded = seq_len_q is not None
     # Rows past a sequence's length are zero, not whatever the allocator held: they
     # flow into the next layer (and its weight gradients) unless the caller masks them.
-    o = q.new_zeros(c.out_shape) if padded else q.new_empty(c.out_shape)
+    if padded:
+        o = q.new_zeros(c.out_shape)
+    else:
+        o = torch.empty_like(q) if c.out_like_q else q.new_empty(c.out_shape)
     stats = q.new_empty(c.stats_shape, dtype=torch.float32) if training else None
-    # Workspace from PyTorch's caching allocator, on this stream: freed when this
-    # returns, reused only by work queued after ours.
-    ws = q.new_empty(c.forward_workspace, dtype=torch.uint8) if c.forward_workspace else None
+    stream = _raw_stream(c.device)
+    # Workspace from PyTorch's caching allocator, used on this stream only (_workspace).
+    ws = _workspace(q, c.forward_workspace, c.device, stream)
     if bias is None and sink is None and rng is None:  # the common call: positional only, no keyword dict
         c.plan.forward(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), stats.data_ptr() if training else 0,
-                       ws.data_ptr() if ws is not None else 0, _raw_stream(c.device),
+                       ws.data_ptr() if ws is not None else 0, stream,
                        seq_len_q.data_ptr() if padded else 0, seq_len_kv.data_ptr() if padded else 0)
     else:
         c.plan.forward(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), stats.data_ptr() if training else 0,
-                       ws.data_ptr() if ws is not None else 0, _raw_stream(c.device),
+                       ws.data_ptr() if ws is not None else 0, stream,
                        seq_len_q.data_ptr() if padded else 0, seq_len_kv.data_ptr() if padded else 0,
                        **_extra_pointers(bias, sink, rng))
     return o, stats
@@ -202,11 +244,14 @@ def _backward(d_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     c = _plan_for(q, k, v, o, seq_len_q, seq_len_kv, layout, causal, bottom_right, window_left, window_right, scale,
                   deterministic, alibi, True, bias, sink, dropout, bias_grad)
     padded = seq_len_q is not None
-    d_q, d_k, d_v = (torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device) for t in (q, k, v))
+    d_q, d_k, d_v = (torch.empty_like(t) if like else torch.empty_strided(t.shape, t.stride(), dtype=t.dtype,
+                                                                           device=t.device)
+                     for t, like in zip((q, k, v), c.grads_like))
     if padded:
         for g in (d_q, d_k, d_v):
             g.zero_()  # padded rows get zero gradients (see _forward_impl)
-    ws = q.new_empty(c.backward_workspace, dtype=torch.uint8) if c.backward_workspace else None
+    stream = _raw_stream(c.device)
+    ws = _workspace(q, c.backward_workspace, c.device, stream)
     d_bias, d_sink = _extra_grads_like(q, bias, sink, bias_grad)
     extras = _extra_pointers(bias, sink, rng)
     if bias_grad:
@@ -215,7 +260,7 @@ def _backward(d_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         extras["d_sink"] = d_sink.data_ptr()
     c.plan.backward(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), d_o.data_ptr(), stats.data_ptr(),
                     d_q.data_ptr(), d_k.data_ptr(), d_v.data_ptr(), ws.data_ptr() if ws is not None else 0,
-                    _raw_stream(c.device), seq_len_q.data_ptr() if padded else 0,
+                    stream, seq_len_q.data_ptr() if padded else 0,
                     seq_len_kv.data_ptr() if padded else 0, **extras)
     return d_q, d_k, d_v, d_bias, d_sink
 
@@ -438,7 +483,7 @@ def _varlen_plan(q, k, v, batch: int, max_q: int, max_kv: int, causal: bool, bot
         window=(window_left, window_right), scale=None if scale <= 0 else scale, training=training,
         deterministic=deterministic,
     )
-    hit = _Cached(fastattn.plan(cfg, device=q.device.index), q, v, None)
+    hit = _Cached(fastattn.plan(cfg, device=q.device.index), q, k, v, None)
     with _plans_lock:
         _plans[key] = hit
     return hit
@@ -466,10 +511,11 @@ def _varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: tor
                      scale, deterministic, training)
     o = q.new_empty(q.shape[0], q.shape[1], v.shape[2])
     stats = q.new_empty((q.shape[0], q.shape[1]) if training else (0,), dtype=torch.float32)
-    ws = q.new_empty(c.forward_workspace, dtype=torch.uint8) if c.forward_workspace else None
+    stream = _raw_stream(c.device)
+    ws = _workspace(q, c.forward_workspace, c.device, stream)
     seq_q, seq_kv, ragged = _varlen_run_args(_varlen_indices(q, k, v, cu_q, cu_kv), training)
     c.plan.forward(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), stats.data_ptr() if training else 0,
-                   ws.data_ptr() if ws is not None else 0, _raw_stream(c.device), seq_q, seq_kv, **ragged)
+                   ws.data_ptr() if ws is not None else 0, stream, seq_q, seq_kv, **ragged)
     return o, stats
 
 
@@ -489,11 +535,12 @@ def _varlen_backward(d_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     c = _varlen_plan(q, k, v, cu_q.shape[0] - 1, max_q, max_kv, causal, bottom_right, window_left, window_right,
                      scale, deterministic, True)
     d_q, d_k, d_v = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    ws = q.new_empty(c.backward_workspace, dtype=torch.uint8) if c.backward_workspace else None
+    stream = _raw_stream(c.device)
+    ws = _workspace(q, c.backward_workspace, c.device, stream)
     seq_q, seq_kv, ragged = _varlen_run_args(_varlen_indices(q, k, v, cu_q, cu_kv), True)
     c.plan.backward(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), d_o.data_ptr(), stats.data_ptr(),
                     d_q.data_ptr(), d_k.data_ptr(), d_v.data_ptr(), ws.data_ptr() if ws is not None else 0,
-                    _raw_stream(c.device), seq_q, seq_kv, **ragged)
+                    stream, seq_q, seq_kv, **ragged)
     return d_q, d_k, d_v
 
 

@@ -205,3 +205,41 @@ def test_varlen_traces_forward_and_backward_and_buckets_its_lengths():
     o, grads = next(n for n in gm.graph.nodes if n.op == "output").args[0]
     assert [tuple(n.meta["val"].shape) for n in (o, *grads)] == [(201, 8, 64), (201, 8, 64), (201, 2, 64),
                                                                   (201, 2, 64)]
+
+
+def test_small_workspaces_are_kept_per_stream_and_never_while_capturing(monkeypatch):
+    import fastattn.torch as fat
+
+    capturing = [False]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    monkeypatch.setattr(fat, "_workspaces", {})
+    q = torch.empty(4, dtype=torch.bfloat16)
+    assert fat._workspace(q, 0, 0, 7) is None
+    a = fat._workspace(q, 1000, 0, 7)
+    assert a.dtype == torch.uint8 and a.numel() == 1000
+    assert fat._workspace(q, 600, 0, 7) is a            # same stream: the same buffer
+    assert fat._workspace(q, 600, 0, 8) is not a        # another stream, its own
+    assert fat._workspace(q, 600, 1, 7) is not a        # another device, its own
+    b = fat._workspace(q, 2000, 0, 7)                   # grows, and replaces the kept one
+    assert b.numel() == 2000 and fat._workspace(q, 1000, 0, 7) is b
+    big = fat._KEPT_WORKSPACE + 1
+    assert fat._workspace(q, big, 0, 7).numel() == big and fat._workspaces[(0, 7)] is b  # per call, not kept
+    capturing[0] = True                                 # a CUDA graph owns its own buffer
+    c = fat._workspace(q, 1000, 0, 7)
+    assert c is not b and c.numel() == 1000 and fat._workspaces[(0, 7)] is b
+
+
+@pytest.mark.parametrize("layout", ("bshd", "bhsd", "sbhd"))
+def test_empty_like_is_used_only_where_it_gives_the_plans_strides(layout):
+    import fastattn.torch as fat
+
+    q, k, v = qkv(layout=layout)
+    assert fat._like(q, fat._out_shape(q, v, layout))      # contiguous: empty_like gives o
+    assert all(fat._like(t, list(t.shape), t.stride()) for t in (q, k, v))
+    q, k, v = qkv(layout=layout, dv=32)
+    assert not fat._like(q, fat._out_shape(q, v, layout))  # o has v's head dim
+    packed = torch.empty(2, 128, 3, 8, 64, device="meta", dtype=torch.bfloat16)
+    q = packed[:, :, 0]  # a slice of packed qkv, not dense: empty_like makes it contiguous,
+    assert fat._like(q, fat._out_shape(q, q, "bshd")) and not fat._like(q, list(q.shape), q.stride())  # o's, not d_q's
+    t = torch.empty(2, 8, 128, 64, device="meta", dtype=torch.bfloat16).transpose(1, 2)  # dense, permuted
+    assert fat._like(t, list(t.shape), t.stride()) and not fat._like(t, fat._out_shape(t, t, "bshd"))

@@ -25,6 +25,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import fastattn
 import fastattn.torch as fat
+from fastattn import _core
 
 
 def _us(fn, iters: int = 2000, samples: int = 15) -> float:
@@ -64,19 +65,28 @@ def main(argv=None) -> int:
     res["forward_impl"] = _us(lambda: fat._forward_impl(*fwd_args))
     res["plan_for_lookup"] = _us(lambda: fat._plan_for(*key_args))
     res["new_empty_output"] = _us(lambda: q.new_empty(shape))
+    res["empty_like_output"] = _us(lambda: torch.empty_like(q))
+    res["new_empty_workspace"] = _us(lambda: q.new_empty(max(ws, 1), dtype=torch.uint8))
+    res["kept_workspace"] = _us(lambda: fat._workspace(q, max(ws, 1), 0, stream))
+    res["is_capturing"] = _us(torch.cuda.is_current_stream_capturing)
     res["raw_stream"] = _us(lambda: fat._raw_stream(0))
     res["data_ptr_x4"] = _us(lambda: (q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr()))
     res["is_compiling"] = _us(torch.compiler.is_compiling)
     res["grad_checks"] = _us(lambda: torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
                                                                  or v.requires_grad))
-    if ws == 0:
-        res["plan_forward_positional"] = _us(lambda: plan.forward(*ptrs, 0, 0, stream))
-        res["plan_forward_keywords"] = _us(lambda: plan.forward(*ptrs, stats=0, workspace=0, stream=stream,
-                                                                seq_len_q=0, seq_len_kv=0))
-        # The least a Python wrapper can do: a fresh output and one positional call.
-        res["floor_new_empty_and_forward"] = _us(
-            lambda: plan.forward(q.data_ptr(), k.data_ptr(), v.data_ptr(), q.new_empty(shape).data_ptr(), 0, 0,
-                                 stream))
+    w = fat._workspace(q, ws, 0, stream)
+    wp = w.data_ptr() if w is not None else 0
+    res["plan_forward_positional"] = _us(lambda: plan.forward(*ptrs, 0, wp, stream))
+    res["plan_forward_keywords"] = _us(lambda: plan.forward(*ptrs, stats=0, workspace=wp, stream=stream,
+                                                            seq_len_q=0, seq_len_kv=0))
+    # The least a Python wrapper can do: a fresh output and one positional call.
+    res["floor_empty_like_and_forward"] = _us(
+        lambda: plan.forward(q.data_ptr(), k.data_ptr(), v.data_ptr(), torch.empty_like(q).data_ptr(), 0, wp,
+                             stream))
+    # cudnn-frontend's own execute looped in C++ on the same plan and pointers (bench_core's floor).
+    res["cpp_floor"] = round(statistics.median(
+        _core.bench_raw_execute(plan, "forward", ptrs, wp, stream, 2000) / 2000 * 1e6 for _ in range(15)), 3)
+    res["forward_workspace_bytes"] = ws
     res["ratio_attention_to_sdpa_cudnn"] = res["attention_total"] / res["sdpa_cudnn_total"]
     res["device"] = fastattn.device_info()
     res["torch"] = torch.__version__
