@@ -137,8 +137,10 @@ def test_cuda_graph_capture_and_replay():
         fastattn.torch.attention(*static, causal=True)  # warm-up: plan built, workspace sized
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
+    kept = dict(fastattn.torch._workspaces)
     with torch.cuda.graph(graph):
         out = fastattn.torch.attention(*static, causal=True)
+    assert fastattn.torch._workspaces == kept  # a graph replays on any stream: it owns its workspace
     for _ in range(3):
         fresh = [torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
         for s, f in zip(static, fresh):
@@ -147,6 +149,26 @@ def test_cuda_graph_capture_and_replay():
         expected = fastattn.torch.attention(*fresh, causal=True)
         torch.cuda.synchronize()
         assert torch.equal(out, expected)
+
+
+def test_calls_in_flight_on_two_streams_match_serial_calls():
+    # Each stream keeps its own workspace (fastattn.torch._workspace); calls running on two
+    # streams at once must not share one. Forward is deterministic: results equal bitwise.
+    inputs = [[torch.randn(2, 512, 8, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3)] for _ in range(24)]
+    expected = [fastattn.torch.attention(*x, causal=True) for x in inputs]
+    torch.cuda.synchronize()
+    streams = [torch.cuda.Stream() for _ in range(2)]
+    outs = []
+    for i, x in enumerate(inputs):
+        with torch.cuda.stream(streams[i % 2]):
+            outs.append(fastattn.torch.attention(*x, causal=True))
+    torch.cuda.synchronize()
+    for i, (o, e) in enumerate(zip(outs, expected)):
+        assert torch.equal(o, e), i
+    plan = next(c for c in fastattn.torch._plans.values() if c.out_shape == [2, 512, 8, 64])
+    if plan.forward_workspace:
+        kept = {key for key in fastattn.torch._workspaces if key[1] in {s.cuda_stream for s in streams}}
+        assert len(kept) == 2
 
 
 @pytest.mark.parametrize("dtype", (torch.float16, torch.bfloat16), ids=("fp16", "bf16"))
