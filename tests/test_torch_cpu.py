@@ -211,7 +211,7 @@ def test_small_workspaces_are_kept_per_stream_and_never_while_capturing(monkeypa
     import fastattn.torch as fat
 
     capturing = [False]
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    monkeypatch.setattr(fat, "_capturing", lambda: capturing[0])
     monkeypatch.setattr(fat, "_workspaces", {})
     q = torch.empty(4, dtype=torch.bfloat16)
     assert fat._workspace(q, 0, 0, 7) is None

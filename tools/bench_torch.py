@@ -3,7 +3,9 @@
 (a) Host time per call on a small shape (1x8x128x64 bf16 causal, inference): fastattn.torch.attention
     on bshd tensors vs scaled_dot_product_attention on (b, h, s, d) tensors with the cuDNN
     and flash backends, the backend selected once outside the timed loop (target: at
-    most 0.75x PyTorch cuDNN's).
+    most 0.75x PyTorch cuDNN's). Also each peer's GPU time per call, which the host times
+    must exceed to be host times, and the host time of a training step (forward and
+    backward through autograd).
 (b) Forward and backward TFLOP/s on large shapes, causal and not (target: at least
     0.98x PyTorch cuDNN's), timed with CUDA events over rotating inputs.
 
@@ -50,31 +52,61 @@ def _backend(backend):
     return sdpa_kernel(backend) if backend is not None else contextlib.nullcontext()
 
 
+def _gpu_us(fn, backend, q, k, v, iters: int) -> float:
+    """GPU time per call: the calls queue up behind a ~25 ms sleep kernel, so the GPU
+    runs them back to back and events around them time the GPU, not the host. A host
+    time per call above this is the host's own cost, not the GPU holding it back."""
+    with _backend(backend):
+        torch.cuda.synchronize()
+        torch.cuda._sleep(50_000_000)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            fn(q, k, v, True)
+        end.record()
+        end.synchronize()
+    return start.elapsed_time(end) / iters * 1e3
+
+
 def host_overhead(iters: int, repeats: int) -> dict:
     """Each peer on its own natural layout, so that no peer pays for views: fastattn on
-    bshd tensors, SDPA on (b, h, s, d) tensors."""
+    bshd tensors, SDPA on (b, h, s, d) tensors. Inference (the target), and a training
+    step (forward and backward through autograd) for the record."""
     bshd = [torch.randn(1, 128, 8, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
     bhsd = [t.transpose(1, 2).contiguous() for t in bshd]
     calls = {"fastattn": (PEERS["fastattn"][0], None, bshd),
              "torch_cudnn": (_sdpa_bhsd, SDPBackend.CUDNN_ATTENTION, bhsd),
              "torch_flash": (_sdpa_bhsd, SDPBackend.FLASH_ATTENTION, bhsd)}
-    for fn, backend, (q, k, v) in calls.values():
+    grads = {name: [t.detach().clone().requires_grad_() for t in ts] for name, (_, _, ts) in calls.items()}
+
+    def train_step(fn, q, k, v, causal):
+        o = fn(q, k, v, causal)
+        torch.autograd.grad(o, (q, k, v), o)  # o as its own gradient: no extra allocation in the loop
+
+    for name, (fn, backend, (q, k, v)) in calls.items():
         with _backend(backend):
             for _ in range(20):
                 fn(q, k, v, True)
+                train_step(fn, *grads[name], True)
     torch.cuda.synchronize()
     samples = {name: [] for name in calls}
+    train = {name: [] for name in calls}
     for _ in range(repeats):  # interleaved, so drift hits every peer alike
         for name, (fn, backend, (q, k, v)) in calls.items():
             with _backend(backend):
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                for _ in range(iters):
-                    fn(q, k, v, True)
-                samples[name].append((time.perf_counter() - t0) / iters * 1e6)
-                torch.cuda.synchronize()
+                for out, step, args in ((samples, fn, (q, k, v)), (train, lambda *a, fn=fn: train_step(fn, *a),
+                                                                    grads[name])):
+                    torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    for _ in range(iters):
+                        step(*args, True)
+                    out[name].append((time.perf_counter() - t0) / iters * 1e6)
+                    torch.cuda.synchronize()
     res = {f"{n}_us": statistics.median(s) for n, s in samples.items()}
+    res.update({f"{n}_gpu_us": _gpu_us(fn, backend, q, k, v, iters) for n, (fn, backend, (q, k, v)) in calls.items()})
+    res.update({f"{n}_train_us": statistics.median(s) for n, s in train.items()})
     res["ratio_fastattn_to_torch_cudnn"] = res["fastattn_us"] / res["torch_cudnn_us"]
+    res["ratio_train_fastattn_to_torch_cudnn"] = res["fastattn_train_us"] / res["torch_cudnn_train_us"]
     return res
 
 
@@ -139,6 +171,11 @@ def main(argv=None) -> int:
     print("\nsummary:")
     print(f"  host us/call: fastattn {h['fastattn_us']:.2f}, torch cudnn {h['torch_cudnn_us']:.2f}, "
           f"flash {h['torch_flash_us']:.2f}; ratio to cudnn {h['ratio_fastattn_to_torch_cudnn']:.2f} (target <= 0.75)")
+    print(f"  GPU us/call (the host's numbers above must exceed these): fastattn {h['fastattn_gpu_us']:.2f}, "
+          f"torch cudnn {h['torch_cudnn_gpu_us']:.2f}, flash {h['torch_flash_gpu_us']:.2f}")
+    print(f"  host us/training step (fwd+bwd): fastattn {h['fastattn_train_us']:.2f}, torch cudnn "
+          f"{h['torch_cudnn_train_us']:.2f}, flash {h['torch_flash_train_us']:.2f}; ratio to cudnn "
+          f"{h['ratio_train_fastattn_to_torch_cudnn']:.2f}")
     for r in res["throughput"]:
         print(f"  {r['shape']} causal={r['causal']}: fwd {r['fastattn_fwd_tflops']:.0f} vs cudnn "
               f"{r['torch_cudnn_fwd_tflops']:.0f} ({r['ratio_fwd_fastattn_to_torch_cudnn']:.3f}), fwd+bwd "

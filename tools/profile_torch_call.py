@@ -54,9 +54,9 @@ def main(argv=None) -> int:
     stream = fat._raw_stream(0)
     ws = hit.forward_workspace
     ptrs = (q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr())
-    options = ("bshd", True, False, -1, -1, 0.0, False, False, False)  # layout ... training, as attention() passes
-    fwd_args = (q, k, v, None, None) + options  # _forward_impl(q, k, v, seq_len_q, seq_len_kv, ...)
-    key_args = (q, k, v, None, None, None) + options  # _plan_for(q, k, v, o, seq_len_q, seq_len_kv, ...)
+    options = ("bshd", True, False, -1, -1, 0.0, False, False, False)  # fastattn.torch._options, as attention() makes it
+    fwd_args = (q, k, v, None, None, options)  # _forward_impl(q, k, v, seq_len_q, seq_len_kv, options)
+    key_args = (q, k, v, None, None, None, options)  # _plan_for(q, k, v, o, seq_len_q, seq_len_kv, options)
     res = {}
     res["attention_total"] = _us(lambda: fat.attention(q, k, v, causal=True))
     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
@@ -68,7 +68,7 @@ def main(argv=None) -> int:
     res["empty_like_output"] = _us(lambda: torch.empty_like(q))
     res["new_empty_workspace"] = _us(lambda: q.new_empty(max(ws, 1), dtype=torch.uint8))
     res["kept_workspace"] = _us(lambda: fat._workspace(q, max(ws, 1), 0, stream))
-    res["is_capturing"] = _us(torch.cuda.is_current_stream_capturing)
+    res["is_capturing"] = _us(fat._capturing)
     res["raw_stream"] = _us(lambda: fat._raw_stream(0))
     res["data_ptr_x4"] = _us(lambda: (q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr()))
     res["is_compiling"] = _us(torch.compiler.is_compiling)
