@@ -248,12 +248,24 @@ def _backward(d_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
               rng: torch.Tensor | None, dropout: float,
               bias_grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(d_q, d_k, d_v, d_bias, d_sink); d_bias and d_sink are empty when not computed."""
+    d_q, d_k, d_v, d_bias, d_sink = _backward_impl(
+        d_o, q, k, v, o, stats, seq_len_q, seq_len_kv,
+        _options(layout, causal, bottom_right, window_left, window_right, scale, deterministic, alibi, True), bias,
+        sink, rng, dropout, bias_grad)
+    if d_bias is None or d_sink is None:  # a custom op returns tensors
+        empty_bias, empty_sink = _extra_grads_like(q, None, None, False)
+        d_bias, d_sink = d_bias if d_bias is not None else empty_bias, d_sink if d_sink is not None else empty_sink
+    return d_q, d_k, d_v, d_bias, d_sink
+
+
+def _backward_impl(d_o, q, k, v, o, stats, seq_len_q, seq_len_kv, options: tuple, bias=None, sink=None, rng=None,
+                   dropout=0.0, bias_grad=False):
+    """_backward's work: (d_q, d_k, d_v, d_bias or None, d_sink or None); options (see
+    _plan_for) with training True."""
     if d_o.stride() != o.stride():
         # The backward graph reads d_o at o's strides (cuDNN's plan is built for them).
         d_o = torch.empty_strided(o.shape, o.stride(), dtype=o.dtype, device=o.device).copy_(d_o)
-    c = _plan_for(q, k, v, o, seq_len_q, seq_len_kv,
-                  _options(layout, causal, bottom_right, window_left, window_right, scale, deterministic, alibi, True),
-                  bias, sink, dropout, bias_grad)
+    c = _plan_for(q, k, v, o, seq_len_q, seq_len_kv, options, bias, sink, dropout, bias_grad)
     padded = seq_len_q is not None
     d_q, d_k, d_v = (torch.empty_like(t) if like else torch.empty_strided(t.shape, t.stride(), dtype=t.dtype,
                                                                            device=t.device)
@@ -263,7 +275,8 @@ def _backward(d_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
             g.zero_()  # padded rows get zero gradients (see _forward_impl)
     stream = _raw_stream(c.device)
     ws = _workspace(q, c.backward_workspace, c.device, stream)
-    d_bias, d_sink = _extra_grads_like(q, bias, sink, bias_grad)
+    d_bias = torch.empty_like(bias, memory_format=torch.contiguous_format) if bias_grad else None
+    d_sink = torch.empty_like(sink) if sink is not None else None
     extras = _extra_pointers(bias, sink, rng)
     if bias_grad:
         extras["d_bias"] = d_bias.data_ptr()
@@ -315,6 +328,40 @@ def _grad(ctx, d_o, d_stats):
 
 
 _forward.register_autograd(_grad, setup_context=_setup_context)
+
+
+class _EagerAttention(torch.autograd.Function):
+    """Eager training: the custom ops' own work under a plain autograd.Function. In
+    PyTorch 2.11-2.13 a custom op's autograd wrapper costs ~150 us of host time per
+    training step (torch._library.utils.fill_defaults rebuilds the schema's argument
+    list once per argument), 4x what PyTorch's own SDPA step costs. torch.compile and
+    tracing (_plain_eager false) still go through the custom ops."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, seq_len_q, seq_len_kv, options, bias, sink, rng, dropout, bias_grad):
+        o, stats = _forward_impl(q, k, v, seq_len_q, seq_len_kv, options, bias, sink, rng, dropout, bias_grad)
+        ctx.save_for_backward(q, k, v, o, stats, seq_len_q, seq_len_kv, bias, sink, rng)
+        ctx.options, ctx.extras = options, (dropout, bias_grad)
+        return o
+
+    @staticmethod
+    def backward(ctx, d_o):
+        q, k, v, o, stats, seq_len_q, seq_len_kv, bias, sink, rng = ctx.saved_tensors
+        dropout, bias_grad = ctx.extras
+        d_q, d_k, d_v, d_bias, d_sink = _backward_impl(d_o, q, k, v, o, stats, seq_len_q, seq_len_kv, ctx.options,
+                                                       bias, sink, rng, dropout, bias_grad)
+        return (d_q, d_k, d_v, None, None, None, d_bias if bias_grad else None, d_sink if sink is not None else None,
+                None, None, None)
+
+
+def _plain_eager(q: torch.Tensor) -> bool:
+    """A plain tensor on a CUDA device, outside torch.compile and any tracing mode: the
+    call may skip the custom ops (whose wrappers cost host time) and run directly."""
+    return (type(q) is torch.Tensor and q.is_cuda and not torch.compiler.is_compiling()
+            and not _dispatch_modes())
+
+
+_dispatch_modes = torch._C._len_torch_dispatch_stack  # FakeTensorMode, make_fx's proxy mode, ...
 
 
 def _check_qkv_tensors(q, k, v, dims: int, expected: str) -> None:
@@ -450,19 +497,19 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     options = (layout, bool(causal), bool(causal_bottom_right), left, right, 0.0 if scale is None else float(scale),
                bool(deterministic), bool(alibi), training)  # as _options makes it
     if bias is None and sinks is None and not dropout_p:
-        if not training and cuda and not torch.compiler.is_compiling():
-            # Eager inference needs neither autograd nor tracing: skip the dispatcher.
-            return _forward_impl(q, k, v, seq_lens_q, seq_lens_kv, options)[0]
-        return _forward(q, k, v, seq_lens_q, seq_lens_kv, *options, None, None, None, 0.0, False)[0]
-    if not 0.0 <= float(dropout_p) < 1.0:
-        raise InvalidArgumentError(f"dropout_p={dropout_p!r}: must be in [0, 1)")
-    if not cuda:
-        _check_extras(q, k, layout, bias, sinks)
-    # Philox's seed at element 0 and offset at element 2, drawn from PyTorch's generator.
-    rng = torch.randint(0, 2**62, (4,), device=q.device, dtype=torch.int64) if dropout_p else None
-    extras = (bias, sinks, rng, float(dropout_p), bool(training and bias is not None and bias.requires_grad))
-    if not training and cuda and not torch.compiler.is_compiling():
-        return _forward_impl(q, k, v, seq_lens_q, seq_lens_kv, options, *extras)[0]
+        extras = (None, None, None, 0.0, False)
+    else:
+        if not 0.0 <= float(dropout_p) < 1.0:
+            raise InvalidArgumentError(f"dropout_p={dropout_p!r}: must be in [0, 1)")
+        if not cuda:
+            _check_extras(q, k, layout, bias, sinks)
+        # Philox's seed at element 0 and offset at element 2, drawn from PyTorch's generator.
+        rng = torch.randint(0, 2**62, (4,), device=q.device, dtype=torch.int64) if dropout_p else None
+        extras = (bias, sinks, rng, float(dropout_p), bool(training and bias is not None and bias.requires_grad))
+    if cuda and _plain_eager(q):
+        if not training:  # no autograd either: straight to the plan
+            return _forward_impl(q, k, v, seq_lens_q, seq_lens_kv, options, *extras)[0]
+        return _EagerAttention.apply(q, k, v, seq_lens_q, seq_lens_kv, options, *extras)
     return _forward(q, k, v, seq_lens_q, seq_lens_kv, *options, *extras)[0]
 
 
@@ -520,8 +567,15 @@ def _varlen_run_args(ix: dict[str, torch.Tensor], training: bool) -> tuple[int, 
 def _varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_kv: torch.Tensor,
                     max_q: int, max_kv: int, causal: bool, bottom_right: bool, window_left: int, window_right: int,
                     scale: float, deterministic: bool, training: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    c = _varlen_plan(q, k, v, cu_q.shape[0] - 1, max_q, max_kv, causal, bottom_right, window_left, window_right,
-                     scale, deterministic, training)
+    return _varlen_forward_impl(q, k, v, cu_q, cu_kv, (max_q, max_kv, causal, bottom_right, window_left, window_right,
+                                                       scale, deterministic, training))
+
+
+def _varlen_forward_impl(q, k, v, cu_q, cu_kv, options: tuple):
+    """_varlen_forward's work. options: (max_q, max_kv, causal, bottom_right, window_left,
+    window_right, scale, deterministic, training), _varlen_forward's scalars in order."""
+    training = options[8]
+    c = _varlen_plan(q, k, v, cu_q.shape[0] - 1, *options)
     o = q.new_empty(q.shape[0], q.shape[1], v.shape[2])
     stats = q.new_empty((q.shape[0], q.shape[1]) if training else (0,), dtype=torch.float32)
     stream = _raw_stream(c.device)
@@ -544,9 +598,15 @@ def _varlen_backward(d_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
                      stats: torch.Tensor, cu_q: torch.Tensor, cu_kv: torch.Tensor, max_q: int, max_kv: int,
                      causal: bool, bottom_right: bool, window_left: int, window_right: int, scale: float,
                      deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _varlen_backward_impl(d_o, q, k, v, o, stats, cu_q, cu_kv, (max_q, max_kv, causal, bottom_right,
+                                                                       window_left, window_right, scale,
+                                                                       deterministic, True))
+
+
+def _varlen_backward_impl(d_o, q, k, v, o, stats, cu_q, cu_kv, options: tuple):
+    """_varlen_backward's work; options as _varlen_forward_impl's, training True."""
     d_o = d_o.contiguous()  # the plan reads d_o at o's (packed) strides
-    c = _varlen_plan(q, k, v, cu_q.shape[0] - 1, max_q, max_kv, causal, bottom_right, window_left, window_right,
-                     scale, deterministic, True)
+    c = _varlen_plan(q, k, v, cu_q.shape[0] - 1, *options)
     d_q, d_k, d_v = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     stream = _raw_stream(c.device)
     ws = _workspace(q, c.backward_workspace, c.device, stream)
@@ -580,6 +640,22 @@ def _varlen_grad(ctx, d_o, d_stats):
 
 
 _varlen_forward.register_autograd(_varlen_grad, setup_context=_varlen_setup_context)
+
+
+class _EagerVarlen(torch.autograd.Function):
+    """Eager training for attention_varlen, as _EagerAttention is for attention."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_q, cu_kv, options):
+        o, stats = _varlen_forward_impl(q, k, v, cu_q, cu_kv, options)
+        ctx.save_for_backward(q, k, v, o, stats, cu_q, cu_kv)
+        ctx.options = options
+        return o
+
+    @staticmethod
+    def backward(ctx, d_o):
+        q, k, v, o, stats, cu_q, cu_kv = ctx.saved_tensors
+        return _varlen_backward_impl(d_o, q, k, v, o, stats, cu_q, cu_kv, ctx.options) + (None, None, None)
 
 
 def _check_varlen(q, k, v, cu_q, cu_kv) -> None:
@@ -635,7 +711,10 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
             raise InvalidArgumentError(f"{name}={n!r}: must be an int >= 1")
     left, right = (-1, -1) if window is None else (int(window[0]), int(window[1]))
     training = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-    o, _ = _varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_kv, _bucket(max_seqlen_q), _bucket(max_seqlen_kv),
-                           bool(causal), bool(causal_bottom_right), left, right,
-                           0.0 if scale is None else float(scale), bool(deterministic), training)
-    return o
+    options = (_bucket(max_seqlen_q), _bucket(max_seqlen_kv), bool(causal), bool(causal_bottom_right), left, right,
+               0.0 if scale is None else float(scale), bool(deterministic), training)
+    if _plain_eager(q):  # skip the custom ops' wrappers (see _EagerAttention)
+        if not training:
+            return _varlen_forward_impl(q, k, v, cu_seqlens_q, cu_seqlens_kv, options)[0]
+        return _EagerVarlen.apply(q, k, v, cu_seqlens_q, cu_seqlens_kv, options)
+    return _varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_kv, *options)[0]

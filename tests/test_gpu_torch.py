@@ -151,6 +151,27 @@ def test_cuda_graph_capture_and_replay():
         assert torch.equal(out, expected)
 
 
+def test_the_custom_ops_and_the_eager_path_agree_bitwise():
+    # Plain eager calls skip the custom ops' wrappers (_EagerAttention, _EagerVarlen);
+    # torch.compile and tracing go through the ops. Both must compute the same thing.
+    q, k, v = (torch.randn(2, 192, h, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for h in (8, 2, 2))
+    d_o = torch.randn(2, 192, 8, 64, device="cuda", dtype=torch.bfloat16)
+    o = fastattn.torch.attention(q, k, v, causal=True, deterministic=True)
+    grads = torch.autograd.grad(o, (q, k, v), d_o)
+    o_op = fastattn.torch._forward(q, k, v, None, None, "bshd", True, False, -1, -1, 0.0, True, False, True, None,
+                                   None, None, 0.0, False)[0]
+    assert torch.equal(o, o_op)
+    assert all(torch.equal(a, b) for a, b in zip(grads, torch.autograd.grad(o_op, (q, k, v), d_o)))
+    cu = torch.tensor([0, 100, 250, 384], device="cuda", dtype=torch.int32)
+    flat = [t.detach().reshape(-1, *t.shape[2:]).requires_grad_() for t in (q, k, v)]
+    o = fastattn.torch.attention_varlen(*flat, cu, cu, 150, 150, causal=True, deterministic=True)
+    d_o = torch.randn_like(o)
+    grads = torch.autograd.grad(o, flat, d_o)
+    o_op = fastattn.torch._varlen_forward(*flat, cu, cu, 256, 256, True, False, -1, -1, 0.0, True, True)[0]
+    assert torch.equal(o, o_op)
+    assert all(torch.equal(a, b) for a, b in zip(grads, torch.autograd.grad(o_op, flat, d_o)))
+
+
 def test_calls_in_flight_on_two_streams_match_serial_calls():
     # Each stream keeps its own workspace (fastattn.torch._workspace); calls running on two
     # streams at once must not share one. Forward is deterministic: results equal bitwise.
