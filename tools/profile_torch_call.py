@@ -63,6 +63,17 @@ def main(argv=None) -> int:
         res["sdpa_cudnn_total"] = _us(lambda: torch.nn.functional.scaled_dot_product_attention(qt, kt, vt,
                                                                                              is_causal=True))
     res["forward_impl"] = _us(lambda: fat._forward_impl(*fwd_args))
+
+    class Stub:  # the plan's sizes, a forward that does nothing: forward_impl's own Python
+        forward_workspace_size, backward_workspace_size = plan.forward_workspace_size, plan.backward_workspace_size
+
+        @staticmethod
+        def forward(*args, **kwargs):
+            return None
+
+    hit.plan = Stub()
+    res["forward_impl_python_only"] = _us(lambda: fat._forward_impl(*fwd_args))
+    hit.plan = plan
     res["plan_for_lookup"] = _us(lambda: fat._plan_for(*key_args))
     res["new_empty_output"] = _us(lambda: q.new_empty(shape))
     res["empty_like_output"] = _us(lambda: torch.empty_like(q))
