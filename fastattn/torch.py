@@ -277,15 +277,18 @@ def _backward_impl(d_o, q, k, v, o, stats, seq_len_q, seq_len_kv, options: tuple
     ws = _workspace(q, c.backward_workspace, c.device, stream)
     d_bias = torch.empty_like(bias, memory_format=torch.contiguous_format) if bias_grad else None
     d_sink = torch.empty_like(sink) if sink is not None else None
-    extras = _extra_pointers(bias, sink, rng)
-    if bias_grad:
-        extras["d_bias"] = d_bias.data_ptr()
-    if sink is not None:
-        extras["d_sink"] = d_sink.data_ptr()
-    c.plan.backward(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), d_o.data_ptr(), stats.data_ptr(),
-                    d_q.data_ptr(), d_k.data_ptr(), d_v.data_ptr(), ws.data_ptr() if ws is not None else 0,
-                    stream, seq_len_q.data_ptr() if padded else 0,
-                    seq_len_kv.data_ptr() if padded else 0, **extras)
+    args = (q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), d_o.data_ptr(), stats.data_ptr(), d_q.data_ptr(),
+            d_k.data_ptr(), d_v.data_ptr(), ws.data_ptr() if ws is not None else 0, stream,
+            seq_len_q.data_ptr() if padded else 0, seq_len_kv.data_ptr() if padded else 0)
+    if bias is None and sink is None and rng is None:  # the common call: positional only (see _forward_impl)
+        c.plan.backward(*args)
+    else:
+        extras = _extra_pointers(bias, sink, rng)
+        if bias_grad:
+            extras["d_bias"] = d_bias.data_ptr()
+        if sink is not None:
+            extras["d_sink"] = d_sink.data_ptr()
+        c.plan.backward(*args, **extras)
     return d_q, d_k, d_v, d_bias, d_sink
 
 

@@ -42,6 +42,52 @@ def _us(fn, iters: int = 2000, samples: int = 15) -> float:
     return round(statistics.median(out), 3)
 
 
+def _training(q, k, v, qt, kt, vt) -> dict:
+    """The same shape with gradients: a whole step (forward, then backward through
+    autograd, on autograd's device thread), and backward's pieces run directly."""
+    res = {}
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    leaves_t = [t.clone().requires_grad_() for t in (qt, kt, vt)]
+
+    def step():
+        o = fat.attention(*leaves, causal=True)
+        torch.autograd.grad(o, leaves, o)
+
+    def step_sdpa():
+        o = torch.nn.functional.scaled_dot_product_attention(*leaves_t, is_causal=True)
+        torch.autograd.grad(o, leaves_t, o)
+
+    res["train_step"] = _us(step, iters=300)
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        res["train_step_sdpa_cudnn"] = _us(step_sdpa, iters=300)
+    res["train_forward"] = _us(lambda: fat.attention(*leaves, causal=True), iters=300)
+    options = ("bshd", True, False, -1, -1, 0.0, False, False, True)
+    o, stats = fat._forward_impl(q, k, v, None, None, options)
+    d_o = torch.randn_like(o)
+    bwd_args = (d_o, q, k, v, o, stats, None, None, options)
+    res["backward_impl"] = _us(lambda: fat._backward_impl(*bwd_args), iters=300)
+    hit = fat._plan_for(q, k, v, o, None, None, options)
+    plan = hit.plan
+
+    class Stub:
+        forward_workspace_size, backward_workspace_size = plan.forward_workspace_size, plan.backward_workspace_size
+
+        @staticmethod
+        def backward(*args, **kwargs):
+            return None
+
+    hit.plan = Stub()
+    res["backward_impl_python_only"] = _us(lambda: fat._backward_impl(*bwd_args), iters=300)
+    hit.plan = plan
+    grads = [torch.empty_like(t) for t in (q, k, v)]
+    ws = fat._workspace(q, plan.backward_workspace_size, 0, fat._raw_stream(0))
+    ptrs = [t.data_ptr() for t in (q, k, v, o, d_o, stats, *grads)]
+    res["plan_backward_positional"] = _us(lambda: plan.backward(*ptrs, ws.data_ptr() if ws is not None else 0,
+                                                                fat._raw_stream(0)), iters=300)
+    res["backward_workspace_bytes"] = plan.backward_workspace_size
+    return res
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json")
@@ -98,6 +144,7 @@ def main(argv=None) -> int:
     res["cpp_floor"] = round(statistics.median(
         _core.bench_raw_execute(plan, "forward", ptrs, wp, stream, 2000) / 2000 * 1e6 for _ in range(15)), 3)
     res["forward_workspace_bytes"] = ws
+    res.update(_training(q, k, v, qt, kt, vt))
     res["ratio_attention_to_sdpa_cudnn"] = res["attention_total"] / res["sdpa_cudnn_total"]
     res["device"] = fastattn.device_info()
     res["torch"] = torch.__version__
