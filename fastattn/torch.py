@@ -358,13 +358,15 @@ class _EagerAttention(torch.autograd.Function):
 
 
 def _plain_eager(q: torch.Tensor) -> bool:
-    """A plain tensor on a CUDA device, outside torch.compile and any tracing mode: the
-    call may skip the custom ops (whose wrappers cost host time) and run directly."""
+    """A plain tensor on a CUDA device, outside torch.compile, any tracing mode and any
+    torch.func transform: the call may skip the custom ops (whose wrappers cost host
+    time) and run directly."""
     return (type(q) is torch.Tensor and q.is_cuda and not torch.compiler.is_compiling()
-            and not _dispatch_modes())
+            and not _dispatch_modes() and not _functorch_active())
 
 
 _dispatch_modes = torch._C._len_torch_dispatch_stack  # FakeTensorMode, make_fx's proxy mode, ...
+_functorch_active = torch._C._are_functorch_transforms_active  # torch.func.grad, vmap: tensors are wrappers
 
 
 def _check_qkv_tensors(q, k, v, dims: int, expected: str) -> None:

@@ -243,3 +243,17 @@ def test_empty_like_is_used_only_where_it_gives_the_plans_strides(layout):
     assert fat._like(q, fat._out_shape(q, q, "bshd")) and not fat._like(q, list(q.shape), q.stride())  # o's, not d_q's
     t = torch.empty(2, 8, 128, 64, device="meta", dtype=torch.bfloat16).transpose(1, 2)  # dense, permuted
     assert fat._like(t, list(t.shape), t.stride()) and not fat._like(t, fat._out_shape(t, t, "bshd"))
+
+
+def test_only_plain_eager_calls_skip_the_custom_ops():
+    import fastattn.torch as fat
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    q = torch.empty(2, 4, device="meta")
+    assert not fat._plain_eager(q)  # not a CUDA tensor
+    with FakeTensorMode():
+        assert fat._dispatch_modes() > 0
+    assert fat._dispatch_modes() == 0 and not fat._functorch_active()
+    seen = []
+    torch.func.grad(lambda x: (seen.append(fat._functorch_active()), x.sum())[1])(torch.ones(3))
+    assert seen == [True]
