@@ -329,3 +329,71 @@ def test_varlen_matches_float64_per_sequence(dtype, causal):
         cu = torch.tensor([0, cut, 150], device="cuda", dtype=torch.int32)
         fastattn.torch.attention_varlen(q[:150], k[:150], v[:150], cu, cu, longest, longest, causal=causal)
     assert fastattn.stats()["builds"] == before
+
+
+def paged_case(dtype, q_lens, kv_lens, hq=8, hkv=2, d=128, page=64, num_pages=20):
+    """q, the page pools (shuffled pages, finite garbage wherever no sequence's token is),
+    the block table, the lengths, and each sequence's KV laid out densely."""
+    b, sq = len(q_lens), max(q_lens)
+    per_seq = -(-max(kv_lens) // page)
+    pools = [torch.empty(num_pages, page, hkv, d, device="cuda", dtype=dtype).uniform_(-3e4, 3e4) for _ in range(2)]
+    order = torch.randperm(num_pages).tolist()
+    table = torch.zeros(b, per_seq, dtype=torch.int32)
+    dense = []
+    for i, n in enumerate(kv_lens):
+        k, v = (torch.randn(n, hkv, d, device="cuda", dtype=dtype) for _ in range(2))
+        dense.append((k, v))
+        for j in range(-(-n // page)):
+            p = order.pop()
+            table[i, j] = p
+            rows = slice(j * page, min(n, (j + 1) * page))
+            pools[0][p, :rows.stop - rows.start] = k[rows]
+            pools[1][p, :rows.stop - rows.start] = v[rows]
+    q = torch.randn(b, sq, hq, d, device="cuda", dtype=dtype)
+    lens = torch.tensor(kv_lens, dtype=torch.int32, device="cuda")
+    return q, pools[0], pools[1], table.cuda(), lens, dense
+
+
+@pytest.mark.parametrize("dtype", (torch.float16, torch.bfloat16), ids=("fp16", "bf16"))
+@pytest.mark.parametrize("q_lens,bottom_right", [((1, 1, 1), False), ((16, 5, 16), True)], ids=("decode", "prefill"))
+def test_paged_matches_float64_per_sequence(dtype, q_lens, bottom_right):
+    kv_lens = (300, 17, 129)
+    q, k_cache, v_cache, table, lens, dense = paged_case(dtype, q_lens, kv_lens)
+    uneven = len(set(q_lens)) > 1
+    seq_q = torch.tensor(q_lens, dtype=torch.int32, device="cuda") if uneven else None
+    with torch.no_grad():
+        o = fastattn.torch.attention_paged(q, k_cache, v_cache, table, lens, seq_lens_q=seq_q,
+                                           causal_bottom_right=bottom_right)
+    for i, (lq, lk) in enumerate(zip(q_lens, kv_lens)):
+        one = AttentionConfig(batch=1, heads_q=8, heads_kv=2, seqlen_q=lq, seqlen_kv=lk, head_dim_qk=128,
+                              mask="causal_bottom_right" if bottom_right else "none")
+        ref = reference(q[i:i + 1, :lq], dense[i][0][None], dense[i][1][None], one, "bshd")
+        assert rel(to_bhsd(o[i:i + 1, :lq], "bshd"), ref) < FWD_TOL[dtype], i
+        assert torch.all(o[i, lq:] == 0), i
+    # New lengths and new data in the same shapes: the same plan.
+    builds = fastattn.stats()["builds"]
+    lens.copy_(torch.tensor((250, 64, 1), dtype=torch.int32))
+    with torch.no_grad():
+        fastattn.torch.attention_paged(q, k_cache, v_cache, table, lens, seq_lens_q=seq_q,
+                                       causal_bottom_right=bottom_right)
+    assert fastattn.stats()["builds"] == builds
+
+
+def test_paged_decode_captures_in_a_cuda_graph_and_replays_new_lengths():
+    q, k_cache, v_cache, table, lens, _ = paged_case(torch.bfloat16, (1, 1, 1), (300, 17, 129))
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.no_grad(), torch.cuda.stream(stream):
+        fastattn.torch.attention_paged(q, k_cache, v_cache, table, lens)  # warm-up: the plan exists
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.no_grad(), torch.cuda.graph(graph):
+        out = fastattn.torch.attention_paged(q, k_cache, v_cache, table, lens)
+    for new_lens in ((1, 64, 320), (299, 5, 128)):
+        q.copy_(torch.randn_like(q))
+        lens.copy_(torch.tensor(new_lens, dtype=torch.int32))
+        graph.replay()
+        with torch.no_grad():
+            expected = fastattn.torch.attention_paged(q, k_cache, v_cache, table, lens)
+        torch.cuda.synchronize()
+        assert torch.equal(out, expected)

@@ -257,3 +257,55 @@ def test_only_plain_eager_calls_skip_the_custom_ops():
     seen = []
     torch.func.grad(lambda x: (seen.append(fat._functorch_active()), x.sum())[1])(torch.ones(3))
     assert seen == [True]
+
+
+def paged_inputs(device="meta", b=3, sq=1, hq=8, hkv=2, d=64, pages=12, page=16, per_seq=4):
+    q = torch.empty(b, sq, hq, d, device=device, dtype=torch.bfloat16)
+    k, v = (torch.empty(pages, page, hkv, d, device=device, dtype=torch.bfloat16) for _ in range(2))
+    table = torch.zeros(b, per_seq, device=device, dtype=torch.int32)
+    lens = torch.zeros(b, device=device, dtype=torch.int32)
+    return q, k, v, table, lens
+
+
+def test_paged_checks_its_inputs():
+    from fastattn.torch import attention_paged
+
+    q, k, v, table, lens = paged_inputs()
+    assert attention_paged(q, k, v, table, lens, causal_bottom_right=True).shape == (3, 1, 8, 64)
+    assert attention_paged(q, k, v[..., :32], table, lens).shape == (3, 1, 8, 32)  # v's head dim
+    with pytest.raises(fastattn.InvalidArgumentError, match=r"^block_table: expected an int32 tensor"):
+        attention_paged(q, k, v, table.long(), lens)
+    with pytest.raises(fastattn.InvalidArgumentError, match=r"^block_table: .*got torch.int32 \(2, 4\)"):
+        attention_paged(q, k, v, table[:2], lens)
+    with pytest.raises(fastattn.InvalidArgumentError, match=r"^cache_seqlens: expected an int32 tensor of shape "
+                                                            r"\(3,\)"):
+        attention_paged(q, k, v, table, lens[:2])
+    with pytest.raises(fastattn.InvalidArgumentError, match=r"^seq_lens_q: expected"):
+        attention_paged(q, k, v, table, lens, seq_lens_q=lens.float())
+    with pytest.raises(fastattn.InvalidArgumentError, match="differ in pages, page size or heads"):
+        attention_paged(q, k, v[:, :8], table, lens)
+    with pytest.raises(fastattn.InvalidArgumentError, match="heads_kv must divide heads_q"):
+        attention_paged(q[:, :, :3], k, v, table, lens)
+    with pytest.raises(fastattn.InvalidArgumentError, match="causal and causal_bottom_right are exclusive"):
+        attention_paged(q, k, v, table, lens, causal=True, causal_bottom_right=True)
+    with pytest.raises(fastattn.InvalidArgumentError, match=r"^q is on cpu"):
+        attention_paged(*paged_inputs(device="cpu"))
+    with pytest.raises(fastattn.InvalidArgumentError, match="forward only"):
+        attention_paged(q.clone().requires_grad_(), k, v, table, lens)
+    with torch.no_grad():  # no gradients wanted: fine
+        assert attention_paged(q.clone().requires_grad_(), k, v, table, lens).shape == (3, 1, 8, 64)
+
+
+def test_paged_traces_as_one_op():
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from fastattn.torch import attention_paged
+
+    def decode(q, k, v, table, lens):
+        return attention_paged(q, k, v, table, lens, causal_bottom_right=True, window=(128, 0))
+
+    gm = make_fx(decode, tracing_mode="fake")(*paged_inputs(sq=4))
+    calls = [n for n in gm.graph.nodes if n.op == "call_function" and "fastattn" in str(n.target)]
+    assert [str(n.target) for n in calls] == ["fastattn.paged_forward.default"]
+    assert calls[0].args[5:] == (None, False, True, 128, 0, 0.0)
+    assert tuple(calls[0].meta["val"].shape) == (3, 4, 8, 64)

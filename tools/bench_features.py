@@ -6,7 +6,8 @@ sequences, each against PyTorch SDPA on the same data where PyTorch can express 
     pool (pages of 64 tokens, shuffled) through page tables; also fastattn on the same
     KV laid out densely (padding=True); PyTorch SDPA on the dense KV with a boolean
     mask for each sequence's length (SDPA has no paged or per-sequence-length input;
-    it picks its own backend for a masked call). Reported: us per call and the KV
+    it picks its own backend for a masked call); and fastattn.torch.attention_paged on
+    the paged pool. Reported: us per call and the KV
     bytes actually attended over time (GB/s).
 (b) Prefill: 8 sequences of 256 ... 4096 tokens packed one after another (THD), causal,
     the same heads and dims. fastattn runs one ragged plan over the packed batch;
@@ -31,6 +32,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import fastattn
+import fastattn.torch as fat
 
 HQ, HKV, D, PAGE = 32, 8, 128, 64
 DT = torch.bfloat16
@@ -107,6 +109,12 @@ def decode(batch: int = 64, seed: int = 0) -> dict:
                       stream=stream, seq_len_q=seq_q.data_ptr(), seq_len_kv=seq_kv.data_ptr(),
                       page_table_k=table.data_ptr(), page_table_v=table.data_ptr())
 
+    table_2d, torch_paged = table.view(batch, per_seq), [None]
+
+    def run_torch_paged():  # fastattn.torch.attention_paged on the same pool: the PyTorch entry point
+        with torch.no_grad():
+            torch_paged[0] = fat.attention_paged(q, pool_k, pool_v, table_2d, seq_kv)
+
     def run_dense():
         dense.forward(q.data_ptr(), k.data_ptr(), v.data_ptr(), o_dense.data_ptr(), workspace=ws_d.data_ptr(),
                       stream=stream, seq_len_q=seq_q.data_ptr(), seq_len_kv=seq_kv.data_ptr())
@@ -120,12 +128,15 @@ def decode(batch: int = 64, seed: int = 0) -> dict:
 
     run_paged()
     run_dense()
+    run_torch_paged()
     ref = run_torch().transpose(1, 2)
     torch.cuda.synchronize()
     kv_bytes = sum(lens) * HKV * D * 2 * 2  # k and v, bf16
     res = {"batch": batch, "kv_tokens": sum(lens), "max_kv": smax, "num_pages": num_pages,
-           "rel_error_paged_vs_torch": _rel(o_paged, ref), "rel_error_dense_vs_torch": _rel(o_dense, ref)}
-    for name, fn in (("fastattn_paged", run_paged), ("fastattn_dense", run_dense), ("torch_sdpa_masked", run_torch)):
+           "rel_error_paged_vs_torch": _rel(o_paged, ref), "rel_error_dense_vs_torch": _rel(o_dense, ref),
+           "rel_error_torch_paged_vs_torch": _rel(torch_paged[0], ref)}
+    for name, fn in (("fastattn_paged", run_paged), ("fastattn_torch_paged", run_torch_paged),
+                     ("fastattn_dense", run_dense), ("torch_sdpa_masked", run_torch)):
         ms = _time_ms(fn)
         res[name] = {"us": round(ms * 1e3, 2), "kv_GBps": round(kv_bytes / (ms * 1e-3) / 1e9, 1)}
     res["ratio_torch_to_paged"] = res["torch_sdpa_masked"]["us"] / res["fastattn_paged"]["us"]
@@ -217,8 +228,9 @@ def summary(res: dict) -> str:
         lines.append(f"  {json.dumps(c['features'], separators=(',', ':'))}: "
                      + ("yes" if c["supported"] else f"no: {c['reason'][:160]}"))
     lines += [f"decode: {d['batch']} sequences, {d['kv_tokens']} KV tokens (max {d['max_kv']}), "
-             f"errors vs torch: paged {d['rel_error_paged_vs_torch']:.1e}, dense {d['rel_error_dense_vs_torch']:.1e}"]
-    for name in ("fastattn_paged", "fastattn_dense", "torch_sdpa_masked"):
+             f"errors vs torch: paged {d['rel_error_paged_vs_torch']:.1e}, dense {d['rel_error_dense_vs_torch']:.1e}, "
+             f"fastattn.torch paged {d['rel_error_torch_paged_vs_torch']:.1e}"]
+    for name in ("fastattn_paged", "fastattn_torch_paged", "fastattn_dense", "torch_sdpa_masked"):
         lines.append(f"  {name:<22} {d[name]['us']:9.1f} us  {d[name]['kv_GBps']:8.1f} GB/s")
     lines.append(f"  torch / fastattn paged: {d['ratio_torch_to_paged']:.2f}x")
     lines.append(f"prefill: {len(p['lengths'])} packed sequences, {p['tokens']} tokens, causal, "
