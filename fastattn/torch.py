@@ -79,6 +79,7 @@ def _like(t: torch.Tensor, shape: list[int], stride: tuple[int, ...] | None = No
 # are allocated per call: next to their kernels' time the allocation is noise, and a
 # kept one would hold the memory.
 _KEPT_WORKSPACE = 16 << 20
+_KEPT_STREAMS = 64  # at most this many kept, so that short-lived streams cannot pile them up
 try:  # without the Python wrapper around it (~0.25 us less per call)
     from torch._C import _cuda_isCurrentStreamCapturing as _capturing
 except ImportError:  # pragma: no cover - CPU-only builds
@@ -97,6 +98,8 @@ def _workspace(q: torch.Tensor, size: int, device: int, stream: int) -> torch.Te
     if ws is None or ws.numel() < size:
         # The old buffer goes back to the caching allocator once the last call holding it
         # has queued its work: stream-ordered, like any tensor freed on this stream.
+        if ws is None and len(_workspaces) >= _KEPT_STREAMS:
+            _workspaces.clear()  # streams come and go (external ones, say): start the table afresh
         ws = _workspaces[(device, stream)] = q.new_empty(size, dtype=torch.uint8)
     return ws
 

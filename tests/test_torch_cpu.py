@@ -227,6 +227,10 @@ def test_small_workspaces_are_kept_per_stream_and_never_while_capturing(monkeypa
     capturing[0] = True                                 # a CUDA graph owns its own buffer
     c = fat._workspace(q, 1000, 0, 7)
     assert c is not b and c.numel() == 1000 and fat._workspaces[(0, 7)] is b
+    capturing[0] = False
+    for stream in range(100, 100 + 2 * fat._KEPT_STREAMS):  # many short-lived streams: the table stays bounded
+        fat._workspace(q, 10, 0, stream)
+        assert len(fat._workspaces) <= fat._KEPT_STREAMS
 
 
 @pytest.mark.parametrize("layout", ("bshd", "bhsd", "sbhd"))
