@@ -28,7 +28,15 @@ from dataclasses import dataclass
 
 from .errors import LibraryError
 
-__all__ = ["Libraries", "ensure_loaded"]
+__all__ = ["Libraries", "ensure_loaded", "MIN_CUDNN", "check_cudnn_version"]
+
+# The oldest cuDNN fastattn supports: the oldest on which its whole GPU suite has run
+# (9.19.0, on the H200 machine). The extension is usually built against newer headers
+# than the cuDNN it meets at run time (pip builds against the newest 9.x wheel, while
+# PyTorch may pin an older one); that combination is tested too (tools/gpu_run.sh with
+# an extension built against the newest headers), and features newer than the loaded
+# cuDNN are gated on its run-time version, never on the headers'.
+MIN_CUDNN = 91900
 
 # (pathfinder name, override variable, how to install it)
 _DEPENDENCIES = (
@@ -148,8 +156,7 @@ def ensure_loaded() -> Libraries:
         from . import _core
 
         version = _core.init_cudnn(paths["cudnn"])
-        if version < 90000:
-            raise LibraryError(f"cuDNN {version} at {paths['cudnn']} is too old: fastattn needs cuDNN 9")
+        check_cudnn_version(version, paths["cudnn"])
         _loaded = Libraries(
             cudnn=paths["cudnn"],
             cudart=paths["cudart"],
@@ -158,6 +165,25 @@ def ensure_loaded() -> Libraries:
             cudnn_version=version,
         )
         return _loaded
+
+
+def version_text(version: int) -> str:
+    """cuDNN 9's version number (major * 10000 + minor * 100 + patch) as "9.19.0"."""
+    return f"{version // 10000}.{version // 100 % 100}.{version % 100}"
+
+
+def check_cudnn_version(version: int, path: str) -> None:
+    """Raises LibraryError, saying what to do, when the loaded cuDNN is older than
+    MIN_CUDNN (or not cuDNN 9)."""
+    if MIN_CUDNN <= version < 100000:
+        return
+    need = version_text(MIN_CUDNN)
+    found = version_text(version) if version >= 10000 else str(version)
+    raise LibraryError(
+        f"fastattn cannot use the GPU: cuDNN {found} at {path} is not supported: fastattn needs cuDNN 9, "
+        f"{need} or newer (the oldest its GPU tests run on). Upgrade it with "
+        f"pip install 'nvidia-cudnn-cu13>={need},<10' (if PyTorch pins an older cuDNN, a newer PyTorch brings a "
+        f"newer one), or set FASTATTN_CUDNN_PATH to a libcudnn.so.9 of version {need} or newer.")
 
 
 def _locate_cudnn_problem() -> list[str]:
