@@ -4,7 +4,9 @@
 # and JSON results go to $OUT/logs.tgz (the device tool brings back at most 8 files);
 # a short summary is printed last.
 #
-#   bash tools/gpu_run.sh [pytest args...]   (default: tests)      (carry .whl: nvidia-cudnn-frontend, platformdirs)
+#   bash tools/gpu_run.sh [pytest args...]   (default: tests)      (carry .whl: nvidia-cudnn-frontend, platformdirs, redis)
+#   FASTATTN_PREBUILT=1: use the carried fastattn/_core.cpython-312-*.so (tools/build_cp312.sh) instead of building
+#   BENCH="core torch": the benchmarks to run after the tests ("" for none)
 set -uo pipefail
 OUT=${OUT:-/tmp/fastattn-out}
 LOGS=$(mktemp -d /tmp/fastattn-logs.XXXX)
@@ -49,6 +51,10 @@ if nm -C --defined-only "$so" | grep -q "std::locale::classic"; then
   echo "WARNING: $so carries its own copy of libstdc++ (statically linked)"
 fi
 echo "libstdc++: $(ldd "$so" | grep -o 'libstdc++[^ ]* => [^ ]*' || echo 'not dynamically linked')"
+# Which cuDNN headers built the extension and which cuDNN it runs on (a carried build
+# from tools/build_cp312.sh has the newest headers; the machine's cuDNN is older).
+(cd /tmp && python3 -c 'import fastattn, fastattn._loader as l; l.ensure_loaded(); v = fastattn.versions(); print("versions:", {k: v[k] for k in sorted(v)})') \
+  2>&1 | tee -a "$LOGS/env.log"
 
 export FASTATTN_REQUIRE_GPU=1
 # The machine has no redis-server: a carried one (.redis/, see docs/BENCHMARKS.md) makes
