@@ -1,176 +1,45 @@
-"""`fastattn warm`, `fastattn matrix` and `fastattn cache ...`: pre-warming, support
-grids and cache management.
-
-Each handler returns (exit code, result dict); "_text" in the dict is the human form.
-"""
+"""`fastattn cache ...`: inspect and manage the persistent plan cache."""
 
 from __future__ import annotations
 
-import sys
 import time
 from typing import Any
 
-from . import runtime, store, sweep
-from .cli import EXIT_FAILED, EXIT_NO_GPU, EXIT_OK, EXIT_UNSUPPORTED
-from .config import AttentionConfig
-from .errors import CudaError, InvalidArgumentError, LibraryError
-from .store import bundle
-from .store.entry import decode
-from .warm import WarmItem, warm
+from .. import runtime, store, sweep
+from ..config import AttentionConfig
+from ..errors import InvalidArgumentError, LibraryError
+from ..store import bundle
+from ..store.entry import decode
+from ._common import EXIT_FAILED, EXIT_OK, Parser, add_json_flag, age, size
+from ._common import this_environment as _this_environment
 
 
-def _exit_code(report) -> int:
-    """No GPU stack at all, some configs failed, some refused, or all good."""
-    failed = [i for i in report.items if i.status == "failed"]
-    if failed and len(failed) == len(report.items) and all(i.error_type in ("LibraryError", "CudaError")
-                                                           for i in failed):
-        return EXIT_NO_GPU
-    if failed:
-        return EXIT_FAILED
-    return EXIT_UNSUPPORTED if report.counts["unsupported"] else EXIT_OK
-
-
-# -- warm ---------------------------------------------------------------------------------
-
-
-def _progress_bar():
-    """A one-line bar on stderr, only on a terminal (logs and pipes get the table alone)."""
-    if not sys.stderr.isatty():
-        return None
-    counts: dict[str, int] = {}
-
-    def draw(done: int, total_: int, item: WarmItem) -> None:
-        counts[item.status] = counts.get(item.status, 0) + 1
-        width = 30
-        filled = int(width * done / max(total_, 1))
-        summary = " ".join(f"{k} {v}" for k, v in sorted(counts.items()))
-        sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total_} {summary}   ")
-        if done == total_:
-            sys.stderr.write("\n")
-        sys.stderr.flush()
-
-    return draw
-
-
-def warm_command(args) -> tuple[int, dict[str, Any]]:
-    configs = sweep.load_configs(args.file) if args.file else sweep.builtin_configs()
-    report = warm(configs, workers=args.workers, device=args.device, timeout=args.timeout,
-                  progress=None if args.no_progress or args.json else _progress_bar())
-    out = report.to_dict()
-    out["source"] = args.file or "built-in model shapes"
-    if args.report:
-        import json
-
-        try:
-            with open(args.report, "w") as f:
-                json.dump(out, f, indent=2, sort_keys=True)
-        except OSError as e:
-            raise InvalidArgumentError(f"--report {args.report!r}: {e.strerror}") from None
-    c = report.counts
-    lines = [f"{'status':<12} {'seconds':>8}  config", "-" * 72]
-    previous = None
-    for item in report.items:
-        lines.append(f"{item.status:<12} {item.seconds:8.3f}  {sweep.describe_config(item.config)}")
-        if item.status in ("unsupported", "failed"):
-            why = f"{item.error_type + ': ' if item.error_type else ''}{item.reason[:300]}"
-            lines.append(f"{'':<22}{'(the same as above)' if why == previous else why}")
-            previous = why
-    lines.append("-" * 72)
-    lines.append(f"{len(report.items)} configs in {report.seconds:.1f} s, {report.processes} worker processes "
-                 f"(at most {report.workers}): "
-                 f"loaded {c['loaded']}, built {c['built']}, unsupported {c['unsupported']}, failed {c['failed']}")
-    out["_text"] = "\n".join(lines)
-    return _exit_code(report), out
-
-
-# -- matrix -------------------------------------------------------------------------------
-
-
-def matrix_command(args) -> tuple[int, dict[str, Any]]:
-    import itertools
-
-    from .cli import MATRIX_FEATURES
-
-    configs, axes, invalid = [], [], []
-    for d, mask, dtype, ratio, s, feature in itertools.product(args.head_dims, args.masks, args.dtypes, args.gqa,
-                                                               args.seqlens, args.features):
-        if args.heads % ratio:
-            raise InvalidArgumentError(f"--gqa {ratio}: --heads {args.heads} is not a multiple of it")
-        axis = {"head_dim": d, "mask": mask, "dtype": dtype, "gqa": ratio, "seqlen": s, "feature": feature}
-        try:
-            cfg = AttentionConfig(batch=args.batch, heads_q=args.heads, heads_kv=args.heads // ratio, seqlen_q=s,
-                                  head_dim_qk=d, dtype=dtype, mask=mask, training=args.training,
-                                  **MATRIX_FEATURES[feature][0])
-        except InvalidArgumentError as e:  # fastattn's own rules (paged is forward only, ...): no cuDNN question
-            invalid.append({**axis, "status": "invalid", "reason": str(e), "forward_engine": None,
-                            "backward_engine": None})
-            continue
-        configs.append(cfg)
-        axes.append(axis)
-    report = warm(configs, workers=args.workers, device=args.device)
-    rows = [{**a, "status": i.status, "reason": i.reason, "forward_engine": i.forward_engine,
-             "backward_engine": i.backward_engine} for a, i in zip(axes, report.items)] + invalid
-    ok = {"built", "loaded"}
-    status_mark = {"unsupported": "no", "invalid": "n/a"}
-    cols = sorted({(r["mask"], r["dtype"], r["gqa"], r["seqlen"], r["feature"]) for r in rows},
-                  key=lambda c: (args.masks.index(c[0]), args.dtypes.index(c[1]), c[2], c[3],
-                                 args.features.index(c[4])))
-    mark = {r_key: ("yes" if r["status"] in ok else status_mark.get(r["status"], "FAIL"))
-            for r in rows for r_key in [(r["head_dim"], r["mask"], r["dtype"], r["gqa"], r["seqlen"], r["feature"])]}
-    header = "head_dim " + " ".join(_column(c).rjust(22) for c in cols)
-    lines = [header]
-    for d in args.head_dims:
-        lines.append(f"{d:>8} " + " ".join(mark[(d, *c)].rjust(22) for c in cols))
-    reasons = sorted({r["reason"][:200] for r in rows if r["status"] not in ok})
-    if reasons:
-        lines.append("reasons:")
-        lines.extend(f"  {r}" for r in reasons)
-    if args.png:
-        _heatmap(args.png, args.head_dims, cols, mark)
-        lines.append(f"heatmap written to {args.png}")
-    out = {"configs": rows, "counts": report.counts, "_text": "\n".join(lines)}
-    code = _exit_code(report)
-    return (EXIT_OK if code == EXIT_UNSUPPORTED else code), out  # refusals are the grid's answer, not a failure
-
-
-def _column(c) -> str:
-    m, t, g, s, f = c
-    return f"{m[:6]}/{t}/g{g}/s{s}" + ("" if f == "dense" else f"/{f}")
-
-
-def _heatmap(path: str, head_dims, cols, mark) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise InvalidArgumentError("--png needs matplotlib (pip install matplotlib)") from None
-    value = {"yes": 1.0, "no": 0.0, "FAIL": 0.5, "n/a": 0.25}
-    grid = [[value[mark[(d, *c)]] for c in cols] for d in head_dims]
-    fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(cols) + 2), 0.5 * len(head_dims) + 2))
-    ax.imshow(grid, cmap="RdYlGn", vmin=0, vmax=1, aspect="auto")
-    ax.set_xticks(range(len(cols)), [f"{m}\n{t} gqa{g}\ns{s}" + ("" if f == "dense" else f"\n{f}")
-                                     for m, t, g, s, f in cols], fontsize=7)
-    ax.set_yticks(range(len(head_dims)), [str(d) for d in head_dims])
-    ax.set_ylabel("head dim")
-    for y, d in enumerate(head_dims):
-        for x, c in enumerate(cols):
-            ax.text(x, y, mark[(d, *c)], ha="center", va="center", fontsize=7)
-    ax.set_title("cuDNN support on this GPU (green: supported)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-
-
-# -- cache --------------------------------------------------------------------------------
-
-
-def _this_environment() -> dict[str, Any] | None:
-    """This machine's GPU and versions, or None when there is no usable GPU."""
-    try:
-        return runtime.cache_environment()
-    except (LibraryError, CudaError):
-        return None
+def add_parser(sub) -> None:
+    cache = sub.add_parser("cache", help="inspect and manage the persistent plan cache")
+    csub = cache.add_subparsers(dest="cache_command", required=True, parser_class=Parser)
+    for name, text in (("ls", "list entries"), ("show", "print one entry's header"),
+                       ("verify", "check every entry's checksum (and, with --load, that it deserializes here)"),
+                       ("prune", "remove least-recently-used or old entries"), ("clear", "remove every entry"),
+                       ("export", "write entries to a bundle"), ("import", "add a bundle's entries"),
+                       ("push", "publish the local entries to the Redis tier (FASTATTN_REMOTE_CACHE)"),
+                       ("pull", "fetch the Redis tier's entries for this GPU and cuDNN into the local cache")):
+        c = csub.add_parser(name, help=text)
+        add_json_flag(c)
+        if name == "show":
+            c.add_argument("key", help="an entry's key or a unique prefix of it")
+        if name == "verify":
+            c.add_argument("--load", action="store_true", help="also deserialize plans made for this GPU")
+        if name == "prune":
+            c.add_argument("--max-bytes", type=size, help="keep at most this much (e.g. 500M, 2G)")
+            c.add_argument("--max-age", type=age, help="remove entries unused for this long (e.g. 12h, 30d)")
+        if name == "export":
+            c.add_argument("bundle")
+            c.add_argument("--all", action="store_true", help="every entry, not only this GPU's and cuDNN's")
+        if name == "import":
+            c.add_argument("bundle")
+            c.add_argument("--force", action="store_true", help="import entries made for another GPU or cuDNN")
+        if name in ("push", "pull"):
+            c.add_argument("--all", action="store_true", help="every entry, not only this GPU's and cuDNN's")
 
 
 def _age(seconds: float) -> str:
@@ -192,7 +61,7 @@ def _summary(header: dict | None) -> str:
     return f"{header.get('kind', '?'):<11} {cfg}  [{gpu}, cuDNN {desc.get('cudnn', '?')}]"
 
 
-def cache_command(args) -> tuple[int, dict[str, Any]]:
+def run(args) -> tuple[int, dict[str, Any]]:
     cache = runtime._the_cache()
     handler = {"ls": _ls, "show": _show, "verify": _verify, "prune": _prune, "clear": _clear,
                "export": _export, "import": _import, "push": _push, "pull": _pull}[args.cache_command]
@@ -261,7 +130,7 @@ def _verify(args, cache) -> tuple[int, dict[str, Any]]:
 
 
 def _load(entry) -> dict[str, str]:
-    from .errors import CorruptPlanError
+    from ..errors import CorruptPlanError
 
     try:
         cfg = AttentionConfig.from_dict(entry.description["config"])
