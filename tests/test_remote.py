@@ -139,7 +139,7 @@ def test_settings_from_the_environment():
     assert s.remote.prefix == "fleet-a:" and s.remote.timeout == 0.5 and s.secret == b"s3cret"
     assert "s3cret" not in repr(s)
     r = RemoteStore(s.remote, s.secret)
-    assert "hunter2" not in r.root and "***" in r.root
+    assert "hunter2" not in r.name and "***" in r.name
     for name, value, match in (("FASTATTN_REMOTE_CACHE", "http://x", "expected redis://"),
                                ("FASTATTN_REMOTE_TIMEOUT", "soon", "FASTATTN_REMOTE_TIMEOUT='soon'"),
                                ("FASTATTN_REMOTE_WAIT", "-1", "must be >= 0"),
@@ -164,7 +164,6 @@ def fleet(server, tmp_path, monkeypatch):
     monkeypatch.setattr(runtime, "_core", lambda: fake_core)
     yield server
     runtime.clear()
-    runtime._device_descriptions.clear()
     runtime.configure()
 
 
@@ -172,7 +171,6 @@ def fresh_process(cache_dir, monkeypatch):
     """What a new process on another machine has: its own empty disk cache, nothing in memory."""
     monkeypatch.setenv("FASTATTN_CACHE_DIR", str(cache_dir))
     runtime.clear()
-    runtime._device_descriptions.clear()
     runtime.configure()
 
 
@@ -248,7 +246,7 @@ def test_a_builder_that_dies_leaves_the_others_to_build(fleet, tmp_path, monkeyp
     # Another machine took the lock and died: its lock expires, but nobody waits that long.
     monkeypatch.setenv("FASTATTN_REMOTE_WAIT", "0.5")
     fresh_process(tmp_path / "a", monkeypatch)
-    key = store.key_of(runtime._description(fastattn.AttentionConfig.coerce(CFG), 0))
+    key = runtime.plan_cache().key(fastattn.AttentionConfig.coerce(CFG), 0)
     fleet.client().set("fastattn:lock:" + key, "someone", px=60_000)
     t0 = time.monotonic()
     assert fastattn.probe(CFG).source == "built"
@@ -330,4 +328,4 @@ def test_warm_answers_what_redis_holds_without_workers(fleet, tmp_path, monkeypa
     report = warm.warm([CFG], workers=2)
     assert report.counts["loaded"] == 1 and report.processes == 0
     assert store.DiskStore(str(tmp_path / "b")).signature(
-        store.key_of(runtime._description(fastattn.AttentionConfig.coerce(CFG), 0))) is not None  # kept on b's disk
+        runtime.plan_cache().key(fastattn.AttentionConfig.coerce(CFG), 0)) is not None  # kept on b's disk

@@ -1,13 +1,20 @@
-"""`fastattn cache ...`: inspect and manage the persistent plan cache."""
+"""`fastattn cache ...`: inspect and manage the persistent plan cache.
+
+Through the process's PlanCache (fastattn.runtime.plan_cache()) and its tiers alone.
+Entries are untrusted bytes: a damaged one is listed and verified as damaged (verify
+exits 4), never a traceback. Import and pull fail with exit 4 and say so when the
+cache directory cannot be written.
+"""
 
 from __future__ import annotations
 
+import sys
 import time
 from typing import Any
 
 from .. import runtime, store, sweep
-from ..config import AttentionConfig
-from ..errors import InvalidArgumentError, LibraryError
+from ..errors import CorruptPlanError, InvalidArgumentError, LibraryError
+from ..plan_cache import PlanCache, config_of
 from ..store import bundle
 from ..store.entry import decode
 from ._common import EXIT_FAILED, EXIT_OK, Parser, add_json_flag, age, size
@@ -49,45 +56,48 @@ def _age(seconds: float) -> str:
     return f"{seconds:.0f}s"
 
 
-def _summary(header: dict | None) -> str:
-    if not header:
-        return "(unreadable header)"
-    desc = header.get("description") or {}
-    try:
-        cfg = sweep.describe_config(AttentionConfig.from_dict(desc["config"]))
-    except (KeyError, TypeError, InvalidArgumentError):
-        cfg = "(unknown config)"
-    gpu = (desc.get("gpu") or {}).get("name", "?")
-    return f"{header.get('kind', '?'):<11} {cfg}  [{gpu}, cuDNN {desc.get('cudnn', '?')}]"
+def _summary(info: store.EntryInfo) -> str:
+    header = info.header
+    if header is None:
+        return f"DAMAGED     {info.problem or 'unreadable header'}"
+    desc = header["description"]  # shapes checked by the entry decoder
+    cfg = config_of(desc)
+    gpu = desc.get("gpu", {}).get("name", "?")
+    return (f"{header['kind']:<11} {sweep.describe_config(cfg) if cfg else '(unknown config)'}  "
+            f"[{gpu}, cuDNN {desc.get('cudnn', '?')}]")
 
 
 def run(args) -> tuple[int, dict[str, Any]]:
-    cache = runtime._the_cache()
+    cache = runtime.plan_cache()
     handler = {"ls": _ls, "show": _show, "verify": _verify, "prune": _prune, "clear": _clear,
                "export": _export, "import": _import, "push": _push, "pull": _pull}[args.cache_command]
     return handler(args, cache)
 
 
-def _ls(args, cache) -> tuple[int, dict[str, Any]]:
+def _ls(args, cache: PlanCache) -> tuple[int, dict[str, Any]]:
     now = time.time()
     rows = []
-    for tier, info in cache.entries():
-        rows.append({"key": info.key, "directory": tier.root, "size": info.size, "created": info.created,
-                     "last_used": info.last_used, "kind": (info.header or {}).get("kind"),
-                     "config": ((info.header or {}).get("description") or {}).get("config"),
-                     "summary": _summary(info.header)})
+    for tier, info in cache.store.entries():
+        header = info.header or {}
+        rows.append({"key": info.key, "directory": tier.name, "size": info.size, "created": info.created,
+                     "last_used": info.last_used, "kind": header.get("kind"),
+                     "config": header.get("description", {}).get("config"),
+                     "damaged": (info.problem or "unreadable header") if info.header is None else None,
+                     "summary": _summary(info)})
     lines = [f"{'key':<16} {'size':>9} {'age':>5} {'used':>5}  kind        config"]
     for r in rows:
         lines.append(f"{r['key'][:16]} {r['size']:>9} {_age(now - r['created']):>5} {_age(now - r['last_used']):>5}"
                      f"  {r['summary']}")
     total = sum(r["size"] for r in rows)
-    lines.append(f"{len(rows)} entries, {total} bytes, in {', '.join(t.root for t in cache.tiers) or '(cache off)'}")
-    return EXIT_OK, {"entries": rows, "total_bytes": total, "_text": "\n".join(lines)}
+    damaged = sum(1 for r in rows if r["damaged"])
+    lines.append(f"{len(rows)} entries{f' ({damaged} damaged: fastattn cache verify)' if damaged else ''}, "
+                 f"{total} bytes, in {', '.join(t.name for t in cache.store.tiers) or '(cache off)'}")
+    return EXIT_OK, {"entries": rows, "total_bytes": total, "damaged": damaged, "_text": "\n".join(lines)}
 
 
-def _find(cache, prefix: str):
+def _find(cache: PlanCache, prefix: str):
     prefix = prefix.lower()
-    matches = [(t, i) for t, i in cache.entries() if i.key.startswith(prefix)]
+    matches = [(t, i) for t, i in cache.store.entries() if i.key.startswith(prefix)]
     keys = {i.key for _, i in matches}
     if not prefix or len(keys) != 1:
         what = "no entry" if not keys else f"{len(keys)} entries"
@@ -95,20 +105,21 @@ def _find(cache, prefix: str):
     return matches[0]
 
 
-def _show(args, cache) -> tuple[int, dict[str, Any]]:
+def _show(args, cache: PlanCache) -> tuple[int, dict[str, Any]]:
     tier, info = _find(cache, args.key)
     import json
 
-    out = {"key": info.key, "path": info.path, "size": info.size, "header": info.header}
+    out = {"key": info.key, "path": info.path, "size": info.size, "header": info.header,
+           "damaged": info.problem or None}
     return EXIT_OK, {**out, "_text": json.dumps(out, indent=2, sort_keys=True)}
 
 
-def _verify(args, cache) -> tuple[int, dict[str, Any]]:
+def _verify(args, cache: PlanCache) -> tuple[int, dict[str, Any]]:
     env = _this_environment() if args.load else None
     if args.load and env is None:
         raise LibraryError("cache verify --load needs a usable GPU; run without --load to check checksums only")
     rows = []
-    for tier, info in cache.entries():
+    for tier, info in cache.store.entries():
         row = {"key": info.key, "path": info.path, "status": "ok", "reason": ""}
         try:
             with open(info.path, "rb") as f:
@@ -121,7 +132,7 @@ def _verify(args, cache) -> tuple[int, dict[str, Any]]:
             if store.environment_of(entry.description) != env:
                 row.update(status="skipped", reason="made for another GPU or cuDNN")
             else:
-                row.update(_load(entry))
+                row.update(_load(cache, entry))
         rows.append(row)
     bad = [r for r in rows if r["status"] in ("damaged", "does not load")]
     lines = [f"{r['key'][:16]} {r['status']:<14} {r['reason']}" for r in rows]
@@ -129,35 +140,33 @@ def _verify(args, cache) -> tuple[int, dict[str, Any]]:
     return (EXIT_FAILED if bad else EXIT_OK), {"entries": rows, "bad": len(bad), "_text": "\n".join(lines)}
 
 
-def _load(entry) -> dict[str, str]:
-    from ..errors import CorruptPlanError
-
+def _load(cache: PlanCache, entry) -> dict[str, str]:
     try:
-        cfg = AttentionConfig.from_dict(entry.description["config"])
-        runtime._core().load_plan(cfg, runtime._resolve_device(None), entry.blobs.get("forward", b""),
-                                  entry.blobs.get("backward"))
-    except (CorruptPlanError, InvalidArgumentError, KeyError) as e:
+        cache.load_entry(entry)
+    except (CorruptPlanError, InvalidArgumentError) as e:
         return {"status": "does not load", "reason": str(e)}
     return {"status": "ok (loads)"}
 
 
-def _prune(args, cache) -> tuple[int, dict[str, Any]]:
-    if cache.main is None:
+def _prune(args, cache: PlanCache) -> tuple[int, dict[str, Any]]:
+    main = cache.store.main
+    if main is None:
         raise InvalidArgumentError("the cache is off (FASTATTN_CACHE_MODE=off)")
     if args.max_bytes is None and args.max_age is None:
         raise InvalidArgumentError("cache prune needs --max-bytes or --max-age")
-    removed = cache.main.prune(max_bytes=args.max_bytes, max_age=args.max_age)
-    return EXIT_OK, {"removed": removed, "_text": f"removed {removed} entries from {cache.main.root}"}
+    removed = main.prune(max_bytes=args.max_bytes, max_age=args.max_age)
+    return EXIT_OK, {"removed": removed, "_text": f"removed {removed} entries from {main.root}"}
 
 
-def _clear(args, cache) -> tuple[int, dict[str, Any]]:
-    if cache.main is None:
+def _clear(args, cache: PlanCache) -> tuple[int, dict[str, Any]]:
+    main = cache.store.main
+    if main is None:
         raise InvalidArgumentError("the cache is off (FASTATTN_CACHE_MODE=off)")
-    removed = cache.main.clear()
-    return EXIT_OK, {"removed": removed, "_text": f"removed {removed} entries from {cache.main.root}"}
+    removed = main.clear()
+    return EXIT_OK, {"removed": removed, "_text": f"removed {removed} entries from {main.root}"}
 
 
-def _export(args, cache) -> tuple[int, dict[str, Any]]:
+def _export(args, cache: PlanCache) -> tuple[int, dict[str, Any]]:
     keep = None
     if not args.all:
         env = _this_environment()
@@ -165,30 +174,48 @@ def _export(args, cache) -> tuple[int, dict[str, Any]]:
             raise InvalidArgumentError("no usable GPU here to choose entries by: use --all to export every entry")
         keep = lambda description: store.environment_of(description) == env  # noqa: E731
     try:
-        count = bundle.export_bundle(cache.tiers, args.bundle, keep=keep, secret=cache.settings.secret)
+        count = bundle.export_bundle(cache.store.tiers, args.bundle, keep=keep, secret=cache.settings.secret)
     except OSError as e:
         raise InvalidArgumentError(f"{args.bundle}: {e.strerror}") from None
     return EXIT_OK, {"exported": count, "bundle": args.bundle, "_text": f"exported {count} entries to {args.bundle}"}
 
 
-def _import(args, cache) -> tuple[int, dict[str, Any]]:
-    if cache.main is None or not cache.main.writable:
+def _writable_main(cache: PlanCache) -> store.DiskStore:
+    main = cache.store.main
+    if main is None or cache.settings.mode != "read-write":
         raise InvalidArgumentError(f"the cache is not writable (FASTATTN_CACHE_MODE={cache.settings.mode})")
-    report = bundle.import_bundle(args.bundle, cache.main, environment=_this_environment(), force=args.force,
-                                  secret=cache.settings.secret)
+    return main
+
+
+def _cannot_write(message: str, out: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    """Exit 4 with the reason: the bundle (or the remote tier) was fine, the work was
+    not done. The message goes to stderr, as every failure's does."""
+    print(f"fastattn: {message}", file=sys.stderr)
+    return EXIT_FAILED, {**out, "error": "CannotWrite", "message": message, "_text": "failed: the cache cannot be written"}
+
+
+def _import(args, cache: PlanCache) -> tuple[int, dict[str, Any]]:
+    main = _writable_main(cache)
+    try:
+        report = bundle.import_bundle(args.bundle, main, environment=_this_environment(), force=args.force,
+                                      secret=cache.settings.secret)
+    except bundle.BundleWriteError as e:
+        return _cannot_write(str(e), {"imported": None, "already_present": None})
     out = {"imported": report.imported, "already_present": report.already_present,
            "mismatched_forced": len(report.mismatched) if args.force else 0}
-    out["_text"] = (f"imported {report.imported} entries into {cache.main.root}"
+    out["_text"] = (f"imported {report.imported} entries into {main.root}"
+                    + (f", {report.already_present} already present" if report.already_present else "")
                     + (f" ({len(report.mismatched)} made for another GPU or cuDNN, forced)" if report.mismatched else ""))
     return EXIT_OK, out
 
 
-def _remote(cache):
-    if cache.remote is None:
+def _remote(cache: PlanCache):
+    remote = cache.store.remote
+    if remote is None:
         raise InvalidArgumentError("no remote tier: set FASTATTN_REMOTE_CACHE=redis://host:port/db")
-    if cache.remote.disabled:
-        raise InvalidArgumentError(f"the remote tier is off: {cache.remote.disabled}")
-    return cache.remote
+    if remote.disabled:
+        raise InvalidArgumentError(f"the remote tier is off: {remote.disabled}")
+    return remote
 
 
 def _keep_for(args):
@@ -201,12 +228,12 @@ def _keep_for(args):
     return lambda description: store.environment_of(description) == env
 
 
-def _push(args, cache) -> tuple[int, dict[str, Any]]:
+def _push(args, cache: PlanCache) -> tuple[int, dict[str, Any]]:
     remote = _remote(cache)
     keep = _keep_for(args)
     pushed, skipped, seen = 0, 0, set()
     try:
-        for tier, info in cache.entries():
+        for tier, info in cache.store.entries():
             if info.key in seen:
                 continue
             seen.add(info.key)
@@ -221,33 +248,37 @@ def _push(args, cache) -> tuple[int, dict[str, Any]]:
             remote.publish(entry)
             pushed += 1
     except (OSError, *_redis_errors()) as e:
-        raise ConnectionError(f"remote cache {remote.root}: {e}") from None
-    return EXIT_OK, {"pushed": pushed, "damaged": skipped, "remote": remote.root,
-                     "_text": f"pushed {pushed} entries to {remote.root}" + (f" ({skipped} damaged, skipped)"
+        raise ConnectionError(f"remote cache {remote.name}: {e}") from None
+    return EXIT_OK, {"pushed": pushed, "damaged": skipped, "remote": remote.name,
+                     "_text": f"pushed {pushed} entries to {remote.name}" + (f" ({skipped} damaged, skipped)"
                                                                            if skipped else "")}
 
 
-def _pull(args, cache) -> tuple[int, dict[str, Any]]:
+def _pull(args, cache: PlanCache) -> tuple[int, dict[str, Any]]:
     remote = _remote(cache)
-    if cache.main is None or not cache.main.writable:
-        raise InvalidArgumentError(f"the cache is not writable (FASTATTN_CACHE_MODE={cache.settings.mode})")
+    main = _writable_main(cache)
     keep = _keep_for(args)
     pulled, present, rejected = 0, 0, 0
     try:
         for key in list(remote.keys()):
-            if cache.main.signature(key) is not None:
+            if main.signature(key) is not None:
                 present += 1
                 continue
             entry = remote.fetch(key)
             if entry is None:
                 rejected += 1  # unsigned, wrongly signed or damaged: counted and warned about
                 continue
-            if keep(entry.description) and cache.main.put(entry):
-                pulled += 1
+            if keep(entry.description):
+                try:
+                    written = main.publish(entry)
+                except OSError as e:
+                    return _cannot_write(f"cannot write to the cache directory {main.root} ({e.strerror or e}); "
+                                         f"pulled {pulled} entries before that", {"pulled": pulled})
+                pulled += written
     except (OSError, *_redis_errors()) as e:
-        raise ConnectionError(f"remote cache {remote.root}: {e}") from None
-    return EXIT_OK, {"pulled": pulled, "already_present": present, "rejected": rejected, "remote": remote.root,
-                     "_text": f"pulled {pulled} entries from {remote.root} into {cache.main.root}"
+        raise ConnectionError(f"remote cache {remote.name}: {e}") from None
+    return EXIT_OK, {"pulled": pulled, "already_present": present, "rejected": rejected, "remote": remote.name,
+                     "_text": f"pulled {pulled} entries from {remote.name} into {main.root}"
                               + (f" ({present} already here)" if present else "")
                               + (f"; {rejected} rejected (see the warnings)" if rejected else "")}
 

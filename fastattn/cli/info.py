@@ -18,7 +18,7 @@ def run(args) -> tuple[int, dict[str, Any]]:
     from ..errors import CudaError, LibraryError
 
     out: dict[str, Any] = {"versions": runtime.versions()}
-    cache = runtime._the_cache()
+    cache = runtime.plan_cache().store
     out["cache"] = {
         "directory": cache.settings.directory,
         "mode": cache.settings.mode,
