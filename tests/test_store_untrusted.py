@@ -264,3 +264,15 @@ def test_keys_that_are_not_keys_never_name_a_path(tmp_path):
         with pytest.raises(store.EntryError):
             s.publish(store.Entry(key, "plan", {}, {}, {}, 1.0))
     assert not os.path.exists(tmp_path / "evil") and not os.path.exists(tmp_path / "c")
+
+
+def test_a_valid_local_build_of_a_key_counts_as_present(env, capsys, monkeypatch):
+    path = export(env, capsys)  # seqlen 128 and 256
+    new_process(env / "target", monkeypatch)
+    fastattn.plan({**BASE, "seqlen_q": 128})  # built here: same key, other bytes (its own timestamps)
+    local = store.DiskStore(str(env / "target"))
+    before = open(next(iter(local.entries())).path, "rb").read()
+    code, body = run_json(["cache", "import", path], capsys)
+    assert code == 0 and body["imported"] == 1 and body["already_present"] == 1
+    key = runtime.plan_cache().key(fastattn.AttentionConfig(**BASE, seqlen_q=128))
+    assert open(local.path_for(key), "rb").read() == before  # kept, not overwritten

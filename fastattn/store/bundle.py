@@ -207,7 +207,7 @@ def import_bundle(path: str, store: DiskStore, *, environment: dict[str, Any] | 
             f"or cuDNN (e.g. {sample.get('gpu')} with cuDNN {sample.get('cudnn')}; this machine: "
             f"{environment.get('gpu')} with cuDNN {environment.get('cudnn')}); use --force to import anyway")
     for key, entry in listed.items():
-        if store.holds(members[f"entries/{key}.entry"], key):
+        if store.holds(key):
             report.already_present += 1
             continue
         try:

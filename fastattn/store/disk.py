@@ -214,14 +214,17 @@ class DiskStore:
         self._after_write(len(data) - old)
         return True
 
-    def holds(self, entry_bytes: bytes, key: str) -> bool:
-        """Whether the file for `key` holds exactly `entry_bytes` (import counts those as
-        already present; a damaged or different file is replaced)."""
+    def holds(self, key: str) -> bool:
+        """Whether the directory has a valid entry for `key` (counted nowhere: import
+        reports it as already present, and replaces a damaged one). Another valid
+        entry for the same key is as good as the bundle's: the key covers the config,
+        the GPU and every version."""
         try:
             with open(self.path_for(key), "rb") as f:
-                return f.read(len(entry_bytes) + 1) == entry_bytes
+                decode(f.read(), expected_key=key)
         except (OSError, EntryError):
             return False
+        return True
 
     def _after_write(self, delta: int) -> None:
         if self.max_bytes is None:
