@@ -6,12 +6,15 @@ a build through the one function that turns a config into a cuDNN graph
 (config, device) while the others wait for it; across processes, a per-key file lock
 does the same. A refusal by cuDNN travels the same path as a plan, with its reason.
 Anything wrong with a cache entry is a miss: the plan is rebuilt and the entry replaced.
+
+This module keeps the registry only: what a config is called in the cache, how an entry
+becomes a plan and a plan an entry, is fastattn.plan_cache (the process's PlanCache is
+plan_cache()).
 """
 
 from __future__ import annotations
 
 import contextlib
-import logging
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -20,60 +23,12 @@ from typing import Any, Iterable
 
 from . import store
 from .config import AttentionConfig
-from .errors import CorruptPlanError, FastAttnError, InvalidArgumentError, NotSupportedError
+from .errors import InvalidArgumentError, NotSupportedError
+from .plan_cache import PlanCache, version_string
+from .result import ProbeResult, result_from_plan
 
-__all__ = ["ProbeResult", "probe", "plan", "preload", "stats", "clear", "configure", "device_info", "versions"]
-
-log = logging.getLogger("fastattn")
-
-
-@dataclass(frozen=True)
-class ProbeResult:
-    """What cuDNN answered for one config on one device.
-
-    supported: whether cuDNN built every graph the config needs (forward; backward too
-      when training).
-    reason: cuDNN's own message when not supported ("forward: ..." or "backward: ..."),
-      else "".
-    forward_workspace_size, backward_workspace_size: bytes (0 when not supported).
-    forward_engine, backward_engine: cuDNN's plan names ("" when absent).
-    build_seconds: wall time this call spent building or loading (0.0 from memory).
-    source: "built" (cuDNN built it now), "disk" (loaded from a cache directory),
-      "remote" (loaded from the Redis tier) or "memory" (this process already had it).
-    """
-
-    config: AttentionConfig
-    device: int
-    supported: bool
-    reason: str = ""
-    forward_workspace_size: int = 0
-    backward_workspace_size: int = 0
-    forward_engine: str = ""
-    backward_engine: str = ""
-    build_seconds: float = 0.0
-    source: str = "built"
-
-    def __bool__(self) -> bool:
-        return self.supported
-
-    @property
-    def cached(self) -> bool:
-        """The answer came without a cuDNN build (from memory or disk)."""
-        return self.source != "built"
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "config": self.config.to_dict(),
-            "device": self.device,
-            "supported": self.supported,
-            "reason": self.reason,
-            "forward_workspace_size": self.forward_workspace_size,
-            "backward_workspace_size": self.backward_workspace_size,
-            "forward_engine": self.forward_engine,
-            "backward_engine": self.backward_engine,
-            "build_seconds": self.build_seconds,
-            "source": self.source,
-        }
+__all__ = ["ProbeResult", "probe", "plan", "preload", "stats", "clear", "configure", "device_info", "versions",
+           "plan_cache", "open_plan_cache", "stored_answer", "cache_environment"]
 
 
 @dataclass
@@ -100,8 +55,7 @@ _COUNTERS = {
     "load_seconds": 0.0,
 }
 _counters = dict(_COUNTERS)
-_cache: store.TieredCache | None = None
-_device_descriptions: dict[int, dict[str, Any]] = {}
+_cache: PlanCache | None = None
 
 
 def _core():
@@ -130,112 +84,61 @@ def _resolve_device(device: int | None) -> int:
     return device
 
 
-def configure(settings: store.CacheSettings | None = None) -> store.TieredCache:
+def open_plan_cache(settings: store.CacheSettings | None = None) -> PlanCache:
+    """A PlanCache over `settings` (None: the FASTATTN_CACHE_* variables now) that loads
+    and describes plans with this process's GPU stack and counts into stats(). Not made
+    the process's cache (configure() does that)."""
+    # The lambda looks _core up at each use: tests replace it with a fake.
+    return PlanCache(settings or store.settings_from_env(), core=lambda: _core(), count=_count)
+
+
+def configure(settings: store.CacheSettings | None = None) -> PlanCache:
     """Sets the persistent cache's settings (None: read FASTATTN_CACHE_* again).
     Plans already in memory stay."""
     global _cache
+    cache = open_plan_cache(settings)
     with _lock:
-        _cache = store.TieredCache(settings or store.settings_from_env())
-        return _cache
+        _cache = cache
+    return cache
 
 
-def _the_cache() -> store.TieredCache:
+def plan_cache() -> PlanCache:
+    """This process's persistent plan cache (made from FASTATTN_CACHE_* at first use):
+    its tiers are plan_cache().store."""
     with _lock:
         cache = _cache
     return cache if cache is not None else configure()
 
 
-def _description(config: AttentionConfig, device: int) -> dict[str, Any]:
-    """The cache key's description: this process's GPU, versions and policy."""
-    with _lock:
-        base = _device_descriptions.get(device)
-    if base is None:
-        from . import __version__
-
-        core = _core()
-        info = core.get_device_info(device)
-        loaded, _, frontend = core.versions()
-        base = {
-            "fastattn_version": __version__,
-            "frontend_version": _version_string(frontend),
-            "cudnn_version": loaded,
-            "gpu_name": info["name"],
-            "compute_capability": info["compute_capability"],
-            "sm_count": info["sm_count"],
-            "policy": core.policy(),
-        }
-        with _lock:
-            _device_descriptions[device] = base
-    return store.describe(config.to_dict(), env=store.build_env_vars(), **base)
-
-
-def _result_from_plan(config, device, p, seconds, source) -> ProbeResult:
-    return ProbeResult(config, device, True, "", p.forward_workspace_size, p.backward_workspace_size,
-                       p.forward_engine or "", p.backward_engine or "", seconds, source)
-
-
-def _from_disk(config: AttentionConfig, device: int, key: str, cache: store.TieredCache):
-    """(plan, result) from the persistent cache, or None on a miss."""
-    found = cache.get(key)
-    if found is None:
-        return None
-    return _from_entry(config, device, key, *found)
-
-
-def _from_entry(config: AttentionConfig, device: int, key: str, entry: store.Entry, tier):
-    """(plan, result) from a cache entry, or None when cuDNN refuses its blobs."""
-    if entry.kind == "unsupported":
-        _count(negative_hits=1)
-        return None, ProbeResult(config, device, False, str(entry.meta.get("reason", "")),
-                                 source=_source(tier))
-    core = _core()
-    t0 = time.perf_counter()
-    try:
-        p = core.load_plan(config, device, entry.blobs.get("forward", b""), entry.blobs.get("backward"),
-                           str(entry.meta.get("forward_engine", "")), str(entry.meta.get("backward_engine", "")))
-    except CorruptPlanError as e:
-        # Checksummed but refused by cuDNN (another build of it, a driver change): a
-        # miss. The rebuild overwrites the entry.
-        _count(bad_entries=1)
-        log.warning("fastattn cache: entry %s in %s does not load (%s); rebuilding", key[:16], tier.root, e)
-        return None
-    elapsed = time.perf_counter() - t0
-    _count(disk_hits=1, deserializations=1, load_seconds=elapsed)
-    return p, _result_from_plan(config, device, p, elapsed, _source(tier))
-
-
-def _source(tier) -> str:
-    return "disk" if isinstance(tier, store.DiskStore) else "remote"
-
-
 def _build(config: AttentionConfig, device: int, refresh: bool = False):
     """(plan or None, result): from the cache, else built by this process and published."""
-    cache = _the_cache()
-    description = _description(config, device) if cache.tiers else None
+    cache = plan_cache()
+    tiers = cache.store
+    description = cache.describe(config, device) if tiers.tiers else None
     key = store.key_of(description) if description is not None else None
-    seen = cache.signature(key) if key is not None else None
+    seen = tiers.signature(key) if key is not None else None
     if key is not None and not refresh:
-        hit = _from_disk(config, device, key, cache)
+        hit = cache.lookup(config, device, key)
         if hit is not None:
             return hit
-    lock = cache.lock(key) if key is not None else contextlib.nullcontext(False)
+    lock = tiers.lock(key) if key is not None else contextlib.nullcontext(False)
     with lock:
         # Another process may have published the entry while we waited for the lock.
-        if key is not None and not refresh and cache.signature(key) != seen:
-            hit = _from_disk(config, device, key, cache)
+        if key is not None and not refresh and tiers.signature(key) != seen:
+            hit = cache.lookup(config, device, key)
             if hit is not None:
                 return hit
         # Another machine may be building it: wait for its entry (fleet single flight).
-        flight = cache.flight(key) if key is not None and not refresh else contextlib.nullcontext(None)
+        flight = tiers.flight(key) if key is not None and not refresh else contextlib.nullcontext(None)
         with flight as found:
             if found is not None:
-                hit = _from_entry(config, device, key, found, cache.remote)
+                hit = cache.load(config, device, key, found, tiers.remote)
                 if hit is not None:
                     return hit
             _count(misses=1)
             p, result = _build_now(config, device)
             if key is not None:
-                _publish(cache, key, description, p, result)
+                cache.publish(key, description, p, result)
     return p, result
 
 
@@ -250,32 +153,7 @@ def _build_now(config: AttentionConfig, device: int):
         return None, ProbeResult(config, device, False, str(e), build_seconds=elapsed)
     elapsed = time.perf_counter() - t0
     _count(builds=1, build_seconds=elapsed)
-    return p, _result_from_plan(config, device, p, elapsed, "built")
-
-
-def _publish(cache: store.TieredCache, key: str, description: dict[str, Any], p, result: ProbeResult) -> None:
-    """Stores what was just built. A plan that cannot be serialized stays in memory:
-    the cache never makes real work fail."""
-    if p is None:
-        entry = store.Entry(key, "unsupported", description, meta={"reason": result.reason}, created=time.time())
-    else:
-        try:
-            forward, backward = p.serialize()
-        except FastAttnError as e:
-            log.warning("fastattn cache: cannot serialize plan %s (%s); it stays in memory only", key[:16], e)
-            return
-        blobs = {"forward": forward}
-        if backward is not None:
-            blobs["backward"] = backward
-        meta = {
-            "forward_engine": result.forward_engine,
-            "backward_engine": result.backward_engine,
-            "forward_workspace_size": result.forward_workspace_size,
-            "backward_workspace_size": result.backward_workspace_size,
-            "build_seconds": result.build_seconds,
-        }
-        entry = store.Entry(key, "plan", description, blobs, meta, created=time.time())
-    cache.put(entry)
+    return p, result_from_plan(config, device, p, elapsed, "built")
 
 
 def _lookup(config: Any, device: int | None, refresh: bool = False) -> tuple[_Entry, bool]:
@@ -348,41 +226,21 @@ def plan(config: Any, *, device: int | None = None):
     return entry.plan
 
 
-def stored_answer(config: Any, *, device: int | None = None,
-                  cache: store.TieredCache | None = None) -> ProbeResult | None:
+def stored_answer(config: Any, *, device: int | None = None, cache: PlanCache | None = None) -> ProbeResult | None:
     """The answer the persistent cache holds for `config` (source "disk" or
-    "remote"), read without building or deserializing anything, or None. `cache`: the directories to
-    look in (default: this process's). An entry found here has a valid checksum but
-    is not proven to deserialize: cuDNN only says so when loading it (`fastattn cache
-    verify` does)."""
+    "remote"), read without building or deserializing anything, or None. `cache`: the
+    cache to look in (default: this process's); see PlanCache.stored_answer."""
     config = AttentionConfig.coerce(config)
-    device = _resolve_device(device)
-    cache = cache or _the_cache()
-    if not cache.tiers:
-        return None
-    found = cache.get(store.key_of(_description(config, device)))
-    if found is None:
-        return None
-    e, tier = found
-    if e.kind == "unsupported":
-        return ProbeResult(config, device, False, str(e.meta.get("reason", "")), source=_source(tier))
-    m = e.meta
-    try:
-        sizes = int(m.get("forward_workspace_size", 0)), int(m.get("backward_workspace_size", 0))
-    except (TypeError, ValueError):
-        return None  # not what this version writes: let a real load decide
-    return ProbeResult(config, device, True, "", *sizes, str(m.get("forward_engine", "")),
-                       str(m.get("backward_engine", "")), 0.0, _source(tier))
+    return (cache or plan_cache()).stored_answer(config, _resolve_device(device))
 
 
 def preload(configs: Iterable[Any] | None = None, *, device: int | None = None, threads: int = 4,
             background: bool = False):
     """Loads (or builds) plans ahead of first use, in `threads` parallel threads, each
-    with its own cuDNN handle. Threads pay for training plans and not for inference
-    ones: on an H200, 8 training plans (forward and backward graphs) loaded in 54 ms on
-    8 threads against 93 ms one after another, while 8 inference plans took 58 ms on 8
-    threads against ~51 ms on one (docs/BENCHMARKS.md). In the background
-    (background=True) it overlaps whatever else the process does at startup.
+    with its own cuDNN handle. Threads pay for training plans (forward and backward
+    graphs) and not for inference ones (docs/BENCHMARKS.md, "Persistent cache"). In
+    the background (background=True) it overlaps whatever else the process does at
+    startup.
 
     configs: the configs to load; None means every entry in the cache directories that
     was stored for this GPU, cuDNN, cudnn-frontend, fastattn and policy.
@@ -393,7 +251,7 @@ def preload(configs: Iterable[Any] | None = None, *, device: int | None = None, 
     if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
         raise InvalidArgumentError(f"threads={threads!r}: must be an integer >= 1")
     device = _resolve_device(device)
-    todo = [AttentionConfig.coerce(c) for c in configs] if configs is not None else _configs_in_cache(device)
+    todo = [AttentionConfig.coerce(c) for c in configs] if configs is not None else plan_cache().configs(device)
 
     def run() -> list[ProbeResult]:
         with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="fastattn-preload") as pool:
@@ -417,29 +275,7 @@ def cache_environment(device: int | None = None) -> dict[str, Any]:
     """What a cache entry must have been made for to be used on `device` by this
     process: GPU, versions, policy and build variables (a key's description minus
     the config)."""
-    any_config = AttentionConfig(batch=1, heads_q=1, seqlen_q=1, head_dim_qk=8)
-    return store.environment_of(_description(any_config, _resolve_device(device)))
-
-
-def _configs_in_cache(device: int) -> list[AttentionConfig]:
-    """The configs of every cache entry stored for this device's GPU and this
-    process's versions."""
-    want = cache_environment(device)
-    seen, out = set(), []
-    for _, info in _the_cache().entries():
-        desc = (info.header or {}).get("description")
-        if not isinstance(desc, dict) or "config" not in desc:
-            continue
-        if store.environment_of(desc) != want:
-            continue
-        try:
-            cfg = AttentionConfig.from_dict(desc["config"])
-        except InvalidArgumentError:
-            continue
-        if cfg not in seen:
-            seen.add(cfg)
-            out.append(cfg)
-    return out
+    return plan_cache().environment(_resolve_device(device))
 
 
 def stats() -> dict[str, float]:
@@ -451,7 +287,7 @@ def stats() -> dict[str, float]:
         out: dict[str, Any] = dict(_counters)
         out["plans"] = sum(1 for e in _entries.values() if e.plan is not None)
         cache = _cache
-    out["cache"] = cache.counters() if cache is not None else {}
+    out["cache"] = cache.store.counters() if cache is not None else {}
     return out
 
 
@@ -479,12 +315,8 @@ def versions() -> dict[str, Any]:
     loaded, header, frontend = core.versions()
     return {
         "fastattn": __version__,
-        "cudnn_frontend": _version_string(frontend),
+        "cudnn_frontend": version_string(frontend),
         "cudnn_headers": header,
         "cudnn_loaded": loaded or None,
     }
 
-
-def _version_string(frontend: int) -> str:
-    """CUDNN_FRONTEND_VERSION (major * 10000 + minor * 100 + patch) as "1.28.0"."""
-    return f"{frontend // 10000}.{frontend // 100 % 100}.{frontend % 100}"

@@ -119,9 +119,8 @@ class _Queue:
     (STEAL_AT configs or more each)."""
 
     # A family's first config costs ~10-15 later ones (see kernel_family), and
-    # processes compiling at once slow each other: on the H200 (2026-11-29), sharing
-    # 16-config families between two workers each made 64 configs take 3.8 s on 8
-    # workers against 3.1 s on 4 that did not share.
+    # processes compiling at once slow each other: sharing families early made warm
+    # slower, not faster (docs/BENCHMARKS.md, "The fastattn command": runs s2-6, s2-7).
     STEAL_AT = 16
 
     def __init__(self, items: list[WarmItem]):
@@ -189,9 +188,9 @@ def _answer_from_cache(items: list[WarmItem], device: int | None):
     The cache is the one the workers would use (the FASTATTN_CACHE_* variables now),
     and reading entries builds and deserializes nothing, so this is safe outside a
     worker. Where the GPU stack cannot even start here, the workers report why."""
-    from . import runtime, store
+    from . import runtime
 
-    cache = store.TieredCache(store.settings_from_env())
+    cache = runtime.open_plan_cache()  # bad FASTATTN_CACHE_* values raise here, once, naming the variable
     for item in items:
         t0 = time.perf_counter()
         try:
@@ -207,6 +206,84 @@ def _answer_from_cache(items: list[WarmItem], device: int | None):
         else:
             item.status, item.reason = "unsupported", known.reason
         yield item
+
+
+class _Pool:
+    """Worker processes working through a _Queue: at most `size` at once, started only
+    while there is work for a new one, each fed its next config as it answers, replaced
+    when it crashes or is killed for a timeout. run() drives it until the queue is
+    empty and every worker has answered or died."""
+
+    def __init__(self, queue: _Queue, size: int, device: int | None, timeout: float, log_dir: str,
+                 settle: Callable[[WarmItem], None]):
+        self.queue, self.size, self.device, self.timeout, self.log_dir = queue, size, device, timeout, log_dir
+        self.settle = settle  # called once per item answered or failed
+        self.workers: list[_Worker] = []
+        self.spawned = 0
+        self.sel = selectors.DefaultSelector()
+
+    def run(self) -> None:
+        with self.sel:
+            self._start_workers()
+            while self.workers:
+                self._kill_overdue()
+                for key, _ in self.sel.select(timeout=1.0):
+                    self._read(key.data)
+                self._start_workers()  # a retired worker may have left a family for a new one
+
+    def _start_workers(self) -> None:
+        while len(self.workers) < self.size:
+            item = self.queue.take(self.spawned)
+            if item is None:
+                return
+            w = _Worker(self.device, self.log_dir, self.spawned)
+            self.spawned += 1
+            self.workers.append(w)
+            self.sel.register(w.proc.stdout, selectors.EVENT_READ, w)
+            self._send(w, item)
+
+    @staticmethod
+    def _send(w: _Worker, item: WarmItem) -> None:
+        try:
+            w.send(item)
+        except (BrokenPipeError, OSError):
+            pass  # it died before reading: its EOF reports it
+
+    def _retire(self, w: _Worker) -> None:
+        self.sel.unregister(w.proc.stdout)
+        self.workers.remove(w)
+        self.queue.forget(w.index)
+        w.close()
+
+    def _kill_overdue(self) -> None:
+        now = time.perf_counter()
+        for w in self.workers:
+            if w.item is not None and not w.timed_out and now - w.started > self.timeout:
+                w.timed_out = True
+                w.proc.kill()  # its EOF reports the config
+
+    def _read(self, w: _Worker) -> None:
+        chunk = os.read(w.proc.stdout.fileno(), 1 << 16)
+        if not chunk:  # the worker died
+            item = w.item
+            self._retire(w)
+            if item is not None:
+                _crashed(item, w, time.perf_counter() - w.started)
+                self.settle(item)
+            self._start_workers()
+            return
+        w.buffer += chunk
+        while b"\n" in w.buffer and w.item is not None:
+            line, w.buffer = w.buffer.split(b"\n", 1)
+            item = w.item
+            _apply(item, json.loads(line), time.perf_counter() - w.started)
+            self.settle(item)
+            nxt = self.queue.take(w.index)
+            if nxt is None:
+                w.item = None
+                self._retire(w)
+                return
+            self._send(w, nxt)
 
 
 def warm(
@@ -231,77 +308,20 @@ def warm(
     items = [WarmItem(AttentionConfig.coerce(c)) for c in configs]
     t0 = time.perf_counter()
     done = 0
-    # What the cache already holds needs no worker: a second run costs one process's
-    # GPU initialization and a read of each entry, not a worker start per config.
-    for item in _answer_from_cache(items, device):
+
+    def settle(item: WarmItem) -> None:
+        nonlocal done
         done += 1
         if progress:
             progress(done, len(items), item)
+
+    # What the cache already holds needs no worker: a second run costs one process's
+    # GPU initialization and a read of each entry, not a worker start per config.
+    for item in _answer_from_cache(items, device):
+        settle(item)
     queue = _Queue([i for i in items if i.status == "pending"])
-    sel = selectors.DefaultSelector()
     with tempfile.TemporaryDirectory(prefix="fastattn-warm-") as log_dir:
-        pool: list[_Worker] = []
-        spawned = 0
-
-        def start_workers() -> None:
-            # Up to `workers`, and only while there is work for a new one.
-            nonlocal spawned
-            while len(pool) < workers:
-                item = queue.take(spawned)
-                if item is None:
-                    return
-                w = _Worker(device, log_dir, spawned)
-                spawned += 1
-                pool.append(w)
-                sel.register(w.proc.stdout, selectors.EVENT_READ, w)
-                send(w, item)
-
-        def send(w: _Worker, item: WarmItem) -> None:
-            try:
-                w.send(item)
-            except (BrokenPipeError, OSError):
-                pass  # it died before reading: the EOF below reports it
-
-        def retire(w: _Worker) -> None:
-            sel.unregister(w.proc.stdout)
-            pool.remove(w)
-            queue.forget(w.index)
-            w.close()
-
-        start_workers()
-        while pool:
-            now = time.perf_counter()
-            for w in pool:
-                if w.item is not None and not w.timed_out and now - w.started > timeout:
-                    w.timed_out = True
-                    w.proc.kill()  # its EOF below reports the config
-            for key, _ in sel.select(timeout=1.0):
-                w: _Worker = key.data
-                chunk = os.read(w.proc.stdout.fileno(), 1 << 16)
-                if not chunk:  # the worker died
-                    item = w.item
-                    retire(w)
-                    if item is not None:
-                        _crashed(item, w, time.perf_counter() - w.started)
-                        done += 1
-                        if progress:
-                            progress(done, len(items), item)
-                    start_workers()
-                    continue
-                w.buffer += chunk
-                while b"\n" in w.buffer and w.item is not None:
-                    line, w.buffer = w.buffer.split(b"\n", 1)
-                    item = w.item
-                    _apply(item, json.loads(line), time.perf_counter() - w.started)
-                    done += 1
-                    if progress:
-                        progress(done, len(items), item)
-                    nxt = queue.take(w.index)
-                    if nxt is None:
-                        w.item = None
-                        retire(w)
-                    else:
-                        send(w, nxt)
-            start_workers()  # a retired worker may have left a family for a new one
+        pool = _Pool(queue, workers, device, timeout, log_dir, settle)
+        pool.run()
     counts = {s: sum(1 for i in items if i.status == s) for s in STATUSES}
-    return WarmReport(items, time.perf_counter() - t0, workers, counts, spawned)
+    return WarmReport(items, time.perf_counter() - t0, workers, counts, pool.spawned)

@@ -53,10 +53,21 @@ def main():
     args = ap.parse_args()
     configs = [AttentionConfig.from_dict(c) for c in json.loads(args.configs)]
     if args.fake_cudnn_version:
-        # Describe this process as running another cuDNN: its keys then differ.
-        desc = runtime._description(configs[0], 0)
-        runtime._device_descriptions[0]["cudnn_version"] = args.fake_cudnn_version
-        assert runtime._description(configs[0], 0) != desc
+        # Describe this process as running another cuDNN: its keys then differ. The
+        # runtime's one hook to the core answers versions() with the fake one.
+        real = runtime._core
+
+        class OtherCudnn:
+            def __getattr__(self, name):
+                return getattr(real(), name)
+
+            def versions(self):
+                return (args.fake_cudnn_version, *real().versions()[1:])
+
+        desc = runtime.plan_cache().describe(configs[0], 0)
+        runtime._core = OtherCudnn
+        runtime.clear()
+        assert runtime.plan_cache().describe(configs[0], 0)["cudnn"] == args.fake_cudnn_version != desc["cudnn"]
     while time.time() < args.wait_until:
         time.sleep(0.001)
     hashes = [run_one(c, seed=1234 + i) for i, c in enumerate(configs)]

@@ -28,16 +28,13 @@ def cache_dir(tmp_path, monkeypatch):
     monkeypatch.setattr(fake_core, "CUDNN_VERSION", [91900])
     monkeypatch.setattr(fake_core, "GPU_NAME", ["NVIDIA H200"])
     runtime.clear()
-    runtime._device_descriptions.clear()
     yield tmp_path / "cache"
     runtime.clear()
-    runtime._device_descriptions.clear()
 
 
 def new_process():
     """What a fresh process would have: nothing in memory."""
     runtime.clear()
-    runtime._device_descriptions.clear()
 
 
 def test_second_process_loads_instead_of_building(cache_dir):

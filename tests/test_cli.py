@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from fastattn import cli
+from fastattn import cli, runtime
 
 from conftest import _gpu_unavailable_reason
 
@@ -62,7 +62,7 @@ def test_flags_override_the_config_file(tmp_path, capsys, monkeypatch):
 
         return ProbeResult(cfg, 0, False, "forward: no")
 
-    monkeypatch.setattr(cli.runtime, "probe", fake_probe)
+    monkeypatch.setattr(runtime, "probe", fake_probe)
     f = tmp_path / "c.json"
     f.write_text('{"batch": 4, "heads_q": 8, "seqlen_q": 64, "head_dim_qk": 64, "mask": "causal"}')
     code, out, _ = run(["probe", "--config", str(f), "--batch", "2", "--window", "16", "0", "--training", "--padding",

@@ -25,10 +25,8 @@ def env(tmp_path, monkeypatch):
     monkeypatch.setattr(runtime, "_core", lambda: fake_core)
     monkeypatch.setattr(fake_core, "GPU_NAME", ["NVIDIA H200"])
     runtime.clear()
-    runtime._device_descriptions.clear()
     yield tmp_path
     runtime.clear()
-    runtime._device_descriptions.clear()
 
 
 def fill(n=3):
@@ -101,7 +99,6 @@ def test_prune_and_clear(env, capsys):
 def _new_process(cache_dir, monkeypatch):
     monkeypatch.setenv("FASTATTN_CACHE_DIR", str(cache_dir))
     runtime.clear()
-    runtime._device_descriptions.clear()
 
 
 def test_bundle_round_trip_then_zero_builds(env, capsys, monkeypatch):

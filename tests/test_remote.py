@@ -139,7 +139,7 @@ def test_settings_from_the_environment():
     assert s.remote.prefix == "fleet-a:" and s.remote.timeout == 0.5 and s.secret == b"s3cret"
     assert "s3cret" not in repr(s)
     r = RemoteStore(s.remote, s.secret)
-    assert "hunter2" not in r.root and "***" in r.root
+    assert "hunter2" not in r.name and "***" in r.name
     for name, value, match in (("FASTATTN_REMOTE_CACHE", "http://x", "expected redis://"),
                                ("FASTATTN_REMOTE_TIMEOUT", "soon", "FASTATTN_REMOTE_TIMEOUT='soon'"),
                                ("FASTATTN_REMOTE_WAIT", "-1", "must be >= 0"),
@@ -164,7 +164,6 @@ def fleet(server, tmp_path, monkeypatch):
     monkeypatch.setattr(runtime, "_core", lambda: fake_core)
     yield server
     runtime.clear()
-    runtime._device_descriptions.clear()
     runtime.configure()
 
 
@@ -172,7 +171,6 @@ def fresh_process(cache_dir, monkeypatch):
     """What a new process on another machine has: its own empty disk cache, nothing in memory."""
     monkeypatch.setenv("FASTATTN_CACHE_DIR", str(cache_dir))
     runtime.clear()
-    runtime._device_descriptions.clear()
     runtime.configure()
 
 
@@ -248,7 +246,7 @@ def test_a_builder_that_dies_leaves_the_others_to_build(fleet, tmp_path, monkeyp
     # Another machine took the lock and died: its lock expires, but nobody waits that long.
     monkeypatch.setenv("FASTATTN_REMOTE_WAIT", "0.5")
     fresh_process(tmp_path / "a", monkeypatch)
-    key = store.key_of(runtime._description(fastattn.AttentionConfig.coerce(CFG), 0))
+    key = runtime.plan_cache().key(fastattn.AttentionConfig.coerce(CFG), 0)
     fleet.client().set("fastattn:lock:" + key, "someone", px=60_000)
     t0 = time.monotonic()
     assert fastattn.probe(CFG).source == "built"
@@ -330,4 +328,55 @@ def test_warm_answers_what_redis_holds_without_workers(fleet, tmp_path, monkeypa
     report = warm.warm([CFG], workers=2)
     assert report.counts["loaded"] == 1 and report.processes == 0
     assert store.DiskStore(str(tmp_path / "b")).signature(
-        store.key_of(runtime._description(fastattn.AttentionConfig.coerce(CFG), 0))) is not None  # kept on b's disk
+        runtime.plan_cache().key(fastattn.AttentionConfig.coerce(CFG), 0)) is not None  # kept on b's disk
+
+
+# -- untrusted values, the tier protocol (issue 13) ----------------------------------------
+
+
+def test_both_tiers_have_the_tier_protocol(server, tmp_path):
+    r, d = remote(server), store.DiskStore(str(tmp_path))
+    assert isinstance(r, store.Tier) and isinstance(d, store.Tier)
+    assert (r.kind, d.kind) == ("remote", "disk") and d.name == str(tmp_path) and "127.0.0.1" in r.name
+
+
+def test_remote_entries_skip_what_is_not_a_valid_entry(server):
+    r = remote(server)
+    good = [entry("ab" * 32), entry("cd" * 32)]
+    for e in good:
+        r.put(e)
+    c = server.client()
+    c.set("fastattn:" + "ef" * 32, b"garbage")  # a key, but not an entry
+    c.set("fastattn:../../etc/passwd", r._client.get("fastattn:" + "ab" * 32))  # an entry under a non-key
+    c.set("fastattn:caf\xe9", b"x")  # not ASCII: once a UnicodeEncodeError in the signature check
+    assert sorted(r.keys()) == sorted(["ab" * 32, "cd" * 32, "ef" * 32])
+    infos = list(r.entries())
+    assert sorted(i.key for i in infos) == sorted(e.key for e in good)
+    assert all(i.header["key"] == i.key and i.size > 0 for i in infos)
+    assert r.get("caf\xe9") is None and r.get("../../etc/passwd") is None
+
+
+def test_pull_skips_junk_and_fails_with_exit_4_when_the_cache_cannot_be_written(fleet, tmp_path, monkeypatch,
+                                                                                capsys):
+    import errno
+
+    fresh_process(tmp_path / "a", monkeypatch)
+    fastattn.plan(CFG)
+    fleet.client().set("fastattn:caf\xe9", b"x")
+    fresh_process(tmp_path / "b", monkeypatch)
+
+    def refuse(*a, **k):
+        raise PermissionError(errno.EACCES, "Permission denied")
+
+    monkeypatch.setattr("tempfile.mkstemp", refuse)
+    code = cli.main(["cache", "pull", "--all"])
+    out, err = capsys.readouterr()
+    assert code == cli.EXIT_FAILED and "cannot write" in err and "Traceback" not in out + err
+    monkeypatch.undo()
+    fresh_process(tmp_path / "b", monkeypatch)
+    monkeypatch.setenv("FASTATTN_REMOTE_CACHE", fleet.url)
+    monkeypatch.setenv("FASTATTN_CACHE_HMAC_KEY", SECRET.decode())
+    monkeypatch.setattr(runtime, "_core", lambda: fake_core)
+    runtime.configure()
+    code, out = run(["cache", "pull", "--all"], capsys)
+    assert code == 0 and out["pulled"] == 1 and out["rejected"] == 0

@@ -180,7 +180,6 @@ def test_a_second_run_answers_from_the_cache_without_workers(fake_workers, monke
     # workers'): nothing is left for a worker to do.
     monkeypatch.setattr(runtime, "_core", lambda: fake_core)
     runtime.clear()
-    runtime._device_descriptions.clear()
     monkeypatch.setattr(warm, "_Worker", lambda *a, **k: pytest.fail("a worker was started"))
     seen = []
     again = warm.warm(configs, workers=2, progress=lambda done, total, item: seen.append(done))
@@ -189,7 +188,6 @@ def test_a_second_run_answers_from_the_cache_without_workers(fake_workers, monke
     s = runtime.stats()
     assert seen == [1, 2, 3] and s["builds"] == 0 and s["deserializations"] == 0
     runtime.clear()
-    runtime._device_descriptions.clear()
 
 
 def test_workers_keep_to_a_kernel_family():

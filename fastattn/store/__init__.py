@@ -1,8 +1,10 @@
 """The persistent plan cache: keys, the entry format, directories of entries, tiers.
 
 The store deals in opaque bytes and knows nothing of cuDNN: it is tested without a
-GPU. Bundles (store.bundle) are imported on demand: tarfile is slow to import. Lookups go through the main directory, then any extra read-only directories;
-writes go to the main directory only.
+GPU. Bundles (store.bundle) are imported on demand: tarfile is slow to import.
+Lookups go through the main directory, then any extra read-only directories; writes
+go to the main directory only. Every tier (a directory, Redis) has one shape,
+store.Tier.
 
 Configuration (environment, read when the cache is first used or on configure()):
 
@@ -36,6 +38,7 @@ from typing import TYPE_CHECKING, Iterator, Mapping
 from ..errors import InvalidArgumentError
 from .disk import DiskStore, EntryInfo
 from .entry import Entry, EntryError
+from .tier import Tier
 from .keys import FORMAT_VERSION, build_env_vars, canonical_json, describe, environment_of, key_of
 
 if TYPE_CHECKING:
@@ -60,6 +63,7 @@ __all__ = [
     "Entry",
     "EntryError",
     "EntryInfo",
+    "Tier",
     "RemoteSettings",
     "RemoteStore",
     "environment_of",
@@ -148,7 +152,9 @@ class TieredCache:
         """The directories (the remote tier is self.remote)."""
         return ([self.main] if self.main else []) + self.extras
 
-    def get(self, key: str) -> tuple[Entry, DiskStore | RemoteStore] | None:
+    def get(self, key: str) -> tuple[Entry, Tier] | None:
+        """The entry for `key` and the tier it came from (tier.kind: "disk" or
+        "remote"), or None."""
         for store in self.tiers:
             entry = store.get(key)
             if entry is not None:

@@ -9,6 +9,12 @@ well-named entries, or whose checksums or keys disagree, is refused whole.
 
 With a signing secret (store.signing), export signs the manifest (which holds every
 entry's sha256) and import refuses a bundle that is unsigned or signed otherwise.
+
+A bundle is untrusted bytes: whatever it holds (a truncated gzip stream, a tar cut
+mid-member, a manifest of the wrong shape, entries with valid checksums and nonsense
+headers), import raises InvalidArgumentError naming the file and the reason, or
+imports; it raises nothing else. When the cache cannot be written, it raises
+BundleWriteError (an OSError) after importing what it could.
 """
 
 from __future__ import annotations
@@ -17,9 +23,11 @@ import hashlib
 import hmac
 import io
 import json
+import lzma
 import re
 import tarfile
 import time
+import zlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
@@ -29,11 +37,21 @@ from .entry import EntryError, decode
 from .keys import canonical_json, environment_of
 from .signing import sign
 
-__all__ = ["BUNDLE_FORMAT", "export_bundle", "import_bundle", "ImportReport"]
+__all__ = ["BUNDLE_FORMAT", "BundleWriteError", "export_bundle", "import_bundle", "ImportReport"]
 
 BUNDLE_FORMAT = 1
 _ENTRY_NAME = re.compile(r"^entries/([0-9a-f]{64})\.entry$")
 _MAX_MEMBER = 256 << 20
+_MAX_TOTAL = 4 << 30  # a decompression bomb stops here, not when memory runs out
+# What tarfile and its decompressors raise on damaged input while members are read
+# (not only at open): a gzip stream cut short is EOFError, a bad deflate block
+# zlib.error, a bad gzip header gzip.BadGzipFile (an OSError).
+_READ_ERRORS = (OSError, EOFError, tarfile.TarError, zlib.error, lzma.LZMAError, ValueError, RecursionError)
+
+
+class BundleWriteError(OSError):
+    """The cache directory could not take a bundle's entries (the message says which
+    directory and why); the entries before the failure were imported."""
 
 
 def _manifest_mac(secret: bytes, manifest: dict[str, Any]) -> str:
@@ -94,31 +112,48 @@ class ImportReport:
     mismatched: list[str] = field(default_factory=list)  # keys whose GPU or cuDNN differ from this machine's
 
 
-def _read_bundle(path: str) -> tuple[dict[str, Any], dict[str, bytes]]:
-    try:
-        tar = tarfile.open(path, mode="r:*")
-    except (OSError, tarfile.TarError) as e:
-        raise InvalidArgumentError(f"{path}: not a readable bundle ({e})") from None
+def _read_members(path: str) -> dict[str, bytes]:
+    """Every member's bytes; InvalidArgumentError for anything but a well-formed bundle
+    archive. The whole read is guarded: tarfile.open reads only the first header, and
+    damage further on surfaces while iterating or reading members."""
     members: dict[str, bytes] = {}
-    with tar:
-        for m in tar:
-            name = m.name
-            if name != "manifest.json" and not _ENTRY_NAME.match(name):
-                raise InvalidArgumentError(f"{path}: refusing bundle: unexpected member {name!r}")
-            if not m.isfile():
-                raise InvalidArgumentError(f"{path}: refusing bundle: member {name!r} is not a regular file")
-            if m.size > _MAX_MEMBER or name in members:
-                raise InvalidArgumentError(f"{path}: refusing bundle: member {name!r} is too large or repeated")
-            f = tar.extractfile(m)
-            members[name] = f.read() if f else b""
+    total = 0
+    try:
+        with tarfile.open(path, mode="r:*") as tar:
+            for m in tar:
+                name = m.name
+                if name != "manifest.json" and not _ENTRY_NAME.match(name):
+                    raise InvalidArgumentError(f"{path}: refusing bundle: unexpected member {name[:200]!r}")
+                if not m.isfile():
+                    raise InvalidArgumentError(f"{path}: refusing bundle: member {name!r} is not a regular file")
+                total += m.size
+                if m.size > _MAX_MEMBER or total > _MAX_TOTAL or name in members:
+                    raise InvalidArgumentError(f"{path}: refusing bundle: member {name!r} is too large or repeated")
+                f = tar.extractfile(m)
+                data = f.read() if f else b""
+                if len(data) != m.size:
+                    raise EOFError(f"member {name!r} is cut short")
+                members[name] = data
+    except InvalidArgumentError:
+        raise
+    except _READ_ERRORS as e:
+        why = str(e) or type(e).__name__
+        raise InvalidArgumentError(f"{path}: not a readable bundle ({why})") from None
+    return members
+
+
+def _read_bundle(path: str) -> tuple[dict[str, Any], dict[str, bytes]]:
+    members = _read_members(path)
     if "manifest.json" not in members:
         raise InvalidArgumentError(f"{path}: refusing bundle: no manifest.json")
     try:
         manifest = json.loads(members.pop("manifest.json"))
+        if not isinstance(manifest, dict):
+            raise ValueError("it is not a JSON object")
         if manifest.get("format") != BUNDLE_FORMAT or not isinstance(manifest.get("entries"), list):
             raise ValueError(f"format {manifest.get('format')!r}")
-    except (ValueError, AttributeError) as e:
-        raise InvalidArgumentError(f"{path}: refusing bundle: bad manifest ({e})") from None
+    except (ValueError, RecursionError) as e:
+        raise InvalidArgumentError(f"{path}: refusing bundle: bad manifest ({str(e)[:200]})") from None
     return manifest, members
 
 
@@ -132,20 +167,24 @@ def import_bundle(path: str, store: DiskStore, *, environment: dict[str, Any] | 
     manifest, members = _read_bundle(path)
     if secret is not None:
         mac = manifest.get("signature")
-        if not isinstance(mac, str):
+        if not isinstance(mac, str) or not mac.isascii():
             raise InvalidArgumentError(f"{path}: refusing bundle: it is not signed, and a signing secret is set")
-        if not hmac.compare_digest(mac, _manifest_mac(secret, manifest)):
+        try:
+            expected = _manifest_mac(secret, manifest)
+        except (ValueError, RecursionError):  # NaN or nesting json.loads took and canonical JSON refuses
+            expected = ""
+        if not hmac.compare_digest(mac, expected):
             raise InvalidArgumentError(f"{path}: refusing bundle: its signature does not match this secret")
     listed = {}
     for item in manifest["entries"]:
-        try:
-            key, digest = str(item["key"]), str(item["sha256"])
-        except (KeyError, TypeError):
-            raise InvalidArgumentError(f"{path}: refusing bundle: manifest entry without key or sha256") from None
+        key = item.get("key") if isinstance(item, dict) else None
+        digest = item.get("sha256") if isinstance(item, dict) else None
+        if not isinstance(key, str) or not isinstance(digest, str):
+            raise InvalidArgumentError(f"{path}: refusing bundle: manifest entry without key or sha256")
         name = f"entries/{key}.entry"
         data = members.get(name)
         if data is None:
-            raise InvalidArgumentError(f"{path}: refusing bundle: {name} is listed but missing")
+            raise InvalidArgumentError(f"{path}: refusing bundle: {name[:100]!r} is listed but missing")
         if hashlib.sha256(data).hexdigest() != digest:
             raise InvalidArgumentError(f"{path}: refusing bundle: {name} does not match its checksum")
         try:
@@ -168,8 +207,17 @@ def import_bundle(path: str, store: DiskStore, *, environment: dict[str, Any] | 
             f"or cuDNN (e.g. {sample.get('gpu')} with cuDNN {sample.get('cudnn')}; this machine: "
             f"{environment.get('gpu')} with cuDNN {environment.get('cudnn')}); use --force to import anyway")
     for key, entry in listed.items():
-        if store.signature(key) is not None:
+        if store.holds(key):
             report.already_present += 1
-        if store.put(entry):
-            report.imported += 1
+            continue
+        try:
+            written = store.publish(entry)
+        except OSError as e:
+            raise BundleWriteError(f"cannot write to the cache directory {store.root} ({e.strerror or e}); "
+                                   f"imported {report.imported} of {len(listed)} entries before that") from None
+        if not written:
+            raise BundleWriteError(f"cannot write to the cache directory {store.root} (read-only, or an earlier "
+                                   f"write failed); imported "
+                                   f"{report.imported} of {len(listed)} entries before that")
+        report.imported += 1
     return report

@@ -6,6 +6,11 @@ disk full, no permission) gives one warning and the store stops writing.
 
 Layout: <root>/<key[:2]>/<key>.entry, lock files in <root>/locks/. Last use is the
 file's atime, set explicitly on every hit (mount options like noatime do not matter).
+Every path comes from a key that is 64 hex digits (entry.KEY_PATTERN), so no key, from
+a bundle or a remote store, can name a file outside the root.
+
+Directories are made private (0700), or 2775 when shared, whatever the umask: the
+README promises it, and a cache of native code readable by everyone is a leak.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import time
 from dataclasses import dataclass
 from typing import Iterator
 
-from .entry import Entry, EntryError, decode, encode, read_header_from_file
+from .entry import KEY_PATTERN, Entry, EntryError, decode, encode, read_header_from_file
 
 __all__ = ["DiskStore", "EntryInfo"]
 
@@ -39,16 +44,19 @@ class EntryInfo:
     size: int
     created: float
     last_used: float
-    header: dict | None  # None when the header is unreadable
+    header: dict | None  # None when the header is unreadable or malformed
+    problem: str = ""  # why the header is unusable ("" when it is fine); the blobs are not checked here
 
 
 class DiskStore:
-    """One cache directory.
+    """One cache directory: a tier (store.Tier) of kind "disk".
 
     writable: False for a read-only tier (an image's baked cache, a shared volume).
     shared: files 0664 and directories 2775 instead of 0600 and 0700.
     max_bytes: prune least-recently-used entries after a write that goes over it.
     """
+
+    kind = "disk"  # a tier (store.Tier): what ProbeResult.source says for its entries
 
     def __init__(self, root: str, *, writable: bool = True, shared: bool = False, max_bytes: int | None = None):
         self.root = os.path.abspath(os.path.expanduser(root))
@@ -60,13 +68,40 @@ class DiskStore:
         self._total: int | None = None  # bytes in entries, known after the first scan
         self.counters = {"hits": 0, "misses": 0, "corrupt": 0, "writes": 0, "write_failures": 0, "pruned": 0}
 
+    @property
+    def name(self) -> str:
+        """How messages name this tier: its directory."""
+        return self.root
+
     # -- paths ------------------------------------------------------------------------
 
     def path_for(self, key: str) -> str:
+        if not isinstance(key, str) or not KEY_PATTERN.fullmatch(key):
+            raise EntryError(f"not a cache key: {str(key)[:80]!r}")
         return os.path.join(self.root, key[:2], key + _SUFFIX)
 
     def _mkdir(self, path: str) -> None:
-        os.makedirs(path, mode=0o2775 if self.shared else 0o700, exist_ok=True)
+        """Makes `path` (the root or a folder in it) and any missing folder between it
+        and the root with the cache's mode. os.makedirs applies its mode to the last
+        folder only, and through the umask (0755 under the usual 022): each folder we
+        make gets an explicit chmod instead. Folders above the root are made as
+        makedirs makes them; existing folders are left as they are."""
+        mode = 0o2775 if self.shared else 0o700
+        todo = []
+        while not os.path.isdir(path):
+            todo.append(path)
+            parent = os.path.dirname(path)
+            if path == self.root or parent == path:
+                break
+            path = parent
+        if todo and not os.path.isdir(os.path.dirname(todo[-1])):
+            os.makedirs(os.path.dirname(todo[-1]), exist_ok=True)
+        for folder in reversed(todo):
+            try:
+                os.mkdir(folder, 0o700)
+            except FileExistsError:
+                continue  # another process made it: it chose the mode
+            os.chmod(folder, mode)
 
     def _count(self, name: str, n: int = 1) -> None:
         with self._lock:
@@ -83,11 +118,11 @@ class DiskStore:
 
     def get(self, key: str) -> Entry | None:
         """The entry for `key`, or None (absent, unreadable or invalid: all misses)."""
-        path = self.path_for(key)
         try:
+            path = self.path_for(key)
             with open(path, "rb") as f:
                 data = f.read()
-        except FileNotFoundError:
+        except (FileNotFoundError, EntryError):
             self._count("misses")
             return None
         except OSError as e:
@@ -110,7 +145,7 @@ class DiskStore:
         process published the entry since we last looked, without reading it."""
         try:
             st = os.stat(self.path_for(key))
-        except OSError:
+        except (OSError, EntryError):
             return None
         return (st.st_ino, st.st_mtime_ns, st.st_size)
 
@@ -127,11 +162,28 @@ class DiskStore:
 
     def put(self, entry: Entry) -> bool:
         """Publishes `entry` atomically: readers see the old file or the new one, never
-        part of one. Returns whether it was written."""
+        part of one. Returns whether it was written; a failure is one warning, and the
+        store stops writing when the directory cannot be written at all."""
+        try:
+            return self.publish(entry)
+        except OSError as e:
+            self._warn_once(
+                "write", "fastattn cache: cannot write to %s (%s); plans stay in memory only", self.root, e
+            )
+            return False
+        except EntryError as e:
+            self._warn_once("key:" + str(entry.key)[:80], "fastattn cache: not storing an entry: %s", e)
+            return False
+
+    def publish(self, entry: Entry) -> bool:
+        """put() that raises: OSError when the entry cannot be written (for explicit
+        requests, such as `fastattn cache import`, where a silent skip would be a lie),
+        EntryError for a key that is not one. False, without writing, when the store is
+        read-only."""
         if not self.writable:
             return False
-        data = encode(entry)
         path = self.path_for(entry.key)
+        data = encode(entry)
         folder = os.path.dirname(path)
         tmp = None
         try:
@@ -153,16 +205,25 @@ class DiskStore:
             self._count("write_failures")
             if e.errno in (errno.EROFS, errno.ENOSPC, errno.EACCES, errno.EPERM, errno.EDQUOT):
                 self.writable = False
-            self._warn_once(
-                "write", "fastattn cache: cannot write to %s (%s); plans stay in memory only", self.root, e
-            )
-            return False
+            raise
         finally:
             if tmp is not None:
                 with contextlib.suppress(OSError):
                     os.unlink(tmp)
         self._count("writes")
         self._after_write(len(data) - old)
+        return True
+
+    def holds(self, key: str) -> bool:
+        """Whether the directory has a valid entry for `key` (counted nowhere: import
+        reports it as already present, and replaces a damaged one). Another valid
+        entry for the same key is as good as the bundle's: the key covers the config,
+        the GPU and every version."""
+        try:
+            with open(self.path_for(key), "rb") as f:
+                decode(f.read(), expected_key=key)
+        except (OSError, EntryError):
+            return False
         return True
 
     def _after_write(self, delta: int) -> None:
@@ -187,7 +248,7 @@ class DiskStore:
         Yields whether it was acquired: on timeout, or where no lock file can be made
         (a read-only store), the caller goes ahead without it. The kernel releases a
         flock when its process dies, so a killed builder blocks nobody."""
-        if not self.writable:
+        if not self.writable or not KEY_PATTERN.fullmatch(key):
             yield False
             return
         folder = os.path.join(self.root, "locks")
@@ -241,15 +302,18 @@ class DiskStore:
                     st = os.stat(path)
                 except OSError:
                     continue
-                header = None
+                key, header, problem = name[: -len(_SUFFIX)], None, ""
                 if with_headers:
                     try:
                         with open(path, "rb") as f:
                             header = read_header_from_file(f)
-                    except (OSError, EntryError):
-                        header = None
-                created = float(header.get("created", st.st_mtime)) if header else st.st_mtime
-                yield EntryInfo(name[: -len(_SUFFIX)], path, st.st_size, created, st.st_atime, header)
+                        if header["key"] != key:
+                            raise EntryError(f"the header is for key {header['key'][:16]}..., the file's name "
+                                             f"is {key[:16]}...")
+                    except (OSError, EntryError) as e:
+                        header, problem = None, str(e) or type(e).__name__
+                created = float(header["created"]) if header else st.st_mtime
+                yield EntryInfo(key, path, st.st_size, created, st.st_atime, header, problem)
 
     def prune(self, max_bytes: int | None = None, max_age: float | None = None) -> int:
         """Removes least-recently-used entries until at most `max_bytes` remain, and

@@ -11,26 +11,37 @@ Layout (integers little-endian):
 
 A header readable with `head -c` is deliberate: `fastattn cache show` and a person
 debugging a cache can see what an entry is without cuDNN. Any deviation (short file,
-other magic, other version, bad JSON, wrong sizes, checksum mismatch, a key that is
-not the file's) is an EntryError: the store treats it as a miss.
+other magic, other version, bad JSON, a header field of the wrong shape, wrong sizes,
+checksum mismatch, a key that is not the file's) is an EntryError: the store treats it
+as a miss.
+
+Entry bytes are untrusted (a bundle from elsewhere, a shared volume, Redis, a disk
+that flipped a bit), and the header is read without its checksum when listing. So
+the header's shape is checked here, in the one decoder every reader goes through:
+whatever the bytes, a reader gets a well-formed header or an EntryError, never a
+header whose "created" is a string or whose "gpu" is a list.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
+import re
 import struct
 from dataclasses import dataclass, field
 from typing import Any
 
 from .keys import FORMAT_VERSION
 
-__all__ = ["MAGIC", "Entry", "EntryError", "encode", "decode", "read_header", "read_header_from_file"]
+__all__ = ["MAGIC", "KEY_PATTERN", "Entry", "EntryError", "encode", "decode", "read_header", "read_header_from_file"]
 
 MAGIC = b"FASTATTN"
 _FIXED = struct.Struct("<8sII")
 _CHECKSUM = 32
 _MAX_HEADER = 1 << 20
+KEY_PATTERN = re.compile(r"[0-9a-f]{64}")  # keys.key_of: a sha256 in hex; also what file names are made of
+KINDS = ("plan", "unsupported")
 
 
 class EntryError(ValueError):
@@ -89,12 +100,90 @@ def _split(data: bytes) -> tuple[dict[str, Any], bytes, int]:
         raise EntryError(f"truncated header ({header_len} bytes announced, {len(data)} in file)")
     raw = data[_FIXED.size : _FIXED.size + header_len]
     try:
-        header = json.loads(raw.decode("utf-8"))
+        header = json.loads(raw.decode("utf-8"), parse_constant=_no_constant, parse_float=_finite_float)
         if not isinstance(header, dict):
             raise ValueError("header is not an object")
-    except (UnicodeDecodeError, ValueError) as e:
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise EntryError(f"unreadable header: {e}") from None
+    _check_header(header)
     return header, raw, _FIXED.size + header_len
+
+
+def _no_constant(name: str):
+    # NaN and Infinity are not JSON: `cache show --json` would pass them on.
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text[:20]} is out of range")
+    return value
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return (_is_int(value) or isinstance(value, float)) and math.isfinite(value)
+
+
+# The fields keys.describe writes, with the shape each must have when present. Tests
+# and older writers may leave some out; none may be of another type, because readers
+# (cache ls, export's GPU filter, preload) use them without asking again.
+_DESCRIPTION_FIELDS = {
+    "format": _is_int,
+    "fastattn": lambda v: isinstance(v, str),
+    "cudnn_frontend": lambda v: isinstance(v, str),
+    "cudnn": _is_int,
+    "policy": lambda v: isinstance(v, str),
+    "config": lambda v: isinstance(v, dict),
+    "env": lambda v: isinstance(v, dict) and all(isinstance(x, str) for x in v.values()),
+    "gpu": lambda v: (isinstance(v, dict) and isinstance(v.get("name", ""), str)
+                      and _is_int(v.get("sm_count", 0))
+                      and isinstance(v.get("compute_capability", []), list)
+                      and all(_is_int(x) for x in v.get("compute_capability", []))),
+}
+_META_FIELDS = {
+    "reason": lambda v: isinstance(v, str),
+    "forward_engine": lambda v: isinstance(v, str),
+    "backward_engine": lambda v: v is None or isinstance(v, str),
+    "forward_workspace_size": lambda v: _is_int(v) and v >= 0,
+    "backward_workspace_size": lambda v: _is_int(v) and v >= 0,
+    "build_seconds": _is_number,
+}
+
+
+def _check_header(header: dict[str, Any]) -> None:
+    """Raises EntryError unless every field has the shape encode() gives it."""
+
+    def bad(what: str, value: Any) -> EntryError:
+        text = json.dumps(value)
+        return EntryError(f"malformed header: {what} is {text[:60] + '...' if len(text) > 60 else text}")
+
+    for name in ("key", "kind", "description", "created", "blobs", "meta"):
+        if name not in header:
+            raise EntryError(f"malformed header: no {name!r}")
+    if not isinstance(header["key"], str) or not KEY_PATTERN.fullmatch(header["key"]):
+        raise bad("key", header["key"])
+    if header["kind"] not in KINDS:
+        raise bad("kind", header["kind"])
+    if not _is_number(header["created"]):
+        raise bad("created", header["created"])
+    blobs = header["blobs"]
+    if not (isinstance(blobs, list)
+            and all(isinstance(b, list) and len(b) == 2 and isinstance(b[0], str) and _is_int(b[1]) and b[1] >= 0
+                    for b in blobs)
+            and len({b[0] for b in blobs}) == len(blobs)):
+        raise bad("blobs", blobs)
+    for name, fields in (("description", _DESCRIPTION_FIELDS), ("meta", _META_FIELDS)):
+        value = header[name]
+        if not isinstance(value, dict):
+            raise bad(name, value)
+        for field_name, ok in fields.items():
+            if field_name in value and not ok(value[field_name]):
+                raise bad(f"{name}.{field_name}", value[field_name])
 
 
 def read_header(data: bytes) -> dict[str, Any]:
@@ -113,19 +202,16 @@ def read_header_from_file(f) -> dict[str, Any]:
 
 
 def decode(data: bytes, expected_key: str | None = None) -> Entry:
-    header, raw, at = _split(data)
-    try:
-        sizes = [(str(name), int(size)) for name, size in header["blobs"]]
-        key, kind = str(header["key"]), str(header["kind"])
-        description, meta, created = header["description"], header["meta"], float(header["created"])
-    except (KeyError, TypeError, ValueError) as e:
-        raise EntryError(f"malformed header: {e!r}") from None
+    """The entry in `data` (checksum checked; with `expected_key`, it must be that key's),
+    or EntryError, whatever the bytes."""
+    header, raw, at = _split(data)  # the header's shape is checked there
+    sizes = [(name, size) for name, size in header["blobs"]]
+    key, kind = header["key"], header["kind"]
+    description, meta, created = header["description"], header["meta"], float(header["created"])
     if expected_key is not None and key != expected_key:
-        raise EntryError(f"entry is for key {key[:16]}..., not {expected_key[:16]}...")
-    if kind not in ("plan", "unsupported"):
-        raise EntryError(f"unknown kind {kind!r}")
+        raise EntryError(f"entry is for key {key[:16]}..., not {str(expected_key)[:16]}...")
     end = at + _CHECKSUM + sum(size for _, size in sizes)
-    if any(size < 0 for _, size in sizes) or end != len(data):
+    if end != len(data):
         raise EntryError(f"size mismatch: header says {end} bytes, file has {len(data)}")
     checksum = data[at : at + _CHECKSUM]
     digest = hashlib.sha256(raw)

@@ -38,7 +38,8 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit, urlunsplit
 
 from ..errors import InvalidArgumentError
-from .entry import Entry, EntryError, decode, encode
+from .disk import EntryInfo
+from .entry import KEY_PATTERN, Entry, EntryError, decode, encode, read_header
 from .signing import unwrap, wrap
 
 __all__ = ["RemoteSettings", "RemoteStore", "remote_settings_from_env"]
@@ -108,21 +109,24 @@ def redact(url: str) -> str:
 
 
 class RemoteStore:
-    """Entries in Redis under prefix + key; locks under prefix + "lock:" + key."""
+    """Entries in Redis under prefix + key; locks under prefix + "lock:" + key. A tier
+    (store.Tier) of kind "remote"."""
+
+    kind = "remote"
 
     def __init__(self, settings: RemoteSettings, secret: bytes | None):
         self.settings = settings
         self.secret = secret
-        self.root = redact(settings.url)  # how messages name this tier
+        self.name = redact(settings.url)  # how messages name this tier: never with its password
         self.counters = dict.fromkeys(COUNTERS, 0)
         self.state = "not connected yet"
         self.disabled = ""
         if secret is None and not settings.trusted:
             self.disabled = ("no signing secret (FASTATTN_CACHE_HMAC_KEY or FASTATTN_CACHE_HMAC_KEY_FILE) and the "
                              "store is not declared trusted (FASTATTN_REMOTE_TRUSTED=1)")
-            if self.root not in _warned_off:  # once per process and URL, however many caches are made
-                _warned_off.add(self.root)
-                log.warning("fastattn remote cache %s is off: %s", self.root, self.disabled)
+            if self.name not in _warned_off:  # once per process and URL, however many caches are made
+                _warned_off.add(self.name)
+                log.warning("fastattn remote cache %s is off: %s", self.name, self.disabled)
         self._client = None
         self._errors: tuple = ()
         self._down_until = 0.0
@@ -142,7 +146,7 @@ class RemoteStore:
                         import redis
                     except ImportError:
                         self.disabled = "the redis client is not installed (pip install 'fastattn[redis]')"
-                        log.warning("fastattn remote cache %s is off: %s", self.root, self.disabled)
+                        log.warning("fastattn remote cache %s is off: %s", self.name, self.disabled)
                         return None
                     t = self.settings.timeout
                     self._errors = (redis.RedisError, OSError)
@@ -154,13 +158,13 @@ class RemoteStore:
         self.counters["remote_errors"] += 1
         self._down_until = time.monotonic() + self.settings.retry_after
         if not self.state.startswith("down"):
-            log.warning("fastattn remote cache %s: %s; building locally, trying again in %.0f s", self.root, e,
+            log.warning("fastattn remote cache %s: %s; building locally, trying again in %.0f s", self.name, e,
                         self.settings.retry_after)
         self.state = f"down ({type(e).__name__}: {e})"
 
     def _ok(self) -> None:
         if self.state.startswith("down"):
-            log.warning("fastattn remote cache %s: reachable again", self.root)
+            log.warning("fastattn remote cache %s: reachable again", self.name)
         self.state = "connected"
 
     def _warn_once(self, what: str, message: str, *args) -> None:
@@ -187,14 +191,18 @@ class RemoteStore:
         return self._verify(key, value)
 
     def _verify(self, key: str, value: bytes) -> Entry | None:
-        data, why = unwrap(self.secret, key, value)
+        # Whatever another machine (or an intruder) stored: an entry that verifies, or None.
+        if not KEY_PATTERN.fullmatch(key):
+            data, why = None, "not a cache key"
+        else:
+            data, why = unwrap(self.secret, key, value)
         if data is not None:
             try:
                 return self._hit(decode(data, expected_key=key))
             except EntryError as e:
                 why = str(e)
         self.counters["remote_rejected"] += 1
-        self._warn_once("rejected:" + key, "fastattn remote cache %s: ignoring entry %s: %s", self.root, key[:16],
+        self._warn_once("rejected:" + key, "fastattn remote cache %s: ignoring entry %s: %s", self.name, key[:16],
                         why)
         return None
 
@@ -271,8 +279,21 @@ class RemoteStore:
         prefix = self.settings.prefix
         for raw in c.scan_iter(match=_glob_escape(prefix) + "*", count=500):
             name = raw.decode("utf-8", "replace")[len(prefix) :]
-            if not name.startswith("lock:"):
+            # Locks, and anything else someone put under the prefix, are not entries.
+            if KEY_PATTERN.fullmatch(name):
                 yield name
+
+    def entries(self) -> Iterator[EntryInfo]:
+        """Every entry in the store that verifies (signature, checksum, header), as
+        DiskStore.entries() gives them; path is "<url>/<key>". Reads every value:
+        listing Redis is an explicit request (`cache pull`). Raises ConnectionError
+        (or the client's error) when Redis cannot be reached."""
+        for key in list(self.keys()):
+            entry = self.fetch(key)
+            if entry is None:
+                continue
+            data = encode(entry)
+            yield EntryInfo(key, f"{self.name}/{key}", len(data), entry.created, entry.created, read_header(data))
 
     def fetch(self, key: str) -> Entry | None:
         """get() that raises instead of resting after a failure: for push and pull."""
@@ -303,7 +324,7 @@ class RemoteStore:
                 self._ok()
             except self._errors as e:
                 self._failed(e)
-        return {"url": self.root, "prefix": self.settings.prefix, "signed": self.secret is not None,
+        return {"url": self.name, "prefix": self.settings.prefix, "signed": self.secret is not None,
                 "trusted": self.settings.trusted, "state": self.disabled and f"off: {self.disabled}" or self.state,
                 "timeout_seconds": self.settings.timeout, "counters": dict(self.counters)}
 

@@ -1,0 +1,291 @@
+"""`fastattn cache ...`: inspect and manage the persistent plan cache.
+
+Through the process's PlanCache (fastattn.runtime.plan_cache()) and its tiers alone.
+Entries are untrusted bytes: a damaged one is listed and verified as damaged (verify
+exits 4), never a traceback. Import and pull fail with exit 4 and say so when the
+cache directory cannot be written.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any
+
+from .. import runtime, store, sweep
+from ..errors import CorruptPlanError, InvalidArgumentError, LibraryError
+from ..plan_cache import PlanCache, config_of
+from ..store import bundle
+from ..store.entry import decode
+from ._common import EXIT_FAILED, EXIT_OK, Parser, add_json_flag, age, size
+from ._common import this_environment as _this_environment
+
+
+def add_parser(sub) -> None:
+    cache = sub.add_parser("cache", help="inspect and manage the persistent plan cache")
+    csub = cache.add_subparsers(dest="cache_command", required=True, parser_class=Parser)
+    for name, text in (("ls", "list entries"), ("show", "print one entry's header"),
+                       ("verify", "check every entry's checksum (and, with --load, that it deserializes here)"),
+                       ("prune", "remove least-recently-used or old entries"), ("clear", "remove every entry"),
+                       ("export", "write entries to a bundle"), ("import", "add a bundle's entries"),
+                       ("push", "publish the local entries to the Redis tier (FASTATTN_REMOTE_CACHE)"),
+                       ("pull", "fetch the Redis tier's entries for this GPU and cuDNN into the local cache")):
+        c = csub.add_parser(name, help=text)
+        add_json_flag(c)
+        if name == "show":
+            c.add_argument("key", help="an entry's key or a unique prefix of it")
+        if name == "verify":
+            c.add_argument("--load", action="store_true", help="also deserialize plans made for this GPU")
+        if name == "prune":
+            c.add_argument("--max-bytes", type=size, help="keep at most this much (e.g. 500M, 2G)")
+            c.add_argument("--max-age", type=age, help="remove entries unused for this long (e.g. 12h, 30d)")
+        if name == "export":
+            c.add_argument("bundle")
+            c.add_argument("--all", action="store_true", help="every entry, not only this GPU's and cuDNN's")
+        if name == "import":
+            c.add_argument("bundle")
+            c.add_argument("--force", action="store_true", help="import entries made for another GPU or cuDNN")
+        if name in ("push", "pull"):
+            c.add_argument("--all", action="store_true", help="every entry, not only this GPU's and cuDNN's")
+
+
+def _age(seconds: float) -> str:
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.0f}{unit}"
+    return f"{seconds:.0f}s"
+
+
+def _summary(info: store.EntryInfo) -> str:
+    header = info.header
+    if header is None:
+        return f"DAMAGED     {info.problem or 'unreadable header'}"
+    desc = header["description"]  # shapes checked by the entry decoder
+    cfg = config_of(desc)
+    gpu = desc.get("gpu", {}).get("name", "?")
+    return (f"{header['kind']:<11} {sweep.describe_config(cfg) if cfg else '(unknown config)'}  "
+            f"[{gpu}, cuDNN {desc.get('cudnn', '?')}]")
+
+
+def run(args) -> tuple[int, dict[str, Any]]:
+    cache = runtime.plan_cache()
+    handler = {"ls": _ls, "show": _show, "verify": _verify, "prune": _prune, "clear": _clear,
+               "export": _export, "import": _import, "push": _push, "pull": _pull}[args.cache_command]
+    return handler(args, cache)
+
+
+def _ls(args, cache: PlanCache) -> tuple[int, dict[str, Any]]:
+    now = time.time()
+    rows = []
+    for tier, info in cache.store.entries():
+        header = info.header or {}
+        rows.append({"key": info.key, "directory": tier.name, "size": info.size, "created": info.created,
+                     "last_used": info.last_used, "kind": header.get("kind"),
+                     "config": header.get("description", {}).get("config"),
+                     "damaged": (info.problem or "unreadable header") if info.header is None else None,
+                     "summary": _summary(info)})
+    lines = [f"{'key':<16} {'size':>9} {'age':>5} {'used':>5}  kind        config"]
+    for r in rows:
+        lines.append(f"{r['key'][:16]} {r['size']:>9} {_age(now - r['created']):>5} {_age(now - r['last_used']):>5}"
+                     f"  {r['summary']}")
+    total = sum(r["size"] for r in rows)
+    damaged = sum(1 for r in rows if r["damaged"])
+    lines.append(f"{len(rows)} entries{f' ({damaged} damaged: fastattn cache verify)' if damaged else ''}, "
+                 f"{total} bytes, in {', '.join(t.name for t in cache.store.tiers) or '(cache off)'}")
+    return EXIT_OK, {"entries": rows, "total_bytes": total, "damaged": damaged, "_text": "\n".join(lines)}
+
+
+def _find(cache: PlanCache, prefix: str):
+    prefix = prefix.lower()
+    matches = [(t, i) for t, i in cache.store.entries() if i.key.startswith(prefix)]
+    keys = {i.key for _, i in matches}
+    if not prefix or len(keys) != 1:
+        what = "no entry" if not keys else f"{len(keys)} entries"
+        raise InvalidArgumentError(f"key {prefix!r}: {what} match; give more of the key (fastattn cache ls)")
+    return matches[0]
+
+
+def _show(args, cache: PlanCache) -> tuple[int, dict[str, Any]]:
+    tier, info = _find(cache, args.key)
+    import json
+
+    out = {"key": info.key, "path": info.path, "size": info.size, "header": info.header,
+           "damaged": info.problem or None}
+    return EXIT_OK, {**out, "_text": json.dumps(out, indent=2, sort_keys=True)}
+
+
+def _verify(args, cache: PlanCache) -> tuple[int, dict[str, Any]]:
+    env = _this_environment() if args.load else None
+    if args.load and env is None:
+        raise LibraryError("cache verify --load needs a usable GPU; run without --load to check checksums only")
+    rows = []
+    for tier, info in cache.store.entries():
+        row = {"key": info.key, "path": info.path, "status": "ok", "reason": ""}
+        try:
+            with open(info.path, "rb") as f:
+                entry = decode(f.read(), expected_key=info.key)
+        except (OSError, store.EntryError) as e:
+            row.update(status="damaged", reason=str(e))
+            rows.append(row)
+            continue
+        if args.load and entry.kind == "plan":
+            if store.environment_of(entry.description) != env:
+                row.update(status="skipped", reason="made for another GPU or cuDNN")
+            else:
+                row.update(_load(cache, entry))
+        rows.append(row)
+    bad = [r for r in rows if r["status"] in ("damaged", "does not load")]
+    lines = [f"{r['key'][:16]} {r['status']:<14} {r['reason']}" for r in rows]
+    lines.append(f"{len(rows)} entries: {len(rows) - len(bad)} good, {len(bad)} bad")
+    return (EXIT_FAILED if bad else EXIT_OK), {"entries": rows, "bad": len(bad), "_text": "\n".join(lines)}
+
+
+def _load(cache: PlanCache, entry) -> dict[str, str]:
+    try:
+        cache.load_entry(entry)
+    except (CorruptPlanError, InvalidArgumentError) as e:
+        return {"status": "does not load", "reason": str(e)}
+    return {"status": "ok (loads)"}
+
+
+def _prune(args, cache: PlanCache) -> tuple[int, dict[str, Any]]:
+    main = cache.store.main
+    if main is None:
+        raise InvalidArgumentError("the cache is off (FASTATTN_CACHE_MODE=off)")
+    if args.max_bytes is None and args.max_age is None:
+        raise InvalidArgumentError("cache prune needs --max-bytes or --max-age")
+    removed = main.prune(max_bytes=args.max_bytes, max_age=args.max_age)
+    return EXIT_OK, {"removed": removed, "_text": f"removed {removed} entries from {main.root}"}
+
+
+def _clear(args, cache: PlanCache) -> tuple[int, dict[str, Any]]:
+    main = cache.store.main
+    if main is None:
+        raise InvalidArgumentError("the cache is off (FASTATTN_CACHE_MODE=off)")
+    removed = main.clear()
+    return EXIT_OK, {"removed": removed, "_text": f"removed {removed} entries from {main.root}"}
+
+
+def _export(args, cache: PlanCache) -> tuple[int, dict[str, Any]]:
+    keep = None
+    if not args.all:
+        env = _this_environment()
+        if env is None:
+            raise InvalidArgumentError("no usable GPU here to choose entries by: use --all to export every entry")
+        keep = lambda description: store.environment_of(description) == env  # noqa: E731
+    try:
+        count = bundle.export_bundle(cache.store.tiers, args.bundle, keep=keep, secret=cache.settings.secret)
+    except OSError as e:
+        raise InvalidArgumentError(f"{args.bundle}: {e.strerror}") from None
+    return EXIT_OK, {"exported": count, "bundle": args.bundle, "_text": f"exported {count} entries to {args.bundle}"}
+
+
+def _writable_main(cache: PlanCache) -> store.DiskStore:
+    main = cache.store.main
+    if main is None or cache.settings.mode != "read-write":
+        raise InvalidArgumentError(f"the cache is not writable (FASTATTN_CACHE_MODE={cache.settings.mode})")
+    return main
+
+
+def _cannot_write(message: str, out: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    """Exit 4 with the reason: the bundle (or the remote tier) was fine, the work was
+    not done. The message goes to stderr, as every failure's does."""
+    print(f"fastattn: {message}", file=sys.stderr)
+    return EXIT_FAILED, {**out, "error": "CannotWrite", "message": message, "_text": "failed: the cache cannot be written"}
+
+
+def _import(args, cache: PlanCache) -> tuple[int, dict[str, Any]]:
+    main = _writable_main(cache)
+    try:
+        report = bundle.import_bundle(args.bundle, main, environment=_this_environment(), force=args.force,
+                                      secret=cache.settings.secret)
+    except bundle.BundleWriteError as e:
+        return _cannot_write(str(e), {"imported": None, "already_present": None})
+    out = {"imported": report.imported, "already_present": report.already_present,
+           "mismatched_forced": len(report.mismatched) if args.force else 0}
+    out["_text"] = (f"imported {report.imported} entries into {main.root}"
+                    + (f", {report.already_present} already present" if report.already_present else "")
+                    + (f" ({len(report.mismatched)} made for another GPU or cuDNN, forced)" if report.mismatched else ""))
+    return EXIT_OK, out
+
+
+def _remote(cache: PlanCache):
+    remote = cache.store.remote
+    if remote is None:
+        raise InvalidArgumentError("no remote tier: set FASTATTN_REMOTE_CACHE=redis://host:port/db")
+    if remote.disabled:
+        raise InvalidArgumentError(f"the remote tier is off: {remote.disabled}")
+    return remote
+
+
+def _keep_for(args):
+    """Which entries to move: this GPU's and cuDNN's, or with --all every one."""
+    if args.all:
+        return lambda description: True
+    env = _this_environment()
+    if env is None:
+        raise InvalidArgumentError("no usable GPU here to choose entries by: use --all to move every entry")
+    return lambda description: store.environment_of(description) == env
+
+
+def _push(args, cache: PlanCache) -> tuple[int, dict[str, Any]]:
+    remote = _remote(cache)
+    keep = _keep_for(args)
+    pushed, skipped, seen = 0, 0, set()
+    try:
+        for tier, info in cache.store.entries():
+            if info.key in seen:
+                continue
+            seen.add(info.key)
+            try:
+                with open(info.path, "rb") as f:
+                    entry = decode(f.read(), expected_key=info.key)
+            except (OSError, store.EntryError):
+                skipped += 1  # damaged: `fastattn cache verify` reports it
+                continue
+            if not keep(entry.description):
+                continue
+            remote.publish(entry)
+            pushed += 1
+    except (OSError, *_redis_errors()) as e:
+        raise ConnectionError(f"remote cache {remote.name}: {e}") from None
+    return EXIT_OK, {"pushed": pushed, "damaged": skipped, "remote": remote.name,
+                     "_text": f"pushed {pushed} entries to {remote.name}" + (f" ({skipped} damaged, skipped)"
+                                                                           if skipped else "")}
+
+
+def _pull(args, cache: PlanCache) -> tuple[int, dict[str, Any]]:
+    remote = _remote(cache)
+    main = _writable_main(cache)
+    keep = _keep_for(args)
+    pulled, present, rejected = 0, 0, 0
+    try:
+        for key in list(remote.keys()):
+            if main.signature(key) is not None:
+                present += 1
+                continue
+            entry = remote.fetch(key)
+            if entry is None:
+                rejected += 1  # unsigned, wrongly signed or damaged: counted and warned about
+                continue
+            if keep(entry.description):
+                try:
+                    written = main.publish(entry)
+                except OSError as e:
+                    return _cannot_write(f"cannot write to the cache directory {main.root} ({e.strerror or e}); "
+                                         f"pulled {pulled} entries before that", {"pulled": pulled})
+                pulled += written
+    except (OSError, *_redis_errors()) as e:
+        raise ConnectionError(f"remote cache {remote.name}: {e}") from None
+    return EXIT_OK, {"pulled": pulled, "already_present": present, "rejected": rejected, "remote": remote.name,
+                     "_text": f"pulled {pulled} entries from {remote.name} into {main.root}"
+                              + (f" ({present} already here)" if present else "")
+                              + (f"; {rejected} rejected (see the warnings)" if rejected else "")}
+
+
+def _redis_errors() -> tuple:
+    try:
+        import redis
+    except ImportError:
+        return ()
+    return (redis.RedisError,)

@@ -1,0 +1,40 @@
+"""`fastattn info`: versions, the GPU, the loaded libraries and the cache's state."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ._common import EXIT_NO_GPU, EXIT_OK, add_json_flag
+
+
+def add_parser(sub) -> None:
+    info = sub.add_parser("info", help="GPU, driver, cuDNN, cudnn-frontend and fastattn versions")
+    add_json_flag(info)
+    info.add_argument("--device", type=int, default=None, help="CUDA device (default: current)")
+
+
+def run(args) -> tuple[int, dict[str, Any]]:
+    from .. import _loader, runtime
+    from ..errors import CudaError, LibraryError
+
+    out: dict[str, Any] = {"versions": runtime.versions()}
+    cache = runtime.plan_cache().store
+    out["cache"] = {
+        "directory": cache.settings.directory,
+        "mode": cache.settings.mode,
+        "extra_dirs": list(cache.settings.extra_dirs),
+        "entries": [{"directory": t.root, "entries": len(infos), "bytes": sum(i.size for i in infos)}
+                    for t in cache.tiers for infos in [list(t.entries(with_headers=False))]],
+        "remote": cache.remote.status(check=True) if cache.remote else None,
+    }
+    try:
+        libs = _loader.ensure_loaded()
+        out["libraries"] = {"cudnn": libs.cudnn, "cudart": libs.cudart, "nvrtc": libs.nvrtc, "cublasLt": libs.cublaslt}
+        out["versions"] = runtime.versions()
+        out["device"] = runtime.device_info(args.device)
+        code = EXIT_OK
+    except (LibraryError, CudaError) as e:
+        out["gpu_error"] = str(e)
+        code = EXIT_NO_GPU
+    out["stats"] = runtime.stats()
+    return code, out

@@ -1,0 +1,57 @@
+"""The runtime keeps the registry; the CLI and warm reach the cache through the public
+face (runtime.plan_cache(), fastattn.plan_cache.PlanCache), never a private name."""
+
+from __future__ import annotations
+
+import ast
+import os
+
+import pytest
+
+import fastattn
+from fastattn import runtime, store
+from fastattn.plan_cache import PlanCache, config_of
+
+import fake_core
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+OUTSIDE_RUNTIME = [os.path.join("fastattn", "warm.py")] + [
+    os.path.join("fastattn", "cli", name) for name in sorted(os.listdir(os.path.join(ROOT, "fastattn", "cli")))
+    if name.endswith(".py")]
+
+
+@pytest.mark.parametrize("path", OUTSIDE_RUNTIME)
+def test_no_private_runtime_names_outside_it(path):
+    with open(os.path.join(ROOT, path)) as f:
+        tree = ast.parse(f.read())
+    private = [f"{node.value.id}.{node.attr}" for node in ast.walk(tree)
+               if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+               and node.value.id in ("runtime", "store") and node.attr.startswith("_")]
+    assert private == [], f"{path} uses {private}"
+
+
+def test_plan_cache_is_the_processs_and_answers_from_entries(tmp_path, monkeypatch):
+    monkeypatch.setenv("FASTATTN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(runtime, "_core", lambda: fake_core)
+    runtime.clear()
+    try:
+        cache = runtime.plan_cache()
+        assert isinstance(cache, PlanCache) and runtime.plan_cache() is cache and cache.store.main.root == str(tmp_path)
+        cfg = fastattn.AttentionConfig(batch=1, heads_q=8, seqlen_q=128, head_dim_qk=64)
+        assert cache.stored_answer(cfg) is None and cache.configs() == []
+        fastattn.plan(cfg)
+        known = cache.stored_answer(cfg)
+        assert known.supported and known.source == "disk" and known.forward_engine == "fake_fwd"
+        assert cache.configs() == [cfg] and store.key_of(cache.describe(cfg)) == cache.key(cfg)
+        found, tier = cache.store.get(cache.key(cfg))
+        assert tier.kind == "disk" and cache.load_entry(found).output() == fastattn.plan(cfg).output()
+        other = runtime.open_plan_cache()
+        assert other is not runtime.plan_cache() and other.stored_answer(cfg) == known
+    finally:
+        runtime.clear()
+
+
+def test_config_of_takes_anything():
+    for junk in (None, "x", [], {"config": "x"}, {"config": {"batch": "many"}}, {"config": {"window": {"a": 1}}}):
+        assert config_of(junk) is None
+    assert config_of({"config": {"batch": 1, "heads_q": 8, "seqlen_q": 128, "head_dim_qk": 64}}).batch == 1
