@@ -22,7 +22,7 @@ def run(argv, capsys):
 
 def test_missing_field_is_bad_input(capsys):
     code, out, err = run(["probe", "--batch", "1"], capsys)
-    assert code == cli.EXIT_BAD_INPUT and "heads_q is required" in err
+    assert code == cli.EXIT_BAD_INPUT and "heads_q, seqlen_q, head_dim_qk are required" in err
 
 
 def test_invalid_value_names_the_field(capsys):
