@@ -43,10 +43,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import operator
-import struct
 from typing import Any, Mapping
 
+from . import _fields
+from ._fields import bad as _bad
+from ._fields import check_int as _int
+from ._fields import spec
 from .errors import InvalidArgumentError
 
 __all__ = ["AttentionConfig", "LAYOUTS", "MASKS", "DTYPES"]
@@ -55,52 +57,6 @@ DTYPES = ("fp16", "bf16")
 MASKS = ("none", "causal", "causal_bottom_right")
 LAYOUTS = ("bshd", "sbhd", "bhsd")
 TENSORS = ("q", "k", "v", "o")
-
-_DTYPE_ALIASES = {
-    "fp16": "fp16",
-    "float16": "fp16",
-    "half": "fp16",
-    "torch.float16": "fp16",
-    "torch.half": "fp16",
-    "bf16": "bf16",
-    "bfloat16": "bf16",
-    "torch.bfloat16": "bf16",
-}
-_INT_LIMIT = 2**31  # cuDNN takes int64 dims, but its masks and windows are int32
-_FIELDS_ORDER = (
-    "batch",
-    "heads_q",
-    "heads_kv",
-    "seqlen_q",
-    "seqlen_kv",
-    "head_dim_qk",
-    "head_dim_v",
-    "dtype",
-    "layout",
-    "mask",
-    "window",
-    "scale",
-    "training",
-    "deterministic",
-    "padding",
-    "alibi",
-    "ragged",
-    "max_tokens_q",
-    "max_tokens_kv",
-    "bias",
-    "bias_grad",
-    "dropout",
-    "host_seed",
-    "sinks",
-    "page_size",
-    "num_pages",
-)
-
-# Features added after the first release, with their off values: a config shows them
-# only when on, so that the configs (and cache keys) of everything else stay the same.
-# (max_tokens_* and num_pages default to values other fields imply: see _derived_defaults.)
-_OPTIONAL_FEATURES = {"padding": False, "alibi": False, "ragged": False, "bias": "none", "bias_grad": False,
-                      "dropout": 0.0, "host_seed": False, "sinks": False, "page_size": 0}
 BIAS_SHAPES = ("none", "11ss", "1hss", "b1ss", "bhss")
 # Index tensors of the features, by name: (shape as a function of the config, dtype).
 _INDEX_TENSORS = {
@@ -116,38 +72,6 @@ _INDEX_TENSORS = {
     "page_table_k": (lambda c: (c.batch, 1, c.pages_per_sequence, 1), "int32"),
     "page_table_v": (lambda c: (c.batch, 1, c.pages_per_sequence, 1), "int32"),
 }
-
-
-def _bad(field: str, value: Any, why: str) -> InvalidArgumentError:
-    return InvalidArgumentError(f"{field}={value!r}: {why}")
-
-
-def _int(field: str, value: Any, minimum: int) -> int:
-    if isinstance(value, bool):
-        raise _bad(field, value, "must be an integer, not a bool")
-    try:
-        v = operator.index(value)
-    except TypeError:
-        raise _bad(field, value, "must be an integer") from None
-    if v < minimum:
-        raise _bad(field, value, f"must be >= {minimum}")
-    if v >= _INT_LIMIT:
-        raise _bad(field, value, "must be < 2**31")
-    return v
-
-
-def _bool(field: str, value: Any) -> bool:
-    if isinstance(value, bool):
-        return value
-    # numpy.bool_ and friends, but never ints or strings: "false" must not mean True.
-    if type(value).__name__ in ("bool_", "bool8"):
-        return bool(value)
-    raise _bad(field, value, "must be True or False")
-
-
-def _float32(value: float) -> float:
-    """The value cuDNN will see: the scale is passed to the graph as a float32."""
-    return struct.unpack("f", struct.pack("f", value))[0]
 
 
 def named_strides(layout: str, batch: int, heads: int, seqlen: int, head_dim: int) -> tuple[int, int, int, int]:
@@ -225,77 +149,89 @@ class AttentionConfig:
     Raises InvalidArgumentError (a ValueError) naming the field and value.
     """
 
-    batch: int
-    heads_q: int
-    seqlen_q: int
-    head_dim_qk: int
-    heads_kv: int | None = None
-    seqlen_kv: int | None = None
-    head_dim_v: int | None = None
-    dtype: str = "bf16"
-    layout: Any = "bshd"
-    mask: str = "none"
-    window: tuple[int, int] = (-1, -1)
-    scale: float | None = None
-    training: bool = False
-    deterministic: bool = False
-    padding: bool = False
-    alibi: bool = False
-    ragged: bool = False
-    max_tokens_q: int | None = None
-    max_tokens_kv: int | None = None
-    bias: str = "none"
-    bias_grad: bool = False
-    dropout: float = 0.0
-    host_seed: bool = False
-    sinks: bool = False
-    page_size: int = 0
-    num_pages: int | None = None
+    # The field registry (fastattn._fields): each field once, with its kind, default and
+    # what is derived from it. A default of None follows from other fields; `off` marks
+    # a feature added after the first release, left out of the canonical form (and so of
+    # every other config's cache key) when not used.
+    batch: int = spec("int", minimum=1, help="sequences in the batch")
+    heads_q: int = spec("int", minimum=1, help="query heads")
+    heads_kv: int | None = spec("int", None, minimum=1, help="key/value heads (default: heads_q)")
+    seqlen_q: int = spec("int", minimum=1, help="query sequence length")
+    seqlen_kv: int | None = spec("int", None, minimum=1, help="key/value sequence length (default: seqlen_q)")
+    head_dim_qk: int = spec("int", minimum=1, help="query/key head dim", family=True)
+    head_dim_v: int | None = spec("int", None, minimum=1, help="value head dim (default: head_dim_qk)", family=True)
+    dtype: str = spec("dtype", "bf16", choices=DTYPES, help="element type of q, k, v, o", family=True,
+                      describe=lambda c: c.dtype)
+    layout: Any = spec("layout", "bshd", choices=LAYOUTS, help="memory order of q, k, v, o (default bshd)",
+                       describe=lambda c: None if c.layout == "bshd" else c.layout if isinstance(c.layout, str)
+                       else "strided")
+    mask: str = spec("choice", "none", choices=MASKS, help="causal mask (default none)", family=True,
+                     describe=lambda c: c.mask)
+    window: tuple[int, int] = spec("pair", (-1, -1), help="sliding window (left, right); -1 is unbounded",
+                                   family=True, describe=lambda c: None if c.window == (-1, -1)
+                                   else f"win{c.window[0]},{c.window[1]}")
+    scale: float | None = spec("positive", None, help="softmax scale (default 1/sqrt(head_dim_qk))")
+    training: bool = spec("bool", False, help="also build the backward graph", family=True,
+                          describe=lambda c: ("train/det" if c.deterministic else "train") if c.training else None)
+    deterministic: bool = spec("bool", False, help="deterministic backward (needs --training)", family=True)
+    padding: bool = spec("bool", False, off=False, help="per-sequence lengths given at run time (seq_len_q, "
+                         "seq_len_kv)", family=True, describe=lambda c: "padded" if c.padding else None,
+                         feature=("padding", {"padding": True}, "per-sequence lengths"))
+    alibi: bool = spec("bool", False, off=False, help="ALiBi position biases", family=True,
+                       describe=lambda c: "alibi" if c.alibi else None, feature=("alibi", {"alibi": True}, "ALiBi"))
+    ragged: bool = spec("bool", False, off=False, help="packed variable-length sequences (THD; with --padding and "
+                        "bshd)", family=True, describe=lambda c: "packed" if c.ragged else None,
+                        feature=("ragged", {"padding": True, "ragged": True}, "packed sequences"))
+    max_tokens_q: int | None = spec("int", None, help="with ragged: tokens the packed q holds (default batch * "
+                                    "seqlen_q)")
+    max_tokens_kv: int | None = spec("int", None, help="with ragged: tokens the packed k, v hold (default batch "
+                                     "* seqlen_kv)")
+    # Bias and dropout: their sizes (bias batch, rate) select no other kernel than their presence.
+    bias: str = spec("choice", "none", off="none", choices=BIAS_SHAPES, help="additive bias of this broadcast "
+                     "shape", family=lambda c: c.bias.replace("b", "1", 1),
+                     describe=lambda c: None if c.bias == "none" else f"bias{c.bias}" + ("/grad" if c.bias_grad
+                                                                                         else ""),
+                     feature=("bias", {"bias": "1hss"}, "a 1hss bias"))
+    bias_grad: bool = spec("bool", False, off=False, help="backward also writes d_bias", family=True,
+                           feature=("bias_grad", {"bias": "1hss", "bias_grad": True},
+                                    "with its gradient; needs --training"))
+    dropout: float = spec("probability", 0.0, off=0.0, help="dropout probability", family=lambda c: c.dropout > 0,
+                          describe=lambda c: f"drop{c.dropout:.3g}" if c.dropout else None,
+                          feature=("dropout", {"dropout": 0.1}, "dropout 0.1"))
+    host_seed: bool = spec("bool", False, off=False, help="dropout's seed and offset are host values")
+    sinks: bool = spec("bool", False, off=False, help="attention sinks (a logit per head)", family=True,
+                       describe=lambda c: "sinks" if c.sinks else None,
+                       feature=("sinks", {"sinks": True}, "attention sinks"))
+    page_size: int = spec("int", 0, off=0, help="a paged KV cache of pages of this many tokens (forward only; "
+                          "with --padding)", family=lambda c: c.page_size > 0,
+                          describe=lambda c: f"paged{c.page_size}x{c.num_pages}" if c.page_size else None,
+                          feature=("paged", {"padding": True, "page_size": 64}, "paged KV, 64-token pages"))
+    num_pages: int | None = spec("int", None, help="with a paged KV cache: pages in each pool (default batch * "
+                                 "ceil(seqlen_kv / page_size))")
 
     def __post_init__(self) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen)
-        set_("batch", _int("batch", self.batch, 1))
-        set_("heads_q", _int("heads_q", self.heads_q, 1))
-        set_("seqlen_q", _int("seqlen_q", self.seqlen_q, 1))
-        set_("head_dim_qk", _int("head_dim_qk", self.head_dim_qk, 1))
-        set_("heads_kv", self.heads_q if self.heads_kv is None else _int("heads_kv", self.heads_kv, 1))
-        set_("seqlen_kv", self.seqlen_q if self.seqlen_kv is None else _int("seqlen_kv", self.seqlen_kv, 1))
-        set_("head_dim_v", self.head_dim_qk if self.head_dim_v is None else _int("head_dim_v", self.head_dim_v, 1))
+        given = {f.name: getattr(self, f.name) for f in FIELDS}  # as given, for messages
+        for f in FIELDS:  # each value on its own; what depends on other fields follows
+            set_(f.name, _fields.validate(f, given[f.name]))
+        for name, source in (("heads_kv", "heads_q"), ("seqlen_kv", "seqlen_q"), ("head_dim_v", "head_dim_qk")):
+            if getattr(self, name) is None:
+                set_(name, getattr(self, source))
         if self.heads_q % self.heads_kv:
             raise _bad("heads_kv", self.heads_kv, f"heads_q={self.heads_q} must be a multiple of heads_kv")
 
-        # str() also accepts torch.bfloat16 and the like without importing torch.
-        dtype = _DTYPE_ALIASES.get(str(self.dtype).lower())
-        if dtype is None:
-            raise _bad("dtype", self.dtype, f"must be one of {DTYPES}")
-        set_("dtype", dtype)
+        left, right = self.window
+        if self.mask != "none":
+            if right > 0:
+                raise _bad("window", given["window"], f"mask={self.mask!r} fixes the right bound at 0")
+            right = -1  # the mask already bounds the right side at the diagonal
+        set_("window", (left, right))
 
-        if not isinstance(self.mask, str) or self.mask not in MASKS:
-            raise _bad("mask", self.mask, f"must be one of {MASKS}")
-        set_("window", self._canonical_window())
+        scale = 1.0 / math.sqrt(self.head_dim_qk) if self.scale is None else self.scale
+        set_("scale", _fields.float32(scale))
 
-        if self.scale is None:
-            scale = 1.0 / math.sqrt(self.head_dim_qk)
-        else:
-            if isinstance(self.scale, bool):
-                raise _bad("scale", self.scale, "must be a number")
-            try:
-                scale = float(self.scale)
-            except (TypeError, ValueError):
-                raise _bad("scale", self.scale, "must be a number") from None
-            if not math.isfinite(scale) or scale <= 0.0:
-                raise _bad("scale", self.scale, "must be a finite number > 0")
-        scale32 = _float32(scale)
-        if scale32 == 0.0 or math.isinf(scale32):
-            raise _bad("scale", self.scale, "is out of float32 range")
-        set_("scale", scale32)
-
-        set_("training", _bool("training", self.training))
-        set_("deterministic", _bool("deterministic", self.deterministic))
         if self.deterministic and not self.training:
             raise _bad("deterministic", True, "selects the backward algorithm and needs training=True")
-        set_("padding", _bool("padding", self.padding))
-        set_("alibi", _bool("alibi", self.alibi))
         self._canonical_features(set_)
 
         set_("layout", self._canonical_layout())
@@ -303,7 +239,6 @@ class AttentionConfig:
             raise _bad("layout", self.layout, "ragged (packed) sequences need layout='bshd' (tokens, heads, dim)")
 
     def _canonical_features(self, set_) -> None:
-        set_("ragged", _bool("ragged", self.ragged))
         if self.ragged and not self.padding:
             raise _bad("ragged", True, "needs padding=True: cuDNN takes each sequence's length with its offsets")
         for name, seqlen in (("max_tokens_q", self.seqlen_q), ("max_tokens_kv", self.seqlen_kv)):
@@ -319,28 +254,11 @@ class AttentionConfig:
                 raise _bad(name, value, f"exceeds batch * seqlen = {most}: no sequence is longer than seqlen")
             set_(name, value)
 
-        if not isinstance(self.bias, str) or self.bias not in BIAS_SHAPES:
-            raise _bad("bias", self.bias, f"must be one of {BIAS_SHAPES}")
-        set_("bias_grad", _bool("bias_grad", self.bias_grad))
         if self.bias_grad and (self.bias == "none" or not self.training):
             raise _bad("bias_grad", True, "needs a bias and training=True")
-
-        if isinstance(self.dropout, (bool, str, bytes)):
-            raise _bad("dropout", self.dropout, "must be a number")
-        try:
-            p = float(self.dropout)
-        except (TypeError, ValueError):
-            raise _bad("dropout", self.dropout, "must be a number") from None
-        if not 0.0 <= p < 1.0:
-            raise _bad("dropout", self.dropout, "must be in [0, 1)")
-        set_("dropout", _float32(p))
-        set_("host_seed", _bool("host_seed", self.host_seed))
-        if self.host_seed and not p:
+        if self.host_seed and not self.dropout:
             raise _bad("host_seed", True, "applies only to dropout > 0")
 
-        set_("sinks", _bool("sinks", self.sinks))
-
-        set_("page_size", _int("page_size", self.page_size, 0))
         if self.page_size == 0:
             if self.num_pages not in (None, 0):
                 raise _bad("num_pages", self.num_pages, "applies only to a paged KV cache (page_size > 0)")
@@ -351,20 +269,6 @@ class AttentionConfig:
                        "cuDNN has no paged backward")
         fewest = self.batch * self.pages_per_sequence
         set_("num_pages", fewest if self.num_pages is None else _int("num_pages", self.num_pages, 1))
-
-    def _canonical_window(self) -> tuple[int, int]:
-        w = self.window
-        if w is None:
-            w = (-1, -1)
-        if isinstance(w, (str, bytes)) or not hasattr(w, "__len__") or len(w) != 2:
-            raise _bad("window", self.window, "must be a pair (left, right); -1 is unbounded")
-        left = _int("window[0] (left)", -1 if w[0] is None else w[0], -1)
-        right = _int("window[1] (right)", -1 if w[1] is None else w[1], -1)
-        if self.mask != "none":
-            if right > 0:
-                raise _bad("window", self.window, f"mask={self.mask!r} fixes the right bound at 0")
-            right = -1  # the mask already bounds the right side at the diagonal
-        return (left, right)
 
     def _canonical_layout(self) -> str | tuple[tuple[int, ...], ...]:
         layout = self.layout
@@ -492,7 +396,7 @@ class AttentionConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """The canonical form, as plain JSON types."""
-        d: dict[str, Any] = {f: getattr(self, f) for f in _FIELDS_ORDER}
+        d: dict[str, Any] = {f: getattr(self, f) for f in FIELD_NAMES}
         for name, off in _OPTIONAL_FEATURES.items():
             if d[name] == off:
                 del d[name]
@@ -508,27 +412,29 @@ class AttentionConfig:
     def from_dict(cls, data: Mapping[str, Any]) -> "AttentionConfig":
         if not isinstance(data, Mapping):
             raise _bad("config", data, "must be a mapping of field names to values")
-        unknown = sorted(set(data) - set(_FIELDS_ORDER))
+        unknown = [k for k in data if k not in FIELD_NAMES]
         if unknown:
-            raise _bad(unknown[0], data[unknown[0]], f"is not a field of AttentionConfig (fields: {', '.join(_FIELDS_ORDER)})")
-        for required in ("batch", "heads_q", "seqlen_q", "head_dim_qk"):
-            if required not in data:
-                raise InvalidArgumentError(f"{required} is required")
-        kwargs = dict(data)
-        if isinstance(kwargs.get("window"), list):
-            kwargs["window"] = tuple(kwargs["window"])
-        return cls(**kwargs)
+            name = unknown[0]
+            if not isinstance(name, str):
+                raise InvalidArgumentError(f"config key {name!r}: field names are strings")
+            raise _bad(name, data[name], f"is not a field of AttentionConfig (fields: {', '.join(FIELD_NAMES)})")
+        missing = [f.name for f in FIELDS if _fields.is_required(f) and f.name not in data]
+        if missing:
+            raise InvalidArgumentError(f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} required")
+        return cls(**data)
 
     def to_json(self) -> str:
         """Canonical JSON: sorted keys, no spaces. Equal configs give equal strings."""
         return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
 
     @classmethod
-    def from_json(cls, text: str) -> "AttentionConfig":
+    def from_json(cls, text: str | bytes) -> "AttentionConfig":
         try:
             data = json.loads(text)
         except json.JSONDecodeError as e:
             raise InvalidArgumentError(f"config JSON is not valid JSON: {e}") from None
+        except (TypeError, UnicodeDecodeError, RecursionError) as e:  # not text; nested past the parser's depth
+            raise InvalidArgumentError(f"config JSON is not valid JSON: {type(e).__name__}: {e}") from None
         return cls.from_dict(data)
 
     def replace(self, **changes: Any) -> "AttentionConfig":
@@ -549,3 +455,11 @@ class AttentionConfig:
         if isinstance(value, str):
             return cls.from_json(value)
         raise _bad("config", value, "must be an AttentionConfig, a mapping or a JSON string")
+
+
+FIELDS: tuple[dataclasses.Field, ...] = dataclasses.fields(AttentionConfig)  # the registry, in canonical order
+FIELD_NAMES = tuple(f.name for f in FIELDS)
+# Features added after the first release, with their off values: a config shows them
+# only when on, so that the configs (and cache keys) of everything else stay the same.
+# (max_tokens_* and num_pages default to values other fields imply: see _derived_defaults.)
+_OPTIONAL_FEATURES = _fields.optional_features(FIELDS)

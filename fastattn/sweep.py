@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 import sys
 from typing import Any, Mapping
 
-from .config import AttentionConfig
+from . import _fields
+from .config import FIELDS, AttentionConfig
 from .errors import InvalidArgumentError
 
 __all__ = ["load_configs", "expand_entry", "builtin_configs", "describe_config", "MAX_CONFIGS"]
@@ -117,27 +119,58 @@ def _json_entry_lines(text: str, count: int) -> list[int | None]:
 
 
 def _parse(path: str) -> tuple[Any, list[int | None] | None]:
+    """A file's data: TOML when it is named .toml, JSON when named .json, else whichever
+    of the two it parses as (the error says both, when neither)."""
     try:
         with open(path, "rb") as f:
             raw = f.read()
     except OSError as e:
         raise InvalidArgumentError(f"{path}: {e.strerror}") from None
-    if path.endswith(".toml"):
-        if sys.version_info >= (3, 11):
-            import tomllib
-        else:  # pragma: no cover - Python 3.10
-            import tomli as tomllib
-        try:
-            return tomllib.loads(raw.decode("utf-8")), None
-        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-            raise InvalidArgumentError(f"{path}: not valid TOML: {e}") from None
     try:
         text = raw.decode("utf-8")
-        data = json.loads(text)
     except UnicodeDecodeError as e:
-        raise InvalidArgumentError(f"{path}: not UTF-8: {e}") from None
+        raise InvalidArgumentError(f"{path}: not UTF-8 text: {e}") from None
+    if path.endswith(".toml"):
+        return _toml(text, path), None
+    try:
+        return _json(text, path)
+    except InvalidArgumentError as json_error:
+        if path.endswith(".json"):
+            raise
+        try:
+            return _toml(text, path), None
+        except InvalidArgumentError as toml_error:
+            raise InvalidArgumentError(f"{json_error} (read as JSON); {toml_error} (read as TOML)") from None
+
+
+def _toml(text: str, path: str) -> Any:
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # pragma: no cover - Python 3.10
+        import tomli as tomllib
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        # "(at line 2, column 5)" or "(at end of document)" ends tomllib's message: put
+        # the place where JSON's errors have it.
+        msg, where = str(e), path
+        m = re.search(r"\s*\(at line (\d+), column (\d+)\)$", msg)
+        if m:
+            msg, where = msg[:m.start()], f"{path}:{m[1]}:{m[2]}"
+        elif msg.endswith("(at end of document)"):
+            msg, where = msg[:-len("(at end of document)")].rstrip(), f"{path}:{text.count(chr(10)) + 1}"
+        raise InvalidArgumentError(f"{where}: not valid TOML: {msg}") from None
+    except RecursionError:
+        raise InvalidArgumentError(f"{path}: not valid TOML: nested too deeply") from None
+
+
+def _json(text: str, path: str) -> tuple[Any, list[int | None]]:
+    try:
+        data = json.loads(text)
     except json.JSONDecodeError as e:
         raise InvalidArgumentError(f"{path}:{e.lineno}:{e.colno}: not valid JSON: {e.msg}") from None
+    except RecursionError:
+        raise InvalidArgumentError(f"{path}: not valid JSON: nested too deeply") from None
     count = len(data.get("configs", [])) if isinstance(data, dict) and isinstance(data.get("configs"), list) else 0
     return data, _json_entry_lines(text, count)
 
@@ -190,29 +223,9 @@ def builtin_configs() -> list[AttentionConfig]:
 
 
 def describe_config(cfg: AttentionConfig) -> str:
-    """One short line for tables and progress."""
+    """One short line for tables and progress: the sizes, then each field's tag (the
+    field registry's `describe`, in field order)."""
     heads = f"{cfg.heads_q}/{cfg.heads_kv}h" if cfg.heads_kv != cfg.heads_q else f"{cfg.heads_q}h"
     dims = f"d{cfg.head_dim_qk}" + (f"/{cfg.head_dim_v}" if cfg.head_dim_v != cfg.head_dim_qk else "")
     seq = f"s{cfg.seqlen_q}" + (f"/{cfg.seqlen_kv}" if cfg.seqlen_kv != cfg.seqlen_q else "")
-    extra = [cfg.dtype, cfg.mask]
-    if cfg.window != (-1, -1):
-        extra.append(f"win{cfg.window[0]},{cfg.window[1]}")
-    if not isinstance(cfg.layout, str) or cfg.layout != "bshd":
-        extra.append(cfg.layout if isinstance(cfg.layout, str) else "strided")
-    if cfg.training:
-        extra.append("train" + ("/det" if cfg.deterministic else ""))
-    if cfg.padding:
-        extra.append("padded")
-    if cfg.alibi:
-        extra.append("alibi")
-    if cfg.ragged:
-        extra.append("packed")
-    if cfg.bias != "none":
-        extra.append(f"bias{cfg.bias}" + ("/grad" if cfg.bias_grad else ""))
-    if cfg.dropout:
-        extra.append(f"drop{cfg.dropout:.3g}")
-    if cfg.sinks:
-        extra.append("sinks")
-    if cfg.page_size:
-        extra.append(f"paged{cfg.page_size}x{cfg.num_pages}")
-    return f"b{cfg.batch} {heads} {seq} {dims} " + " ".join(extra)
+    return f"b{cfg.batch} {heads} {seq} {dims} " + " ".join(_fields.describe_tags(FIELDS, cfg))

@@ -15,9 +15,11 @@ synchronize, so a call can be captured in a CUDA graph after one warm-up call.
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 import torch
 
+from . import _fields
 from .config import AttentionConfig
 from .errors import InvalidArgumentError
 
@@ -446,6 +448,18 @@ def _check_extras(q: torch.Tensor, k: torch.Tensor, layout: str, bias, sink) -> 
                                        "head, contiguous")
 
 
+def _check_options(causal: Any, causal_bottom_right: Any, scale: Any, deterministic: Any = False) -> None:
+    """The call's options, through the config's validators (fastattn._fields): the same
+    values pass here as in an AttentionConfig ("0.1" is no scale, "false" no bool)."""
+    for name, value in (("causal", causal), ("causal_bottom_right", causal_bottom_right),
+                        ("deterministic", deterministic)):
+        _fields.check("bool", name, value)
+    if causal and causal_bottom_right:
+        raise InvalidArgumentError("causal and causal_bottom_right are exclusive")
+    if scale is not None:
+        _fields.check("positive", "scale", scale)
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
               causal_bottom_right: bool = False, window: tuple[int, int] | None = None, scale: float | None = None,
               layout: str = "bshd", deterministic: bool = False, seq_lens_q: torch.Tensor | None = None,
@@ -494,11 +508,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     cuda = isinstance(q, torch.Tensor) and q.is_cuda
     if not cuda:
         _check(q, k, v, layout, seq_lens_q, seq_lens_kv)  # CUDA inputs are checked once per plan, in _plan_for
-    if causal and causal_bottom_right:
-        raise InvalidArgumentError("causal and causal_bottom_right are exclusive")
-    if scale is not None and not float(scale) > 0:
-        raise InvalidArgumentError(f"scale={scale!r}: must be > 0")
-    left, right = (-1, -1) if window is None else (int(window[0]), int(window[1]))
+    _check_options(causal, causal_bottom_right, scale, deterministic)
+    _fields.check("bool", "alibi", alibi)
+    left, right = _fields.pair("window", window)
     training = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
                                             or (bias is not None and bias.requires_grad)
                                             or (sinks is not None and sinks.requires_grad))
@@ -507,8 +519,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     if bias is None and sinks is None and not dropout_p:
         extras = (None, None, None, 0.0, False)
     else:
-        if not 0.0 <= float(dropout_p) < 1.0:
-            raise InvalidArgumentError(f"dropout_p={dropout_p!r}: must be in [0, 1)")
+        _fields.check("probability", "dropout_p", dropout_p)
         if not cuda:
             _check_extras(q, k, layout, bias, sinks)
         # Philox's seed at element 0 and offset at element 2, drawn from PyTorch's generator.
@@ -710,14 +721,11 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     Raises InvalidArgumentError for bad inputs, NotSupportedError when cuDNN refuses.
     """
     _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_kv)
-    if causal and causal_bottom_right:
-        raise InvalidArgumentError("causal and causal_bottom_right are exclusive")
-    if scale is not None and not float(scale) > 0:
-        raise InvalidArgumentError(f"scale={scale!r}: must be > 0")
+    _check_options(causal, causal_bottom_right, scale, deterministic)
     for name, n in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_kv", max_seqlen_kv)):
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise InvalidArgumentError(f"{name}={n!r}: must be an int >= 1")
-    left, right = (-1, -1) if window is None else (int(window[0]), int(window[1]))
+    left, right = _fields.pair("window", window)
     training = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     options = (_bucket(max_seqlen_q), _bucket(max_seqlen_kv), bool(causal), bool(causal_bottom_right), left, right,
                0.0 if scale is None else float(scale), bool(deterministic), training)
@@ -865,10 +873,7 @@ def attention_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     Raises InvalidArgumentError for bad inputs (and for inputs that require
     gradients), NotSupportedError when cuDNN refuses the config.
     """
-    if causal and causal_bottom_right:
-        raise InvalidArgumentError("causal and causal_bottom_right are exclusive")
-    if scale is not None and not float(scale) > 0:
-        raise InvalidArgumentError(f"scale={scale!r}: must be > 0")
+    _check_options(causal, causal_bottom_right, scale)
     if torch.is_grad_enabled() and (getattr(q, "requires_grad", False) or getattr(k_cache, "requires_grad", False)
                                     or getattr(v_cache, "requires_grad", False)):
         raise InvalidArgumentError("attention_paged is forward only (cuDNN has no paged backward): call it under "
@@ -876,7 +881,7 @@ def attention_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     cuda = isinstance(q, torch.Tensor) and q.is_cuda
     if not cuda:
         _check_paged(q, k_cache, v_cache, block_table, seq_lens_q, cache_seqlens)  # CUDA: once per plan
-    left, right = (-1, -1) if window is None else (int(window[0]), int(window[1]))
+    left, right = _fields.pair("window", window)
     options = (bool(causal), bool(causal_bottom_right), left, right, 0.0 if scale is None else float(scale))
     if cuda and _plain_eager(q):
         return _paged_forward_impl(q, k_cache, v_cache, block_table, cache_seqlens, seq_lens_q, options)

@@ -20,7 +20,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-from .config import AttentionConfig
+from . import _fields
+from .config import FIELDS, AttentionConfig
 from .errors import FastAttnError, InvalidArgumentError
 
 __all__ = ["WarmItem", "WarmReport", "warm"]
@@ -99,17 +100,13 @@ class _Worker:
 
 
 def kernel_family(config: AttentionConfig) -> tuple:
-    """What a config's kernels likely depend on. cuDNN compiles each kernel variant
-    once per process and reuses it for other shapes: on the H200 the first config of a
-    head dim took 0.6 s (forward) to 1.6 s (forward and backward) to build, later
+    """What a config's kernels likely depend on: the fields the field registry marks as
+    selecting kernel variants (`family` in fastattn.config). cuDNN compiles each kernel
+    variant once per process and reuses it for other shapes: on the H200 the first config
+    of a head dim took 0.6 s (forward) to 1.6 s (forward and backward) to build, later
     sequence lengths, batch sizes and head counts 0.05-0.15 s. A guess used only to
     schedule: a wrong one costs time, never correctness."""
-    return (config.dtype, config.head_dim_qk, config.head_dim_v, config.mask, config.window, config.training,
-            config.deterministic,
-            # The features select other kernel variants; their sizes (page size, dropout
-            # rate, bias batch) do not.
-            config.padding, config.ragged, config.alibi, config.bias.replace("b", "1", 1), config.bias_grad,
-            config.dropout > 0, config.sinks, config.page_size > 0)
+    return _fields.kernel_family(FIELDS, config)
 
 
 class _Queue:

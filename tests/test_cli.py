@@ -20,9 +20,21 @@ def run(argv, capsys):
     return code, out, err
 
 
-def test_missing_field_is_bad_input(capsys):
+def test_missing_flags_are_named_as_flags_all_at_once(capsys):
     code, out, err = run(["probe", "--batch", "1"], capsys)
-    assert code == cli.EXIT_BAD_INPUT and "heads_q is required" in err
+    assert code == cli.EXIT_BAD_INPUT and "missing --heads-q, --seqlen-q, --head-dim-qk (required" in err
+    code, out, err = run(["probe"], capsys)
+    assert code == cli.EXIT_BAD_INPUT and "missing --batch, --heads-q, --seqlen-q, --head-dim-qk (required" in err
+    assert "Traceback" not in out + err
+
+
+def test_help_marks_the_required_flags(capsys):
+    code, out, _ = run(["probe", "--help"], capsys)
+    assert code == cli.EXIT_OK
+    section = out[out.index("required config fields"):]
+    for flag in ("--batch", "--heads-q", "--seqlen-q", "--head-dim-qk"):
+        assert f"{flag} N" in section.split("other config fields")[0]
+    assert "--heads-kv" in section.split("other config fields")[1]
 
 
 def test_invalid_value_names_the_field(capsys):
@@ -33,16 +45,14 @@ def test_invalid_value_names_the_field(capsys):
 
 
 def test_unknown_choice_is_bad_input(capsys):
-    with pytest.raises(SystemExit) as e:
-        cli.main(PROBE + ["--mask", "diagonal"])
-    assert e.value.code == cli.EXIT_BAD_INPUT
-    assert "invalid choice: 'diagonal'" in capsys.readouterr().err
+    code, out, err = run(PROBE + ["--mask", "diagonal"], capsys)
+    assert code == cli.EXIT_BAD_INPUT and "invalid choice: 'diagonal'" in err and not out
 
 
 def test_config_file_errors_point_at_the_file(tmp_path, capsys):
     missing = tmp_path / "nope.json"
     code, _, err = run(["probe", "--config", str(missing)], capsys)
-    assert code == cli.EXIT_BAD_INPUT and str(missing) in err and "No such file" in err
+    assert code == cli.EXIT_BAD_INPUT and str(missing) in err and "no such file, and not JSON text" in err
     bad = tmp_path / "bad.json"
     bad.write_text('{"batch": 1,\n "heads_q": }')
     code, _, err = run(["probe", "--config", str(bad)], capsys)

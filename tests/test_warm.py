@@ -110,7 +110,7 @@ def test_file_errors_point_at_file_line_and_field(tmp_path, text, match):
 
 
 def test_toml_syntax_error_names_the_file(tmp_path):
-    with pytest.raises(InvalidArgumentError, match=r"t\.toml: not valid TOML"):
+    with pytest.raises(InvalidArgumentError, match=r"t\.toml:2:9: not valid TOML"):
         sweep.load_configs(write(tmp_path, "t.toml", "[[configs]]\nbatch = \n"))
     with pytest.raises(InvalidArgumentError, match=r"nope\.json: No such file"):
         sweep.load_configs(str(tmp_path / "nope.json"))

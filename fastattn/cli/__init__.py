@@ -9,16 +9,23 @@
     fastattn cache ls | show KEY | verify [--load] | prune [--max-bytes N] [--max-age 30d] | clear
     fastattn cache export BUNDLE [--all] | import BUNDLE [--force] | push [--all] | pull [--all]
 
-Every subcommand takes --json. Exit codes: 0 success (probe: supported), 1 not
-supported by cuDNN (warm: some configs), 2 bad input (flags, files, a refused bundle),
-3 no usable GPU stack (driver, CUDA or cuDNN missing, CUDA error), 4 some work failed
-(warm: a config crashed or errored; verify: damaged entries; push, pull: Redis unreachable).
+    fastattn --version
+
+--json (anywhere on the line) makes stdout one JSON document on every path, usage
+errors and bugs included. Exit codes: 0 success (probe: supported), 1 not supported by
+cuDNN (warm: some configs), 2 bad input (flags, files, a refused bundle), 3 no usable
+GPU stack (driver, CUDA or cuDNN missing, CUDA error), 4 some work failed (warm: a
+config crashed or errored; verify: damaged entries; push, pull: Redis unreachable),
+5 a bug in fastattn (an unexpected exception: one line, the traceback in a file),
+130 interrupted.
 
 One module per command group (info, probe, warm, matrix, cache); what they share (exit
 codes, flag parsers, output) is in _common; the parser and `main` are in _main.
 """
 
-from ._common import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_NO_GPU, EXIT_OK, EXIT_UNSUPPORTED
+from ._common import (EXIT_BAD_INPUT, EXIT_BUG, EXIT_CODES, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_NO_GPU, EXIT_OK,
+                      EXIT_UNSUPPORTED)
 from ._main import main
 
-__all__ = ["main", "EXIT_OK", "EXIT_UNSUPPORTED", "EXIT_BAD_INPUT", "EXIT_NO_GPU", "EXIT_FAILED"]
+__all__ = ["main", "EXIT_OK", "EXIT_UNSUPPORTED", "EXIT_BAD_INPUT", "EXIT_NO_GPU", "EXIT_FAILED", "EXIT_BUG",
+           "EXIT_INTERRUPTED", "EXIT_CODES"]

@@ -8,30 +8,100 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import sys
+import textwrap
 from typing import Any
 
-EXIT_OK, EXIT_UNSUPPORTED, EXIT_BAD_INPUT, EXIT_NO_GPU, EXIT_FAILED = 0, 1, 2, 3, 4
+# The exit codes, for every outcome (the README's table says the same).
+EXIT_OK = 0           # success (probe: supported; matrix: the grid was made)
+EXIT_UNSUPPORTED = 1  # cuDNN does not support the config (warm: some configs)
+EXIT_BAD_INPUT = 2    # bad flags, files or values; a refused bundle
+EXIT_NO_GPU = 3       # no usable GPU stack: driver, CUDA or cuDNN missing, a CUDA error
+EXIT_FAILED = 4       # some work failed: a crashed config, damaged entries, Redis unreachable
+EXIT_BUG = 5          # an unexpected exception: a bug in fastattn (the traceback goes to a file)
+EXIT_INTERRUPTED = 130  # Ctrl-C, as shells report SIGINT
+EXIT_CODES = (EXIT_OK, EXIT_UNSUPPORTED, EXIT_BAD_INPUT, EXIT_NO_GPU, EXIT_FAILED, EXIT_BUG, EXIT_INTERRUPTED)
+INT_MAX = 2**31 - 1  # the largest size cuDNN takes (its masks and windows are int32)
+
+
+class UsageError(Exception):
+    """Bad flags, as argparse found them; `main` prints it as text or JSON."""
+
+    def __init__(self, message: str, usage: str):
+        super().__init__(message)
+        self.usage = usage
 
 
 class Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # argparse's default exit code is 2 too; keep one message format
-        self.print_usage(sys.stderr)
-        self.exit(EXIT_BAD_INPUT, f"fastattn: error: {message}\n")
+    def error(self, message: str):  # raise, not exit: main reports it (as JSON with --json) with exit code 2
+        raise UsageError(message, self.format_usage())
 
 
-def add_json_flag(parser: argparse.ArgumentParser, help: str = "print JSON") -> None:
+def add_json_flag(parser: argparse.ArgumentParser, help: str | None = "print JSON") -> None:
+    # `main` also takes --json anywhere on the line (`fastattn cache --json ls`); this
+    # flag is what --help shows.
     parser.add_argument("--json", action="store_true", help=help)
 
 
-def ints(text: str) -> list[int]:
+# -- flag parsers: each names the value and the rule; argparse adds the flag's name -----
+
+
+def integer(minimum: int | None = None, maximum: int | None = INT_MAX):
+    """An argparse type: an integer within [minimum, maximum]."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text.strip())
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        _check_range(text, value, minimum, maximum)
+        return value
+
+    parse.__name__ = "integer"  # argparse names the type in some messages
+    return parse
+
+
+def ints(text: str, minimum: int | None = 1, maximum: int | None = INT_MAX) -> list[int]:
     try:
         values = [int(v) for v in text.split(",") if v.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
     if not values:
         raise argparse.ArgumentTypeError("an empty list")
+    for v in values:
+        _check_range(str(v), v, minimum, maximum)
     return values
+
+
+def number(minimum: float | None = None, maximum: float | None = None, *, above: float | None = None,
+           below: float | None = None):
+    """An argparse type: a finite number within the bounds (above/below: exclusive)."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text.strip())
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+        _check_range(text, value, minimum, maximum)
+        if above is not None and not value > above:
+            raise argparse.ArgumentTypeError(f"{text!r} must be > {above:g}")
+        if below is not None and not value < below:
+            raise argparse.ArgumentTypeError(f"{text!r} must be < {below:g}")
+        return value
+
+    parse.__name__ = "number"
+    return parse
+
+
+def _check_range(text: str, value, minimum, maximum) -> None:
+    if minimum is not None and value < minimum:
+        raise argparse.ArgumentTypeError(f"{text!r} must be >= {minimum}")
+    if maximum is not None and value > maximum:
+        raise argparse.ArgumentTypeError(f"{text!r} must be <= {maximum}")
 
 
 def choices(allowed):
@@ -53,6 +123,8 @@ def size(text: str) -> int:
         value = float(num) * units[unit]
     except (ValueError, KeyError):
         raise argparse.ArgumentTypeError(f"{text!r} is not a size (e.g. 500M, 2G)") from None
+    if not math.isfinite(value) or value >= 2**63:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite size below 8 EiB")
     if value < 0:
         raise argparse.ArgumentTypeError(f"{text!r} is negative")
     return int(value)
@@ -65,9 +137,31 @@ def age(text: str) -> float:
         value = float(t[:-1]) * units[t[-1]] if t and t[-1] in units else float(t)
     except (ValueError, KeyError):
         raise argparse.ArgumentTypeError(f"{text!r} is not an age (e.g. 90s, 12h, 30d)") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite age")
     if value < 0:
         raise argparse.ArgumentTypeError(f"{text!r} is negative")
     return value
+
+
+def output_file(text: str) -> str:
+    """A file the command will write at its end: checked now, so that a long run is
+    not lost to a typo in the path."""
+    path = os.path.abspath(text)
+    parent = os.path.dirname(path)
+    if not text or os.path.isdir(path):
+        raise argparse.ArgumentTypeError(f"{text!r} is a directory, not a file")
+    if not os.path.isdir(parent):
+        raise argparse.ArgumentTypeError(f"{text!r}: the directory {parent} does not exist")
+    if not os.access(parent, os.W_OK | os.X_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise argparse.ArgumentTypeError(f"{text!r}: not writable here")
+    return text
+
+
+def wrap(text: str, indent: str = "  ", width: int = 100) -> list[str]:
+    """A reason over lines, whole: never cut mid-word (or at all)."""
+    return textwrap.wrap(text, width=width, initial_indent=indent, subsequent_indent=indent + "  ",
+                         break_long_words=False, break_on_hyphens=False) or [indent]
 
 
 def exit_code(report) -> int:
@@ -92,20 +186,51 @@ def this_environment() -> dict[str, Any] | None:
         return None
 
 
-def print_plain(out: dict[str, Any]) -> None:
-    """A result without a handler-made human form: one `key: value` line each, dicts indented."""
-    for key, value in out.items():
-        if isinstance(value, dict):
-            print(f"{key}:")
-            for k, v in value.items():
-                print(f"  {k}: {v}")
-        else:
-            print(f"{key}: {value}")
+def plain_text(value: Any, indent: str = "") -> str:
+    """A result as readable lines (`key: value`, nested blocks indented, lists of
+    records as `- ` items), never Python's reprs."""
+    return "\n".join(_lines(value, indent))
 
 
-def fail(args, code: int, error: Exception) -> int:
-    if getattr(args, "json", False):
-        print(json.dumps({"error": type(error).__name__, "message": str(error)}, indent=2))
+def _scalar(value: Any) -> str:
+    if value is None:
+        return "none"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        return f"{value:g}"
+    if isinstance(value, (list, tuple)) and all(not isinstance(v, (dict, list, tuple)) for v in value):
+        return ", ".join(_scalar(v) for v in value) if value else "none"
+    if isinstance(value, dict) and not value:
+        return "none"
+    return str(value)
+
+
+def _is_block(value: Any) -> bool:
+    return (isinstance(value, dict) and bool(value)) or (
+        isinstance(value, (list, tuple)) and any(isinstance(v, (dict, list, tuple)) for v in value))
+
+
+def _lines(value: Any, indent: str) -> list[str]:
+    out: list[str] = []
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if _is_block(v):
+                out.append(f"{indent}{k}:")
+                out.extend(_lines(v, indent + "  "))
+            else:
+                text = _scalar(v).replace("\n", "\n" + indent + "  ")  # a multi-line message stays in its block
+                out.append(f"{indent}{k}: {text}")
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            inner = _lines(item, indent + "  ") if _is_block(item) else [indent + "  " + _scalar(item)]
+            out.append(indent + "- " + inner[0][len(indent) + 2:])
+            out.extend(inner[1:])
     else:
-        print(f"fastattn: {type(error).__name__}: {error}", file=sys.stderr)
-    return code
+        out.append(indent + _scalar(value))
+    return out
+
+
+def print_plain(out: dict[str, Any]) -> None:
+    """A result without a handler-made human form."""
+    print(plain_text(out))

@@ -1,21 +1,43 @@
-"""The `fastattn` command's parser and its one entry point, `main`."""
+"""The `fastattn` command's parser and its one entry point, `main`: the one place an
+outcome becomes an exit code and the one error boundary (no traceback reaches the user;
+with --json, stdout is one JSON document on every path)."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
+import os
 import sys
-from typing import Sequence
+import tempfile
+import time
+import traceback
+from typing import Any, Sequence
 
-from ..errors import CudaError, CudnnError, FastAttnError, InvalidArgumentError, LibraryError
+from ..errors import CudaError, CudnnError, InvalidArgumentError, LibraryError
 from . import cache, info, matrix, probe, warm
-from ._common import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_NO_GPU, Parser, fail, print_plain
+from ._common import (EXIT_BAD_INPUT, EXIT_BUG, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_NO_GPU, Parser, UsageError,
+                      print_plain)
 
 # One module per command group; each adds its parser and runs its command.
 _COMMANDS = {"info": info, "probe": probe, "warm": warm, "matrix": matrix, "cache": cache}
 
+# Expected failures, by class: the exit code each means. Anything else is a bug.
+_EXPECTED = (
+    (InvalidArgumentError, EXIT_BAD_INPUT),
+    ((LibraryError, CudaError, CudnnError), EXIT_NO_GPU),
+    (ConnectionError, EXIT_FAILED),  # the remote tier, for push and pull
+    (BrokenPipeError, EXIT_FAILED),  # the reader of our output went away (`| head`)
+)
+
 
 def build_parser() -> Parser:
-    p = Parser(prog="fastattn", description="cuDNN fused attention with plans built once.")
+    from .. import __version__
+
+    p = Parser(prog="fastattn", description="cuDNN fused attention with plans built once. Exit codes: 0 success, "
+               "1 not supported by cuDNN, 2 bad input, 3 no usable GPU stack, 4 some work failed, 5 a bug in "
+               "fastattn (the traceback is written to a file), 130 interrupted.")
+    p.add_argument("--version", action="version", version=f"fastattn {__version__}")
     sub = p.add_subparsers(dest="command", required=True, parser_class=Parser)
     for module in _COMMANDS.values():
         module.add_parser(sub)
@@ -23,25 +45,97 @@ def build_parser() -> Parser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # --json is one switch for the whole line, wherever it stands (`fastattn cache --json
+    # ls`), and known before parsing, so that usage errors are JSON too.
+    as_json = "--json" in argv
+    argv = [a for a in argv if a != "--json"]
     try:
+        try:
+            args = _parse(argv, as_json)
+        except _Exit as e:
+            return e.code
+        args.json = as_json or bool(getattr(args, "json", False))
         code, out = _COMMANDS[args.command].run(args)
-    except InvalidArgumentError as e:
-        return fail(args, EXIT_BAD_INPUT, e)
-    except (LibraryError, CudaError, CudnnError) as e:
-        return fail(args, EXIT_NO_GPU, e)
-    except ConnectionError as e:  # the remote tier, for push and pull
-        return fail(args, EXIT_FAILED, e)
-    except FastAttnError as e:  # pragma: no cover - a bug; still report it as data
-        return fail(args, EXIT_NO_GPU, e)
+        _emit(out, args.json)
+        return code
+    except UsageError as e:
+        if as_json:
+            _print_json({"error": "UsageError", "message": str(e)})
+        else:
+            sys.stderr.write(f"{e.usage}fastattn: error: {e}\n")
+        return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        sys.stderr.write("fastattn: interrupted\n")
+        return EXIT_INTERRUPTED
+    except Exception as e:  # the boundary: every exception ends here, as an exit code and one line
+        for classes, code in _EXPECTED:
+            if isinstance(e, classes):
+                return _fail(as_json, code, e)
+        return _bug(as_json, e, argv)
+
+
+class _Exit(Exception):
+    def __init__(self, code: int):
+        self.code = code
+
+
+def _parse(argv: list[str], as_json: bool):
+    parser = build_parser()
+    if not as_json:
+        try:
+            return parser.parse_args(argv)
+        except SystemExit as e:  # --help, --version: printed, done
+            raise _Exit(e.code if isinstance(e.code, int) else 0) from None
+    # With --json, what --help and --version print becomes a JSON document.
+    text = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(text):
+            return parser.parse_args(argv)
+    except SystemExit as e:
+        _print_json({"output": text.getvalue()})
+        raise _Exit(e.code if isinstance(e.code, int) else 0) from None
+
+
+def _emit(out: dict[str, Any], as_json: bool) -> None:
     text = out.pop("_text", None)  # the human form, when a handler made one
-    if args.json:
-        print(json.dumps(out, indent=2, sort_keys=True))
+    if as_json:
+        _print_json(out)
     elif text is not None:
         print(text)
     else:
         print_plain(out)
+
+
+def _print_json(value: Any) -> None:
+    print(json.dumps(value, indent=2, sort_keys=True))
+
+
+def _fail(as_json: bool, code: int, error: BaseException) -> int:
+    if as_json:
+        _print_json({"error": type(error).__name__, "message": str(error)})
+    else:
+        print(f"fastattn: {type(error).__name__}: {error}", file=sys.stderr)
     return code
+
+
+def _bug(as_json: bool, error: BaseException, argv: list[str]) -> int:
+    """One line that says it is a bug, and where the traceback is; never the traceback
+    itself on the terminal."""
+    report = "".join(traceback.format_exception(error))
+    try:
+        fd, path = tempfile.mkstemp(prefix=f"fastattn-bug-{time.strftime('%Y%m%d-%H%M%S')}-", suffix=".txt")
+        with os.fdopen(fd, "w") as f:
+            f.write(f"fastattn {' '.join(argv)}{' --json' if as_json else ''}\n\n{report}")
+    except OSError:
+        path = None
+    where = f"the traceback is in {path}" if path else "the traceback could not be written to a file"
+    message = f"{type(error).__name__}: {error}"
+    if as_json:
+        _print_json({"error": "Bug", "message": message, "traceback_file": path})
+    else:
+        print(f"fastattn: a bug in fastattn ({message}); {where}; please report it", file=sys.stderr)
+    return EXIT_BUG
 
 
 if __name__ == "__main__":  # pragma: no cover

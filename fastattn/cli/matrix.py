@@ -4,22 +4,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..config import DTYPES, MASKS, AttentionConfig
+from .. import _fields
+from ..config import DTYPES, FIELDS, MASKS, AttentionConfig
 from ..errors import InvalidArgumentError
-from ._common import EXIT_BAD_INPUT, EXIT_OK, EXIT_UNSUPPORTED, add_json_flag, choices, exit_code, ints
+from ._common import EXIT_OK, EXIT_UNSUPPORTED, add_json_flag, choices, exit_code, integer, ints, output_file, wrap
 
-# fastattn matrix --features: name -> (config fields it sets, what it means).
-MATRIX_FEATURES = {
-    "dense": ({}, "no feature"),
-    "padding": ({"padding": True}, "per-sequence lengths"),
-    "ragged": ({"padding": True, "ragged": True}, "packed sequences"),
-    "paged": ({"padding": True, "page_size": 64}, "paged KV, 64-token pages"),
-    "bias": ({"bias": "1hss"}, "a 1hss bias"),
-    "bias_grad": ({"bias": "1hss", "bias_grad": True}, "with its gradient; needs --training"),
-    "alibi": ({"alibi": True}, "ALiBi"),
-    "dropout": ({"dropout": 0.1}, "dropout 0.1"),
-    "sinks": ({"sinks": True}, "attention sinks"),
-}
+# fastattn matrix --features: name -> (config fields it sets, what it means), from the
+# field registry (each feature field's `feature`).
+MATRIX_FEATURES = _fields.features(FIELDS)
+# Column headers name masks in full but for this one, whose full name would crowd the grid.
+_MASK_LABELS = {"causal_bottom_right": "causal_br"}
 
 
 def add_parser(sub) -> None:
@@ -29,17 +23,17 @@ def add_parser(sub) -> None:
     matrix.add_argument("--masks", type=choices(MASKS), default=list(MASKS), metavar="M,M,...")
     matrix.add_argument("--dtypes", type=choices(DTYPES), default=list(DTYPES), metavar="T,T,...")
     matrix.add_argument("--gqa", type=ints, default=[1, 4], metavar="R,R,...",
-                        help="heads_q / heads_kv ratios (1: MHA)")
+                        help="heads_q / heads_kv ratios (1: MHA); each must divide --heads")
     matrix.add_argument("--seqlens", type=ints, default=[1024], metavar="S,S,...")
     matrix.add_argument("--features", type=choices(tuple(MATRIX_FEATURES)), default=["dense"], metavar="F,F,...",
                         help="what each column adds: " + ", ".join(f"{n} ({d})" for n, (_, d) in
                                                                     MATRIX_FEATURES.items()))
-    matrix.add_argument("--heads", type=int, default=8, help="heads_q")
-    matrix.add_argument("--batch", type=int, default=1)
+    matrix.add_argument("--heads", type=integer(1), default=8, help="heads_q")
+    matrix.add_argument("--batch", type=integer(1), default=1)
     matrix.add_argument("--training", action="store_true", help="also build backward graphs")
-    matrix.add_argument("--workers", type=int, default=None)
-    matrix.add_argument("--device", type=int, default=None)
-    matrix.add_argument("--png", help="also draw a heatmap to this PNG file (needs matplotlib)")
+    matrix.add_argument("--workers", type=integer(1), default=None)
+    matrix.add_argument("--device", type=integer(0), default=None)
+    matrix.add_argument("--png", type=output_file, help="also draw a heatmap to this PNG file (needs matplotlib)")
     add_json_flag(matrix, help=None)
 
 
@@ -48,11 +42,13 @@ def run(args) -> tuple[int, dict[str, Any]]:
 
     from ..warm import warm
 
+    for ratio in args.gqa:  # before any work: a grid with a hole is no answer
+        if args.heads % ratio:
+            raise InvalidArgumentError(f"--gqa {ratio}: --heads {args.heads} is not a multiple of it")
+    plt = _pyplot() if args.png else None
     configs, axes, invalid = [], [], []
     for d, mask, dtype, ratio, s, feature in itertools.product(args.head_dims, args.masks, args.dtypes, args.gqa,
                                                                args.seqlens, args.features):
-        if args.heads % ratio:
-            raise InvalidArgumentError(f"--gqa {ratio}: --heads {args.heads} is not a multiple of it")
         axis = {"head_dim": d, "mask": mask, "dtype": dtype, "gqa": ratio, "seqlen": s, "feature": feature}
         try:
             cfg = AttentionConfig(batch=args.batch, heads_q=args.heads, heads_kv=args.heads // ratio, seqlen_q=s,
@@ -74,16 +70,17 @@ def run(args) -> tuple[int, dict[str, Any]]:
                                  args.features.index(c[4])))
     mark = {r_key: ("yes" if r["status"] in ok else status_mark.get(r["status"], "FAIL"))
             for r in rows for r_key in [(r["head_dim"], r["mask"], r["dtype"], r["gqa"], r["seqlen"], r["feature"])]}
-    header = "head_dim " + " ".join(_column(c).rjust(22) for c in cols)
-    lines = [header]
-    for d in args.head_dims:
-        lines.append(f"{d:>8} " + " ".join(mark[(d, *c)].rjust(22) for c in cols))
-    reasons = sorted({r["reason"][:200] for r in rows if r["status"] not in ok})
+    width = max([len(_column(c)) for c in cols] + [4])  # headers whole, never cut
+    lines = ["head_dim " + " ".join(_column(c).rjust(width) for c in cols)]
+    for d in dict.fromkeys(args.head_dims):
+        lines.append(f"{d:>8} " + " ".join(mark[(d, *c)].rjust(width) for c in cols))
+    reasons = sorted({r["reason"] for r in rows if r["status"] not in ok})
     if reasons:
         lines.append("reasons:")
-        lines.extend(f"  {r}" for r in reasons)
-    if args.png:
-        _heatmap(args.png, args.head_dims, cols, mark)
+        for r in reasons:
+            lines.extend(wrap(r))
+    if plt is not None:
+        _heatmap(plt, args.png, list(dict.fromkeys(args.head_dims)), cols, mark)
         lines.append(f"heatmap written to {args.png}")
     out = {"configs": rows, "counts": report.counts, "_text": "\n".join(lines)}
     code = exit_code(report)
@@ -92,10 +89,11 @@ def run(args) -> tuple[int, dict[str, Any]]:
 
 def _column(c) -> str:
     m, t, g, s, f = c
-    return f"{m[:6]}/{t}/g{g}/s{s}" + ("" if f == "dense" else f"/{f}")
+    return f"{_MASK_LABELS.get(m, m)}/{t}/g{g}/s{s}" + ("" if f == "dense" else f"/{f}")
 
 
-def _heatmap(path: str, head_dims, cols, mark) -> None:
+def _pyplot():
+    """matplotlib's pyplot, checked before the grid is probed (not after)."""
     try:
         import matplotlib
 
@@ -103,6 +101,10 @@ def _heatmap(path: str, head_dims, cols, mark) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         raise InvalidArgumentError("--png needs matplotlib (pip install matplotlib)") from None
+    return plt
+
+
+def _heatmap(plt, path: str, head_dims, cols, mark) -> None:
     value = {"yes": 1.0, "no": 0.0, "FAIL": 0.5, "n/a": 0.25}
     grid = [[value[mark[(d, *c)]] for c in cols] for d in head_dims]
     fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(cols) + 2), 0.5 * len(head_dims) + 2))
@@ -116,4 +118,9 @@ def _heatmap(path: str, head_dims, cols, mark) -> None:
             ax.text(x, y, mark[(d, *c)], ha="center", va="center", fontsize=7)
     ax.set_title("cuDNN support on this GPU (green: supported)")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    try:
+        fig.savefig(path, dpi=120)
+    except OSError as e:
+        raise InvalidArgumentError(f"--png {path!r}: {e.strerror or e}") from None
+    finally:
+        plt.close(fig)

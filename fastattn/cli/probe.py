@@ -3,72 +3,93 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import os
 from typing import Any
 
-from ..config import BIAS_SHAPES, DTYPES, LAYOUTS, MASKS, AttentionConfig
+from .. import _fields
+from ..config import FIELDS, AttentionConfig
 from ..errors import InvalidArgumentError
-from ._common import EXIT_OK, EXIT_UNSUPPORTED, add_json_flag
+from ._common import EXIT_OK, EXIT_UNSUPPORTED, add_json_flag, integer, number
 
-# AttentionConfig fields given as plain integer flags (--heads-q for heads_q, ...)
-_INT_FLAGS = ("batch", "heads_q", "heads_kv", "seqlen_q", "seqlen_kv", "head_dim_qk", "head_dim_v", "max_tokens_q",
-              "max_tokens_kv", "page_size", "num_pages")
-_OTHER_FLAGS = ("dtype", "layout", "mask", "scale", "training", "deterministic", "padding", "alibi", "ragged", "bias",
-                "bias_grad", "dropout", "host_seed", "sinks")
+def flag(field: dataclasses.Field) -> str:
+    return "--" + field.name.replace("_", "-")
 
 
 def add_parser(sub) -> None:
-    probe = sub.add_parser("probe", help="ask cuDNN whether it supports one attention config on this GPU")
-    probe.add_argument("--config", help="a JSON file or JSON text with AttentionConfig fields; flags override it")
-    for flag in _INT_FLAGS:
-        probe.add_argument("--" + flag.replace("_", "-"), type=int, dest=flag)
-    probe.add_argument("--dtype", choices=DTYPES)
-    probe.add_argument("--layout", choices=LAYOUTS)
-    probe.add_argument("--mask", choices=MASKS)
-    probe.add_argument("--window", type=int, nargs=2, metavar=("LEFT", "RIGHT"), help="-1 is unbounded")
-    probe.add_argument("--scale", type=float)
-    probe.add_argument("--training", action="store_true", default=None, help="also build the backward graph")
-    probe.add_argument("--deterministic", action="store_true", default=None)
-    probe.add_argument("--padding", action="store_true", default=None,
-                       help="per-sequence lengths given at run time (seq_len_q, seq_len_kv)")
-    probe.add_argument("--alibi", action="store_true", default=None, help="ALiBi position biases")
-    probe.add_argument("--ragged", action="store_true", default=None,
-                       help="packed variable-length sequences (THD; with --padding and bshd)")
-    probe.add_argument("--bias", choices=BIAS_SHAPES, help="additive bias of this broadcast shape")
-    probe.add_argument("--bias-grad", action="store_true", default=None, dest="bias_grad",
-                       help="backward also writes d_bias")
-    probe.add_argument("--dropout", type=float, help="dropout probability")
-    probe.add_argument("--host-seed", action="store_true", default=None, dest="host_seed",
-                       help="dropout's seed and offset are host values")
-    probe.add_argument("--sinks", action="store_true", default=None, help="attention sinks (a logit per head)")
-    probe.add_argument("--device", type=int, default=None, help="CUDA device (default: current)")
+    probe = sub.add_parser("probe", help="ask cuDNN whether it supports one attention config on this GPU",
+                           description="Ask cuDNN whether it supports one attention config on this GPU. Exit code "
+                           "0: supported, 1: not supported (with cuDNN's reason), 2: bad input, 3: no usable GPU.")
+    probe.add_argument("--config", help="a JSON file, or JSON text, with AttentionConfig fields; flags override it")
+    # One flag per config field, from the field registry: its kind says how the flag parses.
+    required = probe.add_argument_group("required config fields (unless --config gives them)")
+    optional = probe.add_argument_group("other config fields")
+    for f in FIELDS:
+        meta, name = f.metadata, f.name
+        group = required if _fields.is_required(f) else optional
+        help_ = f"{meta['help']} (required)" if _fields.is_required(f) else meta["help"]
+        kind = meta["kind"]
+        if kind == "bool":
+            group.add_argument(flag(f), dest=name, action="store_true", default=None, help=help_)
+        elif kind == "int":
+            group.add_argument(flag(f), dest=name, type=integer(meta["minimum"]), metavar="N", help=help_)
+        elif kind in ("choice", "dtype", "layout"):
+            group.add_argument(flag(f), dest=name, choices=meta["choices"], help=help_)
+        elif kind == "positive":
+            group.add_argument(flag(f), dest=name, type=number(above=0), metavar="X", help=help_)
+        elif kind == "probability":
+            group.add_argument(flag(f), dest=name, type=number(minimum=0, below=1), metavar="P", help=help_)
+        elif kind == "pair":
+            group.add_argument(flag(f), dest=name, type=integer(-1), nargs=2, metavar=("LEFT", "RIGHT"), help=help_)
+        else:  # pragma: no cover - a new kind needs its flag here
+            raise AssertionError(f"no flag for field kind {kind!r}")
+    probe.add_argument("--device", type=integer(0), default=None, help="CUDA device (default: current)")
     add_json_flag(probe)
 
 
 def config_from_args(args: argparse.Namespace) -> AttentionConfig:
-    fields: dict[str, Any] = {}
-    if args.config:
-        text = args.config
-        if not text.lstrip().startswith("{"):
-            try:
-                with open(text) as f:
-                    text = f.read()
-            except OSError as e:
-                raise InvalidArgumentError(f"--config {args.config!r}: {e.strerror}") from None
-        try:
-            loaded = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise InvalidArgumentError(f"--config {args.config!r}: not valid JSON: line {e.lineno}, column {e.colno}: {e.msg}") from None
-        if not isinstance(loaded, dict):
-            raise InvalidArgumentError(f"--config {args.config!r}: must be a JSON object of AttentionConfig fields")
-        fields.update(loaded)
-    for name in _INT_FLAGS + _OTHER_FLAGS:
-        value = getattr(args, name)
+    fields: dict[str, Any] = dict(_config_option(args.config)) if args.config else {}
+    for f in FIELDS:
+        value = getattr(args, f.name)
         if value is not None:
-            fields[name] = value
-    if args.window is not None:
-        fields["window"] = tuple(args.window)
+            fields[f.name] = value
+    missing = [flag(f) for f in FIELDS if _fields.is_required(f) and f.name not in fields]
+    if missing:
+        raise InvalidArgumentError(f"missing {', '.join(missing)} (required, unless --config gives them)")
     return AttentionConfig.from_dict(fields)
+
+
+def _config_option(option: str) -> dict[str, Any]:
+    """--config: a file when one is there, else JSON text."""
+    text = option
+    if os.path.exists(option):
+        try:
+            with open(option, encoding="utf-8") as f:
+                text = f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise InvalidArgumentError(f"--config {option!r}: {getattr(e, 'strerror', None) or e}") from None
+    elif not option.lstrip().startswith(("{", "[", '"')) and not _looks_like_json(option):
+        raise InvalidArgumentError(f"--config {option!r}: no such file, and not JSON text")
+    try:
+        loaded = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise InvalidArgumentError(f"--config {option!r}: not valid JSON: line {e.lineno}, column {e.colno}: "
+                                   f"{e.msg}") from None
+    except RecursionError:
+        raise InvalidArgumentError(f"--config {option!r}: not valid JSON: nested too deeply") from None
+    if not isinstance(loaded, dict):
+        raise InvalidArgumentError(f"--config {option!r}: must be a JSON object of AttentionConfig fields, "
+                                   f"not {type(loaded).__name__}")
+    return loaded
+
+
+def _looks_like_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except (json.JSONDecodeError, RecursionError):
+        return False
+    return True
 
 
 def run(args) -> tuple[int, dict[str, Any]]:

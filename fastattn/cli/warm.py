@@ -6,7 +6,7 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from ..errors import InvalidArgumentError
-from ._common import add_json_flag, exit_code
+from ._common import add_json_flag, exit_code, integer, number, output_file, wrap
 
 if TYPE_CHECKING:
     from ..warm import WarmItem
@@ -15,12 +15,12 @@ if TYPE_CHECKING:
 def add_parser(sub) -> None:
     warm = sub.add_parser("warm", help="load or build every config a file describes, and store them")
     warm.add_argument("file", nargs="?", help="JSON or TOML config file with sweeps (default: built-in model shapes)")
-    warm.add_argument("--workers", type=int, default=None, help="worker processes (default: min(8, CPUs))")
-    warm.add_argument("--device", type=int, default=None)
-    warm.add_argument("--report", help="write the full report as JSON to this file")
+    warm.add_argument("--workers", type=integer(1), default=None, help="worker processes (default: min(8, CPUs))")
+    warm.add_argument("--device", type=integer(0), default=None)
+    warm.add_argument("--report", type=output_file, help="write the full report as JSON to this file")
     add_json_flag(warm, help="print the report as JSON")
     warm.add_argument("--no-progress", action="store_true", help="no progress bar")
-    warm.add_argument("--timeout", type=float, default=600.0,
+    warm.add_argument("--timeout", type=number(above=0), default=600.0,
                       help="seconds one config may take before its worker is killed (default 600)")
 
 
@@ -66,8 +66,8 @@ def run(args) -> tuple[int, dict[str, Any]]:
     for item in report.items:
         lines.append(f"{item.status:<12} {item.seconds:8.3f}  {sweep.describe_config(item.config)}")
         if item.status in ("unsupported", "failed"):
-            why = f"{item.error_type + ': ' if item.error_type else ''}{item.reason[:300]}"
-            lines.append(f"{'':<22}{'(the same as above)' if why == previous else why}")
+            why = f"{item.error_type + ': ' if item.error_type else ''}{item.reason}"
+            lines.extend(wrap("(the same as above)" if why == previous else why, indent=" " * 22))
             previous = why
     lines.append("-" * 72)
     lines.append(f"{len(report.items)} configs in {report.seconds:.1f} s, {report.processes} worker processes "

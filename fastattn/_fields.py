@@ -1,0 +1,236 @@
+"""The field registry of AttentionConfig: each field's kind, default, help and how it
+shows, and the one table of validators every path to a config goes through.
+
+AttentionConfig declares each field once, with `spec(kind, default, ...)`; the metadata
+that call stores is what the rest of fastattn derives from, so that adding a field is
+one edit: the canonical form's optional features, `fastattn probe`'s flags, the short
+description in tables (`describe`), the kernel family `fastattn warm` schedules by
+(`kernel_family`) and `fastattn matrix --features`.
+
+A validator checks the type and range of one value on its own and returns it in
+canonical type; what depends on other fields (a causal mask fixes the window's right
+bound, ragged needs padding, ...) stays in AttentionConfig.__post_init__. Validators
+are per kind, not per field, so every field of a kind accepts and refuses the same
+classes of values: a number is never a string, a bool is never an int, a pair is
+never a mapping.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import operator
+import struct
+from collections.abc import Mapping, Set
+from typing import Any, Callable
+
+from .errors import InvalidArgumentError
+
+INT_LIMIT = 2**31  # cuDNN takes int64 dims, but its masks and windows are int32
+_NO_OFF = object()  # a field that is always in the canonical form
+
+
+def spec(kind: str, default: Any = dataclasses.MISSING, *, help: str, minimum: int = 0, choices: tuple = (),
+         off: Any = _NO_OFF, family: bool | Callable[[Any], Any] = False,
+         describe: Callable[[Any], str | None] | None = None,
+         feature: tuple[str, dict[str, Any], str] | None = None) -> Any:
+    """A dataclass field of AttentionConfig with its registry entry.
+
+    kind: a key of VALIDATORS. default: none given means required; None means one
+      that follows from other fields. help: one line, for `fastattn probe --help`.
+    minimum: the least value of an "int" field. choices: the names a "choice",
+      "dtype" or "layout" field takes.
+    off: the value of a feature added after the first release when it is not used; the
+      canonical form (and so every cache key) leaves the field out at that value.
+    family: whether the field selects cuDNN kernel variants (kernel_family): True for
+      its value, or a function of the config for a coarser one.
+    describe: the config's short tag for this field in tables, or None to show none.
+    feature: ("name", the fields that turn it on, "what it means"): a column of
+      `fastattn matrix --features`.
+    """
+    if kind not in VALIDATORS:
+        raise ValueError(f"unknown field kind {kind!r}")  # a mistake in config.py, caught at import
+    meta = {"kind": kind, "help": help, "minimum": minimum, "choices": tuple(choices), "off": off,
+            "family": family, "describe": describe, "feature": feature}
+    return dataclasses.field(default=default, metadata=meta)
+
+
+def is_required(field: dataclasses.Field) -> bool:
+    return field.default is dataclasses.MISSING
+
+
+def has_off(field: dataclasses.Field) -> bool:
+    return field.metadata["off"] is not _NO_OFF
+
+
+def bad(field: str, value: Any, why: str) -> InvalidArgumentError:
+    return InvalidArgumentError(f"{field}={value!r}: {why}")
+
+
+# -- validators: (field name, value, the field's metadata) -> the canonical value ----------
+
+
+def check_int(name: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool):
+        raise bad(name, value, "must be an integer, not a bool")
+    try:
+        v = operator.index(value)
+    except TypeError:
+        raise bad(name, value, "must be an integer") from None
+    if v < minimum:
+        raise bad(name, value, f"must be >= {minimum}")
+    if v >= INT_LIMIT:
+        raise bad(name, value, "must be < 2**31")
+    return v
+
+
+def _int(name: str, value: Any, meta: Mapping[str, Any]) -> int:
+    return check_int(name, value, meta["minimum"])
+
+
+def _bool(name: str, value: Any, meta: Mapping[str, Any]) -> bool:
+    if isinstance(value, bool):
+        return value
+    # numpy.bool_ and friends, but never ints or strings: "false" must not mean True.
+    if type(value).__name__ in ("bool_", "bool8"):
+        return bool(value)
+    raise bad(name, value, "must be True or False")
+
+
+def _choice(name: str, value: Any, meta: Mapping[str, Any]) -> str:
+    if not isinstance(value, str) or value not in meta["choices"]:
+        raise bad(name, value, f"must be one of {meta['choices']}")
+    return value
+
+
+_DTYPE_ALIASES = {"fp16": "fp16", "float16": "fp16", "half": "fp16", "torch.float16": "fp16", "torch.half": "fp16",
+                  "bf16": "bf16", "bfloat16": "bf16", "torch.bfloat16": "bf16"}
+
+
+def _dtype(name: str, value: Any, meta: Mapping[str, Any]) -> str:
+    # str() also accepts torch.bfloat16 and the like without importing torch; a
+    # container's str() is never an alias, so lists and mappings are refused too.
+    dtype = _DTYPE_ALIASES.get(str(value).lower()) if isinstance(value, str) or not isinstance(
+        value, (bytes, bytearray, Mapping, Set, list, tuple)) else None
+    if dtype is None:
+        raise bad(name, value, f"must be one of {meta['choices']}")
+    return dtype
+
+
+def number(name: str, value: Any) -> float:
+    """A real number: an int, a float or a numpy scalar; never a bool or a string (a
+    string that looks like a number is a typo in a file more often than intended)."""
+    if isinstance(value, (bool, str, bytes, bytearray)):
+        raise bad(name, value, "must be a number")
+    try:
+        return float(value)
+    except (TypeError, ValueError, OverflowError):
+        raise bad(name, value, "must be a number") from None
+
+
+def float32(value: float) -> float:
+    """The value cuDNN will see: scales and probabilities reach the graph as float32."""
+    return struct.unpack("f", struct.pack("f", value))[0]
+
+
+def _positive(name: str, value: Any, meta: Mapping[str, Any]) -> float:
+    v = number(name, value)
+    if not math.isfinite(v) or v <= 0.0:
+        raise bad(name, value, "must be a finite number > 0")
+    v32 = float32(v)
+    if v32 == 0.0 or math.isinf(v32):
+        raise bad(name, value, "is out of float32 range")
+    return v32
+
+
+def _probability(name: str, value: Any, meta: Mapping[str, Any]) -> float:
+    p = number(name, value)
+    if not 0.0 <= p < 1.0:
+        raise bad(name, value, "must be in [0, 1)")
+    return float32(p)
+
+
+def pair(name: str, value: Any, meta: Mapping[str, Any] | None = None) -> tuple[int, int]:
+    """(left, right) bounds, each an int >= -1 (None or -1: unbounded); a list or a
+    tuple, never a mapping, a set or a string (their items are not positions)."""
+    if value is None:
+        return (-1, -1)
+    if isinstance(value, (str, bytes, bytearray, Mapping, Set)) or not hasattr(value, "__len__") \
+            or not hasattr(value, "__iter__") or len(value) != 2:
+        raise bad(name, value, "must be a pair [left, right] of integers; -1 is unbounded")
+    left, right = value
+    return (check_int(f"{name}[0] (left)", -1 if left is None else left, -1),
+            check_int(f"{name}[1] (right)", -1 if right is None else right, -1))
+
+
+def _layout(name: str, value: Any, meta: Mapping[str, Any]) -> Any:
+    # The strides themselves are checked against the shapes, in AttentionConfig.
+    if isinstance(value, str):
+        if value not in meta["choices"]:
+            raise bad(name, value, f"must be one of {meta['choices']} or explicit strides")
+        return value
+    if isinstance(value, Mapping) or (isinstance(value, (list, tuple)) and len(value) == 4):
+        return value
+    raise bad(name, value, f"must be one of {meta['choices']} or explicit strides {{'q': (b, h, s, d), ...}}")
+
+
+VALIDATORS: dict[str, Callable[[str, Any, Mapping[str, Any]], Any]] = {
+    "int": _int, "bool": _bool, "choice": _choice, "dtype": _dtype, "positive": _positive,
+    "probability": _probability, "pair": pair, "layout": _layout,
+}
+
+
+def check(kind: str, name: str, value: Any, **meta: Any) -> Any:
+    """A value of a field's kind outside a config (fastattn.torch's arguments): the same
+    validator, so the same classes of values pass."""
+    return VALIDATORS[kind](name, value, {"minimum": 0, "choices": (), **meta})
+
+
+def validate(field: dataclasses.Field, value: Any) -> Any:
+    """One field's value, checked and canonical; None stays None where the default
+    follows from other fields."""
+    if value is None and field.default is None:
+        return None
+    if value is None and field.metadata["kind"] == "pair":
+        return pair(field.name, value)
+    return VALIDATORS[field.metadata["kind"]](field.name, value, field.metadata)
+
+
+# -- what is derived from the registry --------------------------------------------------
+
+
+def optional_features(fields) -> dict[str, Any]:
+    """Fields added after the first release, with their off values."""
+    return {f.name: f.metadata["off"] for f in fields if has_off(f)}
+
+
+def describe_tags(fields, config) -> list[str]:
+    """The short tags of a config's fields that show (in field order)."""
+    tags = []
+    for f in fields:
+        fn = f.metadata["describe"]
+        tag = fn(config) if fn else None
+        if tag:
+            tags.append(tag)
+    return tags
+
+
+def kernel_family(fields, config) -> tuple:
+    out = []
+    for f in fields:
+        family = f.metadata["family"]
+        if family is True:
+            out.append(getattr(config, f.name))
+        elif family:
+            out.append(family(config))
+    return tuple(out)
+
+
+def features(fields) -> dict[str, tuple[dict[str, Any], str]]:
+    """`fastattn matrix --features`: name -> (the fields it sets, what it means)."""
+    out: dict[str, tuple[dict[str, Any], str]] = {"dense": ({}, "no feature")}
+    for f in fields:
+        if f.metadata["feature"]:
+            name, settings, meaning = f.metadata["feature"]
+            out[name] = (dict(settings), meaning)
+    return out
