@@ -201,3 +201,31 @@ def test_the_hot_path_builds_options_of_the_named_type(monkeypatch):
     options = captured[0]
     assert type(options) is _dense.DenseOptions and options.window_left == 3 and options.causal
     assert options == _dense.DenseOptions(*seen[0])
+
+
+def test_torch_compile_traces_every_entry_point_without_a_graph_break():
+    # Dynamo runs the entry points' own Python (the options' tuple.__new__ included):
+    # fullgraph=True fails on anything it cannot trace. Meta tensors: no GPU needed.
+    def meta(*shape, dtype=torch.bfloat16, grad=False):
+        return torch.empty(*shape, device="meta", dtype=dtype, requires_grad=grad)
+
+    def dense(q, k, v, bias, sinks):
+        return _dense.attention(q, k, v, causal=True, window=(8, 0), scale=0.5, bias=bias, sinks=sinks,
+                                dropout_p=0.1)
+
+    q, k, v = (meta(2, 64, h, 64, grad=True) for h in (8, 2, 2))
+    bias, sinks = meta(1, 8, 64, 64, grad=True), meta(8, dtype=torch.float32, grad=True)
+    torch.compile(dense, fullgraph=True, backend="aot_eager")(q, k, v, bias, sinks).sum().backward()
+    assert q.grad.shape == q.shape and bias.grad.shape == bias.shape and sinks.grad.shape == sinks.shape
+
+    q, k, v = (meta(201, h, 64, grad=True) for h in (8, 2, 2))
+    cu = meta(4, dtype=torch.int32)
+    o = torch.compile(lambda *a: _varlen.attention_varlen(*a, 100, 100, causal=True), fullgraph=True,
+                      backend="aot_eager")(q, k, v, cu, cu)
+    o.sum().backward()
+    assert o.shape == (201, 8, 64) and k.grad.shape == k.shape
+
+    q, (k, v) = meta(3, 1, 8, 64), (meta(12, 16, 2, 64) for _ in range(2))
+    o = torch.compile(lambda *a: _paged.attention_paged(*a, causal_bottom_right=True), fullgraph=True,
+                      backend="aot_eager")(q, k, v, meta(3, 4, dtype=torch.int32), meta(3, dtype=torch.int32))
+    assert o.shape == (3, 1, 8, 64)
