@@ -8,6 +8,7 @@ torch = pytest.importorskip("torch", reason="PyTorch is an optional extra (pip i
 
 import fastattn  # noqa: E402
 import fastattn.torch  # noqa: E402,F401
+from fastattn.torch import _autograd, _dense, _plans, _varlen  # noqa: E402
 from fastattn import AttentionConfig  # noqa: E402
 
 from gpu_helpers import alibi_slopes, allowed  # noqa: E402
@@ -137,10 +138,10 @@ def test_cuda_graph_capture_and_replay():
         fastattn.torch.attention(*static, causal=True)  # warm-up: plan built, workspace sized
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    kept = dict(fastattn.torch._workspaces)
+    kept = dict(_plans.workspaces)
     with torch.cuda.graph(graph):
         out = fastattn.torch.attention(*static, causal=True)
-    assert fastattn.torch._workspaces == kept  # a graph replays on any stream: it owns its workspace
+    assert _plans.workspaces == kept  # a graph replays on any stream: it owns its workspace
     for _ in range(3):
         fresh = [torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
         for s, f in zip(static, fresh):
@@ -152,14 +153,14 @@ def test_cuda_graph_capture_and_replay():
 
 
 def test_the_custom_ops_and_the_eager_path_agree_bitwise():
-    # Plain eager calls skip the custom ops' wrappers (_EagerAttention, _EagerVarlen);
-    # torch.compile and tracing go through the ops. Both must compute the same thing.
+    # Plain eager calls skip the custom ops' wrappers (_autograd.Eager); torch.compile and
+    # tracing go through the ops. Both must compute the same thing.
     q, k, v = (torch.randn(2, 192, h, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for h in (8, 2, 2))
     d_o = torch.randn(2, 192, 8, 64, device="cuda", dtype=torch.bfloat16)
     o = fastattn.torch.attention(q, k, v, causal=True, deterministic=True)
     grads = torch.autograd.grad(o, (q, k, v), d_o)
-    o_op = fastattn.torch._forward(q, k, v, None, None, "bshd", True, False, -1, -1, 0.0, True, False, True, None,
-                                   None, None, 0.0, False)[0]
+    o_op = _dense.forward_op(q, k, v, None, None, None, None, None, "bshd", True, False, -1, -1, 0.0, True, False, True,
+                             0.0, False)[0]
     assert torch.equal(o, o_op)
     assert all(torch.equal(a, b) for a, b in zip(grads, torch.autograd.grad(o_op, (q, k, v), d_o)))
     cu = torch.tensor([0, 100, 250, 384], device="cuda", dtype=torch.int32)
@@ -167,13 +168,48 @@ def test_the_custom_ops_and_the_eager_path_agree_bitwise():
     o = fastattn.torch.attention_varlen(*flat, cu, cu, 150, 150, causal=True, deterministic=True)
     d_o = torch.randn_like(o)
     grads = torch.autograd.grad(o, flat, d_o)
-    o_op = fastattn.torch._varlen_forward(*flat, cu, cu, 256, 256, True, False, -1, -1, 0.0, True, True)[0]
+    o_op = _varlen.forward_op(*flat, cu, cu, 256, 256, True, False, -1, -1, 0.0, True, True)[0]
     assert torch.equal(o, o_op)
     assert all(torch.equal(a, b) for a, b in zip(grads, torch.autograd.grad(o_op, flat, d_o)))
 
 
+
+@pytest.mark.parametrize("feature", ("bias_sinks", "dropout", "padding"))
+def test_the_custom_ops_and_the_eager_path_agree_with_every_feature(feature):
+    # The tensors and options that travel by name (DenseOptions, _autograd.Rule): the same
+    # inputs through _autograd.Eager and through the custom ops give the same output and
+    # gradients, each on its own input. Backward is not deterministic here (cuDNN's
+    # deterministic mode does not cover every feature): gradients agree to rounding.
+    b, s, hq, hkv, d, dtype = 2, 160, 8, 2, 64, torch.float16
+    if feature == "bias_sinks":
+        fastattn.probe(AttentionConfig(batch=b, heads_q=hq, heads_kv=hkv, seqlen_q=s, head_dim_qk=d, mask="causal"))
+        if fastattn.versions()["cudnn_loaded"] < 91300:
+            pytest.skip("sinks need cuDNN 9.13 (test_gpu_features checks the refusal)")
+    q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=dtype, requires_grad=True) for h in (hq, hkv, hkv))
+    bias = sinks = rng = lengths = None
+    if feature == "bias_sinks":
+        bias = torch.randn(1, hq, s, s, device="cuda", dtype=dtype, requires_grad=True)
+        sinks = torch.randn(hq, device="cuda", requires_grad=True)
+    elif feature == "dropout":
+        rng = torch.randint(0, 2**62, (4,), device="cuda", dtype=torch.int64)  # one mask for both paths
+    else:
+        lengths = torch.tensor([160, 77], device="cuda", dtype=torch.int32)
+    options = _dense.DenseOptions(layout="bshd", causal=True, bottom_right=False, window_left=-1, window_right=-1,
+                                  scale=0.0, deterministic=False, alibi=False, training=True,
+                                  dropout=0.2 if rng is not None else 0.0, bias_grad=bias is not None)
+    tensors = (q, k, v, lengths, lengths, bias, sinks, rng)
+    leaves = [t for t in (q, k, v, bias, sinks) if t is not None]
+    o = _autograd.Eager.apply(_dense.RULE, options, *tensors)
+    d_o = torch.randn_like(o)
+    grads = torch.autograd.grad(o, leaves, d_o)
+    o_op = _dense.forward_op(*tensors, *options)[0]
+    assert torch.equal(o, o_op)
+    for g, g_op, t in zip(grads, torch.autograd.grad(o_op, leaves, d_o), leaves):
+        assert g.shape == g_op.shape == t.shape
+        assert rel(g_op, g.double()) < 1e-3
+
 def test_calls_in_flight_on_two_streams_match_serial_calls():
-    # Each stream keeps its own workspace (fastattn.torch._workspace); calls running on two
+    # Each stream keeps its own workspace (_plans.workspace); calls running on two
     # streams at once must not share one. Forward is deterministic: results equal bitwise.
     inputs = [[torch.randn(2, 512, 8, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3)] for _ in range(24)]
     expected = [fastattn.torch.attention(*x, causal=True) for x in inputs]
@@ -186,9 +222,9 @@ def test_calls_in_flight_on_two_streams_match_serial_calls():
     torch.cuda.synchronize()
     for i, (o, e) in enumerate(zip(outs, expected)):
         assert torch.equal(o, e), i
-    plan = next(c for c in fastattn.torch._plans.values() if c.out_shape == [2, 512, 8, 64])
+    plan = next(c for c in _plans.plans.values() if c.out_shape == [2, 512, 8, 64])
     if plan.forward_workspace:
-        kept = {key for key in fastattn.torch._workspaces if key[1] in {s.cuda_stream for s in streams}}
+        kept = {key for key in _plans.workspaces if key[1] in {s.cuda_stream for s in streams}}
         assert len(kept) == 2
 
 

@@ -189,9 +189,10 @@ def test_varlen_checks_its_inputs():
 def test_varlen_traces_forward_and_backward_and_buckets_its_lengths():
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from fastattn.torch import _bucket, attention_varlen
+    from fastattn.torch import attention_varlen
+    from fastattn.torch._varlen import bucket
 
-    assert [_bucket(n) for n in (1, 2, 3, 64, 65, 4096)] == [1, 2, 4, 64, 128, 4096]
+    assert [bucket(n) for n in (1, 2, 3, 64, 65, 4096)] == [1, 2, 4, 64, 128, 4096]
 
     def step(q, k, v, cu):
         o = attention_varlen(q, k, v, cu, cu, 100, 100, causal=True)
@@ -208,58 +209,58 @@ def test_varlen_traces_forward_and_backward_and_buckets_its_lengths():
 
 
 def test_small_workspaces_are_kept_per_stream_and_never_while_capturing(monkeypatch):
-    import fastattn.torch as fat
+    from fastattn.torch import _plans as fat
 
     capturing = [False]
-    monkeypatch.setattr(fat, "_capturing", lambda: capturing[0])
-    monkeypatch.setattr(fat, "_workspaces", {})
+    monkeypatch.setattr(fat, "capturing", lambda: capturing[0])
+    monkeypatch.setattr(fat, "workspaces", {})
     q = torch.empty(4, dtype=torch.bfloat16)
-    assert fat._workspace(q, 0, 0, 7) is None
-    a = fat._workspace(q, 1000, 0, 7)
+    assert fat.workspace(q, 0, 0, 7) is None
+    a = fat.workspace(q, 1000, 0, 7)
     assert a.dtype == torch.uint8 and a.numel() == 1000
-    assert fat._workspace(q, 600, 0, 7) is a            # same stream: the same buffer
-    assert fat._workspace(q, 600, 0, 8) is not a        # another stream, its own
-    assert fat._workspace(q, 600, 1, 7) is not a        # another device, its own
-    b = fat._workspace(q, 2000, 0, 7)                   # grows, and replaces the kept one
-    assert b.numel() == 2000 and fat._workspace(q, 1000, 0, 7) is b
-    big = fat._KEPT_WORKSPACE + 1
-    assert fat._workspace(q, big, 0, 7).numel() == big and fat._workspaces[(0, 7)] is b  # per call, not kept
+    assert fat.workspace(q, 600, 0, 7) is a            # same stream: the same buffer
+    assert fat.workspace(q, 600, 0, 8) is not a        # another stream, its own
+    assert fat.workspace(q, 600, 1, 7) is not a        # another device, its own
+    b = fat.workspace(q, 2000, 0, 7)                   # grows, and replaces the kept one
+    assert b.numel() == 2000 and fat.workspace(q, 1000, 0, 7) is b
+    big = fat.KEPT_WORKSPACE + 1
+    assert fat.workspace(q, big, 0, 7).numel() == big and fat.workspaces[(0, 7)] is b  # per call, not kept
     capturing[0] = True                                 # a CUDA graph owns its own buffer
-    c = fat._workspace(q, 1000, 0, 7)
-    assert c is not b and c.numel() == 1000 and fat._workspaces[(0, 7)] is b
+    c = fat.workspace(q, 1000, 0, 7)
+    assert c is not b and c.numel() == 1000 and fat.workspaces[(0, 7)] is b
     capturing[0] = False
-    for stream in range(100, 100 + 2 * fat._KEPT_STREAMS):  # many short-lived streams: the table stays bounded
-        fat._workspace(q, 10, 0, stream)
-        assert len(fat._workspaces) <= fat._KEPT_STREAMS
+    for stream in range(100, 100 + 2 * fat.KEPT_STREAMS):  # many short-lived streams: the table stays bounded
+        fat.workspace(q, 10, 0, stream)
+        assert len(fat.workspaces) <= fat.KEPT_STREAMS
 
 
 @pytest.mark.parametrize("layout", ("bshd", "bhsd", "sbhd"))
 def test_empty_like_is_used_only_where_it_gives_the_plans_strides(layout):
-    import fastattn.torch as fat
+    from fastattn.torch import _plans as fat
 
     q, k, v = qkv(layout=layout)
-    assert fat._like(q, fat._out_shape(q, v, layout))      # contiguous: empty_like gives o
-    assert all(fat._like(t, list(t.shape), t.stride()) for t in (q, k, v))
+    assert fat.like(q, fat.out_shape(q, v, layout))      # contiguous: empty_like gives o
+    assert all(fat.like(t, list(t.shape), t.stride()) for t in (q, k, v))
     q, k, v = qkv(layout=layout, dv=32)
-    assert not fat._like(q, fat._out_shape(q, v, layout))  # o has v's head dim
+    assert not fat.like(q, fat.out_shape(q, v, layout))  # o has v's head dim
     packed = torch.empty(2, 128, 3, 8, 64, device="meta", dtype=torch.bfloat16)
     q = packed[:, :, 0]  # a slice of packed qkv, not dense: empty_like makes it contiguous,
-    assert fat._like(q, fat._out_shape(q, q, "bshd")) and not fat._like(q, list(q.shape), q.stride())  # o's, not d_q's
+    assert fat.like(q, fat.out_shape(q, q, "bshd")) and not fat.like(q, list(q.shape), q.stride())  # o's, not d_q's
     t = torch.empty(2, 8, 128, 64, device="meta", dtype=torch.bfloat16).transpose(1, 2)  # dense, permuted
-    assert fat._like(t, list(t.shape), t.stride()) and not fat._like(t, fat._out_shape(t, t, "bshd"))
+    assert fat.like(t, list(t.shape), t.stride()) and not fat.like(t, fat.out_shape(t, t, "bshd"))
 
 
 def test_only_plain_eager_calls_skip_the_custom_ops():
-    import fastattn.torch as fat
+    from fastattn.torch import _autograd as fat
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     q = torch.empty(2, 4, device="meta")
-    assert not fat._plain_eager(q)  # not a CUDA tensor
+    assert not fat.plain_eager(q)  # not a CUDA tensor
     with FakeTensorMode():
-        assert fat._dispatch_modes() > 0
-    assert fat._dispatch_modes() == 0 and not fat._functorch_active()
+        assert fat.dispatch_modes() > 0
+    assert fat.dispatch_modes() == 0 and not fat.functorch_active()
     seen = []
-    torch.func.grad(lambda x: (seen.append(fat._functorch_active()), x.sum())[1])(torch.ones(3))
+    torch.func.grad(lambda x: (seen.append(fat.functorch_active()), x.sum())[1])(torch.ones(3))
     assert seen == [True]
 
 

@@ -25,6 +25,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import fastattn
 import fastattn.torch as fat
+from fastattn.torch import _dense, _plans
 from fastattn import _core
 
 
@@ -40,6 +41,13 @@ def _us(fn, iters: int = 2000, samples: int = 15) -> float:
         out.append((time.perf_counter() - t0) / iters * 1e6)
         torch.cuda.synchronize()
     return round(statistics.median(out), 3)
+
+
+def _options(training: bool) -> _dense.DenseOptions:
+    """attention(q, k, v, causal=True)'s options."""
+    return _dense.DenseOptions(layout="bshd", causal=True, bottom_right=False, window_left=-1, window_right=-1,
+                               scale=0.0, deterministic=False, alibi=False, training=training, dropout=0.0,
+                               bias_grad=False)
 
 
 def _training(q, k, v, qt, kt, vt) -> dict:
@@ -61,12 +69,12 @@ def _training(q, k, v, qt, kt, vt) -> dict:
     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
         res["train_step_sdpa_cudnn"] = _us(step_sdpa, iters=300)
     res["train_forward"] = _us(lambda: fat.attention(*leaves, causal=True), iters=300)
-    options = ("bshd", True, False, -1, -1, 0.0, False, False, True)
-    o, stats = fat._forward_impl(q, k, v, None, None, options)
+    options = _options(training=True)
+    o, stats = _dense.forward_impl(q, k, v, None, None, None, None, None, options)
     d_o = torch.randn_like(o)
-    bwd_args = (d_o, q, k, v, o, stats, None, None, options)
-    res["backward_impl"] = _us(lambda: fat._backward_impl(*bwd_args), iters=300)
-    hit = fat._plan_for(q, k, v, o, None, None, options)
+    bwd_args = (d_o, o, stats, q, k, v, None, None, None, None, None, options)  # backward_impl's
+    res["backward_impl"] = _us(lambda: _dense.backward_impl(*bwd_args), iters=300)
+    hit = _dense.plan_for(q, k, v, o, None, None, None, None, options)
     plan = hit.plan
 
     class Stub:
@@ -77,13 +85,13 @@ def _training(q, k, v, qt, kt, vt) -> dict:
             return None
 
     hit.plan = Stub()
-    res["backward_impl_python_only"] = _us(lambda: fat._backward_impl(*bwd_args), iters=300)
+    res["backward_impl_python_only"] = _us(lambda: _dense.backward_impl(*bwd_args), iters=300)
     hit.plan = plan
     grads = [torch.empty_like(t) for t in (q, k, v)]
-    ws = fat._workspace(q, plan.backward_workspace_size, 0, fat._raw_stream(0))
+    ws = _plans.workspace(q, plan.backward_workspace_size, 0, _plans.raw_stream(0))
     ptrs = [t.data_ptr() for t in (q, k, v, o, d_o, stats, *grads)]
     res["plan_backward_positional"] = _us(lambda: plan.backward(*ptrs, ws.data_ptr() if ws is not None else 0,
-                                                                fat._raw_stream(0)), iters=300)
+                                                                _plans.raw_stream(0)), iters=300)
     res["backward_workspace_bytes"] = plan.backward_workspace_size
     return res
 
@@ -95,20 +103,20 @@ def main(argv=None) -> int:
     q, k, v = (torch.randn(1, 128, 8, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     qt, kt, vt = (t.transpose(1, 2).contiguous() for t in (q, k, v))
     o = fat.attention(q, k, v, causal=True)
-    hit = next(iter(fat._plans.values()))
+    hit = next(iter(_plans.plans.values()))
     plan, shape = hit.plan, hit.out_shape
-    stream = fat._raw_stream(0)
+    stream = _plans.raw_stream(0)
     ws = hit.forward_workspace
     ptrs = (q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr())
-    options = ("bshd", True, False, -1, -1, 0.0, False, False, False)  # fastattn.torch._options, as attention() makes it
-    fwd_args = (q, k, v, None, None, options)  # _forward_impl(q, k, v, seq_len_q, seq_len_kv, options)
-    key_args = (q, k, v, None, None, None, options)  # _plan_for(q, k, v, o, seq_len_q, seq_len_kv, options)
+    options = _options(training=False)  # as attention(q, k, v, causal=True) makes them
+    fwd_args = (q, k, v, None, None, None, None, None, options)  # forward_impl(q, k, v, lengths, extras, options)
+    key_args = (q, k, v, None, None, None, None, None, options)  # plan_for(q, k, v, o, lengths, bias, sink, options)
     res = {}
     res["attention_total"] = _us(lambda: fat.attention(q, k, v, causal=True))
     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
         res["sdpa_cudnn_total"] = _us(lambda: torch.nn.functional.scaled_dot_product_attention(qt, kt, vt,
                                                                                              is_causal=True))
-    res["forward_impl"] = _us(lambda: fat._forward_impl(*fwd_args))
+    res["forward_impl"] = _us(lambda: _dense.forward_impl(*fwd_args))
 
     class Stub:  # the plan's sizes, a forward that does nothing: forward_impl's own Python
         forward_workspace_size, backward_workspace_size = plan.forward_workspace_size, plan.backward_workspace_size
@@ -118,20 +126,20 @@ def main(argv=None) -> int:
             return None
 
     hit.plan = Stub()
-    res["forward_impl_python_only"] = _us(lambda: fat._forward_impl(*fwd_args))
+    res["forward_impl_python_only"] = _us(lambda: _dense.forward_impl(*fwd_args))
     hit.plan = plan
-    res["plan_for_lookup"] = _us(lambda: fat._plan_for(*key_args))
+    res["plan_for_lookup"] = _us(lambda: _dense.plan_for(*key_args))
     res["new_empty_output"] = _us(lambda: q.new_empty(shape))
     res["empty_like_output"] = _us(lambda: torch.empty_like(q))
     res["new_empty_workspace"] = _us(lambda: q.new_empty(max(ws, 1), dtype=torch.uint8))
-    res["kept_workspace"] = _us(lambda: fat._workspace(q, max(ws, 1), 0, stream))
-    res["is_capturing"] = _us(fat._capturing)
-    res["raw_stream"] = _us(lambda: fat._raw_stream(0))
+    res["kept_workspace"] = _us(lambda: _plans.workspace(q, max(ws, 1), 0, stream))
+    res["is_capturing"] = _us(_plans.capturing)
+    res["raw_stream"] = _us(lambda: _plans.raw_stream(0))
     res["data_ptr_x4"] = _us(lambda: (q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr()))
     res["is_compiling"] = _us(torch.compiler.is_compiling)
     res["grad_checks"] = _us(lambda: torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
                                                                  or v.requires_grad))
-    w = fat._workspace(q, ws, 0, stream)
+    w = _plans.workspace(q, ws, 0, stream)
     wp = w.data_ptr() if w is not None else 0
     res["plan_forward_positional"] = _us(lambda: plan.forward(*ptrs, 0, wp, stream))
     res["plan_forward_keywords"] = _us(lambda: plan.forward(*ptrs, stats=0, workspace=wp, stream=stream,

@@ -23,6 +23,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.profiler import ProfilerActivity, profile
 
 import fastattn.torch as fat
+from fastattn.torch import _plans
 
 
 def _trace(fn, calls: int) -> dict:
@@ -51,9 +52,9 @@ def main(argv=None) -> int:
     q, k, v = (torch.randn(1, 128, 8, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     qt, kt, vt = (t.transpose(1, 2).contiguous() for t in (q, k, v))
     o = fat.attention(q, k, v, causal=True)
-    hit = next(iter(fat._plans.values()))
-    stream = fat._raw_stream(0)
-    ws = fat._workspace(q, hit.forward_workspace, 0, stream)
+    hit = next(iter(_plans.plans.values()))
+    stream = _plans.raw_stream(0)
+    ws = _plans.workspace(q, hit.forward_workspace, 0, stream)
     ptrs = (q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), 0, ws.data_ptr() if ws is not None else 0, stream)
     res = {"plan_forward": _trace(lambda: hit.plan.forward(*ptrs), args.calls),
            "fastattn_torch_attention": _trace(lambda: fat.attention(q, k, v, causal=True), args.calls)}

@@ -1,0 +1,372 @@
+"""fastattn.torch.attention: dense (batch, head, seq, dim) tensors in any of three
+layouts, with padding masks, ALiBi, a bias, dropout and sinks; forward and backward.
+
+Two custom ops, fastattn::attention_forward and fastattn::attention_backward, with fake
+(meta) implementations and the shared autograd rule (_autograd), so that
+torch.compile(fullgraph=True) traces them without a graph break; plain eager calls run
+the same work under _autograd.Eager.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from .. import _fields
+from ..config import AttentionConfig
+from ..errors import InvalidArgumentError
+from . import _autograd
+from ._plans import options as check_options
+from ._plans import (AXES, DTYPES, Cached, check_qkv_tensors, logical, mask_name, out_shape, plans, raw_stream,
+                     remember, stats_shape, tensor_key, workspace)
+
+
+class DenseOptions(NamedTuple):
+    """attention()'s scalar options: part of the plan key as they are, and the custom
+    ops' arguments after the tensors, in this order."""
+
+    layout: str
+    causal: bool
+    bottom_right: bool
+    window_left: int
+    window_right: int
+    scale: float  # 0.0: the default, 1 / sqrt(head_dim_qk)
+    deterministic: bool
+    alibi: bool
+    training: bool
+    dropout: float
+    bias_grad: bool
+
+
+# DenseOptions(...) without the Python __new__ a NamedTuple has: ~0.17 us less per call
+# (CPython 3.11, timeit), so that named options cost ~0.15 us over a plain tuple.
+_new = tuple.__new__
+
+
+def plan_for(q, k, v, o, seq_len_q, seq_len_kv, bias, sink, options: DenseOptions) -> Cached:
+    """The plan for these tensors; o=None means the forward's own fresh output. What a
+    call costs once its plan exists: one dict lookup on a tuple of shapes, strides and
+    options. The key holds everything _check and _check_extras look at, so only a miss
+    validates and builds an AttentionConfig. Forward keys leave out o, which the forward
+    allocates itself (contiguous in the layout, so its strides follow from the shapes);
+    backward keys include the o and d_o they are given."""
+    key = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), None if o is None else o.stride(),
+           q.dtype, k.dtype, v.dtype, q.get_device(), k.get_device(), v.get_device(), options,
+           None if seq_len_q is None else (tensor_key(seq_len_q), tensor_key(seq_len_kv)),
+           None if bias is None and sink is None else (tensor_key(bias), tensor_key(sink)))
+    hit = plans.get(key)
+    if hit is not None:
+        return hit
+    layout = options.layout
+    _check(q, k, v, layout, seq_len_q, seq_len_kv)
+    _check_extras(q, k, layout, bias, sink)
+    if o is None:
+        o = q.new_empty(out_shape(q, v, layout), device="meta")  # only its strides are needed
+    (b, hq, sq, dqk), q_st = logical(q, layout)
+    (_, hkv, skv, _), k_st = logical(k, layout)
+    (_, _, _, dv), v_st = logical(v, layout)
+    _, o_st = logical(o, layout)
+    cfg = AttentionConfig(
+        batch=b, heads_q=hq, heads_kv=hkv, seqlen_q=sq, seqlen_kv=skv, head_dim_qk=dqk, head_dim_v=dv,
+        dtype=DTYPES[q.dtype], layout={"q": q_st, "k": k_st, "v": v_st, "o": o_st},
+        mask=mask_name(options.causal, options.bottom_right), window=(options.window_left, options.window_right),
+        scale=None if options.scale <= 0 else options.scale, training=options.training,
+        deterministic=options.deterministic, padding=seq_len_q is not None, alibi=options.alibi,
+        bias="none" if bias is None else _bias_shape(q, bias, layout), bias_grad=options.bias_grad,
+        dropout=options.dropout, sinks=sink is not None,
+    )
+    return remember(key, cfg, q, k, v, layout)
+
+
+def forward_impl(q, k, v, seq_len_q, seq_len_kv, bias, sink, rng, options: DenseOptions):
+    """(o, stats); stats is None when not training."""
+    c = plan_for(q, k, v, None, seq_len_q, seq_len_kv, bias, sink, options)
+    training = options.training
+    padded = seq_len_q is not None
+    # Rows past a sequence's length are zero, not whatever the allocator held: they
+    # flow into the next layer (and its weight gradients) unless the caller masks them.
+    if padded:
+        o = q.new_zeros(c.out_shape)
+    else:
+        o = torch.empty_like(q) if c.out_like_q else q.new_empty(c.out_shape)
+    stats = q.new_empty(c.stats_shape, dtype=torch.float32) if training else None
+    stream = raw_stream(c.device)
+    # Workspace from PyTorch's caching allocator, used on this stream only (_plans.workspace).
+    ws = workspace(q, c.forward_workspace, c.device, stream)
+    if bias is None and sink is None and rng is None:  # the common call: positional only, no keyword dict
+        c.plan.forward(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), stats.data_ptr() if training else 0,
+                       ws.data_ptr() if ws is not None else 0, stream,
+                       seq_len_q.data_ptr() if padded else 0, seq_len_kv.data_ptr() if padded else 0)
+    else:
+        c.plan.forward(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), stats.data_ptr() if training else 0,
+                       ws.data_ptr() if ws is not None else 0, stream,
+                       seq_len_q.data_ptr() if padded else 0, seq_len_kv.data_ptr() if padded else 0,
+                       **_extra_pointers(bias, sink, rng))
+    return o, stats
+
+
+def backward_impl(d_o, o, stats, q, k, v, seq_len_q, seq_len_kv, bias, sink, rng, options: DenseOptions):
+    """(d_q, d_k, d_v, d_bias or None, d_sink or None); options.training is True."""
+    if d_o.stride() != o.stride():
+        # The backward graph reads d_o at o's strides (cuDNN's plan is built for them).
+        d_o = torch.empty_strided(o.shape, o.stride(), dtype=o.dtype, device=o.device).copy_(d_o)
+    c = plan_for(q, k, v, o, seq_len_q, seq_len_kv, bias, sink, options)
+    padded = seq_len_q is not None
+    d_q, d_k, d_v = (torch.empty_like(t) if like else torch.empty_strided(t.shape, t.stride(), dtype=t.dtype,
+                                                                           device=t.device)
+                     for t, like in zip((q, k, v), c.grads_like))
+    if padded:
+        for g in (d_q, d_k, d_v):
+            g.zero_()  # padded rows get zero gradients (see forward_impl)
+    stream = raw_stream(c.device)
+    ws = workspace(q, c.backward_workspace, c.device, stream)
+    bias_grad = options.bias_grad
+    d_bias = torch.empty_like(bias, memory_format=torch.contiguous_format) if bias_grad else None
+    d_sink = torch.empty_like(sink) if sink is not None else None
+    args = (q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), d_o.data_ptr(), stats.data_ptr(), d_q.data_ptr(),
+            d_k.data_ptr(), d_v.data_ptr(), ws.data_ptr() if ws is not None else 0, stream,
+            seq_len_q.data_ptr() if padded else 0, seq_len_kv.data_ptr() if padded else 0)
+    if bias is None and sink is None and rng is None:  # the common call: positional only (see forward_impl)
+        c.plan.backward(*args)
+    else:
+        extras = _extra_pointers(bias, sink, rng)
+        if bias_grad:
+            extras["d_bias"] = d_bias.data_ptr()
+        if sink is not None:
+            extras["d_sink"] = d_sink.data_ptr()
+        c.plan.backward(*args, **extras)
+    return d_q, d_k, d_v, d_bias, d_sink
+
+
+def _extra_pointers(bias, sink, rng) -> dict[str, int]:
+    """The features' tensors as plan.forward / plan.backward keywords. rng holds Philox's
+    seed at element 0 and its offset at element 2 (16 bytes on: fastattn wants every
+    device pointer 16-byte aligned)."""
+    out = {}
+    if bias is not None:
+        out["bias"] = bias.data_ptr()
+    if sink is not None:
+        out["sink"] = sink.data_ptr()
+    if rng is not None:
+        out["seed"], out["offset"] = rng.data_ptr(), rng.data_ptr() + 16
+    return out
+
+
+def _extra_grads_like(q, bias, sink, bias_grad: bool):
+    """Buffers for d_bias and d_sink, or empty tensors (a custom op returns tensors)."""
+    d_bias = torch.empty_like(bias, memory_format=torch.contiguous_format) if bias_grad else q.new_empty(0)
+    d_sink = torch.empty_like(sink) if sink is not None else q.new_empty(0, dtype=torch.float32)
+    return d_bias, d_sink
+
+
+# -- the custom ops: tensors, then DenseOptions' fields in order -------------------------------
+
+@torch.library.custom_op("fastattn::attention_forward", mutates_args=())
+def forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_len_q: torch.Tensor | None,
+               seq_len_kv: torch.Tensor | None, bias: torch.Tensor | None, sink: torch.Tensor | None,
+               rng: torch.Tensor | None, layout: str, causal: bool, bottom_right: bool, window_left: int,
+               window_right: int, scale: float, deterministic: bool, alibi: bool, training: bool, dropout: float,
+               bias_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(o, stats); stats is empty when not training."""
+    options = DenseOptions(layout, causal, bottom_right, window_left, window_right, scale, deterministic, alibi,
+                           training, dropout, bias_grad)
+    o, stats = forward_impl(q, k, v, seq_len_q, seq_len_kv, bias, sink, rng, options)
+    return o, stats if stats is not None else _stats_like(q, layout, False)
+
+
+def _stats_like(q: torch.Tensor, layout: str, training: bool) -> torch.Tensor:
+    # Inference writes no stats: an empty tensor keeps the op's signature fixed.
+    return q.new_empty(stats_shape(q, layout) if training else [0], dtype=torch.float32)
+
+
+@forward_op.register_fake
+def _(q, k, v, seq_len_q, seq_len_kv, bias, sink, rng, layout, causal, bottom_right, window_left, window_right, scale,
+      deterministic, alibi, training, dropout, bias_grad):
+    return q.new_empty(out_shape(q, v, layout)), _stats_like(q, layout, training)
+
+
+@torch.library.custom_op("fastattn::attention_backward", mutates_args=())
+def backward_op(d_o: torch.Tensor, o: torch.Tensor, stats: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                v: torch.Tensor, seq_len_q: torch.Tensor | None, seq_len_kv: torch.Tensor | None,
+                bias: torch.Tensor | None, sink: torch.Tensor | None, rng: torch.Tensor | None, layout: str,
+                causal: bool, bottom_right: bool, window_left: int, window_right: int, scale: float,
+                deterministic: bool, alibi: bool, training: bool, dropout: float,
+                bias_grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(d_q, d_k, d_v, d_bias, d_sink); d_bias and d_sink are empty when not computed."""
+    options = DenseOptions(layout, causal, bottom_right, window_left, window_right, scale, deterministic, alibi,
+                           training, dropout, bias_grad)
+    d_q, d_k, d_v, d_bias, d_sink = backward_impl(d_o, o, stats, q, k, v, seq_len_q, seq_len_kv, bias, sink, rng,
+                                                  options)
+    if d_bias is None or d_sink is None:  # a custom op returns tensors
+        empty_bias, empty_sink = _extra_grads_like(q, None, None, False)
+        d_bias, d_sink = d_bias if d_bias is not None else empty_bias, d_sink if d_sink is not None else empty_sink
+    return d_q, d_k, d_v, d_bias, d_sink
+
+
+@backward_op.register_fake
+def _(d_o, o, stats, q, k, v, seq_len_q, seq_len_kv, bias, sink, rng, layout, causal, bottom_right, window_left,
+      window_right, scale, deterministic, alibi, training, dropout, bias_grad):
+    return (torch.empty_strided(q.shape, q.stride(), dtype=q.dtype, device=q.device),
+            torch.empty_strided(k.shape, k.stride(), dtype=k.dtype, device=k.device),
+            torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device),
+            *_extra_grads_like(q, bias, sink, bias_grad))
+
+
+# -- autograd: gradients for (q, k, v, seq_len_q, seq_len_kv, bias, sink, rng) ----------------
+
+def _grads(d_o, o, stats, tensors, options: DenseOptions):
+    d_q, d_k, d_v, d_bias, d_sink = backward_impl(d_o, o, stats, *tensors, options)
+    return d_q, d_k, d_v, None, None, d_bias, d_sink, None
+
+
+def _grads_op(d_o, o, stats, tensors, options: DenseOptions):
+    d_q, d_k, d_v, d_bias, d_sink = backward_op(d_o, o, stats, *tensors, *options)
+    sink = tensors[6]
+    # The op returns empty tensors for gradients it does not compute: autograd wants None.
+    return d_q, d_k, d_v, None, None, d_bias if options.bias_grad else None, d_sink if sink is not None else None, None
+
+
+RULE = _autograd.Rule(forward_impl, _grads, _grads_op, DenseOptions)
+N_TENSORS = 8  # q, k, v, seq_len_q, seq_len_kv, bias, sink, rng
+_autograd.register(forward_op, RULE, N_TENSORS)
+
+
+def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str, seq_len_q=None, seq_len_kv=None) -> None:
+    check_qkv_tensors(q, k, v, 4, f"4 dimensions in {layout} order")
+    if not (q.device == k.device == v.device):
+        raise InvalidArgumentError(f"q, k, v are on different devices: {q.device}, {k.device}, {v.device}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise InvalidArgumentError(f"q, k, v have different dtypes: {q.dtype}, {k.dtype}, {v.dtype}")
+    b, h, s, d = AXES[layout]
+    if k.shape[b] != q.shape[b] or v.shape[b] != q.shape[b]:
+        raise InvalidArgumentError(f"batch sizes differ: q {q.shape[b]}, k {k.shape[b]}, v {v.shape[b]}")
+    if k.shape[h] != v.shape[h] or q.shape[h] % k.shape[h]:
+        raise InvalidArgumentError(f"heads: q has {q.shape[h]}, k {k.shape[h]}, v {v.shape[h]}; k and v must match "
+                                   "and divide q's")
+    if k.shape[s] != v.shape[s]:
+        raise InvalidArgumentError(f"k has {k.shape[s]} keys but v has {v.shape[s]}")
+    if k.shape[d] != q.shape[d]:
+        raise InvalidArgumentError(f"head dims differ: q {q.shape[d]}, k {k.shape[d]}")
+    for name, t in (("seq_lens_q", seq_len_q), ("seq_lens_kv", seq_len_kv)):
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.int32:
+            raise InvalidArgumentError(f"{name} has dtype {getattr(t, 'dtype', type(t).__name__)}: expected a "
+                                       "torch.int32 tensor")
+        if t.dim() != 1 or t.shape[0] != q.shape[b]:
+            raise InvalidArgumentError(f"{name} has shape {tuple(t.shape)}: expected ({q.shape[b]},), one length "
+                                       "per sequence")
+        if t.device != q.device:
+            raise InvalidArgumentError(f"{name} is on {t.device}, q on {q.device}")
+        if not t.is_contiguous():
+            raise InvalidArgumentError(f"{name} must be contiguous")
+
+
+def _bias_shape(q: torch.Tensor, bias: torch.Tensor, layout: str) -> str:
+    """The config's name for a bias's broadcast shape: "11ss", "1hss", "b1ss" or "bhss"."""
+    b, h = q.shape[AXES[layout][0]], q.shape[AXES[layout][1]]
+    return ("b" if bias.shape[0] == b and b > 1 else "1") + ("h" if bias.shape[1] == h and h > 1 else "1") + "ss"
+
+
+def _check_extras(q: torch.Tensor, k: torch.Tensor, layout: str, bias, sink) -> None:
+    b, h, s_q = (q.shape[a] for a in AXES[layout][:3])
+    s_kv = k.shape[AXES[layout][2]]
+    if bias is not None:
+        if not isinstance(bias, torch.Tensor) or bias.dtype != q.dtype or bias.device != q.device:
+            raise InvalidArgumentError(f"bias: expected a {q.dtype} tensor on {q.device}, got "
+                                       f"{getattr(bias, 'dtype', type(bias).__name__)} on "
+                                       f"{getattr(bias, 'device', None)}")
+        if (bias.dim() != 4 or bias.shape[0] not in (1, b) or bias.shape[1] not in (1, h) or bias.shape[2] != s_q
+                or bias.shape[3] != s_kv):
+            raise InvalidArgumentError(f"bias has shape {tuple(bias.shape)}: expected (1 or {b}, 1 or {h}, {s_q}, "
+                                       f"{s_kv})")
+        if not bias.is_contiguous():
+            raise InvalidArgumentError("bias must be contiguous")
+    if sink is not None:
+        if not isinstance(sink, torch.Tensor) or sink.dtype != torch.float32 or sink.device != q.device:
+            raise InvalidArgumentError(f"sinks: expected a torch.float32 tensor on {q.device}, got "
+                                       f"{getattr(sink, 'dtype', type(sink).__name__)} on "
+                                       f"{getattr(sink, 'device', None)}")
+        if sink.shape != (h,) or not sink.is_contiguous():
+            raise InvalidArgumentError(f"sinks has shape {tuple(sink.shape)}: expected ({h},), one logit per query "
+                                       "head, contiguous")
+
+
+_NO_EXTRAS = (None, None, None)  # bias, sinks, rng
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
+              causal_bottom_right: bool = False, window: tuple[int, int] | None = None, scale: float | None = None,
+              layout: str = "bshd", deterministic: bool = False, seq_lens_q: torch.Tensor | None = None,
+              seq_lens_kv: torch.Tensor | None = None, alibi: bool = False, bias: torch.Tensor | None = None,
+              dropout_p: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Scaled dot-product attention on cuDNN's fused kernels, with autograd.
+
+    q: (batch, seqlen_q, heads_q, head_dim_qk) for layout="bshd" (FlashAttention's order;
+      "bhsd" is scaled_dot_product_attention's, "sbhd" is sequence-first); k and v the
+      same with seqlen_kv and heads_kv (heads_q a multiple of it: GQA, MQA); v's head
+      dim may differ. float16 or bfloat16 CUDA tensors on one device, any strides cuDNN
+      accepts. Returns o with q's shape and v's head dim, in the same order.
+    causal: query i sees keys j <= i (top-left diagonal); causal_bottom_right: the
+      diagonal at the bottom right (j <= i + seqlen_kv - seqlen_q).
+    window: (left, right) sliding window, FlashAttention's convention (-1 unbounded).
+    scale: softmax scale (default 1/sqrt(head_dim_qk)).
+    deterministic: a deterministic backward.
+    seq_lens_q, seq_lens_kv: padding masks: int32 CUDA tensors of shape (batch,), each
+      sequence's own query and key lengths (at most the tensors' sequence lengths; not
+      checked, as that would synchronize); seq_lens_kv defaults to seq_lens_q. Queries
+      and keys past them are masked out, and o (and in backward d_q, d_k, d_v) is zero
+      there. The masks apply within each sequence's lengths. The padded rows of q, k,
+      v and the output gradient must hold finite values (zeros, or anything finite):
+      cuDNN multiplies them by zero, so NaN or Inf there (torch.empty can hold them)
+      leaks into the results.
+    alibi: ALiBi position biases (slope[h] * (key - query) added after scaling, the
+      ALiBi paper's slopes); cuDNN needs a causal mask (or a window's right bound at 0)
+      with it.
+    bias: an additive bias after scaling, (1 or batch, 1 or heads_q, seqlen_q,
+      seqlen_kv), q's dtype, contiguous; it gets a gradient when it requires one.
+    dropout_p: dropout on the attention weights, as scaled_dot_product_attention's
+      (applied whenever > 0; pass 0 in evaluation). The mask comes from PyTorch's CUDA
+      generator (torch.manual_seed), and backward uses the same one.
+    sinks: attention sinks, a float32 logit per query head, (heads_q,), in every
+      softmax denominator; it gets a gradient when it requires one.
+
+    Raises InvalidArgumentError (a ValueError) for CPU tensors, mismatched devices,
+    dtypes or shapes, NotSupportedError when cuDNN refuses the config.
+    """
+    if layout not in AXES:
+        raise InvalidArgumentError(f"layout={layout!r}: must be one of {tuple(AXES)}")
+    if seq_lens_kv is None:
+        seq_lens_kv = seq_lens_q
+    elif seq_lens_q is None:
+        raise InvalidArgumentError("seq_lens_kv given without seq_lens_q")
+    cuda = isinstance(q, torch.Tensor) and q.is_cuda
+    if not cuda:
+        _check(q, k, v, layout, seq_lens_q, seq_lens_kv)  # CUDA inputs are checked once per plan, in plan_for
+    left, right, scale = check_options(causal, causal_bottom_right, window, scale, deterministic, alibi)
+    training = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                            or (bias is not None and bias.requires_grad)
+                                            or (sinks is not None and sinks.requires_grad))
+    if bias is None and sinks is None and not dropout_p:
+        extras = _NO_EXTRAS
+        options = _new(DenseOptions, (layout, bool(causal), bool(causal_bottom_right), left, right, scale,
+                                      bool(deterministic), bool(alibi), training, 0.0, False))
+    else:
+        _fields.check("probability", "dropout_p", dropout_p)
+        if not cuda:
+            _check_extras(q, k, layout, bias, sinks)
+        # Philox's seed at element 0 and offset at element 2, drawn from PyTorch's generator.
+        rng = torch.randint(0, 2**62, (4,), device=q.device, dtype=torch.int64) if dropout_p else None
+        extras = (bias, sinks, rng)
+        options = DenseOptions(layout, bool(causal), bool(causal_bottom_right), left, right, scale,
+                               bool(deterministic), bool(alibi), training, float(dropout_p),
+                               bool(training and bias is not None and bias.requires_grad))
+    if cuda and plain_eager(q):
+        if not training:  # no autograd either: straight to the plan
+            return forward_impl(q, k, v, seq_lens_q, seq_lens_kv, *extras, options)[0]
+        return Eager.apply(RULE, options, q, k, v, seq_lens_q, seq_lens_kv, *extras)
+    return forward_op(q, k, v, seq_lens_q, seq_lens_kv, *extras, *options)[0]
+
+
+plain_eager, Eager = _autograd.plain_eager, _autograd.Eager  # module globals: one lookup less per call

@@ -1,0 +1,173 @@
+"""What every fastattn.torch entry point shares: the table from a call's tensor
+signature to its plan (`Cached`), the kept workspaces per (device, stream), the
+current stream, and the tensor checks and layout arithmetic a plan is built from.
+
+Each entry point builds its own key (a tuple of shapes, strides, dtypes, devices and
+its options) and looks it up in `plans` itself, inline: a hit costs one dict lookup,
+and the key holds everything the entry point's checks look at, so only a miss
+validates and builds (`remember`).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from .. import _fields
+from ..config import AttentionConfig
+from ..errors import InvalidArgumentError
+
+# The dimension order of the tensors' shapes: layout name -> position of (batch, head, seq, dim).
+AXES = {"bshd": (0, 2, 1, 3), "sbhd": (1, 2, 0, 3), "bhsd": (0, 1, 2, 3)}
+DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+# key -> Cached. Read without the lock (a dict lookup is atomic under the GIL); written
+# under it. Two threads missing on one key at once both ask the runtime, which builds a
+# (config, device) once while the other waits; the second insert replaces an equal entry.
+plans: dict[tuple, Cached] = {}
+_plans_lock = threading.Lock()
+
+try:  # the raw stream handle without a torch.cuda.Stream object (~2 us less per call)
+    from torch._C import _cuda_getCurrentRawStream as raw_stream
+except ImportError:  # pragma: no cover - older or CPU-only builds
+    def raw_stream(device: int) -> int:
+        return torch.cuda.current_stream(device).cuda_stream
+
+try:  # without the Python wrapper around it (~0.25 us less per call)
+    from torch._C import _cuda_isCurrentStreamCapturing as capturing
+except ImportError:  # pragma: no cover - CPU-only builds
+    def capturing() -> bool:
+        return torch.cuda.is_current_stream_capturing()
+
+
+class Cached:
+    """A plan and what each call needs from it, computed once."""
+
+    __slots__ = ("backward_workspace", "device", "forward_workspace", "grads_like", "out_like_q", "out_shape",
+                 "plan", "stats_shape")
+
+    def __init__(self, plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str | None):
+        """layout None: packed sequences, whose token count, so shapes, each call's tensors give."""
+        self.plan = plan
+        self.device = q.get_device()
+        self.out_shape = out_shape(q, v, layout) if layout else None
+        self.stats_shape = stats_shape(q, layout) if layout else None
+        self.forward_workspace = plan.forward_workspace_size
+        self.backward_workspace = plan.backward_workspace_size
+        # torch.empty_like costs ~40% less than new_empty(shape) or empty_strided (it parses
+        # no sizes): use it wherever it gives the strides the plan was built for. The key
+        # fixes the inputs' shapes and strides, so this holds for every call of the plan.
+        self.out_like_q = layout is not None and like(q, self.out_shape)
+        self.grads_like = tuple(layout is not None and like(t, list(t.shape), t.stride()) for t in (q, k, v))
+
+
+def remember(key: tuple, cfg: AttentionConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             layout: str | None) -> Cached:
+    """On a miss: the plan for cfg on q's device (from the runtime: memory, disk,
+    Redis or a build), kept under key."""
+    import fastattn
+
+    hit = Cached(fastattn.plan(cfg, device=q.device.index), q, k, v, layout)
+    with _plans_lock:
+        plans[key] = hit
+    return hit
+
+
+def like(t: torch.Tensor, shape: list[int], stride: tuple[int, ...] | None = None) -> bool:
+    """Whether torch.empty_like(t) has this shape and these strides (None: contiguous)."""
+    if list(t.shape) != shape:
+        return False
+    meta = torch.empty_like(t, device="meta")
+    return meta.stride() == (stride if stride is not None else t.new_empty(shape, device="meta").stride())
+
+
+# Workspaces of up to KEPT_WORKSPACE bytes are kept, one per (device, stream), and shared
+# by every call on that stream: the stream orders those calls on the GPU, so one buffer
+# serves them all, and a call saves an allocation (~4 us of a ~17 us small call on the
+# H200, tools/profile_torch_call.py). Not while a CUDA graph is captured: a graph replays
+# on any stream, so it takes its own buffer from the capture's pool. Larger workspaces
+# are allocated per call: next to their kernels' time the allocation is noise, and a
+# kept one would hold the memory.
+KEPT_WORKSPACE = 16 << 20
+KEPT_STREAMS = 64  # at most this many kept, so that short-lived streams cannot pile them up
+workspaces: dict[tuple[int, int], torch.Tensor] = {}
+
+
+def workspace(q: torch.Tensor, size: int, device: int, stream: int) -> torch.Tensor | None:
+    """A workspace of at least size bytes for a call on this stream (None when size is 0)."""
+    if not size:
+        return None
+    if size > KEPT_WORKSPACE or capturing():
+        return q.new_empty(size, dtype=torch.uint8)
+    ws = workspaces.get((device, stream))
+    if ws is None or ws.numel() < size:
+        # The old buffer goes back to the caching allocator once the last call holding it
+        # has queued its work: stream-ordered, like any tensor freed on this stream.
+        if ws is None and len(workspaces) >= KEPT_STREAMS:
+            workspaces.clear()  # streams come and go (external ones, say): start the table afresh
+        ws = workspaces[(device, stream)] = q.new_empty(size, dtype=torch.uint8)
+    return ws
+
+
+def logical(t: torch.Tensor, layout: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(shape, strides) in (batch, head, seq, dim) order."""
+    axes = AXES[layout]
+    shape, stride = t.shape, t.stride()
+    return tuple(shape[a] for a in axes), tuple(stride[a] for a in axes)
+
+
+def out_shape(q: torch.Tensor, v: torch.Tensor, layout: str) -> list[int]:
+    """o has q's shape with v's head dim."""
+    shape = list(q.shape)
+    shape[AXES[layout][3]] = v.shape[AXES[layout][3]]
+    return shape
+
+
+def stats_shape(q: torch.Tensor, layout: str) -> list[int]:
+    axes = AXES[layout]
+    return [q.shape[axes[0]], q.shape[axes[1]], q.shape[axes[2]], 1]
+
+
+def mask_name(causal: bool, bottom_right: bool) -> str:
+    """The config's mask for an entry point's causal flags (exclusive: checked before)."""
+    return "causal_bottom_right" if bottom_right else "causal" if causal else "none"
+
+
+def tensor_key(t):
+    """An optional tensor's part of a plan key: what a plan depends on, never its data."""
+    return None if t is None else (t.dtype, t.shape, t.stride(), t.get_device())
+
+
+def check_qkv_tensors(q, k, v, dims: int, expected: str) -> None:
+    """Each of q, k, v: a CUDA (or meta) tensor of `dims` dimensions in fp16 or bf16."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise InvalidArgumentError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        if t.device.type not in ("cuda", "meta"):
+            raise InvalidArgumentError(f"{name} is on {t.device}: fastattn runs on CUDA tensors")
+        if t.dim() != dims:
+            raise InvalidArgumentError(f"{name} has shape {tuple(t.shape)}: expected {expected}")
+        if t.dtype not in DTYPES:
+            raise InvalidArgumentError(f"{name} has dtype {t.dtype}: expected torch.float16 or torch.bfloat16")
+
+
+
+def options(causal, bottom_right, window, scale, deterministic=False, alibi=False) -> tuple[int, int, float]:
+    """Checks a call's scalar options through the config's validators (fastattn._fields),
+    so that the same values pass here as in an AttentionConfig ("0.1" is no scale,
+    "false" no bool, a window no mapping); returns (left, right, scale), scale 0.0 for
+    the default. Plain bools, a None window and a None or float scale, the common call,
+    cost a few type checks."""
+    if not (causal.__class__ is bool and bottom_right.__class__ is bool and deterministic.__class__ is bool
+            and alibi.__class__ is bool):
+        for name, value in (("causal", causal), ("causal_bottom_right", bottom_right),
+                            ("deterministic", deterministic), ("alibi", alibi)):
+            _fields.check("bool", name, value)
+    if causal and bottom_right:
+        raise InvalidArgumentError("causal and causal_bottom_right are exclusive")
+    left, right = (-1, -1) if window is None else _fields.pair("window", window)
+    if scale is None:
+        return left, right, 0.0
+    _fields.check("positive", "scale", scale)
+    return left, right, float(scale)

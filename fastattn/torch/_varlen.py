@@ -1,0 +1,210 @@
+"""fastattn.torch.attention_varlen: packed variable-length sequences (FlashAttention's
+varlen layout), forward and backward.
+
+The sequences of a batch one after another, (tokens, heads, dim), with cumulative
+lengths. cuDNN's graph fixes the number of sequences and the longest length, so a plan
+is keyed by those (the longest rounded up to a power of two: batches of varying lengths
+share plans, and the persistent cache keeps each one), never by the token count.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from ..config import AttentionConfig
+from ..errors import InvalidArgumentError
+from . import _autograd
+from ._plans import DTYPES, Cached, check_qkv_tensors, mask_name, plans, raw_stream, remember, workspace
+from ._plans import options as check_options
+
+
+class VarlenOptions(NamedTuple):
+    """attention_varlen()'s scalar options: part of the plan key as they are, and the
+    custom ops' arguments after the tensors, in this order."""
+
+    max_q: int  # the plan's longest query sequence: max_seqlen_q's bucket
+    max_kv: int
+    causal: bool
+    bottom_right: bool
+    window_left: int
+    window_right: int
+    scale: float  # 0.0: the default, 1 / sqrt(head_dim_qk)
+    deterministic: bool
+    training: bool
+
+
+_new = tuple.__new__  # VarlenOptions(...) without a NamedTuple's Python __new__ (see _dense)
+
+
+def bucket(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def plan_for(q, k, v, batch: int, options: VarlenOptions) -> Cached:
+    key = ("varlen", q.shape[1:], k.shape[1:], v.shape[1:], q.dtype, k.dtype, v.dtype, q.get_device(),
+           k.get_device(), v.get_device(), batch, options)
+    hit = plans.get(key)
+    if hit is not None:
+        return hit
+    (_, hq, dqk), (_, hkv, _), (_, _, dv) = q.shape, k.shape, v.shape
+    cfg = AttentionConfig(
+        batch=batch, heads_q=hq, heads_kv=hkv, seqlen_q=options.max_q, seqlen_kv=options.max_kv, head_dim_qk=dqk,
+        head_dim_v=dv, dtype=DTYPES[q.dtype], layout="bshd", padding=True, ragged=True,
+        mask=mask_name(options.causal, options.bottom_right), window=(options.window_left, options.window_right),
+        scale=None if options.scale <= 0 else options.scale, training=options.training,
+        deterministic=options.deterministic,
+    )
+    return remember(key, cfg, q, k, v, None)
+
+
+def _indices(q, k, v, cu_q, cu_kv) -> dict[str, torch.Tensor]:
+    """Per-sequence lengths and cuDNN's element offsets, from cumulative lengths: a few
+    tiny kernels on the current stream, no synchronization."""
+    (hq, dqk), (hkv, dv) = q.shape[1:], (k.shape[1], v.shape[2])
+    return {"seq_len_q": (cu_q[1:] - cu_q[:-1]).contiguous(), "seq_len_kv": (cu_kv[1:] - cu_kv[:-1]).contiguous(),
+            "ragged_q": cu_q * (hq * dqk), "ragged_k": cu_kv * (hkv * dqk), "ragged_v": cu_kv * (hkv * dv),
+            "ragged_o": cu_q * (hq * dv), "ragged_stats": cu_q * hq}
+
+
+def _run_args(ix: dict[str, torch.Tensor], training: bool) -> tuple[int, int, dict[str, int]]:
+    ptrs = {n: t.data_ptr() for n, t in ix.items() if n.startswith("ragged_") and (training or n != "ragged_stats")}
+    return ix["seq_len_q"].data_ptr(), ix["seq_len_kv"].data_ptr(), ptrs
+
+
+def forward_impl(q, k, v, cu_q, cu_kv, options: VarlenOptions):
+    """(o, stats); stats is empty when not training."""
+    training = options.training
+    c = plan_for(q, k, v, cu_q.shape[0] - 1, options)
+    o = q.new_empty(q.shape[0], q.shape[1], v.shape[2])
+    stats = q.new_empty((q.shape[0], q.shape[1]) if training else (0,), dtype=torch.float32)
+    stream = raw_stream(c.device)
+    ws = workspace(q, c.forward_workspace, c.device, stream)
+    seq_q, seq_kv, ragged = _run_args(_indices(q, k, v, cu_q, cu_kv), training)
+    c.plan.forward(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), stats.data_ptr() if training else 0,
+                   ws.data_ptr() if ws is not None else 0, stream, seq_q, seq_kv, **ragged)
+    return o, stats
+
+
+def backward_impl(d_o, o, stats, q, k, v, cu_q, cu_kv, options: VarlenOptions):
+    """(d_q, d_k, d_v); options.training is True."""
+    d_o = d_o.contiguous()  # the plan reads d_o at o's (packed) strides
+    c = plan_for(q, k, v, cu_q.shape[0] - 1, options)
+    d_q, d_k, d_v = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    stream = raw_stream(c.device)
+    ws = workspace(q, c.backward_workspace, c.device, stream)
+    seq_q, seq_kv, ragged = _run_args(_indices(q, k, v, cu_q, cu_kv), True)
+    c.plan.backward(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), d_o.data_ptr(), stats.data_ptr(),
+                    d_q.data_ptr(), d_k.data_ptr(), d_v.data_ptr(), ws.data_ptr() if ws is not None else 0,
+                    stream, seq_q, seq_kv, **ragged)
+    return d_q, d_k, d_v
+
+
+# -- the custom ops: tensors, then VarlenOptions' fields in order ------------------------------
+
+@torch.library.custom_op("fastattn::varlen_forward", mutates_args=())
+def forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_kv: torch.Tensor,
+               max_q: int, max_kv: int, causal: bool, bottom_right: bool, window_left: int, window_right: int,
+               scale: float, deterministic: bool, training: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    return forward_impl(q, k, v, cu_q, cu_kv, VarlenOptions(max_q, max_kv, causal, bottom_right, window_left,
+                                                            window_right, scale, deterministic, training))
+
+
+@forward_op.register_fake
+def _(q, k, v, cu_q, cu_kv, max_q, max_kv, causal, bottom_right, window_left, window_right, scale, deterministic,
+      training):
+    return (q.new_empty(q.shape[0], q.shape[1], v.shape[2]),
+            q.new_empty((q.shape[0], q.shape[1]) if training else (0,), dtype=torch.float32))
+
+
+@torch.library.custom_op("fastattn::varlen_backward", mutates_args=())
+def backward_op(d_o: torch.Tensor, o: torch.Tensor, stats: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                v: torch.Tensor, cu_q: torch.Tensor, cu_kv: torch.Tensor, max_q: int, max_kv: int, causal: bool,
+                bottom_right: bool, window_left: int, window_right: int, scale: float, deterministic: bool,
+                training: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return backward_impl(d_o, o, stats, q, k, v, cu_q, cu_kv, VarlenOptions(
+        max_q, max_kv, causal, bottom_right, window_left, window_right, scale, deterministic, training))
+
+
+@backward_op.register_fake
+def _(d_o, o, stats, q, k, v, cu_q, cu_kv, max_q, max_kv, causal, bottom_right, window_left, window_right, scale,
+      deterministic, training):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+# -- autograd: gradients for (q, k, v, cu_q, cu_kv) --------------------------------------------
+
+def _grads(d_o, o, stats, tensors, options: VarlenOptions):
+    return (*backward_impl(d_o, o, stats, *tensors, options), None, None)
+
+
+def _grads_op(d_o, o, stats, tensors, options: VarlenOptions):
+    return (*backward_op(d_o, o, stats, *tensors, *options), None, None)
+
+
+RULE = _autograd.Rule(forward_impl, _grads, _grads_op, VarlenOptions)
+N_TENSORS = 5  # q, k, v, cu_q, cu_kv
+_autograd.register(forward_op, RULE, N_TENSORS)
+
+
+def _check_varlen(q, k, v, cu_q, cu_kv) -> None:
+    check_qkv_tensors(q, k, v, 3, "(tokens, heads, head_dim)")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not t.is_contiguous():
+            raise InvalidArgumentError(f"{name} must be contiguous (tokens, heads, head_dim): call .contiguous()")
+    if not (q.device == k.device == v.device) or not (q.dtype == k.dtype == v.dtype):
+        raise InvalidArgumentError("q, k, v must share one device and one dtype")
+    if k.shape[0] != v.shape[0] or k.shape[1] != v.shape[1] or q.shape[1] % k.shape[1] or k.shape[2] != q.shape[2]:
+        raise InvalidArgumentError(f"shapes do not fit: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} "
+                                   "(k and v: the same tokens and heads, dividing q's heads; k: q's head dim)")
+    for name, t in (("cu_seqlens_q", cu_q), ("cu_seqlens_kv", cu_kv)):
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or t.dim() != 1 or t.shape[0] < 2:
+            raise InvalidArgumentError(f"{name}: expected an int32 tensor of batch + 1 cumulative lengths, got "
+                                       f"{getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}")
+        if t.device != q.device:
+            raise InvalidArgumentError(f"{name} is on {t.device}, q on {q.device}")
+    if cu_q.shape != cu_kv.shape:
+        raise InvalidArgumentError(f"cu_seqlens_q has {cu_q.shape[0]} entries, cu_seqlens_kv {cu_kv.shape[0]}")
+    for name, t, h, d in (("q", q, q.shape[1], q.shape[2]), ("k", k, k.shape[1], k.shape[2]),
+                          ("v", v, v.shape[1], v.shape[2])):
+        if t.shape[0] * h * d >= 2**31:
+            raise InvalidArgumentError(f"{name} holds {t.shape[0] * h * d} elements: cuDNN's offsets are int32")
+
+
+def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                     cu_seqlens_kv: torch.Tensor, max_seqlen_q: int, max_seqlen_kv: int, *, causal: bool = False,
+                     causal_bottom_right: bool = False, window: tuple[int, int] | None = None,
+                     scale: float | None = None, deterministic: bool = False) -> torch.Tensor:
+    """Attention over packed variable-length sequences (FlashAttention's varlen layout),
+    with autograd; cuDNN's THD kernels, one plan per batch size and length bucket.
+
+    q: (total_q, heads_q, head_dim_qk), k: (total_kv, heads_kv, head_dim_qk), v:
+      (total_kv, heads_kv, head_dim_v): each batch's sequences one after another,
+      contiguous, float16 or bfloat16, on one CUDA device.
+    cu_seqlens_q, cu_seqlens_kv: int32 (batch + 1,): 0, then cumulative lengths (the
+      sequences' starts in q and k); the last is at most total_q / total_kv.
+    max_seqlen_q, max_seqlen_kv: at least the longest sequence (not checked: that
+      would synchronize). Plans are built for them rounded up to a power of two.
+    causal, causal_bottom_right, window, scale, deterministic: as attention(); the
+      masks apply within each sequence. Returns o: (total_q, heads_q, head_dim_v).
+
+    Raises InvalidArgumentError for bad inputs, NotSupportedError when cuDNN refuses.
+    """
+    _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_kv)
+    left, right, scale = check_options(causal, causal_bottom_right, window, scale, deterministic)
+    for name, n in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_kv", max_seqlen_kv)):
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise InvalidArgumentError(f"{name}={n!r}: must be an int >= 1")
+    training = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    options = _new(VarlenOptions, (bucket(max_seqlen_q), bucket(max_seqlen_kv), bool(causal),
+                                   bool(causal_bottom_right), left, right, scale,
+                                   bool(deterministic), training))
+    if plain_eager(q):  # skip the custom ops' wrappers (see _autograd)
+        if not training:
+            return forward_impl(q, k, v, cu_seqlens_q, cu_seqlens_kv, options)[0]
+        return Eager.apply(RULE, options, q, k, v, cu_seqlens_q, cu_seqlens_kv)
+    return forward_op(q, k, v, cu_seqlens_q, cu_seqlens_kv, *options)[0]
+
+
+plain_eager, Eager = _autograd.plain_eager, _autograd.Eager  # module globals: one lookup less per call
