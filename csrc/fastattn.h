@@ -26,7 +26,9 @@ enum class Code : int {
     kInternal        = 7,  // anything else: a bug in fastattn
 };
 
-struct Status {
+// [[nodiscard]]: a dropped status is a dropped error (a failed launch that looks
+// like success), so the compiler flags every call whose status nobody reads.
+struct [[nodiscard]] Status {
     Code code = Code::kOk;
     std::string message;
 
