@@ -226,8 +226,8 @@ void set_output(const TensorPtr &t, Slot slot, std::vector<int64_t> dims, std::v
 template <class Attributes>
 void apply_mask(const Config &c, Attributes &a) {
     using Align = fe::DiagonalAlignment_t;
-    if (c.mask == 1 || c.mask == 2) {
-        a.set_diagonal_alignment(c.mask == 2 ? Align::BOTTOM_RIGHT : Align::TOP_LEFT);
+    if (c.mask != Mask::kNone) {
+        a.set_diagonal_alignment(c.mask == Mask::kCausalBottomRight ? Align::BOTTOM_RIGHT : Align::TOP_LEFT);
         a.set_diagonal_band_right_bound(0);
     } else if (c.window_right >= 0) {
         a.set_diagonal_alignment(Align::TOP_LEFT);
@@ -239,7 +239,7 @@ void apply_mask(const Config &c, Attributes &a) {
 // The one function that turns a config into a cuDNN graph.
 std::shared_ptr<fe::graph::Graph> make_graph(const Config &c, Direction dir) {
     auto g = std::make_shared<fe::graph::Graph>();
-    g->set_io_data_type(c.dtype == 1 ? fe::DataType_t::BFLOAT16 : fe::DataType_t::HALF)
+    g->set_io_data_type(c.dtype == DType::kBf16 ? fe::DataType_t::BFLOAT16 : fe::DataType_t::HALF)
         .set_intermediate_data_type(fe::DataType_t::FLOAT)
         .set_compute_data_type(fe::DataType_t::FLOAT);
 

@@ -35,16 +35,26 @@ struct [[nodiscard]] Status {
     bool ok() const { return code == Code::kOk; }
 };
 
+// AttentionConfig.dtype: the dtype of q, k, v, o and their gradients.
+enum class DType : int { kFp16 = 0, kBf16 = 1 };
+
+// AttentionConfig.mask.
+enum class Mask : int {
+    kNone              = 0,
+    kCausal            = 1,  // top-left diagonal: query i sees keys j <= i
+    kCausalBottomRight = 2,  // bottom-right diagonal: shifted by seqlen_kv - seqlen_q
+};
+
 // Plain data mirror of fastattn.config.AttentionConfig. Python validates and
 // canonicalizes before filling it, so the core trusts its values.
 struct Config {
     int64_t batch = 0, heads_q = 0, heads_kv = 0, seqlen_q = 0, seqlen_kv = 0;
     int64_t head_dim_qk = 0, head_dim_v = 0;
-    int dtype = 0;  // 0: fp16, 1: bf16
+    DType dtype = DType::kFp16;
     // Element strides of q, k, v, o in (batch, head, seq, dim) order. The
     // gradients share the strides of their tensors: dq of q, dk of k, dv of v, do of o.
     int64_t q_stride[4] = {}, k_stride[4] = {}, v_stride[4] = {}, o_stride[4] = {};
-    int mask = 0;  // 0: none, 1: causal (top-left diagonal), 2: causal (bottom-right diagonal)
+    Mask mask = Mask::kNone;
     // FlashAttention's convention: query i sees keys j with i - left <= j <= i + right
     // (shifted by seqlen_kv - seqlen_q for the bottom-right diagonal); -1 is unbounded.
     int64_t window_left = -1, window_right = -1;

@@ -25,14 +25,23 @@ cdef extern from "fastattn.h" namespace "fastattn" nogil:
         string message
         cbool ok()
 
+    cdef enum class DType(int):
+        kFp16
+        kBf16
+
+    cdef enum class Mask(int):
+        kNone
+        kCausal
+        kCausalBottomRight
+
     cdef cppclass Config:
         int64_t batch, heads_q, heads_kv, seqlen_q, seqlen_kv, head_dim_qk, head_dim_v
-        int dtype
+        DType dtype
         int64_t q_stride[4]
         int64_t k_stride[4]
         int64_t v_stride[4]
         int64_t o_stride[4]
-        int mask
+        Mask mask
         int64_t window_left, window_right
         float scale
         cbool training, deterministic, padding, alibi, ragged
@@ -94,8 +103,26 @@ cdef inline object _error(const Status& st, str prefix=None):
     return error_for_code(<int>st.code, msg)
 
 
-cdef dict _DTYPE = {"fp16": 0, "bf16": 1}
-cdef dict _MASK = {"none": 0, "causal": 1, "causal_bottom_right": 2}
+# AttentionConfig validated these names; an unknown one here is a config newer than this core.
+cdef DType _dtype(str name) except *:
+    if name == "fp16":
+        return DType.kFp16
+    if name == "bf16":
+        return DType.kBf16
+    raise InvalidArgumentError(f"dtype={name!r} is not one this build of fastattn._core knows (fp16, bf16)")
+
+
+cdef Mask _mask(str name) except *:
+    if name == "none":
+        return Mask.kNone
+    if name == "causal":
+        return Mask.kCausal
+    if name == "causal_bottom_right":
+        return Mask.kCausalBottomRight
+    raise InvalidArgumentError(
+        f"mask={name!r} is not one this build of fastattn._core knows (none, causal, causal_bottom_right)")
+
+
 # A bias's (batch, heads) extents, from its broadcast shape's name.
 cdef dict _BIAS = {"none": (0, 0), "11ss": (1, 1), "1hss": (1, -1), "b1ss": (-1, 1), "bhss": (-1, -1)}
 
@@ -110,14 +137,14 @@ cdef Config _c_config(cfg) except *:
     c.seqlen_kv = cfg.seqlen_kv
     c.head_dim_qk = cfg.head_dim_qk
     c.head_dim_v = cfg.head_dim_v
-    c.dtype = _DTYPE[cfg.dtype]
+    c.dtype = _dtype(cfg.dtype)
     q, k, v, o = cfg.strides("q"), cfg.strides("k"), cfg.strides("v"), cfg.strides("o")
     for i in range(4):
         c.q_stride[i] = q[i]
         c.k_stride[i] = k[i]
         c.v_stride[i] = v[i]
         c.o_stride[i] = o[i]
-    c.mask = _MASK[cfg.mask]
+    c.mask = _mask(cfg.mask)
     c.window_left = cfg.window[0]
     c.window_right = cfg.window[1]
     c.scale = cfg.scale
