@@ -198,6 +198,25 @@ Status set_stream(int device, cudnnHandle_t h, intptr_t stream) {
     return {};
 }
 
+// The preamble of every launch: `device` current for the scope (restored after),
+// this thread's handle for it, bound to `stream`. One place, so that execute and the
+// benchmark hook pay exactly the same for it.
+class LaunchScope {
+   public:
+    LaunchScope(int device, intptr_t stream) : guard_(device) {
+        status_ = guard_.status();
+        if (status_.ok()) status_ = thread_handle(device, &handle_);
+        if (status_.ok()) status_ = set_stream(device, handle_, stream);
+    }
+    const Status &status() const { return status_; }
+    cudnnHandle_t handle() const { return handle_; }
+
+   private:
+    DeviceGuard guard_;
+    cudnnHandle_t handle_ = nullptr;
+    Status status_;
+};
+
 std::vector<int64_t> strides(const int64_t s[4]) { return {s[0], s[1], s[2], s[3]}; }
 
 using TensorPtr = std::shared_ptr<fe::graph::Tensor_attributes>;
@@ -436,12 +455,9 @@ Status check_workspace(const Graph &g, intptr_t workspace) {
 
 Status run(const Graph &g, int device, void **ptrs, int n, intptr_t workspace, intptr_t stream) {
     return guarded(Code::kCudnnError, "execute", [&]() -> Status {
-        DeviceGuard guard(device);
-        FA_RETURN_IF_ERROR(guard.status());
-        cudnnHandle_t h;
-        FA_RETURN_IF_ERROR(thread_handle(device, &h));
-        FA_RETURN_IF_ERROR(set_stream(device, h, stream));
-        auto e = g.g->execute(h, ptrs, n, reinterpret_cast<void *>(workspace));
+        LaunchScope scope(device, stream);
+        FA_RETURN_IF_ERROR(scope.status());
+        auto e = g.g->execute(scope.handle(), ptrs, n, reinterpret_cast<void *>(workspace));
         if (e.is_bad()) return error(Code::kCudnnError, "execute: " + e.err_msg);
         return {};
     });
@@ -613,11 +629,9 @@ Status time_raw_execute(const Graph *g, int device, const intptr_t *ptrs, int n,
                         intptr_t stream, int iters, double *seconds) {
     if (g == nullptr || n > kNumSlots) return error(Code::kInvalidArgument, "time_raw_execute: bad arguments");
     return guarded(Code::kCudnnError, "time_raw_execute", [&]() -> Status {
-        DeviceGuard guard(device);
-        FA_RETURN_IF_ERROR(guard.status());
-        cudnnHandle_t h;
-        FA_RETURN_IF_ERROR(thread_handle(device, &h));
-        FA_RETURN_IF_ERROR(set_stream(device, h, stream));
+        LaunchScope scope(device, stream);
+        FA_RETURN_IF_ERROR(scope.status());
+        cudnnHandle_t h = scope.handle();
         void *p[kNumSlots];
         for (int i = 0; i < n; ++i) p[i] = reinterpret_cast<void *>(ptrs[i]);
         auto ws = reinterpret_cast<void *>(workspace);
