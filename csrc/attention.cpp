@@ -255,123 +255,145 @@ void apply_mask(const Config &c, Attributes &a) {
     if (c.window_left >= 0) a.set_diagonal_band_left_bound(static_cast<int>(c.window_left + 1));
 }
 
-// The one function that turns a config into a cuDNN graph.
-std::shared_ptr<fe::graph::Graph> make_graph(const Config &c, Direction dir) {
-    auto g = std::make_shared<fe::graph::Graph>();
-    g->set_io_data_type(c.dtype == DType::kBf16 ? fe::DataType_t::BFLOAT16 : fe::DataType_t::HALF)
+// What both directions' graphs share: the io types, q, k, v, the shapes and the
+// feature inputs (lengths, offsets, bias, dropout, sinks) with their tensors.
+struct Common {
+    std::shared_ptr<fe::graph::Graph> g;
+    std::vector<int64_t> q_dims, k_dims, v_dims, o_dims, s_dims, s_strides, b_dims, b_strides;
+    std::vector<int64_t> sink_dims, sink_strides;
+    TensorPtr q, k, v, seq_len_q, seq_len_kv, ragged[4], ragged_stats, bias, seed, offset, sink;
+};
+
+Common make_common(const Config &c) {
+    Common m;
+    m.g = std::make_shared<fe::graph::Graph>();
+    auto &g = *m.g;
+    g.set_io_data_type(c.dtype == DType::kBf16 ? fe::DataType_t::BFLOAT16 : fe::DataType_t::HALF)
         .set_intermediate_data_type(fe::DataType_t::FLOAT)
         .set_compute_data_type(fe::DataType_t::FLOAT);
 
     // A paged k or v is a pool of pages; the page tables say which hold a sequence.
     const int64_t kv_batch = c.page_size > 0 ? c.num_pages : c.batch;
     const int64_t kv_seq   = c.page_size > 0 ? c.page_size : c.seqlen_kv;
-    const std::vector<int64_t> q_dims  = {c.batch, c.heads_q, c.seqlen_q, c.head_dim_qk};
-    const std::vector<int64_t> k_dims  = {kv_batch, c.heads_kv, kv_seq, c.head_dim_qk};
-    const std::vector<int64_t> v_dims  = {kv_batch, c.heads_kv, kv_seq, c.head_dim_v};
-    const std::vector<int64_t> o_dims  = {c.batch, c.heads_q, c.seqlen_q, c.head_dim_v};
-    const std::vector<int64_t> s_dims  = {c.batch, c.heads_q, c.seqlen_q, 1};
+    m.q_dims = {c.batch, c.heads_q, c.seqlen_q, c.head_dim_qk};
+    m.k_dims = {kv_batch, c.heads_kv, kv_seq, c.head_dim_qk};
+    m.v_dims = {kv_batch, c.heads_kv, kv_seq, c.head_dim_v};
+    m.o_dims = {c.batch, c.heads_q, c.seqlen_q, c.head_dim_v};
+    m.s_dims = {c.batch, c.heads_q, c.seqlen_q, 1};
     // Packed sequences pack their stats too: (tokens, heads), each sequence at its offset.
-    const std::vector<int64_t> s_strides = c.ragged ? std::vector<int64_t>{c.heads_q * c.seqlen_q, 1, c.heads_q, 1}
-                                                    : std::vector<int64_t>{c.heads_q * c.seqlen_q, c.seqlen_q, 1, 1};
-    const std::vector<int64_t> b_dims    = {c.bias_batch, c.bias_heads, c.seqlen_q, c.seqlen_kv};
-    const std::vector<int64_t> b_strides = {c.bias_heads * c.seqlen_q * c.seqlen_kv, c.seqlen_q * c.seqlen_kv,
-                                            c.seqlen_kv, 1};
-    const std::vector<int64_t> sink_dims = {1, c.heads_q, 1, 1}, sink_strides = {c.heads_q, 1, 1, 1};
+    m.s_strides = c.ragged ? std::vector<int64_t>{c.heads_q * c.seqlen_q, 1, c.heads_q, 1}
+                           : std::vector<int64_t>{c.heads_q * c.seqlen_q, c.seqlen_q, 1, 1};
+    m.b_dims    = {c.bias_batch, c.bias_heads, c.seqlen_q, c.seqlen_kv};
+    m.b_strides = {c.bias_heads * c.seqlen_q * c.seqlen_kv, c.seqlen_q * c.seqlen_kv, c.seqlen_kv, 1};
+    m.sink_dims = {1, c.heads_q, 1, 1};
+    m.sink_strides = {c.heads_q, 1, 1, 1};
 
-    auto q = input(*g, kSlotQ, q_dims, strides(c.q_stride));
-    auto k = input(*g, kSlotK, k_dims, strides(c.k_stride));
-    auto v = input(*g, kSlotV, v_dims, strides(c.v_stride));
-    TensorPtr seq_len_q, seq_len_kv, ragged[4], ragged_stats, bias, seed, offset, sink;
+    m.q = input(g, kSlotQ, m.q_dims, strides(c.q_stride));
+    m.k = input(g, kSlotK, m.k_dims, strides(c.k_stride));
+    m.v = input(g, kSlotV, m.v_dims, strides(c.v_stride));
     if (c.padding) {
-        seq_len_q  = index_input(*g, kSlotSeqLenQ, c.batch);
-        seq_len_kv = index_input(*g, kSlotSeqLenKV, c.batch);
+        m.seq_len_q  = index_input(g, kSlotSeqLenQ, c.batch);
+        m.seq_len_kv = index_input(g, kSlotSeqLenKV, c.batch);
     }
     if (c.ragged) {  // q, k, v, o; each gradient shares its tensor's offsets
-        for (int i = 0; i < 4; ++i) ragged[i] = index_input(*g, static_cast<Slot>(kSlotRaggedQ + i), c.batch + 1);
-        q->set_ragged_offset(ragged[0]);
-        k->set_ragged_offset(ragged[1]);
-        v->set_ragged_offset(ragged[2]);
-        if (c.training) ragged_stats = index_input(*g, kSlotRaggedStats, c.batch + 1);
+        for (int i = 0; i < 4; ++i) m.ragged[i] = index_input(g, static_cast<Slot>(kSlotRaggedQ + i), c.batch + 1);
+        m.q->set_ragged_offset(m.ragged[0]);
+        m.k->set_ragged_offset(m.ragged[1]);
+        m.v->set_ragged_offset(m.ragged[2]);
+        if (c.training) m.ragged_stats = index_input(g, kSlotRaggedStats, c.batch + 1);
     }
-    if (c.bias_batch > 0) bias = input(*g, kSlotBias, b_dims, b_strides);
+    if (c.bias_batch > 0) m.bias = input(g, kSlotBias, m.b_dims, m.b_strides);
     if (c.dropout > 0.0f) {
-        seed   = input(*g, kSlotSeed, {1, 1, 1, 1}, {1, 1, 1, 1});
-        offset = input(*g, kSlotOffset, {1, 1, 1, 1}, {1, 1, 1, 1});
-        seed->set_data_type(fe::DataType_t::INT64).set_is_pass_by_value(c.host_seed);
-        offset->set_data_type(fe::DataType_t::INT64).set_is_pass_by_value(c.host_seed);
+        m.seed   = input(g, kSlotSeed, {1, 1, 1, 1}, {1, 1, 1, 1});
+        m.offset = input(g, kSlotOffset, {1, 1, 1, 1}, {1, 1, 1, 1});
+        m.seed->set_data_type(fe::DataType_t::INT64).set_is_pass_by_value(c.host_seed);
+        m.offset->set_data_type(fe::DataType_t::INT64).set_is_pass_by_value(c.host_seed);
     }
     if (c.sinks) {
-        sink = input(*g, kSlotSink, sink_dims, sink_strides);
-        sink->set_data_type(fe::DataType_t::FLOAT);
+        m.sink = input(g, kSlotSink, m.sink_dims, m.sink_strides);
+        m.sink->set_data_type(fe::DataType_t::FLOAT);
     }
-    auto apply_features = [&](auto &a) {  // what both directions share beyond the mask
-        if (c.padding) a.set_padding_mask(true).set_seq_len_q(seq_len_q).set_seq_len_kv(seq_len_kv);
-        if (c.ragged) a.set_max_total_seq_len_q(c.max_tokens_q).set_max_total_seq_len_kv(c.max_tokens_kv);
-        if (c.alibi) a.set_alibi_mask(true);
-        if (bias) a.set_bias(bias);
-        if (seed) a.set_dropout(c.dropout, seed, offset);
-        if (sink) a.set_sink_token(sink);
-    };
+    return m;
+}
 
-    if (dir == Direction::kForward) {
-        auto a = fe::graph::SDPA_attributes().set_name("sdpa").set_generate_stats(c.training).set_attn_scale(c.scale);
-        apply_mask(c, a);
-        apply_features(a);
-        if (c.page_size > 0) {
-            const int64_t pages = (c.seqlen_kv + c.page_size - 1) / c.page_size;
-            auto table_k        = input(*g, kSlotPageTableK, {c.batch, 1, pages, 1}, {pages, pages, 1, 1});
-            auto table_v        = input(*g, kSlotPageTableV, {c.batch, 1, pages, 1}, {pages, pages, 1, 1});
-            table_k->set_data_type(fe::DataType_t::INT32);
-            table_v->set_data_type(fe::DataType_t::INT32);
-            a.set_paged_attention_k_table(table_k)
-                .set_paged_attention_v_table(table_v)
-                .set_paged_attention_max_seq_len_kv(static_cast<int>(c.seqlen_kv));
-        }
-        auto [o, stats] = g->sdpa(q, k, v, a);
-        set_output(o, kSlotO, o_dims, strides(c.o_stride));
-        if (c.ragged) o->set_ragged_offset(ragged[3]);
-        if (c.training) {
-            set_output(stats, kSlotStats, s_dims, s_strides);
-            stats->set_data_type(fe::DataType_t::FLOAT);
-            if (c.ragged) stats->set_ragged_offset(ragged_stats);
-        }
-        return g;
+// What both directions' attributes share beyond the mask.
+template <class Attributes>
+void apply_features(const Config &c, const Common &m, Attributes &a) {
+    if (c.padding) a.set_padding_mask(true).set_seq_len_q(m.seq_len_q).set_seq_len_kv(m.seq_len_kv);
+    if (c.ragged) a.set_max_total_seq_len_q(c.max_tokens_q).set_max_total_seq_len_kv(c.max_tokens_kv);
+    if (c.alibi) a.set_alibi_mask(true);
+    if (m.bias) a.set_bias(m.bias);
+    if (m.seed) a.set_dropout(c.dropout, m.seed, m.offset);
+    if (m.sink) a.set_sink_token(m.sink);
+}
+
+std::shared_ptr<fe::graph::Graph> make_forward_graph(const Config &c) {
+    Common m = make_common(c);
+    auto &g  = *m.g;
+    auto a   = fe::graph::SDPA_attributes().set_name("sdpa").set_generate_stats(c.training).set_attn_scale(c.scale);
+    apply_mask(c, a);
+    apply_features(c, m, a);
+    if (c.page_size > 0) {
+        const int64_t pages = (c.seqlen_kv + c.page_size - 1) / c.page_size;
+        auto table_k        = input(g, kSlotPageTableK, {c.batch, 1, pages, 1}, {pages, pages, 1, 1});
+        auto table_v        = input(g, kSlotPageTableV, {c.batch, 1, pages, 1}, {pages, pages, 1, 1});
+        table_k->set_data_type(fe::DataType_t::INT32);
+        table_v->set_data_type(fe::DataType_t::INT32);
+        a.set_paged_attention_k_table(table_k)
+            .set_paged_attention_v_table(table_v)
+            .set_paged_attention_max_seq_len_kv(static_cast<int>(c.seqlen_kv));
     }
-    auto o     = input(*g, kSlotO, o_dims, strides(c.o_stride));
-    auto d_o   = input(*g, kSlotDO, o_dims, strides(c.o_stride));
-    auto stats = input(*g, kSlotStats, s_dims, s_strides);
+    auto [o, stats] = g.sdpa(m.q, m.k, m.v, a);
+    set_output(o, kSlotO, m.o_dims, strides(c.o_stride));
+    if (c.ragged) o->set_ragged_offset(m.ragged[3]);
+    if (c.training) {
+        set_output(stats, kSlotStats, m.s_dims, m.s_strides);
+        stats->set_data_type(fe::DataType_t::FLOAT);
+        if (c.ragged) stats->set_ragged_offset(m.ragged_stats);
+    }
+    return m.g;
+}
+
+std::shared_ptr<fe::graph::Graph> make_backward_graph(const Config &c) {
+    Common m   = make_common(c);
+    auto &g    = *m.g;
+    auto o     = input(g, kSlotO, m.o_dims, strides(c.o_stride));
+    auto d_o   = input(g, kSlotDO, m.o_dims, strides(c.o_stride));
+    auto stats = input(g, kSlotStats, m.s_dims, m.s_strides);
     stats->set_data_type(fe::DataType_t::FLOAT);
     if (c.ragged) {
-        o->set_ragged_offset(ragged[3]);
-        d_o->set_ragged_offset(ragged[3]);
-        stats->set_ragged_offset(ragged_stats);
+        o->set_ragged_offset(m.ragged[3]);
+        d_o->set_ragged_offset(m.ragged[3]);
+        stats->set_ragged_offset(m.ragged_stats);
     }
     auto a = fe::graph::SDPA_backward_attributes()
                  .set_name("sdpa_backward")
                  .set_attn_scale(c.scale)
                  .set_deterministic_algorithm(c.deterministic);
     apply_mask(c, a);
-    apply_features(a);
-    TensorPtr d_bias, d_sink;
-    if (c.bias_grad) {
-        d_bias = input(*g, kSlotDBias, b_dims, b_strides);
-        a.set_dbias(d_bias);
-    }
+    apply_features(c, m, a);
+    if (c.bias_grad) a.set_dbias(input(g, kSlotDBias, m.b_dims, m.b_strides));
     if (c.sinks) {
-        d_sink = input(*g, kSlotDSink, sink_dims, sink_strides);
+        auto d_sink = input(g, kSlotDSink, m.sink_dims, m.sink_strides);
         d_sink->set_data_type(fe::DataType_t::FLOAT);
         a.set_dsink_token(d_sink);
     }
-    auto [d_q, d_k, d_v] = g->sdpa_backward(q, k, v, o, d_o, stats, a);
-    set_output(d_q, kSlotDQ, q_dims, strides(c.q_stride));
-    set_output(d_k, kSlotDK, k_dims, strides(c.k_stride));
-    set_output(d_v, kSlotDV, v_dims, strides(c.v_stride));
+    auto [d_q, d_k, d_v] = g.sdpa_backward(m.q, m.k, m.v, o, d_o, stats, a);
+    set_output(d_q, kSlotDQ, m.q_dims, strides(c.q_stride));
+    set_output(d_k, kSlotDK, m.k_dims, strides(c.k_stride));
+    set_output(d_v, kSlotDV, m.v_dims, strides(c.v_stride));
     if (c.ragged) {
-        d_q->set_ragged_offset(ragged[0]);
-        d_k->set_ragged_offset(ragged[1]);
-        d_v->set_ragged_offset(ragged[2]);
+        d_q->set_ragged_offset(m.ragged[0]);
+        d_k->set_ragged_offset(m.ragged[1]);
+        d_v->set_ragged_offset(m.ragged[2]);
     }
-    return g;
+    return m.g;
+}
+
+// The one function that turns a config into a cuDNN graph: build, probe and warm all
+// come through here, so a probed graph is the graph that runs.
+std::shared_ptr<fe::graph::Graph> make_graph(const Config &c, Direction dir) {
+    return dir == Direction::kForward ? make_forward_graph(c) : make_backward_graph(c);
 }
 
 // The slots a graph of this config and direction takes at execute.
