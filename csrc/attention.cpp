@@ -30,8 +30,13 @@ class Graph {
     std::shared_ptr<fe::graph::Graph> g;
     Direction dir     = Direction::kForward;
     uint32_t slots    = 0;  // bit s set: the graph takes the tensor of Slot s at execute
-    bool host_seed    = false;  // seed and offset are host values: not held to device alignment
+    uint32_t by_value = 0;  // host values (host_seed's seed and offset): not held to device alignment
     int64_t workspace = 0;
+    // The variant pack's layout, fixed when the graph is made: order[i] is the slot of
+    // its i-th tensor in uid order (cuDNN's sorted order), so execute writes each
+    // pointer straight to its place, with no map, vector or search per call.
+    int8_t order[kNumSlots] = {};
+    int n                   = 0;
 };
 
 void GraphDeleter::operator()(Graph *g) const { delete g; }
@@ -416,6 +421,17 @@ uint32_t slot_mask(const Config &c, Direction dir) {
     return m;
 }
 
+// Fixes the graph's tensors and their places in the variant pack.
+void set_layout(Graph &graph, const Config &c, Direction dir) {
+    graph.dir      = dir;
+    graph.slots    = slot_mask(c, dir);
+    graph.by_value = c.host_seed ? bit(kSlotSeed) | bit(kSlotOffset) : 0u;
+    graph.n        = 0;
+    for (int s = 0; s < kNumSlots; ++s) {
+        if (graph.slots & bit(static_cast<Slot>(s))) graph.order[graph.n++] = static_cast<int8_t>(s);
+    }
+}
+
 // The uids of a slot mask, sorted: what cuDNN's variant pack holds, in its order.
 std::vector<int64_t> mask_uids(uint32_t mask) {
     std::vector<int64_t> uids;
@@ -475,6 +491,11 @@ Status check_workspace(const Graph &g, intptr_t workspace) {
     return {};
 }
 
+// `ptrs` in uid order. cudnn-frontend 1.28's cheapest entry point for a plan already
+// chosen: its sorted-pointer execute goes straight to execute_plan_at_index with the
+// candidate plan; its map overloads first build and search an unordered_map
+// (graph_interface.h). What remains per call is the frontend's (copy of its variant
+// pack template, cuDNN's variant pack descriptor) and the launch itself.
 Status run(const Graph &g, int device, void **ptrs, int n, intptr_t workspace, intptr_t stream) {
     return guarded(Code::kCudnnError, "execute", [&]() -> Status {
         LaunchScope scope(device, stream);
@@ -570,9 +591,7 @@ Status build_graph(const Config &cfg, Direction dir, int device, GraphPtr *out, 
         FA_RETURN_IF_ERROR(thread_handle(device, &h));
 
         GraphPtr graph(new Graph);
-        graph->dir      = dir;
-        graph->slots    = slot_mask(cfg, dir);
-        graph->host_seed = cfg.host_seed;
+        set_layout(*graph, cfg, dir);
         graph->g        = make_graph(cfg, dir);
         auto &g         = *graph->g;
         FA_RETURN_IF_ERROR(build_step(g.validate(), "validate"));
@@ -612,9 +631,7 @@ Status deserialize_graph(const uint8_t *data, size_t size, const Config &cfg, Di
         // overload that expects a serialized graph structure.
         const std::vector<uint8_t> blob(data, data + size);
         GraphPtr graph(new Graph);
-        graph->dir      = dir;
-        graph->slots    = slot_mask(cfg, dir);
-        graph->host_seed = cfg.host_seed;
+        set_layout(*graph, cfg, dir);
         graph->g        = std::make_shared<fe::graph::Graph>();
         auto e = graph->g->deserialize(h, blob, /*enforce_precompiled=*/false, /*run_warmup=*/false);
         if (e.is_bad()) return error(Code::kCorruptPlan, "deserialize: " + e.err_msg);
@@ -631,20 +648,30 @@ Status execute(const Graph *g, Direction dir, int device, const intptr_t *slots,
         return error(Code::kInvalidArgument,
                      dir == Direction::kForward ? "not a forward graph" : "not a backward graph");
     }
-    void *ptrs[kNumSlots];
-    int n = 0;
-    for (int s = 0; s < kNumSlots; ++s) {
-        if (g->slots & bit(static_cast<Slot>(s))) {
-            const bool host = g->host_seed && (s == kSlotSeed || s == kSlotOffset);  // a host int64
-            if (host && slots[s] == 0) return error(Code::kInvalidArgument, std::string(kSlots[s].name) + " is null");
-            if (!host) FA_RETURN_IF_ERROR(check_pointer(slots[s], kSlots[s].name));
-            ptrs[n++] = reinterpret_cast<void *>(slots[s]);
-        } else if (slots[s] != 0) {
-            return error(Code::kInvalidArgument, std::string(kSlots[s].name) + " given, but " + kSlots[s].absent);
+    // One branch-free pass finds a pointer the plan does not take; only then is the
+    // culprit looked for (an error path).
+    uint32_t given = 0;
+    for (int s = 0; s < kNumSlots; ++s) given |= static_cast<uint32_t>(slots[s] != 0) << s;
+    if (const uint32_t extra = given & ~g->slots) {
+        int s = 0;
+        while (!(extra & (1u << s))) ++s;
+        return error(Code::kInvalidArgument, std::string(kSlots[s].name) + " given, but " + kSlots[s].absent);
+    }
+    // The variant pack, filled in place in cuDNN's order. On the stack, not kept with
+    // the plan: plans are shared between threads and execute runs without the GIL, so
+    // a per-plan array would be written by two launches at once.
+    void *pack[kNumSlots];
+    for (int i = 0; i < g->n; ++i) {
+        const int s = g->order[i];
+        if (g->by_value & (1u << s)) {  // a host int64, read by cuDNN during the call
+            if (slots[s] == 0) return error(Code::kInvalidArgument, std::string(kSlots[s].name) + " is null");
+        } else {
+            FA_RETURN_IF_ERROR(check_pointer(slots[s], kSlots[s].name));
         }
+        pack[i] = reinterpret_cast<void *>(slots[s]);
     }
     FA_RETURN_IF_ERROR(check_workspace(*g, workspace));
-    return run(*g, device, ptrs, n, workspace, stream);
+    return run(*g, device, pack, g->n, workspace, stream);
 }
 
 Status time_raw_execute(const Graph *g, int device, const intptr_t *ptrs, int n, intptr_t workspace,
