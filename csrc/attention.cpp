@@ -5,6 +5,7 @@
 // against cuDNN or CUDA. The Python loader (fastattn/_loader.py) finds and loads
 // libcudnn and what it needs, then load_cudnn() hands the library to the frontend.
 #include "fastattn.h"
+#include "bench.h"
 
 #include <dlfcn.h>
 
@@ -12,6 +13,7 @@
 #include <cstring>
 #include <exception>
 #include <mutex>
+#include <unordered_map>
 #include <sstream>
 
 #include <cudnn_frontend.h>
@@ -674,24 +676,45 @@ Status execute(const Graph *g, Direction dir, int device, const intptr_t *slots,
     return run(*g, device, pack, g->n, workspace, stream);
 }
 
-Status time_raw_execute(const Graph *g, int device, const intptr_t *ptrs, int n, intptr_t workspace,
-                        intptr_t stream, int iters, double *seconds) {
-    if (g == nullptr || n > kNumSlots) return error(Code::kInvalidArgument, "time_raw_execute: bad arguments");
-    return guarded(Code::kCudnnError, "time_raw_execute", [&]() -> Status {
+namespace bench {
+
+uint32_t graph_slots(const Graph *g) { return g == nullptr ? 0u : g->slots; }
+
+Status time_execute(const Graph *g, Direction dir, int device, const intptr_t *slots, intptr_t workspace,
+                    intptr_t stream, Mode mode, int iters, double *seconds) {
+    if (g == nullptr || g->dir != dir || iters < 1) {
+        return error(Code::kInvalidArgument, "time_execute: no graph of that direction, or iters < 1");
+    }
+    if (mode == Mode::kFastattn) {
+        auto t0 = std::chrono::steady_clock::now();
+        for (int i = 0; i < iters; ++i) FA_RETURN_IF_ERROR(execute(g, dir, device, slots, workspace, stream));
+        *seconds = ms_since(t0) / 1000.0;
+        return {};
+    }
+    return guarded(Code::kCudnnError, "time_execute", [&]() -> Status {
         LaunchScope scope(device, stream);
         FA_RETURN_IF_ERROR(scope.status());
-        cudnnHandle_t h = scope.handle();
-        void *p[kNumSlots];
-        for (int i = 0; i < n; ++i) p[i] = reinterpret_cast<void *>(ptrs[i]);
+        const cudnnHandle_t h = scope.handle();
+        void *pack[kNumSlots];
+        for (int i = 0; i < g->n; ++i) pack[i] = reinterpret_cast<void *>(slots[g->order[i]]);
         auto ws = reinterpret_cast<void *>(workspace);
         auto t0 = std::chrono::steady_clock::now();
         for (int i = 0; i < iters; ++i) {
-            auto e = g->g->execute(h, p, n, ws);
+            fe::error_t e;
+            if (mode == Mode::kFrontendSorted) {
+                e = g->g->execute(h, pack, g->n, ws);
+            } else {
+                std::unordered_map<int64_t, void *> by_uid;
+                for (int j = 0; j < g->n; ++j) by_uid.emplace(uid(static_cast<Slot>(g->order[j])), pack[j]);
+                e = g->g->execute(h, by_uid, ws);
+            }
             if (e.is_bad()) return error(Code::kCudnnError, "execute: " + e.err_msg);
         }
         *seconds = ms_since(t0) / 1000.0;
         return {};
     });
 }
+
+}  // namespace bench
 
 }  // namespace fastattn

@@ -157,10 +157,4 @@ Status deserialize_graph(const uint8_t *data, size_t size, const Config &cfg, Di
 Status execute(const Graph *g, Direction dir, int device, const intptr_t *slots, intptr_t workspace,
                intptr_t stream);
 
-// Benchmark hook: cudnn-frontend's own execute on this plan, `iters` times, with
-// none of fastattn's checks around it: the C++ floor that tools/bench_core.py
-// compares plan.forward against. `ptrs` are the graph's tensors in slot order.
-Status time_raw_execute(const Graph *g, int device, const intptr_t *ptrs, int n, intptr_t workspace,
-                        intptr_t stream, int iters, double *seconds);
-
 }  // namespace fastattn

@@ -7,7 +7,7 @@ with the GIL released; a C++ status becomes an exception through one table
 (fastattn.errors). Files, keys and policy live in Python modules, not here.
 """
 
-from libc.stdint cimport int64_t, intptr_t, uint8_t
+from libc.stdint cimport int64_t, intptr_t, uint8_t, uint32_t
 from libc.string cimport memset
 from libcpp cimport bool as cbool
 from libcpp.string cimport string
@@ -92,8 +92,19 @@ cdef extern from "fastattn.h" namespace "fastattn" nogil:
                              GraphPtr* out, GraphInfo* info)
     Status execute(const Graph* g, Direction dir, int device, const intptr_t* slots, intptr_t workspace,
                    intptr_t stream)
-    Status time_raw_execute(const Graph* g, int device, const intptr_t* ptrs, int n, intptr_t workspace,
-                            intptr_t stream, int iters, double* seconds)
+
+
+cdef extern from "bench.h" namespace "fastattn::bench" nogil:
+    cdef enum class Mode(int):
+        kFastattn
+        kFrontendSorted
+        kFrontendUidMap
+
+    Status time_execute(const Graph* g, Direction dir, int device, const intptr_t* slots, intptr_t workspace,
+                        intptr_t stream, Mode mode, int iters, double* seconds)
+    uint32_t graph_slots(const Graph* g)
+
+
 
 
 cdef inline object _error(const Status& st, str prefix=None):
@@ -472,22 +483,60 @@ def load_plan(cfg, int device, bytes forward_blob not None, bytes backward_blob=
     return p
 
 
-def bench_raw_execute(Plan plan, str direction, ptrs, intptr_t workspace=0, intptr_t stream=0, int iters=1000):
-    """Seconds for `iters` calls of cudnn-frontend's own C++ execute on the plan's
-    graph, with no fastattn checks: the floor that plan.forward is measured against.
-    For tools/ benchmarks only. `ptrs`: the graph's tensors in uid order (q, k, v, o,
-    stats, d_o, d_q, d_k, d_v, then the features' in fastattn.h's Slot order)."""
-    cdef intptr_t p[kNumSlots]
-    cdef int n = len(ptrs), i
+# The tensors' names in Slot order (fastattn.h): the keyword names of forward and backward.
+SLOT_NAMES = ("q", "k", "v", "o", "stats", "d_o", "d_q", "d_k", "d_v", "seq_len_q", "seq_len_kv",
+              "ragged_q", "ragged_k", "ragged_v", "ragged_o", "bias", "d_bias", "seed", "offset", "sink", "d_sink",
+              "page_table_k", "page_table_v", "ragged_stats")
+assert len(SLOT_NAMES) == kNumSlots
+
+
+cdef dict _BENCH_MODES = {"fastattn": 0, "frontend_sorted": 1, "frontend_uid_map": 2}
+
+
+def bench_execute(Plan plan, str direction, str mode, int iters, intptr_t workspace=0, intptr_t stream=0,
+                  **tensors):
+    """Seconds for `iters` launches of the plan's `direction` graph looped in C++, in
+    `mode`: "fastattn" (the C++ execute behind plan.forward/backward, checks included),
+    "frontend_sorted" (cudnn-frontend's cheapest execute on the same plan, no checks:
+    the floor) or "frontend_uid_map" (its uid-map execute, the map built per call).
+    `tensors`: device addresses by name, as forward/backward take them (with
+    config.host_seed, seed and offset are the values). For tools/ benchmarks only: a
+    hook outside the production interface (csrc/bench.h)."""
+    cdef intptr_t t[kNumSlots]
+    cdef int64_t host[2]
     cdef double seconds = 0
     cdef Status st
-    cdef const Graph* g = plan._fwd.get() if direction == "forward" else plan._bwd.get()
-    if n > kNumSlots:
-        raise ValueError("too many pointers")
-    for i in range(n):
-        p[i] = ptrs[i]
+    cdef Direction d = Direction.kForward if direction == "forward" else Direction.kBackward
+    cdef const Graph* g = plan._fwd.get() if d == Direction.kForward else plan._bwd.get()
+    if direction not in ("forward", "backward") or g == NULL:
+        raise InvalidArgumentError(f"direction={direction!r}: this plan has no such graph")
+    if mode not in _BENCH_MODES:
+        raise InvalidArgumentError(f"mode={mode!r} is not one of {sorted(_BENCH_MODES)}")
+    memset(t, 0, sizeof(t))
+    for name, value in tensors.items():
+        if name not in SLOT_NAMES:
+            raise InvalidArgumentError(f"{name}= is not a tensor of fastattn's plans")
+        t[SLOT_NAMES.index(name)] = value
+    if plan._c.host_seed:
+        host[0] = t[kSlotSeed]
+        host[1] = t[kSlotOffset]
+        t[kSlotSeed] = <intptr_t>&host[0]
+        t[kSlotOffset] = <intptr_t>&host[1]
+    cdef Mode m = <Mode><int>_BENCH_MODES[mode]
     with nogil:
-        st = time_raw_execute(g, plan.device, p, n, workspace, stream, iters, &seconds)
+        st = time_execute(g, d, plan.device, t, workspace, stream, m, iters, &seconds)
     if not st.ok():
         raise _error(st)
     return seconds
+
+
+def bench_raw_execute(Plan plan, str direction, ptrs, intptr_t workspace=0, intptr_t stream=0, int iters=1000):
+    """bench_execute(plan, direction, "frontend_sorted", ...) with the graph's tensors
+    given in uid order (q, k, v, o, stats, d_o, d_q, d_k, d_v, then the features' in
+    fastattn.h's Slot order), as tools/ passed them before bench_execute existed."""
+    cdef const Graph* g = plan._fwd.get() if direction == "forward" else plan._bwd.get()
+    cdef uint32_t mask = graph_slots(g)
+    names = [SLOT_NAMES[s] for s in range(kNumSlots) if mask & (1u << s)]
+    if len(ptrs) != len(names):
+        raise InvalidArgumentError(f"{direction} takes {len(names)} tensors ({', '.join(names)}), got {len(ptrs)}")
+    return bench_execute(plan, direction, "frontend_sorted", iters, workspace, stream, **dict(zip(names, ptrs)))
