@@ -13,6 +13,8 @@ from libcpp cimport bool as cbool
 from libcpp.string cimport string
 from libcpp.vector cimport vector
 
+from operator import index
+
 from fastattn.errors import CorruptPlanError, InvalidArgumentError, error_for_code
 
 
@@ -103,8 +105,6 @@ cdef extern from "bench.h" namespace "fastattn::bench" nogil:
     Status time_execute(const Graph* g, Direction dir, int device, const intptr_t* slots, intptr_t workspace,
                         intptr_t stream, Mode mode, int iters, double* seconds)
     uint32_t graph_slots(const Graph* g)
-
-
 
 
 cdef inline object _error(const Status& st, str prefix=None):
@@ -233,6 +233,21 @@ def get_device_info(int device):
     }
 
 
+# The tensors' names in Slot order (fastattn.h): the keyword names of forward and backward.
+SLOT_NAMES = ("q", "k", "v", "o", "stats", "d_o", "d_q", "d_k", "d_v", "seq_len_q", "seq_len_kv",
+              "ragged_q", "ragged_k", "ragged_v", "ragged_o", "bias", "d_bias", "seed", "offset", "sink", "d_sink",
+              "page_table_k", "page_table_v", "ragged_stats")
+assert len(SLOT_NAMES) == kNumSlots
+
+cdef intptr_t _address(str name, object x) except? 0:
+    """A device address from anything that is not exactly an int (the fast path's type):
+    int subclasses and integer-like objects (numpy integers), through __index__."""
+    try:
+        return index(x)
+    except TypeError:
+        raise TypeError(f"{name}= takes a device address (int), got {type(x).__name__}") from None
+
+
 cdef class Plan:
     """A built (or loaded) cuDNN attention plan for one AttentionConfig on one device.
 
@@ -277,11 +292,33 @@ cdef class Plan:
         return (f"<fastattn.Plan device={self.device} forward={self.forward_engine!r} "
                 f"backward={self.backward_engine!r} workspace={self.workspace_size} config={self.config.to_json()}>")
 
-    def forward(self, intptr_t q, intptr_t k, intptr_t v, intptr_t o, intptr_t stats=0,
-                intptr_t workspace=0, intptr_t stream=0, intptr_t seq_len_q=0, intptr_t seq_len_kv=0, *,
-                intptr_t ragged_q=0, intptr_t ragged_k=0, intptr_t ragged_v=0, intptr_t ragged_o=0,
-                intptr_t ragged_stats=0, intptr_t bias=0, intptr_t seed=0, intptr_t offset=0, intptr_t sink=0,
-                intptr_t page_table_k=0, intptr_t page_table_v=0):
+    cdef int _put(self, intptr_t* t, int slot, object x) except -1:
+        """Writes tensor `x` into slot `slot`: the one place forward and backward fill slots."""
+        if type(x) is int:  # the zero-overhead path: C++ checks null and alignment, nothing else
+            t[slot] = <intptr_t>x
+        else:
+            t[slot] = _address(SLOT_NAMES[slot], x)
+        return 0
+
+    cdef int _launch(self, Direction d, intptr_t* t, int64_t* host, object workspace, object stream) except -1:
+        cdef Status st
+        cdef intptr_t ws = <intptr_t>workspace if type(workspace) is int else _address("workspace", workspace)
+        cdef intptr_t s = <intptr_t>stream if type(stream) is int else _address("stream", stream)
+        cdef const Graph* g = self._fwd.get() if d == Direction.kForward else self._bwd.get()
+        if self._c.host_seed:  # passed by value: cuDNN reads them from `host` during the call
+            host[0] = t[kSlotSeed]
+            host[1] = t[kSlotOffset]
+            t[kSlotSeed] = <intptr_t>&host[0]
+            t[kSlotOffset] = <intptr_t>&host[1]
+        with nogil:
+            st = execute(g, d, self.device, t, ws, s)
+        if not st.ok():
+            raise _error(st)
+        return 0
+
+    def forward(self, q, k, v, o, stats=0, workspace=0, stream=0, seq_len_q=0, seq_len_kv=0, *,
+                ragged_q=0, ragged_k=0, ragged_v=0, ragged_o=0, ragged_stats=0, bias=0, seed=0, offset=0, sink=0,
+                page_table_k=0, page_table_v=0):
         """Runs attention forward: o = softmax(scale * q @ k^T, masked) @ v.
 
         Every argument is a CUDA device address as an int (16-byte aligned); stream is a
@@ -308,41 +345,30 @@ cdef class Plan:
         """
         cdef intptr_t t[kNumSlots]
         cdef int64_t host[2]
-        cdef Status st
         memset(t, 0, sizeof(t))
-        if self._c.host_seed:  # passed by value: cuDNN reads them from here during the call
-            host[0] = seed
-            host[1] = offset
-            seed = <intptr_t>&host[0]
-            offset = <intptr_t>&host[1]
-        t[kSlotQ] = q
-        t[kSlotK] = k
-        t[kSlotV] = v
-        t[kSlotO] = o
-        t[kSlotStats] = stats
-        t[kSlotSeqLenQ] = seq_len_q
-        t[kSlotSeqLenKV] = seq_len_kv
-        t[kSlotRaggedQ] = ragged_q
-        t[kSlotRaggedK] = ragged_k
-        t[kSlotRaggedV] = ragged_v
-        t[kSlotRaggedO] = ragged_o
-        t[kSlotBias] = bias
-        t[kSlotSeed] = seed
-        t[kSlotOffset] = offset
-        t[kSlotSink] = sink
-        t[kSlotRaggedStats] = ragged_stats
-        t[kSlotPageTableK] = page_table_k
-        t[kSlotPageTableV] = page_table_v
-        with nogil:
-            st = execute(self._fwd.get(), Direction.kForward, self.device, t, workspace, stream)
-        if not st.ok():
-            raise _error(st)
+        self._put(t, kSlotQ, q)
+        self._put(t, kSlotK, k)
+        self._put(t, kSlotV, v)
+        self._put(t, kSlotO, o)
+        self._put(t, kSlotStats, stats)
+        self._put(t, kSlotSeqLenQ, seq_len_q)
+        self._put(t, kSlotSeqLenKV, seq_len_kv)
+        self._put(t, kSlotRaggedQ, ragged_q)
+        self._put(t, kSlotRaggedK, ragged_k)
+        self._put(t, kSlotRaggedV, ragged_v)
+        self._put(t, kSlotRaggedO, ragged_o)
+        self._put(t, kSlotRaggedStats, ragged_stats)
+        self._put(t, kSlotBias, bias)
+        self._put(t, kSlotSeed, seed)
+        self._put(t, kSlotOffset, offset)
+        self._put(t, kSlotSink, sink)
+        self._put(t, kSlotPageTableK, page_table_k)
+        self._put(t, kSlotPageTableV, page_table_v)
+        self._launch(Direction.kForward, t, host, workspace, stream)
 
-    def backward(self, intptr_t q, intptr_t k, intptr_t v, intptr_t o, intptr_t d_o, intptr_t stats,
-                 intptr_t d_q, intptr_t d_k, intptr_t d_v, intptr_t workspace=0, intptr_t stream=0,
-                 intptr_t seq_len_q=0, intptr_t seq_len_kv=0, *, intptr_t ragged_q=0, intptr_t ragged_k=0,
-                 intptr_t ragged_v=0, intptr_t ragged_o=0, intptr_t ragged_stats=0, intptr_t bias=0, intptr_t d_bias=0,
-                 intptr_t seed=0, intptr_t offset=0, intptr_t sink=0, intptr_t d_sink=0):
+    def backward(self, q, k, v, o, d_o, stats, d_q, d_k, d_v, workspace=0, stream=0, seq_len_q=0, seq_len_kv=0, *,
+                 ragged_q=0, ragged_k=0, ragged_v=0, ragged_o=0, ragged_stats=0, bias=0, d_bias=0, seed=0, offset=0,
+                 sink=0, d_sink=0):
         """Runs attention backward: writes d_q, d_k, d_v from q, k, v, the forward's o and
         stats, and the output gradient d_o.
 
@@ -360,41 +386,32 @@ cdef class Plan:
         """
         cdef intptr_t t[kNumSlots]
         cdef int64_t host[2]
-        cdef Status st
         if not self._training:
             raise InvalidArgumentError("this plan has no backward graph: build it with training=True")
         memset(t, 0, sizeof(t))
-        if self._c.host_seed:
-            host[0] = seed
-            host[1] = offset
-            seed = <intptr_t>&host[0]
-            offset = <intptr_t>&host[1]
-        t[kSlotQ] = q
-        t[kSlotK] = k
-        t[kSlotV] = v
-        t[kSlotO] = o
-        t[kSlotStats] = stats
-        t[kSlotDO] = d_o
-        t[kSlotDQ] = d_q
-        t[kSlotDK] = d_k
-        t[kSlotDV] = d_v
-        t[kSlotSeqLenQ] = seq_len_q
-        t[kSlotSeqLenKV] = seq_len_kv
-        t[kSlotRaggedQ] = ragged_q
-        t[kSlotRaggedK] = ragged_k
-        t[kSlotRaggedV] = ragged_v
-        t[kSlotRaggedO] = ragged_o
-        t[kSlotRaggedStats] = ragged_stats
-        t[kSlotBias] = bias
-        t[kSlotDBias] = d_bias
-        t[kSlotSeed] = seed
-        t[kSlotOffset] = offset
-        t[kSlotSink] = sink
-        t[kSlotDSink] = d_sink
-        with nogil:
-            st = execute(self._bwd.get(), Direction.kBackward, self.device, t, workspace, stream)
-        if not st.ok():
-            raise _error(st)
+        self._put(t, kSlotQ, q)
+        self._put(t, kSlotK, k)
+        self._put(t, kSlotV, v)
+        self._put(t, kSlotO, o)
+        self._put(t, kSlotDO, d_o)
+        self._put(t, kSlotStats, stats)
+        self._put(t, kSlotDQ, d_q)
+        self._put(t, kSlotDK, d_k)
+        self._put(t, kSlotDV, d_v)
+        self._put(t, kSlotSeqLenQ, seq_len_q)
+        self._put(t, kSlotSeqLenKV, seq_len_kv)
+        self._put(t, kSlotRaggedQ, ragged_q)
+        self._put(t, kSlotRaggedK, ragged_k)
+        self._put(t, kSlotRaggedV, ragged_v)
+        self._put(t, kSlotRaggedO, ragged_o)
+        self._put(t, kSlotRaggedStats, ragged_stats)
+        self._put(t, kSlotBias, bias)
+        self._put(t, kSlotDBias, d_bias)
+        self._put(t, kSlotSeed, seed)
+        self._put(t, kSlotOffset, offset)
+        self._put(t, kSlotSink, sink)
+        self._put(t, kSlotDSink, d_sink)
+        self._launch(Direction.kBackward, t, host, workspace, stream)
 
     def serialize(self):
         """(forward blob, backward blob or None): the plans without graph structure, for
@@ -481,13 +498,6 @@ def load_plan(cfg, int device, bytes forward_blob not None, bytes backward_blob=
     if p._training:
         _load_one(p, Direction.kBackward, backward_blob, backward_engine)
     return p
-
-
-# The tensors' names in Slot order (fastattn.h): the keyword names of forward and backward.
-SLOT_NAMES = ("q", "k", "v", "o", "stats", "d_o", "d_q", "d_k", "d_v", "seq_len_q", "seq_len_kv",
-              "ragged_q", "ragged_k", "ragged_v", "ragged_o", "bias", "d_bias", "seed", "offset", "sink", "d_sink",
-              "page_table_k", "page_table_v", "ragged_stats")
-assert len(SLOT_NAMES) == kNumSlots
 
 
 cdef dict _BENCH_MODES = {"fastattn": 0, "frontend_sorted": 1, "frontend_uid_map": 2}
