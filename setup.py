@@ -92,6 +92,8 @@ def extensions():
     ext = Extension(
         "fastattn._core",
         sources=["fastattn/_core.pyx", "csrc/attention.cpp"],
+        # Included by the sources: a change to any of them rebuilds the extension.
+        depends=["csrc/fastattn.h", "csrc/bench.h", "csrc/graphs.inc"],
         include_dirs=include_dirs(),
         language="c++",
         define_macros=[("NV_CUDNN_FRONTEND_USE_DYNAMIC_LOADING", None)],

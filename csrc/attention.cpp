@@ -5,6 +5,7 @@
 // against cuDNN or CUDA. The Python loader (fastattn/_loader.py) finds and loads
 // libcudnn and what it needs, then load_cudnn() hands the library to the frontend.
 #include "fastattn.h"
+#include "bench.h"
 
 #include <dlfcn.h>
 
@@ -12,6 +13,7 @@
 #include <cstring>
 #include <exception>
 #include <mutex>
+#include <unordered_map>
 #include <sstream>
 
 #include <cudnn_frontend.h>
@@ -30,8 +32,13 @@ class Graph {
     std::shared_ptr<fe::graph::Graph> g;
     Direction dir     = Direction::kForward;
     uint32_t slots    = 0;  // bit s set: the graph takes the tensor of Slot s at execute
-    bool host_seed    = false;  // seed and offset are host values: not held to device alignment
+    uint32_t by_value = 0;  // host values (host_seed's seed and offset): not held to device alignment
     int64_t workspace = 0;
+    // The variant pack's layout, fixed when the graph is made: order[i] is the slot of
+    // its i-th tensor in uid order (cuDNN's sorted order), so execute writes each
+    // pointer straight to its place, with no map, vector or search per call.
+    int8_t order[kNumSlots] = {};
+    int n                   = 0;
 };
 
 void GraphDeleter::operator()(Graph *g) const { delete g; }
@@ -198,181 +205,37 @@ Status set_stream(int device, cudnnHandle_t h, intptr_t stream) {
     return {};
 }
 
-std::vector<int64_t> strides(const int64_t s[4]) { return {s[0], s[1], s[2], s[3]}; }
+// The preamble of every launch: `device` current for the scope (restored after),
+// this thread's handle for it, bound to `stream`. One place, so that execute and the
+// benchmark hook pay exactly the same for it.
+class LaunchScope {
+   public:
+    LaunchScope(int device, intptr_t stream) : guard_(device) {
+        status_ = guard_.status();
+        if (status_.ok()) status_ = thread_handle(device, &handle_);
+        if (status_.ok()) status_ = set_stream(device, handle_, stream);
+    }
+    const Status &status() const { return status_; }
+    cudnnHandle_t handle() const { return handle_; }
 
-using TensorPtr = std::shared_ptr<fe::graph::Tensor_attributes>;
+   private:
+    DeviceGuard guard_;
+    cudnnHandle_t handle_ = nullptr;
+    Status status_;
+};
 
-TensorPtr input(fe::graph::Graph &g, Slot slot, std::vector<int64_t> dims, std::vector<int64_t> stride) {
-    return g.tensor(fe::graph::Tensor_attributes()
-                        .set_name(kSlots[slot].name)
-                        .set_uid(uid(slot))
-                        .set_dim(dims)
-                        .set_stride(stride));
-}
+// The graph builders: make_graph(config, direction) and slot_mask(config, direction).
+#include "graphs.inc"
 
-// Per-sequence lengths and ragged offsets: int32 columns of n entries.
-TensorPtr index_input(fe::graph::Graph &g, Slot slot, int64_t n) {
-    auto t = input(g, slot, {n, 1, 1, 1}, {1, 1, 1, 1});
-    t->set_data_type(fe::DataType_t::INT32);
-    return t;
-}
-
-void set_output(const TensorPtr &t, Slot slot, std::vector<int64_t> dims, std::vector<int64_t> stride) {
-    t->set_output(true).set_name(kSlots[slot].name).set_uid(uid(slot)).set_dim(dims).set_stride(stride);
-}
-
-// Masks and windows, shared by both directions. The frontend's left bound counts
-// the diagonal (it keeps keys j > i - left_bound), FlashAttention's does not.
-template <class Attributes>
-void apply_mask(const Config &c, Attributes &a) {
-    using Align = fe::DiagonalAlignment_t;
-    if (c.mask == 1 || c.mask == 2) {
-        a.set_diagonal_alignment(c.mask == 2 ? Align::BOTTOM_RIGHT : Align::TOP_LEFT);
-        a.set_diagonal_band_right_bound(0);
-    } else if (c.window_right >= 0) {
-        a.set_diagonal_alignment(Align::TOP_LEFT);
-        a.set_diagonal_band_right_bound(static_cast<int>(c.window_right));
+// Fixes the graph's tensors and their places in the variant pack.
+void set_layout(Graph &graph, const Config &c, Direction dir) {
+    graph.dir      = dir;
+    graph.slots    = slot_mask(c, dir);
+    graph.by_value = c.host_seed ? bit(kSlotSeed) | bit(kSlotOffset) : 0u;
+    graph.n        = 0;
+    for (int s = 0; s < kNumSlots; ++s) {
+        if (graph.slots & bit(static_cast<Slot>(s))) graph.order[graph.n++] = static_cast<int8_t>(s);
     }
-    if (c.window_left >= 0) a.set_diagonal_band_left_bound(static_cast<int>(c.window_left + 1));
-}
-
-// The one function that turns a config into a cuDNN graph.
-std::shared_ptr<fe::graph::Graph> make_graph(const Config &c, Direction dir) {
-    auto g = std::make_shared<fe::graph::Graph>();
-    g->set_io_data_type(c.dtype == 1 ? fe::DataType_t::BFLOAT16 : fe::DataType_t::HALF)
-        .set_intermediate_data_type(fe::DataType_t::FLOAT)
-        .set_compute_data_type(fe::DataType_t::FLOAT);
-
-    // A paged k or v is a pool of pages; the page tables say which hold a sequence.
-    const int64_t kv_batch = c.page_size > 0 ? c.num_pages : c.batch;
-    const int64_t kv_seq   = c.page_size > 0 ? c.page_size : c.seqlen_kv;
-    const std::vector<int64_t> q_dims  = {c.batch, c.heads_q, c.seqlen_q, c.head_dim_qk};
-    const std::vector<int64_t> k_dims  = {kv_batch, c.heads_kv, kv_seq, c.head_dim_qk};
-    const std::vector<int64_t> v_dims  = {kv_batch, c.heads_kv, kv_seq, c.head_dim_v};
-    const std::vector<int64_t> o_dims  = {c.batch, c.heads_q, c.seqlen_q, c.head_dim_v};
-    const std::vector<int64_t> s_dims  = {c.batch, c.heads_q, c.seqlen_q, 1};
-    // Packed sequences pack their stats too: (tokens, heads), each sequence at its offset.
-    const std::vector<int64_t> s_strides = c.ragged ? std::vector<int64_t>{c.heads_q * c.seqlen_q, 1, c.heads_q, 1}
-                                                    : std::vector<int64_t>{c.heads_q * c.seqlen_q, c.seqlen_q, 1, 1};
-    const std::vector<int64_t> b_dims    = {c.bias_batch, c.bias_heads, c.seqlen_q, c.seqlen_kv};
-    const std::vector<int64_t> b_strides = {c.bias_heads * c.seqlen_q * c.seqlen_kv, c.seqlen_q * c.seqlen_kv,
-                                            c.seqlen_kv, 1};
-    const std::vector<int64_t> sink_dims = {1, c.heads_q, 1, 1}, sink_strides = {c.heads_q, 1, 1, 1};
-
-    auto q = input(*g, kSlotQ, q_dims, strides(c.q_stride));
-    auto k = input(*g, kSlotK, k_dims, strides(c.k_stride));
-    auto v = input(*g, kSlotV, v_dims, strides(c.v_stride));
-    TensorPtr seq_len_q, seq_len_kv, ragged[4], ragged_stats, bias, seed, offset, sink;
-    if (c.padding) {
-        seq_len_q  = index_input(*g, kSlotSeqLenQ, c.batch);
-        seq_len_kv = index_input(*g, kSlotSeqLenKV, c.batch);
-    }
-    if (c.ragged) {  // q, k, v, o; each gradient shares its tensor's offsets
-        for (int i = 0; i < 4; ++i) ragged[i] = index_input(*g, static_cast<Slot>(kSlotRaggedQ + i), c.batch + 1);
-        q->set_ragged_offset(ragged[0]);
-        k->set_ragged_offset(ragged[1]);
-        v->set_ragged_offset(ragged[2]);
-        if (c.training) ragged_stats = index_input(*g, kSlotRaggedStats, c.batch + 1);
-    }
-    if (c.bias_batch > 0) bias = input(*g, kSlotBias, b_dims, b_strides);
-    if (c.dropout > 0.0f) {
-        seed   = input(*g, kSlotSeed, {1, 1, 1, 1}, {1, 1, 1, 1});
-        offset = input(*g, kSlotOffset, {1, 1, 1, 1}, {1, 1, 1, 1});
-        seed->set_data_type(fe::DataType_t::INT64).set_is_pass_by_value(c.host_seed);
-        offset->set_data_type(fe::DataType_t::INT64).set_is_pass_by_value(c.host_seed);
-    }
-    if (c.sinks) {
-        sink = input(*g, kSlotSink, sink_dims, sink_strides);
-        sink->set_data_type(fe::DataType_t::FLOAT);
-    }
-    auto apply_features = [&](auto &a) {  // what both directions share beyond the mask
-        if (c.padding) a.set_padding_mask(true).set_seq_len_q(seq_len_q).set_seq_len_kv(seq_len_kv);
-        if (c.ragged) a.set_max_total_seq_len_q(c.max_tokens_q).set_max_total_seq_len_kv(c.max_tokens_kv);
-        if (c.alibi) a.set_alibi_mask(true);
-        if (bias) a.set_bias(bias);
-        if (seed) a.set_dropout(c.dropout, seed, offset);
-        if (sink) a.set_sink_token(sink);
-    };
-
-    if (dir == Direction::kForward) {
-        auto a = fe::graph::SDPA_attributes().set_name("sdpa").set_generate_stats(c.training).set_attn_scale(c.scale);
-        apply_mask(c, a);
-        apply_features(a);
-        if (c.page_size > 0) {
-            const int64_t pages = (c.seqlen_kv + c.page_size - 1) / c.page_size;
-            auto table_k        = input(*g, kSlotPageTableK, {c.batch, 1, pages, 1}, {pages, pages, 1, 1});
-            auto table_v        = input(*g, kSlotPageTableV, {c.batch, 1, pages, 1}, {pages, pages, 1, 1});
-            table_k->set_data_type(fe::DataType_t::INT32);
-            table_v->set_data_type(fe::DataType_t::INT32);
-            a.set_paged_attention_k_table(table_k)
-                .set_paged_attention_v_table(table_v)
-                .set_paged_attention_max_seq_len_kv(static_cast<int>(c.seqlen_kv));
-        }
-        auto [o, stats] = g->sdpa(q, k, v, a);
-        set_output(o, kSlotO, o_dims, strides(c.o_stride));
-        if (c.ragged) o->set_ragged_offset(ragged[3]);
-        if (c.training) {
-            set_output(stats, kSlotStats, s_dims, s_strides);
-            stats->set_data_type(fe::DataType_t::FLOAT);
-            if (c.ragged) stats->set_ragged_offset(ragged_stats);
-        }
-        return g;
-    }
-    auto o     = input(*g, kSlotO, o_dims, strides(c.o_stride));
-    auto d_o   = input(*g, kSlotDO, o_dims, strides(c.o_stride));
-    auto stats = input(*g, kSlotStats, s_dims, s_strides);
-    stats->set_data_type(fe::DataType_t::FLOAT);
-    if (c.ragged) {
-        o->set_ragged_offset(ragged[3]);
-        d_o->set_ragged_offset(ragged[3]);
-        stats->set_ragged_offset(ragged_stats);
-    }
-    auto a = fe::graph::SDPA_backward_attributes()
-                 .set_name("sdpa_backward")
-                 .set_attn_scale(c.scale)
-                 .set_deterministic_algorithm(c.deterministic);
-    apply_mask(c, a);
-    apply_features(a);
-    TensorPtr d_bias, d_sink;
-    if (c.bias_grad) {
-        d_bias = input(*g, kSlotDBias, b_dims, b_strides);
-        a.set_dbias(d_bias);
-    }
-    if (c.sinks) {
-        d_sink = input(*g, kSlotDSink, sink_dims, sink_strides);
-        d_sink->set_data_type(fe::DataType_t::FLOAT);
-        a.set_dsink_token(d_sink);
-    }
-    auto [d_q, d_k, d_v] = g->sdpa_backward(q, k, v, o, d_o, stats, a);
-    set_output(d_q, kSlotDQ, q_dims, strides(c.q_stride));
-    set_output(d_k, kSlotDK, k_dims, strides(c.k_stride));
-    set_output(d_v, kSlotDV, v_dims, strides(c.v_stride));
-    if (c.ragged) {
-        d_q->set_ragged_offset(ragged[0]);
-        d_k->set_ragged_offset(ragged[1]);
-        d_v->set_ragged_offset(ragged[2]);
-    }
-    return g;
-}
-
-// The slots a graph of this config and direction takes at execute.
-uint32_t slot_mask(const Config &c, Direction dir) {
-    const bool backward = dir == Direction::kBackward;
-    uint32_t m          = bit(kSlotQ) | bit(kSlotK) | bit(kSlotV) | bit(kSlotO);
-    if (backward) {
-        m |= bit(kSlotStats) | bit(kSlotDO) | bit(kSlotDQ) | bit(kSlotDK) | bit(kSlotDV);
-    } else if (c.training) {
-        m |= bit(kSlotStats);
-    }
-    if (c.padding) m |= bit(kSlotSeqLenQ) | bit(kSlotSeqLenKV);
-    if (c.ragged) m |= bit(kSlotRaggedQ) | bit(kSlotRaggedK) | bit(kSlotRaggedV) | bit(kSlotRaggedO);
-    if (c.ragged && c.training) m |= bit(kSlotRaggedStats);
-    if (c.bias_batch > 0) m |= bit(kSlotBias);
-    if (backward && c.bias_grad) m |= bit(kSlotDBias);
-    if (c.dropout > 0.0f) m |= bit(kSlotSeed) | bit(kSlotOffset);
-    if (c.sinks) m |= bit(kSlotSink) | (backward ? bit(kSlotDSink) : 0u);
-    if (!backward && c.page_size > 0) m |= bit(kSlotPageTableK) | bit(kSlotPageTableV);
-    return m;
 }
 
 // The uids of a slot mask, sorted: what cuDNN's variant pack holds, in its order.
@@ -434,14 +297,16 @@ Status check_workspace(const Graph &g, intptr_t workspace) {
     return {};
 }
 
+// `ptrs` in uid order. cudnn-frontend 1.28's cheapest entry point for a plan already
+// chosen: its sorted-pointer execute goes straight to execute_plan_at_index with the
+// candidate plan; its map overloads first build and search an unordered_map
+// (graph_interface.h). What remains per call is the frontend's (copy of its variant
+// pack template, cuDNN's variant pack descriptor) and the launch itself.
 Status run(const Graph &g, int device, void **ptrs, int n, intptr_t workspace, intptr_t stream) {
     return guarded(Code::kCudnnError, "execute", [&]() -> Status {
-        DeviceGuard guard(device);
-        FA_RETURN_IF_ERROR(guard.status());
-        cudnnHandle_t h;
-        FA_RETURN_IF_ERROR(thread_handle(device, &h));
-        FA_RETURN_IF_ERROR(set_stream(device, h, stream));
-        auto e = g.g->execute(h, ptrs, n, reinterpret_cast<void *>(workspace));
+        LaunchScope scope(device, stream);
+        FA_RETURN_IF_ERROR(scope.status());
+        auto e = g.g->execute(scope.handle(), ptrs, n, reinterpret_cast<void *>(workspace));
         if (e.is_bad()) return error(Code::kCudnnError, "execute: " + e.err_msg);
         return {};
     });
@@ -532,9 +397,7 @@ Status build_graph(const Config &cfg, Direction dir, int device, GraphPtr *out, 
         FA_RETURN_IF_ERROR(thread_handle(device, &h));
 
         GraphPtr graph(new Graph);
-        graph->dir      = dir;
-        graph->slots    = slot_mask(cfg, dir);
-        graph->host_seed = cfg.host_seed;
+        set_layout(*graph, cfg, dir);
         graph->g        = make_graph(cfg, dir);
         auto &g         = *graph->g;
         FA_RETURN_IF_ERROR(build_step(g.validate(), "validate"));
@@ -574,9 +437,7 @@ Status deserialize_graph(const uint8_t *data, size_t size, const Config &cfg, Di
         // overload that expects a serialized graph structure.
         const std::vector<uint8_t> blob(data, data + size);
         GraphPtr graph(new Graph);
-        graph->dir      = dir;
-        graph->slots    = slot_mask(cfg, dir);
-        graph->host_seed = cfg.host_seed;
+        set_layout(*graph, cfg, dir);
         graph->g        = std::make_shared<fe::graph::Graph>();
         auto e = graph->g->deserialize(h, blob, /*enforce_precompiled=*/false, /*run_warmup=*/false);
         if (e.is_bad()) return error(Code::kCorruptPlan, "deserialize: " + e.err_msg);
@@ -593,42 +454,71 @@ Status execute(const Graph *g, Direction dir, int device, const intptr_t *slots,
         return error(Code::kInvalidArgument,
                      dir == Direction::kForward ? "not a forward graph" : "not a backward graph");
     }
-    void *ptrs[kNumSlots];
-    int n = 0;
-    for (int s = 0; s < kNumSlots; ++s) {
-        if (g->slots & bit(static_cast<Slot>(s))) {
-            const bool host = g->host_seed && (s == kSlotSeed || s == kSlotOffset);  // a host int64
-            if (host && slots[s] == 0) return error(Code::kInvalidArgument, std::string(kSlots[s].name) + " is null");
-            if (!host) FA_RETURN_IF_ERROR(check_pointer(slots[s], kSlots[s].name));
-            ptrs[n++] = reinterpret_cast<void *>(slots[s]);
-        } else if (slots[s] != 0) {
-            return error(Code::kInvalidArgument, std::string(kSlots[s].name) + " given, but " + kSlots[s].absent);
+    // One branch-free pass finds a pointer the plan does not take; only then is the
+    // culprit looked for (an error path).
+    uint32_t given = 0;
+    for (int s = 0; s < kNumSlots; ++s) given |= static_cast<uint32_t>(slots[s] != 0) << s;
+    if (const uint32_t extra = given & ~g->slots) {
+        int s = 0;
+        while (!(extra & (1u << s))) ++s;
+        return error(Code::kInvalidArgument, std::string(kSlots[s].name) + " given, but " + kSlots[s].absent);
+    }
+    // The variant pack, filled in place in cuDNN's order. On the stack, not kept with
+    // the plan: plans are shared between threads and execute runs without the GIL, so
+    // a per-plan array would be written by two launches at once.
+    void *pack[kNumSlots];
+    for (int i = 0; i < g->n; ++i) {
+        const int s = g->order[i];
+        if (g->by_value & (1u << s)) {  // a host int64, read by cuDNN during the call
+            if (slots[s] == 0) return error(Code::kInvalidArgument, std::string(kSlots[s].name) + " is null");
+        } else {
+            FA_RETURN_IF_ERROR(check_pointer(slots[s], kSlots[s].name));
         }
+        pack[i] = reinterpret_cast<void *>(slots[s]);
     }
     FA_RETURN_IF_ERROR(check_workspace(*g, workspace));
-    return run(*g, device, ptrs, n, workspace, stream);
+    return run(*g, device, pack, g->n, workspace, stream);
 }
 
-Status time_raw_execute(const Graph *g, int device, const intptr_t *ptrs, int n, intptr_t workspace,
-                        intptr_t stream, int iters, double *seconds) {
-    if (g == nullptr || n > kNumSlots) return error(Code::kInvalidArgument, "time_raw_execute: bad arguments");
-    return guarded(Code::kCudnnError, "time_raw_execute", [&]() -> Status {
-        DeviceGuard guard(device);
-        FA_RETURN_IF_ERROR(guard.status());
-        cudnnHandle_t h;
-        FA_RETURN_IF_ERROR(thread_handle(device, &h));
-        FA_RETURN_IF_ERROR(set_stream(device, h, stream));
-        void *p[kNumSlots];
-        for (int i = 0; i < n; ++i) p[i] = reinterpret_cast<void *>(ptrs[i]);
+namespace bench {
+
+uint32_t graph_slots(const Graph *g) { return g == nullptr ? 0u : g->slots; }
+
+Status time_execute(const Graph *g, Direction dir, int device, const intptr_t *slots, intptr_t workspace,
+                    intptr_t stream, Mode mode, int iters, double *seconds) {
+    if (g == nullptr || g->dir != dir || iters < 1) {
+        return error(Code::kInvalidArgument, "time_execute: no graph of that direction, or iters < 1");
+    }
+    if (mode == Mode::kFastattn) {
+        auto t0 = std::chrono::steady_clock::now();
+        for (int i = 0; i < iters; ++i) FA_RETURN_IF_ERROR(execute(g, dir, device, slots, workspace, stream));
+        *seconds = ms_since(t0) / 1000.0;
+        return {};
+    }
+    return guarded(Code::kCudnnError, "time_execute", [&]() -> Status {
+        LaunchScope scope(device, stream);
+        FA_RETURN_IF_ERROR(scope.status());
+        const cudnnHandle_t h = scope.handle();
+        void *pack[kNumSlots];
+        for (int i = 0; i < g->n; ++i) pack[i] = reinterpret_cast<void *>(slots[g->order[i]]);
         auto ws = reinterpret_cast<void *>(workspace);
         auto t0 = std::chrono::steady_clock::now();
         for (int i = 0; i < iters; ++i) {
-            auto e = g->g->execute(h, p, n, ws);
+            fe::error_t e;
+            if (mode == Mode::kFrontendSorted) {
+                e = g->g->execute(h, pack, g->n, ws);
+            } else {
+                std::unordered_map<int64_t, void *> by_uid;
+                for (int j = 0; j < g->n; ++j) by_uid.emplace(uid(static_cast<Slot>(g->order[j])), pack[j]);
+                e = g->g->execute(h, by_uid, ws);
+            }
             if (e.is_bad()) return error(Code::kCudnnError, "execute: " + e.err_msg);
         }
         *seconds = ms_since(t0) / 1000.0;
         return {};
     });
 }
+
+}  // namespace bench
 
 }  // namespace fastattn

@@ -26,11 +26,23 @@ enum class Code : int {
     kInternal        = 7,  // anything else: a bug in fastattn
 };
 
-struct Status {
+// [[nodiscard]]: a dropped status is a dropped error (a failed launch that looks
+// like success), so the compiler flags every call whose status nobody reads.
+struct [[nodiscard]] Status {
     Code code = Code::kOk;
     std::string message;
 
     bool ok() const { return code == Code::kOk; }
+};
+
+// AttentionConfig.dtype: the dtype of q, k, v, o and their gradients.
+enum class DType : int { kFp16 = 0, kBf16 = 1 };
+
+// AttentionConfig.mask.
+enum class Mask : int {
+    kNone              = 0,
+    kCausal            = 1,  // top-left diagonal: query i sees keys j <= i
+    kCausalBottomRight = 2,  // bottom-right diagonal: shifted by seqlen_kv - seqlen_q
 };
 
 // Plain data mirror of fastattn.config.AttentionConfig. Python validates and
@@ -38,11 +50,11 @@ struct Status {
 struct Config {
     int64_t batch = 0, heads_q = 0, heads_kv = 0, seqlen_q = 0, seqlen_kv = 0;
     int64_t head_dim_qk = 0, head_dim_v = 0;
-    int dtype = 0;  // 0: fp16, 1: bf16
+    DType dtype = DType::kFp16;
     // Element strides of q, k, v, o in (batch, head, seq, dim) order. The
     // gradients share the strides of their tensors: dq of q, dk of k, dv of v, do of o.
     int64_t q_stride[4] = {}, k_stride[4] = {}, v_stride[4] = {}, o_stride[4] = {};
-    int mask = 0;  // 0: none, 1: causal (top-left diagonal), 2: causal (bottom-right diagonal)
+    Mask mask = Mask::kNone;
     // FlashAttention's convention: query i sees keys j with i - left <= j <= i + right
     // (shifted by seqlen_kv - seqlen_q for the bottom-right diagonal); -1 is unbounded.
     int64_t window_left = -1, window_right = -1;
@@ -144,11 +156,5 @@ Status deserialize_graph(const uint8_t *data, size_t size, const Config &cfg, Di
 // stream is a raw address too (0: the default stream). `dir` must be the graph's.
 Status execute(const Graph *g, Direction dir, int device, const intptr_t *slots, intptr_t workspace,
                intptr_t stream);
-
-// Benchmark hook: cudnn-frontend's own execute on this plan, `iters` times, with
-// none of fastattn's checks around it: the C++ floor that tools/bench_core.py
-// compares plan.forward against. `ptrs` are the graph's tensors in slot order.
-Status time_raw_execute(const Graph *g, int device, const intptr_t *ptrs, int n, intptr_t workspace,
-                        intptr_t stream, int iters, double *seconds);
 
 }  // namespace fastattn

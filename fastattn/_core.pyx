@@ -7,11 +7,13 @@ with the GIL released; a C++ status becomes an exception through one table
 (fastattn.errors). Files, keys and policy live in Python modules, not here.
 """
 
-from libc.stdint cimport int64_t, intptr_t, uint8_t
+from libc.stdint cimport int64_t, intptr_t, uint8_t, uint32_t
 from libc.string cimport memset
 from libcpp cimport bool as cbool
 from libcpp.string cimport string
 from libcpp.vector cimport vector
+
+from operator import index
 
 from fastattn.errors import CorruptPlanError, InvalidArgumentError, error_for_code
 
@@ -25,14 +27,23 @@ cdef extern from "fastattn.h" namespace "fastattn" nogil:
         string message
         cbool ok()
 
+    cdef enum class DType(int):
+        kFp16
+        kBf16
+
+    cdef enum class Mask(int):
+        kNone
+        kCausal
+        kCausalBottomRight
+
     cdef cppclass Config:
         int64_t batch, heads_q, heads_kv, seqlen_q, seqlen_kv, head_dim_qk, head_dim_v
-        int dtype
+        DType dtype
         int64_t q_stride[4]
         int64_t k_stride[4]
         int64_t v_stride[4]
         int64_t o_stride[4]
-        int mask
+        Mask mask
         int64_t window_left, window_right
         float scale
         cbool training, deterministic, padding, alibi, ragged
@@ -83,8 +94,17 @@ cdef extern from "fastattn.h" namespace "fastattn" nogil:
                              GraphPtr* out, GraphInfo* info)
     Status execute(const Graph* g, Direction dir, int device, const intptr_t* slots, intptr_t workspace,
                    intptr_t stream)
-    Status time_raw_execute(const Graph* g, int device, const intptr_t* ptrs, int n, intptr_t workspace,
-                            intptr_t stream, int iters, double* seconds)
+
+
+cdef extern from "bench.h" namespace "fastattn::bench" nogil:
+    cdef enum class Mode(int):
+        kFastattn
+        kFrontendSorted
+        kFrontendUidMap
+
+    Status time_execute(const Graph* g, Direction dir, int device, const intptr_t* slots, intptr_t workspace,
+                        intptr_t stream, Mode mode, int iters, double* seconds)
+    uint32_t graph_slots(const Graph* g)
 
 
 cdef inline object _error(const Status& st, str prefix=None):
@@ -94,8 +114,26 @@ cdef inline object _error(const Status& st, str prefix=None):
     return error_for_code(<int>st.code, msg)
 
 
-cdef dict _DTYPE = {"fp16": 0, "bf16": 1}
-cdef dict _MASK = {"none": 0, "causal": 1, "causal_bottom_right": 2}
+# AttentionConfig validated these names; an unknown one here is a config newer than this core.
+cdef DType _dtype(str name) except *:
+    if name == "fp16":
+        return DType.kFp16
+    if name == "bf16":
+        return DType.kBf16
+    raise InvalidArgumentError(f"dtype={name!r} is not one this build of fastattn._core knows (fp16, bf16)")
+
+
+cdef Mask _mask(str name) except *:
+    if name == "none":
+        return Mask.kNone
+    if name == "causal":
+        return Mask.kCausal
+    if name == "causal_bottom_right":
+        return Mask.kCausalBottomRight
+    raise InvalidArgumentError(
+        f"mask={name!r} is not one this build of fastattn._core knows (none, causal, causal_bottom_right)")
+
+
 # A bias's (batch, heads) extents, from its broadcast shape's name.
 cdef dict _BIAS = {"none": (0, 0), "11ss": (1, 1), "1hss": (1, -1), "b1ss": (-1, 1), "bhss": (-1, -1)}
 
@@ -110,14 +148,14 @@ cdef Config _c_config(cfg) except *:
     c.seqlen_kv = cfg.seqlen_kv
     c.head_dim_qk = cfg.head_dim_qk
     c.head_dim_v = cfg.head_dim_v
-    c.dtype = _DTYPE[cfg.dtype]
+    c.dtype = _dtype(cfg.dtype)
     q, k, v, o = cfg.strides("q"), cfg.strides("k"), cfg.strides("v"), cfg.strides("o")
     for i in range(4):
         c.q_stride[i] = q[i]
         c.k_stride[i] = k[i]
         c.v_stride[i] = v[i]
         c.o_stride[i] = o[i]
-    c.mask = _MASK[cfg.mask]
+    c.mask = _mask(cfg.mask)
     c.window_left = cfg.window[0]
     c.window_right = cfg.window[1]
     c.scale = cfg.scale
@@ -195,6 +233,21 @@ def get_device_info(int device):
     }
 
 
+# The tensors' names in Slot order (fastattn.h): the keyword names of forward and backward.
+SLOT_NAMES = ("q", "k", "v", "o", "stats", "d_o", "d_q", "d_k", "d_v", "seq_len_q", "seq_len_kv",
+              "ragged_q", "ragged_k", "ragged_v", "ragged_o", "bias", "d_bias", "seed", "offset", "sink", "d_sink",
+              "page_table_k", "page_table_v", "ragged_stats")
+assert len(SLOT_NAMES) == kNumSlots
+
+cdef intptr_t _address(str name, object x) except? 0:
+    """A device address from anything that is not exactly an int (the fast path's type):
+    int subclasses and integer-like objects (numpy integers), through __index__."""
+    try:
+        return index(x)
+    except TypeError:
+        raise TypeError(f"{name}= takes a device address (int), got {type(x).__name__}") from None
+
+
 cdef class Plan:
     """A built (or loaded) cuDNN attention plan for one AttentionConfig on one device.
 
@@ -239,11 +292,33 @@ cdef class Plan:
         return (f"<fastattn.Plan device={self.device} forward={self.forward_engine!r} "
                 f"backward={self.backward_engine!r} workspace={self.workspace_size} config={self.config.to_json()}>")
 
-    def forward(self, intptr_t q, intptr_t k, intptr_t v, intptr_t o, intptr_t stats=0,
-                intptr_t workspace=0, intptr_t stream=0, intptr_t seq_len_q=0, intptr_t seq_len_kv=0, *,
-                intptr_t ragged_q=0, intptr_t ragged_k=0, intptr_t ragged_v=0, intptr_t ragged_o=0,
-                intptr_t ragged_stats=0, intptr_t bias=0, intptr_t seed=0, intptr_t offset=0, intptr_t sink=0,
-                intptr_t page_table_k=0, intptr_t page_table_v=0):
+    cdef int _put(self, intptr_t* t, int slot, object x) except -1:
+        """Writes tensor `x` into slot `slot`: the one place forward and backward fill slots."""
+        if type(x) is int:  # the zero-overhead path: C++ checks null and alignment, nothing else
+            t[slot] = <intptr_t>x
+        else:
+            t[slot] = _address(SLOT_NAMES[slot], x)
+        return 0
+
+    cdef int _launch(self, Direction d, intptr_t* t, int64_t* host, object workspace, object stream) except -1:
+        cdef Status st
+        cdef intptr_t ws = <intptr_t>workspace if type(workspace) is int else _address("workspace", workspace)
+        cdef intptr_t s = <intptr_t>stream if type(stream) is int else _address("stream", stream)
+        cdef const Graph* g = self._fwd.get() if d == Direction.kForward else self._bwd.get()
+        if self._c.host_seed:  # passed by value: cuDNN reads them from `host` during the call
+            host[0] = t[kSlotSeed]
+            host[1] = t[kSlotOffset]
+            t[kSlotSeed] = <intptr_t>&host[0]
+            t[kSlotOffset] = <intptr_t>&host[1]
+        with nogil:
+            st = execute(g, d, self.device, t, ws, s)
+        if not st.ok():
+            raise _error(st)
+        return 0
+
+    def forward(self, q, k, v, o, stats=0, workspace=0, stream=0, seq_len_q=0, seq_len_kv=0, *,
+                ragged_q=0, ragged_k=0, ragged_v=0, ragged_o=0, ragged_stats=0, bias=0, seed=0, offset=0, sink=0,
+                page_table_k=0, page_table_v=0):
         """Runs attention forward: o = softmax(scale * q @ k^T, masked) @ v.
 
         Every argument is a CUDA device address as an int (16-byte aligned); stream is a
@@ -270,41 +345,30 @@ cdef class Plan:
         """
         cdef intptr_t t[kNumSlots]
         cdef int64_t host[2]
-        cdef Status st
         memset(t, 0, sizeof(t))
-        if self._c.host_seed:  # passed by value: cuDNN reads them from here during the call
-            host[0] = seed
-            host[1] = offset
-            seed = <intptr_t>&host[0]
-            offset = <intptr_t>&host[1]
-        t[kSlotQ] = q
-        t[kSlotK] = k
-        t[kSlotV] = v
-        t[kSlotO] = o
-        t[kSlotStats] = stats
-        t[kSlotSeqLenQ] = seq_len_q
-        t[kSlotSeqLenKV] = seq_len_kv
-        t[kSlotRaggedQ] = ragged_q
-        t[kSlotRaggedK] = ragged_k
-        t[kSlotRaggedV] = ragged_v
-        t[kSlotRaggedO] = ragged_o
-        t[kSlotBias] = bias
-        t[kSlotSeed] = seed
-        t[kSlotOffset] = offset
-        t[kSlotSink] = sink
-        t[kSlotRaggedStats] = ragged_stats
-        t[kSlotPageTableK] = page_table_k
-        t[kSlotPageTableV] = page_table_v
-        with nogil:
-            st = execute(self._fwd.get(), Direction.kForward, self.device, t, workspace, stream)
-        if not st.ok():
-            raise _error(st)
+        self._put(t, kSlotQ, q)
+        self._put(t, kSlotK, k)
+        self._put(t, kSlotV, v)
+        self._put(t, kSlotO, o)
+        self._put(t, kSlotStats, stats)
+        self._put(t, kSlotSeqLenQ, seq_len_q)
+        self._put(t, kSlotSeqLenKV, seq_len_kv)
+        self._put(t, kSlotRaggedQ, ragged_q)
+        self._put(t, kSlotRaggedK, ragged_k)
+        self._put(t, kSlotRaggedV, ragged_v)
+        self._put(t, kSlotRaggedO, ragged_o)
+        self._put(t, kSlotRaggedStats, ragged_stats)
+        self._put(t, kSlotBias, bias)
+        self._put(t, kSlotSeed, seed)
+        self._put(t, kSlotOffset, offset)
+        self._put(t, kSlotSink, sink)
+        self._put(t, kSlotPageTableK, page_table_k)
+        self._put(t, kSlotPageTableV, page_table_v)
+        self._launch(Direction.kForward, t, host, workspace, stream)
 
-    def backward(self, intptr_t q, intptr_t k, intptr_t v, intptr_t o, intptr_t d_o, intptr_t stats,
-                 intptr_t d_q, intptr_t d_k, intptr_t d_v, intptr_t workspace=0, intptr_t stream=0,
-                 intptr_t seq_len_q=0, intptr_t seq_len_kv=0, *, intptr_t ragged_q=0, intptr_t ragged_k=0,
-                 intptr_t ragged_v=0, intptr_t ragged_o=0, intptr_t ragged_stats=0, intptr_t bias=0, intptr_t d_bias=0,
-                 intptr_t seed=0, intptr_t offset=0, intptr_t sink=0, intptr_t d_sink=0):
+    def backward(self, q, k, v, o, d_o, stats, d_q, d_k, d_v, workspace=0, stream=0, seq_len_q=0, seq_len_kv=0, *,
+                 ragged_q=0, ragged_k=0, ragged_v=0, ragged_o=0, ragged_stats=0, bias=0, d_bias=0, seed=0, offset=0,
+                 sink=0, d_sink=0):
         """Runs attention backward: writes d_q, d_k, d_v from q, k, v, the forward's o and
         stats, and the output gradient d_o.
 
@@ -322,41 +386,32 @@ cdef class Plan:
         """
         cdef intptr_t t[kNumSlots]
         cdef int64_t host[2]
-        cdef Status st
         if not self._training:
             raise InvalidArgumentError("this plan has no backward graph: build it with training=True")
         memset(t, 0, sizeof(t))
-        if self._c.host_seed:
-            host[0] = seed
-            host[1] = offset
-            seed = <intptr_t>&host[0]
-            offset = <intptr_t>&host[1]
-        t[kSlotQ] = q
-        t[kSlotK] = k
-        t[kSlotV] = v
-        t[kSlotO] = o
-        t[kSlotStats] = stats
-        t[kSlotDO] = d_o
-        t[kSlotDQ] = d_q
-        t[kSlotDK] = d_k
-        t[kSlotDV] = d_v
-        t[kSlotSeqLenQ] = seq_len_q
-        t[kSlotSeqLenKV] = seq_len_kv
-        t[kSlotRaggedQ] = ragged_q
-        t[kSlotRaggedK] = ragged_k
-        t[kSlotRaggedV] = ragged_v
-        t[kSlotRaggedO] = ragged_o
-        t[kSlotRaggedStats] = ragged_stats
-        t[kSlotBias] = bias
-        t[kSlotDBias] = d_bias
-        t[kSlotSeed] = seed
-        t[kSlotOffset] = offset
-        t[kSlotSink] = sink
-        t[kSlotDSink] = d_sink
-        with nogil:
-            st = execute(self._bwd.get(), Direction.kBackward, self.device, t, workspace, stream)
-        if not st.ok():
-            raise _error(st)
+        self._put(t, kSlotQ, q)
+        self._put(t, kSlotK, k)
+        self._put(t, kSlotV, v)
+        self._put(t, kSlotO, o)
+        self._put(t, kSlotDO, d_o)
+        self._put(t, kSlotStats, stats)
+        self._put(t, kSlotDQ, d_q)
+        self._put(t, kSlotDK, d_k)
+        self._put(t, kSlotDV, d_v)
+        self._put(t, kSlotSeqLenQ, seq_len_q)
+        self._put(t, kSlotSeqLenKV, seq_len_kv)
+        self._put(t, kSlotRaggedQ, ragged_q)
+        self._put(t, kSlotRaggedK, ragged_k)
+        self._put(t, kSlotRaggedV, ragged_v)
+        self._put(t, kSlotRaggedO, ragged_o)
+        self._put(t, kSlotRaggedStats, ragged_stats)
+        self._put(t, kSlotBias, bias)
+        self._put(t, kSlotDBias, d_bias)
+        self._put(t, kSlotSeed, seed)
+        self._put(t, kSlotOffset, offset)
+        self._put(t, kSlotSink, sink)
+        self._put(t, kSlotDSink, d_sink)
+        self._launch(Direction.kBackward, t, host, workspace, stream)
 
     def serialize(self):
         """(forward blob, backward blob or None): the plans without graph structure, for
@@ -445,22 +500,53 @@ def load_plan(cfg, int device, bytes forward_blob not None, bytes backward_blob=
     return p
 
 
-def bench_raw_execute(Plan plan, str direction, ptrs, intptr_t workspace=0, intptr_t stream=0, int iters=1000):
-    """Seconds for `iters` calls of cudnn-frontend's own C++ execute on the plan's
-    graph, with no fastattn checks: the floor that plan.forward is measured against.
-    For tools/ benchmarks only. `ptrs`: the graph's tensors in uid order (q, k, v, o,
-    stats, d_o, d_q, d_k, d_v, then the features' in fastattn.h's Slot order)."""
-    cdef intptr_t p[kNumSlots]
-    cdef int n = len(ptrs), i
+cdef dict _BENCH_MODES = {"fastattn": 0, "frontend_sorted": 1, "frontend_uid_map": 2}
+
+
+def bench_execute(Plan plan, str direction, str mode, int iters, intptr_t workspace=0, intptr_t stream=0,
+                  **tensors):
+    """Seconds for `iters` launches of the plan's `direction` graph looped in C++, in
+    `mode`: "fastattn" (the C++ execute behind plan.forward/backward, checks included),
+    "frontend_sorted" (cudnn-frontend's cheapest execute on the same plan, no checks:
+    the floor) or "frontend_uid_map" (its uid-map execute, the map built per call).
+    `tensors`: device addresses by name, as forward/backward take them (with
+    config.host_seed, seed and offset are the values). For tools/ benchmarks only: a
+    hook outside the production interface (csrc/bench.h)."""
+    cdef intptr_t t[kNumSlots]
+    cdef int64_t host[2]
     cdef double seconds = 0
     cdef Status st
-    cdef const Graph* g = plan._fwd.get() if direction == "forward" else plan._bwd.get()
-    if n > kNumSlots:
-        raise ValueError("too many pointers")
-    for i in range(n):
-        p[i] = ptrs[i]
+    cdef Direction d = Direction.kForward if direction == "forward" else Direction.kBackward
+    cdef const Graph* g = plan._fwd.get() if d == Direction.kForward else plan._bwd.get()
+    if direction not in ("forward", "backward") or g == NULL:
+        raise InvalidArgumentError(f"direction={direction!r}: this plan has no such graph")
+    if mode not in _BENCH_MODES:
+        raise InvalidArgumentError(f"mode={mode!r} is not one of {sorted(_BENCH_MODES)}")
+    memset(t, 0, sizeof(t))
+    for name, value in tensors.items():
+        if name not in SLOT_NAMES:
+            raise InvalidArgumentError(f"{name}= is not a tensor of fastattn's plans")
+        t[SLOT_NAMES.index(name)] = value
+    if plan._c.host_seed:
+        host[0] = t[kSlotSeed]
+        host[1] = t[kSlotOffset]
+        t[kSlotSeed] = <intptr_t>&host[0]
+        t[kSlotOffset] = <intptr_t>&host[1]
+    cdef Mode m = <Mode><int>_BENCH_MODES[mode]
     with nogil:
-        st = time_raw_execute(g, plan.device, p, n, workspace, stream, iters, &seconds)
+        st = time_execute(g, d, plan.device, t, workspace, stream, m, iters, &seconds)
     if not st.ok():
         raise _error(st)
     return seconds
+
+
+def bench_raw_execute(Plan plan, str direction, ptrs, intptr_t workspace=0, intptr_t stream=0, int iters=1000):
+    """bench_execute(plan, direction, "frontend_sorted", ...) with the graph's tensors
+    given in uid order (q, k, v, o, stats, d_o, d_q, d_k, d_v, then the features' in
+    fastattn.h's Slot order), as tools/ passed them before bench_execute existed."""
+    cdef const Graph* g = plan._fwd.get() if direction == "forward" else plan._bwd.get()
+    cdef uint32_t mask = graph_slots(g)
+    names = [SLOT_NAMES[s] for s in range(kNumSlots) if mask & (1u << s)]
+    if len(ptrs) != len(names):
+        raise InvalidArgumentError(f"{direction} takes {len(names)} tensors ({', '.join(names)}), got {len(ptrs)}")
+    return bench_execute(plan, direction, "frontend_sorted", iters, workspace, stream, **dict(zip(names, ptrs)))

@@ -349,3 +349,67 @@ def test_cli_probe_on_the_gpu(capsys):
                      "--training", "--json"])
     body = json.loads(capsys.readouterr().out)
     assert code == cli.EXIT_OK and body["supported"] and body["backward_engine"]
+
+
+# -- integer-like addresses and the C++ floor's hooks (csrc/bench.h) -------------------
+
+
+def test_integer_like_addresses_run_like_ints():
+    cfg = make_config("bf16", "causal", "gqa", "same", "bshd", training=True, deterministic=True)
+    p = fastattn.plan(cfg)
+    a, b = Run(cfg, p, seed=8), Run(cfg, p, seed=8)
+    a.forward()
+    t = b.t
+    p.forward(*(np.uint64(t[n].ptr) for n in ("q", "k", "v", "o")), stats=np.int64(t["stats"].ptr),
+              workspace=np.int64(b.ws.ptr))
+    synchronize()
+    for name in ("o", "stats"):
+        assert a.t[name].raw() == b.t[name].raw(), name
+
+
+@pytest.mark.parametrize("mode", ["fastattn", "frontend_sorted", "frontend_uid_map"])
+def test_bench_execute_writes_what_forward_and_backward_write(mode):
+    from fastattn import _core
+
+    cfg = make_config("bf16", "causal", "gqa", "same", "bshd", training=True, deterministic=True)
+    p = fastattn.plan(cfg)
+    a, b = Run(cfg, p, seed=7), Run(cfg, p, seed=7)
+    a.forward()
+    a.backward()
+    t = b.t
+    fwd = {n: t[n].ptr for n in ("q", "k", "v", "o", "stats")}
+    assert _core.bench_execute(p, "forward", mode, 1, b.ws.ptr, 0, **fwd) > 0
+    synchronize()
+    bwd = dict(fwd, **{n: t[n].ptr for n in ("d_o", "d_q", "d_k", "d_v")})
+    assert _core.bench_execute(p, "backward", mode, 1, b.ws.ptr, 0, **bwd) > 0
+    synchronize()
+    for name in ("o", "stats", "d_q", "d_k", "d_v"):
+        assert a.t[name].raw() == b.t[name].raw(), name
+
+
+def test_bench_raw_execute_takes_pointers_in_uid_order(setup):
+    from fastattn import _core
+
+    _, p, r = setup
+    t = r.t
+    ptrs = [t[n].ptr for n in ("q", "k", "v", "o", "stats")]
+    assert _core.bench_raw_execute(p, "forward", ptrs, r.ws.ptr, 0, 3) > 0
+    with pytest.raises(fastattn.InvalidArgumentError, match=r"forward takes 5 tensors \(q, k, v, o, stats\), got 4"):
+        _core.bench_raw_execute(p, "forward", ptrs[:4], r.ws.ptr, 0, 3)
+    synchronize()
+
+
+def test_bench_execute_checks_like_execute_in_fastattn_mode_only(setup):
+    from fastattn import _core
+
+    _, p, r = setup
+    t = r.t
+    fwd = {n: t[n].ptr for n in ("q", "k", "v", "o")}  # no stats: a training forward needs them
+    with pytest.raises(fastattn.InvalidArgumentError, match="stats is a null pointer"):
+        _core.bench_execute(p, "forward", "fastattn", 2, r.ws.ptr, 0, **fwd)
+    with pytest.raises(fastattn.InvalidArgumentError, match="mode='fast'"):
+        _core.bench_execute(p, "forward", "fast", 2, r.ws.ptr, 0, **fwd)
+    with pytest.raises(fastattn.InvalidArgumentError, match="dq= is not a tensor"):
+        _core.bench_execute(p, "forward", "fastattn", 2, r.ws.ptr, 0, dq=t["d_q"].ptr)
+    with pytest.raises(fastattn.InvalidArgumentError, match="direction='sideways'"):
+        _core.bench_execute(p, "sideways", "fastattn", 2, r.ws.ptr, 0, **fwd)

@@ -1,9 +1,12 @@
 """Core runtime benchmarks, fastattn side by side with its peers in one process.
 
 (a) Host time per forward call on a small shape (default 1x8x128x64 bf16 causal):
-    fastattn plan.forward, cudnn-frontend's own C++ execute on the same plan (the
-    floor), and PyTorch scaled_dot_product_attention with its cuDNN and flash
-    backends (when torch is installed).
+    fastattn plan.forward, and PyTorch scaled_dot_product_attention with its cuDNN
+    and flash backends (when torch is installed). Then the C++ floor, forward and
+    backward, each looped in C++ on the same plan (_core.bench_execute): fastattn's
+    C++ execute (checks, device, stream, launch) against cudnn-frontend's cheapest
+    execute (sorted pointers, nothing around it) and its uid-map execute (the map
+    built per call, as its samples and PyTorch's cuDNN attention do).
 (b) Build time per new config, forward and backward, after the process's first
     build: fastattn against cudnn-frontend's Python API building the same graph
     (when the `cudnn` module is importable) and PyTorch's first call on a new shape.
@@ -64,18 +67,34 @@ def bench_host_overhead(args) -> dict:
     cfg = AttentionConfig(batch=args.batch, heads_q=args.heads, seqlen_q=args.seqlen, head_dim_qk=args.head_dim,
                           dtype="bf16", mask="causal")
     p = fastattn.plan(cfg)
+    tp = fastattn.plan(cfg.replace(training=True))  # backward's floor
     q = _alloc(cfg.storage_elements("q") * 2)
     k = _alloc(cfg.storage_elements("k") * 2)
     v = _alloc(cfg.storage_elements("v") * 2)
     o = _alloc(cfg.storage_elements("o") * 2)
-    ws = _alloc(p.workspace_size)
+    ws = _alloc(max(p.workspace_size, tp.workspace_size))
+    grads = {n: _alloc(cfg.storage_elements(n) * 2) for n in ("d_o", "d_q", "d_k", "d_v")}
+    stats = _alloc(cfg.storage_elements("stats") * 4)
     stream = int(_check(_cuda().cudaStreamCreate()))
     iters = args.iters
+    fwd = dict(q=q, k=k, v=v, o=o)
+    bwd = dict(fwd, stats=stats, **grads)
+
+    def cpp(plan, direction, mode, tensors):
+        def run():
+            _sync()
+            return _core.bench_execute(plan, direction, mode, iters, ws, stream, **tensors) / iters * 1e6
+        return run
+
     variants = {
         "fastattn_plan_forward_us": lambda: _loop_us(lambda: p.forward(q, k, v, o, 0, ws, stream), iters),
-        # cudnn-frontend's own C++ execute on the same plan, looped in C++: the floor.
-        "cudnn_frontend_cpp_execute_us": lambda: (
-            _sync(), _core.bench_raw_execute(p, "forward", (q, k, v, o), ws, stream, iters) / iters * 1e6)[1],
+        # The C++ floor, each looped in C++ on the same plan.
+        "fastattn_cpp_execute_us": cpp(p, "forward", "fastattn", fwd),
+        "cudnn_frontend_cpp_execute_us": cpp(p, "forward", "frontend_sorted", fwd),
+        "cudnn_frontend_uid_map_execute_us": cpp(p, "forward", "frontend_uid_map", fwd),
+        "fastattn_cpp_execute_bwd_us": cpp(tp, "backward", "fastattn", bwd),
+        "cudnn_frontend_cpp_execute_bwd_us": cpp(tp, "backward", "frontend_sorted", bwd),
+        "cudnn_frontend_uid_map_execute_bwd_us": cpp(tp, "backward", "frontend_uid_map", bwd),
     }
     res = {"shape": f"{args.batch}x{args.heads}x{args.seqlen}x{args.head_dim} bf16 causal", "engine": p.forward_engine,
            "iters_per_sample": iters, "samples": args.repeats}
@@ -110,6 +129,11 @@ def bench_host_overhead(args) -> dict:
         res[name.replace("_us", "_spread_us")] = [min(vals), max(vals)]
     floor_us = res["cudnn_frontend_cpp_execute_us"]
     res["ratio_fastattn_to_cpp_floor"] = res["fastattn_plan_forward_us"] / floor_us
+    # Issue 17's bar: the C++ execute at most 1.0x cudnn-frontend's own on the same plan.
+    for sfx in ("", "_bwd"):
+        ours = res[f"fastattn_cpp_execute{sfx}_us"]
+        res[f"ratio_cpp_execute_to_frontend_sorted{sfx}"] = ours / res[f"cudnn_frontend_cpp_execute{sfx}_us"]
+        res[f"ratio_cpp_execute_to_frontend_uid_map{sfx}"] = ours / res[f"cudnn_frontend_uid_map_execute{sfx}_us"]
     if "torch_sdpa_cudnn_us" in res:
         res["ratio_fastattn_to_torch_cudnn"] = res["fastattn_plan_forward_us"] / res["torch_sdpa_cudnn_us"]
     return res
@@ -226,6 +250,12 @@ def main(argv=None) -> int:
     print("\nsummary:")
     print(f"  host us/call: fastattn {h['fastattn_plan_forward_us']:.2f},"
           f" C++ floor {h['cudnn_frontend_cpp_execute_us']:.2f}, ratio {h['ratio_fastattn_to_cpp_floor']:.3f}")
+    for sfx, what in (("", "forward"), ("_bwd", "backward")):
+        print(f"  C++ execute {what} us: fastattn {h[f'fastattn_cpp_execute{sfx}_us']:.2f},"
+              f" frontend sorted {h[f'cudnn_frontend_cpp_execute{sfx}_us']:.2f}"
+              f" (ratio {h[f'ratio_cpp_execute_to_frontend_sorted{sfx}']:.3f}),"
+              f" frontend uid map {h[f'cudnn_frontend_uid_map_execute{sfx}_us']:.2f}"
+              f" (ratio {h[f'ratio_cpp_execute_to_frontend_uid_map{sfx}']:.3f})")
     if "torch_sdpa_cudnn_us" in h:
         print(f"  torch sdpa cudnn {h['torch_sdpa_cudnn_us']:.2f} us, flash {h['torch_sdpa_flash_us']:.2f} us;"
               f" fastattn/torch-cudnn {h['ratio_fastattn_to_torch_cudnn']:.3f}")

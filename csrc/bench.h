@@ -1,0 +1,36 @@
+// Benchmark hooks: not part of fastattn's production interface (fastattn.h, from
+// which the C ABI handed to the PyTorch op library is drawn). Only tools/ call them,
+// through fastattn._core.bench_execute.
+//
+// A header of their own rather than a compile-time flag: the benchmark must measure
+// the very binary users run (a flagged build is another binary, and the GPU machine
+// would need a second build of the ~70 s translation unit to get it); the hooks
+// cost nothing unless called. They live in attention.cpp, the one translation unit
+// that includes cudnn-frontend.
+#pragma once
+
+#include "fastattn.h"
+
+namespace fastattn::bench {
+
+enum class Mode : int {
+    // fastattn::execute, the whole C++ call: pointer checks, device and stream, launch.
+    kFastattn = 0,
+    // cudnn-frontend's cheapest execute (sorted pointers) on the same plan, with none
+    // of fastattn's work around it: the C++ floor.
+    kFrontendSorted = 1,
+    // cudnn-frontend's uid-to-pointer map execute, the map built per call as the
+    // frontend's samples (and PyTorch's cuDNN attention) build theirs.
+    kFrontendUidMap = 2,
+};
+
+// Seconds for `iters` back-to-back launches of `g` in `mode`, looped in C++. `slots`
+// as for execute (kNumSlots addresses indexed by Slot). Device and stream are set
+// once outside the loop for the frontend modes and by each call for kFastattn.
+Status time_execute(const Graph *g, Direction dir, int device, const intptr_t *slots, intptr_t workspace,
+                    intptr_t stream, Mode mode, int iters, double *seconds);
+
+// Bit s set: the graph takes the tensor of Slot s (the order of its variant pack).
+uint32_t graph_slots(const Graph *g);
+
+}  // namespace fastattn::bench

@@ -1,0 +1,120 @@
+# Type stub of the extension fastattn._core (fastattn/_core.pyx): what type checkers
+# and editors see of plans. Keep in step with _core.pyx; tests/test_runtime_cpu.py
+# checks that every public name here exists in the built module and the reverse.
+from typing import Any, SupportsIndex
+
+from fastattn.config import AttentionConfig
+
+# A device address as an int (the unchecked, zero-overhead path) or an integer-like
+# object (numpy integers); 0 for a tensor the plan does not take.
+Address = int | SupportsIndex
+
+# The tensors' names in Slot order (csrc/fastattn.h).
+SLOT_NAMES: tuple[str, ...]
+
+class Plan:
+    """A built (or loaded) cuDNN attention plan for one AttentionConfig on one device."""
+
+    @property
+    def config(self) -> AttentionConfig: ...
+    @property
+    def device(self) -> int: ...
+    @property
+    def forward_workspace_size(self) -> int: ...
+    @property
+    def backward_workspace_size(self) -> int: ...
+    @property
+    def workspace_size(self) -> int: ...
+    @property
+    def forward_engine(self) -> str | None: ...
+    @property
+    def backward_engine(self) -> str | None: ...
+    @property
+    def forward_ms(self) -> float: ...
+    @property
+    def backward_ms(self) -> float: ...
+    @property
+    def training(self) -> bool: ...
+    def forward(
+        self,
+        q: Address,
+        k: Address,
+        v: Address,
+        o: Address,
+        stats: Address = 0,
+        workspace: Address = 0,
+        stream: Address = 0,
+        seq_len_q: Address = 0,
+        seq_len_kv: Address = 0,
+        *,
+        ragged_q: Address = 0,
+        ragged_k: Address = 0,
+        ragged_v: Address = 0,
+        ragged_o: Address = 0,
+        ragged_stats: Address = 0,
+        bias: Address = 0,
+        seed: Address = 0,
+        offset: Address = 0,
+        sink: Address = 0,
+        page_table_k: Address = 0,
+        page_table_v: Address = 0,
+    ) -> None: ...
+    def backward(
+        self,
+        q: Address,
+        k: Address,
+        v: Address,
+        o: Address,
+        d_o: Address,
+        stats: Address,
+        d_q: Address,
+        d_k: Address,
+        d_v: Address,
+        workspace: Address = 0,
+        stream: Address = 0,
+        seq_len_q: Address = 0,
+        seq_len_kv: Address = 0,
+        *,
+        ragged_q: Address = 0,
+        ragged_k: Address = 0,
+        ragged_v: Address = 0,
+        ragged_o: Address = 0,
+        ragged_stats: Address = 0,
+        bias: Address = 0,
+        d_bias: Address = 0,
+        seed: Address = 0,
+        offset: Address = 0,
+        sink: Address = 0,
+        d_sink: Address = 0,
+    ) -> None: ...
+    def serialize(self) -> tuple[bytes, bytes | None]: ...
+
+def init_cudnn(path: str) -> int: ...
+def versions() -> tuple[int, int, int]: ...
+def policy() -> str: ...
+def get_device_count() -> int: ...
+def get_current_device() -> int: ...
+def get_device_info(device: int) -> dict[str, Any]: ...
+def build_plan(cfg: AttentionConfig, device: int) -> Plan: ...
+def load_plan(
+    cfg: AttentionConfig,
+    device: int,
+    forward_blob: bytes,
+    backward_blob: bytes | None = None,
+    forward_engine: str = "",
+    backward_engine: str = "",
+) -> Plan: ...
+
+# Benchmark hooks (tools/ only; csrc/bench.h).
+def bench_execute(
+    plan: Plan,
+    direction: str,
+    mode: str,
+    iters: int,
+    workspace: int = 0,
+    stream: int = 0,
+    **tensors: int,
+) -> float: ...
+def bench_raw_execute(
+    plan: Plan, direction: str, ptrs: Any, workspace: int = 0, stream: int = 0, iters: int = 1000
+) -> float: ...
