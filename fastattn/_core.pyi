@@ -1,13 +1,28 @@
 # Type stub of the extension fastattn._core (fastattn/_core.pyx): what type checkers
 # and editors see of plans. Keep in step with _core.pyx; tests/test_runtime_cpu.py
 # checks that every public name here exists in the built module and the reverse.
-from typing import Any, SupportsIndex
+from typing import Any, Protocol, SupportsIndex
 
+from fastattn._arrays import DeviceTensor
 from fastattn.config import AttentionConfig
 
-# A device address as an int (the unchecked, zero-overhead path) or an integer-like
-# object (numpy integers); 0 for a tensor the plan does not take.
-Address = int | SupportsIndex
+class _DLPack(Protocol):
+    def __dlpack__(self, *args: Any, **kwargs: Any) -> Any: ...
+    def __dlpack_device__(self) -> tuple[int, int]: ...
+
+class _CudaArrayInterface(Protocol):
+    @property
+    def __cuda_array_interface__(self) -> dict[str, Any]: ...
+
+class _CudaStream(Protocol):
+    def __cuda_stream__(self) -> tuple[int, int]: ...
+
+# A tensor: a device address as an int (the unchecked, zero-overhead path) or an
+# integer-like object (numpy integers); or a device array (DLPack, CUDA Array
+# Interface, plan.allocate's DeviceTensor), checked against the config. 0: not given.
+Address = int | SupportsIndex | _DLPack | _CudaArrayInterface | DeviceTensor
+# A cudaStream_t as an int, or a stream object (cuda.core Stream, __cuda_stream__).
+StreamLike = int | SupportsIndex | _CudaStream
 
 # The tensors' names in Slot order (csrc/fastattn.h).
 SLOT_NAMES: tuple[str, ...]
@@ -43,7 +58,7 @@ class Plan:
         o: Address,
         stats: Address = 0,
         workspace: Address = 0,
-        stream: Address = 0,
+        stream: StreamLike = 0,
         seq_len_q: Address = 0,
         seq_len_kv: Address = 0,
         *,
@@ -71,7 +86,7 @@ class Plan:
         d_k: Address,
         d_v: Address,
         workspace: Address = 0,
-        stream: Address = 0,
+        stream: StreamLike = 0,
         seq_len_q: Address = 0,
         seq_len_kv: Address = 0,
         *,
@@ -87,6 +102,7 @@ class Plan:
         sink: Address = 0,
         d_sink: Address = 0,
     ) -> None: ...
+    def allocate(self, name: str, stream: StreamLike | None = None) -> DeviceTensor: ...
     def serialize(self) -> tuple[bytes, bytes | None]: ...
 
 def init_cudnn(path: str) -> int: ...

@@ -13,8 +13,7 @@ from libcpp cimport bool as cbool
 from libcpp.string cimport string
 from libcpp.vector cimport vector
 
-from operator import index
-
+from fastattn import _arrays
 from fastattn.errors import CorruptPlanError, InvalidArgumentError, error_for_code
 
 
@@ -239,13 +238,12 @@ SLOT_NAMES = ("q", "k", "v", "o", "stats", "d_o", "d_q", "d_k", "d_v", "seq_len_
               "page_table_k", "page_table_v", "ragged_stats")
 assert len(SLOT_NAMES) == kNumSlots
 
-cdef intptr_t _address(str name, object x) except? 0:
-    """A device address from anything that is not exactly an int (the fast path's type):
-    int subclasses and integer-like objects (numpy integers), through __index__."""
-    try:
-        return index(x)
-    except TypeError:
-        raise TypeError(f"{name}= takes a device address (int), got {type(x).__name__}") from None
+cdef intptr_t _address(Plan p, str name, object x) except? 0:
+    """A device address from anything that is not exactly an int (the fast path's
+    type): integer-like objects (numpy integers) through __index__, device arrays
+    (DLPack, __cuda_array_interface__, plan.allocate's) checked against the config
+    by fastattn._arrays, once per call."""
+    return _arrays.address(p, name, x)
 
 
 cdef class Plan:
@@ -296,14 +294,17 @@ cdef class Plan:
         """Writes tensor `x` into slot `slot`: the one place forward and backward fill slots."""
         if type(x) is int:  # the zero-overhead path: C++ checks null and alignment, nothing else
             t[slot] = <intptr_t>x
+        elif self._c.host_seed and (slot == kSlotSeed or slot == kSlotOffset):
+            t[slot] = <intptr_t>_arrays.host_value(SLOT_NAMES[slot], x)
         else:
-            t[slot] = _address(SLOT_NAMES[slot], x)
+            t[slot] = _address(self, SLOT_NAMES[slot], x)
         return 0
 
     cdef int _launch(self, Direction d, intptr_t* t, int64_t* host, object workspace, object stream) except -1:
         cdef Status st
-        cdef intptr_t ws = <intptr_t>workspace if type(workspace) is int else _address("workspace", workspace)
-        cdef intptr_t s = <intptr_t>stream if type(stream) is int else _address("stream", stream)
+        cdef intptr_t ws = <intptr_t>workspace if type(workspace) is int else <intptr_t>_arrays.workspace_address(
+            self, d == Direction.kBackward, workspace)
+        cdef intptr_t s = <intptr_t>stream if type(stream) is int else <intptr_t>_arrays.stream_handle(stream)
         cdef const Graph* g = self._fwd.get() if d == Direction.kForward else self._bwd.get()
         if self._c.host_seed:  # passed by value: cuDNN reads them from `host` during the call
             host[0] = t[kSlotSeed]
@@ -412,6 +413,14 @@ cdef class Plan:
         self._put(t, kSlotSink, sink)
         self._put(t, kSlotDSink, d_sink)
         self._launch(Direction.kBackward, t, host, workspace, stream)
+
+    def allocate(self, str name, stream=None):
+        """A new device buffer (fastattn.DeviceTensor) for tensor `name` of the config
+        ("q", "d_k", "stats", "seq_len_q", ..., or "workspace": plan.workspace_size
+        bytes), shaped and strided as the config lays it out, contents undefined;
+        allocated stream-ordered on `stream` (None: the device's default stream) through
+        cuda.core. Pass it to forward/backward like any device array."""
+        return _arrays.allocate(self, name, stream)
 
     def serialize(self):
         """(forward blob, backward blob or None): the plans without graph structure, for

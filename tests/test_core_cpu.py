@@ -33,7 +33,7 @@ def _stub_top_level():
             names.add(node.name)
         elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
             names.add(node.target.id)
-    return names
+    return {n for n in names if not n.startswith("_")}  # private: the stub's own protocols
 
 
 def _stub_plan_methods():
@@ -101,14 +101,24 @@ def test_int_and_integer_like_addresses_reach_the_core(address):
 def test_a_non_address_is_a_type_error_naming_the_tensor(name, index):
     args = [16, 16, 16, 16]
     args[index] = 1.5
-    with pytest.raises(TypeError, match=rf"^{name}= takes a device address \(int\), got float"):
+    with pytest.raises(TypeError, match=rf"^{name}= takes a device address \(int\) or a device array .*got float"):
         _bare_plan().forward(*args)
 
 
-@pytest.mark.parametrize("kw", ["workspace", "stream", "bias", "page_table_v"])
+@pytest.mark.parametrize("kw", ["workspace", "bias", "page_table_v"])
 def test_a_non_address_keyword_is_named(kw):
     with pytest.raises(TypeError, match=rf"^{kw}= takes a device address"):
         _bare_plan().forward(16, 16, 16, 16, **{kw: "0x10"})
+
+
+def test_a_stream_that_is_no_stream_is_named():
+    with pytest.raises(TypeError, match="^stream= takes a cudaStream_t as an int or an object with __cuda_stream__"):
+        _bare_plan().forward(16, 16, 16, 16, stream="0x10")
+
+
+def test_host_arrays_are_refused_before_the_core():
+    with pytest.raises(errors.InvalidArgumentError, match=r"^k: device memory needed, got host memory \(numpy"):
+        _bare_plan().forward(16, np.zeros((2, 2), np.float16), 16, 16)
 
 
 def test_backward_needs_a_training_plan_before_anything_else():

@@ -1,7 +1,8 @@
 """Core runtime benchmarks, fastattn side by side with its peers in one process.
 
 (a) Host time per forward call on a small shape (default 1x8x128x64 bf16 causal):
-    fastattn plan.forward, and PyTorch scaled_dot_product_attention with its cuDNN
+    fastattn plan.forward on ints, on plan.allocate's DeviceTensors and on torch
+    tensors (the checked path, issue 16), and PyTorch scaled_dot_product_attention with its cuDNN
     and flash backends (when torch is installed). Then the C++ floor, forward and
     backward, each looped in C++ on the same plan (_core.bench_execute): fastattn's
     C++ execute (checks, device, stream, launch) against cudnn-frontend's cheapest
@@ -86,8 +87,13 @@ def bench_host_overhead(args) -> dict:
             return _core.bench_execute(plan, direction, mode, iters, ws, stream, **tensors) / iters * 1e6
         return run
 
+    # The checked path (issue 16): the same call on plan.allocate's DeviceTensors.
+    arr = {n: p.allocate(n) for n in ("q", "k", "v", "o")}
+    arr_ws = p.allocate("workspace")
     variants = {
         "fastattn_plan_forward_us": lambda: _loop_us(lambda: p.forward(q, k, v, o, 0, ws, stream), iters),
+        "fastattn_plan_forward_device_tensors_us": lambda: _loop_us(
+            lambda: p.forward(arr["q"], arr["k"], arr["v"], arr["o"], 0, arr_ws, stream), iters),
         # The C++ floor, each looped in C++ on the same plan.
         "fastattn_cpp_execute_us": cpp(p, "forward", "fastattn", fwd),
         "cudnn_frontend_cpp_execute_us": cpp(p, "forward", "frontend_sorted", fwd),
@@ -114,6 +120,11 @@ def bench_host_overhead(args) -> dict:
                     return _loop_us(lambda: sdpa(tq, tk, tv, is_causal=True), iters)
             return run
 
+        # The checked path on torch tensors (DLPack through cuda.core), bshd memory as the config's.
+        xq, xk, xv, xo = (torch.empty((args.batch, args.seqlen, args.heads, args.head_dim), device="cuda",
+                                      dtype=torch.bfloat16) for _ in range(4))
+        variants["fastattn_plan_forward_torch_tensors_us"] = lambda: _loop_us(
+            lambda: p.forward(xq, xk, xv, xo, 0, ws, stream), iters)
         variants["torch_sdpa_cudnn_us"] = torch_variant(SDPBackend.CUDNN_ATTENTION)
         variants["torch_sdpa_flash_us"] = torch_variant(SDPBackend.FLASH_ATTENTION)
         res["torch"] = torch.__version__
@@ -134,6 +145,10 @@ def bench_host_overhead(args) -> dict:
         ours = res[f"fastattn_cpp_execute{sfx}_us"]
         res[f"ratio_cpp_execute_to_frontend_sorted{sfx}"] = ours / res[f"cudnn_frontend_cpp_execute{sfx}_us"]
         res[f"ratio_cpp_execute_to_frontend_uid_map{sfx}"] = ours / res[f"cudnn_frontend_uid_map_execute{sfx}_us"]
+    # Issue 16's bar: the checked path at most a few microseconds over the int path.
+    for k in ("device_tensors", "torch_tensors"):
+        if f"fastattn_plan_forward_{k}_us" in res:
+            res[f"checked_{k}_extra_us"] = res[f"fastattn_plan_forward_{k}_us"] - res["fastattn_plan_forward_us"]
     if "torch_sdpa_cudnn_us" in res:
         res["ratio_fastattn_to_torch_cudnn"] = res["fastattn_plan_forward_us"] / res["torch_sdpa_cudnn_us"]
     return res
@@ -250,6 +265,10 @@ def main(argv=None) -> int:
     print("\nsummary:")
     print(f"  host us/call: fastattn {h['fastattn_plan_forward_us']:.2f},"
           f" C++ floor {h['cudnn_frontend_cpp_execute_us']:.2f}, ratio {h['ratio_fastattn_to_cpp_floor']:.3f}")
+    for k in ("device_tensors", "torch_tensors"):
+        if f"checked_{k}_extra_us" in h:
+            print(f"  checked path ({k.replace('_', ' ')}): {h[f'fastattn_plan_forward_{k}_us']:.2f} us,"
+                  f" +{h[f'checked_{k}_extra_us']:.2f} us over ints")
     for sfx, what in (("", "forward"), ("_bwd", "backward")):
         print(f"  C++ execute {what} us: fastattn {h[f'fastattn_cpp_execute{sfx}_us']:.2f},"
               f" frontend sorted {h[f'cudnn_frontend_cpp_execute{sfx}_us']:.2f}"

@@ -1,0 +1,149 @@
+"""GPU: plan.forward / plan.backward on array objects (issue 16): ints, plan.allocate's
+DeviceTensors, cuda.core streams and PyTorch tensors (where torch with CUDA is
+installed) give bitwise-identical results; every mismatch is an error that names the
+tensor."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import fastattn
+from fastattn import AttentionConfig
+
+from gpu_helpers import Tensor, _check, random_inputs, synchronize
+
+pytestmark = pytest.mark.gpu
+
+NAMES_FWD = ("q", "k", "v", "o", "stats")
+NAMES_BWD = ("d_o", "d_q", "d_k", "d_v")
+
+
+def _copy(dst: int, src: int, nbytes: int):
+    from cuda.bindings import runtime as rt
+
+    _check(rt.cudaMemcpy(dst, src, nbytes, rt.cudaMemcpyKind.cudaMemcpyDeviceToDevice))
+
+
+def _cfg(**extra):
+    return AttentionConfig(batch=2, heads_q=4, heads_kv=2, seqlen_q=136, seqlen_kv=136, head_dim_qk=64,
+                           dtype="bf16", layout="bshd", mask="causal", training=True, deterministic=True, **extra)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """Inputs, and the outputs of forward and backward run on ints."""
+    cfg = _cfg()
+    p = fastattn.plan(cfg)
+    q, k, v, d_o = random_inputs(cfg, np.random.default_rng(3), backward=True)
+    t = {n: Tensor(cfg, n) for n in NAMES_FWD + NAMES_BWD}
+    for n, x in (("q", q), ("k", k), ("v", v), ("d_o", d_o)):
+        t[n].write(x)
+    ws = p.allocate("workspace")
+    p.forward(*(t[n].ptr for n in ("q", "k", "v", "o")), stats=t["stats"].ptr, workspace=ws.ptr)
+    p.backward(*(t[n].ptr for n in ("q", "k", "v", "o", "d_o", "stats", "d_q", "d_k", "d_v")), workspace=ws.ptr)
+    synchronize()
+    return cfg, p, t
+
+
+def _nbytes(cfg, name):
+    return cfg.storage_elements(name) * (4 if name == "stats" else 2)
+
+
+def test_device_tensors_and_stream_objects_match_ints(reference):
+    from cuda.core import Device
+
+    cfg, p, t = reference
+    stream = Device(p.device).create_stream()
+    a = {n: p.allocate(n, stream=stream) for n in NAMES_FWD + NAMES_BWD}
+    for n in ("q", "k", "v", "d_o"):
+        assert a[n].shape == cfg.shape(n) and a[n].strides == cfg.strides(n)
+        _copy(a[n].ptr, t[n].ptr, _nbytes(cfg, n))
+    ws = p.allocate("workspace", stream=stream)
+    assert ws.nbytes >= p.workspace_size
+    synchronize()
+    p.forward(a["q"], a["k"], a["v"], a["o"], stats=a["stats"], workspace=ws, stream=stream)
+    p.backward(a["q"], a["k"], a["v"], a["o"], a["d_o"], a["stats"], a["d_q"], a["d_k"], a["d_v"], workspace=ws,
+               stream=stream)
+    stream.sync()
+    for n in ("o", "stats", "d_q", "d_k", "d_v"):
+        out = Tensor(cfg, n)
+        _copy(out.ptr, a[n].ptr, _nbytes(cfg, n))
+        assert out.raw() == t[n].raw(), n
+
+
+def _torch():
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch without CUDA")
+    return torch
+
+
+def _torch_copy(torch, cfg, t, name, dtype=None):
+    """A torch tensor in bshd memory order holding tensor `name`'s bytes."""
+    b, h, s, d = cfg.shape(name)
+    if name == "stats":
+        x = torch.empty((b, h, s, 1), dtype=torch.float32, device="cuda")
+    else:
+        x = torch.empty((b, s, h, d), dtype=dtype or torch.bfloat16, device="cuda")
+    _copy(x.data_ptr(), t[name].ptr, _nbytes(cfg, name))
+    return x
+
+
+def test_torch_tensors_match_ints(reference):
+    torch = _torch()
+    cfg, p, t = reference
+    x = {n: _torch_copy(torch, cfg, t, n) for n in NAMES_FWD + NAMES_BWD}
+    ws = torch.empty(p.workspace_size, dtype=torch.uint8, device="cuda")
+    s = torch.cuda.Stream()
+    p.forward(x["q"], x["k"], x["v"], x["o"].fill_(0), stats=x["stats"].fill_(0), workspace=ws, stream=s)
+    p.backward(x["q"], x["k"], x["v"], x["o"], x["d_o"], x["stats"], x["d_q"], x["d_k"], x["d_v"], workspace=ws,
+               stream=s)
+    s.synchronize()
+    for n in ("o", "stats", "d_q", "d_k", "d_v"):
+        out = Tensor(cfg, n)
+        _copy(out.ptr, x[n].data_ptr(), _nbytes(cfg, n))
+        assert out.raw() == t[n].raw(), n
+    # The (batch, head, seq, dim) view of the same memory is the same tensor.
+    p.forward(x["q"].transpose(1, 2), x["k"], x["v"], x["o"], stats=x["stats"], workspace=ws)
+    synchronize()
+
+
+def test_torch_mismatches_name_the_tensor(reference):
+    torch = _torch()
+    cfg, p, t = reference
+    x = {n: _torch_copy(torch, cfg, t, n) for n in NAMES_FWD}
+    ws = torch.empty(p.workspace_size, dtype=torch.uint8, device="cuda")
+    args = lambda **kw: dict(dict(q=x["q"], k=x["k"], v=x["v"], o=x["o"], stats=x["stats"], workspace=ws), **kw)
+    with pytest.raises(fastattn.InvalidArgumentError, match="^q: dtype float16, the config needs bfloat16"):
+        p.forward(**args(q=x["q"].half()))
+    with pytest.raises(fastattn.InvalidArgumentError, match=r"^k: shape \(2, 136, 2, 32\)"):
+        p.forward(**args(k=x["k"][..., :32]))
+    with pytest.raises(fastattn.InvalidArgumentError, match="^v: shape .* layout='bshd'"):
+        p.forward(**args(v=x["v"].transpose(1, 2).contiguous()))  # bhsd memory
+    with pytest.raises(fastattn.InvalidArgumentError, match="^stats: device memory needed"):
+        p.forward(**args(stats=x["stats"].cpu()))
+    with pytest.raises(fastattn.InvalidArgumentError, match="^workspace: 1 bytes"):
+        p.forward(**args(workspace=ws[:1]))
+    if torch.cuda.device_count() > 1:
+        with pytest.raises(fastattn.InvalidArgumentError, match="^o: on device 1"):
+            p.forward(**args(o=x["o"].to("cuda:1")))
+
+
+def test_feature_tensors_are_checked_on_the_gpu():
+    torch = _torch()
+    cfg = _cfg(padding=True, bias="1hss")
+    p = fastattn.plan(cfg)
+    t = {n: p.allocate(n) for n in ("q", "k", "v", "o", "stats")}
+    lens = torch.full((2,), 100, dtype=torch.int32, device="cuda")
+    bias = torch.zeros((1, 4, 136, 136), dtype=torch.bfloat16, device="cuda")
+    ws = p.allocate("workspace")
+    base = dict(stats=t["stats"], workspace=ws, seq_len_q=lens, seq_len_kv=lens, bias=bias)
+    p.forward(t["q"], t["k"], t["v"], t["o"], **base)
+    synchronize()
+    with pytest.raises(fastattn.InvalidArgumentError, match="^bias: shape"):
+        p.forward(t["q"], t["k"], t["v"], t["o"], **dict(base, bias=bias.transpose(2, 3)))
+    with pytest.raises(fastattn.InvalidArgumentError, match="^seq_len_kv: dtype int64"):
+        p.forward(t["q"], t["k"], t["v"], t["o"], **dict(base, seq_len_kv=lens.long()))
+    with pytest.raises(fastattn.InvalidArgumentError, match="^seq_len_q is a null pointer"):
+        p.forward(t["q"], t["k"], t["v"], t["o"], **dict(base, seq_len_q=0))
