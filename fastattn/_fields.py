@@ -145,7 +145,7 @@ def _positive(name: str, value: Any, meta: Mapping[str, Any]) -> float:
 
 def _probability(name: str, value: Any, meta: Mapping[str, Any]) -> float:
     p = number(name, value)
-    if not 0.0 <= p < 1.0:
+    if not 0.0 <= p < 1.0 or float32(p) >= 1.0:  # 0.99999999 is 1.0 as the float32 cuDNN gets
         raise bad(name, value, "must be in [0, 1)")
     return float32(p)
 
