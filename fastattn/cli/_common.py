@@ -7,10 +7,8 @@ Handlers return (exit code, result dict); "_text" in the dict is the human form.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
-import sys
 import textwrap
 from typing import Any
 
