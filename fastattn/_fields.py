@@ -31,7 +31,7 @@ _NO_OFF = object()  # a field that is always in the canonical form
 
 
 def spec(kind: str, default: Any = dataclasses.MISSING, *, help: str, minimum: int = 0, choices: tuple = (),
-         off: Any = _NO_OFF, family: bool | Callable[[Any], Any] = False,
+         off: Any = _NO_OFF, follows: str | None = None, family: bool | Callable[[Any], Any] = False,
          describe: Callable[[Any], str | None] | None = None,
          feature: tuple[str, dict[str, Any], str] | None = None) -> Any:
     """A dataclass field of AttentionConfig with its registry entry.
@@ -42,6 +42,7 @@ def spec(kind: str, default: Any = dataclasses.MISSING, *, help: str, minimum: i
       "dtype" or "layout" field takes.
     off: the value of a feature added after the first release when it is not used; the
       canonical form (and so every cache key) leaves the field out at that value.
+    follows: with default None, the field whose value it takes when not given.
     family: whether the field selects cuDNN kernel variants (kernel_family): True for
       its value, or a function of the config for a coarser one.
     describe: the config's short tag for this field in tables, or None to show none.
@@ -51,7 +52,7 @@ def spec(kind: str, default: Any = dataclasses.MISSING, *, help: str, minimum: i
     if kind not in VALIDATORS:
         raise ValueError(f"unknown field kind {kind!r}")  # a mistake in config.py, caught at import
     meta = {"kind": kind, "help": help, "minimum": minimum, "choices": tuple(choices), "off": off,
-            "family": family, "describe": describe, "feature": feature}
+            "follows": follows, "family": family, "describe": describe, "feature": feature}
     return dataclasses.field(default=default, metadata=meta)
 
 
@@ -145,7 +146,7 @@ def _positive(name: str, value: Any, meta: Mapping[str, Any]) -> float:
 
 def _probability(name: str, value: Any, meta: Mapping[str, Any]) -> float:
     p = number(name, value)
-    if not 0.0 <= p < 1.0:
+    if not 0.0 <= p < 1.0 or float32(p) >= 1.0:  # 0.99999999 is 1.0 as the float32 cuDNN gets
         raise bad(name, value, "must be in [0, 1)")
     return float32(p)
 

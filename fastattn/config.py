@@ -155,11 +155,13 @@ class AttentionConfig:
     # every other config's cache key) when not used.
     batch: int = spec("int", minimum=1, help="sequences in the batch")
     heads_q: int = spec("int", minimum=1, help="query heads")
-    heads_kv: int | None = spec("int", None, minimum=1, help="key/value heads (default: heads_q)")
+    heads_kv: int | None = spec("int", None, minimum=1, follows="heads_q", help="key/value heads (default: heads_q)")
     seqlen_q: int = spec("int", minimum=1, help="query sequence length")
-    seqlen_kv: int | None = spec("int", None, minimum=1, help="key/value sequence length (default: seqlen_q)")
+    seqlen_kv: int | None = spec("int", None, minimum=1, follows="seqlen_q",
+                                 help="key/value sequence length (default: seqlen_q)")
     head_dim_qk: int = spec("int", minimum=1, help="query/key head dim", family=True)
-    head_dim_v: int | None = spec("int", None, minimum=1, help="value head dim (default: head_dim_qk)", family=True)
+    head_dim_v: int | None = spec("int", None, minimum=1, follows="head_dim_qk",
+                                  help="value head dim (default: head_dim_qk)", family=True)
     dtype: str = spec("dtype", "bf16", choices=DTYPES, help="element type of q, k, v, o", family=True,
                       describe=lambda c: c.dtype)
     layout: Any = spec("layout", "bshd", choices=LAYOUTS, help="memory order of q, k, v, o (default bshd)",
@@ -214,9 +216,9 @@ class AttentionConfig:
         given = {f.name: getattr(self, f.name) for f in FIELDS}  # as given, for messages
         for f in FIELDS:  # each value on its own; what depends on other fields follows
             set_(f.name, _fields.validate(f, given[f.name]))
-        for name, source in (("heads_kv", "heads_q"), ("seqlen_kv", "seqlen_q"), ("head_dim_v", "head_dim_qk")):
-            if getattr(self, name) is None:
-                set_(name, getattr(self, source))
+        for f in FIELDS:
+            if f.metadata["follows"] and getattr(self, f.name) is None:
+                set_(f.name, getattr(self, f.metadata["follows"]))
         if self.heads_q % self.heads_kv:
             raise _bad("heads_kv", self.heads_kv, f"heads_q={self.heads_q} must be a multiple of heads_kv")
 

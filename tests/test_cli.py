@@ -5,8 +5,6 @@ import os
 import subprocess
 import sys
 
-import pytest
-
 from fastattn import cli, runtime
 
 from conftest import _gpu_unavailable_reason

@@ -63,12 +63,15 @@ def cache_dir(tmp_path, monkeypatch):
     (["warm", "--timeout", "-1"], "--timeout"), (["warm", "--timeout", "nan"], "--timeout"),
     (["warm", "--timeout", "inf"], "--timeout"), (["warm", "--timeout", "0"], "--timeout"),
     (["warm", "--workers", "-3"], "--workers"), (["warm", "--device", "-1"], "--device"),
-    (["cache", "prune", "--max-bytes", "inf"], "--max-bytes"), (["cache", "prune", "--max-bytes", "1e400"], "--max-bytes"),
+    (["cache", "prune", "--max-bytes", "inf"], "--max-bytes"),
+    (["cache", "prune", "--max-bytes", "1e400"], "--max-bytes"),
     (["cache", "prune", "--max-bytes", "nan"], "--max-bytes"), (["cache", "prune", "--max-bytes", "-1"], "--max-bytes"),
     (["cache", "prune", "--max-age", "nan"], "--max-age"), (["cache", "prune", "--max-age", "infd"], "--max-age"),
-    (PROBE + ["--batch", "0"], "--batch"), (PROBE + ["--scale", "nan"], "--scale"), (PROBE + ["--scale", "-1"], "--scale"),
+    (PROBE + ["--batch", "0"], "--batch"), (PROBE + ["--scale", "nan"], "--scale"),
+    (PROBE + ["--scale", "-1"], "--scale"),
     (PROBE + ["--dropout", "1"], "--dropout"), (PROBE + ["--window", "-2", "0"], "--window"),
     (PROBE + ["--device", "-1"], "--device"), (PROBE + ["--page-size", "-64"], "--page-size"),
+    (["info", "--device", "-1"], "--device"), (["warm", "--report", ""], "--report"),
 ])
 def test_out_of_range_flags_are_bad_input_naming_the_flag(argv, flag, capsys, cache_dir, no_work):
     code, out, err = run(argv, capsys)
@@ -204,6 +207,15 @@ def test_expected_failures_keep_their_codes(capsys, monkeypatch):
         monkeypatch.setattr(runtime, "probe", fail)
         assert run(PROBE, capsys)[0] == code
         assert run_json(PROBE, capsys)[1]["error"] == type(error).__name__
+
+
+def test_a_closed_output_pipe_is_exit_4_quietly(capsys, monkeypatch):
+    def closed(*a, **k):
+        raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr(runtime, "probe", closed)
+    code, out, err = run(PROBE, capsys)
+    assert code == cli.EXIT_FAILED and not out and not err
 
 
 def test_exit_codes_are_distinct_and_documented():

@@ -75,7 +75,7 @@ _WRONG = {
     "choice": [1, None, ["none"], b"none"],
     "dtype": [1, None, ["bf16"], b"bf16", {"bf16": 1}],
     "positive": ["0.5", True, [1.0], float("nan"), 0, -1],
-    "probability": ["0.1", True, [0.1], float("nan"), 1.0, -0.1],
+    "probability": ["0.1", True, [0.1], float("nan"), 1.0, -0.1, 0.99999999],  # the last is 1.0 in float32
     "pair": [{"left": 1, "right": 0}, "1,0", (1,), 5, {1, 0}],
     "layout": [1, None, "bsdh", (1, 2, 3)],
 }

@@ -57,3 +57,35 @@ def test_matrix_on_the_gpu(tmp_path):
                               "bf16", "--gqa", "1,4", "--workers", "4")
     assert code == 0, err
     assert all(r["status"] in ("built", "loaded") for r in out["configs"])
+
+
+def test_matrix_every_registry_feature_on_the_gpu(tmp_path):
+    # The feature columns come from the field registry; each must reach cuDNN as a config
+    # it answers (built or refused with a reason), never a failure.
+    from fastattn.cli.matrix import MATRIX_FEATURES
+
+    features = ",".join(MATRIX_FEATURES)
+    for training in (False, True):
+        code, out, err = fastattn(tmp_path / "cache", "matrix", "--head-dims", "64,128", "--masks", "causal",
+                                  "--dtypes", "bf16", "--gqa", "1", "--seqlens", "256", "--features", features,
+                                  "--workers", "4", *(["--training"] if training else []))
+        assert code == 0, err
+        assert len(out["configs"]) == 2 * len(MATRIX_FEATURES)
+        for r in out["configs"]:
+            assert r["status"] in ("built", "loaded", "unsupported", "invalid"), r
+            assert r["status"] in ("built", "loaded") or r["reason"], r
+        by = {(r["head_dim"], r["feature"]): r["status"] for r in out["configs"]}
+        assert by[(128, "dense")] in ("built", "loaded")
+        if training:
+            assert by[(128, "paged")] == "invalid"  # forward only: fastattn's rule, no cuDNN question
+
+
+def test_probe_with_registry_flags_on_the_gpu(tmp_path):
+    base = ["probe", "--batch", "2", "--heads-q", "8", "--heads-kv", "2", "--seqlen-q", "256", "--head-dim-qk", "128"]
+    for extra in (["--padding", "--ragged", "--max-tokens-q", "300"], ["--bias", "1hss", "--training", "--bias-grad"],
+                  ["--dropout", "0.1", "--host-seed"], ["--sinks", "--mask", "causal_bottom_right"],
+                  ["--padding", "--page-size", "64", "--num-pages", "9"], ["--scale", "0.05", "--window", "64", "0"]):
+        code, out, err = fastattn(tmp_path / "cache", *base, *extra)
+        assert code in (0, 1), (extra, code, err)
+        assert "Traceback" not in err and out["config"]["batch"] == 2
+        assert code == 0 or out["reason"]

@@ -7,10 +7,8 @@ Handlers return (exit code, result dict); "_text" in the dict is the human form.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
-import sys
 import textwrap
 from typing import Any
 
@@ -147,9 +145,11 @@ def age(text: str) -> float:
 def output_file(text: str) -> str:
     """A file the command will write at its end: checked now, so that a long run is
     not lost to a typo in the path."""
+    if not text:
+        raise argparse.ArgumentTypeError("an empty path")
     path = os.path.abspath(text)
     parent = os.path.dirname(path)
-    if not text or os.path.isdir(path):
+    if os.path.isdir(path):
         raise argparse.ArgumentTypeError(f"{text!r} is a directory, not a file")
     if not os.path.isdir(parent):
         raise argparse.ArgumentTypeError(f"{text!r}: the directory {parent} does not exist")

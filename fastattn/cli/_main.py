@@ -27,7 +27,6 @@ _EXPECTED = (
     (InvalidArgumentError, EXIT_BAD_INPUT),
     ((LibraryError, CudaError, CudnnError), EXIT_NO_GPU),
     (ConnectionError, EXIT_FAILED),  # the remote tier, for push and pull
-    (BrokenPipeError, EXIT_FAILED),  # the reader of our output went away (`| head`)
 )
 
 
@@ -65,6 +64,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             sys.stderr.write(f"{e.usage}fastattn: error: {e}\n")
         return EXIT_BAD_INPUT
+    except BrokenPipeError:  # the reader of our output went away (`| head`): nothing more to tell it
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so that exiting does not complain
+        return EXIT_FAILED
     except KeyboardInterrupt:
         sys.stderr.write("fastattn: interrupted\n")
         return EXIT_INTERRUPTED

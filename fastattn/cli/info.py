@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._common import EXIT_NO_GPU, EXIT_OK, add_json_flag
+from ._common import EXIT_NO_GPU, EXIT_OK, add_json_flag, integer
 
 
 def add_parser(sub) -> None:
     info = sub.add_parser("info", help="GPU, driver, cuDNN, cudnn-frontend and fastattn versions")
     add_json_flag(info)
-    info.add_argument("--device", type=int, default=None, help="CUDA device (default: current)")
+    info.add_argument("--device", type=integer(0), default=None, help="CUDA device (default: current)")
 
 
 def run(args) -> tuple[int, dict[str, Any]]:

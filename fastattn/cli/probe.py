@@ -108,7 +108,8 @@ def _text(out: dict[str, Any]) -> str:
     if out["supported"]:
         lines.append(f"  forward:  engine {out['forward_engine']}, workspace {out['forward_workspace_size']} bytes")
         if out["config"]["training"]:
-            lines.append(f"  backward: engine {out['backward_engine']}, workspace {out['backward_workspace_size']} bytes")
+            lines.append(f"  backward: engine {out['backward_engine']}, "
+                         f"workspace {out['backward_workspace_size']} bytes")
     else:
         lines.append(f"  reason: {out['reason']}")
     lines.append(f"  build: {out['build_seconds'] * 1e3:.1f} ms")
