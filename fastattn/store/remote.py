@@ -158,7 +158,8 @@ class RemoteStore:
         self.counters["remote_errors"] += 1
         self._down_until = time.monotonic() + self.settings.retry_after
         if not self.state.startswith("down"):
-            log.warning("fastattn remote cache %s: %s; building locally, trying again in %.0f s", self.name, e,
+            log.warning("fastattn remote cache %s is unreachable (%s): plans come from this machine alone; this "
+                        "process asks it again after %.0f s", self.name, e,
                         self.settings.retry_after)
         self.state = f"down ({type(e).__name__}: {e})"
 
