@@ -47,7 +47,6 @@ def fake(monkeypatch):
     monkeypatch.delenv("FASTATTN_REMOTE_CACHE", raising=False)
     yield
     runtime.clear()
-    runtime._device_descriptions.clear()
 
 
 def _flags(*path: str) -> list[str]:
@@ -97,7 +96,6 @@ def _run(argv: list[str]) -> None:
         os.environ["FASTATTN_CACHE_DIR"] = cache
         tempfile.tempdir = bugs  # where a bug's traceback file would go
         runtime.clear()
-        runtime._device_descriptions.clear()
         try:
             os.chdir(work)
             with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
