@@ -430,12 +430,18 @@ cdef object _ZERO = 0
 
 cdef inline int _put(Plan p, intptr_t* t, int slot, object x) except -1:
     """Writes tensor `x` into slot `slot`: the one place forward and backward fill slots.
-    Inline, so that an int costs a type check and a conversion, as a typed argument did."""
+    Small enough to inline, so that an int costs a type check and a conversion, as a
+    typed argument did; everything else goes to _put_object."""
     if x is _ZERO:  # not given (the default): the slot stays 0. CPython caches small ints: every 0 is this one
         return 0
     if type(x) is int:  # the zero-overhead path: C++ checks null and alignment, nothing else
         t[slot] = <intptr_t>x
-    elif p._c.host_seed and (slot == kSlotSeed or slot == kSlotOffset):
+        return 0
+    return _put_object(p, t, slot, x)
+
+
+cdef int _put_object(Plan p, intptr_t* t, int slot, object x) except -1:
+    if p._c.host_seed and (slot == kSlotSeed or slot == kSlotOffset):
         t[slot] = <intptr_t>_arrays.host_value(SLOT_NAMES[slot], x)
     else:
         t[slot] = _address(p, SLOT_NAMES[slot], x)
