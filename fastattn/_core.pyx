@@ -274,6 +274,8 @@ cdef class Plan:
     cdef readonly double backward_ms
     cdef Config _c
     cdef cbool _training
+    # What fastattn._arrays expects of each tensor, by name, filled on first use.
+    cdef readonly dict _layouts
 
     def __init__(self):
         raise TypeError("Plan objects are made by fastattn.plan(config)")
@@ -479,6 +481,7 @@ cdef Plan _new_plan(cfg, int device):
     p.device = device
     p._training = cfg.training
     p._c = _c_config(cfg)
+    p._layouts = {}
     p.forward_engine = None
     p.backward_engine = None
     return p
