@@ -238,6 +238,7 @@ SLOT_NAMES = ("q", "k", "v", "o", "stats", "d_o", "d_q", "d_k", "d_v", "seq_len_
               "page_table_k", "page_table_v", "ragged_stats")
 assert len(SLOT_NAMES) == kNumSlots
 
+
 cdef intptr_t _address(Plan p, str name, object x) except? 0:
     """A device address from anything that is not exactly an int (the fast path's
     type): integer-like objects (numpy integers) through __index__, device arrays
@@ -297,8 +298,12 @@ cdef class Plan:
                 page_table_k=0, page_table_v=0):
         """Runs attention forward: o = softmax(scale * q @ k^T, masked) @ v.
 
-        Every argument is a CUDA device address as an int (16-byte aligned); stream is a
-        cudaStream_t as an int (0: the legacy default stream). Shapes, strides and dtype
+        Every tensor (and the workspace) is a CUDA device address as an int (16-byte
+        aligned; unchecked, the zero-overhead path) or a device array: DLPack,
+        __cuda_array_interface__ or plan.allocate(name), checked against the config
+        (device, dtype, shape and strides; see fastattn._arrays). stream is a
+        cudaStream_t as an int (0: the legacy default stream) or a stream object
+        (__cuda_stream__: cuda.core Stream, PyTorch streams). Shapes, strides and dtype
         are the config's (see fastattn.config): q (b, hq, sq, dqk), k (b, hkv, skv, dqk),
         v (b, hkv, skv, dv), o (b, hq, sq, dv) in config.dtype; stats (b, hq, sq, 1)
         float32, contiguous, required when config.training and 0 otherwise; workspace
@@ -316,8 +321,9 @@ cdef class Plan:
           page_table_k, page_table_v (page_size): int32 (b, 1, pages per sequence, 1).
 
         Asynchronous on `stream`: nothing is allocated, copied or synchronized.
-        Raises InvalidArgumentError for a null, misaligned or unexpected pointer,
-        CudnnError or CudaError when the launch fails.
+        Raises InvalidArgumentError for a null, misaligned or unexpected pointer or an
+        array that does not match the config (naming the tensor), TypeError for an
+        argument that is neither, CudnnError or CudaError when the launch fails.
         """
         cdef intptr_t t[kNumSlots]
         cdef int64_t host[2]
@@ -353,7 +359,8 @@ cdef class Plan:
         """Runs attention backward: writes d_q, d_k, d_v from q, k, v, the forward's o and
         stats, and the output gradient d_o.
 
-        Device addresses as ints (16-byte aligned). d_q, d_k, d_v, d_o have the shapes
+        Device addresses as ints or device arrays, and stream, as forward takes them.
+        d_q, d_k, d_v, d_o have the shapes
         and strides of q, k, v, o, in config.dtype; stats is the float32 tensor the
         training forward wrote; workspace of plan.backward_workspace_size bytes. The
         feature tensors are forward's (give backward the same seed and offset: the same
@@ -362,8 +369,9 @@ cdef class Plan:
         Needs a plan built with training=True. Asynchronous on `stream`; with GQA the
         kernels accumulate d_k and d_v internally, so nothing needs zeroing first.
 
-        Raises InvalidArgumentError (bad pointer, plan without backward), CudnnError or
-        CudaError when the launch fails.
+        Raises InvalidArgumentError (bad pointer, an array that does not match the
+        config, plan without backward), TypeError, CudnnError or CudaError when the
+        launch fails.
         """
         cdef intptr_t t[kNumSlots]
         cdef int64_t host[2]
