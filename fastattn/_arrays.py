@@ -259,15 +259,21 @@ def host_value(name: str, obj: Any) -> int:
 
 def stream_handle(obj: Any) -> int:
     """A cudaStream_t as an int from an int, an object with __cuda_stream__ (cuda.core
-    Stream, PyTorch's streams) or an integer-like object."""
+    Stream, recent PyTorch streams), a PyTorch stream (.cuda_stream) or an integer-like
+    object."""
     protocol = getattr(obj, "__cuda_stream__", None)
     if protocol is not None:
         got = protocol()
         if not (isinstance(got, tuple) and len(got) == 2):
             raise TypeError(f"stream=: {_type_name(obj)}.__cuda_stream__() returned {got!r}, not (version, handle)")
         return int(got[1])
-    if hasattr(obj, "__index__"):
-        return obj.__index__()
+    handle = getattr(obj, "cuda_stream", None)  # PyTorch streams from before __cuda_stream__
+    if type(handle) is int:
+        return handle
+    try:
+        return operator.index(obj)
+    except TypeError:
+        pass
     raise TypeError(f"stream= takes a cudaStream_t as an int or an object with __cuda_stream__, got {_type_name(obj)}")
 
 

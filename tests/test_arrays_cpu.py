@@ -175,6 +175,7 @@ def test_stream_objects():
             return (0, 0xABC0)
 
     assert _arrays.stream_handle(S()) == 0xABC0
+    assert _arrays.stream_handle(SimpleNamespace(cuda_stream=0xDE00)) == 0xDE00  # PyTorch's attribute
     assert _arrays.stream_handle(np.int64(16)) == 16
     with pytest.raises(TypeError, match="^stream= takes a cudaStream_t"):
         _arrays.stream_handle("default")
