@@ -27,6 +27,7 @@ _NUMPY_NAMES = {"fp16": "float16", "bf16": "bfloat16", "float32": "float32", "in
 _ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "int32": 4, "int64": 8, "uint8": 1}
 # The CUDA Array Interface's type strings (bfloat16 has none).
 _TYPESTR = {"float16": "<f2", "float32": "<f4", "int32": "<i4", "int64": "<i8", "uint8": "|u1"}
+_SEEN_MAX = 8
 _RAGGED_PACKED = ("q", "k", "v", "o", "d_q", "d_k", "d_v", "d_o", "stats")
 
 
@@ -106,7 +107,9 @@ def describe(name: str, obj: Any) -> ArrayDesc:
 def _pairs(shape, strides) -> list[tuple[int, int]]:
     """The (extent, stride) of each dimension that has more than one element: what
     places elements, whatever order the dimensions are listed in."""
-    return sorted((n, s) for n, s in zip(shape, strides) if n != 1)
+    out = [(n, s) for n, s in zip(shape, strides) if n != 1]
+    out.sort()
+    return out
 
 
 def _merge(pairs: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -121,17 +124,38 @@ def _merge(pairs: list[tuple[int, int]]) -> list[tuple[int, int]]:
     return out
 
 
-def check(cfg: AttentionConfig, device: int, name: str, d: ArrayDesc) -> None:
-    """Raises InvalidArgumentError naming `name` and what differs from the config."""
+def _expected(cfg: AttentionConfig, name: str):
+    """(dtype, shape, strides, (extent, stride) pairs or None when packed) of tensor
+    `name`. Plans keep theirs by name (Plan._layouts), so that a call's checks cost
+    comparisons, not layout arithmetic or hashing a config."""
+    shape, strides = layout(cfg, name)
+    packed = cfg.ragged and name in _RAGGED_PACKED
+    # The last item: (shape, strides) already seen to pass, a set that check() fills
+    # (bounded), so a caller passing the same kind of array each call costs a lookup.
+    return expected_dtype(cfg, name), shape, strides, None if packed else _pairs(shape, strides), set()
+
+
+def _expected_for(plan: Any, name: str):
+    cache = getattr(plan, "_layouts", None)
+    if cache is None:
+        return _expected(plan.config, name)
+    e = cache.get(name)
+    if e is None:
+        e = cache[name] = _expected(plan.config, name)
+    return e
+
+
+def check(cfg: AttentionConfig, device: int, name: str, d: ArrayDesc, plan: Any = None) -> None:
+    """Raises InvalidArgumentError naming `name` and what differs from the config
+    (`plan`'s, whose kept expectations are then used)."""
     if not d.device_accessible or d.device_id < 0:
         raise InvalidArgumentError(f"{name}: device memory needed, got host memory ({d.kind})")
     if d.device_id != device:
         raise InvalidArgumentError(f"{name}: on device {d.device_id}, but the plan runs on device {device}")
-    want = expected_dtype(cfg, name)
+    want, shape, strides, pairs, seen = _expected(cfg, name) if plan is None else _expected_for(plan, name)
     if d.dtype != want:
         raise InvalidArgumentError(f"{name}: dtype {d.dtype}, the config needs {want}")
-    shape, strides = layout(cfg, name)
-    if cfg.ragged and name in _RAGGED_PACKED:
+    if pairs is None:  # packed (ragged)
         # Packed tokens: the inner (heads, dim) as the config's, the rest one run of
         # at least the config's max tokens.
         inner = _pairs(shape[1:], strides[1:])
@@ -151,11 +175,15 @@ def check(cfg: AttentionConfig, device: int, name: str, d: ArrayDesc) -> None:
                 f"{name}: shape {d.shape} at element strides {d.strides} does not hold the config's packed {name}: "
                 f"{shape} at strides {strides} (tokens first; at least max_tokens={shape[0]} tokens)")
         return
-    if _pairs(d.shape, d.strides) != _pairs(shape, strides):
+    if (d.shape, d.strides) in seen:
+        return
+    if _pairs(d.shape, d.strides) != pairs:
         raise InvalidArgumentError(
             f"{name}: shape {d.shape} at element strides {d.strides} does not lay out the config's {name}: "
             f"{shape} at strides {strides} in (batch, head, seq, dim) order, layout={_layout_name(cfg)} "
             f"(any order of the same dimensions is accepted)")
+    if len(seen) < _SEEN_MAX:
+        seen.add((d.shape, d.strides))
 
 
 def _layout_name(cfg: AttentionConfig) -> str:
@@ -164,12 +192,17 @@ def _layout_name(cfg: AttentionConfig) -> str:
 
 def address(plan: Any, name: str, obj: Any) -> int:
     """The device address of array `obj` for tensor `name` of `plan`, checked."""
-    if not (isinstance(obj, DeviceTensor) or hasattr(obj, "__dlpack__")
-            or hasattr(obj, "__cuda_array_interface__")):
-        if hasattr(obj, "__index__"):  # an integer-like address (numpy integers)
-            return obj.__index__()
-    d = describe(name, obj)
-    check(plan.config, plan.device, name, d)
+    if isinstance(obj, DeviceTensor):
+        if obj.name == name and obj.config is plan.config:
+            return obj.desc.ptr  # made by Plan.allocate for this tensor of this config: laid out as it
+        d = obj.desc
+    elif hasattr(obj, "__dlpack__") or hasattr(obj, "__cuda_array_interface__"):
+        d = describe(name, obj)
+    elif hasattr(obj, "__index__"):  # an integer-like address (numpy integers)
+        return obj.__index__()
+    else:
+        d = describe(name, obj)  # raises the TypeError that names the tensor
+    check(plan.config, plan.device, name, d, plan)
     return d.ptr
 
 
@@ -226,15 +259,21 @@ def host_value(name: str, obj: Any) -> int:
 
 def stream_handle(obj: Any) -> int:
     """A cudaStream_t as an int from an int, an object with __cuda_stream__ (cuda.core
-    Stream, PyTorch's streams) or an integer-like object."""
+    Stream, recent PyTorch streams), a PyTorch stream (.cuda_stream) or an integer-like
+    object."""
     protocol = getattr(obj, "__cuda_stream__", None)
     if protocol is not None:
         got = protocol()
         if not (isinstance(got, tuple) and len(got) == 2):
             raise TypeError(f"stream=: {_type_name(obj)}.__cuda_stream__() returned {got!r}, not (version, handle)")
         return int(got[1])
-    if hasattr(obj, "__index__"):
-        return obj.__index__()
+    handle = getattr(obj, "cuda_stream", None)  # PyTorch streams from before __cuda_stream__
+    if type(handle) is int:
+        return handle
+    try:
+        return operator.index(obj)
+    except TypeError:
+        pass
     raise TypeError(f"stream= takes a cudaStream_t as an int or an object with __cuda_stream__, got {_type_name(obj)}")
 
 
@@ -244,8 +283,8 @@ class DeviceTensor:
     exports DLPack (as bytes, through its cuda.core Buffer) and, but for bfloat16,
     the CUDA Array Interface. Freed when closed or collected."""
 
-    def __init__(self, buffer: Any, desc: ArrayDesc, name: str):
-        self.buffer, self.desc, self.name = buffer, desc, name
+    def __init__(self, buffer: Any, desc: ArrayDesc, name: str, config: AttentionConfig | None = None):
+        self.buffer, self.desc, self.name, self.config = buffer, desc, name, config
 
     @property
     def ptr(self) -> int:
@@ -317,4 +356,4 @@ def allocate(plan: Any, name: str, stream: Any = None) -> DeviceTensor:
         s = Stream.from_handle(stream_handle(stream))
     buffer = dev.allocate(nbytes, stream=s)
     desc = ArrayDesc(int(buffer.handle), shape, strides, dtype, plan.device, True, "fastattn.DeviceTensor")
-    return DeviceTensor(buffer, desc, name)
+    return DeviceTensor(buffer, desc, name, cfg)

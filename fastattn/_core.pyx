@@ -238,6 +238,7 @@ SLOT_NAMES = ("q", "k", "v", "o", "stats", "d_o", "d_q", "d_k", "d_v", "seq_len_
               "page_table_k", "page_table_v", "ragged_stats")
 assert len(SLOT_NAMES) == kNumSlots
 
+
 cdef intptr_t _address(Plan p, str name, object x) except? 0:
     """A device address from anything that is not exactly an int (the fast path's
     type): integer-like objects (numpy integers) through __index__, device arrays
@@ -274,6 +275,8 @@ cdef class Plan:
     cdef readonly double backward_ms
     cdef Config _c
     cdef cbool _training
+    # What fastattn._arrays expects of each tensor, by name, filled on first use.
+    cdef readonly dict _layouts
 
     def __init__(self):
         raise TypeError("Plan objects are made by fastattn.plan(config)")
@@ -290,40 +293,17 @@ cdef class Plan:
         return (f"<fastattn.Plan device={self.device} forward={self.forward_engine!r} "
                 f"backward={self.backward_engine!r} workspace={self.workspace_size} config={self.config.to_json()}>")
 
-    cdef int _put(self, intptr_t* t, int slot, object x) except -1:
-        """Writes tensor `x` into slot `slot`: the one place forward and backward fill slots."""
-        if type(x) is int:  # the zero-overhead path: C++ checks null and alignment, nothing else
-            t[slot] = <intptr_t>x
-        elif self._c.host_seed and (slot == kSlotSeed or slot == kSlotOffset):
-            t[slot] = <intptr_t>_arrays.host_value(SLOT_NAMES[slot], x)
-        else:
-            t[slot] = _address(self, SLOT_NAMES[slot], x)
-        return 0
-
-    cdef int _launch(self, Direction d, intptr_t* t, int64_t* host, object workspace, object stream) except -1:
-        cdef Status st
-        cdef intptr_t ws = <intptr_t>workspace if type(workspace) is int else <intptr_t>_arrays.workspace_address(
-            self, d == Direction.kBackward, workspace)
-        cdef intptr_t s = <intptr_t>stream if type(stream) is int else <intptr_t>_arrays.stream_handle(stream)
-        cdef const Graph* g = self._fwd.get() if d == Direction.kForward else self._bwd.get()
-        if self._c.host_seed:  # passed by value: cuDNN reads them from `host` during the call
-            host[0] = t[kSlotSeed]
-            host[1] = t[kSlotOffset]
-            t[kSlotSeed] = <intptr_t>&host[0]
-            t[kSlotOffset] = <intptr_t>&host[1]
-        with nogil:
-            st = execute(g, d, self.device, t, ws, s)
-        if not st.ok():
-            raise _error(st)
-        return 0
-
     def forward(self, q, k, v, o, stats=0, workspace=0, stream=0, seq_len_q=0, seq_len_kv=0, *,
                 ragged_q=0, ragged_k=0, ragged_v=0, ragged_o=0, ragged_stats=0, bias=0, seed=0, offset=0, sink=0,
                 page_table_k=0, page_table_v=0):
         """Runs attention forward: o = softmax(scale * q @ k^T, masked) @ v.
 
-        Every argument is a CUDA device address as an int (16-byte aligned); stream is a
-        cudaStream_t as an int (0: the legacy default stream). Shapes, strides and dtype
+        Every tensor (and the workspace) is a CUDA device address as an int (16-byte
+        aligned; unchecked, the zero-overhead path) or a device array: DLPack,
+        __cuda_array_interface__ or plan.allocate(name), checked against the config
+        (device, dtype, shape and strides; see fastattn._arrays). stream is a
+        cudaStream_t as an int (0: the legacy default stream) or a stream object
+        (__cuda_stream__: cuda.core Stream, PyTorch streams). Shapes, strides and dtype
         are the config's (see fastattn.config): q (b, hq, sq, dqk), k (b, hkv, skv, dqk),
         v (b, hkv, skv, dv), o (b, hq, sq, dv) in config.dtype; stats (b, hq, sq, 1)
         float32, contiguous, required when config.training and 0 otherwise; workspace
@@ -341,31 +321,37 @@ cdef class Plan:
           page_table_k, page_table_v (page_size): int32 (b, 1, pages per sequence, 1).
 
         Asynchronous on `stream`: nothing is allocated, copied or synchronized.
-        Raises InvalidArgumentError for a null, misaligned or unexpected pointer,
-        CudnnError or CudaError when the launch fails.
+        Raises InvalidArgumentError for a null, misaligned or unexpected pointer or an
+        array that does not match the config (naming the tensor), TypeError for an
+        argument that is neither, CudnnError or CudaError when the launch fails.
         """
         cdef intptr_t t[kNumSlots]
         cdef int64_t host[2]
+        cdef intptr_t ws
+        cdef Status st
         memset(t, 0, sizeof(t))
-        self._put(t, kSlotQ, q)
-        self._put(t, kSlotK, k)
-        self._put(t, kSlotV, v)
-        self._put(t, kSlotO, o)
-        self._put(t, kSlotStats, stats)
-        self._put(t, kSlotSeqLenQ, seq_len_q)
-        self._put(t, kSlotSeqLenKV, seq_len_kv)
-        self._put(t, kSlotRaggedQ, ragged_q)
-        self._put(t, kSlotRaggedK, ragged_k)
-        self._put(t, kSlotRaggedV, ragged_v)
-        self._put(t, kSlotRaggedO, ragged_o)
-        self._put(t, kSlotRaggedStats, ragged_stats)
-        self._put(t, kSlotBias, bias)
-        self._put(t, kSlotSeed, seed)
-        self._put(t, kSlotOffset, offset)
-        self._put(t, kSlotSink, sink)
-        self._put(t, kSlotPageTableK, page_table_k)
-        self._put(t, kSlotPageTableV, page_table_v)
-        self._launch(Direction.kForward, t, host, workspace, stream)
+        _put(self, t, kSlotQ, q)
+        _put(self, t, kSlotK, k)
+        _put(self, t, kSlotV, v)
+        _put(self, t, kSlotO, o)
+        _put(self, t, kSlotStats, stats)
+        _put(self, t, kSlotSeqLenQ, seq_len_q)
+        _put(self, t, kSlotSeqLenKV, seq_len_kv)
+        _put(self, t, kSlotRaggedQ, ragged_q)
+        _put(self, t, kSlotRaggedK, ragged_k)
+        _put(self, t, kSlotRaggedV, ragged_v)
+        _put(self, t, kSlotRaggedO, ragged_o)
+        _put(self, t, kSlotRaggedStats, ragged_stats)
+        _put(self, t, kSlotBias, bias)
+        _put(self, t, kSlotSeed, seed)
+        _put(self, t, kSlotOffset, offset)
+        _put(self, t, kSlotSink, sink)
+        _put(self, t, kSlotPageTableK, page_table_k)
+        _put(self, t, kSlotPageTableV, page_table_v)
+        ws = <intptr_t>workspace if type(workspace) is int else _workspace(self, False, workspace)
+        st = _launch(self, Direction.kForward, t, host, ws, _stream(stream))
+        if not st.ok():
+            raise _error(st)
 
     def backward(self, q, k, v, o, d_o, stats, d_q, d_k, d_v, workspace=0, stream=0, seq_len_q=0, seq_len_kv=0, *,
                  ragged_q=0, ragged_k=0, ragged_v=0, ragged_o=0, ragged_stats=0, bias=0, d_bias=0, seed=0, offset=0,
@@ -373,7 +359,8 @@ cdef class Plan:
         """Runs attention backward: writes d_q, d_k, d_v from q, k, v, the forward's o and
         stats, and the output gradient d_o.
 
-        Device addresses as ints (16-byte aligned). d_q, d_k, d_v, d_o have the shapes
+        Device addresses as ints or device arrays, and stream, as forward takes them.
+        d_q, d_k, d_v, d_o have the shapes
         and strides of q, k, v, o, in config.dtype; stats is the float32 tensor the
         training forward wrote; workspace of plan.backward_workspace_size bytes. The
         feature tensors are forward's (give backward the same seed and offset: the same
@@ -382,37 +369,43 @@ cdef class Plan:
         Needs a plan built with training=True. Asynchronous on `stream`; with GQA the
         kernels accumulate d_k and d_v internally, so nothing needs zeroing first.
 
-        Raises InvalidArgumentError (bad pointer, plan without backward), CudnnError or
-        CudaError when the launch fails.
+        Raises InvalidArgumentError (bad pointer, an array that does not match the
+        config, plan without backward), TypeError, CudnnError or CudaError when the
+        launch fails.
         """
         cdef intptr_t t[kNumSlots]
         cdef int64_t host[2]
+        cdef intptr_t ws
+        cdef Status st
         if not self._training:
             raise InvalidArgumentError("this plan has no backward graph: build it with training=True")
         memset(t, 0, sizeof(t))
-        self._put(t, kSlotQ, q)
-        self._put(t, kSlotK, k)
-        self._put(t, kSlotV, v)
-        self._put(t, kSlotO, o)
-        self._put(t, kSlotDO, d_o)
-        self._put(t, kSlotStats, stats)
-        self._put(t, kSlotDQ, d_q)
-        self._put(t, kSlotDK, d_k)
-        self._put(t, kSlotDV, d_v)
-        self._put(t, kSlotSeqLenQ, seq_len_q)
-        self._put(t, kSlotSeqLenKV, seq_len_kv)
-        self._put(t, kSlotRaggedQ, ragged_q)
-        self._put(t, kSlotRaggedK, ragged_k)
-        self._put(t, kSlotRaggedV, ragged_v)
-        self._put(t, kSlotRaggedO, ragged_o)
-        self._put(t, kSlotRaggedStats, ragged_stats)
-        self._put(t, kSlotBias, bias)
-        self._put(t, kSlotDBias, d_bias)
-        self._put(t, kSlotSeed, seed)
-        self._put(t, kSlotOffset, offset)
-        self._put(t, kSlotSink, sink)
-        self._put(t, kSlotDSink, d_sink)
-        self._launch(Direction.kBackward, t, host, workspace, stream)
+        _put(self, t, kSlotQ, q)
+        _put(self, t, kSlotK, k)
+        _put(self, t, kSlotV, v)
+        _put(self, t, kSlotO, o)
+        _put(self, t, kSlotDO, d_o)
+        _put(self, t, kSlotStats, stats)
+        _put(self, t, kSlotDQ, d_q)
+        _put(self, t, kSlotDK, d_k)
+        _put(self, t, kSlotDV, d_v)
+        _put(self, t, kSlotSeqLenQ, seq_len_q)
+        _put(self, t, kSlotSeqLenKV, seq_len_kv)
+        _put(self, t, kSlotRaggedQ, ragged_q)
+        _put(self, t, kSlotRaggedK, ragged_k)
+        _put(self, t, kSlotRaggedV, ragged_v)
+        _put(self, t, kSlotRaggedO, ragged_o)
+        _put(self, t, kSlotRaggedStats, ragged_stats)
+        _put(self, t, kSlotBias, bias)
+        _put(self, t, kSlotDBias, d_bias)
+        _put(self, t, kSlotSeed, seed)
+        _put(self, t, kSlotOffset, offset)
+        _put(self, t, kSlotSink, sink)
+        _put(self, t, kSlotDSink, d_sink)
+        ws = <intptr_t>workspace if type(workspace) is int else _workspace(self, True, workspace)
+        st = _launch(self, Direction.kBackward, t, host, ws, _stream(stream))
+        if not st.ok():
+            raise _error(st)
 
     def allocate(self, str name, stream=None):
         """A new device buffer (fastattn.DeviceTensor) for tensor `name` of the config
@@ -442,12 +435,61 @@ cdef class Plan:
         return fwd, (bytes(blob) if blob.size() else b"")
 
 
+cdef object _ZERO = 0
+
+
+cdef inline int _put(Plan p, intptr_t* t, int slot, object x) except -1:
+    """Writes tensor `x` into slot `slot`: the one place forward and backward fill slots.
+    Small enough to inline, so that an int costs a type check and a conversion, as a
+    typed argument did; everything else goes to _put_object."""
+    if x is _ZERO:  # not given (the default): the slot stays 0. CPython caches small ints: every 0 is this one
+        return 0
+    if type(x) is int:  # the zero-overhead path: C++ checks null and alignment, nothing else
+        t[slot] = <intptr_t>x
+        return 0
+    return _put_object(p, t, slot, x)
+
+
+cdef int _put_object(Plan p, intptr_t* t, int slot, object x) except -1:
+    if p._c.host_seed and (slot == kSlotSeed or slot == kSlotOffset):
+        t[slot] = <intptr_t>_arrays.host_value(SLOT_NAMES[slot], x)
+    else:
+        t[slot] = _address(p, SLOT_NAMES[slot], x)
+    return 0
+
+
+cdef inline intptr_t _stream(object stream) except? 0:
+    if type(stream) is int:
+        return <intptr_t>stream
+    return <intptr_t>_arrays.stream_handle(stream)
+
+
+cdef intptr_t _workspace(Plan p, bint backward, object workspace) except? 0:
+    return <intptr_t>_arrays.workspace_address(p, backward, workspace)
+
+
+cdef inline Status _launch(Plan p, Direction d, intptr_t* t, int64_t* host, intptr_t ws, intptr_t s):
+    """Launches the filled slots. Returns the status, so that an error is raised (and
+    its traceback entry made) once, in forward or backward."""
+    cdef Status st
+    cdef const Graph* g = p._fwd.get() if d == Direction.kForward else p._bwd.get()
+    if p._c.host_seed:  # passed by value: cuDNN reads them from `host` during the call
+        host[0] = t[kSlotSeed]
+        host[1] = t[kSlotOffset]
+        t[kSlotSeed] = <intptr_t>&host[0]
+        t[kSlotOffset] = <intptr_t>&host[1]
+    with nogil:
+        st = execute(g, d, p.device, t, ws, s)
+    return st
+
+
 cdef Plan _new_plan(cfg, int device):
     cdef Plan p = Plan.__new__(Plan)
     p.config = cfg
     p.device = device
     p._training = cfg.training
     p._c = _c_config(cfg)
+    p._layouts = {}
     p.forward_engine = None
     p.backward_engine = None
     return p

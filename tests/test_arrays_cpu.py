@@ -175,6 +175,7 @@ def test_stream_objects():
             return (0, 0xABC0)
 
     assert _arrays.stream_handle(S()) == 0xABC0
+    assert _arrays.stream_handle(SimpleNamespace(cuda_stream=0xDE00)) == 0xDE00  # PyTorch's attribute
     assert _arrays.stream_handle(np.int64(16)) == 16
     with pytest.raises(TypeError, match="^stream= takes a cudaStream_t"):
         _arrays.stream_handle("default")
@@ -213,3 +214,30 @@ def test_device_tensor_exports_the_cuda_array_interface_but_for_bfloat16():
     bf = _arrays.DeviceTensor(SimpleNamespace(size=0), desc, "q")
     assert not hasattr(bf, "__cuda_array_interface__")
     assert _arrays.describe("q", bf) is desc
+
+
+def test_a_plans_kept_expectations_still_catch_a_wrong_layout():
+    plan = SimpleNamespace(config=CFG, device=0, _layouts={})
+    good = desc_for(CFG, "q", (0, 2, 1, 3))  # bshd memory listed as (b, s, h, d), as frameworks do
+    for _ in range(2):
+        _arrays.check(CFG, 0, "q", good, plan)
+    assert (good.shape, good.strides) in plan._layouts["q"][-1]
+    with pytest.raises(InvalidArgumentError, match="^q: shape"):
+        _arrays.check(CFG, 0, "q", desc_for(CFG.replace(layout="bhsd"), "q"), plan)
+    with pytest.raises(InvalidArgumentError, match="^q: dtype float16"):
+        _arrays.check(CFG, 0, "q", desc_for(CFG, "q", (0, 2, 1, 3), dtype="float16"), plan)
+    for order in itertools.permutations(range(4)):  # 24 good orders: the kept set stays bounded
+        _arrays.check(CFG, 0, "q", desc_for(CFG, "q", order), plan)
+    assert len(plan._layouts["q"][-1]) == _arrays._SEEN_MAX
+
+
+def test_allocated_tensors_skip_the_check_only_for_their_own_tensor_and_config():
+    plan = SimpleNamespace(config=CFG, device=0, _layouts={})
+    q = _arrays.DeviceTensor(SimpleNamespace(size=0), desc_for(CFG, "q"), "q", CFG)
+    assert _arrays.address(plan, "q", q) == q.ptr
+    assert _arrays.address(plan, "d_q", q) == q.ptr  # checked in full: the same layout
+    with pytest.raises(InvalidArgumentError, match="^k: shape"):
+        _arrays.address(plan, "k", q)
+    other = SimpleNamespace(config=CFG.replace(layout="bhsd"), device=0, _layouts={})
+    with pytest.raises(InvalidArgumentError, match="^q: shape"):
+        _arrays.address(other, "q", q)

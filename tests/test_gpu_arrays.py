@@ -61,7 +61,7 @@ def test_device_tensors_and_stream_objects_match_ints(reference):
         _copy(a[n].ptr, t[n].ptr, _nbytes(cfg, n))
     ws = p.allocate("workspace", stream=stream)
     assert ws.nbytes >= p.workspace_size
-    synchronize()
+    stream.sync()  # stream-ordered allocations: ready for other streams once it has run
     p.forward(a["q"], a["k"], a["v"], a["o"], stats=a["stats"], workspace=ws, stream=stream)
     p.backward(a["q"], a["k"], a["v"], a["o"], a["d_o"], a["stats"], a["d_q"], a["d_k"], a["d_v"], workspace=ws,
                stream=stream)
@@ -123,8 +123,9 @@ def test_torch_mismatches_name_the_tensor(reference):
         p.forward(**args(v=x["v"].transpose(1, 2).contiguous()))  # bhsd memory
     with pytest.raises(fastattn.InvalidArgumentError, match="^stats: device memory needed"):
         p.forward(**args(stats=x["stats"].cpu()))
-    with pytest.raises(fastattn.InvalidArgumentError, match="^workspace: 1 bytes"):
-        p.forward(**args(workspace=ws[:1]))
+    if p.forward_workspace_size > 1:
+        with pytest.raises(fastattn.InvalidArgumentError, match="^workspace: 1 bytes"):
+            p.forward(**args(workspace=ws[:1]))
     if torch.cuda.device_count() > 1:
         with pytest.raises(fastattn.InvalidArgumentError, match="^o: on device 1"):
             p.forward(**args(o=x["o"].to("cuda:1")))
