@@ -119,7 +119,7 @@ def _heatmap(plt, path: str, head_dims, cols, mark) -> None:
     ax.set_title("cuDNN support on this GPU (green: supported)")
     fig.tight_layout()
     try:
-        fig.savefig(path, dpi=120)
+        fig.savefig(path, dpi=120, format="png")  # exactly the path given: no ".png" added
     except OSError as e:
         raise InvalidArgumentError(f"--png {path!r}: {e.strerror or e}") from None
     finally:
