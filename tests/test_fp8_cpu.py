@@ -3,7 +3,6 @@ FP8 tensors' shapes and dtypes, the core's FP8 slots, and fastattn.torch's FP8 e
 points on meta tensors (fake shapes, traces) and against a recording plan (each scale
 reaches its own slot). Numerics are in test_gpu_fp8.py."""
 
-import ctypes
 import json
 
 import pytest

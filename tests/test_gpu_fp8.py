@@ -203,13 +203,15 @@ def test_plans_survive_serialize_and_load_bit_for_bit():
 
 
 @pytest.mark.parametrize("cfg_kw,words", [
-    (dict(bias="1hss"), "bias"),  # cuDNN: "SDPA FP8 does not support bias"
-    (dict(alibi=True, mask="causal", training=True), "sdpa_fp8_backward"),  # ours: the frontend has no FP8 ALiBi
+    (dict(bias="1hss"), ("bias",)),  # cuDNN: "SDPA FP8 does not support bias"
+    # fastattn's own refusal (the frontend's FP8 backward has no ALiBi), unless cuDNN's
+    # forward refuses ALiBi first, with its own reason.
+    (dict(alibi=True, mask="causal", training=True), ("sdpa_fp8_backward", "alibi", "ALiBi")),
 ])
 def test_a_refused_combination_gives_the_reason(cfg_kw, words):
     cfg = AttentionConfig(**{**dict(batch=1, heads_q=4, seqlen_q=256, head_dim_qk=128, dtype="fp8_e4m3"), **cfg_kw})
     result = fastattn.probe(cfg)
-    assert not result.supported and words in result.reason, result.reason
+    assert not result.supported and any(w in result.reason for w in words), result.reason
 
 
 def test_sixteen_bit_output_is_cudnns_call():
@@ -257,3 +259,86 @@ def test_scaled_helper_compiles_and_captures():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(captured, eager)
+
+
+def test_ragged_forward_or_cudnns_reason():
+    # Packed sequences (THD): cuDNN decides. Supported: compared per sequence against
+    # float64; refused: the reason must be about packed (THD / ragged) tensors.
+    lens = [200, 56, 130]
+    cfg = AttentionConfig(batch=3, heads_q=8, heads_kv=2, seqlen_q=256, head_dim_qk=128, dtype="fp8_e4m3",
+                          mask="causal", padding=True, ragged=True, max_tokens_q=sum(lens), max_tokens_kv=sum(lens))
+    result = fastattn.probe(cfg)
+    if not result.supported:
+        assert any(w in result.reason for w in ("THD", "ragged", "Ragged")), result.reason
+        return
+    plan = fastattn.plan(cfg)
+    tokens = sum(lens)
+    q, k, v, _ = inputs(1, tokens, 8, 2, 128, seed=41)
+    (q8, dq), (k8, dk), (v8, dv) = (quantize(t[0], E4M3) for t in (q, k, v))
+    scale_o = FP8_MAX[E4M3] / v.abs().amax().float().reshape(1)
+    o = poisoned((tokens, 8, 128), E4M3)
+    starts = [0, lens[0], lens[0] + lens[1], tokens]
+    offsets = lambda h: torch.tensor([s * h * 128 for s in starts], dtype=torch.int32, device="cuda")  # noqa: E731
+    seq = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    amax_s, amax_o = poisoned((1,), torch.float32), poisoned((1,), torch.float32)
+    ws = torch.empty(max(plan.workspace_size, 1), dtype=torch.uint8, device="cuda")
+    oq, okv = offsets(8), offsets(2)
+    scal = dict(descale_q=dq, descale_k=dk, descale_v=dv, descale_s=one(1 / 448), scale_s=one(448), scale_o=scale_o)
+    plan.forward(q8.data_ptr(), k8.data_ptr(), v8.data_ptr(), o.data_ptr(), 0, ws.data_ptr(),
+                 torch.cuda.current_stream().cuda_stream, seq.data_ptr(), seq.data_ptr(), ragged_q=oq.data_ptr(),
+                 ragged_k=okv.data_ptr(), ragged_v=okv.data_ptr(), ragged_o=oq.data_ptr(),
+                 **{n: t.data_ptr() for n, t in scal.items()}, amax_s=amax_s.data_ptr(), amax_o=amax_o.data_ptr())
+    torch.cuda.synchronize()
+    for b, n in enumerate(lens):
+        sl = slice(starts[b], starts[b] + n)
+        real = [(x8[sl].double() * d.double())[None] for x8, d in ((q8, dq), (k8, dk), (v8, dv))]
+        o_ref, _, _ = reference(*real, None, True, 1 / math.sqrt(128))
+        assert rel(o[sl].double()[None] / scale_o.double(), o_ref) < FWD_TOL, f"sequence {b}"
+
+
+def test_ragged_backward_on_hopper_is_refused_with_the_reason():
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("cuDNN refuses FP8 THD backward on Hopper only")
+    cfg = AttentionConfig(batch=2, heads_q=8, seqlen_q=256, head_dim_qk=128, dtype="fp8_e4m3", mask="causal",
+                          padding=True, ragged=True, training=True)
+    result = fastattn.probe(cfg)
+    assert not result.supported and "THD" in result.reason, result.reason
+
+
+def test_plan_takes_torch_fp8_tensors_as_checked_arrays():
+    # Arrays instead of ints go through fastattn._arrays (DLPack): dtype, shape and device
+    # checked against the config, FP8 and the float32 scalars included.
+    cfg = AttentionConfig(batch=1, heads_q=4, seqlen_q=128, head_dim_qk=64, dtype="fp8_e4m3", mask="causal")
+    plan = fastattn.plan(cfg)
+    q, k, v, _ = inputs(1, 128, 4, 4, 64, seed=51)
+    (q8, dq), (k8, dk), (v8, dv) = (quantize(t, E4M3) for t in (q, k, v))
+    o, amax_s, amax_o = poisoned(q8.shape, E4M3), poisoned((1, 1, 1, 1), torch.float32), poisoned((1, 1, 1, 1),
+                                                                                                  torch.float32)
+    scale_o = (FP8_MAX[E4M3] / v.abs().amax().float()).reshape(1, 1, 1, 1)
+    ws = torch.empty(max(plan.workspace_size, 1), dtype=torch.uint8, device="cuda")
+    scal = dict(descale_q=dq.reshape(1, 1, 1, 1), descale_k=dk.reshape(1, 1, 1, 1), descale_v=dv.reshape(1, 1, 1, 1),
+                descale_s=one(1 / 448).reshape(1, 1, 1, 1), scale_s=one(448).reshape(1, 1, 1, 1), scale_o=scale_o)
+    plan.forward(q8, k8, v8, o, workspace=ws, stream=torch.cuda.current_stream().cuda_stream, **scal, amax_s=amax_s,
+                 amax_o=amax_o)
+    torch.cuda.synchronize()
+    real = [x8.double() * d.double() for x8, d in ((q8, dq), (k8, dk), (v8, dv))]
+    o_ref, _, _ = reference(*real, None, True, 1 / math.sqrt(64))
+    assert rel(o.double() / scale_o.double().reshape(1), o_ref) < FWD_TOL
+    with pytest.raises(fastattn.InvalidArgumentError, match=r"^q: dtype"):
+        plan.forward(q.to(torch.bfloat16), k8, v8, o, workspace=ws, **scal, amax_s=amax_s, amax_o=amax_o)
+
+
+def test_e5m2_inputs_or_cudnns_reason():
+    # e5m2 q, k, v (2 mantissa bits: twice e4m3's rounding, FWD_TOL doubled).
+    cfg = AttentionConfig(batch=1, heads_q=4, seqlen_q=256, head_dim_qk=128, dtype="fp8_e5m2", mask="causal")
+    result = fastattn.probe(cfg)
+    if not result.supported:
+        assert result.reason, "refused without a reason"
+        return
+    q, k, v, _ = inputs(1, 256, 4, 4, 128, seed=61)
+    (q8, dq), (k8, dk), (v8, dv) = (quantize(t, E5M2) for t in (q, k, v))
+    scale_o = FP8_MAX[E5M2] / v.abs().amax().float().reshape(1)
+    out = attention_fp8(q8, k8, v8, dq, dk, dv, one(1 / 448), one(448), scale_o, causal=True)
+    real = [x8.double() * d.double() for x8, d in ((q8, dq), (k8, dk), (v8, dv))]
+    o_ref, _, _ = reference(*real, None, True, 1 / math.sqrt(128))
+    assert out.o.dtype == E5M2 and rel(out.o.double() / scale_o.double(), o_ref) < 2 * FWD_TOL

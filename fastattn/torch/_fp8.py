@@ -283,8 +283,8 @@ def attention_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, descale_q: 
     descale_q, descale_k, descale_v: float32 one-element tensors: the real q is
       q.float() * descale_q (and so on).
     descale_s, scale_s: the softmax probabilities' FP8 round trip inside the kernel
-      (probabilities are <= 1: scale_s = the FP8 type's max, descale_s = 1 / scale_s is
-      the usual choice).
+      (probabilities are <= 1: scale_s = 448, e4m3's max, which either FP8 type holds,
+      and descale_s = 1 / 448 is the usual choice).
     scale_o: o is stored as real o * scale_o (out_dtype FP8; pass a tensor of 1.0 for a
       16-bit out_dtype, where cuDNN takes one).
     out_dtype: o's dtype (default q's): FP8, torch.float16 or torch.bfloat16, as cuDNN
