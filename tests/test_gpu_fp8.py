@@ -173,7 +173,12 @@ def test_scales_are_applied_as_documented():
     x4 = lambda t: (t.float() * 4).to(E4M3)  # noqa: E731
     b = attention_fp8(x4(q8), x4(k8), x4(v8), dq / 4, dk / 4, dv / 4, one(1 / 448), one(448), scale_o * 2,
                       causal=True)
-    assert torch.equal(b.o.float(), a.o.float() * 2)
+    # Exact wherever a's o is a normal e4m3 number (>= 2**-6); below, a's subnormals
+    # have a coarser relative step than b's doubled values: one subnormal step apart.
+    doubled, got = a.o.float() * 2, b.o.float()
+    normal = a.o.float().abs() >= 2.0 ** -6
+    assert torch.equal(got[normal], doubled[normal]) and normal.float().mean() > 0.9
+    assert ((got - doubled).abs() <= 2.0 ** -8).all()
     assert torch.equal(a.amax_o, b.amax_o) and torch.equal(a.amax_s, b.amax_s)
 
 
