@@ -99,12 +99,15 @@ class FrontendFp8:
         self.amax = {name: torch.empty(1, device="cuda") for name in ("s", "o", "dq", "dk", "dv", "dp")}
         to_bhsd = (lambda t: t.permute(0, 2, 1, 3)) if layout == "bshd" else (lambda t: t)
         self.view = to_bhsd
-        self.fwd, self.fwd_t = self._forward_graph(b, h, s, d, causal)
+        # Timed forward: inference, as every forward peer here; the training one (stats)
+        # only makes backward's inputs.
+        self.fwd, self.fwd_t = self._forward_graph(b, h, s, d, causal, inference=True)
+        self.train, self.train_t = self._forward_graph(b, h, s, d, causal, inference=False)
         self.bwd, self.bwd_t = self._backward_graph(b, h, s, d, causal)
-        self.ws = torch.empty(max(self.fwd.get_workspace_size(), self.bwd.get_workspace_size(), 1),
+        self.ws = torch.empty(max(g.get_workspace_size() for g in (self.fwd, self.train, self.bwd)) + 1,
                               dtype=torch.uint8, device="cuda")
         for i in range(3):  # stats and o for backward
-            self._run_forward(i, training=True)
+            self._run_forward(i, self.train, self.train_t)
 
     def _graph(self):
         c = self.cudnn
@@ -124,7 +127,7 @@ class FrontendFp8:
         g.check_support()
         g.build_plans()
 
-    def _forward_graph(self, b, h, s, d, causal):
+    def _forward_graph(self, b, h, s, d, causal, inference):
         g = self._graph()
         q, k, v, _ = self.sets[0]
         t = {"q": self._tensor(g, q), "k": self._tensor(g, k), "v": self._tensor(g, v)}
@@ -133,12 +136,13 @@ class FrontendFp8:
         o, stats, amax_s, amax_o = g.sdpa_fp8(q=t["q"], k=t["k"], v=t["v"], descale_q=t["descale_q"],
                                               descale_k=t["descale_k"], descale_v=t["descale_v"],
                                               descale_s=t["descale_s"], scale_s=t["scale_s"],
-                                              scale_o=t["scale_o"], is_inference=False,
+                                              scale_o=t["scale_o"], is_inference=inference,
                                               attn_scale=1 / math.sqrt(d), use_causal_mask=causal)
         ov = self.view(self.outs[0])
         o.set_output(True).set_dim(list(ov.shape)).set_stride(list(ov.stride())).set_data_type(
             self.cudnn.data_type.FP8_E4M3)
-        stats.set_output(True).set_data_type(self.cudnn.data_type.FLOAT)
+        if not inference:
+            stats.set_output(True).set_data_type(self.cudnn.data_type.FLOAT)
         for a in (amax_s, amax_o):
             a.set_output(True).set_dim([1, 1, 1, 1]).set_stride([1, 1, 1, 1]).set_data_type(self.cudnn.data_type.FLOAT)
         t.update(o=o, stats=stats, amax_s=amax_s, amax_o=amax_o)
@@ -169,17 +173,18 @@ class FrontendFp8:
         self._build(g)
         return g, t
 
-    def _run_forward(self, i, training=True):
+    def _run_forward(self, i, graph, t):
         q, k, v, _ = self.sets[i % 3]
-        t = self.fwd_t
-        pack = {t["q"]: q, t["k"]: k, t["v"]: v, t["o"]: self.outs[i % 3], t["stats"]: self.stats[i % 3],
-                t["amax_s"]: self.amax["s"], t["amax_o"]: self.amax["o"]}
+        pack = {t["q"]: q, t["k"]: k, t["v"]: v, t["o"]: self.outs[i % 3], t["amax_s"]: self.amax["s"],
+                t["amax_o"]: self.amax["o"]}
+        if t["stats"] is not None:
+            pack[t["stats"]] = self.stats[i % 3]
         pack.update({t[n]: self.scal[n] for n in ("descale_q", "descale_k", "descale_v", "descale_s", "scale_s",
                                                   "scale_o")})
-        self.fwd.execute(pack, self.ws, handle=self.handle)
+        graph.execute(pack, self.ws, handle=self.handle)
 
     def forward(self, i):
-        self._run_forward(i)
+        self._run_forward(i, self.fwd, self.fwd_t)
 
     def backward(self, i):
         q, k, v, d_o = self.sets[i % 3]
