@@ -154,3 +154,31 @@ def test_scaled_helper_scales(recording):
     # d_o is all ones: amax 1; d_v's bound is amax(d_o) * seqlen_q * (heads_q / heads_kv) = 128 * 4.
     assert value("descale_d_o") == pytest.approx(1 / 57344) and value("scale_d_v") == pytest.approx(57344 / 512)
     assert q.grad.dtype == torch.bfloat16 and k.grad.shape == k.shape
+
+
+from hypothesis import example, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+_ODD = st.sampled_from([None, 0, 1, -1, 0.5, "causal", "bf16", True, (1, 2), [0, -1], {"a": 1}, float("nan")])
+
+
+@settings(max_examples=120, derandomize=True, deadline=None)
+@given(causal=st.one_of(st.booleans(), _ODD), window=st.one_of(st.none(), st.tuples(
+    st.integers(-3, 300), st.integers(-3, 300)), _ODD), scale=st.one_of(st.none(), st.floats(-1, 4), _ODD),
+       out_dtype=st.sampled_from([None, E4M3, E5M2, torch.bfloat16, torch.float16, torch.float32, "bf16", 3]),
+       grad_dtype=st.sampled_from([None, E4M3, E5M2, torch.bfloat16, "e5m2"]), training=st.one_of(st.booleans(),
+                                                                                                   _ODD),
+       layout=st.sampled_from(["bshd", "bhsd", "sbhd", "bsh", 3]))
+@example(causal=False, window=(-3, 5), scale=None, out_dtype=None, grad_dtype=None, training=False, layout="bshd")
+@example(causal=True, window=None, scale=0.0, out_dtype=torch.float32, grad_dtype=None, training=True, layout="bhsd")
+def test_options_are_accepted_or_named(causal, window, scale, out_dtype, grad_dtype, training, layout):
+    q, k, v = qkv()
+    try:
+        out = attention_fp8(q, k, v, *scalars(6), causal=causal, window=window, scale=scale, out_dtype=out_dtype,
+                            grad_dtype=grad_dtype, training=training, layout=layout)
+    except fastattn.InvalidArgumentError as e:
+        named = str(e).split("=")[0].split(":")[0]
+        assert named.startswith(("causal", "window", "scale", "out_dtype", "grad_dtype", "training", "layout",
+                                 "q ", "k ", "heads")), str(e)
+        return
+    assert out.o.dtype == (out_dtype or E4M3) and (out.stats is not None) == training
