@@ -357,3 +357,17 @@ def test_e5m2_inputs_or_cudnns_reason():
     real = [x8.double() * d.double() for x8, d in ((q8, dq), (k8, dk), (v8, dv))]
     o_ref, _, _ = reference(*real, None, True, 1 / math.sqrt(128))
     assert out.o.dtype == E5M2 and rel(out.o.double() / scale_o.double(), o_ref) < 2 * FWD_TOL
+
+
+def test_scaled_helper_trains_under_torch_compile():
+    q, k, v, d_o = (t.to(torch.bfloat16) for t in inputs(1, 256, 4, 4, 128, seed=71))
+
+    def step(a, b, c):
+        o = attention_fp8_scaled(a, b, c, causal=True)
+        return (o, *torch.autograd.grad(o, (a, b, c), d_o))
+
+    leaves = lambda: [t.clone().requires_grad_() for t in (q, k, v)]  # noqa: E731
+    eager = step(*leaves())
+    compiled = torch.compile(step, fullgraph=True)(*leaves())
+    for name, got, want in zip(("o", "d_q", "d_k", "d_v"), compiled, eager):
+        assert rel(got, want.double()) < 1e-2, name  # see test_scaled_helper_compiles_and_captures
