@@ -362,12 +362,12 @@ def test_e5m2_inputs_or_cudnns_reason():
 def test_scaled_helper_trains_under_torch_compile():
     q, k, v, d_o = (t.to(torch.bfloat16) for t in inputs(1, 256, 4, 4, 128, seed=71))
 
-    def step(a, b, c):
-        o = attention_fp8_scaled(a, b, c, causal=True)
-        return (o, *torch.autograd.grad(o, (a, b, c), d_o))
-
-    leaves = lambda: [t.clone().requires_grad_() for t in (q, k, v)]  # noqa: E731
-    eager = step(*leaves())
-    compiled = torch.compile(step, fullgraph=True)(*leaves())
+    compiled_fn = torch.compile(lambda a, b, c: attention_fp8_scaled(a, b, c, causal=True), fullgraph=True)
+    results = []
+    for fn in (lambda a, b, c: attention_fp8_scaled(a, b, c, causal=True), compiled_fn):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        o = fn(*leaves)
+        results.append((o, *torch.autograd.grad(o, leaves, d_o)))  # backward through the compiled graph's
+    eager, compiled = results
     for name, got, want in zip(("o", "d_q", "d_k", "d_v"), compiled, eager):
         assert rel(got, want.double()) < 1e-2, name  # see test_scaled_helper_compiles_and_captures
