@@ -50,12 +50,13 @@ def _read(path: str, mtime_ns: int, size: int) -> dict[str, Any] | None:
     return data
 
 
-def notes(config: AttentionConfig, path: str = PATH) -> list[str]:
-    """One line per direction in which the recorded benchmark found this FP8 config's
-    shape slower than bf16 (forward always; backward for a training config)."""
+def notes(config: AttentionConfig, path: str | None = None) -> list[str]:
+    """One line per direction in which the recorded benchmark (the file at `path`,
+    default PATH) found this FP8 config's shape slower than bf16 (forward always;
+    backward for a training config)."""
     if not config.fp8:
         return []
-    data = _load(path)
+    data = _load(path or PATH)
     if data is None:
         return []
     key, out = shape_key(config), []

@@ -314,3 +314,22 @@ def test_matrix_fp8_columns(fake_workers, capsys):
     code, body = run_json(argv, capsys)
     assert code == 0 and {r["dtype"] for r in body["configs"]} == {"bf16", "fp8_e4m3"}
     assert all(r["status"] == "built" for r in body["configs"])
+
+
+def test_probe_prints_the_recorded_fp8_note(env, capsys, monkeypatch):
+    from fastattn import perf_notes
+
+    argv = ["probe", "--batch", "4", "--heads-q", "32", "--seqlen-q", "4096", "--head-dim-qk", "128", "--mask",
+            "causal", "--dtype", "fp8_e4m3", "--training"]
+    code, text, _ = run(argv, capsys)
+    assert code == 0 and "note:" not in text  # nothing recorded: nothing said
+    cfg = fastattn.AttentionConfig(batch=4, heads_q=32, seqlen_q=4096, head_dim_qk=128, mask="causal",
+                                   dtype="fp8_e4m3", training=True)
+    notes = env / "notes.json"
+    notes.write_text(json.dumps({"format": 1, "gpu": "NVIDIA H200", "date": "2026-12-01", "cudnn": 91900,
+                                 "rows": [{"config": cfg.to_dict(), "forward_ratio": 1.2, "backward_ratio": 0.7}]}))
+    monkeypatch.setattr(perf_notes, "PATH", str(notes))
+    code, text, _ = run(argv, capsys)
+    assert code == 0 and "note: FP8 backward ran at 0.70x bf16's speed" in text
+    code, body = run_json(argv, capsys)
+    assert len(body["notes"]) == 1
