@@ -35,8 +35,12 @@ struct [[nodiscard]] Status {
     bool ok() const { return code == Code::kOk; }
 };
 
-// AttentionConfig.dtype: the dtype of q, k, v, o and their gradients.
-enum class DType : int { kFp16 = 0, kBf16 = 1 };
+// AttentionConfig.dtype (q, k, v), out_dtype (o) and grad_dtype (d_o, d_q, d_k, d_v).
+// The FP8 types select cudnn-frontend's FP8 graphs (sdpa_fp8, sdpa_fp8_backward) with
+// their per-tensor float32 scale, descale and amax tensors.
+enum class DType : int { kFp16 = 0, kBf16 = 1, kFp8E4m3 = 2, kFp8E5m2 = 3 };
+
+inline bool is_fp8(DType t) { return t == DType::kFp8E4m3 || t == DType::kFp8E5m2; }
 
 // AttentionConfig.mask.
 enum class Mask : int {
@@ -91,6 +95,11 @@ struct Config {
     // int32 page tables (batch, 1, ceil(seqlen_kv / page_size), 1) map each
     // sequence's pages; needs padding. 0: k and v are dense.
     int64_t page_size = 0, num_pages = 0;
+    // The dtypes of o and of the gradients (d_o, d_q, d_k, d_v); `dtype` above is
+    // then the dtype of q, k and v. Python sets both to `dtype` unless an FP8 config
+    // names others. With an FP8 dtype the graphs are cuDNN's FP8 ones and take the
+    // FP8 slots (per-tensor float32 descales, scales and amaxes, (1, 1, 1, 1)).
+    DType out_dtype = DType::kFp16, grad_dtype = DType::kFp16;
 };
 
 // The tensors a plan can take at execute. A graph takes the subset its config
@@ -102,6 +111,15 @@ enum Slot : int {
     kSlotRaggedQ, kSlotRaggedK, kSlotRaggedV, kSlotRaggedO,
     kSlotBias, kSlotDBias, kSlotSeed, kSlotOffset, kSlotSink, kSlotDSink,
     kSlotPageTableK, kSlotPageTableV, kSlotRaggedStats,
+    // FP8 (dtype fp8_*): float32 scalars. A descale multiplies a tensor read from FP8
+    // back to its real values, a scale multiplies a value before it is stored as FP8,
+    // an amax is the largest |value| of a tensor before its scale (for the next scale).
+    // Forward: descale q, k, v, s; scale s, o; amax s, o. Backward: descale q, k, v,
+    // o, d_o, s, d_p; scale s, d_q, d_k, d_v, d_p; amax d_q, d_k, d_v, d_p.
+    kSlotDescaleQ, kSlotDescaleK, kSlotDescaleV, kSlotDescaleS, kSlotScaleS, kSlotScaleO,
+    kSlotAmaxS, kSlotAmaxO,
+    kSlotDescaleO, kSlotDescaleDO, kSlotDescaleDP, kSlotScaleDQ, kSlotScaleDK, kSlotScaleDV, kSlotScaleDP,
+    kSlotAmaxDQ, kSlotAmaxDK, kSlotAmaxDV, kSlotAmaxDP,
     kNumSlots
 };
 

@@ -11,12 +11,15 @@ Tensors, in the logical (batch, head, seq, dim) order that strides use here:
 =======  ==============================================  =======
 tensor   logical shape                                   dtype
 =======  ==============================================  =======
-q, d_q   (batch, heads_q, seqlen_q, head_dim_qk)          dtype
-k, d_k   (batch, heads_kv, seqlen_kv, head_dim_qk)        dtype
-v, d_v   (batch, heads_kv, seqlen_kv, head_dim_v)         dtype
-o, d_o   (batch, heads_q, seqlen_q, head_dim_v)           dtype
+q        (batch, heads_q, seqlen_q, head_dim_qk)          dtype
+k        (batch, heads_kv, seqlen_kv, head_dim_qk)        dtype
+v        (batch, heads_kv, seqlen_kv, head_dim_v)         dtype
+o        (batch, heads_q, seqlen_q, head_dim_v)           out_dtype
+d_*      the shape of its tensor                          grad_dtype
 stats    (batch, heads_q, seqlen_q, 1), contiguous        float32
 =======  ==============================================  =======
+
+out_dtype and grad_dtype follow dtype unless an FP8 config names others.
 
 ``stats`` is the log-sum-exp of each row of scaled scores (natural log), written by a
 training forward and read by backward.
@@ -33,6 +36,7 @@ bias, d_bias                (1|batch, 1|heads_q, seqlen_q, seqlen_kv)       dtyp
 seed, offset                (1,)                          dropout            int64
 sink, d_sink                (1, heads_q, 1, 1)            sinks              float32
 page_table_k, page_table_v  (batch, 1, ceil(seqlen_kv / page_size), 1)      int32
+descale_*, scale_*, amax_*  (1, 1, 1, 1)                  FP8 dtype          float32
 ==========================  ==============================================  =======
 
 With page_size, k and v are page pools: (num_pages, heads_kv, page_size, head_dim).
@@ -51,9 +55,18 @@ from ._fields import check_int as _int
 from ._fields import spec
 from .errors import InvalidArgumentError
 
-__all__ = ["AttentionConfig", "LAYOUTS", "MASKS", "DTYPES"]
+__all__ = ["AttentionConfig", "LAYOUTS", "MASKS", "DTYPES", "FP8_DTYPES"]
 
-DTYPES = ("fp16", "bf16")
+DTYPES = ("fp16", "bf16", "fp8_e4m3", "fp8_e5m2")
+FP8_DTYPES = ("fp8_e4m3", "fp8_e5m2")
+# The FP8 graphs' per-tensor float32 scalars, (1, 1, 1, 1) each: what forward and
+# backward take (descales, scales) and write (amaxes) with an FP8 dtype.
+FP8_FORWARD_SCALARS = ("descale_q", "descale_k", "descale_v", "descale_s", "scale_s", "scale_o", "amax_s", "amax_o")
+FP8_BACKWARD_SCALARS = ("descale_q", "descale_k", "descale_v", "descale_o", "descale_d_o", "descale_s",
+                        "descale_d_p", "scale_s", "scale_d_q", "scale_d_k", "scale_d_v", "scale_d_p", "amax_d_q",
+                        "amax_d_k", "amax_d_v", "amax_d_p")
+FP8_SCALARS = tuple(dict.fromkeys(FP8_FORWARD_SCALARS + FP8_BACKWARD_SCALARS))
+_ITEMSIZE = {"fp16": 2, "bf16": 2, "fp8_e4m3": 1, "fp8_e5m2": 1, "float32": 4, "int32": 4, "int64": 8}
 MASKS = ("none", "causal", "causal_bottom_right")
 LAYOUTS = ("bshd", "sbhd", "bhsd")
 TENSORS = ("q", "k", "v", "o")
@@ -96,7 +109,14 @@ class AttentionConfig:
         (GQA; heads_kv=1 is MQA).
       seqlen_kv: key/value sequence length (default seqlen_q).
       head_dim_v: value head dim (default head_dim_qk).
-      dtype: "fp16" or "bf16" (aliases: "float16", "half", "bfloat16", torch dtypes).
+      dtype: of q, k, v: "fp16", "bf16", "fp8_e4m3" or "fp8_e5m2" (aliases:
+        "float16", "half", "bfloat16", "float8_e4m3fn", "float8_e5m2", torch dtypes).
+        An FP8 dtype selects cuDNN's FP8 graphs, which take per-tensor float32 scales
+        (see FP8_FORWARD_SCALARS, FP8_BACKWARD_SCALARS); what else combines with FP8
+        (masks, GQA, padding, head dims, output types) is cuDNN's to say: probe it.
+      out_dtype: of o (default dtype); another only with an FP8 dtype.
+      grad_dtype: of d_o, d_q, d_k, d_v (default dtype); another only with an FP8
+        dtype and training (fp8_e5m2 gradients beside fp8_e4m3 inputs, for example).
       layout: memory order of q, k, v, o and their gradients: "bshd" (default),
         "sbhd", "bhsd", or explicit element strides given in (batch, head, seq, dim)
         order as a mapping {"q": (4 ints), "k": ..., "v": ..., "o": ...}. Explicit
@@ -162,8 +182,16 @@ class AttentionConfig:
     head_dim_qk: int = spec("int", minimum=1, help="query/key head dim", family=True)
     head_dim_v: int | None = spec("int", None, minimum=1, follows="head_dim_qk",
                                   help="value head dim (default: head_dim_qk)", family=True)
-    dtype: str = spec("dtype", "bf16", choices=DTYPES, help="element type of q, k, v, o", family=True,
-                      describe=lambda c: c.dtype)
+    dtype: str = spec("dtype", "bf16", choices=DTYPES, help="element type of q, k, v (and of o and gradients "
+                      "unless --out-dtype / --grad-dtype)",
+                      family=lambda c: (c.dtype, c.out_dtype, c.grad_dtype) if c.fp8 else c.dtype,
+                      describe=lambda c: c.dtype + ("" if c.out_dtype == c.dtype else f">{c.out_dtype}")
+                      + ("" if c.grad_dtype == c.dtype else f"/grad:{c.grad_dtype}"))
+    out_dtype: str | None = spec("dtype", None, choices=DTYPES, follows="dtype",
+                                 help="element type of o (default: dtype; another only with FP8)")
+    grad_dtype: str | None = spec("dtype", None, choices=DTYPES, follows="dtype",
+                                  help="element type of d_o, d_q, d_k, d_v (default: dtype; another only with "
+                                  "FP8 and --training)")
     layout: Any = spec("layout", "bshd", choices=LAYOUTS, help="memory order of q, k, v, o (default bshd)",
                        describe=lambda c: None if c.layout == "bshd" else c.layout if isinstance(c.layout, str)
                        else "strided")
@@ -232,6 +260,7 @@ class AttentionConfig:
         scale = 1.0 / math.sqrt(self.head_dim_qk) if self.scale is None else self.scale
         set_("scale", _fields.float32(scale))
 
+        self._check_dtypes(given)
         if self.deterministic and not self.training:
             raise _bad("deterministic", True, "selects the backward algorithm and needs training=True")
         self._canonical_features(set_)
@@ -239,6 +268,21 @@ class AttentionConfig:
         set_("layout", self._canonical_layout())
         if self.ragged and self.layout != "bshd":
             raise _bad("layout", self.layout, "ragged (packed) sequences need layout='bshd' (tokens, heads, dim)")
+
+    def _check_dtypes(self, given) -> None:
+        # Only the FP8 graphs take an output or gradient type of their own; which
+        # pairs cuDNN runs (e4m3 in, bf16 out; e5m2 gradients) is for the probe to say.
+        for name in ("out_dtype", "grad_dtype"):
+            if getattr(self, name) != self.dtype and not self.fp8:
+                raise _bad(name, given[name], f"differs from dtype={self.dtype!r}: only an FP8 dtype "
+                           f"({', '.join(FP8_DTYPES)}) takes another {name}")
+        if self.grad_dtype != self.dtype and not self.training:
+            raise _bad("grad_dtype", given["grad_dtype"], "applies only to training=True (gradients)")
+
+    @property
+    def fp8(self) -> bool:
+        """Whether q, k, v are FP8 (cuDNN's FP8 graphs, with per-tensor scales)."""
+        return self.dtype in FP8_DTYPES
 
     def _canonical_features(self, set_) -> None:
         if self.ragged and not self.padding:
@@ -337,18 +381,34 @@ class AttentionConfig:
                     self.seqlen_q, self.seqlen_kv)
         if tensor in ("sink", "d_sink"):
             return (1, self.heads_q, 1, 1)
+        if tensor in FP8_SCALARS:
+            return (1, 1, 1, 1)
         if tensor in _INDEX_TENSORS:
             return _INDEX_TENSORS[tensor][0](self)
         raise _bad("tensor", tensor, "must be one of q, k, v, o, d_q, d_k, d_v, d_o, stats or a feature's tensor")
 
     @staticmethod
     def tensor_dtype(tensor: str, dtype: str = "bf16") -> str:
-        """A tensor's element type: the config's dtype, "float32", "int32" or "int64"."""
-        if tensor in ("stats", "sink", "d_sink"):
+        """A tensor's element type where q, k, v, o and gradients are all `dtype`: that
+        dtype, "float32", "int32" or "int64". A config's own: dtype_of."""
+        if tensor in ("stats", "sink", "d_sink") or tensor in FP8_SCALARS:
             return "float32"
         if tensor in _INDEX_TENSORS:
             return _INDEX_TENSORS[tensor][1]
         return dtype
+
+    def dtype_of(self, tensor: str) -> str:
+        """This config's element type of a tensor: dtype (q, k, v, bias), out_dtype (o),
+        grad_dtype (d_o, d_q, d_k, d_v, d_bias), "float32", "int32" or "int64"."""
+        if tensor == "o":
+            return self.out_dtype
+        if tensor in ("d_o", "d_q", "d_k", "d_v", "d_bias"):
+            return self.grad_dtype
+        return self.tensor_dtype(tensor, self.dtype)
+
+    def tensor_itemsize(self, tensor: str) -> int:
+        """Bytes per element of a tensor of this config (FP8: 1)."""
+        return _ITEMSIZE[self.dtype_of(tensor)]
 
     def _strides_for(self, layout: str) -> tuple[tuple[int, ...], ...]:
         out = []
@@ -361,7 +421,8 @@ class AttentionConfig:
         """Element strides of a tensor in (batch, head, seq, dim) order."""
         if tensor == "stats" and self.ragged:  # packed with the tokens: (tokens, heads_q)
             return (self.heads_q * self.seqlen_q, 1, self.heads_q, 1)
-        if tensor in ("stats", "bias", "d_bias", "sink", "d_sink") or tensor in _INDEX_TENSORS:
+        if tensor in ("stats", "bias", "d_bias", "sink", "d_sink") or tensor in _INDEX_TENSORS or \
+                tensor in FP8_SCALARS:
             shape = self.shape(tensor)  # contiguous
             out, step = [], 1
             for n in reversed(shape):
@@ -385,16 +446,17 @@ class AttentionConfig:
 
     @property
     def itemsize(self) -> int:
-        """Bytes per element of q, k, v, o and gradients (stats are float32)."""
-        return 2
+        """Bytes per element of q, k, v (o and gradients: tensor_itemsize)."""
+        return _ITEMSIZE[self.dtype]
 
     # -- canonical form -------------------------------------------------------------
 
-    def _derived_defaults(self) -> dict[str, int]:
+    def _derived_defaults(self) -> dict[str, Any]:
         """The fields whose default follows from others, with that default (0: off)."""
         return {"max_tokens_q": self.batch * self.seqlen_q if self.ragged else 0,
                 "max_tokens_kv": self.batch * self.seqlen_kv if self.ragged else 0,
-                "num_pages": self.batch * self.pages_per_sequence}
+                "num_pages": self.batch * self.pages_per_sequence,
+                "out_dtype": self.dtype, "grad_dtype": self.dtype}
 
     def to_dict(self) -> dict[str, Any]:
         """The canonical form, as plain JSON types."""

@@ -149,7 +149,8 @@ def check_qkv_tensors(q, k, v, dims: int, expected: str) -> None:
         if t.dim() != dims:
             raise InvalidArgumentError(f"{name} has shape {tuple(t.shape)}: expected {expected}")
         if t.dtype not in DTYPES:
-            raise InvalidArgumentError(f"{name} has dtype {t.dtype}: expected torch.float16 or torch.bfloat16")
+            hint = " (FP8: fastattn.torch.attention_fp8)" if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else ""
+            raise InvalidArgumentError(f"{name} has dtype {t.dtype}: expected torch.float16 or torch.bfloat16{hint}")
 
 
 
