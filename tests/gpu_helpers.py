@@ -140,7 +140,8 @@ def allowed(cfg: AttentionConfig) -> np.ndarray:
     """(seqlen_q, seqlen_kv) bool: which keys each query sees."""
     i = np.arange(cfg.seqlen_q)[:, None]
     j = np.arange(cfg.seqlen_kv)[None, :]
-    shift = cfg.seqlen_kv - cfg.seqlen_q if cfg.mask == "causal_bottom_right" else 0
+    bottom_right = cfg.mask == "causal_bottom_right" or cfg.alignment == "bottom_right"
+    shift = cfg.seqlen_kv - cfg.seqlen_q if bottom_right else 0
     ok = np.ones((cfg.seqlen_q, cfg.seqlen_kv), dtype=bool)
     left, right = cfg.window
     if cfg.mask != "none":
@@ -209,7 +210,7 @@ def reference_full(cfg: AttentionConfig, q, k, v, d_o=None, *, bias=None, sink=N
     out["d_k"] = dk_full.reshape(b, cfg.heads_kv, group, skv, cfg.head_dim_qk).sum(axis=2)
     out["d_v"] = dv_full.reshape(b, cfg.heads_kv, group, skv, cfg.head_dim_v).sum(axis=2)
     if bias is not None:
-        axes = tuple(i for i in (0, 1) if bias.shape[i] == 1)
+        axes = tuple(i for i in (0, 1, 2) if bias.shape[i] == 1)  # a one-row bias sums over the queries
         out["d_bias"] = ds.sum(axis=axes, keepdims=True)
     if sink is not None:  # d stats / d sink = p_sink; o depends on it through 1 / l
         p_sink = np.exp(sink[None, :, None, None] - m) / l
