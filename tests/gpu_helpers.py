@@ -153,6 +153,26 @@ def allowed(cfg: AttentionConfig) -> np.ndarray:
     return ok
 
 
+def fa_allowed(sq: int, sk: int, causal: bool, window: tuple[int, int], seqlen_k: int | None = None) -> np.ndarray:
+    """(sq, sk) bool: the keys each query sees in FlashAttention 2, from its docstring
+    (query i attends to keys in [i + sk - sq - left, i + sk - sq + right]; causal: right
+    = 0), after flash_api.cpp's normalization (a bound >= seqlen_k, the call's longest key
+    length, is unbounded)."""
+    seqlen_k = sk if seqlen_k is None else seqlen_k
+    left, right = window
+    if causal:
+        right = 0
+    left = -1 if left >= seqlen_k else left
+    right = -1 if right >= seqlen_k else right
+    i, j = np.arange(sq)[:, None], np.arange(sk)[None, :]
+    ok = np.ones((sq, sk), dtype=bool)
+    if right >= 0:
+        ok &= j <= i + sk - sq + right
+    if left >= 0:
+        ok &= j >= i + sk - sq - left
+    return ok
+
+
 def alibi_slopes(heads: int) -> np.ndarray:
     """cuDNN's ALiBi slopes for `heads` query heads (cudnn-frontend's get_alibi_slope,
     in float32 as it computes them): the ALiBi paper's, interleaved for head counts
@@ -188,14 +208,16 @@ def reference_full(cfg: AttentionConfig, q, k, v, d_o=None, *, bias=None, sink=N
     m = s.max(axis=-1, keepdims=True)
     if sink is not None:
         m = np.maximum(m, sink[None, :, None, None])
+    m = np.where(np.isfinite(m), m, 0.0)  # a row that sees no key (a bottom-right diagonal): p = 0, o = 0
     e = np.exp(s - m)
     l = e.sum(axis=-1, keepdims=True)
     if sink is not None:
         l = l + np.exp(sink[None, :, None, None] - m)
-    p = e / l
+    p = e / np.where(l > 0, l, 1.0)
     drop = p if keep is None else p * keep / (1.0 - cfg.dropout)
     o = np.einsum("bhqk,bhkd->bhqd", drop, v_full)
-    out = {"o": o, "stats": m + np.log(l)}
+    with np.errstate(divide="ignore"):
+        out = {"o": o, "stats": m + np.log(l)}  # -inf where a row sees no key
     if d_o is None:
         return out
     dv_full = np.einsum("bhqk,bhqd->bhkd", drop, d_o)

@@ -18,6 +18,8 @@ import fastattn  # noqa: E402
 from fastattn import flash  # noqa: E402
 from fastattn.errors import InvalidArgumentError, NotSupportedError  # noqa: E402
 
+from gpu_helpers import fa_allowed  # noqa: E402  (FlashAttention's mask, from its documentation)
+
 M = dict(device="meta", dtype=torch.bfloat16)
 
 # flash_attn 2.6-2.8's flash_attn_interface, argument by argument (names, order, defaults).
@@ -241,24 +243,6 @@ def test_gradients_flow_through_the_packed_views():
 
 # -- the mask asked of fastattn.torch is FlashAttention's -------------------------------------
 
-def fa_allowed(sq: int, sk: int, causal: bool, window: tuple[int, int]) -> np.ndarray:
-    """(sq, sk) bool: the keys each query sees in FlashAttention 2, from its docstring (query
-    i attends to keys in [i + sk - sq - left, i + sk - sq + right], causal: right = 0)
-    after flash_api.cpp's normalization (a bound >= seqlen_k is unbounded)."""
-    left, right = window
-    if causal:
-        right = 0
-    left = -1 if left >= sk else left
-    right = -1 if right >= sk else right
-    i, j = np.arange(sq)[:, None], np.arange(sk)[None, :]
-    ok = np.ones((sq, sk), dtype=bool)
-    if right >= 0:
-        ok &= j <= i + sk - sq + right
-    if left >= 0:
-        ok &= j >= i + sk - sq - left
-    return ok
-
-
 def fastattn_allowed(sq: int, sk: int, kwargs: dict) -> np.ndarray:
     """The same, from the arguments fastattn.flash gave fastattn.torch, in fastattn.torch's
     documented convention (attention()'s docstring)."""
@@ -314,7 +298,7 @@ def test_varlen_calls_ask_for_flash_attentions_mask(sq, sk, causal, left, right,
     for sq_b, sk_b in ((sq, sk), (max(1, sq // 2), sk), (sq, max(1, sk - 3))):
         if same_cu:
             sk_b = sq_b  # one cu_seqlens: each sequence's q and k lengths are equal
-        fa = fa_allowed(sq_b, sk_b, causal, (left if left < sk else -1, right if right < sk else -1))
+        fa = fa_allowed(sq_b, sk_b, causal, (left, right), seqlen_k=sk)  # max_seqlen_k normalizes
         assert (fastattn_allowed(sq_b, sk_b, kw) == fa).all()
 
 
@@ -331,7 +315,7 @@ def test_kvcache_calls_ask_for_flash_attentions_mask(sq, cached, new, causal, le
     assert kw["alignment"] == "bottom_right"  # each sequence's queries sit at the end of its keys
     sk_max = 4 * 16
     sk = cached + new
-    fa = fa_allowed(sq, sk, causal, (left if left < sk_max else -1, right if right < sk_max else -1))
+    fa = fa_allowed(sq, sk, causal, (left, right), seqlen_k=sk_max)  # the cache's capacity normalizes
     if sk:
         assert (fastattn_allowed(sq, sk, kw) == fa).all()
 
