@@ -388,3 +388,15 @@ def test_attention_paged_asks_for_an_explicit_alignment():
     for kwargs in (dict(causal=True, alignment="bottom_right"), dict(causal=True, alignment="top_left"),
                    dict(causal_bottom_right=True), dict(), dict(window=(8, 0), alignment="bottom_right")):
         assert attention_paged(q, k, v, table, lens, **kwargs).shape == (2, 1, 8, 64)
+
+
+def test_the_benchmark_imports_and_parses_its_arguments():
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, os.path.join(root, "tools", "bench_flash.py"), "--help"], capture_output=True,
+                       text=True, env={**os.environ, "PYTHONPATH": root})
+    assert r.returncode == 0, r.stderr
+    assert "--json" in r.stdout and "summary:" in r.stdout
