@@ -166,3 +166,54 @@ def test_alignment_window_bias_configs_are_canonical(mask, alignment, left, righ
         b, h, s, k = c.shape("bias")
         assert (b, h, s, k) == (2 if bias[0] == "b" else 1, 4 if bias[1] == "h" else 1,
                                 seqlen_q if bias[2] == "s" else 1, seqlen_kv)
+
+
+# -- through the CLI flags, warm files and matrix features (all derived from the registry) ----
+
+
+def test_probe_flags_take_alignment_and_one_row_biases(capsys, monkeypatch):
+    from fastattn import cli, runtime
+    from fastattn.runtime import ProbeResult
+
+    seen = []
+    monkeypatch.setattr(runtime, "probe", lambda cfg, device=None: seen.append(cfg) or ProbeResult(cfg, 0, False, "x"))
+    base = ["probe", "--batch", "2", "--heads-q", "8", "--seqlen-q", "64", "--seqlen-kv", "256", "--head-dim-qk",
+            "64", "--json"]
+    assert cli.main(base + ["--window", "16", "8", "--alignment", "bottom_right", "--bias", "b11s"]) == \
+        cli.EXIT_UNSUPPORTED
+    assert seen[-1].alignment == "bottom_right" and seen[-1].window == (16, 8) and seen[-1].bias == "b11s"
+    assert seen[-1].shape("bias") == (2, 1, 1, 256)
+    cli.main(base + ["--mask", "causal", "--alignment", "bottom_right"])
+    assert seen[-1].mask == "causal_bottom_right" and seen[-1].alignment == "top_left"
+    capsys.readouterr()
+    assert cli.main(base + ["--alignment", "bottom"]) == cli.EXIT_BAD_INPUT
+    assert "--alignment: invalid choice: 'bottom'" in capsys.readouterr().out  # --json: the error as JSON
+
+
+def test_warm_files_take_the_new_fields(tmp_path):
+    from fastattn.sweep import describe_config, load_configs
+
+    f = tmp_path / "warm.json"
+    f.write_text(json.dumps({"configs": [
+        {"batch": 1, "heads_q": 8, "seqlen_q": 64, "seqlen_kv": 512, "head_dim_qk": 128, "window": [128, 0],
+         "alignment": "bottom_right"},
+        {"batch": 4, "heads_q": 8, "seqlen_q": 512, "head_dim_qk": 128, "bias": "b11s", "training": True},
+        {"batch": 1, "heads_q": 8, "seqlen_q": 64, "seqlen_kv": 512, "head_dim_qk": 128, "mask": "causal",
+         "alignment": "bottom_right"},
+    ]}))
+    configs = load_configs(str(f))
+    assert [c.alignment for c in configs] == ["bottom_right", "top_left", "top_left"]
+    assert configs[2].mask == "causal_bottom_right" and configs[1].bias == "b11s"
+    assert " br" in describe_config(configs[0]) and "biasb11s" in describe_config(configs[1])
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"configs": [{"batch": 1, "heads_q": 8, "seqlen_q": 64, "head_dim_qk": 64, "alignment": 1}]}')
+    with pytest.raises(InvalidArgumentError, match=r"alignment=1: must be one of"):
+        load_configs(str(bad))
+
+
+def test_matrix_has_a_bottom_right_window_feature():
+    from fastattn.cli.matrix import MATRIX_FEATURES
+
+    settings_, _ = MATRIX_FEATURES["window_br"]
+    c = AttentionConfig(batch=1, heads_q=8, seqlen_q=128, head_dim_qk=64, **settings_)
+    assert c.alignment == "bottom_right" and c.window == (64, 64)
