@@ -93,8 +93,8 @@ def _alibi(alibi_slopes, heads: int, batch: int, causal: bool) -> bool:
                                 "non-causal ALiBi, -slope * |i - j|, has no cuDNN equivalent)")
     if (not isinstance(alibi_slopes, torch.Tensor) or alibi_slopes.dtype != torch.float32
             or tuple(alibi_slopes.shape) not in ((heads,), (batch, heads))):
-        raise InvalidArgumentError(f"alibi_slopes: expected a float32 tensor of shape ({heads},) or ({batch}, {heads}), "
-                                   f"got {getattr(alibi_slopes, 'dtype', type(alibi_slopes).__name__)} "
+        raise InvalidArgumentError(f"alibi_slopes: expected a float32 tensor of shape ({heads},) or ({batch}, "
+                                   f"{heads}), got {getattr(alibi_slopes, 'dtype', type(alibi_slopes).__name__)} "
                                    f"{tuple(getattr(alibi_slopes, 'shape', ()))}")
     expected = torch.tensor(standard_alibi_slopes(heads), dtype=torch.float32, device=alibi_slopes.device)
     if not torch.allclose(alibi_slopes, expected.expand_as(alibi_slopes), rtol=1e-5, atol=0.0):  # one sync

@@ -44,7 +44,8 @@ GOLDEN_JSON = [
 
 # Cache keys main computed for these configs (store.describe with the arguments below).
 GOLDEN_KEYS = [
-    (dict(mask="causal_bottom_right", window=(32, 0)), "b93f5f06c8243c36fce76a3711c6e7259bd7a0d269ca911557f2cdb5241f0bbc"),
+    (dict(mask="causal_bottom_right", window=(32, 0)),
+     "b93f5f06c8243c36fce76a3711c6e7259bd7a0d269ca911557f2cdb5241f0bbc"),
     (dict(window=(16, 8)), "83bde5623e1cb009c21e046e88e02b32c6d20c5fe1aba90a1f4c21d0e4e151cd"),
     (dict(bias="1hss", training=True, bias_grad=True),
      "997e962e301f652ddf3bdc7be74dbeefd0bc4cbaee9c74291da55e142bbdfe8d"),

@@ -16,6 +16,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="PyTorch is an optional extra (pip install torch)")
 
 import fastattn  # noqa: E402
+import fastattn.torch  # noqa: E402,F401
 from fastattn import flash  # noqa: E402
 
 from gpu_helpers import fa_allowed  # noqa: E402
@@ -297,3 +298,27 @@ def test_kvcache_cache_batch_idx_and_int_cache_seqlens():
     for i, r in enumerate(rows.tolist()):
         ref, _ = reference(q[i:i + 1], k_cache[r:r + 1, :50], v_cache[r:r + 1, :50], True, (-1, -1))
         assert rel(out[i:i + 1], ref) < FWD_TOL[dtype]
+
+
+# -- fastattn.torch: a key-padding bias ------------------------------------------------------------
+
+def test_torch_attention_takes_a_key_padding_bias_with_its_gradient():
+    dtype = torch.float16
+    q, k, v = (randn(2, 100, 4, 64, dtype=dtype, grad=True) for _ in range(3))
+    bias = (torch.randn(2, 1, 1, 100, device=DEV) * 2).to(dtype).requires_grad_()
+    try:
+        out = fastattn.torch.attention(q, k, v, bias=bias)
+        bias_grad = True
+    except fastattn.NotSupportedError as e:  # cuDNN's d_bias covers fewer shapes: the bias alone, and say why
+        print(f"d_bias (2, 1, 1, 100): {e}")
+        bias = bias.detach()
+        out = fastattn.torch.attention(q, k, v, bias=bias)
+        bias_grad = False
+    q64, k64, v64, b64 = (t.detach().double().requires_grad_() for t in (q, k, v, bias))
+    s = (q64.transpose(1, 2) @ k64.permute(0, 2, 3, 1)) / 8.0 + b64
+    ref = (torch.softmax(s, -1) @ v64.transpose(1, 2)).transpose(1, 2)
+    assert rel(out, ref) < FWD_TOL[dtype]
+    d_o = torch.randn_like(out)
+    inputs, ref_inputs = (q, k, v) + ((bias,) if bias_grad else ()), (q64, k64, v64) + ((b64,) if bias_grad else ())
+    for g, rg in zip(torch.autograd.grad(out, inputs, d_o), torch.autograd.grad(ref, ref_inputs, d_o.double())):
+        assert rel(g, rg) < BWD_TOL[dtype]
