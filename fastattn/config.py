@@ -113,9 +113,10 @@ class AttentionConfig:
       alignment: where the diagonal of the causal mask and the window sits: "top_left"
         (default; shift 0, scaled_dot_product_attention's is_causal) or "bottom_right"
         (shift seqlen_kv - seqlen_q, FlashAttention's causal and windows), per sequence
-        with padding (each sequence's own lengths). mask="causal" with "bottom_right" is
-        stored as mask="causal_bottom_right" (which implies it); where no bound uses the
-        diagonal (no mask, window (-1, -1)) it is stored as "top_left".
+        with padding (each sequence's own lengths). mask="causal" with "bottom_right", or
+        mask="none" with a window's right bound 0 there, is stored as
+        mask="causal_bottom_right" (which implies it; the same graph); where no bound
+        uses the diagonal (no mask, window (-1, -1)) it is stored as "top_left".
       scale: softmax scale (default 1/sqrt(head_dim_qk)); stored as the float32 cuDNN uses.
       training: forward also writes softmax stats, and the plan has a backward graph.
       deterministic: backward uses cuDNN's deterministic algorithm (needs training).
@@ -242,8 +243,10 @@ class AttentionConfig:
             raise _bad("heads_kv", self.heads_kv, f"heads_q={self.heads_q} must be a multiple of heads_kv")
 
         left, right = self.window
-        if self.mask == "causal" and self.alignment == "bottom_right":
-            set_("mask", "causal_bottom_right")  # one spelling per graph: the one that existed first
+        if self.alignment == "bottom_right" and (self.mask == "causal" or (self.mask == "none" and right == 0)):
+            # One spelling per graph, the one that existed first: a right bound of 0 at the
+            # bottom right is the bottom-right causal mask (cuDNN gets the same attributes).
+            set_("mask", "causal_bottom_right")
         if self.mask == "causal_bottom_right" or (self.mask == "none" and self.window == (-1, -1)):
             set_("alignment", "top_left")  # implied by the mask, or no bound uses the diagonal
         if self.mask != "none":

@@ -85,13 +85,22 @@ def test_alignment_without_a_bound_is_top_left():
     assert "alignment" not in AttentionConfig(**BASE, alignment="bottom_right").to_dict()
 
 
-@pytest.mark.parametrize("window", [(16, 8), (16, -1), (-1, 4), (0, 0)])
+@pytest.mark.parametrize("window", [(16, 8), (16, -1), (-1, 4), (0, 3)])
 def test_a_window_at_the_bottom_right_is_its_own_config(window):
     top = AttentionConfig(**BASE, window=window)
     bottom = AttentionConfig(**BASE, window=window, alignment="bottom_right")
     assert bottom != top and bottom.to_dict()["alignment"] == "bottom_right"
     assert json.loads(bottom.to_json())["window"] == list(window)
     assert AttentionConfig.from_json(bottom.to_json()) == bottom and _key(bottom) != _key(top)
+
+
+@pytest.mark.parametrize("left", [-1, 0, 16])
+def test_a_right_bound_of_0_at_the_bottom_right_is_the_causal_mask(left):
+    window = AttentionConfig(**BASE, window=(left, 0), alignment="bottom_right")
+    causal = AttentionConfig(**BASE, mask="causal_bottom_right", window=(left, 0))
+    assert window == causal and window.to_json() == causal.to_json() and window.mask == "causal_bottom_right"
+    # At the top left the two spellings stay apart: both existed before, with their keys.
+    assert AttentionConfig(**BASE, window=(left, 0)) != AttentionConfig(**BASE, mask="causal", window=(left, 0))
 
 
 def test_alignment_refuses_other_values():
@@ -154,13 +163,15 @@ def test_alignment_window_bias_configs_are_canonical(mask, alignment, left, righ
     d = c.to_dict()
     # The diagonal's position is stated once: by the mask's name, or by the alignment
     # field where only a window uses it; never both, never where nothing uses it.
-    bottom_right = mask == "causal_bottom_right" or (alignment == "bottom_right" and mask == "causal")
+    bottom_right = mask == "causal_bottom_right" or (alignment == "bottom_right" and (
+        mask == "causal" or (mask == "none" and right == 0)))
     assert (c.mask == "causal_bottom_right") == bottom_right
-    uses_alignment = alignment == "bottom_right" and mask == "none" and (left, right) != (-1, -1)
+    uses_alignment = alignment == "bottom_right" and mask == "none" and (left, right) != (-1, -1) and right != 0
     assert ("alignment" in d) == uses_alignment and c.alignment == ("bottom_right" if uses_alignment else "top_left")
     # Equivalent spellings give one config.
     if bottom_right:
-        assert c == AttentionConfig(**{**fields, "mask": "causal_bottom_right", "alignment": "top_left"})
+        assert c == AttentionConfig(**{**fields, "mask": "causal_bottom_right", "alignment": "top_left",
+                                       "window": (left, min(right, 0))})
     if not uses_alignment and not bottom_right:
         assert c == AttentionConfig(**{**fields, "alignment": "top_left"})
     if bias != "none":
@@ -196,7 +207,7 @@ def test_warm_files_take_the_new_fields(tmp_path):
 
     f = tmp_path / "warm.json"
     f.write_text(json.dumps({"configs": [
-        {"batch": 1, "heads_q": 8, "seqlen_q": 64, "seqlen_kv": 512, "head_dim_qk": 128, "window": [128, 0],
+        {"batch": 1, "heads_q": 8, "seqlen_q": 64, "seqlen_kv": 512, "head_dim_qk": 128, "window": [128, 16],
          "alignment": "bottom_right"},
         {"batch": 4, "heads_q": 8, "seqlen_q": 512, "head_dim_qk": 128, "bias": "b11s", "training": True},
         {"batch": 1, "heads_q": 8, "seqlen_q": 64, "seqlen_kv": 512, "head_dim_qk": 128, "mask": "causal",
