@@ -23,8 +23,10 @@ whose plans, caches and per-call costs they share. What differs from FlashAttent
   return_attn_probs with dropout_p > 0 (FlashAttention then returns the dropout pattern,
   S_dmask, which cuDNN does not expose), dropout_p and alibi_slopes in varlen calls,
   return_softmax_lse with a paged cache. cuDNN's own refusals (for example a causal
-  mask at the bottom right together with dropout or ALiBi when seqlen_q != seqlen_k)
-  are NotSupportedError too, carrying cuDNN's reason.
+  mask at the bottom right together with dropout or ALiBi when seqlen_q < seqlen_k)
+  are NotSupportedError too, carrying cuDNN's reason. (With more queries than keys,
+  the first rows see no key: fastattn.flash writes FlashAttention's 0 and +inf there
+  itself and runs the rest; a causal mask then has as many queries as keys.)
 - Dropout draws its mask from PyTorch's CUDA generator with cuDNN's Philox: the same
   distribution as FlashAttention's, not the same bits.
 - num_splits is a FlashAttention tuning knob that cannot change the answer; it is
@@ -186,16 +188,41 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     dropout_p = _common(dropout_p, return_attn_probs)
     alibi = _alibi(alibi_slopes, q.shape[2], q.shape[0], causal)
     deterministic = _deterministic(deterministic, return_attn_probs, q, k, v)
+    right = 0 if causal else window[1] if window is not None else -1
+    empty = sq - sk - right if right >= 0 else 0
+    if empty > 0:
+        return _with_empty_rows(q, k, v, empty, causal, window, softmax_scale, deterministic, alibi, dropout_p,
+                                return_attn_probs)
+    out = _dense(q, k, v, causal, window, softmax_scale, deterministic, alibi, dropout_p, return_attn_probs)
+    return (*out, None) if return_attn_probs else out
+
+
+def _dense(q, k, v, causal, window, scale, deterministic, alibi, dropout_p, lse):
+    sq, sk = q.shape[1], k.shape[1]
     # Where seqlen_q == seqlen_k both diagonals are one: the top-left graph then (which
     # cuDNN also builds with dropout and ALiBi) is the same answer as FlashAttention's.
     bottom = sq != sk and (causal or window is not None)
     lens_q = lens_k = None
     if bottom and sq > sk:  # cuDNN takes it only with per-sequence lengths
         lens_q, lens_k = _full(q, q.shape[0], sq), _full(q, q.shape[0], sk)
-    out = attention(q, k, v, causal=causal, window=window, scale=softmax_scale, deterministic=deterministic,
-                    seq_lens_q=lens_q, seq_lens_kv=lens_k, alibi=alibi, dropout_p=dropout_p,
-                    alignment="bottom_right" if bottom else "top_left", return_lse=return_attn_probs)
-    return (*out, None) if return_attn_probs else out
+    return attention(q, k, v, causal=causal, window=window, scale=scale, deterministic=deterministic,
+                     seq_lens_q=lens_q, seq_lens_kv=lens_k, alibi=alibi, dropout_p=dropout_p,
+                     alignment="bottom_right" if bottom else "top_left", return_lse=lse)
+
+
+def _with_empty_rows(q, k, v, empty, causal, window, scale, deterministic, alibi, dropout_p, lse):
+    """The first `empty` queries see no key (the bottom-right diagonal passes above them:
+    more queries than keys): FlashAttention writes 0 and an LSE of +inf there. The rest run
+    alone, a slice of q whose bottom-right diagonal is the same (the shift grows with the
+    rows cut), so cuDNN never sees a row without keys; a causal mask then has as many
+    queries as keys, where the top-left graph (with dropout and ALiBi) is the same one."""
+    b, _, h, _ = q.shape
+    out = _dense(q[:, empty:], k, v, causal, window, scale, deterministic, alibi, dropout_p, lse)
+    o, stats = out if lse else (out, None)
+    o = torch.cat([o.new_zeros(b, empty, h, o.shape[3]), o], 1)
+    if not lse:
+        return o
+    return o, torch.cat([stats.new_full((b, h, empty), float("inf")), stats], 2), None
 
 
 def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),

@@ -261,8 +261,16 @@ def fastattn_allowed(sq: int, sk: int, kwargs: dict) -> np.ndarray:
 
 
 def _recorded(monkeypatch, name, fn, *args, **kwargs) -> dict:
+    """The keywords fn gives fastattn.torch's entry point `name` (and its q, as "q")."""
     seen = []
-    monkeypatch.setattr(flash, name, lambda *a, **kw: seen.append(kw) or torch.empty(0))
+
+    def record(q, k, v, *rest, **kw):
+        seen.append({**kw, "q": q})
+        out = q.new_empty(*q.shape[:-1], v.shape[-1])
+        return (out, q.new_empty(q.shape[0], q.shape[2], q.shape[1], dtype=torch.float32)) if kw.get("return_lse") \
+            else out
+
+    monkeypatch.setattr(flash, name, record)
     fn(*args, **kwargs)
     return seen[0]
 
@@ -277,13 +285,29 @@ def test_dense_calls_ask_for_flash_attentions_mask(sq, sk, causal, left, right):
     with pytest.MonkeyPatch.context() as mp:
         kw = _recorded(mp, "attention", flash.flash_attn_func, *dense(sq=sq, sk=sk), causal=causal,
                        window_size=(left, right))
-    assert (fastattn_allowed(sq, sk, kw) == fa_allowed(sq, sk, causal, (left, right))).all()
+    fa = fa_allowed(sq, sk, causal, (left, right))
+    asked = kw["q"].shape[1]  # the queries that see a key; the rows cut before them see none
+    assert not fa[:sq - asked].any() and (asked == sq or fa[sq - asked].any())
+    assert (fastattn_allowed(asked, sk, kw) == fa[sq - asked:]).all()
     bottom = kw["alignment"] == "bottom_right"
-    assert not (bottom and sq == sk)  # one diagonal there: the top-left graph, which takes dropout and ALiBi
+    assert not (bottom and asked == sk)  # one diagonal there: the top-left graph, which takes dropout and ALiBi
     # cuDNN takes the bottom-right diagonal with more queries than keys only with lengths: full ones.
-    assert (kw["seq_lens_q"] is not None) == (bottom and sq > sk)
+    assert (kw["seq_lens_q"] is not None) == (bottom and asked > sk)
     if kw["seq_lens_q"] is not None:
         assert kw["seq_lens_q"].shape == (2,) and kw["seq_lens_kv"].shape == (2,)
+
+
+def test_rows_without_keys_are_zero_with_an_lse_of_inf():
+    q, k, v = dense(sq=300, sk=100)
+    with pytest.MonkeyPatch.context() as mp:
+        kw = _recorded(mp, "attention", flash.flash_attn_func, q, k, v, causal=True, return_attn_probs=True)
+    assert kw["q"].shape[1] == 100 and kw["alignment"] == "top_left" and kw["seq_lens_q"] is None
+    q, k, v = dense(sq=300, sk=100, device="cpu")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(flash, "attention", lambda q, k, v, **kw: (torch.ones(*q.shape), torch.ones(2, 8, q.shape[1])))
+        out, lse, _ = flash.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+    assert out.shape == (2, 300, 8, 64) and torch.all(out[:, :200] == 0) and torch.all(out[:, 200:] == 1)
+    assert lse.shape == (2, 8, 300) and torch.all(lse[..., :200] == float("inf")) and torch.all(lse[..., 200:] == 1)
 
 
 @settings(max_examples=120, deadline=None, derandomize=True)
