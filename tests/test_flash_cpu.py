@@ -424,3 +424,18 @@ def test_the_benchmark_imports_and_parses_its_arguments():
                        text=True, env={**os.environ, "PYTHONPATH": root})
     assert r.returncode == 0, r.stderr
     assert "--json" in r.stdout and "summary:" in r.stdout
+
+
+@pytest.mark.parametrize("sq,sk", [(128, 128), (64, 200), (300, 100)])
+def test_flash_attn_func_traces_to_fastattns_ops(sq, sk):
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def step(q, k, v):
+        out, lse, _ = flash.flash_attn_func(q, k, v, causal=True, window_size=(32, 8), return_attn_probs=True)
+        return out, lse
+
+    gm = make_fx(step, tracing_mode="fake")(*dense(sq=sq, sk=sk))
+    calls = [str(n.target) for n in gm.graph.nodes if n.op == "call_function" and "fastattn" in str(n.target)]
+    assert calls == ["fastattn.attention_forward.default"]
+    out, lse = (n.meta["val"] for n in gm.graph.output_node().args[0])
+    assert tuple(out.shape) == (2, sq, 8, 64) and tuple(lse.shape) == (2, 8, sq)
