@@ -62,6 +62,10 @@ struct Config {
     // FlashAttention's convention: query i sees keys j with i - left <= j <= i + right
     // (shifted by seqlen_kv - seqlen_q for the bottom-right diagonal); -1 is unbounded.
     int64_t window_left = -1, window_right = -1;
+    // AttentionConfig.alignment: the window's diagonal at the bottom right (shifted by
+    // each sequence's seqlen_kv - seqlen_q), without a causal mask; kCausalBottomRight
+    // implies it.
+    bool bottom_right = false;
     float scale        = 1.0f;
     bool training      = false;  // forward writes softmax stats; a backward graph exists
     bool deterministic = false;  // backward uses cuDNN's deterministic algorithm
@@ -77,9 +81,11 @@ struct Config {
     // max_tokens_* bound the packed tokens (cuDNN sizes its workspace by them).
     bool ragged          = false;
     int64_t max_tokens_q = 0, max_tokens_kv = 0;
-    // Additive bias after scaling, (bias_batch, bias_heads, seqlen_q, seqlen_kv),
+    // Additive bias after scaling, (bias_batch, bias_heads, bias_seq_q, seqlen_kv),
     // contiguous, in dtype; bias_batch is 1 or batch, bias_heads 1 or heads_q; 0: none.
-    int64_t bias_batch = 0, bias_heads = 0;
+    // bias_seq_q is 1 (one row broadcast over the queries: a key-padding bias) or
+    // seqlen_q; 0 means seqlen_q.
+    int64_t bias_batch = 0, bias_heads = 0, bias_seq_q = 0;
     bool bias_grad     = false;  // backward also writes d_bias, of the bias's shape
     // Dropout probability on the softmax; Philox seed and offset are int64 device
     // scalars given at execute (the same ones to backward: the same mask).

@@ -46,9 +46,10 @@ cdef extern from "fastattn.h" namespace "fastattn" nogil:
         int64_t o_stride[4]
         Mask mask
         int64_t window_left, window_right
+        cbool bottom_right
         float scale
         cbool training, deterministic, padding, alibi, ragged
-        int64_t max_tokens_q, max_tokens_kv, bias_batch, bias_heads
+        int64_t max_tokens_q, max_tokens_kv, bias_batch, bias_heads, bias_seq_q
         cbool bias_grad
         float dropout
         cbool host_seed
@@ -144,8 +145,11 @@ cdef Mask _mask(str name) except *:
         f"mask={name!r} is not one this build of fastattn._core knows (none, causal, causal_bottom_right)")
 
 
-# A bias's (batch, heads) extents, from its broadcast shape's name.
-cdef dict _BIAS = {"none": (0, 0), "11ss": (1, 1), "1hss": (1, -1), "b1ss": (-1, 1), "bhss": (-1, -1)}
+# A bias's (batch, heads, query rows) extents, from its broadcast shape's name: each
+# letter is 1 or the full extent (-1 here), "s" at the query position the full extent.
+cdef dict _BIAS = {"none": (0, 0, 0),
+                   "11ss": (1, 1, -1), "1hss": (1, -1, -1), "b1ss": (-1, 1, -1), "bhss": (-1, -1, -1),
+                   "111s": (1, 1, 1), "1h1s": (1, -1, 1), "b11s": (-1, 1, 1), "bh1s": (-1, -1, 1)}
 
 
 cdef Config _c_config(cfg) except *:
@@ -168,6 +172,7 @@ cdef Config _c_config(cfg) except *:
     c.mask = _mask(cfg.mask)
     c.window_left = cfg.window[0]
     c.window_right = cfg.window[1]
+    c.bottom_right = cfg.alignment == "bottom_right"
     c.scale = cfg.scale
     c.training = cfg.training
     c.deterministic = cfg.deterministic
@@ -176,9 +181,10 @@ cdef Config _c_config(cfg) except *:
     c.ragged = cfg.ragged
     c.max_tokens_q = cfg.max_tokens_q
     c.max_tokens_kv = cfg.max_tokens_kv
-    bb, bh = _BIAS[cfg.bias]
+    bb, bh, bs = _BIAS[cfg.bias]
     c.bias_batch = cfg.batch if bb < 0 else bb
     c.bias_heads = cfg.heads_q if bh < 0 else bh
+    c.bias_seq_q = cfg.seqlen_q if bs < 0 else bs
     c.bias_grad = cfg.bias_grad
     c.dropout = cfg.dropout
     c.host_seed = cfg.host_seed

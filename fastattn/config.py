@@ -32,7 +32,7 @@ tensor                      shape                                           dtyp
 seq_len_q, seq_len_kv       (batch,)                      padding            int32
 ragged_q, _k, _v, _o        (batch + 1,)                  ragged             int32
 ragged_stats                (batch + 1,)                  ragged, training   int32
-bias, d_bias                (1|batch, 1|heads_q, seqlen_q, seqlen_kv)       dtype
+bias, d_bias                (1|batch, 1|heads_q, 1|seqlen_q, seqlen_kv)     dtype
 seed, offset                (1,)                          dropout            int64
 sink, d_sink                (1, heads_q, 1, 1)            sinks              float32
 page_table_k, page_table_v  (batch, 1, ceil(seqlen_kv / page_size), 1)      int32
@@ -55,7 +55,7 @@ from ._fields import check_int as _int
 from ._fields import spec
 from .errors import InvalidArgumentError
 
-__all__ = ["AttentionConfig", "LAYOUTS", "MASKS", "DTYPES", "FP8_DTYPES"]
+__all__ = ["AttentionConfig", "LAYOUTS", "MASKS", "DTYPES", "FP8_DTYPES", "ALIGNMENTS", "BIAS_SHAPES"]
 
 DTYPES = ("fp16", "bf16", "fp8_e4m3", "fp8_e5m2")
 FP8_DTYPES = ("fp8_e4m3", "fp8_e5m2")
@@ -70,7 +70,10 @@ _ITEMSIZE = {"fp16": 2, "bf16": 2, "fp8_e4m3": 1, "fp8_e5m2": 1, "float32": 4, "
 MASKS = ("none", "causal", "causal_bottom_right")
 LAYOUTS = ("bshd", "sbhd", "bhsd")
 TENSORS = ("q", "k", "v", "o")
-BIAS_SHAPES = ("none", "11ss", "1hss", "b1ss", "bhss")
+ALIGNMENTS = ("top_left", "bottom_right")
+# (1 or batch, 1 or heads_q, 1 or seqlen_q, seqlen_kv), a letter each: "b", "h", "s" for
+# the full extent, "1" for one broadcast. The last is always "s" (seqlen_kv).
+BIAS_SHAPES = ("none", "11ss", "1hss", "b1ss", "bhss", "111s", "1h1s", "b11s", "bh1s")
 # Index tensors of the features, by name: (shape as a function of the config, dtype).
 _INDEX_TENSORS = {
     "seq_len_q": (lambda c: (c.batch,), "int32"),
@@ -123,9 +126,17 @@ class AttentionConfig:
         strides equal to a named layout's are stored as that name.
       mask: "none", "causal" (diagonal at the top left: query i sees keys j <= i), or
         "causal_bottom_right" (diagonal at the bottom right: j <= i + seqlen_kv - seqlen_q).
-      window: (left, right), FlashAttention's convention: query i sees keys j with
-        i - left <= j <= i + right, shifted by seqlen_kv - seqlen_q when mask is
-        "causal_bottom_right"; -1 is unbounded. A causal mask fixes right at 0.
+      window: (left, right): query i sees keys j with i + shift - left <= j <= i +
+        shift + right, where shift is 0 at the top-left alignment and seqlen_kv -
+        seqlen_q at the bottom right (FlashAttention's); -1 is unbounded. A causal mask
+        fixes right at 0.
+      alignment: where the diagonal of the causal mask and the window sits: "top_left"
+        (default; shift 0, scaled_dot_product_attention's is_causal) or "bottom_right"
+        (shift seqlen_kv - seqlen_q, FlashAttention's causal and windows), per sequence
+        with padding (each sequence's own lengths). mask="causal" with "bottom_right", or
+        mask="none" with a window's right bound 0 there, is stored as
+        mask="causal_bottom_right" (which implies it; the same graph); where no bound
+        uses the diagonal (no mask, window (-1, -1)) it is stored as "top_left".
       scale: softmax scale (default 1/sqrt(head_dim_qk)); stored as the float32 cuDNN uses.
       training: forward also writes softmax stats, and the plan has a backward graph.
       deterministic: backward uses cuDNN's deterministic algorithm (needs training).
@@ -150,7 +161,10 @@ class AttentionConfig:
         and k (and v) hold (default batch * seqlen); cuDNN sizes workspace by them.
       bias: an additive bias after scaling, before masking and softmax, of shape
         "11ss", "1hss", "b1ss" or "bhss" (TransformerEngine's names: 1 or batch, 1 or
-        heads_q, seqlen_q, seqlen_kv), contiguous, in dtype; "none" (default).
+        heads_q, seqlen_q, seqlen_kv), or "111s", "1h1s", "b11s", "bh1s" (one row,
+        broadcast over the queries: a key-padding bias is "b11s"), contiguous, in
+        dtype; "none" (default). cuDNN decides which it builds (and with d_bias): the
+        probe says.
       bias_grad: backward also writes d_bias (needs training and a bias).
       dropout: probability of dropping each attention weight (kept ones scale by
         1 / (1 - p)), in [0, 1); Philox seed and offset are int64 device scalars given
@@ -200,6 +214,12 @@ class AttentionConfig:
     window: tuple[int, int] = spec("pair", (-1, -1), help="sliding window (left, right); -1 is unbounded",
                                    family=True, describe=lambda c: None if c.window == (-1, -1)
                                    else f"win{c.window[0]},{c.window[1]}")
+    alignment: str = spec("choice", "top_left", off="top_left", choices=ALIGNMENTS,
+                          help="the diagonal of the mask and window: top_left (SDPA) or bottom_right "
+                          "(FlashAttention)", family=True,
+                          describe=lambda c: "br" if c.alignment == "bottom_right" else None,
+                          feature=("window_br", {"alignment": "bottom_right", "window": (64, 64)},
+                                   "window (64, 64) at the bottom right"))
     scale: float | None = spec("positive", None, help="softmax scale (default 1/sqrt(head_dim_qk))")
     training: bool = spec("bool", False, help="also build the backward graph", family=True,
                           describe=lambda c: ("train/det" if c.deterministic else "train") if c.training else None)
@@ -251,6 +271,12 @@ class AttentionConfig:
             raise _bad("heads_kv", self.heads_kv, f"heads_q={self.heads_q} must be a multiple of heads_kv")
 
         left, right = self.window
+        if self.alignment == "bottom_right" and (self.mask == "causal" or (self.mask == "none" and right == 0)):
+            # One spelling per graph, the one that existed first: a right bound of 0 at the
+            # bottom right is the bottom-right causal mask (cuDNN gets the same attributes).
+            set_("mask", "causal_bottom_right")
+        if self.mask == "causal_bottom_right" or (self.mask == "none" and self.window == (-1, -1)):
+            set_("alignment", "top_left")  # implied by the mask, or no bound uses the diagonal
         if self.mask != "none":
             if right > 0:
                 raise _bad("window", given["window"], f"mask={self.mask!r} fixes the right bound at 0")
@@ -378,7 +404,7 @@ class AttentionConfig:
             return (self.batch, self.heads_q, self.seqlen_q, 1)
         if tensor in ("bias", "d_bias"):
             return (self.batch if self.bias[0] == "b" else 1, self.heads_q if self.bias[1] == "h" else 1,
-                    self.seqlen_q, self.seqlen_kv)
+                    self.seqlen_q if self.bias[2] == "s" else 1, self.seqlen_kv)
         if tensor in ("sink", "d_sink"):
             return (1, self.heads_q, 1, 1)
         if tensor in FP8_SCALARS:
