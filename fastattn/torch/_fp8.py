@@ -259,8 +259,10 @@ def _options(q, layout, causal, causal_bottom_right, window, scale, deterministi
         if grad_dtype not in FP8:
             raise InvalidArgumentError(f"grad_dtype={grad_dtype!r}: must be torch.float8_e4m3fn or torch.float8_e5m2")
         grad = FP8[grad_dtype]
-    return Fp8Options(layout, bool(causal), bool(causal_bottom_right), left, right, scale, bool(deterministic),
-                      training, OUT[out], grad)
+    # (causal, bottom_right) are (a causal mask, the diagonal's alignment), as in every
+    # entry point's options: causal_bottom_right is a causal mask at the bottom right.
+    return Fp8Options(layout, bool(causal or causal_bottom_right), bool(causal_bottom_right), left, right, scale,
+                      bool(deterministic), training, OUT[out], grad)
 
 
 def _eager(q) -> bool:
