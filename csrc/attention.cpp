@@ -410,6 +410,17 @@ Status build_graph(const Config &cfg, Direction dir, int device, GraphPtr *out, 
     if (dir == Direction::kBackward && !cfg.training) {
         return error(Code::kInvalidArgument, "a backward graph needs training=True");
     }
+    // Measured on the H200 with cuDNN 9.19 (tests/test_gpu_alignment_bias.py, session 5's run
+    // s5-2): with a bias of one row broadcast over the queries (shapes "..1s"), cuDNN builds and
+    // runs the backward graph and its d_q and d_k are wrong (relative error 0.75-1.0 against
+    // float64) while the forward is right. Refused, so that the probe says so instead of a
+    // silent wrong gradient. (Broadcasting that row with a stride of 0 is the next thing to try.)
+    if (dir == Direction::kBackward && cfg.bias_batch > 0 && cfg.bias_seq_q == 1 && cfg.seqlen_q > 1) {
+        return error(Code::kNotSupported,
+                     "a bias of one row (shape ..1s, broadcast over the queries) has no correct backward here: "
+                     "cuDNN 9.19's backward gives wrong d_q and d_k for it (measured by fastattn's float64 tests); "
+                     "use it without gradients (training=False) or give the bias seqlen_q rows");
+    }
     return guarded(Code::kNotSupported, "graph construction", [&]() -> Status {
         auto t0 = std::chrono::steady_clock::now();
         DeviceGuard guard(device);

@@ -197,6 +197,16 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     return (*out, None) if return_attn_probs else out
 
 
+def _fa_lse(out, lse: bool):
+    """(o, lse) with FlashAttention's LSE for a row that sees no key: +inf (so that its
+    backward's exp(s - lse) is 0), where cuDNN's log of an empty sum is -inf. A new
+    tensor: the stats autograd saved for backward stay cuDNN's."""
+    if not lse:
+        return out
+    o, stats = out
+    return o, stats.masked_fill(stats == float("-inf"), float("inf"))
+
+
 def _dense(q, k, v, causal, window, scale, deterministic, alibi, dropout_p, lse):
     sq, sk = q.shape[1], k.shape[1]
     # Where seqlen_q == seqlen_k both diagonals are one: the top-left graph then (which
@@ -205,9 +215,9 @@ def _dense(q, k, v, causal, window, scale, deterministic, alibi, dropout_p, lse)
     lens_q = lens_k = None
     if bottom and sq > sk:  # cuDNN takes it only with per-sequence lengths
         lens_q, lens_k = _full(q, q.shape[0], sq), _full(q, q.shape[0], sk)
-    return attention(q, k, v, causal=causal, window=window, scale=scale, deterministic=deterministic,
-                     seq_lens_q=lens_q, seq_lens_kv=lens_k, alibi=alibi, dropout_p=dropout_p,
-                     alignment="bottom_right" if bottom else "top_left", return_lse=lse)
+    return _fa_lse(attention(q, k, v, causal=causal, window=window, scale=scale, deterministic=deterministic,
+                             seq_lens_q=lens_q, seq_lens_kv=lens_k, alibi=alibi, dropout_p=dropout_p,
+                             alignment="bottom_right" if bottom else "top_left", return_lse=lse), lse)
 
 
 def _with_empty_rows(q, k, v, empty, causal, window, scale, deterministic, alibi, dropout_p, lse):
@@ -287,9 +297,10 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     # The same cumulative lengths: each sequence's q and k lengths are equal, and the
     # top-left diagonal is the bottom-right one (the plans attention_varlen shares).
     bottom = cu_seqlens_q is not cu_seqlens_k and (causal or window is not None)
-    out = attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
-                           window=window, scale=softmax_scale, deterministic=deterministic,
-                           alignment="bottom_right" if bottom else "top_left", return_lse=return_attn_probs)
+    out = _fa_lse(attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
+                                   window=window, scale=softmax_scale, deterministic=deterministic,
+                                   alignment="bottom_right" if bottom else "top_left",
+                                   return_lse=return_attn_probs), return_attn_probs)
     return (*out, None) if return_attn_probs else out
 
 
@@ -423,6 +434,6 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                     or tuple(cache_batch_idx.shape) != (batch,)):
                 raise InvalidArgumentError(f"cache_batch_idx: expected an int32 tensor of shape ({batch},)")
             k_cache, v_cache = k_cache.index_select(0, cache_batch_idx), v_cache.index_select(0, cache_batch_idx)
-        return attention(q, k_cache, v_cache, causal=causal, window=window, scale=softmax_scale,
-                         seq_lens_q=_full(q, batch, sq), seq_lens_kv=lengths, alignment="bottom_right",
-                         return_lse=lse)
+        return _fa_lse(attention(q, k_cache, v_cache, causal=causal, window=window, scale=softmax_scale,
+                                 seq_lens_q=_full(q, batch, sq), seq_lens_kv=lengths, alignment="bottom_right",
+                                 return_lse=lse), lse)

@@ -53,8 +53,16 @@ def run(cfg, q, k, v, d_o, lengths=None, bias=None):
     return {n: t[n].read() for n in names if n not in ("q", "k", "v", "d_o", "bias")}
 
 
+def _error(out, ref) -> float:
+    """Relative error; against an exactly zero reference (window (0, 0): each query sees
+    one key, so d_q is 0), the largest absolute error instead."""
+    if not np.any(ref):
+        return float(np.max(np.abs(out))) if np.all(np.isfinite(out)) else float("inf")
+    return rel_error(out, ref)
+
+
 def check(out, ref, dtype, grads=("d_q", "d_k", "d_v")):
-    errors = {n: rel_error(out[n], ref[n]) for n in ("o", "stats") + grads}
+    errors = {n: _error(out[n], ref[n]) for n in ("o", "stats") + grads}
     assert errors["o"] < FWD_TOL[dtype] and errors["stats"] < 1e-3, errors
     assert max(errors[n] for n in grads) < BWD_TOL[dtype], errors
 
@@ -115,23 +123,29 @@ def test_a_bottom_right_window_applies_per_sequence_with_padding(dtype):
 @pytest.mark.parametrize("shape", ("111s", "1h1s", "b11s", "bh1s"))
 @pytest.mark.parametrize("mask", ("none", "causal"))
 def test_one_row_bias_shapes_match_float64(shape, mask):
+    """Forward against float64; a training plan is refused with the reason (cuDNN 9.19's
+    backward got d_q and d_k wrong for these shapes in s5-2, relative error 0.75-1.0)."""
     dtype = "fp16"
     cfg = AttentionConfig(batch=2, heads_q=4, heads_kv=2, seqlen_q=130, seqlen_kv=200, head_dim_qk=64, dtype=dtype,
-                          mask=mask, bias=shape, training=True, bias_grad=True)
+                          mask=mask, bias=shape, training=True)
+    refused = fastattn.probe(cfg)
+    assert not refused.supported and "a bias of one row" in refused.reason, refused
+    cfg = cfg.replace(training=False)
     result = fastattn.probe(cfg)
-    if not result.supported:  # d_bias may cover fewer shapes than the bias: the probe says so, with cuDNN's reason
-        print(f"d_bias {shape}: {result.reason}")
-        assert result.reason
-        cfg = cfg.replace(bias_grad=False)
-        result = fastattn.probe(cfg)
-    assert result.supported, result.reason  # a key-padding bias must build at least forward and backward
+    assert result.supported, result.reason  # a key-padding bias must build forward
     rng = np.random.default_rng(41)
-    q, k, v, d_o = random_inputs(cfg, rng, backward=True)
+    q, k, v, _ = random_inputs(cfg, rng, backward=False)
     bias = quantize(rng.standard_normal(cfg.shape("bias")), dtype)
     assert bias.shape[2] == 1
-    out = run(cfg, q, k, v, d_o, bias=bias)
-    ref = reference_full(cfg, q, k, v, d_o, bias=bias)
-    check(out, ref, dtype, ("d_q", "d_k", "d_v") + (("d_bias",) if cfg.bias_grad else ()))
+    plan = fastattn.plan(cfg)
+    t = {n: Tensor(cfg, n) for n in ("q", "k", "v", "o", "bias")}  # o stays poisoned until the kernel writes it
+    for n, x in (("q", q), ("k", k), ("v", v), ("bias", bias)):
+        t[n].write(x)
+    ws = DeviceBuffer(max(plan.workspace_size, 1))
+    plan.forward(t["q"].ptr, t["k"].ptr, t["v"].ptr, t["o"].ptr, workspace=ws.ptr, bias=t["bias"].ptr)
+    synchronize()
+    ref = reference_full(cfg, q, k, v, bias=bias)
+    assert rel_error(t["o"].read(), ref["o"]) < FWD_TOL[dtype]
 
 
 # -- old entries --------------------------------------------------------------------------------
