@@ -460,3 +460,19 @@ def test_a_device_tensor_for_another_device_is_checked():
     q = _arrays.DeviceTensor(SimpleNamespace(size=0), desc_for(CFG, "q"), "q", CFG)
     with pytest.raises(InvalidArgumentError, match="^q: on device 0, but the plan runs on device 1"):
         _arrays.address(SimpleNamespace(config=CFG, device=1, _layouts={}), "q", q)
+
+
+# -- the public surface -----------------------------------------------------------------------
+
+
+def test_device_tensor_is_public_and_the_package_is_typed():
+    import pathlib
+    import tomllib
+
+    import fastattn
+
+    assert "DeviceTensor" in fastattn.__all__ and fastattn.DeviceTensor is _arrays.DeviceTensor
+    root = pathlib.Path(fastattn.__file__).parent
+    assert (root / "py.typed").is_file() and (root / "_core.pyi").is_file()
+    pyproject = tomllib.loads((root.parent / "pyproject.toml").read_text())
+    assert "py.typed" in pyproject["tool"]["setuptools"]["package-data"]["fastattn"]
