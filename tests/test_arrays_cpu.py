@@ -377,6 +377,8 @@ def test_torch_tensors_are_checked_through_their_attributes(torch_on_device):
     with pytest.raises(InvalidArgumentError, match=r"^q: shape \(2, 4, 16, 32\) at element strides "
                                                    r"\(2048, 512, 32, 1\) does not lay out .*layout='bshd'"):
         _arrays.address(plan, "q", q.transpose(1, 2).contiguous())  # bhsd memory
+    with pytest.raises(InvalidArgumentError, match=r"^q: shape \(\) at element strides \(\)"):
+        _arrays.address(SimpleNamespace(config=CFG, device=0, _layouts={}), "q", torch.zeros((), dtype=torch.bfloat16))
     stats = torch.empty(CFG.shape("stats")[:3], dtype=torch.float32)  # (b, h, s): the same memory
     assert _arrays.address(plan, "stats", stats) == stats.data_ptr()
     ws = torch.empty(256, dtype=torch.uint8)
