@@ -262,10 +262,12 @@ def _is_torch(t: type) -> bool:
     global _torch_types
     if t in _torch_types:
         return True
-    torch = sys.modules.get("torch") if t.__module__.startswith("torch") else None
-    if torch is None or not hasattr(torch, "Tensor"):
+    torch = sys.modules.get("torch") if (getattr(t, "__module__", None) or "").startswith("torch") else None
+    # getattr: a torch still being imported may lack either yet.
+    tensor, parameter = getattr(torch, "Tensor", None), getattr(getattr(torch, "nn", None), "Parameter", None)
+    if tensor is None or parameter is None:
         return False
-    _torch_types = frozenset({torch.Tensor, torch.nn.Parameter})
+    _torch_types = frozenset({tensor, parameter})
     return t in _torch_types
 
 
