@@ -299,9 +299,14 @@ cdef class Plan:
         """Runs attention forward: o = softmax(scale * q @ k^T, masked) @ v.
 
         Every tensor (and the workspace) is a CUDA device address as an int (16-byte
-        aligned; unchecked, the zero-overhead path) or a device array: DLPack,
-        __cuda_array_interface__ or plan.allocate(name), checked against the config
-        (device, dtype, shape and strides; see fastattn._arrays). stream is a
+        aligned; unchecked, the zero-overhead path) or a device array: a PyTorch
+        tensor, DLPack, __cuda_array_interface__ or plan.allocate(name), checked against
+        the config (device, dtype, shape and strides; see fastattn._arrays). An array's
+        shape is read in the (batch, head, seq, dim) order below or in the layout's
+        memory order (bshd: (batch, seq, head, dim)) where the extents tell the two
+        apart. Host arrays are refused: nothing is copied, so lengths, offsets and page
+        tables built on the host go to the device first (with config.host_seed, seed
+        and offset are host values: an int or a numpy integer). stream is a
         cudaStream_t as an int (0: the legacy default stream) or a stream object
         (__cuda_stream__: cuda.core Stream, PyTorch streams). Shapes, strides and dtype
         are the config's (see fastattn.config): q (b, hq, sq, dqk), k (b, hkv, skv, dqk),
@@ -322,8 +327,9 @@ cdef class Plan:
 
         Asynchronous on `stream`: nothing is allocated, copied or synchronized.
         Raises InvalidArgumentError for a null, misaligned or unexpected pointer or an
-        array that does not match the config (naming the tensor), TypeError for an
-        argument that is neither, CudnnError or CudaError when the launch fails.
+        array that does not match the config or is in host memory (naming the tensor),
+        TypeError for an argument that is neither, CudnnError or CudaError when the
+        launch fails.
         """
         cdef intptr_t t[kNumSlots]
         cdef int64_t host[2]
