@@ -254,6 +254,7 @@ def _layout_name(cfg: AttentionConfig) -> str:
 # tensor on a CPU where cuda.core's reading of a numpy array costs 0.6 us; torch's
 # attributes cost ~0.1 us each. Found from the first tensor's type, never imported.
 _torch_types: frozenset = frozenset()
+_not_torch: set = set()  # array types seen not to be torch's (bounded)
 
 
 def _is_torch(t: type) -> bool:
@@ -262,7 +263,14 @@ def _is_torch(t: type) -> bool:
     global _torch_types
     if t in _torch_types:
         return True
-    torch = sys.modules.get("torch") if (getattr(t, "__module__", None) or "").startswith("torch") else None
+    if t in _not_torch:  # every other array type, each call: a lookup, not reading its module
+        return False
+    module = getattr(t, "__module__", None)
+    if type(module) is not str or not module.startswith("torch"):
+        if len(_not_torch) < 64:
+            _not_torch.add(t)
+        return False
+    torch = sys.modules.get("torch")
     # getattr: a torch still being imported may lack either yet.
     tensor, parameter = getattr(torch, "Tensor", None), getattr(getattr(torch, "nn", None), "Parameter", None)
     if tensor is None or parameter is None:
@@ -350,20 +358,30 @@ def _itemsize(dtype: str) -> int:
     return np.dtype(dtype).itemsize
 
 
+def _torch_workspace(plan: Any, x: Any) -> tuple:
+    if not (x.is_cuda and x.get_device() == plan.device):
+        _torch_device(plan, "workspace", x)
+    return x.shape, x.stride(), x.nbytes, x.data_ptr()
+
+
 def workspace_address(plan: Any, backward: bool, obj: Any) -> int:
     """The address of a workspace given as an array (any dtype and shape: its bytes
-    count), checked for device, size and contiguity; an integer-like object as is."""
+    count), checked for device, size and contiguity; an integer-like object as is.
+    Dispatched as address() is, cheapest first."""
     t = type(obj)
-    if t in _torch_types or ((hasattr(obj, "__dlpack__") or hasattr(obj, "__cuda_array_interface__"))
-                             and _is_torch(t)):
-        if not (obj.is_cuda and obj.get_device() == plan.device):
-            _torch_device(plan, "workspace", obj)
-        shape, strides, have, ptr = obj.shape, obj.stride(), obj.nbytes, obj.data_ptr()
+    if t in _torch_types:
+        shape, strides, have, ptr = _torch_workspace(plan, obj)
     else:
-        if not (t is DeviceTensor or hasattr(obj, "__dlpack__") or hasattr(obj, "__cuda_array_interface__")):
-            if hasattr(obj, "__index__"):
-                return obj.__index__()
-        d = describe("workspace", obj)
+        if t is DeviceTensor:
+            d = obj.desc
+        elif hasattr(obj, "__dlpack__") or hasattr(obj, "__cuda_array_interface__"):
+            if _is_torch(t):
+                return workspace_address(plan, backward, obj)  # now in _torch_types
+            d = describe("workspace", obj)
+        elif hasattr(obj, "__index__"):
+            return obj.__index__()
+        else:
+            d = describe("workspace", obj)  # raises the TypeError that names it
         if not d.device_accessible or d.device_id < 0:
             raise _host_error(plan.config, "workspace", d.kind)
         if d.device_id != plan.device:
