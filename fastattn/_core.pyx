@@ -242,8 +242,22 @@ assert len(SLOT_NAMES) == kNumSlots
 cdef intptr_t _address(Plan p, str name, object x) except? 0:
     """A device address from anything that is not exactly an int (the fast path's
     type): integer-like objects (numpy integers) through __index__, device arrays
-    (DLPack, __cuda_array_interface__, plan.allocate's) checked against the config
-    by fastattn._arrays, once per call."""
+    (PyTorch, DLPack, __cuda_array_interface__, plan.allocate's) checked against the
+    config by fastattn._arrays, once per call.
+
+    A PyTorch tensor that is what fastattn._arrays last accepted for this tensor of
+    this plan (device, dtype, shape and strides all equal) is taken here, compiled:
+    ~0.65 us against ~0.85 us through _arrays on a CPU, most of what is left being
+    torch's own attributes. Anything else, accepted or not, goes to _arrays, the one
+    place that decides and raises."""
+    if type(x) in _arrays._torch_types:
+        e = p._layouts.get(name)
+        # e.torch_dtype is the config's dtype and e.last a (shape, strides) that
+        # passed, both set by _arrays only: equal to them is what _arrays accepts.
+        if e is not None and x.is_cuda and x.get_device() == p.device and x.dtype is e.torch_dtype:
+            last = e.last
+            if x.shape == last[0] and x.stride() == last[1]:
+                return x.data_ptr()
     return _arrays.address(p, name, x)
 
 

@@ -131,6 +131,35 @@ def test_torch_mismatches_name_the_tensor(reference):
             p.forward(**args(o=x["o"].to("cuda:1")))
 
 
+def test_repeated_torch_calls_still_catch_every_change(reference):
+    """After a call has passed, _core takes an equal torch tensor without _arrays (the
+    compiled path): a tensor that differs in strides, dtype or device still gets its
+    error, and the good tensors again give the int path's bits."""
+    torch = _torch()
+    cfg, p, t = reference
+    x = {n: _torch_copy(torch, cfg, t, n) for n in NAMES_FWD}
+    ws = torch.empty(p.workspace_size, dtype=torch.uint8, device="cuda")
+    good = dict(q=x["q"], k=x["k"], v=x["v"], o=x["o"], stats=x["stats"], workspace=ws)
+    for _ in range(3):
+        p.forward(**good)
+    q_bhsd = x["q"].transpose(1, 2).contiguous().transpose(1, 2)  # same shape, bhsd strides
+    assert q_bhsd.shape == x["q"].shape and q_bhsd.stride() != x["q"].stride()
+    with pytest.raises(fastattn.InvalidArgumentError, match="^q: shape"):
+        p.forward(**dict(good, q=q_bhsd))
+    with pytest.raises(fastattn.InvalidArgumentError, match="^k: dtype float16"):
+        p.forward(**dict(good, k=x["k"].half()))
+    with pytest.raises(fastattn.InvalidArgumentError, match="^v: device memory needed"):
+        p.forward(**dict(good, v=x["v"].cpu()))
+    x["o"].fill_(float("nan"))
+    x["stats"].fill_(float("nan"))
+    p.forward(**good)
+    torch.cuda.synchronize()
+    for n in ("o", "stats"):
+        out = Tensor(cfg, n)
+        _copy(out.ptr, x[n].data_ptr(), _nbytes(cfg, n))
+        assert out.raw() == t[n].raw(), n
+
+
 def test_feature_tensors_are_checked_on_the_gpu():
     torch = _torch()
     cfg = _cfg(padding=True, bias="1hss")
