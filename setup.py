@@ -93,7 +93,7 @@ def extensions():
         "fastattn._core",
         sources=["fastattn/_core.pyx", "csrc/attention.cpp"],
         # Included by the sources: a change to any of them rebuilds the extension.
-        depends=["csrc/fastattn.h", "csrc/bench.h", "csrc/graphs.inc"],
+        depends=["csrc/fastattn.h", "csrc/bench.h", "csrc/graphs.inc", "csrc/graphs_fp8.inc"],
         include_dirs=include_dirs(),
         language="c++",
         define_macros=[("NV_CUDNN_FRONTEND_USE_DYNAMIC_LOADING", None)],

@@ -31,8 +31,8 @@ class Graph {
    public:
     std::shared_ptr<fe::graph::Graph> g;
     Direction dir     = Direction::kForward;
-    uint32_t slots    = 0;  // bit s set: the graph takes the tensor of Slot s at execute
-    uint32_t by_value = 0;  // host values (host_seed's seed and offset): not held to device alignment
+    uint64_t slots    = 0;  // bit s set: the graph takes the tensor of Slot s at execute
+    uint64_t by_value = 0;  // host values (host_seed's seed and offset): not held to device alignment
     int64_t workspace = 0;
     // The variant pack's layout, fixed when the graph is made: order[i] is the slot of
     // its i-th tensor in uid order (cuDNN's sorted order), so execute writes each
@@ -48,8 +48,8 @@ namespace {
 // A tensor's uid is its slot + 1: the sorted-pointer execute takes user pointers in
 // uid order, which is then slot order.
 constexpr int64_t uid(Slot s) { return static_cast<int64_t>(s) + 1; }
-constexpr uint32_t bit(Slot s) { return 1u << s; }
-static_assert(kNumSlots <= 32, "slot masks are 32-bit");
+constexpr uint64_t bit(Slot s) { return uint64_t{1} << s; }
+static_assert(kNumSlots <= 64, "slot masks are 64-bit");
 
 // Each slot's name in errors, and why a plan may not take it.
 struct SlotSpec {
@@ -81,6 +81,25 @@ constexpr SlotSpec kSlots[kNumSlots] = {
     {"page_table_k", "the plan was built with page_size=0 (dense k and v)"},
     {"page_table_v", "the plan was built with page_size=0 (dense k and v)"},
     {"ragged_stats", "only a plan built with ragged=True and training=True has packed stats"},
+    {"descale_q", "only a plan with an FP8 dtype takes descales"},
+    {"descale_k", "only a plan with an FP8 dtype takes descales"},
+    {"descale_v", "only a plan with an FP8 dtype takes descales"},
+    {"descale_s", "only a plan with an FP8 dtype takes descales"},
+    {"scale_s", "only a plan with an FP8 dtype takes scales"},
+    {"scale_o", "only the forward graph of a plan with an FP8 dtype takes scale_o"},
+    {"amax_s", "only the forward graph of a plan with an FP8 dtype writes amax_s"},
+    {"amax_o", "only the forward graph of a plan with an FP8 dtype writes amax_o"},
+    {"descale_o", "only the backward graph of a plan with an FP8 dtype takes descale_o"},
+    {"descale_d_o", "only the backward graph of a plan with an FP8 dtype takes descale_d_o"},
+    {"descale_d_p", "only the backward graph of a plan with an FP8 dtype takes descale_d_p"},
+    {"scale_d_q", "only the backward graph of a plan with an FP8 dtype takes scale_d_q"},
+    {"scale_d_k", "only the backward graph of a plan with an FP8 dtype takes scale_d_k"},
+    {"scale_d_v", "only the backward graph of a plan with an FP8 dtype takes scale_d_v"},
+    {"scale_d_p", "only the backward graph of a plan with an FP8 dtype takes scale_d_p"},
+    {"amax_d_q", "only the backward graph of a plan with an FP8 dtype writes amax_d_q"},
+    {"amax_d_k", "only the backward graph of a plan with an FP8 dtype writes amax_d_k"},
+    {"amax_d_v", "only the backward graph of a plan with an FP8 dtype writes amax_d_v"},
+    {"amax_d_p", "only the backward graph of a plan with an FP8 dtype writes amax_d_p"},
 };
 constexpr int kMaxDevices                        = 64;
 constexpr uintptr_t kAlignment                   = 16;
@@ -226,12 +245,14 @@ class LaunchScope {
 
 // The graph builders: make_graph(config, direction) and slot_mask(config, direction).
 #include "graphs.inc"
+// The FP8 builders (sdpa_fp8, sdpa_fp8_backward), which make_graph dispatches to.
+#include "graphs_fp8.inc"
 
 // Fixes the graph's tensors and their places in the variant pack.
 void set_layout(Graph &graph, const Config &c, Direction dir) {
     graph.dir      = dir;
     graph.slots    = slot_mask(c, dir);
-    graph.by_value = c.host_seed ? bit(kSlotSeed) | bit(kSlotOffset) : 0u;
+    graph.by_value = c.host_seed ? bit(kSlotSeed) | bit(kSlotOffset) : uint64_t{0};
     graph.n        = 0;
     for (int s = 0; s < kNumSlots; ++s) {
         if (graph.slots & bit(static_cast<Slot>(s))) graph.order[graph.n++] = static_cast<int8_t>(s);
@@ -239,7 +260,7 @@ void set_layout(Graph &graph, const Config &c, Direction dir) {
 }
 
 // The uids of a slot mask, sorted: what cuDNN's variant pack holds, in its order.
-std::vector<int64_t> mask_uids(uint32_t mask) {
+std::vector<int64_t> mask_uids(uint64_t mask) {
     std::vector<int64_t> uids;
     for (int s = 0; s < kNumSlots; ++s) {
         if (mask & bit(static_cast<Slot>(s))) uids.push_back(uid(static_cast<Slot>(s)));
@@ -456,11 +477,11 @@ Status execute(const Graph *g, Direction dir, int device, const intptr_t *slots,
     }
     // One branch-free pass finds a pointer the plan does not take; only then is the
     // culprit looked for (an error path).
-    uint32_t given = 0;
-    for (int s = 0; s < kNumSlots; ++s) given |= static_cast<uint32_t>(slots[s] != 0) << s;
-    if (const uint32_t extra = given & ~g->slots) {
+    uint64_t given = 0;
+    for (int s = 0; s < kNumSlots; ++s) given |= static_cast<uint64_t>(slots[s] != 0) << s;
+    if (const uint64_t extra = given & ~g->slots) {
         int s = 0;
-        while (!(extra & (1u << s))) ++s;
+        while (!(extra & (uint64_t{1} << s))) ++s;
         return error(Code::kInvalidArgument, std::string(kSlots[s].name) + " given, but " + kSlots[s].absent);
     }
     // The variant pack, filled in place in cuDNN's order. On the stack, not kept with
@@ -469,7 +490,7 @@ Status execute(const Graph *g, Direction dir, int device, const intptr_t *slots,
     void *pack[kNumSlots];
     for (int i = 0; i < g->n; ++i) {
         const int s = g->order[i];
-        if (g->by_value & (1u << s)) {  // a host int64, read by cuDNN during the call
+        if (g->by_value & (uint64_t{1} << s)) {  // a host int64, read by cuDNN during the call
             if (slots[s] == 0) return error(Code::kInvalidArgument, std::string(kSlots[s].name) + " is null");
         } else {
             FA_RETURN_IF_ERROR(check_pointer(slots[s], kSlots[s].name));
@@ -482,7 +503,7 @@ Status execute(const Graph *g, Direction dir, int device, const intptr_t *slots,
 
 namespace bench {
 
-uint32_t graph_slots(const Graph *g) { return g == nullptr ? 0u : g->slots; }
+uint64_t graph_slots(const Graph *g) { return g == nullptr ? 0u : g->slots; }
 
 Status time_execute(const Graph *g, Direction dir, int device, const intptr_t *slots, intptr_t workspace,
                     intptr_t stream, Mode mode, int iters, double *seconds) {

@@ -31,6 +31,6 @@ Status time_execute(const Graph *g, Direction dir, int device, const intptr_t *s
                     intptr_t stream, Mode mode, int iters, double *seconds);
 
 // Bit s set: the graph takes the tensor of Slot s (the order of its variant pack).
-uint32_t graph_slots(const Graph *g);
+uint64_t graph_slots(const Graph *g);
 
 }  // namespace fastattn::bench

@@ -35,8 +35,12 @@ struct [[nodiscard]] Status {
     bool ok() const { return code == Code::kOk; }
 };
 
-// AttentionConfig.dtype: the dtype of q, k, v, o and their gradients.
-enum class DType : int { kFp16 = 0, kBf16 = 1 };
+// AttentionConfig.dtype (q, k, v), out_dtype (o) and grad_dtype (d_o, d_q, d_k, d_v).
+// The FP8 types select cudnn-frontend's FP8 graphs (sdpa_fp8, sdpa_fp8_backward) with
+// their per-tensor float32 scale, descale and amax tensors.
+enum class DType : int { kFp16 = 0, kBf16 = 1, kFp8E4m3 = 2, kFp8E5m2 = 3 };
+
+inline bool is_fp8(DType t) { return t == DType::kFp8E4m3 || t == DType::kFp8E5m2; }
 
 // AttentionConfig.mask.
 enum class Mask : int {
@@ -58,6 +62,10 @@ struct Config {
     // FlashAttention's convention: query i sees keys j with i - left <= j <= i + right
     // (shifted by seqlen_kv - seqlen_q for the bottom-right diagonal); -1 is unbounded.
     int64_t window_left = -1, window_right = -1;
+    // AttentionConfig.alignment: the window's diagonal at the bottom right (shifted by
+    // each sequence's seqlen_kv - seqlen_q), without a causal mask; kCausalBottomRight
+    // implies it.
+    bool bottom_right = false;
     float scale        = 1.0f;
     bool training      = false;  // forward writes softmax stats; a backward graph exists
     bool deterministic = false;  // backward uses cuDNN's deterministic algorithm
@@ -73,9 +81,11 @@ struct Config {
     // max_tokens_* bound the packed tokens (cuDNN sizes its workspace by them).
     bool ragged          = false;
     int64_t max_tokens_q = 0, max_tokens_kv = 0;
-    // Additive bias after scaling, (bias_batch, bias_heads, seqlen_q, seqlen_kv),
+    // Additive bias after scaling, (bias_batch, bias_heads, bias_seq_q, seqlen_kv),
     // contiguous, in dtype; bias_batch is 1 or batch, bias_heads 1 or heads_q; 0: none.
-    int64_t bias_batch = 0, bias_heads = 0;
+    // bias_seq_q is 1 (one row broadcast over the queries: a key-padding bias) or
+    // seqlen_q; 0 means seqlen_q.
+    int64_t bias_batch = 0, bias_heads = 0, bias_seq_q = 0;
     bool bias_grad     = false;  // backward also writes d_bias, of the bias's shape
     // Dropout probability on the softmax; Philox seed and offset are int64 device
     // scalars given at execute (the same ones to backward: the same mask).
@@ -91,6 +101,11 @@ struct Config {
     // int32 page tables (batch, 1, ceil(seqlen_kv / page_size), 1) map each
     // sequence's pages; needs padding. 0: k and v are dense.
     int64_t page_size = 0, num_pages = 0;
+    // The dtypes of o and of the gradients (d_o, d_q, d_k, d_v); `dtype` above is
+    // then the dtype of q, k and v. Python sets both to `dtype` unless an FP8 config
+    // names others. With an FP8 dtype the graphs are cuDNN's FP8 ones and take the
+    // FP8 slots (per-tensor float32 descales, scales and amaxes, (1, 1, 1, 1)).
+    DType out_dtype = DType::kFp16, grad_dtype = DType::kFp16;
 };
 
 // The tensors a plan can take at execute. A graph takes the subset its config
@@ -102,6 +117,15 @@ enum Slot : int {
     kSlotRaggedQ, kSlotRaggedK, kSlotRaggedV, kSlotRaggedO,
     kSlotBias, kSlotDBias, kSlotSeed, kSlotOffset, kSlotSink, kSlotDSink,
     kSlotPageTableK, kSlotPageTableV, kSlotRaggedStats,
+    // FP8 (dtype fp8_*): float32 scalars. A descale multiplies a tensor read from FP8
+    // back to its real values, a scale multiplies a value before it is stored as FP8,
+    // an amax is the largest |value| of a tensor before its scale (for the next scale).
+    // Forward: descale q, k, v, s; scale s, o; amax s, o. Backward: descale q, k, v,
+    // o, d_o, s, d_p; scale s, d_q, d_k, d_v, d_p; amax d_q, d_k, d_v, d_p.
+    kSlotDescaleQ, kSlotDescaleK, kSlotDescaleV, kSlotDescaleS, kSlotScaleS, kSlotScaleO,
+    kSlotAmaxS, kSlotAmaxO,
+    kSlotDescaleO, kSlotDescaleDO, kSlotDescaleDP, kSlotScaleDQ, kSlotScaleDK, kSlotScaleDV, kSlotScaleDP,
+    kSlotAmaxDQ, kSlotAmaxDK, kSlotAmaxDV, kSlotAmaxDP,
     kNumSlots
 };
 

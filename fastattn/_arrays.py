@@ -31,8 +31,13 @@ from .config import AttentionConfig
 from .errors import InvalidArgumentError, LibraryError
 
 # AttentionConfig.tensor_dtype's names -> the names numpy (and cuda.core) use.
-_NUMPY_NAMES = {"fp16": "float16", "bf16": "bfloat16", "float32": "float32", "int32": "int32", "int64": "int64"}
-_ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "int32": 4, "int64": 8, "uint8": 1}
+_NUMPY_NAMES = {"fp16": "float16", "bf16": "bfloat16", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2",
+                "float32": "float32", "int32": "int32", "int64": "int64"}
+_ITEMSIZE = {"float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1, "float32": 4, "int32": 4, "int64": 8,
+             "uint8": 1}
+# The types numpy has only through ml_dtypes, which fastattn does not need: cuda.core
+# refuses to name them, naming them in its error.
+_ML_DTYPES = ("bfloat16", "float8_e4m3fn", "float8_e5m2")
 # The CUDA Array Interface's type strings (bfloat16 has none).
 _TYPESTR = {"float16": "<f2", "float32": "<f4", "int32": "<i4", "int64": "<i8", "uint8": "|u1"}
 _SEEN_MAX = 8
@@ -52,7 +57,7 @@ class ArrayDesc(NamedTuple):
 
 
 def expected_dtype(cfg: AttentionConfig, name: str) -> str:
-    return _NUMPY_NAMES[AttentionConfig.tensor_dtype(name, cfg.dtype)]
+    return _NUMPY_NAMES[cfg.dtype_of(name)]
 
 
 def layout(cfg: AttentionConfig, name: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -98,11 +103,12 @@ def describe(name: str, obj: Any, cfg: AttentionConfig | None = None) -> ArrayDe
     try:
         dtype = str(view.dtype)
     except NotImplementedError as e:
-        # cuda.core names bfloat16 only through ml_dtypes, which fastattn does not
-        # need; it says so in this error, and bfloat16 is the only dtype it refuses so.
-        if "bfloat16" not in str(e):
+        # cuda.core names bfloat16 and the FP8 types only through ml_dtypes, which
+        # fastattn does not need; its error names the type.
+        named = [t for t in _ML_DTYPES if t in str(e)]
+        if not named:
             raise
-        dtype = "bfloat16"
+        dtype = named[0]
     strides = view.strides
     if strides is None:  # C-contiguous, as DLPack and the CAI allow to say
         strides, step = [], 1

@@ -73,6 +73,14 @@ class Plan:
         sink: Address = 0,
         page_table_k: Address = 0,
         page_table_v: Address = 0,
+        descale_q: Address = 0,
+        descale_k: Address = 0,
+        descale_v: Address = 0,
+        descale_s: Address = 0,
+        scale_s: Address = 0,
+        scale_o: Address = 0,
+        amax_s: Address = 0,
+        amax_o: Address = 0,
     ) -> None: ...
     def backward(
         self,
@@ -101,6 +109,22 @@ class Plan:
         offset: Address = 0,
         sink: Address = 0,
         d_sink: Address = 0,
+        descale_q: Address = 0,
+        descale_k: Address = 0,
+        descale_v: Address = 0,
+        descale_o: Address = 0,
+        descale_d_o: Address = 0,
+        descale_s: Address = 0,
+        descale_d_p: Address = 0,
+        scale_s: Address = 0,
+        scale_d_q: Address = 0,
+        scale_d_k: Address = 0,
+        scale_d_v: Address = 0,
+        scale_d_p: Address = 0,
+        amax_d_q: Address = 0,
+        amax_d_k: Address = 0,
+        amax_d_v: Address = 0,
+        amax_d_p: Address = 0,
     ) -> None: ...
     def allocate(self, name: str, stream: StreamLike | None = None) -> DeviceTensor: ...
     def serialize(self) -> tuple[bytes, bytes | None]: ...

@@ -7,7 +7,7 @@ with the GIL released; a C++ status becomes an exception through one table
 (fastattn.errors). Files, keys and policy live in Python modules, not here.
 """
 
-from libc.stdint cimport int64_t, intptr_t, uint8_t, uint32_t
+from libc.stdint cimport int64_t, intptr_t, uint8_t, uint64_t
 from libc.string cimport memset
 from libcpp cimport bool as cbool
 from libcpp.string cimport string
@@ -29,6 +29,8 @@ cdef extern from "fastattn.h" namespace "fastattn" nogil:
     cdef enum class DType(int):
         kFp16
         kBf16
+        kFp8E4m3
+        kFp8E5m2
 
     cdef enum class Mask(int):
         kNone
@@ -44,21 +46,26 @@ cdef extern from "fastattn.h" namespace "fastattn" nogil:
         int64_t o_stride[4]
         Mask mask
         int64_t window_left, window_right
+        cbool bottom_right
         float scale
         cbool training, deterministic, padding, alibi, ragged
-        int64_t max_tokens_q, max_tokens_kv, bias_batch, bias_heads
+        int64_t max_tokens_q, max_tokens_kv, bias_batch, bias_heads, bias_seq_q
         cbool bias_grad
         float dropout
         cbool host_seed
         cbool sinks
         int64_t page_size, num_pages
+        DType out_dtype, grad_dtype
 
     # Anonymous: Cython indexes arrays only with plain integer constants.
     cdef enum:
         kSlotQ, kSlotK, kSlotV, kSlotO, kSlotStats, kSlotDO, kSlotDQ, kSlotDK, kSlotDV,
         kSlotSeqLenQ, kSlotSeqLenKV, kSlotRaggedQ, kSlotRaggedK, kSlotRaggedV, kSlotRaggedO,
         kSlotBias, kSlotDBias, kSlotSeed, kSlotOffset, kSlotSink, kSlotDSink,
-        kSlotPageTableK, kSlotPageTableV, kSlotRaggedStats, kNumSlots
+        kSlotPageTableK, kSlotPageTableV, kSlotRaggedStats,
+        kSlotDescaleQ, kSlotDescaleK, kSlotDescaleV, kSlotDescaleS, kSlotScaleS, kSlotScaleO, kSlotAmaxS, kSlotAmaxO,
+        kSlotDescaleO, kSlotDescaleDO, kSlotDescaleDP, kSlotScaleDQ, kSlotScaleDK, kSlotScaleDV, kSlotScaleDP,
+        kSlotAmaxDQ, kSlotAmaxDK, kSlotAmaxDV, kSlotAmaxDP, kNumSlots
 
     cdef enum class Direction(int):
         kForward
@@ -103,7 +110,7 @@ cdef extern from "bench.h" namespace "fastattn::bench" nogil:
 
     Status time_execute(const Graph* g, Direction dir, int device, const intptr_t* slots, intptr_t workspace,
                         intptr_t stream, Mode mode, int iters, double* seconds)
-    uint32_t graph_slots(const Graph* g)
+    uint64_t graph_slots(const Graph* g)
 
 
 cdef inline object _error(const Status& st, str prefix=None):
@@ -119,7 +126,12 @@ cdef DType _dtype(str name) except *:
         return DType.kFp16
     if name == "bf16":
         return DType.kBf16
-    raise InvalidArgumentError(f"dtype={name!r} is not one this build of fastattn._core knows (fp16, bf16)")
+    if name == "fp8_e4m3":
+        return DType.kFp8E4m3
+    if name == "fp8_e5m2":
+        return DType.kFp8E5m2
+    raise InvalidArgumentError(
+        f"dtype={name!r} is not one this build of fastattn._core knows (fp16, bf16, fp8_e4m3, fp8_e5m2)")
 
 
 cdef Mask _mask(str name) except *:
@@ -133,8 +145,11 @@ cdef Mask _mask(str name) except *:
         f"mask={name!r} is not one this build of fastattn._core knows (none, causal, causal_bottom_right)")
 
 
-# A bias's (batch, heads) extents, from its broadcast shape's name.
-cdef dict _BIAS = {"none": (0, 0), "11ss": (1, 1), "1hss": (1, -1), "b1ss": (-1, 1), "bhss": (-1, -1)}
+# A bias's (batch, heads, query rows) extents, from its broadcast shape's name: each
+# letter is 1 or the full extent (-1 here), "s" at the query position the full extent.
+cdef dict _BIAS = {"none": (0, 0, 0),
+                   "11ss": (1, 1, -1), "1hss": (1, -1, -1), "b1ss": (-1, 1, -1), "bhss": (-1, -1, -1),
+                   "111s": (1, 1, 1), "1h1s": (1, -1, 1), "b11s": (-1, 1, 1), "bh1s": (-1, -1, 1)}
 
 
 cdef Config _c_config(cfg) except *:
@@ -157,6 +172,7 @@ cdef Config _c_config(cfg) except *:
     c.mask = _mask(cfg.mask)
     c.window_left = cfg.window[0]
     c.window_right = cfg.window[1]
+    c.bottom_right = cfg.alignment == "bottom_right"
     c.scale = cfg.scale
     c.training = cfg.training
     c.deterministic = cfg.deterministic
@@ -165,15 +181,18 @@ cdef Config _c_config(cfg) except *:
     c.ragged = cfg.ragged
     c.max_tokens_q = cfg.max_tokens_q
     c.max_tokens_kv = cfg.max_tokens_kv
-    bb, bh = _BIAS[cfg.bias]
+    bb, bh, bs = _BIAS[cfg.bias]
     c.bias_batch = cfg.batch if bb < 0 else bb
     c.bias_heads = cfg.heads_q if bh < 0 else bh
+    c.bias_seq_q = cfg.seqlen_q if bs < 0 else bs
     c.bias_grad = cfg.bias_grad
     c.dropout = cfg.dropout
     c.host_seed = cfg.host_seed
     c.sinks = cfg.sinks
     c.page_size = cfg.page_size
     c.num_pages = cfg.num_pages
+    c.out_dtype = _dtype(cfg.out_dtype)
+    c.grad_dtype = _dtype(cfg.grad_dtype)
     return c
 
 
@@ -235,7 +254,11 @@ def get_device_info(int device):
 # The tensors' names in Slot order (fastattn.h): the keyword names of forward and backward.
 SLOT_NAMES = ("q", "k", "v", "o", "stats", "d_o", "d_q", "d_k", "d_v", "seq_len_q", "seq_len_kv",
               "ragged_q", "ragged_k", "ragged_v", "ragged_o", "bias", "d_bias", "seed", "offset", "sink", "d_sink",
-              "page_table_k", "page_table_v", "ragged_stats")
+              "page_table_k", "page_table_v", "ragged_stats",
+              # FP8 (float32 scalars): the forward's, then the backward's own.
+              "descale_q", "descale_k", "descale_v", "descale_s", "scale_s", "scale_o", "amax_s", "amax_o",
+              "descale_o", "descale_d_o", "descale_d_p", "scale_d_q", "scale_d_k", "scale_d_v", "scale_d_p",
+              "amax_d_q", "amax_d_k", "amax_d_v", "amax_d_p")
 assert len(SLOT_NAMES) == kNumSlots
 
 
@@ -309,7 +332,8 @@ cdef class Plan:
 
     def forward(self, q, k, v, o, stats=0, workspace=0, stream=0, seq_len_q=0, seq_len_kv=0, *,
                 ragged_q=0, ragged_k=0, ragged_v=0, ragged_o=0, ragged_stats=0, bias=0, seed=0, offset=0, sink=0,
-                page_table_k=0, page_table_v=0):
+                page_table_k=0, page_table_v=0, descale_q=0, descale_k=0, descale_v=0, descale_s=0, scale_s=0,
+                scale_o=0, amax_s=0, amax_o=0):
         """Runs attention forward: o = softmax(scale * q @ k^T, masked) @ v.
 
         Every tensor (and the workspace) is a CUDA device address as an int (16-byte
@@ -338,6 +362,12 @@ cdef class Plan:
             config.host_seed, the values themselves, not addresses);
           sink (sinks): float32 (1, hq, 1, 1);
           page_table_k, page_table_v (page_size): int32 (b, 1, pages per sequence, 1).
+        With an FP8 dtype, q, k, v are config.dtype and o config.out_dtype, and the
+        forward takes float32 (1, 1, 1, 1) scalars: descale_q, descale_k, descale_v
+        (each tensor's real values are its FP8 values times its descale), descale_s and
+        scale_s (the softmax probabilities' FP8 round trip inside the kernel), scale_o
+        (o is stored as its real values times scale_o); it writes amax_s and amax_o,
+        the largest |value| of the probabilities and of o before scaling.
 
         Asynchronous on `stream`: nothing is allocated, copied or synchronized.
         Raises InvalidArgumentError for a null, misaligned or unexpected pointer or an
@@ -368,6 +398,14 @@ cdef class Plan:
         _put(self, t, kSlotSink, sink)
         _put(self, t, kSlotPageTableK, page_table_k)
         _put(self, t, kSlotPageTableV, page_table_v)
+        _put(self, t, kSlotDescaleQ, descale_q)
+        _put(self, t, kSlotDescaleK, descale_k)
+        _put(self, t, kSlotDescaleV, descale_v)
+        _put(self, t, kSlotDescaleS, descale_s)
+        _put(self, t, kSlotScaleS, scale_s)
+        _put(self, t, kSlotScaleO, scale_o)
+        _put(self, t, kSlotAmaxS, amax_s)
+        _put(self, t, kSlotAmaxO, amax_o)
         ws = <intptr_t>workspace if type(workspace) is int else _workspace(self, False, workspace)
         st = _launch(self, Direction.kForward, t, host, ws, _stream(stream))
         if not st.ok():
@@ -375,7 +413,9 @@ cdef class Plan:
 
     def backward(self, q, k, v, o, d_o, stats, d_q, d_k, d_v, workspace=0, stream=0, seq_len_q=0, seq_len_kv=0, *,
                  ragged_q=0, ragged_k=0, ragged_v=0, ragged_o=0, ragged_stats=0, bias=0, d_bias=0, seed=0, offset=0,
-                 sink=0, d_sink=0):
+                 sink=0, d_sink=0, descale_q=0, descale_k=0, descale_v=0, descale_o=0, descale_d_o=0, descale_s=0,
+                 descale_d_p=0, scale_s=0, scale_d_q=0, scale_d_k=0, scale_d_v=0, scale_d_p=0, amax_d_q=0,
+                 amax_d_k=0, amax_d_v=0, amax_d_p=0):
         """Runs attention backward: writes d_q, d_k, d_v from q, k, v, the forward's o and
         stats, and the output gradient d_o.
 
@@ -386,6 +426,10 @@ cdef class Plan:
         feature tensors are forward's (give backward the same seed and offset: the same
         dropout mask), plus d_bias (bias_grad: the bias's shape and dtype) and d_sink
         (sinks: float32 (1, hq, 1, 1)), which backward writes.
+        With an FP8 dtype: o is config.out_dtype, d_o, d_q, d_k, d_v config.grad_dtype,
+        and backward takes the float32 (1, 1, 1, 1) descales of q, k, v, o, d_o, s (the
+        forward's) and d_p (the probabilities' gradient inside the kernel), the scales
+        of s, d_q, d_k, d_v and d_p, and writes amax_d_q, amax_d_k, amax_d_v, amax_d_p.
         Needs a plan built with training=True. Asynchronous on `stream`; with GQA the
         kernels accumulate d_k and d_v internally, so nothing needs zeroing first.
 
@@ -422,6 +466,22 @@ cdef class Plan:
         _put(self, t, kSlotOffset, offset)
         _put(self, t, kSlotSink, sink)
         _put(self, t, kSlotDSink, d_sink)
+        _put(self, t, kSlotDescaleQ, descale_q)
+        _put(self, t, kSlotDescaleK, descale_k)
+        _put(self, t, kSlotDescaleV, descale_v)
+        _put(self, t, kSlotDescaleO, descale_o)
+        _put(self, t, kSlotDescaleDO, descale_d_o)
+        _put(self, t, kSlotDescaleS, descale_s)
+        _put(self, t, kSlotDescaleDP, descale_d_p)
+        _put(self, t, kSlotScaleS, scale_s)
+        _put(self, t, kSlotScaleDQ, scale_d_q)
+        _put(self, t, kSlotScaleDK, scale_d_k)
+        _put(self, t, kSlotScaleDV, scale_d_v)
+        _put(self, t, kSlotScaleDP, scale_d_p)
+        _put(self, t, kSlotAmaxDQ, amax_d_q)
+        _put(self, t, kSlotAmaxDK, amax_d_k)
+        _put(self, t, kSlotAmaxDV, amax_d_v)
+        _put(self, t, kSlotAmaxDP, amax_d_p)
         ws = <intptr_t>workspace if type(workspace) is int else _workspace(self, True, workspace)
         st = _launch(self, Direction.kBackward, t, host, ws, _stream(stream))
         if not st.ok():
@@ -616,8 +676,8 @@ def bench_raw_execute(Plan plan, str direction, ptrs, intptr_t workspace=0, intp
     given in uid order (q, k, v, o, stats, d_o, d_q, d_k, d_v, then the features' in
     fastattn.h's Slot order), as tools/ passed them before bench_execute existed."""
     cdef const Graph* g = plan._fwd.get() if direction == "forward" else plan._bwd.get()
-    cdef uint32_t mask = graph_slots(g)
-    names = [SLOT_NAMES[s] for s in range(kNumSlots) if mask & (1u << s)]
+    cdef uint64_t mask = graph_slots(g)
+    names = [SLOT_NAMES[s] for s in range(kNumSlots) if mask & ((<uint64_t>1) << s)]
     if len(ptrs) != len(names):
         raise InvalidArgumentError(f"{direction} takes {len(names)} tensors ({', '.join(names)}), got {len(ptrs)}")
     return bench_execute(plan, direction, "frontend_sorted", iters, workspace, stream, **dict(zip(names, ptrs)))

@@ -105,7 +105,11 @@ def _choice(name: str, value: Any, meta: Mapping[str, Any]) -> str:
 
 
 _DTYPE_ALIASES = {"fp16": "fp16", "float16": "fp16", "half": "fp16", "torch.float16": "fp16", "torch.half": "fp16",
-                  "bf16": "bf16", "bfloat16": "bf16", "torch.bfloat16": "bf16"}
+                  "bf16": "bf16", "bfloat16": "bf16", "torch.bfloat16": "bf16",
+                  # FP8: OCP's names, and the torch / numpy (ml_dtypes) names of the same types.
+                  "fp8_e4m3": "fp8_e4m3", "e4m3": "fp8_e4m3", "float8_e4m3fn": "fp8_e4m3",
+                  "torch.float8_e4m3fn": "fp8_e4m3",
+                  "fp8_e5m2": "fp8_e5m2", "e5m2": "fp8_e5m2", "float8_e5m2": "fp8_e5m2", "torch.float8_e5m2": "fp8_e5m2"}
 
 
 def _dtype(name: str, value: Any, meta: Mapping[str, Any]) -> str:
@@ -113,7 +117,7 @@ def _dtype(name: str, value: Any, meta: Mapping[str, Any]) -> str:
     # container's str() is never an alias, so lists and mappings are refused too.
     dtype = _DTYPE_ALIASES.get(str(value).lower()) if isinstance(value, str) or not isinstance(
         value, (bytes, bytearray, Mapping, Set, list, tuple)) else None
-    if dtype is None:
+    if dtype is None or (meta["choices"] and dtype not in meta["choices"]):
         raise bad(name, value, f"must be one of {meta['choices']}")
     return dtype
 

@@ -11,12 +11,15 @@ Tensors, in the logical (batch, head, seq, dim) order that strides use here:
 =======  ==============================================  =======
 tensor   logical shape                                   dtype
 =======  ==============================================  =======
-q, d_q   (batch, heads_q, seqlen_q, head_dim_qk)          dtype
-k, d_k   (batch, heads_kv, seqlen_kv, head_dim_qk)        dtype
-v, d_v   (batch, heads_kv, seqlen_kv, head_dim_v)         dtype
-o, d_o   (batch, heads_q, seqlen_q, head_dim_v)           dtype
+q        (batch, heads_q, seqlen_q, head_dim_qk)          dtype
+k        (batch, heads_kv, seqlen_kv, head_dim_qk)        dtype
+v        (batch, heads_kv, seqlen_kv, head_dim_v)         dtype
+o        (batch, heads_q, seqlen_q, head_dim_v)           out_dtype
+d_*      the shape of its tensor                          grad_dtype
 stats    (batch, heads_q, seqlen_q, 1), contiguous        float32
 =======  ==============================================  =======
+
+out_dtype and grad_dtype follow dtype unless an FP8 config names others.
 
 ``stats`` is the log-sum-exp of each row of scaled scores (natural log), written by a
 training forward and read by backward.
@@ -29,10 +32,11 @@ tensor                      shape                                           dtyp
 seq_len_q, seq_len_kv       (batch,)                      padding            int32
 ragged_q, _k, _v, _o        (batch + 1,)                  ragged             int32
 ragged_stats                (batch + 1,)                  ragged, training   int32
-bias, d_bias                (1|batch, 1|heads_q, seqlen_q, seqlen_kv)       dtype
+bias, d_bias                (1|batch, 1|heads_q, 1|seqlen_q, seqlen_kv)     dtype
 seed, offset                (1,)                          dropout            int64
 sink, d_sink                (1, heads_q, 1, 1)            sinks              float32
 page_table_k, page_table_v  (batch, 1, ceil(seqlen_kv / page_size), 1)      int32
+descale_*, scale_*, amax_*  (1, 1, 1, 1)                  FP8 dtype          float32
 ==========================  ==============================================  =======
 
 With page_size, k and v are page pools: (num_pages, heads_kv, page_size, head_dim).
@@ -51,13 +55,25 @@ from ._fields import check_int as _int
 from ._fields import spec
 from .errors import InvalidArgumentError
 
-__all__ = ["AttentionConfig", "LAYOUTS", "MASKS", "DTYPES"]
+__all__ = ["AttentionConfig", "LAYOUTS", "MASKS", "DTYPES", "FP8_DTYPES", "ALIGNMENTS", "BIAS_SHAPES"]
 
-DTYPES = ("fp16", "bf16")
+DTYPES = ("fp16", "bf16", "fp8_e4m3", "fp8_e5m2")
+FP8_DTYPES = ("fp8_e4m3", "fp8_e5m2")
+# The FP8 graphs' per-tensor float32 scalars, (1, 1, 1, 1) each: what forward and
+# backward take (descales, scales) and write (amaxes) with an FP8 dtype.
+FP8_FORWARD_SCALARS = ("descale_q", "descale_k", "descale_v", "descale_s", "scale_s", "scale_o", "amax_s", "amax_o")
+FP8_BACKWARD_SCALARS = ("descale_q", "descale_k", "descale_v", "descale_o", "descale_d_o", "descale_s",
+                        "descale_d_p", "scale_s", "scale_d_q", "scale_d_k", "scale_d_v", "scale_d_p", "amax_d_q",
+                        "amax_d_k", "amax_d_v", "amax_d_p")
+FP8_SCALARS = tuple(dict.fromkeys(FP8_FORWARD_SCALARS + FP8_BACKWARD_SCALARS))
+_ITEMSIZE = {"fp16": 2, "bf16": 2, "fp8_e4m3": 1, "fp8_e5m2": 1, "float32": 4, "int32": 4, "int64": 8}
 MASKS = ("none", "causal", "causal_bottom_right")
 LAYOUTS = ("bshd", "sbhd", "bhsd")
 TENSORS = ("q", "k", "v", "o")
-BIAS_SHAPES = ("none", "11ss", "1hss", "b1ss", "bhss")
+ALIGNMENTS = ("top_left", "bottom_right")
+# (1 or batch, 1 or heads_q, 1 or seqlen_q, seqlen_kv), a letter each: "b", "h", "s" for
+# the full extent, "1" for one broadcast. The last is always "s" (seqlen_kv).
+BIAS_SHAPES = ("none", "11ss", "1hss", "b1ss", "bhss", "111s", "1h1s", "b11s", "bh1s")
 # Index tensors of the features, by name: (shape as a function of the config, dtype).
 _INDEX_TENSORS = {
     "seq_len_q": (lambda c: (c.batch,), "int32"),
@@ -96,16 +112,31 @@ class AttentionConfig:
         (GQA; heads_kv=1 is MQA).
       seqlen_kv: key/value sequence length (default seqlen_q).
       head_dim_v: value head dim (default head_dim_qk).
-      dtype: "fp16" or "bf16" (aliases: "float16", "half", "bfloat16", torch dtypes).
+      dtype: of q, k, v: "fp16", "bf16", "fp8_e4m3" or "fp8_e5m2" (aliases:
+        "float16", "half", "bfloat16", "float8_e4m3fn", "float8_e5m2", torch dtypes).
+        An FP8 dtype selects cuDNN's FP8 graphs, which take per-tensor float32 scales
+        (see FP8_FORWARD_SCALARS, FP8_BACKWARD_SCALARS); what else combines with FP8
+        (masks, GQA, padding, head dims, output types) is cuDNN's to say: probe it.
+      out_dtype: of o (default dtype); another only with an FP8 dtype.
+      grad_dtype: of d_o, d_q, d_k, d_v (default dtype); another only with an FP8
+        dtype and training (fp8_e5m2 gradients beside fp8_e4m3 inputs, for example).
       layout: memory order of q, k, v, o and their gradients: "bshd" (default),
         "sbhd", "bhsd", or explicit element strides given in (batch, head, seq, dim)
         order as a mapping {"q": (4 ints), "k": ..., "v": ..., "o": ...}. Explicit
         strides equal to a named layout's are stored as that name.
       mask: "none", "causal" (diagonal at the top left: query i sees keys j <= i), or
         "causal_bottom_right" (diagonal at the bottom right: j <= i + seqlen_kv - seqlen_q).
-      window: (left, right), FlashAttention's convention: query i sees keys j with
-        i - left <= j <= i + right, shifted by seqlen_kv - seqlen_q when mask is
-        "causal_bottom_right"; -1 is unbounded. A causal mask fixes right at 0.
+      window: (left, right): query i sees keys j with i + shift - left <= j <= i +
+        shift + right, where shift is 0 at the top-left alignment and seqlen_kv -
+        seqlen_q at the bottom right (FlashAttention's); -1 is unbounded. A causal mask
+        fixes right at 0.
+      alignment: where the diagonal of the causal mask and the window sits: "top_left"
+        (default; shift 0, scaled_dot_product_attention's is_causal) or "bottom_right"
+        (shift seqlen_kv - seqlen_q, FlashAttention's causal and windows), per sequence
+        with padding (each sequence's own lengths). mask="causal" with "bottom_right", or
+        mask="none" with a window's right bound 0 there, is stored as
+        mask="causal_bottom_right" (which implies it; the same graph); where no bound
+        uses the diagonal (no mask, window (-1, -1)) it is stored as "top_left".
       scale: softmax scale (default 1/sqrt(head_dim_qk)); stored as the float32 cuDNN uses.
       training: forward also writes softmax stats, and the plan has a backward graph.
       deterministic: backward uses cuDNN's deterministic algorithm (needs training).
@@ -130,7 +161,10 @@ class AttentionConfig:
         and k (and v) hold (default batch * seqlen); cuDNN sizes workspace by them.
       bias: an additive bias after scaling, before masking and softmax, of shape
         "11ss", "1hss", "b1ss" or "bhss" (TransformerEngine's names: 1 or batch, 1 or
-        heads_q, seqlen_q, seqlen_kv), contiguous, in dtype; "none" (default).
+        heads_q, seqlen_q, seqlen_kv), or "111s", "1h1s", "b11s", "bh1s" (one row,
+        broadcast over the queries: a key-padding bias is "b11s"), contiguous, in
+        dtype; "none" (default). cuDNN decides which it builds (and with d_bias): the
+        probe says.
       bias_grad: backward also writes d_bias (needs training and a bias).
       dropout: probability of dropping each attention weight (kept ones scale by
         1 / (1 - p)), in [0, 1); Philox seed and offset are int64 device scalars given
@@ -162,8 +196,16 @@ class AttentionConfig:
     head_dim_qk: int = spec("int", minimum=1, help="query/key head dim", family=True)
     head_dim_v: int | None = spec("int", None, minimum=1, follows="head_dim_qk",
                                   help="value head dim (default: head_dim_qk)", family=True)
-    dtype: str = spec("dtype", "bf16", choices=DTYPES, help="element type of q, k, v, o", family=True,
-                      describe=lambda c: c.dtype)
+    dtype: str = spec("dtype", "bf16", choices=DTYPES, help="element type of q, k, v (and of o and gradients "
+                      "unless --out-dtype / --grad-dtype)",
+                      family=lambda c: (c.dtype, c.out_dtype, c.grad_dtype) if c.fp8 else c.dtype,
+                      describe=lambda c: c.dtype + ("" if c.out_dtype == c.dtype else f">{c.out_dtype}")
+                      + ("" if c.grad_dtype == c.dtype else f"/grad:{c.grad_dtype}"))
+    out_dtype: str | None = spec("dtype", None, choices=DTYPES, follows="dtype",
+                                 help="element type of o (default: dtype; another only with FP8)")
+    grad_dtype: str | None = spec("dtype", None, choices=DTYPES, follows="dtype",
+                                  help="element type of d_o, d_q, d_k, d_v (default: dtype; another only with "
+                                  "FP8 and --training)")
     layout: Any = spec("layout", "bshd", choices=LAYOUTS, help="memory order of q, k, v, o (default bshd)",
                        describe=lambda c: None if c.layout == "bshd" else c.layout if isinstance(c.layout, str)
                        else "strided")
@@ -172,6 +214,12 @@ class AttentionConfig:
     window: tuple[int, int] = spec("pair", (-1, -1), help="sliding window (left, right); -1 is unbounded",
                                    family=True, describe=lambda c: None if c.window == (-1, -1)
                                    else f"win{c.window[0]},{c.window[1]}")
+    alignment: str = spec("choice", "top_left", off="top_left", choices=ALIGNMENTS,
+                          help="the diagonal of the mask and window: top_left (SDPA) or bottom_right "
+                          "(FlashAttention)", family=True,
+                          describe=lambda c: "br" if c.alignment == "bottom_right" else None,
+                          feature=("window_br", {"alignment": "bottom_right", "window": (64, 64)},
+                                   "window (64, 64) at the bottom right"))
     scale: float | None = spec("positive", None, help="softmax scale (default 1/sqrt(head_dim_qk))")
     training: bool = spec("bool", False, help="also build the backward graph", family=True,
                           describe=lambda c: ("train/det" if c.deterministic else "train") if c.training else None)
@@ -223,6 +271,12 @@ class AttentionConfig:
             raise _bad("heads_kv", self.heads_kv, f"heads_q={self.heads_q} must be a multiple of heads_kv")
 
         left, right = self.window
+        if self.alignment == "bottom_right" and (self.mask == "causal" or (self.mask == "none" and right == 0)):
+            # One spelling per graph, the one that existed first: a right bound of 0 at the
+            # bottom right is the bottom-right causal mask (cuDNN gets the same attributes).
+            set_("mask", "causal_bottom_right")
+        if self.mask == "causal_bottom_right" or (self.mask == "none" and self.window == (-1, -1)):
+            set_("alignment", "top_left")  # implied by the mask, or no bound uses the diagonal
         if self.mask != "none":
             if right > 0:
                 raise _bad("window", given["window"], f"mask={self.mask!r} fixes the right bound at 0")
@@ -232,6 +286,7 @@ class AttentionConfig:
         scale = 1.0 / math.sqrt(self.head_dim_qk) if self.scale is None else self.scale
         set_("scale", _fields.float32(scale))
 
+        self._check_dtypes(given)
         if self.deterministic and not self.training:
             raise _bad("deterministic", True, "selects the backward algorithm and needs training=True")
         self._canonical_features(set_)
@@ -239,6 +294,21 @@ class AttentionConfig:
         set_("layout", self._canonical_layout())
         if self.ragged and self.layout != "bshd":
             raise _bad("layout", self.layout, "ragged (packed) sequences need layout='bshd' (tokens, heads, dim)")
+
+    def _check_dtypes(self, given) -> None:
+        # Only the FP8 graphs take an output or gradient type of their own; which
+        # pairs cuDNN runs (e4m3 in, bf16 out; e5m2 gradients) is for the probe to say.
+        for name in ("out_dtype", "grad_dtype"):
+            if getattr(self, name) != self.dtype and not self.fp8:
+                raise _bad(name, given[name], f"differs from dtype={self.dtype!r}: only an FP8 dtype "
+                           f"({', '.join(FP8_DTYPES)}) takes another {name}")
+        if self.grad_dtype != self.dtype and not self.training:
+            raise _bad("grad_dtype", given["grad_dtype"], "applies only to training=True (gradients)")
+
+    @property
+    def fp8(self) -> bool:
+        """Whether q, k, v are FP8 (cuDNN's FP8 graphs, with per-tensor scales)."""
+        return self.dtype in FP8_DTYPES
 
     def _canonical_features(self, set_) -> None:
         if self.ragged and not self.padding:
@@ -334,21 +404,37 @@ class AttentionConfig:
             return (self.batch, self.heads_q, self.seqlen_q, 1)
         if tensor in ("bias", "d_bias"):
             return (self.batch if self.bias[0] == "b" else 1, self.heads_q if self.bias[1] == "h" else 1,
-                    self.seqlen_q, self.seqlen_kv)
+                    self.seqlen_q if self.bias[2] == "s" else 1, self.seqlen_kv)
         if tensor in ("sink", "d_sink"):
             return (1, self.heads_q, 1, 1)
+        if tensor in FP8_SCALARS:
+            return (1, 1, 1, 1)
         if tensor in _INDEX_TENSORS:
             return _INDEX_TENSORS[tensor][0](self)
         raise _bad("tensor", tensor, "must be one of q, k, v, o, d_q, d_k, d_v, d_o, stats or a feature's tensor")
 
     @staticmethod
     def tensor_dtype(tensor: str, dtype: str = "bf16") -> str:
-        """A tensor's element type: the config's dtype, "float32", "int32" or "int64"."""
-        if tensor in ("stats", "sink", "d_sink"):
+        """A tensor's element type where q, k, v, o and gradients are all `dtype`: that
+        dtype, "float32", "int32" or "int64". A config's own: dtype_of."""
+        if tensor in ("stats", "sink", "d_sink") or tensor in FP8_SCALARS:
             return "float32"
         if tensor in _INDEX_TENSORS:
             return _INDEX_TENSORS[tensor][1]
         return dtype
+
+    def dtype_of(self, tensor: str) -> str:
+        """This config's element type of a tensor: dtype (q, k, v, bias), out_dtype (o),
+        grad_dtype (d_o, d_q, d_k, d_v, d_bias), "float32", "int32" or "int64"."""
+        if tensor == "o":
+            return self.out_dtype
+        if tensor in ("d_o", "d_q", "d_k", "d_v", "d_bias"):
+            return self.grad_dtype
+        return self.tensor_dtype(tensor, self.dtype)
+
+    def tensor_itemsize(self, tensor: str) -> int:
+        """Bytes per element of a tensor of this config (FP8: 1)."""
+        return _ITEMSIZE[self.dtype_of(tensor)]
 
     def _strides_for(self, layout: str) -> tuple[tuple[int, ...], ...]:
         out = []
@@ -361,7 +447,8 @@ class AttentionConfig:
         """Element strides of a tensor in (batch, head, seq, dim) order."""
         if tensor == "stats" and self.ragged:  # packed with the tokens: (tokens, heads_q)
             return (self.heads_q * self.seqlen_q, 1, self.heads_q, 1)
-        if tensor in ("stats", "bias", "d_bias", "sink", "d_sink") or tensor in _INDEX_TENSORS:
+        if tensor in ("stats", "bias", "d_bias", "sink", "d_sink") or tensor in _INDEX_TENSORS or \
+                tensor in FP8_SCALARS:
             shape = self.shape(tensor)  # contiguous
             out, step = [], 1
             for n in reversed(shape):
@@ -385,16 +472,17 @@ class AttentionConfig:
 
     @property
     def itemsize(self) -> int:
-        """Bytes per element of q, k, v, o and gradients (stats are float32)."""
-        return 2
+        """Bytes per element of q, k, v (o and gradients: tensor_itemsize)."""
+        return _ITEMSIZE[self.dtype]
 
     # -- canonical form -------------------------------------------------------------
 
-    def _derived_defaults(self) -> dict[str, int]:
+    def _derived_defaults(self) -> dict[str, Any]:
         """The fields whose default follows from others, with that default (0: off)."""
         return {"max_tokens_q": self.batch * self.seqlen_q if self.ragged else 0,
                 "max_tokens_kv": self.batch * self.seqlen_kv if self.ragged else 0,
-                "num_pages": self.batch * self.pages_per_sequence}
+                "num_pages": self.batch * self.pages_per_sequence,
+                "out_dtype": self.dtype, "grad_dtype": self.dtype}
 
     def to_dict(self) -> dict[str, Any]:
         """The canonical form, as plain JSON types."""

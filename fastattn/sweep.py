@@ -209,16 +209,21 @@ BUILTIN_MODELS = (
     ("deepseek-v2-lite (mla, no rope split)", 16, 16, 192, 128),
 )
 BUILTIN_SEQLENS = (512, 1024, 2048, 4096, 8192)
+# FP8 (e4m3 in and out) rows: the two most deployed shapes above, which FP8 inference
+# servers and FP8 training runs use; cuDNN's FP8 kernels are a kernel family of their own.
+BUILTIN_FP8_MODELS = BUILTIN_MODELS[:2]
 
 
 def builtin_configs() -> list[AttentionConfig]:
     """The set `fastattn warm` uses with no file: causal bf16 prefill (batch 1) of the
-    models above over typical sequence lengths, inference and training."""
+    models above over typical sequence lengths, inference and training; then the same
+    in fp8_e4m3 for BUILTIN_FP8_MODELS."""
     out = []
-    for _, hq, hkv, dqk, dv in BUILTIN_MODELS:
+    rows = [(m, "bf16") for m in BUILTIN_MODELS] + [(m, "fp8_e4m3") for m in BUILTIN_FP8_MODELS]
+    for (_, hq, hkv, dqk, dv), dtype in rows:
         for s, training in itertools.product(BUILTIN_SEQLENS, (False, True)):
             out.append(AttentionConfig(batch=1, heads_q=hq, heads_kv=hkv, seqlen_q=s, head_dim_qk=dqk, head_dim_v=dv,
-                                       dtype="bf16", mask="causal", training=training))
+                                       dtype=dtype, mask="causal", training=training))
     return out
 
 

@@ -140,7 +140,8 @@ def allowed(cfg: AttentionConfig) -> np.ndarray:
     """(seqlen_q, seqlen_kv) bool: which keys each query sees."""
     i = np.arange(cfg.seqlen_q)[:, None]
     j = np.arange(cfg.seqlen_kv)[None, :]
-    shift = cfg.seqlen_kv - cfg.seqlen_q if cfg.mask == "causal_bottom_right" else 0
+    bottom_right = cfg.mask == "causal_bottom_right" or cfg.alignment == "bottom_right"
+    shift = cfg.seqlen_kv - cfg.seqlen_q if bottom_right else 0
     ok = np.ones((cfg.seqlen_q, cfg.seqlen_kv), dtype=bool)
     left, right = cfg.window
     if cfg.mask != "none":
@@ -149,6 +150,26 @@ def allowed(cfg: AttentionConfig) -> np.ndarray:
         ok &= j <= i + shift + right
     if left >= 0:
         ok &= j >= i + shift - left
+    return ok
+
+
+def fa_allowed(sq: int, sk: int, causal: bool, window: tuple[int, int], seqlen_k: int | None = None) -> np.ndarray:
+    """(sq, sk) bool: the keys each query sees in FlashAttention 2, from its docstring
+    (query i attends to keys in [i + sk - sq - left, i + sk - sq + right]; causal: right
+    = 0), after flash_api.cpp's normalization (a bound >= seqlen_k, the call's longest key
+    length, is unbounded)."""
+    seqlen_k = sk if seqlen_k is None else seqlen_k
+    left, right = window
+    if causal:
+        right = 0
+    left = -1 if left >= seqlen_k else left
+    right = -1 if right >= seqlen_k else right
+    i, j = np.arange(sq)[:, None], np.arange(sk)[None, :]
+    ok = np.ones((sq, sk), dtype=bool)
+    if right >= 0:
+        ok &= j <= i + sk - sq + right
+    if left >= 0:
+        ok &= j >= i + sk - sq - left
     return ok
 
 
@@ -187,14 +208,16 @@ def reference_full(cfg: AttentionConfig, q, k, v, d_o=None, *, bias=None, sink=N
     m = s.max(axis=-1, keepdims=True)
     if sink is not None:
         m = np.maximum(m, sink[None, :, None, None])
+    m = np.where(np.isfinite(m), m, 0.0)  # a row that sees no key (a bottom-right diagonal): p = 0, o = 0
     e = np.exp(s - m)
     l = e.sum(axis=-1, keepdims=True)
     if sink is not None:
         l = l + np.exp(sink[None, :, None, None] - m)
-    p = e / l
+    p = e / np.where(l > 0, l, 1.0)
     drop = p if keep is None else p * keep / (1.0 - cfg.dropout)
     o = np.einsum("bhqk,bhkd->bhqd", drop, v_full)
-    out = {"o": o, "stats": m + np.log(l)}
+    with np.errstate(divide="ignore"):
+        out = {"o": o, "stats": m + np.log(l)}  # -inf where a row sees no key
     if d_o is None:
         return out
     dv_full = np.einsum("bhqk,bhqd->bhkd", drop, d_o)
@@ -209,7 +232,7 @@ def reference_full(cfg: AttentionConfig, q, k, v, d_o=None, *, bias=None, sink=N
     out["d_k"] = dk_full.reshape(b, cfg.heads_kv, group, skv, cfg.head_dim_qk).sum(axis=2)
     out["d_v"] = dv_full.reshape(b, cfg.heads_kv, group, skv, cfg.head_dim_v).sum(axis=2)
     if bias is not None:
-        axes = tuple(i for i in (0, 1) if bias.shape[i] == 1)
+        axes = tuple(i for i in (0, 1, 2) if bias.shape[i] == 1)  # a one-row bias sums over the queries
         out["d_bias"] = ds.sum(axis=axes, keepdims=True)
     if sink is not None:  # d stats / d sink = p_sink; o depends on it through 1 / l
         p_sink = np.exp(sink[None, :, None, None] - m) / l

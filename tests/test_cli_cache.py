@@ -289,3 +289,47 @@ def test_matrix_bad_arguments(capsys):
         assert code == cli.EXIT_BAD_INPUT and msg in err
     code, out, err = run(["matrix", "--heads", "6", "--gqa", "4"], capsys)
     assert code == cli.EXIT_BAD_INPUT and "--gqa 4: --heads 6" in err
+
+
+# -- FP8 plans are plans like any other -------------------------------------------------------
+
+
+def test_fp8_plans_travel_in_bundles(env, capsys, monkeypatch):
+    fp8 = {**BASE, "seqlen_q": 256, "dtype": "fp8_e4m3", "out_dtype": "bf16", "grad_dtype": "fp8_e5m2",
+           "training": True}
+    fastattn.plan(fp8)
+    fastattn.plan({**fp8, "dtype": "bf16", "out_dtype": None, "grad_dtype": None})
+    bundle = str(env / "fp8.tar.gz")
+    assert run_json(["cache", "export", bundle], capsys) == (0, {"exported": 2, "bundle": bundle})
+    _new_process(env / "other", monkeypatch)
+    assert run_json(["cache", "import", bundle], capsys)[1]["imported"] == 2
+    _new_process(env / "other", monkeypatch)
+    plan = fastattn.plan(fp8)
+    assert plan.config.out_dtype == "bf16" and fastattn.stats()["builds"] == 0
+
+
+def test_matrix_fp8_columns(fake_workers, capsys):
+    argv = ["matrix", "--head-dims", "64", "--masks", "causal", "--dtypes", "bf16,fp8_e4m3", "--gqa", "1",
+            "--seqlens", "256", "--workers", "2"]
+    code, body = run_json(argv, capsys)
+    assert code == 0 and {r["dtype"] for r in body["configs"]} == {"bf16", "fp8_e4m3"}
+    assert all(r["status"] == "built" for r in body["configs"])
+
+
+def test_probe_prints_the_recorded_fp8_note(env, capsys, monkeypatch):
+    from fastattn import perf_notes
+
+    argv = ["probe", "--batch", "4", "--heads-q", "32", "--seqlen-q", "4096", "--head-dim-qk", "128", "--mask",
+            "causal", "--dtype", "fp8_e4m3", "--training"]
+    code, text, _ = run(argv, capsys)
+    assert code == 0 and "note:" not in text  # nothing recorded: nothing said
+    cfg = fastattn.AttentionConfig(batch=4, heads_q=32, seqlen_q=4096, head_dim_qk=128, mask="causal",
+                                   dtype="fp8_e4m3", training=True)
+    notes = env / "notes.json"
+    notes.write_text(json.dumps({"format": 1, "gpu": "NVIDIA H200", "date": "2026-12-01", "cudnn": 91900,
+                                 "rows": [{"config": cfg.to_dict(), "forward_ratio": 1.2, "backward_ratio": 0.7}]}))
+    monkeypatch.setattr(perf_notes, "PATH", str(notes))
+    code, text, _ = run(argv, capsys)
+    assert code == 0 and "note: FP8 backward ran at 0.70x bf16's speed" in text
+    code, body = run_json(argv, capsys)
+    assert len(body["notes"]) == 1

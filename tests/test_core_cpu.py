@@ -76,7 +76,7 @@ def test_slot_names_are_the_cpp_slot_table():
 
 def test_enum_values_are_the_headers():
     header = (ROOT / "csrc" / "fastattn.h").read_text()
-    assert "enum class DType : int { kFp16 = 0, kBf16 = 1 };" in header
+    assert "enum class DType : int { kFp16 = 0, kBf16 = 1, kFp8E4m3 = 2, kFp8E5m2 = 3 };" in header
     for name, value in (("kNone", 0), ("kCausal", 1), ("kCausalBottomRight", 2)):
         assert re.search(rf"\b{name}\s*=\s*{value},", header), name
 

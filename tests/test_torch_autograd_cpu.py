@@ -170,7 +170,7 @@ def test_options_are_named_fields_equal_and_hashable_as_plan_key_parts(mask, win
         got = _recorded_options(mp, **kwargs)
         again = _recorded_options(mp, **kwargs)
     expected = _dense.DenseOptions(
-        layout=layout, causal=mask == "causal", bottom_right=mask == "bottom_right",
+        layout=layout, causal=mask != "none", bottom_right=mask == "bottom_right",  # a causal mask, its diagonal
         window_left=-1 if window is None else window[0], window_right=-1 if window is None else window[1],
         scale=0.0 if scale is None else scale, deterministic=deterministic, alibi=alibi, training=False, dropout=0.0,
         bias_grad=False)

@@ -125,7 +125,7 @@ def test_bias_sinks_and_dropout_are_checked():
         attention(q, k, v, bias=bias.half())
     with pytest.raises(fastattn.InvalidArgumentError, match=r"^bias has shape \(1, 3, 128, 128\)"):
         attention(q, k, v, bias=torch.empty(1, 3, 128, 128, device="meta", dtype=torch.bfloat16))
-    with pytest.raises(fastattn.InvalidArgumentError, match=r"expected \(1 or 2, 1 or 8, 128, 128\)"):
+    with pytest.raises(fastattn.InvalidArgumentError, match=r"expected \(1 or 2, 1 or 8, 1 or 128, 128\)"):
         attention(q, k, v, bias=torch.empty(1, 8, 128, 64, device="meta", dtype=torch.bfloat16))
     with pytest.raises(fastattn.InvalidArgumentError, match="bias must be contiguous"):
         attention(q, k, v, bias=bias.transpose(2, 3))
@@ -312,5 +312,5 @@ def test_paged_traces_as_one_op():
     gm = make_fx(decode, tracing_mode="fake")(*paged_inputs(sq=4))
     calls = [n for n in gm.graph.nodes if n.op == "call_function" and "fastattn" in str(n.target)]
     assert [str(n.target) for n in calls] == ["fastattn.paged_forward.default"]
-    assert calls[0].args[5:] == (None, False, True, 128, 0, 0.0)
+    assert calls[0].args[5:] == (None, True, True, 128, 0, 0.0)  # causal, at the bottom right
     assert tuple(calls[0].meta["val"].shape) == (3, 4, 8, 64)

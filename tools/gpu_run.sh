@@ -76,8 +76,8 @@ fi
 # compiling them inside a timed cold start would bill fastattn for it.
 python3 -m compileall -q fastattn > /dev/null
 # BENCH: what to run after the tests: tools/bench_NAME.py or tools/NAME.py for each NAME
-# ("core coldstart torch warm features", and "remote" where a redis-server is carried; "" for none).
-default_bench="core coldstart torch warm features"
+# ("core coldstart torch warm features fp8 flash", and "remote" where a redis-server is carried; "" for none).
+default_bench="core coldstart torch warm features fp8 flash"
 [ -x .redis/redis-server ] && default_bench="$default_bench remote"
 for b in ${BENCH-$default_bench}; do
   script=tools/bench_$b.py; [ -f "$script" ] || script=tools/$b.py

@@ -8,7 +8,7 @@ import json
 import os
 from typing import Any
 
-from .. import _fields
+from .. import _fields, perf_notes
 from ..config import FIELDS, AttentionConfig
 from ..errors import InvalidArgumentError
 from ._common import EXIT_OK, EXIT_UNSUPPORTED, add_json_flag, integer, number
@@ -98,6 +98,7 @@ def run(args) -> tuple[int, dict[str, Any]]:
     cfg = config_from_args(args)
     result = runtime.probe(cfg, device=args.device)
     out = result.to_dict()
+    out["notes"] = perf_notes.notes(cfg) if result.supported else []
     out["_text"] = _text(out)
     return (EXIT_OK if result.supported else EXIT_UNSUPPORTED), out
 
@@ -113,4 +114,5 @@ def _text(out: dict[str, Any]) -> str:
     else:
         lines.append(f"  reason: {out['reason']}")
     lines.append(f"  build: {out['build_seconds'] * 1e3:.1f} ms")
+    lines.extend(f"  note: {note}" for note in out.get("notes", ()))
     return "\n".join(lines)

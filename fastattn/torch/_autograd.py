@@ -68,6 +68,25 @@ class Eager(torch.autograd.Function):
         return (None, None, *ctx.rule.backward(d_o, o, stats, tensors, ctx.options))
 
 
+class EagerWithStats(torch.autograd.Function):
+    """Eager, also returning the forward's stats (the log-sum-exp FlashAttention calls
+    softmax_lse), which get no gradient: EagerWithStats.apply(rule, options, *tensors)
+    -> (o, stats)."""
+
+    @staticmethod
+    def forward(ctx, rule: Rule, options: tuple, *tensors):
+        o, stats = rule.forward(*tensors, options)
+        ctx.rule = rule
+        _save(ctx, tensors, options, o, stats)
+        ctx.mark_non_differentiable(stats)
+        return o, stats
+
+    @staticmethod
+    def backward(ctx, d_o, d_stats):
+        o, stats, tensors = _saved(ctx)
+        return (None, None, *ctx.rule.backward(d_o, o, stats, tensors, ctx.options))
+
+
 def register(forward_op, rule: Rule, n_tensors: int) -> None:
     """forward_op's autograd: its first n_tensors inputs are tensors, the rest rule.options'
     fields; it returns (o, stats)."""

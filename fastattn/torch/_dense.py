@@ -18,8 +18,8 @@ from ..config import AttentionConfig
 from ..errors import InvalidArgumentError
 from . import _autograd
 from ._plans import options as check_options
-from ._plans import (AXES, DTYPES, Cached, check_qkv_tensors, logical, mask_name, out_shape, plans, raw_stream,
-                     remember, stats_shape, tensor_key, workspace)
+from ._plans import (AXES, DTYPES, Cached, alignment_name, bottom_right, check_qkv_tensors, logical, mask_name,
+                     out_shape, plans, raw_stream, remember, stats_shape, tensor_key, workspace)
 
 
 class DenseOptions(NamedTuple):
@@ -27,8 +27,8 @@ class DenseOptions(NamedTuple):
     ops' arguments after the tensors, in this order."""
 
     layout: str
-    causal: bool
-    bottom_right: bool
+    causal: bool  # a causal mask
+    bottom_right: bool  # the diagonal of the mask and the window at the bottom right
     window_left: int
     window_right: int
     scale: float  # 0.0: the default, 1 / sqrt(head_dim_qk)
@@ -71,8 +71,9 @@ def plan_for(q, k, v, o, seq_len_q, seq_len_kv, bias, sink, options: DenseOption
         batch=b, heads_q=hq, heads_kv=hkv, seqlen_q=sq, seqlen_kv=skv, head_dim_qk=dqk, head_dim_v=dv,
         dtype=DTYPES[q.dtype], layout={"q": q_st, "k": k_st, "v": v_st, "o": o_st},
         mask=mask_name(options.causal, options.bottom_right), window=(options.window_left, options.window_right),
-        scale=None if options.scale <= 0 else options.scale, training=options.training,
-        deterministic=options.deterministic, padding=seq_len_q is not None, alibi=options.alibi,
+        alignment=alignment_name(options.bottom_right), scale=None if options.scale <= 0 else options.scale,
+        training=options.training, deterministic=options.deterministic, padding=seq_len_q is not None,
+        alibi=options.alibi,
         bias="none" if bias is None else _bias_shape(q, bias, layout), bias_grad=options.bias_grad,
         dropout=options.dropout, sinks=sink is not None,
     )
@@ -264,9 +265,12 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str, seq_l
 
 
 def _bias_shape(q: torch.Tensor, bias: torch.Tensor, layout: str) -> str:
-    """The config's name for a bias's broadcast shape: "11ss", "1hss", "b1ss" or "bhss"."""
-    b, h = q.shape[AXES[layout][0]], q.shape[AXES[layout][1]]
-    return ("b" if bias.shape[0] == b and b > 1 else "1") + ("h" if bias.shape[1] == h and h > 1 else "1") + "ss"
+    """The config's name for a bias's broadcast shape: "11ss", "1hss", "b1ss", "bhss", or
+    with one row broadcast over the queries "111s", "1h1s", "b11s", "bh1s". An extent of
+    1 that is also the full extent takes the full extent's letter (one graph, one name)."""
+    b, h, s = (q.shape[a] for a in AXES[layout][:3])
+    return (("b" if bias.shape[0] == b and b > 1 else "1") + ("h" if bias.shape[1] == h and h > 1 else "1")
+            + ("1" if bias.shape[2] == 1 and s > 1 else "s") + "s")
 
 
 def _check_extras(q: torch.Tensor, k: torch.Tensor, layout: str, bias, sink) -> None:
@@ -277,9 +281,9 @@ def _check_extras(q: torch.Tensor, k: torch.Tensor, layout: str, bias, sink) -> 
             raise InvalidArgumentError(f"bias: expected a {q.dtype} tensor on {q.device}, got "
                                        f"{getattr(bias, 'dtype', type(bias).__name__)} on "
                                        f"{getattr(bias, 'device', None)}")
-        if (bias.dim() != 4 or bias.shape[0] not in (1, b) or bias.shape[1] not in (1, h) or bias.shape[2] != s_q
-                or bias.shape[3] != s_kv):
-            raise InvalidArgumentError(f"bias has shape {tuple(bias.shape)}: expected (1 or {b}, 1 or {h}, {s_q}, "
+        if (bias.dim() != 4 or bias.shape[0] not in (1, b) or bias.shape[1] not in (1, h)
+                or bias.shape[2] not in (1, s_q) or bias.shape[3] != s_kv):
+            raise InvalidArgumentError(f"bias has shape {tuple(bias.shape)}: expected (1 or {b}, 1 or {h}, 1 or {s_q}, "
                                        f"{s_kv})")
         if not bias.is_contiguous():
             raise InvalidArgumentError("bias must be contiguous")
@@ -300,7 +304,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
               causal_bottom_right: bool = False, window: tuple[int, int] | None = None, scale: float | None = None,
               layout: str = "bshd", deterministic: bool = False, seq_lens_q: torch.Tensor | None = None,
               seq_lens_kv: torch.Tensor | None = None, alibi: bool = False, bias: torch.Tensor | None = None,
-              dropout_p: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
+              dropout_p: float = 0.0, sinks: torch.Tensor | None = None, alignment: str = "top_left",
+              return_lse: bool = False):
     """Scaled dot-product attention on cuDNN's fused kernels, with autograd.
 
     q: (batch, seqlen_q, heads_q, head_dim_qk) for layout="bshd" (FlashAttention's order;
@@ -308,9 +313,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
       same with seqlen_kv and heads_kv (heads_q a multiple of it: GQA, MQA); v's head
       dim may differ. float16 or bfloat16 CUDA tensors on one device, any strides cuDNN
       accepts. Returns o with q's shape and v's head dim, in the same order.
-    causal: query i sees keys j <= i (top-left diagonal); causal_bottom_right: the
-      diagonal at the bottom right (j <= i + seqlen_kv - seqlen_q).
-    window: (left, right) sliding window, FlashAttention's convention (-1 unbounded).
+    causal: query i sees keys j <= i + shift, where shift is 0 at the default top-left
+      alignment (scaled_dot_product_attention's is_causal) and seqlen_kv - seqlen_q at
+      the bottom right (FlashAttention's causal; per sequence with seq_lens_q/kv).
+      causal_bottom_right=True is causal=True with alignment="bottom_right".
+    window: (left, right) sliding window: query i sees keys j with i + shift - left <= j
+      <= i + shift + right (-1 unbounded; a causal mask fixes right at 0). For
+      FlashAttention's windows pass alignment="bottom_right" (fastattn.flash does).
     scale: softmax scale (default 1/sqrt(head_dim_qk)).
     deterministic: a deterministic backward.
     seq_lens_q, seq_lens_kv: padding masks: int32 CUDA tensors of shape (batch,), each
@@ -331,6 +340,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
       generator (torch.manual_seed), and backward uses the same one.
     sinks: attention sinks, a float32 logit per query head, (heads_q,), in every
       softmax denominator; it gets a gradient when it requires one.
+    alignment: "top_left" (default) or "bottom_right": where the diagonal of the causal
+      mask and of the window sits (the shift above).
+    return_lse: also return the log-sum-exp of each row of scaled, masked scores (natural
+      log), float32 (batch, heads_q, seqlen_q), FlashAttention's softmax_lse: returns
+      (o, lse), lse without a gradient. It makes the call a training one (the plan with
+      its backward), whose forward writes these stats.
 
     Raises InvalidArgumentError (a ValueError) for CPU tensors, mismatched devices,
     dtypes or shapes, NotSupportedError when cuDNN refuses the config.
@@ -345,13 +360,18 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     if not cuda:
         _check(q, k, v, layout, seq_lens_q, seq_lens_kv)  # CUDA inputs are checked once per plan, in plan_for
     left, right, scale = check_options(causal, causal_bottom_right, window, scale, deterministic, alibi)
-    training = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
-                                            or (bias is not None and bias.requires_grad)
-                                            or (sinks is not None and sinks.requires_grad))
+    br = bottom_right(alignment, causal_bottom_right)
+    causal = bool(causal or causal_bottom_right)
+    if return_lse.__class__ is not bool:
+        _fields.check("bool", "return_lse", return_lse)
+    grads = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                         or (bias is not None and bias.requires_grad)
+                                         or (sinks is not None and sinks.requires_grad))
+    training = grads or bool(return_lse)
     if bias is None and sinks is None and not dropout_p:
         extras = _NO_EXTRAS
-        options = _new(DenseOptions, (layout, bool(causal), bool(causal_bottom_right), left, right, scale,
-                                      bool(deterministic), bool(alibi), training, 0.0, False))
+        options = _new(DenseOptions, (layout, causal, br, left, right, scale, bool(deterministic), bool(alibi),
+                                      training, 0.0, False))
     else:
         _fields.check("probability", "dropout_p", dropout_p)
         if not cuda:
@@ -359,9 +379,15 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
         # Philox's seed at element 0 and offset at element 2, drawn from PyTorch's generator.
         rng = torch.randint(0, 2**62, (4,), device=q.device, dtype=torch.int64) if dropout_p else None
         extras = (bias, sinks, rng)
-        options = DenseOptions(layout, bool(causal), bool(causal_bottom_right), left, right, scale,
-                               bool(deterministic), bool(alibi), training, float(dropout_p),
-                               bool(training and bias is not None and bias.requires_grad))
+        options = DenseOptions(layout, causal, br, left, right, scale, bool(deterministic), bool(alibi), training,
+                               float(dropout_p), bool(grads and bias is not None and bias.requires_grad))
+    if return_lse:
+        if cuda and plain_eager(q):
+            o, stats = (EagerWithStats.apply(RULE, options, q, k, v, seq_lens_q, seq_lens_kv, *extras) if grads
+                        else forward_impl(q, k, v, seq_lens_q, seq_lens_kv, *extras, options))
+        else:
+            o, stats = forward_op(q, k, v, seq_lens_q, seq_lens_kv, *extras, *options)
+        return o, stats.squeeze(-1)  # (batch, heads_q, seqlen_q): FlashAttention's softmax_lse
     if cuda and plain_eager(q):
         if not training:  # no autograd either: straight to the plan
             return forward_impl(q, k, v, seq_lens_q, seq_lens_kv, *extras, options)[0]
@@ -369,4 +395,5 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     return forward_op(q, k, v, seq_lens_q, seq_lens_kv, *extras, *options)[0]
 
 
-plain_eager, Eager = _autograd.plain_eager, _autograd.Eager  # module globals: one lookup less per call
+# Module globals: one lookup less per call.
+plain_eager, Eager, EagerWithStats = _autograd.plain_eager, _autograd.Eager, _autograd.EagerWithStats

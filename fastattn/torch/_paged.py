@@ -14,8 +14,8 @@ import torch
 from ..config import AttentionConfig
 from ..errors import InvalidArgumentError
 from ._autograd import plain_eager
-from ._plans import (DTYPES, Cached, capturing, check_qkv_tensors, logical, mask_name, out_shape, plans, raw_stream,
-                     remember, tensor_key, workspace)
+from ._plans import (DTYPES, Cached, alignment_name, bottom_right, capturing, check_qkv_tensors, logical, mask_name,
+                     out_shape, plans, raw_stream, remember, tensor_key, workspace)
 from ._plans import options as check_options
 
 
@@ -23,8 +23,8 @@ class PagedOptions(NamedTuple):
     """attention_paged()'s scalar options: part of the plan key as they are, and the
     custom op's arguments after the tensors, in this order."""
 
-    causal: bool
-    bottom_right: bool
+    causal: bool  # a causal mask
+    bottom_right: bool  # the diagonal of the mask and the window at the bottom right
     window_left: int
     window_right: int
     scale: float  # 0.0: the default, 1 / sqrt(head_dim_qk)
@@ -49,7 +49,8 @@ def plan_for(q, k_cache, v_cache, table, seq_lens_q, cache_seqlens, options: Pag
         batch=b, heads_q=hq, heads_kv=hkv, seqlen_q=sq, seqlen_kv=table.shape[1] * page_size, head_dim_qk=dqk,
         head_dim_v=dv, dtype=DTYPES[q.dtype], layout={"q": q_st, "k": k_st, "v": v_st, "o": o_st},
         mask=mask_name(options.causal, options.bottom_right), window=(options.window_left, options.window_right),
-        scale=None if options.scale <= 0 else options.scale, padding=True, page_size=page_size, num_pages=pages,
+        alignment=alignment_name(options.bottom_right), scale=None if options.scale <= 0 else options.scale,
+        padding=True, page_size=page_size, num_pages=pages,
     )
     return remember(key, cfg, q, k_cache, v_cache, "bshd")
 
@@ -135,7 +136,7 @@ def _check_paged(q, k_cache, v_cache, table, seq_lens_q, cache_seqlens) -> None:
 def attention_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                     cache_seqlens: torch.Tensor, *, seq_lens_q: torch.Tensor | None = None, causal: bool = False,
                     causal_bottom_right: bool = False, window: tuple[int, int] | None = None,
-                    scale: float | None = None) -> torch.Tensor:
+                    scale: float | None = None, alignment: str | None = None) -> torch.Tensor:
     """Attention against a paged KV cache (FlashAttention's flash_attn_with_kvcache
     layout), for decode and for prefill against a cache; forward only (cuDNN has no
     paged backward).
@@ -150,15 +151,33 @@ def attention_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
       past them may hold anything finite.
     seq_lens_q: int32 (batch,): each sequence's query length (default: all seqlen_q);
       o is zero past it.
-    causal_bottom_right: the causal diagonal at the end of each sequence, where the
-      queries of a decode or a chunked prefill sit: query i of a sequence sees keys j
-      <= i + cache_seqlens - seq_lens_q. causal is the top-left diagonal. window and
-      scale as attention(). Returns o: (batch, seqlen_q, heads_q, head_dim_v).
+    alignment: where the diagonal of causal and window sits, with no default while
+      either is used: the layout is flash_attn_with_kvcache's, whose causal is at the
+      bottom right, while attention()'s is at the top left, so a port from either would
+      silently change its answer under a default. "bottom_right" puts the diagonal at
+      the end of each sequence, where the queries of a decode or a chunked prefill sit:
+      query i of a sequence sees keys j <= i + cache_seqlens - seq_lens_q (causal);
+      "top_left" at its start (j <= i). causal=True without an alignment raises
+      InvalidArgumentError, and so does a window. causal_bottom_right=True is
+      causal=True with alignment="bottom_right". (fastattn.flash.flash_attn_with_kvcache
+      is FlashAttention's function, bottom right.) window and scale as attention().
+      Returns o: (batch, seqlen_q, heads_q, head_dim_v).
 
     Raises InvalidArgumentError for bad inputs (and for inputs that require
     gradients), NotSupportedError when cuDNN refuses the config.
     """
     left, right, scale = check_options(causal, causal_bottom_right, window, scale)
+    if alignment is None:
+        if (causal or (left, right) != (-1, -1)) and not causal_bottom_right:
+            raise InvalidArgumentError(
+                f"attention_paged({'causal=True' if causal else f'window={window!r}'}) needs an explicit alignment: "
+                "'bottom_right' (FlashAttention's flash_attn_with_kvcache: the queries at the end of each sequence) "
+                "or 'top_left' (scaled_dot_product_attention's is_causal)")
+        br = bool(causal_bottom_right)
+    else:
+        br = bottom_right(alignment, causal_bottom_right)
+        if causal_bottom_right and alignment == "top_left":
+            raise InvalidArgumentError("causal_bottom_right=True and alignment='top_left' contradict each other")
     if torch.is_grad_enabled() and (getattr(q, "requires_grad", False) or getattr(k_cache, "requires_grad", False)
                                     or getattr(v_cache, "requires_grad", False)):
         raise InvalidArgumentError("attention_paged is forward only (cuDNN has no paged backward): call it under "
@@ -166,7 +185,7 @@ def attention_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     cuda = isinstance(q, torch.Tensor) and q.is_cuda
     if not cuda:
         _check_paged(q, k_cache, v_cache, block_table, seq_lens_q, cache_seqlens)  # CUDA: once per plan
-    options = _new(PagedOptions, (bool(causal), bool(causal_bottom_right), left, right, scale))
+    options = _new(PagedOptions, (bool(causal or causal_bottom_right), br, left, right, scale))
     if cuda and plain_eager(q):
         return forward_impl(q, k_cache, v_cache, block_table, cache_seqlens, seq_lens_q, options)
     return forward_op(q, k_cache, v_cache, block_table, cache_seqlens, seq_lens_q, *options)

@@ -130,8 +130,25 @@ def stats_shape(q: torch.Tensor, layout: str) -> list[int]:
 
 
 def mask_name(causal: bool, bottom_right: bool) -> str:
-    """The config's mask for an entry point's causal flags (exclusive: checked before)."""
-    return "causal_bottom_right" if bottom_right else "causal" if causal else "none"
+    """The config's mask for an entry point's options: causal, a causal mask; bottom_right,
+    the diagonal (of the mask and the window) at the bottom right."""
+    return ("causal_bottom_right" if bottom_right else "causal") if causal else "none"
+
+
+def alignment_name(bottom_right: bool) -> str:
+    """The config's alignment for an entry point's bottom_right option."""
+    return "bottom_right" if bottom_right else "top_left"
+
+
+def bottom_right(alignment, causal_bottom_right=False) -> bool:
+    """Whether a call's diagonal sits at the bottom right: alignment="bottom_right", or
+    causal_bottom_right=True (a causal mask there). The common call ("top_left", False)
+    costs one comparison."""
+    if alignment == "top_left":
+        return bool(causal_bottom_right)
+    if alignment == "bottom_right":
+        return True
+    raise InvalidArgumentError(f"alignment={alignment!r}: must be 'top_left' or 'bottom_right'")
 
 
 def tensor_key(t):
@@ -149,7 +166,8 @@ def check_qkv_tensors(q, k, v, dims: int, expected: str) -> None:
         if t.dim() != dims:
             raise InvalidArgumentError(f"{name} has shape {tuple(t.shape)}: expected {expected}")
         if t.dtype not in DTYPES:
-            raise InvalidArgumentError(f"{name} has dtype {t.dtype}: expected torch.float16 or torch.bfloat16")
+            hint = " (FP8: fastattn.torch.attention_fp8)" if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else ""
+            raise InvalidArgumentError(f"{name} has dtype {t.dtype}: expected torch.float16 or torch.bfloat16{hint}")
 
 
 

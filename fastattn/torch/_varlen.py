@@ -16,7 +16,9 @@ import torch
 from ..config import AttentionConfig
 from ..errors import InvalidArgumentError
 from . import _autograd
-from ._plans import DTYPES, Cached, check_qkv_tensors, mask_name, plans, raw_stream, remember, workspace
+from .. import _fields
+from ._plans import (DTYPES, Cached, alignment_name, bottom_right, check_qkv_tensors, mask_name, plans, raw_stream,
+                     remember, workspace)
 from ._plans import options as check_options
 
 
@@ -26,8 +28,8 @@ class VarlenOptions(NamedTuple):
 
     max_q: int  # the plan's longest query sequence: max_seqlen_q's bucket
     max_kv: int
-    causal: bool
-    bottom_right: bool
+    causal: bool  # a causal mask
+    bottom_right: bool  # the diagonal of the mask and the window at the bottom right
     window_left: int
     window_right: int
     scale: float  # 0.0: the default, 1 / sqrt(head_dim_qk)
@@ -53,8 +55,8 @@ def plan_for(q, k, v, batch: int, options: VarlenOptions) -> Cached:
         batch=batch, heads_q=hq, heads_kv=hkv, seqlen_q=options.max_q, seqlen_kv=options.max_kv, head_dim_qk=dqk,
         head_dim_v=dv, dtype=DTYPES[q.dtype], layout="bshd", padding=True, ragged=True,
         mask=mask_name(options.causal, options.bottom_right), window=(options.window_left, options.window_right),
-        scale=None if options.scale <= 0 else options.scale, training=options.training,
-        deterministic=options.deterministic,
+        alignment=alignment_name(options.bottom_right), scale=None if options.scale <= 0 else options.scale,
+        training=options.training, deterministic=options.deterministic,
     )
     return remember(key, cfg, q, k, v, None)
 
@@ -175,7 +177,8 @@ def _check_varlen(q, k, v, cu_q, cu_kv) -> None:
 def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                      cu_seqlens_kv: torch.Tensor, max_seqlen_q: int, max_seqlen_kv: int, *, causal: bool = False,
                      causal_bottom_right: bool = False, window: tuple[int, int] | None = None,
-                     scale: float | None = None, deterministic: bool = False) -> torch.Tensor:
+                     scale: float | None = None, deterministic: bool = False, alignment: str = "top_left",
+                     return_lse: bool = False):
     """Attention over packed variable-length sequences (FlashAttention's varlen layout),
     with autograd; cuDNN's THD kernels, one plan per batch size and length bucket.
 
@@ -186,8 +189,13 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
       sequences' starts in q and k); the last is at most total_q / total_kv.
     max_seqlen_q, max_seqlen_kv: at least the longest sequence (not checked: that
       would synchronize). Plans are built for them rounded up to a power of two.
-    causal, causal_bottom_right, window, scale, deterministic: as attention(); the
-      masks apply within each sequence. Returns o: (total_q, heads_q, head_dim_v).
+    causal, causal_bottom_right, window, scale, deterministic, alignment: as
+      attention(); the masks apply within each sequence, and the bottom-right diagonal
+      is each sequence's own (shift = its kv length - its q length: FlashAttention's
+      varlen convention). Returns o: (total_q, heads_q, head_dim_v).
+    return_lse: also return each row's log-sum-exp (natural log), float32 (heads_q,
+      total_q), FlashAttention's varlen softmax_lse, without a gradient: returns (o, lse).
+      It makes the call a training one (see attention()).
 
     Raises InvalidArgumentError for bad inputs, NotSupportedError when cuDNN refuses.
     """
@@ -196,10 +204,20 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     for name, n in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_kv", max_seqlen_kv)):
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise InvalidArgumentError(f"{name}={n!r}: must be an int >= 1")
-    training = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-    options = _new(VarlenOptions, (bucket(max_seqlen_q), bucket(max_seqlen_kv), bool(causal),
-                                   bool(causal_bottom_right), left, right, scale,
-                                   bool(deterministic), training))
+    br = bottom_right(alignment, causal_bottom_right)
+    if return_lse.__class__ is not bool:
+        _fields.check("bool", "return_lse", return_lse)
+    grads = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    training = grads or bool(return_lse)
+    options = _new(VarlenOptions, (bucket(max_seqlen_q), bucket(max_seqlen_kv), bool(causal or causal_bottom_right),
+                                   br, left, right, scale, bool(deterministic), training))
+    if return_lse:
+        if plain_eager(q):
+            o, stats = (EagerWithStats.apply(RULE, options, q, k, v, cu_seqlens_q, cu_seqlens_kv) if grads
+                        else forward_impl(q, k, v, cu_seqlens_q, cu_seqlens_kv, options))
+        else:
+            o, stats = forward_op(q, k, v, cu_seqlens_q, cu_seqlens_kv, *options)
+        return o, stats.t().contiguous()  # (tokens, heads) -> FlashAttention's (heads, total_q)
     if plain_eager(q):  # skip the custom ops' wrappers (see _autograd)
         if not training:
             return forward_impl(q, k, v, cu_seqlens_q, cu_seqlens_kv, options)[0]
@@ -207,4 +225,5 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     return forward_op(q, k, v, cu_seqlens_q, cu_seqlens_kv, *options)[0]
 
 
-plain_eager, Eager = _autograd.plain_eager, _autograd.Eager  # module globals: one lookup less per call
+# Module globals: one lookup less per call.
+plain_eager, Eager, EagerWithStats = _autograd.plain_eager, _autograd.Eager, _autograd.EagerWithStats

@@ -1,0 +1,428 @@
+"""fastattn.flash: FlashAttention 2's functions, on cuDNN's fused attention.
+
+    from fastattn.flash import flash_attn_func      # was: from flash_attn import flash_attn_func
+    out = flash_attn_func(q, k, v, causal=True)     # q: (batch, seqlen_q, heads, head_dim)
+
+The names, argument order, defaults, return values and conventions of flash_attn 2.6-2.8
+(`flash_attn_interface`): `causal` and `window_size` are aligned at the bottom right
+(query i of a sequence sees keys j in [i + seqlen_k - seqlen_q - left, i + seqlen_k -
+seqlen_q + right], with each sequence's own lengths in varlen and KV-cache calls),
+`softmax_scale` defaults to 1/sqrt(head_dim), `return_attn_probs` returns (out,
+softmax_lse, S_dmask) with softmax_lse float32 in FlashAttention's layout and natural
+log ((batch, heads, seqlen_q); varlen (heads, total_q)), and gradients flow where
+FlashAttention has them (not through flash_attn_with_kvcache). FlashAttention's own
+normalizations are kept: causal sets the window's right bound to 0, and a bound of at
+least seqlen_k (max_seqlen_k in varlen) is unbounded.
+
+Built on fastattn.torch's entry points (attention, attention_varlen, attention_paged),
+whose plans, caches and per-call costs they share. What differs from FlashAttention:
+
+- Arguments cuDNN cannot honour raise NotSupportedError naming them, never silently
+  ignored: softcap != 0, rotary_cos / rotary_sin, cache_leftpad, block_table in varlen,
+  alibi_slopes other than the ALiBi paper's (cuDNN computes its own) or without causal,
+  return_attn_probs with dropout_p > 0 (FlashAttention then returns the dropout pattern,
+  S_dmask, which cuDNN does not expose), dropout_p and alibi_slopes in varlen calls,
+  return_softmax_lse with a paged cache. cuDNN's own refusals (for example a causal
+  mask at the bottom right together with dropout or ALiBi when seqlen_q < seqlen_k)
+  are NotSupportedError too, carrying cuDNN's reason. (With more queries than keys,
+  the first rows see no key: fastattn.flash writes FlashAttention's 0 and +inf there
+  itself and runs the rest; a causal mask then has as many queries as keys.)
+- Dropout draws its mask from PyTorch's CUDA generator with cuDNN's Philox: the same
+  distribution as FlashAttention's, not the same bits.
+- num_splits is a FlashAttention tuning knob that cannot change the answer; it is
+  checked (an int >= 0) and cuDNN chooses its own split.
+- Asking for the LSE runs the training plan (its forward writes the stats).
+- Checking alibi_slopes against the standard slopes reads them (one synchronization).
+- The packed varlen functions copy q, k, v out of the packed tensor (attention_varlen
+  takes contiguous tensors); the dense packed functions take strided views, no copy.
+
+Raises InvalidArgumentError (a ValueError) for bad arguments, naming them, and
+NotSupportedError (a NotImplementedError) as above.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import _fields
+from .errors import InvalidArgumentError, NotSupportedError
+from .torch import attention, attention_paged, attention_varlen
+from .torch._plans import capturing
+
+__all__ = ["flash_attn_func", "flash_attn_kvpacked_func", "flash_attn_qkvpacked_func", "flash_attn_varlen_func",
+           "flash_attn_varlen_kvpacked_func", "flash_attn_varlen_qkvpacked_func", "flash_attn_with_kvcache"]
+
+_UNBOUNDED = (-1, -1)
+
+
+# -- FlashAttention's conventions -------------------------------------------------------------
+
+def _mask(causal, window_size, seqlen_k: int) -> tuple[bool, tuple[int, int] | None]:
+    """(causal, window or None) as FlashAttention normalizes them (flash_api.cpp): causal
+    sets right to 0, a bound >= seqlen_k is unbounded, and a right bound of 0 is the causal
+    mask (FlashAttention's kernels treat it as one; so does cuDNN's graph)."""
+    if causal.__class__ is not bool:
+        causal = _fields.check("bool", "causal", causal)
+    if window_size == _UNBOUNDED or window_size is None:
+        return causal, None
+    left, right = _fields.pair("window_size", window_size)
+    if causal:
+        right = 0
+    if left >= seqlen_k:
+        left = -1
+    if right >= seqlen_k:
+        right = -1
+    if right == 0:
+        causal = True
+    return causal, (None if (left, right) == _UNBOUNDED else (left, right))
+
+
+def _no_softcap(softcap) -> None:
+    if softcap != 0.0:
+        value = _fields.number("softcap", softcap)
+        if value != 0.0:
+            raise NotSupportedError(f"softcap={softcap!r}: cuDNN's fused attention has no logit soft-capping")
+
+
+def _alibi(alibi_slopes, heads: int, batch: int, causal: bool) -> bool:
+    """Whether to turn on cuDNN's ALiBi: only for FlashAttention's slopes that equal
+    cuDNN's own (the ALiBi paper's for this many heads), with a causal mask (cuDNN's
+    ALiBi needs one; FlashAttention's non-causal ALiBi is symmetric, cuDNN has none)."""
+    if alibi_slopes is None:
+        return False
+    if not causal:
+        raise NotSupportedError("alibi_slopes without causal=True: cuDNN's ALiBi needs a causal mask (FlashAttention's "
+                                "non-causal ALiBi, -slope * |i - j|, has no cuDNN equivalent)")
+    if (not isinstance(alibi_slopes, torch.Tensor) or alibi_slopes.dtype != torch.float32
+            or tuple(alibi_slopes.shape) not in ((heads,), (batch, heads))):
+        raise InvalidArgumentError(f"alibi_slopes: expected a float32 tensor of shape ({heads},) or ({batch}, "
+                                   f"{heads}), got {getattr(alibi_slopes, 'dtype', type(alibi_slopes).__name__)} "
+                                   f"{tuple(getattr(alibi_slopes, 'shape', ()))}")
+    expected = torch.tensor(standard_alibi_slopes(heads), dtype=torch.float32, device=alibi_slopes.device)
+    if not torch.allclose(alibi_slopes, expected.expand_as(alibi_slopes), rtol=1e-5, atol=0.0):  # one sync
+        raise NotSupportedError("alibi_slopes: only the ALiBi paper's slopes for this many heads (cuDNN computes its "
+                                "own; fastattn.flash.standard_alibi_slopes(heads) lists them), not these")
+    return True
+
+
+def standard_alibi_slopes(heads: int) -> list[float]:
+    """The ALiBi paper's slopes for `heads` heads (its get_slopes, which FlashAttention's
+    tests use too, and which cuDNN computes): 2^(-8 i / n) for a power of two n, else the
+    nearest lower power's, then every other one of the next power's."""
+    def power_of_2(n: int) -> list[float]:
+        return [2.0 ** (-8.0 * (i + 1) / n) for i in range(n)]
+
+    n = 1 << (heads.bit_length() - 1)
+    return power_of_2(n) + power_of_2(2 * n)[0::2][:heads - n]
+
+
+def _common(dropout_p, return_attn_probs) -> float:
+    if dropout_p:
+        dropout_p = _fields.check("probability", "dropout_p", dropout_p)
+    if return_attn_probs.__class__ is not bool:
+        return_attn_probs = _fields.check("bool", "return_attn_probs", return_attn_probs)
+    if return_attn_probs and dropout_p:
+        raise NotSupportedError("return_attn_probs=True with dropout_p > 0: FlashAttention then returns the dropout "
+                                "pattern (S_dmask), which cuDNN does not expose; pass dropout_p=0 to get the LSE")
+    return dropout_p
+
+
+def _deterministic(deterministic, lse: bool, *tensors) -> bool:
+    """fastattn takes deterministic only for a call with a backward (FlashAttention ignores it
+    without one)."""
+    if deterministic.__class__ is not bool:
+        deterministic = _fields.check("bool", "deterministic", deterministic)
+    return deterministic and (lse or (torch.is_grad_enabled() and any(getattr(t, "requires_grad", False)
+                                                                       for t in tensors)))
+
+
+# Full-length tensors for a padding mask that masks nothing: cuDNN takes a bottom-right
+# diagonal with seqlen_q > seqlen_k only with per-sequence lengths. Kept per (device,
+# batch, length), except while a CUDA graph is captured (a tensor made then is only
+# filled when the graph replays).
+_full_lengths: dict[tuple, torch.Tensor] = {}
+
+
+def _full(q: torch.Tensor, batch: int, n: int) -> torch.Tensor:
+    if not q.is_cuda or type(q) is not torch.Tensor or capturing():  # meta, fake tensors, or a capture
+        return torch.full((batch,), n, dtype=torch.int32, device=q.device)
+    key = (q.device, batch, n)
+    t = _full_lengths.get(key)
+    if t is None:
+        t = _full_lengths[key] = torch.full((batch,), n, dtype=torch.int32, device=q.device)
+    return t
+
+
+def _shape(t, name: str, dims: int, what: str) -> tuple[int, ...]:
+    shape = getattr(t, "shape", None)
+    if not isinstance(t, torch.Tensor) or len(shape) != dims:
+        raise InvalidArgumentError(f"{name}: expected a torch.Tensor {what}, got "
+                                   f"{tuple(shape) if shape is not None else type(t).__name__}")
+    return shape
+
+
+# -- dense ------------------------------------------------------------------------------------
+
+def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                    alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    """FlashAttention's flash_attn_func.
+
+    q: (batch, seqlen_q, nheads, headdim); k: (batch, seqlen_k, nheads_k, headdim); v:
+      (batch, seqlen_k, nheads_k, headdim_v); float16 or bfloat16 CUDA tensors, nheads a
+      multiple of nheads_k (MQA/GQA), any strides cuDNN takes (last dimension contiguous).
+    dropout_p: applied whenever > 0 (pass 0 in evaluation, as with FlashAttention).
+    softmax_scale: default 1 / sqrt(headdim).
+    causal, window_size: bottom-right aligned (see the module doc).
+    softcap: only 0.0. alibi_slopes: only the standard slopes, with causal.
+    deterministic: a deterministic backward.
+    return_attn_probs: also return softmax_lse, float32 (batch, nheads, seqlen_q), and
+      S_dmask (None: dropout_p must be 0).
+
+    Returns out (batch, seqlen_q, nheads, headdim_v), or (out, softmax_lse, None).
+    Raises InvalidArgumentError, NotSupportedError (see the module doc).
+    """
+    sq = _shape(q, "q", 4, "(batch, seqlen_q, nheads, headdim)")[1]
+    sk = _shape(k, "k", 4, "(batch, seqlen_k, nheads_k, headdim)")[1]
+    causal, window = _mask(causal, window_size, sk)
+    _no_softcap(softcap)
+    dropout_p = _common(dropout_p, return_attn_probs)
+    alibi = _alibi(alibi_slopes, q.shape[2], q.shape[0], causal)
+    deterministic = _deterministic(deterministic, return_attn_probs, q, k, v)
+    right = 0 if causal else window[1] if window is not None else -1
+    empty = sq - sk - right if right >= 0 else 0
+    if empty > 0:
+        return _with_empty_rows(q, k, v, empty, causal, window, softmax_scale, deterministic, alibi, dropout_p,
+                                return_attn_probs)
+    out = _dense(q, k, v, causal, window, softmax_scale, deterministic, alibi, dropout_p, return_attn_probs)
+    return (*out, None) if return_attn_probs else out
+
+
+def _dense(q, k, v, causal, window, scale, deterministic, alibi, dropout_p, lse):
+    sq, sk = q.shape[1], k.shape[1]
+    # Where seqlen_q == seqlen_k both diagonals are one: the top-left graph then (which
+    # cuDNN also builds with dropout and ALiBi) is the same answer as FlashAttention's.
+    bottom = sq != sk and (causal or window is not None)
+    lens_q = lens_k = None
+    if bottom and sq > sk:  # cuDNN takes it only with per-sequence lengths
+        lens_q, lens_k = _full(q, q.shape[0], sq), _full(q, q.shape[0], sk)
+    return attention(q, k, v, causal=causal, window=window, scale=scale, deterministic=deterministic,
+                     seq_lens_q=lens_q, seq_lens_kv=lens_k, alibi=alibi, dropout_p=dropout_p,
+                     alignment="bottom_right" if bottom else "top_left", return_lse=lse)
+
+
+def _with_empty_rows(q, k, v, empty, causal, window, scale, deterministic, alibi, dropout_p, lse):
+    """The first `empty` queries see no key (the bottom-right diagonal passes above them:
+    more queries than keys): FlashAttention writes 0 and an LSE of +inf there. The rest run
+    alone, a slice of q whose bottom-right diagonal is the same (the shift grows with the
+    rows cut), so cuDNN never sees a row without keys; a causal mask then has as many
+    queries as keys, where the top-left graph (with dropout and ALiBi) is the same one."""
+    b, _, h, _ = q.shape
+    out = _dense(q[:, empty:], k, v, causal, window, scale, deterministic, alibi, dropout_p, lse)
+    o, stats = out if lse else (out, None)
+    o = torch.cat([o.new_zeros(b, empty, h, o.shape[3]), o], 1)
+    if not lse:
+        return o
+    return o, torch.cat([stats.new_full((b, h, empty), float("inf")), stats], 2), None
+
+
+def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                              softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    """FlashAttention's flash_attn_qkvpacked_func: qkv (batch, seqlen, 3, nheads, headdim);
+    q, k, v are views of it (no copy), and its gradient is dqkv. Otherwise flash_attn_func."""
+    shape = _shape(qkv, "qkv", 5, "(batch, seqlen, 3, nheads, headdim)")
+    if shape[2] != 3:
+        raise InvalidArgumentError(f"qkv has shape {tuple(shape)}: expected (batch, seqlen, 3, nheads, headdim)")
+    q, k, v = qkv.unbind(2)
+    return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                           deterministic, return_attn_probs)
+
+
+def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                             softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    """FlashAttention's flash_attn_kvpacked_func: kv (batch, seqlen_k, 2, nheads_k, headdim);
+    k, v are views of it (no copy). Otherwise flash_attn_func."""
+    shape = _shape(kv, "kv", 5, "(batch, seqlen_k, 2, nheads_k, headdim)")
+    if shape[2] != 2:
+        raise InvalidArgumentError(f"kv has shape {tuple(shape)}: expected (batch, seqlen_k, 2, nheads_k, headdim)")
+    k, v = kv.unbind(2)
+    return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                           deterministic, return_attn_probs)
+
+
+# -- varlen -----------------------------------------------------------------------------------
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                           softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                           deterministic=False, return_attn_probs=False, block_table=None):
+    """FlashAttention's flash_attn_varlen_func.
+
+    q: (total_q, nheads, headdim), k: (total_k, nheads_k, headdim), v: (total_k, nheads_k,
+      headdim_v): the batch's sequences one after another (copied if not contiguous).
+    cu_seqlens_q, cu_seqlens_k: int32 (batch + 1,), cumulative lengths from 0.
+    max_seqlen_q, max_seqlen_k: the longest sequences (plans are built for them rounded up
+      to a power of two; a window bound >= max_seqlen_k is unbounded, as FlashAttention's).
+    causal, window_size: bottom-right aligned per sequence (see the module doc).
+    dropout_p: only 0 (attention_varlen has no dropout). alibi_slopes: only None.
+    block_table: only None (paged varlen: use flash_attn_with_kvcache).
+    return_attn_probs: also return softmax_lse, float32 (nheads, total_q), and None.
+
+    Returns out (total_q, nheads, headdim_v), or (out, softmax_lse, None).
+    """
+    if block_table is not None:
+        raise NotSupportedError("block_table: fastattn.flash has no paged varlen attention (cuDNN's paged plans are "
+                                "forward only and fixed-batch); flash_attn_with_kvcache takes a block table")
+    if alibi_slopes is not None:
+        raise NotSupportedError("alibi_slopes in a varlen call: fastattn.torch.attention_varlen has no ALiBi")
+    if dropout_p:
+        _fields.check("probability", "dropout_p", dropout_p)
+        raise NotSupportedError(f"dropout_p={dropout_p!r} in a varlen call: fastattn.torch.attention_varlen has no "
+                                "dropout yet")
+    _no_softcap(softcap)
+    _common(0.0, return_attn_probs)
+    if isinstance(max_seqlen_k, bool) or not isinstance(max_seqlen_k, int):
+        raise InvalidArgumentError(f"max_seqlen_k={max_seqlen_k!r}: must be an int >= 1")
+    causal, window = _mask(causal, window_size, max_seqlen_k)
+    deterministic = _deterministic(deterministic, return_attn_probs, q, k, v)
+    q, k, v = (t if not isinstance(t, torch.Tensor) or t.is_contiguous() else t.contiguous() for t in (q, k, v))
+    # The same cumulative lengths: each sequence's q and k lengths are equal, and the
+    # top-left diagonal is the bottom-right one (the plans attention_varlen shares).
+    bottom = cu_seqlens_q is not cu_seqlens_k and (causal or window is not None)
+    out = attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
+                           window=window, scale=softmax_scale, deterministic=deterministic,
+                           alignment="bottom_right" if bottom else "top_left", return_lse=return_attn_probs)
+    return (*out, None) if return_attn_probs else out
+
+
+def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None, causal=False,
+                                     window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
+                                     return_attn_probs=False):
+    """FlashAttention's flash_attn_varlen_qkvpacked_func: qkv (total, 3, nheads, headdim),
+    one cu_seqlens and max_seqlen for q and k. Otherwise flash_attn_varlen_func."""
+    shape = _shape(qkv, "qkv", 4, "(total, 3, nheads, headdim)")
+    if shape[1] != 3:
+        raise InvalidArgumentError(f"qkv has shape {tuple(shape)}: expected (total, 3, nheads, headdim)")
+    q, k, v = qkv.unbind(1)
+    return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p, softmax_scale,
+                                  causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
+
+
+def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                                    softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                                    alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    """FlashAttention's flash_attn_varlen_kvpacked_func: kv (total_k, 2, nheads_k, headdim).
+    Otherwise flash_attn_varlen_func."""
+    shape = _shape(kv, "kv", 4, "(total_k, 2, nheads_k, headdim)")
+    if shape[1] != 2:
+        raise InvalidArgumentError(f"kv has shape {tuple(shape)}: expected (total_k, 2, nheads_k, headdim)")
+    k, v = kv.unbind(1)
+    return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                                  softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                                  return_attn_probs)
+
+
+# -- KV cache ---------------------------------------------------------------------------------
+
+def _cache_lengths(cache_seqlens, batch: int, full: int, q: torch.Tensor) -> torch.Tensor:
+    if cache_seqlens is None:
+        return _full(q, batch, full)
+    if isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
+        return torch.full((batch,), _fields.check_int("cache_seqlens", cache_seqlens, 0), dtype=torch.int32,
+                          device=q.device)
+    if (not isinstance(cache_seqlens, torch.Tensor) or cache_seqlens.dtype != torch.int32
+            or tuple(cache_seqlens.shape) != (batch,)):
+        raise InvalidArgumentError(f"cache_seqlens: expected an int or an int32 tensor of shape ({batch},), got "
+                                   f"{getattr(cache_seqlens, 'dtype', type(cache_seqlens).__name__)} "
+                                   f"{tuple(getattr(cache_seqlens, 'shape', ()))}")
+    return cache_seqlens
+
+
+def _append(k_cache, v_cache, k, v, lengths, block_table, batch_idx) -> None:
+    """Writes the new keys and values of each sequence b at positions lengths[b] ... of its
+    cache, in place, as FlashAttention does (its cache_seqlens stay the caller's to advance).
+    Index arithmetic on the device: no synchronization."""
+    b, s_new = k.shape[0], k.shape[1]
+    pos = lengths.to(torch.int64)[:, None] + torch.arange(s_new, device=k.device)[None, :]  # (b, s_new)
+    if block_table is not None:
+        page_size = k_cache.shape[1]
+        rows = block_table.to(torch.int64).gather(1, pos // page_size)
+        cols = pos % page_size
+    else:
+        rows = (batch_idx.to(torch.int64) if batch_idx is not None else torch.arange(b, device=k.device))[:, None]
+        rows, cols = rows.expand(b, s_new), pos
+    k_cache.index_put_((rows, cols), k)
+    v_cache.index_put_((rows, cols), v)
+
+
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
+                            cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
+                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                            rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False):
+    """FlashAttention's flash_attn_with_kvcache (forward only, no gradients).
+
+    q: (batch, seqlen_q, nheads, headdim).
+    k_cache, v_cache: (batch_size_cache, seqlen_cache, nheads_k, headdim) dense, or with
+      block_table (num_blocks, page_block_size, nheads_k, headdim) pages (any page size).
+    k, v: None, or (batch, seqlen_new, nheads_k, headdim): written into the caches in
+      place at each sequence's cache_seqlens before attending (cache_seqlens is not
+      advanced, as with FlashAttention).
+    cache_seqlens: an int or int32 (batch,): each sequence's cached length before k, v
+      (None: the whole cache; needed with k, v).
+    cache_batch_idx: int32 (batch,): the cache rows of a dense cache (default 0 ... batch
+      - 1); the rows are gathered (a copy). Not with block_table.
+    block_table: int32 (batch, max_num_blocks_per_seq): each sequence's pages.
+    causal, window_size: bottom-right aligned per sequence: query i sees keys up to
+      cache_seqlens + seqlen_new - seqlen_q + i (see the module doc).
+    rotary_cos, rotary_sin, cache_leftpad, softcap != 0, alibi_slopes: NotSupportedError.
+    rotary_interleaved: checked; used only with rotary (as FlashAttention).
+    num_splits: an int >= 0, no effect (cuDNN chooses).
+    return_softmax_lse: also return softmax_lse, float32 (batch, nheads, seqlen_q); not
+      with block_table.
+
+    Returns out (batch, seqlen_q, nheads, headdim_v), or (out, softmax_lse).
+    """
+    for name, value, why in (("rotary_cos", rotary_cos, "rotary embedding inside the call"),
+                             ("rotary_sin", rotary_sin, "rotary embedding inside the call"),
+                             ("cache_leftpad", cache_leftpad, "left-padded caches"),
+                             ("alibi_slopes", alibi_slopes, "ALiBi at the bottom-right diagonal")):
+        if value is not None:
+            raise NotSupportedError(f"{name}: cuDNN's fused attention has no {why}; pass None")
+    _no_softcap(softcap)
+    _fields.check("bool", "rotary_interleaved", rotary_interleaved)
+    _fields.check("int", "num_splits", num_splits)
+    lse = _fields.check("bool", "return_softmax_lse", return_softmax_lse)
+    batch, sq = _shape(q, "q", 4, "(batch, seqlen_q, nheads, headdim)")[:2]
+    _shape(k_cache, "k_cache", 4, "(batch_size_cache or num_blocks, seqlen_cache or page_block_size, nheads_k, "
+           "headdim)")
+    if (k is None) != (v is None):
+        raise InvalidArgumentError("k and v: give both (new keys and values to append) or neither")
+    if block_table is not None:
+        if cache_batch_idx is not None:
+            raise NotSupportedError("cache_batch_idx with block_table: the block table already maps each sequence's "
+                                    "pages (FlashAttention refuses this too)")
+        if lse:
+            raise NotSupportedError("return_softmax_lse=True with block_table: cuDNN's paged plans write no softmax "
+                                    "stats (fastattn builds them forward only, without training)")
+        _shape(block_table, "block_table", 2, "int32 (batch, max_num_blocks_per_seq)")
+        seqlen_k = block_table.shape[1] * k_cache.shape[1]
+    else:
+        seqlen_k = k_cache.shape[1]
+    lengths = _cache_lengths(cache_seqlens, batch, seqlen_k, q)
+    causal, window = _mask(causal, window_size, seqlen_k)
+    with torch.no_grad():  # FlashAttention's kvcache call has no backward; neither does this one
+        if k is not None:
+            if cache_seqlens is None:
+                raise InvalidArgumentError("k, v given without cache_seqlens: the positions to write them at")
+            _shape(k, "k", 4, "(batch, seqlen_new, nheads_k, headdim)")
+            _append(k_cache, v_cache, k, v, lengths, block_table, cache_batch_idx)
+            lengths = lengths + k.shape[1]
+        if block_table is not None:
+            return attention_paged(q, k_cache, v_cache, block_table, lengths, causal=causal, window=window,
+                                   scale=softmax_scale, alignment="bottom_right")
+        if cache_batch_idx is not None:
+            if (not isinstance(cache_batch_idx, torch.Tensor) or cache_batch_idx.dtype not in (torch.int32, torch.int64)
+                    or tuple(cache_batch_idx.shape) != (batch,)):
+                raise InvalidArgumentError(f"cache_batch_idx: expected an int32 tensor of shape ({batch},)")
+            k_cache, v_cache = k_cache.index_select(0, cache_batch_idx), v_cache.index_select(0, cache_batch_idx)
+        return attention(q, k_cache, v_cache, causal=causal, window=window, scale=softmax_scale,
+                         seq_lens_q=_full(q, batch, sq), seq_lens_kv=lengths, alignment="bottom_right",
+                         return_lse=lse)

@@ -1,0 +1,231 @@
+"""The alignment field and the one-row bias shapes (issue 14), on the CPU: canonical
+forms, unchanged keys for every config that existed before them, and properties over
+mask / window / alignment / bias combinations."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fastattn import store
+from fastattn.config import ALIGNMENTS, BIAS_SHAPES, MASKS, AttentionConfig
+from fastattn.errors import InvalidArgumentError
+
+BASE = dict(batch=2, heads_q=8, heads_kv=2, seqlen_q=128, seqlen_kv=256, head_dim_qk=64)
+_HEAD = '{"batch":2,'
+_TAIL = ('"deterministic":false,"dtype":"bf16","head_dim_qk":64,"head_dim_v":64,"heads_kv":2,"heads_q":8,'
+         '"layout":"bshd",')
+
+# Canonical JSON of configs that existed before the alignment field, as fastattn at main
+# (commit 1f8556a) wrote them: these strings are what their cache keys hash.
+GOLDEN_JSON = [
+    (dict(mask="causal_bottom_right"), _HEAD + _TAIL + '"mask":"causal_bottom_right","scale":0.125,"seqlen_kv":256,'
+     '"seqlen_q":128,"training":false,"window":[-1,-1]}'),
+    (dict(mask="causal_bottom_right", window=(32, 0)), _HEAD + _TAIL + '"mask":"causal_bottom_right","scale":0.125,'
+     '"seqlen_kv":256,"seqlen_q":128,"training":false,"window":[32,-1]}'),
+    (dict(mask="causal", window=(16, -1)), _HEAD + _TAIL + '"mask":"causal","scale":0.125,"seqlen_kv":256,'
+     '"seqlen_q":128,"training":false,"window":[16,-1]}'),
+    (dict(window=(16, 8)), _HEAD + _TAIL + '"mask":"none","scale":0.125,"seqlen_kv":256,"seqlen_q":128,'
+     '"training":false,"window":[16,8]}'),
+    (dict(window=(-1, 4)), _HEAD + _TAIL + '"mask":"none","scale":0.125,"seqlen_kv":256,"seqlen_q":128,'
+     '"training":false,"window":[-1,4]}'),
+    (dict(bias="b1ss", training=True), _HEAD + '"bias":"b1ss",' + _TAIL + '"mask":"none","scale":0.125,'
+     '"seqlen_kv":256,"seqlen_q":128,"training":true,"window":[-1,-1]}'),
+    (dict(padding=True, page_size=64, mask="causal_bottom_right"), _HEAD + _TAIL + '"mask":"causal_bottom_right",'
+     '"padding":true,"page_size":64,"scale":0.125,"seqlen_kv":256,"seqlen_q":128,"training":false,'
+     '"window":[-1,-1]}'),
+    (dict(padding=True, ragged=True, mask="causal_bottom_right", window=(8, -1), training=True),
+     _HEAD + _TAIL + '"mask":"causal_bottom_right","padding":true,"ragged":true,"scale":0.125,"seqlen_kv":256,'
+     '"seqlen_q":128,"training":true,"window":[8,-1]}'),
+]
+
+# Cache keys main computed for these configs (store.describe with the arguments below).
+GOLDEN_KEYS = [
+    (dict(mask="causal_bottom_right", window=(32, 0)),
+     "b93f5f06c8243c36fce76a3711c6e7259bd7a0d269ca911557f2cdb5241f0bbc"),
+    (dict(window=(16, 8)), "83bde5623e1cb009c21e046e88e02b32c6d20c5fe1aba90a1f4c21d0e4e151cd"),
+    (dict(bias="1hss", training=True, bias_grad=True),
+     "997e962e301f652ddf3bdc7be74dbeefd0bc4cbaee9c74291da55e142bbdfe8d"),
+]
+
+
+def _key(config: AttentionConfig) -> str:
+    return store.key_of(store.describe(
+        config.to_dict(), fastattn_version="0.1.0", frontend_version="1.28.0", cudnn_version=91900,
+        gpu_name="NVIDIA H200", compute_capability=(9, 0), sm_count=132, policy="p", env={}))
+
+
+@pytest.mark.parametrize("fields,text", GOLDEN_JSON)
+def test_existing_configs_keep_their_canonical_json(fields, text):
+    assert AttentionConfig(**BASE, **fields).to_json() == text
+    assert AttentionConfig.from_json(text).to_json() == text  # an old entry's config still loads as itself
+
+
+@pytest.mark.parametrize("fields,key", GOLDEN_KEYS)
+def test_existing_configs_keep_their_cache_keys(fields, key):
+    assert _key(AttentionConfig(**BASE, **fields)) == key
+
+
+def test_causal_at_the_bottom_right_has_one_spelling():
+    old = AttentionConfig(**BASE, mask="causal_bottom_right", window=(32, 0))
+    new = AttentionConfig(**BASE, mask="causal", alignment="bottom_right", window=(32, 0))
+    assert new == old and new.to_json() == old.to_json() and hash(new) == hash(old)
+    assert new.mask == "causal_bottom_right" and new.alignment == "top_left"
+    # causal_bottom_right implies the alignment; stating it again changes nothing.
+    assert AttentionConfig(**BASE, mask="causal_bottom_right", alignment="bottom_right") == \
+        AttentionConfig(**BASE, mask="causal_bottom_right")
+
+
+def test_alignment_without_a_bound_is_top_left():
+    # No mask and no window: no bound uses the diagonal, so both alignments are one graph.
+    assert AttentionConfig(**BASE, alignment="bottom_right") == AttentionConfig(**BASE)
+    assert "alignment" not in AttentionConfig(**BASE, alignment="bottom_right").to_dict()
+
+
+@pytest.mark.parametrize("window", [(16, 8), (16, -1), (-1, 4), (0, 3)])
+def test_a_window_at_the_bottom_right_is_its_own_config(window):
+    top = AttentionConfig(**BASE, window=window)
+    bottom = AttentionConfig(**BASE, window=window, alignment="bottom_right")
+    assert bottom != top and bottom.to_dict()["alignment"] == "bottom_right"
+    assert json.loads(bottom.to_json())["window"] == list(window)
+    assert AttentionConfig.from_json(bottom.to_json()) == bottom and _key(bottom) != _key(top)
+
+
+@pytest.mark.parametrize("left", [-1, 0, 16])
+def test_a_right_bound_of_0_at_the_bottom_right_is_the_causal_mask(left):
+    window = AttentionConfig(**BASE, window=(left, 0), alignment="bottom_right")
+    causal = AttentionConfig(**BASE, mask="causal_bottom_right", window=(left, 0))
+    assert window == causal and window.to_json() == causal.to_json() and window.mask == "causal_bottom_right"
+    # At the top left the two spellings stay apart: both existed before, with their keys.
+    assert AttentionConfig(**BASE, window=(left, 0)) != AttentionConfig(**BASE, mask="causal", window=(left, 0))
+
+
+def test_alignment_refuses_other_values():
+    for bad in ("bottom-right", "BOTTOM_RIGHT", 1, True, None, ("bottom_right",)):
+        with pytest.raises(InvalidArgumentError, match=r"^alignment=.*must be one of \('top_left', 'bottom_right'\)"):
+            AttentionConfig(**BASE, window=(4, 4), alignment=bad)
+
+
+def test_a_causal_mask_still_fixes_the_right_bound_at_the_bottom_right():
+    with pytest.raises(InvalidArgumentError, match=r"^window=\(4, 2\): mask='causal_bottom_right' fixes"):
+        AttentionConfig(**BASE, mask="causal", alignment="bottom_right", window=(4, 2))
+
+
+@pytest.mark.parametrize("name,shape", [
+    ("111s", (1, 1, 1, 256)), ("1h1s", (1, 8, 1, 256)), ("b11s", (2, 1, 1, 256)), ("bh1s", (2, 8, 1, 256)),
+    ("11ss", (1, 1, 128, 256)), ("1hss", (1, 8, 128, 256)), ("b1ss", (2, 1, 128, 256)), ("bhss", (2, 8, 128, 256)),
+])
+def test_bias_shapes(name, shape):
+    c = AttentionConfig(**BASE, bias=name)
+    assert c.shape("bias") == shape and c.shape("d_bias") == shape
+    b, h, s, k = shape
+    assert c.strides("bias") == (h * s * k, s * k, k, 1)  # contiguous
+    assert c.to_dict()["bias"] == name
+
+
+def test_bias_shape_names_refuse_others():
+    for bad in ("1111", "bhs1", "11s1", "b1hs", "BHSS"):
+        with pytest.raises(InvalidArgumentError, match=r"^bias="):
+            AttentionConfig(**BASE, bias=bad)
+
+
+def test_every_bias_shape_names_its_extents():
+    # Each letter is one extent: b|1, h|1, s|1, then always s (seqlen_kv).
+    for name in BIAS_SHAPES[1:]:
+        assert len(name) == 4 and name[0] in "b1" and name[1] in "h1" and name[2] in "s1" and name[3] == "s"
+    assert len(set(BIAS_SHAPES)) == len(BIAS_SHAPES) == 9
+
+
+# -- properties ---------------------------------------------------------------------------
+
+_bounds = st.sampled_from([-1, 0, 1, 7, 64, 300])
+
+
+@settings(max_examples=300, derandomize=True, deadline=None)
+@given(mask=st.sampled_from(MASKS), alignment=st.sampled_from(ALIGNMENTS), left=_bounds, right=_bounds,
+       bias=st.sampled_from(BIAS_SHAPES), seqlen_q=st.sampled_from([1, 64, 128]),
+       seqlen_kv=st.sampled_from([1, 64, 256]), padding=st.booleans())
+def test_alignment_window_bias_configs_are_canonical(mask, alignment, left, right, bias, seqlen_q, seqlen_kv,
+                                                     padding):
+    fields = dict(batch=2, heads_q=4, seqlen_q=seqlen_q, seqlen_kv=seqlen_kv, head_dim_qk=64, mask=mask,
+                  alignment=alignment, window=(left, right), bias=bias, padding=padding)
+    if mask != "none" and right > 0:
+        with pytest.raises(InvalidArgumentError, match=r"^window=.*fixes the right bound at 0"):
+            AttentionConfig(**fields)
+        return
+    c = AttentionConfig(**fields)
+    text = c.to_json()
+    again = AttentionConfig.from_json(text)
+    assert again == c and again.to_json() == text and hash(again) == hash(c)
+    d = c.to_dict()
+    # The diagonal's position is stated once: by the mask's name, or by the alignment
+    # field where only a window uses it; never both, never where nothing uses it.
+    bottom_right = mask == "causal_bottom_right" or (alignment == "bottom_right" and (
+        mask == "causal" or (mask == "none" and right == 0)))
+    assert (c.mask == "causal_bottom_right") == bottom_right
+    uses_alignment = alignment == "bottom_right" and mask == "none" and (left, right) != (-1, -1) and right != 0
+    assert ("alignment" in d) == uses_alignment and c.alignment == ("bottom_right" if uses_alignment else "top_left")
+    # Equivalent spellings give one config.
+    if bottom_right:
+        assert c == AttentionConfig(**{**fields, "mask": "causal_bottom_right", "alignment": "top_left",
+                                       "window": (left, min(right, 0))})
+    if not uses_alignment and not bottom_right:
+        assert c == AttentionConfig(**{**fields, "alignment": "top_left"})
+    if bias != "none":
+        b, h, s, k = c.shape("bias")
+        assert (b, h, s, k) == (2 if bias[0] == "b" else 1, 4 if bias[1] == "h" else 1,
+                                seqlen_q if bias[2] == "s" else 1, seqlen_kv)
+
+
+# -- through the CLI flags, warm files and matrix features (all derived from the registry) ----
+
+
+def test_probe_flags_take_alignment_and_one_row_biases(capsys, monkeypatch):
+    from fastattn import cli, runtime
+    from fastattn.runtime import ProbeResult
+
+    seen = []
+    monkeypatch.setattr(runtime, "probe", lambda cfg, device=None: seen.append(cfg) or ProbeResult(cfg, 0, False, "x"))
+    base = ["probe", "--batch", "2", "--heads-q", "8", "--seqlen-q", "64", "--seqlen-kv", "256", "--head-dim-qk",
+            "64", "--json"]
+    assert cli.main(base + ["--window", "16", "8", "--alignment", "bottom_right", "--bias", "b11s"]) == \
+        cli.EXIT_UNSUPPORTED
+    assert seen[-1].alignment == "bottom_right" and seen[-1].window == (16, 8) and seen[-1].bias == "b11s"
+    assert seen[-1].shape("bias") == (2, 1, 1, 256)
+    cli.main(base + ["--mask", "causal", "--alignment", "bottom_right"])
+    assert seen[-1].mask == "causal_bottom_right" and seen[-1].alignment == "top_left"
+    capsys.readouterr()
+    assert cli.main(base + ["--alignment", "bottom"]) == cli.EXIT_BAD_INPUT
+    assert "--alignment: invalid choice: 'bottom'" in capsys.readouterr().out  # --json: the error as JSON
+
+
+def test_warm_files_take_the_new_fields(tmp_path):
+    from fastattn.sweep import describe_config, load_configs
+
+    f = tmp_path / "warm.json"
+    f.write_text(json.dumps({"configs": [
+        {"batch": 1, "heads_q": 8, "seqlen_q": 64, "seqlen_kv": 512, "head_dim_qk": 128, "window": [128, 16],
+         "alignment": "bottom_right"},
+        {"batch": 4, "heads_q": 8, "seqlen_q": 512, "head_dim_qk": 128, "bias": "b11s", "training": True},
+        {"batch": 1, "heads_q": 8, "seqlen_q": 64, "seqlen_kv": 512, "head_dim_qk": 128, "mask": "causal",
+         "alignment": "bottom_right"},
+    ]}))
+    configs = load_configs(str(f))
+    assert [c.alignment for c in configs] == ["bottom_right", "top_left", "top_left"]
+    assert configs[2].mask == "causal_bottom_right" and configs[1].bias == "b11s"
+    assert " br" in describe_config(configs[0]) and "biasb11s" in describe_config(configs[1])
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"configs": [{"batch": 1, "heads_q": 8, "seqlen_q": 64, "head_dim_qk": 64, "alignment": 1}]}')
+    with pytest.raises(InvalidArgumentError, match=r"alignment=1: must be one of"):
+        load_configs(str(bad))
+
+
+def test_matrix_has_a_bottom_right_window_feature():
+    from fastattn.cli.matrix import MATRIX_FEATURES
+
+    settings_, _ = MATRIX_FEATURES["window_br"]
+    c = AttentionConfig(batch=1, heads_q=8, seqlen_q=128, head_dim_qk=64, **settings_)
+    assert c.alignment == "bottom_right" and c.window == (64, 64)

@@ -1,0 +1,441 @@
+"""fastattn.flash without a GPU: FlashAttention 2's signatures, the arguments it refuses
+(NotSupportedError, naming each), argument errors, shapes on meta tensors, the KV-cache
+append, and a property: the mask each call asks fastattn.torch for is FlashAttention's.
+Numerics are in test_gpu_flash.py."""
+
+from __future__ import annotations
+
+import inspect
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+torch = pytest.importorskip("torch", reason="PyTorch is an optional extra (pip install torch)")
+
+import fastattn  # noqa: E402
+from fastattn import flash  # noqa: E402
+from fastattn.errors import InvalidArgumentError, NotSupportedError  # noqa: E402
+
+from gpu_helpers import fa_allowed  # noqa: E402  (FlashAttention's mask, from its documentation)
+
+M = dict(device="meta", dtype=torch.bfloat16)
+
+# flash_attn 2.6-2.8's flash_attn_interface, argument by argument (names, order, defaults).
+_FA_DENSE_TAIL = [("dropout_p", 0.0), ("softmax_scale", None), ("causal", False), ("window_size", (-1, -1)),
+                  ("softcap", 0.0), ("alibi_slopes", None), ("deterministic", False), ("return_attn_probs", False)]
+FA_SIGNATURES = {
+    "flash_attn_func": [("q", None), ("k", None), ("v", None)] + _FA_DENSE_TAIL,
+    "flash_attn_qkvpacked_func": [("qkv", None)] + _FA_DENSE_TAIL,
+    "flash_attn_kvpacked_func": [("q", None), ("kv", None)] + _FA_DENSE_TAIL,
+    "flash_attn_varlen_func": [("q", None), ("k", None), ("v", None), ("cu_seqlens_q", None), ("cu_seqlens_k", None),
+                               ("max_seqlen_q", None), ("max_seqlen_k", None)] + _FA_DENSE_TAIL
+    + [("block_table", None)],
+    "flash_attn_varlen_qkvpacked_func": [("qkv", None), ("cu_seqlens", None), ("max_seqlen", None)] + _FA_DENSE_TAIL,
+    "flash_attn_varlen_kvpacked_func": [("q", None), ("kv", None), ("cu_seqlens_q", None), ("cu_seqlens_k", None),
+                                        ("max_seqlen_q", None), ("max_seqlen_k", None)] + _FA_DENSE_TAIL,
+    "flash_attn_with_kvcache": [("q", None), ("k_cache", None), ("v_cache", None), ("k", None), ("v", None),
+                                ("rotary_cos", None), ("rotary_sin", None), ("cache_seqlens", None),
+                                ("cache_batch_idx", None), ("cache_leftpad", None), ("block_table", None),
+                                ("softmax_scale", None), ("causal", False), ("window_size", (-1, -1)),
+                                ("softcap", 0.0), ("rotary_interleaved", True), ("alibi_slopes", None),
+                                ("num_splits", 0), ("return_softmax_lse", False)],
+}
+_REQUIRED = {"q", "k", "v", "qkv", "kv", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "cu_seqlens",
+             "max_seqlen", "k_cache", "v_cache"}
+
+
+@pytest.mark.parametrize("name", sorted(FA_SIGNATURES))
+def test_signatures_are_flash_attentions(name):
+    params = list(inspect.signature(getattr(flash, name)).parameters.values())
+    got = [(p.name, p.default) for p in params]
+    expected = [(n, inspect.Parameter.empty if (n in _REQUIRED and d is None and not (
+        name == "flash_attn_with_kvcache" and n in ("k", "v"))) else d) for n, d in FA_SIGNATURES[name]]
+    assert got == expected
+    assert all(p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD for p in params)  # FA's are positional too
+    assert name in flash.__all__
+
+
+# -- inputs -----------------------------------------------------------------------------------
+
+def dense(b=2, sq=128, sk=128, h=8, hk=2, d=64, device="meta", grad=False):
+    return tuple(torch.empty(b, s, hh, d, device=device, dtype=torch.bfloat16, requires_grad=grad)
+                 for s, hh in ((sq, h), (sk, hk), (sk, hk)))
+
+
+def varlen(total_q=201, total_k=301, h=8, hk=2, d=64, b=2):
+    q = torch.empty(total_q, h, d, **M)
+    k, v = (torch.empty(total_k, hk, d, **M) for _ in range(2))
+    cu_q, cu_k = (torch.zeros(b + 1, dtype=torch.int32, device="meta") for _ in range(2))
+    return q, k, v, cu_q, cu_k
+
+
+def kvcache(b=2, sq=1, h=8, hk=2, d=64, pages=12, page=16, per_seq=4, paged=True):
+    q = torch.empty(b, sq, h, d, **M)
+    shape = (pages, page, hk, d) if paged else (b, per_seq * page, hk, d)
+    k_cache, v_cache = (torch.empty(shape, **M) for _ in range(2))
+    table = torch.zeros(b, per_seq, dtype=torch.int32, device="meta") if paged else None
+    lens = torch.zeros(b, dtype=torch.int32, device="meta")
+    return q, k_cache, v_cache, table, lens
+
+
+# -- what cuDNN cannot do: NotSupportedError naming the argument -------------------------------
+
+def _calls_with(**extra):
+    q, k, v = dense()
+    qv, kv_, vv, cu_q, cu_k = varlen()
+    qc, kc, vc, table, lens = kvcache()
+    qkv = torch.empty(2, 128, 3, 8, 64, **M)
+    kvp = torch.empty(2, 128, 2, 2, 64, **M)
+    return [
+        lambda: flash.flash_attn_func(q, k, v, **extra),
+        lambda: flash.flash_attn_qkvpacked_func(qkv, **extra),
+        lambda: flash.flash_attn_kvpacked_func(q, kvp, **extra),
+        lambda: flash.flash_attn_varlen_func(qv, kv_, vv, cu_q, cu_k, 100, 200, **extra),
+        lambda: flash.flash_attn_varlen_qkvpacked_func(torch.empty(201, 3, 8, 64, **M), cu_q, 100, **extra),
+        lambda: flash.flash_attn_varlen_kvpacked_func(qv, torch.empty(301, 2, 2, 64, **M), cu_q, cu_k, 100, 200,
+                                                      **extra),
+        lambda: flash.flash_attn_with_kvcache(qc, kc, vc, cache_seqlens=lens, block_table=table, **extra),
+    ]
+
+
+@pytest.mark.parametrize("index", range(7))
+def test_softcap_is_refused_by_every_function(index):
+    with pytest.raises(NotSupportedError, match=r"^softcap=30.0: cuDNN's fused attention has no logit soft-capping"):
+        _calls_with(softcap=30.0)[index]()
+    _calls_with(softcap=0)[index]()  # 0 is FlashAttention's "off"
+    with pytest.raises(InvalidArgumentError, match=r"^softcap='30': must be a number"):
+        _calls_with(softcap="30")[index]()
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda: flash.flash_attn_func(*dense(), dropout_p=0.1, return_attn_probs=True),
+     r"^return_attn_probs=True with dropout_p > 0: .*S_dmask"),
+    (lambda: flash.flash_attn_varlen_func(*varlen(), 100, 200, block_table=torch.zeros(2, 4, dtype=torch.int32)),
+     r"^block_table: fastattn.flash has no paged varlen"),
+    (lambda: flash.flash_attn_varlen_func(*varlen(), 100, 200, dropout_p=0.1), r"^dropout_p=0.1 in a varlen call"),
+    (lambda: flash.flash_attn_varlen_func(*varlen(), 100, 200, causal=True, alibi_slopes=torch.ones(8)),
+     r"^alibi_slopes in a varlen call"),
+    (lambda: flash.flash_attn_func(*dense(), alibi_slopes=torch.ones(8)), r"^alibi_slopes without causal=True"),
+    (lambda: flash.flash_attn_with_kvcache(*kvcache()[:3], rotary_cos=torch.ones(4, 32)), r"^rotary_cos: cuDNN"),
+    (lambda: flash.flash_attn_with_kvcache(*kvcache()[:3], rotary_sin=torch.ones(4, 32)), r"^rotary_sin: cuDNN"),
+    (lambda: flash.flash_attn_with_kvcache(*kvcache()[:3], cache_leftpad=torch.zeros(2, dtype=torch.int32)),
+     r"^cache_leftpad: cuDNN"),
+    (lambda: flash.flash_attn_with_kvcache(*kvcache()[:3], alibi_slopes=torch.ones(8)), r"^alibi_slopes: cuDNN"),
+    (lambda: flash.flash_attn_with_kvcache(*kvcache()[:3], block_table=kvcache()[3],
+                                           cache_batch_idx=torch.zeros(2, dtype=torch.int32)),
+     r"^cache_batch_idx with block_table"),
+    (lambda: flash.flash_attn_with_kvcache(*kvcache()[:3], block_table=kvcache()[3], return_softmax_lse=True),
+     r"^return_softmax_lse=True with block_table"),
+])
+def test_what_cudnn_cannot_do_is_refused_by_name(call, match):
+    with pytest.raises(NotSupportedError, match=match):
+        call()
+
+
+def test_alibi_takes_only_the_standard_slopes():
+    q, k, v = dense(device="cpu")  # CPU tensors: the slopes are checked before the device is
+    with pytest.raises(NotSupportedError, match=r"^alibi_slopes: only the ALiBi paper's slopes"):
+        flash.flash_attn_func(q, k, v, causal=True, alibi_slopes=torch.full((8,), 0.5))
+    with pytest.raises(InvalidArgumentError, match=r"^alibi_slopes: expected a float32 tensor of shape \(8,\)"):
+        flash.flash_attn_func(q, k, v, causal=True, alibi_slopes=torch.ones(4))
+    slopes = torch.tensor(flash.standard_alibi_slopes(8), dtype=torch.float32)
+    for good in (slopes, slopes.expand(2, 8)):  # passes the slopes' check, reaches fastattn.torch's device check
+        with pytest.raises(InvalidArgumentError, match=r"^q is on cpu"):
+            flash.flash_attn_func(q, k, v, causal=True, alibi_slopes=good)
+
+
+@pytest.mark.parametrize("heads", [1, 2, 3, 5, 8, 12, 16, 24, 32, 40, 64])
+def test_standard_alibi_slopes_are_the_papers_and_cudnns(heads):
+    import math
+
+    def get_slopes(n):  # the ALiBi repository's get_slopes, as FlashAttention's tests use it
+        def power_of_2(n):
+            start = 2 ** (-2 ** -(math.log2(n) - 3))
+            return [start * start ** i for i in range(n)]
+        if math.log2(n).is_integer():
+            return power_of_2(n)
+        closest = 2 ** math.floor(math.log2(n))
+        return power_of_2(closest) + get_slopes(2 * closest)[0::2][:n - closest]
+
+    from gpu_helpers import alibi_slopes as cudnn_slopes  # cudnn-frontend's get_alibi_slope, in float32
+
+    assert np.allclose(flash.standard_alibi_slopes(heads), get_slopes(heads), rtol=1e-12)
+    assert np.allclose(flash.standard_alibi_slopes(heads), cudnn_slopes(heads), rtol=1e-6)
+
+
+# -- argument errors --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("call,match", [
+    (lambda: flash.flash_attn_func(*dense(), causal="true"), r"^causal='true': must be True or False"),
+    (lambda: flash.flash_attn_func(*dense(), window_size={"left": 4}), r"^window_size=\{'left': 4\}: must be a pair"),
+    (lambda: flash.flash_attn_func(*dense(), window_size=(-2, 4)), r"^window_size\[0\] \(left\)=-2: must be >= -1"),
+    (lambda: flash.flash_attn_func(*dense(), dropout_p=1.0), r"^dropout_p=1.0: must be in \[0, 1\)"),
+    (lambda: flash.flash_attn_func(*dense(), softmax_scale=-1.0), r"^scale=-1.0: must be a finite number > 0"),
+    (lambda: flash.flash_attn_func(*dense(), deterministic="no"), r"^deterministic='no': must be True or False"),
+    (lambda: flash.flash_attn_func(*dense(), return_attn_probs=1), r"^return_attn_probs=1: must be True or False"),
+    (lambda: flash.flash_attn_func(dense()[0][0], *dense()[1:]), r"^q: expected a torch.Tensor \(batch, seqlen_q"),
+    (lambda: flash.flash_attn_func("q", *dense()[1:]), r"^q: expected a torch.Tensor .* got str"),
+    (lambda: flash.flash_attn_qkvpacked_func(torch.empty(2, 128, 2, 8, 64, **M)), r"^qkv has shape \(2, 128, 2"),
+    (lambda: flash.flash_attn_kvpacked_func(dense()[0], torch.empty(2, 128, 3, 2, 64, **M)), r"^kv has shape"),
+    (lambda: flash.flash_attn_varlen_func(*varlen(), 100, 200.0), r"^max_seqlen_k=200.0: must be an int"),
+    (lambda: flash.flash_attn_varlen_qkvpacked_func(torch.empty(201, 2, 8, 64, **M), varlen()[3], 100),
+     r"^qkv has shape \(201, 2, 8, 64\)"),
+    (lambda: flash.flash_attn_with_kvcache(*kvcache()[:3], k=torch.empty(2, 1, 2, 64, **M)), r"^k and v: give both"),
+    (lambda: flash.flash_attn_with_kvcache(*kvcache(paged=False)[:3], torch.empty(2, 1, 2, 64, **M),
+                                           torch.empty(2, 1, 2, 64, **M)), r"^k, v given without cache_seqlens"),
+    (lambda: flash.flash_attn_with_kvcache(*kvcache()[:3], cache_seqlens=torch.zeros(2), block_table=kvcache()[3]),
+     r"^cache_seqlens: expected an int or an int32 tensor of shape \(2,\)"),
+    (lambda: flash.flash_attn_with_kvcache(*kvcache()[:3], num_splits=-1), r"^num_splits=-1: must be >= 0"),
+    (lambda: flash.flash_attn_with_kvcache(*kvcache()[:3], rotary_interleaved="no"),
+     r"^rotary_interleaved='no': must be True or False"),
+    (lambda: flash.flash_attn_with_kvcache(*kvcache()[:3], return_softmax_lse=None),
+     r"^return_softmax_lse=None: must be True or False"),
+])
+def test_bad_arguments_are_named(call, match):
+    with pytest.raises(InvalidArgumentError, match=match):
+        call()
+
+
+# -- shapes (meta tensors run the custom ops' fake implementations) ----------------------------
+
+@pytest.mark.parametrize("sq,sk", [(100, 300), (128, 128), (400, 300)])
+@pytest.mark.parametrize("causal,window", [(False, (-1, -1)), (True, (-1, -1)), (False, (5, 3)), (True, (16, 0))])
+def test_dense_shapes_and_lse_layout(sq, sk, causal, window):
+    q, k, v = dense(sq=sq, sk=sk)
+    assert flash.flash_attn_func(q, k, v, causal=causal, window_size=window).shape == (2, sq, 8, 64)
+    out, lse, s_dmask = flash.flash_attn_func(q, k, v, causal=causal, window_size=window, return_attn_probs=True)
+    assert out.shape == (2, sq, 8, 64) and lse.shape == (2, 8, sq) and lse.dtype == torch.float32
+    assert s_dmask is None  # FlashAttention's S_dmask without dropout
+
+
+def test_packed_and_varlen_and_kvcache_shapes():
+    qkv = torch.empty(2, 128, 3, 8, 64, **M)
+    out, lse, _ = flash.flash_attn_qkvpacked_func(qkv, causal=True, return_attn_probs=True)
+    assert out.shape == (2, 128, 8, 64) and lse.shape == (2, 8, 128)
+    q, k, v, cu_q, cu_k = varlen()
+    out, lse, none = flash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 100, 200, causal=True, return_attn_probs=True)
+    assert out.shape == (201, 8, 64) and lse.shape == (8, 201) and lse.dtype == torch.float32 and none is None
+    packed = torch.empty(201, 3, 8, 64, **M)
+    assert flash.flash_attn_varlen_qkvpacked_func(packed, cu_q, 100, causal=True).shape == (201, 8, 64)
+    qc, kc, vc, table, lens = kvcache(sq=3)
+    new = torch.empty(2, 3, 2, 64, **M)
+    assert flash.flash_attn_with_kvcache(qc, kc, vc, new, new, cache_seqlens=lens, block_table=table,
+                                         causal=True).shape == (2, 3, 8, 64)
+    qc, kc, vc, _, lens = kvcache(sq=3, paged=False)
+    out, lse = flash.flash_attn_with_kvcache(qc, kc, vc, cache_seqlens=5, causal=True, return_softmax_lse=True)
+    assert out.shape == (2, 3, 8, 64) and lse.shape == (2, 8, 3)
+
+
+def test_kvpacked_shapes():
+    q = torch.empty(2, 100, 8, 64, **M)
+    kv = torch.empty(2, 300, 2, 2, 64, **M)
+    out, lse, _ = flash.flash_attn_kvpacked_func(q, kv, causal=True, return_attn_probs=True)
+    assert out.shape == (2, 100, 8, 64) and lse.shape == (2, 8, 100)
+
+
+def test_gradients_flow_through_the_packed_views():
+    qkv = torch.empty(2, 64, 3, 4, 64, device="meta", dtype=torch.bfloat16, requires_grad=True)
+    out = flash.flash_attn_qkvpacked_func(qkv, causal=True)
+    assert out.requires_grad and out.grad_fn is not None
+
+
+# -- the mask asked of fastattn.torch is FlashAttention's -------------------------------------
+
+def fastattn_allowed(sq: int, sk: int, kwargs: dict) -> np.ndarray:
+    """The same, from the arguments fastattn.flash gave fastattn.torch, in fastattn.torch's
+    documented convention (attention()'s docstring)."""
+    shift = sk - sq if kwargs["alignment"] == "bottom_right" else 0
+    left, right = kwargs["window"] or (-1, -1)
+    if kwargs["causal"]:
+        assert right in (-1, 0)  # fastattn refuses a causal mask with right > 0
+        right = 0
+    i, j = np.arange(sq)[:, None], np.arange(sk)[None, :]
+    ok = np.ones((sq, sk), dtype=bool)
+    if right >= 0:
+        ok &= j <= i + shift + right
+    if left >= 0:
+        ok &= j >= i + shift - left
+    return ok
+
+
+def _recorded(monkeypatch, name, fn, *args, **kwargs) -> dict:
+    """The keywords fn gives fastattn.torch's entry point `name` (and its q, as "q")."""
+    seen = []
+
+    def record(q, k, v, *rest, **kw):
+        seen.append({**kw, "q": q})
+        out = q.new_empty(*q.shape[:-1], v.shape[-1])
+        return (out, q.new_empty(q.shape[0], q.shape[2], q.shape[1], dtype=torch.float32)) if kw.get("return_lse") \
+            else out
+
+    monkeypatch.setattr(flash, name, record)
+    fn(*args, **kwargs)
+    return seen[0]
+
+
+_bound = st.sampled_from([-1, 0, 1, 3, 17, 63, 64, 200, 1000])
+
+
+@settings(max_examples=250, deadline=None, derandomize=True)
+@given(sq=st.sampled_from([1, 5, 64, 100]), sk=st.sampled_from([1, 7, 64, 100, 150]), causal=st.booleans(),
+       left=_bound, right=_bound)
+def test_dense_calls_ask_for_flash_attentions_mask(sq, sk, causal, left, right):
+    with pytest.MonkeyPatch.context() as mp:
+        kw = _recorded(mp, "attention", flash.flash_attn_func, *dense(sq=sq, sk=sk), causal=causal,
+                       window_size=(left, right))
+    fa = fa_allowed(sq, sk, causal, (left, right))
+    asked = kw["q"].shape[1]  # the queries that see a key; the rows cut before them see none
+    assert not fa[:sq - asked].any() and (asked == sq or fa[sq - asked].any())
+    assert (fastattn_allowed(asked, sk, kw) == fa[sq - asked:]).all()
+    bottom = kw["alignment"] == "bottom_right"
+    assert not (bottom and asked == sk)  # one diagonal there: the top-left graph, which takes dropout and ALiBi
+    # cuDNN takes the bottom-right diagonal with more queries than keys only with lengths: full ones.
+    assert (kw["seq_lens_q"] is not None) == (bottom and asked > sk)
+    if kw["seq_lens_q"] is not None:
+        assert kw["seq_lens_q"].shape == (2,) and kw["seq_lens_kv"].shape == (2,)
+
+
+def test_rows_without_keys_are_zero_with_an_lse_of_inf():
+    q, k, v = dense(sq=300, sk=100)
+    with pytest.MonkeyPatch.context() as mp:
+        kw = _recorded(mp, "attention", flash.flash_attn_func, q, k, v, causal=True, return_attn_probs=True)
+    assert kw["q"].shape[1] == 100 and kw["alignment"] == "top_left" and kw["seq_lens_q"] is None
+    q, k, v = dense(sq=300, sk=100, device="cpu")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(flash, "attention", lambda q, k, v, **kw: (torch.ones(*q.shape), torch.ones(2, 8, q.shape[1])))
+        out, lse, _ = flash.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+    assert out.shape == (2, 300, 8, 64) and torch.all(out[:, :200] == 0) and torch.all(out[:, 200:] == 1)
+    assert lse.shape == (2, 8, 300) and torch.all(lse[..., :200] == float("inf")) and torch.all(lse[..., 200:] == 1)
+
+
+@settings(max_examples=120, deadline=None, derandomize=True)
+@given(sq=st.sampled_from([1, 5, 64]), sk=st.sampled_from([1, 7, 100]), causal=st.booleans(), left=_bound,
+       right=_bound, same_cu=st.booleans())
+def test_varlen_calls_ask_for_flash_attentions_mask(sq, sk, causal, left, right, same_cu):
+    q, k, v, cu_q, cu_k = varlen()
+    with pytest.MonkeyPatch.context() as mp:
+        kw = _recorded(mp, "attention_varlen", flash.flash_attn_varlen_func, q, k, v, cu_q, cu_q if same_cu else cu_k,
+                       sq, sk, causal=causal, window_size=(left, right))
+    # Per sequence, with its own lengths: each (sq_b, sk_b) with sk_b <= max_seqlen_k.
+    for sq_b, sk_b in ((sq, sk), (max(1, sq // 2), sk), (sq, max(1, sk - 3))):
+        if same_cu:
+            sk_b = sq_b  # one cu_seqlens: each sequence's q and k lengths are equal
+        fa = fa_allowed(sq_b, sk_b, causal, (left, right), seqlen_k=sk)  # max_seqlen_k normalizes
+        assert (fastattn_allowed(sq_b, sk_b, kw) == fa).all()
+
+
+@settings(max_examples=120, deadline=None, derandomize=True)
+@given(sq=st.sampled_from([1, 4]), cached=st.sampled_from([0, 5, 40]), new=st.sampled_from([0, 1, 4]),
+       causal=st.booleans(), left=_bound, right=_bound, paged=st.booleans())
+def test_kvcache_calls_ask_for_flash_attentions_mask(sq, cached, new, causal, left, right, paged):
+    q, k_cache, v_cache, table, lens = kvcache(sq=sq, paged=paged)
+    extra = {} if not new else dict(k=torch.empty(2, new, 2, 64, **M), v=torch.empty(2, new, 2, 64, **M))
+    name = "attention_paged" if paged else "attention"
+    with pytest.MonkeyPatch.context() as mp:
+        kw = _recorded(mp, name, flash.flash_attn_with_kvcache, q, k_cache, v_cache, cache_seqlens=lens,
+                       block_table=table, causal=causal, window_size=(left, right), **extra)
+    assert kw["alignment"] == "bottom_right"  # each sequence's queries sit at the end of its keys
+    sk_max = 4 * 16
+    sk = cached + new
+    fa = fa_allowed(sq, sk, causal, (left, right), seqlen_k=sk_max)  # the cache's capacity normalizes
+    if sk:
+        assert (fastattn_allowed(sq, sk, kw) == fa).all()
+
+
+# -- the KV cache append (plain torch: runs on the CPU) ---------------------------------------
+
+def test_append_writes_each_sequence_at_its_length_dense_and_paged():
+    torch.manual_seed(0)
+    b, s_new, hk, d, page = 3, 4, 2, 8, 4
+    lengths = torch.tensor([0, 5, 9], dtype=torch.int32)
+    k_new, v_new = torch.randn(b, s_new, hk, d), torch.randn(b, s_new, hk, d)
+    # dense, with cache_batch_idx picking rows 4, 0, 2 of a 5-row cache
+    k_cache, v_cache = torch.zeros(5, 16, hk, d), torch.zeros(5, 16, hk, d)
+    rows = torch.tensor([4, 0, 2], dtype=torch.int32)
+    flash._append(k_cache, v_cache, k_new, v_new, lengths, None, rows)
+    for i, (r, n) in enumerate(zip(rows.tolist(), lengths.tolist())):
+        assert torch.equal(k_cache[r, n:n + s_new], k_new[i]) and torch.equal(v_cache[r, n:n + s_new], v_new[i])
+    assert k_cache.count_nonzero() == k_new.count_nonzero()  # nothing else written
+    # paged, with shuffled pages
+    table = torch.randperm(12, dtype=torch.int64).reshape(b, 4).to(torch.int32)
+    k_pool, v_pool = torch.zeros(12, page, hk, d), torch.zeros(12, page, hk, d)
+    flash._append(k_pool, v_pool, k_new, v_new, lengths, table, None)
+    for i, n in enumerate(lengths.tolist()):
+        seq_k = k_pool[table[i].long()].reshape(-1, hk, d)  # the sequence's pages in order
+        seq_v = v_pool[table[i].long()].reshape(-1, hk, d)
+        assert torch.equal(seq_k[n:n + s_new], k_new[i]) and torch.equal(seq_v[n:n + s_new], v_new[i])
+    assert k_pool.count_nonzero() == k_new.count_nonzero()
+
+
+# -- fastattn.torch's alignment, LSE and bias shapes -------------------------------------------
+
+def test_attention_alignment_and_lse_options():
+    from fastattn.torch import attention
+
+    q, k, v = dense(sq=64, sk=128)
+    with pytest.raises(InvalidArgumentError, match=r"^alignment='bottom': must be 'top_left' or 'bottom_right'"):
+        attention(q, k, v, window=(4, 4), alignment="bottom")
+    with pytest.raises(InvalidArgumentError, match=r"^return_lse='yes': must be True or False"):
+        attention(q, k, v, return_lse="yes")
+    o, lse = attention(q, k, v, window=(4, 4), alignment="bottom_right", return_lse=True)
+    assert o.shape == q.shape and lse.shape == (2, 8, 64) and lse.dtype == torch.float32
+    o, lse = attention(*dense(sq=64, sk=128, grad=True), causal=True, return_lse=True)
+    assert o.requires_grad
+
+
+def test_attention_key_padding_bias_shapes_are_named():
+    from fastattn.torch._dense import _bias_shape
+
+    q = torch.empty(2, 64, 8, 32, **M)
+    for shape, name in (((1, 1, 1, 128), "111s"), ((2, 1, 1, 128), "b11s"), ((1, 8, 1, 128), "1h1s"),
+                        ((2, 8, 1, 128), "bh1s"), ((2, 8, 64, 128), "bhss"), ((1, 1, 64, 128), "11ss")):
+        assert _bias_shape(q, torch.empty(shape, **M), "bshd") == name
+    assert _bias_shape(torch.empty(2, 1, 8, 32, **M), torch.empty(2, 1, 1, 128, **M), "bshd") == "b1ss"  # sq 1
+    q, k, v = dense(sq=64, sk=128)
+    assert fastattn.torch.attention(q, k, v, bias=torch.empty(2, 1, 1, 128, **M)).shape == q.shape
+
+
+def test_attention_paged_asks_for_an_explicit_alignment():
+    from fastattn.torch import attention_paged
+
+    q, k, v, table, lens = kvcache()
+    with pytest.raises(InvalidArgumentError, match=r"^attention_paged\(causal=True\) needs an explicit alignment"):
+        attention_paged(q, k, v, table, lens, causal=True)
+    with pytest.raises(InvalidArgumentError, match=r"^attention_paged\(window=\(8, 0\)\) needs an explicit alignment"):
+        attention_paged(q, k, v, table, lens, window=(8, 0))
+    with pytest.raises(InvalidArgumentError, match=r"contradict"):
+        attention_paged(q, k, v, table, lens, causal_bottom_right=True, alignment="top_left")
+    with pytest.raises(InvalidArgumentError, match=r"^alignment='br'"):
+        attention_paged(q, k, v, table, lens, causal=True, alignment="br")
+    for kwargs in (dict(causal=True, alignment="bottom_right"), dict(causal=True, alignment="top_left"),
+                   dict(causal_bottom_right=True), dict(), dict(window=(8, 0), alignment="bottom_right")):
+        assert attention_paged(q, k, v, table, lens, **kwargs).shape == (2, 1, 8, 64)
+
+
+def test_the_benchmark_imports_and_parses_its_arguments():
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, os.path.join(root, "tools", "bench_flash.py"), "--help"], capture_output=True,
+                       text=True, env={**os.environ, "PYTHONPATH": root})
+    assert r.returncode == 0, r.stderr
+    assert "--json" in r.stdout and "summary:" in r.stdout
+
+
+@pytest.mark.parametrize("sq,sk", [(128, 128), (64, 200), (300, 100)])
+def test_flash_attn_func_traces_to_fastattns_ops(sq, sk):
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def step(q, k, v):
+        out, lse, _ = flash.flash_attn_func(q, k, v, causal=True, window_size=(32, 8), return_attn_probs=True)
+        return out, lse
+
+    gm = make_fx(step, tracing_mode="fake")(*dense(sq=sq, sk=sk))
+    calls = [str(n.target) for n in gm.graph.nodes if n.op == "call_function" and "fastattn" in str(n.target)]
+    assert calls == ["fastattn.attention_forward.default"]
+    out, lse = (n.meta["val"] for n in gm.graph.output_node().args[0])
+    assert tuple(out.shape) == (2, sq, 8, 64) and tuple(lse.shape) == (2, 8, sq)

@@ -1,0 +1,146 @@
+"""fastattn.flash end to end on the CPU, over a float64 model of fastattn.torch's
+documented semantics (the alignment's shift per sequence, windows, padding lengths,
+packed sequences, page tables, the LSE layouts): the GPU tests of test_gpu_flash.py run
+here with their device set to the CPU and fastattn.torch's entry points replaced by the
+model. What this checks: fastattn.flash's own arithmetic (FlashAttention's
+normalizations, the lengths it passes, the KV-cache append, the packed views, the LSE
+layouts) and the GPU tests' own logic. What it cannot check: cuDNN (the GPU run does),
+including what cuDNN writes for a row that sees no key (the model writes FlashAttention's
+0 and +inf there)."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="PyTorch is an optional extra (pip install torch)")
+
+from fastattn import flash  # noqa: E402
+from fastattn.torch._plans import AXES  # noqa: E402
+
+import test_gpu_flash as G  # noqa: E402
+from gpu_helpers import alibi_slopes  # noqa: E402
+
+
+def _one(q, k, v, causal, window, scale, shift, alibi=False):
+    """One sequence, (h, sq, d) float64, fastattn's convention: query i sees keys j with
+    i + shift - left <= j <= i + shift + right (causal: right 0). (out, lse)."""
+    hq, sq, d = q.shape
+    hk, sk = k.shape[0], k.shape[1]
+    if sk == 0:  # no key at all: FlashAttention's 0 and +inf
+        return q.new_zeros(hq, sq, v.shape[2]), q.new_full((hq, sq), float("inf"))
+    k, v = k.repeat_interleave(hq // hk, 0), v.repeat_interleave(hq // hk, 0)
+    s = (d ** -0.5 if scale is None else scale) * q @ k.transpose(-1, -2)
+    i, j = torch.arange(sq)[:, None], torch.arange(sk)[None, :]
+    if alibi:  # cuDNN's: slope * (j - i) at the top left
+        s = s + torch.from_numpy(alibi_slopes(hq))[:, None, None] * (j - i)
+    left, right = window or (-1, -1)
+    if causal:
+        right = 0
+    ok = torch.ones(sq, sk, dtype=torch.bool)
+    if right >= 0:
+        ok &= j <= i + shift + right
+    if left >= 0:
+        ok &= j >= i + shift - left
+    s = s.masked_fill(~ok, float("-inf"))
+    m = s.amax(-1, keepdim=True)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    e = torch.exp(s - m)
+    l = e.sum(-1, keepdim=True)
+    out = e / torch.where(l > 0, l, torch.ones_like(l)) @ v
+    lse = torch.where(l > 0, m + l.log(), torch.full_like(l, float("inf"))).squeeze(-1)
+    return out, lse
+
+
+def model_attention(q, k, v, *, causal=False, causal_bottom_right=False, window=None, scale=None, layout="bshd",
+                    deterministic=False, seq_lens_q=None, seq_lens_kv=None, alibi=False, bias=None, dropout_p=0.0,
+                    sinks=None, alignment="top_left", return_lse=False):
+    assert layout == "bshd" and bias is None and sinks is None and isinstance(deterministic, bool)
+    if dropout_p:
+        pytest.skip("dropout: the model has none (the GPU run checks it)")
+    b, sq = q.shape[0], q.shape[1]
+    sk = k.shape[1]
+    outs, lses = [], []
+    for n in range(b):
+        lq = sq if seq_lens_q is None else int(seq_lens_q[n])
+        lk = sk if seq_lens_kv is None else int(seq_lens_kv[n])
+        shift = lk - lq if alignment == "bottom_right" or causal_bottom_right else 0
+        o, lse = _one(*(t[n, :m].double().transpose(0, 1) for t, m in ((q, lq), (k, lk), (v, lk))),
+                      causal or causal_bottom_right, window, scale, shift, alibi)
+        outs.append(torch.cat([o.transpose(0, 1), o.new_zeros(sq - lq, *o.shape[::2])]))
+        lses.append(torch.cat([lse, lse.new_zeros(lse.shape[0], sq - lq)], 1))
+    out = torch.stack(outs).to(q.dtype)
+    return (out, torch.stack(lses).float()) if return_lse else out
+
+
+def model_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, causal=False, causal_bottom_right=False, window=None,
+                 scale=None, deterministic=False, alignment="top_left", return_lse=False):
+    outs, lses = [], []
+    for n in range(cu_q.shape[0] - 1):
+        a, z, ak, zk = int(cu_q[n]), int(cu_q[n + 1]), int(cu_k[n]), int(cu_k[n + 1])
+        shift = (zk - ak) - (z - a) if alignment == "bottom_right" or causal_bottom_right else 0
+        o, lse = _one(q[a:z].double().transpose(0, 1), k[ak:zk].double().transpose(0, 1),
+                      v[ak:zk].double().transpose(0, 1), causal or causal_bottom_right, window, scale, shift)
+        outs.append(o.transpose(0, 1))
+        lses.append(lse)
+    out = torch.cat(outs).to(q.dtype)
+    return (out, torch.cat(lses, 1).float()) if return_lse else out
+
+
+def model_paged(q, k_cache, v_cache, table, lengths, *, seq_lens_q=None, causal=False, causal_bottom_right=False,
+                window=None, scale=None, alignment=None):
+    b, per_seq, page = table.shape[0], table.shape[1], k_cache.shape[1]
+    k = k_cache[table.long()].reshape(b, per_seq * page, *k_cache.shape[2:])
+    v = v_cache[table.long()].reshape(b, per_seq * page, *v_cache.shape[2:])
+    assert alignment is not None or not (causal or window)
+    return model_attention(q, k, v, causal=causal, causal_bottom_right=causal_bottom_right, window=window,
+                           scale=scale, seq_lens_q=seq_lens_q, seq_lens_kv=lengths, alignment=alignment or "top_left")
+
+
+@pytest.fixture
+def model(monkeypatch):
+    monkeypatch.setattr(G, "DEV", "cpu")
+    monkeypatch.setattr(G, "poison", lambda: None)
+    monkeypatch.setattr(flash, "attention", model_attention)
+    monkeypatch.setattr(flash, "attention_varlen", model_varlen)
+    monkeypatch.setattr(flash, "attention_paged", model_paged)
+    assert AXES["bshd"] == (0, 2, 1, 3)
+
+
+_DENSE = [c for c in G.DENSE if c[0] is torch.bfloat16]
+
+
+@pytest.mark.parametrize("dtype,shape,mask", _DENSE)
+def test_dense(model, dtype, shape, mask):
+    G.test_flash_attn_func_matches_flash_attentions_semantics(dtype, shape, mask)
+
+
+@pytest.mark.parametrize("causal,window", ((True, (-1, -1)), (False, (32, 32))))
+def test_packed(model, causal, window):
+    G.test_qkvpacked_and_kvpacked(causal, window)
+
+
+@pytest.mark.parametrize("dtype,mask", [c for c in G.VARLEN if c[0] is torch.bfloat16])
+def test_varlen(model, dtype, mask):
+    G.test_varlen_each_sequence_at_its_own_bottom_right(dtype, mask)
+
+
+def test_varlen_packed(model):
+    G.test_varlen_packed_variants()
+
+
+@pytest.mark.parametrize("paged,sq,append,mask", G.KV)
+def test_kvcache(model, paged, sq, append, mask):
+    G.test_kvcache_decode_and_prefill_with_append(paged, sq, append, mask)
+
+
+def test_kvcache_batch_idx(model):
+    G.test_kvcache_cache_batch_idx_and_int_cache_seqlens()
+
+
+@pytest.mark.parametrize("batched", (False, True))
+def test_alibi(model, batched):
+    G.test_standard_alibi_slopes_with_causal(batched)
+
+
+def test_scale(model):
+    G.test_softmax_scale_and_deterministic()

@@ -1,0 +1,324 @@
+"""GPU: fastattn.flash against a float64 reference written from FlashAttention 2's
+documented semantics (gpu_helpers.fa_allowed: bottom-right causal and windows, FA's
+normalizations; a row that sees no key has out 0 and softmax_lse +inf, as FA writes), on
+fresh random inputs, with PyTorch's caching allocator poisoned (NaN bytes) before each
+call so that an unwritten output element shows.
+
+Tolerances (relative Frobenius error, as test_gpu_torch.py): out fp16 4e-3 / bf16 2e-2,
+gradients 1e-2 / 4e-2, softmax_lse 1e-3 on rows that see a key (float32 stats of the same
+rounded inputs)."""
+
+import itertools
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="PyTorch is an optional extra (pip install torch)")
+
+import fastattn  # noqa: E402
+import fastattn.torch  # noqa: E402,F401
+from fastattn import flash  # noqa: E402
+
+from gpu_helpers import fa_allowed  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+FWD_TOL = {torch.float16: 4e-3, torch.bfloat16: 2e-2}
+BWD_TOL = {torch.float16: 1e-2, torch.bfloat16: 4e-2}
+LSE_TOL = 1e-3
+DEV = "cuda"
+
+
+def poison():
+    """NaN bytes in memory the caching allocator hands out next (0xFF.. is NaN in fp16,
+    bf16 and fp32)."""
+    x = torch.empty(256 << 20, dtype=torch.uint8, device=DEV).fill_(0xFF)
+    del x
+
+
+def reference(q, k, v, causal, window, scale=None, alibi=None, seqlen_k=None):
+    """FlashAttention in float64 on dense (b, s, h, d) tensors, every sequence at full
+    length: (out (b, sq, h, dv), lse (b, h, sq)). GQA by repeating k and v; alibi: FA's
+    bias -slope * |i + sk - sq - j|, slopes (h,) or (b, h)."""
+    q, k, v = (t.double() for t in (q, k, v))
+    b, sq, h, d = q.shape
+    sk, hk = k.shape[1], k.shape[2]
+    scale = d ** -0.5 if scale is None else scale
+    qh = q.permute(0, 2, 1, 3)
+    kh, vh = (t.permute(0, 2, 1, 3).repeat_interleave(h // hk, 1) for t in (k, v))
+    s = scale * qh @ kh.transpose(-1, -2)
+    i = torch.arange(sq, device=q.device)[:, None]
+    j = torch.arange(sk, device=q.device)[None, :]
+    if alibi is not None:
+        s = s - alibi.double()[..., None, None] * (i + sk - sq - j).abs()
+    mask = torch.from_numpy(fa_allowed(sq, sk, causal, window, seqlen_k)).to(q.device)
+    s = s.masked_fill(~mask, float("-inf"))
+    m = s.amax(-1, keepdim=True)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    e = torch.exp(s - m)
+    l = e.sum(-1, keepdim=True)
+    p = e / torch.where(l > 0, l, torch.ones_like(l))
+    out = (p @ vh).permute(0, 2, 1, 3)
+    lse = torch.where(l > 0, m + l.log(), torch.full_like(l, float("inf"))).squeeze(-1)
+    return out, lse
+
+
+def rel(a, b):
+    a = a.double()
+    assert torch.isfinite(a).all(), "non-finite output (an unwritten or poisoned element)"
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def check_lse(lse, ref):
+    assert lse.dtype == torch.float32 and lse.shape == ref.shape
+    finite = torch.isfinite(ref)
+    assert torch.all(lse[~finite] == float("inf")), "a row that sees no key: FlashAttention's lse is +inf"
+    if finite.any():
+        assert rel(lse[finite], ref[finite]) < LSE_TOL
+
+
+def randn(*shape, dtype, grad=False):
+    return torch.randn(*shape, device=DEV, dtype=dtype, requires_grad=grad)
+
+
+def check_grads(out, ref_out, inputs, ref_inputs, dtype):
+    d_o = torch.randn_like(out)
+    grads = torch.autograd.grad(out, inputs, d_o)
+    ref_grads = torch.autograd.grad(ref_out, ref_inputs, d_o.double())
+    for name, g, rg in zip("qkv", grads, ref_grads):
+        assert rel(g, rg) < BWD_TOL[dtype], name
+
+
+# -- flash_attn_func ----------------------------------------------------------------------------
+
+SHAPES = ((128, 128), (100, 257), (257, 100), (1, 200))  # seqlen_q =, <, > seqlen_k; a decode row
+MASKS = ((False, (-1, -1)), (True, (-1, -1)), (False, (16, 8)), (True, (16, -1)), (False, (-1, 0)), (False, (0, 0)),
+         (False, (7, 10000)), (True, (10000, 5)), (False, (3, -1)))
+HEADS = ((8, 8), (8, 2), (8, 1))
+DENSE = list(itertools.product((torch.float16, torch.bfloat16), SHAPES, MASKS))
+
+
+@pytest.mark.parametrize("dtype,shape,mask", DENSE, ids=[f"{str(c[0])[6:]}-{c[1][0]}x{c[1][1]}-c{int(c[2][0])}-"
+                                                         f"w{c[2][1][0]},{c[2][1][1]}" for c in DENSE])
+def test_flash_attn_func_matches_flash_attentions_semantics(dtype, shape, mask):
+    (sq, sk), (causal, window) = shape, mask
+    hq, hk = HEADS[DENSE.index((dtype, shape, mask)) % len(HEADS)]  # GQA / MQA across the cases
+    torch.manual_seed(hash((sq, sk, causal, window)) % 2**31)
+    q, k, v = randn(2, sq, hq, 64, dtype=dtype, grad=True), randn(2, sk, hk, 64, dtype=dtype, grad=True), \
+        randn(2, sk, hk, 64, dtype=dtype, grad=True)
+    poison()
+    out, lse, s_dmask = flash.flash_attn_func(q, k, v, causal=causal, window_size=window, return_attn_probs=True)
+    assert s_dmask is None
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref, ref_lse = reference(q64, k64, v64, causal, window)
+    assert rel(out, ref) < FWD_TOL[dtype]
+    check_lse(lse, ref_lse)
+    empty = ~torch.isfinite(ref_lse)  # (b, h, sq): rows without keys must be exactly 0
+    assert torch.all(out.permute(0, 2, 1, 3)[empty] == 0)
+    check_grads(out, ref, (q, k, v), (q64, k64, v64), dtype)
+
+
+def test_softmax_scale_and_deterministic():
+    q, k, v = (randn(2, 300, h, 128, dtype=torch.bfloat16, grad=True) for h in (8, 2, 2))
+    out = flash.flash_attn_func(q, k, v, softmax_scale=0.05, causal=True, deterministic=True)
+    ref, _ = reference(q.detach(), k.detach(), v.detach(), True, (-1, -1), scale=0.05)
+    assert rel(out, ref) < FWD_TOL[torch.bfloat16]
+    d_o = torch.randn_like(out)
+    first = torch.autograd.grad(out, (q, k, v), d_o, retain_graph=True)
+    again = torch.autograd.grad(out, (q, k, v), d_o)
+    assert all(torch.equal(a, b) for a, b in zip(first, again))
+
+
+@pytest.mark.parametrize("batched", (False, True))
+def test_standard_alibi_slopes_with_causal(batched):
+    dtype = torch.float16
+    q, k, v = (randn(2, 160, h, 64, dtype=dtype, grad=True) for h in (8, 8, 8))
+    slopes = torch.tensor(flash.standard_alibi_slopes(8), device=DEV, dtype=torch.float32)
+    slopes = slopes.expand(2, 8).contiguous() if batched else slopes
+    out, lse, _ = flash.flash_attn_func(q, k, v, causal=True, alibi_slopes=slopes, return_attn_probs=True)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref, ref_lse = reference(q64, k64, v64, True, (-1, -1), alibi=slopes)
+    assert rel(out, ref) < FWD_TOL[dtype]
+    check_lse(lse, ref_lse)
+    check_grads(out, ref, (q, k, v), (q64, k64, v64), dtype)
+
+
+def test_dropout_is_unbiased_and_refused_where_cudnn_refuses():
+    dtype = torch.bfloat16
+    q, k, v = (randn(1, 128, 4, 64, dtype=dtype) for _ in range(3))
+    plain = flash.flash_attn_func(q, k, v, causal=True).double()
+    samples = [flash.flash_attn_func(q, k, v, dropout_p=0.1, causal=True).double() for _ in range(200)]
+    assert all(torch.isfinite(s).all() for s in samples) and not torch.equal(samples[0], samples[1])
+    mean = torch.stack(samples).mean(0)  # inverted dropout: E[out] is the dropout-free out
+    assert ((mean - plain).norm() / plain.norm()).item() < 0.1
+    # Training with dropout: gradients exist and are finite.
+    qg = q.clone().requires_grad_()
+    flash.flash_attn_func(qg, k, v, dropout_p=0.1, causal=True).sum().backward()
+    assert torch.isfinite(qg.grad).all()
+    # cudnn-frontend refuses a bottom-right causal mask with dropout: NotSupportedError with its reason.
+    with pytest.raises(fastattn.NotSupportedError):
+        flash.flash_attn_func(q[:, :64], k, v, dropout_p=0.1, causal=True)
+
+
+# -- packed ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("causal,window", ((True, (-1, -1)), (False, (32, 32))))
+def test_qkvpacked_and_kvpacked(causal, window):
+    dtype = torch.bfloat16
+    qkv = randn(2, 200, 3, 4, 64, dtype=dtype, grad=True)
+    poison()
+    out, lse, _ = flash.flash_attn_qkvpacked_func(qkv, causal=causal, window_size=window, return_attn_probs=True)
+    qkv64 = qkv.detach().double().requires_grad_()
+    ref, ref_lse = reference(*qkv64.unbind(2), causal, window)
+    assert rel(out, ref) < FWD_TOL[dtype]
+    check_lse(lse, ref_lse)
+    d_o = torch.randn_like(out)
+    (g,) = torch.autograd.grad(out, (qkv,), d_o)
+    (rg,) = torch.autograd.grad(ref, (qkv64,), d_o.double())
+    assert rel(g, rg) < BWD_TOL[dtype]
+
+    q = randn(2, 90, 8, 64, dtype=dtype, grad=True)
+    kv = randn(2, 250, 2, 2, 64, dtype=dtype, grad=True)
+    out = flash.flash_attn_kvpacked_func(q, kv, causal=causal, window_size=window)
+    q64, kv64 = q.detach().double().requires_grad_(), kv.detach().double().requires_grad_()
+    ref, _ = reference(q64, *kv64.unbind(2), causal, window)
+    assert rel(out, ref) < FWD_TOL[dtype]
+    d_o = torch.randn_like(out)
+    for g, rg in zip(torch.autograd.grad(out, (q, kv), d_o), torch.autograd.grad(ref, (q64, kv64), d_o.double())):
+        assert rel(g, rg) < BWD_TOL[dtype]
+
+
+# -- varlen ---------------------------------------------------------------------------------------
+
+VARLEN = list(itertools.product((torch.float16, torch.bfloat16), ((False, (-1, -1)), (True, (-1, -1)),
+                                                                  (False, (8, 4)), (True, (20, -1)))))
+
+
+def cumulative(lengths):
+    return torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=DEV)
+
+
+@pytest.mark.parametrize("dtype,mask", VARLEN, ids=[f"{str(c[0])[6:]}-c{int(c[1][0])}-w{c[1][1]}" for c in VARLEN])
+def test_varlen_each_sequence_at_its_own_bottom_right(dtype, mask):
+    causal, window = mask
+    lens_q, lens_k = (5, 64, 33), (70, 64, 10)  # shifts 65, 0, -23: the last has rows with no key
+    hq, hk = 8, 2
+    q = randn(sum(lens_q), hq, 64, dtype=dtype, grad=True)
+    k, v = (randn(sum(lens_k), hk, 64, dtype=dtype, grad=True) for _ in range(2))
+    poison()
+    out, lse, _ = flash.flash_attn_varlen_func(q, k, v, cumulative(lens_q), cumulative(lens_k), max(lens_q),
+                                               max(lens_k), causal=causal, window_size=window,
+                                               return_attn_probs=True)
+    assert out.shape == (sum(lens_q), hq, 64) and lse.shape == (hq, sum(lens_q))
+    d_o = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), d_o)
+    at_q, at_k = 0, 0
+    for lq, lk in zip(lens_q, lens_k):
+        q64, k64, v64 = (t.detach()[a:a + n].double()[None].requires_grad_()
+                         for t, a, n in ((q, at_q, lq), (k, at_k, lk), (v, at_k, lk)))
+        ref, ref_lse = reference(q64, k64, v64, causal, window, seqlen_k=max(lens_k))
+        assert rel(out[at_q:at_q + lq][None], ref) < FWD_TOL[dtype]
+        check_lse(lse[:, at_q:at_q + lq][None], ref_lse)
+        ref_grads = torch.autograd.grad(ref, (q64, k64, v64), d_o[at_q:at_q + lq][None].double())
+        for g, rg, a, n in zip(grads, ref_grads, (at_q, at_k, at_k), (lq, lk, lk)):
+            if rg.norm() > 0:
+                assert rel(g[a:a + n][None], rg) < BWD_TOL[dtype]
+            else:
+                assert torch.all(g[a:a + n] == 0)
+        at_q, at_k = at_q + lq, at_k + lk
+
+
+def test_varlen_packed_variants():
+    dtype = torch.bfloat16
+    lens = (40, 128, 7)
+    cu = cumulative(lens)
+    qkv = randn(sum(lens), 3, 4, 64, dtype=dtype)
+    out = flash.flash_attn_varlen_qkvpacked_func(qkv, cu, max(lens), causal=True)
+    kv = qkv[:, 1:].contiguous()
+    out2 = flash.flash_attn_varlen_kvpacked_func(qkv[:, 0], kv, cu, cu.clone(), max(lens), max(lens), causal=True)
+    at = 0
+    for n in lens:
+        ref, _ = reference(*(t[at:at + n][None] for t in qkv.unbind(1)), True, (-1, -1))
+        assert rel(out[at:at + n][None], ref) < FWD_TOL[dtype]
+        assert rel(out2[at:at + n][None], ref) < FWD_TOL[dtype]
+        at += n
+
+
+# -- KV cache -------------------------------------------------------------------------------------
+
+KV = list(itertools.product((False, True), (1, 4), (0, 1), ((False, (-1, -1)), (True, (-1, -1)), (True, (24, -1)))))
+
+
+@pytest.mark.parametrize("paged,sq,append,mask", KV, ids=[f"{'paged' if c[0] else 'dense'}-q{c[1]}-new{c[2]}-"
+                                                          f"c{int(c[3][0])}-w{c[3][1][0]}" for c in KV])
+def test_kvcache_decode_and_prefill_with_append(paged, sq, append, mask):
+    causal, window = mask
+    dtype, b, hq, hk, d, page, per_seq = torch.bfloat16, 3, 8, 2, 64, 16, 8
+    cached = torch.tensor([0, 37, 100], dtype=torch.int32, device=DEV)
+    new = sq * append  # FlashAttention's usual call: the new tokens are the queries' own
+    q = randn(b, sq, hq, d, dtype=dtype)
+    k_new, v_new = (randn(b, new, hk, d, dtype=dtype) for _ in range(2)) if new else (None, None)
+    if paged:  # shuffled pages: each sequence's pages anywhere in the pool
+        pool = b * per_seq
+        k_cache, v_cache = (randn(pool, page, hk, d, dtype=dtype) for _ in range(2))
+        table = torch.randperm(pool, device=DEV).to(torch.int32).reshape(b, per_seq)
+        dense_view = lambda c: c[table.long()].reshape(b, per_seq * page, hk, d)  # noqa: E731
+    else:
+        k_cache, v_cache = (randn(b, per_seq * page, hk, d, dtype=dtype) for _ in range(2))
+        table = None
+        dense_view = lambda c: c  # noqa: E731
+    before_k, before_v = dense_view(k_cache).clone(), dense_view(v_cache).clone()
+    poison()
+    got = flash.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=cached, block_table=table,
+                                        causal=causal, window_size=window, return_softmax_lse=not paged)
+    out, lse = got if not paged else (got, None)
+    after_k, after_v = dense_view(k_cache), dense_view(v_cache)
+    for i, n in enumerate(cached.tolist()):
+        if new:  # appended in place at each sequence's length; nothing else changed
+            assert torch.equal(after_k[i, n:n + new], k_new[i]) and torch.equal(after_v[i, n:n + new], v_new[i])
+        keep = torch.ones(per_seq * page, dtype=torch.bool, device=DEV)
+        keep[n:n + new] = False
+        assert torch.equal(after_k[i, keep], before_k[i, keep])
+        sk = n + new
+        if sk == 0:
+            continue
+        ref, ref_lse = reference(q[i:i + 1], after_k[i:i + 1, :sk], after_v[i:i + 1, :sk], causal, window,
+                                 seqlen_k=per_seq * page)
+        assert rel(out[i:i + 1], ref) < FWD_TOL[dtype]
+        if lse is not None:
+            check_lse(lse[i:i + 1], ref_lse)
+
+
+def test_kvcache_cache_batch_idx_and_int_cache_seqlens():
+    dtype, b, hq, hk, d = torch.float16, 2, 4, 4, 64
+    k_cache, v_cache = (randn(5, 128, hk, d, dtype=dtype) for _ in range(2))
+    rows = torch.tensor([3, 1], dtype=torch.int32, device=DEV)
+    q = randn(b, 1, hq, d, dtype=dtype)
+    out = flash.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=50, cache_batch_idx=rows, causal=True)
+    for i, r in enumerate(rows.tolist()):
+        ref, _ = reference(q[i:i + 1], k_cache[r:r + 1, :50], v_cache[r:r + 1, :50], True, (-1, -1))
+        assert rel(out[i:i + 1], ref) < FWD_TOL[dtype]
+
+
+# -- fastattn.torch: a key-padding bias ------------------------------------------------------------
+
+def test_torch_attention_takes_a_key_padding_bias_with_its_gradient():
+    dtype = torch.float16
+    q, k, v = (randn(2, 100, 4, 64, dtype=dtype, grad=True) for _ in range(3))
+    bias = (torch.randn(2, 1, 1, 100, device=DEV) * 2).to(dtype).requires_grad_()
+    try:
+        out = fastattn.torch.attention(q, k, v, bias=bias)
+        bias_grad = True
+    except fastattn.NotSupportedError as e:  # cuDNN's d_bias covers fewer shapes: the bias alone, and say why
+        print(f"d_bias (2, 1, 1, 100): {e}")
+        bias = bias.detach()
+        out = fastattn.torch.attention(q, k, v, bias=bias)
+        bias_grad = False
+    q64, k64, v64, b64 = (t.detach().double().requires_grad_() for t in (q, k, v, bias))
+    s = (q64.transpose(1, 2) @ k64.permute(0, 2, 3, 1)) / 8.0 + b64
+    ref = (torch.softmax(s, -1) @ v64.transpose(1, 2)).transpose(1, 2)
+    assert rel(out, ref) < FWD_TOL[dtype]
+    d_o = torch.randn_like(out)
+    inputs, ref_inputs = (q, k, v) + ((bias,) if bias_grad else ()), (q64, k64, v64) + ((b64,) if bias_grad else ())
+    for g, rg in zip(torch.autograd.grad(out, inputs, d_o), torch.autograd.grad(ref, ref_inputs, d_o.double())):
+        assert rel(g, rg) < BWD_TOL[dtype]
