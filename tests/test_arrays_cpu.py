@@ -390,6 +390,17 @@ def test_torch_tensors_are_checked_through_their_attributes(torch_on_device):
         _arrays.workspace_address(PLAN, False, ws.view(16, 16)[:, :8])
 
 
+def test_torch_fp8_tensors_are_named_by_torchs_dtypes(torch_on_device):
+    torch = torch_on_device
+    cfg = AttentionConfig(batch=2, heads_q=4, seqlen_q=16, head_dim_qk=128, dtype="fp8_e4m3", layout="bshd")
+    plan = SimpleNamespace(config=cfg, device=0, _layouts={})
+    b, h, s, d = cfg.shape("q")
+    q = torch.empty((b, s, h, d), dtype=torch.float8_e4m3fn)
+    assert _arrays.address(plan, "q", q) == q.data_ptr()
+    with pytest.raises(InvalidArgumentError, match="^k: dtype float8_e5m2, the config needs float8_e4m3fn"):
+        _arrays.address(plan, "k", q.view(torch.float8_e5m2))
+
+
 def test_torch_host_and_other_device_tensors_are_refused():
     torch = pytest.importorskip("torch")
     with pytest.raises(InvalidArgumentError, match=r"^k: device memory needed, got host memory \(torch.Tensor\)$"):
