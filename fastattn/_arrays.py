@@ -93,13 +93,19 @@ def describe(name: str, obj: Any, cfg: AttentionConfig | None = None) -> ArrayDe
         from cuda.core.utils import StridedMemoryView
     except ImportError as e:  # cuda-python is a dependency: this is a broken install
         raise LibraryError(f"{name}: reading a {_type_name(obj)} needs cuda.core (cuda-python): {e}") from e
+    t = type(obj)
     try:
-        # stream_ptr=-1: no stream ordering; the caller orders its work on `stream`.
-        view = StridedMemoryView.from_any_interface(obj, stream_ptr=-1)
+        if t in _legacy_stream_types:
+            view = StridedMemoryView.from_dlpack(obj, stream_ptr=_LEGACY_STREAM)
+        else:
+            # stream_ptr=-1: no stream ordering; the caller orders its work on `stream`.
+            view = StridedMemoryView.from_any_interface(obj, stream_ptr=-1)
     except Exception as e:
         if type(e).__name__ == "DynamicLibNotFoundError":
             raise LibraryError(f"{name}: reading a {_type_name(obj)} needs the NVIDIA driver: {e}") from e
-        raise InvalidArgumentError(f"{name}: cannot read the {_type_name(obj)} as a strided array: {e}") from e
+        view = _legacy_stream_view(obj) if t not in _legacy_stream_types else None
+        if view is None:
+            raise InvalidArgumentError(f"{name}: cannot read the {_type_name(obj)} as a strided array: {e}") from e
     try:
         dtype = str(view.dtype)
     except NotImplementedError as e:
@@ -118,6 +124,34 @@ def describe(name: str, obj: Any, cfg: AttentionConfig | None = None) -> ArrayDe
         strides = tuple(reversed(strides))
     return ArrayDesc(int(view.ptr), tuple(view.shape), tuple(strides), dtype, int(view.device_id),
                      bool(view.is_device_accessible), _type_name(obj))
+
+
+# DLPack's stream 1: CUDA's legacy default stream. For a producer that refuses -1 (no
+# synchronization), which the DLPack standard defines but not every producer takes
+# (jaxlib passes it on as a stream handle): it then makes the legacy default stream
+# wait for the array, which orders it before fastattn's launch on any blocking stream.
+_LEGACY_STREAM = 1
+_legacy_stream_types: set = set()  # the array types that needed it (bounded)
+
+
+def _legacy_stream_view(obj: Any):
+    """The view of a device DLPack object read with stream 1 after -1 failed, or None;
+    its type then goes straight to stream 1."""
+    try:
+        device_type = obj.__dlpack_device__()[0]
+    except Exception:
+        return None
+    if device_type != 2:  # kDLCUDA: for host arrays cuda.core never passes -1 on
+        return None
+    from cuda.core.utils import StridedMemoryView
+
+    try:
+        view = StridedMemoryView.from_dlpack(obj, stream_ptr=_LEGACY_STREAM)
+    except Exception:
+        return None
+    if len(_legacy_stream_types) < 64:
+        _legacy_stream_types.add(type(obj))
+    return view
 
 
 def _squeeze(shape, strides) -> tuple[tuple[int, int], ...]:

@@ -489,3 +489,33 @@ def test_device_tensor_is_public_and_the_package_is_typed():
     assert (root / "py.typed").is_file() and (root / "_core.pyi").is_file()
     pyproject = tomllib.loads((root.parent / "pyproject.toml").read_text())
     assert "py.typed" in pyproject["tool"]["setuptools"]["package-data"]["fastattn"]
+
+
+def test_a_producer_that_refuses_dlpacks_no_sync_stream_is_read_with_the_legacy_stream():
+    """jaxlib takes DLPack's stream -1 (no synchronization) as a stream handle; such a
+    producer is read again with stream 1 (the legacy default stream), then directly."""
+    host = np.zeros(CFG.shape("q"), np.float16)
+    streams = []
+
+    class Producer:  # a CUDA array as cuda.core sees it: its bytes here are a numpy array's
+        def __dlpack_device__(self):
+            return (2, 0)  # kDLCUDA, device 0
+
+        def __dlpack__(self, stream=None, **kwargs):
+            streams.append(stream)
+            if stream == -1:
+                raise RuntimeError("invalid stream handle -1")
+            return host.__dlpack__()
+
+    cfg = CFG.replace(dtype="fp16", layout="bhsd")
+    plan = SimpleNamespace(config=cfg, device=0, _layouts={})
+    assert _arrays.address(plan, "q", Producer()) == host.ctypes.data
+    assert _arrays.address(plan, "q", Producer()) == host.ctypes.data
+    assert streams == [-1, 1, 1]
+
+    class Broken(Producer):
+        def __dlpack__(self, stream=None, **kwargs):
+            raise RuntimeError("no export today")
+
+    with pytest.raises(InvalidArgumentError, match="^q: cannot read the .*Broken as a strided array: no export today"):
+        _arrays.address(plan, "q", Broken())
