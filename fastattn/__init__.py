@@ -5,13 +5,14 @@
                                    mask="causal", dtype="bf16")
     result = fastattn.probe(cfg)          # supported? cuDNN's reason if not
     p = fastattn.plan(cfg)                # built once per process
-    p.forward(q, k, v, o, workspace=ws, stream=s)   # raw CUDA device addresses
+    p.forward(q, k, v, o, workspace=ws, stream=s)   # device arrays (checked) or addresses (ints)
 
 Importing fastattn loads no CUDA library; the first GPU call does (fastattn._loader).
 """
 
 __version__ = "0.1.0"
 
+from ._arrays import DeviceTensor
 from .config import AttentionConfig
 from .errors import (
     CorruptPlanError,
@@ -27,6 +28,7 @@ from .runtime import ProbeResult, clear, configure, device_info, plan, preload, 
 
 __all__ = [
     "AttentionConfig",
+    "DeviceTensor",
     "ProbeResult",
     "probe",
     "plan",

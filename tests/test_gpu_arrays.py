@@ -1,7 +1,7 @@
 """GPU: plan.forward / plan.backward on array objects (issue 16): ints, plan.allocate's
-DeviceTensors, cuda.core streams and PyTorch tensors (where torch with CUDA is
+DeviceTensors, cuda.core streams, PyTorch tensors, CuPy and JAX arrays (each where it is
 installed) give bitwise-identical results; every mismatch is an error that names the
-tensor."""
+tensor. Outputs are poisoned (NaN) before each run, so an unwritten element differs."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 import fastattn
 from fastattn import AttentionConfig
 
-from gpu_helpers import Tensor, _check, random_inputs, synchronize
+from gpu_helpers import Tensor, _check, random_inputs, synchronize, to_raw
 
 pytestmark = pytest.mark.gpu
 
@@ -131,6 +131,35 @@ def test_torch_mismatches_name_the_tensor(reference):
             p.forward(**args(o=x["o"].to("cuda:1")))
 
 
+def test_repeated_torch_calls_still_catch_every_change(reference):
+    """After a call has passed, _core takes an equal torch tensor without _arrays (the
+    compiled path): a tensor that differs in strides, dtype or device still gets its
+    error, and the good tensors again give the int path's bits."""
+    torch = _torch()
+    cfg, p, t = reference
+    x = {n: _torch_copy(torch, cfg, t, n) for n in NAMES_FWD}
+    ws = torch.empty(p.workspace_size, dtype=torch.uint8, device="cuda")
+    good = dict(q=x["q"], k=x["k"], v=x["v"], o=x["o"], stats=x["stats"], workspace=ws)
+    for _ in range(3):
+        p.forward(**good)
+    q_bhsd = x["q"].transpose(1, 2).contiguous().transpose(1, 2)  # same shape, bhsd strides
+    assert q_bhsd.shape == x["q"].shape and q_bhsd.stride() != x["q"].stride()
+    with pytest.raises(fastattn.InvalidArgumentError, match="^q: shape"):
+        p.forward(**dict(good, q=q_bhsd))
+    with pytest.raises(fastattn.InvalidArgumentError, match="^k: dtype float16"):
+        p.forward(**dict(good, k=x["k"].half()))
+    with pytest.raises(fastattn.InvalidArgumentError, match="^v: device memory needed"):
+        p.forward(**dict(good, v=x["v"].cpu()))
+    x["o"].fill_(float("nan"))
+    x["stats"].fill_(float("nan"))
+    p.forward(**good)
+    torch.cuda.synchronize()
+    for n in ("o", "stats"):
+        out = Tensor(cfg, n)
+        _copy(out.ptr, x[n].data_ptr(), _nbytes(cfg, n))
+        assert out.raw() == t[n].raw(), n
+
+
 def test_feature_tensors_are_checked_on_the_gpu():
     torch = _torch()
     cfg = _cfg(padding=True, bias="1hss")
@@ -148,3 +177,116 @@ def test_feature_tensors_are_checked_on_the_gpu():
         p.forward(t["q"], t["k"], t["v"], t["o"], **dict(base, seq_len_kv=lens.long()))
     with pytest.raises(fastattn.InvalidArgumentError, match="^seq_len_q is a null pointer"):
         p.forward(t["q"], t["k"], t["v"], t["o"], **dict(base, seq_len_q=0))
+    with pytest.raises(fastattn.InvalidArgumentError, match="^seq_len_q: device memory needed.*never copy"):
+        p.forward(t["q"], t["k"], t["v"], t["o"], **dict(base, seq_len_q=np.full(2, 100, np.int32)))
+    # A transposed bias of the same (square) shape: before issue 16's fix, taken silently.
+    with pytest.raises(fastattn.InvalidArgumentError, match="^bias: shape"):
+        p.forward(t["q"], t["k"], t["v"], t["o"], **dict(base, bias=bias.transpose(2, 3)))
+
+
+def _ints_forward(cfg, p, inputs):
+    """The Tensors (q, k, v, o, stats) of a forward on ints over `inputs` (name -> logical values)."""
+    t = {n: Tensor(cfg, n) for n in NAMES_FWD}
+    for n, x in inputs.items():
+        t[n].write(x)
+    ws = p.allocate("workspace")
+    p.forward(t["q"].ptr, t["k"].ptr, t["v"].ptr, t["o"].ptr, stats=t["stats"].ptr, workspace=ws.ptr)
+    synchronize()
+    return t
+
+
+def test_torch_with_seqlen_equal_to_heads_takes_the_configs_order():
+    """(batch, seq, heads, dim) cannot be told from bhsd memory when seq == heads: refused,
+    naming the view to pass; that view gives the int path's bits."""
+    torch = _torch()
+    cfg = AttentionConfig(batch=2, heads_q=8, seqlen_q=8, head_dim_qk=64, dtype="bf16", layout="bshd",
+                          training=True)
+    p = fastattn.plan(cfg)
+    q, k, v, _ = random_inputs(cfg, np.random.default_rng(5), backward=False)
+    ref = _ints_forward(cfg, p, {"q": q, "k": k, "v": v})
+    x = {n: _torch_copy(torch, cfg, ref, n) for n in NAMES_FWD}
+    ws = torch.empty(p.workspace_size, dtype=torch.uint8, device="cuda")
+    with pytest.raises(fastattn.InvalidArgumentError, match=r"^q: .*pass the \(batch, head, seq, dim\) view"):
+        p.forward(x["q"], x["k"], x["v"], x["o"], stats=x["stats"], workspace=ws)
+    view = lambda n: x[n].transpose(1, 2)
+    x["o"].fill_(float("nan"))
+    x["stats"].fill_(float("nan"))
+    p.forward(view("q"), view("k"), view("v"), view("o"), stats=x["stats"], workspace=ws)
+    torch.cuda.synchronize()
+    for n in ("o", "stats"):
+        out = Tensor(cfg, n)
+        _copy(out.ptr, x[n].data_ptr(), _nbytes(cfg, n))
+        assert out.raw() == ref[n].raw(), n
+
+
+def test_a_closed_device_tensor_is_a_null_pointer(reference):
+    cfg, p, t = reference
+    q = p.allocate("q")
+    q.close()
+    with pytest.raises(fastattn.InvalidArgumentError, match="^q is a null pointer"):
+        p.forward(q, t["k"].ptr, t["v"].ptr, t["o"].ptr, stats=t["stats"].ptr, workspace=p.allocate("workspace"))
+
+
+def test_cupy_arrays_match_ints():
+    cp = pytest.importorskip("cupy", reason="cupy is not installed")
+    cfg = _cfg().replace(dtype="fp16")  # CuPy has no bfloat16
+    p = fastattn.plan(cfg)
+    q, k, v, _ = random_inputs(cfg, np.random.default_rng(7), backward=False)
+    ref = _ints_forward(cfg, p, {"q": q, "k": k, "v": v})
+    x = {}
+    for n in ("q", "k", "v", "o"):
+        bb, hh, ss, dd = cfg.shape(n)
+        x[n] = cp.full((bb, ss, hh, dd), cp.nan, dtype=cp.float16)  # bshd memory order
+    x["stats"] = cp.full(cfg.shape("stats"), cp.nan, dtype=cp.float32)
+    for n in ("q", "k", "v"):
+        _copy(x[n].data.ptr, ref[n].ptr, _nbytes(cfg, n))
+    ws = cp.empty(p.workspace_size, dtype=cp.uint8)
+    stream = cp.cuda.Stream(non_blocking=True)
+    cp.cuda.Device().synchronize()
+    p.forward(x["q"], x["k"], x["v"], x["o"], stats=x["stats"], workspace=ws, stream=stream.ptr)
+    stream.synchronize()
+    for n in ("o", "stats"):
+        out = Tensor(cfg, n)
+        _copy(out.ptr, x[n].data.ptr, _nbytes(cfg, n))
+        assert out.raw() == ref[n].raw(), n
+    with pytest.raises(fastattn.InvalidArgumentError, match="^k: dtype float32, the config needs float16"):
+        p.forward(x["q"], x["k"].astype(cp.float32), x["v"], x["o"], stats=x["stats"], workspace=ws)
+
+
+def _jax():
+    import os
+
+    # Before jax starts its backend: by default it takes 75% of the GPU's memory.
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    jax = pytest.importorskip("jax", reason="jax is not installed")
+    if not any(dev.platform == "gpu" for dev in jax.devices()):
+        pytest.skip(f"jax sees no GPU (devices: {jax.devices()})")
+    return jax
+
+
+def test_jax_arrays_match_ints():
+    """JAX inputs (immutable: outputs in plan.allocate's buffers), bits as the int path's."""
+    jax = _jax()
+    import jax.numpy as jnp
+
+    cfg = _cfg()
+    p = fastattn.plan(cfg)
+    q, k, v, _ = random_inputs(cfg, np.random.default_rng(9), backward=False)
+    ref = _ints_forward(cfg, p, {"q": q, "k": k, "v": v})
+    x = {}
+    for n, values in (("q", q), ("k", k), ("v", v)):
+        # The int path's bits (to_raw), in bshd memory order, as bfloat16.
+        bits = np.ascontiguousarray(to_raw(values, cfg.dtype).transpose(0, 2, 1, 3))
+        x[n] = jax.device_put(jnp.asarray(bits).view(jnp.bfloat16)).block_until_ready()
+    o, stats = p.allocate("o"), p.allocate("stats")
+    for n, a in (("o", o), ("stats", stats)):
+        _copy(a.ptr, Tensor(cfg, n).ptr, _nbytes(cfg, n))  # a fresh Tensor is poisoned (NaN)
+    synchronize()
+    p.forward(x["q"], x["k"], x["v"], o, stats=stats, workspace=p.allocate("workspace"))
+    synchronize()
+    for n, a in (("o", o), ("stats", stats)):
+        out = Tensor(cfg, n)
+        _copy(out.ptr, a.ptr, _nbytes(cfg, n))
+        assert out.raw() == ref[n].raw(), n
+    with pytest.raises(fastattn.InvalidArgumentError, match="^v: dtype float32, the config needs bfloat16"):
+        p.forward(x["q"], x["k"], x["v"].astype(jnp.float32), o, stats=stats, workspace=p.allocate("workspace"))

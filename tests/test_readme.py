@@ -1,7 +1,10 @@
-"""The README's example runs as written (on a GPU)."""
+"""The README's examples run as written (on a GPU, where their framework is installed);
+without a GPU, they compile and their arrays are checked (host arrays refused)."""
 
+import os
 import pathlib
 import re
+from types import SimpleNamespace
 
 import pytest
 
@@ -12,11 +15,71 @@ def _python_blocks():
     return re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
 
 
+def _block(framework: str) -> str:
+    """The example whose first line is the comment `# <framework>`."""
+    found = [b for b in _python_blocks() if b.startswith(f"# {framework}\n")]
+    assert len(found) == 1, f"README has {len(found)} examples headed '# {framework}'"
+    return found[0]
+
+
 def test_readme_has_an_example():
     assert _python_blocks(), "README lost its example"
+
+
+@pytest.mark.parametrize("framework", ["CuPy", "JAX"])
+def test_readme_framework_examples_compile(framework):
+    compile(_block(framework), f"{README}:{framework}", "exec")
+
+
+def test_cuda_core_reads_arrays_without_a_gpu():
+    """What the examples rely on without a GPU: cuda.core imports and reads a DLPack
+    array, and fastattn refuses it as host memory, naming the tensor."""
+    import numpy as np
+    from cuda.core import Device, Stream  # noqa: F401 (the examples' imports)
+    from cuda.core.utils import StridedMemoryView
+
+    from fastattn import AttentionConfig, InvalidArgumentError, _arrays
+
+    cfg = AttentionConfig(batch=2, heads_q=16, seqlen_q=64, head_dim_qk=128, dtype="fp16", layout="bshd")
+    q = np.zeros((2, 64, 16, 128), np.float16)
+    assert StridedMemoryView.from_dlpack(q, stream_ptr=-1).shape == q.shape
+    plan = SimpleNamespace(config=cfg, device=0, _layouts={})
+    with pytest.raises(InvalidArgumentError, match=r"^q: device memory needed, got host memory \(numpy.ndarray\)"):
+        _arrays.address(plan, "q", q)
+
+
+def test_jax_arrays_are_read_without_a_gpu():
+    jnp = pytest.importorskip("jax.numpy", reason="jax is not installed")
+    from fastattn import AttentionConfig, InvalidArgumentError, _arrays
+
+    cfg = AttentionConfig(batch=2, heads_q=16, seqlen_q=64, head_dim_qk=128, dtype="bf16", layout="bshd")
+    q = jnp.zeros((2, 64, 16, 128), jnp.bfloat16)
+    if q.devices().pop().platform != "cpu":
+        pytest.skip("jax on a GPU: the GPU test runs the example")
+    with pytest.raises(InvalidArgumentError, match=r"^q: device memory needed, got host memory \(jax"):
+        _arrays.address(SimpleNamespace(config=cfg, device=0, _layouts={}), "q", q)
 
 
 @pytest.mark.gpu
 def test_readme_example_runs(capsys):
     exec(compile(_python_blocks()[0], str(README), "exec"), {})
     assert capsys.readouterr().out.startswith("True ")
+
+
+@pytest.mark.gpu
+def test_readme_cupy_example_runs(capsys):
+    pytest.importorskip("cupy", reason="cupy is not installed")
+    exec(compile(_block("CuPy"), f"{README}:CuPy", "exec"), {})
+    assert capsys.readouterr().out == "True\n"
+
+
+@pytest.mark.gpu
+def test_readme_jax_example_runs(capsys, monkeypatch):
+    # Before jax starts its backend: by default it takes 75% of the GPU's memory, which
+    # the tests after this one would miss.
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_PREALLOCATE", os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE", "false"))
+    jax = pytest.importorskip("jax", reason="jax is not installed")
+    if not any(d.platform == "gpu" for d in jax.devices()):
+        pytest.skip(f"jax sees no GPU (devices: {jax.devices()})")
+    exec(compile(_block("JAX"), f"{README}:JAX", "exec"), {})
+    assert capsys.readouterr().out == "True\n"

@@ -120,11 +120,15 @@ def bench_host_overhead(args) -> dict:
                     return _loop_us(lambda: sdpa(tq, tk, tv, is_causal=True), iters)
             return run
 
-        # The checked path on torch tensors (DLPack through cuda.core), bshd memory as the config's.
+        # The checked path on torch tensors (read through their attributes), bshd memory as the
+        # config's, passed as (batch, head, seq, dim) views: the order taken for every shape (the
+        # (batch, seq, head, dim) tensors themselves are refused where seqlen == heads). The
+        # workspace a torch tensor too, as a torch caller's would be.
         xq, xk, xv, xo = (torch.empty((args.batch, args.seqlen, args.heads, args.head_dim), device="cuda",
-                                      dtype=torch.bfloat16) for _ in range(4))
+                                      dtype=torch.bfloat16).transpose(1, 2) for _ in range(4))
+        xws = torch.empty(max(p.workspace_size, 1), dtype=torch.uint8, device="cuda")
         variants["fastattn_plan_forward_torch_tensors_us"] = lambda: _loop_us(
-            lambda: p.forward(xq, xk, xv, xo, 0, ws, stream), iters)
+            lambda: p.forward(xq, xk, xv, xo, 0, xws, stream), iters)
         variants["torch_sdpa_cudnn_us"] = torch_variant(SDPBackend.CUDNN_ATTENTION)
         variants["torch_sdpa_flash_us"] = torch_variant(SDPBackend.FLASH_ATTENTION)
         res["torch"] = torch.__version__
