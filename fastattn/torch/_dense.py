@@ -16,7 +16,7 @@ import torch
 from .. import _fields
 from ..config import AttentionConfig
 from ..errors import InvalidArgumentError
-from . import _autograd
+from . import _autograd, _native
 from ._plans import options as check_options
 from ._plans import (AXES, DTYPES, Cached, check_qkv_tensors, logical, mask_name, out_shape, plans, raw_stream,
                      remember, stats_shape, tensor_key, workspace)
@@ -362,6 +362,14 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
         options = DenseOptions(layout, bool(causal), bool(causal_bottom_right), left, right, scale,
                                bool(deterministic), bool(alibi), training, float(dropout_p),
                                bool(training and bias is not None and bias.requires_grad))
+    native = _native.DENSE
+    if native is not None and (cuda or compiling()) and not functorch_active():
+        # The native path: the op library's C++ (plan table, allocation, autograd). While
+        # the path is undecided, an eager call decides it; a trace takes the Python ops.
+        if native is _native.UNDECIDED:
+            native = None if compiling() else _native.decide()
+        if native is not None:
+            return native[1 if compiling() else 0](q, k, v, seq_lens_q, seq_lens_kv, *extras, *options)[0]
     if cuda and plain_eager(q):
         if not training:  # no autograd either: straight to the plan
             return forward_impl(q, k, v, seq_lens_q, seq_lens_kv, *extras, options)[0]
@@ -370,3 +378,4 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
 
 
 plain_eager, Eager = _autograd.plain_eager, _autograd.Eager  # module globals: one lookup less per call
+compiling, functorch_active = torch.compiler.is_compiling, _autograd.functorch_active
