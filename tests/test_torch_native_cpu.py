@@ -15,6 +15,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="PyTorch is an optional extra (pip install torch)")
 
 import fastattn  # noqa: E402
+import fastattn.torch  # noqa: E402
 from fastattn.torch import _dense, _native  # noqa: E402
 
 
@@ -130,6 +131,27 @@ def test_torch_compile_traces_the_native_op_without_a_graph_break(lib):
     out = torch.compile(block, backend=backend, fullgraph=True)(*dense())
     assert out.shape == (2, 16, 4, 16)
     assert any("native_attention_forward" in s for s in seen), seen
+
+
+def test_attention_under_torch_compile_records_the_native_op_once_decided(lib, monkeypatch):
+    # attention()'s own Python under dynamo: the decided native path is traced as the
+    # native op (fullgraph: no graph break on the way), with autograd through it.
+    monkeypatch.setattr(_native, "DENSE", _native.DENSE)  # restored afterwards
+    _native._publish_ops()
+    seen = []
+
+    def backend(gm, example_inputs):
+        seen.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm
+
+    def block(q, k, v):
+        return fastattn.torch.attention(q, k, v, causal=True, window=(8, 0)) * 2
+
+    torch._dynamo.reset()
+    out = torch.compile(block, backend=backend, fullgraph=True)(*dense(grad=True))
+    assert out.shape == (2, 16, 4, 16)
+    assert any("native_attention_forward" in s for s in seen), seen
+    assert not any("fastattn.attention_forward" in s for s in seen), seen
 
 
 def _run(code: str, **env) -> subprocess.CompletedProcess:

@@ -363,13 +363,19 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
                                bool(deterministic), bool(alibi), training, float(dropout_p),
                                bool(training and bias is not None and bias.requires_grad))
     native = _native.DENSE
-    if native is not None and (cuda or compiling()) and not functorch_active():
-        # The native path: the op library's C++ (plan table, allocation, autograd). While
-        # the path is undecided, an eager call decides it; a trace takes the Python ops.
-        if native is _native.UNDECIDED:
-            native = None if compiling() else _native.decide()
-        if native is not None:
-            return native[1 if compiling() else 0](q, k, v, seq_lens_q, seq_lens_kv, *extras, *options)[0]
+    if native is not None:
+        # The native path: the op library's C++ (plan table, allocation, autograd in C++).
+        # An eager CUDA call decides the path if undecided; a trace records the native
+        # op once decided, else the Python ops. torch.func transforms wrap tensors in
+        # ways a C++ autograd Function does not handle: they take the Python ops.
+        if compiling():
+            if native is not _native.UNDECIDED:
+                return native[1](q, k, v, seq_lens_q, seq_lens_kv, *extras, *options)[0]
+        elif cuda and not functorch_active():
+            if native is _native.UNDECIDED:
+                native = _native.decide()
+            if native is not None:
+                return native[0](q, k, v, seq_lens_q, seq_lens_kv, *extras, *options)[0]
     if cuda and plain_eager(q):
         if not training:  # no autograd either: straight to the plan
             return forward_impl(q, k, v, seq_lens_q, seq_lens_kv, *extras, options)[0]
