@@ -240,7 +240,7 @@ def describe() -> dict:
         return {"path": "python" if m == "auto" else "none",
                 "reason": f"{ENV}={m}; the op library is not built for this torch and there is no C++ compiler "
                           f"(CXX={os.environ.get('CXX', 'c++')!r})"}
-    return {"path": "native", "reason": f"{ENV}={m}; built at the first call (or by `fastattn warm`) into {target}"}
+    return {"path": "native", "reason": f"{ENV}={m}; built at the first call (or by `fastattn warm --torch-ops`) into {target}"}
 
 
 def library_path(root: Path | None = None) -> Path:
