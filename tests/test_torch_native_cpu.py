@@ -116,7 +116,8 @@ def test_a_bad_layout_is_named(lib):
                                                     *options()._replace(layout="bsh"))
 
 
-def test_torch_compile_traces_the_native_op_without_a_graph_break(lib):
+@pytest.mark.parametrize("dynamic", (False, True), ids=("static", "dynamic"))
+def test_torch_compile_traces_the_native_op_without_a_graph_break(lib, dynamic):
     # fullgraph=True fails on any graph break; the backend records the graph's ops.
     seen = []
 
@@ -128,9 +129,43 @@ def test_torch_compile_traces_the_native_op_without_a_graph_break(lib):
         return torch.ops.fastattn.native_attention_forward(q, k, v, None, None, None, None, None,
                                                            *options())[0] * 2
 
-    out = torch.compile(block, backend=backend, fullgraph=True)(*dense())
+    torch._dynamo.reset()
+    out = torch.compile(block, backend=backend, fullgraph=True, dynamic=dynamic)(*dense())
     assert out.shape == (2, 16, 4, 16)
     assert any("native_attention_forward" in s for s in seen), seen
+
+
+@pytest.mark.parametrize("training", (False, True), ids=("inference", "training"))
+def test_aot_autograd_traces_forward_and_backward_with_dynamic_shapes(lib, training):
+    # What inductor sees: AOTAutograd runs the Autograd kernel (the C++ Function) and the
+    # Meta kernels on fake tensors whose sequence lengths are symbols (sizes() would
+    # throw there); two lengths through one compiled function.
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.aot_autograd import make_boxed_func
+
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append(" ".join(str(n.target) for n in gm.graph.nodes if n.op == "call_function"))
+        return make_boxed_func(gm)
+
+    def block(q, k, v):
+        return torch.ops.fastattn.native_attention_forward(q, k, v, None, None, None, None, None,
+                                                           *options(training=training))[0].float().sum()
+
+    torch._dynamo.reset()
+    compiled = torch.compile(block, backend=aot_autograd(fw_compiler=record, bw_compiler=record), fullgraph=True,
+                             dynamic=True)
+    for s in (16, 24):
+        q, k, v = (torch.empty(2, s, h, 8, device="meta", dtype=torch.bfloat16, requires_grad=training)
+                   for h in (4, 2, 2))
+        out = compiled(q, k, v)
+        if training:
+            grads = torch.autograd.grad(out, (q, k, v))
+            assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
+    assert any("native_attention_forward" in g for g in graphs), graphs
+    if training:
+        assert any("native_attention_backward" in g for g in graphs), graphs
 
 
 def test_attention_under_torch_compile_records_the_native_op_once_decided(lib, monkeypatch):

@@ -271,19 +271,26 @@ Grads backward_cuda(const Tensor &d_o_in, const Tensor &o, const Tensor &stats, 
 }
 
 // ---- Meta (fake tensors: torch.compile) and CPU ------------------------------------------------
+// In SymInt arithmetic: under torch.compile's dynamic shapes the sizes are symbols, and
+// sizes() would throw.
 
 std::tuple<Tensor, Tensor> forward_meta(const Tensor &q, const Tensor &k, const Tensor &v, const OptTensor &,
                                         const OptTensor &, const OptTensor &, const OptTensor &, const OptTensor &,
                                         FA_OPTION_PARAMS) {
     const auto ax = axes(layout);
-    return {at::empty(out_shape(q, v, ax), q.options()),
-            at::empty(stats_shape(q, ax, training), q.options().dtype(at::kFloat))};
+    std::vector<c10::SymInt> o(q.sym_sizes().begin(), q.sym_sizes().end());
+    o[ax[3]] = v.sym_size(ax[3]);
+    std::vector<c10::SymInt> stats{0};
+    if (training) stats = {q.sym_size(ax[0]), q.sym_size(ax[1]), q.sym_size(ax[2]), 1};
+    return {at::empty_symint(o, q.options()), at::empty_symint(stats, q.options().dtype(at::kFloat))};
 }
+
+Tensor like_meta(const Tensor &t) { return at::empty_strided_symint(t.sym_sizes(), t.sym_strides(), t.options()); }
 
 Grads backward_meta(const Tensor &, const Tensor &, const Tensor &, const Tensor &q, const Tensor &k, const Tensor &v,
                     const OptTensor &, const OptTensor &, const OptTensor &bias, const OptTensor &sink,
                     const OptTensor &, FA_OPTION_PARAMS) {
-    return {like(q), like(k), like(v),
+    return {like_meta(q), like_meta(k), like_meta(v),
             bias_grad ? at::empty_like(*bias, at::MemoryFormat::Contiguous) : at::empty({0}, q.options()),
             given(sink) ? at::empty_like(*sink) : at::empty({0}, q.options().dtype(at::kFloat))};
 }
