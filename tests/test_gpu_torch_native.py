@@ -20,7 +20,7 @@ torch = pytest.importorskip("torch", reason="PyTorch is an optional extra (pip i
 import fastattn  # noqa: E402
 import fastattn.torch  # noqa: E402,F401
 from fastattn import AttentionConfig, runtime  # noqa: E402
-from fastattn.torch import _dense, _native  # noqa: E402
+from fastattn.torch import _dense, _native  # noqa: E402  (_varlen's ops come with the library)
 
 pytestmark = pytest.mark.gpu
 
@@ -44,7 +44,7 @@ def run(path, monkeypatch, q, k, v, d_o, **kw):
     """(o, gradients of the leaves among q, k, v, bias, sinks) on `path`."""
     with monkeypatch.context() as m:
         if path == "python":
-            m.setattr(_native, "DENSE", None)
+            _native.python_path(m)
         poison_allocator()
         o = fastattn.torch.attention(q, k, v, **kw)
         leaves = [t for t in (q, k, v, kw.get("bias"), kw.get("sinks")) if t is not None and t.requires_grad]
@@ -120,6 +120,30 @@ def test_native_and_python_paths_agree_with_every_feature(lib, monkeypatch, feat
             assert rel(a, p) < 1e-3
     if feature == "padding":  # padded rows are zero on the native path too
         assert (o_n[1, 77:] == 0).all() and (g_n[0][1, 77:] == 0).all()
+
+
+@pytest.mark.parametrize("training", (False, True), ids=("inference", "training"))
+def test_varlen_native_and_python_paths_agree_bitwise(lib, monkeypatch, training):
+    torch.manual_seed(4)
+    cu = torch.tensor([0, 100, 250, 384], device="cuda", dtype=torch.int32)
+    q, k, v = (torch.randn(384, h, 64, device="cuda", dtype=torch.bfloat16, requires_grad=training)
+               for h in (8, 2, 2))
+    d_o = torch.randn(384, 8, 64, device="cuda", dtype=torch.bfloat16)
+    results = {}
+    for path in ("native", "python"):
+        with monkeypatch.context() as m:
+            if path == "python":
+                _native.python_path(m)
+            poison_allocator()
+            o = fastattn.torch.attention_varlen(q, k, v, cu, cu, 150, 150, causal=True, deterministic=True)
+            grads = torch.autograd.grad(o, (q, k, v), d_o) if training else ()
+        torch.cuda.synchronize()
+        results[path] = o, grads
+    (o_n, g_n), (o_p, g_p) = results["native"], results["python"]
+    assert torch.isfinite(o_n).all() and torch.equal(o_n, o_p)
+    assert all(torch.equal(a, b) for a, b in zip(g_n, g_p)) and len(g_n) == len(g_p)
+    if training:
+        assert "VarlenFunction" in o_n.grad_fn.name() or "CppNode" in type(o_n.grad_fn).__name__
 
 
 def test_a_hit_runs_no_python(lib):

@@ -16,7 +16,7 @@ torch = pytest.importorskip("torch", reason="PyTorch is an optional extra (pip i
 
 import fastattn  # noqa: E402
 import fastattn.torch  # noqa: E402
-from fastattn.torch import _dense, _native  # noqa: E402
+from fastattn.torch import _dense, _native, _varlen  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -46,8 +46,11 @@ def dense(device="meta", grad=False, layout="bshd"):
 
 
 def test_the_native_ops_have_the_python_ops_schemas(lib):
-    for native, python in ((torch.ops.fastattn.native_attention_forward.default, _dense.forward_op._opoverload),
-                           (torch.ops.fastattn.native_attention_backward.default, _dense.backward_op._opoverload)):
+    ops = torch.ops.fastattn
+    for native, python in ((ops.native_attention_forward.default, _dense.forward_op._opoverload),
+                           (ops.native_attention_backward.default, _dense.backward_op._opoverload),
+                           (ops.native_varlen_forward.default, _varlen.forward_op._opoverload),
+                           (ops.native_varlen_backward.default, _varlen.backward_op._opoverload)):
         n, p = native._schema, python._schema
         assert [(a.name, str(a.type)) for a in n.arguments] == [(a.name, str(a.type)) for a in p.arguments]
         assert [str(r.type) for r in n.returns] == [str(r.type) for r in p.returns]
@@ -91,6 +94,34 @@ def test_backward_through_an_inference_call_is_refused(lib):
     q, k, v = dense(grad=True)
     o, _ = torch.ops.fastattn.native_attention_forward(q, k, v, None, None, None, None, None, *options(False))
     assert o.grad_fn is None  # inference: no node, nothing saved
+
+
+def varlen_options(training=False):
+    return _varlen.VarlenOptions(max_q=64, max_kv=64, causal=True, bottom_right=False, window_left=-1,
+                                 window_right=-1, scale=0.0, deterministic=False, training=training)
+
+
+@pytest.mark.parametrize("training", (False, True), ids=("inference", "training"))
+def test_varlen_meta_and_cpp_autograd(lib, training):
+    q, k, v = (torch.empty(t, h, d, device="meta", dtype=torch.float16, requires_grad=training)
+               for t, h, d in ((40, 4, 8), (56, 2, 8), (56, 2, 16)))
+    cu_q = torch.empty(4, dtype=torch.int32, device="meta")
+    o, stats = torch.ops.fastattn.native_varlen_forward(q, k, v, cu_q, cu_q, *varlen_options(training))
+    assert o.shape == (40, 4, 16) and o.dtype == q.dtype
+    assert tuple(stats.shape) == ((40, 4) if training else (0,))
+    if training:
+        assert "VarlenFunction" in o.grad_fn.name() or "CppNode" in type(o.grad_fn).__name__
+        grads = torch.autograd.grad(o.sum(), (q, k, v))
+        assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
+    else:
+        assert o.grad_fn is None
+
+
+def test_varlen_cpu_tensors_get_a_clear_error(lib):
+    q = torch.empty(8, 2, 8, dtype=torch.float16)
+    cu = torch.zeros(2, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"fastattn: q is on cpu: fastattn runs on CUDA tensors"):
+        torch.ops.fastattn.native_varlen_forward(q, q, q, cu, cu, *varlen_options())
 
 
 def test_meta_backward_shapes(lib):

@@ -41,17 +41,18 @@ MODES = ("auto", "native", "python")
 _HERE = Path(__file__).resolve().parent
 SOURCES = (_HERE / "csrc" / "ops.cpp",)
 INCLUDE = _HERE.parent / "include"
-HEADERS = (INCLUDE / "fastattn_abi.h",)
+HEADERS = (INCLUDE / "fastattn_abi.h", _HERE / "csrc" / "varlen.inc")
 
 _lock = threading.Lock()
 _state: dict = {}  # "lib": the loaded module or None, "reason": why this path, "mode"
 
-# The dense forward op once the path is decided: (eager, traced) or None for the Python
-# path; UNDECIDED before the first decision. eager is the operator's C++ entry point
-# (torch.ops' Python wrappers cost ~2 us a call), traced its OpOverload, which
-# torch.compile records. A module global so that attention() reads it in one lookup.
+# The forward ops of attention() (DENSE) and attention_varlen() (VARLEN) once the path is
+# decided: (eager, traced) or None for the Python path; UNDECIDED before the first
+# decision. eager is the operator's C++ entry point (torch.ops' Python wrappers cost ~2
+# us a call), traced its OpOverload, which torch.compile records. Module globals, so
+# that an entry point reads its op in one lookup.
 UNDECIDED = object()
-DENSE = UNDECIDED
+DENSE = VARLEN = UNDECIDED
 
 
 def mode() -> str:
@@ -141,14 +142,21 @@ def _import(path: Path):
     return module
 
 
-def _miss(direction, q, k, v, o, seq_len_q, seq_len_kv, bias, sink, options):
+def _miss(kind, direction, *args):
     """The C++ table's miss handler (under the GIL): validates the call as the Python
-    path does and gets the plan from the runtime; returns (plan, forward graph,
-    backward graph, forward workspace bytes, backward workspace bytes)."""
+    path does and gets the plan from the runtime through the entry point's own
+    plan_for; returns (plan, forward graph, backward graph, forward workspace bytes,
+    backward workspace bytes). kind 0: attention (q, k, v, o or None, seq_len_q,
+    seq_len_kv, bias, sink, options), 1: attention_varlen (q, k, v, batch, options)."""
     from .. import _core
-    from . import _dense
+    from . import _dense, _varlen
 
-    c = _dense.plan_for(q, k, v, o, seq_len_q, seq_len_kv, bias, sink, _dense.DenseOptions(*options))
+    if kind == 0:
+        q, k, v, o, seq_len_q, seq_len_kv, bias, sink, options = args
+        c = _dense.plan_for(q, k, v, o, seq_len_q, seq_len_kv, bias, sink, _dense.DenseOptions(*options))
+    else:
+        q, k, v, batch, options = args
+        c = _varlen.plan_for(q, k, v, batch, _varlen.VarlenOptions(*options))
     forward, backward = _core.abi_graphs(c.plan)
     return c.plan, forward, backward, c.forward_workspace, c.backward_workspace
 
@@ -194,19 +202,33 @@ def library():
 
 
 def _publish_ops() -> None:
-    global DENSE
+    global DENSE, VARLEN
     import torch
 
-    overload = torch.ops.fastattn.native_attention_forward.default
-    DENSE = (getattr(overload, "_op", overload), overload)
+    dense = torch.ops.fastattn.native_attention_forward.default
+    varlen = torch.ops.fastattn.native_varlen_forward.default
+    DENSE = (getattr(dense, "_op", dense), dense)
+    VARLEN = (getattr(varlen, "_op", varlen), varlen)
 
 
 def decide():
-    """DENSE, deciding the path first if needed (what attention() calls while UNDECIDED)."""
-    global DENSE
+    """Decides the path if not yet (what an entry point calls while UNDECIDED); returns
+    DENSE (None: the Python path)."""
+    global DENSE, VARLEN
     if library() is None:
-        DENSE = None
+        DENSE = VARLEN = None
     return DENSE
+
+
+def python_path(monkeypatch=None):
+    """Makes this process's entry points take the Python path (tests, benchmarks): with a
+    pytest monkeypatch, until the test ends."""
+    global DENSE, VARLEN
+    if monkeypatch is not None:
+        monkeypatch.setattr(sys.modules[__name__], "DENSE", None)
+        monkeypatch.setattr(sys.modules[__name__], "VARLEN", None)
+    else:
+        DENSE = VARLEN = None
 
 
 def status() -> dict:
@@ -252,7 +274,7 @@ def library_path(root: Path | None = None) -> Path:
 
 def reset() -> None:
     """Forgets the decision (tests): the next call decides again."""
-    global DENSE
+    global DENSE, VARLEN
     with _lock:
         _state.clear()
-        DENSE = UNDECIDED
+        DENSE = VARLEN = UNDECIDED

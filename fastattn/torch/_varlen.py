@@ -15,7 +15,7 @@ import torch
 
 from ..config import AttentionConfig
 from ..errors import InvalidArgumentError
-from . import _autograd
+from . import _autograd, _native
 from ._plans import DTYPES, Cached, check_qkv_tensors, mask_name, plans, raw_stream, remember, workspace
 from ._plans import options as check_options
 
@@ -200,6 +200,17 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     options = _new(VarlenOptions, (bucket(max_seqlen_q), bucket(max_seqlen_kv), bool(causal),
                                    bool(causal_bottom_right), left, right, scale,
                                    bool(deterministic), training))
+    native = _native.VARLEN
+    if native is not None:  # the native path (see _dense.attention)
+        if compiling():
+            if native is not _native.UNDECIDED:
+                return native[1](q, k, v, cu_seqlens_q, cu_seqlens_kv, *options)[0]
+        elif q.is_cuda and not functorch_active():
+            if native is _native.UNDECIDED:
+                _native.decide()
+                native = _native.VARLEN
+            if native is not None:
+                return native[0](q, k, v, cu_seqlens_q, cu_seqlens_kv, *options)[0]
     if plain_eager(q):  # skip the custom ops' wrappers (see _autograd)
         if not training:
             return forward_impl(q, k, v, cu_seqlens_q, cu_seqlens_kv, options)[0]
@@ -208,3 +219,4 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
 
 
 plain_eager, Eager = _autograd.plain_eager, _autograd.Eager  # module globals: one lookup less per call
+compiling, functorch_active = torch.compiler.is_compiling, _autograd.functorch_active

@@ -1,8 +1,8 @@
 // fastattn's PyTorch op library: the per-call path of fastattn.torch.attention in C++.
 //
-// Registers fastattn::native_attention_forward and fastattn::native_attention_backward
-// (the schemas of the Python custom ops fastattn::attention_forward/_backward, under
-// other names so that both can be loaded at once) with kernels for CUDA (the work),
+// Registers fastattn::native_attention_forward/_backward and native_varlen_forward/
+// _backward (varlen.inc): the schemas of the Python custom ops fastattn::attention_*
+// and fastattn::varlen_*, under other names so that both can be loaded at once, with kernels for CUDA (the work),
 // Meta (shapes only, for torch.compile's fake tensors), CPU (a clear error) and
 // Autograd (a C++ autograd Function, so that an eager training step runs no Python
 // for attention).
@@ -112,14 +112,43 @@ bool given(const OptTensor &t) { return t.has_value() && t->defined(); }
 
 py::object to_py(const OptTensor &t) { return given(t) ? py::cast(*t) : py::none(); }
 
-// The plan for a call: everything fastattn.torch._dense.plan_for's key holds (so that a
-// hit was validated by the miss that made it), plus the direction. o: the backward's
-// forward output (its strides are the plan's); undefined for the forward.
+enum Kind : int64_t { kDense = 0, kVarlen = 1 };  // the miss handler's first argument; a key's first word
+
+// The table's entry for `key`; on a miss, miss() (called under the GIL) asks Python
+// for (plan, forward graph, backward graph, forward workspace, backward workspace).
+template <class Miss>
+const Entry &lookup(const std::vector<int64_t> &key, Miss &&miss) {
+    {
+        std::shared_lock<std::shared_mutex> lock(g_table_lock);
+        auto it = g_table.find(key);
+        if (it != g_table.end()) return it->second;
+    }
+    // A miss: the Python runtime validates and finds or builds the plan. Two threads
+    // missing on one key both ask; the runtime builds a (config, device) once.
+    TORCH_CHECK(g_miss != nullptr && g_abi != nullptr, "fastattn: the op library was not initialized");
+    py::gil_scoped_acquire gil;
+    // A Python exception (InvalidArgumentError, NotSupportedError, ...) propagates as
+    // py::error_already_set, which PyTorch turns back into the same exception.
+    py::object got = miss(py::reinterpret_borrow<py::object>(g_miss));
+    auto t = got.cast<py::tuple>();
+    Entry e{nullptr,
+            {reinterpret_cast<const void *>(t[1].cast<intptr_t>()), reinterpret_cast<const void *>(t[2].cast<intptr_t>())},
+            {t[3].cast<int64_t>(), t[4].cast<int64_t>()}};
+    std::unique_lock<std::shared_mutex> lock(g_table_lock);
+    auto [it, inserted] = g_table.emplace(key, e);
+    if (inserted) it->second.plan = py::object(t[0]).inc_ref().ptr();
+    return it->second;
+}
+
+// The plan for a dense call: everything fastattn.torch._dense.plan_for's key holds (so
+// that a hit was validated by the miss that made it), plus the direction. o: the
+// backward's forward output (its strides are the plan's); null for the forward.
 const Entry &find_plan(int direction, const Tensor &q, const Tensor &k, const Tensor &v, const Tensor *o,
                        const OptTensor &seq_len_q, const OptTensor &seq_len_kv, const OptTensor &bias,
                        const OptTensor &sink, const OptTensor &rng, const Options &opt) {
     thread_local std::vector<int64_t> key;  // reused: no allocation per call once grown
     key.clear();
+    key.push_back(kDense);
     key.push_back(direction);
     put_tensor(key, q);
     put_tensor(key, k);
@@ -137,31 +166,13 @@ const Entry &find_plan(int direction, const Tensor &q, const Tensor &k, const Te
     key.push_back(opt.window_right);
     key.push_back(bits(opt.scale));
     key.push_back(bits(opt.dropout));
-    {
-        std::shared_lock<std::shared_mutex> lock(g_table_lock);
-        auto it = g_table.find(key);
-        if (it != g_table.end()) return it->second;
-    }
-    // A miss: the Python runtime validates and finds or builds the plan. Two threads
-    // missing on one key both ask; the runtime builds a (config, device) once.
-    TORCH_CHECK(g_miss != nullptr && g_abi != nullptr, "fastattn: the op library was not initialized");
-    py::gil_scoped_acquire gil;
-    py::tuple options = py::make_tuple(std::string(opt.layout), opt.causal, opt.bottom_right, opt.window_left,
-                                       opt.window_right, opt.scale, opt.deterministic, opt.alibi, opt.training,
-                                       opt.dropout, opt.bias_grad);
-    // A Python exception (InvalidArgumentError, NotSupportedError, ...) propagates as
-    // py::error_already_set, which PyTorch turns back into the same exception.
-    py::object got = py::reinterpret_borrow<py::object>(g_miss)(
-        direction, q, k, v, o != nullptr ? py::cast(*o) : py::none(), to_py(seq_len_q), to_py(seq_len_kv),
-        to_py(bias), to_py(sink), options);
-    auto t = got.cast<py::tuple>();
-    Entry e{nullptr,
-            {reinterpret_cast<const void *>(t[1].cast<intptr_t>()), reinterpret_cast<const void *>(t[2].cast<intptr_t>())},
-            {t[3].cast<int64_t>(), t[4].cast<int64_t>()}};
-    std::unique_lock<std::shared_mutex> lock(g_table_lock);
-    auto [it, inserted] = g_table.emplace(key, e);
-    if (inserted) it->second.plan = py::object(t[0]).inc_ref().ptr();
-    return it->second;
+    return lookup(key, [&](const py::object &handler) {
+        py::tuple options = py::make_tuple(std::string(opt.layout), opt.causal, opt.bottom_right, opt.window_left,
+                                           opt.window_right, opt.scale, opt.deterministic, opt.alibi, opt.training,
+                                           opt.dropout, opt.bias_grad);
+        return handler(static_cast<int64_t>(kDense), direction, q, k, v, o != nullptr ? py::cast(*o) : py::none(),
+                       to_py(seq_len_q), to_py(seq_len_kv), to_py(bias), to_py(sink), options);
+    });
 }
 
 // ---- execute ----------------------------------------------------------------------------------
@@ -387,6 +398,8 @@ std::tuple<Tensor, Tensor> forward_autograd(const Tensor &q, const Tensor &k, co
     return {out[0], out[1]};
 }
 
+#include "varlen.inc"  // attention_varlen's ops: the same table, run and conventions
+
 // ---- Python: initialization and introspection -------------------------------------------------
 
 void init(py::capsule abi, py::object miss) {
@@ -425,28 +438,40 @@ TORCH_LIBRARY_FRAGMENT(fastattn, m) {
     m.def("native_attention_backward(Tensor d_o, Tensor o, Tensor stats, Tensor q, Tensor k, Tensor v, "
           "Tensor? seq_len_q, Tensor? seq_len_kv, Tensor? bias, Tensor? sink, Tensor? rng, " FA_OPTIONS_SCHEMA
           ") -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+    m.def("native_varlen_forward(Tensor q, Tensor k, Tensor v, Tensor cu_q, Tensor cu_kv, " FA_VARLEN_SCHEMA
+          ") -> (Tensor, Tensor)");
+    m.def("native_varlen_backward(Tensor d_o, Tensor o, Tensor stats, Tensor q, Tensor k, Tensor v, Tensor cu_q, "
+          "Tensor cu_kv, " FA_VARLEN_SCHEMA ") -> (Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(fastattn, CUDA, m) {
     m.impl("native_attention_forward", &forward_cuda);
     m.impl("native_attention_backward", &backward_cuda);
+    m.impl("native_varlen_forward", &varlen_forward_cuda);
+    m.impl("native_varlen_backward", &varlen_backward_cuda);
 }
 
 TORCH_LIBRARY_IMPL(fastattn, Meta, m) {
     m.impl("native_attention_forward", &forward_meta);
     m.impl("native_attention_backward", &backward_meta);
+    m.impl("native_varlen_forward", &varlen_forward_meta);
+    m.impl("native_varlen_backward", &varlen_backward_meta);
 }
 
 TORCH_LIBRARY_IMPL(fastattn, CPU, m) {
     m.impl("native_attention_forward", &forward_cpu);
     m.impl("native_attention_backward", &backward_cpu);
+    m.impl("native_varlen_forward", &varlen_forward_cpu);
+    m.impl("native_varlen_backward", &varlen_backward_cpu);
 }
 
 TORCH_LIBRARY_IMPL(fastattn, Autograd, m) {
     m.impl("native_attention_forward", &forward_autograd);
-    // Not differentiable (no double backward): its outputs are plain tensors, with no
+    m.impl("native_varlen_forward", &varlen_forward_autograd);
+    // Not differentiable (no double backward): their outputs are plain tensors, with no
     // "autograd kernel not registered" warning.
     m.impl("native_attention_backward", torch::CppFunction::makeFallthrough());
+    m.impl("native_varlen_backward", torch::CppFunction::makeFallthrough());
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
