@@ -122,6 +122,25 @@ def test_info_says_which_torch_path_runs_and_why(capsys, monkeypatch, tmp_path, 
     assert not (tmp_path / "torch-ops").exists()  # info builds nothing
 
 
+@pytest.mark.parametrize("cxx,ok,result", [("false", False, "compiling ops.cpp failed (exit 1)"),
+                                           ("/nonexistent/c++", False, "no C++ compiler")])
+def test_warm_torch_ops_reports_a_failed_build_without_failing(capsys, monkeypatch, tmp_path, cxx, ok, result):
+    # The plans are what warm is for: a library that cannot be built is reported (the
+    # Python path runs there), and the exit code is the plans' own.
+    pytest.importorskip("torch", reason="PyTorch is an optional extra")
+    import fastattn.warm
+    from fastattn.warm import WarmReport
+
+    monkeypatch.setattr(fastattn.warm, "warm", lambda *a, **k: WarmReport([], 0.0, 1, {
+        "loaded": 0, "built": 0, "unsupported": 0, "failed": 0}, 0))
+    monkeypatch.setenv("FASTATTN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CXX", cxx)
+    code, out, _ = run(["warm", "--torch-ops", "--json"], capsys)
+    body = json.loads(out)["torch_ops"]
+    assert body["ok"] is ok and result in body["result"], body
+    assert code == run(["warm", "--json"], capsys)[0]
+
+
 def test_python_dash_m_runs():
     here = os.path.dirname(os.path.abspath(__file__))  # not the checkout root: its fastattn/ is unbuilt
     r = subprocess.run([sys.executable, "-m", "fastattn", "--help"], capture_output=True, text=True, timeout=60, cwd=here)
