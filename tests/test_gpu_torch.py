@@ -22,9 +22,9 @@ AXES = {"bshd": (0, 2, 1, 3), "sbhd": (1, 2, 0, 3), "bhsd": (0, 1, 2, 3)}
 
 @pytest.fixture(autouse=True, params=("native", "python"))
 def torch_path(request, monkeypatch):
-    """Every test on both of fastattn.torch's paths: the C++ op library (attention() and
-    attention_varlen(); paged has no native op yet and runs its Python path on both) and
-    the Python path. On the GPU machine the native path must load: no silent fallback."""
+    """Every test on both of fastattn.torch's paths: the C++ op library (attention(),
+    attention_varlen(), attention_paged()) and the Python path. On the GPU machine the
+    native path must load: no silent fallback."""
     if request.param == "python":
         _native.python_path(monkeypatch)
     else:

@@ -146,6 +146,28 @@ def test_varlen_native_and_python_paths_agree_bitwise(lib, monkeypatch, training
         assert "VarlenFunction" in o_n.grad_fn.name() or "CppNode" in type(o_n.grad_fn).__name__
 
 
+@pytest.mark.parametrize("q_lens,bottom_right", [((1, 1, 1), False), ((16, 5, 16), True)], ids=("decode", "prefill"))
+def test_paged_native_and_python_paths_agree_bitwise(lib, monkeypatch, q_lens, bottom_right):
+    torch.manual_seed(5)
+    b, sq, hq, hkv, d, page, num_pages = 3, max(q_lens), 8, 2, 128, 64, 20
+    q = torch.randn(b, sq, hq, d, device="cuda", dtype=torch.float16)
+    k_cache, v_cache = (torch.randn(num_pages, page, hkv, d, device="cuda", dtype=torch.float16) for _ in range(2))
+    table = torch.randperm(num_pages, device="cuda", dtype=torch.int32)[:b * 4].view(b, 4).contiguous()
+    cache_seqlens = torch.tensor([200, 65, 256], device="cuda", dtype=torch.int32)
+    seq_lens_q = None if sq == 1 else torch.tensor(q_lens, device="cuda", dtype=torch.int32)
+    results = {}
+    for path in ("native", "python"):
+        with monkeypatch.context() as m:
+            if path == "python":
+                _native.python_path(m)
+            poison_allocator()
+            results[path] = fastattn.torch.attention_paged(q, k_cache, v_cache, table, cache_seqlens,
+                                                           seq_lens_q=seq_lens_q, causal_bottom_right=bottom_right)
+        torch.cuda.synchronize()
+    assert torch.isfinite(results["native"]).all()
+    assert torch.equal(results["native"], results["python"])
+
+
 def test_a_hit_runs_no_python(lib):
     q, k, v = (torch.randn(1, 128, 8, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     forward = _native.DENSE[0]

@@ -16,7 +16,7 @@ torch = pytest.importorskip("torch", reason="PyTorch is an optional extra (pip i
 
 import fastattn  # noqa: E402
 import fastattn.torch  # noqa: E402
-from fastattn.torch import _dense, _native, _varlen  # noqa: E402
+from fastattn.torch import _dense, _native, _paged, _varlen  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +50,8 @@ def test_the_native_ops_have_the_python_ops_schemas(lib):
     for native, python in ((ops.native_attention_forward.default, _dense.forward_op._opoverload),
                            (ops.native_attention_backward.default, _dense.backward_op._opoverload),
                            (ops.native_varlen_forward.default, _varlen.forward_op._opoverload),
-                           (ops.native_varlen_backward.default, _varlen.backward_op._opoverload)):
+                           (ops.native_varlen_backward.default, _varlen.backward_op._opoverload),
+                           (ops.native_paged_forward.default, _paged.forward_op._opoverload)):
         n, p = native._schema, python._schema
         assert [(a.name, str(a.type)) for a in n.arguments] == [(a.name, str(a.type)) for a in p.arguments]
         assert [str(r.type) for r in n.returns] == [str(r.type) for r in p.returns]
@@ -122,6 +123,19 @@ def test_varlen_cpu_tensors_get_a_clear_error(lib):
     cu = torch.zeros(2, dtype=torch.int32)
     with pytest.raises(ValueError, match=r"fastattn: q is on cpu: fastattn runs on CUDA tensors"):
         torch.ops.fastattn.native_varlen_forward(q, q, q, cu, cu, *varlen_options())
+
+
+def test_paged_meta_shape_and_cpu_error(lib):
+    q = torch.empty(3, 1, 8, 64, device="meta", dtype=torch.bfloat16)
+    k_cache = torch.empty(20, 64, 2, 64, device="meta", dtype=torch.bfloat16)
+    v_cache = torch.empty(20, 64, 2, 32, device="meta", dtype=torch.bfloat16)
+    table = torch.empty(3, 4, device="meta", dtype=torch.int32)
+    lens = torch.empty(3, device="meta", dtype=torch.int32)
+    o = torch.ops.fastattn.native_paged_forward(q, k_cache, v_cache, table, lens, None, False, True, -1, -1, 0.0)
+    assert o.shape == (3, 1, 8, 32) and o.dtype == q.dtype
+    with pytest.raises(ValueError, match=r"fastattn: q is on cpu: fastattn runs on CUDA tensors"):
+        torch.ops.fastattn.native_paged_forward(*(torch.empty_like(t, device="cpu") for t in (q, k_cache, v_cache, table, lens)),
+                                                None, False, True, -1, -1, 0.0)
 
 
 def test_meta_backward_shapes(lib):

@@ -41,18 +41,19 @@ MODES = ("auto", "native", "python")
 _HERE = Path(__file__).resolve().parent
 SOURCES = (_HERE / "csrc" / "ops.cpp",)
 INCLUDE = _HERE.parent / "include"
-HEADERS = (INCLUDE / "fastattn_abi.h", _HERE / "csrc" / "varlen.inc")
+HEADERS = (INCLUDE / "fastattn_abi.h", _HERE / "csrc" / "varlen.inc", _HERE / "csrc" / "paged.inc")
 
 _lock = threading.Lock()
 _state: dict = {}  # "lib": the loaded module or None, "reason": why this path, "mode"
 
-# The forward ops of attention() (DENSE) and attention_varlen() (VARLEN) once the path is
+# The forward ops of attention() (DENSE), attention_varlen() (VARLEN) and
+# attention_paged() (PAGED) once the path is
 # decided: (eager, traced) or None for the Python path; UNDECIDED before the first
 # decision. eager is the operator's C++ entry point (torch.ops' Python wrappers cost ~2
 # us a call), traced its OpOverload, which torch.compile records. Module globals, so
 # that an entry point reads its op in one lookup.
 UNDECIDED = object()
-DENSE = VARLEN = UNDECIDED
+DENSE = VARLEN = PAGED = UNDECIDED
 
 
 def mode() -> str:
@@ -147,16 +148,23 @@ def _miss(kind, direction, *args):
     path does and gets the plan from the runtime through the entry point's own
     plan_for; returns (plan, forward graph, backward graph, forward workspace bytes,
     backward workspace bytes). kind 0: attention (q, k, v, o or None, seq_len_q,
-    seq_len_kv, bias, sink, options), 1: attention_varlen (q, k, v, batch, options)."""
+    seq_len_kv, bias, sink, options), 1: attention_varlen (q, k, v, batch, options),
+    2: attention_paged (q, k_cache, v_cache, block_table, seq_lens_q, cache_seqlens,
+    options)."""
     from .. import _core
     from . import _dense, _varlen
 
     if kind == 0:
         q, k, v, o, seq_len_q, seq_len_kv, bias, sink, options = args
         c = _dense.plan_for(q, k, v, o, seq_len_q, seq_len_kv, bias, sink, _dense.DenseOptions(*options))
-    else:
+    elif kind == 1:
         q, k, v, batch, options = args
         c = _varlen.plan_for(q, k, v, batch, _varlen.VarlenOptions(*options))
+    else:
+        from . import _paged
+
+        q, k_cache, v_cache, table, seq_lens_q, cache_seqlens, options = args
+        c = _paged.plan_for(q, k_cache, v_cache, table, seq_lens_q, cache_seqlens, _paged.PagedOptions(*options))
     forward, backward = _core.abi_graphs(c.plan)
     return c.plan, forward, backward, c.forward_workspace, c.backward_workspace
 
@@ -202,33 +210,35 @@ def library():
 
 
 def _publish_ops() -> None:
-    global DENSE, VARLEN
+    global DENSE, VARLEN, PAGED
     import torch
 
     dense = torch.ops.fastattn.native_attention_forward.default
     varlen = torch.ops.fastattn.native_varlen_forward.default
+    paged = torch.ops.fastattn.native_paged_forward.default
     DENSE = (getattr(dense, "_op", dense), dense)
     VARLEN = (getattr(varlen, "_op", varlen), varlen)
+    PAGED = (getattr(paged, "_op", paged), paged)
 
 
 def decide():
     """Decides the path if not yet (what an entry point calls while UNDECIDED); returns
     DENSE (None: the Python path)."""
-    global DENSE, VARLEN
+    global DENSE, VARLEN, PAGED
     if library() is None:
-        DENSE = VARLEN = None
+        DENSE = VARLEN = PAGED = None
     return DENSE
 
 
 def python_path(monkeypatch=None):
     """Makes this process's entry points take the Python path (tests, benchmarks): with a
     pytest monkeypatch, until the test ends."""
-    global DENSE, VARLEN
+    global DENSE, VARLEN, PAGED
     if monkeypatch is not None:
-        monkeypatch.setattr(sys.modules[__name__], "DENSE", None)
-        monkeypatch.setattr(sys.modules[__name__], "VARLEN", None)
+        for name in ("DENSE", "VARLEN", "PAGED"):
+            monkeypatch.setattr(sys.modules[__name__], name, None)
     else:
-        DENSE = VARLEN = None
+        DENSE = VARLEN = PAGED = None
 
 
 def status() -> dict:
@@ -274,7 +284,7 @@ def library_path(root: Path | None = None) -> Path:
 
 def reset() -> None:
     """Forgets the decision (tests): the next call decides again."""
-    global DENSE, VARLEN
+    global DENSE, VARLEN, PAGED
     with _lock:
         _state.clear()
-        DENSE = VARLEN = UNDECIDED
+        DENSE = VARLEN = PAGED = UNDECIDED

@@ -1,8 +1,9 @@
 // fastattn's PyTorch op library: the per-call path of fastattn.torch.attention in C++.
 //
-// Registers fastattn::native_attention_forward/_backward and native_varlen_forward/
-// _backward (varlen.inc): the schemas of the Python custom ops fastattn::attention_*
-// and fastattn::varlen_*, under other names so that both can be loaded at once, with kernels for CUDA (the work),
+// Registers fastattn::native_attention_forward/_backward, native_varlen_forward/_backward
+// (varlen.inc) and native_paged_forward (paged.inc): the schemas of the Python custom
+// ops fastattn::attention_*, varlen_* and paged_forward, under other names so that both
+// can be loaded at once, with kernels for CUDA (the work),
 // Meta (shapes only, for torch.compile's fake tensors), CPU (a clear error) and
 // Autograd (a C++ autograd Function, so that an eager training step runs no Python
 // for attention).
@@ -112,7 +113,7 @@ bool given(const OptTensor &t) { return t.has_value() && t->defined(); }
 
 py::object to_py(const OptTensor &t) { return given(t) ? py::cast(*t) : py::none(); }
 
-enum Kind : int64_t { kDense = 0, kVarlen = 1 };  // the miss handler's first argument; a key's first word
+enum Kind : int64_t { kDense = 0, kVarlen = 1, kPaged = 2 };  // the miss handler's first argument; a key's first word
 
 // The table's entry for `key`; on a miss, miss() (called under the GIL) asks Python
 // for (plan, forward graph, backward graph, forward workspace, backward workspace).
@@ -399,6 +400,7 @@ std::tuple<Tensor, Tensor> forward_autograd(const Tensor &q, const Tensor &k, co
 }
 
 #include "varlen.inc"  // attention_varlen's ops: the same table, run and conventions
+#include "paged.inc"   // attention_paged's (forward only)
 
 // ---- Python: initialization and introspection -------------------------------------------------
 
@@ -442,9 +444,12 @@ TORCH_LIBRARY_FRAGMENT(fastattn, m) {
           ") -> (Tensor, Tensor)");
     m.def("native_varlen_backward(Tensor d_o, Tensor o, Tensor stats, Tensor q, Tensor k, Tensor v, Tensor cu_q, "
           "Tensor cu_kv, " FA_VARLEN_SCHEMA ") -> (Tensor, Tensor, Tensor)");
+    m.def("native_paged_forward(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor cache_seqlens, "
+          "Tensor? seq_lens_q, " FA_PAGED_SCHEMA ") -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(fastattn, CUDA, m) {
+    m.impl("native_paged_forward", &paged_forward_cuda);
     m.impl("native_attention_forward", &forward_cuda);
     m.impl("native_attention_backward", &backward_cuda);
     m.impl("native_varlen_forward", &varlen_forward_cuda);
@@ -452,6 +457,7 @@ TORCH_LIBRARY_IMPL(fastattn, CUDA, m) {
 }
 
 TORCH_LIBRARY_IMPL(fastattn, Meta, m) {
+    m.impl("native_paged_forward", &paged_forward_meta);
     m.impl("native_attention_forward", &forward_meta);
     m.impl("native_attention_backward", &backward_meta);
     m.impl("native_varlen_forward", &varlen_forward_meta);
@@ -459,6 +465,7 @@ TORCH_LIBRARY_IMPL(fastattn, Meta, m) {
 }
 
 TORCH_LIBRARY_IMPL(fastattn, CPU, m) {
+    m.impl("native_paged_forward", &paged_forward_cpu);
     m.impl("native_attention_forward", &forward_cpu);
     m.impl("native_attention_backward", &backward_cpu);
     m.impl("native_varlen_forward", &varlen_forward_cpu);
@@ -472,6 +479,7 @@ TORCH_LIBRARY_IMPL(fastattn, Autograd, m) {
     // "autograd kernel not registered" warning.
     m.impl("native_attention_backward", torch::CppFunction::makeFallthrough());
     m.impl("native_varlen_backward", torch::CppFunction::makeFallthrough());
+    m.impl("native_paged_forward", torch::CppFunction::makeFallthrough());  // forward only
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
