@@ -114,6 +114,7 @@ def test_info_says_which_torch_path_runs_and_why(capsys, monkeypatch, tmp_path, 
 
     monkeypatch.setattr(_native, "_state", {})  # undecided in this process, whatever ran before
     monkeypatch.setenv("FASTATTN_CACHE_DIR", str(tmp_path))  # no library built there
+    monkeypatch.delenv("FASTATTN_TORCH_OPS_DIR", raising=False)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     _, out, _ = run(["info", "--json"], capsys)
@@ -134,6 +135,7 @@ def test_warm_torch_ops_reports_a_failed_build_without_failing(capsys, monkeypat
     monkeypatch.setattr(fastattn.warm, "warm", lambda *a, **k: WarmReport([], 0.0, 1, {
         "loaded": 0, "built": 0, "unsupported": 0, "failed": 0}, 0))
     monkeypatch.setenv("FASTATTN_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("FASTATTN_TORCH_OPS_DIR", raising=False)
     monkeypatch.setenv("CXX", cxx)
     code, out, _ = run(["warm", "--torch-ops", "--json"], capsys)
     body = json.loads(out)["torch_ops"]

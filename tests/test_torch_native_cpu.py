@@ -236,6 +236,7 @@ def test_attention_under_torch_compile_records_the_native_op_once_decided(lib, m
 
 def _run(code: str, **env) -> subprocess.CompletedProcess:
     full = dict(os.environ, **env)
+    full.pop("FASTATTN_TORCH_OPS_DIR", None)  # the library is built under the test's own cache directory
     return subprocess.run([sys.executable, "-W", "always::RuntimeWarning", "-c", textwrap.dedent(code)],
                           capture_output=True, text=True, env=full, timeout=300)
 
@@ -281,6 +282,14 @@ def test_python_mode_never_builds(tmp_path):
     assert "LIB None" in r.stdout and "WARNING" not in r.stdout
     assert "FASTATTN_TORCH_PATH=python" in r.stdout
     assert not (tmp_path / "torch-ops").exists()
+
+
+def test_the_build_directory_can_be_set(monkeypatch, tmp_path):
+    monkeypatch.setenv("FASTATTN_TORCH_OPS_DIR", str(tmp_path / "ops"))
+    assert _native.library_path().parent.parent == tmp_path / "ops"
+    monkeypatch.delenv("FASTATTN_TORCH_OPS_DIR")
+    monkeypatch.setenv("FASTATTN_CACHE_DIR", str(tmp_path / "cache"))
+    assert _native.library_path().parent.parent == tmp_path / "cache" / "torch-ops"
 
 
 @pytest.mark.parametrize("value", ["fast", "1", "Native!"])

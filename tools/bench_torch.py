@@ -209,7 +209,8 @@ def main(argv=None) -> int:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=2)
     print(json.dumps(res, indent=2))
-    print("\nsummary (medians of interleaved rounds):")
+    print("\nsummary:")  # tools/gpu_run.sh prints from this line on
+    print("  (medians of interleaved rounds)")
     print(f"  fastattn.torch path: {res['host_overhead'][0]['native_path']}")
     for h in res["host_overhead"]:
         peers = [p for p in ("fastattn_native", "fastattn_python", "torch_cudnn", "torch_flash") if f"{p}_us" in h]

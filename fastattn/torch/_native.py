@@ -79,6 +79,11 @@ def tag() -> str:
 
 
 def build_root() -> Path:
+    """FASTATTN_TORCH_OPS_DIR (a directory baked into an image, shared by test sessions),
+    else the cache directory's torch-ops/."""
+    override = os.environ.get("FASTATTN_TORCH_OPS_DIR")
+    if override:
+        return Path(override)
     from ..store import settings_from_env
 
     return Path(settings_from_env().directory) / "torch-ops"
