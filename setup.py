@@ -63,7 +63,9 @@ def include_dirs():
                  [_wheel_dir("nvidia-cuda-nvrtc", "nvidia", "cu13", "include"), cu13, cuda_home_inc],
                  "NVRTC, nvidia-cuda-nvrtc"),
     ]
-    return [str(ROOT / "csrc")] + list(dict.fromkeys(dirs))
+    # fastattn/include: the C ABI header _core hands to the PyTorch op library (shipped in
+    # the package, since that library is compiled on the user's machine).
+    return [str(ROOT / "csrc"), str(ROOT / "fastattn" / "include")] + list(dict.fromkeys(dirs))
 
 
 class ParallelBuildExt(build_ext):
@@ -93,7 +95,8 @@ def extensions():
         "fastattn._core",
         sources=["fastattn/_core.pyx", "csrc/attention.cpp"],
         # Included by the sources: a change to any of them rebuilds the extension.
-        depends=["csrc/fastattn.h", "csrc/bench.h", "csrc/graphs.inc", "csrc/graphs_fp8.inc"],
+        depends=["csrc/fastattn.h", "csrc/bench.h", "csrc/graphs.inc", "csrc/graphs_fp8.inc",
+                 "fastattn/include/fastattn_abi.h"],
         include_dirs=include_dirs(),
         language="c++",
         define_macros=[("NV_CUDNN_FRONTEND_USE_DYNAMIC_LOADING", None)],

@@ -158,3 +158,9 @@ def bench_execute(
 def bench_raw_execute(
     plan: Plan, direction: str, ptrs: Any, workspace: int = 0, stream: int = 0, iters: int = 1000
 ) -> float: ...
+
+# The C ABI for native code outside _core (fastattn/include/fastattn_abi.h).
+def abi_capsule() -> Any:
+    """The fastattn_abi table as a PyCapsule named "fastattn._core.abi"."""
+def abi_graphs(plan: Plan) -> tuple[int, int]:
+    """(forward, backward) graph addresses of plan for fastattn_abi.execute (0: none)."""

@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from fastattn import cli, runtime
 
 from conftest import _gpu_unavailable_reason
@@ -98,6 +100,47 @@ def test_info_reports_versions_everywhere(capsys):
         assert "libcuda" in body["gpu_error"] or "cudnn" in body["gpu_error"].lower()
     else:
         assert code == cli.EXIT_OK and body["device"]["sm_count"] > 0
+
+
+@pytest.mark.parametrize("env,path,reason", [
+    ({"FASTATTN_TORCH_PATH": "python"}, "python", "FASTATTN_TORCH_PATH=python"),
+    ({"FASTATTN_TORCH_PATH": "auto", "CXX": "/nonexistent/c++"}, "python", "there is no C++ compiler"),
+    ({"FASTATTN_TORCH_PATH": "native", "CXX": "/nonexistent/c++"}, "none", "there is no C++ compiler"),
+    ({"FASTATTN_TORCH_PATH": "sometimes"}, "none", "FASTATTN_TORCH_PATH='sometimes': must be one of"),
+])
+def test_info_says_which_torch_path_runs_and_why(capsys, monkeypatch, tmp_path, env, path, reason):
+    pytest.importorskip("torch", reason="PyTorch is an optional extra")
+    from fastattn.torch import _native
+
+    monkeypatch.setattr(_native, "_state", {})  # undecided in this process, whatever ran before
+    monkeypatch.setenv("FASTATTN_CACHE_DIR", str(tmp_path))  # no library built there
+    monkeypatch.delenv("FASTATTN_TORCH_OPS_DIR", raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    _, out, _ = run(["info", "--json"], capsys)
+    body = json.loads(out)["torch"]
+    assert body["path"] == path and reason in body["reason"], body
+    assert not (tmp_path / "torch-ops").exists()  # info builds nothing
+
+
+@pytest.mark.parametrize("cxx,ok,result", [("false", False, "compiling ops.cpp failed (exit 1)"),
+                                           ("/nonexistent/c++", False, "no C++ compiler")])
+def test_warm_torch_ops_reports_a_failed_build_without_failing(capsys, monkeypatch, tmp_path, cxx, ok, result):
+    # The plans are what warm is for: a library that cannot be built is reported (the
+    # Python path runs there), and the exit code is the plans' own.
+    pytest.importorskip("torch", reason="PyTorch is an optional extra")
+    import fastattn.warm
+    from fastattn.warm import WarmReport
+
+    monkeypatch.setattr(fastattn.warm, "warm", lambda *a, **k: WarmReport([], 0.0, 1, {
+        "loaded": 0, "built": 0, "unsupported": 0, "failed": 0}, 0))
+    monkeypatch.setenv("FASTATTN_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("FASTATTN_TORCH_OPS_DIR", raising=False)
+    monkeypatch.setenv("CXX", cxx)
+    code, out, _ = run(["warm", "--torch-ops", "--json"], capsys)
+    body = json.loads(out)["torch_ops"]
+    assert body["ok"] is ok and result in body["result"], body
+    assert code == run(["warm", "--json"], capsys)[0]
 
 
 def test_python_dash_m_runs():

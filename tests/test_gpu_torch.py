@@ -8,7 +8,7 @@ torch = pytest.importorskip("torch", reason="PyTorch is an optional extra (pip i
 
 import fastattn  # noqa: E402
 import fastattn.torch  # noqa: E402,F401
-from fastattn.torch import _autograd, _dense, _plans, _varlen  # noqa: E402
+from fastattn.torch import _autograd, _dense, _native, _plans, _varlen  # noqa: E402
 from fastattn import AttentionConfig  # noqa: E402
 
 from gpu_helpers import alibi_slopes, allowed  # noqa: E402
@@ -18,6 +18,19 @@ pytestmark = pytest.mark.gpu
 FWD_TOL = {torch.float16: 4e-3, torch.bfloat16: 2e-2}
 BWD_TOL = {torch.float16: 1e-2, torch.bfloat16: 4e-2}
 AXES = {"bshd": (0, 2, 1, 3), "sbhd": (1, 2, 0, 3), "bhsd": (0, 1, 2, 3)}
+
+
+@pytest.fixture(autouse=True, params=("native", "python"))
+def torch_path(request, monkeypatch):
+    """Every test on both of fastattn.torch's paths: the C++ op library (attention(),
+    attention_varlen(), attention_paged()) and the Python path. On the GPU machine the
+    native path must load: no silent fallback."""
+    if request.param == "python":
+        _native.python_path(monkeypatch)
+    else:
+        assert _native.library() is not None, _native.status()
+        _native._publish_ops()
+    return request.param
 
 
 def to_bhsd(t, layout):
@@ -208,7 +221,7 @@ def test_the_custom_ops_and_the_eager_path_agree_with_every_feature(feature):
         assert g.shape == g_op.shape == t.shape
         assert rel(g_op, g.double()) < 1e-3
 
-def test_calls_in_flight_on_two_streams_match_serial_calls():
+def test_calls_in_flight_on_two_streams_match_serial_calls(torch_path):
     # Each stream keeps its own workspace (_plans.workspace); calls running on two
     # streams at once must not share one. Forward is deterministic: results equal bitwise.
     inputs = [[torch.randn(2, 512, 8, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3)] for _ in range(24)]
@@ -223,7 +236,7 @@ def test_calls_in_flight_on_two_streams_match_serial_calls():
     for i, (o, e) in enumerate(zip(outs, expected)):
         assert torch.equal(o, e), i
     plan = next(c for c in _plans.plans.values() if c.out_shape == [2, 512, 8, 64])
-    if plan.forward_workspace:
+    if plan.forward_workspace and torch_path == "python":  # the native path allocates per call
         kept = {key for key in _plans.workspaces if key[1] in {s.cuda_stream for s in streams}}
         assert len(kept) == 2
 

@@ -1,11 +1,13 @@
 """fastattn.torch against PyTorch's SDPA backends, in one process on one GPU.
 
-(a) Host time per call on a small shape (1x8x128x64 bf16 causal, inference): fastattn.torch.attention
-    on bshd tensors vs scaled_dot_product_attention on (b, h, s, d) tensors with the cuDNN
-    and flash backends, the backend selected once outside the timed loop (target: at
-    most 0.75x PyTorch cuDNN's). Also each peer's GPU time per call, which the host times
-    must exceed to be host times, and the host time of a training step (forward and
-    backward through autograd).
+(a) Host time per call, inference and training step (forward and backward through
+    autograd), on 1x8x128x64 bf16 causal and on a decode shape (one query against 4096
+    keys, 8 heads, no mask): fastattn.torch.attention on its native path (the C++ op
+    library) and on its Python path, vs scaled_dot_product_attention on (b, h, s, d)
+    tensors with the cuDNN and flash backends, the backend (or path) selected once
+    outside the timed loop. Interleaved rounds, medians, ratios to SDPA cuDNN (targets:
+    inference at most 0.6x, a training step at most 0.9x) and native to Python. Also
+    each peer's GPU time per call, which the host times must exceed to be host times.
 (b) Forward and backward TFLOP/s on large shapes, causal and not (target: at least
     0.98x PyTorch cuDNN's), timed with CUDA events over rotating inputs.
 
@@ -26,6 +28,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import fastattn
 import fastattn.torch as fat
+from fastattn.torch import _native
 
 
 def _sdpa(q, k, v, causal):
@@ -38,21 +41,41 @@ def _sdpa_bhsd(q, k, v, causal):
     return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
 
-# name -> (the call, the backend to select around it, whether it takes bhsd tensors)
+@contextlib.contextmanager
+def _python_path():
+    """fastattn.torch's Python path for the block (the native path's ops unpublished)."""
+    saved = _native.DENSE, _native.VARLEN
+    _native.python_path()
+    try:
+        yield
+    finally:
+        _native.DENSE, _native.VARLEN = saved
+
+
+def _fastattn(q, k, v, causal):
+    return fat.attention(q, k, v, causal=causal)
+
+
+# name -> (the call, the backend or path to select around it)
 PEERS = {
-    "fastattn": (lambda q, k, v, causal: fat.attention(q, k, v, causal=causal), None),
+    "fastattn_native": (_fastattn, "native"),
+    "fastattn_python": (_fastattn, "python"),
     "torch_cudnn": (_sdpa, SDPBackend.CUDNN_ATTENTION),
     "torch_flash": (_sdpa, SDPBackend.FLASH_ATTENTION),
 }
 
 
 def _backend(backend):
-    """The backend selection, entered once around a timed loop (not per call: its cost is
-    not SDPA's)."""
+    """The backend (or fastattn path) selection, entered once around a timed loop (not
+    per call: its cost is not the peer's)."""
+    if backend == "python":
+        return _python_path()
+    if backend == "native":
+        return contextlib.nullcontext()
     return sdpa_kernel(backend) if backend is not None else contextlib.nullcontext()
 
 
-def _gpu_us(fn, backend, q, k, v, iters: int) -> float:
+def _gpu_us(fn, backend, q, k, v, iters: int, causal: bool = True) -> float:
     """GPU time per call: the calls queue up behind a ~25 ms sleep kernel, so the GPU
     runs them back to back and events around them time the GPU, not the host. A host
     time per call above this is the host's own cost, not the GPU holding it back."""
@@ -62,21 +85,30 @@ def _gpu_us(fn, backend, q, k, v, iters: int) -> float:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         for _ in range(iters):
-            fn(q, k, v, True)
+            fn(q, k, v, causal)
         end.record()
         end.synchronize()
     return start.elapsed_time(end) / iters * 1e3
 
 
-def host_overhead(iters: int, repeats: int) -> dict:
+SHAPES = {  # name -> (q's bshd shape, k's and v's, causal)
+    "prefill_1x8x128x64_causal": ((1, 128, 8, 64), (1, 128, 8, 64), True),
+    "decode_1x8x1x4096x64": ((1, 1, 8, 64), (1, 4096, 8, 64), False),
+}
+
+
+def host_overhead(iters: int, repeats: int, shape: str) -> dict:
     """Each peer on its own natural layout, so that no peer pays for views: fastattn on
     bshd tensors, SDPA on (b, h, s, d) tensors. Inference (the target), and a training
-    step (forward and backward through autograd) for the record."""
-    bshd = [torch.randn(1, 128, 8, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+    step (forward and backward through autograd)."""
+    q_shape, kv_shape, causal = SHAPES[shape]
+    bshd = [torch.randn(s, device="cuda", dtype=torch.bfloat16) for s in (q_shape, kv_shape, kv_shape)]
     bhsd = [t.transpose(1, 2).contiguous() for t in bshd]
-    calls = {"fastattn": (PEERS["fastattn"][0], None, bshd),
+    calls = {"fastattn_native": (_fastattn, "native", bshd), "fastattn_python": (_fastattn, "python", bshd),
              "torch_cudnn": (_sdpa_bhsd, SDPBackend.CUDNN_ATTENTION, bhsd),
              "torch_flash": (_sdpa_bhsd, SDPBackend.FLASH_ATTENTION, bhsd)}
+    if _native.decide() is None:  # reported, and the native row left out
+        calls.pop("fastattn_native")
     grads = {name: [t.detach().clone().requires_grad_() for t in ts] for name, (_, _, ts) in calls.items()}
 
     def train_step(fn, q, k, v, causal):
@@ -86,12 +118,12 @@ def host_overhead(iters: int, repeats: int) -> dict:
     for name, (fn, backend, (q, k, v)) in calls.items():
         with _backend(backend):
             for _ in range(20):
-                fn(q, k, v, True)
-                train_step(fn, *grads[name], True)
+                fn(q, k, v, causal)
+                train_step(fn, *grads[name], causal)
     torch.cuda.synchronize()
     samples = {name: [] for name in calls}
     train = {name: [] for name in calls}
-    for _ in range(repeats):  # interleaved, so drift hits every peer alike
+    for _ in range(repeats):  # interleaved rounds, so drift hits every peer alike
         for name, (fn, backend, (q, k, v)) in calls.items():
             with _backend(backend):
                 for out, step, args in ((samples, fn, (q, k, v)), (train, lambda *a, fn=fn: train_step(fn, *a),
@@ -99,14 +131,23 @@ def host_overhead(iters: int, repeats: int) -> dict:
                     torch.cuda.synchronize()
                     t0 = time.perf_counter()
                     for _ in range(iters):
-                        step(*args, True)
+                        step(*args, causal)
                     out[name].append((time.perf_counter() - t0) / iters * 1e6)
                     torch.cuda.synchronize()
-    res = {f"{n}_us": statistics.median(s) for n, s in samples.items()}
-    res.update({f"{n}_gpu_us": _gpu_us(fn, backend, q, k, v, iters) for n, (fn, backend, (q, k, v)) in calls.items()})
+    res = {"shape": shape, "native_path": _native.status()}
+    res.update({f"{n}_us": statistics.median(s) for n, s in samples.items()})
+    res.update({f"{n}_gpu_us": _gpu_us(fn, backend, q, k, v, iters, causal)
+                for n, (fn, backend, (q, k, v)) in calls.items()})
     res.update({f"{n}_train_us": statistics.median(s) for n, s in train.items()})
-    res["ratio_fastattn_to_torch_cudnn"] = res["fastattn_us"] / res["torch_cudnn_us"]
-    res["ratio_train_fastattn_to_torch_cudnn"] = res["fastattn_train_us"] / res["torch_cudnn_train_us"]
+    res.update({f"{n}_us_rounds": s for n, s in samples.items()})
+    res.update({f"{n}_train_us_rounds": s for n, s in train.items()})
+    for path in ("fastattn_native", "fastattn_python"):
+        if path in calls:
+            res[f"ratio_{path}_to_torch_cudnn"] = res[f"{path}_us"] / res["torch_cudnn_us"]
+            res[f"ratio_train_{path}_to_torch_cudnn"] = res[f"{path}_train_us"] / res["torch_cudnn_train_us"]
+    if "fastattn_native" in calls:
+        res["ratio_native_to_python"] = res["fastattn_native_us"] / res["fastattn_python_us"]
+        res["ratio_train_native_to_python"] = res["fastattn_native_train_us"] / res["fastattn_python_train_us"]
     return res
 
 
@@ -147,7 +188,8 @@ def throughput(shapes, reps: int) -> list[dict]:
                     flops += _flops(b, h, s, d, causal, False)
                 row[f"{name}_{mode}_tflops"] = flops / ms / 1e9
         for mode in ("fwd", "bwd"):
-            row[f"ratio_{mode}_fastattn_to_torch_cudnn"] = row[f"fastattn_{mode}_tflops"] / row[f"torch_cudnn_{mode}_tflops"]
+            for path in ("fastattn_native", "fastattn_python"):
+                row[f"ratio_{mode}_{path}_to_torch_cudnn"] = row[f"{path}_{mode}_tflops"] / row[f"torch_cudnn_{mode}_tflops"]
         rows.append(row)
     return rows
 
@@ -161,26 +203,35 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     shapes = [((2, 16, 8192, 128), c) for c in (False, True)] + [((4, 32, 4096, 128), c) for c in (False, True)]
     res = {"date": time.strftime("%Y-%m-%d"), "device": fastattn.device_info(), "versions": fastattn.versions(),
-           "torch": torch.__version__, "host_overhead": host_overhead(args.iters, args.repeats),
+           "torch": torch.__version__, "host_overhead": [host_overhead(args.iters, args.repeats, s) for s in SHAPES],
            "throughput": throughput(shapes, args.reps)}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=2)
     print(json.dumps(res, indent=2))
-    h = res["host_overhead"]
-    print("\nsummary:")
-    print(f"  host us/call: fastattn {h['fastattn_us']:.2f}, torch cudnn {h['torch_cudnn_us']:.2f}, "
-          f"flash {h['torch_flash_us']:.2f}; ratio to cudnn {h['ratio_fastattn_to_torch_cudnn']:.2f} (target <= 0.75)")
-    print(f"  GPU us/call (the host's numbers above must exceed these): fastattn {h['fastattn_gpu_us']:.2f}, "
-          f"torch cudnn {h['torch_cudnn_gpu_us']:.2f}, flash {h['torch_flash_gpu_us']:.2f}")
-    print(f"  host us/training step (fwd+bwd): fastattn {h['fastattn_train_us']:.2f}, torch cudnn "
-          f"{h['torch_cudnn_train_us']:.2f}, flash {h['torch_flash_train_us']:.2f}; ratio to cudnn "
-          f"{h['ratio_train_fastattn_to_torch_cudnn']:.2f}")
+    print("\nsummary:")  # tools/gpu_run.sh prints from this line on
+    print("  (medians of interleaved rounds)")
+    print(f"  fastattn.torch path: {res['host_overhead'][0]['native_path']}")
+    for h in res["host_overhead"]:
+        peers = [p for p in ("fastattn_native", "fastattn_python", "torch_cudnn", "torch_flash") if f"{p}_us" in h]
+        print(f"  {h['shape']}:")
+        print("    host us/call:  " + ", ".join(f"{p} {h[p + '_us']:.2f}" for p in peers))
+        print("    GPU us/call:   " + ", ".join(f"{p} {h[p + '_gpu_us']:.2f}" for p in peers)
+              + " (host numbers must exceed these)")
+        print("    host us/train: " + ", ".join(f"{p} {h[p + '_train_us']:.2f}" for p in peers))
+        for p in ("fastattn_native", "fastattn_python"):
+            if f"ratio_{p}_to_torch_cudnn" in h:
+                print(f"    {p} / torch_cudnn: inference {h[f'ratio_{p}_to_torch_cudnn']:.2f} (target <= 0.6), "
+                      f"training step {h[f'ratio_train_{p}_to_torch_cudnn']:.2f} (target <= 0.9)")
+        if "ratio_native_to_python" in h:
+            print(f"    native / python: inference {h['ratio_native_to_python']:.2f}, "
+                  f"training step {h['ratio_train_native_to_python']:.2f}")
     for r in res["throughput"]:
-        print(f"  {r['shape']} causal={r['causal']}: fwd {r['fastattn_fwd_tflops']:.0f} vs cudnn "
-              f"{r['torch_cudnn_fwd_tflops']:.0f} ({r['ratio_fwd_fastattn_to_torch_cudnn']:.3f}), fwd+bwd "
-              f"{r['fastattn_bwd_tflops']:.0f} vs {r['torch_cudnn_bwd_tflops']:.0f} "
-              f"({r['ratio_bwd_fastattn_to_torch_cudnn']:.3f}); flash fwd {r['torch_flash_fwd_tflops']:.0f}")
+        print(f"  {r['shape']} causal={r['causal']}: fwd native {r['fastattn_native_fwd_tflops']:.0f} python "
+              f"{r['fastattn_python_fwd_tflops']:.0f} vs cudnn {r['torch_cudnn_fwd_tflops']:.0f} "
+              f"({r['ratio_fwd_fastattn_native_to_torch_cudnn']:.3f}), fwd+bwd native "
+              f"{r['fastattn_native_bwd_tflops']:.0f} vs {r['torch_cudnn_bwd_tflops']:.0f} "
+              f"({r['ratio_bwd_fastattn_native_to_torch_cudnn']:.3f}); flash fwd {r['torch_flash_fwd_tflops']:.0f}")
     return 0
 
 

@@ -37,4 +37,16 @@ def run(args) -> tuple[int, dict[str, Any]]:
         out["gpu_error"] = str(e)
         code = EXIT_NO_GPU
     out["stats"] = runtime.stats()
+    out["torch"] = _torch_path()
     return code, out
+
+
+def _torch_path() -> dict[str, Any]:
+    """fastattn.torch's path (native op library or Python) and why, building nothing."""
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        return {"path": "none", "reason": "PyTorch is not installed"}
+    from ..torch import _native
+
+    return _native.describe()

@@ -20,6 +20,9 @@ def add_parser(sub) -> None:
     warm.add_argument("--report", type=output_file, help="write the full report as JSON to this file")
     add_json_flag(warm, help="print the report as JSON")
     warm.add_argument("--no-progress", action="store_true", help="no progress bar")
+    warm.add_argument("--torch-ops", action="store_true",
+                      help="also build fastattn.torch's native op library for the installed torch (else built at "
+                           "the first call)")
     warm.add_argument("--timeout", type=number(above=0), default=600.0,
                       help="seconds one config may take before its worker is killed (default 600)")
 
@@ -73,5 +76,26 @@ def run(args) -> tuple[int, dict[str, Any]]:
     lines.append(f"{len(report.items)} configs in {report.seconds:.1f} s, {report.processes} worker processes "
                  f"(at most {report.workers}): "
                  f"loaded {c['loaded']}, built {c['built']}, unsupported {c['unsupported']}, failed {c['failed']}")
+    if args.torch_ops:
+        out["torch_ops"] = _build_torch_ops()
+        lines.append(f"torch op library: {out['torch_ops']['result']}")
     out["_text"] = "\n".join(lines)
     return exit_code(report), out
+
+
+def _build_torch_ops() -> dict[str, Any]:
+    """Builds the native op library ahead of the first call; a failure is reported (the
+    Python path runs there), not fatal: the plans are what warm is for."""
+    import time
+
+    try:
+        from ..torch import _native
+    except ImportError as e:
+        return {"ok": False, "result": f"not built: {e}"}
+    t0 = time.perf_counter()
+    try:
+        path = _native.build()
+    except Exception as e:  # the compiler's failure, reported as the Python path's cause
+        return {"ok": False, "result": f"not built ({type(e).__name__}: {e})"}
+    return {"ok": True, "path": str(path), "seconds": round(time.perf_counter() - t0, 1),
+            "result": f"{path} ({time.perf_counter() - t0:.1f} s)"}

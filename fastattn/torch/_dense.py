@@ -16,7 +16,7 @@ import torch
 from .. import _fields
 from ..config import AttentionConfig
 from ..errors import InvalidArgumentError
-from . import _autograd
+from . import _autograd, _native
 from ._plans import options as check_options
 from ._plans import (AXES, DTYPES, Cached, alignment_name, bottom_right, check_qkv_tensors, logical, mask_name,
                      out_shape, plans, raw_stream, remember, stats_shape, tensor_key, workspace)
@@ -388,6 +388,20 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
         else:
             o, stats = forward_op(q, k, v, seq_lens_q, seq_lens_kv, *extras, *options)
         return o, stats.squeeze(-1)  # (batch, heads_q, seqlen_q): FlashAttention's softmax_lse
+    native = _native.DENSE
+    if native is not None:
+        # The native path: the op library's C++ (plan table, allocation, autograd in C++).
+        # An eager CUDA call decides the path if undecided; a trace records the native
+        # op once decided, else the Python ops. torch.func transforms wrap tensors in
+        # ways a C++ autograd Function does not handle: they take the Python ops.
+        if compiling():
+            if native is not _native.UNDECIDED:
+                return native[1](q, k, v, seq_lens_q, seq_lens_kv, *extras, *options)[0]
+        elif cuda and not functorch_active():
+            if native is _native.UNDECIDED:
+                native = _native.decide()
+            if native is not None:
+                return native[0](q, k, v, seq_lens_q, seq_lens_kv, *extras, *options)[0]
     if cuda and plain_eager(q):
         if not training:  # no autograd either: straight to the plan
             return forward_impl(q, k, v, seq_lens_q, seq_lens_kv, *extras, options)[0]
@@ -397,3 +411,4 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
 
 # Module globals: one lookup less per call.
 plain_eager, Eager, EagerWithStats = _autograd.plain_eager, _autograd.Eager, _autograd.EagerWithStats
+compiling, functorch_active = torch.compiler.is_compiling, _autograd.functorch_active

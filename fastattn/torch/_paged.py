@@ -13,7 +13,8 @@ import torch
 
 from ..config import AttentionConfig
 from ..errors import InvalidArgumentError
-from ._autograd import plain_eager
+from . import _native
+from ._autograd import functorch_active, plain_eager
 from ._plans import (DTYPES, Cached, alignment_name, bottom_right, capturing, check_qkv_tensors, logical, mask_name,
                      out_shape, plans, raw_stream, remember, tensor_key, workspace)
 from ._plans import options as check_options
@@ -186,6 +187,20 @@ def attention_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if not cuda:
         _check_paged(q, k_cache, v_cache, block_table, seq_lens_q, cache_seqlens)  # CUDA: once per plan
     options = _new(PagedOptions, (bool(causal or causal_bottom_right), br, left, right, scale))
+    native = _native.PAGED
+    if native is not None:  # the native path (see _dense.attention)
+        if compiling():
+            if native is not _native.UNDECIDED:
+                return native[1](q, k_cache, v_cache, block_table, cache_seqlens, seq_lens_q, *options)
+        elif cuda and not functorch_active():
+            if native is _native.UNDECIDED:
+                _native.decide()
+                native = _native.PAGED
+            if native is not None:
+                return native[0](q, k_cache, v_cache, block_table, cache_seqlens, seq_lens_q, *options)
     if cuda and plain_eager(q):
         return forward_impl(q, k_cache, v_cache, block_table, cache_seqlens, seq_lens_q, options)
     return forward_op(q, k_cache, v_cache, block_table, cache_seqlens, seq_lens_q, *options)
+
+
+compiling = torch.compiler.is_compiling

@@ -15,7 +15,7 @@ import torch
 
 from ..config import AttentionConfig
 from ..errors import InvalidArgumentError
-from . import _autograd
+from . import _autograd, _native
 from .. import _fields
 from ._plans import (DTYPES, Cached, alignment_name, bottom_right, check_qkv_tensors, mask_name, plans, raw_stream,
                      remember, workspace)
@@ -218,6 +218,17 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
         else:
             o, stats = forward_op(q, k, v, cu_seqlens_q, cu_seqlens_kv, *options)
         return o, stats.t().contiguous()  # (tokens, heads) -> FlashAttention's (heads, total_q)
+    native = _native.VARLEN
+    if native is not None:  # the native path (see _dense.attention)
+        if compiling():
+            if native is not _native.UNDECIDED:
+                return native[1](q, k, v, cu_seqlens_q, cu_seqlens_kv, *options)[0]
+        elif q.is_cuda and not functorch_active():
+            if native is _native.UNDECIDED:
+                _native.decide()
+                native = _native.VARLEN
+            if native is not None:
+                return native[0](q, k, v, cu_seqlens_q, cu_seqlens_kv, *options)[0]
     if plain_eager(q):  # skip the custom ops' wrappers (see _autograd)
         if not training:
             return forward_impl(q, k, v, cu_seqlens_q, cu_seqlens_kv, options)[0]
@@ -227,3 +238,4 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
 
 # Module globals: one lookup less per call.
 plain_eager, Eager, EagerWithStats = _autograd.plain_eager, _autograd.Eager, _autograd.EagerWithStats
+compiling, functorch_active = torch.compiler.is_compiling, _autograd.functorch_active

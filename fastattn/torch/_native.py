@@ -1,0 +1,295 @@
+"""The native path of fastattn.torch: finding, building and loading the C++ op library
+(fastattn/torch/csrc/ops.cpp), and the Python miss handler it calls.
+
+Which path runs is chosen once per process, by FASTATTN_TORCH_PATH:
+  auto (default): the native path where the library builds and loads, else the Python
+    path, with one warning that says why;
+  native: the native path or an error (tests, deployments that must not fall back);
+  python: the Python path, the library is never built.
+
+The library is compiled on first use against the torch that is imported, by the C++
+compiler (CXX, else c++), into the cache directory under a tag of the fastattn
+version, the torch version, its C++ ABI, the Python version and a hash of the
+sources, so an upgrade of any of them builds anew and never loads a stale library.
+Builds are serialized by a flock (the kernel drops it when its holder dies, so a
+crashed build blocks no one) and published by an atomic rename. `fastattn warm`
+builds it ahead (`ensure`), so that a deployment pays nothing at its first call.
+Why first use and not setup.py: pip builds in an isolated environment without torch,
+so setup.py cannot see the torch the user has (docs/ARCHITECTURE.md).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.machinery
+import importlib.util
+import os
+import shlex
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import threading
+import time
+import warnings
+from pathlib import Path
+
+from ..errors import InvalidArgumentError
+
+ENV = "FASTATTN_TORCH_PATH"
+MODES = ("auto", "native", "python")
+_HERE = Path(__file__).resolve().parent
+SOURCES = (_HERE / "csrc" / "ops.cpp",)
+INCLUDE = _HERE.parent / "include"
+HEADERS = (INCLUDE / "fastattn_abi.h", _HERE / "csrc" / "varlen.inc", _HERE / "csrc" / "paged.inc")
+
+_lock = threading.Lock()
+_state: dict = {}  # "lib": the loaded module or None, "reason": why this path, "mode"
+
+# The forward ops of attention() (DENSE), attention_varlen() (VARLEN) and
+# attention_paged() (PAGED) once the path is
+# decided: (eager, traced) or None for the Python path; UNDECIDED before the first
+# decision. eager is the operator's C++ entry point (torch.ops' Python wrappers cost ~2
+# us a call), traced its OpOverload, which torch.compile records. Module globals, so
+# that an entry point reads its op in one lookup.
+UNDECIDED = object()
+DENSE = VARLEN = PAGED = UNDECIDED
+
+
+def mode() -> str:
+    """FASTATTN_TORCH_PATH, checked."""
+    value = os.environ.get(ENV, "auto").strip().lower() or "auto"
+    if value not in MODES:
+        raise InvalidArgumentError(f"{ENV}={os.environ.get(ENV)!r}: must be one of {MODES}")
+    return value
+
+
+def tag() -> str:
+    """What the built library depends on: a change to any of these builds anew."""
+    import torch
+
+    from .. import __version__
+
+    digest = hashlib.sha256()
+    for path in SOURCES + HEADERS:
+        digest.update(path.read_bytes())
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    py = f"{sys.version_info.major}{sys.version_info.minor}"
+    return f"fastattn{__version__}-torch{torch.__version__}-cxx11abi{abi}-py{py}-{digest.hexdigest()[:12]}"
+
+
+def build_root() -> Path:
+    """FASTATTN_TORCH_OPS_DIR (a directory baked into an image, shared by test sessions),
+    else the cache directory's torch-ops/."""
+    override = os.environ.get("FASTATTN_TORCH_OPS_DIR")
+    if override:
+        return Path(override)
+    from ..store import settings_from_env
+
+    return Path(settings_from_env().directory) / "torch-ops"
+
+
+def compile_command(output: Path, name: str) -> list[str]:
+    """The compiler line: torch's include and library dirs, its C++ ABI, C++20 (what
+    torch's own extensions use), a shared libstdc++."""
+    import torch
+    from torch.utils import cpp_extension
+
+    cxx = shlex.split(os.environ.get("CXX", "c++"))
+    includes = [*cpp_extension.include_paths(), sysconfig.get_paths()["include"], str(INCLUDE)]
+    lib_dir = os.path.join(os.path.dirname(torch.__file__), "lib")
+    return [*cxx, "-shared", "-fPIC", "-O2", "-std=c++20", "-fvisibility=hidden", "-w",
+            f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+            "-DTORCH_API_INCLUDE_EXTENSION_H", f"-DTORCH_EXTENSION_NAME={name}",
+            *(f"-I{d}" for d in includes), *(str(s) for s in SOURCES),
+            f"-L{lib_dir}", "-lc10", "-ltorch", "-ltorch_cpu", "-ltorch_python", f"-Wl,-rpath,{lib_dir}",
+            "-o", str(output)]
+
+
+def build(root: Path | None = None) -> Path:
+    """The library for this torch, built into root (default: the cache directory) unless
+    it is there already. Raises RuntimeError with the compiler's output when it fails."""
+    import fcntl
+
+    target = library_path(root)
+    folder, name = target.parent, target.name.split(".")[0]
+    if target.exists():
+        return target
+    folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+    with open(folder / "build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one build at a time; a second waits, then finds it built
+        if target.exists():
+            return target
+        fd, tmp = tempfile.mkstemp(dir=folder, suffix=".so.tmp")
+        os.close(fd)
+        try:
+            cmd = compile_command(Path(tmp), name)
+            t0 = time.perf_counter()
+            try:
+                done = subprocess.run(cmd, capture_output=True, text=True)
+            except FileNotFoundError:
+                raise RuntimeError(f"no C++ compiler: CXX={cmd[0]!r} not found") from None
+            if done.returncode != 0:
+                tail = (done.stderr or done.stdout).strip()[-2000:]
+                raise RuntimeError(f"compiling {SOURCES[0].name} failed (exit {done.returncode}): {tail}")
+            (folder / "build.log").write_text(f"{shlex.join(cmd)}\n{time.perf_counter() - t0:.1f} s\n")
+            os.replace(tmp, target)  # atomic: a reader sees no library or a whole one
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    return target
+
+
+def _import(path: Path):
+    name = path.name.split(".")[0]
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _miss(kind, direction, *args):
+    """The C++ table's miss handler (under the GIL): validates the call as the Python
+    path does and gets the plan from the runtime through the entry point's own
+    plan_for; returns (plan, forward graph, backward graph, forward workspace bytes,
+    backward workspace bytes). kind 0: attention (q, k, v, o or None, seq_len_q,
+    seq_len_kv, bias, sink, options), 1: attention_varlen (q, k, v, batch, options),
+    2: attention_paged (q, k_cache, v_cache, block_table, seq_lens_q, cache_seqlens,
+    options)."""
+    from .. import _core
+    from . import _dense, _varlen
+
+    if kind == 0:
+        q, k, v, o, seq_len_q, seq_len_kv, bias, sink, options = args
+        c = _dense.plan_for(q, k, v, o, seq_len_q, seq_len_kv, bias, sink, _dense.DenseOptions(*options))
+    elif kind == 1:
+        q, k, v, batch, options = args
+        c = _varlen.plan_for(q, k, v, batch, _varlen.VarlenOptions(*options))
+    else:
+        from . import _paged
+
+        q, k_cache, v_cache, table, seq_lens_q, cache_seqlens, options = args
+        c = _paged.plan_for(q, k_cache, v_cache, table, seq_lens_q, cache_seqlens, _paged.PagedOptions(*options))
+    forward, backward = _core.abi_graphs(c.plan)
+    return c.plan, forward, backward, c.forward_workspace, c.backward_workspace
+
+
+def _load():
+    import torch  # noqa: F401 - the library links against torch's libraries
+
+    from .. import _core
+
+    path = build()
+    lib = _import(path)
+    # cuDNN is loaded by the first miss (the runtime's plan()), before any execute.
+    lib.init(_core.abi_capsule(), _miss)
+    return lib, f"native: {path}"
+
+
+def library():
+    """The loaded op library, or None when the Python path runs. Decided once per
+    process; in auto mode a failure warns once, naming the cause."""
+    state = _state
+    if "lib" in state:
+        return state["lib"]
+    with _lock:
+        if "lib" in state:
+            return state["lib"]
+        m = mode()
+        state["mode"] = m
+        if m == "python":
+            state["lib"], state["reason"] = None, f"python: {ENV}=python"
+            return None
+        try:
+            state["lib"], state["reason"] = _load()
+            _publish_ops()
+        except Exception as e:  # the library is an optimization: any failure falls back (auto)
+            cause = f"{type(e).__name__}: {e}"
+            if m == "native":
+                raise RuntimeError(f"fastattn: {ENV}=native, but the native op library is unavailable: {cause}") from e
+            state["lib"], state["reason"] = None, f"python: the native op library is unavailable ({cause})"
+            warnings.warn(f"fastattn.torch runs on its Python path: the native op library is unavailable ({cause}); "
+                          f"set {ENV}=python to choose that path and silence this warning", RuntimeWarning,
+                          stacklevel=3)
+        return state["lib"]
+
+
+def _publish_ops() -> None:
+    global DENSE, VARLEN, PAGED
+    import torch
+
+    dense = torch.ops.fastattn.native_attention_forward.default
+    varlen = torch.ops.fastattn.native_varlen_forward.default
+    paged = torch.ops.fastattn.native_paged_forward.default
+    DENSE = (getattr(dense, "_op", dense), dense)
+    VARLEN = (getattr(varlen, "_op", varlen), varlen)
+    PAGED = (getattr(paged, "_op", paged), paged)
+
+
+def decide():
+    """Decides the path if not yet (what an entry point calls while UNDECIDED); returns
+    DENSE (None: the Python path)."""
+    global DENSE, VARLEN, PAGED
+    if library() is None:
+        DENSE = VARLEN = PAGED = None
+    return DENSE
+
+
+def python_path(monkeypatch=None):
+    """Makes this process's entry points take the Python path (tests, benchmarks): with a
+    pytest monkeypatch, until the test ends."""
+    global DENSE, VARLEN, PAGED
+    if monkeypatch is not None:
+        for name in ("DENSE", "VARLEN", "PAGED"):
+            monkeypatch.setattr(sys.modules[__name__], name, None)
+    else:
+        DENSE = VARLEN = PAGED = None
+
+
+def status() -> dict:
+    """Which path fastattn.torch takes and why (for `fastattn info`); decides it if not yet."""
+    try:
+        lib = library()
+    except Exception as e:  # native mode's error: reported, not raised
+        return {"path": "none", "reason": str(e)}
+    return {"path": "native" if lib is not None else "python", "reason": _state.get("reason", "")}
+
+
+def describe() -> dict:
+    """Which path fastattn.torch takes in this process, and why, without building or
+    loading anything (`fastattn info`): the path taken if already decided, else the one
+    a first call would take."""
+    if "lib" in _state:
+        return status()
+    try:
+        m = mode()
+    except InvalidArgumentError as e:
+        return {"path": "none", "reason": str(e)}
+    if m == "python":
+        return {"path": "python", "reason": f"{ENV}=python"}
+    target = library_path()
+    if target.exists():
+        return {"path": "native", "reason": f"{ENV}={m}; built for this torch: {target}"}
+    cxx = shlex.split(os.environ.get("CXX", "c++"))[:1]
+    import shutil
+
+    if not cxx or shutil.which(cxx[0]) is None:
+        return {"path": "python" if m == "auto" else "none",
+                "reason": f"{ENV}={m}; the op library is not built for this torch and there is no C++ compiler "
+                          f"(CXX={os.environ.get('CXX', 'c++')!r})"}
+    return {"path": "native", "reason": f"{ENV}={m}; built at the first call (or by `fastattn warm --torch-ops`) into {target}"}
+
+
+def library_path(root: Path | None = None) -> Path:
+    """Where build() puts the library for this torch."""
+    t = tag()
+    name = "fastattn_ops_" + hashlib.sha256(t.encode()).hexdigest()[:16]
+    return (root or build_root()) / t / (name + importlib.machinery.EXTENSION_SUFFIXES[0])
+
+
+def reset() -> None:
+    """Forgets the decision (tests): the next call decides again."""
+    global DENSE, VARLEN, PAGED
+    with _lock:
+        _state.clear()
+        DENSE = VARLEN = PAGED = UNDECIDED

@@ -1,0 +1,491 @@
+// fastattn's PyTorch op library: the per-call path of fastattn.torch.attention in C++.
+//
+// Registers fastattn::native_attention_forward/_backward, native_varlen_forward/_backward
+// (varlen.inc) and native_paged_forward (paged.inc): the schemas of the Python custom
+// ops fastattn::attention_*, varlen_* and paged_forward, under other names so that both
+// can be loaded at once, with kernels for CUDA (the work),
+// Meta (shapes only, for torch.compile's fake tensors), CPU (a clear error) and
+// Autograd (a C++ autograd Function, so that an eager training step runs no Python
+// for attention).
+//
+// The hot path: a key of the tensors' shapes, strides, dtypes, devices and the
+// options -> a plan in a C++ table (a shared lock, no GIL); outputs and workspace
+// from ATen's caching allocator; pointers into a slot array; fastattn._core's execute
+// through the C ABI it hands out (fastattn_abi.h) on the current stream. A miss calls
+// the Python miss handler registered by fastattn/torch/_native.py under the GIL: it
+// validates the call and gets the plan from the runtime (memory, disk, Redis, build)
+// exactly as the Python path does, so both paths run the very same plans.
+//
+// Never includes cudnn-frontend: its statics live once, in _core.
+// Compiled on first use against the installed torch (fastattn/torch/_native.py).
+
+#include <torch/extension.h>
+
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+
+#include <array>
+#include <cstring>
+#include <mutex>
+#include <shared_mutex>
+#include <unordered_map>
+#include <vector>
+
+#include "fastattn_abi.h"
+
+namespace {
+
+namespace py = pybind11;
+using at::Tensor;
+using OptTensor = std::optional<Tensor>;
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+const fastattn_abi *g_abi = nullptr;  // set once by init(), before any op can run
+PyObject *g_miss = nullptr;            // the Python miss handler; a new reference, never released
+
+// The options of the dense entry point, in the order of fastattn.torch._dense.DenseOptions.
+struct Options {
+    c10::string_view layout;
+    bool causal, bottom_right;
+    int64_t window_left, window_right;
+    double scale;
+    bool deterministic, alibi, training;
+    double dropout;
+    bool bias_grad;
+};
+
+// Positions of (batch, head, seq, dim) in the tensors' shapes, per layout (_plans.AXES).
+std::array<int, 4> axes(c10::string_view layout) {
+    if (layout == "bshd") return {0, 2, 1, 3};
+    if (layout == "sbhd") return {1, 2, 0, 3};
+    if (layout == "bhsd") return {0, 1, 2, 3};
+    TORCH_CHECK_VALUE(false, "fastattn: layout='", layout, "': must be one of ('bshd', 'sbhd', 'bhsd')");
+}
+
+int64_t layout_id(c10::string_view layout) { return layout == "bshd" ? 0 : layout == "sbhd" ? 1 : 2; }
+
+// ---- the plan table ---------------------------------------------------------------------------
+
+struct Entry {
+    PyObject *plan;      // the fastattn.Plan (a reference held by the table): keeps the graphs alive
+    const void *graph[2];  // forward, backward (fastattn_abi_execute's graphs)
+    int64_t workspace[2];
+};
+
+struct KeyHash {
+    size_t operator()(const std::vector<int64_t> &k) const noexcept {
+        uint64_t h = 1469598103934665603ull;  // FNV-1a over the words
+        for (int64_t w : k) h = (h ^ static_cast<uint64_t>(w)) * 1099511628211ull;
+        return static_cast<size_t>(h);
+    }
+};
+
+// Read under a shared lock on every call; written under the unique lock on a miss,
+// with the GIL held (the order GIL -> table lock; a hit never takes the GIL, so a hit
+// waiting for the lock never holds the GIL). Entries are never removed while ops can
+// run (clear() is for tests), so a hit's Entry stays valid after the lock is dropped.
+std::shared_mutex g_table_lock;
+std::unordered_map<std::vector<int64_t>, Entry, KeyHash> g_table;
+
+void put_tensor(std::vector<int64_t> &key, const Tensor &t) {
+    key.push_back(static_cast<int64_t>(t.scalar_type()));
+    key.push_back(static_cast<int64_t>(t.device().type()) * 1024 + t.device().index());
+    key.push_back(t.dim());
+    for (int64_t s : t.sizes()) key.push_back(s);
+    for (int64_t s : t.strides()) key.push_back(s);
+}
+
+void put_optional(std::vector<int64_t> &key, const OptTensor &t) {
+    if (t.has_value() && t->defined()) {
+        put_tensor(key, *t);
+    } else {
+        key.push_back(-1);
+    }
+}
+
+int64_t bits(double x) {
+    int64_t b;
+    std::memcpy(&b, &x, sizeof b);
+    return b;
+}
+
+bool given(const OptTensor &t) { return t.has_value() && t->defined(); }
+
+py::object to_py(const OptTensor &t) { return given(t) ? py::cast(*t) : py::none(); }
+
+enum Kind : int64_t { kDense = 0, kVarlen = 1, kPaged = 2 };  // the miss handler's first argument; a key's first word
+
+// The table's entry for `key`; on a miss, miss() (called under the GIL) asks Python
+// for (plan, forward graph, backward graph, forward workspace, backward workspace).
+template <class Miss>
+const Entry &lookup(const std::vector<int64_t> &key, Miss &&miss) {
+    {
+        std::shared_lock<std::shared_mutex> lock(g_table_lock);
+        auto it = g_table.find(key);
+        if (it != g_table.end()) return it->second;
+    }
+    // A miss: the Python runtime validates and finds or builds the plan. Two threads
+    // missing on one key both ask; the runtime builds a (config, device) once.
+    TORCH_CHECK(g_miss != nullptr && g_abi != nullptr, "fastattn: the op library was not initialized");
+    py::gil_scoped_acquire gil;
+    // A Python exception (InvalidArgumentError, NotSupportedError, ...) propagates as
+    // py::error_already_set, which PyTorch turns back into the same exception.
+    py::object got = miss(py::reinterpret_borrow<py::object>(g_miss));
+    auto t = got.cast<py::tuple>();
+    Entry e{nullptr,
+            {reinterpret_cast<const void *>(t[1].cast<intptr_t>()), reinterpret_cast<const void *>(t[2].cast<intptr_t>())},
+            {t[3].cast<int64_t>(), t[4].cast<int64_t>()}};
+    std::unique_lock<std::shared_mutex> lock(g_table_lock);
+    auto [it, inserted] = g_table.emplace(key, e);
+    if (inserted) it->second.plan = py::object(t[0]).inc_ref().ptr();
+    return it->second;
+}
+
+// The plan for a dense call: everything fastattn.torch._dense.plan_for's key holds (so
+// that a hit was validated by the miss that made it), plus the direction. o: the
+// backward's forward output (its strides are the plan's); null for the forward.
+const Entry &find_plan(int direction, const Tensor &q, const Tensor &k, const Tensor &v, const Tensor *o,
+                       const OptTensor &seq_len_q, const OptTensor &seq_len_kv, const OptTensor &bias,
+                       const OptTensor &sink, const OptTensor &rng, const Options &opt) {
+    thread_local std::vector<int64_t> key;  // reused: no allocation per call once grown
+    key.clear();
+    key.push_back(kDense);
+    key.push_back(direction);
+    put_tensor(key, q);
+    put_tensor(key, k);
+    put_tensor(key, v);
+    if (o != nullptr) put_tensor(key, *o);
+    put_optional(key, seq_len_q);
+    put_optional(key, seq_len_kv);
+    put_optional(key, bias);
+    put_optional(key, sink);
+    key.push_back(given(rng));
+    key.push_back(layout_id(opt.layout));
+    key.push_back(opt.causal | opt.bottom_right << 1 | opt.deterministic << 2 | opt.alibi << 3 |
+                  opt.training << 4 | opt.bias_grad << 5);
+    key.push_back(opt.window_left);
+    key.push_back(opt.window_right);
+    key.push_back(bits(opt.scale));
+    key.push_back(bits(opt.dropout));
+    return lookup(key, [&](const py::object &handler) {
+        py::tuple options = py::make_tuple(std::string(opt.layout), opt.causal, opt.bottom_right, opt.window_left,
+                                           opt.window_right, opt.scale, opt.deterministic, opt.alibi, opt.training,
+                                           opt.dropout, opt.bias_grad);
+        return handler(static_cast<int64_t>(kDense), direction, q, k, v, o != nullptr ? py::cast(*o) : py::none(),
+                       to_py(seq_len_q), to_py(seq_len_kv), to_py(bias), to_py(sink), options);
+    });
+}
+
+// ---- execute ----------------------------------------------------------------------------------
+
+intptr_t ptr(const Tensor &t) { return reinterpret_cast<intptr_t>(t.data_ptr()); }
+intptr_t ptr(const OptTensor &t) { return given(t) ? ptr(*t) : 0; }
+
+void run(const Entry &e, int direction, const Tensor &q, intptr_t *slots) {
+    const int64_t size = e.workspace[direction];
+    // From the caching allocator, on this stream: freed (stream-ordered) when the call
+    // returns, and inside a CUDA graph capture taken from the capture's pool.
+    Tensor ws = size ? at::empty({size}, q.options().dtype(at::kByte)) : Tensor();
+    const c10::Stream stream = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getStream(q.device());
+    char message[512];
+    const int code = g_abi->execute(e.graph[direction], direction, q.get_device(), slots, size ? ptr(ws) : 0,
+                                    reinterpret_cast<intptr_t>(stream.native_handle()), message, sizeof message);
+    if (code == 0) return;
+    // fastattn.h's codes: 1 invalid argument, 2 not supported; the rest are failures.
+    TORCH_CHECK_VALUE(code != 1, "fastattn: ", message);
+    TORCH_CHECK_NOT_IMPLEMENTED(code != 2, "fastattn: ", message);
+    TORCH_CHECK(false, "fastattn (status ", code, "): ", message);
+}
+
+std::vector<int64_t> out_shape(const Tensor &q, const Tensor &v, const std::array<int, 4> &ax) {
+    std::vector<int64_t> shape(q.sizes().begin(), q.sizes().end());
+    shape[ax[3]] = v.size(ax[3]);
+    return shape;
+}
+
+std::vector<int64_t> stats_shape(const Tensor &q, const std::array<int, 4> &ax, bool training) {
+    if (!training) return {0};  // inference writes no stats: an empty tensor keeps the schema fixed
+    return {q.size(ax[0]), q.size(ax[1]), q.size(ax[2]), 1};
+}
+
+void put_extras(intptr_t *slots, const OptTensor &seq_len_q, const OptTensor &seq_len_kv, const OptTensor &bias,
+                const OptTensor &sink, const OptTensor &rng) {
+    slots[FASTATTN_SLOT_SEQ_LEN_Q] = ptr(seq_len_q);
+    slots[FASTATTN_SLOT_SEQ_LEN_KV] = ptr(seq_len_kv);
+    slots[FASTATTN_SLOT_BIAS] = ptr(bias);
+    slots[FASTATTN_SLOT_SINK] = ptr(sink);
+    if (given(rng)) {  // Philox's seed at element 0, its offset at element 2 (16-byte aligned)
+        slots[FASTATTN_SLOT_SEED] = ptr(rng);
+        slots[FASTATTN_SLOT_OFFSET] = ptr(rng) + 16;
+    }
+}
+
+#define FA_OPTION_PARAMS                                                                                       \
+    c10::string_view layout, bool causal, bool bottom_right, int64_t window_left, int64_t window_right,         \
+        double scale, bool deterministic, bool alibi, bool training, double dropout, bool bias_grad
+#define FA_OPTION_ARGS \
+    layout, causal, bottom_right, window_left, window_right, scale, deterministic, alibi, training, dropout, bias_grad
+
+std::tuple<Tensor, Tensor> forward_cuda(const Tensor &q, const Tensor &k, const Tensor &v, const OptTensor &seq_len_q,
+                                        const OptTensor &seq_len_kv, const OptTensor &bias, const OptTensor &sink,
+                                        const OptTensor &rng, FA_OPTION_PARAMS) {
+    const Options opt{FA_OPTION_ARGS};
+    const auto ax = axes(layout);
+    const Entry &e = find_plan(FASTATTN_FORWARD, q, k, v, nullptr, seq_len_q, seq_len_kv, bias, sink, rng, opt);
+    // Rows past a sequence's length are zero, as on the Python path (_dense.forward_impl).
+    Tensor o = given(seq_len_q) ? at::zeros(out_shape(q, v, ax), q.options()) : at::empty(out_shape(q, v, ax), q.options());
+    Tensor stats = at::empty(stats_shape(q, ax, training), q.options().dtype(at::kFloat));
+    intptr_t slots[FASTATTN_NUM_SLOTS] = {};
+    slots[FASTATTN_SLOT_Q] = ptr(q);
+    slots[FASTATTN_SLOT_K] = ptr(k);
+    slots[FASTATTN_SLOT_V] = ptr(v);
+    slots[FASTATTN_SLOT_O] = ptr(o);
+    slots[FASTATTN_SLOT_STATS] = training ? ptr(stats) : 0;
+    put_extras(slots, seq_len_q, seq_len_kv, bias, sink, rng);
+    run(e, FASTATTN_FORWARD, q, slots);
+    return {o, stats};
+}
+
+using Grads = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor>;
+
+Tensor like(const Tensor &t) { return at::empty_strided(t.sizes(), t.strides(), t.options()); }
+
+Grads backward_cuda(const Tensor &d_o_in, const Tensor &o, const Tensor &stats, const Tensor &q, const Tensor &k,
+                    const Tensor &v, const OptTensor &seq_len_q, const OptTensor &seq_len_kv, const OptTensor &bias,
+                    const OptTensor &sink, const OptTensor &rng, FA_OPTION_PARAMS) {
+    const Options opt{FA_OPTION_ARGS};
+    // The backward graph reads d_o at o's strides (the plan is built for them).
+    const Tensor d_o = d_o_in.strides() == o.strides() ? d_o_in : like(o).copy_(d_o_in);
+    const Entry &e = find_plan(FASTATTN_BACKWARD, q, k, v, &o, seq_len_q, seq_len_kv, bias, sink, rng, opt);
+    Tensor d_q = like(q), d_k = like(k), d_v = like(v);
+    if (given(seq_len_q)) {  // padded rows get zero gradients (see forward_cuda)
+        d_q.zero_();
+        d_k.zero_();
+        d_v.zero_();
+    }
+    Tensor d_bias = bias_grad ? at::empty_like(*bias, at::MemoryFormat::Contiguous) : at::empty({0}, q.options());
+    Tensor d_sink = given(sink) ? at::empty_like(*sink) : at::empty({0}, q.options().dtype(at::kFloat));
+    intptr_t slots[FASTATTN_NUM_SLOTS] = {};
+    slots[FASTATTN_SLOT_Q] = ptr(q);
+    slots[FASTATTN_SLOT_K] = ptr(k);
+    slots[FASTATTN_SLOT_V] = ptr(v);
+    slots[FASTATTN_SLOT_O] = ptr(o);
+    slots[FASTATTN_SLOT_DO] = ptr(d_o);
+    slots[FASTATTN_SLOT_STATS] = ptr(stats);
+    slots[FASTATTN_SLOT_DQ] = ptr(d_q);
+    slots[FASTATTN_SLOT_DK] = ptr(d_k);
+    slots[FASTATTN_SLOT_DV] = ptr(d_v);
+    put_extras(slots, seq_len_q, seq_len_kv, bias, sink, rng);
+    if (bias_grad) slots[FASTATTN_SLOT_DBIAS] = ptr(d_bias);
+    if (given(sink)) slots[FASTATTN_SLOT_DSINK] = ptr(d_sink);
+    run(e, FASTATTN_BACKWARD, q, slots);
+    return {d_q, d_k, d_v, d_bias, d_sink};
+}
+
+// ---- Meta (fake tensors: torch.compile) and CPU ------------------------------------------------
+// In SymInt arithmetic: under torch.compile's dynamic shapes the sizes are symbols, and
+// sizes() would throw.
+
+std::tuple<Tensor, Tensor> forward_meta(const Tensor &q, const Tensor &k, const Tensor &v, const OptTensor &,
+                                        const OptTensor &, const OptTensor &, const OptTensor &, const OptTensor &,
+                                        FA_OPTION_PARAMS) {
+    const auto ax = axes(layout);
+    std::vector<c10::SymInt> o(q.sym_sizes().begin(), q.sym_sizes().end());
+    o[ax[3]] = v.sym_size(ax[3]);
+    std::vector<c10::SymInt> stats{0};
+    if (training) stats = {q.sym_size(ax[0]), q.sym_size(ax[1]), q.sym_size(ax[2]), 1};
+    return {at::empty_symint(o, q.options()), at::empty_symint(stats, q.options().dtype(at::kFloat))};
+}
+
+Tensor like_meta(const Tensor &t) { return at::empty_strided_symint(t.sym_sizes(), t.sym_strides(), t.options()); }
+
+Grads backward_meta(const Tensor &, const Tensor &, const Tensor &, const Tensor &q, const Tensor &k, const Tensor &v,
+                    const OptTensor &, const OptTensor &, const OptTensor &bias, const OptTensor &sink,
+                    const OptTensor &, FA_OPTION_PARAMS) {
+    return {like_meta(q), like_meta(k), like_meta(v),
+            bias_grad ? at::empty_like(*bias, at::MemoryFormat::Contiguous) : at::empty({0}, q.options()),
+            given(sink) ? at::empty_like(*sink) : at::empty({0}, q.options().dtype(at::kFloat))};
+}
+
+[[noreturn]] void cpu_error(const Tensor &q) {
+    TORCH_CHECK_VALUE(false, "fastattn: q is on ", q.device(), ": fastattn runs on CUDA tensors");
+}
+
+std::tuple<Tensor, Tensor> forward_cpu(const Tensor &q, const Tensor &, const Tensor &, const OptTensor &,
+                                       const OptTensor &, const OptTensor &, const OptTensor &, const OptTensor &,
+                                       FA_OPTION_PARAMS) {
+    cpu_error(q);
+}
+
+Grads backward_cpu(const Tensor &, const Tensor &, const Tensor &, const Tensor &q, const Tensor &, const Tensor &,
+                   const OptTensor &, const OptTensor &, const OptTensor &, const OptTensor &, const OptTensor &,
+                   FA_OPTION_PARAMS) {
+    cpu_error(q);
+}
+
+// ---- autograd in C++ ----------------------------------------------------------------------------
+
+Grads call_backward(const Tensor &d_o, const Tensor &o, const Tensor &stats, const Tensor &q, const Tensor &k,
+                    const Tensor &v, const OptTensor &seq_len_q, const OptTensor &seq_len_kv, const OptTensor &bias,
+                    const OptTensor &sink, const OptTensor &rng, FA_OPTION_PARAMS) {
+    static const auto op = c10::Dispatcher::singleton()
+                               .findSchemaOrThrow("fastattn::native_attention_backward", "")
+                               .typed<decltype(backward_cuda)>();
+    return op.call(d_o, o, stats, q, k, v, seq_len_q, seq_len_kv, bias, sink, rng, FA_OPTION_ARGS);
+}
+
+OptTensor saved(const Tensor &t) { return t.defined() ? OptTensor(t) : std::nullopt; }
+
+// The C++ twin of fastattn.torch._autograd.Rule for the dense entry point: saves the
+// inputs, o and stats; backward runs the backward op and returns a gradient for q, k,
+// v, bias (when bias_grad) and sink (when given), none for the rest.
+struct DenseFunction : torch::autograd::Function<DenseFunction> {
+    static variable_list forward(AutogradContext *ctx, const Tensor &q, const Tensor &k, const Tensor &v,
+                                 const OptTensor &seq_len_q, const OptTensor &seq_len_kv, const OptTensor &bias,
+                                 const OptTensor &sink, const OptTensor &rng, FA_OPTION_PARAMS) {
+        at::AutoDispatchBelowADInplaceOrView below;
+        static const auto op = c10::Dispatcher::singleton()
+                                   .findSchemaOrThrow("fastattn::native_attention_forward", "")
+                                   .typed<decltype(forward_cuda)>();
+        auto [o, stats] = op.call(q, k, v, seq_len_q, seq_len_kv, bias, sink, rng, FA_OPTION_ARGS);
+        ctx->save_for_backward({q, k, v, o, stats, seq_len_q.value_or(Tensor()), seq_len_kv.value_or(Tensor()),
+                                bias.value_or(Tensor()), sink.value_or(Tensor()), rng.value_or(Tensor())});
+        ctx->saved_data["layout"] = std::string(layout);
+        ctx->saved_data["flags"] = static_cast<int64_t>(causal | bottom_right << 1 | deterministic << 2 |
+                                                        alibi << 3 | training << 4 | bias_grad << 5);
+        ctx->saved_data["window_left"] = window_left;
+        ctx->saved_data["window_right"] = window_right;
+        ctx->saved_data["scale"] = scale;
+        ctx->saved_data["dropout"] = dropout;
+        ctx->mark_non_differentiable({stats});
+        return {o, stats};
+    }
+
+    static variable_list backward(AutogradContext *ctx, variable_list grads) {
+        const int64_t flags = ctx->saved_data["flags"].toInt();
+        TORCH_CHECK(flags & 16, "fastattn: backward through a call made without gradients enabled");
+        const auto s = ctx->get_saved_variables();
+        const std::string layout = ctx->saved_data["layout"].toStringRef();
+        at::AutoDispatchBelowADInplaceOrView below;
+        const bool bias_grad = flags & 32;
+        auto [d_q, d_k, d_v, d_bias, d_sink] =
+            call_backward(grads[0], s[3], s[4], s[0], s[1], s[2], saved(s[5]), saved(s[6]), saved(s[7]),
+                          saved(s[8]), saved(s[9]), layout, flags & 1, flags & 2, ctx->saved_data["window_left"].toInt(),
+                          ctx->saved_data["window_right"].toInt(), ctx->saved_data["scale"].toDouble(), flags & 4,
+                          flags & 8, true, ctx->saved_data["dropout"].toDouble(), bias_grad);
+        // One gradient per forward input: 8 tensors, then the 11 options.
+        variable_list out(19);
+        out[0] = d_q;
+        out[1] = d_k;
+        out[2] = d_v;
+        if (bias_grad) out[5] = d_bias;
+        if (s[8].defined()) out[6] = d_sink;
+        return out;
+    }
+};
+
+std::tuple<Tensor, Tensor> forward_autograd(const Tensor &q, const Tensor &k, const Tensor &v,
+                                            const OptTensor &seq_len_q, const OptTensor &seq_len_kv,
+                                            const OptTensor &bias, const OptTensor &sink, const OptTensor &rng,
+                                            FA_OPTION_PARAMS) {
+    if (!training) {  // inference: nothing to save, no node; straight to the kernel
+        at::AutoDispatchBelowADInplaceOrView below;
+        static const auto op = c10::Dispatcher::singleton()
+                                   .findSchemaOrThrow("fastattn::native_attention_forward", "")
+                                   .typed<decltype(forward_cuda)>();
+        return op.call(q, k, v, seq_len_q, seq_len_kv, bias, sink, rng, FA_OPTION_ARGS);
+    }
+    auto out = DenseFunction::apply(q, k, v, seq_len_q, seq_len_kv, bias, sink, rng, FA_OPTION_ARGS);
+    return {out[0], out[1]};
+}
+
+#include "varlen.inc"  // attention_varlen's ops: the same table, run and conventions
+#include "paged.inc"   // attention_paged's (forward only)
+
+// ---- Python: initialization and introspection -------------------------------------------------
+
+void init(py::capsule abi, py::object miss) {
+    auto *table = static_cast<const fastattn_abi *>(PyCapsule_GetPointer(abi.ptr(), FASTATTN_ABI_CAPSULE));
+    if (table == nullptr) throw py::error_already_set();
+    TORCH_CHECK(table->version == FASTATTN_ABI_VERSION && table->num_slots == FASTATTN_NUM_SLOTS,
+                "fastattn: _core's C ABI is version ", table->version, " with ", table->num_slots,
+                " slots; this op library was built for version ", FASTATTN_ABI_VERSION, " with ",
+                FASTATTN_NUM_SLOTS, ": rebuild it");
+    g_abi = table;
+    if (g_miss != nullptr) Py_DECREF(g_miss);
+    g_miss = miss.inc_ref().ptr();
+}
+
+size_t table_size() {
+    std::shared_lock<std::shared_mutex> lock(g_table_lock);
+    return g_table.size();
+}
+
+// Forgets every plan (tests): only while no op runs, since a hit holds its Entry unlocked.
+void clear() {
+    std::unique_lock<std::shared_mutex> lock(g_table_lock);
+    for (auto &kv : g_table) Py_XDECREF(kv.second.plan);
+    g_table.clear();
+}
+
+}  // namespace
+
+#define FA_OPTIONS_SCHEMA                                                                              \
+    "str layout, bool causal, bool bottom_right, int window_left, int window_right, float scale, "     \
+    "bool deterministic, bool alibi, bool training, float dropout, bool bias_grad"
+
+TORCH_LIBRARY_FRAGMENT(fastattn, m) {
+    m.def("native_attention_forward(Tensor q, Tensor k, Tensor v, Tensor? seq_len_q, Tensor? seq_len_kv, "
+          "Tensor? bias, Tensor? sink, Tensor? rng, " FA_OPTIONS_SCHEMA ") -> (Tensor, Tensor)");
+    m.def("native_attention_backward(Tensor d_o, Tensor o, Tensor stats, Tensor q, Tensor k, Tensor v, "
+          "Tensor? seq_len_q, Tensor? seq_len_kv, Tensor? bias, Tensor? sink, Tensor? rng, " FA_OPTIONS_SCHEMA
+          ") -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+    m.def("native_varlen_forward(Tensor q, Tensor k, Tensor v, Tensor cu_q, Tensor cu_kv, " FA_VARLEN_SCHEMA
+          ") -> (Tensor, Tensor)");
+    m.def("native_varlen_backward(Tensor d_o, Tensor o, Tensor stats, Tensor q, Tensor k, Tensor v, Tensor cu_q, "
+          "Tensor cu_kv, " FA_VARLEN_SCHEMA ") -> (Tensor, Tensor, Tensor)");
+    m.def("native_paged_forward(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor cache_seqlens, "
+          "Tensor? seq_lens_q, " FA_PAGED_SCHEMA ") -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(fastattn, CUDA, m) {
+    m.impl("native_paged_forward", &paged_forward_cuda);
+    m.impl("native_attention_forward", &forward_cuda);
+    m.impl("native_attention_backward", &backward_cuda);
+    m.impl("native_varlen_forward", &varlen_forward_cuda);
+    m.impl("native_varlen_backward", &varlen_backward_cuda);
+}
+
+TORCH_LIBRARY_IMPL(fastattn, Meta, m) {
+    m.impl("native_paged_forward", &paged_forward_meta);
+    m.impl("native_attention_forward", &forward_meta);
+    m.impl("native_attention_backward", &backward_meta);
+    m.impl("native_varlen_forward", &varlen_forward_meta);
+    m.impl("native_varlen_backward", &varlen_backward_meta);
+}
+
+TORCH_LIBRARY_IMPL(fastattn, CPU, m) {
+    m.impl("native_paged_forward", &paged_forward_cpu);
+    m.impl("native_attention_forward", &forward_cpu);
+    m.impl("native_attention_backward", &backward_cpu);
+    m.impl("native_varlen_forward", &varlen_forward_cpu);
+    m.impl("native_varlen_backward", &varlen_backward_cpu);
+}
+
+TORCH_LIBRARY_IMPL(fastattn, Autograd, m) {
+    m.impl("native_attention_forward", &forward_autograd);
+    m.impl("native_varlen_forward", &varlen_forward_autograd);
+    // Not differentiable (no double backward): their outputs are plain tensors, with no
+    // "autograd kernel not registered" warning.
+    m.impl("native_attention_backward", torch::CppFunction::makeFallthrough());
+    m.impl("native_varlen_backward", torch::CppFunction::makeFallthrough());
+    m.impl("native_paged_forward", torch::CppFunction::makeFallthrough());  // forward only
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+    m.doc() = "fastattn's PyTorch op library (fastattn/torch/csrc/ops.cpp); loaded by fastattn.torch._native";
+    m.attr("abi_version") = FASTATTN_ABI_VERSION;
+    m.def("init", &init, "init(abi_capsule, miss_handler): the _core C ABI and the Python miss handler");
+    m.def("table_size", &table_size, "plans in the C++ table");
+    m.def("clear", &clear, "forget every plan (only while no op runs)");
+}

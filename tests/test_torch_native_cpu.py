@@ -1,0 +1,317 @@
+"""The native op library (fastattn/torch/csrc/ops.cpp) without a GPU: it builds against
+the installed (CPU) torch and registers; its schemas are the Python ops'; its Meta
+kernels and its C++ autograd run on meta tensors (the gradients' shapes show which
+input each lands on); CPU tensors get a clear error; a missing compiler or a failing
+build falls back to the Python path with one warning naming the cause; the path is
+chosen by FASTATTN_TORCH_PATH. The CUDA kernels are exercised by test_gpu_torch.py."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="PyTorch is an optional extra (pip install torch)")
+
+import fastattn  # noqa: E402
+import fastattn.torch  # noqa: E402
+from fastattn.torch import _dense, _native, _paged, _varlen  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def lib(tmp_path_factory):
+    """The op library built into a cache directory of this module's and loaded (once:
+    a process registers its operators once)."""
+    os.environ[_native.ENV] = "native"
+    try:
+        loaded = _native.library()
+    finally:
+        del os.environ[_native.ENV]
+    assert loaded is not None
+    return loaded
+
+
+def options(training=False, bias_grad=False, layout="bshd", dropout=0.0):
+    return _dense.DenseOptions(layout=layout, causal=True, bottom_right=False, window_left=-1, window_right=-1,
+                               scale=0.0, deterministic=False, alibi=False, training=training, dropout=dropout,
+                               bias_grad=bias_grad)
+
+
+def dense(device="meta", grad=False, layout="bshd"):
+    # GQA with v's head dim different: every gradient has its own shape.
+    shapes = {"bshd": [(2, 16, 4, 8), (2, 32, 2, 8), (2, 32, 2, 16)],
+              "bhsd": [(2, 4, 16, 8), (2, 2, 32, 8), (2, 2, 32, 16)]}[layout]
+    return tuple(torch.empty(s, device=device, dtype=torch.bfloat16, requires_grad=grad) for s in shapes)
+
+
+def test_the_native_ops_have_the_python_ops_schemas(lib):
+    ops = torch.ops.fastattn
+    for native, python in ((ops.native_attention_forward.default, _dense.forward_op._opoverload),
+                           (ops.native_attention_backward.default, _dense.backward_op._opoverload),
+                           (ops.native_varlen_forward.default, _varlen.forward_op._opoverload),
+                           (ops.native_varlen_backward.default, _varlen.backward_op._opoverload),
+                           (ops.native_paged_forward.default, _paged.forward_op._opoverload)):
+        n, p = native._schema, python._schema
+        assert [(a.name, str(a.type)) for a in n.arguments] == [(a.name, str(a.type)) for a in p.arguments]
+        assert [str(r.type) for r in n.returns] == [str(r.type) for r in p.returns]
+
+
+@pytest.mark.parametrize("layout", ["bshd", "bhsd"])
+@pytest.mark.parametrize("training", [False, True])
+def test_meta_forward_shapes(lib, layout, training):
+    q, k, v = dense(layout=layout)
+    o, stats = torch.ops.fastattn.native_attention_forward(q, k, v, None, None, None, None, None,
+                                                           *options(training, layout=layout))
+    assert o.device.type == "meta" and o.dtype == q.dtype
+    assert o.shape == (q.shape[:3] + (16,) if layout == "bshd" else q.shape[:3] + (16,))
+    assert o.is_contiguous()
+    b, h, s = (2, 4, 16)
+    assert stats.dtype == torch.float32 and tuple(stats.shape) == ((b, h, s, 1) if training else (0,))
+
+
+def test_cpp_autograd_lands_each_gradient_on_its_input(lib):
+    q, k, v = dense(grad=True)
+    bias = torch.empty(1, 4, 16, 32, dtype=torch.bfloat16, device="meta", requires_grad=True)
+    sink = torch.empty(4, device="meta", requires_grad=True)
+    o, _ = torch.ops.fastattn.native_attention_forward(q, k, v, None, None, bias, sink, None,
+                                                       *options(training=True, bias_grad=True))
+    assert "CppNode" in type(o.grad_fn).__name__ or "DenseFunction" in o.grad_fn.name()
+    d_q, d_k, d_v, d_bias, d_sink = torch.autograd.grad(o.sum(), (q, k, v, bias, sink))
+    for g, t in ((d_q, q), (d_k, k), (d_v, v), (d_bias, bias), (d_sink, sink)):
+        assert g.shape == t.shape and g.dtype == t.dtype
+
+
+def test_cpp_autograd_gives_no_gradient_to_a_bias_without_bias_grad(lib):
+    q, k, v = dense(grad=True)
+    bias = torch.empty(1, 4, 16, 32, dtype=torch.bfloat16, device="meta")
+    o, _ = torch.ops.fastattn.native_attention_forward(q, k, v, None, None, bias, None, None,
+                                                       *options(training=True))
+    d_q, = torch.autograd.grad(o.sum(), (q,))
+    assert d_q.shape == q.shape
+
+
+def test_backward_through_an_inference_call_is_refused(lib):
+    q, k, v = dense(grad=True)
+    o, _ = torch.ops.fastattn.native_attention_forward(q, k, v, None, None, None, None, None, *options(False))
+    assert o.grad_fn is None  # inference: no node, nothing saved
+
+
+def varlen_options(training=False):
+    return _varlen.VarlenOptions(max_q=64, max_kv=64, causal=True, bottom_right=False, window_left=-1,
+                                 window_right=-1, scale=0.0, deterministic=False, training=training)
+
+
+@pytest.mark.parametrize("training", (False, True), ids=("inference", "training"))
+def test_varlen_meta_and_cpp_autograd(lib, training):
+    q, k, v = (torch.empty(t, h, d, device="meta", dtype=torch.float16, requires_grad=training)
+               for t, h, d in ((40, 4, 8), (56, 2, 8), (56, 2, 16)))
+    cu_q = torch.empty(4, dtype=torch.int32, device="meta")
+    o, stats = torch.ops.fastattn.native_varlen_forward(q, k, v, cu_q, cu_q, *varlen_options(training))
+    assert o.shape == (40, 4, 16) and o.dtype == q.dtype
+    assert tuple(stats.shape) == ((40, 4) if training else (0,))
+    if training:
+        assert "VarlenFunction" in o.grad_fn.name() or "CppNode" in type(o.grad_fn).__name__
+        grads = torch.autograd.grad(o.sum(), (q, k, v))
+        assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
+    else:
+        assert o.grad_fn is None
+
+
+def test_varlen_cpu_tensors_get_a_clear_error(lib):
+    q = torch.empty(8, 2, 8, dtype=torch.float16)
+    cu = torch.zeros(2, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"fastattn: q is on cpu: fastattn runs on CUDA tensors"):
+        torch.ops.fastattn.native_varlen_forward(q, q, q, cu, cu, *varlen_options())
+
+
+def test_paged_meta_shape_and_cpu_error(lib):
+    q = torch.empty(3, 1, 8, 64, device="meta", dtype=torch.bfloat16)
+    k_cache = torch.empty(20, 64, 2, 64, device="meta", dtype=torch.bfloat16)
+    v_cache = torch.empty(20, 64, 2, 32, device="meta", dtype=torch.bfloat16)
+    table = torch.empty(3, 4, device="meta", dtype=torch.int32)
+    lens = torch.empty(3, device="meta", dtype=torch.int32)
+    o = torch.ops.fastattn.native_paged_forward(q, k_cache, v_cache, table, lens, None, False, True, -1, -1, 0.0)
+    assert o.shape == (3, 1, 8, 32) and o.dtype == q.dtype
+    with pytest.raises(ValueError, match=r"fastattn: q is on cpu: fastattn runs on CUDA tensors"):
+        torch.ops.fastattn.native_paged_forward(*(torch.empty_like(t, device="cpu") for t in (q, k_cache, v_cache, table, lens)),
+                                                None, False, True, -1, -1, 0.0)
+
+
+def test_meta_backward_shapes(lib):
+    q, k, v = dense()
+    o = torch.empty(2, 16, 4, 16, dtype=torch.bfloat16, device="meta")
+    stats = torch.empty(2, 4, 16, 1, device="meta")
+    grads = torch.ops.fastattn.native_attention_backward(o, o, stats, q, k, v, None, None, None, None, None,
+                                                         *options(training=True))
+    assert [g.shape for g in grads[:3]] == [q.shape, k.shape, v.shape]
+    assert grads[3].numel() == 0 and grads[4].numel() == 0  # no bias gradient, no sinks
+
+
+def test_cpu_tensors_get_a_clear_error(lib):
+    q, k, v = dense(device="cpu")
+    with pytest.raises(ValueError, match=r"fastattn: q is on cpu: fastattn runs on CUDA tensors"):
+        torch.ops.fastattn.native_attention_forward(q, k, v, None, None, None, None, None, *options())
+
+
+def test_a_bad_layout_is_named(lib):
+    q, k, v = dense()
+    with pytest.raises(ValueError, match=r"layout='bsh'"):
+        torch.ops.fastattn.native_attention_forward(q, k, v, None, None, None, None, None,
+                                                    *options()._replace(layout="bsh"))
+
+
+@pytest.mark.parametrize("dynamic", (False, True), ids=("static", "dynamic"))
+def test_torch_compile_traces_the_native_op_without_a_graph_break(lib, dynamic):
+    # fullgraph=True fails on any graph break; the backend records the graph's ops.
+    seen = []
+
+    def backend(gm, example_inputs):
+        seen.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm
+
+    def block(q, k, v):
+        return torch.ops.fastattn.native_attention_forward(q, k, v, None, None, None, None, None,
+                                                           *options())[0] * 2
+
+    torch._dynamo.reset()
+    out = torch.compile(block, backend=backend, fullgraph=True, dynamic=dynamic)(*dense())
+    assert out.shape == (2, 16, 4, 16)
+    assert any("native_attention_forward" in s for s in seen), seen
+
+
+@pytest.mark.parametrize("training", (False, True), ids=("inference", "training"))
+def test_aot_autograd_traces_forward_and_backward_with_dynamic_shapes(lib, training):
+    # What inductor sees: AOTAutograd runs the Autograd kernel (the C++ Function) and the
+    # Meta kernels on fake tensors whose sequence lengths are symbols (sizes() would
+    # throw there); two lengths through one compiled function.
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.aot_autograd import make_boxed_func
+
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append(" ".join(str(n.target) for n in gm.graph.nodes if n.op == "call_function"))
+        return make_boxed_func(gm)
+
+    def block(q, k, v):
+        return torch.ops.fastattn.native_attention_forward(q, k, v, None, None, None, None, None,
+                                                           *options(training=training))[0].float().sum()
+
+    torch._dynamo.reset()
+    compiled = torch.compile(block, backend=aot_autograd(fw_compiler=record, bw_compiler=record), fullgraph=True,
+                             dynamic=True)
+    for s in (16, 24):
+        q, k, v = (torch.empty(2, s, h, 8, device="meta", dtype=torch.bfloat16, requires_grad=training)
+                   for h in (4, 2, 2))
+        out = compiled(q, k, v)
+        if training:
+            grads = torch.autograd.grad(out, (q, k, v))
+            assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
+    assert any("native_attention_forward" in g for g in graphs), graphs
+    if training:
+        assert any("native_attention_backward" in g for g in graphs), graphs
+
+
+def test_attention_under_torch_compile_records_the_native_op_once_decided(lib, monkeypatch):
+    # attention()'s own Python under dynamo: the decided native path is traced as the
+    # native op (fullgraph: no graph break on the way), with autograd through it.
+    monkeypatch.setattr(_native, "DENSE", _native.DENSE)  # restored afterwards
+    _native._publish_ops()
+    seen = []
+
+    def backend(gm, example_inputs):
+        seen.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm
+
+    def block(q, k, v):
+        return fastattn.torch.attention(q, k, v, causal=True, window=(8, 0)) * 2
+
+    torch._dynamo.reset()
+    out = torch.compile(block, backend=backend, fullgraph=True)(*dense(grad=True))
+    assert out.shape == (2, 16, 4, 16)
+    assert any("native_attention_forward" in s for s in seen), seen
+    assert not any("fastattn.attention_forward" in s for s in seen), seen
+
+
+def _run(code: str, **env) -> subprocess.CompletedProcess:
+    full = dict(os.environ, **env)
+    full.pop("FASTATTN_TORCH_OPS_DIR", None)  # the library is built under the test's own cache directory
+    return subprocess.run([sys.executable, "-W", "always::RuntimeWarning", "-c", textwrap.dedent(code)],
+                          capture_output=True, text=True, env=full, timeout=300)
+
+
+DECIDE = """
+    import warnings
+    from fastattn.torch import _native
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        lib = _native.library()
+        _native.library()  # decided once: no second warning
+    print("LIB", lib)
+    print("STATUS", _native.status())
+    for x in w:
+        print("WARNING", x.category.__name__, x.message)
+"""
+
+
+@pytest.mark.parametrize("cxx,cause", [
+    ("/nonexistent/c++", "no C++ compiler: CXX='/nonexistent/c++' not found"),
+    ("false", "compiling ops.cpp failed (exit 1)"),
+])
+def test_without_a_working_compiler_the_python_path_runs_with_one_warning(tmp_path, cxx, cause):
+    r = _run(DECIDE, CXX=cxx, FASTATTN_CACHE_DIR=str(tmp_path), FASTATTN_TORCH_PATH="auto")
+    assert r.returncode == 0, r.stderr
+    assert "LIB None" in r.stdout
+    warnings_seen = [line for line in r.stdout.splitlines() if line.startswith("WARNING")]
+    assert len(warnings_seen) == 1, r.stdout
+    assert "RuntimeWarning" in warnings_seen[0] and cause in warnings_seen[0]
+    assert "'path': 'python'" in r.stdout and cause in r.stdout
+
+
+def test_native_mode_refuses_to_fall_back(tmp_path):
+    r = _run(DECIDE, CXX="false", FASTATTN_CACHE_DIR=str(tmp_path), FASTATTN_TORCH_PATH="native")
+    assert r.returncode != 0
+    assert "FASTATTN_TORCH_PATH=native, but the native op library is unavailable" in r.stderr
+    assert "compiling ops.cpp failed" in r.stderr
+
+
+def test_python_mode_never_builds(tmp_path):
+    r = _run(DECIDE, CXX="false", FASTATTN_CACHE_DIR=str(tmp_path), FASTATTN_TORCH_PATH="python")
+    assert r.returncode == 0, r.stderr
+    assert "LIB None" in r.stdout and "WARNING" not in r.stdout
+    assert "FASTATTN_TORCH_PATH=python" in r.stdout
+    assert not (tmp_path / "torch-ops").exists()
+
+
+def test_the_build_directory_can_be_set(monkeypatch, tmp_path):
+    monkeypatch.setenv("FASTATTN_TORCH_OPS_DIR", str(tmp_path / "ops"))
+    assert _native.library_path().parent.parent == tmp_path / "ops"
+    monkeypatch.delenv("FASTATTN_TORCH_OPS_DIR")
+    monkeypatch.setenv("FASTATTN_CACHE_DIR", str(tmp_path / "cache"))
+    assert _native.library_path().parent.parent == tmp_path / "cache" / "torch-ops"
+
+
+@pytest.mark.parametrize("value", ["fast", "1", "Native!"])
+def test_a_bad_mode_is_named(monkeypatch, value):
+    monkeypatch.setenv(_native.ENV, value)
+    with pytest.raises(fastattn.InvalidArgumentError, match=f"FASTATTN_TORCH_PATH={value!r}: must be one of"):
+        _native.mode()
+
+
+def test_the_build_tag_names_what_the_library_depends_on():
+    tag = _native.tag()
+    assert f"torch{torch.__version__}" in tag and f"fastattn{fastattn.__version__}" in tag
+    assert f"cxx11abi{int(torch._C._GLIBCXX_USE_CXX11_ABI)}" in tag
+    assert f"py{sys.version_info.major}{sys.version_info.minor}" in tag
+
+
+def test_a_built_library_is_reused_not_rebuilt(lib, tmp_path):
+    # The module fixture built it into the session's cache directory: a second build()
+    # finds it (a compiler that fails proves nothing was compiled).
+    before = _native.build()
+    os.environ["CXX"] = "false"
+    try:
+        assert _native.build() == before
+    finally:
+        del os.environ["CXX"]
