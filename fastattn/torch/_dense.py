@@ -17,6 +17,7 @@ from .. import _fields
 from ..config import AttentionConfig
 from ..errors import InvalidArgumentError
 from . import _autograd, _native
+from ._plans import check_shapes
 from ._plans import options as check_options
 from ._plans import (AXES, DTYPES, Cached, alignment_name, bottom_right, check_qkv_tensors, logical, mask_name,
                      out_shape, plans, raw_stream, remember, stats_shape, tensor_key, workspace)
@@ -235,33 +236,7 @@ _autograd.register(forward_op, RULE, N_TENSORS)
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str, seq_len_q=None, seq_len_kv=None) -> None:
     check_qkv_tensors(q, k, v, 4, f"4 dimensions in {layout} order")
-    if not (q.device == k.device == v.device):
-        raise InvalidArgumentError(f"q, k, v are on different devices: {q.device}, {k.device}, {v.device}")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise InvalidArgumentError(f"q, k, v have different dtypes: {q.dtype}, {k.dtype}, {v.dtype}")
-    b, h, s, d = AXES[layout]
-    if k.shape[b] != q.shape[b] or v.shape[b] != q.shape[b]:
-        raise InvalidArgumentError(f"batch sizes differ: q {q.shape[b]}, k {k.shape[b]}, v {v.shape[b]}")
-    if k.shape[h] != v.shape[h] or q.shape[h] % k.shape[h]:
-        raise InvalidArgumentError(f"heads: q has {q.shape[h]}, k {k.shape[h]}, v {v.shape[h]}; k and v must match "
-                                   "and divide q's")
-    if k.shape[s] != v.shape[s]:
-        raise InvalidArgumentError(f"k has {k.shape[s]} keys but v has {v.shape[s]}")
-    if k.shape[d] != q.shape[d]:
-        raise InvalidArgumentError(f"head dims differ: q {q.shape[d]}, k {k.shape[d]}")
-    for name, t in (("seq_lens_q", seq_len_q), ("seq_lens_kv", seq_len_kv)):
-        if t is None:
-            continue
-        if not isinstance(t, torch.Tensor) or t.dtype != torch.int32:
-            raise InvalidArgumentError(f"{name} has dtype {getattr(t, 'dtype', type(t).__name__)}: expected a "
-                                       "torch.int32 tensor")
-        if t.dim() != 1 or t.shape[0] != q.shape[b]:
-            raise InvalidArgumentError(f"{name} has shape {tuple(t.shape)}: expected ({q.shape[b]},), one length "
-                                       "per sequence")
-        if t.device != q.device:
-            raise InvalidArgumentError(f"{name} is on {t.device}, q on {q.device}")
-        if not t.is_contiguous():
-            raise InvalidArgumentError(f"{name} must be contiguous")
+    check_shapes(q, k, v, layout, seq_len_q, seq_len_kv)
 
 
 def _bias_shape(q: torch.Tensor, bias: torch.Tensor, layout: str) -> str:

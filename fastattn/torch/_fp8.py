@@ -23,7 +23,8 @@ import torch
 
 from ..config import AttentionConfig
 from ..errors import InvalidArgumentError
-from ._plans import AXES, Cached, logical, mask_name, out_shape, plans, raw_stream, remember, stats_shape, workspace
+from ._plans import (AXES, Cached, check_shapes, logical, mask_name, out_shape, plans, raw_stream, remember,
+                     stats_shape, workspace)
 from ._plans import options as check_options
 
 FP8 = {torch.float8_e4m3fn: "fp8_e4m3", torch.float8_e5m2: "fp8_e5m2"}
@@ -111,28 +112,7 @@ def check(q, k, v, layout: str, seq_len_q=None, seq_len_kv=None) -> None:
         if t.dtype not in FP8:
             raise InvalidArgumentError(f"{name} has dtype {t.dtype}: FP8 attention takes torch.float8_e4m3fn or "
                                        "torch.float8_e5m2 (attention_fp8_scaled quantizes 16-bit tensors)")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise InvalidArgumentError(f"q, k, v have different dtypes: {q.dtype}, {k.dtype}, {v.dtype}")
-    if not (q.device == k.device == v.device):
-        raise InvalidArgumentError(f"q, k, v are on different devices: {q.device}, {k.device}, {v.device}")
-    b, h, s, d = AXES[layout]
-    if k.shape[b] != q.shape[b] or v.shape[b] != q.shape[b]:
-        raise InvalidArgumentError(f"batch sizes differ: q {q.shape[b]}, k {k.shape[b]}, v {v.shape[b]}")
-    if k.shape[h] != v.shape[h] or q.shape[h] % k.shape[h]:
-        raise InvalidArgumentError(f"heads: q has {q.shape[h]}, k {k.shape[h]}, v {v.shape[h]}; k and v must match "
-                                   "and divide q's")
-    if k.shape[s] != v.shape[s]:
-        raise InvalidArgumentError(f"k has {k.shape[s]} keys but v has {v.shape[s]}")
-    if k.shape[d] != q.shape[d]:
-        raise InvalidArgumentError(f"head dims differ: q {q.shape[d]}, k {k.shape[d]}")
-    for name, t in (("seq_lens_q", seq_len_q), ("seq_lens_kv", seq_len_kv)):
-        if t is None:
-            continue
-        if not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or t.dim() != 1 or t.shape[0] != q.shape[b] \
-                or t.device != q.device or not t.is_contiguous():
-            raise InvalidArgumentError(f"{name}: expected a contiguous torch.int32 tensor of shape ({q.shape[b]},) "
-                                       f"on {q.device}, got {getattr(t, 'dtype', type(t).__name__)} "
-                                       f"{tuple(getattr(t, 'shape', ()))}")
+    check_shapes(q, k, v, layout, seq_len_q, seq_len_kv)
 
 
 def check_scalar(name: str, t, device) -> None:

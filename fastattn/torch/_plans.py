@@ -189,3 +189,38 @@ def options(causal, bottom_right, window, scale, deterministic=False, alibi=Fals
         return left, right, 0.0
     _fields.check("positive", "scale", scale)
     return left, right, float(scale)
+
+
+def check_shapes(q, k, v, layout: str, seq_len_q=None, seq_len_kv=None) -> None:
+    """q, k, v (each already a 4-d tensor of an accepted dtype) agree with each other in
+    the layout's order, and the per-sequence lengths fit them: what attention() and
+    attention_fp8() check on a miss."""
+    if not (q.device == k.device == v.device):
+        raise InvalidArgumentError(f"q, k, v are on different devices: {q.device}, {k.device}, {v.device}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise InvalidArgumentError(f"q, k, v have different dtypes: {q.dtype}, {k.dtype}, {v.dtype}")
+    b, h, s, d = AXES[layout]
+    if k.shape[b] != q.shape[b] or v.shape[b] != q.shape[b]:
+        raise InvalidArgumentError(f"batch sizes differ: q {q.shape[b]}, k {k.shape[b]}, v {v.shape[b]}")
+    if k.shape[h] != v.shape[h] or q.shape[h] % k.shape[h]:
+        raise InvalidArgumentError(f"heads: q has {q.shape[h]}, k {k.shape[h]}, v {v.shape[h]}; k and v must match "
+                                   "and divide q's")
+    if k.shape[s] != v.shape[s]:
+        raise InvalidArgumentError(f"k has {k.shape[s]} keys but v has {v.shape[s]}")
+    if k.shape[d] != q.shape[d]:
+        raise InvalidArgumentError(f"head dims differ: q {q.shape[d]}, k {k.shape[d]}")
+    for name, t in (("seq_lens_q", seq_len_q), ("seq_lens_kv", seq_len_kv)):
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.int32:
+            raise InvalidArgumentError(f"{name} has dtype {getattr(t, 'dtype', type(t).__name__)}: expected a "
+                                       "torch.int32 tensor")
+        if t.dim() != 1 or t.shape[0] != q.shape[b]:
+            raise InvalidArgumentError(f"{name} has shape {tuple(t.shape)}: expected ({q.shape[b]},), one length "
+                                       "per sequence")
+        if t.device != q.device:
+            raise InvalidArgumentError(f"{name} is on {t.device}, q on {q.device}")
+        if not t.is_contiguous():
+            raise InvalidArgumentError(f"{name} must be contiguous")
+
+
