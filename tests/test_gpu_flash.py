@@ -305,22 +305,17 @@ def test_kvcache_cache_batch_idx_and_int_cache_seqlens():
 # -- fastattn.torch: a key-padding bias ------------------------------------------------------------
 
 def test_torch_attention_takes_a_key_padding_bias_with_its_gradient():
+    """A (b, 1, 1, s_kv) key-padding bias: forward against float64; with gradients the call
+    is refused with the reason (cuDNN 9.19's backward got d_q, d_k wrong for one-row biases
+    in s5-2; see test_gpu_alignment_bias.py)."""
     dtype = torch.float16
     q, k, v = (randn(2, 100, 4, 64, dtype=dtype, grad=True) for _ in range(3))
-    bias = (torch.randn(2, 1, 1, 100, device=DEV) * 2).to(dtype).requires_grad_()
-    try:
+    bias = (torch.randn(2, 1, 1, 100, device=DEV) * 2).to(dtype)
+    with pytest.raises(fastattn.NotSupportedError, match="a bias of one row"):
+        fastattn.torch.attention(q, k, v, bias=bias)
+    with torch.no_grad():
         out = fastattn.torch.attention(q, k, v, bias=bias)
-        bias_grad = True
-    except fastattn.NotSupportedError as e:  # cuDNN's d_bias covers fewer shapes: the bias alone, and say why
-        print(f"d_bias (2, 1, 1, 100): {e}")
-        bias = bias.detach()
-        out = fastattn.torch.attention(q, k, v, bias=bias)
-        bias_grad = False
-    q64, k64, v64, b64 = (t.detach().double().requires_grad_() for t in (q, k, v, bias))
+    q64, k64, v64, b64 = (t.detach().double() for t in (q, k, v, bias))
     s = (q64.transpose(1, 2) @ k64.permute(0, 2, 3, 1)) / 8.0 + b64
     ref = (torch.softmax(s, -1) @ v64.transpose(1, 2)).transpose(1, 2)
     assert rel(out, ref) < FWD_TOL[dtype]
-    d_o = torch.randn_like(out)
-    inputs, ref_inputs = (q, k, v) + ((bias,) if bias_grad else ()), (q64, k64, v64) + ((b64,) if bias_grad else ())
-    for g, rg in zip(torch.autograd.grad(out, inputs, d_o), torch.autograd.grad(ref, ref_inputs, d_o.double())):
-        assert rel(g, rg) < BWD_TOL[dtype]

@@ -73,7 +73,9 @@ def plan_for(q, k, v, o, seq_len_q, seq_len_kv, bias, sink, options: DenseOption
         dtype=DTYPES[q.dtype], layout={"q": q_st, "k": k_st, "v": v_st, "o": o_st},
         mask=mask_name(options.causal, options.bottom_right), window=(options.window_left, options.window_right),
         alignment=alignment_name(options.bottom_right), scale=None if options.scale <= 0 else options.scale,
-        training=options.training, deterministic=options.deterministic, padding=seq_len_q is not None,
+        training=options.training,
+        deterministic=options.deterministic and options.training,  # it selects the backward: none without one
+        padding=seq_len_q is not None,
         alibi=options.alibi,
         bias="none" if bias is None else _bias_shape(q, bias, layout), bias_grad=options.bias_grad,
         dropout=options.dropout, sinks=sink is not None,

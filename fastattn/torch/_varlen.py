@@ -56,7 +56,8 @@ def plan_for(q, k, v, batch: int, options: VarlenOptions) -> Cached:
         head_dim_v=dv, dtype=DTYPES[q.dtype], layout="bshd", padding=True, ragged=True,
         mask=mask_name(options.causal, options.bottom_right), window=(options.window_left, options.window_right),
         alignment=alignment_name(options.bottom_right), scale=None if options.scale <= 0 else options.scale,
-        training=options.training, deterministic=options.deterministic,
+        training=options.training,
+        deterministic=options.deterministic and options.training,  # it selects the backward: none without one
     )
     return remember(key, cfg, q, k, v, None)
 
