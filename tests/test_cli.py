@@ -104,7 +104,8 @@ def test_info_reports_versions_everywhere(capsys):
 
 @pytest.mark.parametrize("env,path,reason", [
     ({"FASTATTN_TORCH_PATH": "python"}, "python", "FASTATTN_TORCH_PATH=python"),
-    ({"FASTATTN_TORCH_PATH": "auto", "CXX": "/nonexistent/c++"}, "python", "there is no C++ compiler"),
+    ({"FASTATTN_TORCH_PATH": "auto", "CXX": "/nonexistent/c++"}, "python", "not built for this torch yet"),
+    ({"FASTATTN_TORCH_PATH": "auto"}, "python", "fastattn warm --torch-ops"),
     ({"FASTATTN_TORCH_PATH": "native", "CXX": "/nonexistent/c++"}, "none", "there is no C++ compiler"),
     ({"FASTATTN_TORCH_PATH": "sometimes"}, "none", "FASTATTN_TORCH_PATH='sometimes': must be one of"),
 ])

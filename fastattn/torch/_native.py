@@ -200,6 +200,13 @@ def library():
         if m == "python":
             state["lib"], state["reason"] = None, f"python: {ENV}=python"
             return None
+        if m == "auto" and not library_path().exists():
+            # Compiling it here would make this first call take 40-100 s, the very cold
+            # start fastattn exists to avoid: auto mode uses a library built ahead of time.
+            state["lib"], state["reason"] = None, (
+                "python: the native op library is not built for this torch yet (`fastattn warm --torch-ops` builds "
+                f"it ahead of time, once per torch version; {ENV}=native builds it at the first call)")
+            return None
         try:
             state["lib"], state["reason"] = _load()
             _publish_ops()
@@ -270,6 +277,9 @@ def describe() -> dict:
     target = library_path()
     if target.exists():
         return {"path": "native", "reason": f"{ENV}={m}; built for this torch: {target}"}
+    if m == "auto":  # never compiled at a call (library())
+        return {"path": "python", "reason": f"{ENV}=auto; the native op library is not built for this torch yet: "
+                                            f"`fastattn warm --torch-ops` builds it into {target}"}
     cxx = shlex.split(os.environ.get("CXX", "c++"))[:1]
     import shutil
 
@@ -277,7 +287,8 @@ def describe() -> dict:
         return {"path": "python" if m == "auto" else "none",
                 "reason": f"{ENV}={m}; the op library is not built for this torch and there is no C++ compiler "
                           f"(CXX={os.environ.get('CXX', 'c++')!r})"}
-    return {"path": "native", "reason": f"{ENV}={m}; built at the first call (or by `fastattn warm --torch-ops`) into {target}"}
+    return {"path": "native", "reason": f"{ENV}={m}; built at the first call (or by `fastattn warm --torch-ops`) "
+                                        f"into {target}"}
 
 
 def library_path(root: Path | None = None) -> Path:
