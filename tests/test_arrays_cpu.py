@@ -487,7 +487,8 @@ def test_device_tensor_is_public_and_the_package_is_typed():
     assert "DeviceTensor" in fastattn.__all__ and fastattn.DeviceTensor is _arrays.DeviceTensor
     root = pathlib.Path(fastattn.__file__).parent
     assert (root / "py.typed").is_file() and (root / "_core.pyi").is_file()
-    pyproject = tomllib.loads((root.parent / "pyproject.toml").read_text())
+    # The checkout's pyproject (the package under test may be installed elsewhere).
+    pyproject = tomllib.loads((pathlib.Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
     assert "py.typed" in pyproject["tool"]["setuptools"]["package-data"]["fastattn"]
 
 

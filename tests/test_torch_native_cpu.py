@@ -8,6 +8,7 @@ chosen by FASTATTN_TORCH_PATH. The CUDA kernels are exercised by test_gpu_torch.
 import os
 import subprocess
 import sys
+import tempfile
 import textwrap
 
 import pytest
@@ -237,8 +238,10 @@ def test_attention_under_torch_compile_records_the_native_op_once_decided(lib, m
 def _run(code: str, **env) -> subprocess.CompletedProcess:
     full = dict(os.environ, **env)
     full.pop("FASTATTN_TORCH_OPS_DIR", None)  # the library is built under the test's own cache directory
+    # From outside the checkout: `python -c` puts the working directory first on sys.path,
+    # and the checkout's unbuilt source package would shadow the installed one.
     return subprocess.run([sys.executable, "-W", "always::RuntimeWarning", "-c", textwrap.dedent(code)],
-                          capture_output=True, text=True, env=full, timeout=300)
+                          capture_output=True, text=True, env=full, timeout=300, cwd=tempfile.gettempdir())
 
 
 DECIDE = """
