@@ -29,6 +29,21 @@ def fake_workers(tmp_path, monkeypatch):
     return tmp_path
 
 
+@pytest.fixture
+def env(tmp_path, monkeypatch):
+    """The runtime on tests/fake_core.py (an H200 that builds everything) with a fresh
+    cache directory, in this process: tmp_path."""
+    import fake_core
+    from fastattn import runtime
+
+    monkeypatch.setenv("FASTATTN_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(runtime, "_core", lambda: fake_core)
+    monkeypatch.setattr(fake_core, "GPU_NAME", ["NVIDIA H200"])
+    runtime.clear()
+    yield tmp_path
+    runtime.clear()
+
+
 _gpu_state = None
 
 

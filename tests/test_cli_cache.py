@@ -19,16 +19,6 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 BASE = dict(batch=1, heads_q=8, head_dim_qk=64, mask="causal")
 
 
-@pytest.fixture
-def env(tmp_path, monkeypatch):
-    monkeypatch.setenv("FASTATTN_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(runtime, "_core", lambda: fake_core)
-    monkeypatch.setattr(fake_core, "GPU_NAME", ["NVIDIA H200"])
-    runtime.clear()
-    yield tmp_path
-    runtime.clear()
-
-
 def fill(n=3):
     for s in range(n):
         fastattn.plan({**BASE, "seqlen_q": 128 * (s + 1)})

@@ -23,19 +23,8 @@ from fastattn import cli, runtime, store
 from fastattn.store import bundle as bundle_mod
 from fastattn.store import entry as entry_mod
 
-import fake_core
 
 BASE = dict(batch=1, heads_q=8, head_dim_qk=64, mask="causal")
-
-
-@pytest.fixture
-def env(tmp_path, monkeypatch):
-    monkeypatch.setenv("FASTATTN_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(runtime, "_core", lambda: fake_core)
-    monkeypatch.setattr(fake_core, "GPU_NAME", ["NVIDIA H200"])
-    runtime.clear()
-    yield tmp_path
-    runtime.clear()
 
 
 def new_process(cache_dir, monkeypatch):
