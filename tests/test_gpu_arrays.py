@@ -280,7 +280,8 @@ def test_jax_arrays_match_ints():
         x[n] = jax.device_put(jnp.asarray(bits).view(jnp.bfloat16)).block_until_ready()
     o, stats = p.allocate("o"), p.allocate("stats")
     for n, a in (("o", o), ("stats", stats)):
-        _copy(a.ptr, Tensor(cfg, n).ptr, _nbytes(cfg, n))  # a fresh Tensor is poisoned (NaN)
+        poisoned = Tensor(cfg, n)  # a fresh Tensor is poisoned (NaN); held: its buffer is freed with it
+        _copy(a.ptr, poisoned.ptr, _nbytes(cfg, n))
     synchronize()
     p.forward(x["q"], x["k"], x["v"], o, stats=stats, workspace=p.allocate("workspace"))
     synchronize()

@@ -188,6 +188,52 @@ def test_a_hit_runs_no_python(lib):
     assert python_calls == []
 
 
+def test_the_eager_entry_runs_no_python_on_a_hit(lib):
+    q, k, v = (torch.randn(1, 128, 8, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    args = (q, k, v, None, None, None, None, None, 1, -1, -1, 0.0, 0.0)  # causal, bshd
+    torch.autograd.grad(_native.EAGER(*args), (q, k, v), torch.ones_like(q))  # the misses
+    python_calls = []
+
+    def profile(frame, event, arg):
+        if event == "call":
+            python_calls.append(frame.f_code.co_qualname)
+
+    sys.setprofile(profile)
+    try:
+        for _ in range(5):
+            with torch.no_grad():
+                _native.EAGER(*args)
+            _native.EAGER(*args)  # the training forward: the C++ autograd node
+    finally:
+        sys.setprofile(None)
+    assert python_calls == []
+
+
+@pytest.mark.parametrize("training", (False, True), ids=("inference", "training"))
+def test_the_eager_entry_and_the_dispatcher_op_agree_bitwise(lib, training):
+    # attention()'s plain eager calls take the eager entry; traced or moded calls the
+    # dispatcher's op, whose autograd node runs the backward through the dispatcher.
+    torch.manual_seed(3)
+    q, k, v = (torch.randn(2, 200, h, 64, device="cuda", dtype=torch.bfloat16) for h in (8, 2, 2))
+    d_o = torch.randn_like(q)
+    results = []
+    for call in ("eager", "dispatcher"):
+        leaves = [t.clone().requires_grad_(training) for t in (q, k, v)]
+        poison_allocator()
+        if call == "eager":
+            o = _native.EAGER(*leaves, None, None, None, None, None, 1 | 4, 16, 0, 0.0, 0.0)  # causal, deterministic
+        else:
+            o = _native.DENSE[0](*leaves, None, None, None, None, None, "bshd", True, False, 16, 0, 0.0, True, False,
+                                 training, 0.0, False)[0]
+        grads = torch.autograd.grad(o, leaves, d_o) if training else ()
+        torch.cuda.synchronize()
+        results.append((o, grads))
+    (o1, g1), (o2, g2) = results
+    assert torch.isfinite(o1).all() and torch.equal(o1, o2)
+    for a, b in zip(g1, g2):
+        assert torch.isfinite(a).all() and torch.equal(a, b)
+
+
 def test_a_training_step_looks_up_each_plan_once(lib, monkeypatch):
     # Misses call _dense.plan_for through the C++ table's handler: after the first step
     # (one forward and one backward miss), steps are Python-free hits.

@@ -155,6 +155,33 @@ def test_cpu_tensors_get_a_clear_error(lib):
         torch.ops.fastattn.native_attention_forward(q, k, v, None, None, None, None, None, *options())
 
 
+# The eager entry (eager.inc): attention()'s plain eager CUDA calls, past the dispatcher.
+# Without a GPU its argument handling and its errors: a miss reaches the Python runtime
+# with the GIL taken back, whose error comes out as itself, with gradients on or off.
+
+@pytest.mark.parametrize("grad", (False, True), ids=("inference", "training"))
+def test_eager_entry_reports_the_runtime_error_of_a_miss(lib, grad):
+    q, k, v = dense(device="cpu", grad=grad)
+    with pytest.raises(fastattn.InvalidArgumentError, match="CUDA"):
+        lib.attention(q, k, v, None, None, None, None, None, 1, -1, -1, 0.0, 0.0)
+
+
+def test_eager_entry_hands_back_what_it_does_not_take(lib):
+    q, k, v = dense(device="cpu")
+    assert lib.attention(q, "k", v, None, None, None, None, None, 1, -1, -1, 0.0, 0.0) is NotImplemented
+    assert lib.attention(q, k, v, None, None, [1], None, None, 1, -1, -1, 0.0, 0.0) is NotImplemented
+
+
+def test_eager_entry_checks_its_own_arguments(lib):
+    q, k, v = dense(device="cpu")
+    with pytest.raises(TypeError, match=r"13 positional arguments \(3 given\)"):
+        lib.attention(q, k, v)
+    with pytest.raises(ValueError, match="flags=768 names no layout"):
+        lib.attention(q, k, v, None, None, None, None, None, 3 << 8, -1, -1, 0.0, 0.0)
+    with pytest.raises(TypeError):
+        lib.attention(q, k, v, None, None, None, None, None, "causal", -1, -1, 0.0, 0.0)
+
+
 def test_a_bad_layout_is_named(lib):
     q, k, v = dense()
     with pytest.raises(ValueError, match=r"layout='bsh'"):

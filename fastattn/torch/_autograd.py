@@ -79,6 +79,7 @@ class EagerWithStats(torch.autograd.Function):
         ctx.rule = rule
         _save(ctx, tensors, options, o, stats)
         ctx.mark_non_differentiable(stats)
+        ctx.set_materialize_grads(False)  # no zeros allocated for stats' gradient, which is unused
         return o, stats
 
     @staticmethod

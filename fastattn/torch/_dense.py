@@ -341,6 +341,27 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     causal = bool(causal or causal_bottom_right)
     if return_lse.__class__ is not bool:
         _fields.check("bool", "return_lse", return_lse)
+    if not compiling():  # (dynamo traces no further: the branch below is the native op's)
+        eager = _native.EAGER
+        if eager is not None and cuda and not return_lse and q.__class__ is Tensor and not (
+                dispatch_modes() or functorch_active()):
+            # The native path's eager entry: straight to the C++ kernel, which decides
+            # gradients itself (ops.cpp, eager.inc). NotImplemented: an argument it does
+            # not take (k not a tensor, say), which the path below reports as usual.
+            if eager is _native.UNDECIDED:
+                _native.decide()
+                eager = _native.EAGER
+            if eager is not None:
+                flags = causal | br << 1 | bool(deterministic) << 2 | bool(alibi) << 3 | LAYOUT_IDS[layout] << 8
+                if bias is None and sinks is None and not dropout_p:
+                    o = eager(q, k, v, seq_lens_q, seq_lens_kv, None, None, None, flags, left, right, scale, 0.0)
+                else:
+                    _fields.check("probability", "dropout_p", dropout_p)
+                    rng = torch.randint(0, 2**62, (4,), device=q.device, dtype=torch.int64) if dropout_p else None
+                    o = eager(q, k, v, seq_lens_q, seq_lens_kv, bias, sinks, rng, flags, left, right, scale,
+                              float(dropout_p))
+                if o is not NotImplemented:
+                    return o
     grads = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
                                          or (bias is not None and bias.requires_grad)
                                          or (sinks is not None and sinks.requires_grad))
@@ -389,3 +410,5 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
 # Module globals: one lookup less per call.
 plain_eager, Eager, EagerWithStats = _autograd.plain_eager, _autograd.Eager, _autograd.EagerWithStats
 compiling, functorch_active = torch.compiler.is_compiling, _autograd.functorch_active
+dispatch_modes, Tensor = _autograd.dispatch_modes, torch.Tensor
+LAYOUT_IDS = {"bshd": 0, "sbhd": 1, "bhsd": 2}  # the eager entry's layout numbers (ops.cpp's kLayouts)

@@ -41,7 +41,7 @@ MODES = ("auto", "native", "python")
 _HERE = Path(__file__).resolve().parent
 SOURCES = (_HERE / "csrc" / "ops.cpp",)
 INCLUDE = _HERE.parent / "include"
-HEADERS = (INCLUDE / "fastattn_abi.h", _HERE / "csrc" / "varlen.inc", _HERE / "csrc" / "paged.inc")
+HEADERS = (INCLUDE / "fastattn_abi.h", *(_HERE / "csrc" / f for f in ("varlen.inc", "paged.inc", "eager.inc")))
 
 _lock = threading.Lock()
 _state: dict = {}  # "lib": the loaded module or None, "reason": why this path, "mode"
@@ -54,6 +54,9 @@ _state: dict = {}  # "lib": the loaded module or None, "reason": why this path, 
 # that an entry point reads its op in one lookup.
 UNDECIDED = object()
 DENSE = VARLEN = PAGED = UNDECIDED
+# attention()'s eager entry (ops.cpp's eager.inc): plain eager calls go from Python
+# straight to the CUDA kernel, past torch.ops and the dispatcher. None: the Python path.
+EAGER = UNDECIDED
 
 
 def mode() -> str:
@@ -222,7 +225,7 @@ def library():
 
 
 def _publish_ops() -> None:
-    global DENSE, VARLEN, PAGED
+    global DENSE, VARLEN, PAGED, EAGER
     import torch
 
     dense = torch.ops.fastattn.native_attention_forward.default
@@ -231,26 +234,27 @@ def _publish_ops() -> None:
     DENSE = (getattr(dense, "_op", dense), dense)
     VARLEN = (getattr(varlen, "_op", varlen), varlen)
     PAGED = (getattr(paged, "_op", paged), paged)
+    EAGER = _state["lib"].attention
 
 
 def decide():
     """Decides the path if not yet (what an entry point calls while UNDECIDED); returns
     DENSE (None: the Python path)."""
-    global DENSE, VARLEN, PAGED
+    global DENSE, VARLEN, PAGED, EAGER
     if library() is None:
-        DENSE = VARLEN = PAGED = None
+        DENSE = VARLEN = PAGED = EAGER = None
     return DENSE
 
 
 def python_path(monkeypatch=None):
     """Makes this process's entry points take the Python path (tests, benchmarks): with a
     pytest monkeypatch, until the test ends."""
-    global DENSE, VARLEN, PAGED
+    global DENSE, VARLEN, PAGED, EAGER
     if monkeypatch is not None:
-        for name in ("DENSE", "VARLEN", "PAGED"):
+        for name in ("DENSE", "VARLEN", "PAGED", "EAGER"):
             monkeypatch.setattr(sys.modules[__name__], name, None)
     else:
-        DENSE = VARLEN = PAGED = None
+        DENSE = VARLEN = PAGED = EAGER = None
 
 
 def status() -> dict:
@@ -300,7 +304,7 @@ def library_path(root: Path | None = None) -> Path:
 
 def reset() -> None:
     """Forgets the decision (tests): the next call decides again."""
-    global DENSE, VARLEN, PAGED
+    global DENSE, VARLEN, PAGED, EAGER
     with _lock:
         _state.clear()
-        DENSE = VARLEN = PAGED = UNDECIDED
+        DENSE = VARLEN = PAGED = EAGER = UNDECIDED

@@ -21,7 +21,10 @@
 
 #include <torch/extension.h>
 
+#include <ATen/record_function.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <torch/csrc/Exceptions.h>
+#include <torch/csrc/autograd/python_variable.h>
 
 #include <array>
 #include <cstring>
@@ -226,7 +229,9 @@ void put_extras(intptr_t *slots, const OptTensor &seq_len_q, const OptTensor &se
 #define FA_OPTION_ARGS \
     layout, causal, bottom_right, window_left, window_right, scale, deterministic, alibi, training, dropout, bias_grad
 
-std::tuple<Tensor, Tensor> forward_cuda(const Tensor &q, const Tensor &k, const Tensor &v, const OptTensor &seq_len_q,
+// The forward's work: (o, stats), stats undefined when not training (the op's kernel,
+// forward_cuda, returns an empty tensor in its place: a schema's Tensor is defined).
+std::tuple<Tensor, Tensor> forward_work(const Tensor &q, const Tensor &k, const Tensor &v, const OptTensor &seq_len_q,
                                         const OptTensor &seq_len_kv, const OptTensor &bias, const OptTensor &sink,
                                         const OptTensor &rng, FA_OPTION_PARAMS) {
     const Options opt{FA_OPTION_ARGS};
@@ -234,7 +239,7 @@ std::tuple<Tensor, Tensor> forward_cuda(const Tensor &q, const Tensor &k, const 
     const Entry &e = find_plan(FASTATTN_FORWARD, q, k, v, nullptr, seq_len_q, seq_len_kv, bias, sink, rng, opt);
     // Rows past a sequence's length are zero, as on the Python path (_dense.forward_impl).
     Tensor o = given(seq_len_q) ? at::zeros(out_shape(q, v, ax), q.options()) : at::empty(out_shape(q, v, ax), q.options());
-    Tensor stats = at::empty(stats_shape(q, ax, training), q.options().dtype(at::kFloat));
+    Tensor stats = training ? at::empty(stats_shape(q, ax, true), q.options().dtype(at::kFloat)) : Tensor();
     intptr_t slots[FASTATTN_NUM_SLOTS] = {};
     slots[FASTATTN_SLOT_Q] = ptr(q);
     slots[FASTATTN_SLOT_K] = ptr(k);
@@ -246,11 +251,21 @@ std::tuple<Tensor, Tensor> forward_cuda(const Tensor &q, const Tensor &k, const 
     return {o, stats};
 }
 
+std::tuple<Tensor, Tensor> forward_cuda(const Tensor &q, const Tensor &k, const Tensor &v, const OptTensor &seq_len_q,
+                                        const OptTensor &seq_len_kv, const OptTensor &bias, const OptTensor &sink,
+                                        const OptTensor &rng, FA_OPTION_PARAMS) {
+    auto [o, stats] = forward_work(q, k, v, seq_len_q, seq_len_kv, bias, sink, rng, FA_OPTION_ARGS);
+    if (!stats.defined()) stats = at::empty({0}, q.options().dtype(at::kFloat));  // inference writes no stats
+    return {o, stats};
+}
+
 using Grads = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor>;
 
 Tensor like(const Tensor &t) { return at::empty_strided(t.sizes(), t.strides(), t.options()); }
 
-Grads backward_cuda(const Tensor &d_o_in, const Tensor &o, const Tensor &stats, const Tensor &q, const Tensor &k,
+// The backward's work: d_bias and d_sink undefined where not computed (backward_cuda, the
+// op's kernel, returns empty tensors in their place).
+Grads backward_work(const Tensor &d_o_in, const Tensor &o, const Tensor &stats, const Tensor &q, const Tensor &k,
                     const Tensor &v, const OptTensor &seq_len_q, const OptTensor &seq_len_kv, const OptTensor &bias,
                     const OptTensor &sink, const OptTensor &rng, FA_OPTION_PARAMS) {
     const Options opt{FA_OPTION_ARGS};
@@ -263,8 +278,8 @@ Grads backward_cuda(const Tensor &d_o_in, const Tensor &o, const Tensor &stats, 
         d_k.zero_();
         d_v.zero_();
     }
-    Tensor d_bias = bias_grad ? at::empty_like(*bias, at::MemoryFormat::Contiguous) : at::empty({0}, q.options());
-    Tensor d_sink = given(sink) ? at::empty_like(*sink) : at::empty({0}, q.options().dtype(at::kFloat));
+    Tensor d_bias = bias_grad ? at::empty_like(*bias, at::MemoryFormat::Contiguous) : Tensor();
+    Tensor d_sink = given(sink) ? at::empty_like(*sink) : Tensor();
     intptr_t slots[FASTATTN_NUM_SLOTS] = {};
     slots[FASTATTN_SLOT_Q] = ptr(q);
     slots[FASTATTN_SLOT_K] = ptr(k);
@@ -280,6 +295,15 @@ Grads backward_cuda(const Tensor &d_o_in, const Tensor &o, const Tensor &stats, 
     if (given(sink)) slots[FASTATTN_SLOT_DSINK] = ptr(d_sink);
     run(e, FASTATTN_BACKWARD, q, slots);
     return {d_q, d_k, d_v, d_bias, d_sink};
+}
+
+Grads backward_cuda(const Tensor &d_o, const Tensor &o, const Tensor &stats, const Tensor &q, const Tensor &k,
+                    const Tensor &v, const OptTensor &seq_len_q, const OptTensor &seq_len_kv, const OptTensor &bias,
+                    const OptTensor &sink, const OptTensor &rng, FA_OPTION_PARAMS) {
+    auto [d_q, d_k, d_v, d_bias, d_sink] =
+        backward_work(d_o, o, stats, q, k, v, seq_len_q, seq_len_kv, bias, sink, rng, FA_OPTION_ARGS);
+    return {d_q, d_k, d_v, d_bias.defined() ? d_bias : at::empty({0}, q.options()),
+            d_sink.defined() ? d_sink : at::empty({0}, q.options().dtype(at::kFloat))};
 }
 
 // ---- Meta (fake tensors: torch.compile) and CPU ------------------------------------------------
@@ -339,20 +363,28 @@ OptTensor saved(const Tensor &t) { return t.defined() ? OptTensor(t) : std::null
 // The C++ twin of fastattn.torch._autograd.Rule for the dense entry point: saves the
 // inputs, o and stats; backward runs the backward op and returns a gradient for q, k,
 // v, bias (when bias_grad) and sink (when given), none for the rest.
+//
+// direct: the eager entry's calls (eager.inc), on plain CUDA tensors: forward and
+// backward run forward_cuda / backward_cuda themselves instead of through the dispatcher,
+// which the Autograd kernel's calls need (fake tensors under torch.compile go to Meta).
 struct DenseFunction : torch::autograd::Function<DenseFunction> {
-    static variable_list forward(AutogradContext *ctx, const Tensor &q, const Tensor &k, const Tensor &v,
+    static variable_list forward(AutogradContext *ctx, bool direct, const Tensor &q, const Tensor &k, const Tensor &v,
                                  const OptTensor &seq_len_q, const OptTensor &seq_len_kv, const OptTensor &bias,
                                  const OptTensor &sink, const OptTensor &rng, FA_OPTION_PARAMS) {
         at::AutoDispatchBelowADInplaceOrView below;
         static const auto op = c10::Dispatcher::singleton()
                                    .findSchemaOrThrow("fastattn::native_attention_forward", "")
                                    .typed<decltype(forward_cuda)>();
-        auto [o, stats] = op.call(q, k, v, seq_len_q, seq_len_kv, bias, sink, rng, FA_OPTION_ARGS);
+        auto [o, stats] = direct ? forward_work(q, k, v, seq_len_q, seq_len_kv, bias, sink, rng, FA_OPTION_ARGS)
+                                 : op.call(q, k, v, seq_len_q, seq_len_kv, bias, sink, rng, FA_OPTION_ARGS);
+        // A gradient for stats (non-differentiable) or for an unused o stays undefined:
+        // materializing it would allocate and zero a tensor per backward for nothing.
+        ctx->set_materialize_grads(false);
         ctx->save_for_backward({q, k, v, o, stats, seq_len_q.value_or(Tensor()), seq_len_kv.value_or(Tensor()),
                                 bias.value_or(Tensor()), sink.value_or(Tensor()), rng.value_or(Tensor())});
         ctx->saved_data["layout"] = std::string(layout);
         ctx->saved_data["flags"] = static_cast<int64_t>(causal | bottom_right << 1 | deterministic << 2 |
-                                                        alibi << 3 | training << 4 | bias_grad << 5);
+                                                        alibi << 3 | training << 4 | bias_grad << 5 | direct << 6);
         ctx->saved_data["window_left"] = window_left;
         ctx->saved_data["window_right"] = window_right;
         ctx->saved_data["scale"] = scale;
@@ -364,22 +396,24 @@ struct DenseFunction : torch::autograd::Function<DenseFunction> {
     static variable_list backward(AutogradContext *ctx, variable_list grads) {
         const int64_t flags = ctx->saved_data["flags"].toInt();
         TORCH_CHECK(flags & 16, "fastattn: backward through a call made without gradients enabled");
+        if (!grads[0].defined()) return variable_list(20);  // o unused: no gradient flows (materialize off)
         const auto s = ctx->get_saved_variables();
         const std::string layout = ctx->saved_data["layout"].toStringRef();
         at::AutoDispatchBelowADInplaceOrView below;
         const bool bias_grad = flags & 32;
         auto [d_q, d_k, d_v, d_bias, d_sink] =
-            call_backward(grads[0], s[3], s[4], s[0], s[1], s[2], saved(s[5]), saved(s[6]), saved(s[7]),
-                          saved(s[8]), saved(s[9]), layout, flags & 1, flags & 2, ctx->saved_data["window_left"].toInt(),
-                          ctx->saved_data["window_right"].toInt(), ctx->saved_data["scale"].toDouble(), flags & 4,
-                          flags & 8, true, ctx->saved_data["dropout"].toDouble(), bias_grad);
-        // One gradient per forward input: 8 tensors, then the 11 options.
-        variable_list out(19);
-        out[0] = d_q;
-        out[1] = d_k;
-        out[2] = d_v;
-        if (bias_grad) out[5] = d_bias;
-        if (s[8].defined()) out[6] = d_sink;
+            (flags & 64 ? backward_work : call_backward)(
+                grads[0], s[3], s[4], s[0], s[1], s[2], saved(s[5]), saved(s[6]), saved(s[7]), saved(s[8]),
+                saved(s[9]), layout, flags & 1, flags & 2, ctx->saved_data["window_left"].toInt(),
+                ctx->saved_data["window_right"].toInt(), ctx->saved_data["scale"].toDouble(), flags & 4, flags & 8,
+                true, ctx->saved_data["dropout"].toDouble(), bias_grad);
+        // One gradient per forward input: direct, 8 tensors, then the 11 options.
+        variable_list out(20);
+        out[1] = d_q;
+        out[2] = d_k;
+        out[3] = d_v;
+        if (bias_grad) out[6] = d_bias;
+        if (s[8].defined()) out[7] = d_sink;
         return out;
     }
 };
@@ -395,12 +429,13 @@ std::tuple<Tensor, Tensor> forward_autograd(const Tensor &q, const Tensor &k, co
                                    .typed<decltype(forward_cuda)>();
         return op.call(q, k, v, seq_len_q, seq_len_kv, bias, sink, rng, FA_OPTION_ARGS);
     }
-    auto out = DenseFunction::apply(q, k, v, seq_len_q, seq_len_kv, bias, sink, rng, FA_OPTION_ARGS);
+    auto out = DenseFunction::apply(false, q, k, v, seq_len_q, seq_len_kv, bias, sink, rng, FA_OPTION_ARGS);
     return {out[0], out[1]};
 }
 
 #include "varlen.inc"  // attention_varlen's ops: the same table, run and conventions
 #include "paged.inc"   // attention_paged's (forward only)
+#include "eager.inc"   // attention()'s eager entry, past torch.ops and the dispatcher
 
 // ---- Python: initialization and introspection -------------------------------------------------
 
@@ -488,4 +523,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("init", &init, "init(abi_capsule, miss_handler): the _core C ABI and the Python miss handler");
     m.def("table_size", &table_size, "plans in the C++ table");
     m.def("clear", &clear, "forget every plan (only while no op runs)");
+    static PyMethodDef eager_def{"attention", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&eager_attention)),
+                                 METH_FASTCALL, kEagerDoc};
+    m.add_object("attention", py::reinterpret_steal<py::object>(PyCFunction_NewEx(&eager_def, nullptr, m.ptr())));
 }

@@ -1,0 +1,129 @@
+"""Where the host time of fastattn.torch's native path goes, beside SDPA's cuDNN backend
+(issue 17): the pieces of an inference call and of a training step, each timed on its
+own in one process (median of 15 samples; the GPU queue is drained between samples).
+
+Inference: attention() whole; its eager entry called directly (no Python wrapper);
+the dispatcher's op (torch.ops) called directly; plan.forward with ints (the Cython
+floor); SDPA cuDNN. Training: a whole step (forward, then backward through
+torch.autograd.grad); the forward alone with gradients on (what the autograd node
+costs); the backward alone (autograd.grad with retain_graph on one graph: the engine
+plus the backward kernel's host work); the backward op called directly; and the
+engine's own floor (autograd.grad through a multiplication). The same for SDPA where it
+applies.
+
+    python tools/profile_native_step.py [--json out.json]   (needs the op library: fastattn warm --torch-ops)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import fastattn.torch as fat
+from fastattn import _core
+from fastattn.torch import _dense, _native, _plans
+
+
+def _us(fn, iters: int = 1000, samples: int = 15) -> float:
+    for _ in range(100):
+        fn()
+    torch.cuda.synchronize()
+    out = []
+    for _ in range(samples):
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        out.append((time.perf_counter() - t0) / iters * 1e6)
+        torch.cuda.synchronize()
+    return round(statistics.median(out), 3)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json")
+    args = ap.parse_args(argv)
+    if _native.decide() is None:
+        print(f"the native path is not available: {_native.status()}")
+        return 1
+    eager, dense = _native.EAGER, _native.DENSE[0]
+    backward_op = torch.ops.fastattn.native_attention_backward.default
+    q, k, v = (torch.randn(1, 128, 8, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    qt, kt, vt = (t.transpose(1, 2).contiguous() for t in (q, k, v))
+    flags = 1  # causal, top left, bshd
+    opts = ("bshd", True, False, -1, -1, 0.0, False, False)  # the op's options before training
+    res = {}
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        res["inference_sdpa_cudnn"] = _us(lambda: sdpa(qt, kt, vt, is_causal=True))
+        res["inference_attention"] = _us(lambda: fat.attention(q, k, v, causal=True))
+        res["inference_eager_entry"] = _us(lambda: eager(q, k, v, None, None, None, None, None, flags, -1, -1, 0.0,
+                                                         0.0))
+        res["inference_dispatcher_op"] = _us(lambda: dense(q, k, v, None, None, None, None, None, *opts, False, 0.0,
+                                                           False))
+        res["empty_like"] = _us(lambda: torch.empty_like(q))
+        # The floors under the eager entry: plan.forward with ints (Cython), and
+        # cudnn-frontend's execute looped in C++ on the same plan and pointers.
+        c = _dense.plan_for(q, k, v, None, None, None, None, None,
+                            _dense.DenseOptions("bshd", True, False, -1, -1, 0.0, False, False, False, 0.0, False))
+        o = torch.empty_like(q)
+        stream = _plans.raw_stream(0)
+        ws = _plans.workspace(q, c.forward_workspace, 0, stream)
+        wp = ws.data_ptr() if ws is not None else 0
+        ptrs = (q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr())
+        res["plan_forward_ints"] = _us(lambda: c.plan.forward(*ptrs, 0, wp, stream))
+        res["cpp_execute_floor"] = round(statistics.median(
+            _core.bench_raw_execute(c.plan, "forward", ptrs, wp, stream, 2000) / 2000 * 1e6 for _ in range(15)), 3)
+
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        leaves_t = [t.clone().requires_grad_() for t in (qt, kt, vt)]
+        d_o = torch.randn_like(q)
+        d_ot = d_o.transpose(1, 2).contiguous()
+
+        def step():
+            out = fat.attention(*leaves, causal=True)
+            torch.autograd.grad(out, leaves, d_o)
+
+        def step_sdpa():
+            out = sdpa(*leaves_t, is_causal=True)
+            torch.autograd.grad(out, leaves_t, d_ot)
+
+        for _ in range(3):  # interleaved: drift hits both alike
+            for name, fn in (("train_step", step), ("train_step_sdpa_cudnn", step_sdpa)):
+                res.setdefault(name + "_rounds", []).append(_us(fn, iters=300, samples=5))
+        res["train_step"] = statistics.median(res["train_step_rounds"])
+        res["train_step_sdpa_cudnn"] = statistics.median(res["train_step_sdpa_cudnn_rounds"])
+        res["train_forward"] = _us(lambda: fat.attention(*leaves, causal=True), iters=300)
+        res["train_forward_sdpa_cudnn"] = _us(lambda: sdpa(*leaves_t, is_causal=True), iters=300)
+        graph_o = fat.attention(*leaves, causal=True)
+        graph_ot = sdpa(*leaves_t, is_causal=True)
+        res["backward_only"] = _us(lambda: torch.autograd.grad(graph_o, leaves, d_o, retain_graph=True), iters=300)
+        res["backward_only_sdpa_cudnn"] = _us(lambda: torch.autograd.grad(graph_ot, leaves_t, d_ot, retain_graph=True),
+                                              iters=300)
+        o2, stats = dense(q, k, v, None, None, None, None, None, *opts, True, 0.0, False)
+        res["backward_op_direct"] = _us(lambda: backward_op(d_o, o2, stats, q, k, v, None, None, None, None, None,
+                                                            *opts, True, 0.0, False), iters=300)
+        x = torch.randn(16, device="cuda", requires_grad=True)
+        y = x * 2
+        g = torch.ones_like(y)
+        res["engine_floor_mul"] = _us(lambda: torch.autograd.grad(y, x, g, retain_graph=True), iters=300)
+    res["ratio_inference_to_sdpa"] = res["inference_attention"] / res["inference_sdpa_cudnn"]
+    res["ratio_train_to_sdpa"] = res["train_step"] / res["train_step_sdpa_cudnn"]
+    res["torch"] = torch.__version__
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=2)
+    print("summary:")
+    for key, value in res.items():
+        if isinstance(value, float):
+            print(f"  {key:<30} {value:8.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
