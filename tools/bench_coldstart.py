@@ -8,6 +8,10 @@ on the device (synchronized):
   fastattn cold   empty cache directory: every plan is built
   fastattn warm   the cache the cold run left: every plan is deserialized, lazily
   fastattn warm + preload   the same, with fastattn.preload(configs, threads=8) first
+  fastattn torch warm (+ preload)   the warm cache through fastattn.torch.attention and
+                  o.backward(): autograd, like with like beside PyTorch's rows (the rows
+                  above are the raw plans on pointers); the active path (native or Python)
+                  is recorded
   torch cudnn     torch.nn.functional.scaled_dot_product_attention, cuDNN backend
   torch flash     the same, flash backend
   fastattn cold/warm padded   one padding plan (config.padding=True) built for the
@@ -15,7 +19,9 @@ on the device (synchronized):
                   buffers have the longest shape; outputs checked against PyTorch SDPA
                   after the clock stops (see child_padded)
 
-each forward only and forward+backward. After the clock stops, fastattn warm and
+each forward only and forward+backward. The autograd rows record each call's host ms;
+with --backward, fastattn.torch and flash also run once more with their first backward
+under cProfile (COLDSTART_PROFILE_FIRST_BACKWARD=1), to see where that time goes. After the clock stops, fastattn warm and
 fastattn warm padded (forward) also time 20 back-to-back calls per shape (steady ms per
 call: what serving length s from the 4096-long padded plan costs vs a plan of length s).
 Usage:
@@ -234,22 +240,69 @@ def child(variant: str, backward: bool) -> dict:
             res["steady_ms"] = {str(seqlen): _steady_ms(_forward_call(*args))
                                 for seqlen, args in zip(SEQLENS, kept)}
         return res
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+    if variant.startswith("fastattn_torch"):
+        # Through fastattn.torch (autograd, the path a training loop takes), like with like
+        # beside PyTorch's rows: the same calls, o.backward(ones).
+        import fastattn
+        import fastattn.torch as fat
+        from fastattn.torch import _native
 
-    backend = SDPBackend.CUDNN_ATTENTION if variant == "torch_cudnn" else SDPBackend.FLASH_ATTENTION
-    with sdpa_kernel(backend):
-        for q, k, v in inputs:
+        if variant == "fastattn_torch_warm_preload":
+            fastattn.preload([fastattn.AttentionConfig(batch=1, heads_q=HEADS, seqlen_q=s, head_dim_qk=HEAD_DIM,
+                                                       dtype="bf16", layout="bshd", mask="causal", training=backward)
+                              for s in SEQLENS], threads=len(SEQLENS))
+
+        def call(q, k, v):
+            return fat.attention(q, k, v, causal=True)
+    else:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        backend = SDPBackend.CUDNN_ATTENTION if variant == "torch_cudnn" else SDPBackend.FLASH_ATTENTION
+        sdpa_kernel(backend).__enter__()
+
+        def call(q, k, v):
             # SDPA takes (b, h, s, d): transposed views of the same bshd memory.
-            o = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
-                                                                 v.transpose(1, 2), is_causal=True)
-            if backward:
+            return torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                                                    v.transpose(1, 2), is_causal=True)
+    # Host time of each call (no synchronization in between: a cost shows where the host
+    # pays it, as in an application); the first backward optionally under cProfile.
+    fwd_ms, bwd_ms, profile = [], [], None
+    for i, (q, k, v) in enumerate(inputs):
+        t_a = time.perf_counter()
+        o = call(q, k, v)
+        t_b = time.perf_counter()
+        if backward:
+            if i == 0 and os.environ.get("COLDSTART_PROFILE_FIRST_BACKWARD"):
+                profile = _profiled(lambda: o.backward(torch.ones_like(o)))
+            else:
                 o.backward(torch.ones_like(o))
+        fwd_ms.append(round((t_b - t_a) * 1e3, 2))
+        bwd_ms.append(round((time.perf_counter() - t_b) * 1e3, 2))
     torch.cuda.synchronize()
-    return {"seconds": time.perf_counter() - t0}
+    res = {"seconds": time.perf_counter() - t0, "fwd_ms": fwd_ms, "bwd_ms": bwd_ms}
+    if variant.startswith("fastattn_torch"):
+        res["path"] = _native.status()["path"]
+        res["stats"] = {k: v for k, v in fastattn.stats().items() if isinstance(v, (int, float))}
+    if profile:
+        res["first_backward_profile"] = profile
+    return res
 
 
-def run_fresh(variant: str, backward: bool, cache_dir: str) -> dict:
-    env = {**os.environ, "FASTATTN_CACHE_DIR": cache_dir, "PYTHONUNBUFFERED": "1"}
+def _profiled(fn) -> list[str]:
+    """fn() under cProfile: the 25 entries with the most cumulative time."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.runcall(fn)
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("cumulative").print_stats(25)
+    return out.getvalue().splitlines()
+
+
+def run_fresh(variant: str, backward: bool, cache_dir: str, **extra_env) -> dict:
+    env = {**os.environ, "FASTATTN_CACHE_DIR": cache_dir, "PYTHONUNBUFFERED": "1", **extra_env}
     t0 = time.perf_counter()
     out = subprocess.run([sys.executable, __file__, "--child", variant] + (["--backward"] if backward else []),
                          capture_output=True, text=True, env=env, timeout=600)
@@ -269,13 +322,20 @@ def measure() -> dict:
             "fastattn_cold": run_fresh("fastattn_cold", backward, cache_dir),
             "fastattn_warm": run_fresh("fastattn_warm", backward, cache_dir),
             "fastattn_warm_preload": run_fresh("fastattn_warm_preload", backward, cache_dir),
+            "fastattn_torch_warm": run_fresh("fastattn_torch_warm", backward, cache_dir),
+            "fastattn_torch_warm_preload": run_fresh("fastattn_torch_warm_preload", backward, cache_dir),
             "torch_cudnn": run_fresh("torch_cudnn", backward, cache_dir),
             "torch_flash": run_fresh("torch_flash", backward, cache_dir),
             "fastattn_cold_padded": run_fresh("fastattn_cold_padded", backward, cache_dir),
             "fastattn_warm_padded": run_fresh("fastattn_warm_padded", backward, cache_dir),
         }
+        if backward:  # diagnosis only (not charted): where a first backward's time goes
+            for name in ("fastattn_torch_warm", "torch_flash"):
+                results[mode][name + "_profiled"] = run_fresh(name, backward, cache_dir,
+                                                              COLDSTART_PROFILE_FIRST_BACKWARD="1")
         r = results[mode]
-        for warm in ("fastattn_warm", "fastattn_warm_preload", "fastattn_warm_padded"):
+        for warm in ("fastattn_warm", "fastattn_warm_preload", "fastattn_warm_padded", "fastattn_torch_warm",
+                     "fastattn_torch_warm_preload"):
             if all("seconds" in r[k] for k in (warm, "torch_cudnn")):
                 results[f"{mode}_speedup_{warm}_vs_torch_cudnn"] = r["torch_cudnn"]["seconds"] / r[warm]["seconds"]
     import fastattn
@@ -287,8 +347,9 @@ def measure() -> dict:
 
 def summary(results: dict) -> str:
     lines = ["variant                    fwd ms   fwd+bwd ms"]
-    for name in ("fastattn_cold", "fastattn_warm", "fastattn_warm_preload", "torch_cudnn", "torch_flash",
-                 "fastattn_cold_padded", "fastattn_warm_padded"):
+    for name in ("fastattn_cold", "fastattn_warm", "fastattn_warm_preload", "fastattn_torch_warm",
+                 "fastattn_torch_warm_preload", "torch_cudnn", "torch_flash", "fastattn_cold_padded",
+                 "fastattn_warm_padded"):
         cells = []
         for mode in ("fwd", "fwd_bwd"):
             r = results[mode].get(name, {})
@@ -297,6 +358,11 @@ def summary(results: dict) -> str:
     for key, value in results.items():
         if "_speedup_" in key:
             lines.append(f"{key}: {value:.1f}x")
+    for name in ("fastattn_torch_warm", "fastattn_torch_warm_preload", "torch_cudnn", "torch_flash"):
+        r = results.get("fwd_bwd", {}).get(name, {})
+        if "bwd_ms" in r:
+            lines.append(f"{name} fwd+bwd per shape: fwd ms {r['fwd_ms']}, bwd ms {r['bwd_ms']}"
+                         + (f" ({r['path']} path)" if "path" in r else ""))
     for name in ("fastattn_cold_padded", "fastattn_warm_padded"):
         for mode in ("fwd", "fwd_bwd"):
             r = results.get(mode, {}).get(name, {})
@@ -324,11 +390,16 @@ def plot(results: dict, png: str) -> None:
     import matplotlib.pyplot as plt
 
     names = [n for n in ("fastattn_cold", "fastattn_warm", "fastattn_warm_preload", "fastattn_warm_padded",
-                         "torch_cudnn", "torch_flash") if n in results["fwd"]]
-    labels = {"fastattn_cold": "fastattn\ncold cache", "fastattn_warm": "fastattn\nwarm cache",
-              "fastattn_warm_preload": "fastattn warm\n+ preload", "fastattn_warm_padded": "fastattn warm\n1 padded plan",
+                         "fastattn_torch_warm", "fastattn_torch_warm_preload", "torch_cudnn", "torch_flash")
+             if n in results["fwd"]]
+    # Raw: plan.forward / plan.backward on pointers; autograd: fastattn.torch.attention
+    # and o.backward(), as PyTorch's rows are.
+    labels = {"fastattn_cold": "raw plans\ncold cache", "fastattn_warm": "raw plans\nwarm cache",
+              "fastattn_warm_preload": "raw plans\nwarm+preload", "fastattn_warm_padded": "raw plans\n1 padded",
+              "fastattn_torch_warm": "fastattn.torch\nautograd, warm",
+              "fastattn_torch_warm_preload": "fastattn.torch\nwarm+preload",
               "torch_cudnn": "PyTorch\ncuDNN", "torch_flash": "PyTorch\nflash"}
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+    fig, ax = plt.subplots(figsize=(11, 4.8))
     width = 0.38
     for i, mode in enumerate(("fwd", "fwd_bwd")):
         vals = [results[mode][n].get("seconds", 0) * 1e3 for n in names]
