@@ -15,6 +15,8 @@ plan_cache()).
 from __future__ import annotations
 
 import contextlib
+import importlib
+import sys
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -234,6 +236,35 @@ def stored_answer(config: Any, *, device: int | None = None, cache: PlanCache | 
     return (cache or plan_cache()).stored_answer(config, _resolve_device(device))
 
 
+# What PyTorch imports at a process's first backward given a gradient tensor
+# (torch.autograd._make_grads): sympy, with symbolic shapes. Measured on the H200 machine
+# (tools/bench_coldstart.py, cProfile): 2.09 s of a 2.2 s first backward, for every
+# peer alike (1.6 s of it compiling sympy's .py files, which pip installs without .pyc
+# there); ~0.4 s where the .pyc files exist.
+TORCH_BACKWARD_IMPORT = "torch.fx.experimental.symbolic_shapes"
+_torch_import_started = False
+
+
+def warm_torch_backward() -> bool:
+    """Starts PyTorch's first-backward import (TORCH_BACKWARD_IMPORT) in a daemon thread,
+    once per process, where torch is imported and that module is not: called when a
+    training plan is looked up or preloaded, so that the import overlaps the forward
+    pass instead of stalling the first backward. Returns whether it started one."""
+    global _torch_import_started
+    if _torch_import_started or "torch" not in sys.modules or TORCH_BACKWARD_IMPORT in sys.modules:
+        return False
+    _torch_import_started = True
+
+    def work():
+        try:
+            importlib.import_module(TORCH_BACKWARD_IMPORT)
+        except Exception:  # an optimization: the first backward imports it anyway, and reports
+            pass
+
+    threading.Thread(target=work, name="fastattn-torch-backward-import", daemon=True).start()
+    return True
+
+
 def preload(configs: Iterable[Any] | None = None, *, device: int | None = None, threads: int = 4,
             background: bool = False):
     """Loads (or builds) plans ahead of first use, in `threads` parallel threads, each
@@ -252,6 +283,8 @@ def preload(configs: Iterable[Any] | None = None, *, device: int | None = None, 
         raise InvalidArgumentError(f"threads={threads!r}: must be an integer >= 1")
     device = _resolve_device(device)
     todo = [AttentionConfig.coerce(c) for c in configs] if configs is not None else plan_cache().configs(device)
+    if any(c.training for c in todo):
+        warm_torch_backward()
 
     def run() -> list[ProbeResult]:
         with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="fastattn-preload") as pool:

@@ -265,3 +265,38 @@ def test_clear_forgets_plans(fake_build):
     assert fastattn.stats()["plans"] == 0 and fastattn.stats()["builds"] == 0
     fastattn.plan(dict(BASE))
     assert len(fake_build) == 2
+
+
+# PyTorch's first backward with a gradient tensor imports sympy (torch.autograd's
+# _make_grads): fastattn starts that import in the background when a training plan is
+# looked up or preloaded. A fresh process: other tests may have imported it already.
+_WARM = textwrap.dedent("""
+    import sys, threading
+    import fastattn
+    from fastattn import runtime
+    name = runtime.TORCH_BACKWARD_IMPORT
+    assert runtime.warm_torch_backward() is False  # torch not imported: nothing to warm
+    import torch
+    assert name not in sys.modules, "importing torch now imports it: the warm-up is moot"
+    assert runtime.warm_torch_backward() is True
+    assert runtime.warm_torch_backward() is False  # once per process
+    [t.join() for t in threading.enumerate() if t.name == "fastattn-torch-backward-import"]
+    assert name in sys.modules
+    print("ok")
+""")
+
+
+def test_torch_backward_import_is_started_once_in_the_background():
+    pytest.importorskip("torch")
+    out = subprocess.run([sys.executable, "-c", _WARM], capture_output=True, text=True, timeout=300, cwd="/")
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
+
+
+def test_preload_of_training_configs_warms_torch_backward(fake_build, monkeypatch):
+    started = []
+    monkeypatch.setattr(runtime, "warm_torch_backward", lambda: started.append(1))
+    inference = AttentionConfig(batch=1, heads_q=2, seqlen_q=64, head_dim_qk=64)
+    fastattn.preload([inference])
+    assert started == []
+    fastattn.preload([inference, inference.replace(training=True)])
+    assert started == [1]

@@ -191,7 +191,7 @@ def child(variant: str, backward: bool) -> dict:
         inputs.append((q, k, v))
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    if variant.startswith("fastattn"):
+    if variant.startswith("fastattn") and not variant.startswith("fastattn_torch"):  # the raw plans
         import fastattn
         from fastattn._loader import ensure_loaded
 

@@ -71,6 +71,8 @@ def remember(key: tuple, cfg: AttentionConfig, q: torch.Tensor, k: torch.Tensor,
     hit = Cached(fastattn.plan(cfg, device=q.device.index), q, k, v, layout)
     with _plans_lock:
         plans[key] = hit
+    if cfg.training:  # a backward is coming: PyTorch's own first-backward import, started now
+        fastattn.runtime.warm_torch_backward()
     return hit
 
 
