@@ -21,10 +21,11 @@ whose plans, caches and per-call costs they share. What differs from FlashAttent
   ignored: softcap != 0, rotary_cos / rotary_sin, cache_leftpad, block_table in varlen,
   alibi_slopes other than the ALiBi paper's (cuDNN computes its own) or without causal,
   return_attn_probs with dropout_p > 0 (FlashAttention then returns the dropout pattern,
-  S_dmask, which cuDNN does not expose), dropout_p and alibi_slopes in varlen calls,
-  return_softmax_lse with a paged cache. cuDNN's own refusals (for example a causal
-  mask at the bottom right together with dropout or ALiBi when seqlen_q < seqlen_k)
-  are NotSupportedError too, carrying cuDNN's reason. (With more queries than keys,
+  S_dmask, which cuDNN does not expose), return_softmax_lse with a paged cache. cuDNN's
+  own refusals (for example a causal mask at the bottom right together with dropout or
+  ALiBi when seqlen_q < seqlen_k, or in a varlen call whose cu_seqlens_q and
+  cu_seqlens_k are different tensors) are NotSupportedError too, carrying cuDNN's
+  reason. (With more queries than keys,
   the first rows see no key: fastattn.flash writes FlashAttention's 0 and +inf there
   itself and runs the rest; a causal mask then has as many queries as keys.)
 - Dropout draws its mask from PyTorch's CUDA generator with cuDNN's Philox: the same
@@ -271,8 +272,11 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     cu_seqlens_q, cu_seqlens_k: int32 (batch + 1,), cumulative lengths from 0.
     max_seqlen_q, max_seqlen_k: the longest sequences (plans are built for them rounded up
       to a power of two; a window bound >= max_seqlen_k is unbounded, as FlashAttention's).
-    causal, window_size: bottom-right aligned per sequence (see the module doc).
-    dropout_p: only 0 (attention_varlen has no dropout). alibi_slopes: only None.
+    causal, window_size: bottom-right aligned per sequence (see the module doc); with one
+      cu_seqlens tensor for q and k both diagonals are one (the top-left graph runs).
+    dropout_p, alibi_slopes: as flash_attn_func (alibi_slopes (nheads,) or (batch,
+      nheads)); cuDNN takes them with a top-left diagonal only, so with causal or a
+      window, pass the same cu_seqlens tensor for q and k.
     block_table: only None (paged varlen: use flash_attn_with_kvcache).
     return_attn_probs: also return softmax_lse, float32 (nheads, total_q), and None.
 
@@ -281,17 +285,13 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     if block_table is not None:
         raise NotSupportedError("block_table: fastattn.flash has no paged varlen attention (cuDNN's paged plans are "
                                 "forward only and fixed-batch); flash_attn_with_kvcache takes a block table")
-    if alibi_slopes is not None:
-        raise NotSupportedError("alibi_slopes in a varlen call: fastattn.torch.attention_varlen has no ALiBi")
-    if dropout_p:
-        _fields.check("probability", "dropout_p", dropout_p)
-        raise NotSupportedError(f"dropout_p={dropout_p!r} in a varlen call: fastattn.torch.attention_varlen has no "
-                                "dropout yet")
     _no_softcap(softcap)
-    _common(0.0, return_attn_probs)
+    dropout_p = _common(dropout_p, return_attn_probs)
     if isinstance(max_seqlen_k, bool) or not isinstance(max_seqlen_k, int):
         raise InvalidArgumentError(f"max_seqlen_k={max_seqlen_k!r}: must be an int >= 1")
     causal, window = _mask(causal, window_size, max_seqlen_k)
+    batch = cu_seqlens_q.shape[0] - 1 if isinstance(cu_seqlens_q, torch.Tensor) and cu_seqlens_q.dim() == 1 else -1
+    alibi = _alibi(alibi_slopes, _shape(q, "q", 3, "(total_q, nheads, headdim)")[1], batch, causal)
     deterministic = _deterministic(deterministic, return_attn_probs, q, k, v)
     q, k, v = (t if not isinstance(t, torch.Tensor) or t.is_contiguous() else t.contiguous() for t in (q, k, v))
     # The same cumulative lengths: each sequence's q and k lengths are equal, and the
@@ -299,8 +299,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     bottom = cu_seqlens_q is not cu_seqlens_k and (causal or window is not None)
     out = _fa_lse(attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
                                    window=window, scale=softmax_scale, deterministic=deterministic,
-                                   alignment="bottom_right" if bottom else "top_left",
-                                   return_lse=return_attn_probs), return_attn_probs)
+                                   alignment="bottom_right" if bottom else "top_left", alibi=alibi,
+                                   dropout_p=dropout_p, return_lse=return_attn_probs), return_attn_probs)
     return (*out, None) if return_attn_probs else out
 
 

@@ -114,9 +114,10 @@ def test_softcap_is_refused_by_every_function(index):
      r"^return_attn_probs=True with dropout_p > 0: .*S_dmask"),
     (lambda: flash.flash_attn_varlen_func(*varlen(), 100, 200, block_table=torch.zeros(2, 4, dtype=torch.int32)),
      r"^block_table: fastattn.flash has no paged varlen"),
-    (lambda: flash.flash_attn_varlen_func(*varlen(), 100, 200, dropout_p=0.1), r"^dropout_p=0.1 in a varlen call"),
     (lambda: flash.flash_attn_varlen_func(*varlen(), 100, 200, causal=True, alibi_slopes=torch.ones(8)),
-     r"^alibi_slopes in a varlen call"),
+     r"^alibi_slopes: only the ALiBi paper's slopes"),
+    (lambda: flash.flash_attn_varlen_func(*varlen(), 100, 200, alibi_slopes=torch.ones(8)),
+     r"^alibi_slopes without causal=True"),
     (lambda: flash.flash_attn_func(*dense(), alibi_slopes=torch.ones(8)), r"^alibi_slopes without causal=True"),
     (lambda: flash.flash_attn_with_kvcache(*kvcache()[:3], rotary_cos=torch.ones(4, 32)), r"^rotary_cos: cuDNN"),
     (lambda: flash.flash_attn_with_kvcache(*kvcache()[:3], rotary_sin=torch.ones(4, 32)), r"^rotary_sin: cuDNN"),
@@ -132,6 +133,17 @@ def test_softcap_is_refused_by_every_function(index):
 def test_what_cudnn_cannot_do_is_refused_by_name(call, match):
     with pytest.raises(NotSupportedError, match=match):
         call()
+
+
+def test_varlen_takes_dropout_and_standard_alibi_slopes():
+    # Both pass fastattn.flash's checks and run (meta tensors: the ops' fake kernels).
+    q, k, v, cu_q, cu_k = varlen()
+    slopes = torch.tensor(flash.standard_alibi_slopes(q.shape[1]), dtype=torch.float32)
+    for extra in (dict(dropout_p=0.1), dict(causal=True, alibi_slopes=slopes),
+                  dict(causal=True, alibi_slopes=slopes.expand(cu_q.shape[0] - 1, -1))):
+        assert flash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 100, 200, **extra).shape == q.shape
+    with pytest.raises(InvalidArgumentError, match=r"^dropout_p=1.5"):
+        flash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 100, 200, dropout_p=1.5)
 
 
 def test_alibi_takes_only_the_standard_slopes():

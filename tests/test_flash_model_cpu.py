@@ -73,13 +73,15 @@ def model_attention(q, k, v, *, causal=False, causal_bottom_right=False, window=
 
 
 def model_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, causal=False, causal_bottom_right=False, window=None,
-                 scale=None, deterministic=False, alignment="top_left", return_lse=False):
+                 scale=None, deterministic=False, alignment="top_left", alibi=False, dropout_p=0.0, return_lse=False):
+    if dropout_p:
+        pytest.skip("dropout: the model has none (the GPU run checks it)")
     outs, lses = [], []
     for n in range(cu_q.shape[0] - 1):
         a, z, ak, zk = int(cu_q[n]), int(cu_q[n + 1]), int(cu_k[n]), int(cu_k[n + 1])
         shift = (zk - ak) - (z - a) if alignment == "bottom_right" or causal_bottom_right else 0
         o, lse = _one(q[a:z].double().transpose(0, 1), k[ak:zk].double().transpose(0, 1),
-                      v[ak:zk].double().transpose(0, 1), causal or causal_bottom_right, window, scale, shift)
+                      v[ak:zk].double().transpose(0, 1), causal or causal_bottom_right, window, scale, shift, alibi)
         outs.append(o.transpose(0, 1))
         lses.append(lse)
     out = torch.cat(outs).to(q.dtype)
@@ -126,6 +128,11 @@ def test_varlen(model, dtype, mask):
 
 def test_varlen_packed(model):
     G.test_varlen_packed_variants()
+
+
+@pytest.mark.parametrize("hq,hk,dv", ((4, 4, 64), (4, 1, 64), (4, 4, 32)))
+def test_varlen_alibi(model, hq, hk, dv):
+    G.test_varlen_alibi_and_shared_offsets(hq, hk, dv)
 
 
 @pytest.mark.parametrize("paged,sq,append,mask", G.KV)

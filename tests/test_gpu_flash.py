@@ -246,6 +246,62 @@ def test_varlen_packed_variants():
         at += n
 
 
+@pytest.mark.parametrize("hq,hk,dv", ((4, 4, 64), (4, 1, 64), (4, 4, 32)), ids=("mha", "mqa", "dv32"))
+def test_varlen_alibi_and_shared_offsets(hq, hk, dv):
+    # One cu_seqlens for q and k (self-attention): the offsets attention_varlen computes
+    # once serve several of cuDNN's tensors (MHA: q's and k's; equal head dims: k's and
+    # v's, q's and o's), the rest computed apart. ALiBi with the paper's slopes, causal.
+    dtype = torch.bfloat16
+    lens = (37, 128, 1, 90)
+    cu = cumulative(lens)
+    q = randn(sum(lens), hq, 64, dtype=dtype, grad=True)
+    k = randn(sum(lens), hk, 64, dtype=dtype, grad=True)
+    v = randn(sum(lens), hk, dv, dtype=dtype, grad=True)
+    slopes = torch.tensor(flash.standard_alibi_slopes(hq), dtype=torch.float32, device=DEV)
+    poison()
+    out, lse, _ = flash.flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens), causal=True,
+                                               alibi_slopes=slopes, return_attn_probs=True)
+    d_o = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), d_o)
+    at = 0
+    for n in lens:
+        q64, k64, v64 = (t.detach()[at:at + n].double()[None].requires_grad_() for t in (q, k, v))
+        ref, ref_lse = reference(q64, k64, v64, True, (-1, -1), alibi=slopes)
+        assert rel(out[at:at + n][None], ref) < FWD_TOL[dtype]
+        check_lse(lse[:, at:at + n][None], ref_lse)
+        ref_grads = torch.autograd.grad(ref, (q64, k64, v64), d_o[at:at + n][None].double())
+        for name, g, rg in zip("qkv", grads, ref_grads):
+            if rg.norm() > 0:
+                assert rel(g[at:at + n][None], rg) < BWD_TOL[dtype], name
+            else:
+                assert torch.all(g[at:at + n] == 0), name
+        at += n
+
+
+def test_varlen_dropout_is_unbiased_and_refused_where_cudnn_refuses():
+    dtype = torch.bfloat16
+    lens = (50, 128)
+    cu = cumulative(lens)
+    q, k, v = (randn(sum(lens), 4, 64, dtype=dtype) for _ in range(3))
+    plain = flash.flash_attn_varlen_func(q, k, v, cu, cu, 128, 128, causal=True).double()
+    samples = [flash.flash_attn_varlen_func(q, k, v, cu, cu, 128, 128, dropout_p=0.1, causal=True).double()
+               for _ in range(200)]
+    assert all(torch.isfinite(s).all() for s in samples) and not torch.equal(samples[0], samples[1])
+    mean = torch.stack(samples).mean(0)  # inverted dropout: E[out] is the dropout-free out
+    assert ((mean - plain).norm() / plain.norm()).item() < 0.1
+    torch.manual_seed(5)  # the generator decides the mask: the same seed, the same bits
+    again = flash.flash_attn_varlen_func(q, k, v, cu, cu, 128, 128, dropout_p=0.1, causal=True)
+    torch.manual_seed(5)
+    assert torch.equal(again, flash.flash_attn_varlen_func(q, k, v, cu, cu, 128, 128, dropout_p=0.1, causal=True))
+    qg = q.clone().requires_grad_()
+    flash.flash_attn_varlen_func(qg, k, v, cu, cu, 128, 128, dropout_p=0.1, causal=True).sum().backward()
+    assert torch.isfinite(qg.grad).all() and qg.grad.abs().sum() > 0
+    # Different q and k lengths put a causal diagonal at each sequence's bottom right,
+    # which cuDNN refuses with dropout: NotSupportedError with its reason.
+    with pytest.raises(fastattn.NotSupportedError, match="dropout"):
+        flash.flash_attn_varlen_func(q[:100], k, v, cumulative((40, 60)), cu, 64, 128, dropout_p=0.1, causal=True)
+
+
 # -- KV cache -------------------------------------------------------------------------------------
 
 KV = list(itertools.product((False, True), (1, 4), (0, 1), ((False, (-1, -1)), (True, (-1, -1)), (True, (24, -1)))))
@@ -280,7 +336,7 @@ def test_kvcache_decode_and_prefill_with_append(paged, sq, append, mask):
             assert torch.equal(after_k[i, n:n + new], k_new[i]) and torch.equal(after_v[i, n:n + new], v_new[i])
         keep = torch.ones(per_seq * page, dtype=torch.bool, device=DEV)
         keep[n:n + new] = False
-        assert torch.equal(after_k[i, keep], before_k[i, keep])
+        assert torch.equal(after_k[i, keep], before_k[i, keep]) and torch.equal(after_v[i, keep], before_v[i, keep])
         sk = n + new
         if sk == 0:
             continue

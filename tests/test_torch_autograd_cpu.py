@@ -108,9 +108,10 @@ def test_varlen_shares_the_rule(recording):
     q, k, v = (torch.zeros(40, h, 8, dtype=torch.bfloat16, requires_grad=True) for h in (4, 2, 2))
     cu = torch.tensor([0, 10, 40], dtype=torch.int32)
     options = _varlen.VarlenOptions(max_q=32, max_kv=32, causal=True, bottom_right=False, window_left=-1,
-                                    window_right=-1, scale=0.0, deterministic=False, training=True)
-    for o in (_autograd.Eager.apply(_varlen.RULE, options, q, k, v, cu, cu),
-              _varlen.forward_op(q, k, v, cu, cu, *options)[0]):
+                                    window_right=-1, scale=0.0, deterministic=False, training=True, alibi=False,
+                                    dropout=0.0)
+    for o in (_autograd.Eager.apply(_varlen.RULE, options, q, k, v, cu, cu, None),
+              _varlen.forward_op(q, k, v, cu, cu, None, *options)[0]):
         grads = torch.autograd.grad(o.sum(), (q, k, v))
         assert first_byte(o) == MARK["o"]
         assert [first_byte(g) for g in grads] == [MARK["d_q"], MARK["d_k"], MARK["d_v"]]
@@ -125,7 +126,7 @@ def test_backward_through_an_inference_call_is_refused(recording):
 
 @pytest.mark.parametrize("op,options,first", [
     (_dense.forward_op, _dense.DenseOptions, 8), (_dense.backward_op, _dense.DenseOptions, 11),
-    (_varlen.forward_op, _varlen.VarlenOptions, 5), (_varlen.backward_op, _varlen.VarlenOptions, 8),
+    (_varlen.forward_op, _varlen.VarlenOptions, 6), (_varlen.backward_op, _varlen.VarlenOptions, 9),
     (_paged.forward_op, _paged.PagedOptions, 6),
 ])
 def test_the_ops_take_the_options_fields_after_the_tensors(op, options, first):

@@ -100,7 +100,8 @@ def test_backward_through_an_inference_call_is_refused(lib):
 
 def varlen_options(training=False):
     return _varlen.VarlenOptions(max_q=64, max_kv=64, causal=True, bottom_right=False, window_left=-1,
-                                 window_right=-1, scale=0.0, deterministic=False, training=training)
+                                 window_right=-1, scale=0.0, deterministic=False, training=training, alibi=False,
+                                 dropout=0.0)
 
 
 @pytest.mark.parametrize("training", (False, True), ids=("inference", "training"))
@@ -108,7 +109,7 @@ def test_varlen_meta_and_cpp_autograd(lib, training):
     q, k, v = (torch.empty(t, h, d, device="meta", dtype=torch.float16, requires_grad=training)
                for t, h, d in ((40, 4, 8), (56, 2, 8), (56, 2, 16)))
     cu_q = torch.empty(4, dtype=torch.int32, device="meta")
-    o, stats = torch.ops.fastattn.native_varlen_forward(q, k, v, cu_q, cu_q, *varlen_options(training))
+    o, stats = torch.ops.fastattn.native_varlen_forward(q, k, v, cu_q, cu_q, None, *varlen_options(training))
     assert o.shape == (40, 4, 16) and o.dtype == q.dtype
     assert tuple(stats.shape) == ((40, 4) if training else (0,))
     if training:
@@ -123,7 +124,7 @@ def test_varlen_cpu_tensors_get_a_clear_error(lib):
     q = torch.empty(8, 2, 8, dtype=torch.float16)
     cu = torch.zeros(2, dtype=torch.int32)
     with pytest.raises(ValueError, match=r"fastattn: q is on cpu: fastattn runs on CUDA tensors"):
-        torch.ops.fastattn.native_varlen_forward(q, q, q, cu, cu, *varlen_options())
+        torch.ops.fastattn.native_varlen_forward(q, q, q, cu, cu, None, *varlen_options())
 
 
 def test_paged_meta_shape_and_cpu_error(lib):

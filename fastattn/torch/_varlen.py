@@ -35,6 +35,8 @@ class VarlenOptions(NamedTuple):
     scale: float  # 0.0: the default, 1 / sqrt(head_dim_qk)
     deterministic: bool
     training: bool
+    alibi: bool
+    dropout: float
 
 
 _new = tuple.__new__  # VarlenOptions(...) without a NamedTuple's Python __new__ (see _dense)
@@ -58,25 +60,37 @@ def plan_for(q, k, v, batch: int, options: VarlenOptions) -> Cached:
         alignment=alignment_name(options.bottom_right), scale=None if options.scale <= 0 else options.scale,
         training=options.training,
         deterministic=options.deterministic and options.training,  # it selects the backward: none without one
+        alibi=options.alibi, dropout=options.dropout,
     )
     return remember(key, cfg, q, k, v, None)
 
 
-def _indices(q, k, v, cu_q, cu_kv) -> dict[str, torch.Tensor]:
+def _indices(q, k, v, cu_q, cu_kv, training: bool) -> dict[str, torch.Tensor]:
     """Per-sequence lengths and cuDNN's element offsets, from cumulative lengths: a few
-    tiny kernels on the current stream, no synchronization."""
+    tiny kernels on the current stream, no synchronization. Equal ones are computed
+    once (one cumulative tensor for q and k, equal head dims, MHA): self-attention's
+    training call takes 3 kernels instead of 7. The C++ twin: varlen.inc's put_ragged."""
     (hq, dqk), (hkv, dv) = q.shape[1:], (k.shape[1], v.shape[2])
-    return {"seq_len_q": (cu_q[1:] - cu_q[:-1]).contiguous(), "seq_len_kv": (cu_kv[1:] - cu_kv[:-1]).contiguous(),
-            "ragged_q": cu_q * (hq * dqk), "ragged_k": cu_kv * (hkv * dqk), "ragged_v": cu_kv * (hkv * dv),
-            "ragged_o": cu_q * (hq * dv), "ragged_stats": cu_q * hq}
+    same = cu_kv is cu_q
+    seq_q = cu_q[1:] - cu_q[:-1]
+    ragged_q = cu_q * (hq * dqk)
+    ragged_k = ragged_q if same and hkv == hq else cu_kv * (hkv * dqk)
+    out = {"seq_len_q": seq_q, "seq_len_kv": seq_q if same else cu_kv[1:] - cu_kv[:-1], "ragged_q": ragged_q,
+           "ragged_k": ragged_k, "ragged_v": ragged_k if dv == dqk else cu_kv * (hkv * dv),
+           "ragged_o": ragged_q if dv == dqk else cu_q * (hq * dv)}
+    if training:
+        out["ragged_stats"] = cu_q * hq
+    return out
 
 
-def _run_args(ix: dict[str, torch.Tensor], training: bool) -> tuple[int, int, dict[str, int]]:
-    ptrs = {n: t.data_ptr() for n, t in ix.items() if n.startswith("ragged_") and (training or n != "ragged_stats")}
+def _run_args(ix: dict[str, torch.Tensor], rng) -> tuple[int, int, dict[str, int]]:
+    ptrs = {n: t.data_ptr() for n, t in ix.items() if n.startswith("ragged_")}
+    if rng is not None:  # Philox's seed at element 0, its offset at element 2 (see _dense)
+        ptrs["seed"], ptrs["offset"] = rng.data_ptr(), rng.data_ptr() + 16
     return ix["seq_len_q"].data_ptr(), ix["seq_len_kv"].data_ptr(), ptrs
 
 
-def forward_impl(q, k, v, cu_q, cu_kv, options: VarlenOptions):
+def forward_impl(q, k, v, cu_q, cu_kv, rng, options: VarlenOptions):
     """(o, stats); stats is empty when not training."""
     training = options.training
     c = plan_for(q, k, v, cu_q.shape[0] - 1, options)
@@ -84,20 +98,20 @@ def forward_impl(q, k, v, cu_q, cu_kv, options: VarlenOptions):
     stats = q.new_empty((q.shape[0], q.shape[1]) if training else (0,), dtype=torch.float32)
     stream = raw_stream(c.device)
     ws = workspace(q, c.forward_workspace, c.device, stream)
-    seq_q, seq_kv, ragged = _run_args(_indices(q, k, v, cu_q, cu_kv), training)
+    seq_q, seq_kv, ragged = _run_args(_indices(q, k, v, cu_q, cu_kv, training), rng)
     c.plan.forward(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), stats.data_ptr() if training else 0,
                    ws.data_ptr() if ws is not None else 0, stream, seq_q, seq_kv, **ragged)
     return o, stats
 
 
-def backward_impl(d_o, o, stats, q, k, v, cu_q, cu_kv, options: VarlenOptions):
+def backward_impl(d_o, o, stats, q, k, v, cu_q, cu_kv, rng, options: VarlenOptions):
     """(d_q, d_k, d_v); options.training is True."""
     d_o = d_o.contiguous()  # the plan reads d_o at o's (packed) strides
     c = plan_for(q, k, v, cu_q.shape[0] - 1, options)
     d_q, d_k, d_v = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     stream = raw_stream(c.device)
     ws = workspace(q, c.backward_workspace, c.device, stream)
-    seq_q, seq_kv, ragged = _run_args(_indices(q, k, v, cu_q, cu_kv), True)
+    seq_q, seq_kv, ragged = _run_args(_indices(q, k, v, cu_q, cu_kv, True), rng)
     c.plan.backward(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), d_o.data_ptr(), stats.data_ptr(),
                     d_q.data_ptr(), d_k.data_ptr(), d_v.data_ptr(), ws.data_ptr() if ws is not None else 0,
                     stream, seq_q, seq_kv, **ragged)
@@ -108,46 +122,50 @@ def backward_impl(d_o, o, stats, q, k, v, cu_q, cu_kv, options: VarlenOptions):
 
 @torch.library.custom_op("fastattn::varlen_forward", mutates_args=())
 def forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_kv: torch.Tensor,
-               max_q: int, max_kv: int, causal: bool, bottom_right: bool, window_left: int, window_right: int,
-               scale: float, deterministic: bool, training: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    return forward_impl(q, k, v, cu_q, cu_kv, VarlenOptions(max_q, max_kv, causal, bottom_right, window_left,
-                                                            window_right, scale, deterministic, training))
+               rng: torch.Tensor | None, max_q: int, max_kv: int, causal: bool, bottom_right: bool, window_left: int,
+               window_right: int, scale: float, deterministic: bool, training: bool, alibi: bool,
+               dropout: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return forward_impl(q, k, v, cu_q, cu_kv, rng, VarlenOptions(max_q, max_kv, causal, bottom_right, window_left,
+                                                                 window_right, scale, deterministic, training, alibi,
+                                                                 dropout))
 
 
 @forward_op.register_fake
-def _(q, k, v, cu_q, cu_kv, max_q, max_kv, causal, bottom_right, window_left, window_right, scale, deterministic,
-      training):
+def _(q, k, v, cu_q, cu_kv, rng, max_q, max_kv, causal, bottom_right, window_left, window_right, scale, deterministic,
+      training, alibi, dropout):
     return (q.new_empty(q.shape[0], q.shape[1], v.shape[2]),
             q.new_empty((q.shape[0], q.shape[1]) if training else (0,), dtype=torch.float32))
 
 
 @torch.library.custom_op("fastattn::varlen_backward", mutates_args=())
 def backward_op(d_o: torch.Tensor, o: torch.Tensor, stats: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                v: torch.Tensor, cu_q: torch.Tensor, cu_kv: torch.Tensor, max_q: int, max_kv: int, causal: bool,
-                bottom_right: bool, window_left: int, window_right: int, scale: float, deterministic: bool,
-                training: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return backward_impl(d_o, o, stats, q, k, v, cu_q, cu_kv, VarlenOptions(
-        max_q, max_kv, causal, bottom_right, window_left, window_right, scale, deterministic, training))
+                v: torch.Tensor, cu_q: torch.Tensor, cu_kv: torch.Tensor, rng: torch.Tensor | None, max_q: int,
+                max_kv: int, causal: bool, bottom_right: bool, window_left: int, window_right: int, scale: float,
+                deterministic: bool, training: bool, alibi: bool,
+                dropout: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return backward_impl(d_o, o, stats, q, k, v, cu_q, cu_kv, rng, VarlenOptions(
+        max_q, max_kv, causal, bottom_right, window_left, window_right, scale, deterministic, training, alibi,
+        dropout))
 
 
 @backward_op.register_fake
-def _(d_o, o, stats, q, k, v, cu_q, cu_kv, max_q, max_kv, causal, bottom_right, window_left, window_right, scale,
-      deterministic, training):
+def _(d_o, o, stats, q, k, v, cu_q, cu_kv, rng, max_q, max_kv, causal, bottom_right, window_left, window_right, scale,
+      deterministic, training, alibi, dropout):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
-# -- autograd: gradients for (q, k, v, cu_q, cu_kv) --------------------------------------------
+# -- autograd: gradients for (q, k, v, cu_q, cu_kv, rng) ---------------------------------------
 
 def _grads(d_o, o, stats, tensors, options: VarlenOptions):
-    return (*backward_impl(d_o, o, stats, *tensors, options), None, None)
+    return (*backward_impl(d_o, o, stats, *tensors, options), None, None, None)
 
 
 def _grads_op(d_o, o, stats, tensors, options: VarlenOptions):
-    return (*backward_op(d_o, o, stats, *tensors, *options), None, None)
+    return (*backward_op(d_o, o, stats, *tensors, *options), None, None, None)
 
 
 RULE = _autograd.Rule(forward_impl, _grads, _grads_op, VarlenOptions)
-N_TENSORS = 5  # q, k, v, cu_q, cu_kv
+N_TENSORS = 6  # q, k, v, cu_q, cu_kv, rng
 _autograd.register(forward_op, RULE, N_TENSORS)
 
 
@@ -179,7 +197,7 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
                      cu_seqlens_kv: torch.Tensor, max_seqlen_q: int, max_seqlen_kv: int, *, causal: bool = False,
                      causal_bottom_right: bool = False, window: tuple[int, int] | None = None,
                      scale: float | None = None, deterministic: bool = False, alignment: str = "top_left",
-                     return_lse: bool = False):
+                     alibi: bool = False, dropout_p: float = 0.0, return_lse: bool = False):
     """Attention over packed variable-length sequences (FlashAttention's varlen layout),
     with autograd; cuDNN's THD kernels, one plan per batch size and length bucket.
 
@@ -190,10 +208,12 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
       sequences' starts in q and k); the last is at most total_q / total_kv.
     max_seqlen_q, max_seqlen_kv: at least the longest sequence (not checked: that
       would synchronize). Plans are built for them rounded up to a power of two.
-    causal, causal_bottom_right, window, scale, deterministic, alignment: as
-      attention(); the masks apply within each sequence, and the bottom-right diagonal
-      is each sequence's own (shift = its kv length - its q length: FlashAttention's
-      varlen convention). Returns o: (total_q, heads_q, head_dim_v).
+    causal, causal_bottom_right, window, scale, deterministic, alignment, alibi,
+      dropout_p: as attention(); the masks apply within each sequence, and the
+      bottom-right diagonal is each sequence's own (shift = its kv length - its q
+      length: FlashAttention's varlen convention). cuDNN takes ALiBi and dropout with a
+      top-left diagonal only (NotSupportedError names its reason otherwise). Returns o:
+      (total_q, heads_q, head_dim_v).
     return_lse: also return each row's log-sum-exp (natural log), float32 (heads_q,
       total_q), FlashAttention's varlen softmax_lse, without a gradient: returns (o, lse).
       It makes the call a training one (see attention()).
@@ -201,7 +221,9 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     Raises InvalidArgumentError for bad inputs, NotSupportedError when cuDNN refuses.
     """
     _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_kv)
-    left, right, scale = check_options(causal, causal_bottom_right, window, scale, deterministic)
+    left, right, scale = check_options(causal, causal_bottom_right, window, scale, deterministic, alibi)
+    if dropout_p:
+        _fields.check("probability", "dropout_p", dropout_p)
     for name, n in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_kv", max_seqlen_kv)):
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise InvalidArgumentError(f"{name}={n!r}: must be an int >= 1")
@@ -211,30 +233,33 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     grads = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     training = grads or bool(return_lse)
     options = _new(VarlenOptions, (bucket(max_seqlen_q), bucket(max_seqlen_kv), bool(causal or causal_bottom_right),
-                                   br, left, right, scale, bool(deterministic), training))
+                                   br, left, right, scale, bool(deterministic), training, bool(alibi),
+                                   float(dropout_p)))
+    # Philox's seed and offset for dropout, drawn from PyTorch's generator (see attention()).
+    rng = torch.randint(0, 2**62, (4,), device=q.device, dtype=torch.int64) if dropout_p else None
+    tensors = (q, k, v, cu_seqlens_q, cu_seqlens_kv, rng)
     if return_lse:
         if plain_eager(q):
-            o, stats = (EagerWithStats.apply(RULE, options, q, k, v, cu_seqlens_q, cu_seqlens_kv) if grads
-                        else forward_impl(q, k, v, cu_seqlens_q, cu_seqlens_kv, options))
+            o, stats = (EagerWithStats.apply(RULE, options, *tensors) if grads else forward_impl(*tensors, options))
         else:
-            o, stats = forward_op(q, k, v, cu_seqlens_q, cu_seqlens_kv, *options)
+            o, stats = forward_op(*tensors, *options)
         return o, stats.t().contiguous()  # (tokens, heads) -> FlashAttention's (heads, total_q)
     native = _native.VARLEN
     if native is not None:  # the native path (see _dense.attention)
         if compiling():
             if native is not _native.UNDECIDED:
-                return native[1](q, k, v, cu_seqlens_q, cu_seqlens_kv, *options)[0]
+                return native[1](*tensors, *options)[0]
         elif q.is_cuda and not functorch_active():
             if native is _native.UNDECIDED:
                 _native.decide()
                 native = _native.VARLEN
             if native is not None:
-                return native[0](q, k, v, cu_seqlens_q, cu_seqlens_kv, *options)[0]
+                return native[0](*tensors, *options)[0]
     if plain_eager(q):  # skip the custom ops' wrappers (see _autograd)
         if not training:
-            return forward_impl(q, k, v, cu_seqlens_q, cu_seqlens_kv, options)[0]
-        return Eager.apply(RULE, options, q, k, v, cu_seqlens_q, cu_seqlens_kv)
-    return forward_op(q, k, v, cu_seqlens_q, cu_seqlens_kv, *options)[0]
+            return forward_impl(*tensors, options)[0]
+        return Eager.apply(RULE, options, *tensors)
+    return forward_op(*tensors, *options)[0]
 
 
 # Module globals: one lookup less per call.

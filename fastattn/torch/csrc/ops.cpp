@@ -475,10 +475,10 @@ TORCH_LIBRARY_FRAGMENT(fastattn, m) {
     m.def("native_attention_backward(Tensor d_o, Tensor o, Tensor stats, Tensor q, Tensor k, Tensor v, "
           "Tensor? seq_len_q, Tensor? seq_len_kv, Tensor? bias, Tensor? sink, Tensor? rng, " FA_OPTIONS_SCHEMA
           ") -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
-    m.def("native_varlen_forward(Tensor q, Tensor k, Tensor v, Tensor cu_q, Tensor cu_kv, " FA_VARLEN_SCHEMA
-          ") -> (Tensor, Tensor)");
+    m.def("native_varlen_forward(Tensor q, Tensor k, Tensor v, Tensor cu_q, Tensor cu_kv, Tensor? rng, "
+          FA_VARLEN_SCHEMA ") -> (Tensor, Tensor)");
     m.def("native_varlen_backward(Tensor d_o, Tensor o, Tensor stats, Tensor q, Tensor k, Tensor v, Tensor cu_q, "
-          "Tensor cu_kv, " FA_VARLEN_SCHEMA ") -> (Tensor, Tensor, Tensor)");
+          "Tensor cu_kv, Tensor? rng, " FA_VARLEN_SCHEMA ") -> (Tensor, Tensor, Tensor)");
     m.def("native_paged_forward(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor cache_seqlens, "
           "Tensor? seq_lens_q, " FA_PAGED_SCHEMA ") -> Tensor");
 }
