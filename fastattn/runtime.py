@@ -247,9 +247,12 @@ _torch_import_started = False
 
 def warm_torch_backward() -> bool:
     """Starts PyTorch's first-backward import (TORCH_BACKWARD_IMPORT) in a daemon thread,
-    once per process, where torch is imported and that module is not: called when a
-    training plan is looked up or preloaded, so that the import overlaps the forward
-    pass instead of stalling the first backward. Returns whether it started one."""
+    once per process, where torch is imported and that module is not: called when
+    fastattn.torch looks up a plan for tensors that require gradients, or preloads
+    training configs, so that the import overlaps what the process does meanwhile
+    (loading a model or data; an import holds the GIL while it compiles, so Python-bound
+    work gains nothing) instead of stalling the first backward. Returns whether it
+    started one."""
     global _torch_import_started
     if _torch_import_started or "torch" not in sys.modules or TORCH_BACKWARD_IMPORT in sys.modules:
         return False
@@ -283,7 +286,10 @@ def preload(configs: Iterable[Any] | None = None, *, device: int | None = None, 
         raise InvalidArgumentError(f"threads={threads!r}: must be an integer >= 1")
     device = _resolve_device(device)
     todo = [AttentionConfig.coerce(c) for c in configs] if configs is not None else plan_cache().configs(device)
-    if any(c.training for c in todo):
+    if "fastattn.torch" in sys.modules and any(c.training for c in todo):
+        # A user of the autograd path: its first backward will import sympy. Not for raw
+        # plan users: measured, the import's GIL contention slowed a raw warm+preload
+        # start from 106 to 545 ms (tools/bench_coldstart.py, s6-4).
         warm_torch_backward()
 
     def run() -> list[ProbeResult]:

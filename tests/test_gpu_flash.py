@@ -271,10 +271,9 @@ def test_varlen_alibi_and_shared_offsets(hq, hk, dv):
         check_lse(lse[:, at:at + n][None], ref_lse)
         ref_grads = torch.autograd.grad(ref, (q64, k64, v64), d_o[at:at + n][None].double())
         for name, g, rg in zip("qkv", grads, ref_grads):
-            if rg.norm() > 0:
-                assert rel(g[at:at + n][None], rg) < BWD_TOL[dtype], name
-            else:
-                assert torch.all(g[at:at + n] == 0), name
+            # A one-token sequence's d_q is 0 in exact arithmetic, ~1e-7 in cuDNN's (rel()
+            # compares absolutely against a zero reference).
+            assert rel(g[at:at + n][None], rg) < BWD_TOL[dtype], name
         at += n
 
 

@@ -181,7 +181,7 @@ def test_the_custom_ops_and_the_eager_path_agree_bitwise():
     o = fastattn.torch.attention_varlen(*flat, cu, cu, 150, 150, causal=True, deterministic=True)
     d_o = torch.randn_like(o)
     grads = torch.autograd.grad(o, flat, d_o)
-    o_op = _varlen.forward_op(*flat, cu, cu, 256, 256, True, False, -1, -1, 0.0, True, True)[0]
+    o_op = _varlen.forward_op(*flat, cu, cu, None, 256, 256, True, False, -1, -1, 0.0, True, True, False, 0.0)[0]
     assert torch.equal(o, o_op)
     assert all(torch.equal(a, b) for a, b in zip(grads, torch.autograd.grad(o_op, flat, d_o)))
 

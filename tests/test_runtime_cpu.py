@@ -292,11 +292,16 @@ def test_torch_backward_import_is_started_once_in_the_background():
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
 
 
-def test_preload_of_training_configs_warms_torch_backward(fake_build, monkeypatch):
+def test_preload_of_training_configs_warms_torch_backward_for_fastattn_torch_users(fake_build, monkeypatch):
     started = []
     monkeypatch.setattr(runtime, "warm_torch_backward", lambda: started.append(1))
     inference = AttentionConfig(batch=1, heads_q=2, seqlen_q=64, head_dim_qk=64)
+    training = [inference, inference.replace(training=True)]
+    monkeypatch.delitem(sys.modules, "fastattn.torch", raising=False)
+    fastattn.preload(training)
+    assert started == []  # raw plans only: no autograd, no import
+    monkeypatch.setitem(sys.modules, "fastattn.torch", object())
     fastattn.preload([inference])
     assert started == []
-    fastattn.preload([inference, inference.replace(training=True)])
+    fastattn.preload(training)
     assert started == [1]

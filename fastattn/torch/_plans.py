@@ -71,8 +71,8 @@ def remember(key: tuple, cfg: AttentionConfig, q: torch.Tensor, k: torch.Tensor,
     hit = Cached(fastattn.plan(cfg, device=q.device.index), q, k, v, layout)
     with _plans_lock:
         plans[key] = hit
-    if cfg.training:  # a backward is coming: PyTorch's own first-backward import, started now
-        fastattn.runtime.warm_torch_backward()
+    if cfg.training and torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        fastattn.runtime.warm_torch_backward()  # a backward is coming: PyTorch's own first-backward import, now
     return hit
 
 
