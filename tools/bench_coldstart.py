@@ -383,6 +383,15 @@ def summary(results: dict) -> str:
     return "\n".join(lines)
 
 
+def _first_backward_extra_ms(row: dict) -> float:
+    """How much longer the first backward took than the median later one (0 without per-call times)."""
+    bwd = row.get("bwd_ms") or []
+    if len(bwd) < 2:
+        return 0.0
+    later = sorted(bwd[1:])
+    return max(0.0, bwd[0] - later[len(later) // 2])
+
+
 def plot(results: dict, png: str) -> None:
     import matplotlib
 
@@ -403,9 +412,15 @@ def plot(results: dict, png: str) -> None:
     width = 0.38
     for i, mode in enumerate(("fwd", "fwd_bwd")):
         vals = [results[mode][n].get("seconds", 0) * 1e3 for n in names]
-        bars = ax.bar([x + (i - 0.5) * width for x in range(len(names))], vals, width,
-                      label="forward" if mode == "fwd" else "forward + backward")
+        xs = [x + (i - 0.5) * width for x in range(len(names))]
+        bars = ax.bar(xs, vals, width, label="forward" if mode == "fwd" else "forward + backward")
         ax.bar_label(bars, fmt="%.0f", fontsize=8)
+        if mode == "fwd_bwd":
+            # The autograd rows' first backward beyond a later one's: PyTorch's own
+            # first-backward cost (its sympy import), hatched.
+            extra = [_first_backward_extra_ms(results[mode][n]) for n in names]
+            ax.bar(xs, extra, width, fill=False, hatch="//", edgecolor="black", linewidth=0,
+                   label="of which PyTorch's first backward (its sympy import)")
     ax.set_xticks(range(len(names)), [labels[n] for n in names])
     ax.set_ylabel("ms to first outputs of 8 shapes")
     dev = results.get("device", {}).get("name", "GPU")
