@@ -105,7 +105,7 @@ def test_info_reports_versions_everywhere(capsys):
 @pytest.mark.parametrize("env,path,reason", [
     ({"FASTATTN_TORCH_PATH": "python"}, "python", "FASTATTN_TORCH_PATH=python"),
     ({"FASTATTN_TORCH_PATH": "auto", "CXX": "/nonexistent/c++"}, "python", "not built for this torch yet"),
-    ({"FASTATTN_TORCH_PATH": "auto"}, "python", "fastattn warm --torch-ops"),
+    ({"FASTATTN_TORCH_PATH": "auto"}, "python", "`fastattn warm` builds it"),
     ({"FASTATTN_TORCH_PATH": "native", "CXX": "/nonexistent/c++"}, "none", "there is no C++ compiler"),
     ({"FASTATTN_TORCH_PATH": "sometimes"}, "none", "FASTATTN_TORCH_PATH='sometimes': must be one of"),
 ])
@@ -133,15 +133,87 @@ def test_warm_torch_ops_reports_a_failed_build_without_failing(capsys, monkeypat
     import fastattn.warm
     from fastattn.warm import WarmReport
 
-    monkeypatch.setattr(fastattn.warm, "warm", lambda *a, **k: WarmReport([], 0.0, 1, {
-        "loaded": 0, "built": 0, "unsupported": 0, "failed": 0}, 0))
-    monkeypatch.setenv("FASTATTN_CACHE_DIR", str(tmp_path))
-    monkeypatch.delenv("FASTATTN_TORCH_OPS_DIR", raising=False)
+    _fake_warm(monkeypatch, tmp_path)
     monkeypatch.setenv("CXX", cxx)
     code, out, _ = run(["warm", "--torch-ops", "--json"], capsys)
     body = json.loads(out)["torch_ops"]
     assert body["ok"] is ok and result in body["result"], body
-    assert code == run(["warm", "--json"], capsys)[0]
+    assert code == run(["warm", "--no-torch-ops", "--json"], capsys)[0]
+
+
+def _fake_warm(monkeypatch, tmp_path):
+    """warm() answering no configs, a GPU check that passes, an empty cache directory."""
+    import fastattn.warm
+    from fastattn.cli import warm as warm_cli
+    from fastattn.warm import WarmReport
+
+    monkeypatch.setattr(fastattn.warm, "warm", lambda *a, **k: WarmReport([], 0.0, 1, {
+        "loaded": 0, "built": 0, "unsupported": 0, "failed": 0}, 0))
+    monkeypatch.setattr(warm_cli, "_gpu_problem", lambda device: None)
+    monkeypatch.setenv("FASTATTN_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("FASTATTN_TORCH_OPS_DIR", raising=False)
+
+
+@pytest.mark.parametrize("argv,env,builds", [
+    ([], {}, True),  # the README's `fastattn warm`: where torch is installed, the op library too
+    (["--no-torch-ops"], {}, False),
+    ([], {"FASTATTN_TORCH_PATH": "python"}, False),
+    (["--torch-ops"], {"FASTATTN_TORCH_PATH": "python"}, True),
+])
+def test_warm_builds_the_torch_op_library_by_default(capsys, monkeypatch, tmp_path, argv, env, builds):
+    pytest.importorskip("torch", reason="PyTorch is an optional extra")
+    _fake_warm(monkeypatch, tmp_path)
+    monkeypatch.setenv("CXX", "false")  # a failing compiler: fast, and reported, not fatal
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    code, out, _ = run(["warm", "--json", *argv], capsys)
+    body = json.loads(out)
+    assert code == cli.EXIT_OK
+    assert ("torch_ops" in body) is builds, body.get("torch_ops")
+    if builds:
+        assert "compiling ops.cpp failed" in body["torch_ops"]["result"]
+
+
+def test_warm_without_a_gpu_starts_no_compiler(capsys, monkeypatch, tmp_path):
+    pytest.importorskip("torch", reason="PyTorch is an optional extra")
+    from fastattn.cli import warm as warm_cli
+
+    started = []
+    monkeypatch.setattr(warm_cli, "_build_torch_ops", lambda: started.append(1) or {"ok": True, "result": "built"})
+    if _gpu_unavailable_reason():  # this machine: warm fails as before, no compiler started
+        code, _, _ = run(["warm", "--json"], capsys)
+        assert code == cli.EXIT_NO_GPU and started == []
+    _fake_warm(monkeypatch, tmp_path)  # a warm that runs, on a machine whose GPU is unusable
+    monkeypatch.setattr(warm_cli, "_gpu_problem", lambda device: "simulated: no driver")
+    code, out, _ = run(["warm", "--json"], capsys)
+    assert code == cli.EXIT_OK and started == []
+    assert json.loads(out)["torch_ops"] == {"ok": False, "result": "not built: no usable GPU (simulated: no driver)"}
+
+
+_FIND_BUILT = """
+import sys
+from fastattn import _opslib
+from fastattn.cli import warm
+path = _opslib.library_path(_opslib.tag(sys.argv[1], int(sys.argv[2])))
+assert _opslib.find_built() is None
+path.parent.mkdir(parents=True)
+path.write_bytes(b"")
+result = warm._build_torch_ops()
+assert result["ok"] and result["path"] == str(path) and "built before" in result["result"], result
+assert "torch" not in sys.modules  # found without importing torch
+print("ok")
+"""
+
+
+def test_a_second_warm_finds_the_op_library_without_importing_torch(tmp_path):
+    torch = pytest.importorskip("torch", reason="PyTorch is an optional extra")
+    from importlib import metadata
+
+    env = dict(os.environ, FASTATTN_TORCH_OPS_DIR=str(tmp_path / "ops"))
+    r = subprocess.run([sys.executable, "-c", _FIND_BUILT, metadata.version("torch"),
+                        str(int(torch._C._GLIBCXX_USE_CXX11_ABI))], capture_output=True, text=True, timeout=120,
+                       env=env, cwd=str(tmp_path))
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
 
 
 def test_python_dash_m_runs():

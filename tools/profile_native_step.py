@@ -11,7 +11,7 @@ plus the backward kernel's host work); the backward op called directly; and the
 engine's own floor (autograd.grad through a multiplication). The same for SDPA where it
 applies.
 
-    python tools/profile_native_step.py [--json out.json]   (needs the op library: fastattn warm --torch-ops)
+    python tools/profile_native_step.py [--json out.json]   (needs the op library: fastattn warm builds it)
 """
 
 from __future__ import annotations

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import argparse
 import sys
+import threading
 from typing import TYPE_CHECKING, Any
 
 from ..errors import InvalidArgumentError
@@ -20,9 +22,10 @@ def add_parser(sub) -> None:
     warm.add_argument("--report", type=output_file, help="write the full report as JSON to this file")
     add_json_flag(warm, help="print the report as JSON")
     warm.add_argument("--no-progress", action="store_true", help="no progress bar")
-    warm.add_argument("--torch-ops", action="store_true",
-                      help="also build fastattn.torch's native op library for the installed torch (else built at "
-                           "the first call)")
+    warm.add_argument("--torch-ops", action=argparse.BooleanOptionalAction, default=None,
+                      help="build fastattn.torch's native op library for the installed torch, alongside the plans, "
+                           "once per torch version (default: where PyTorch is installed, unless "
+                           "FASTATTN_TORCH_PATH=python; without it fastattn.torch runs its Python path)")
     warm.add_argument("--timeout", type=number(above=0), default=600.0,
                       help="seconds one config may take before its worker is killed (default 600)")
 
@@ -51,6 +54,12 @@ def run(args) -> tuple[int, dict[str, Any]]:
     from ..warm import warm
 
     configs = sweep.load_configs(args.file) if args.file else sweep.builtin_configs()
+    torch_ops = None
+    if _wants_torch_ops(args.torch_ops):
+        # A compiler process beside the plans' workers, where fastattn.torch can run at
+        # all: without a usable GPU warm fails (exit 3) and must not leave a compiler behind.
+        problem = _gpu_problem(args.device)
+        torch_ops = _TorchOpsBuild() if problem is None else _TorchOpsBuild(f"not built: no usable GPU ({problem})")
     report = warm(configs, workers=args.workers, device=args.device, timeout=args.timeout,
                   progress=None if args.no_progress or args.json else _progress_bar())
     out = report.to_dict()
@@ -76,11 +85,55 @@ def run(args) -> tuple[int, dict[str, Any]]:
     lines.append(f"{len(report.items)} configs in {report.seconds:.1f} s, {report.processes} worker processes "
                  f"(at most {report.workers}): "
                  f"loaded {c['loaded']}, built {c['built']}, unsupported {c['unsupported']}, failed {c['failed']}")
-    if args.torch_ops:
-        out["torch_ops"] = _build_torch_ops()
+    if torch_ops is not None:
+        out["torch_ops"] = torch_ops.result()
         lines.append(f"torch op library: {out['torch_ops']['result']}")
     out["_text"] = "\n".join(lines)
     return exit_code(report), out
+
+
+def _wants_torch_ops(flag: bool | None) -> bool:
+    """--torch-ops / --no-torch-ops, else: PyTorch is installed (found without importing
+    it) and FASTATTN_TORCH_PATH does not choose the Python path."""
+    if flag is not None:
+        return flag
+    import importlib.util
+    import os
+
+    path = os.environ.get("FASTATTN_TORCH_PATH", "auto").strip().lower()
+    return path != "python" and importlib.util.find_spec("torch") is not None
+
+
+def _gpu_problem(device: int | None) -> str | None:
+    """Why this machine cannot run fastattn on `device`, or None."""
+    from ..errors import CudaError, CudnnError, LibraryError
+    from ..runtime import device_info
+
+    try:
+        device_info(device)
+    except (LibraryError, CudaError, CudnnError, InvalidArgumentError) as e:
+        return str(e).splitlines()[0]
+    return None
+
+
+class _TorchOpsBuild:
+    """_build_torch_ops() in a thread, started at once (or, given `skipped`, that reason
+    as the result); result() waits for it. A daemon: an interrupted warm does not wait
+    for the compiler (build() publishes only a whole library, so nothing half-built is
+    ever loaded)."""
+
+    def __init__(self, skipped: str | None = None):
+        self._out: dict[str, Any] = {"ok": False, "result": skipped} if skipped else {}
+        self._thread = None
+        if not skipped:
+            self._thread = threading.Thread(target=lambda: self._out.update(_build_torch_ops()),
+                                            name="fastattn-torch-ops", daemon=True)
+            self._thread.start()
+
+    def result(self) -> dict[str, Any]:
+        if self._thread is not None:
+            self._thread.join()
+        return self._out or {"ok": False, "result": "not built (the build thread ended without a result)"}
 
 
 def _build_torch_ops() -> dict[str, Any]:
@@ -88,13 +141,18 @@ def _build_torch_ops() -> dict[str, Any]:
     Python path runs there), not fatal: the plans are what warm is for."""
     import time
 
-    try:
-        from ..torch import _native
-    except ImportError as e:
-        return {"ok": False, "result": f"not built: {e}"}
+    from .. import _opslib
+
+    built = _opslib.find_built()
+    if built is not None:  # a second warm imports no torch (1-3 s) to find it built
+        return {"ok": True, "path": str(built), "seconds": 0.0, "result": f"{built} (built before)"}
     t0 = time.perf_counter()
     try:
+        from ..torch import _native
+
         path = _native.build()
+    except ImportError as e:
+        return {"ok": False, "result": f"not built: {e}"}
     except Exception as e:  # the compiler's failure, reported as the Python path's cause
         return {"ok": False, "result": f"not built ({type(e).__name__}: {e})"}
     return {"ok": True, "path": str(path), "seconds": round(time.perf_counter() - t0, 1),

@@ -2,26 +2,25 @@
 (fastattn/torch/csrc/ops.cpp), and the Python miss handler it calls.
 
 Which path runs is chosen once per process, by FASTATTN_TORCH_PATH:
-  auto (default): the native path where the library builds and loads, else the Python
-    path, with one warning that says why;
-  native: the native path or an error (tests, deployments that must not fall back);
+  auto (default): the native path where the library is built (by `fastattn warm`) and
+    loads, else the Python path (a library that fails to load warns once, saying why);
+  native: the native path or an error, building the library at the first call if
+    needed (tests, deployments that must not fall back);
   python: the Python path, the library is never built.
 
-The library is compiled on first use against the torch that is imported, by the C++
-compiler (CXX, else c++), into the cache directory under a tag of the fastattn
-version, the torch version, its C++ ABI, the Python version and a hash of the
-sources, so an upgrade of any of them builds anew and never loads a stale library.
-Builds are serialized by a flock (the kernel drops it when its holder dies, so a
-crashed build blocks no one) and published by an atomic rename. `fastattn warm`
-builds it ahead (`ensure`), so that a deployment pays nothing at its first call.
+The library is compiled against the torch that is imported, by the C++ compiler
+(CXX, else c++), into the cache directory under a tag of the fastattn version, the
+torch version, its C++ ABI, the Python version and a hash of the sources (_opslib), so
+an upgrade of any of them builds anew and never loads a stale library. Builds are
+serialized by a flock (the kernel drops it when its holder dies, so a crashed build
+blocks no one) and published by an atomic rename. `fastattn warm` builds it beside the
+plans where torch is installed, so that a deployment pays nothing at its first call.
 Why first use and not setup.py: pip builds in an isolated environment without torch,
 so setup.py cannot see the torch the user has (docs/ARCHITECTURE.md).
 """
 
 from __future__ import annotations
 
-import hashlib
-import importlib.machinery
 import importlib.util
 import os
 import shlex
@@ -34,14 +33,12 @@ import time
 import warnings
 from pathlib import Path
 
+from .. import _opslib
+from .._opslib import INCLUDE, SOURCES, build_root  # noqa: F401 - build_root: what tests and tools ask
 from ..errors import InvalidArgumentError
 
 ENV = "FASTATTN_TORCH_PATH"
 MODES = ("auto", "native", "python")
-_HERE = Path(__file__).resolve().parent
-SOURCES = (_HERE / "csrc" / "ops.cpp",)
-INCLUDE = _HERE.parent / "include"
-HEADERS = (INCLUDE / "fastattn_abi.h", *(_HERE / "csrc" / f for f in ("varlen.inc", "paged.inc", "eager.inc")))
 
 _lock = threading.Lock()
 _state: dict = {}  # "lib": the loaded module or None, "reason": why this path, "mode"
@@ -68,28 +65,10 @@ def mode() -> str:
 
 
 def tag() -> str:
-    """What the built library depends on: a change to any of these builds anew."""
+    """What the built library depends on (_opslib.tag) for the imported torch."""
     import torch
 
-    from .. import __version__
-
-    digest = hashlib.sha256()
-    for path in SOURCES + HEADERS:
-        digest.update(path.read_bytes())
-    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    py = f"{sys.version_info.major}{sys.version_info.minor}"
-    return f"fastattn{__version__}-torch{torch.__version__}-cxx11abi{abi}-py{py}-{digest.hexdigest()[:12]}"
-
-
-def build_root() -> Path:
-    """FASTATTN_TORCH_OPS_DIR (a directory baked into an image, shared by test sessions),
-    else the cache directory's torch-ops/."""
-    override = os.environ.get("FASTATTN_TORCH_OPS_DIR")
-    if override:
-        return Path(override)
-    from ..store import settings_from_env
-
-    return Path(settings_from_env().directory) / "torch-ops"
+    return _opslib.tag(torch.__version__, int(torch._C._GLIBCXX_USE_CXX11_ABI))
 
 
 def compile_command(output: Path, name: str) -> list[str]:
@@ -207,7 +186,7 @@ def library():
             # Compiling it here would make this first call take 40-100 s, the very cold
             # start fastattn exists to avoid: auto mode uses a library built ahead of time.
             state["lib"], state["reason"] = None, (
-                "python: the native op library is not built for this torch yet (`fastattn warm --torch-ops` builds "
+                "python: the native op library is not built for this torch yet (`fastattn warm` builds "
                 f"it ahead of time, once per torch version; {ENV}=native builds it at the first call)")
             return None
         try:
@@ -283,7 +262,7 @@ def describe() -> dict:
         return {"path": "native", "reason": f"{ENV}={m}; built for this torch: {target}"}
     if m == "auto":  # never compiled at a call (library())
         return {"path": "python", "reason": f"{ENV}=auto; the native op library is not built for this torch yet: "
-                                            f"`fastattn warm --torch-ops` builds it into {target}"}
+                                            f"`fastattn warm` builds it into {target}"}
     cxx = shlex.split(os.environ.get("CXX", "c++"))[:1]
     import shutil
 
@@ -291,15 +270,13 @@ def describe() -> dict:
         return {"path": "python" if m == "auto" else "none",
                 "reason": f"{ENV}={m}; the op library is not built for this torch and there is no C++ compiler "
                           f"(CXX={os.environ.get('CXX', 'c++')!r})"}
-    return {"path": "native", "reason": f"{ENV}={m}; built at the first call (or by `fastattn warm --torch-ops`) "
+    return {"path": "native", "reason": f"{ENV}={m}; built at the first call (or by `fastattn warm`) "
                                         f"into {target}"}
 
 
 def library_path(root: Path | None = None) -> Path:
     """Where build() puts the library for this torch."""
-    t = tag()
-    name = "fastattn_ops_" + hashlib.sha256(t.encode()).hexdigest()[:16]
-    return (root or build_root()) / t / (name + importlib.machinery.EXTENSION_SUFFIXES[0])
+    return _opslib.library_path(tag(), root)
 
 
 def reset() -> None:

@@ -1,0 +1,62 @@
+"""Where fastattn.torch's op library (fastattn/torch/csrc/ops.cpp) is built, computed
+without importing torch: `fastattn warm` asks whether it is built already before it
+decides to import torch (1-3 s) and run a compiler. fastattn.torch._native builds and
+loads it; both name it through this module.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.machinery
+import os
+import sys
+from pathlib import Path
+
+_TORCH_DIR = Path(__file__).resolve().parent / "torch"
+SOURCES = (_TORCH_DIR / "csrc" / "ops.cpp",)
+INCLUDE = Path(__file__).resolve().parent / "include"
+HEADERS = (INCLUDE / "fastattn_abi.h", *(_TORCH_DIR / "csrc" / f for f in ("varlen.inc", "paged.inc", "eager.inc")))
+
+
+def tag(torch_version: str, cxx11_abi: int) -> str:
+    """What the built library depends on: a change to any of these builds anew."""
+    from . import __version__
+
+    digest = hashlib.sha256()
+    for path in SOURCES + HEADERS:
+        digest.update(path.read_bytes())
+    py = f"{sys.version_info.major}{sys.version_info.minor}"
+    return f"fastattn{__version__}-torch{torch_version}-cxx11abi{cxx11_abi}-py{py}-{digest.hexdigest()[:12]}"
+
+
+def build_root() -> Path:
+    """FASTATTN_TORCH_OPS_DIR (a directory baked into an image, shared by test sessions),
+    else the cache directory's torch-ops/."""
+    override = os.environ.get("FASTATTN_TORCH_OPS_DIR")
+    if override:
+        return Path(override)
+    from .store import settings_from_env
+
+    return Path(settings_from_env().directory) / "torch-ops"
+
+
+def library_path(build_tag: str, root: Path | None = None) -> Path:
+    name = "fastattn_ops_" + hashlib.sha256(build_tag.encode()).hexdigest()[:16]
+    return (root or build_root()) / build_tag / (name + importlib.machinery.EXTENSION_SUFFIXES[0])
+
+
+def find_built() -> Path | None:
+    """The library built for the installed torch, if there is one, read from torch's
+    package metadata (its version) without importing it; either C++ ABI, which one
+    version string never has two of. None: not built, or torch not installed."""
+    from importlib import metadata
+
+    try:
+        version = metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        return None
+    for abi in (1, 0):
+        path = library_path(tag(version, abi))
+        if path.exists():
+            return path
+    return None
