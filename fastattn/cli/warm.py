@@ -112,7 +112,8 @@ def _gpu_problem(device: int | None) -> str | None:
     try:
         device_info(device)
     except (LibraryError, CudaError, CudnnError, InvalidArgumentError) as e:
-        return str(e).splitlines()[0]
+        # One line: a LibraryError lists its problems on lines of their own.
+        return " ".join(part.strip().lstrip("- ") for part in str(e).splitlines() if part.strip())
     return None
 
 
