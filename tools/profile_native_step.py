@@ -20,7 +20,6 @@ import argparse
 import json
 import statistics
 import sys
-import time
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -28,20 +27,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 import fastattn.torch as fat
 from fastattn import _core
 from fastattn.torch import _dense, _native, _plans
-
-
-def _us(fn, iters: int = 1000, samples: int = 15) -> float:
-    for _ in range(100):
-        fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(samples):
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        out.append((time.perf_counter() - t0) / iters * 1e6)
-        torch.cuda.synchronize()
-    return round(statistics.median(out), 3)
+from profile_torch_call import _us  # median of 15 samples, the queue drained between them (tools/ is on sys.path)
 
 
 def main(argv=None) -> int:
