@@ -341,6 +341,16 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     causal = bool(causal or causal_bottom_right)
     if return_lse.__class__ is not bool:
         _fields.check("bool", "return_lse", return_lse)
+    plain = bias is None and sinks is None and not dropout_p  # the common call
+    if plain:
+        extras = _NO_EXTRAS
+    else:
+        _fields.check("probability", "dropout_p", dropout_p)
+        if not cuda:
+            _check_extras(q, k, layout, bias, sinks)
+        # Philox's seed at element 0 and offset at element 2, drawn from PyTorch's generator.
+        rng = torch.randint(0, 2**62, (4,), device=q.device, dtype=torch.int64) if dropout_p else None
+        extras = (bias, sinks, rng)
     if not compiling():  # (dynamo traces no further: the branch below is the native op's)
         eager = _native.EAGER
         if eager is not None and cuda and not return_lse and q.__class__ is Tensor and not (
@@ -353,30 +363,18 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
                 eager = _native.EAGER
             if eager is not None:
                 flags = causal | br << 1 | bool(deterministic) << 2 | bool(alibi) << 3 | LAYOUT_IDS[layout] << 8
-                if bias is None and sinks is None and not dropout_p:
-                    o = eager(q, k, v, seq_lens_q, seq_lens_kv, None, None, None, flags, left, right, scale, 0.0)
-                else:
-                    _fields.check("probability", "dropout_p", dropout_p)
-                    rng = torch.randint(0, 2**62, (4,), device=q.device, dtype=torch.int64) if dropout_p else None
-                    o = eager(q, k, v, seq_lens_q, seq_lens_kv, bias, sinks, rng, flags, left, right, scale,
-                              float(dropout_p))
+                o = eager(q, k, v, seq_lens_q, seq_lens_kv, *extras, flags, left, right, scale,
+                          0.0 if plain else float(dropout_p))
                 if o is not NotImplemented:
                     return o
     grads = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
                                          or (bias is not None and bias.requires_grad)
                                          or (sinks is not None and sinks.requires_grad))
     training = grads or bool(return_lse)
-    if bias is None and sinks is None and not dropout_p:
-        extras = _NO_EXTRAS
+    if plain:
         options = _new(DenseOptions, (layout, causal, br, left, right, scale, bool(deterministic), bool(alibi),
                                       training, 0.0, False))
     else:
-        _fields.check("probability", "dropout_p", dropout_p)
-        if not cuda:
-            _check_extras(q, k, layout, bias, sinks)
-        # Philox's seed at element 0 and offset at element 2, drawn from PyTorch's generator.
-        rng = torch.randint(0, 2**62, (4,), device=q.device, dtype=torch.int64) if dropout_p else None
-        extras = (bias, sinks, rng)
         options = DenseOptions(layout, causal, br, left, right, scale, bool(deterministic), bool(alibi), training,
                                float(dropout_p), bool(grads and bias is not None and bias.requires_grad))
     if return_lse:
