@@ -1,0 +1,64 @@
+# Included by _core.pyx: the benchmark hooks of tools/ (csrc/bench.h), kept apart from
+# the production interface (Plan.forward / Plan.backward and the C ABI).
+
+cdef extern from "bench.h" namespace "fastattn::bench" nogil:
+    cdef enum class Mode(int):
+        kFastattn
+        kFrontendSorted
+        kFrontendUidMap
+
+    Status time_execute(const Graph* g, Direction dir, int device, const intptr_t* slots, intptr_t workspace,
+                        intptr_t stream, Mode mode, int iters, double* seconds)
+    uint64_t graph_slots(const Graph* g)
+
+
+cdef dict _BENCH_MODES = {"fastattn": 0, "frontend_sorted": 1, "frontend_uid_map": 2}
+
+
+def bench_execute(Plan plan, str direction, str mode, int iters, intptr_t workspace=0, intptr_t stream=0,
+                  **tensors):
+    """Seconds for `iters` launches of the plan's `direction` graph looped in C++, in
+    `mode`: "fastattn" (the C++ execute behind plan.forward/backward, checks included),
+    "frontend_sorted" (cudnn-frontend's cheapest execute on the same plan, no checks:
+    the floor) or "frontend_uid_map" (its uid-map execute, the map built per call).
+    `tensors`: device addresses by name, as forward/backward take them (with
+    config.host_seed, seed and offset are the values). For tools/ benchmarks only: a
+    hook outside the production interface (csrc/bench.h)."""
+    cdef intptr_t t[kNumSlots]
+    cdef int64_t host[2]
+    cdef double seconds = 0
+    cdef Status st
+    cdef Direction d = Direction.kForward if direction == "forward" else Direction.kBackward
+    cdef const Graph* g = plan._fwd.get() if d == Direction.kForward else plan._bwd.get()
+    if direction not in ("forward", "backward") or g == NULL:
+        raise InvalidArgumentError(f"direction={direction!r}: this plan has no such graph")
+    if mode not in _BENCH_MODES:
+        raise InvalidArgumentError(f"mode={mode!r} is not one of {sorted(_BENCH_MODES)}")
+    memset(t, 0, sizeof(t))
+    for name, value in tensors.items():
+        if name not in SLOT_NAMES:
+            raise InvalidArgumentError(f"{name}= is not a tensor of fastattn's plans")
+        t[SLOT_NAMES.index(name)] = value
+    if plan._c.host_seed:
+        host[0] = t[kSlotSeed]
+        host[1] = t[kSlotOffset]
+        t[kSlotSeed] = <intptr_t>&host[0]
+        t[kSlotOffset] = <intptr_t>&host[1]
+    cdef Mode m = <Mode><int>_BENCH_MODES[mode]
+    with nogil:
+        st = time_execute(g, d, plan.device, t, workspace, stream, m, iters, &seconds)
+    if not st.ok():
+        raise _error(st)
+    return seconds
+
+
+def bench_raw_execute(Plan plan, str direction, ptrs, intptr_t workspace=0, intptr_t stream=0, int iters=1000):
+    """bench_execute(plan, direction, "frontend_sorted", ...) with the graph's tensors
+    given in uid order (q, k, v, o, stats, d_o, d_q, d_k, d_v, then the features' in
+    fastattn.h's Slot order), as tools/ passed them before bench_execute existed."""
+    cdef const Graph* g = plan._fwd.get() if direction == "forward" else plan._bwd.get()
+    cdef uint64_t mask = graph_slots(g)
+    names = [SLOT_NAMES[s] for s in range(kNumSlots) if mask & ((<uint64_t>1) << s)]
+    if len(ptrs) != len(names):
+        raise InvalidArgumentError(f"{direction} takes {len(names)} tensors ({', '.join(names)}), got {len(ptrs)}")
+    return bench_execute(plan, direction, "frontend_sorted", iters, workspace, stream, **dict(zip(names, ptrs)))
