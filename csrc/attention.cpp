@@ -138,6 +138,7 @@ using SetDeviceFn      = cudaError_t(int);
 using GetCountFn       = cudaError_t(int *);
 using AttributeFn      = cudaError_t(int *, cudaDeviceAttr, int);
 using VersionFn        = cudaError_t(int *);
+using IsCapturingFn    = cudaError_t(cudaStream_t, cudaStreamCaptureStatus *);
 using ErrorStringFn    = const char *(cudaError_t);
 using GetLastErrorFn   = cudaError_t();
 using DeviceGetNameFn  = CUresult(char *, int, CUdevice);
@@ -373,6 +374,16 @@ Status current_device(int *device) {
     return guarded(Code::kLibraryError, "CUDA runtime", [&]() -> Status {
         static GetDeviceFn *fn = cudart<GetDeviceFn>("cudaGetDevice");
         return cuda_status(fn(device), "cudaGetDevice");
+    });
+}
+
+Status stream_capturing(intptr_t stream, bool *capturing) {
+    return guarded(Code::kLibraryError, "CUDA runtime", [&]() -> Status {
+        static IsCapturingFn *fn      = cudart<IsCapturingFn>("cudaStreamIsCapturing");
+        cudaStreamCaptureStatus state = cudaStreamCaptureStatusNone;
+        FA_RETURN_IF_ERROR(cuda_status(fn(reinterpret_cast<cudaStream_t>(stream), &state), "cudaStreamIsCapturing"));
+        *capturing = state != cudaStreamCaptureStatusNone;
+        return {};
     });
 }
 

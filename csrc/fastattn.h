@@ -162,6 +162,8 @@ const char *plan_policy();
 
 Status device_count(int *count);
 Status current_device(int *device);
+// Whether `stream` (a cudaStream_t; 0 the default stream) is capturing a CUDA graph.
+Status stream_capturing(intptr_t stream, bool *capturing);
 Status device_info(int device, DeviceInfo *out);
 
 // Builds the graph for one direction of `cfg` on `device` and one execution plan

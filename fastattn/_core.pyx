@@ -93,6 +93,7 @@ cdef extern from "fastattn.h" namespace "fastattn" nogil:
     const char* plan_policy()
     Status device_count(int* count)
     Status current_device(int* device)
+    Status stream_capturing(intptr_t stream, cbool* capturing)
     Status device_info(int device, DeviceInfo* out)
     Status build_graph(const Config& cfg, Direction dir, int device, GraphPtr* out, GraphInfo* info)
     Status serialize_graph(const Graph* g, vector[uint8_t]* blob)

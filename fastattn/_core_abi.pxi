@@ -11,6 +11,7 @@ cdef extern from "fastattn_abi.h" nogil:
         int version
         int num_slots
         int (*execute)(const void*, int, int, const intptr_t*, intptr_t, intptr_t, char*, size_t) noexcept nogil
+        int (*stream_capturing)(intptr_t) noexcept nogil
     int FASTATTN_ABI_VERSION
     int FASTATTN_NUM_SLOTS
 
@@ -28,10 +29,18 @@ cdef int _abi_execute(const void* graph, int direction, int device, const intptr
     return <int>st.code
 
 
+cdef int _abi_stream_capturing(intptr_t stream) noexcept nogil:
+    cdef cbool capturing = False
+    if not stream_capturing(stream, &capturing).ok():
+        return -1
+    return 1 if capturing else 0
+
+
 cdef fastattn_abi _ABI
 _ABI.version = FASTATTN_ABI_VERSION
 _ABI.num_slots = FASTATTN_NUM_SLOTS
 _ABI.execute = _abi_execute
+_ABI.stream_capturing = _abi_stream_capturing
 
 
 def abi_capsule():

@@ -15,7 +15,8 @@ from pathlib import Path
 _TORCH_DIR = Path(__file__).resolve().parent / "torch"
 SOURCES = (_TORCH_DIR / "csrc" / "ops.cpp",)
 INCLUDE = Path(__file__).resolve().parent / "include"
-HEADERS = (INCLUDE / "fastattn_abi.h", *(_TORCH_DIR / "csrc" / f for f in ("varlen.inc", "paged.inc", "eager.inc")))
+# ops.cpp's included files: every .inc beside it, so that a new one is part of the tag unasked.
+HEADERS = (INCLUDE / "fastattn_abi.h", *sorted((_TORCH_DIR / "csrc").glob("*.inc")))
 
 
 def tag(torch_version: str, cxx11_abi: int) -> str:

@@ -17,7 +17,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define FASTATTN_ABI_VERSION 2  /* 2: the FP8 slots */
+#define FASTATTN_ABI_VERSION 3  /* 2: the FP8 slots; 3: stream_capturing */
 #define FASTATTN_ABI_CAPSULE "fastattn._core.abi"
 
 /* Slots of the tensors a plan takes at execute: fastattn.h's Slot, in the same
@@ -50,6 +50,10 @@ typedef struct fastattn_abi {
      * takes the GIL, never synchronizes. */
     int (*execute)(const void *graph, int direction, int device, const intptr_t *slots, intptr_t workspace,
                    intptr_t stream, char *message, size_t message_size);
+    /* Whether `stream` (a cudaStream_t) is capturing a CUDA graph: 1 yes, 0 no, -1 the
+     * query failed (the caller then assumes it is: see ops.cpp's workspace()). Never
+     * throws, never takes the GIL, never synchronizes. */
+    int (*stream_capturing)(intptr_t stream);
 } fastattn_abi;
 
 #endif /* FASTATTN_ABI_H */

@@ -5,7 +5,7 @@
 // ops fastattn::attention_*, varlen_* and paged_forward, under other names so that both
 // can be loaded at once, with kernels for CUDA (the work),
 // Meta (shapes only, for torch.compile's fake tensors), CPU (a clear error) and
-// Autograd (a C++ autograd Function, so that an eager training step runs no Python
+// Autograd (a C++ autograd node, so that an eager training step runs no Python
 // for attention).
 //
 // The hot path: a key of the tensors' shapes, strides, dtypes, devices and the
@@ -24,6 +24,7 @@
 #include <ATen/record_function.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/csrc/Exceptions.h>
+#include <torch/csrc/autograd/functions/utils.h>
 #include <torch/csrc/autograd/python_variable.h>
 
 #include <array>
@@ -66,6 +67,8 @@ std::array<int, 4> axes(c10::string_view layout) {
 }
 
 int64_t layout_id(c10::string_view layout) { return layout == "bshd" ? 0 : layout == "sbhd" ? 1 : 2; }
+
+constexpr c10::string_view kLayouts[3] = {"bshd", "sbhd", "bhsd"};  // by layout_id
 
 // ---- the plan table ---------------------------------------------------------------------------
 
@@ -184,12 +187,50 @@ const Entry &find_plan(int direction, const Tensor &q, const Tensor &k, const Te
 intptr_t ptr(const Tensor &t) { return reinterpret_cast<intptr_t>(t.data_ptr()); }
 intptr_t ptr(const OptTensor &t) { return given(t) ? ptr(*t) : 0; }
 
+// ---- the workspace ------------------------------------------------------------------------------
+// Kept per (device, stream) and grown as needed, as PyTorch keeps cuBLAS's workspaces: an
+// allocation from the caching allocator and its free on every call cost more host time
+// than the kernel launch they serve. Reuse is safe: every launch on one stream runs after
+// the one before it, and a launch holds a reference (a grown-over buffer stays alive until
+// the launches holding it return; the allocator frees it stream-ordered). Two cases take
+// a fresh buffer from the caching allocator instead, freed when the call returns:
+// - a stream capturing a CUDA graph: the buffer comes from the graph's private pool, as
+//   every tensor of the captured region does; a kept one would be shared between the
+//   graph's replays and later eager calls on the stream, whose launches the graph's
+//   replays (on any stream) are not ordered with;
+// - a workspace over kKeptWorkspaceMax: the launch it serves dwarfs an allocation.
+
+constexpr int64_t kKeptWorkspaceMax = int64_t{32} << 20;  // PyTorch keeps 32 MiB for cuBLAS on Hopper
+constexpr int64_t kWorkspaceGrain = int64_t{1} << 20;  // grown in MiB steps, not call by call
+
+struct KeptWorkspace {
+    c10::Stream stream;
+    Tensor buffer;
+};
+std::mutex g_workspace_lock;
+// Never destroyed: at process exit the caching allocator may be gone before this would be.
+auto *g_workspaces = new std::vector<KeptWorkspace>();
+
+Tensor workspace(int64_t size, const Tensor &q, const c10::Stream &stream) {
+    if (size == 0) return Tensor();
+    const auto bytes = q.options().dtype(at::kByte);
+    if (size > kKeptWorkspaceMax || g_abi->stream_capturing(reinterpret_cast<intptr_t>(stream.native_handle())) != 0) {
+        return at::empty({size}, bytes);  // capturing, or the query failed: the safe choice
+    }
+    std::lock_guard<std::mutex> lock(g_workspace_lock);
+    for (auto &kept : *g_workspaces) {
+        if (kept.stream != stream) continue;
+        if (kept.buffer.numel() < size) kept.buffer = at::empty({(size + kWorkspaceGrain - 1) / kWorkspaceGrain * kWorkspaceGrain}, bytes);
+        return kept.buffer;
+    }
+    g_workspaces->push_back({stream, at::empty({(size + kWorkspaceGrain - 1) / kWorkspaceGrain * kWorkspaceGrain}, bytes)});
+    return g_workspaces->back().buffer;
+}
+
 void run(const Entry &e, int direction, const Tensor &q, intptr_t *slots) {
     const int64_t size = e.workspace[direction];
-    // From the caching allocator, on this stream: freed (stream-ordered) when the call
-    // returns, and inside a CUDA graph capture taken from the capture's pool.
-    Tensor ws = size ? at::empty({size}, q.options().dtype(at::kByte)) : Tensor();
     const c10::Stream stream = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getStream(q.device());
+    const Tensor ws = workspace(size, q, stream);  // held until the launch is queued
     char message[512];
     const int code = g_abi->execute(e.graph[direction], direction, q.get_device(), slots, size ? ptr(ws) : 0,
                                     reinterpret_cast<intptr_t>(stream.native_handle()), message, sizeof message);
@@ -347,92 +388,7 @@ Grads backward_cpu(const Tensor &, const Tensor &, const Tensor &, const Tensor 
     cpu_error(q);
 }
 
-// ---- autograd in C++ ----------------------------------------------------------------------------
-
-Grads call_backward(const Tensor &d_o, const Tensor &o, const Tensor &stats, const Tensor &q, const Tensor &k,
-                    const Tensor &v, const OptTensor &seq_len_q, const OptTensor &seq_len_kv, const OptTensor &bias,
-                    const OptTensor &sink, const OptTensor &rng, FA_OPTION_PARAMS) {
-    static const auto op = c10::Dispatcher::singleton()
-                               .findSchemaOrThrow("fastattn::native_attention_backward", "")
-                               .typed<decltype(backward_cuda)>();
-    return op.call(d_o, o, stats, q, k, v, seq_len_q, seq_len_kv, bias, sink, rng, FA_OPTION_ARGS);
-}
-
-OptTensor saved(const Tensor &t) { return t.defined() ? OptTensor(t) : std::nullopt; }
-
-// The C++ twin of fastattn.torch._autograd.Rule for the dense entry point: saves the
-// inputs, o and stats; backward runs the backward op and returns a gradient for q, k,
-// v, bias (when bias_grad) and sink (when given), none for the rest.
-//
-// direct: the eager entry's calls (eager.inc), on plain CUDA tensors: forward and
-// backward run forward_cuda / backward_cuda themselves instead of through the dispatcher,
-// which the Autograd kernel's calls need (fake tensors under torch.compile go to Meta).
-struct DenseFunction : torch::autograd::Function<DenseFunction> {
-    static variable_list forward(AutogradContext *ctx, bool direct, const Tensor &q, const Tensor &k, const Tensor &v,
-                                 const OptTensor &seq_len_q, const OptTensor &seq_len_kv, const OptTensor &bias,
-                                 const OptTensor &sink, const OptTensor &rng, FA_OPTION_PARAMS) {
-        at::AutoDispatchBelowADInplaceOrView below;
-        static const auto op = c10::Dispatcher::singleton()
-                                   .findSchemaOrThrow("fastattn::native_attention_forward", "")
-                                   .typed<decltype(forward_cuda)>();
-        auto [o, stats] = direct ? forward_work(q, k, v, seq_len_q, seq_len_kv, bias, sink, rng, FA_OPTION_ARGS)
-                                 : op.call(q, k, v, seq_len_q, seq_len_kv, bias, sink, rng, FA_OPTION_ARGS);
-        // A gradient for stats (non-differentiable) or for an unused o stays undefined:
-        // materializing it would allocate and zero a tensor per backward for nothing.
-        ctx->set_materialize_grads(false);
-        ctx->save_for_backward({q, k, v, o, stats, seq_len_q.value_or(Tensor()), seq_len_kv.value_or(Tensor()),
-                                bias.value_or(Tensor()), sink.value_or(Tensor()), rng.value_or(Tensor())});
-        ctx->saved_data["layout"] = std::string(layout);
-        ctx->saved_data["flags"] = static_cast<int64_t>(causal | bottom_right << 1 | deterministic << 2 |
-                                                        alibi << 3 | training << 4 | bias_grad << 5 | direct << 6);
-        ctx->saved_data["window_left"] = window_left;
-        ctx->saved_data["window_right"] = window_right;
-        ctx->saved_data["scale"] = scale;
-        ctx->saved_data["dropout"] = dropout;
-        ctx->mark_non_differentiable({stats});
-        return {o, stats};
-    }
-
-    static variable_list backward(AutogradContext *ctx, variable_list grads) {
-        const int64_t flags = ctx->saved_data["flags"].toInt();
-        TORCH_CHECK(flags & 16, "fastattn: backward through a call made without gradients enabled");
-        if (!grads[0].defined()) return variable_list(20);  // o unused: no gradient flows (materialize off)
-        const auto s = ctx->get_saved_variables();
-        const std::string layout = ctx->saved_data["layout"].toStringRef();
-        at::AutoDispatchBelowADInplaceOrView below;
-        const bool bias_grad = flags & 32;
-        auto [d_q, d_k, d_v, d_bias, d_sink] =
-            (flags & 64 ? backward_work : call_backward)(
-                grads[0], s[3], s[4], s[0], s[1], s[2], saved(s[5]), saved(s[6]), saved(s[7]), saved(s[8]),
-                saved(s[9]), layout, flags & 1, flags & 2, ctx->saved_data["window_left"].toInt(),
-                ctx->saved_data["window_right"].toInt(), ctx->saved_data["scale"].toDouble(), flags & 4, flags & 8,
-                true, ctx->saved_data["dropout"].toDouble(), bias_grad);
-        // One gradient per forward input: direct, 8 tensors, then the 11 options.
-        variable_list out(20);
-        out[1] = d_q;
-        out[2] = d_k;
-        out[3] = d_v;
-        if (bias_grad) out[6] = d_bias;
-        if (s[8].defined()) out[7] = d_sink;
-        return out;
-    }
-};
-
-std::tuple<Tensor, Tensor> forward_autograd(const Tensor &q, const Tensor &k, const Tensor &v,
-                                            const OptTensor &seq_len_q, const OptTensor &seq_len_kv,
-                                            const OptTensor &bias, const OptTensor &sink, const OptTensor &rng,
-                                            FA_OPTION_PARAMS) {
-    if (!training) {  // inference: nothing to save, no node; straight to the kernel
-        at::AutoDispatchBelowADInplaceOrView below;
-        static const auto op = c10::Dispatcher::singleton()
-                                   .findSchemaOrThrow("fastattn::native_attention_forward", "")
-                                   .typed<decltype(forward_cuda)>();
-        return op.call(q, k, v, seq_len_q, seq_len_kv, bias, sink, rng, FA_OPTION_ARGS);
-    }
-    auto out = DenseFunction::apply(false, q, k, v, seq_len_q, seq_len_kv, bias, sink, rng, FA_OPTION_ARGS);
-    return {out[0], out[1]};
-}
-
+#include "dense_autograd.inc"  // attention()'s autograd node, for the eager entry and the ops alike
 #include "varlen.inc"  // attention_varlen's ops: the same table, run and conventions
 #include "paged.inc"   // attention_paged's (forward only)
 #include "eager.inc"   // attention()'s eager entry, past torch.ops and the dispatcher
@@ -456,11 +412,24 @@ size_t table_size() {
     return g_table.size();
 }
 
-// Forgets every plan (tests): only while no op runs, since a hit holds its Entry unlocked.
+// Forgets every plan and releases the kept workspaces (tests, and memory back to the
+// caching allocator): only while no op runs, since a hit holds its Entry unlocked.
 void clear() {
-    std::unique_lock<std::shared_mutex> lock(g_table_lock);
-    for (auto &kv : g_table) Py_XDECREF(kv.second.plan);
-    g_table.clear();
+    {
+        std::unique_lock<std::shared_mutex> lock(g_table_lock);
+        for (auto &kv : g_table) Py_XDECREF(kv.second.plan);
+        g_table.clear();
+    }
+    std::lock_guard<std::mutex> lock(g_workspace_lock);
+    g_workspaces->clear();
+}
+
+// Bytes of workspace kept for reuse (fastattn.torch's memory accounting, tests).
+int64_t kept_workspace_bytes() {
+    std::lock_guard<std::mutex> lock(g_workspace_lock);
+    int64_t total = 0;
+    for (const auto &kept : *g_workspaces) total += kept.buffer.numel();
+    return total;
 }
 
 }  // namespace
@@ -522,7 +491,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.attr("abi_version") = FASTATTN_ABI_VERSION;
     m.def("init", &init, "init(abi_capsule, miss_handler): the _core C ABI and the Python miss handler");
     m.def("table_size", &table_size, "plans in the C++ table");
-    m.def("clear", &clear, "forget every plan (only while no op runs)");
+    m.def("clear", &clear, "forget every plan and release the kept workspaces (only while no op runs)");
+    m.def("kept_workspace_bytes", &kept_workspace_bytes, "bytes of workspace kept per stream for reuse");
     static PyMethodDef eager_def{"attention", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&eager_attention)),
                                  METH_FASTCALL, kEagerDoc};
     m.add_object("attention", py::reinterpret_steal<py::object>(PyCFunction_NewEx(&eager_def, nullptr, m.ptr())));
