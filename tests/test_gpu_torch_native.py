@@ -299,9 +299,12 @@ def test_cuda_graph_captures_a_training_step_and_replays_new_inputs(lib):
             torch.autograd.grad(o, static, d_o)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
+    kept = lib.kept_workspace_bytes()
     with torch.cuda.graph(graph):
         out = fastattn.torch.attention(*static, causal=True, deterministic=True)
         grads = torch.autograd.grad(out, static, d_o)
+    # A capturing stream takes its workspace from the graph's pool, never a kept one.
+    assert lib.kept_workspace_bytes() == kept
     for _ in range(3):
         fresh = [torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
         with torch.no_grad():
@@ -314,6 +317,44 @@ def test_cuda_graph_captures_a_training_step_and_replays_new_inputs(lib):
         torch.cuda.synchronize()
         assert torch.equal(out, expected)
         assert all(torch.equal(a, b) for a, b in zip(grads, expected_grads))
+
+
+def test_the_workspace_is_kept_per_stream_and_reused(lib):
+    torch.manual_seed(5)
+    shape = (2, 1024, 8, 128)
+    q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    d_o = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+    options = _dense.DenseOptions(layout="bshd", causal=True, bottom_right=False, window_left=-1, window_right=-1,
+                                  scale=0.0, deterministic=True, alibi=False, training=True, dropout=0.0,
+                                  bias_grad=False)
+    c = _dense.plan_for(q, k, v, None, None, None, None, None, options)
+    need = max(c.forward_workspace, c.backward_workspace)
+    assert 0 < need <= 32 << 20, need  # this shape's backward has one, small enough to keep
+
+    def step():
+        poison_allocator()
+        o = fastattn.torch.attention(q, k, v, causal=True, deterministic=True)
+        return (o, *torch.autograd.grad(o, (q, k, v), d_o))
+
+    torch.cuda.synchronize()
+    lib.clear()
+    assert lib.kept_workspace_bytes() == 0
+    first = step()
+    kept = lib.kept_workspace_bytes()
+    assert kept >= need
+    second = step()
+    assert lib.kept_workspace_bytes() == kept  # reused, not grown
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        third = step()  # a stream of its own: its own workspace
+    torch.cuda.current_stream().wait_stream(side)
+    assert lib.kept_workspace_bytes() == 2 * kept
+    torch.cuda.synchronize()
+    for a, b, c in zip(first, second, third):
+        assert torch.isfinite(a).all() and torch.equal(a, b) and torch.equal(a, c)
+    lib.clear()
+    assert lib.kept_workspace_bytes() == 0
 
 
 def test_sixteen_threads_on_new_shapes_build_each_plan_once(lib):

@@ -83,6 +83,73 @@ def test_cpp_autograd_lands_each_gradient_on_its_input(lib):
         assert g.shape == t.shape and g.dtype == t.dtype
 
 
+def _recorded(**kw):
+    q0, k, v = dense(grad=True)
+    q = q0 * 1  # not a leaf: in-place changes to it are allowed, and seen
+    o, _ = torch.ops.fastattn.native_attention_forward(q, k, v, None, None, None, None, None,
+                                                       *options(training=True, **kw))
+    return q0, q, k, v, o
+
+
+def test_cpp_autograd_refuses_a_second_backward_through_a_freed_graph(lib):
+    q0, _, k, v, o = _recorded()
+    torch.autograd.grad(o.sum(), (q0, k, v))
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        torch.autograd.grad(o.sum(), (q0, k, v))
+
+
+def test_cpp_autograd_keeps_the_graph_with_retain_graph(lib):
+    q0, _, k, v, o = _recorded()
+    first = torch.autograd.grad(o.sum(), (q0, k, v), retain_graph=True)
+    second = torch.autograd.grad(o.sum(), (q0, k, v))
+    assert [g.shape for g in first] == [g.shape for g in second] == [q0.shape, k.shape, v.shape]
+
+
+def test_cpp_autograd_sees_an_input_changed_in_place_after_the_forward(lib):
+    q0, q, k, v, o = _recorded()
+    q.mul_(2)  # the saved q is no longer what the forward read
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        torch.autograd.grad(o.sum(), (q0,))
+
+
+def test_cpp_autograd_runs_saved_tensor_hooks(lib):
+    """torch.autograd.graph.saved_tensors_hooks (activation offloading, checkpointing
+    tools) see every tensor the node saves, and backward gets them back through unpack."""
+    packed, unpacked = [], []
+
+    def pack(t):
+        packed.append(tuple(t.shape))
+        return t
+
+    def unpack(t):
+        unpacked.append(tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        q0, q, k, v, o = _recorded()
+    assert {tuple(q.shape), tuple(k.shape), tuple(v.shape), tuple(o.shape)} <= set(packed)
+    d_q, = torch.autograd.grad(o.sum(), (q0,))
+    assert d_q.shape == q0.shape and sorted(unpacked) == sorted(packed)
+
+
+def test_cpp_autograd_gives_only_the_gradients_asked_for(lib):
+    q0, _, k, v, o = _recorded()
+    d_v, = torch.autograd.grad(o.sum(), (v,))
+    assert d_v.shape == v.shape and q0.grad is None and k.grad is None
+
+
+def test_cpp_autograd_records_no_node_when_no_input_wants_a_gradient(lib):
+    q, k, v = dense(grad=False)
+    o, stats = torch.ops.fastattn.native_attention_forward(q, k, v, None, None, None, None, None,
+                                                           *options(training=True))
+    assert o.grad_fn is None and not o.requires_grad and tuple(stats.shape) == (2, 4, 16, 1)
+    with torch.no_grad():
+        q, k, v = dense(grad=True)
+        o, _ = torch.ops.fastattn.native_attention_forward(q, k, v, None, None, None, None, None,
+                                                           *options(training=True))
+    assert o.grad_fn is None
+
+
 def test_cpp_autograd_gives_no_gradient_to_a_bias_without_bias_grad(lib):
     q, k, v = dense(grad=True)
     bias = torch.empty(1, 4, 16, 32, dtype=torch.bfloat16, device="meta")

@@ -56,13 +56,16 @@ echo "libstdc++: $(ldd "$so" | grep -o 'libstdc++[^ ]* => [^ ]*' || echo 'not dy
 (cd /tmp && python3 -c 'import fastattn, fastattn._loader as l; l.ensure_loaded(); v = fastattn.versions(); print("versions:", {k: v[k] for k in sorted(v)})') \
   2>&1 | tee -a "$LOGS/env.log"
 
-# fastattn.torch's op library, built once here against this torch (its build time and
-# any compiler error logged), and shared by the test sessions' isolated caches.
+# fastattn.torch's op library, built once here against this torch by `fastattn warm`
+# (as a deployment builds it: beside the default model configs' plans, into a cache of
+# its own), and shared by the test sessions' isolated caches.
 export FASTATTN_TORCH_OPS_DIR=/tmp/fastattn-torch-ops
 t0=$(date +%s)
-(cd /tmp && python3 -c 'from fastattn.torch import _native; print("torch op library:", _native.build())') \
+(cd /tmp && FASTATTN_CACHE_DIR=/tmp/fastattn-warm-cache python3 -m fastattn warm --no-progress --report "$LOGS/warm.json") \
+  > "$LOGS/warm.log" 2>&1
+echo "fastattn warm: exit $?, $(( $(date +%s) - t0 )) s; $(grep 'torch op library' "$LOGS/warm.log")" | tee -a "$LOGS/env.log"
+(cd /tmp && python3 -c 'from fastattn import _opslib; from fastattn.torch import _native; print("op library found:", _opslib.find_built(), "; built:", _native.build())') \
   >> "$LOGS/env.log" 2>&1 || echo "TORCH OP LIBRARY BUILD FAILED (see env.log)"
-echo "torch op library: $(( $(date +%s) - t0 )) s" | tee -a "$LOGS/env.log"
 
 export FASTATTN_REQUIRE_GPU=1
 # The machine has no redis-server: a carried one (.redis/, see docs/BENCHMARKS.md) makes

@@ -62,6 +62,8 @@ def main(argv=None) -> int:
         ws = _plans.workspace(q, c.forward_workspace, 0, stream)
         wp = ws.data_ptr() if ws is not None else 0
         ptrs = (q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr())
+        res["forward_workspace_bytes"] = float(c.forward_workspace)  # kept per stream by the op library
+        res["backward_workspace_bytes"] = float(c.backward_workspace)
         res["plan_forward_ints"] = _us(lambda: c.plan.forward(*ptrs, 0, wp, stream))
         res["cpp_execute_floor"] = round(statistics.median(
             _core.bench_raw_execute(c.plan, "forward", ptrs, wp, stream, 2000) / 2000 * 1e6 for _ in range(15)), 3)
@@ -86,6 +88,8 @@ def main(argv=None) -> int:
         res["train_step_sdpa_cudnn"] = statistics.median(res["train_step_sdpa_cudnn_rounds"])
         res["train_forward"] = _us(lambda: fat.attention(*leaves, causal=True), iters=300)
         res["train_forward_sdpa_cudnn"] = _us(lambda: sdpa(*leaves_t, is_causal=True), iters=300)
+        res["train_forward_eager_entry"] = _us(lambda: eager(*leaves, None, None, None, None, None, flags, -1, -1, 0.0,
+                                                             0.0), iters=300)
         graph_o = fat.attention(*leaves, causal=True)
         graph_ot = sdpa(*leaves_t, is_causal=True)
         res["backward_only"] = _us(lambda: torch.autograd.grad(graph_o, leaves, d_o, retain_graph=True), iters=300)
