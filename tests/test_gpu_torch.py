@@ -2,6 +2,8 @@
 
 import itertools
 
+import threading
+
 import pytest
 
 torch = pytest.importorskip("torch", reason="PyTorch is an optional extra (pip install torch)")
@@ -221,6 +223,36 @@ def test_the_custom_ops_and_the_eager_path_agree_with_every_feature(feature):
         assert g.shape == g_op.shape == t.shape
         assert rel(g_op, g.double()) < 1e-3
 
+def test_threads_calling_on_one_stream_match_serial_calls(torch_path):
+    # Eight threads, all on the default stream, each with its own inputs, calls in flight
+    # at once: a workspace shared between threads on one stream would mix one call's
+    # constants (copied into it at each launch) with another's kernels. Shapes whose
+    # plans have a workspace, two of them, so that calls differ in more than pointers.
+    shapes = [(1, 200, 4, 64), (1, 216, 4, 64)]
+    inputs = [[torch.randn(shapes[i % 2], device="cuda", dtype=torch.bfloat16) for _ in range(3)] for i in range(8)]
+    expected = [fastattn.torch.attention(*x, causal=True) for x in inputs]
+    torch.cuda.synchronize()
+    barrier = threading.Barrier(8)
+    outs, errors = {}, []
+
+    def worker(i):
+        try:
+            barrier.wait()
+            outs[i] = [fastattn.torch.attention(*inputs[i], causal=True) for _ in range(20)]
+            torch.cuda.current_stream().synchronize()
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    for i in range(8):
+        assert all(torch.equal(o, expected[i]) for o in outs[i]), i
+
+
 def test_calls_in_flight_on_two_streams_match_serial_calls(torch_path):
     # Each stream keeps its own workspace (_plans.workspace); calls running on two
     # streams at once must not share one. Forward is deterministic: results equal bitwise.
@@ -236,7 +268,7 @@ def test_calls_in_flight_on_two_streams_match_serial_calls(torch_path):
     for i, (o, e) in enumerate(zip(outs, expected)):
         assert torch.equal(o, e), i
     plan = next(c for c in _plans.plans.values() if c.out_shape == [2, 512, 8, 64])
-    if plan.forward_workspace and torch_path == "python":  # the native path allocates per call
+    if plan.forward_workspace and torch_path == "python":  # the native path keeps its own (in C++)
         kept = {key for key in _plans.workspaces if key[1] in {s.cuda_stream for s in streams}}
         assert len(kept) == 2
 

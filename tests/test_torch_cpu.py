@@ -5,6 +5,8 @@ import subprocess
 import sys
 import textwrap
 
+import threading
+
 import pytest
 
 torch = pytest.importorskip("torch", reason="PyTorch is an optional extra (pip install torch)")
@@ -221,13 +223,18 @@ def test_small_workspaces_are_kept_per_stream_and_never_while_capturing(monkeypa
     assert fat.workspace(q, 600, 0, 7) is a            # same stream: the same buffer
     assert fat.workspace(q, 600, 0, 8) is not a        # another stream, its own
     assert fat.workspace(q, 600, 1, 7) is not a        # another device, its own
+    other = []
+    worker = threading.Thread(target=lambda: other.append(fat.workspace(q, 600, 0, 7)))
+    worker.start()
+    worker.join()
+    assert other[0] is not a                           # another thread on the stream, its own
     b = fat.workspace(q, 2000, 0, 7)                   # grows, and replaces the kept one
     assert b.numel() == 2000 and fat.workspace(q, 1000, 0, 7) is b
     big = fat.KEPT_WORKSPACE + 1
-    assert fat.workspace(q, big, 0, 7).numel() == big and fat.workspaces[(0, 7)] is b  # per call, not kept
+    assert fat.workspace(q, big, 0, 7).numel() == big and fat.workspaces[(0, 7, threading.get_ident())] is b  # per call, not kept
     capturing[0] = True                                 # a CUDA graph owns its own buffer
     c = fat.workspace(q, 1000, 0, 7)
-    assert c is not b and c.numel() == 1000 and fat.workspaces[(0, 7)] is b
+    assert c is not b and c.numel() == 1000 and fat.workspaces[(0, 7, threading.get_ident())] is b
     capturing[0] = False
     for stream in range(100, 100 + 2 * fat.KEPT_STREAMS):  # many short-lived streams: the table stays bounded
         fat.workspace(q, 10, 0, stream)

@@ -50,6 +50,12 @@ def main(argv=None) -> int:
         res["inference_attention"] = _us(lambda: fat.attention(q, k, v, causal=True))
         res["inference_eager_entry"] = _us(lambda: eager(q, k, v, None, None, None, None, None, flags, -1, -1, 0.0,
                                                          0.0))
+        fixed = eager(q, k, v, None, None, None, None, None, flags, -1, -1, 0.0, 0.0)
+        _native.EAGER = lambda *args: fixed  # attention()'s Python alone (plus a lambda's call)
+        try:
+            res["inference_attention_python_only"] = _us(lambda: fat.attention(q, k, v, causal=True))
+        finally:
+            _native.EAGER = eager
         res["inference_dispatcher_op"] = _us(lambda: dense(q, k, v, None, None, None, None, None, *opts, False, 0.0,
                                                            False))
         res["empty_like"] = _us(lambda: torch.empty_like(q))

@@ -84,31 +84,39 @@ def like(t: torch.Tensor, shape: list[int], stride: tuple[int, ...] | None = Non
     return meta.stride() == (stride if stride is not None else t.new_empty(shape, device="meta").stride())
 
 
-# Workspaces of up to KEPT_WORKSPACE bytes are kept, one per (device, stream), and shared
-# by every call on that stream: the stream orders those calls on the GPU, so one buffer
-# serves them all, and a call saves an allocation (~4 us of a ~17 us small call on the
-# H200, tools/profile_torch_call.py). Not while a CUDA graph is captured: a graph replays
-# on any stream, so it takes its own buffer from the capture's pool. Larger workspaces
-# are allocated per call: next to their kernels' time the allocation is noise, and a
-# kept one would hold the memory.
+# Workspaces of up to KEPT_WORKSPACE bytes are kept, one per (device, stream, thread),
+# and reused by that thread's calls on that stream: the stream orders them on the GPU, so
+# one buffer serves them all, and a call saves an allocation (~4 us of a ~17 us small
+# call on the H200, tools/profile_torch_call.py). Per thread, not only per stream: a
+# call's launches into its workspace are several (cudnn-frontend copies the plan's
+# constants into it, then cuDNN's kernels run), and two threads' launches on one stream
+# interleave, so one thread's constants would land under the other's kernels (seen on
+# the H200: 16 threads, wrong outputs). cuBLAS's workspaces in PyTorch are per handle,
+# hence per thread, for the same reason. Not while a CUDA graph is captured: a graph
+# replays on any stream, so it takes its own buffer from the capture's pool. Larger
+# workspaces are allocated per call: next to their kernels' time the allocation is
+# noise, and a kept one would hold the memory.
 KEPT_WORKSPACE = 16 << 20
-KEPT_STREAMS = 64  # at most this many kept, so that short-lived streams cannot pile them up
-workspaces: dict[tuple[int, int], torch.Tensor] = {}
+KEPT_STREAMS = 64  # at most this many kept, so that short-lived streams and threads cannot pile them up
+workspaces: dict[tuple[int, int, int], torch.Tensor] = {}
+thread_id = threading.get_ident
 
 
 def workspace(q: torch.Tensor, size: int, device: int, stream: int) -> torch.Tensor | None:
-    """A workspace of at least size bytes for a call on this stream (None when size is 0)."""
+    """A workspace of at least size bytes for this thread's call on this stream (None
+    when size is 0)."""
     if not size:
         return None
     if size > KEPT_WORKSPACE or capturing():
         return q.new_empty(size, dtype=torch.uint8)
-    ws = workspaces.get((device, stream))
+    key = (device, stream, thread_id())
+    ws = workspaces.get(key)
     if ws is None or ws.numel() < size:
         # The old buffer goes back to the caching allocator once the last call holding it
         # has queued its work: stream-ordered, like any tensor freed on this stream.
         if ws is None and len(workspaces) >= KEPT_STREAMS:
-            workspaces.clear()  # streams come and go (external ones, say): start the table afresh
-        ws = workspaces[(device, stream)] = q.new_empty(size, dtype=torch.uint8)
+            workspaces.clear()  # streams and threads come and go: start the table afresh
+        ws = workspaces[key] = q.new_empty(size, dtype=torch.uint8)
     return ws
 
 

@@ -27,6 +27,7 @@
 #include <torch/csrc/autograd/functions/utils.h>
 #include <torch/csrc/autograd/python_variable.h>
 
+#include <algorithm>
 #include <array>
 #include <cstring>
 #include <mutex>
@@ -188,28 +189,52 @@ intptr_t ptr(const Tensor &t) { return reinterpret_cast<intptr_t>(t.data_ptr());
 intptr_t ptr(const OptTensor &t) { return given(t) ? ptr(*t) : 0; }
 
 // ---- the workspace ------------------------------------------------------------------------------
-// Kept per (device, stream) and grown as needed, as PyTorch keeps cuBLAS's workspaces: an
-// allocation from the caching allocator and its free on every call cost more host time
-// than the kernel launch they serve. Reuse is safe: every launch on one stream runs after
-// the one before it, and a launch holds a reference (a grown-over buffer stays alive until
-// the launches holding it return; the allocator frees it stream-ordered). Two cases take
-// a fresh buffer from the caching allocator instead, freed when the call returns:
+// Kept per (thread, device, stream) and grown as needed, as PyTorch keeps cuBLAS's
+// workspaces per handle and stream: an allocation from the caching allocator and its
+// free on every call cost host time next to a small call's launch. Reuse within a
+// thread is safe: that thread's launches on one stream run in order, and a launch holds
+// a reference (a grown-over buffer stays alive until the call using it has queued its
+// work; the allocator then frees it stream-ordered). Not shared between threads: a
+// call's launches into its workspace are several (cudnn-frontend copies the plan's
+// constants into it, then cuDNN's kernels run), and two threads' launches on one stream
+// interleave (seen on the H200: 16 threads, wrong outputs). Two cases take a fresh buffer
+// from the caching allocator instead, freed when the call returns:
 // - a stream capturing a CUDA graph: the buffer comes from the graph's private pool, as
 //   every tensor of the captured region does; a kept one would be shared between the
-//   graph's replays and later eager calls on the stream, whose launches the graph's
-//   replays (on any stream) are not ordered with;
+//   graph's replays and later eager calls, which the replays (on any stream) are not
+//   ordered with;
 // - a workspace over kKeptWorkspaceMax: the launch it serves dwarfs an allocation.
 
-constexpr int64_t kKeptWorkspaceMax = int64_t{32} << 20;  // PyTorch keeps 32 MiB for cuBLAS on Hopper
-constexpr int64_t kWorkspaceGrain = int64_t{1} << 20;  // grown in MiB steps, not call by call
+constexpr int64_t kKeptWorkspaceMax = int64_t{16} << 20;  // as the Python path's (_plans.KEPT_WORKSPACE)
+constexpr int64_t kWorkspaceGrain = int64_t{1} << 20;      // grown in MiB steps, not call by call
 
 struct KeptWorkspace {
     c10::Stream stream;
     Tensor buffer;
 };
-std::mutex g_workspace_lock;
-// Never destroyed: at process exit the caching allocator may be gone before this would be.
-auto *g_workspaces = new std::vector<KeptWorkspace>();
+
+// One thread's kept workspaces, listed in g_threads so that clear() and the accounting
+// reach every thread's; a thread's are released when it exits.
+struct ThreadWorkspaces;
+std::mutex g_workspace_lock;  // guards g_threads and every ThreadWorkspaces::kept
+// Never destroyed: a thread may exit after static destruction began.
+auto *g_threads = new std::vector<ThreadWorkspaces *>();
+
+struct ThreadWorkspaces {
+    std::vector<KeptWorkspace> kept;
+    ThreadWorkspaces() {
+        std::lock_guard<std::mutex> lock(g_workspace_lock);
+        g_threads->push_back(this);
+    }
+    ~ThreadWorkspaces() {
+        std::lock_guard<std::mutex> lock(g_workspace_lock);
+        g_threads->erase(std::find(g_threads->begin(), g_threads->end(), this));
+        kept.clear();
+    }
+};
+thread_local ThreadWorkspaces t_workspaces;
+
+int64_t grain(int64_t size) { return (size + kWorkspaceGrain - 1) / kWorkspaceGrain * kWorkspaceGrain; }
 
 Tensor workspace(int64_t size, const Tensor &q, const c10::Stream &stream) {
     if (size == 0) return Tensor();
@@ -217,14 +242,14 @@ Tensor workspace(int64_t size, const Tensor &q, const c10::Stream &stream) {
     if (size > kKeptWorkspaceMax || g_abi->stream_capturing(reinterpret_cast<intptr_t>(stream.native_handle())) != 0) {
         return at::empty({size}, bytes);  // capturing, or the query failed: the safe choice
     }
-    std::lock_guard<std::mutex> lock(g_workspace_lock);
-    for (auto &kept : *g_workspaces) {
+    std::lock_guard<std::mutex> lock(g_workspace_lock);  // uncontended but for clear() and the accounting
+    for (auto &kept : t_workspaces.kept) {
         if (kept.stream != stream) continue;
-        if (kept.buffer.numel() < size) kept.buffer = at::empty({(size + kWorkspaceGrain - 1) / kWorkspaceGrain * kWorkspaceGrain}, bytes);
+        if (kept.buffer.numel() < size) kept.buffer = at::empty({grain(size)}, bytes);
         return kept.buffer;
     }
-    g_workspaces->push_back({stream, at::empty({(size + kWorkspaceGrain - 1) / kWorkspaceGrain * kWorkspaceGrain}, bytes)});
-    return g_workspaces->back().buffer;
+    t_workspaces.kept.push_back({stream, at::empty({grain(size)}, bytes)});
+    return t_workspaces.kept.back().buffer;
 }
 
 void run(const Entry &e, int direction, const Tensor &q, intptr_t *slots) {
@@ -421,14 +446,16 @@ void clear() {
         g_table.clear();
     }
     std::lock_guard<std::mutex> lock(g_workspace_lock);
-    g_workspaces->clear();
+    for (ThreadWorkspaces *t : *g_threads) t->kept.clear();
 }
 
 // Bytes of workspace kept for reuse (fastattn.torch's memory accounting, tests).
 int64_t kept_workspace_bytes() {
     std::lock_guard<std::mutex> lock(g_workspace_lock);
     int64_t total = 0;
-    for (const auto &kept : *g_workspaces) total += kept.buffer.numel();
+    for (const ThreadWorkspaces *t : *g_threads) {
+        for (const auto &kept : t->kept) total += kept.buffer.numel();
+    }
     return total;
 }
 
@@ -492,7 +519,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("init", &init, "init(abi_capsule, miss_handler): the _core C ABI and the Python miss handler");
     m.def("table_size", &table_size, "plans in the C++ table");
     m.def("clear", &clear, "forget every plan and release the kept workspaces (only while no op runs)");
-    m.def("kept_workspace_bytes", &kept_workspace_bytes, "bytes of workspace kept per stream for reuse");
+    m.def("kept_workspace_bytes", &kept_workspace_bytes, "bytes of workspace kept per thread and stream for reuse");
     static PyMethodDef eager_def{"attention", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&eager_attention)),
                                  METH_FASTCALL, kEagerDoc};
     m.add_object("attention", py::reinterpret_steal<py::object>(PyCFunction_NewEx(&eager_def, nullptr, m.ptr())));
