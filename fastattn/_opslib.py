@@ -46,15 +46,40 @@ def library_path(build_tag: str, root: Path | None = None) -> Path:
     return (root or build_root()) / build_tag / (name + importlib.machinery.EXTENSION_SUFFIXES[0])
 
 
-def find_built() -> Path | None:
-    """The library built for the installed torch, if there is one, read from torch's
-    package metadata (its version) without importing it; either C++ ABI, which one
-    version string never has two of. None: not built, or torch not installed."""
+def torch_version() -> str | None:
+    """The installed torch's version as torch.__version__ gives it, read from its
+    torch/version.py without importing torch; package metadata where that file is not
+    there. None: torch is not installed. (Metadata alone can miss: a torch installed
+    without a dist-info, or one whose metadata spells the version differently.)"""
+    import importlib.util
+    import re
+
+    try:
+        spec = importlib.util.find_spec("torch")
+    except (ImportError, ValueError):
+        spec = None
+    for folder in (spec.submodule_search_locations or []) if spec is not None else []:
+        try:
+            text = (Path(folder) / "version.py").read_text()
+        except OSError:
+            continue
+        found = re.search(r"^__version__\s*=\s*['\"]([^'\"]+)['\"]", text, re.M)
+        if found:
+            return found.group(1)
     from importlib import metadata
 
     try:
-        version = metadata.version("torch")
+        return metadata.version("torch")
     except metadata.PackageNotFoundError:
+        return None
+
+
+def find_built() -> Path | None:
+    """The library built for the installed torch, if there is one, found without
+    importing torch; either C++ ABI, which one version string never has two of. None:
+    not built, or torch not installed."""
+    version = torch_version()
+    if version is None:
         return None
     for abi in (1, 0):
         path = library_path(tag(version, abi))

@@ -207,13 +207,26 @@ print("ok")
 
 def test_a_second_warm_finds_the_op_library_without_importing_torch(tmp_path):
     torch = pytest.importorskip("torch", reason="PyTorch is an optional extra")
-    from importlib import metadata
 
     env = dict(os.environ, FASTATTN_TORCH_OPS_DIR=str(tmp_path / "ops"))
-    r = subprocess.run([sys.executable, "-c", _FIND_BUILT, metadata.version("torch"),
+    r = subprocess.run([sys.executable, "-c", _FIND_BUILT, str(torch.__version__),  # what a build's tag holds
                         str(int(torch._C._GLIBCXX_USE_CXX11_ABI))], capture_output=True, text=True, timeout=120,
                        env=env, cwd=str(tmp_path))
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
+
+
+def test_the_torch_version_is_read_without_importing_torch_even_without_metadata(tmp_path):
+    """A torch with no dist-info (built from source, copied into an image): its
+    version.py still names it, as torch.__version__ would."""
+    fake = tmp_path / "torch"
+    fake.mkdir()
+    (fake / "__init__.py").write_text("raise RuntimeError('imported')\n")
+    (fake / "version.py").write_text("__version__ = '9.9.9+fake'\ngit_version = 'x'\n")
+    code = "import sys; from fastattn import _opslib; print(_opslib.torch_version(), 'torch' in sys.modules)"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env, cwd=here)
+    assert r.returncode == 0 and r.stdout.split() == ["9.9.9+fake", "False"], r.stderr[-2000:]
 
 
 def test_python_dash_m_runs():

@@ -33,6 +33,7 @@
 #include <mutex>
 #include <shared_mutex>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "fastattn_abi.h"
@@ -227,9 +228,10 @@ struct ThreadWorkspaces {
         g_threads->push_back(this);
     }
     ~ThreadWorkspaces() {
+        std::vector<KeptWorkspace> released;  // freed after the lock is released
         std::lock_guard<std::mutex> lock(g_workspace_lock);
         g_threads->erase(std::find(g_threads->begin(), g_threads->end(), this));
-        kept.clear();
+        released.swap(kept);
     }
 };
 thread_local ThreadWorkspaces t_workspaces;
@@ -242,14 +244,25 @@ Tensor workspace(int64_t size, const Tensor &q, const c10::Stream &stream) {
     if (size > kKeptWorkspaceMax || g_abi->stream_capturing(reinterpret_cast<intptr_t>(stream.native_handle())) != 0) {
         return at::empty({size}, bytes);  // capturing, or the query failed: the safe choice
     }
-    std::lock_guard<std::mutex> lock(g_workspace_lock);  // uncontended but for clear() and the accounting
-    for (auto &kept : t_workspaces.kept) {
-        if (kept.stream != stream) continue;
-        if (kept.buffer.numel() < size) kept.buffer = at::empty({grain(size)}, bytes);
-        return kept.buffer;
+    // Named before the lock: a thread's first use constructs it, and its constructor takes the lock.
+    ThreadWorkspaces &mine = t_workspaces;
+    {
+        std::lock_guard<std::mutex> lock(g_workspace_lock);  // uncontended but for clear() and the accounting
+        for (const auto &kept : mine.kept) {
+            if (kept.stream == stream && kept.buffer.numel() >= size) return kept.buffer;
+        }
     }
-    t_workspaces.kept.push_back({stream, at::empty({grain(size)}, bytes)});
-    return t_workspaces.kept.back().buffer;
+    // None yet on this stream, or too small: allocated and the old one freed outside the
+    // lock (the allocator may record Python stack traces, which take the GIL).
+    Tensor fresh = at::empty({grain(size)}, bytes), old;
+    std::lock_guard<std::mutex> lock(g_workspace_lock);
+    for (auto &kept : mine.kept) {
+        if (kept.stream != stream) continue;
+        old = std::exchange(kept.buffer, fresh);  // destroyed after the lock is released (declared before it)
+        return fresh;
+    }
+    mine.kept.push_back({stream, fresh});
+    return fresh;
 }
 
 void run(const Entry &e, int direction, const Tensor &q, intptr_t *slots) {
@@ -445,8 +458,12 @@ void clear() {
         for (auto &kv : g_table) Py_XDECREF(kv.second.plan);
         g_table.clear();
     }
+    std::vector<KeptWorkspace> released;  // freed after the lock is released
     std::lock_guard<std::mutex> lock(g_workspace_lock);
-    for (ThreadWorkspaces *t : *g_threads) t->kept.clear();
+    for (ThreadWorkspaces *t : *g_threads) {
+        for (auto &kept : t->kept) released.push_back(std::move(kept));
+        t->kept.clear();
+    }
 }
 
 // Bytes of workspace kept for reuse (fastattn.torch's memory accounting, tests).
