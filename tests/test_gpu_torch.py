@@ -14,6 +14,7 @@ from fastattn.torch import _autograd, _dense, _native, _plans, _varlen  # noqa: 
 from fastattn import AttentionConfig  # noqa: E402
 
 from gpu_helpers import alibi_slopes, allowed  # noqa: E402
+from torch_helpers import Block  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -114,20 +115,6 @@ def test_deterministic_backward_is_bitwise_stable():
     for _ in range(2):
         again = torch.autograd.grad(o, (q, k, v), d_o, retain_graph=True)
         assert all(torch.equal(a, b) for a, b in zip(first, again))
-
-
-class Block(torch.nn.Module):
-    def __init__(self, dim=256, heads=4):
-        super().__init__()
-        self.heads = heads
-        self.qkv = torch.nn.Linear(dim, 3 * dim)
-        self.out = torch.nn.Linear(dim, dim)
-
-    def forward(self, x):
-        b, s, d = x.shape
-        q, k, v = self.qkv(x).view(b, s, 3, self.heads, d // self.heads).unbind(2)
-        o = fastattn.torch.attention(q, k, v, causal=True)
-        return self.out(o.reshape(b, s, d))
 
 
 def test_torch_compile_fullgraph_matches_eager():

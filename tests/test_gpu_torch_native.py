@@ -22,6 +22,7 @@ import fastattn  # noqa: E402
 import fastattn.torch  # noqa: E402,F401
 from fastattn import AttentionConfig, runtime  # noqa: E402
 from fastattn.torch import _dense, _native  # noqa: E402  (_varlen's ops come with the library)
+from torch_helpers import Block  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -250,19 +251,6 @@ def test_a_training_step_looks_up_each_plan_once(lib, monkeypatch):
         steps.append(len(calls))
     torch.cuda.synchronize()
     assert steps[0] <= 2 and steps == [steps[0]] * 5  # a shape no other test uses: 2, the forward's and backward's
-
-
-class Block(torch.nn.Module):
-    def __init__(self, dim=256, heads=4):
-        super().__init__()
-        self.heads = heads
-        self.qkv = torch.nn.Linear(dim, 3 * dim)
-        self.out = torch.nn.Linear(dim, dim)
-
-    def forward(self, x):
-        b, s, d = x.shape
-        q, k, v = self.qkv(x).view(b, s, 3, self.heads, d // self.heads).unbind(2)
-        return self.out(fastattn.torch.attention(q, k, v, causal=True).reshape(b, s, d))
 
 
 def test_torch_compile_fullgraph_records_the_native_op(lib):
