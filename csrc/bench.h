@@ -22,11 +22,15 @@ enum class Mode : int {
     // cudnn-frontend's uid-to-pointer map execute, the map built per call as the
     // frontend's samples (and PyTorch's cuDNN attention) build theirs.
     kFrontendUidMap = 2,
+    // kFrontendSorted with the launch preamble (device current, this thread's handle, its
+    // stream bound) paid per call, as any caller of cudnn-frontend pays it: kFastattn
+    // less its pointer checks.
+    kFrontendSortedPreamble = 3,
 };
 
 // Seconds for `iters` back-to-back launches of `g` in `mode`, looped in C++. `slots`
 // as for execute (kNumSlots addresses indexed by Slot). Device and stream are set
-// once outside the loop for the frontend modes and by each call for kFastattn.
+// once outside the loop for kFrontendSorted and kFrontendUidMap, by each call for the others.
 Status time_execute(const Graph *g, Direction dir, int device, const intptr_t *slots, intptr_t workspace,
                     intptr_t stream, Mode mode, int iters, double *seconds);
 

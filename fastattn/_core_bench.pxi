@@ -6,21 +6,24 @@ cdef extern from "bench.h" namespace "fastattn::bench" nogil:
         kFastattn
         kFrontendSorted
         kFrontendUidMap
+        kFrontendSortedPreamble
 
     Status time_execute(const Graph* g, Direction dir, int device, const intptr_t* slots, intptr_t workspace,
                         intptr_t stream, Mode mode, int iters, double* seconds)
     uint64_t graph_slots(const Graph* g)
 
 
-cdef dict _BENCH_MODES = {"fastattn": 0, "frontend_sorted": 1, "frontend_uid_map": 2}
+cdef dict _BENCH_MODES = {"fastattn": 0, "frontend_sorted": 1, "frontend_uid_map": 2, "frontend_sorted_preamble": 3}
 
 
 def bench_execute(Plan plan, str direction, str mode, int iters, intptr_t workspace=0, intptr_t stream=0,
                   **tensors):
     """Seconds for `iters` launches of the plan's `direction` graph looped in C++, in
     `mode`: "fastattn" (the C++ execute behind plan.forward/backward, checks included),
-    "frontend_sorted" (cudnn-frontend's cheapest execute on the same plan, no checks:
-    the floor) or "frontend_uid_map" (its uid-map execute, the map built per call).
+    "frontend_sorted" (cudnn-frontend's cheapest execute on the same plan, no checks,
+    device and stream set once: the floor), "frontend_sorted_preamble" (the same with
+    device, handle and stream set per call, as a caller of cudnn-frontend pays them) or
+    "frontend_uid_map" (its uid-map execute, the map built per call).
     `tensors`: device addresses by name, as forward/backward take them (with
     config.host_seed, seed and offset are the values). For tools/ benchmarks only: a
     hook outside the production interface (csrc/bench.h)."""

@@ -187,6 +187,12 @@ def test_varlen_meta_and_cpp_autograd(lib, training):
         assert o.grad_fn is None
 
 
+def test_the_eager_profile_hook_refuses_cpu_tensors_and_bad_iters(lib):
+    q, k, v = dense(device="cpu")
+    with pytest.raises(ValueError, match="profile_eager: q on cpu"):
+        lib.profile_eager(q, k, v, 10)
+
+
 def test_varlen_cpu_tensors_get_a_clear_error(lib):
     q = torch.empty(8, 2, 8, dtype=torch.float16)
     cu = torch.zeros(2, dtype=torch.int32)

@@ -98,9 +98,11 @@ def bench_host_overhead(args) -> dict:
         "fastattn_cpp_execute_us": cpp(p, "forward", "fastattn", fwd),
         "cudnn_frontend_cpp_execute_us": cpp(p, "forward", "frontend_sorted", fwd),
         "cudnn_frontend_uid_map_execute_us": cpp(p, "forward", "frontend_uid_map", fwd),
+        "cudnn_frontend_preamble_execute_us": cpp(p, "forward", "frontend_sorted_preamble", fwd),
         "fastattn_cpp_execute_bwd_us": cpp(tp, "backward", "fastattn", bwd),
         "cudnn_frontend_cpp_execute_bwd_us": cpp(tp, "backward", "frontend_sorted", bwd),
         "cudnn_frontend_uid_map_execute_bwd_us": cpp(tp, "backward", "frontend_uid_map", bwd),
+        "cudnn_frontend_preamble_execute_bwd_us": cpp(tp, "backward", "frontend_sorted_preamble", bwd),
     }
     res = {"shape": f"{args.batch}x{args.heads}x{args.seqlen}x{args.head_dim} bf16 causal", "engine": p.forward_engine,
            "iters_per_sample": iters, "samples": args.repeats}
@@ -149,6 +151,9 @@ def bench_host_overhead(args) -> dict:
         ours = res[f"fastattn_cpp_execute{sfx}_us"]
         res[f"ratio_cpp_execute_to_frontend_sorted{sfx}"] = ours / res[f"cudnn_frontend_cpp_execute{sfx}_us"]
         res[f"ratio_cpp_execute_to_frontend_uid_map{sfx}"] = ours / res[f"cudnn_frontend_uid_map_execute{sfx}_us"]
+        # The same launches with the device, handle and stream set per call, as a caller
+        # of cudnn-frontend sets them: what fastattn's pointer checks cost on their own.
+        res[f"ratio_cpp_execute_to_frontend_preamble{sfx}"] = ours / res[f"cudnn_frontend_preamble_execute{sfx}_us"]
     # Issue 16's bar: the checked path at most a few microseconds over the int path.
     for k in ("device_tensors", "torch_tensors"):
         if f"fastattn_plan_forward_{k}_us" in res:
@@ -278,7 +283,9 @@ def main(argv=None) -> int:
               f" frontend sorted {h[f'cudnn_frontend_cpp_execute{sfx}_us']:.2f}"
               f" (ratio {h[f'ratio_cpp_execute_to_frontend_sorted{sfx}']:.3f}),"
               f" frontend uid map {h[f'cudnn_frontend_uid_map_execute{sfx}_us']:.2f}"
-              f" (ratio {h[f'ratio_cpp_execute_to_frontend_uid_map{sfx}']:.3f})")
+              f" (ratio {h[f'ratio_cpp_execute_to_frontend_uid_map{sfx}']:.3f}),"
+              f" frontend sorted + preamble per call {h[f'cudnn_frontend_preamble_execute{sfx}_us']:.2f}"
+              f" (ratio {h[f'ratio_cpp_execute_to_frontend_preamble{sfx}']:.3f})")
     if "torch_sdpa_cudnn_us" in h:
         print(f"  torch sdpa cudnn {h['torch_sdpa_cudnn_us']:.2f} us, flash {h['torch_sdpa_flash_us']:.2f} us;"
               f" fastattn/torch-cudnn {h['ratio_fastattn_to_torch_cudnn']:.3f}")

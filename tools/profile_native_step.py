@@ -2,8 +2,10 @@
 (issue 17): the pieces of an inference call and of a training step, each timed on its
 own in one process (median of 15 samples; the GPU queue is drained between samples).
 
-Inference: attention() whole; its eager entry called directly (no Python wrapper);
-the dispatcher's op (torch.ops) called directly; plan.forward with ints (the Cython
+Inference: attention() whole; its eager entry called directly (no Python wrapper), and
+its pieces looped in C++ (the op library's profile_eager: plan lookup, output
+allocation, stream, capture check, workspace, execute, GIL release, wrapping); the
+dispatcher's op (torch.ops) called directly; plan.forward with ints (the Cython
 floor); SDPA cuDNN. Training: a whole step (forward, then backward through
 torch.autograd.grad); the forward alone with gradients on (what the autograd node
 costs); the backward alone (autograd.grad with retain_graph on one graph: the engine
@@ -59,6 +61,12 @@ def main(argv=None) -> int:
         res["inference_dispatcher_op"] = _us(lambda: dense(q, k, v, None, None, None, None, None, *opts, False, 0.0,
                                                            False))
         res["empty_like"] = _us(lambda: torch.empty_like(q))
+        # The eager entry's pieces, each looped in C++ (ops.cpp's profile.inc): medians of 15 samples.
+        lib = _native.library()
+        pieces = [lib.profile_eager(q, k, v, 2000) for _ in range(15)]
+        for name in pieces[0]:
+            res[f"eager_piece_{name}"] = statistics.median(p[name] for p in pieces)
+        res["eager_piece_wrap_o"] = res["eager_piece_allocate_and_wrap_o"] - res["eager_piece_allocate_o"]
         # The floors under the eager entry: plan.forward with ints (Cython), and
         # cudnn-frontend's execute looped in C++ on the same plan and pointers.
         c = _dense.plan_for(q, k, v, None, None, None, None, None,

@@ -29,6 +29,7 @@
 
 #include <algorithm>
 #include <array>
+#include <chrono>
 #include <cstring>
 #include <mutex>
 #include <shared_mutex>
@@ -430,6 +431,7 @@ Grads backward_cpu(const Tensor &, const Tensor &, const Tensor &, const Tensor 
 #include "varlen.inc"  // attention_varlen's ops: the same table, run and conventions
 #include "paged.inc"   // attention_paged's (forward only)
 #include "eager.inc"   // attention()'s eager entry, past torch.ops and the dispatcher
+#include "profile.inc"  // the eager entry taken apart, for tools/profile_native_step.py
 
 // ---- Python: initialization and introspection -------------------------------------------------
 
@@ -536,6 +538,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("init", &init, "init(abi_capsule, miss_handler): the _core C ABI and the Python miss handler");
     m.def("table_size", &table_size, "plans in the C++ table");
     m.def("clear", &clear, "forget every plan and release the kept workspaces (only while no op runs)");
+    m.def("profile_eager", &profile_eager, "the eager entry's pieces timed in C++ (tools/profile_native_step.py)");
     m.def("kept_workspace_bytes", &kept_workspace_bytes, "bytes of workspace kept per thread and stream for reuse");
     static PyMethodDef eager_def{"attention", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&eager_attention)),
                                  METH_FASTCALL, kEagerDoc};
