@@ -2,8 +2,6 @@
 
 import itertools
 
-import threading
-
 import pytest
 
 torch = pytest.importorskip("torch", reason="PyTorch is an optional extra (pip install torch)")
@@ -14,7 +12,7 @@ from fastattn.torch import _autograd, _dense, _native, _plans, _varlen  # noqa: 
 from fastattn import AttentionConfig  # noqa: E402
 
 from gpu_helpers import alibi_slopes, allowed  # noqa: E402
-from torch_helpers import Block  # noqa: E402
+from torch_helpers import Block, in_threads  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -219,23 +217,7 @@ def test_threads_calling_on_one_stream_match_serial_calls(torch_path):
     inputs = [[torch.randn(shapes[i % 2], device="cuda", dtype=torch.bfloat16) for _ in range(3)] for i in range(8)]
     expected = [fastattn.torch.attention(*x, causal=True) for x in inputs]
     torch.cuda.synchronize()
-    barrier = threading.Barrier(8)
-    outs, errors = {}, []
-
-    def worker(i):
-        try:
-            barrier.wait()
-            outs[i] = [fastattn.torch.attention(*inputs[i], causal=True) for _ in range(20)]
-            torch.cuda.current_stream().synchronize()
-        except BaseException as e:  # noqa: BLE001 - reported below
-            errors.append(e)
-
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors
+    outs = in_threads(8, lambda i: [fastattn.torch.attention(*inputs[i], causal=True) for _ in range(20)])
     for i in range(8):
         assert all(torch.equal(o, expected[i]) for o in outs[i]), i
 

@@ -22,7 +22,7 @@ import fastattn  # noqa: E402
 import fastattn.torch  # noqa: E402,F401
 from fastattn import AttentionConfig, runtime  # noqa: E402
 from fastattn.torch import _dense, _native  # noqa: E402  (_varlen's ops come with the library)
-from torch_helpers import Block  # noqa: E402
+from torch_helpers import Block, in_threads  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -361,25 +361,7 @@ def test_sixteen_threads_on_new_shapes_build_each_plan_once(lib):
     inputs = {s: [torch.randn(s, device="cuda", dtype=torch.bfloat16) for _ in range(3)] for s in shapes}
     torch.cuda.synchronize()
     before = runtime.stats()
-    barrier = threading.Barrier(16)
-    outs, errors = {}, []
-
-    def worker(i):
-        shape = shapes[i % 4]
-        try:
-            barrier.wait()
-            o = fastattn.torch.attention(*inputs[shape], causal=True)
-            torch.cuda.current_stream().synchronize()
-            outs[i] = o
-        except BaseException as e:  # noqa: BLE001 - reported below
-            errors.append(e)
-
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(16)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors
+    outs = in_threads(16, lambda i: fastattn.torch.attention(*inputs[shapes[i % 4]], causal=True))
     after = runtime.stats()
     made = (after["builds"] - before["builds"]) + (after["deserializations"] - before["deserializations"])
     assert made == 4

@@ -343,3 +343,13 @@ def test_varlen_indices_share_equal_offsets_and_keep_every_value(same, hq, hkv, 
     distinct = len({id(t) for t in ix.values()})
     if same and hq == hkv and dqk == dv:  # self-attention, MHA: 2 kernels (3 training) instead of 6 (7)
         assert distinct == 2 + training
+
+
+def test_the_gpu_tests_thread_helper_collects_results_and_raises_errors():
+    from torch_helpers import in_threads
+
+    seen = set()
+    assert in_threads(6, lambda i: seen.add(threading.get_ident()) or i * i) == {i: i * i for i in range(6)}
+    assert len(seen) == 6  # each call on a thread of its own
+    with pytest.raises(ZeroDivisionError):
+        in_threads(3, lambda i: 1 // (i - 1))

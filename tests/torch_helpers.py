@@ -1,5 +1,7 @@
 """What the fastattn.torch GPU tests share (gpu_helpers.py stays free of PyTorch)."""
 
+import threading
+
 import torch
 
 import fastattn.torch
@@ -19,3 +21,29 @@ class Block(torch.nn.Module):
         b, s, d = x.shape
         q, k, v = self.qkv(x).view(b, s, 3, self.heads, d // self.heads).unbind(2)
         return self.out(fastattn.torch.attention(q, k, v, causal=True).reshape(b, s, d))
+
+
+def in_threads(n, fn):
+    """fn(i) in n threads released together (a barrier), each then draining its current
+    stream (where there is CUDA); their results by i. Raises the first exception a
+    thread raised."""
+    barrier = threading.Barrier(n)
+    results, errors = {}, []
+
+    def worker(i):
+        try:
+            barrier.wait()
+            results[i] = fn(i)
+            if torch.cuda.is_available():
+                torch.cuda.current_stream().synchronize()
+        except BaseException as e:  # noqa: BLE001 - raised below, in the caller's thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return results
