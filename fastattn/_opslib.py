@@ -46,26 +46,34 @@ def library_path(build_tag: str, root: Path | None = None) -> Path:
     return (root or build_root()) / build_tag / (name + importlib.machinery.EXTENSION_SUFFIXES[0])
 
 
+def version_in(folder: Path) -> str | None:
+    """The __version__ a torch package folder's version.py assigns; None where that
+    file is missing, unreadable or says nothing usable (any bytes: never raises)."""
+    import re
+
+    try:
+        text = (Path(folder) / "version.py").read_text(encoding="utf-8", errors="replace")
+    except (OSError, ValueError):
+        return None
+    found = re.search(r"^__version__\s*=\s*['\"]([^'\"\n]+)['\"]", text, re.M)
+    return found.group(1) if found else None
+
+
 def torch_version() -> str | None:
     """The installed torch's version as torch.__version__ gives it, read from its
     torch/version.py without importing torch; package metadata where that file is not
     there. None: torch is not installed. (Metadata alone can miss: a torch installed
     without a dist-info, or one whose metadata spells the version differently.)"""
     import importlib.util
-    import re
 
     try:
         spec = importlib.util.find_spec("torch")
     except (ImportError, ValueError):
         spec = None
     for folder in (spec.submodule_search_locations or []) if spec is not None else []:
-        try:
-            text = (Path(folder) / "version.py").read_text()
-        except OSError:
-            continue
-        found = re.search(r"^__version__\s*=\s*['\"]([^'\"]+)['\"]", text, re.M)
+        found = version_in(folder)
         if found:
-            return found.group(1)
+            return found
     from importlib import metadata
 
     try:

@@ -152,3 +152,18 @@ def test_cache(fake, argv):
 def test_top_level(fake, argv):
     _run(argv)
 
+
+
+@given(body=st.one_of(st.binary(max_size=200),
+                      st.text(max_size=80).map(lambda t: f"__version__ = '{t}'\n".encode("utf-8", "surrogatepass"))))
+@settings(max_examples=150, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_a_torch_version_file_of_any_bytes_gives_a_version_or_none(tmp_path, body):
+    """`fastattn warm` reads torch/version.py to find a built op library without importing
+    torch: whatever that file holds, the answer is a one-line version string or None."""
+    from fastattn import _opslib
+
+    (tmp_path / "version.py").write_bytes(body)
+    found = _opslib.version_in(tmp_path)
+    assert found is None or (isinstance(found, str) and found and "\n" not in found)
+    assert _opslib.version_in(tmp_path / "missing") is None
