@@ -353,3 +353,21 @@ def test_the_gpu_tests_thread_helper_collects_results_and_raises_errors():
     assert len(seen) == 6  # each call on a thread of its own
     with pytest.raises(ZeroDivisionError):
         in_threads(3, lambda i: 1 // (i - 1))
+
+
+@pytest.mark.parametrize("layout", ["bshd", "sbhd", "bhsd"])
+def test_config_shape_reads_sizes_and_strides_in_the_layout(layout):
+    from fastattn.torch._plans import AXES, config_shape
+
+    b, sq, skv, hq, hkv, dqk, dv = 2, 5, 7, 6, 3, 8, 16
+    order = {"bshd": lambda s, h, d: (b, s, h, d), "sbhd": lambda s, h, d: (s, b, h, d),
+             "bhsd": lambda s, h, d: (b, h, s, d)}[layout]
+    q, k, v = (torch.empty(order(s, h, d), device="meta") for s, h, d in ((sq, hq, dqk), (skv, hkv, dqk), (skv, hkv, dv)))
+    got = config_shape(q, k, v, None, layout)
+    assert {key: val for key, val in got.items() if key != "layout"} == dict(
+        batch=b, heads_q=hq, heads_kv=hkv, seqlen_q=sq, seqlen_kv=skv, head_dim_qk=dqk, head_dim_v=dv)
+    axes = AXES[layout]
+    for name, t in (("q", q), ("k", k), ("v", v), ("o", torch.empty(order(sq, hq, dv), device="meta"))):
+        assert got["layout"][name] == tuple(t.stride()[a] for a in axes), name
+    o = torch.empty(order(sq, hq, dv), device="meta").transpose(0, 1)  # o given: its own strides
+    assert config_shape(q, k, v, o, layout)["layout"]["o"] == tuple(o.stride()[a] for a in axes)

@@ -19,7 +19,7 @@ from ..errors import InvalidArgumentError
 from . import _autograd, _native
 from ._plans import check_shapes
 from ._plans import options as check_options
-from ._plans import (AXES, DTYPES, Cached, alignment_name, bottom_right, check_qkv_tensors, logical, mask_name,
+from ._plans import (AXES, DTYPES, Cached, alignment_name, bottom_right, check_qkv_tensors, config_shape, mask_name,
                      out_shape, plans, raw_stream, remember, stats_shape, tensor_key, workspace)
 
 
@@ -62,15 +62,8 @@ def plan_for(q, k, v, o, seq_len_q, seq_len_kv, bias, sink, options: DenseOption
     layout = options.layout
     _check(q, k, v, layout, seq_len_q, seq_len_kv)
     _check_extras(q, k, layout, bias, sink)
-    if o is None:
-        o = q.new_empty(out_shape(q, v, layout), device="meta")  # only its strides are needed
-    (b, hq, sq, dqk), q_st = logical(q, layout)
-    (_, hkv, skv, _), k_st = logical(k, layout)
-    (_, _, _, dv), v_st = logical(v, layout)
-    _, o_st = logical(o, layout)
     cfg = AttentionConfig(
-        batch=b, heads_q=hq, heads_kv=hkv, seqlen_q=sq, seqlen_kv=skv, head_dim_qk=dqk, head_dim_v=dv,
-        dtype=DTYPES[q.dtype], layout={"q": q_st, "k": k_st, "v": v_st, "o": o_st},
+        **config_shape(q, k, v, o, layout), dtype=DTYPES[q.dtype],
         mask=mask_name(options.causal, options.bottom_right), window=(options.window_left, options.window_right),
         alignment=alignment_name(options.bottom_right), scale=None if options.scale <= 0 else options.scale,
         training=options.training,

@@ -23,7 +23,7 @@ import torch
 
 from ..config import AttentionConfig
 from ..errors import InvalidArgumentError
-from ._plans import (AXES, Cached, check_shapes, logical, mask_name, out_shape, plans, raw_stream, remember,
+from ._plans import (AXES, Cached, check_shapes, config_shape, mask_name, out_shape, plans, raw_stream, remember,
                      stats_shape, workspace)
 from ._plans import options as check_options
 
@@ -86,16 +86,9 @@ def plan_for(q, k, v, o, scalars, names, seq_len_q, seq_len_kv, options: Fp8Opti
     check(q, k, v, layout, seq_len_q, seq_len_kv)
     for name, s in zip(names, scalars):
         check_scalar(name, s, q.device)
-    if o is None:
-        o = q.new_empty(out_shape(q, v, layout), device="meta")
-    (b, hq, sq, dqk), q_st = logical(q, layout)
-    (_, hkv, skv, _), k_st = logical(k, layout)
-    (_, _, _, dv), v_st = logical(v, layout)
-    _, o_st = logical(o, layout)
     cfg = AttentionConfig(
-        batch=b, heads_q=hq, heads_kv=hkv, seqlen_q=sq, seqlen_kv=skv, head_dim_qk=dqk, head_dim_v=dv,
-        dtype=FP8[q.dtype], out_dtype=options.out_dtype, grad_dtype=options.grad_dtype,
-        layout={"q": q_st, "k": k_st, "v": v_st, "o": o_st}, mask=mask_name(options.causal, options.bottom_right),
+        **config_shape(q, k, v, o, layout), dtype=FP8[q.dtype], out_dtype=options.out_dtype,
+        grad_dtype=options.grad_dtype, mask=mask_name(options.causal, options.bottom_right),
         window=(options.window_left, options.window_right), scale=None if options.scale <= 0 else options.scale,
         training=options.training, deterministic=options.deterministic, padding=seq_len_q is not None)
     return remember(key, cfg, q, k, v, layout)

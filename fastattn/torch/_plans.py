@@ -127,6 +127,20 @@ def logical(t: torch.Tensor, layout: str) -> tuple[tuple[int, ...], tuple[int, .
     return tuple(shape[a] for a in axes), tuple(stride[a] for a in axes)
 
 
+def config_shape(q, k, v, o, layout: str) -> dict:
+    """The AttentionConfig fields that q, k, v and o give: sizes in (batch, head, seq,
+    dim) order and each tensor's strides (o None: the forward's own output, contiguous
+    in the layout)."""
+    if o is None:
+        o = q.new_empty(out_shape(q, v, layout), device="meta")  # only its strides are needed
+    (b, hq, sq, dqk), q_st = logical(q, layout)
+    (_, hkv, skv, _), k_st = logical(k, layout)
+    (_, _, _, dv), v_st = logical(v, layout)
+    _, o_st = logical(o, layout)
+    return dict(batch=b, heads_q=hq, heads_kv=hkv, seqlen_q=sq, seqlen_kv=skv, head_dim_qk=dqk, head_dim_v=dv,
+                layout={"q": q_st, "k": k_st, "v": v_st, "o": o_st})
+
+
 def out_shape(q: torch.Tensor, v: torch.Tensor, layout: str) -> list[int]:
     """o has q's shape with v's head dim."""
     shape = list(q.shape)
