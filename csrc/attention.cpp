@@ -491,35 +491,54 @@ Status deserialize_graph(const uint8_t *data, size_t size, const Config &cfg, Di
     });
 }
 
+namespace {
+
+// Why execute refused its pointers, slot by slot (execute's error path).
+Status slot_error(const Graph &g, const intptr_t *slots, intptr_t workspace) {
+    for (int s = 0; s < kNumSlots; ++s) {
+        if (slots[s] != 0 && !(g.slots & bit(static_cast<Slot>(s)))) {
+            return error(Code::kInvalidArgument, std::string(kSlots[s].name) + " given, but " + kSlots[s].absent);
+        }
+    }
+    for (int i = 0; i < g.n; ++i) {
+        const int s = g.order[i];
+        if (g.by_value & (uint64_t{1} << s)) {  // a host int64, read by cuDNN during the call
+            if (slots[s] == 0) return error(Code::kInvalidArgument, std::string(kSlots[s].name) + " is null");
+        } else {
+            FA_RETURN_IF_ERROR(check_pointer(slots[s], kSlots[s].name));
+        }
+    }
+    return check_workspace(g, workspace);
+}
+
+}  // namespace
+
 Status execute(const Graph *g, Direction dir, int device, const intptr_t *slots, intptr_t workspace,
                intptr_t stream) {
     if (g == nullptr || g->dir != dir) {
         return error(Code::kInvalidArgument,
                      dir == Direction::kForward ? "not a forward graph" : "not a backward graph");
     }
-    // One branch-free pass finds a pointer the plan does not take; only then is the
-    // culprit looked for (an error path).
-    uint64_t given = 0;
-    for (int s = 0; s < kNumSlots; ++s) given |= static_cast<uint64_t>(slots[s] != 0) << s;
-    if (const uint64_t extra = given & ~g->slots) {
-        int s = 0;
-        while (!(extra & (uint64_t{1} << s))) ++s;
-        return error(Code::kInvalidArgument, std::string(kSlots[s].name) + " given, but " + kSlots[s].absent);
+    // Every check in one branch-free pass over the slots: a pointer the plan does not
+    // take, one it takes missing, a device pointer not 16-byte aligned, the workspace.
+    // Only a refusal looks for the culprit (slot_error), so a call pays no per-slot
+    // branches or Status objects.
+    uint64_t given = 0, misaligned = 0;
+    for (int s = 0; s < kNumSlots; ++s) {
+        const auto p = static_cast<uintptr_t>(slots[s]);
+        given |= static_cast<uint64_t>(p != 0) << s;
+        misaligned |= static_cast<uint64_t>(p % kAlignment != 0) << s;
+    }
+    const auto ws = static_cast<uintptr_t>(workspace);
+    const bool bad_workspace = g->workspace > 0 && (ws == 0 || ws % kAlignment != 0);
+    if (given != g->slots || (misaligned & ~g->by_value) != 0 || bad_workspace) {
+        return slot_error(*g, slots, workspace);
     }
     // The variant pack, filled in place in cuDNN's order. On the stack, not kept with
     // the plan: plans are shared between threads and execute runs without the GIL, so
     // a per-plan array would be written by two launches at once.
     void *pack[kNumSlots];
-    for (int i = 0; i < g->n; ++i) {
-        const int s = g->order[i];
-        if (g->by_value & (uint64_t{1} << s)) {  // a host int64, read by cuDNN during the call
-            if (slots[s] == 0) return error(Code::kInvalidArgument, std::string(kSlots[s].name) + " is null");
-        } else {
-            FA_RETURN_IF_ERROR(check_pointer(slots[s], kSlots[s].name));
-        }
-        pack[i] = reinterpret_cast<void *>(slots[s]);
-    }
-    FA_RETURN_IF_ERROR(check_workspace(*g, workspace));
+    for (int i = 0; i < g->n; ++i) pack[i] = reinterpret_cast<void *>(slots[g->order[i]]);
     return run(*g, device, pack, g->n, workspace, stream);
 }
 

@@ -13,6 +13,7 @@ build each plan once. test_gpu_torch.py runs every fastattn.torch test on both p
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -210,6 +211,28 @@ def test_the_eager_entry_runs_no_python_on_a_hit(lib):
     finally:
         sys.setprofile(None)
     assert python_calls == []
+    # attention() itself: its own frame and dynamo's flag (torch.compiler's), then the C
+    # entry (call), for inference and training.
+    frames = []
+
+    def profile_frames(frame, event, arg):
+        if event == "call":
+            frames.append((frame.f_code.co_qualname, frame.f_code.co_filename))
+
+    def calls():
+        fastattn.torch.attention(*inference[:3], causal=True)
+        fastattn.torch.attention(q, k, v, causal=True, window=(64, 0), scale=0.125)
+
+    calls()  # the second call's misses
+    sys.setprofile(profile_frames)
+    try:
+        for _ in range(5):
+            calls()
+    finally:
+        sys.setprofile(None)
+    ours = {(name, Path(file).name) for name, file in frames if "fastattn" in file}
+    theirs = {Path(file).parent.name for name, file in frames if "fastattn" not in file}
+    assert ours == {("attention", "_dense.py")} and theirs <= {"compiler"}, frames
 
 
 @pytest.mark.parametrize("training", (False, True), ids=("inference", "training"))
@@ -220,10 +243,13 @@ def test_the_eager_entry_and_the_dispatcher_op_agree_bitwise(lib, training):
     q, k, v = (torch.randn(2, 200, h, 64, device="cuda", dtype=torch.bfloat16) for h in (8, 2, 2))
     d_o = torch.randn_like(q)
     results = []
-    for call in ("eager", "dispatcher"):
+    for call in ("call", "eager", "dispatcher"):
         leaves = [t.clone().requires_grad_(training) for t in (q, k, v)]
         poison_allocator()
-        if call == "eager":
+        if call == "call":  # attention()'s own arguments, read in C
+            o = _native.CALL(*leaves, True, False, (16, 0), None, "bshd", True, None, None, False, None, 0.0, None,
+                             "top_left", False)
+        elif call == "eager":
             o = _native.EAGER(*leaves, None, None, None, None, None, 1 | 4, 16, 0, 0.0, 0.0)  # causal, deterministic
         else:
             o = _native.DENSE[0](*leaves, None, None, None, None, None, "bshd", True, False, 16, 0, 0.0, True, False,
@@ -231,10 +257,12 @@ def test_the_eager_entry_and_the_dispatcher_op_agree_bitwise(lib, training):
         grads = torch.autograd.grad(o, leaves, d_o) if training else ()
         torch.cuda.synchronize()
         results.append((o, grads))
-    (o1, g1), (o2, g2) = results
-    assert torch.isfinite(o1).all() and torch.equal(o1, o2)
-    for a, b in zip(g1, g2):
-        assert torch.isfinite(a).all() and torch.equal(a, b)
+    (o1, g1), *others = results
+    assert torch.isfinite(o1).all()
+    for o2, g2 in others:
+        assert torch.equal(o1, o2)
+        for a, b in zip(g1, g2):
+            assert torch.isfinite(a).all() and torch.equal(a, b)
 
 
 def test_a_training_step_looks_up_each_plan_once(lib, monkeypatch):

@@ -11,13 +11,17 @@ import sys
 import tempfile
 import textwrap
 
+import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch", reason="PyTorch is an optional extra (pip install torch)")
 
 import fastattn  # noqa: E402
 import fastattn.torch  # noqa: E402
-from fastattn.torch import _dense, _native, _paged, _varlen  # noqa: E402
+from fastattn import _fields  # noqa: E402
+from fastattn.torch import _dense, _native, _paged, _plans, _varlen  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -256,6 +260,96 @@ def test_eager_entry_checks_its_own_arguments(lib):
         lib.attention(q, k, v, None, None, None, None, None, "causal", -1, -1, 0.0, 0.0)
 
 
+# attention()'s 17 arguments in its order, for lib.call / lib.read_call.
+CALL_DEFAULTS = dict(causal=False, causal_bottom_right=False, window=None, scale=None, layout="bshd",
+                     deterministic=False, seq_lens_q=None, seq_lens_kv=None, alibi=False, bias=None, dropout_p=0.0,
+                     sinks=None, alignment="top_left", return_lse=False)
+
+
+def call_args(q, k, v, **kw):
+    return (q, k, v, *{**CALL_DEFAULTS, **kw}.values())
+
+
+# Values of each scalar argument, the ones read_call takes and ones it must hand back.
+_any_bool = st.sampled_from([True, False, 0, 1, None, "true", 1.0, np.bool_(True)])
+_bound = st.one_of(st.integers(-3, 3), st.sampled_from([2**31 - 1, 2**31, -(2**70), 2**70, True, None, 1.5, "0",
+                                                         np.int64(4)]))
+_window = st.one_of(st.none(), st.tuples(_bound, _bound), st.lists(_bound, min_size=1, max_size=3),
+                    st.sampled_from(["ab", {1: 2}, {1, 2}, (np.int64(1), 0)]))
+_scale = st.one_of(st.none(), st.floats(allow_nan=True, allow_infinity=True), st.integers(-2, 2),
+                   st.sampled_from([1e-50, 1e39, 3.4e38, "0.1", np.float32(0.5), True]))
+_layout = st.sampled_from(["bshd", "sbhd", "bhsd", "BSHD", "bsh", "", None, b"bshd", 0])
+_alignment = st.sampled_from(["top_left", "bottom_right", "bottom-right", "", None, 1])
+_dropout = st.one_of(st.sampled_from([0.0, -0.0, 0, False, None, "0", np.float64(0.0), 2**70, -(2**70)]),
+                     st.floats(-1, 2))
+_lse = st.sampled_from([False, True, 0, None])
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(causal=_any_bool, causal_bottom_right=_any_bool, window=_window, scale=_scale, layout=_layout,
+       deterministic=_any_bool, alibi=_any_bool, dropout_p=_dropout, alignment=_alignment, return_lse=_lse,
+       lens=st.sampled_from(["none", "q", "both", "kv only"]), extras=st.booleans())
+def test_call_takes_only_values_the_python_body_takes_with_the_same_meaning(lib, lens, extras, **kw):
+    # What the C entry takes must be what attention()'s Python body would accept, with
+    # the same meaning; whatever else it hands back (None) to the body, which checks
+    # and reports. The body's own converters decide here.
+    q, k, v = dense()
+    lengths = torch.empty(2, dtype=torch.int32, device="meta")
+    kw["seq_lens_q"] = lengths if lens in ("q", "both") else None
+    kw["seq_lens_kv"] = lengths if lens in ("both", "kv only") else None
+    if extras:
+        kw["bias"], kw["sinks"] = torch.empty(1, 1, 16, 32, device="meta"), torch.empty(4, device="meta")
+    got = lib.read_call(*call_args(q, k, v, **kw))
+    if got is None:
+        return
+    layout, causal, bottom_right, deterministic, alibi, left, right, scale, lens_kv = got
+    assert kw["layout"] in _plans.AXES and layout == _dense.LAYOUT_IDS[kw["layout"]]
+    assert (left, right, scale) == _plans.options(kw["causal"], kw["causal_bottom_right"], kw["window"], kw["scale"],
+                                                  kw["deterministic"], kw["alibi"])
+    assert bottom_right == _plans.bottom_right(kw["alignment"], kw["causal_bottom_right"])
+    assert causal == bool(kw["causal"] or kw["causal_bottom_right"])
+    assert (deterministic, alibi) == (kw["deterministic"], kw["alibi"])
+    assert _fields.check("probability", "dropout_p", kw["dropout_p"]) == 0.0
+    assert kw["return_lse"] is False
+    assert lens != "kv only" and lens_kv == (lens != "none")
+
+
+@pytest.mark.parametrize("kw", [
+    {}, {"causal": True}, {"causal_bottom_right": True}, {"window": (128, 0)}, {"window": [-1, 64]},
+    {"scale": 0.125}, {"layout": "bhsd"}, {"layout": "sbhd"}, {"alignment": "bottom_right", "causal": True},
+    {"deterministic": True}, {"alibi": True, "causal": True}, {"dropout_p": 0}, {"bias": "tensor"},
+], ids=repr)
+def test_call_takes_the_common_calls(lib, kw):
+    # The calls that should never pay for attention()'s Python body.
+    q, k, v = dense()
+    if kw.get("bias") == "tensor":
+        kw["bias"] = torch.empty(1, 1, 16, 32, device="meta")
+    assert lib.read_call(*call_args(q, k, v, **kw)) is not None
+
+
+def test_call_hands_back_what_it_does_not_run(lib):
+    q, k, v = dense(device="cpu")
+    assert lib.call(*call_args(q, k, v)) is NotImplemented  # not CUDA
+    assert lib.call(*call_args(*dense())) is NotImplemented  # meta
+    assert lib.call(*call_args(q, "k", v)) is NotImplemented
+    assert lib.call(*call_args(q, k, v, dropout_p=0.1)) is NotImplemented
+    with pytest.raises(TypeError, match=r"17 positional arguments \(3 given\)"):
+        lib.call(q, k, v)
+
+
+def test_attention_reports_through_its_python_body_with_the_c_entry_published(lib, monkeypatch):
+    # With the C entry in place, a call it hands back still gets the body's errors.
+    monkeypatch.setattr(_native, "CALL", lib.call)
+    q, k, v = dense(device="cpu")
+    with pytest.raises(fastattn.InvalidArgumentError, match="fastattn runs on CUDA tensors"):
+        fastattn.torch.attention(q, k, v, causal=True)
+    q, k, v = dense()  # meta: past the device check, to the options'
+    with pytest.raises(fastattn.InvalidArgumentError, match="causal_bottom_right"):
+        fastattn.torch.attention(q, k, v, causal=True, causal_bottom_right=True)
+    with pytest.raises(fastattn.InvalidArgumentError, match="window"):
+        fastattn.torch.attention(q, k, v, window=(-2, 0))
+
+
 def test_a_bad_layout_is_named(lib):
     q, k, v = dense()
     with pytest.raises(ValueError, match=r"layout='bsh'"):
@@ -318,8 +412,9 @@ def test_aot_autograd_traces_forward_and_backward_with_dynamic_shapes(lib, train
 def test_attention_under_torch_compile_records_the_native_op_once_decided(lib, monkeypatch):
     # attention()'s own Python under dynamo: the decided native path is traced as the
     # native op (fullgraph: no graph break on the way), with autograd through it.
-    monkeypatch.setattr(_native, "DENSE", _native.DENSE)  # restored afterwards
-    _native._publish_ops()
+    for name in ("DENSE", "VARLEN", "PAGED", "EAGER", "CALL"):
+        monkeypatch.setattr(_native, name, getattr(_native, name))  # restored afterwards
+    _native._publish_ops()  # C entry included: dynamo must trace past it
     seen = []
 
     def backend(gm, example_inputs):

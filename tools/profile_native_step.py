@@ -39,7 +39,7 @@ def main(argv=None) -> int:
     if _native.decide() is None:
         print(f"the native path is not available: {_native.status()}")
         return 1
-    eager, dense = _native.EAGER, _native.DENSE[0]
+    eager, call, dense = _native.EAGER, _native.CALL, _native.DENSE[0]
     backward_op = torch.ops.fastattn.native_attention_backward.default
     q, k, v = (torch.randn(1, 128, 8, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     qt, kt, vt = (t.transpose(1, 2).contiguous() for t in (q, k, v))
@@ -52,12 +52,22 @@ def main(argv=None) -> int:
         res["inference_attention"] = _us(lambda: fat.attention(q, k, v, causal=True))
         res["inference_eager_entry"] = _us(lambda: eager(q, k, v, None, None, None, None, None, flags, -1, -1, 0.0,
                                                          0.0))
+        res["inference_call_entry"] = _us(lambda: call(q, k, v, True, False, None, None, "bshd", False, None, None,
+                                                       False, None, 0.0, None, "top_left", False))
         fixed = eager(q, k, v, None, None, None, None, None, flags, -1, -1, 0.0, 0.0)
-        _native.EAGER = lambda *args: fixed  # attention()'s Python alone (plus a lambda's call)
+        _native.CALL = lambda *args: fixed  # attention()'s Python alone (plus a lambda's call)
         try:
             res["inference_attention_python_only"] = _us(lambda: fat.attention(q, k, v, causal=True))
         finally:
-            _native.EAGER = eager
+            _native.CALL = call
+        # attention()'s Python body (session 7's path: option checks, then the 13-argument entry).
+        _native.CALL = None
+        try:
+            res["inference_attention_body"] = _us(lambda: fat.attention(q, k, v, causal=True))
+            _native.EAGER = lambda *args: fixed
+            res["inference_attention_body_python_only"] = _us(lambda: fat.attention(q, k, v, causal=True))
+        finally:
+            _native.CALL, _native.EAGER = call, eager
         res["inference_dispatcher_op"] = _us(lambda: dense(q, k, v, None, None, None, None, None, *opts, False, 0.0,
                                                            False))
         res["empty_like"] = _us(lambda: torch.empty_like(q))

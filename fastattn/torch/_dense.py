@@ -320,6 +320,16 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     Raises InvalidArgumentError (a ValueError) for CPU tensors, mismatched devices,
     dtypes or shapes, NotSupportedError when cuDNN refuses the config.
     """
+    if not dynamo_compiling():  # (dynamo traces the body below instead)
+        call = _native.CALL
+        if call is not None:
+            # The native path's C entry (ops.cpp, eager.inc): it takes these arguments as
+            # they are when they need no conversion; NotImplemented hands the call to
+            # the body below, which checks and reports.
+            o = call(q, k, v, causal, causal_bottom_right, window, scale, layout, deterministic, seq_lens_q,
+                     seq_lens_kv, alibi, bias, dropout_p, sinks, alignment, return_lse)
+            if o is not NotImplemented:
+                return o
     if layout not in AXES:
         raise InvalidArgumentError(f"layout={layout!r}: must be one of {tuple(AXES)}")
     if seq_lens_kv is None:
@@ -401,5 +411,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
 # Module globals: one lookup less per call.
 plain_eager, Eager, EagerWithStats = _autograd.plain_eager, _autograd.Eager, _autograd.EagerWithStats
 compiling, functorch_active = torch.compiler.is_compiling, _autograd.functorch_active
+# Dynamo's own flag (one call, ~35 ns against is_compiling's ~70): other tracers
+# (make_fx, non-strict export) run the C entry, which sees their dispatch modes.
+dynamo_compiling = getattr(torch.compiler, "is_dynamo_compiling", compiling)
 dispatch_modes, Tensor = _autograd.dispatch_modes, torch.Tensor
 LAYOUT_IDS = {"bshd": 0, "sbhd": 1, "bhsd": 2}  # the eager entry's layout numbers (ops.cpp's kLayouts)

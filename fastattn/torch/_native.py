@@ -54,6 +54,10 @@ DENSE = VARLEN = PAGED = UNDECIDED
 # attention()'s eager entry (ops.cpp's eager.inc): plain eager calls go from Python
 # straight to the CUDA kernel, past torch.ops and the dispatcher. None: the Python path.
 EAGER = UNDECIDED
+# attention()'s own 17 arguments, read in C (eager.inc's call): the first thing a call
+# outside torch.compile tries. None until the native path is decided (the Python body
+# decides it), and on the Python path.
+CALL = None
 
 
 def mode() -> str:
@@ -204,7 +208,7 @@ def library():
 
 
 def _publish_ops() -> None:
-    global DENSE, VARLEN, PAGED, EAGER
+    global DENSE, VARLEN, PAGED, EAGER, CALL
     import torch
 
     dense = torch.ops.fastattn.native_attention_forward.default
@@ -213,27 +217,27 @@ def _publish_ops() -> None:
     DENSE = (getattr(dense, "_op", dense), dense)
     VARLEN = (getattr(varlen, "_op", varlen), varlen)
     PAGED = (getattr(paged, "_op", paged), paged)
-    EAGER = _state["lib"].attention
+    EAGER, CALL = _state["lib"].attention, _state["lib"].call
 
 
 def decide():
     """Decides the path if not yet (what an entry point calls while UNDECIDED); returns
     DENSE (None: the Python path)."""
-    global DENSE, VARLEN, PAGED, EAGER
+    global DENSE, VARLEN, PAGED, EAGER, CALL
     if library() is None:
-        DENSE = VARLEN = PAGED = EAGER = None
+        DENSE = VARLEN = PAGED = EAGER = CALL = None
     return DENSE
 
 
 def python_path(monkeypatch=None):
     """Makes this process's entry points take the Python path (tests, benchmarks): with a
     pytest monkeypatch, until the test ends."""
-    global DENSE, VARLEN, PAGED, EAGER
+    global DENSE, VARLEN, PAGED, EAGER, CALL
     if monkeypatch is not None:
-        for name in ("DENSE", "VARLEN", "PAGED", "EAGER"):
+        for name in ("DENSE", "VARLEN", "PAGED", "EAGER", "CALL"):
             monkeypatch.setattr(sys.modules[__name__], name, None)
     else:
-        DENSE = VARLEN = PAGED = EAGER = None
+        DENSE = VARLEN = PAGED = EAGER = CALL = None
 
 
 def status() -> dict:
@@ -281,7 +285,8 @@ def library_path(root: Path | None = None) -> Path:
 
 def reset() -> None:
     """Forgets the decision (tests): the next call decides again."""
-    global DENSE, VARLEN, PAGED, EAGER
+    global DENSE, VARLEN, PAGED, EAGER, CALL
     with _lock:
         _state.clear()
         DENSE = VARLEN = PAGED = EAGER = UNDECIDED
+        CALL = None

@@ -21,15 +21,20 @@
 
 #include <torch/extension.h>
 
+#include <ATen/EmptyTensor.h>
 #include <ATen/record_function.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <c10/core/impl/TorchDispatchModeTLS.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/functions/utils.h>
 #include <torch/csrc/autograd/python_variable.h>
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <chrono>
+#include <cmath>
 #include <cstring>
 #include <mutex>
 #include <shared_mutex>
@@ -126,12 +131,32 @@ enum Kind : int64_t { kDense = 0, kVarlen = 1, kPaged = 2 };  // the miss handle
 
 // The table's entry for `key`; on a miss, miss() (called under the GIL) asks Python
 // for (plan, forward graph, backward graph, forward workspace, backward workspace).
+// A thread's last hits, one per kind and direction: a model's attention layers share
+// a shape, so a call's key is usually the one before it, and comparing it costs less
+// than hashing it, locking and searching. clear() bumps g_generation, which empties
+// every thread's.
+std::atomic<uint64_t> g_generation{0};
+struct LastHit {
+    uint64_t generation = ~uint64_t{0};
+    std::vector<int64_t> key;
+    const Entry *entry = nullptr;
+};
+thread_local LastHit t_last_hit[3][2];  // [Kind][direction]
+
 template <class Miss>
 const Entry &lookup(const std::vector<int64_t> &key, Miss &&miss) {
+    LastHit &last = t_last_hit[key[0]][key[1]];
+    const uint64_t generation = g_generation.load(std::memory_order_acquire);
+    if (last.generation == generation && last.key == key) return *last.entry;
     {
         std::shared_lock<std::shared_mutex> lock(g_table_lock);
         auto it = g_table.find(key);
-        if (it != g_table.end()) return it->second;
+        if (it != g_table.end()) {
+            last.key.assign(key.begin(), key.end());  // into the capacity it has: no allocation once grown
+            last.entry = &it->second;
+            last.generation = generation;
+            return it->second;
+        }
     }
     // A miss: the Python runtime validates and finds or builds the plan. Two threads
     // missing on one key both ask; the runtime builds a (config, device) once.
@@ -149,6 +174,9 @@ const Entry &lookup(const std::vector<int64_t> &key, Miss &&miss) {
     if (inserted) it->second.plan = py::object(t[0]).inc_ref().ptr();
     return it->second;
 }
+
+// The kinds' keys start with (kind, direction): lookup's last-hit index.
+static_assert(kPaged < 3, "t_last_hit has a row per Kind");
 
 // The plan for a dense call: everything fastattn.torch._dense.plan_for's key holds (so
 // that a hit was validated by the miss that made it), plus the direction. o: the
@@ -189,6 +217,36 @@ const Entry &find_plan(int direction, const Tensor &q, const Tensor &k, const Te
 
 intptr_t ptr(const Tensor &t) { return reinterpret_cast<intptr_t>(t.data_ptr()); }
 intptr_t ptr(const OptTensor &t) { return given(t) ? ptr(*t) : 0; }
+
+// ---- outputs ------------------------------------------------------------------------------------
+// From the caching allocator directly, as at::empty's CUDA kernel allocates them, but
+// not through the dispatcher: its empty (the dispatch, TensorOptions unpacking, a device
+// guard) cost ~1 us a call on the H200 beside a ~6 us launch (profile_eager). The
+// allocator is the one at::empty gave the process's first output (a configured backend,
+// cudaMallocAsync or a pluggable one, stays in use), and allocates on the current
+// device: used only while the tensor's device is current, which it is in any program
+// on one GPU; else at::empty, which makes it current for the call.
+std::atomic<c10::Allocator *> g_cuda_allocator{nullptr};
+
+bool device_current(const Tensor &like) {
+    static const c10::impl::DeviceGuardImplInterface *const cuda =
+        c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA);
+    return cuda->getDevice() == like.device();
+}
+
+// A new tensor on like's device; strides empty: contiguous.
+Tensor empty_cuda(c10::IntArrayRef sizes, c10::IntArrayRef strides, at::ScalarType dtype, const Tensor &like) {
+    c10::Allocator *allocator = g_cuda_allocator.load(std::memory_order_relaxed);
+    if (allocator != nullptr && device_current(like)) {
+        constexpr c10::DispatchKeySet cuda_keys(c10::DispatchKey::CUDA);
+        return strides.empty() ? at::detail::empty_generic(sizes, allocator, cuda_keys, dtype, std::nullopt)
+                               : at::detail::empty_strided_generic(sizes, strides, allocator, cuda_keys, dtype);
+    }
+    const auto options = like.options().dtype(dtype);
+    Tensor t = strides.empty() ? at::empty(sizes, options) : at::empty_strided(sizes, strides, options);
+    if (allocator == nullptr && t.is_cuda()) g_cuda_allocator.store(t.storage().allocator(), std::memory_order_relaxed);
+    return t;
+}
 
 // ---- the workspace ------------------------------------------------------------------------------
 // Kept per (thread, device, stream) and grown as needed, as PyTorch keeps cuBLAS's
@@ -280,8 +338,10 @@ void run(const Entry &e, int direction, const Tensor &q, intptr_t *slots) {
     TORCH_CHECK(false, "fastattn (status ", code, "): ", message);
 }
 
-std::vector<int64_t> out_shape(const Tensor &q, const Tensor &v, const std::array<int, 4> &ax) {
-    std::vector<int64_t> shape(q.sizes().begin(), q.sizes().end());
+// o's shape: q's, with v's head dim (q is 4-d: its plan was found).
+std::array<int64_t, 4> out_shape(const Tensor &q, const Tensor &v, const std::array<int, 4> &ax) {
+    const auto qs = q.sizes();
+    std::array<int64_t, 4> shape{qs[0], qs[1], qs[2], qs[3]};
     shape[ax[3]] = v.size(ax[3]);
     return shape;
 }
@@ -318,8 +378,9 @@ std::tuple<Tensor, Tensor> forward_work(const Tensor &q, const Tensor &k, const 
     const auto ax = axes(layout);
     const Entry &e = find_plan(FASTATTN_FORWARD, q, k, v, nullptr, seq_len_q, seq_len_kv, bias, sink, rng, opt);
     // Rows past a sequence's length are zero, as on the Python path (_dense.forward_impl).
-    Tensor o = given(seq_len_q) ? at::zeros(out_shape(q, v, ax), q.options()) : at::empty(out_shape(q, v, ax), q.options());
-    Tensor stats = training ? at::empty(stats_shape(q, ax, true), q.options().dtype(at::kFloat)) : Tensor();
+    const auto shape = out_shape(q, v, ax);
+    Tensor o = given(seq_len_q) ? at::zeros(shape, q.options()) : empty_cuda(shape, {}, q.scalar_type(), q);
+    Tensor stats = training ? empty_cuda(stats_shape(q, ax, true), {}, at::kFloat, q) : Tensor();
     intptr_t slots[FASTATTN_NUM_SLOTS] = {};
     slots[FASTATTN_SLOT_Q] = ptr(q);
     slots[FASTATTN_SLOT_K] = ptr(k);
@@ -341,7 +402,7 @@ std::tuple<Tensor, Tensor> forward_cuda(const Tensor &q, const Tensor &k, const 
 
 using Grads = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor>;
 
-Tensor like(const Tensor &t) { return at::empty_strided(t.sizes(), t.strides(), t.options()); }
+Tensor like(const Tensor &t) { return empty_cuda(t.sizes(), t.strides(), t.scalar_type(), t); }
 
 // The backward's work: d_bias and d_sink undefined where not computed (backward_cuda, the
 // op's kernel, returns empty tensors in their place).
@@ -430,7 +491,7 @@ Grads backward_cpu(const Tensor &, const Tensor &, const Tensor &, const Tensor 
 #include "dense_autograd.inc"  // attention()'s autograd node, for the eager entry and the ops alike
 #include "varlen.inc"  // attention_varlen's ops: the same table, run and conventions
 #include "paged.inc"   // attention_paged's (forward only)
-#include "eager.inc"   // attention()'s eager entry, past torch.ops and the dispatcher
+#include "eager.inc"   // attention()'s eager entries, past torch.ops and the dispatcher
 #include "profile.inc"  // the eager entry taken apart, for tools/profile_native_step.py
 
 // ---- Python: initialization and introspection -------------------------------------------------
@@ -459,6 +520,7 @@ void clear() {
         std::unique_lock<std::shared_mutex> lock(g_table_lock);
         for (auto &kv : g_table) Py_XDECREF(kv.second.plan);
         g_table.clear();
+        g_generation.fetch_add(1, std::memory_order_release);  // every thread's last hits are stale
     }
     std::vector<KeptWorkspace> released;  // freed after the lock is released
     std::lock_guard<std::mutex> lock(g_workspace_lock);
@@ -543,4 +605,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     static PyMethodDef eager_def{"attention", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&eager_attention)),
                                  METH_FASTCALL, kEagerDoc};
     m.add_object("attention", py::reinterpret_steal<py::object>(PyCFunction_NewEx(&eager_def, nullptr, m.ptr())));
+    static PyMethodDef call_def{"call", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&call_attention)),
+                                METH_FASTCALL, kCallDoc};
+    m.add_object("call", py::reinterpret_steal<py::object>(PyCFunction_NewEx(&call_def, nullptr, m.ptr())));
+    static PyMethodDef read_call_def{
+        "read_call", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&read_call_for_tests)), METH_FASTCALL,
+        "read_call(<call's 17 arguments>) -> what call would run with, or None (tests)"};
+    m.add_object("read_call",
+                 py::reinterpret_steal<py::object>(PyCFunction_NewEx(&read_call_def, nullptr, m.ptr())));
 }
