@@ -51,10 +51,16 @@ def _alloc(nbytes):
     return ptr
 
 
+# The held C++ loops: this many calls, queued behind a sleep kernel of this many cycles
+# (~20 ms at the H200's 1.98 GHz), within CUDA's launch queue (a backward is 3-4 launches).
+HELD_ITERS = 100
+HELD_SLEEP_CYCLES = 40_000_000
+
+
 def _loop_us(fn, iters: int) -> float:
-    """Wall time of `iters` back-to-back calls / iters, in microseconds. The shape is
-    small enough that the GPU keeps up with the host, so this is the host's cost of
-    one call."""
+    """Wall time of `iters` back-to-back calls / iters, in microseconds. Where the GPU
+    runs a call in about the host's time (1x8x128x64: ~6.6 us on the H200), this is
+    the slower of the two; the held C++ loops below time the host alone."""
     _sync()
     t0 = time.perf_counter()
     for _ in range(iters):
@@ -85,6 +91,29 @@ def bench_host_overhead(args) -> dict:
         def run():
             _sync()
             return _core.bench_execute(plan, direction, mode, iters, ws, stream, **tensors) / iters * 1e6
+        return run
+
+    held_valid = {}  # variant -> rounds whose loop ended with the GPU still held
+
+    def cpp_held(name, plan, direction, mode, tensors):
+        """The C++ loop's host time alone: its launches queue behind a sleep kernel on the
+        same stream (torch's, where torch is installed), so the loop never waits for the
+        GPU; valid while the sleep still runs when the loop ends."""
+        import torch
+
+        held = torch.cuda.ExternalStream(stream)
+        held_valid[name] = 0
+
+        def run():
+            _sync()
+            with torch.cuda.stream(held):
+                torch.cuda._sleep(HELD_SLEEP_CYCLES)
+                asleep = torch.cuda.Event()
+                asleep.record()
+            us = _core.bench_execute(plan, direction, mode, HELD_ITERS, ws, stream, **tensors) / HELD_ITERS * 1e6
+            held_valid[name] += not asleep.query()
+            _sync()
+            return us
         return run
 
     # The checked path (issue 16): the same call on plan.allocate's DeviceTensors.
@@ -131,11 +160,16 @@ def bench_host_overhead(args) -> dict:
         xws = torch.empty(max(p.workspace_size, 1), dtype=torch.uint8, device="cuda")
         variants["fastattn_plan_forward_torch_tensors_us"] = lambda: _loop_us(
             lambda: p.forward(xq, xk, xv, xo, 0, xws, stream), iters)
+        for mode in ("fastattn", "frontend_sorted", "frontend_uid_map", "frontend_sorted_preamble"):
+            for direction, plan, tensors in (("forward", p, fwd), ("backward", tp, bwd)):
+                name = f"held_{mode}_{direction}_us"
+                variants[name] = cpp_held(name, plan, direction, mode, tensors)
         variants["torch_sdpa_cudnn_us"] = torch_variant(SDPBackend.CUDNN_ATTENTION)
         variants["torch_sdpa_flash_us"] = torch_variant(SDPBackend.FLASH_ATTENTION)
         res["torch"] = torch.__version__
     for fn in variants.values():  # warm-up: first calls, lazy loads, clocks
         fn()
+    held_valid.update(dict.fromkeys(held_valid, 0))  # the warm-up's rounds do not count
     # Interleaved, so that drift (clocks, other load) hits every variant alike.
     samples = {name: [] for name in variants}
     for _ in range(args.repeats):
@@ -154,6 +188,12 @@ def bench_host_overhead(args) -> dict:
         # The same launches with the device, handle and stream set per call, as a caller
         # of cudnn-frontend sets them: what fastattn's pointer checks cost on their own.
         res[f"ratio_cpp_execute_to_frontend_preamble{sfx}"] = ours / res[f"cudnn_frontend_preamble_execute{sfx}_us"]
+    if held_valid:  # the same bar on host time alone (the GPU held)
+        res["held_valid_rounds"] = dict(held_valid)
+        for direction in ("forward", "backward"):
+            ours = res[f"held_fastattn_{direction}_us"]
+            for mode in ("frontend_sorted", "frontend_uid_map", "frontend_sorted_preamble"):
+                res[f"ratio_held_{direction}_fastattn_to_{mode}"] = ours / res[f"held_{mode}_{direction}_us"]
     # Issue 16's bar: the checked path at most a few microseconds over the int path.
     for k in ("device_tensors", "torch_tensors"):
         if f"fastattn_plan_forward_{k}_us" in res:
@@ -286,6 +326,14 @@ def main(argv=None) -> int:
               f" (ratio {h[f'ratio_cpp_execute_to_frontend_uid_map{sfx}']:.3f}),"
               f" frontend sorted + preamble per call {h[f'cudnn_frontend_preamble_execute{sfx}_us']:.2f}"
               f" (ratio {h[f'ratio_cpp_execute_to_frontend_preamble{sfx}']:.3f})")
+    for direction in ("forward", "backward") if "held_valid_rounds" in h else ():
+        print(f"  C++ execute {direction}, host alone (GPU held) us: "
+              + ", ".join(f"{m} {h[f'held_{m}_{direction}_us']:.2f}" for m in
+                          ("fastattn", "frontend_sorted", "frontend_uid_map", "frontend_sorted_preamble"))
+              + "; fastattn / " + ", ".join(f"{m} {h[f'ratio_held_{direction}_fastattn_to_{m}']:.3f}" for m in
+                                             ("frontend_sorted", "frontend_uid_map", "frontend_sorted_preamble")))
+    if "held_valid_rounds" in h:
+        print(f"  held rounds valid: {h['held_valid_rounds']} of {h['samples']}")
     if "torch_sdpa_cudnn_us" in h:
         print(f"  torch sdpa cudnn {h['torch_sdpa_cudnn_us']:.2f} us, flash {h['torch_sdpa_flash_us']:.2f} us;"
               f" fastattn/torch-cudnn {h['ratio_fastattn_to_torch_cudnn']:.3f}")
