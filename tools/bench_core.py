@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 import sys
 import time
@@ -172,8 +173,12 @@ def bench_host_overhead(args) -> dict:
     held_valid.update(dict.fromkeys(held_valid, 0))  # the warm-up's rounds do not count
     # Interleaved, so that drift (clocks, other load) hits every variant alike.
     samples = {name: [] for name in variants}
+    # Each round in a new order (seeded): a fixed order gives each variant the same
+    # neighbour every round, and one variant's leftovers (caches, clocks) bias the next.
+    order, rng = list(variants.items()), random.Random(17)
     for _ in range(args.repeats):
-        for name, fn in variants.items():
+        rng.shuffle(order)
+        for name, fn in order:
             samples[name].append(fn())
     for name, vals in samples.items():
         res[name] = statistics.median(vals)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import random
 import statistics
 import sys
 import time
@@ -133,8 +134,12 @@ def host_overhead(iters: int, repeats: int, shape: str) -> dict:
     held_valid = {name: 0 for name in calls}
     train = {name: [] for name in calls}
     held_iters = min(iters, HELD_ITERS)
-    for _ in range(repeats):  # interleaved rounds, so drift hits every peer alike
-        for name, (fn, backend, (q, k, v)) in calls.items():
+    # Interleaved rounds, so drift hits every peer alike, each in a new order (seeded), so
+    # no peer always follows the same one.
+    order, rng = list(calls.items()), random.Random(17)
+    for _ in range(repeats):
+        rng.shuffle(order)
+        for name, (fn, backend, (q, k, v)) in order:
             with _backend(backend):
                 # Host time alone: the calls queue behind a sleep kernel, so the loop never
                 # waits for the GPU (a small call's GPU time, 6-9 us, is near its host time,
