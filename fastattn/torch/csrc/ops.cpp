@@ -129,8 +129,6 @@ py::object to_py(const OptTensor &t) { return given(t) ? py::cast(*t) : py::none
 
 enum Kind : int64_t { kDense = 0, kVarlen = 1, kPaged = 2 };  // the miss handler's first argument; a key's first word
 
-// The table's entry for `key`; on a miss, miss() (called under the GIL) asks Python
-// for (plan, forward graph, backward graph, forward workspace, backward workspace).
 // A thread's last hits, one per kind and direction: a model's attention layers share
 // a shape, so a call's key is usually the one before it, and comparing it costs less
 // than hashing it, locking and searching. clear() bumps g_generation, which empties
@@ -141,8 +139,11 @@ struct LastHit {
     std::vector<int64_t> key;
     const Entry *entry = nullptr;
 };
-thread_local LastHit t_last_hit[3][2];  // [Kind][direction]
+thread_local LastHit t_last_hit[3][2];  // [Kind][direction]: every kind's key starts with (kind, direction)
+static_assert(kPaged < 3, "t_last_hit has a row per Kind");
 
+// The table's entry for `key`; on a miss, miss() (called under the GIL) asks Python
+// for (plan, forward graph, backward graph, forward workspace, backward workspace).
 template <class Miss>
 const Entry &lookup(const std::vector<int64_t> &key, Miss &&miss) {
     LastHit &last = t_last_hit[key[0]][key[1]];
@@ -174,9 +175,6 @@ const Entry &lookup(const std::vector<int64_t> &key, Miss &&miss) {
     if (inserted) it->second.plan = py::object(t[0]).inc_ref().ptr();
     return it->second;
 }
-
-// The kinds' keys start with (kind, direction): lookup's last-hit index.
-static_assert(kPaged < 3, "t_last_hit has a row per Kind");
 
 // The plan for a dense call: everything fastattn.torch._dense.plan_for's key holds (so
 // that a hit was validated by the miss that made it), plus the direction. o: the
