@@ -31,10 +31,18 @@ enum class Mode : int {
 // Seconds for `iters` back-to-back launches of `g` in `mode`, looped in C++. `slots`
 // as for execute (kNumSlots addresses indexed by Slot). Device and stream are set
 // once outside the loop for kFrontendSorted and kFrontendUidMap, by each call for the others.
+// Call i runs layer i % layers: the graph's device tensors at slots + layer * layer_bytes
+// (a model's layers each with their own tensors; the workspace is shared).
 Status time_execute(const Graph *g, Direction dir, int device, const intptr_t *slots, intptr_t workspace,
-                    intptr_t stream, Mode mode, int iters, double *seconds);
+                    intptr_t stream, Mode mode, int iters, int layers, int64_t layer_bytes, double *seconds);
 
 // Bit s set: the graph takes the tensor of Slot s (the order of its variant pack).
 uint64_t graph_slots(const Graph *g);
+
+// Whether execute launches g through cached variant packs (packs.inc), not the frontend's execute.
+bool direct_launch(const Graph *g);
+
+// The calling thread's variant-pack cache: launches that found their pack, and that made one.
+void pack_counts(uint64_t *hits, uint64_t *misses);
 
 }  // namespace fastattn::bench

@@ -153,8 +153,13 @@ def bench_execute(
     iters: int,
     workspace: int = 0,
     stream: int = 0,
+    *,
+    layers: int = 1,
+    layer_bytes: int = 0,
     **tensors: int,
 ) -> float: ...
+def bench_direct_launch(plan: Plan, direction: str) -> bool: ...
+def bench_pack_counts() -> tuple[int, int]: ...
 def bench_raw_execute(
     plan: Plan, direction: str, ptrs: Any, workspace: int = 0, stream: int = 0, iters: int = 1000
 ) -> float: ...

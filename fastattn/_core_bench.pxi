@@ -9,15 +9,17 @@ cdef extern from "bench.h" namespace "fastattn::bench" nogil:
         kFrontendSortedPreamble
 
     Status time_execute(const Graph* g, Direction dir, int device, const intptr_t* slots, intptr_t workspace,
-                        intptr_t stream, Mode mode, int iters, double* seconds)
+                        intptr_t stream, Mode mode, int iters, int layers, int64_t layer_bytes, double* seconds)
     uint64_t graph_slots(const Graph* g)
+    bint direct_launch(const Graph* g)
+    void pack_counts(uint64_t* hits, uint64_t* misses)
 
 
 cdef dict _BENCH_MODES = {"fastattn": 0, "frontend_sorted": 1, "frontend_uid_map": 2, "frontend_sorted_preamble": 3}
 
 
-def bench_execute(Plan plan, str direction, str mode, int iters, intptr_t workspace=0, intptr_t stream=0,
-                  **tensors):
+def bench_execute(Plan plan, str direction, str mode, int iters, intptr_t workspace=0, intptr_t stream=0, *,
+                  int layers=1, int64_t layer_bytes=0, **tensors):
     """Seconds for `iters` launches of the plan's `direction` graph looped in C++, in
     `mode`: "fastattn" (the C++ execute behind plan.forward/backward, checks included),
     "frontend_sorted" (cudnn-frontend's cheapest execute on the same plan, no checks,
@@ -25,7 +27,9 @@ def bench_execute(Plan plan, str direction, str mode, int iters, intptr_t worksp
     device, handle and stream set per call, as a caller of cudnn-frontend pays them) or
     "frontend_uid_map" (its uid-map execute, the map built per call).
     `tensors`: device addresses by name, as forward/backward take them (with
-    config.host_seed, seed and offset are the values). For tools/ benchmarks only: a
+    config.host_seed, seed and offset are the values). Call i runs layer i % `layers`,
+    whose device tensors are `tensors` moved by layer * `layer_bytes` (a model's layers,
+    each with its own tensors, the workspace shared). For tools/ benchmarks only: a
     hook outside the production interface (csrc/bench.h)."""
     cdef intptr_t t[kNumSlots]
     cdef int64_t host[2]
@@ -49,7 +53,7 @@ def bench_execute(Plan plan, str direction, str mode, int iters, intptr_t worksp
         t[kSlotOffset] = <intptr_t>&host[1]
     cdef Mode m = <Mode><int>_BENCH_MODES[mode]
     with nogil:
-        st = time_execute(g, d, plan.device, t, workspace, stream, m, iters, &seconds)
+        st = time_execute(g, d, plan.device, t, workspace, stream, m, iters, layers, layer_bytes, &seconds)
     if not st.ok():
         raise _error(st)
     return seconds
@@ -65,3 +69,19 @@ def bench_raw_execute(Plan plan, str direction, ptrs, intptr_t workspace=0, intp
     if len(ptrs) != len(names):
         raise InvalidArgumentError(f"{direction} takes {len(names)} tensors ({', '.join(names)}), got {len(ptrs)}")
     return bench_execute(plan, direction, "frontend_sorted", iters, workspace, stream, **dict(zip(names, ptrs)))
+
+
+def bench_direct_launch(Plan plan, str direction):
+    """Whether execute launches the plan's `direction` graph through cached variant packs
+    (csrc/packs.inc) rather than cudnn-frontend's execute."""
+    cdef const Graph* g = plan._fwd.get() if direction == "forward" else plan._bwd.get()
+    if direction not in ("forward", "backward") or g == NULL:
+        raise InvalidArgumentError(f"direction={direction!r}: this plan has no such graph")
+    return direct_launch(g)
+
+
+def bench_pack_counts():
+    """(hits, misses) of the calling thread's variant-pack cache (csrc/packs.inc)."""
+    cdef uint64_t hits = 0, misses = 0
+    pack_counts(&hits, &misses)
+    return hits, misses

@@ -129,6 +129,25 @@ def test_torch_compile_fullgraph_matches_eager():
         assert rel(g_comp, g_eager.double()) < 2e-2
 
 
+def test_jit_trace_records_attention_and_replays_it_on_new_inputs():
+    # torch.jit.trace records only calls that reach PyTorch's dispatcher: a traced call
+    # must take the custom ops, not an eager entry the tracer cannot see (whose output
+    # the trace would keep as a constant).
+    import warnings
+
+    def f(q, k, v):
+        return fastattn.torch.attention(q, k, v, causal=True)
+
+    shape = (1, 128, 4, 64)
+    q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", torch.jit.TracerWarning)
+        traced = torch.jit.trace(f, (q, k, v), check_trace=False)
+    assert "fastattn::" in str(traced.graph)
+    q2, k2, v2 = (torch.randn_like(q) for _ in range(3))
+    assert torch.equal(traced(q2, k2, v2), f(q2, k2, v2))
+
+
 def test_cuda_graph_capture_and_replay():
     shape = (1, 256, 8, 64)
     static = [torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(3)]

@@ -55,6 +55,7 @@ def _alloc(nbytes):
 # The held C++ loops: this many calls, queued behind a sleep kernel of this many cycles
 # (~20 ms at the H200's 1.98 GHz), within CUDA's launch queue (a backward is 3-4 launches).
 HELD_ITERS = 100
+LAYERS = 32  # the layered C++ loops: a 32-layer model's calls, each layer its own tensors
 HELD_SLEEP_CYCLES = 40_000_000
 
 
@@ -96,10 +97,18 @@ def bench_host_overhead(args) -> dict:
 
     held_valid = {}  # variant -> rounds whose loop ended with the GPU still held
 
-    def cpp_held(name, plan, direction, mode, tensors):
+    # A model's worth of layers, each with its own tensors (one buffer per tensor, a layer
+    # every layer_bytes): a cache keyed by pointers must earn its keep here, not only on
+    # one pointer set called again and again.
+    layer_bytes = (max(cfg.storage_elements(n) * (4 if n == "stats" else 2) for n in bwd) + 255) // 256 * 256
+    layered = {n: _alloc(layer_bytes * LAYERS) for n in bwd}
+    layered_fwd = {n: layered[n] for n in fwd}
+
+    def cpp_held(name, plan, direction, mode, tensors, layers=1):
         """The C++ loop's host time alone: its launches queue behind a sleep kernel on the
         same stream (torch's, where torch is installed), so the loop never waits for the
-        GPU; valid while the sleep still runs when the loop ends."""
+        GPU; valid while the sleep still runs when the loop ends. With `layers`, call i
+        runs layer i % layers of the layered tensors."""
         import torch
 
         held = torch.cuda.ExternalStream(stream)
@@ -111,7 +120,8 @@ def bench_host_overhead(args) -> dict:
                 torch.cuda._sleep(HELD_SLEEP_CYCLES)
                 asleep = torch.cuda.Event()
                 asleep.record()
-            us = _core.bench_execute(plan, direction, mode, HELD_ITERS, ws, stream, **tensors) / HELD_ITERS * 1e6
+            us = _core.bench_execute(plan, direction, mode, HELD_ITERS, ws, stream, layers=layers,
+                                     layer_bytes=layer_bytes if layers > 1 else 0, **tensors) / HELD_ITERS * 1e6
             held_valid[name] += not asleep.query()
             _sync()
             return us
@@ -165,6 +175,10 @@ def bench_host_overhead(args) -> dict:
             for direction, plan, tensors in (("forward", p, fwd), ("backward", tp, bwd)):
                 name = f"held_{mode}_{direction}_us"
                 variants[name] = cpp_held(name, plan, direction, mode, tensors)
+        for mode in ("fastattn", "frontend_sorted", "frontend_sorted_preamble"):
+            for direction, plan, tensors in (("forward", p, layered_fwd), ("backward", tp, layered)):
+                name = f"held_{mode}_{direction}_{LAYERS}layers_us"
+                variants[name] = cpp_held(name, plan, direction, mode, tensors, LAYERS)
         variants["torch_sdpa_cudnn_us"] = torch_variant(SDPBackend.CUDNN_ATTENTION)
         variants["torch_sdpa_flash_us"] = torch_variant(SDPBackend.FLASH_ATTENTION)
         res["torch"] = torch.__version__
@@ -199,6 +213,10 @@ def bench_host_overhead(args) -> dict:
             ours = res[f"held_fastattn_{direction}_us"]
             for mode in ("frontend_sorted", "frontend_uid_map", "frontend_sorted_preamble"):
                 res[f"ratio_held_{direction}_fastattn_to_{mode}"] = ours / res[f"held_{mode}_{direction}_us"]
+            ours = res[f"held_fastattn_{direction}_{LAYERS}layers_us"]
+            for mode in ("frontend_sorted", "frontend_sorted_preamble"):
+                res[f"ratio_held_{direction}_{LAYERS}layers_fastattn_to_{mode}"] = (
+                    ours / res[f"held_{mode}_{direction}_{LAYERS}layers_us"])
     # Issue 16's bar: the checked path at most a few microseconds over the int path.
     for k in ("device_tensors", "torch_tensors"):
         if f"fastattn_plan_forward_{k}_us" in res:
@@ -337,6 +355,13 @@ def main(argv=None) -> int:
                           ("fastattn", "frontend_sorted", "frontend_uid_map", "frontend_sorted_preamble"))
               + "; fastattn / " + ", ".join(f"{m} {h[f'ratio_held_{direction}_fastattn_to_{m}']:.3f}" for m in
                                              ("frontend_sorted", "frontend_uid_map", "frontend_sorted_preamble")))
+    for direction in ("forward", "backward") if "held_valid_rounds" in h else ():
+        print(f"  C++ execute {direction}, {LAYERS} layers, host alone us: "
+              + ", ".join(f"{m} {h[f'held_{m}_{direction}_{LAYERS}layers_us']:.2f}" for m in
+                          ("fastattn", "frontend_sorted", "frontend_sorted_preamble"))
+              + "; fastattn / " + ", ".join(
+                  f"{m} {h[f'ratio_held_{direction}_{LAYERS}layers_fastattn_to_{m}']:.3f}" for m in
+                  ("frontend_sorted", "frontend_sorted_preamble")))
     if "held_valid_rounds" in h:
         print(f"  held rounds valid: {h['held_valid_rounds']} of {h['samples']}")
     if "torch_sdpa_cudnn_us" in h:

@@ -104,12 +104,14 @@ def register(forward_op, rule: Rule, n_tensors: int) -> None:
 
 
 def plain_eager(q: torch.Tensor) -> bool:
-    """A plain tensor on a CUDA device, outside torch.compile, any tracing mode and any
-    torch.func transform: the call may skip the custom ops (whose wrappers cost host
-    time) and run directly."""
+    """A plain tensor on a CUDA device, outside torch.compile, any tracing mode, any
+    torch.func transform and torch.jit.trace (which records only calls that reach the
+    dispatcher): the call may skip the custom ops (whose wrappers cost host time) and
+    run directly."""
     return (type(q) is torch.Tensor and q.is_cuda and not torch.compiler.is_compiling()
-            and not dispatch_modes() and not functorch_active())
+            and not dispatch_modes() and not functorch_active() and not jit_tracing())
 
 
 dispatch_modes = torch._C._len_torch_dispatch_stack  # FakeTensorMode, make_fx's proxy mode, ...
 functorch_active = torch._C._are_functorch_transforms_active  # torch.func.grad, vmap: tensors are wrappers
+jit_tracing = torch._C._is_tracing

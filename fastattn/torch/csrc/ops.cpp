@@ -592,6 +592,12 @@ TORCH_LIBRARY_IMPL(fastattn, Autograd, m) {
     m.impl("native_paged_forward", torch::CppFunction::makeFallthrough());  // forward only
 }
 
+namespace {
+// A METH_FASTCALL function as the PyCFunction that PyMethodDef holds (CPython casts it back).
+using FastCall = PyObject *(*)(PyObject *, PyObject *const *, Py_ssize_t);
+PyCFunction as_pycfunction(FastCall f) { return reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(f)); }
+}  // namespace
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.doc() = "fastattn's PyTorch op library (fastattn/torch/csrc/ops.cpp); loaded by fastattn.torch._native";
     m.attr("abi_version") = FASTATTN_ABI_VERSION;
@@ -600,15 +606,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("clear", &clear, "forget every plan and release the kept workspaces (only while no op runs)");
     m.def("profile_eager", &profile_eager, "the eager entry's pieces timed in C++ (tools/profile_native_step.py)");
     m.def("kept_workspace_bytes", &kept_workspace_bytes, "bytes of workspace kept per thread and stream for reuse");
-    static PyMethodDef eager_def{"attention", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&eager_attention)),
-                                 METH_FASTCALL, kEagerDoc};
-    m.add_object("attention", py::reinterpret_steal<py::object>(PyCFunction_NewEx(&eager_def, nullptr, m.ptr())));
-    static PyMethodDef call_def{"call", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&call_attention)),
-                                METH_FASTCALL, kCallDoc};
-    m.add_object("call", py::reinterpret_steal<py::object>(PyCFunction_NewEx(&call_def, nullptr, m.ptr())));
-    static PyMethodDef read_call_def{
-        "read_call", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&read_call_for_tests)), METH_FASTCALL,
-        "read_call(<call's 17 arguments>) -> what call would run with, or None (tests)"};
-    m.add_object("read_call",
-                 py::reinterpret_steal<py::object>(PyCFunction_NewEx(&read_call_def, nullptr, m.ptr())));
+    // The eager entries take Python's vectorcall convention (METH_FASTCALL), which
+    // pybind11 does not offer: each is a plain CPython function added to the module.
+    static PyMethodDef fastcall_defs[] = {
+        {"attention", as_pycfunction(&eager_attention), METH_FASTCALL, kEagerDoc},
+        {"call", as_pycfunction(&call_attention), METH_FASTCALL, kCallDoc},
+        {"read_call", as_pycfunction(&read_call_for_tests), METH_FASTCALL,
+         "read_call(<call's 17 arguments>) -> what call would run with, or None (tests)"},
+    };
+    for (PyMethodDef &def : fastcall_defs) {
+        m.add_object(def.ml_name, py::reinterpret_steal<py::object>(PyCFunction_NewEx(&def, nullptr, m.ptr())));
+    }
 }

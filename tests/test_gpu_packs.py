@@ -1,0 +1,191 @@
+"""GPU: launches through cached variant packs (csrc/packs.inc). A plan's execute
+keeps, per thread, the cuDNN variant pack of each (graph, pointers, workspace) it has
+run; these tests hold it to what cudnn-frontend's own execute writes, bit for bit,
+as pointers, workspaces and plans change and as the cache evicts."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import fastattn
+from fastattn import AttentionConfig
+
+from gpu_helpers import DeviceBuffer, Tensor, random_inputs, reference, rel_error, synchronize
+
+pytestmark = pytest.mark.gpu
+
+FWD_NAMES = ("q", "k", "v", "o", "stats")
+BWD_NAMES = FWD_NAMES + ("d_o", "d_q", "d_k", "d_v")
+
+
+def _core():
+    from fastattn import _core
+
+    return _core
+
+
+def small(**changes) -> AttentionConfig:
+    return AttentionConfig(batch=2, heads_q=4, heads_kv=2, seqlen_q=96, seqlen_kv=160, head_dim_qk=64,
+                           dtype="bf16", mask="causal_bottom_right", training=True, deterministic=True).replace(
+                               **changes)
+
+
+class Tensors:
+    """One call's tensors on fresh random data, outputs poisoned."""
+
+    def __init__(self, cfg: AttentionConfig, plan, seed: int):
+        self.cfg = cfg
+        self.q, self.k, self.v, self.d_o = random_inputs(cfg, np.random.default_rng(seed), backward=True)
+        self.t = {n: Tensor(cfg, n) for n in BWD_NAMES}
+        for n, x in (("q", self.q), ("k", self.k), ("v", self.v), ("d_o", self.d_o)):
+            self.t[n].write(x)
+        self.ws = DeviceBuffer(plan.workspace_size)
+
+    def ptrs(self, names):
+        return {n: self.t[n].ptr for n in names}
+
+    def run(self, plan, mode: str):
+        """Forward then backward through bench_execute in `mode` ("fastattn": execute, the
+        cached packs; "frontend_sorted": cudnn-frontend's execute)."""
+        _core().bench_execute(plan, "forward", mode, 1, self.ws.ptr, 0, **self.ptrs(FWD_NAMES))
+        _core().bench_execute(plan, "backward", mode, 1, self.ws.ptr, 0, **self.ptrs(BWD_NAMES))
+        synchronize()
+        return {n: self.t[n].raw() for n in ("o", "stats", "d_q", "d_k", "d_v")}
+
+    def check_reference(self):
+        o, _, (d_q, d_k, d_v) = reference(self.cfg, self.q, self.k, self.v, self.d_o)
+        for n, ref, tol in (("o", o, 2e-2), ("d_q", d_q, 4e-2), ("d_k", d_k, 4e-2), ("d_v", d_v, 4e-2)):
+            assert rel_error(self.t[n].read(), ref) < tol, n
+
+
+def test_plain_plans_launch_through_cached_packs():
+    p = fastattn.plan(small())
+    assert _core().bench_direct_launch(p, "forward")
+    assert _core().bench_direct_launch(p, "backward")
+
+
+def test_graphs_whose_execute_does_more_keep_the_frontends():
+    # ALiBi: the frontend copies the slopes into the workspace on every call. Host seed
+    # and offset: values read per call, not pointers to keep.
+    host_seed = AttentionConfig(batch=1, heads_q=2, seqlen_q=64, head_dim_qk=64, dtype="fp16", dropout=0.2,
+                                host_seed=True, training=True)  # (test_gpu_features' dropout shape)
+    for cfg in (small(mask="causal", alibi=True), host_seed):
+        assert fastattn.probe(cfg).supported, cfg
+        p = fastattn.plan(cfg)
+        assert not _core().bench_direct_launch(p, "forward"), cfg
+        assert not _core().bench_direct_launch(p, "backward"), cfg
+
+
+def test_repeated_pointers_hit_and_every_call_writes_what_the_frontend_writes():
+    cfg = small()
+    p = fastattn.plan(cfg)
+    a, b = Tensors(cfg, p, seed=1), Tensors(cfg, p, seed=2)
+    want_a, want_b = a.run(p, "frontend_sorted"), b.run(p, "frontend_sorted")
+    for t in (a, b):
+        for n in ("o", "stats", "d_q", "d_k", "d_v"):
+            t.t[n].buf.poison()
+    hits0, misses0 = _core().bench_pack_counts()
+    assert a.run(p, "fastattn") == want_a  # new pointers: two packs made
+    assert b.run(p, "fastattn") == want_b  # other tensors and another workspace: two more
+    hits1, misses1 = _core().bench_pack_counts()
+    assert misses1 - misses0 == 4
+    for t in (a, b):
+        for n in ("o", "stats", "d_q", "d_k", "d_v"):
+            t.t[n].buf.poison()
+    assert a.run(p, "fastattn") == want_a  # the same pointers again: found
+    assert b.run(p, "fastattn") == want_b
+    hits2, misses2 = _core().bench_pack_counts()
+    assert (hits2 - hits1, misses2 - misses1) == (4, 0)
+    a.check_reference()
+    b.check_reference()
+
+
+def test_new_data_behind_cached_pointers_is_read():
+    cfg = small()
+    p = fastattn.plan(cfg)
+    a = Tensors(cfg, p, seed=3)
+    a.run(p, "fastattn")
+    fresh = Tensors(cfg, p, seed=4)  # new values written into a's buffers
+    for n, x in (("q", fresh.q), ("k", fresh.k), ("v", fresh.v), ("d_o", fresh.d_o)):
+        a.t[n].write(x)
+    a.q, a.k, a.v, a.d_o = fresh.q, fresh.k, fresh.v, fresh.d_o
+    for n in ("o", "stats", "d_q", "d_k", "d_v"):
+        a.t[n].buf.poison()
+    hits0, _ = _core().bench_pack_counts()
+    a.run(p, "fastattn")
+    assert _core().bench_pack_counts()[0] - hits0 == 2
+    a.check_reference()
+
+
+def test_plans_on_the_same_pointers_use_their_own_packs():
+    causal, full = small(), small(mask="none")
+    pc, pf = fastattn.plan(causal), fastattn.plan(full)
+    t = Tensors(causal, pc, seed=5)  # the same shapes and strides serve both
+    want_c, want_f = t.run(pc, "frontend_sorted"), t.run(pf, "frontend_sorted")
+    assert want_c["o"] != want_f["o"]
+    for _ in range(2):
+        assert t.run(pc, "fastattn") == want_c
+        assert t.run(pf, "fastattn") == want_f
+
+
+def test_a_reloaded_plan_gets_packs_of_its_own():
+    cfg = small()
+    p = fastattn.plan(cfg)
+    t = Tensors(cfg, p, seed=6)
+    want = t.run(p, "frontend_sorted")
+    assert t.run(p, "fastattn") == want
+    q = _core().load_plan(cfg, p.device, *p.serialize())
+    _, misses0 = _core().bench_pack_counts()
+    assert t.run(q, "fastattn") == want
+    assert _core().bench_pack_counts()[1] - misses0 == 2
+
+
+@pytest.mark.parametrize("direction", ["forward", "backward"])
+def test_more_pointer_sets_than_the_cache_holds_all_run_right(direction):
+    # 300 layers, each with its own tensors, run twice over: more keys than the cache's
+    # 256 packs, so packs are evicted and made again; every layer's outputs must be
+    # the frontend's, byte for byte.
+    cfg = AttentionConfig(batch=1, heads_q=2, seqlen_q=32, head_dim_qk=64, dtype="fp16", mask="causal",
+                          training=True, deterministic=True)
+    p = fastattn.plan(cfg)
+    layers = 300
+    names = FWD_NAMES if direction == "forward" else BWD_NAMES
+    outs = ("o", "stats") if direction == "forward" else ("d_q", "d_k", "d_v")
+    size = {n: cfg.storage_elements(n) * (4 if n == "stats" else 2) for n in names}
+    stride = (max(size.values()) + 255) // 256 * 256
+    rng = np.random.default_rng(7)
+    bufs = {n: DeviceBuffer(stride * layers) for n in names}
+    for n in names:
+        if n in outs:
+            continue
+        if n in ("o", "stats"):  # the backward's saved forward outputs: run the forward to get them
+            continue
+        bufs[n].upload(rng.standard_normal(stride * layers // 2).astype(np.float16).view(np.uint16))
+    ws = DeviceBuffer(p.workspace_size)
+    ptrs = {n: b.ptr for n, b in bufs.items()}
+    if direction == "backward":  # o and stats from the forward, per layer
+        fwd = {n: ptrs[n] for n in FWD_NAMES}
+        _core().bench_execute(p, "forward", "frontend_sorted", layers, ws.ptr, 0, layers=layers, layer_bytes=stride,
+                              **fwd)
+        synchronize()
+
+    def run(mode):
+        for n in outs:
+            bufs[n].poison()
+        _core().bench_execute(p, direction, mode, 2 * layers, ws.ptr, 0, layers=layers, layer_bytes=stride, **ptrs)
+        synchronize()
+        got = {}
+        for n in outs:
+            raw = bufs[n].download(np.uint8, stride * layers).reshape(layers, stride)[:, :size[n]]
+            got[n] = raw.copy()
+        return got
+
+    want = run("frontend_sorted")
+    _, misses0 = _core().bench_pack_counts()
+    got = run("fastattn")
+    assert _core().bench_pack_counts()[1] - misses0 >= layers
+    for n in outs:
+        assert not np.all(want[n] == 0xFF), n  # written
+        bad = [i for i in range(layers) if not np.array_equal(got[n][i], want[n][i])]
+        assert not bad, f"{n}: layers {bad[:5]} differ"
