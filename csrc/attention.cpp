@@ -158,6 +158,14 @@ using ErrorStringFn    = const char *(cudaError_t);
 using GetLastErrorFn   = cudaError_t();
 using DeviceGetNameFn  = CUresult(char *, int, CUdevice);
 using DeviceGetFn      = CUresult(CUdevice *, int);
+using StreamCreateFn   = cudaError_t(cudaStream_t *, unsigned int);
+using StreamDestroyFn  = cudaError_t(cudaStream_t);
+using BeginCaptureFn   = cudaError_t(cudaStream_t, cudaStreamCaptureMode);
+using EndCaptureFn     = cudaError_t(cudaStream_t, cudaGraph_t *);
+using InstantiateFn    = cudaError_t(cudaGraphExec_t *, cudaGraph_t, unsigned long long);
+using GraphLaunchFn    = cudaError_t(cudaGraphExec_t, cudaStream_t);
+using GraphExecDestroyFn = cudaError_t(cudaGraphExec_t);
+using GraphDestroyFn   = cudaError_t(cudaGraph_t);
 
 Status cuda_status(cudaError_t err, const char *what) {
     if (err == cudaSuccess) return {};
@@ -352,7 +360,7 @@ Status run(const Graph &g, int device, void **ptrs, int n, intptr_t workspace, i
         LaunchScope scope(device, stream);
         FA_RETURN_IF_ERROR(scope.status());
         if (via == Via::kCachedPack && g.direct.usable && !fe::isLoggingTensorDumpEnabled()) {
-            return launch_cached(g, scope.handle(), stream, ptrs, reinterpret_cast<void *>(workspace));
+            return launch_cached(g, scope.handle(), device, stream, ptrs, reinterpret_cast<void *>(workspace));
         }
         auto e = g.g->execute(scope.handle(), ptrs, n, reinterpret_cast<void *>(workspace));
         if (e.is_bad()) return error(Code::kCudnnError, "execute: " + e.err_msg);

@@ -42,7 +42,8 @@ uint64_t graph_slots(const Graph *g);
 // Whether execute launches g through cached variant packs (packs.inc), not the frontend's execute.
 bool direct_launch(const Graph *g);
 
-// The calling thread's variant-pack cache: launches that found their pack, and that made one.
-void pack_counts(uint64_t *hits, uint64_t *misses);
+// The calling thread's variant-pack cache: launches that found their pack, that made one,
+// and that replayed the pack's launch as a CUDA graph.
+void pack_counts(uint64_t *hits, uint64_t *misses, uint64_t *replays);
 
 }  // namespace fastattn::bench

@@ -12,7 +12,7 @@ cdef extern from "bench.h" namespace "fastattn::bench" nogil:
                         intptr_t stream, Mode mode, int iters, int layers, int64_t layer_bytes, double* seconds)
     uint64_t graph_slots(const Graph* g)
     bint direct_launch(const Graph* g)
-    void pack_counts(uint64_t* hits, uint64_t* misses)
+    void pack_counts(uint64_t* hits, uint64_t* misses, uint64_t* replays)
 
 
 cdef dict _BENCH_MODES = {"fastattn": 0, "frontend_sorted": 1, "frontend_uid_map": 2, "frontend_sorted_preamble": 3}
@@ -81,7 +81,8 @@ def bench_direct_launch(Plan plan, str direction):
 
 
 def bench_pack_counts():
-    """(hits, misses) of the calling thread's variant-pack cache (csrc/packs.inc)."""
-    cdef uint64_t hits = 0, misses = 0
-    pack_counts(&hits, &misses)
-    return hits, misses
+    """(hits, misses, replays) of the calling thread's variant-pack cache (csrc/packs.inc):
+    launches that found their pack, that made one, and that replayed a captured graph."""
+    cdef uint64_t hits = 0, misses = 0, replays = 0
+    pack_counts(&hits, &misses, &replays)
+    return hits, misses, replays

@@ -1,7 +1,8 @@
 """GPU: launches through cached variant packs (csrc/packs.inc). A plan's execute
 keeps, per thread, the cuDNN variant pack of each (graph, pointers, workspace) it has
-run; these tests hold it to what cudnn-frontend's own execute writes, bit for bit,
-as pointers, workspaces and plans change and as the cache evicts."""
+run, and replays a launch that repeats as a CUDA graph; these tests hold both to what
+cudnn-frontend's own execute writes, bit for bit, as pointers, workspaces, streams,
+data and plans change and as the cache evicts."""
 
 from __future__ import annotations
 
@@ -45,11 +46,17 @@ class Tensors:
     def ptrs(self, names):
         return {n: self.t[n].ptr for n in names}
 
-    def run(self, plan, mode: str):
-        """Forward then backward through bench_execute in `mode` ("fastattn": execute, the
-        cached packs; "frontend_sorted": cudnn-frontend's execute)."""
-        _core().bench_execute(plan, "forward", mode, 1, self.ws.ptr, 0, **self.ptrs(FWD_NAMES))
-        _core().bench_execute(plan, "backward", mode, 1, self.ws.ptr, 0, **self.ptrs(BWD_NAMES))
+    def poison(self):
+        for n in ("o", "stats", "d_q", "d_k", "d_v"):
+            self.t[n].buf.poison()
+
+    def run(self, plan, mode: str, stream: int = 0):
+        """Outputs poisoned, then forward and backward through bench_execute in `mode`
+        ("fastattn": execute, the cached packs and replays; "frontend_sorted":
+        cudnn-frontend's execute) on `stream`."""
+        self.poison()
+        _core().bench_execute(plan, "forward", mode, 1, self.ws.ptr, stream, **self.ptrs(FWD_NAMES))
+        _core().bench_execute(plan, "backward", mode, 1, self.ws.ptr, stream, **self.ptrs(BWD_NAMES))
         synchronize()
         return {n: self.t[n].raw() for n in ("o", "stats", "d_q", "d_k", "d_v")}
 
@@ -77,26 +84,32 @@ def test_graphs_whose_execute_does_more_keep_the_frontends():
         assert not _core().bench_direct_launch(p, "backward"), cfg
 
 
-def test_repeated_pointers_hit_and_every_call_writes_what_the_frontend_writes():
+def new_stream() -> int:
+    from cuda.bindings import runtime as rt
+
+    err, stream = rt.cudaStreamCreate()
+    assert int(err) == 0
+    return int(stream)
+
+
+def test_repeated_pointers_hit_then_replay_and_every_call_writes_what_the_frontend_writes():
     cfg = small()
     p = fastattn.plan(cfg)
     a, b = Tensors(cfg, p, seed=1), Tensors(cfg, p, seed=2)
     want_a, want_b = a.run(p, "frontend_sorted"), b.run(p, "frontend_sorted")
-    for t in (a, b):
-        for n in ("o", "stats", "d_q", "d_k", "d_v"):
-            t.t[n].buf.poison()
-    hits0, misses0 = _core().bench_pack_counts()
-    assert a.run(p, "fastattn") == want_a  # new pointers: two packs made
-    assert b.run(p, "fastattn") == want_b  # other tensors and another workspace: two more
-    hits1, misses1 = _core().bench_pack_counts()
-    assert misses1 - misses0 == 4
-    for t in (a, b):
-        for n in ("o", "stats", "d_q", "d_k", "d_v"):
-            t.t[n].buf.poison()
-    assert a.run(p, "fastattn") == want_a  # the same pointers again: found
-    assert b.run(p, "fastattn") == want_b
-    hits2, misses2 = _core().bench_pack_counts()
-    assert (hits2 - hits1, misses2 - misses1) == (4, 0)
+    counts = [_core().bench_pack_counts()]
+    for _ in range(3):  # a launch's first three runs go through its pack
+        assert a.run(p, "fastattn") == want_a
+        assert b.run(p, "fastattn") == want_b  # other tensors and another workspace
+        counts.append(_core().bench_pack_counts())
+    assert counts[1][1] - counts[0][1] == 4  # new pointers: four packs made (a, b; fwd, bwd)
+    assert [(c[0] - p_[0], c[1] - p_[1]) for p_, c in zip(counts[1:], counts[2:])] == [(4, 0), (4, 0)]
+    assert counts[3][2] == counts[0][2]  # no replay yet
+    stream = new_stream()
+    for s_ in (0, stream):  # then replays, on the stream captured for or another
+        assert a.run(p, "fastattn", s_) == want_a
+        assert b.run(p, "fastattn", s_) == want_b
+    assert _core().bench_pack_counts()[2] - counts[3][2] == 8
     a.check_reference()
     b.check_reference()
 
@@ -105,17 +118,17 @@ def test_new_data_behind_cached_pointers_is_read():
     cfg = small()
     p = fastattn.plan(cfg)
     a = Tensors(cfg, p, seed=3)
-    a.run(p, "fastattn")
-    fresh = Tensors(cfg, p, seed=4)  # new values written into a's buffers
-    for n, x in (("q", fresh.q), ("k", fresh.k), ("v", fresh.v), ("d_o", fresh.d_o)):
-        a.t[n].write(x)
-    a.q, a.k, a.v, a.d_o = fresh.q, fresh.k, fresh.v, fresh.d_o
-    for n in ("o", "stats", "d_q", "d_k", "d_v"):
-        a.t[n].buf.poison()
-    hits0, _ = _core().bench_pack_counts()
-    a.run(p, "fastattn")
-    assert _core().bench_pack_counts()[0] - hits0 == 2
-    a.check_reference()
+    for _ in range(4):  # past the pack and into the replay
+        a.run(p, "fastattn")
+    for seed in (4, 5):
+        fresh = Tensors(cfg, p, seed=seed)  # new values written into a's buffers
+        for n, x in (("q", fresh.q), ("k", fresh.k), ("v", fresh.v), ("d_o", fresh.d_o)):
+            a.t[n].write(x)
+        a.q, a.k, a.v, a.d_o = fresh.q, fresh.k, fresh.v, fresh.d_o
+        replays0 = _core().bench_pack_counts()[2]
+        a.run(p, "fastattn")
+        assert _core().bench_pack_counts()[2] - replays0 == 2
+        a.check_reference()
 
 
 def test_plans_on_the_same_pointers_use_their_own_packs():
@@ -124,7 +137,7 @@ def test_plans_on_the_same_pointers_use_their_own_packs():
     t = Tensors(causal, pc, seed=5)  # the same shapes and strides serve both
     want_c, want_f = t.run(pc, "frontend_sorted"), t.run(pf, "frontend_sorted")
     assert want_c["o"] != want_f["o"]
-    for _ in range(2):
+    for _ in range(5):  # packs, then replays
         assert t.run(pc, "fastattn") == want_c
         assert t.run(pf, "fastattn") == want_f
 
@@ -136,16 +149,16 @@ def test_a_reloaded_plan_gets_packs_of_its_own():
     want = t.run(p, "frontend_sorted")
     assert t.run(p, "fastattn") == want
     q = _core().load_plan(cfg, p.device, *p.serialize())
-    _, misses0 = _core().bench_pack_counts()
+    _, misses0, _ = _core().bench_pack_counts()
     assert t.run(q, "fastattn") == want
     assert _core().bench_pack_counts()[1] - misses0 == 2
 
 
 @pytest.mark.parametrize("direction", ["forward", "backward"])
 def test_more_pointer_sets_than_the_cache_holds_all_run_right(direction):
-    # 300 layers, each with its own tensors, run twice over: more keys than the cache's
-    # 256 packs, so packs are evicted and made again; every layer's outputs must be
-    # the frontend's, byte for byte.
+    # 300 layers, each with its own tensors, run four times over: more keys than the
+    # cache's 256 packs, so packs are evicted and made again, and those that survive
+    # three runs replay; every layer's outputs must be the frontend's, byte for byte.
     cfg = AttentionConfig(batch=1, heads_q=2, seqlen_q=32, head_dim_qk=64, dtype="fp16", mask="causal",
                           training=True, deterministic=True)
     p = fastattn.plan(cfg)
@@ -173,7 +186,7 @@ def test_more_pointer_sets_than_the_cache_holds_all_run_right(direction):
     def run(mode):
         for n in outs:
             bufs[n].poison()
-        _core().bench_execute(p, direction, mode, 2 * layers, ws.ptr, 0, layers=layers, layer_bytes=stride, **ptrs)
+        _core().bench_execute(p, direction, mode, 4 * layers, ws.ptr, 0, layers=layers, layer_bytes=stride, **ptrs)
         synchronize()
         got = {}
         for n in outs:
@@ -182,7 +195,7 @@ def test_more_pointer_sets_than_the_cache_holds_all_run_right(direction):
         return got
 
     want = run("frontend_sorted")
-    _, misses0 = _core().bench_pack_counts()
+    _, misses0, _ = _core().bench_pack_counts()
     got = run("fastattn")
     assert _core().bench_pack_counts()[1] - misses0 >= layers
     for n in outs:
