@@ -166,6 +166,7 @@ using InstantiateFn    = cudaError_t(cudaGraphExec_t *, cudaGraph_t, unsigned lo
 using GraphLaunchFn    = cudaError_t(cudaGraphExec_t, cudaStream_t);
 using GraphExecDestroyFn = cudaError_t(cudaGraphExec_t);
 using GraphDestroyFn   = cudaError_t(cudaGraph_t);
+using ExchangeModeFn   = cudaError_t(cudaStreamCaptureMode *);
 
 Status cuda_status(cudaError_t err, const char *what) {
     if (err == cudaSuccess) return {};

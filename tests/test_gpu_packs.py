@@ -202,3 +202,85 @@ def test_more_pointer_sets_than_the_cache_holds_all_run_right(direction):
         assert not np.all(want[n] == 0xFF), n  # written
         bad = [i for i in range(layers) if not np.array_equal(got[n][i], want[n][i])]
         assert not bad, f"{n}: layers {bad[:5]} differ"
+
+
+def test_a_stream_being_captured_records_cudnns_launch_not_a_replay():
+    # The caller's own CUDA graph, captured over a key that already replays: the capture
+    # must record cuDNN's launch (a replay launched into a capturing stream would not be
+    # the caller's to own), and the caller's graph must write what the frontend writes.
+    from cuda.bindings import runtime as rt
+
+    cfg = small()
+    p = fastattn.plan(cfg)
+    t = Tensors(cfg, p, seed=8)
+    want = t.run(p, "frontend_sorted")
+    for _ in range(4):  # the key replays from the fourth run
+        t.run(p, "fastattn")
+    stream = new_stream()
+    t.poison()
+    synchronize()
+    hits0, misses0, replays0 = _core().bench_pack_counts()
+    assert int(rt.cudaStreamBeginCapture(stream, rt.cudaStreamCaptureMode.cudaStreamCaptureModeThreadLocal)[0]) == 0
+    _core().bench_execute(p, "forward", "fastattn", 1, t.ws.ptr, stream, **t.ptrs(FWD_NAMES))
+    _core().bench_execute(p, "backward", "fastattn", 1, t.ws.ptr, stream, **t.ptrs(BWD_NAMES))
+    err, graph = rt.cudaStreamEndCapture(stream)
+    assert int(err) == 0
+    assert _core().bench_pack_counts() == (hits0 + 2, misses0, replays0)  # found, not replayed
+    err, exec_ = rt.cudaGraphInstantiate(graph, 0)
+    assert int(err) == 0
+    assert int(rt.cudaGraphLaunch(exec_, stream)[0]) == 0
+    synchronize()
+    assert {n: t.t[n].raw() for n in want} == want
+    rt.cudaGraphExecDestroy(exec_)
+    rt.cudaGraphDestroy(graph)
+
+
+def test_replays_are_made_while_another_thread_captures_in_global_mode():
+    # fastattn captures a repeating launch on a stream of its own. Meanwhile another
+    # thread captures its own graph in CUDA's global mode (PyTorch's default), where a
+    # potentially unsafe call from any thread invalidates that capture: fastattn's
+    # capture, instantiation and eviction must not be such calls for it.
+    import threading
+
+    from cuda.bindings import runtime as rt
+
+    cfg = small()
+    p = fastattn.plan(cfg)
+    warm, t = Tensors(cfg, p, seed=9), Tensors(cfg, p, seed=10)
+    want = t.run(p, "frontend_sorted")
+    t.poison()
+    synchronize()
+    ready, capturing, done, errors = threading.Event(), threading.Event(), threading.Event(), []
+    worker_stream = new_stream()
+
+    def worker():
+        try:
+            # This thread's handle, capture stream and a replay, made before the capture.
+            _core().bench_execute(p, "forward", "fastattn", 4, warm.ws.ptr, worker_stream, **warm.ptrs(FWD_NAMES))
+            rt.cudaStreamSynchronize(worker_stream)
+            ready.set()
+            capturing.wait(30)
+            _, _, replays0 = _core().bench_pack_counts()
+            for direction, names in (("forward", FWD_NAMES), ("backward", BWD_NAMES)):
+                _core().bench_execute(p, direction, "fastattn", 4, t.ws.ptr, worker_stream, **t.ptrs(names))
+            assert _core().bench_pack_counts()[2] - replays0 == 2  # captured and replayed in the window
+        except BaseException as e:  # noqa: BLE001 - raised in the test's thread
+            errors.append(e)
+        finally:
+            ready.set()
+            done.set()
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    ready.wait(60)
+    stream = new_stream()
+    assert int(rt.cudaStreamBeginCapture(stream, rt.cudaStreamCaptureMode.cudaStreamCaptureModeGlobal)[0]) == 0
+    capturing.set()
+    done.wait(60)
+    err, graph = rt.cudaStreamEndCapture(stream)
+    thread.join()
+    assert not errors, errors
+    assert int(err) == 0, f"the other thread's capture was invalidated: {err}"
+    rt.cudaGraphDestroy(graph)
+    synchronize()
+    assert {n: t.t[n].raw() for n in want} == want
