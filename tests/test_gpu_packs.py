@@ -284,3 +284,36 @@ def test_replays_are_made_while_another_thread_captures_in_global_mode():
     rt.cudaGraphDestroy(graph)
     synchronize()
     assert {n: t.t[n].raw() for n in want} == want
+
+
+def test_a_freed_plan_leaves_its_replays_harmless():
+    # Packs and replays keep their frontend graph alive (csrc/packs.inc, Entry::keep):
+    # a plan freed while its entries remain must leave nothing dangling, whether the
+    # entries are evicted later or outlive it to the thread's exit.
+    import gc
+    import threading
+
+    cfg = small()
+    p = fastattn.plan(cfg)
+    blobs = p.serialize()
+    t = Tensors(cfg, p, seed=11)
+    want = t.run(p, "frontend_sorted")
+    errors = []
+
+    def in_a_thread():
+        try:
+            q = _core().load_plan(cfg, p.device, *blobs)
+            for _ in range(4):  # into the replay
+                assert t.run(q, "fastattn") == want
+            del q
+            gc.collect()
+            for _ in range(4):  # the same pointers, another plan: its own packs and replays
+                assert t.run(p, "fastattn") == want
+        except BaseException as e:  # noqa: BLE001 - raised in the test's thread
+            errors.append(e)
+
+    thread = threading.Thread(target=in_a_thread)
+    thread.start()
+    thread.join()  # the thread's exit drops its packs, replays and the freed plan's graph
+    assert not errors, errors
+    assert t.run(p, "fastattn") == want
