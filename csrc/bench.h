@@ -26,6 +26,9 @@ enum class Mode : int {
     // stream bound) paid per call, as any caller of cudnn-frontend pays it: kFastattn
     // less its pointer checks.
     kFrontendSortedPreamble = 3,
+    // kFastattn with CUDA graph replays off for the loop: every launch through its cached
+    // variant pack (what a replay saves, measured).
+    kFastattnPacksOnly = 4,
 };
 
 // Seconds for `iters` back-to-back launches of `g` in `mode`, looped in C++. `slots`

@@ -7,6 +7,7 @@ cdef extern from "bench.h" namespace "fastattn::bench" nogil:
         kFrontendSorted
         kFrontendUidMap
         kFrontendSortedPreamble
+        kFastattnPacksOnly
 
     Status time_execute(const Graph* g, Direction dir, int device, const intptr_t* slots, intptr_t workspace,
                         intptr_t stream, Mode mode, int iters, int layers, int64_t layer_bytes, double* seconds)
@@ -15,7 +16,8 @@ cdef extern from "bench.h" namespace "fastattn::bench" nogil:
     void pack_counts(uint64_t* hits, uint64_t* misses, uint64_t* replays)
 
 
-cdef dict _BENCH_MODES = {"fastattn": 0, "frontend_sorted": 1, "frontend_uid_map": 2, "frontend_sorted_preamble": 3}
+cdef dict _BENCH_MODES = {"fastattn": 0, "frontend_sorted": 1, "frontend_uid_map": 2, "frontend_sorted_preamble": 3,
+                          "fastattn_packs_only": 4}
 
 
 def bench_execute(Plan plan, str direction, str mode, int iters, intptr_t workspace=0, intptr_t stream=0, *,
@@ -24,8 +26,9 @@ def bench_execute(Plan plan, str direction, str mode, int iters, intptr_t worksp
     `mode`: "fastattn" (the C++ execute behind plan.forward/backward, checks included),
     "frontend_sorted" (cudnn-frontend's cheapest execute on the same plan, no checks,
     device and stream set once: the floor), "frontend_sorted_preamble" (the same with
-    device, handle and stream set per call, as a caller of cudnn-frontend pays them) or
-    "frontend_uid_map" (its uid-map execute, the map built per call).
+    device, handle and stream set per call, as a caller of cudnn-frontend pays them),
+    "frontend_uid_map" (its uid-map execute, the map built per call) or
+    "fastattn_packs_only" ("fastattn" with CUDA graph replays off for the loop).
     `tensors`: device addresses by name, as forward/backward take them (with
     config.host_seed, seed and offset are the values). Call i runs layer i % `layers`,
     whose device tensors are `tensors` moved by layer * `layer_bytes` (a model's layers,

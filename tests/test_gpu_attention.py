@@ -367,7 +367,8 @@ def test_integer_like_addresses_run_like_ints():
         assert a.t[name].raw() == b.t[name].raw(), name
 
 
-@pytest.mark.parametrize("mode", ["fastattn", "frontend_sorted", "frontend_sorted_preamble", "frontend_uid_map"])
+@pytest.mark.parametrize("mode", ["fastattn", "fastattn_packs_only", "frontend_sorted", "frontend_sorted_preamble",
+                                  "frontend_uid_map"])
 def test_bench_execute_writes_what_forward_and_backward_write(mode):
     from fastattn import _core
 
