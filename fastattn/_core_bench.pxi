@@ -20,6 +20,14 @@ cdef dict _BENCH_MODES = {"fastattn": 0, "frontend_sorted": 1, "frontend_uid_map
                           "fastattn_packs_only": 4}
 
 
+cdef const Graph* _bench_graph(Plan plan, str direction) except NULL:
+    """The plan's graph of `direction` ("forward" or "backward"), or InvalidArgumentError."""
+    cdef const Graph* g = plan._fwd.get() if direction == "forward" else plan._bwd.get()
+    if direction not in ("forward", "backward") or g == NULL:
+        raise InvalidArgumentError(f"direction={direction!r}: this plan has no such graph")
+    return g
+
+
 def bench_execute(Plan plan, str direction, str mode, int iters, intptr_t workspace=0, intptr_t stream=0, *,
                   int layers=1, int64_t layer_bytes=0, **tensors):
     """Seconds for `iters` launches of the plan's `direction` graph looped in C++, in
@@ -39,9 +47,7 @@ def bench_execute(Plan plan, str direction, str mode, int iters, intptr_t worksp
     cdef double seconds = 0
     cdef Status st
     cdef Direction d = Direction.kForward if direction == "forward" else Direction.kBackward
-    cdef const Graph* g = plan._fwd.get() if d == Direction.kForward else plan._bwd.get()
-    if direction not in ("forward", "backward") or g == NULL:
-        raise InvalidArgumentError(f"direction={direction!r}: this plan has no such graph")
+    cdef const Graph* g = _bench_graph(plan, direction)
     if mode not in _BENCH_MODES:
         raise InvalidArgumentError(f"mode={mode!r} is not one of {sorted(_BENCH_MODES)}")
     memset(t, 0, sizeof(t))
@@ -77,10 +83,7 @@ def bench_raw_execute(Plan plan, str direction, ptrs, intptr_t workspace=0, intp
 def bench_direct_launch(Plan plan, str direction):
     """Whether execute launches the plan's `direction` graph through cached variant packs
     (csrc/packs.inc) rather than cudnn-frontend's execute."""
-    cdef const Graph* g = plan._fwd.get() if direction == "forward" else plan._bwd.get()
-    if direction not in ("forward", "backward") or g == NULL:
-        raise InvalidArgumentError(f"direction={direction!r}: this plan has no such graph")
-    return direct_launch(g)
+    return direct_launch(_bench_graph(plan, direction))
 
 
 def bench_pack_counts():

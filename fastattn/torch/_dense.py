@@ -356,8 +356,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
         extras = (bias, sinks, rng)
     if not compiling():  # (dynamo traces no further: the branch below is the native op's)
         eager = _native.EAGER
-        if eager is not None and cuda and not return_lse and q.__class__ is Tensor and not (
-                dispatch_modes() or functorch_active()):
+        # (Dispatch modes, torch.func and torch.jit.trace: the entry itself hands those
+        # back, eager.inc outside_modes.)
+        if eager is not None and cuda and not return_lse and q.__class__ is Tensor:
             # The native path's eager entry: straight to the C++ kernel, which decides
             # gradients itself (ops.cpp, eager.inc). NotImplemented: an argument it does
             # not take (k not a tensor, say), which the path below reports as usual.
@@ -414,5 +415,5 @@ compiling, functorch_active = torch.compiler.is_compiling, _autograd.functorch_a
 # Dynamo's own flag (one call, ~35 ns against is_compiling's ~70): other tracers
 # (make_fx, non-strict export) run the C entry, which sees their dispatch modes.
 dynamo_compiling = getattr(torch.compiler, "is_dynamo_compiling", compiling)
-dispatch_modes, Tensor = _autograd.dispatch_modes, torch.Tensor
+Tensor = torch.Tensor
 LAYOUT_IDS = {"bshd": 0, "sbhd": 1, "bhsd": 2}  # the eager entry's layout numbers (ops.cpp's kLayouts)
