@@ -96,7 +96,8 @@ def extensions():
         sources=["fastattn/_core.pyx", "csrc/attention.cpp"],
         # Included by the sources: a change to any of them rebuilds the extension.
         depends=["csrc/fastattn.h", "csrc/bench.h", "csrc/graphs.inc", "csrc/graphs_fp8.inc", "csrc/packs.inc",
-                 "csrc/bench.inc", "fastattn/include/fastattn_abi.h", "fastattn/_core_bench.pxi", "fastattn/_core_abi.pxi"],
+                 "csrc/bench.inc", "fastattn/include/fastattn_abi.h", "fastattn/_core_bench.pxi", "fastattn/_core_abi.pxi",
+                 "fastattn/_core_config.pxi", "csrc/cuda.inc", "csrc/ragged.inc", "csrc/ragged_ptx.inc"],
         include_dirs=include_dirs(),
         language="c++",
         define_macros=[("NV_CUDNN_FRONTEND_USE_DYNAMIC_LOADING", None)],

@@ -41,6 +41,16 @@ struct DirectLaunch {
     std::vector<std::pair<int, int64_t>> in_workspace;  // pack index, byte offset into the workspace
 };
 
+// A ragged graph's index arrays, which fastattn computes from cumulative lengths
+// (ragged.inc): n = batch + 1 entries per row, rows `stride` int32 apart from byte
+// `offset` of the workspace; the rows' multipliers; the slots such a launch takes.
+struct RaggedIndex {
+    int n = 0, stride = 0;  // n == 0: not a ragged graph
+    int64_t offset = 0;
+    int32_t mult[5] = {};   // token strides of q, k, v, o, stats (0: no packed stats)
+    uint64_t cu_slots = 0;
+};
+
 class Graph {
    public:
     std::shared_ptr<fe::graph::Graph> g;
@@ -54,6 +64,7 @@ class Graph {
     int8_t order[kNumSlots] = {};
     int n                   = 0;
     DirectLaunch direct;
+    RaggedIndex ragged;
 };
 
 void GraphDeleter::operator()(Graph *g) const { delete g; }
@@ -115,6 +126,8 @@ constexpr SlotSpec kSlots[kNumSlots] = {
     {"amax_d_k", "only the backward graph of a plan with an FP8 dtype writes amax_d_k"},
     {"amax_d_v", "only the backward graph of a plan with an FP8 dtype writes amax_d_v"},
     {"amax_d_p", "only the backward graph of a plan with an FP8 dtype writes amax_d_p"},
+    {"cu_seqlens_q", "only a plan built with ragged=True takes cumulative lengths"},
+    {"cu_seqlens_kv", "only a plan built with ragged=True takes cumulative lengths"},
 };
 constexpr int kMaxDevices                        = 64;
 constexpr uintptr_t kAlignment                   = 16;
@@ -142,71 +155,8 @@ Status guarded(Code code, const char *what, Fn &&fn) {
     }
 }
 
-// CUDA runtime entry points the frontend's shim does not wrap, looked up once in
-// the libcudart the frontend loaded.
-template <class F>
-F *cudart(const char *name) {
-    return reinterpret_cast<F *>(fe::detail::get_cuda_symbol(fe::detail::CudaLibrary::CUDART, name));
-}
-using GetDeviceFn      = cudaError_t(int *);
-using SetDeviceFn      = cudaError_t(int);
-using GetCountFn       = cudaError_t(int *);
-using AttributeFn      = cudaError_t(int *, cudaDeviceAttr, int);
-using VersionFn        = cudaError_t(int *);
-using IsCapturingFn    = cudaError_t(cudaStream_t, cudaStreamCaptureStatus *);
-using ErrorStringFn    = const char *(cudaError_t);
-using GetLastErrorFn   = cudaError_t();
-using DeviceGetNameFn  = CUresult(char *, int, CUdevice);
-using DeviceGetFn      = CUresult(CUdevice *, int);
-using StreamCreateFn   = cudaError_t(cudaStream_t *, unsigned int);
-using StreamDestroyFn  = cudaError_t(cudaStream_t);
-using BeginCaptureFn   = cudaError_t(cudaStream_t, cudaStreamCaptureMode);
-using EndCaptureFn     = cudaError_t(cudaStream_t, cudaGraph_t *);
-using InstantiateFn    = cudaError_t(cudaGraphExec_t *, cudaGraph_t, unsigned long long);
-using GraphLaunchFn    = cudaError_t(cudaGraphExec_t, cudaStream_t);
-using GraphExecDestroyFn = cudaError_t(cudaGraphExec_t);
-using GraphDestroyFn   = cudaError_t(cudaGraph_t);
-using ExchangeModeFn   = cudaError_t(cudaStreamCaptureMode *);
-
-Status cuda_status(cudaError_t err, const char *what) {
-    if (err == cudaSuccess) return {};
-    // A failed runtime call also stays behind as the thread's "last error", which
-    // the next library to check it (PyTorch, after its next kernel launch) would
-    // report as its own failure. The error is ours: clear it.
-    static GetLastErrorFn *clear = cudart<GetLastErrorFn>("cudaGetLastError");
-    (void)clear();
-    static ErrorStringFn *str = cudart<ErrorStringFn>("cudaGetErrorString");
-    std::ostringstream msg;
-    msg << what << " failed: " << str(err) << " (cudaError " << int(err) << ")";
-    if (err == cudaErrorInsufficientDriver || err == cudaErrorNoDevice) {
-        msg << ". fastattn needs an NVIDIA GPU and its driver (libcuda.so.1)";
-    }
-    return error(Code::kCudaError, msg.str());
-}
-
-// Makes `device` current for the scope and restores the caller's device after.
-// cudaGetDevice is a thread-local read, so the common case (already current)
-// costs no driver call.
-class DeviceGuard {
-   public:
-    explicit DeviceGuard(int device) : target_(device) {
-        static GetDeviceFn *get = cudart<GetDeviceFn>("cudaGetDevice");
-        status_ = cuda_status(get(&previous_), "cudaGetDevice");
-        if (status_.ok() && previous_ != target_) status_ = cuda_status(set()(target_), "cudaSetDevice");
-    }
-    ~DeviceGuard() {
-        if (status_.ok() && previous_ != target_) (void)set()(previous_);
-    }
-    const Status &status() const { return status_; }
-
-   private:
-    static SetDeviceFn *set() {
-        static SetDeviceFn *fn = cudart<SetDeviceFn>("cudaSetDevice");
-        return fn;
-    }
-    int target_, previous_ = -1;
-    Status status_;
-};
+// CUDA runtime entry points, statuses, DeviceGuard and RelaxedCaptureMode.
+#include "cuda.inc"
 
 // cuDNN handles are per thread and per device. They are deliberately never
 // destroyed: at thread or process exit the CUDA context may already be gone, and
@@ -274,6 +224,9 @@ class LaunchScope {
         if (!_st.ok()) return _st;        \
     } while (0)
 
+// Ragged launches from cumulative lengths: the index kernel and its arrays' places.
+#include "ragged.inc"
+
 // Launches through cached variant packs: capture_direct(graph) and launch_cached(...).
 #include "packs.inc"
 
@@ -291,6 +244,7 @@ void set_layout(Graph &graph, const Config &c, Direction dir) {
     for (int s = 0; s < kNumSlots; ++s) {
         if (graph.slots & bit(static_cast<Slot>(s))) graph.order[graph.n++] = static_cast<int8_t>(s);
     }
+    set_ragged_index(graph, c);
 }
 
 // The uids of a slot mask, sorted: what cuDNN's variant pack holds, in its order.
@@ -326,6 +280,8 @@ Status finish(Graph &graph, const char *stage_prefix, bool built, GraphInfo *inf
         return error(Code::kCorruptPlan, std::string(stage_prefix) + ": plan's tensors do not match its config");
     }
     FA_RETURN_IF_ERROR(build_step(graph.g->get_workspace_size(graph.workspace), "get_workspace_size"));
+    place_index(graph);
+    if (graph.ragged.n > 0) (void)ragged_kernel();  // loaded now, not inside a caller's launch or capture
     info->workspace_size = graph.workspace;
     if (built) FA_RETURN_IF_ERROR(build_step(graph.g->get_plan_name(info->engine_name), "get_plan_name"));
     capture_direct(graph);
@@ -356,13 +312,17 @@ enum class Via { kCachedPack, kFrontend };
 // is its sorted-pointer execute (graph_interface.h, 1.28): straight to
 // execute_plan_at_index with the candidate plan, where its map overloads first build
 // and search an unordered_map. It still makes a variant pack per call.
-Status run(const Graph &g, int device, void **ptrs, int n, intptr_t workspace, intptr_t stream, Via via) {
+// `index`: the launch's cumulative lengths, when it was given them (the index kernel
+// runs first, on the same stream).
+Status run(const Graph &g, int device, void **ptrs, int n, intptr_t workspace, intptr_t stream, Via via,
+           const IndexLaunch *index = nullptr) {
     return guarded(Code::kCudnnError, "execute", [&]() -> Status {
         LaunchScope scope(device, stream);
         FA_RETURN_IF_ERROR(scope.status());
         if (via == Via::kCachedPack && g.direct.usable && !fe::isLoggingTensorDumpEnabled()) {
-            return launch_cached(g, scope.handle(), device, stream, ptrs, reinterpret_cast<void *>(workspace));
+            return launch_cached(g, scope.handle(), device, stream, ptrs, reinterpret_cast<void *>(workspace), index);
         }
+        if (index != nullptr) FA_RETURN_IF_ERROR(launch_index(*index, reinterpret_cast<cudaStream_t>(stream)));
         auto e = g.g->execute(scope.handle(), ptrs, n, reinterpret_cast<void *>(workspace));
         if (e.is_bad()) return error(Code::kCudnnError, "execute: " + e.err_msg);
         return {};
@@ -530,14 +490,38 @@ namespace {
 
 // Why execute refused its pointers, slot by slot (execute's error path).
 Status slot_error(const Graph &g, const intptr_t *slots, intptr_t workspace) {
+    // A ragged plan given cumulative lengths takes them in place of its index arrays.
+    uint64_t takes = g.slots;
+    if (g.ragged.n > 0 && (slots[kSlotCuSeqlensQ] != 0 || slots[kSlotCuSeqlensKV] != 0)) {
+        takes = g.ragged.cu_slots;
+        for (Slot s : kIndexSlots) {
+            if (slots[s] != 0) {
+                return error(Code::kInvalidArgument, std::string(kSlots[s].name) +
+                                                         " given with cu_seqlens_q and cu_seqlens_kv, which fastattn "
+                                                         "computes it from: give one or the other");
+            }
+        }
+        for (Slot s : {kSlotCuSeqlensQ, kSlotCuSeqlensKV}) {
+            if (slots[s] == 0) {
+                return error(Code::kInvalidArgument, std::string(kSlots[s].name) +
+                                                         " is null: give both cumulative lengths (the same array "
+                                                         "twice for self-attention)");
+            }
+            if (slots[s] % 4 != 0) {
+                std::ostringstream msg;
+                msg << kSlots[s].name << "=0x" << std::hex << slots[s] << " is not 4-byte aligned (int32)";
+                return error(Code::kInvalidArgument, msg.str());
+            }
+        }
+    }
     for (int s = 0; s < kNumSlots; ++s) {
-        if (slots[s] != 0 && !(g.slots & bit(static_cast<Slot>(s)))) {
+        if (slots[s] != 0 && !(takes & bit(static_cast<Slot>(s)))) {
             return error(Code::kInvalidArgument, std::string(kSlots[s].name) + " given, but " + kSlots[s].absent);
         }
     }
-    for (int i = 0; i < g.n; ++i) {
-        const int s = g.order[i];
-        if (g.by_value & (uint64_t{1} << s)) {  // a host int64, read by cuDNN during the call
+    for (int s = 0; s < kNumSlots; ++s) {
+        if (!(takes & bit(static_cast<Slot>(s))) || (kCuSlots & bit(static_cast<Slot>(s)))) continue;
+        if (g.by_value & bit(static_cast<Slot>(s))) {  // a host int64, read by cuDNN during the call
             if (slots[s] == 0) return error(Code::kInvalidArgument, std::string(kSlots[s].name) + " is null");
         } else {
             FA_RETURN_IF_ERROR(check_pointer(slots[s], kSlots[s].name));
@@ -566,15 +550,24 @@ Status execute(const Graph *g, Direction dir, int device, const intptr_t *slots,
     }
     const auto ws = static_cast<uintptr_t>(workspace);
     const bool bad_workspace = g->workspace > 0 && (ws == 0 || ws % kAlignment != 0);
-    if (given != g->slots || (misaligned & ~g->by_value) != 0 || bad_workspace) {
+    // Cumulative lengths are int32 arrays that may start anywhere 4-byte aligned.
+    const bool derived   = g->ragged.n > 0 && given == g->ragged.cu_slots;
+    const bool bad_cu    = ((slots[kSlotCuSeqlensQ] | slots[kSlotCuSeqlensKV]) & 3) != 0;
+    if ((given != g->slots && !derived) || (misaligned & ~g->by_value & ~kCuSlots) != 0 || bad_cu || bad_workspace) {
         return slot_error(*g, slots, workspace);
+    }
+    intptr_t full[kNumSlots];
+    IndexLaunch index{g, slots[kSlotCuSeqlensQ], slots[kSlotCuSeqlensKV], workspace};
+    if (derived) {
+        fill_index_slots(*g, slots, workspace, full);
+        slots = full;
     }
     // The variant pack, filled in place in cuDNN's order. On the stack, not kept with
     // the plan: plans are shared between threads and execute runs without the GIL, so
     // a per-plan array would be written by two launches at once.
     void *pack[kNumSlots];
     for (int i = 0; i < g->n; ++i) pack[i] = reinterpret_cast<void *>(slots[g->order[i]]);
-    return run(*g, device, pack, g->n, workspace, stream, Via::kCachedPack);
+    return run(*g, device, pack, g->n, workspace, stream, Via::kCachedPack, derived ? &index : nullptr);
 }
 
 // The benchmark hooks of bench.h.

@@ -126,6 +126,11 @@ enum Slot : int {
     kSlotAmaxS, kSlotAmaxO,
     kSlotDescaleO, kSlotDescaleDO, kSlotDescaleDP, kSlotScaleDQ, kSlotScaleDK, kSlotScaleDV, kSlotScaleDP,
     kSlotAmaxDQ, kSlotAmaxDK, kSlotAmaxDV, kSlotAmaxDP,
+    // Not tensors of cuDNN's graph: a ragged plan takes either its lengths and offsets
+    // (seq_len_*, ragged_*) or FlashAttention's int32 cumulative lengths (batch + 1
+    // each, 4-byte aligned), from which fastattn's index kernel writes them into the
+    // plan's workspace on the launch's stream, ahead of the launch (csrc/ragged.inc).
+    kSlotCuSeqlensQ, kSlotCuSeqlensKV,
     kNumSlots
 };
 
@@ -133,7 +138,7 @@ enum class Direction : int { kForward = 0, kBackward = 1 };
 
 // What a built or loaded graph reports about itself.
 struct GraphInfo {
-    int64_t workspace_size = 0;  // bytes the caller must provide at execute
+    int64_t workspace_size = 0;  // bytes the caller must provide at execute (a ragged plan's index arrays included)
     std::string engine_name;     // cuDNN's name of the chosen plan (empty after deserialize)
     double build_ms = 0.0;       // wall time of build or deserialize
 };

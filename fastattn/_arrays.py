@@ -166,6 +166,7 @@ def _extents(pairs) -> tuple[int, ...]:
 
 
 _INDEX_TENSORS = ("seq_len_q", "seq_len_kv", "ragged_q", "ragged_k", "ragged_v", "ragged_o", "ragged_stats",
+                  "cu_seqlens_q", "cu_seqlens_kv",
                   "page_table_k", "page_table_v")
 
 

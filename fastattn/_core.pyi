@@ -81,6 +81,8 @@ class Plan:
         scale_o: Address = 0,
         amax_s: Address = 0,
         amax_o: Address = 0,
+        cu_seqlens_q: Address = 0,
+        cu_seqlens_kv: Address = 0,
     ) -> None: ...
     def backward(
         self,
@@ -125,6 +127,8 @@ class Plan:
         amax_d_k: Address = 0,
         amax_d_v: Address = 0,
         amax_d_p: Address = 0,
+        cu_seqlens_q: Address = 0,
+        cu_seqlens_kv: Address = 0,
     ) -> None: ...
     def allocate(self, name: str, stream: StreamLike | None = None) -> DeviceTensor: ...
     def serialize(self) -> tuple[bytes, bytes | None]: ...

@@ -65,7 +65,7 @@ cdef extern from "fastattn.h" namespace "fastattn" nogil:
         kSlotPageTableK, kSlotPageTableV, kSlotRaggedStats,
         kSlotDescaleQ, kSlotDescaleK, kSlotDescaleV, kSlotDescaleS, kSlotScaleS, kSlotScaleO, kSlotAmaxS, kSlotAmaxO,
         kSlotDescaleO, kSlotDescaleDO, kSlotDescaleDP, kSlotScaleDQ, kSlotScaleDK, kSlotScaleDV, kSlotScaleDP,
-        kSlotAmaxDQ, kSlotAmaxDK, kSlotAmaxDV, kSlotAmaxDP, kNumSlots
+        kSlotAmaxDQ, kSlotAmaxDK, kSlotAmaxDV, kSlotAmaxDP, kSlotCuSeqlensQ, kSlotCuSeqlensKV, kNumSlots
 
     cdef enum class Direction(int):
         kForward
@@ -110,80 +110,8 @@ cdef inline object _error(const Status& st, str prefix=None):
     return error_for_code(<int>st.code, msg)
 
 
-# AttentionConfig validated these names; an unknown one here is a config newer than this core.
-cdef DType _dtype(str name) except *:
-    if name == "fp16":
-        return DType.kFp16
-    if name == "bf16":
-        return DType.kBf16
-    if name == "fp8_e4m3":
-        return DType.kFp8E4m3
-    if name == "fp8_e5m2":
-        return DType.kFp8E5m2
-    raise InvalidArgumentError(
-        f"dtype={name!r} is not one this build of fastattn._core knows (fp16, bf16, fp8_e4m3, fp8_e5m2)")
-
-
-cdef Mask _mask(str name) except *:
-    if name == "none":
-        return Mask.kNone
-    if name == "causal":
-        return Mask.kCausal
-    if name == "causal_bottom_right":
-        return Mask.kCausalBottomRight
-    raise InvalidArgumentError(
-        f"mask={name!r} is not one this build of fastattn._core knows (none, causal, causal_bottom_right)")
-
-
-# A bias's (batch, heads, query rows) extents, from its broadcast shape's name: each
-# letter is 1 or the full extent (-1 here), "s" at the query position the full extent.
-cdef dict _BIAS = {"none": (0, 0, 0),
-                   "11ss": (1, 1, -1), "1hss": (1, -1, -1), "b1ss": (-1, 1, -1), "bhss": (-1, -1, -1),
-                   "111s": (1, 1, 1), "1h1s": (1, -1, 1), "b11s": (-1, 1, 1), "bh1s": (-1, -1, 1)}
-
-
-cdef Config _c_config(cfg) except *:
-    cdef Config c
-    cdef int i
-    c.batch = cfg.batch
-    c.heads_q = cfg.heads_q
-    c.heads_kv = cfg.heads_kv
-    c.seqlen_q = cfg.seqlen_q
-    c.seqlen_kv = cfg.seqlen_kv
-    c.head_dim_qk = cfg.head_dim_qk
-    c.head_dim_v = cfg.head_dim_v
-    c.dtype = _dtype(cfg.dtype)
-    q, k, v, o = cfg.strides("q"), cfg.strides("k"), cfg.strides("v"), cfg.strides("o")
-    for i in range(4):
-        c.q_stride[i] = q[i]
-        c.k_stride[i] = k[i]
-        c.v_stride[i] = v[i]
-        c.o_stride[i] = o[i]
-    c.mask = _mask(cfg.mask)
-    c.window_left = cfg.window[0]
-    c.window_right = cfg.window[1]
-    c.bottom_right = cfg.alignment == "bottom_right"
-    c.scale = cfg.scale
-    c.training = cfg.training
-    c.deterministic = cfg.deterministic
-    c.padding = cfg.padding
-    c.alibi = cfg.alibi
-    c.ragged = cfg.ragged
-    c.max_tokens_q = cfg.max_tokens_q
-    c.max_tokens_kv = cfg.max_tokens_kv
-    bb, bh, bs = _BIAS[cfg.bias]
-    c.bias_batch = cfg.batch if bb < 0 else bb
-    c.bias_heads = cfg.heads_q if bh < 0 else bh
-    c.bias_seq_q = cfg.seqlen_q if bs < 0 else bs
-    c.bias_grad = cfg.bias_grad
-    c.dropout = cfg.dropout
-    c.host_seed = cfg.host_seed
-    c.sinks = cfg.sinks
-    c.page_size = cfg.page_size
-    c.num_pages = cfg.num_pages
-    c.out_dtype = _dtype(cfg.out_dtype)
-    c.grad_dtype = _dtype(cfg.grad_dtype)
-    return c
+# AttentionConfig to the core's Config: _c_config.
+include "_core_config.pxi"
 
 
 def init_cudnn(str path):
@@ -248,7 +176,9 @@ SLOT_NAMES = ("q", "k", "v", "o", "stats", "d_o", "d_q", "d_k", "d_v", "seq_len_
               # FP8 (float32 scalars): the forward's, then the backward's own.
               "descale_q", "descale_k", "descale_v", "descale_s", "scale_s", "scale_o", "amax_s", "amax_o",
               "descale_o", "descale_d_o", "descale_d_p", "scale_d_q", "scale_d_k", "scale_d_v", "scale_d_p",
-              "amax_d_q", "amax_d_k", "amax_d_v", "amax_d_p")
+              "amax_d_q", "amax_d_k", "amax_d_v", "amax_d_p",
+              # A ragged plan's cumulative lengths, in place of seq_len_* and ragged_*.
+              "cu_seqlens_q", "cu_seqlens_kv")
 assert len(SLOT_NAMES) == kNumSlots
 
 
@@ -323,7 +253,7 @@ cdef class Plan:
     def forward(self, q, k, v, o, stats=0, workspace=0, stream=0, seq_len_q=0, seq_len_kv=0, *,
                 ragged_q=0, ragged_k=0, ragged_v=0, ragged_o=0, ragged_stats=0, bias=0, seed=0, offset=0, sink=0,
                 page_table_k=0, page_table_v=0, descale_q=0, descale_k=0, descale_v=0, descale_s=0, scale_s=0,
-                scale_o=0, amax_s=0, amax_o=0):
+                scale_o=0, amax_s=0, amax_o=0, cu_seqlens_q=0, cu_seqlens_kv=0):
         """Runs attention forward: o = softmax(scale * q @ k^T, masked) @ v.
 
         Every tensor (and the workspace) is a CUDA device address as an int (16-byte
@@ -347,6 +277,10 @@ cdef class Plan:
           ragged_q, ragged_k, ragged_v, ragged_o (ragged): int32 (b + 1,) element
             offsets of each sequence's first token in q, k, v, o; ragged_stats
             (ragged and training) the same in the packed float32 stats (tokens, hq);
+          or, in their place, cu_seqlens_q, cu_seqlens_kv (ragged): int32 (b + 1,)
+            cumulative token counts, FlashAttention's (4-byte aligned; the same array
+            twice for self-attention), from which the plan computes the lengths and
+            offsets into its workspace, on `stream`, as part of the launch;
           bias (bias): config.dtype, the bias's shape, contiguous;
           seed, offset (dropout): int64 scalars, Philox's seed and offset (with
             config.host_seed, the values themselves, not addresses);
@@ -396,6 +330,8 @@ cdef class Plan:
         _put(self, t, kSlotScaleO, scale_o)
         _put(self, t, kSlotAmaxS, amax_s)
         _put(self, t, kSlotAmaxO, amax_o)
+        _put(self, t, kSlotCuSeqlensQ, cu_seqlens_q)
+        _put(self, t, kSlotCuSeqlensKV, cu_seqlens_kv)
         ws = <intptr_t>workspace if type(workspace) is int else _workspace(self, False, workspace)
         st = _launch(self, Direction.kForward, t, host, ws, _stream(stream))
         if not st.ok():
@@ -405,7 +341,7 @@ cdef class Plan:
                  ragged_q=0, ragged_k=0, ragged_v=0, ragged_o=0, ragged_stats=0, bias=0, d_bias=0, seed=0, offset=0,
                  sink=0, d_sink=0, descale_q=0, descale_k=0, descale_v=0, descale_o=0, descale_d_o=0, descale_s=0,
                  descale_d_p=0, scale_s=0, scale_d_q=0, scale_d_k=0, scale_d_v=0, scale_d_p=0, amax_d_q=0,
-                 amax_d_k=0, amax_d_v=0, amax_d_p=0):
+                 amax_d_k=0, amax_d_v=0, amax_d_p=0, cu_seqlens_q=0, cu_seqlens_kv=0):
         """Runs attention backward: writes d_q, d_k, d_v from q, k, v, the forward's o and
         stats, and the output gradient d_o.
 
@@ -414,7 +350,7 @@ cdef class Plan:
         and strides of q, k, v, o, in config.dtype; stats is the float32 tensor the
         training forward wrote; workspace of plan.backward_workspace_size bytes. The
         feature tensors are forward's (give backward the same seed and offset: the same
-        dropout mask), plus d_bias (bias_grad: the bias's shape and dtype) and d_sink
+        dropout mask; cumulative lengths or lengths and offsets, as forward), plus d_bias (bias_grad: the bias's shape and dtype) and d_sink
         (sinks: float32 (1, hq, 1, 1)), which backward writes.
         With an FP8 dtype: o is config.out_dtype, d_o, d_q, d_k, d_v config.grad_dtype,
         and backward takes the float32 (1, 1, 1, 1) descales of q, k, v, o, d_o, s (the
@@ -472,6 +408,8 @@ cdef class Plan:
         _put(self, t, kSlotAmaxDK, amax_d_k)
         _put(self, t, kSlotAmaxDV, amax_d_v)
         _put(self, t, kSlotAmaxDP, amax_d_p)
+        _put(self, t, kSlotCuSeqlensQ, cu_seqlens_q)
+        _put(self, t, kSlotCuSeqlensKV, cu_seqlens_kv)
         ws = <intptr_t>workspace if type(workspace) is int else _workspace(self, True, workspace)
         st = _launch(self, Direction.kBackward, t, host, ws, _stream(stream))
         if not st.ok():

@@ -32,6 +32,7 @@ tensor                      shape                                           dtyp
 seq_len_q, seq_len_kv       (batch,)                      padding            int32
 ragged_q, _k, _v, _o        (batch + 1,)                  ragged             int32
 ragged_stats                (batch + 1,)                  ragged, training   int32
+cu_seqlens_q, _kv           (batch + 1,)                  ragged (instead)   int32
 bias, d_bias                (1|batch, 1|heads_q, 1|seqlen_q, seqlen_kv)     dtype
 seed, offset                (1,)                          dropout            int64
 sink, d_sink                (1, heads_q, 1, 1)            sinks              float32
@@ -83,6 +84,8 @@ _INDEX_TENSORS = {
     "ragged_v": (lambda c: (c.batch + 1,), "int32"),
     "ragged_o": (lambda c: (c.batch + 1,), "int32"),
     "ragged_stats": (lambda c: (c.batch + 1,), "int32"),
+    "cu_seqlens_q": (lambda c: (c.batch + 1,), "int32"),
+    "cu_seqlens_kv": (lambda c: (c.batch + 1,), "int32"),
     "seed": (lambda c: (1,), "int64"),
     "offset": (lambda c: (1,), "int64"),
     "page_table_k": (lambda c: (c.batch, 1, c.pages_per_sequence, 1), "int32"),

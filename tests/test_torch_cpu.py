@@ -323,28 +323,6 @@ def test_paged_traces_as_one_op():
     assert tuple(calls[0].meta["val"].shape) == (3, 4, 8, 64)
 
 
-@pytest.mark.parametrize("same", (True, False), ids=("one_cu", "two_cu"))
-@pytest.mark.parametrize("hq,hkv,dqk,dv", ((8, 8, 64, 64), (8, 2, 64, 64), (8, 8, 64, 32), (4, 1, 128, 64)))
-@pytest.mark.parametrize("training", (False, True))
-def test_varlen_indices_share_equal_offsets_and_keep_every_value(same, hq, hkv, dqk, dv, training):
-    from fastattn.torch import _varlen
-
-    cu_q = torch.tensor([0, 5, 69, 102], dtype=torch.int32)
-    cu_kv = cu_q if same else torch.tensor([0, 70, 134, 144], dtype=torch.int32)
-    q, k, v = torch.empty(102, hq, dqk), torch.empty(144, hkv, dqk), torch.empty(144, hkv, dv)
-    ix = _varlen._indices(q, k, v, cu_q, cu_kv, training)
-    want = {"seq_len_q": cu_q.diff(), "seq_len_kv": cu_kv.diff(), "ragged_q": cu_q * (hq * dqk),
-            "ragged_k": cu_kv * (hkv * dqk), "ragged_v": cu_kv * (hkv * dv), "ragged_o": cu_q * (hq * dv)}
-    if training:
-        want["ragged_stats"] = cu_q * hq
-    assert ix.keys() == want.keys()
-    for name, t in want.items():
-        assert ix[name].dtype == torch.int32 and ix[name].is_contiguous() and torch.equal(ix[name], t), name
-    distinct = len({id(t) for t in ix.values()})
-    if same and hq == hkv and dqk == dv:  # self-attention, MHA: 2 kernels (3 training) instead of 6 (7)
-        assert distinct == 2 + training
-
-
 def test_the_gpu_tests_thread_helper_collects_results_and_raises_errors():
     from torch_helpers import in_threads
 

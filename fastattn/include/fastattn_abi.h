@@ -17,7 +17,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define FASTATTN_ABI_VERSION 3  /* 2: the FP8 slots; 3: stream_capturing */
+#define FASTATTN_ABI_VERSION 4  /* 2: the FP8 slots; 3: stream_capturing; 4: the cumulative-length slots */
 #define FASTATTN_ABI_CAPSULE "fastattn._core.abi"
 
 /* Slots of the tensors a plan takes at execute: fastattn.h's Slot, in the same
@@ -35,6 +35,8 @@ enum {
     FASTATTN_SLOT_DESCALE_O, FASTATTN_SLOT_DESCALE_DO, FASTATTN_SLOT_DESCALE_DP, FASTATTN_SLOT_SCALE_DQ,
     FASTATTN_SLOT_SCALE_DK, FASTATTN_SLOT_SCALE_DV, FASTATTN_SLOT_SCALE_DP,
     FASTATTN_SLOT_AMAX_DQ, FASTATTN_SLOT_AMAX_DK, FASTATTN_SLOT_AMAX_DV, FASTATTN_SLOT_AMAX_DP,
+    /* A ragged plan's int32 cumulative lengths, in place of SEQ_LEN_* and RAGGED_*. */
+    FASTATTN_SLOT_CU_SEQLENS_Q, FASTATTN_SLOT_CU_SEQLENS_KV,
     FASTATTN_NUM_SLOTS
 };
 

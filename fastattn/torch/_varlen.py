@@ -65,29 +65,13 @@ def plan_for(q, k, v, batch: int, options: VarlenOptions) -> Cached:
     return remember(key, cfg, q, k, v, None)
 
 
-def _indices(q, k, v, cu_q, cu_kv, training: bool) -> dict[str, torch.Tensor]:
-    """Per-sequence lengths and cuDNN's element offsets, from cumulative lengths: a few
-    tiny kernels on the current stream, no synchronization. Equal ones are computed
-    once (one cumulative tensor for q and k, equal head dims, MHA): self-attention's
-    training call takes 3 kernels instead of 7. The C++ twin: varlen.inc's put_ragged."""
-    (hq, dqk), (hkv, dv) = q.shape[1:], (k.shape[1], v.shape[2])
-    same = cu_kv is cu_q
-    seq_q = cu_q[1:] - cu_q[:-1]
-    ragged_q = cu_q * (hq * dqk)
-    ragged_k = ragged_q if same and hkv == hq else cu_kv * (hkv * dqk)
-    out = {"seq_len_q": seq_q, "seq_len_kv": seq_q if same else cu_kv[1:] - cu_kv[:-1], "ragged_q": ragged_q,
-           "ragged_k": ragged_k, "ragged_v": ragged_k if dv == dqk else cu_kv * (hkv * dv),
-           "ragged_o": ragged_q if dv == dqk else cu_q * (hq * dv)}
-    if training:
-        out["ragged_stats"] = cu_q * hq
-    return out
-
-
-def _run_args(ix: dict[str, torch.Tensor], rng) -> tuple[int, int, dict[str, int]]:
-    ptrs = {n: t.data_ptr() for n, t in ix.items() if n.startswith("ragged_")}
+def _run_args(cu_q, cu_kv, rng) -> dict[str, int]:
+    """The launch's cumulative lengths (the plan derives cuDNN's lengths and offsets
+    from them in its own kernel, csrc/ragged.inc) and dropout's seed and offset."""
+    ptrs = {"cu_seqlens_q": cu_q.data_ptr(), "cu_seqlens_kv": cu_kv.data_ptr()}
     if rng is not None:  # Philox's seed at element 0, its offset at element 2 (see _dense)
         ptrs["seed"], ptrs["offset"] = rng.data_ptr(), rng.data_ptr() + 16
-    return ix["seq_len_q"].data_ptr(), ix["seq_len_kv"].data_ptr(), ptrs
+    return ptrs
 
 
 def forward_impl(q, k, v, cu_q, cu_kv, rng, options: VarlenOptions):
@@ -98,9 +82,8 @@ def forward_impl(q, k, v, cu_q, cu_kv, rng, options: VarlenOptions):
     stats = q.new_empty((q.shape[0], q.shape[1]) if training else (0,), dtype=torch.float32)
     stream = raw_stream(c.device)
     ws = workspace(q, c.forward_workspace, c.device, stream)
-    seq_q, seq_kv, ragged = _run_args(_indices(q, k, v, cu_q, cu_kv, training), rng)
     c.plan.forward(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), stats.data_ptr() if training else 0,
-                   ws.data_ptr() if ws is not None else 0, stream, seq_q, seq_kv, **ragged)
+                   ws.data_ptr() if ws is not None else 0, stream, **_run_args(cu_q, cu_kv, rng))
     return o, stats
 
 
@@ -111,10 +94,9 @@ def backward_impl(d_o, o, stats, q, k, v, cu_q, cu_kv, rng, options: VarlenOptio
     d_q, d_k, d_v = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     stream = raw_stream(c.device)
     ws = workspace(q, c.backward_workspace, c.device, stream)
-    seq_q, seq_kv, ragged = _run_args(_indices(q, k, v, cu_q, cu_kv, True), rng)
     c.plan.backward(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), d_o.data_ptr(), stats.data_ptr(),
                     d_q.data_ptr(), d_k.data_ptr(), d_v.data_ptr(), ws.data_ptr() if ws is not None else 0,
-                    stream, seq_q, seq_kv, **ragged)
+                    stream, **_run_args(cu_q, cu_kv, rng))
     return d_q, d_k, d_v
 
 
@@ -183,6 +165,8 @@ def _check_varlen(q, k, v, cu_q, cu_kv) -> None:
         if not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or t.dim() != 1 or t.shape[0] < 2:
             raise InvalidArgumentError(f"{name}: expected an int32 tensor of batch + 1 cumulative lengths, got "
                                        f"{getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}")
+        if not t.is_contiguous():  # as FlashAttention: the plan's index kernel reads it as an array
+            raise InvalidArgumentError(f"{name} must be contiguous (strides {t.stride()}): call .contiguous()")
         if t.device != q.device:
             raise InvalidArgumentError(f"{name} is on {t.device}, q on {q.device}")
     if cu_q.shape != cu_kv.shape:

@@ -1,0 +1,87 @@
+"""Where the host time of fastattn.torch.attention_varlen goes, beside FlashAttention 2's
+varlen kernels as PyTorch ships them (aten._flash_attention_forward/backward): 4
+sequences of 32 tokens, 8 heads, dim 64, bf16, causal, one cumulative-length tensor
+for q and k (self-attention), each piece timed on its own in one process (median of 15
+samples; the GPU queue is drained between samples).
+
+Inference: attention_varlen() whole; the native op called directly (past the Python
+checks); the Python checks alone (_check_varlen); the index kernels alone (lengths and
+offsets from cu_seqlens, as the op computes them); fastattn.flash's varlen entry; FA2.
+Training: a whole step (forward, then torch.autograd.grad) for fastattn and FA2, in
+interleaved rounds.
+
+    python tools/profile_varlen.py [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+
+import torch
+
+import fastattn.torch as fat
+from fastattn import flash
+from fastattn.torch import _native, _varlen
+from profile_torch_call import _us  # (tools/ is on sys.path)
+from bench_flash import _fa2_varlen
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json")
+    args = ap.parse_args(argv)
+    path = "native" if _native.decide() is not None else "python"
+    h, d, lens = 8, 64, [32] * 4
+    cu = torch.tensor([0] + [sum(lens[:i + 1]) for i in range(len(lens))], dtype=torch.int32, device="cuda")
+    total, mx = sum(lens), max(lens)
+    q, k, v = (torch.randn(total, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    res: dict = {"path": path}
+    with torch.no_grad():
+        res["inference_attention_varlen"] = _us(lambda: fat.attention_varlen(q, k, v, cu, cu, mx, mx, causal=True))
+        res["inference_flash_attn_varlen_func"] = _us(lambda: flash.flash_attn_varlen_func(q, k, v, cu, cu, mx, mx,
+                                                                                          causal=True))
+        res["inference_fa2_varlen"] = _us(lambda: torch.ops.aten._flash_attention_forward(q, k, v, cu, cu, mx, mx, 0.0,
+                                                                                         True, False))
+        if path == "native":
+            opts = _varlen.VarlenOptions(_varlen.bucket(mx), _varlen.bucket(mx), True, False, -1, -1, 0.0, False,
+                                         False, False, 0.0)
+            op = _native.VARLEN[0]
+            res["inference_native_op"] = _us(lambda: op(q, k, v, cu, cu, None, *opts))
+        res["python_checks"] = _us(lambda: _varlen._check_varlen(q, k, v, cu, cu))
+        res["index_kernels_inference"] = _us(lambda: (cu[1:] - cu[:-1], cu * (h * d)))
+        res["index_kernels_training"] = _us(lambda: (cu[1:] - cu[:-1], cu * (h * d), cu * h))
+        res["empty_like"] = _us(lambda: torch.empty_like(q))
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    d_o = torch.randn_like(q)
+
+    def step():
+        out = fat.attention_varlen(*leaves, cu, cu, mx, mx, causal=True)
+        torch.autograd.grad(out, leaves, d_o)
+
+    def step_fa2():
+        out = _fa2_varlen(*leaves, cu, cu, mx, mx, True)
+        torch.autograd.grad(out, leaves, d_o)
+
+    for _ in range(3):  # interleaved: drift hits both alike
+        for name, fn in (("train_step", step), ("train_step_fa2", step_fa2)):
+            res.setdefault(name + "_rounds", []).append(_us(fn, iters=300, samples=5))
+    res["train_step"] = statistics.median(res["train_step_rounds"])
+    res["train_step_fa2"] = statistics.median(res["train_step_fa2_rounds"])
+    res["ratio_inference_to_fa2"] = res["inference_attention_varlen"] / res["inference_fa2_varlen"]
+    res["ratio_train_to_fa2"] = res["train_step"] / res["train_step_fa2"]
+    res["torch"] = torch.__version__
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=2)
+    print("summary:")
+    for key, value in res.items():
+        if isinstance(value, (float, str)):
+            print(f"  {key:<34} {value:8.3f}" if isinstance(value, float) else f"  {key:<34} {value}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
