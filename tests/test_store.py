@@ -44,8 +44,8 @@ GOLDEN_DESCRIPTION = store.describe(
 
 def test_golden_key():
     # A change here changes every key: bump store.FORMAT_VERSION with it, deliberately.
-    assert store.FORMAT_VERSION == 1
-    assert store.key_of(GOLDEN_DESCRIPTION) == "5273e6526e6d901a6cc42fbebc4da25afe077e8c109f6a08185d9644b6d3a07e"
+    assert store.FORMAT_VERSION == 2
+    assert store.key_of(GOLDEN_DESCRIPTION) == "9b3be5e0dc442d8fafc65f0fe6688cf061e65b5e35b084ce2ee967b376b3396d"
 
 
 def test_key_covers_every_field():
@@ -56,7 +56,7 @@ def test_key_covers_every_field():
         ("gpu", {**GOLDEN_DESCRIPTION["gpu"], "sm_count": 114}),
         ("gpu", {**GOLDEN_DESCRIPTION["gpu"], "name": "NVIDIA H100 80GB HBM3"}),
         ("gpu", {**GOLDEN_DESCRIPTION["gpu"], "compute_capability": [10, 0]}),
-        ("format", 2),
+        ("format", 3),
     ]
     keys = {store.key_of({**GOLDEN_DESCRIPTION, field: value}) for field, value in changes}
     assert base not in keys and len(keys) == len(changes)

@@ -15,8 +15,10 @@ from typing import Any, Mapping
 
 __all__ = ["FORMAT_VERSION", "describe", "environment_of", "key_of", "canonical_json", "build_env_vars"]
 
-# Bump whenever the description, the key or the entry layout changes.
-FORMAT_VERSION = 1
+# Bump whenever the description, the key or the entry layout changes, or what a stored
+# answer means. 2: a ragged plan's workspace holds its index arrays too (csrc/ragged.inc),
+# so version 1's recorded workspace sizes are too small for it.
+FORMAT_VERSION = 2
 
 # cuDNN and cudnn-frontend read CUDNN_* variables while they choose and build plans
 # (CUDNN_FRONTEND_ATTN_DP_WORKSPACE_LIMIT changes which backward engine is chosen, for
