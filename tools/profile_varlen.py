@@ -4,9 +4,11 @@ sequences of 32 tokens, 8 heads, dim 64, bf16, causal, one cumulative-length ten
 for q and k (self-attention), each piece timed on its own in one process (median of 15
 samples; the GPU queue is drained between samples).
 
-Inference: attention_varlen() whole; the native op called directly (past the Python
-checks); the Python checks alone (_check_varlen); the index kernels alone (lengths and
-offsets from cu_seqlens, as the op computes them); fastattn.flash's varlen entry; FA2.
+Inference: attention_varlen() whole; its C entry (call_varlen) called directly; the
+native op called directly (torch.ops, the dispatcher); the Python body's checks alone
+(_check_varlen); what deriving cuDNN's lengths and offsets from cu_seqlens with
+PyTorch kernels costs (the path before session 10's index kernel); fastattn.flash's
+varlen entry; FA2.
 Training: a whole step (forward, then torch.autograd.grad) for fastattn and FA2, in
 interleaved rounds.
 
@@ -50,6 +52,9 @@ def main(argv=None) -> int:
                                          False, False, 0.0)
             op = _native.VARLEN[0]
             res["inference_native_op"] = _us(lambda: op(q, k, v, cu, cu, None, *opts))
+            call = _native.library().call_varlen  # the C entry attention_varlen() tries first
+            res["inference_call_varlen"] = _us(lambda: call(q, k, v, cu, cu, mx, mx, True, False, None, None, False,
+                                                            "top_left", False, 0.0, False))
         res["python_checks"] = _us(lambda: _varlen._check_varlen(q, k, v, cu, cu))
         res["index_kernels_inference"] = _us(lambda: (cu[1:] - cu[:-1], cu * (h * d)))
         res["index_kernels_training"] = _us(lambda: (cu[1:] - cu[:-1], cu * (h * d), cu * h))

@@ -56,8 +56,9 @@ DENSE = VARLEN = PAGED = UNDECIDED
 EAGER = UNDECIDED
 # attention()'s own 17 arguments, read in C (eager.inc's call): the first thing a call
 # outside torch.compile tries. None until the native path is decided (the Python body
-# decides it), and on the Python path.
-CALL = None
+# decides it), and on the Python path. CALL_VARLEN: attention_varlen()'s 16
+# (eager_varlen.inc), likewise.
+CALL = CALL_VARLEN = None
 
 
 def mode() -> str:
@@ -208,7 +209,7 @@ def library():
 
 
 def _publish_ops() -> None:
-    global DENSE, VARLEN, PAGED, EAGER, CALL
+    global DENSE, VARLEN, PAGED, EAGER, CALL, CALL_VARLEN
     import torch
 
     dense = torch.ops.fastattn.native_attention_forward.default
@@ -217,27 +218,27 @@ def _publish_ops() -> None:
     DENSE = (getattr(dense, "_op", dense), dense)
     VARLEN = (getattr(varlen, "_op", varlen), varlen)
     PAGED = (getattr(paged, "_op", paged), paged)
-    EAGER, CALL = _state["lib"].attention, _state["lib"].call
+    EAGER, CALL, CALL_VARLEN = _state["lib"].attention, _state["lib"].call, _state["lib"].call_varlen
 
 
 def decide():
     """Decides the path if not yet (what an entry point calls while UNDECIDED); returns
     DENSE (None: the Python path)."""
-    global DENSE, VARLEN, PAGED, EAGER, CALL
+    global DENSE, VARLEN, PAGED, EAGER, CALL, CALL_VARLEN
     if library() is None:
-        DENSE = VARLEN = PAGED = EAGER = CALL = None
+        DENSE = VARLEN = PAGED = EAGER = CALL = CALL_VARLEN = None
     return DENSE
 
 
 def python_path(monkeypatch=None):
     """Makes this process's entry points take the Python path (tests, benchmarks): with a
     pytest monkeypatch, until the test ends."""
-    global DENSE, VARLEN, PAGED, EAGER, CALL
+    global DENSE, VARLEN, PAGED, EAGER, CALL, CALL_VARLEN
     if monkeypatch is not None:
-        for name in ("DENSE", "VARLEN", "PAGED", "EAGER", "CALL"):
+        for name in ("DENSE", "VARLEN", "PAGED", "EAGER", "CALL", "CALL_VARLEN"):
             monkeypatch.setattr(sys.modules[__name__], name, None)
     else:
-        DENSE = VARLEN = PAGED = EAGER = CALL = None
+        DENSE = VARLEN = PAGED = EAGER = CALL = CALL_VARLEN = None
 
 
 def status() -> dict:
@@ -285,8 +286,8 @@ def library_path(root: Path | None = None) -> Path:
 
 def reset() -> None:
     """Forgets the decision (tests): the next call decides again."""
-    global DENSE, VARLEN, PAGED, EAGER, CALL
+    global DENSE, VARLEN, PAGED, EAGER, CALL, CALL_VARLEN
     with _lock:
         _state.clear()
         DENSE = VARLEN = PAGED = EAGER = UNDECIDED
-        CALL = None
+        CALL = CALL_VARLEN = None

@@ -156,6 +156,9 @@ def _check_varlen(q, k, v, cu_q, cu_kv) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not t.is_contiguous():
             raise InvalidArgumentError(f"{name} must be contiguous (tokens, heads, head_dim): call .contiguous()")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.shape[1] < 1 or t.shape[2] < 1:
+            raise InvalidArgumentError(f"{name} has shape {tuple(t.shape)}: heads and head_dim must be at least 1")
     if not (q.device == k.device == v.device) or not (q.dtype == k.dtype == v.dtype):
         raise InvalidArgumentError("q, k, v must share one device and one dtype")
     if k.shape[0] != v.shape[0] or k.shape[1] != v.shape[1] or q.shape[1] % k.shape[1] or k.shape[2] != q.shape[2]:
@@ -204,6 +207,16 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
 
     Raises InvalidArgumentError for bad inputs, NotSupportedError when cuDNN refuses.
     """
+    if not dynamo_compiling():  # (dynamo traces the body below instead)
+        call = _native.CALL_VARLEN
+        if call is not None:
+            # The native path's C entry (ops.cpp, eager_varlen.inc): it makes this body's
+            # checks and takes the call when they pass and no value needs converting;
+            # NotImplemented hands the call to the body, which checks and reports.
+            o = call(q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, causal, causal_bottom_right,
+                     window, scale, deterministic, alignment, alibi, dropout_p, return_lse)
+            if o is not NotImplemented:
+                return o
     _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_kv)
     left, right, scale = check_options(causal, causal_bottom_right, window, scale, deterministic, alibi)
     if dropout_p:
@@ -249,3 +262,4 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
 # Module globals: one lookup less per call.
 plain_eager, Eager, EagerWithStats = _autograd.plain_eager, _autograd.Eager, _autograd.EagerWithStats
 compiling, functorch_active = torch.compiler.is_compiling, _autograd.functorch_active
+dynamo_compiling = getattr(torch.compiler, "is_dynamo_compiling", compiling)  # as _dense

@@ -216,111 +216,8 @@ const Entry &find_plan(int direction, const Tensor &q, const Tensor &k, const Te
 intptr_t ptr(const Tensor &t) { return reinterpret_cast<intptr_t>(t.data_ptr()); }
 intptr_t ptr(const OptTensor &t) { return given(t) ? ptr(*t) : 0; }
 
-// ---- outputs ------------------------------------------------------------------------------------
-// From the caching allocator directly, as at::empty's CUDA kernel allocates them, but
-// not through the dispatcher: its empty (the dispatch, TensorOptions unpacking, a device
-// guard) cost ~1 us a call on the H200 beside a ~6 us launch (profile_eager). The
-// allocator is the one at::empty gave the process's first output (a configured backend,
-// cudaMallocAsync or a pluggable one, stays in use), and allocates on the current
-// device: used only while the tensor's device is current, which it is in any program
-// on one GPU; else at::empty, which makes it current for the call.
-std::atomic<c10::Allocator *> g_cuda_allocator{nullptr};
-
-bool device_current(const Tensor &like) {
-    static const c10::impl::DeviceGuardImplInterface *const cuda =
-        c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA);
-    return cuda->getDevice() == like.device();
-}
-
-// A new tensor on like's device; strides empty: contiguous.
-Tensor empty_cuda(c10::IntArrayRef sizes, c10::IntArrayRef strides, at::ScalarType dtype, const Tensor &like) {
-    c10::Allocator *allocator = g_cuda_allocator.load(std::memory_order_relaxed);
-    if (allocator != nullptr && device_current(like)) {
-        constexpr c10::DispatchKeySet cuda_keys(c10::DispatchKey::CUDA);
-        return strides.empty() ? at::detail::empty_generic(sizes, allocator, cuda_keys, dtype, std::nullopt)
-                               : at::detail::empty_strided_generic(sizes, strides, allocator, cuda_keys, dtype);
-    }
-    const auto options = like.options().dtype(dtype);
-    Tensor t = strides.empty() ? at::empty(sizes, options) : at::empty_strided(sizes, strides, options);
-    if (allocator == nullptr && t.is_cuda()) g_cuda_allocator.store(t.storage().allocator(), std::memory_order_relaxed);
-    return t;
-}
-
-// ---- the workspace ------------------------------------------------------------------------------
-// Kept per (thread, device, stream) and grown as needed, as PyTorch keeps cuBLAS's
-// workspaces per handle and stream: an allocation from the caching allocator and its
-// free on every call cost host time next to a small call's launch. Reuse within a
-// thread is safe: that thread's launches on one stream run in order, and a launch holds
-// a reference (a grown-over buffer stays alive until the call using it has queued its
-// work; the allocator then frees it stream-ordered). Not shared between threads: a
-// call's launches into its workspace are several (cudnn-frontend copies the plan's
-// constants into it, then cuDNN's kernels run), and two threads' launches on one stream
-// interleave (seen on the H200: 16 threads, wrong outputs). Two cases take a fresh buffer
-// from the caching allocator instead, freed when the call returns:
-// - a stream capturing a CUDA graph: the buffer comes from the graph's private pool, as
-//   every tensor of the captured region does; a kept one would be shared between the
-//   graph's replays and later eager calls, which the replays (on any stream) are not
-//   ordered with;
-// - a workspace over kKeptWorkspaceMax: the launch it serves dwarfs an allocation.
-
-constexpr int64_t kKeptWorkspaceMax = int64_t{16} << 20;  // as the Python path's (_plans.KEPT_WORKSPACE)
-constexpr int64_t kWorkspaceGrain = int64_t{1} << 20;      // grown in MiB steps, not call by call
-
-struct KeptWorkspace {
-    c10::Stream stream;
-    Tensor buffer;
-};
-
-// One thread's kept workspaces, listed in g_threads so that clear() and the accounting
-// reach every thread's; a thread's are released when it exits.
-struct ThreadWorkspaces;
-std::mutex g_workspace_lock;  // guards g_threads and every ThreadWorkspaces::kept
-// Never destroyed: a thread may exit after static destruction began.
-auto *g_threads = new std::vector<ThreadWorkspaces *>();
-
-struct ThreadWorkspaces {
-    std::vector<KeptWorkspace> kept;
-    ThreadWorkspaces() {
-        std::lock_guard<std::mutex> lock(g_workspace_lock);
-        g_threads->push_back(this);
-    }
-    ~ThreadWorkspaces() {
-        std::vector<KeptWorkspace> released;  // freed after the lock is released
-        std::lock_guard<std::mutex> lock(g_workspace_lock);
-        g_threads->erase(std::find(g_threads->begin(), g_threads->end(), this));
-        released.swap(kept);
-    }
-};
-thread_local ThreadWorkspaces t_workspaces;
-
-int64_t grain(int64_t size) { return (size + kWorkspaceGrain - 1) / kWorkspaceGrain * kWorkspaceGrain; }
-
-Tensor workspace(int64_t size, const Tensor &q, const c10::Stream &stream) {
-    if (size == 0) return Tensor();
-    const auto bytes = q.options().dtype(at::kByte);
-    if (size > kKeptWorkspaceMax || g_abi->stream_capturing(reinterpret_cast<intptr_t>(stream.native_handle())) != 0) {
-        return at::empty({size}, bytes);  // capturing, or the query failed: the safe choice
-    }
-    // Named before the lock: a thread's first use constructs it, and its constructor takes the lock.
-    ThreadWorkspaces &mine = t_workspaces;
-    {
-        std::lock_guard<std::mutex> lock(g_workspace_lock);  // uncontended but for clear() and the accounting
-        for (const auto &kept : mine.kept) {
-            if (kept.stream == stream && kept.buffer.numel() >= size) return kept.buffer;
-        }
-    }
-    // None yet on this stream, or too small: allocated and the old one freed outside the
-    // lock (the allocator may record Python stack traces, which take the GIL).
-    Tensor fresh = at::empty({grain(size)}, bytes), old;
-    std::lock_guard<std::mutex> lock(g_workspace_lock);
-    for (auto &kept : mine.kept) {
-        if (kept.stream != stream) continue;
-        old = std::exchange(kept.buffer, fresh);  // destroyed after the lock is released (declared before it)
-        return fresh;
-    }
-    mine.kept.push_back({stream, fresh});
-    return fresh;
-}
+// Outputs (empty_cuda) and workspaces (workspace): memory.inc.
+#include "memory.inc"
 
 void run(const Entry &e, int direction, const Tensor &q, intptr_t *slots) {
     const int64_t size = e.workspace[direction];
@@ -490,6 +387,7 @@ Grads backward_cpu(const Tensor &, const Tensor &, const Tensor &, const Tensor 
 #include "varlen.inc"  // attention_varlen's ops: the same table, run and conventions
 #include "paged.inc"   // attention_paged's (forward only)
 #include "eager.inc"   // attention()'s eager entries, past torch.ops and the dispatcher
+#include "eager_varlen.inc"  // attention_varlen()'s
 #include "profile.inc"  // the eager entry taken apart, for tools/profile_native_step.py
 
 // ---- Python: initialization and introspection -------------------------------------------------
@@ -606,6 +504,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("clear", &clear, "forget every plan and release the kept workspaces (only while no op runs)");
     m.def("profile_eager", &profile_eager, "the eager entry's pieces timed in C++ (tools/profile_native_step.py)");
     m.def("kept_workspace_bytes", &kept_workspace_bytes, "bytes of workspace kept per thread and stream for reuse");
+    m.def("check_varlen_tensors", &check_varlen_tensors_for_tests,
+          "check_varlen_tensors(q, k, v, cu_seqlens_q, cu_seqlens_kv): call_varlen's tensor checks (tests)");
     // The eager entries take Python's vectorcall convention (METH_FASTCALL), which
     // pybind11 does not offer: each is a plain CPython function added to the module.
     static PyMethodDef fastcall_defs[] = {
@@ -613,6 +513,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         {"call", as_pycfunction(&call_attention), METH_FASTCALL, kCallDoc},
         {"read_call", as_pycfunction(&read_call_for_tests), METH_FASTCALL,
          "read_call(<call's 17 arguments>) -> what call would run with, or None (tests)"},
+        {"call_varlen", as_pycfunction(&call_varlen), METH_FASTCALL, kVarlenCallDoc},
+        {"read_varlen_call", as_pycfunction(&read_varlen_call_for_tests), METH_FASTCALL,
+         "read_varlen_call(<call_varlen's 16 arguments>) -> what call_varlen would run with, or None (tests)"},
     };
     for (PyMethodDef &def : fastcall_defs) {
         m.add_object(def.ml_name, py::reinterpret_steal<py::object>(PyCFunction_NewEx(&def, nullptr, m.ptr())));
