@@ -17,6 +17,22 @@ def _isolated_cache(tmp_path_factory):
     yield
 
 
+@pytest.fixture(scope="session")
+def lib():
+    """fastattn.torch's op library, built against this torch and loaded (once: a process
+    registers its operators once), for the CPU tests of the native path."""
+    pytest.importorskip("torch", reason="PyTorch is an optional extra (pip install torch)")
+    from fastattn.torch import _native
+
+    os.environ[_native.ENV] = "native"
+    try:
+        loaded = _native.library()
+    finally:
+        del os.environ[_native.ENV]
+    assert loaded is not None
+    return loaded
+
+
 @pytest.fixture
 def fake_workers(tmp_path, monkeypatch):
     """Worker processes (fastattn warm, matrix) that use tests/fake_core.py instead of

@@ -24,19 +24,6 @@ from fastattn import _fields  # noqa: E402
 from fastattn.torch import _dense, _native, _paged, _plans, _varlen  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def lib(tmp_path_factory):
-    """The op library built into a cache directory of this module's and loaded (once:
-    a process registers its operators once)."""
-    os.environ[_native.ENV] = "native"
-    try:
-        loaded = _native.library()
-    finally:
-        del os.environ[_native.ENV]
-    assert loaded is not None
-    return loaded
-
-
 def options(training=False, bias_grad=False, layout="bshd", dropout=0.0):
     return _dense.DenseOptions(layout=layout, causal=True, bottom_right=False, window_left=-1, window_right=-1,
                                scale=0.0, deterministic=False, alibi=False, training=training, dropout=dropout,

@@ -3,7 +3,6 @@ takes only calls that attention_varlen()'s Python body takes, with the same mean
 and hands everything else back. Its CUDA work is exercised by test_gpu_torch.py and
 test_gpu_ragged.py."""
 
-import os
 
 import numpy as np
 import pytest
@@ -15,18 +14,6 @@ torch = pytest.importorskip("torch", reason="PyTorch is an optional extra (pip i
 import fastattn  # noqa: E402
 from fastattn import _fields  # noqa: E402
 from fastattn.torch import _native, _plans, _varlen  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def lib():
-    """The op library (built once per process; test_torch_native_cpu.py's fixture too)."""
-    os.environ[_native.ENV] = "native"
-    try:
-        loaded = _native.library()
-    finally:
-        del os.environ[_native.ENV]
-    assert loaded is not None
-    return loaded
 
 
 # attention_varlen()'s 16 arguments after the tensors' 5, in its order.

@@ -19,7 +19,6 @@ applies.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 
@@ -29,7 +28,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 import fastattn.torch as fat
 from fastattn import _core
 from fastattn.torch import _dense, _native, _plans
-from profile_torch_call import _us  # median of 15 samples, the queue drained between them (tools/ is on sys.path)
+from profile_torch_call import _us, report  # median of 15 samples, the queue drained between them (tools/ is on sys.path)
 
 
 def main(argv=None) -> int:
@@ -128,15 +127,7 @@ def main(argv=None) -> int:
         res["engine_floor_mul"] = _us(lambda: torch.autograd.grad(y, x, g, retain_graph=True), iters=300)
     res["ratio_inference_to_sdpa"] = res["inference_attention"] / res["inference_sdpa_cudnn"]
     res["ratio_train_to_sdpa"] = res["train_step"] / res["train_step_sdpa_cudnn"]
-    res["torch"] = torch.__version__
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=2)
-    print("summary:")
-    for key, value in res.items():
-        if isinstance(value, float):
-            print(f"  {key:<30} {value:8.3f}")
-    return 0
+    return report(res, args.json)
 
 
 if __name__ == "__main__":

@@ -29,6 +29,22 @@ from fastattn.torch import _dense, _plans
 from fastattn import _core
 
 
+def report(res: dict, json_path: str | None) -> int:
+    """Writes `res` to json_path (if given) and prints the `summary:` block (numbers and
+    strings) that tools/gpu_run.sh shows; the profiles' common ending. Returns 0."""
+    res["torch"] = torch.__version__
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(res, f, indent=2)
+    print("summary:")
+    for key, value in res.items():
+        if isinstance(value, float):
+            print(f"  {key:<34} {value:8.3f}")
+        elif isinstance(value, str):
+            print(f"  {key:<34} {value}")
+    return 0
+
+
 def _us(fn, iters: int = 2000, samples: int = 15) -> float:
     for _ in range(200):
         fn()

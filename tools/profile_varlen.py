@@ -18,7 +18,6 @@ interleaved rounds.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 
@@ -27,7 +26,7 @@ import torch
 import fastattn.torch as fat
 from fastattn import flash
 from fastattn.torch import _native, _varlen
-from profile_torch_call import _us  # (tools/ is on sys.path)
+from profile_torch_call import _us, report  # (tools/ is on sys.path)
 from bench_flash import _fa2_varlen
 
 
@@ -77,15 +76,7 @@ def main(argv=None) -> int:
     res["train_step_fa2"] = statistics.median(res["train_step_fa2_rounds"])
     res["ratio_inference_to_fa2"] = res["inference_attention_varlen"] / res["inference_fa2_varlen"]
     res["ratio_train_to_fa2"] = res["train_step"] / res["train_step_fa2"]
-    res["torch"] = torch.__version__
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=2)
-    print("summary:")
-    for key, value in res.items():
-        if isinstance(value, (float, str)):
-            print(f"  {key:<34} {value:8.3f}" if isinstance(value, float) else f"  {key:<34} {value}")
-    return 0
+    return report(res, args.json)
 
 
 if __name__ == "__main__":
