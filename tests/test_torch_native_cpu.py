@@ -20,7 +20,7 @@ torch = pytest.importorskip("torch", reason="PyTorch is an optional extra (pip i
 
 import fastattn  # noqa: E402
 import fastattn.torch  # noqa: E402
-from fastattn import _fields  # noqa: E402
+from torch_helpers import assert_options_mean_the_same  # noqa: E402
 from fastattn.torch import _dense, _native, _paged, _plans, _varlen  # noqa: E402
 
 
@@ -291,13 +291,7 @@ def test_call_takes_only_values_the_python_body_takes_with_the_same_meaning(lib,
         return
     layout, causal, bottom_right, deterministic, alibi, left, right, scale, lens_kv = got
     assert kw["layout"] in _plans.AXES and layout == _dense.LAYOUT_IDS[kw["layout"]]
-    assert (left, right, scale) == _plans.options(kw["causal"], kw["causal_bottom_right"], kw["window"], kw["scale"],
-                                                  kw["deterministic"], kw["alibi"])
-    assert bottom_right == _plans.bottom_right(kw["alignment"], kw["causal_bottom_right"])
-    assert causal == bool(kw["causal"] or kw["causal_bottom_right"])
-    assert (deterministic, alibi) == (kw["deterministic"], kw["alibi"])
-    assert _fields.check("probability", "dropout_p", kw["dropout_p"]) == 0.0
-    assert kw["return_lse"] is False
+    assert_options_mean_the_same(kw, causal, bottom_right, deterministic, alibi, left, right, scale)
     assert lens != "kv only" and lens_kv == (lens != "none")
 
 

@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 torch = pytest.importorskip("torch", reason="PyTorch is an optional extra (pip install torch)")
 
 import fastattn  # noqa: E402
-from fastattn import _fields  # noqa: E402
-from fastattn.torch import _native, _plans, _varlen  # noqa: E402
+from torch_helpers import assert_options_mean_the_same  # noqa: E402
+from fastattn.torch import _native, _varlen  # noqa: E402
 
 
 # attention_varlen()'s 16 arguments after the tensors' 5, in its order.
@@ -59,13 +59,7 @@ def test_call_varlen_takes_only_values_the_python_body_takes_with_the_same_meani
         n = kw[name]
         assert not isinstance(n, bool) and isinstance(n, int) and n >= 1
     assert (max_q, max_kv) == (_varlen.bucket(kw["max_seqlen_q"]), _varlen.bucket(kw["max_seqlen_kv"]))
-    assert (left, right, scale) == _plans.options(kw["causal"], kw["causal_bottom_right"], kw["window"], kw["scale"],
-                                                  kw["deterministic"], kw["alibi"])
-    assert bottom_right == _plans.bottom_right(kw["alignment"], kw["causal_bottom_right"])
-    assert causal == bool(kw["causal"] or kw["causal_bottom_right"])
-    assert (deterministic, alibi) == (kw["deterministic"], kw["alibi"])
-    assert _fields.check("probability", "dropout_p", kw["dropout_p"]) == 0.0
-    assert kw["return_lse"] is False
+    assert_options_mean_the_same(kw, causal, bottom_right, deterministic, alibi, left, right, scale)
 
 
 @pytest.mark.parametrize("kw", [

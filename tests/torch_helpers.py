@@ -47,3 +47,18 @@ def in_threads(n, fn):
     if errors:
         raise errors[0]
     return results
+
+
+def assert_options_mean_the_same(kw, causal, bottom_right, deterministic, alibi, left, right, scale):
+    """What a C entry (eager.inc's read_call, eager_varlen.inc's read_varlen_call) read
+    from the keyword arguments `kw` is what the Python body makes of them."""
+    from fastattn import _fields
+    from fastattn.torch import _plans
+
+    assert (left, right, scale) == _plans.options(kw["causal"], kw["causal_bottom_right"], kw["window"], kw["scale"],
+                                                  kw["deterministic"], kw["alibi"])
+    assert bottom_right == _plans.bottom_right(kw["alignment"], kw["causal_bottom_right"])
+    assert causal == bool(kw["causal"] or kw["causal_bottom_right"])
+    assert (deterministic, alibi) == (kw["deterministic"], kw["alibi"])
+    assert _fields.check("probability", "dropout_p", kw["dropout_p"]) == 0.0
+    assert kw["return_lse"] is False

@@ -28,7 +28,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 import fastattn.torch as fat
 from fastattn import _core
 from fastattn.torch import _dense, _native, _plans
-from profile_torch_call import _us, report  # median of 15 samples, the queue drained between them (tools/ is on sys.path)
+from profile_torch_call import _us, interleaved, report  # median of 15 samples, the queue drained between them (tools/ is on sys.path)
 
 
 def main(argv=None) -> int:
@@ -104,11 +104,7 @@ def main(argv=None) -> int:
             out = sdpa(*leaves_t, is_causal=True)
             torch.autograd.grad(out, leaves_t, d_ot)
 
-        for _ in range(3):  # interleaved: drift hits both alike
-            for name, fn in (("train_step", step), ("train_step_sdpa_cudnn", step_sdpa)):
-                res.setdefault(name + "_rounds", []).append(_us(fn, iters=300, samples=5))
-        res["train_step"] = statistics.median(res["train_step_rounds"])
-        res["train_step_sdpa_cudnn"] = statistics.median(res["train_step_sdpa_cudnn_rounds"])
+        interleaved(res, {"train_step": step, "train_step_sdpa_cudnn": step_sdpa})
         res["train_forward"] = _us(lambda: fat.attention(*leaves, causal=True), iters=300)
         res["train_forward_sdpa_cudnn"] = _us(lambda: sdpa(*leaves_t, is_causal=True), iters=300)
         res["train_forward_eager_entry"] = _us(lambda: eager(*leaves, None, None, None, None, None, flags, -1, -1, 0.0,

@@ -29,6 +29,17 @@ from fastattn.torch import _dense, _plans
 from fastattn import _core
 
 
+def interleaved(res: dict, steps: dict, rounds: int = 3) -> None:
+    """Times each of `steps` (name -> function) in `rounds` interleaved rounds (300
+    calls, 5 samples each), so that drift hits every peer alike: res[name + "_rounds"]
+    the rounds' numbers, res[name] their median."""
+    for _ in range(rounds):
+        for name, fn in steps.items():
+            res.setdefault(name + "_rounds", []).append(_us(fn, iters=300, samples=5))
+    for name in steps:
+        res[name] = statistics.median(res[name + "_rounds"])
+
+
 def report(res: dict, json_path: str | None) -> int:
     """Writes `res` to json_path (if given) and prints the `summary:` block (numbers and
     strings) that tools/gpu_run.sh shows; the profiles' common ending. Returns 0."""

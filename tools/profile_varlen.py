@@ -18,7 +18,6 @@ interleaved rounds.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 
 import torch
@@ -26,7 +25,7 @@ import torch
 import fastattn.torch as fat
 from fastattn import flash
 from fastattn.torch import _native, _varlen
-from profile_torch_call import _us, report  # (tools/ is on sys.path)
+from profile_torch_call import _us, interleaved, report  # (tools/ is on sys.path)
 from bench_flash import _fa2_varlen
 
 
@@ -69,11 +68,7 @@ def main(argv=None) -> int:
         out = _fa2_varlen(*leaves, cu, cu, mx, mx, True)
         torch.autograd.grad(out, leaves, d_o)
 
-    for _ in range(3):  # interleaved: drift hits both alike
-        for name, fn in (("train_step", step), ("train_step_fa2", step_fa2)):
-            res.setdefault(name + "_rounds", []).append(_us(fn, iters=300, samples=5))
-    res["train_step"] = statistics.median(res["train_step_rounds"])
-    res["train_step_fa2"] = statistics.median(res["train_step_fa2_rounds"])
+    interleaved(res, {"train_step": step, "train_step_fa2": step_fa2})
     res["ratio_inference_to_fa2"] = res["inference_attention_varlen"] / res["inference_fa2_varlen"]
     res["ratio_train_to_fa2"] = res["train_step"] / res["train_step_fa2"]
     return report(res, args.json)
