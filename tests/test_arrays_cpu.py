@@ -174,6 +174,33 @@ def test_ragged_tensors_are_packed_tokens():
         _arrays.check(cfg, 0, "q", q._replace(shape=(2, 16, 4, 32), strides=(17 * 128, 128, 32, 1)))
 
 
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(name=st.sampled_from(["cu_seqlens_q", "cu_seqlens_kv"]), batch=st.integers(1, 6),
+       extent=st.integers(0, 9), trailing=st.sampled_from([(), (1,), (2,)]), stride=st.sampled_from([1, 2, -1]),
+       dtype=st.sampled_from(["int32", "int64", "float32"]))
+def test_cumulative_lengths_are_batch_plus_one_int32s(name, batch, extent, trailing, stride, dtype):
+    # A ragged plan's cu_seqlens_q / _kv as arrays: (batch + 1,) contiguous int32 (or
+    # the same memory with extents of 1 added), anything else refused naming the tensor.
+    cfg = CFG.replace(batch=batch, padding=True, ragged=True)
+    shape = (extent, *trailing)
+    strides = (stride * (trailing[0] if trailing else 1), *((1,) if trailing else ()))
+    desc = desc_for(cfg, name, dtype=dtype)._replace(shape=shape, strides=strides)
+    # The same memory: the extents past 1 with their strides are (batch + 1) int32s in a row.
+    same_memory = [(n, st_) for n, st_ in zip(shape, strides) if n != 1] == [(batch + 1, 1)]
+    if same_memory and dtype == "int32":
+        _arrays.check(cfg, 0, name, desc)
+    else:
+        with pytest.raises(InvalidArgumentError, match=f"^{name}: "):
+            _arrays.check(cfg, 0, name, desc)
+
+
+def test_host_cumulative_lengths_are_refused_saying_that_nothing_is_copied():
+    plan = SimpleNamespace(config=CFG.replace(padding=True, ragged=True), device=0, _layouts={})
+    with pytest.raises(InvalidArgumentError, match="^cu_seqlens_q: device memory needed, got host memory "
+                                                   r"\(numpy.ndarray\); forward and backward never copy"):
+        _arrays.address(plan, "cu_seqlens_q", np.array([0, 16, 32], dtype=np.int32))
+
+
 @st.composite
 def configs(draw):
     layout = draw(st.sampled_from(["bshd", "sbhd", "bhsd"]))
