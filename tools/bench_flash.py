@@ -7,8 +7,9 @@ one process on one GPU (issue 14: target at least 1.6x FA2's TFLOP/s).
     128, causal), bf16, timed with CUDA events over rotating inputs; rounds interleave
     the peers, and each number is the median over rounds, each ratio the median of the
     rounds' ratios.
-(b) Host time per call on a small shape (1x8x128x64 bf16 causal, inference; and the
-    varlen call on 4 sequences of 32 tokens): fastattn.flash, fastattn.torch (what
+(b) Host time per call on a small shape (1x8x128x64 bf16 causal, inference; the
+    varlen call on 4 sequences of 32 tokens; a paged decode of 4 sequences of 1000
+    cached tokens, beside FA2 on the same KV laid out densely): fastattn.flash, fastattn.torch (what
     fastattn.flash adds on top) and FA2, interleaved rounds, medians.
 
     python tools/bench_flash.py [--json out.json] [--rounds N] [--reps N]
@@ -152,6 +153,13 @@ def host_overhead(iters: int, rounds: int) -> dict:
     lens = [32] * 4
     cu = torch.tensor([0, 32, 64, 96, 128], dtype=torch.int32, device="cuda")
     qv, kv, vv = (torch.randn(128, 8, 64, device="cuda", dtype=BF16) for _ in range(3))
+    # A paged decode: 4 sequences of 1000 cached tokens in 64-token pages (shuffled), one
+    # query each; the peer is FA2 on a dense KV of the same size (PyTorch ships no paged FA2).
+    pages = torch.randperm(64, device="cuda").to(torch.int32).view(4, 16)
+    k_pool, v_pool = (torch.randn(64, 64, 8, 64, device="cuda", dtype=BF16) for _ in range(2))
+    cache_lens = torch.full((4,), 1000, device="cuda", dtype=torch.int32)
+    qd = torch.randn(4, 1, 8, 64, device="cuda", dtype=BF16)
+    kd, vd = (torch.randn(4, 8, 1000, 64, device="cuda", dtype=BF16) for _ in range(2))
     calls = {
         "flash_attn_func": lambda: flash.flash_attn_func(q, k, v, causal=True),
         "fastattn_torch_attention": lambda: fat.attention(q, k, v, causal=True),
@@ -161,6 +169,13 @@ def host_overhead(iters: int, rounds: int) -> dict:
         "fastattn_torch_attention_varlen": lambda: fat.attention_varlen(qv, kv, vv, cu, cu, 32, 32, causal=True),
         "fa2_varlen": lambda: torch.ops.aten._flash_attention_forward(qv, kv, vv, cu, cu, max(lens), max(lens), 0.0,
                                                                       True, False),
+        "flash_attn_with_kvcache_paged": lambda: flash.flash_attn_with_kvcache(
+            qd, k_pool, v_pool, cache_seqlens=cache_lens, block_table=pages, causal=True),
+        "fastattn_torch_attention_paged": lambda: fat.attention_paged(qd, k_pool, v_pool, pages, cache_lens,
+                                                                      causal=True, alignment="bottom_right"),
+        # FA2 (SDPA's flash backend, the loop's) on the same KV laid out densely: no paging.
+        "fa2_sdpa_flash_dense_decode": lambda: torch.nn.functional.scaled_dot_product_attention(
+            qd.transpose(1, 2), kd, vd),
     }
     samples = {name: [] for name in calls}
     errors = {}
@@ -183,7 +198,10 @@ def host_overhead(iters: int, rounds: int) -> dict:
     res = {f"{n}_us": statistics.median(s) for n, s in samples.items()}
     for ours, peer in (("flash_attn_func", "fa2_sdpa_flash"), ("flash_attn_varlen_func", "fa2_varlen"),
                        ("flash_attn_func", "fastattn_torch_attention"),
-                       ("flash_attn_varlen_func", "fastattn_torch_attention_varlen")):
+                       ("flash_attn_varlen_func", "fastattn_torch_attention_varlen"),
+                       ("fastattn_torch_attention_varlen", "fa2_varlen"),
+                       ("fastattn_torch_attention_paged", "fa2_sdpa_flash_dense_decode"),
+                       ("flash_attn_with_kvcache_paged", "fa2_sdpa_flash_dense_decode")):
         if ours in samples and peer in samples:
             res[f"ratio_{ours}_to_{peer}"] = statistics.median(a / b for a, b in zip(samples[ours], samples[peer]))
     res["errors"] = errors
