@@ -222,8 +222,8 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     if dropout_p:
         _fields.check("probability", "dropout_p", dropout_p)
     for name, n in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_kv", max_seqlen_kv)):
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise InvalidArgumentError(f"{name}={n!r}: must be an int >= 1")
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n < 2**31:  # the ops' int is int64; cuDNN's int32
+            raise InvalidArgumentError(f"{name}={n!r}: must be an int >= 1 and < 2**31")
     br = bottom_right(alignment, causal_bottom_right)
     if return_lse.__class__ is not bool:
         _fields.check("bool", "return_lse", return_lse)
