@@ -89,3 +89,57 @@ def pytest_runtest_setup(item):
         if os.environ.get("FASTATTN_REQUIRE_GPU") == "1":
             pytest.fail(f"FASTATTN_REQUIRE_GPU=1 but the GPU is unusable: {reason}")
         pytest.skip(f"no usable GPU: {reason}")
+
+
+def _cuda_state_problem():
+    """What is wrong with this process's CUDA state after a GPU test, or None: a capture
+    left open, a sticky CUDA error, or PyTorch's CUDA generator stuck in capture state
+    (then every later torch.randn fails with "Offset increment outside graph capture")."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        try:
+            if torch.cuda.is_current_stream_capturing():
+                return "a CUDA graph capture is still open on the current stream"
+            torch.cuda.synchronize()
+            torch.empty(1, device="cuda").normal_()  # advances the generator's Philox offset
+            torch.cuda.synchronize()
+        except Exception as e:  # noqa: BLE001 (any failure here is the finding)
+            return f"{type(e).__name__}: {e}"
+    try:
+        from cuda.bindings import runtime as rt
+    except ImportError:
+        return None
+    err = rt.cudaDeviceSynchronize()[0]
+    if int(err) != 0:
+        return f"cudaDeviceSynchronize: {rt.cudaGetErrorName(err)[1].decode()}"
+    return None
+
+
+@pytest.fixture(autouse=True)
+def _cuda_state_stays_healthy(request):
+    """After each GPU test: the CUDA context and PyTorch's generator are healthy, or that
+    test fails with the reason and the run stops (one broken test must not turn into
+    hundreds of unrelated failures after it)."""
+    yield
+    if request.node.get_closest_marker("gpu") is None or _gpu_state != "":
+        return
+    problem = _cuda_state_problem()
+    if problem:
+        request.session.shouldstop = f"CUDA state broken by {request.node.nodeid}: {problem}"
+        pytest.fail(f"this test left the process's CUDA state broken: {problem}", pytrace=False)
+
+
+def pytest_collection_modifyitems(config, items):
+    """FASTATTN_TEST_ORDER=reverse or shuffle:SEED runs the collected tests in that order
+    (one process, as ever): a suite that passes in file order can still depend on it."""
+    order = os.environ.get("FASTATTN_TEST_ORDER", "")
+    if order == "reverse":
+        items.reverse()
+    elif order.startswith("shuffle:"):
+        import random
+
+        random.Random(order.partition(":")[2]).shuffle(items)
+    elif order:
+        raise pytest.UsageError(f"FASTATTN_TEST_ORDER={order!r}: must be 'reverse' or 'shuffle:SEED'")

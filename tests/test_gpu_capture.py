@@ -1,0 +1,80 @@
+"""A fastattn call inside a caller's CUDA-graph capture (torch.cuda.graph: CUDA's global
+capture mode) after what a long-lived process accumulates: this thread's cuDNN handle
+bound to many streams, and to streams that were destroyed since. The capture either
+works or the call raises before touching it; the process's CUDA state and PyTorch's
+generator stay healthy either way (tests/conftest.py checks after every GPU test)."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="PyTorch is an optional extra (pip install torch)")
+
+import fastattn.torch as fat  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+
+def _inputs(seed: int):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return [torch.randn(2, 128, 4, 64, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3)]
+
+
+def _on_new_streams(n: int, q, k, v) -> None:
+    """A call on each of n new streams, each destroyed after its call: the handle ends
+    bound to a stream that no longer exists, having seen n others."""
+    from cuda.bindings import runtime as rt
+
+    for _ in range(n):
+        err, raw = rt.cudaStreamCreateWithFlags(rt.cudaStreamNonBlocking)
+        assert int(err) == 0
+        stream = torch.cuda.ExternalStream(int(raw))
+        with torch.cuda.stream(stream):
+            fat.attention(q, k, v, causal=True)
+        stream.synchronize()
+        del stream
+        assert int(rt.cudaStreamDestroy(raw)[0]) == 0
+
+
+def _capture_and_replay(q, k, v):
+    eager = fat.attention(q, k, v, causal=True)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = fat.attention(q, k, v, causal=True)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, eager)
+
+
+@pytest.mark.parametrize("streams", [1, 300])
+def test_capture_after_the_handle_was_bound_to_destroyed_streams(streams):
+    q, k, v = _inputs(streams)
+    _on_new_streams(streams, q, k, v)
+    _capture_and_replay(q, k, v)
+
+
+def test_capture_after_another_shape_ran_on_destroyed_streams():
+    # The captured call's own plan has never seen those streams; another plan has.
+    q, k, v = _inputs(5)
+    _on_new_streams(50, *(t[:, :64].contiguous() for t in (q, k, v)))
+    _capture_and_replay(q, k, v)
+
+
+def test_capture_on_a_thread_whose_handle_is_new():
+    # A thread's first fastattn call is inside the capture: its handle is made then.
+    import threading
+
+    q, k, v = _inputs(6)
+    fat.attention(q, k, v, causal=True)  # the plan exists
+    errors = []
+
+    def work():
+        try:
+            _capture_and_replay(q, k, v)
+        except BaseException as e:  # noqa: BLE001 - raised in the test's thread
+            errors.append(e)
+
+    t = threading.Thread(target=work)
+    t.start()
+    t.join()
+    assert not errors, errors
