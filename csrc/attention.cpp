@@ -83,51 +83,9 @@ struct SlotSpec {
     const char *absent;
 };
 constexpr SlotSpec kSlots[kNumSlots] = {
-    {"q", ""},
-    {"k", ""},
-    {"v", ""},
-    {"o", ""},
-    {"stats", "the plan was built with training=False and writes no softmax stats"},
-    {"d_o", "a forward graph takes no gradients"},
-    {"d_q", "a forward graph takes no gradients"},
-    {"d_k", "a forward graph takes no gradients"},
-    {"d_v", "a forward graph takes no gradients"},
-    {"seq_len_q", "the plan was built with padding=False"},
-    {"seq_len_kv", "the plan was built with padding=False"},
-    {"ragged_q", "the plan was built with ragged=False"},
-    {"ragged_k", "the plan was built with ragged=False"},
-    {"ragged_v", "the plan was built with ragged=False"},
-    {"ragged_o", "the plan was built with ragged=False"},
-    {"bias", "the plan was built with bias='none'"},
-    {"d_bias", "only a backward graph built with bias_grad=True writes d_bias"},
-    {"seed", "the plan was built with dropout=0"},
-    {"offset", "the plan was built with dropout=0"},
-    {"sink", "the plan was built with sinks=False"},
-    {"d_sink", "only the backward graph of a plan built with sinks=True writes d_sink"},
-    {"page_table_k", "the plan was built with page_size=0 (dense k and v)"},
-    {"page_table_v", "the plan was built with page_size=0 (dense k and v)"},
-    {"ragged_stats", "only a plan built with ragged=True and training=True has packed stats"},
-    {"descale_q", "only a plan with an FP8 dtype takes descales"},
-    {"descale_k", "only a plan with an FP8 dtype takes descales"},
-    {"descale_v", "only a plan with an FP8 dtype takes descales"},
-    {"descale_s", "only a plan with an FP8 dtype takes descales"},
-    {"scale_s", "only a plan with an FP8 dtype takes scales"},
-    {"scale_o", "only the forward graph of a plan with an FP8 dtype takes scale_o"},
-    {"amax_s", "only the forward graph of a plan with an FP8 dtype writes amax_s"},
-    {"amax_o", "only the forward graph of a plan with an FP8 dtype writes amax_o"},
-    {"descale_o", "only the backward graph of a plan with an FP8 dtype takes descale_o"},
-    {"descale_d_o", "only the backward graph of a plan with an FP8 dtype takes descale_d_o"},
-    {"descale_d_p", "only the backward graph of a plan with an FP8 dtype takes descale_d_p"},
-    {"scale_d_q", "only the backward graph of a plan with an FP8 dtype takes scale_d_q"},
-    {"scale_d_k", "only the backward graph of a plan with an FP8 dtype takes scale_d_k"},
-    {"scale_d_v", "only the backward graph of a plan with an FP8 dtype takes scale_d_v"},
-    {"scale_d_p", "only the backward graph of a plan with an FP8 dtype takes scale_d_p"},
-    {"amax_d_q", "only the backward graph of a plan with an FP8 dtype writes amax_d_q"},
-    {"amax_d_k", "only the backward graph of a plan with an FP8 dtype writes amax_d_k"},
-    {"amax_d_v", "only the backward graph of a plan with an FP8 dtype writes amax_d_v"},
-    {"amax_d_p", "only the backward graph of a plan with an FP8 dtype writes amax_d_p"},
-    {"cu_seqlens_q", "only a plan built with ragged=True takes cumulative lengths"},
-    {"cu_seqlens_kv", "only a plan built with ragged=True takes cumulative lengths"},
+#define FASTATTN_SLOT_SPEC_(UPPER, Camel, name, absent) {name, absent},
+    FASTATTN_SLOT_TABLE(FASTATTN_SLOT_SPEC_)
+#undef FASTATTN_SLOT_SPEC_
 };
 constexpr int kMaxDevices                        = 64;
 constexpr uintptr_t kAlignment                   = 16;
@@ -174,7 +132,13 @@ Status thread_handle(int device, cudnnHandle_t *out) {
     }
     if (t_state.handle[device] == nullptr) {
         cudnnHandle_t h = nullptr;
-        auto st         = fe::detail::create_handle(&h);
+        cudnnStatus_t st;
+        {
+            // A thread's first launch may be inside the caller's capture: cudnnCreate's
+            // allocations must not invalidate it (see set_stream).
+            RelaxedCaptureMode relaxed;
+            st = fe::detail::create_handle(&h);
+        }
         if (st != CUDNN_STATUS_SUCCESS) {
             return error(Code::kCudnnError,
                          std::string("cudnnCreate failed: ") + fe::detail::get_error_string(st));
@@ -186,14 +150,37 @@ Status thread_handle(int device, cudnnHandle_t *out) {
     return {};
 }
 
+// A stream's capture state, for messages.
+const char *capture_state(cudaStream_t s) {
+    static IsCapturingFn *is_capturing = cudart<IsCapturingFn>("cudaStreamIsCapturing");
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    if (is_capturing(s, &status) != cudaSuccess) {
+        (void)cudart<GetLastErrorFn>("cudaGetLastError")();
+        return "unknown";
+    }
+    return status == cudaStreamCaptureStatusActive        ? "capturing"
+           : status == cudaStreamCaptureStatusInvalidated ? "capture invalidated"
+                                                          : "not capturing";
+}
+
 Status set_stream(int device, cudnnHandle_t h, intptr_t stream) {
     auto s = reinterpret_cast<cudaStream_t>(stream);
     if (t_state.stream[device] == s) return {};
-    auto st = fe::detail::set_stream(h, s);
+    cudnnStatus_t st;
+    {
+        // Binding a stream records nothing into a capture, but cuDNN may make calls that
+        // CUDA counts as unsafe while any capture in global mode (PyTorch's default) is
+        // under way, which would invalidate the caller's capture: relaxed for this call
+        // only (as PyTorch's allocator relaxes its own), never around a launch.
+        RelaxedCaptureMode relaxed;
+        st = fe::detail::set_stream(h, s);
+    }
     if (st != CUDNN_STATUS_SUCCESS) {
-        return error(Code::kInvalidArgument,
-                     std::string("cudnnSetStream failed for stream=") + std::to_string(stream) + ": " +
-                         fe::detail::get_error_string(st));
+        std::ostringstream msg;
+        msg << "cudnnSetStream failed for stream=" << stream << " (" << capture_state(s)
+            << "; the handle was bound to stream=" << reinterpret_cast<intptr_t>(t_state.stream[device])
+            << "): " << fe::detail::get_error_string(st);
+        return error(Code::kInvalidArgument, msg.str());
     }
     t_state.stream[device] = s;
     return {};
@@ -351,6 +338,13 @@ Status load_cudnn(const std::string &path, int64_t *version) {
     *version = g_cudnn_version;
     return st;
 }
+
+const char *slot_name(int slot) { return slot >= 0 && slot < kNumSlots ? kSlots[slot].name : nullptr; }
+
+#define FASTATTN_STATUS_NAME_(UPPER, Cpp, value, Python) {value, #Python},
+const StatusName kStatusNames[] = {FASTATTN_STATUS_TABLE(FASTATTN_STATUS_NAME_)};
+#undef FASTATTN_STATUS_NAME_
+const int kNumStatusNames = sizeof kStatusNames / sizeof kStatusNames[0];
 
 int64_t cudnn_version() { return g_cudnn_version; }
 int64_t cudnn_header_version() { return CUDNN_VERSION; }

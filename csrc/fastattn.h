@@ -12,18 +12,15 @@
 #include <string>
 #include <vector>
 
+#include "fastattn_abi.h"  // the slot and status tables, shared with C and Python
+
 namespace fastattn {
 
-// Mirrored by fastattn/errors.py: a status code selects the Python exception class.
+// fastattn_abi.h's status table: a code selects the Python exception class (fastattn.errors).
 enum class Code : int {
-    kOk              = 0,
-    kInvalidArgument = 1,  // bad pointer, bad config value, wrong call for this plan
-    kNotSupported    = 2,  // cuDNN refuses this graph on this GPU; the message is cuDNN's reason
-    kLibraryError    = 3,  // a shared library (cuDNN, CUDA runtime, driver) is missing or unusable
-    kCudaError       = 4,  // a CUDA runtime or driver call failed
-    kCudnnError      = 5,  // cuDNN failed while running a plan that it had accepted
-    kCorruptPlan     = 6,  // a serialized plan could not be parsed or loaded
-    kInternal        = 7,  // anything else: a bug in fastattn
+#define FASTATTN_CODE_(UPPER, Cpp, value, Python) k##Cpp = FASTATTN_STATUS_##UPPER,
+    FASTATTN_STATUS_TABLE(FASTATTN_CODE_)
+#undef FASTATTN_CODE_
 };
 
 // [[nodiscard]]: a dropped status is a dropped error (a failed launch that looks
@@ -108,31 +105,27 @@ struct Config {
     DType out_dtype = DType::kFp16, grad_dtype = DType::kFp16;
 };
 
-// The tensors a plan can take at execute. A graph takes the subset its config
-// implies; the others must be 0. The slot is also the tensor's uid minus one, so the
-// order here is the order of cuDNN's sorted variant pack.
+// The tensors a plan can take at execute (fastattn_abi.h's slot table). A graph takes
+// the subset its config implies; the others must be 0. The slot is also the tensor's
+// uid minus one, so the order is the order of cuDNN's sorted variant pack.
 enum Slot : int {
-    kSlotQ, kSlotK, kSlotV, kSlotO, kSlotStats, kSlotDO, kSlotDQ, kSlotDK, kSlotDV,
-    kSlotSeqLenQ, kSlotSeqLenKV,
-    kSlotRaggedQ, kSlotRaggedK, kSlotRaggedV, kSlotRaggedO,
-    kSlotBias, kSlotDBias, kSlotSeed, kSlotOffset, kSlotSink, kSlotDSink,
-    kSlotPageTableK, kSlotPageTableV, kSlotRaggedStats,
-    // FP8 (dtype fp8_*): float32 scalars. A descale multiplies a tensor read from FP8
-    // back to its real values, a scale multiplies a value before it is stored as FP8,
-    // an amax is the largest |value| of a tensor before its scale (for the next scale).
-    // Forward: descale q, k, v, s; scale s, o; amax s, o. Backward: descale q, k, v,
-    // o, d_o, s, d_p; scale s, d_q, d_k, d_v, d_p; amax d_q, d_k, d_v, d_p.
-    kSlotDescaleQ, kSlotDescaleK, kSlotDescaleV, kSlotDescaleS, kSlotScaleS, kSlotScaleO,
-    kSlotAmaxS, kSlotAmaxO,
-    kSlotDescaleO, kSlotDescaleDO, kSlotDescaleDP, kSlotScaleDQ, kSlotScaleDK, kSlotScaleDV, kSlotScaleDP,
-    kSlotAmaxDQ, kSlotAmaxDK, kSlotAmaxDV, kSlotAmaxDP,
-    // Not tensors of cuDNN's graph: a ragged plan takes either its lengths and offsets
-    // (seq_len_*, ragged_*) or FlashAttention's int32 cumulative lengths (batch + 1
-    // each, 4-byte aligned), from which fastattn's index kernel writes them into the
-    // plan's workspace on the launch's stream, ahead of the launch (csrc/ragged.inc).
-    kSlotCuSeqlensQ, kSlotCuSeqlensKV,
-    kNumSlots
+#define FASTATTN_SLOT_(UPPER, Camel, name, absent) kSlot##Camel = FASTATTN_SLOT_##UPPER,
+    FASTATTN_SLOT_TABLE(FASTATTN_SLOT_)
+#undef FASTATTN_SLOT_
+    kNumSlots = FASTATTN_NUM_SLOTS
 };
+
+// A slot's name (the keyword of Plan.forward / backward, in errors and cuDNN's tensor
+// names), or nullptr past kNumSlots: what fastattn._core reads at import.
+const char *slot_name(int slot);
+
+// fastattn_abi.h's status table, for fastattn._core to check fastattn.errors against.
+struct StatusName {
+    int code;
+    const char *python;  // the exception class's name in fastattn.errors ("None" for kOk)
+};
+extern const StatusName kStatusNames[];
+extern const int kNumStatusNames;
 
 enum class Direction : int { kForward = 0, kBackward = 1 };
 

@@ -86,6 +86,13 @@ cdef extern from "fastattn.h" namespace "fastattn" nogil:
     cdef cppclass GraphPtr:
         Graph* get()
 
+    const char* slot_name(int slot)
+    cdef struct StatusName:
+        int code
+        const char* python
+    const StatusName kStatusNames[]
+    const int kNumStatusNames
+
     Status load_cudnn(const string& path, int64_t* version)
     int64_t cudnn_version()
     int64_t cudnn_header_version()
@@ -169,17 +176,16 @@ def get_device_info(int device):
     }
 
 
-# The tensors' names in Slot order (fastattn.h): the keyword names of forward and backward.
-SLOT_NAMES = ("q", "k", "v", "o", "stats", "d_o", "d_q", "d_k", "d_v", "seq_len_q", "seq_len_kv",
-              "ragged_q", "ragged_k", "ragged_v", "ragged_o", "bias", "d_bias", "seed", "offset", "sink", "d_sink",
-              "page_table_k", "page_table_v", "ragged_stats",
-              # FP8 (float32 scalars): the forward's, then the backward's own.
-              "descale_q", "descale_k", "descale_v", "descale_s", "scale_s", "scale_o", "amax_s", "amax_o",
-              "descale_o", "descale_d_o", "descale_d_p", "scale_d_q", "scale_d_k", "scale_d_v", "scale_d_p",
-              "amax_d_q", "amax_d_k", "amax_d_v", "amax_d_p",
-              # A ragged plan's cumulative lengths, in place of seq_len_* and ragged_*.
-              "cu_seqlens_q", "cu_seqlens_kv")
-assert len(SLOT_NAMES) == kNumSlots
+# The tensors' names in slot order, from the one slot table (fastattn_abi.h): the
+# keyword names of forward and backward.
+SLOT_NAMES = tuple(slot_name(i).decode() for i in range(kNumSlots))
+
+
+def status_codes():
+    """{exception class name in fastattn.errors: status code}: fastattn_abi.h's table of
+    the codes every call into the core returns (kOk left out)."""
+    return {kStatusNames[i].python.decode(): kStatusNames[i].code for i in range(kNumStatusNames)
+            if kStatusNames[i].code != 0}
 
 
 cdef intptr_t _address(Plan p, str name, object x) except? 0:

@@ -67,11 +67,22 @@ def test_stub_signatures_match_the_built_ones(method):
     assert {n: ast.literal_eval(d) for n, d in stub_defaults.items()} == defaults
 
 
-def test_slot_names_are_the_cpp_slot_table():
-    src = (ROOT / "csrc" / "attention.cpp").read_text()
-    table = src[src.index("constexpr SlotSpec kSlots[kNumSlots]"):]
-    table = table[:table.index("};")]
-    assert tuple(re.findall(r'\{"(\w+)",', table)) == _core.SLOT_NAMES
+def test_slot_names_are_the_one_slot_table():
+    # fastattn_abi.h's X-macro table is the only list of slots: C, C++ and _core read it.
+    header = (ROOT / "fastattn" / "include" / "fastattn_abi.h").read_text()
+    assert tuple(re.findall(r'^\s*X\(\w+, \w+, "(\w+)", "', header, re.M)) == _core.SLOT_NAMES
+    assert len(_core.SLOT_NAMES) == len(set(_core.SLOT_NAMES)) == 45
+    for src in ("csrc/fastattn.h", "csrc/attention.cpp", "fastattn/include/fastattn_abi.h"):
+        text = (ROOT / src).read_text()
+        assert '"seq_len_q"' not in text or src.endswith("fastattn_abi.h"), f"{src} spells a slot out again"
+
+
+def test_status_codes_are_the_exception_table():
+    # fastattn_abi.h's status table and fastattn.errors' code -> class table agree, so the
+    # op library (which raises through error_for_code) and _core raise the same classes.
+    assert _core.status_codes() == {cls.__name__: code for code, cls in errors._BY_CODE.items()}
+    for name, code in _core.status_codes().items():
+        assert type(errors.error_for_code(code, "m")).__name__ == name
 
 
 def test_enum_values_are_the_headers():

@@ -78,3 +78,21 @@ def test_capture_on_a_thread_whose_handle_is_new():
     t.start()
     t.join()
     assert not errors, errors
+
+
+@pytest.mark.parametrize("path", ["native", "python"])
+def test_a_failed_launch_raises_fastattns_class_on_both_paths(path, monkeypatch):
+    # q two bytes past a 16-byte boundary: the core refuses the address at execute. The
+    # native path used to raise a bare ValueError ("fastattn: ..."), the Python path
+    # InvalidArgumentError; both must raise the class errors.py's code table names.
+    import fastattn
+    from fastattn.torch import _native
+
+    if path == "python":
+        _native.python_path(monkeypatch)
+    else:
+        assert _native.library() is not None, _native.status()
+    q, k, v = _inputs(7)
+    shifted = torch.empty(q.numel() + 1, device="cuda", dtype=q.dtype)[1:].view(q.shape).copy_(q)
+    with pytest.raises(fastattn.InvalidArgumentError, match="q=0x[0-9a-f]+ is not 16-byte aligned"):
+        fat.attention(shifted, k, v, causal=True)

@@ -502,3 +502,15 @@ def test_a_built_library_is_reused_not_rebuilt(lib, tmp_path):
         assert _native.build() == before
     finally:
         del os.environ["CXX"]
+
+
+@pytest.mark.parametrize("code", range(1, 9))
+def test_a_failed_execute_raises_the_python_paths_exception(lib, code):
+    # ops.cpp's run() raises through fastattn.errors' one code table: the same class (and
+    # message) as _core raises for the same status, through pybind11 and the dispatcher.
+    from fastattn import errors
+
+    want = errors.error_for_code(code, "the core's message")
+    with pytest.raises(errors.FastAttnError) as info:
+        lib.raise_status(code, "the core's message")
+    assert type(info.value) is type(want) and str(info.value) == str(want)

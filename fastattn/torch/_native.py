@@ -165,11 +165,12 @@ def _load():
     import torch  # noqa: F401 - the library links against torch's libraries
 
     from .. import _core
+    from ..errors import error_for_code
 
     path = build()
     lib = _import(path)
     # cuDNN is loaded by the first miss (the runtime's plan()), before any execute.
-    lib.init(_core.abi_capsule(), _miss)
+    lib.init(_core.abi_capsule(), _miss, error_for_code)
     return lib, f"native: {path}"
 
 

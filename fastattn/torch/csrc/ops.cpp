@@ -54,6 +54,7 @@ using torch::autograd::variable_list;
 
 const fastattn_abi *g_abi = nullptr;  // set once by init(), before any op can run
 PyObject *g_miss = nullptr;            // the Python miss handler; a new reference, never released
+PyObject *g_error_for_code = nullptr;  // fastattn.errors.error_for_code; likewise
 
 // The options of the dense entry point, in the order of fastattn.torch._dense.DenseOptions.
 struct Options {
@@ -219,6 +220,18 @@ intptr_t ptr(const OptTensor &t) { return given(t) ? ptr(*t) : 0; }
 // Outputs (empty_cuda) and workspaces (workspace): memory.inc.
 #include "memory.inc"
 
+// A failed execute as the exception the Python path raises for it (fastattn.errors'
+// one code table: InvalidArgumentError, CudnnError, ...), through the dispatcher, which
+// hands a Python exception back to Python as it is.
+[[noreturn]] void raise_status(int code, const char *message) {
+    py::gil_scoped_acquire gil;
+    TORCH_CHECK(g_error_for_code != nullptr, "fastattn: the op library was not initialized (status ", code, "): ",
+                message);
+    py::object exc = py::reinterpret_borrow<py::object>(g_error_for_code)(code, message);
+    PyErr_SetObject(reinterpret_cast<PyObject *>(Py_TYPE(exc.ptr())), exc.ptr());
+    throw py::error_already_set();
+}
+
 void run(const Entry &e, int direction, const Tensor &q, intptr_t *slots) {
     const int64_t size = e.workspace[direction];
     const c10::Stream stream = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getStream(q.device());
@@ -226,11 +239,7 @@ void run(const Entry &e, int direction, const Tensor &q, intptr_t *slots) {
     char message[512];
     const int code = g_abi->execute(e.graph[direction], direction, q.get_device(), slots, size ? ptr(ws) : 0,
                                     reinterpret_cast<intptr_t>(stream.native_handle()), message, sizeof message);
-    if (code == 0) return;
-    // fastattn.h's codes: 1 invalid argument, 2 not supported; the rest are failures.
-    TORCH_CHECK_VALUE(code != 1, "fastattn: ", message);
-    TORCH_CHECK_NOT_IMPLEMENTED(code != 2, "fastattn: ", message);
-    TORCH_CHECK(false, "fastattn (status ", code, "): ", message);
+    if (code != FASTATTN_STATUS_OK) raise_status(code, message);
 }
 
 // o's shape: q's, with v's head dim (q is 4-d: its plan was found).
@@ -392,7 +401,7 @@ Grads backward_cpu(const Tensor &, const Tensor &, const Tensor &, const Tensor 
 
 // ---- Python: initialization and introspection -------------------------------------------------
 
-void init(py::capsule abi, py::object miss) {
+void init(py::capsule abi, py::object miss, py::object error_for_code) {
     auto *table = static_cast<const fastattn_abi *>(PyCapsule_GetPointer(abi.ptr(), FASTATTN_ABI_CAPSULE));
     if (table == nullptr) throw py::error_already_set();
     TORCH_CHECK(table->version == FASTATTN_ABI_VERSION && table->num_slots == FASTATTN_NUM_SLOTS,
@@ -402,6 +411,8 @@ void init(py::capsule abi, py::object miss) {
     g_abi = table;
     if (g_miss != nullptr) Py_DECREF(g_miss);
     g_miss = miss.inc_ref().ptr();
+    if (g_error_for_code != nullptr) Py_DECREF(g_error_for_code);
+    g_error_for_code = error_for_code.inc_ref().ptr();
 }
 
 size_t table_size() {
@@ -499,7 +510,11 @@ PyCFunction as_pycfunction(FastCall f) { return reinterpret_cast<PyCFunction>(re
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.doc() = "fastattn's PyTorch op library (fastattn/torch/csrc/ops.cpp); loaded by fastattn.torch._native";
     m.attr("abi_version") = FASTATTN_ABI_VERSION;
-    m.def("init", &init, "init(abi_capsule, miss_handler): the _core C ABI and the Python miss handler");
+    m.def("init", &init,
+          "init(abi_capsule, miss_handler, error_for_code): the _core C ABI, the Python miss handler and "
+          "fastattn.errors.error_for_code");
+    m.def("raise_status", [](int code, const std::string &message) { raise_status(code, message.c_str()); },
+          "raise_status(code, message): raises what a failed execute with this status raises (tests)");
     m.def("table_size", &table_size, "plans in the C++ table");
     m.def("clear", &clear, "forget every plan and release the kept workspaces (only while no op runs)");
     m.def("profile_eager", &profile_eager, "the eager entry's pieces timed in C++ (tools/profile_native_step.py)");
