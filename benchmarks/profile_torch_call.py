@@ -9,7 +9,7 @@ the checks in attention()) plus plan.forward itself with its arguments ready. Th
 work is tiny and asynchronous; every few thousand calls the queue is drained so it
 never fills.
 
-    python tools/profile_torch_call.py [--json out.json]
+    python benchmarks/profile_torch_call.py [--json out.json]
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ when Redis is down.
     no remote tier; Redis up; Redis refusing connections (the first lookup after a
     failure tries, the next ones rest for FASTATTN_REMOTE_RETRY).
 
-    python tools/bench_remote.py [--json out.json]      # redis-server on PATH
+    python benchmarks/bench_remote.py [--json out.json]      # redis-server on PATH
 """
 
 from __future__ import annotations

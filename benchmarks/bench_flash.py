@@ -12,7 +12,7 @@ one process on one GPU (issue 14: target at least 1.6x FA2's TFLOP/s).
     cached tokens, beside FA2 on the same KV laid out densely): fastattn.flash, fastattn.torch (what
     fastattn.flash adds on top) and FA2, interleaved rounds, medians.
 
-    python tools/bench_flash.py [--json out.json] [--rounds N] [--reps N]
+    python benchmarks/bench_flash.py [--json out.json] [--rounds N] [--reps N]
 
 Prints the JSON, then a `summary:` block last.
 """

@@ -12,7 +12,7 @@ spent building.
 bf16 and fp16, causal or not, inference or training; seqlen 512 ... 4096), where the
 default set has 4 families of 16: how warm scales when a deploy covers many kernels.
 
-    python tools/bench_warm.py [--set default|families] [--json out.json]
+    python benchmarks/bench_warm.py [--set default|families] [--json out.json]
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ varlen entry; FA2.
 Training: a whole step (forward, then torch.autograd.grad) for fastattn and FA2, in
 interleaved rounds.
 
-    python tools/profile_varlen.py [--json out.json]
+    python benchmarks/profile_varlen.py [--json out.json]
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import torch
 import fastattn.torch as fat
 from fastattn import flash
 from fastattn.torch import _native, _varlen
-from profile_torch_call import _us, interleaved, report  # (tools/ is on sys.path)
+from profile_torch_call import _us, interleaved, report  # (benchmarks/ is on sys.path)
 from bench_flash import _fa2_varlen
 
 
