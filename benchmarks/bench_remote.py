@@ -25,7 +25,6 @@ import sys
 import tempfile
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 SECRET = "bench secret"
 
 
@@ -53,11 +52,10 @@ def start_redis(workdir: str) -> tuple[subprocess.Popen, str]:
 
 
 def child() -> dict:
-    sys.path.insert(0, HERE)
     import fastattn
-    from bench_warm import configs
+    from _common import warm_configs  # (benchmarks/ is on sys.path: this runs as the script)
 
-    todo = configs()
+    todo = warm_configs()
     t0 = time.perf_counter()
     fastattn.preload(todo, threads=1)
     s = fastattn.stats()

@@ -28,7 +28,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 import fastattn.torch as fat
 from fastattn import _core
 from fastattn.torch import _dense, _native, _plans
-from profile_torch_call import _us, interleaved, report  # median of 15 samples, the queue drained between them (benchmarks/ is on sys.path)
+from _common import interleaved, report, time_us as _us  # (benchmarks/ is on sys.path)
 
 
 def main(argv=None) -> int:
