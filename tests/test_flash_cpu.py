@@ -432,7 +432,7 @@ def test_the_benchmark_imports_and_parses_its_arguments():
     import sys
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    r = subprocess.run([sys.executable, os.path.join(root, "tools", "bench_flash.py"), "--help"], capture_output=True,
+    r = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "bench_flash.py"), "--help"], capture_output=True,
                        text=True, env={**os.environ, "PYTHONPATH": root})
     assert r.returncode == 0, r.stderr
     assert "--json" in r.stdout and "summary:" in r.stdout

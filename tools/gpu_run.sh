@@ -6,7 +6,7 @@
 #
 #   bash tools/gpu_run.sh [pytest args...]   (default: tests)      (carry .whl: nvidia-cudnn-frontend, platformdirs, redis)
 #   FASTATTN_PREBUILT=1: use the carried fastattn/_core.cpython-312-*.so (tools/build_cp312.sh) instead of building
-#   BENCH="core torch": the benchmarks to run after the tests ("" for none)
+#   BENCH="core torch": the benchmarks to run after the tests (benchmarks/bench_core.py, ...; "" for none)
 set -uo pipefail
 OUT=${OUT:-/tmp/fastattn-out}
 LOGS=$(mktemp -d /tmp/fastattn-logs.XXXX)
@@ -86,12 +86,12 @@ fi
 # pip byte-compiles an installed package; the source tree here has no .pyc files, and
 # compiling them inside a timed cold start would bill fastattn for it.
 python3 -m compileall -q fastattn > /dev/null
-# BENCH: what to run after the tests: tools/bench_NAME.py or tools/NAME.py for each NAME
+# BENCH: what to run after the tests: benchmarks/bench_NAME.py or benchmarks/NAME.py for each NAME
 # ("core coldstart torch warm features fp8 flash", and "remote" where a redis-server is carried; "" for none).
 default_bench="core coldstart torch warm features fp8 flash"
 [ -x .redis/redis-server ] && default_bench="$default_bench remote"
 for b in ${BENCH-$default_bench}; do
-  script=tools/bench_$b.py; [ -f "$script" ] || script=tools/$b.py
+  script=benchmarks/bench_$b.py; [ -f "$script" ] || script=benchmarks/$b.py
   python3 "$script" --json "$LOGS/bench_$b.json" > "$LOGS/bench_$b.log" 2>&1 || echo "$script failed (see bench_$b.log)"
 done
 

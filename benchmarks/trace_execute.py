@@ -8,7 +8,7 @@ their mean host time. What is left of a call's time beyond them is CPU work in
 cuDNN, cudnn-frontend, fastattn or PyTorch. Profiling slows every call: compare the
 API calls' counts and relative costs, not the totals with bench_torch's.
 
-    python tools/trace_execute.py [--json out.json]
+    python benchmarks/trace_execute.py [--json out.json]
 """
 
 from __future__ import annotations

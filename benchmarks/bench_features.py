@@ -18,7 +18,7 @@ sequences, each against PyTorch SDPA on the same data where PyTorch can express 
 Outputs are compared with PyTorch's (relative error) before timing. Times are CUDA
 events around 20 back-to-back repetitions, median of 5.
 
-    python tools/bench_features.py [--json out.json]
+    python benchmarks/bench_features.py [--json out.json]
 """
 
 from __future__ import annotations

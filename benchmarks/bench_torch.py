@@ -15,7 +15,7 @@
     0.98x PyTorch cuDNN's), timed with CUDA events over rotating inputs, in interleaved
     rounds (a new order each), medians.
 
-    python tools/bench_torch.py [--json out.json]
+    python benchmarks/bench_torch.py [--json out.json]
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ when Redis is down.
     no remote tier; Redis up; Redis refusing connections (the first lookup after a
     failure tries, the next ones rest for FASTATTN_REMOTE_RETRY).
 
-    python tools/bench_remote.py [--json out.json]      # redis-server on PATH
+    python benchmarks/bench_remote.py [--json out.json]      # redis-server on PATH
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ import sys
 import tempfile
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 SECRET = "bench secret"
 
 
@@ -53,11 +52,10 @@ def start_redis(workdir: str) -> tuple[subprocess.Popen, str]:
 
 
 def child() -> dict:
-    sys.path.insert(0, HERE)
     import fastattn
-    from bench_warm import configs
+    from _common import warm_configs  # (benchmarks/ is on sys.path: this runs as the script)
 
-    todo = configs()
+    todo = warm_configs()
     t0 = time.perf_counter()
     fastattn.preload(todo, threads=1)
     s = fastattn.stats()

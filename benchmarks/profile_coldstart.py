@@ -7,7 +7,7 @@ sub-libraries by hand (sublibs), a first cudnnCreate (create_first), each plan's
 lookup and deserialization, all plans on threads (parallel_*), and the first and
 second run of each plan (exec). A diagnostic for the cold-start work, not a benchmark:
 
-    python tools/profile_coldstart.py [--json out.json]      # on the GPU
+    python benchmarks/profile_coldstart.py [--json out.json]      # on the GPU
 """
 
 from __future__ import annotations
@@ -112,7 +112,8 @@ def child(mode: str) -> dict:
 
 
 def fill(cache_dir: str) -> None:
-    code = ("import fastattn, sys; sys.path.insert(0, 'tools'); from profile_coldstart import _configs\n"
+    code = (f"import fastattn, sys; sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})\n"
+            "from profile_coldstart import _configs\n"
             "for t in (False, True):\n    for c in _configs(t): fastattn.plan(c)\n")
     subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "FASTATTN_CACHE_DIR": cache_dir})
 

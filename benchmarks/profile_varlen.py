@@ -12,7 +12,7 @@ varlen entry; FA2.
 Training: a whole step (forward, then torch.autograd.grad) for fastattn and FA2, in
 interleaved rounds.
 
-    python tools/profile_varlen.py [--json out.json]
+    python benchmarks/profile_varlen.py [--json out.json]
 """
 
 from __future__ import annotations
@@ -25,8 +25,7 @@ import torch
 import fastattn.torch as fat
 from fastattn import flash
 from fastattn.torch import _native, _varlen
-from profile_torch_call import _us, interleaved, report  # (tools/ is on sys.path)
-from bench_flash import _fa2_varlen
+from _common import fa2_varlen, interleaved, report, time_us as _us  # (benchmarks/ is on sys.path)
 
 
 def main(argv=None) -> int:
@@ -65,7 +64,7 @@ def main(argv=None) -> int:
         torch.autograd.grad(out, leaves, d_o)
 
     def step_fa2():
-        out = _fa2_varlen(*leaves, cu, cu, mx, mx, True)
+        out = fa2_varlen(*leaves, cu, cu, mx, mx, True)
         torch.autograd.grad(out, leaves, d_o)
 
     interleaved(res, {"train_step": step, "train_step_fa2": step_fa2})

@@ -1,10 +1,10 @@
 """Host cost of checking array arguments (issue 16), on any machine, no GPU needed.
 
-    python tools/bench_checks.py [--calibrate-us 40.84]
+    python benchmarks/bench_checks.py [--calibrate-us 40.84]
 
 What plan.forward adds over the int path for each array argument, timed on the
 functions forward calls (fastattn._arrays.address / workspace_address) with a
-plan-like object, for the call tools/bench_core.py times (q, k, v, o and the
+plan-like object, for the call benchmarks/bench_core.py times (q, k, v, o and the
 workspace). Without a GPU there are no CUDA tensors, so PyTorch tensors are CPU
 tensors with the device test (is_cuda, get_device) stood in for, that test being
 timed on its own and added back; everything else (dtype, shape, strides, the kept
@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import timeit
 from pathlib import Path

@@ -13,7 +13,7 @@ layouts (bshd, and (b, h, s, d) contiguous as SDPA takes it).
 FP8 is e4m3 in and out (gradients too), as the issue's measurements. FLOPs: 4 b h s^2 d
 forward (half of it causal), 2.5x that backward.
 
-    python tools/bench_fp8.py [--json out.json] [--notes fastattn/_measured/fp8_vs_bf16.json]
+    python benchmarks/bench_fp8.py [--json out.json] [--notes fastattn/_measured/fp8_vs_bf16.json]
 
 --notes writes, for `fastattn probe` (fastattn/perf_notes.py), each shape's FP8/bf16
 ratio of fastattn's own forward and backward, with the date, GPU and versions.

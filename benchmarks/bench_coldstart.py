@@ -26,8 +26,8 @@ fastattn warm padded (forward) also time 20 back-to-back calls per shape (steady
 call: what serving length s from the 4096-long padded plan costs vs a plan of length s).
 Usage:
 
-    python tools/bench_coldstart.py [--json out.json]     # on the GPU
-    python tools/bench_coldstart.py --plot out.json --png chart.png   # anywhere, needs matplotlib
+    python benchmarks/bench_coldstart.py [--json out.json]     # on the GPU
+    python benchmarks/bench_coldstart.py --plot out.json --png chart.png   # anywhere, needs matplotlib
 """
 
 from __future__ import annotations

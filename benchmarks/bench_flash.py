@@ -12,7 +12,7 @@ one process on one GPU (issue 14: target at least 1.6x FA2's TFLOP/s).
     cached tokens, beside FA2 on the same KV laid out densely): fastattn.flash, fastattn.torch (what
     fastattn.flash adds on top) and FA2, interleaved rounds, medians.
 
-    python tools/bench_flash.py [--json out.json] [--rounds N] [--reps N]
+    python benchmarks/bench_flash.py [--json out.json] [--rounds N] [--reps N]
 
 Prints the JSON, then a `summary:` block last.
 """
@@ -31,6 +31,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 import fastattn
 import fastattn.torch as fat
 from fastattn import flash
+from _common import fa2_varlen  # (benchmarks/ is on sys.path)
 
 BF16 = torch.bfloat16
 
@@ -40,30 +41,6 @@ def _fa2_dense(q, k, v, causal):
     with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
         return torch.nn.functional.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal).transpose(1, 2)
-
-
-class _FA2Varlen(torch.autograd.Function):
-    """FA2's varlen kernels as PyTorch ships them (aten._flash_attention_forward/backward)."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k, causal):
-        out, lse, seed, offset, _ = torch.ops.aten._flash_attention_forward(
-            q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False)
-        ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, seed, offset)
-        ctx.args = (max_q, max_k, causal)
-        return out
-
-    @staticmethod
-    def backward(ctx, d_out):
-        q, k, v, out, lse, cu_q, cu_k, seed, offset = ctx.saved_tensors
-        max_q, max_k, causal = ctx.args
-        dq, dk, dv = torch.ops.aten._flash_attention_backward(
-            d_out.contiguous(), q, k, v, out, lse, cu_q, cu_k, max_q, max_k, 0.0, causal, seed, offset)
-        return dq, dk, dv, None, None, None, None, None
-
-
-def _fa2_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal):
-    return _FA2Varlen.apply(q, k, v, cu_q, cu_k, max_q, max_k, causal)
 
 
 def _flops(pairs: float, h: int, d: int, backward: bool) -> float:
@@ -114,7 +91,7 @@ def _varlen_case(causal=True, h=16, d=128):
     pairs = sum(n * n * (0.5 if causal else 1.0) for n in lens)
     peers = {"fastattn": lambda q, k, v, cq, ck, mq, mk, c: flash.flash_attn_varlen_func(q, k, v, cq, ck, mq, mk,
                                                                                           causal=c),
-             "fa2": _fa2_varlen}
+             "fa2": fa2_varlen}
     return f"varlen16x{h}x{total}x{d}", inputs, pairs, h, d, peers
 
 

@@ -9,7 +9,7 @@ the checks in attention()) plus plan.forward itself with its arguments ready. Th
 work is tiny and asynchronous; every few thousand calls the queue is drained so it
 never fills.
 
-    python tools/profile_torch_call.py [--json out.json]
+    python benchmarks/profile_torch_call.py [--json out.json]
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ import argparse
 import json
 import statistics
 import sys
-import time
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -27,47 +26,7 @@ import fastattn
 import fastattn.torch as fat
 from fastattn.torch import _dense, _plans
 from fastattn import _core
-
-
-def interleaved(res: dict, steps: dict, rounds: int = 3) -> None:
-    """Times each of `steps` (name -> function) in `rounds` interleaved rounds (300
-    calls, 5 samples each), so that drift hits every peer alike: res[name + "_rounds"]
-    the rounds' numbers, res[name] their median."""
-    for _ in range(rounds):
-        for name, fn in steps.items():
-            res.setdefault(name + "_rounds", []).append(_us(fn, iters=300, samples=5))
-    for name in steps:
-        res[name] = statistics.median(res[name + "_rounds"])
-
-
-def report(res: dict, json_path: str | None) -> int:
-    """Writes `res` to json_path (if given) and prints the `summary:` block (numbers and
-    strings) that tools/gpu_run.sh shows; the profiles' common ending. Returns 0."""
-    res["torch"] = torch.__version__
-    if json_path:
-        with open(json_path, "w") as f:
-            json.dump(res, f, indent=2)
-    print("summary:")
-    for key, value in res.items():
-        if isinstance(value, float):
-            print(f"  {key:<34} {value:8.3f}")
-        elif isinstance(value, str):
-            print(f"  {key:<34} {value}")
-    return 0
-
-
-def _us(fn, iters: int = 2000, samples: int = 15) -> float:
-    for _ in range(200):
-        fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(samples):
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        out.append((time.perf_counter() - t0) / iters * 1e6)
-        torch.cuda.synchronize()
-    return round(statistics.median(out), 3)
+from _common import time_us as _us  # (benchmarks/ is on sys.path)
 
 
 def _options(training: bool) -> _dense.DenseOptions:

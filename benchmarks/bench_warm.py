@@ -12,35 +12,20 @@ spent building.
 bf16 and fp16, causal or not, inference or training; seqlen 512 ... 4096), where the
 default set has 4 families of 16: how warm scales when a deploy covers many kernels.
 
-    python tools/bench_warm.py [--set default|families] [--json out.json]
+    python benchmarks/bench_warm.py [--set default|families] [--json out.json]
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import os
 import sys
 import tempfile
 import time
 
-from fastattn import AttentionConfig
 from fastattn.warm import warm
-
-
-def configs(which: str = "default") -> list[AttentionConfig]:
-    if which == "families":
-        return [AttentionConfig(batch=1, heads_q=16, heads_kv=4, seqlen_q=s, head_dim_qk=d, dtype=t, mask=m,
-                                training=training)
-                for d, t, m, training, s in itertools.product((64, 128), ("bf16", "fp16"), ("none", "causal"),
-                                                              (False, True), (512, 1024, 2048, 4096))]
-    out = []
-    for (hq, hkv), d, s, training in itertools.product(((32, 8), (16, 16)), (64, 128),
-                                                       (256, 512, 1024, 2048, 4096, 8192, 384, 768), (False, True)):
-        out.append(AttentionConfig(batch=1, heads_q=hq, heads_kv=hkv, seqlen_q=s, head_dim_qk=d, dtype="bf16",
-                                   mask="causal", training=training))
-    return out
+from _common import warm_configs  # (benchmarks/ is on sys.path)
 
 
 def _children_cpu() -> float:
@@ -65,11 +50,11 @@ def main(argv=None) -> int:
         import fastattn
 
         t0 = time.perf_counter()
-        results = fastattn.preload(configs(args.which), threads=args.child_threads)
+        results = fastattn.preload(warm_configs(args.which), threads=args.child_threads)
         print(json.dumps({"seconds": time.perf_counter() - t0, "builds": fastattn.stats()["builds"],
                           "build_seconds_sum": sum(r.build_seconds for r in results)}))
         return 0
-    todo = configs(args.which)
+    todo = warm_configs(args.which)
     assert len(todo) == 64
     rows = []
     for n in args.workers:

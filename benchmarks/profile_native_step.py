@@ -13,7 +13,7 @@ plus the backward kernel's host work); the backward op called directly; and the
 engine's own floor (autograd.grad through a multiplication). The same for SDPA where it
 applies.
 
-    python tools/profile_native_step.py [--json out.json]   (needs the op library: fastattn warm builds it)
+    python benchmarks/profile_native_step.py [--json out.json]   (needs the op library: fastattn warm builds it)
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 import fastattn.torch as fat
 from fastattn import _core
 from fastattn.torch import _dense, _native, _plans
-from profile_torch_call import _us, interleaved, report  # median of 15 samples, the queue drained between them (tools/ is on sys.path)
+from _common import interleaved, report, time_us as _us  # (benchmarks/ is on sys.path)
 
 
 def main(argv=None) -> int:

@@ -14,7 +14,7 @@
     (when the `cudnn` module is importable) and PyTorch's first call on a new shape.
 
 Reported as ratios; nothing is asserted. Usage:
-    python tools/bench_core.py [--json out.json]
+    python benchmarks/bench_core.py [--json out.json]
 """
 
 from __future__ import annotations

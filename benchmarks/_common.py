@@ -1,0 +1,125 @@
+"""What more than one benchmark uses: the host-time loop and the interleaved rounds of
+the profiles, their common ending (the JSON and the `summary:` block that
+tools/gpu_run.sh prints), FlashAttention 2's varlen kernels as PyTorch ships them, and
+bench_warm's 64 configs.
+
+The scripts run as `python benchmarks/NAME.py`, so this folder is on sys.path and they
+import it as `_common`. torch and fastattn are imported by the functions that use
+them: bench_warm.py and bench_remote.py run without torch.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import statistics
+import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from fastattn import AttentionConfig
+
+
+def time_us(fn, iters: int = 2000, samples: int = 15) -> float:
+    """Microseconds per call of `fn`: the median of `samples` samples of `iters` calls
+    each, after 200 warm-up calls; the GPU queue is drained between samples, so it
+    never fills."""
+    import torch
+
+    for _ in range(200):
+        fn()
+    torch.cuda.synchronize()
+    out = []
+    for _ in range(samples):
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        out.append((time.perf_counter() - t0) / iters * 1e6)
+        torch.cuda.synchronize()
+    return round(statistics.median(out), 3)
+
+
+def interleaved(res: dict, steps: dict, rounds: int = 3) -> None:
+    """Times each of `steps` (name -> function) in `rounds` interleaved rounds (300
+    calls, 5 samples each), so that drift hits every peer alike: res[name + "_rounds"]
+    the rounds' numbers, res[name] their median."""
+    for _ in range(rounds):
+        for name, fn in steps.items():
+            res.setdefault(name + "_rounds", []).append(time_us(fn, iters=300, samples=5))
+    for name in steps:
+        res[name] = statistics.median(res[name + "_rounds"])
+
+
+def report(res: dict, json_path: str | None) -> int:
+    """Writes `res` to json_path (if given) and prints the `summary:` block (numbers and
+    strings) that tools/gpu_run.sh shows; the profiles' common ending. Returns 0."""
+    import torch
+
+    res["torch"] = torch.__version__
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(res, f, indent=2)
+    print("summary:")
+    for key, value in res.items():
+        if isinstance(value, float):
+            print(f"  {key:<34} {value:8.3f}")
+        elif isinstance(value, str):
+            print(f"  {key:<34} {value}")
+    return 0
+
+
+_FA2Varlen = None  # the autograd.Function below, defined at first use (torch is imported then)
+
+
+def _define_fa2_varlen():
+    global _FA2Varlen
+    import torch
+
+    class FA2Varlen(torch.autograd.Function):
+        """FA2's varlen kernels as PyTorch ships them (aten._flash_attention_forward/backward)."""
+
+        @staticmethod
+        def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k, causal):
+            out, lse, seed, offset, _ = torch.ops.aten._flash_attention_forward(
+                q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False)
+            ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, seed, offset)
+            ctx.args = (max_q, max_k, causal)
+            return out
+
+        @staticmethod
+        def backward(ctx, d_out):
+            q, k, v, out, lse, cu_q, cu_k, seed, offset = ctx.saved_tensors
+            max_q, max_k, causal = ctx.args
+            dq, dk, dv = torch.ops.aten._flash_attention_backward(
+                d_out.contiguous(), q, k, v, out, lse, cu_q, cu_k, max_q, max_k, 0.0, causal, seed, offset)
+            return dq, dk, dv, None, None, None, None, None
+
+    _FA2Varlen = FA2Varlen
+    return FA2Varlen
+
+
+def fa2_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal):
+    """FlashAttention 2's varlen forward, with its backward under autograd (what
+    flash_attn's own flash_attn_varlen_func is: kernels in a Python autograd.Function)."""
+    return (_FA2Varlen or _define_fa2_varlen()).apply(q, k, v, cu_q, cu_k, max_q, max_k, causal)
+
+
+def warm_configs(which: str = "default") -> list[AttentionConfig]:
+    """bench_warm.py's 64 configs (bench_remote.py builds and loads the same). "default":
+    GQA 32/8 and MHA 16/16, head dims 64 and 128, seqlen 256 ... 8192, causal bf16, half
+    of them training (4 kernel families of 16). "families": 16 kernel families of 4
+    (head dims 64 and 128, bf16 and fp16, causal or not, inference or training; seqlen
+    512 ... 4096)."""
+    from fastattn import AttentionConfig
+
+    if which == "families":
+        return [AttentionConfig(batch=1, heads_q=16, heads_kv=4, seqlen_q=s, head_dim_qk=d, dtype=t, mask=m,
+                                training=training)
+                for d, t, m, training, s in itertools.product((64, 128), ("bf16", "fp16"), ("none", "causal"),
+                                                              (False, True), (512, 1024, 2048, 4096))]
+    out = []
+    for (hq, hkv), d, s, training in itertools.product(((32, 8), (16, 16)), (64, 128),
+                                                       (256, 512, 1024, 2048, 4096, 8192, 384, 768), (False, True)):
+        out.append(AttentionConfig(batch=1, heads_q=hq, heads_kv=hkv, seqlen_q=s, head_dim_qk=d, dtype="bf16",
+                                   mask="causal", training=training))
+    return out
