@@ -15,8 +15,9 @@ from pathlib import Path
 _TORCH_DIR = Path(__file__).resolve().parent / "torch"
 SOURCES = (_TORCH_DIR / "csrc" / "ops.cpp",)
 INCLUDE = Path(__file__).resolve().parent / "include"
-# ops.cpp's included files: every .inc beside it, so that a new one is part of the tag unasked.
-HEADERS = (INCLUDE / "fastattn_abi.h", *sorted((_TORCH_DIR / "csrc").glob("*.inc")))
+# ops.cpp's included files: every .inc beside it, so that a new one is part of the tag
+# unasked, and the options' declaration its generated header comes from (_options.py).
+HEADERS = (INCLUDE / "fastattn_abi.h", *sorted((_TORCH_DIR / "csrc").glob("*.inc")), _TORCH_DIR / "_options.py")
 
 
 def tag(torch_version: str, cxx11_abi: int) -> str:

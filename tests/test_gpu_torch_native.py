@@ -193,8 +193,9 @@ def test_a_hit_runs_no_python(lib):
 
 def test_the_eager_entry_runs_no_python_on_a_hit(lib):
     q, k, v = (torch.randn(1, 128, 8, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
-    args = (q, k, v, None, None, None, None, None, 1, -1, -1, 0.0, 0.0)  # causal, bshd
-    torch.autograd.grad(_native.EAGER(*args), (q, k, v), torch.ones_like(q))  # the misses
+    # attention()'s own arguments, in its order (causal, bshd), as its C entry takes them.
+    args = (q, k, v, True, False, None, None, "bshd", False, None, None, False, None, 0.0, None, "top_left", False)
+    torch.autograd.grad(_native.CALL(*args), (q, k, v), torch.ones_like(q))  # the misses
     python_calls = []
 
     def profile(frame, event, arg):
@@ -202,12 +203,12 @@ def test_the_eager_entry_runs_no_python_on_a_hit(lib):
             python_calls.append(frame.f_code.co_qualname)
 
     inference = tuple(t.detach() for t in (q, k, v)) + args[3:]  # no gradients: the inference call
-    _native.EAGER(*inference)
+    _native.CALL(*inference)
     sys.setprofile(profile)
     try:
         for _ in range(5):
-            _native.EAGER(*inference)
-            _native.EAGER(*args)  # the training forward: the C++ autograd node
+            _native.CALL(*inference)
+            _native.CALL(*args)  # the training forward: the C++ autograd node
     finally:
         sys.setprofile(None)
     assert python_calls == []
@@ -244,14 +245,12 @@ def test_the_eager_entry_and_the_dispatcher_op_agree_bitwise(lib, training):
     q, k, v = (torch.randn(2, 200, h, 64, device="cuda", dtype=torch.bfloat16) for h in (8, 2, 2))
     d_o = torch.randn_like(q)
     results = []
-    for call in ("call", "eager", "dispatcher"):
+    for call in ("call", "dispatcher"):
         leaves = [t.clone().requires_grad_(training) for t in (q, k, v)]
         poison_allocator()
         if call == "call":  # attention()'s own arguments, read in C
             o = _native.CALL(*leaves, True, False, (16, 0), None, "bshd", True, None, None, False, None, 0.0, None,
                              "top_left", False)
-        elif call == "eager":
-            o = _native.EAGER(*leaves, None, None, None, None, None, 1 | 4, 16, 0, 0.0, 0.0)  # causal, deterministic
         else:
             o = _native.DENSE[0](*leaves, None, None, None, None, None, "bshd", True, False, 16, 0, 0.0, True, False,
                                  training, 0.0, False)[0]

@@ -21,7 +21,7 @@ torch = pytest.importorskip("torch", reason="PyTorch is an optional extra (pip i
 import fastattn  # noqa: E402
 import fastattn.torch  # noqa: E402
 from torch_helpers import assert_options_mean_the_same  # noqa: E402
-from fastattn.torch import _dense, _native, _paged, _plans, _varlen  # noqa: E402
+from fastattn.torch import _dense, _native, _options, _paged, _plans, _varlen  # noqa: E402
 
 
 def options(training=False, bias_grad=False, layout="bshd", dropout=0.0):
@@ -220,31 +220,15 @@ def test_cpu_tensors_get_a_clear_error(lib):
         torch.ops.fastattn.native_attention_forward(q, k, v, None, None, None, None, None, *options())
 
 
-# The eager entry (eager.inc): attention()'s plain eager CUDA calls, past the dispatcher.
-# Without a GPU its argument handling and its errors: a miss reaches the Python runtime
-# with the GIL taken back, whose error comes out as itself, with gradients on or off.
+# The eager entry (eager.inc): attention()'s plain eager CUDA calls, past the dispatcher,
+# taking attention()'s own arguments (call); nothing else enters that way.
 
-@pytest.mark.parametrize("grad", (False, True), ids=("inference", "training"))
-def test_eager_entry_reports_the_runtime_error_of_a_miss(lib, grad):
-    q, k, v = dense(device="cpu", grad=grad)
-    with pytest.raises(fastattn.InvalidArgumentError, match="CUDA"):
-        lib.attention(q, k, v, None, None, None, None, None, 1, -1, -1, 0.0, 0.0)
-
-
-def test_eager_entry_hands_back_what_it_does_not_take(lib):
+def test_the_only_eager_entry_takes_attentions_own_arguments(lib):
+    assert not hasattr(lib, "attention")  # the 13-argument entry with bit-packed flags is gone
     q, k, v = dense(device="cpu")
-    assert lib.attention(q, "k", v, None, None, None, None, None, 1, -1, -1, 0.0, 0.0) is NotImplemented
-    assert lib.attention(q, k, v, None, None, [1], None, None, 1, -1, -1, 0.0, 0.0) is NotImplemented
-
-
-def test_eager_entry_checks_its_own_arguments(lib):
-    q, k, v = dense(device="cpu")
-    with pytest.raises(TypeError, match=r"13 positional arguments \(3 given\)"):
-        lib.attention(q, k, v)
-    with pytest.raises(ValueError, match="flags=768 names no layout"):
-        lib.attention(q, k, v, None, None, None, None, None, 3 << 8, -1, -1, 0.0, 0.0)
-    with pytest.raises(TypeError):
-        lib.attention(q, k, v, None, None, None, None, None, "causal", -1, -1, 0.0, 0.0)
+    assert lib.call(*call_args(q, k, v, causal=True)) is NotImplemented  # CPU tensors: the Python body reports
+    with pytest.raises(TypeError, match=r"17 positional arguments \(3 given\)"):
+        lib.call(q, k, v)
 
 
 # attention()'s 17 arguments in its order, for lib.call / lib.read_call.
@@ -290,7 +274,7 @@ def test_call_takes_only_values_the_python_body_takes_with_the_same_meaning(lib,
     if got is None:
         return
     layout, causal, bottom_right, deterministic, alibi, left, right, scale, lens_kv = got
-    assert kw["layout"] in _plans.AXES and layout == _dense.LAYOUT_IDS[kw["layout"]]
+    assert kw["layout"] in _plans.AXES and layout == _options.LAYOUTS.index(kw["layout"])
     assert_options_mean_the_same(kw, causal, bottom_right, deterministic, alibi, left, right, scale)
     assert lens != "kv only" and lens_kv == (lens != "none")
 
@@ -393,7 +377,7 @@ def test_aot_autograd_traces_forward_and_backward_with_dynamic_shapes(lib, train
 def test_attention_under_torch_compile_records_the_native_op_once_decided(lib, monkeypatch):
     # attention()'s own Python under dynamo: the decided native path is traced as the
     # native op (fullgraph: no graph break on the way), with autograd through it.
-    for name in ("DENSE", "VARLEN", "PAGED", "EAGER", "CALL"):
+    for name in ("DENSE", "VARLEN", "PAGED", "CALL"):
         monkeypatch.setattr(_native, name, getattr(_native, name))  # restored afterwards
     _native._publish_ops()  # C entry included: dynamo must trace past it
     seen = []

@@ -9,35 +9,21 @@ the same work under _autograd.Eager.
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 
 from .. import _fields
 from ..config import AttentionConfig
 from ..errors import InvalidArgumentError
-from . import _autograd, _native
+from . import _autograd, _native, _options
 from ._plans import check_shapes
 from ._plans import options as check_options
 from ._plans import (AXES, DTYPES, Cached, alignment_name, bottom_right, check_qkv_tensors, config_shape, mask_name,
                      out_shape, plans, raw_stream, remember, stats_shape, tensor_key, workspace)
 
 
-class DenseOptions(NamedTuple):
-    """attention()'s scalar options: part of the plan key as they are, and the custom
-    ops' arguments after the tensors, in this order."""
-
-    layout: str
-    causal: bool  # a causal mask
-    bottom_right: bool  # the diagonal of the mask and the window at the bottom right
-    window_left: int
-    window_right: int
-    scale: float  # 0.0: the default, 1 / sqrt(head_dim_qk)
-    deterministic: bool
-    alibi: bool
-    training: bool
-    dropout: float
-    bias_grad: bool
+# attention()'s scalar options (_options.OPS["dense"]): part of the plan key as they are,
+# and the custom ops' arguments after the tensors, in this order.
+DenseOptions = _options.named_tuple("dense", "DenseOptions")
 
 
 # DenseOptions(...) without the Python __new__ a NamedTuple has: ~0.17 us less per call
@@ -157,19 +143,23 @@ def _extra_grads_like(q, bias, sink, bias_grad: bool):
     return d_bias, d_sink
 
 
-# -- the custom ops: tensors, then DenseOptions' fields in order -------------------------------
+# -- the custom ops: tensors, then DenseOptions' fields in order (schemas from _options) ------
 
-@torch.library.custom_op("fastattn::attention_forward", mutates_args=())
-def forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_len_q: torch.Tensor | None,
-               seq_len_kv: torch.Tensor | None, bias: torch.Tensor | None, sink: torch.Tensor | None,
-               rng: torch.Tensor | None, layout: str, causal: bool, bottom_right: bool, window_left: int,
-               window_right: int, scale: float, deterministic: bool, alibi: bool, training: bool, dropout: float,
-               bias_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+FORWARD_SCHEMA = ("(Tensor q, Tensor k, Tensor v, Tensor? seq_len_q, Tensor? seq_len_kv, Tensor? bias, Tensor? sink, "
+                  f"Tensor? rng, {_options.schema('dense')}) -> (Tensor, Tensor)")
+BACKWARD_SCHEMA = ("(Tensor d_o, Tensor o, Tensor stats, Tensor q, Tensor k, Tensor v, Tensor? seq_len_q, "
+                   f"Tensor? seq_len_kv, Tensor? bias, Tensor? sink, Tensor? rng, {_options.schema('dense')}) "
+                   "-> (Tensor, Tensor, Tensor, Tensor, Tensor)")
+
+
+def _forward(q, k, v, seq_len_q, seq_len_kv, bias, sink, rng, *options):
     """(o, stats); stats is empty when not training."""
-    options = DenseOptions(layout, causal, bottom_right, window_left, window_right, scale, deterministic, alibi,
-                           training, dropout, bias_grad)
+    options = DenseOptions(*options)
     o, stats = forward_impl(q, k, v, seq_len_q, seq_len_kv, bias, sink, rng, options)
-    return o, stats if stats is not None else _stats_like(q, layout, False)
+    return o, stats if stats is not None else _stats_like(q, options.layout, False)
+
+
+forward_op = torch.library.custom_op("fastattn::attention_forward", _forward, mutates_args=(), schema=FORWARD_SCHEMA)
 
 
 def _stats_like(q: torch.Tensor, layout: str, training: bool) -> torch.Tensor:
@@ -178,36 +168,31 @@ def _stats_like(q: torch.Tensor, layout: str, training: bool) -> torch.Tensor:
 
 
 @forward_op.register_fake
-def _(q, k, v, seq_len_q, seq_len_kv, bias, sink, rng, layout, causal, bottom_right, window_left, window_right, scale,
-      deterministic, alibi, training, dropout, bias_grad):
-    return q.new_empty(out_shape(q, v, layout)), _stats_like(q, layout, training)
+def _(q, k, v, seq_len_q, seq_len_kv, bias, sink, rng, *options):
+    options = DenseOptions(*options)
+    return q.new_empty(out_shape(q, v, options.layout)), _stats_like(q, options.layout, options.training)
 
 
-@torch.library.custom_op("fastattn::attention_backward", mutates_args=())
-def backward_op(d_o: torch.Tensor, o: torch.Tensor, stats: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                v: torch.Tensor, seq_len_q: torch.Tensor | None, seq_len_kv: torch.Tensor | None,
-                bias: torch.Tensor | None, sink: torch.Tensor | None, rng: torch.Tensor | None, layout: str,
-                causal: bool, bottom_right: bool, window_left: int, window_right: int, scale: float,
-                deterministic: bool, alibi: bool, training: bool, dropout: float,
-                bias_grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _backward(d_o, o, stats, q, k, v, seq_len_q, seq_len_kv, bias, sink, rng, *options):
     """(d_q, d_k, d_v, d_bias, d_sink); d_bias and d_sink are empty when not computed."""
-    options = DenseOptions(layout, causal, bottom_right, window_left, window_right, scale, deterministic, alibi,
-                           training, dropout, bias_grad)
     d_q, d_k, d_v, d_bias, d_sink = backward_impl(d_o, o, stats, q, k, v, seq_len_q, seq_len_kv, bias, sink, rng,
-                                                  options)
+                                                  DenseOptions(*options))
     if d_bias is None or d_sink is None:  # a custom op returns tensors
         empty_bias, empty_sink = _extra_grads_like(q, None, None, False)
         d_bias, d_sink = d_bias if d_bias is not None else empty_bias, d_sink if d_sink is not None else empty_sink
     return d_q, d_k, d_v, d_bias, d_sink
 
 
+backward_op = torch.library.custom_op("fastattn::attention_backward", _backward, mutates_args=(),
+                                      schema=BACKWARD_SCHEMA)
+
+
 @backward_op.register_fake
-def _(d_o, o, stats, q, k, v, seq_len_q, seq_len_kv, bias, sink, rng, layout, causal, bottom_right, window_left,
-      window_right, scale, deterministic, alibi, training, dropout, bias_grad):
+def _(d_o, o, stats, q, k, v, seq_len_q, seq_len_kv, bias, sink, rng, *options):
     return (torch.empty_strided(q.shape, q.stride(), dtype=q.dtype, device=q.device),
             torch.empty_strided(k.shape, k.stride(), dtype=k.dtype, device=k.device),
             torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device),
-            *_extra_grads_like(q, bias, sink, bias_grad))
+            *_extra_grads_like(q, bias, sink, DenseOptions(*options).bias_grad))
 
 
 # -- autograd: gradients for (q, k, v, seq_len_q, seq_len_kv, bias, sink, rng) ----------------
@@ -354,23 +339,6 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
         # Philox's seed at element 0 and offset at element 2, drawn from PyTorch's generator.
         rng = torch.randint(0, 2**62, (4,), device=q.device, dtype=torch.int64) if dropout_p else None
         extras = (bias, sinks, rng)
-    if not compiling():  # (dynamo traces no further: the branch below is the native op's)
-        eager = _native.EAGER
-        # (Dispatch modes, torch.func and torch.jit.trace: the entry itself hands those
-        # back, eager.inc outside_modes.)
-        if eager is not None and cuda and not return_lse and q.__class__ is Tensor:
-            # The native path's eager entry: straight to the C++ kernel, which decides
-            # gradients itself (ops.cpp, eager.inc). NotImplemented: an argument it does
-            # not take (k not a tensor, say), which the path below reports as usual.
-            if eager is _native.UNDECIDED:
-                _native.decide()
-                eager = _native.EAGER
-            if eager is not None:
-                flags = causal | br << 1 | bool(deterministic) << 2 | bool(alibi) << 3 | LAYOUT_IDS[layout] << 8
-                o = eager(q, k, v, seq_lens_q, seq_lens_kv, *extras, flags, left, right, scale,
-                          0.0 if plain else float(dropout_p))
-                if o is not NotImplemented:
-                    return o
     grads = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
                                          or (bias is not None and bias.requires_grad)
                                          or (sinks is not None and sinks.requires_grad))
@@ -416,4 +384,3 @@ compiling, functorch_active = torch.compiler.is_compiling, _autograd.functorch_a
 # (make_fx, non-strict export) run the C entry, which sees their dispatch modes.
 dynamo_compiling = getattr(torch.compiler, "is_dynamo_compiling", compiling)
 Tensor = torch.Tensor
-LAYOUT_IDS = {"bshd": 0, "sbhd": 1, "bhsd": 2}  # the eager entry's layout numbers (ops.cpp's kLayouts)

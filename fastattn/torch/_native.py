@@ -51,9 +51,6 @@ _state: dict = {}  # "lib": the loaded module or None, "reason": why this path, 
 # that an entry point reads its op in one lookup.
 UNDECIDED = object()
 DENSE = VARLEN = PAGED = UNDECIDED
-# attention()'s eager entry (ops.cpp's eager.inc): plain eager calls go from Python
-# straight to the CUDA kernel, past torch.ops and the dispatcher. None: the Python path.
-EAGER = UNDECIDED
 # attention()'s own 17 arguments, read in C (eager.inc's call): the first thing a call
 # outside torch.compile tries. None until the native path is decided (the Python body
 # decides it), and on the Python path. CALL_VARLEN: attention_varlen()'s 16
@@ -76,14 +73,15 @@ def tag() -> str:
     return _opslib.tag(torch.__version__, int(torch._C._GLIBCXX_USE_CXX11_ABI))
 
 
-def compile_command(output: Path, name: str) -> list[str]:
+def compile_command(output: Path, name: str, generated: Path) -> list[str]:
     """The compiler line: torch's include and library dirs, its C++ ABI, C++20 (what
-    torch's own extensions use), a shared libstdc++."""
+    torch's own extensions use), a shared libstdc++; `generated` holds the headers
+    generated for this build (write_generated)."""
     import torch
     from torch.utils import cpp_extension
 
     cxx = shlex.split(os.environ.get("CXX", "c++"))
-    includes = [*cpp_extension.include_paths(), sysconfig.get_paths()["include"], str(INCLUDE)]
+    includes = [*cpp_extension.include_paths(), sysconfig.get_paths()["include"], str(INCLUDE), str(generated)]
     lib_dir = os.path.join(os.path.dirname(torch.__file__), "lib")
     return [*cxx, "-shared", "-fPIC", "-O2", "-std=c++20", "-fvisibility=hidden", "-w",
             f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
@@ -110,7 +108,8 @@ def build(root: Path | None = None) -> Path:
         fd, tmp = tempfile.mkstemp(dir=folder, suffix=".so.tmp")
         os.close(fd)
         try:
-            cmd = compile_command(Path(tmp), name)
+            generated = write_generated(folder / "generated")
+            cmd = compile_command(Path(tmp), name, generated)
             t0 = time.perf_counter()
             try:
                 done = subprocess.run(cmd, capture_output=True, text=True)
@@ -125,6 +124,16 @@ def build(root: Path | None = None) -> Path:
             if os.path.exists(tmp):
                 os.unlink(tmp)
     return target
+
+
+def write_generated(folder: Path) -> Path:
+    """The op library's generated headers (fastattn_options.h, from _options.py) in
+    `folder`, which is returned."""
+    from . import _options
+
+    folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+    (folder / "fastattn_options.h").write_text(_options.cpp_header())
+    return folder
 
 
 def _import(path: Path):
@@ -210,7 +219,7 @@ def library():
 
 
 def _publish_ops() -> None:
-    global DENSE, VARLEN, PAGED, EAGER, CALL, CALL_VARLEN
+    global DENSE, VARLEN, PAGED, CALL, CALL_VARLEN
     import torch
 
     dense = torch.ops.fastattn.native_attention_forward.default
@@ -219,27 +228,27 @@ def _publish_ops() -> None:
     DENSE = (getattr(dense, "_op", dense), dense)
     VARLEN = (getattr(varlen, "_op", varlen), varlen)
     PAGED = (getattr(paged, "_op", paged), paged)
-    EAGER, CALL, CALL_VARLEN = _state["lib"].attention, _state["lib"].call, _state["lib"].call_varlen
+    CALL, CALL_VARLEN = _state["lib"].call, _state["lib"].call_varlen
 
 
 def decide():
     """Decides the path if not yet (what an entry point calls while UNDECIDED); returns
     DENSE (None: the Python path)."""
-    global DENSE, VARLEN, PAGED, EAGER, CALL, CALL_VARLEN
+    global DENSE, VARLEN, PAGED, CALL, CALL_VARLEN
     if library() is None:
-        DENSE = VARLEN = PAGED = EAGER = CALL = CALL_VARLEN = None
+        DENSE = VARLEN = PAGED = CALL = CALL_VARLEN = None
     return DENSE
 
 
 def python_path(monkeypatch=None):
     """Makes this process's entry points take the Python path (tests, benchmarks): with a
     pytest monkeypatch, until the test ends."""
-    global DENSE, VARLEN, PAGED, EAGER, CALL, CALL_VARLEN
+    global DENSE, VARLEN, PAGED, CALL, CALL_VARLEN
     if monkeypatch is not None:
-        for name in ("DENSE", "VARLEN", "PAGED", "EAGER", "CALL", "CALL_VARLEN"):
+        for name in ("DENSE", "VARLEN", "PAGED", "CALL", "CALL_VARLEN"):
             monkeypatch.setattr(sys.modules[__name__], name, None)
     else:
-        DENSE = VARLEN = PAGED = EAGER = CALL = CALL_VARLEN = None
+        DENSE = VARLEN = PAGED = CALL = CALL_VARLEN = None
 
 
 def status() -> dict:
@@ -287,8 +296,8 @@ def library_path(root: Path | None = None) -> Path:
 
 def reset() -> None:
     """Forgets the decision (tests): the next call decides again."""
-    global DENSE, VARLEN, PAGED, EAGER, CALL, CALL_VARLEN
+    global DENSE, VARLEN, PAGED, CALL, CALL_VARLEN
     with _lock:
         _state.clear()
-        DENSE = VARLEN = PAGED = EAGER = UNDECIDED
+        DENSE = VARLEN = PAGED = UNDECIDED
         CALL = CALL_VARLEN = None

@@ -7,28 +7,20 @@ each sequence's pages. cuDNN has no paged backward, so there is no autograd here
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 
 from ..config import AttentionConfig
 from ..errors import InvalidArgumentError
-from . import _native
+from . import _native, _options
 from ._autograd import functorch_active, plain_eager
 from ._plans import (DTYPES, Cached, alignment_name, bottom_right, capturing, check_qkv_tensors, logical, mask_name,
                      out_shape, plans, raw_stream, remember, tensor_key, workspace)
 from ._plans import options as check_options
 
 
-class PagedOptions(NamedTuple):
-    """attention_paged()'s scalar options: part of the plan key as they are, and the
-    custom op's arguments after the tensors, in this order."""
-
-    causal: bool  # a causal mask
-    bottom_right: bool  # the diagonal of the mask and the window at the bottom right
-    window_left: int
-    window_right: int
-    scale: float  # 0.0: the default, 1 / sqrt(head_dim_qk)
+# attention_paged()'s scalar options (_options.OPS["paged"]): part of the plan key as they
+# are, and the custom op's arguments after the tensors, in this order.
+PagedOptions = _options.named_tuple("paged", "PagedOptions")
 
 
 _new = tuple.__new__  # PagedOptions(...) without a NamedTuple's Python __new__ (see _dense)
@@ -87,19 +79,21 @@ def forward_impl(q, k_cache, v_cache, table, cache_seqlens, seq_lens_q, options:
     return o
 
 
-# -- the custom op: tensors, then PagedOptions' fields in order --------------------------------
+# -- the custom op: tensors, then PagedOptions' fields in order (its schema from _options) ----
 
-@torch.library.custom_op("fastattn::paged_forward", mutates_args=())
-def forward_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
-               cache_seqlens: torch.Tensor, seq_lens_q: torch.Tensor | None, causal: bool, bottom_right: bool,
-               window_left: int, window_right: int, scale: float) -> torch.Tensor:
-    return forward_impl(q, k_cache, v_cache, block_table, cache_seqlens, seq_lens_q,
-                        PagedOptions(causal, bottom_right, window_left, window_right, scale))
+FORWARD_SCHEMA = ("(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor cache_seqlens, "
+                  f"Tensor? seq_lens_q, {_options.schema('paged')}) -> Tensor")
+
+
+def _forward(q, k_cache, v_cache, block_table, cache_seqlens, seq_lens_q, *options):
+    return forward_impl(q, k_cache, v_cache, block_table, cache_seqlens, seq_lens_q, PagedOptions(*options))
+
+
+forward_op = torch.library.custom_op("fastattn::paged_forward", _forward, mutates_args=(), schema=FORWARD_SCHEMA)
 
 
 @forward_op.register_fake
-def _(q, k_cache, v_cache, block_table, cache_seqlens, seq_lens_q, causal, bottom_right, window_left, window_right,
-      scale):
+def _(q, k_cache, v_cache, block_table, cache_seqlens, seq_lens_q, *options):
     return q.new_empty(out_shape(q, v_cache, "bshd"))
 
 

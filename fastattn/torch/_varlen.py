@@ -9,34 +9,21 @@ share plans, and the persistent cache keeps each one), never by the token count.
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 
 from ..config import AttentionConfig
 from ..errors import InvalidArgumentError
-from . import _autograd, _native
+from . import _autograd, _native, _options
 from .. import _fields
 from ._plans import (DTYPES, Cached, alignment_name, bottom_right, check_qkv_tensors, mask_name, plans, raw_stream,
                      remember, workspace)
 from ._plans import options as check_options
 
 
-class VarlenOptions(NamedTuple):
-    """attention_varlen()'s scalar options: part of the plan key as they are, and the
-    custom ops' arguments after the tensors, in this order."""
-
-    max_q: int  # the plan's longest query sequence: max_seqlen_q's bucket
-    max_kv: int
-    causal: bool  # a causal mask
-    bottom_right: bool  # the diagonal of the mask and the window at the bottom right
-    window_left: int
-    window_right: int
-    scale: float  # 0.0: the default, 1 / sqrt(head_dim_qk)
-    deterministic: bool
-    training: bool
-    alibi: bool
-    dropout: float
+# attention_varlen()'s scalar options (_options.OPS["varlen"]; max_q and max_kv are the
+# plan's longest sequences, max_seqlen_*'s buckets): part of the plan key as they are,
+# and the custom ops' arguments after the tensors, in this order.
+VarlenOptions = _options.named_tuple("varlen", "VarlenOptions")
 
 
 _new = tuple.__new__  # VarlenOptions(...) without a NamedTuple's Python __new__ (see _dense)
@@ -100,39 +87,37 @@ def backward_impl(d_o, o, stats, q, k, v, cu_q, cu_kv, rng, options: VarlenOptio
     return d_q, d_k, d_v
 
 
-# -- the custom ops: tensors, then VarlenOptions' fields in order ------------------------------
+# -- the custom ops: tensors, then VarlenOptions' fields in order (schemas from _options) ------
 
-@torch.library.custom_op("fastattn::varlen_forward", mutates_args=())
-def forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_kv: torch.Tensor,
-               rng: torch.Tensor | None, max_q: int, max_kv: int, causal: bool, bottom_right: bool, window_left: int,
-               window_right: int, scale: float, deterministic: bool, training: bool, alibi: bool,
-               dropout: float) -> tuple[torch.Tensor, torch.Tensor]:
-    return forward_impl(q, k, v, cu_q, cu_kv, rng, VarlenOptions(max_q, max_kv, causal, bottom_right, window_left,
-                                                                 window_right, scale, deterministic, training, alibi,
-                                                                 dropout))
+FORWARD_SCHEMA = (f"(Tensor q, Tensor k, Tensor v, Tensor cu_q, Tensor cu_kv, Tensor? rng, {_options.schema('varlen')})"
+                  " -> (Tensor, Tensor)")
+BACKWARD_SCHEMA = ("(Tensor d_o, Tensor o, Tensor stats, Tensor q, Tensor k, Tensor v, Tensor cu_q, Tensor cu_kv, "
+                   f"Tensor? rng, {_options.schema('varlen')}) -> (Tensor, Tensor, Tensor)")
+
+
+def _forward(q, k, v, cu_q, cu_kv, rng, *options):
+    return forward_impl(q, k, v, cu_q, cu_kv, rng, VarlenOptions(*options))
+
+
+forward_op = torch.library.custom_op("fastattn::varlen_forward", _forward, mutates_args=(), schema=FORWARD_SCHEMA)
 
 
 @forward_op.register_fake
-def _(q, k, v, cu_q, cu_kv, rng, max_q, max_kv, causal, bottom_right, window_left, window_right, scale, deterministic,
-      training, alibi, dropout):
+def _(q, k, v, cu_q, cu_kv, rng, *options):
+    training = VarlenOptions(*options).training
     return (q.new_empty(q.shape[0], q.shape[1], v.shape[2]),
             q.new_empty((q.shape[0], q.shape[1]) if training else (0,), dtype=torch.float32))
 
 
-@torch.library.custom_op("fastattn::varlen_backward", mutates_args=())
-def backward_op(d_o: torch.Tensor, o: torch.Tensor, stats: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                v: torch.Tensor, cu_q: torch.Tensor, cu_kv: torch.Tensor, rng: torch.Tensor | None, max_q: int,
-                max_kv: int, causal: bool, bottom_right: bool, window_left: int, window_right: int, scale: float,
-                deterministic: bool, training: bool, alibi: bool,
-                dropout: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return backward_impl(d_o, o, stats, q, k, v, cu_q, cu_kv, rng, VarlenOptions(
-        max_q, max_kv, causal, bottom_right, window_left, window_right, scale, deterministic, training, alibi,
-        dropout))
+def _backward(d_o, o, stats, q, k, v, cu_q, cu_kv, rng, *options):
+    return backward_impl(d_o, o, stats, q, k, v, cu_q, cu_kv, rng, VarlenOptions(*options))
+
+
+backward_op = torch.library.custom_op("fastattn::varlen_backward", _backward, mutates_args=(), schema=BACKWARD_SCHEMA)
 
 
 @backward_op.register_fake
-def _(d_o, o, stats, q, k, v, cu_q, cu_kv, rng, max_q, max_kv, causal, bottom_right, window_left, window_right, scale,
-      deterministic, training, alibi, dropout):
+def _(d_o, o, stats, q, k, v, cu_q, cu_kv, rng, *options):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 

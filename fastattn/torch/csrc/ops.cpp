@@ -56,16 +56,6 @@ const fastattn_abi *g_abi = nullptr;  // set once by init(), before any op can r
 PyObject *g_miss = nullptr;            // the Python miss handler; a new reference, never released
 PyObject *g_error_for_code = nullptr;  // fastattn.errors.error_for_code; likewise
 
-// The options of the dense entry point, in the order of fastattn.torch._dense.DenseOptions.
-struct Options {
-    c10::string_view layout;
-    bool causal, bottom_right;
-    int64_t window_left, window_right;
-    double scale;
-    bool deterministic, alibi, training;
-    double dropout;
-    bool bias_grad;
-};
 
 // Positions of (batch, head, seq, dim) in the tensors' shapes, per layout (_plans.AXES).
 std::array<int, 4> axes(c10::string_view layout) {
@@ -118,11 +108,30 @@ void put_optional(std::vector<int64_t> &key, const OptTensor &t) {
     }
 }
 
-int64_t bits(double x) {
+// An option's key word (fastattn_options.h's FA_<OP>_WORDS): a float's bits, a
+// choice's index among its names.
+int64_t fa_bits(double x) {
     int64_t b;
     std::memcpy(&b, &x, sizeof b);
     return b;
 }
+
+int64_t fa_choice(c10::string_view value, std::initializer_list<c10::string_view> names) {
+    int64_t i = 0;
+    for (c10::string_view name : names) {
+        if (value == name) return i;
+        ++i;
+    }
+    TORCH_CHECK_VALUE(false, "fastattn: '", value, "' is none of the option's names");
+}
+
+}  // namespace
+
+// Each op's options (FA_DENSE_PARAMS, FA_DENSE_SCHEMA, DenseOptions, ...): generated from
+// fastattn/torch/_options.py when this library is built (fastattn.torch._native).
+#include "fastattn_options.h"
+
+namespace {
 
 bool given(const OptTensor &t) { return t.has_value() && t->defined(); }
 
@@ -182,7 +191,7 @@ const Entry &lookup(const std::vector<int64_t> &key, Miss &&miss) {
 // backward's forward output (its strides are the plan's); null for the forward.
 const Entry &find_plan(int direction, const Tensor &q, const Tensor &k, const Tensor &v, const Tensor *o,
                        const OptTensor &seq_len_q, const OptTensor &seq_len_kv, const OptTensor &bias,
-                       const OptTensor &sink, const OptTensor &rng, const Options &opt) {
+                       const OptTensor &sink, const OptTensor &rng, const DenseOptions &opt) {
     thread_local std::vector<int64_t> key;  // reused: no allocation per call once grown
     key.clear();
     key.push_back(kDense);
@@ -196,19 +205,10 @@ const Entry &find_plan(int direction, const Tensor &q, const Tensor &k, const Te
     put_optional(key, bias);
     put_optional(key, sink);
     key.push_back(given(rng));
-    key.push_back(layout_id(opt.layout));
-    key.push_back(opt.causal | opt.bottom_right << 1 | opt.deterministic << 2 | opt.alibi << 3 |
-                  opt.training << 4 | opt.bias_grad << 5);
-    key.push_back(opt.window_left);
-    key.push_back(opt.window_right);
-    key.push_back(bits(opt.scale));
-    key.push_back(bits(opt.dropout));
+    FA_DENSE_WORDS(key, opt);
     return lookup(key, [&](const py::object &handler) {
-        py::tuple options = py::make_tuple(std::string(opt.layout), opt.causal, opt.bottom_right, opt.window_left,
-                                           opt.window_right, opt.scale, opt.deterministic, opt.alibi, opt.training,
-                                           opt.dropout, opt.bias_grad);
         return handler(static_cast<int64_t>(kDense), direction, q, k, v, o != nullptr ? py::cast(*o) : py::none(),
-                       to_py(seq_len_q), to_py(seq_len_kv), to_py(bias), to_py(sink), options);
+                       to_py(seq_len_q), to_py(seq_len_kv), to_py(bias), to_py(sink), FA_DENSE_TUPLE(opt));
     });
 }
 
@@ -267,18 +267,12 @@ void put_extras(intptr_t *slots, const OptTensor &seq_len_q, const OptTensor &se
     }
 }
 
-#define FA_OPTION_PARAMS                                                                                       \
-    c10::string_view layout, bool causal, bool bottom_right, int64_t window_left, int64_t window_right,         \
-        double scale, bool deterministic, bool alibi, bool training, double dropout, bool bias_grad
-#define FA_OPTION_ARGS \
-    layout, causal, bottom_right, window_left, window_right, scale, deterministic, alibi, training, dropout, bias_grad
-
 // The forward's work: (o, stats), stats undefined when not training (the op's kernel,
 // forward_cuda, returns an empty tensor in its place: a schema's Tensor is defined).
 std::tuple<Tensor, Tensor> forward_work(const Tensor &q, const Tensor &k, const Tensor &v, const OptTensor &seq_len_q,
                                         const OptTensor &seq_len_kv, const OptTensor &bias, const OptTensor &sink,
-                                        const OptTensor &rng, FA_OPTION_PARAMS) {
-    const Options opt{FA_OPTION_ARGS};
+                                        const OptTensor &rng, FA_DENSE_PARAMS) {
+    const DenseOptions opt{FA_DENSE_ARGS};
     const auto ax = axes(layout);
     const Entry &e = find_plan(FASTATTN_FORWARD, q, k, v, nullptr, seq_len_q, seq_len_kv, bias, sink, rng, opt);
     // Rows past a sequence's length are zero, as on the Python path (_dense.forward_impl).
@@ -298,8 +292,8 @@ std::tuple<Tensor, Tensor> forward_work(const Tensor &q, const Tensor &k, const 
 
 std::tuple<Tensor, Tensor> forward_cuda(const Tensor &q, const Tensor &k, const Tensor &v, const OptTensor &seq_len_q,
                                         const OptTensor &seq_len_kv, const OptTensor &bias, const OptTensor &sink,
-                                        const OptTensor &rng, FA_OPTION_PARAMS) {
-    auto [o, stats] = forward_work(q, k, v, seq_len_q, seq_len_kv, bias, sink, rng, FA_OPTION_ARGS);
+                                        const OptTensor &rng, FA_DENSE_PARAMS) {
+    auto [o, stats] = forward_work(q, k, v, seq_len_q, seq_len_kv, bias, sink, rng, FA_DENSE_ARGS);
     if (!stats.defined()) stats = at::empty({0}, q.options().dtype(at::kFloat));  // inference writes no stats
     return {o, stats};
 }
@@ -312,8 +306,8 @@ Tensor like(const Tensor &t) { return empty_cuda(t.sizes(), t.strides(), t.scala
 // op's kernel, returns empty tensors in their place).
 Grads backward_work(const Tensor &d_o_in, const Tensor &o, const Tensor &stats, const Tensor &q, const Tensor &k,
                     const Tensor &v, const OptTensor &seq_len_q, const OptTensor &seq_len_kv, const OptTensor &bias,
-                    const OptTensor &sink, const OptTensor &rng, FA_OPTION_PARAMS) {
-    const Options opt{FA_OPTION_ARGS};
+                    const OptTensor &sink, const OptTensor &rng, FA_DENSE_PARAMS) {
+    const DenseOptions opt{FA_DENSE_ARGS};
     // The backward graph reads d_o at o's strides (the plan is built for them).
     const Tensor d_o = d_o_in.strides() == o.strides() ? d_o_in : like(o).copy_(d_o_in);
     const Entry &e = find_plan(FASTATTN_BACKWARD, q, k, v, &o, seq_len_q, seq_len_kv, bias, sink, rng, opt);
@@ -344,9 +338,9 @@ Grads backward_work(const Tensor &d_o_in, const Tensor &o, const Tensor &stats, 
 
 Grads backward_cuda(const Tensor &d_o, const Tensor &o, const Tensor &stats, const Tensor &q, const Tensor &k,
                     const Tensor &v, const OptTensor &seq_len_q, const OptTensor &seq_len_kv, const OptTensor &bias,
-                    const OptTensor &sink, const OptTensor &rng, FA_OPTION_PARAMS) {
+                    const OptTensor &sink, const OptTensor &rng, FA_DENSE_PARAMS) {
     auto [d_q, d_k, d_v, d_bias, d_sink] =
-        backward_work(d_o, o, stats, q, k, v, seq_len_q, seq_len_kv, bias, sink, rng, FA_OPTION_ARGS);
+        backward_work(d_o, o, stats, q, k, v, seq_len_q, seq_len_kv, bias, sink, rng, FA_DENSE_ARGS);
     return {d_q, d_k, d_v, d_bias.defined() ? d_bias : at::empty({0}, q.options()),
             d_sink.defined() ? d_sink : at::empty({0}, q.options().dtype(at::kFloat))};
 }
@@ -357,7 +351,7 @@ Grads backward_cuda(const Tensor &d_o, const Tensor &o, const Tensor &stats, con
 
 std::tuple<Tensor, Tensor> forward_meta(const Tensor &q, const Tensor &k, const Tensor &v, const OptTensor &,
                                         const OptTensor &, const OptTensor &, const OptTensor &, const OptTensor &,
-                                        FA_OPTION_PARAMS) {
+                                        FA_DENSE_PARAMS) {
     const auto ax = axes(layout);
     std::vector<c10::SymInt> o(q.sym_sizes().begin(), q.sym_sizes().end());
     o[ax[3]] = v.sym_size(ax[3]);
@@ -370,7 +364,7 @@ Tensor like_meta(const Tensor &t) { return at::empty_strided_symint(t.sym_sizes(
 
 Grads backward_meta(const Tensor &, const Tensor &, const Tensor &, const Tensor &q, const Tensor &k, const Tensor &v,
                     const OptTensor &, const OptTensor &, const OptTensor &bias, const OptTensor &sink,
-                    const OptTensor &, FA_OPTION_PARAMS) {
+                    const OptTensor &, FA_DENSE_PARAMS) {
     return {like_meta(q), like_meta(k), like_meta(v),
             bias_grad ? at::empty_like(*bias, at::MemoryFormat::Contiguous) : at::empty({0}, q.options()),
             given(sink) ? at::empty_like(*sink) : at::empty({0}, q.options().dtype(at::kFloat))};
@@ -382,13 +376,13 @@ Grads backward_meta(const Tensor &, const Tensor &, const Tensor &, const Tensor
 
 std::tuple<Tensor, Tensor> forward_cpu(const Tensor &q, const Tensor &, const Tensor &, const OptTensor &,
                                        const OptTensor &, const OptTensor &, const OptTensor &, const OptTensor &,
-                                       FA_OPTION_PARAMS) {
+                                       FA_DENSE_PARAMS) {
     cpu_error(q);
 }
 
 Grads backward_cpu(const Tensor &, const Tensor &, const Tensor &, const Tensor &q, const Tensor &, const Tensor &,
                    const OptTensor &, const OptTensor &, const OptTensor &, const OptTensor &, const OptTensor &,
-                   FA_OPTION_PARAMS) {
+                   FA_DENSE_PARAMS) {
     cpu_error(q);
 }
 
@@ -449,15 +443,11 @@ int64_t kept_workspace_bytes() {
 
 }  // namespace
 
-#define FA_OPTIONS_SCHEMA                                                                              \
-    "str layout, bool causal, bool bottom_right, int window_left, int window_right, float scale, "     \
-    "bool deterministic, bool alibi, bool training, float dropout, bool bias_grad"
-
 TORCH_LIBRARY_FRAGMENT(fastattn, m) {
     m.def("native_attention_forward(Tensor q, Tensor k, Tensor v, Tensor? seq_len_q, Tensor? seq_len_kv, "
-          "Tensor? bias, Tensor? sink, Tensor? rng, " FA_OPTIONS_SCHEMA ") -> (Tensor, Tensor)");
+          "Tensor? bias, Tensor? sink, Tensor? rng, " FA_DENSE_SCHEMA ") -> (Tensor, Tensor)");
     m.def("native_attention_backward(Tensor d_o, Tensor o, Tensor stats, Tensor q, Tensor k, Tensor v, "
-          "Tensor? seq_len_q, Tensor? seq_len_kv, Tensor? bias, Tensor? sink, Tensor? rng, " FA_OPTIONS_SCHEMA
+          "Tensor? seq_len_q, Tensor? seq_len_kv, Tensor? bias, Tensor? sink, Tensor? rng, " FA_DENSE_SCHEMA
           ") -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
     m.def("native_varlen_forward(Tensor q, Tensor k, Tensor v, Tensor cu_q, Tensor cu_kv, Tensor? rng, "
           FA_VARLEN_SCHEMA ") -> (Tensor, Tensor)");
@@ -524,7 +514,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     // The eager entries take Python's vectorcall convention (METH_FASTCALL), which
     // pybind11 does not offer: each is a plain CPython function added to the module.
     static PyMethodDef fastcall_defs[] = {
-        {"attention", as_pycfunction(&eager_attention), METH_FASTCALL, kEagerDoc},
         {"call", as_pycfunction(&call_attention), METH_FASTCALL, kCallDoc},
         {"read_call", as_pycfunction(&read_call_for_tests), METH_FASTCALL,
          "read_call(<call's 17 arguments>) -> what call would run with, or None (tests)"},

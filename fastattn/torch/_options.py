@@ -1,0 +1,112 @@
+"""The scalar options of fastattn.torch's ops, declared once.
+
+Each entry point (attention, attention_varlen, attention_paged) passes its tensors and
+then these options, in this order, to its custom ops and to the op library's. What is
+derived from this one declaration:
+- Python: the options' NamedTuple (the plan key's options part, the miss handler's
+  tuple) and the custom ops' schemas (_dense, _varlen, _paged);
+- C++ (fastattn/torch/csrc): the header `fastattn_options.h`, generated when the op
+  library is built (_native.build) and part of its build tag (_opslib): each op's
+  parameter list, argument list, schema string, struct, key words and miss tuple.
+So an option is one line here (and its use in the entry point and the plan's config).
+
+Pure Python and no torch: _opslib hashes the generated header without importing torch.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import NamedTuple
+
+LAYOUTS = ("bshd", "sbhd", "bhsd")  # a layout's number is its index (the C++ key word)
+
+
+class Option(NamedTuple):
+    name: str
+    kind: str  # "bool", "int", "float" or "str" (a str option has choices)
+    doc: str
+    choices: tuple[str, ...] = ()
+
+
+# The types of each kind: in a schema, in C++ parameters and in the C++ struct.
+_SCHEMA = {"bool": "bool", "int": "int", "float": "float", "str": "str"}
+_CPP = {"bool": "bool", "int": "int64_t", "float": "double", "str": "c10::string_view"}
+_PY = {"bool": bool, "int": int, "float": float, "str": str}
+
+_WINDOW_AND_SCALE = (
+    Option("causal", "bool", "a causal mask"),
+    Option("bottom_right", "bool", "the diagonal of the mask and of the window at the bottom right"),
+    Option("window_left", "int", "the window's left bound, -1 unbounded"),
+    Option("window_right", "int", "the window's right bound, -1 unbounded"),
+    Option("scale", "float", "the softmax scale; 0.0: the default, 1 / sqrt(head_dim_qk)"),
+)
+
+OPS: dict[str, tuple[Option, ...]] = {
+    "dense": (
+        Option("layout", "str", "the tensors' memory order", LAYOUTS),
+        *_WINDOW_AND_SCALE,
+        Option("deterministic", "bool", "cuDNN's deterministic backward"),
+        Option("alibi", "bool", "ALiBi position biases"),
+        Option("training", "bool", "the forward writes softmax stats; a backward plan exists"),
+        Option("dropout", "float", "dropout probability on the attention weights"),
+        Option("bias_grad", "bool", "backward also writes the bias's gradient"),
+    ),
+    "varlen": (
+        Option("max_q", "int", "the plan's longest query sequence: max_seqlen_q's bucket"),
+        Option("max_kv", "int", "the plan's longest key sequence: max_seqlen_k's bucket"),
+        *_WINDOW_AND_SCALE,
+        Option("deterministic", "bool", "cuDNN's deterministic backward"),
+        Option("training", "bool", "the forward writes softmax stats; a backward plan exists"),
+        Option("alibi", "bool", "ALiBi position biases"),
+        Option("dropout", "float", "dropout probability on the attention weights"),
+    ),
+    "paged": _WINDOW_AND_SCALE,
+}
+
+
+def named_tuple(op: str, name: str) -> type:
+    """The options of `op` as a NamedTuple class (its fields in declaration order)."""
+    cls = NamedTuple(name, [(o.name, _PY[o.kind]) for o in OPS[op]])
+    cls.__doc__ = f"The scalar options of fastattn.torch's {op} ops, in their order (fastattn/torch/_options.py)."
+    return cls
+
+
+def schema(op: str) -> str:
+    """The options' part of the ops' schemas: "str layout, bool causal, ..."."""
+    return ", ".join(f"{_SCHEMA[o.kind]} {o.name}" for o in OPS[op])
+
+
+def _word(o: Option) -> str:
+    # One int64 key word per option: a choice's index, a float's bits, an int or bool as is.
+    field = f"(o).{o.name}"
+    if o.kind == "str":
+        return f"fa_choice({field}, {{{', '.join(json.dumps(c) for c in o.choices)}}})"
+    if o.kind == "float":
+        return f"fa_bits({field})"
+    return f"static_cast<int64_t>({field})"
+
+
+def cpp_header() -> str:
+    """fastattn_options.h: for each op (DENSE, VARLEN, PAGED), FA_<OP>_PARAMS (the C++
+    parameters), _ARGS (passing them on), _SCHEMA (the schema's options), _OF(o) (a
+    struct's fields as arguments), _WORDS(key, o) (push each option's key word),
+    _TUPLE(o) (the miss handler's Python tuple) and the struct <Op>Options. Expects
+    fa_choice and fa_bits to be defined before it is included (ops.cpp)."""
+    out = ["// Generated from fastattn/torch/_options.py by fastattn.torch._native at build time: do not edit.",
+           "#pragma once", ""]
+    for op, options in OPS.items():
+        up, camel = op.upper(), op.capitalize()
+        names = [o.name for o in options]
+        out.append(f"// {op}: {schema(op)}")
+        out.append(f"#define FA_{up}_PARAMS " + ", ".join(f"{_CPP[o.kind]} {o.name}" for o in options))
+        out.append(f"#define FA_{up}_ARGS " + ", ".join(names))
+        out.append(f'#define FA_{up}_SCHEMA "{schema(op)}"')
+        out.append(f"#define FA_{up}_OF(o) " + ", ".join(f"(o).{n}" for n in names))
+        out.append(f"#define FA_{up}_WORDS(key, o) " + " ".join(f"(key).push_back({_word(o)});" for o in options))
+        out.append(f"#define FA_{up}_TUPLE(o) pybind11::make_tuple(" + ", ".join(
+            f"std::string((o).{o.name})" if o.kind == "str" else f"(o).{o.name}" for o in options) + ")")
+        out.append(f"struct {camel}Options {{")
+        out.extend(f"    {_CPP[o.kind]} {o.name};  // {o.doc}" for o in options)
+        out.append("};")
+        out.append("")
+    return "\n".join(out)
