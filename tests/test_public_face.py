@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import os
+import warnings
 
 import pytest
 
@@ -55,3 +56,49 @@ def test_config_of_takes_anything():
     for junk in (None, "x", [], {"config": "x"}, {"config": {"batch": "many"}}, {"config": {"window": {"a": 1}}}):
         assert config_of(junk) is None
     assert config_of({"config": {"batch": 1, "heads_q": 8, "seqlen_q": 128, "head_dim_qk": 64}}).batch == 1
+
+
+# -- what a wheel ships ------------------------------------------------------------------------
+
+# Files under fastattn/ that a wheel leaves out on purpose, and why. Build outputs (the
+# extension, Cython's C++ and bytecode) are not source files and are not listed.
+NOT_SHIPPED = {
+    os.path.join("fastattn", "_measured", "README.md"): "how the file beside it is made: for the repository",
+}
+
+
+def _source_files() -> set[str]:
+    out = set()
+    for folder, dirs, files in os.walk(os.path.join(ROOT, "fastattn")):
+        dirs[:] = [d for d in dirs if d != "__pycache__"]
+        for name in files:
+            if name.endswith((".so", ".pyc")) or name == "_core.cpp":  # built, not shipped as source
+                continue
+            out.add(os.path.relpath(os.path.join(folder, name), ROOT))
+    return out
+
+
+def test_a_wheel_ships_every_package_and_every_file_the_package_reads(tmp_path, monkeypatch):
+    # setuptools' own build_py, on pyproject.toml's configuration (package discovery and
+    # package data): what `pip install .` copies besides the extension, without building it.
+    from setuptools.config.pyprojecttoml import apply_configuration
+    from setuptools.dist import Distribution
+
+    monkeypatch.chdir(ROOT)  # setuptools reads pyproject's paths from the current directory
+    with warnings.catch_warnings():  # it warns that csrc/, include/ and _measured/ could be packages
+        warnings.simplefilter("ignore")
+        dist = Distribution({"script_name": "setup.py"})
+        apply_configuration(dist, "pyproject.toml")
+        # egg_info lists the package data; in tmp_path, so that it neither writes into the
+        # checkout nor reads a list an earlier build left there.
+        dist.get_command_obj("egg_info").egg_base = str(tmp_path)
+        build = dist.get_command_obj("build_py")
+        build.build_lib = str(tmp_path / "lib")
+        build.ensure_finalized()
+        build.run()
+    packages = sorted(os.path.relpath(folder, ROOT).replace(os.sep, ".")
+                      for folder, _, files in os.walk(os.path.join(ROOT, "fastattn")) if "__init__.py" in files)
+    assert sorted(dist.packages) == packages and "fastattn.integrations" in packages
+    shipped = {os.path.relpath(os.path.join(folder, name), tmp_path / "lib")
+               for folder, _, files in os.walk(tmp_path / "lib") for name in files}
+    assert shipped == _source_files() - set(NOT_SHIPPED), "pyproject.toml's package data misses or adds files"
