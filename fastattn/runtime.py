@@ -24,6 +24,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Iterable
 
 from . import store
+from ._version import __version__
 from .config import AttentionConfig
 from .errors import InvalidArgumentError, NotSupportedError
 from .plan_cache import PlanCache, version_string
@@ -349,7 +350,7 @@ def device_info(device: int | None = None) -> dict[str, Any]:
 def versions() -> dict[str, Any]:
     """fastattn's version, the cudnn-frontend and cuDNN headers it was built against,
     and the cuDNN loaded at run time (None before the first GPU call)."""
-    from . import __version__, _core as core
+    from . import _core as core
 
     loaded, header, frontend = core.versions()
     return {

@@ -99,6 +99,7 @@ def test_a_wheel_ships_every_package_and_every_file_the_package_reads(tmp_path, 
     packages = sorted(os.path.relpath(folder, ROOT).replace(os.sep, ".")
                       for folder, _, files in os.walk(os.path.join(ROOT, "fastattn")) if "__init__.py" in files)
     assert sorted(dist.packages) == packages and "fastattn.integrations" in packages
+    assert dist.metadata.version == fastattn.__version__  # pyproject reads fastattn/_version.py
     shipped = {os.path.relpath(os.path.join(folder, name), tmp_path / "lib")
                for folder, _, files in os.walk(tmp_path / "lib") for name in files}
     assert shipped == _source_files() - set(NOT_SHIPPED), "pyproject.toml's package data misses or adds files"
