@@ -31,7 +31,7 @@ from .plan_cache import PlanCache, version_string
 from .result import ProbeResult, result_from_plan
 
 __all__ = ["ProbeResult", "probe", "plan", "preload", "stats", "clear", "configure", "device_info", "versions",
-           "plan_cache", "open_plan_cache", "stored_answer", "cache_environment"]
+           "libraries", "plan_cache", "open_plan_cache", "stored_answer", "cache_environment"]
 
 
 @dataclass
@@ -345,6 +345,16 @@ def clear() -> None:
 def device_info(device: int | None = None) -> dict[str, Any]:
     """Name, compute capability, SM count and driver/runtime versions of a CUDA device."""
     return _core().get_device_info(_resolve_device(device))
+
+
+def libraries() -> dict[str, str]:
+    """Where cuDNN ("cudnn") and what it needs ("cudart", "nvrtc", "cublasLt") were
+    loaded from, loading them first where no GPU call has yet (once per process).
+    Raises LibraryError (an OSError) naming each missing piece, or a cuDNN too old."""
+    from ._loader import ensure_loaded
+
+    libs = ensure_loaded()
+    return {"cudnn": libs.cudnn, "cudart": libs.cudart, "nvrtc": libs.nvrtc, "cublasLt": libs.cublaslt}
 
 
 def versions() -> dict[str, Any]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import os
 import warnings
+from pathlib import Path
 
 import pytest
 
@@ -103,3 +104,35 @@ def test_a_wheel_ships_every_package_and_every_file_the_package_reads(tmp_path, 
     shipped = {os.path.relpath(os.path.join(folder, name), tmp_path / "lib")
                for folder, _, files in os.walk(tmp_path / "lib") for name in files}
     assert shipped == _source_files() - set(NOT_SHIPPED), "pyproject.toml's package data misses or adds files"
+
+
+# -- fastattn.torch's backend, as the CLI sees it -----------------------------------------------
+
+def test_backend_info_says_which_path_runs_builds_only_when_asked_and_reports_a_failed_build(monkeypatch, tmp_path):
+    torch = pytest.importorskip("torch", reason="PyTorch is an optional extra")
+    import json
+
+    import fastattn.torch
+    from fastattn.torch import _native
+
+    monkeypatch.setattr(_native, "_state", {})  # undecided in this process, whatever ran before
+    monkeypatch.setenv("FASTATTN_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("FASTATTN_TORCH_OPS_DIR", raising=False)
+    monkeypatch.setenv("FASTATTN_TORCH_PATH", "auto")
+    assert "backend_info" in fastattn.torch.__all__
+    info = fastattn.torch.backend_info()
+    assert json.loads(json.dumps(info)) == info
+    assert info["path"] == "python" and "not built for this torch yet" in info["reason"], info
+    assert info["torch"] == torch.__version__ and info["built"] is False and info["build_error"] is None
+    library = Path(info["library"])
+    assert library.is_relative_to(tmp_path) and not library.parent.exists()  # asking builds nothing
+
+    monkeypatch.setenv("CXX", "false")  # a compiler that fails: reported, not raised
+    failed = fastattn.torch.backend_info(build=True)
+    assert failed["built"] is False and failed["build_error"].startswith("RuntimeError: compiling ops.cpp failed")
+    assert failed["path"] == "python" and failed["library"] == info["library"]
+
+    library.write_bytes(b"")  # as `fastattn warm` leaves it: auto mode would load it
+    found = fastattn.torch.backend_info(build=True)  # built already: nothing to compile
+    assert found["built"] is True and found["build_error"] is None and found["path"] == "native", found
+    assert "lib" not in _native._state  # still undecided: nothing was loaded
