@@ -2,8 +2,9 @@
 face (runtime.plan_cache(), fastattn.plan_cache.PlanCache), never a private name.
 
 And the package's boundaries: no module uses another package's private names (a short
-list of debts, each with its reason), no import cycles but the known ones, a wheel ships
-every package and file, fastattn.torch.backend_info() is what the CLI asks."""
+list of debts, each with its reason), no import cycles but the known ones, every module
+imports on its own, a wheel ships every package and file, fastattn.flash is the adapter's
+public name, fastattn.torch.backend_info() is what the CLI asks."""
 
 from __future__ import annotations
 
@@ -355,3 +356,59 @@ def test_no_import_cycles_but_the_known_ones():
     assert "fastattn._version" in graph["fastattn.runtime"] and graph["fastattn._version"] == set()
     new = [sorted(c) for c in _cycles(graph) if not any(c <= allowed for allowed in ALLOWED_CYCLES)]
     assert new == [], f"import cycles: {new}"
+
+
+# Run by a fresh interpreter: torch (a third-party import, when installed) is imported
+# once, then each module is imported in a child forked from that state, where no fastattn
+# module is imported yet: each module on its own, without paying torch's import each time.
+_IMPORT_EACH = r"""
+import importlib, json, os, sys, traceback
+try:
+    import torch  # noqa: F401
+except ImportError:
+    pass
+assert not [m for m in sys.modules if m.split(".")[0] == "fastattn"]
+for name in sys.argv[1:]:
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(read)
+        try:
+            importlib.import_module(name)
+            code = 0
+        except ModuleNotFoundError as e:
+            code = 2 if e.name == "torch" else 1
+            os.write(write, traceback.format_exc().encode())
+        except BaseException:
+            code = 1
+            os.write(write, traceback.format_exc().encode())
+        os._exit(code)
+    os.close(write)
+    with os.fdopen(read, "rb") as f:
+        error = f.read().decode(errors="replace")
+    _, status = os.waitpid(pid, 0)
+    print(json.dumps({"module": name, "code": os.waitstatus_to_exitcode(status), "error": error}), flush=True)
+"""
+
+
+def test_each_module_imports_on_its_own(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    # fastattn.__main__ runs the command when imported (test_cli runs `python -m fastattn`).
+    names = sorted(n for n in MODULES if n != "fastattn.__main__")
+    where = os.path.dirname(os.path.dirname(os.path.abspath(fastattn.__file__)))  # the fastattn under test
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (where, os.environ.get("PYTHONPATH")) if p))
+    done = subprocess.run([sys.executable, "-c", _IMPORT_EACH, *names], capture_output=True, text=True,
+                          timeout=300, cwd=str(tmp_path), env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = [json.loads(line) for line in done.stdout.splitlines()]
+    assert [r["module"] for r in results] == names
+    try:
+        import torch  # noqa: F401
+        allowed = {0}
+    except ImportError:
+        allowed = {0, 2}  # modules of fastattn.torch and the adapters over it need torch
+    failed = [f"{r['module']} (exit {r['code']}):\n{r['error']}" for r in results if r["code"] not in allowed]
+    assert failed == [], "\n".join(failed)
