@@ -10,9 +10,8 @@
 Importing fastattn loads no CUDA library; the first GPU call does (fastattn._loader).
 """
 
-__version__ = "0.1.0"
-
 from ._arrays import DeviceTensor
+from ._version import __version__
 from .config import AttentionConfig
 from .errors import (
     CorruptPlanError,

@@ -12,6 +12,8 @@ import os
 import sys
 from pathlib import Path
 
+from ._version import __version__
+
 _TORCH_DIR = Path(__file__).resolve().parent / "torch"
 SOURCES = (_TORCH_DIR / "csrc" / "ops.cpp",)
 INCLUDE = Path(__file__).resolve().parent / "include"
@@ -22,8 +24,6 @@ HEADERS = (INCLUDE / "fastattn_abi.h", *sorted((_TORCH_DIR / "csrc").glob("*.inc
 
 def tag(torch_version: str, cxx11_abi: int) -> str:
     """What the built library depends on: a change to any of these builds anew."""
-    from . import __version__
-
     digest = hashlib.sha256()
     for path in SOURCES + HEADERS:
         digest.update(path.read_bytes())

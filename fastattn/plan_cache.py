@@ -20,6 +20,7 @@ import time
 from typing import Any, Callable
 
 from . import store
+from ._version import __version__
 from .config import AttentionConfig
 from .errors import CorruptPlanError, FastAttnError, InvalidArgumentError
 from .result import ProbeResult, result_from_plan
@@ -79,8 +80,6 @@ class PlanCache:
         with self._lock:
             base = self._bases.get(device)
         if base is None:
-            from . import __version__
-
             core = self._core()
             info = core.get_device_info(device)
             loaded, _, frontend = core.versions()

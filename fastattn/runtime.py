@@ -24,13 +24,14 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Iterable
 
 from . import store
+from ._version import __version__
 from .config import AttentionConfig
 from .errors import InvalidArgumentError, NotSupportedError
 from .plan_cache import PlanCache, version_string
 from .result import ProbeResult, result_from_plan
 
 __all__ = ["ProbeResult", "probe", "plan", "preload", "stats", "clear", "configure", "device_info", "versions",
-           "plan_cache", "open_plan_cache", "stored_answer", "cache_environment"]
+           "libraries", "plan_cache", "open_plan_cache", "stored_answer", "cache_environment"]
 
 
 @dataclass
@@ -346,10 +347,20 @@ def device_info(device: int | None = None) -> dict[str, Any]:
     return _core().get_device_info(_resolve_device(device))
 
 
+def libraries() -> dict[str, str]:
+    """Where cuDNN ("cudnn") and what it needs ("cudart", "nvrtc", "cublasLt") were
+    loaded from, loading them first where no GPU call has yet (once per process).
+    Raises LibraryError (an OSError) naming each missing piece, or a cuDNN too old."""
+    from ._loader import ensure_loaded
+
+    libs = ensure_loaded()
+    return {"cudnn": libs.cudnn, "cudart": libs.cudart, "nvrtc": libs.nvrtc, "cublasLt": libs.cublaslt}
+
+
 def versions() -> dict[str, Any]:
     """fastattn's version, the cudnn-frontend and cuDNN headers it was built against,
     and the cuDNN loaded at run time (None before the first GPU call)."""
-    from . import __version__, _core as core
+    from . import _core as core
 
     loaded, header, frontend = core.versions()
     return {

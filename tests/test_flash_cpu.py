@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 torch = pytest.importorskip("torch", reason="PyTorch is an optional extra (pip install torch)")
 
 import fastattn  # noqa: E402
-from fastattn import flash  # noqa: E402
+from fastattn.integrations import flash  # noqa: E402  (the module itself: tests patch its imports)
 from fastattn.errors import InvalidArgumentError, NotSupportedError  # noqa: E402
 
 from gpu_helpers import fa_allowed  # noqa: E402  (FlashAttention's mask, from its documentation)

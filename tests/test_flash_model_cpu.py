@@ -14,7 +14,7 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="PyTorch is an optional extra (pip install torch)")
 
-from fastattn import flash  # noqa: E402
+from fastattn.integrations import flash  # noqa: E402  (the module itself: tests patch its imports)
 from fastattn.torch._plans import AXES  # noqa: E402
 
 import test_gpu_flash as G  # noqa: E402

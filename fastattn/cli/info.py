@@ -14,7 +14,7 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> tuple[int, dict[str, Any]]:
-    from .. import _loader, runtime
+    from .. import runtime
     from ..errors import CudaError, LibraryError
 
     out: dict[str, Any] = {"versions": runtime.versions()}
@@ -28,8 +28,7 @@ def run(args) -> tuple[int, dict[str, Any]]:
         "remote": cache.remote.status(check=True) if cache.remote else None,
     }
     try:
-        libs = _loader.ensure_loaded()
-        out["libraries"] = {"cudnn": libs.cudnn, "cudart": libs.cudart, "nvrtc": libs.nvrtc, "cublasLt": libs.cublaslt}
+        out["libraries"] = runtime.libraries()
         out["versions"] = runtime.versions()
         out["device"] = runtime.device_info(args.device)
         code = EXIT_OK
@@ -47,6 +46,6 @@ def _torch_path() -> dict[str, Any]:
         import torch  # noqa: F401
     except ImportError:
         return {"path": "none", "reason": "PyTorch is not installed"}
-    from ..torch import _native
+    from ..torch import backend_info
 
-    return _native.describe()
+    return backend_info()

@@ -149,12 +149,15 @@ def _build_torch_ops() -> dict[str, Any]:
         return {"ok": True, "path": str(built), "seconds": 0.0, "result": f"{built} (built before)"}
     t0 = time.perf_counter()
     try:
-        from ..torch import _native
+        from ..torch import backend_info
 
-        path = _native.build()
+        info = backend_info(build=True)
     except ImportError as e:
         return {"ok": False, "result": f"not built: {e}"}
-    except Exception as e:  # the compiler's failure, reported as the Python path's cause
+    except Exception as e:  # where the library goes cannot be said (a bad cache setting): reported too
         return {"ok": False, "result": f"not built ({type(e).__name__}: {e})"}
+    if info["build_error"]:  # the compiler's failure, reported as the Python path's cause
+        return {"ok": False, "result": f"not built ({info['build_error']})"}
+    path = info["library"]
     return {"ok": True, "path": str(path), "seconds": round(time.perf_counter() - t0, 1),
             "result": f"{path} ({time.perf_counter() - t0:.1f} s)"}

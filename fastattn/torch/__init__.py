@@ -19,10 +19,13 @@ has autograd.
 The package: one module per entry point (_dense: attention, _varlen: attention_varlen,
 _paged: attention_paged, _fp8: the FP8 ops, _fp8_scaled: the scaling helper), _plans for what they share (the tensor-signature -> plan
 table, workspaces per stream, the current stream), and _autograd, the one autograd
-definition that plain eager calls and the custom ops both use.
+definition that plain eager calls and the custom ops both use. `backend_info()` says
+which path the entry points take (the native C++ op library or the Python path) and why.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from ._dense import attention
 from ._fp8 import Fp8Grads, Fp8Output, attention_fp8, attention_fp8_backward
@@ -31,4 +34,42 @@ from ._paged import attention_paged
 from ._varlen import attention_varlen
 
 __all__ = ["attention", "attention_paged", "attention_varlen", "attention_fp8", "attention_fp8_backward",
-           "attention_fp8_scaled", "Fp8Output", "Fp8Grads"]
+           "attention_fp8_scaled", "Fp8Output", "Fp8Grads", "backend_info"]
+
+
+def backend_info(build: bool = False) -> dict[str, Any]:
+    """Which path the entry points take in this process, and why (`fastattn info`,
+    `fastattn warm`): the one taken, where a call has decided it, else the one the first
+    call would take. Builds and loads nothing unless asked to.
+
+    build: first compile the native op library for the imported torch where it is not
+      built yet, whatever FASTATTN_TORCH_PATH says (`fastattn warm`, ahead of the first
+      call). A failed build is reported in "build_error", not raised: without the
+      library the Python path runs.
+
+    Returns a dict (JSON-ready):
+      path: "native" (the C++ op library), "python" (the Python path) or "none" (a call
+        raises, e.g. FASTATTN_TORCH_PATH=native without a C++ compiler);
+      reason: why, in one line;
+      torch: the imported torch's version;
+      library: where the op library for this torch is built, or would be (the folder's
+        name holds what it depends on: fastattn, torch, C++ ABI and Python versions, a
+        hash of its sources);
+      built: whether it is there;
+      build_error: with build, why it could not be built ("RuntimeError: ..."); else None.
+
+    Raises InvalidArgumentError where the cache directory's settings are invalid (the
+    library is built under it)."""
+    import torch
+
+    from . import _native
+
+    error = None
+    if build:
+        try:
+            _native.build()
+        except Exception as e:  # the compiler's failure, or none to run: the Python path runs
+            error = f"{type(e).__name__}: {e}"
+    library = _native.library_path()
+    return {**_native.describe(), "torch": torch.__version__, "library": str(library), "built": library.exists(),
+            "build_error": error}

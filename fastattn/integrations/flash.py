@@ -45,10 +45,10 @@ from __future__ import annotations
 
 import torch
 
-from . import _fields
-from .errors import InvalidArgumentError, NotSupportedError
-from .torch import attention, attention_paged, attention_varlen
-from .torch._plans import capturing
+from .. import _fields
+from ..errors import InvalidArgumentError, NotSupportedError
+from ..torch import attention, attention_paged, attention_varlen
+from ..torch._plans import capturing
 
 __all__ = ["flash_attn_func", "flash_attn_kvpacked_func", "flash_attn_qkvpacked_func", "flash_attn_varlen_func",
            "flash_attn_varlen_kvpacked_func", "flash_attn_varlen_qkvpacked_func", "flash_attn_with_kvcache"]

@@ -1,0 +1,8 @@
+"""Adapters to other libraries' conventions, each over fastattn's public API (fastattn.torch's
+entry points, fastattn.plan), never the store or _core: flash, FlashAttention 2's functions
+(imported by its public name, `fastattn.flash`).
+
+Each adapter is imported on demand: `import fastattn.integrations` imports none of them.
+"""
+
+__all__: list[str] = []
