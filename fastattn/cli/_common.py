@@ -230,7 +230,3 @@ def _lines(value: Any, indent: str) -> list[str]:
         out.append(indent + _scalar(value))
     return out
 
-
-def print_plain(out: dict[str, Any]) -> None:
-    """A result without a handler-made human form."""
-    print(plain_text(out))
