@@ -33,6 +33,14 @@ class UsageError(Exception):
 
 
 class Parser(argparse.ArgumentParser):
+    """Every parser of the command: usage errors raise, and flags are written in full
+    (no abbreviations: `--jso` is an error everywhere, not --json in one place and a
+    stray word in another, and a new flag cannot change what an old prefix meant)."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
     def error(self, message: str):  # raise, not exit: main reports it (as JSON with --json) with exit code 2
         raise UsageError(message, self.format_usage())
 
@@ -142,11 +150,23 @@ def age(text: str) -> float:
     return value
 
 
-def output_file(text: str) -> str:
-    """A file the command will write at its end: checked now, so that a long run is
-    not lost to a typo in the path."""
+def input_path(text: str) -> str:
+    """A file (or text) the command reads: never empty (which would otherwise mean "none
+    given") nor `-` (fastattn reads no stdin: a file named `-` is ./-)."""
     if not text:
         raise argparse.ArgumentTypeError("an empty path")
+    if text == "-":
+        raise argparse.ArgumentTypeError("'-' (stdin) is not read here: name a file (./- for a file named -)")
+    return text
+
+
+def output_file(text: str) -> str:
+    """A file the command will write at its end: checked now, so that a long run is
+    not lost to a typo in the path. Never `-`: fastattn's stdout is its report."""
+    if not text:
+        raise argparse.ArgumentTypeError("an empty path")
+    if text == "-":
+        raise argparse.ArgumentTypeError("'-' (stdout) is not written here: name a file (./- for a file named -)")
     path = os.path.abspath(text)
     parent = os.path.dirname(path)
     if os.path.isdir(path):
@@ -184,6 +204,18 @@ def this_environment() -> dict[str, Any] | None:
         return runtime.cache_environment()
     except (LibraryError, CudaError):
         return None
+
+
+def gpu_environment(needed_for: str) -> dict[str, Any]:
+    """This machine's GPU and versions, or the LibraryError or CudaError (exit 3, as on
+    every command) that says why there is none, after what needed one."""
+    from .. import runtime
+    from ..errors import CudaError, LibraryError
+
+    try:
+        return runtime.cache_environment()
+    except (LibraryError, CudaError) as e:
+        raise type(e)(f"{needed_for}: {e}") from None
 
 
 def plain_text(value: Any, indent: str = "") -> str:

@@ -17,7 +17,11 @@ _MASK_LABELS = {"causal_bottom_right": "causal_br"}
 
 
 def add_parser(sub) -> None:
-    matrix = sub.add_parser("matrix", help="probe a grid of configs and show which cuDNN supports on this GPU")
+    matrix = sub.add_parser("matrix", help="probe a grid of configs and show which cuDNN supports on this GPU",
+                            description="Probe a grid of configs (every combination of the values given) and show "
+                            "which cuDNN supports on this GPU, with its reasons. Exit codes: 0 the grid was made "
+                            "(refusals included), 2 bad flags, or a flag value none of whose configs is valid "
+                            "(--features bias_grad without --training), 3 no usable GPU, 4 some configs failed.")
     matrix.add_argument("--head-dims", type=ints, default=[64, 96, 128, 192, 256], metavar="D,D,...",
                         help="head_dim_qk values (head_dim_v the same)")
     matrix.add_argument("--masks", type=choices(MASKS), default=list(MASKS), metavar="M,M,...")
@@ -62,6 +66,7 @@ def run(args) -> tuple[int, dict[str, Any]]:
             continue
         configs.append(cfg)
         axes.append(axis)
+    _refuse_values_without_configs(args, axes, invalid)
     report = warm(configs, workers=args.workers, device=args.device)
     rows = [{**a, "status": i.status, "reason": i.reason, "forward_engine": i.forward_engine,
              "backward_engine": i.backward_engine} for a, i in zip(axes, report.items)] + invalid
@@ -87,6 +92,24 @@ def run(args) -> tuple[int, dict[str, Any]]:
     out = {"configs": rows, "counts": report.counts, "_text": "\n".join(lines)}
     code = exit_code(report)
     return (EXIT_OK if code == EXIT_UNSUPPORTED else code), out  # refusals are the grid's answer, not a failure
+
+
+# The grid's axes: (row key, args attribute, flag), in the order a refusal names them:
+# the feature first, whose rules are fastattn's own (bias_grad needs --training, paged
+# has no backward).
+_AXES = (("feature", "features", "--features"), ("dtype", "dtypes", "--dtypes"), ("mask", "masks", "--masks"),
+         ("gqa", "gqa", "--gqa"), ("seqlen", "seqlens", "--seqlens"), ("head_dim", "head_dims", "--head-dims"))
+
+
+def _refuse_values_without_configs(args, valid: list[dict[str, Any]], invalid: list[dict[str, Any]]) -> None:
+    """A flag value none of whose configs is valid (`--features bias_grad` without
+    --training) asks cuDNN nothing: a usage error, before any work or GPU. An n/a cell
+    is left only where values that are each valid somewhere do not combine."""
+    for axis, dest, flag in _AXES:
+        for value in dict.fromkeys(getattr(args, dest)):
+            if not any(a[axis] == value for a in valid):
+                reason = next(r["reason"] for r in invalid if r[axis] == value)
+                raise InvalidArgumentError(f"{flag} {value}: no config of the grid with it is valid ({reason})")
 
 
 def _column(c) -> str:

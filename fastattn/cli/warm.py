@@ -8,7 +8,7 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 from ..errors import InvalidArgumentError
-from ._common import add_json_flag, exit_code, integer, number, output_file, wrap
+from ._common import add_json_flag, exit_code, input_path, integer, number, output_file, wrap
 
 if TYPE_CHECKING:
     from ..warm import WarmItem
@@ -16,7 +16,8 @@ if TYPE_CHECKING:
 
 def add_parser(sub) -> None:
     warm = sub.add_parser("warm", help="load or build every config a file describes, and store them")
-    warm.add_argument("file", nargs="?", help="JSON or TOML config file with sweeps (default: built-in model shapes)")
+    warm.add_argument("file", nargs="?", type=input_path,
+                      help="JSON or TOML config file with sweeps (default: built-in model shapes)")
     warm.add_argument("--workers", type=integer(1), default=None, help="worker processes (default: min(8, CPUs))")
     warm.add_argument("--device", type=integer(0), default=None)
     warm.add_argument("--report", type=output_file, help="write the full report as JSON to this file")
@@ -53,7 +54,7 @@ def run(args) -> tuple[int, dict[str, Any]]:
     from .. import sweep
     from ..warm import warm
 
-    configs = sweep.load_configs(args.file) if args.file else sweep.builtin_configs()
+    configs = sweep.load_configs(args.file) if args.file is not None else sweep.builtin_configs()
     torch_ops = None
     if _wants_torch_ops(args.torch_ops):
         # A compiler process beside the plans' workers, where fastattn.torch can run at
