@@ -8,14 +8,20 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 from ..errors import InvalidArgumentError
-from ._common import add_json_flag, exit_code, input_path, integer, number, output_file, wrap
+from ._common import (EXIT_FAILED, EXIT_OK, EXIT_UNSUPPORTED, add_json_flag, exit_code, input_path, integer,
+                      number, output_file, wrap)
 
 if TYPE_CHECKING:
     from ..warm import WarmItem
 
 
 def add_parser(sub) -> None:
-    warm = sub.add_parser("warm", help="load or build every config a file describes, and store them")
+    warm = sub.add_parser("warm", help="load or build every config a file describes, and store them",
+                          description="Load or build every config a file describes (default: built-in model "
+                          "shapes) in parallel worker processes, and store them in the persistent cache. Exit codes: "
+                          "0 every config stored, 1 some not supported by cuDNN (their refusals stored), 2 bad input, "
+                          "3 no usable GPU, 4 some configs failed, or answers built now are not in the cache at the "
+                          "end (it cannot be written, or keeps nothing: counted as not saved, with the reason).")
     warm.add_argument("file", nargs="?", type=input_path,
                       help="JSON or TOML config file with sweeps (default: built-in model shapes)")
     warm.add_argument("--workers", type=integer(1), default=None, help="worker processes (default: min(8, CPUs))")
@@ -77,7 +83,8 @@ def run(args) -> tuple[int, dict[str, Any]]:
     lines = [f"{'status':<12} {'seconds':>8}  config", "-" * 72]
     previous = None
     for item in report.items:
-        lines.append(f"{item.status:<12} {item.seconds:8.3f}  {sweep.describe_config(item.config)}")
+        status = "not saved" if item.saved is False else item.status  # built, and lost: not "built"
+        lines.append(f"{status:<12} {item.seconds:8.3f}  {sweep.describe_config(item.config)}")
         if item.status in ("unsupported", "failed"):
             why = f"{item.error_type + ': ' if item.error_type else ''}{item.reason}"
             lines.extend(wrap("(the same as above)" if why == previous else why, indent=" " * 22))
@@ -85,12 +92,21 @@ def run(args) -> tuple[int, dict[str, Any]]:
     lines.append("-" * 72)
     lines.append(f"{len(report.items)} configs in {report.seconds:.1f} s, {report.processes} worker processes "
                  f"(at most {report.workers}): "
-                 f"loaded {c['loaded']}, built {c['built']}, unsupported {c['unsupported']}, failed {c['failed']}")
+                 f"loaded {c['loaded']}, built {c['built']}, unsupported {c['unsupported']}, failed {c['failed']}"
+                 + (f", not saved {report.not_saved}" if report.not_saved else ""))
+    if report.not_saved:
+        lines.extend(wrap(f"not saved: {report.not_saved} answers built now are not in the cache, so the next run "
+                          f"builds them again: {report.not_saved_reason}", indent=""))
+    for warning in report.warnings:  # the workers' own, which would otherwise end in their logs
+        print(f"fastattn: warning: {warning}", file=sys.stderr)
     if torch_ops is not None:
         out["torch_ops"] = torch_ops.result()
         lines.append(f"torch op library: {out['torch_ops']['result']}")
     out["_text"] = "\n".join(lines)
-    return exit_code(report), out
+    code = exit_code(report)
+    if report.not_saved and code in (EXIT_OK, EXIT_UNSUPPORTED):
+        code = EXIT_FAILED  # a pre-warm that left the cache without its answers did not do its work
+    return code, out
 
 
 def _wants_torch_ops(flag: bool | None) -> bool:
