@@ -175,7 +175,7 @@ def _apply(item: WarmItem, msg: dict, elapsed: float) -> None:
         item.status = "loaded" if msg.get("source") in ("disk", "remote", "memory") else "built"
 
 
-def _crashed(item: WarmItem, worker: _Worker, elapsed: float) -> None:
+def _crashed(item: WarmItem, worker: _Worker, elapsed: float, timeout: float) -> None:
     rc = worker.proc.wait()
     item.seconds = elapsed
     item.status = "failed"
@@ -185,7 +185,8 @@ def _crashed(item: WarmItem, worker: _Worker, elapsed: float) -> None:
     else:
         item.error_type, item.reason = "exit", f"the worker process exited with code {rc}"
     if worker.timed_out:
-        item.error_type, item.reason = "timeout", f"no answer after {elapsed:.0f} s: the worker was killed"
+        # The limit it broke, as given (--timeout 3 is "3 s"), not the moment its death was seen.
+        item.error_type, item.reason = "timeout", f"no answer after {timeout:g} s: the worker was killed"
     tail = worker.tail()
     if tail:
         item.reason += f"; its last output: {tail}"
@@ -235,7 +236,7 @@ class _Pool:
             self._start_workers()
             while self.workers:
                 self._kill_overdue()
-                for key, _ in self.sel.select(timeout=1.0):
+                for key, _ in self.sel.select(timeout=self._until_next_deadline()):
                     self._read(key.data)
                 self._start_workers()  # a retired worker may have left a family for a new one
 
@@ -263,10 +264,16 @@ class _Pool:
         self.queue.forget(w.index)
         w.close()
 
+    def _until_next_deadline(self) -> float:
+        """How long to wait for answers before a worker is due to be killed (at most 1 s)."""
+        now = time.perf_counter()
+        due = [w.started + self.timeout - now for w in self.workers if w.item is not None and not w.timed_out]
+        return max(0.0, min(due + [1.0]))
+
     def _kill_overdue(self) -> None:
         now = time.perf_counter()
         for w in self.workers:
-            if w.item is not None and not w.timed_out and now - w.started > self.timeout:
+            if w.item is not None and not w.timed_out and now - w.started >= self.timeout:
                 w.timed_out = True
                 w.proc.kill()  # its EOF reports the config
 
@@ -276,7 +283,7 @@ class _Pool:
             item = w.item
             self._retire(w)
             if item is not None:
-                _crashed(item, w, time.perf_counter() - w.started)
+                _crashed(item, w, time.perf_counter() - w.started, self.timeout)
                 self.settle(item)
             self._start_workers()
             return

@@ -18,8 +18,6 @@ from hypothesis import strategies as st
 
 from fastattn import cli, runtime
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
 # One of each path through `main`: a result (info, cache ls), a usage error (probe
 # --batch abc), an expected failure (probe without a GPU, show of no key), --help and
 # --version (argparse prints them), with and without --json.
@@ -85,8 +83,9 @@ def test_a_failed_write_to_stdout_is_exit_4_and_one_line(isolated, monkeypatch, 
 @pytest.mark.parametrize("argv", [["info"], ["info", "--json"], ["probe", "--batch", "abc", "--json"], ["--help"],
                                   ["cache", "ls", "--json"]])
 def test_dev_full_is_exit_4_and_one_line(argv, tmp_path):
-    env = dict(os.environ, FASTATTN_CACHE_DIR=str(tmp_path / "cache"), TMPDIR=str(tmp_path),
-               PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
+    # fastattn as installed (or as PYTHONPATH says): from tmp_path, not the checkout,
+    # whose fastattn/ may be unbuilt.
+    env = dict(os.environ, FASTATTN_CACHE_DIR=str(tmp_path / "cache"), TMPDIR=str(tmp_path))
     with open("/dev/full", "w") as full:
         r = subprocess.run([sys.executable, "-m", "fastattn", *argv], stdout=full, stderr=subprocess.PIPE, text=True,
                            env=env, cwd=str(tmp_path), timeout=120)
@@ -96,8 +95,7 @@ def test_dev_full_is_exit_4_and_one_line(argv, tmp_path):
 
 
 def test_a_closed_stdout_is_exit_4(tmp_path):
-    env = dict(os.environ, FASTATTN_CACHE_DIR=str(tmp_path / "cache"), TMPDIR=str(tmp_path),
-               PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
+    env = dict(os.environ, FASTATTN_CACHE_DIR=str(tmp_path / "cache"), TMPDIR=str(tmp_path))
     r = subprocess.run(f"{sys.executable} -m fastattn cache ls >&-", shell=True, stderr=subprocess.PIPE, text=True,
                        env=env, cwd=str(tmp_path), timeout=120)
     assert r.returncode == cli.EXIT_FAILED and "Traceback" not in r.stderr

@@ -45,7 +45,7 @@ class Parser(argparse.ArgumentParser):
         raise UsageError(message, self.format_usage())
 
 
-def add_json_flag(parser: argparse.ArgumentParser, help: str | None = "print JSON") -> None:
+def add_json_flag(parser: argparse.ArgumentParser, help: str = "print JSON") -> None:
     # `main` also takes --json anywhere on the line (`fastattn cache --json ls`); this
     # flag is what --help shows.
     parser.add_argument("--json", action="store_true", help=help)
@@ -179,9 +179,18 @@ def output_file(text: str) -> str:
 
 
 def wrap(text: str, indent: str = "  ", width: int = 100) -> list[str]:
-    """A reason over lines, whole: never cut mid-word (or at all)."""
-    return textwrap.wrap(text, width=width, initial_indent=indent, subsequent_indent=indent + "  ",
-                         break_long_words=False, break_on_hyphens=False) or [indent]
+    """A reason over lines, whole: never cut mid-word (or at all). Each of its own lines
+    starts a line, with its own indentation, so that a list (a LibraryError's missing
+    libraries, "  - ..." each) stays a list; a long line continues two columns in."""
+    out: list[str] = []
+    for line in text.splitlines():
+        body = line.lstrip()
+        if not body:
+            continue
+        own = indent + line[: len(line) - len(body)]
+        out.extend(textwrap.wrap(body, width=width, initial_indent=own, subsequent_indent=own + "  ",
+                                 break_long_words=False, break_on_hyphens=False))
+    return out or [indent]
 
 
 def exit_code(report) -> int:
