@@ -42,7 +42,7 @@ def test_info_names_the_installed_cudnn_wheel(fresh, capsys):
     body = _info(capsys)["cudnn_library"]
     assert body["wheel"] == "nvidia-cudnn-cu13" and body["wheel_version"] == version, body
     assert body["path"].endswith(WHEEL_LIB) and os.path.isfile(body["path"])
-    code = cli.main(["info"])
+    assert cli.main(["info"]) in (cli.EXIT_OK, cli.EXIT_NO_GPU)
     text = capsys.readouterr().out
     assert f"wheel_version: {version}" in text and body["path"] in text
 

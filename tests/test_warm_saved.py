@@ -7,7 +7,6 @@ exits 4. Worker processes on tests/fake_core.py: no GPU needed."""
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 

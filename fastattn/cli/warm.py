@@ -8,8 +8,8 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 from ..errors import InvalidArgumentError
-from ._common import (EXIT_FAILED, EXIT_NO_GPU, EXIT_OK, EXIT_UNSUPPORTED, add_json_flag, exit_code, input_path, integer,
-                      number, output_file, wrap)
+from ._common import (EXIT_FAILED, EXIT_NO_GPU, EXIT_OK, EXIT_UNSUPPORTED, add_json_flag, exit_code, input_path,
+                      integer, number, output_file, wrap)
 
 if TYPE_CHECKING:
     from ..warm import WarmItem
