@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from .errors import LibraryError
 
-__all__ = ["Libraries", "ensure_loaded", "MIN_CUDNN", "check_cudnn_version"]
+__all__ = ["Libraries", "ensure_loaded", "MIN_CUDNN", "check_cudnn_version", "cudnn_location"]
 
 # The oldest cuDNN fastattn supports: the oldest on which its whole GPU suite has run
 # (9.19.0, on the H200 machine). The extension is usually built against newer headers
@@ -86,6 +86,44 @@ def _from_wheels(name: str) -> str | None:
                 continue
             return path
     return None
+
+
+# The pip wheels that ship nvidia/cudnn/lib/libcudnn.so.9: fastattn's own requirement,
+# and the CUDA 12 one an older PyTorch brings.
+_CUDNN_WHEELS = ("nvidia-cudnn-cu13", "nvidia-cudnn-cu12")
+
+
+def cudnn_location() -> dict[str, str | None]:
+    """Which libcudnn the first GPU call would load, found the way ensure_loaded looks
+    (FASTATTN_CUDNN_PATH, then the first wheel on sys.path, then cuda-pathfinder)
+    without loading anything, so that `fastattn info` can say it on a machine without a
+    GPU. path: the file, or None where only cuda-pathfinder can tell; chosen_by: why
+    that one; wheel, wheel_version: the pip distribution that installed it (the one in
+    the same sys.path entry) and its version, or None."""
+    override = os.environ.get(_CUDNN[1])
+    if override:
+        return {"path": override, "chosen_by": _CUDNN[1], "wheel": None, "wheel_version": None}
+    for entry in sys.path:
+        path = os.path.join(entry or ".", _WHEEL_PATHS["cudnn"])
+        if os.path.isfile(path):
+            wheel, version = _wheel_in(entry or ".")
+            return {"path": path, "chosen_by": "the first NVIDIA cuDNN wheel on sys.path", "wheel": wheel,
+                    "wheel_version": version}
+    return {"path": None, "chosen_by": "cuda-pathfinder, at the first GPU call (conda, CUDA_HOME, the system "
+                                       "loader): no cuDNN wheel is installed", "wheel": None, "wheel_version": None}
+
+
+def _wheel_in(entry: str) -> tuple[str | None, str | None]:
+    from importlib import metadata
+
+    for name in _CUDNN_WHEELS:
+        try:
+            found = next(iter(metadata.distributions(name=name, path=[entry])), None)
+        except Exception:  # unreadable metadata: the path is still the answer
+            found = None
+        if found is not None:
+            return name, found.version
+    return None, None
 
 
 def _load_one(name: str, env: str, hint: str) -> tuple[str | None, str | None]:

@@ -4,12 +4,36 @@ answers one JSON line per config.
 Results go to the file descriptor that was stdout when the process started; stdout
 itself is pointed at stderr, so that anything cuDNN or the driver prints cannot
 corrupt the protocol.
+
+An answer built here (not loaded) carries its cache key, so that the parent can check
+that the entry is where the next run will look; and every answer carries the warnings
+fastattn logged while working on it (a cache directory that cannot be written, ...),
+which would otherwise end in this process's log file, unseen.
 """
 
 import argparse
 import json
+import logging
 import os
 import sys
+
+
+class _Collect(logging.Handler):
+    """fastattn's warnings, kept for the next answer (and still written to stderr)."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages = []
+
+    def emit(self, record):
+        try:
+            self.messages.append(record.getMessage())
+        except Exception:  # a malformed record must not cost the answer
+            self.messages.append(str(record.msg))
+
+    def take(self):
+        out, self.messages = self.messages, []
+        return out
 
 
 def main() -> int:
@@ -19,8 +43,13 @@ def main() -> int:
     results = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)
     sys.stdout = sys.stderr
+    collect = _Collect()
+    logger = logging.getLogger("fastattn")
+    logger.addHandler(collect)
+    logger.addHandler(logging.StreamHandler(sys.stderr))  # the worker's log, as without a handler
 
     import fastattn
+    from fastattn import runtime
 
     for line in sys.stdin:
         if not line.strip():
@@ -28,10 +57,14 @@ def main() -> int:
         try:
             result = fastattn.probe(line, device=args.device)
             msg = {k: v for k, v in result.to_dict().items() if k != "config"}
+            if result.source == "built":  # stored by this probe, if the cache took it
+                cache = runtime.plan_cache()
+                msg["key"] = cache.key(result.config, result.device) if cache.store.tiers else None
         except fastattn.FastAttnError as e:
             msg = {"error": type(e).__name__, "message": str(e)}
         except Exception as e:  # a bug: report it as data, keep the worker alive
             msg = {"error": type(e).__name__, "message": repr(e)}
+        msg["warnings"] = collect.take()
         results.write(json.dumps(msg) + "\n")
     return 0
 

@@ -1,7 +1,9 @@
 """Config files: lists of AttentionConfigs and sweeps over their fields, in JSON or TOML.
 
-A file holds {"configs": [entry, ...]} (TOML: [[configs]] tables). Each entry maps
-AttentionConfig fields to values; a field may also be swept:
+A file holds {"configs": [entry, ...]} (TOML: [[configs]] tables), a list of entries,
+or one entry's fields at the top level (what `fastattn probe --config` reads is the
+same: one reader for both commands). Each entry maps AttentionConfig fields to values;
+a field may also be swept:
 
   a list          [1, 8]                           every value in turn
   a range         {"from": 256, "to": 4096, "step": 256}     inclusive
@@ -24,7 +26,8 @@ from . import _fields
 from .config import FIELDS, AttentionConfig
 from .errors import InvalidArgumentError
 
-__all__ = ["load_configs", "expand_entry", "builtin_configs", "describe_config", "MAX_CONFIGS"]
+__all__ = ["load_configs", "read_entries", "entries_in_text", "expand_entry", "builtin_configs", "describe_config",
+           "MAX_CONFIGS"]
 
 MAX_CONFIGS = 100_000  # a sweep that expands past this is almost certainly a typo
 
@@ -175,22 +178,61 @@ def _json(text: str, path: str) -> tuple[Any, list[int | None]]:
     return data, _json_entry_lines(text, count)
 
 
+_FIELD_NAMES = frozenset(f.name for f in FIELDS)
+
+
+def _entries(data: Any, path: str) -> list[Any]:
+    """The entries of a parsed document: its "configs" list, the list itself, or the
+    document as one entry when its keys are AttentionConfig fields."""
+    if isinstance(data, list):
+        return data
+    if isinstance(data, dict) and "configs" in data:
+        if not isinstance(data["configs"], list):
+            raise InvalidArgumentError(f"{path}: \"configs\" must be a list (TOML: [[configs]] tables)")
+        unknown = sorted(set(data) - {"configs"})
+        if unknown:
+            raise InvalidArgumentError(f"{path}: unknown top-level key {unknown[0]!r}")
+        return data["configs"]
+    if not isinstance(data, dict):
+        raise InvalidArgumentError(f"{path}: must be an object of AttentionConfig fields, or a \"configs\" list of "
+                                   f"them, not {type(data).__name__}")
+    if not data or set(data) & _FIELD_NAMES:
+        return [data]  # one config's fields (unknown ones are named by expand_entry)
+    raise InvalidArgumentError(f"{path}: expected a top-level \"configs\" list (TOML: [[configs]] tables), or one "
+                               f"config's fields (not {sorted(data)[0]!r})")
+
+
+def read_entries(path: str) -> tuple[list[Any], list[str]]:
+    """The entries a JSON or TOML config file holds, not yet expanded, and where each
+    is ("file:line: configs[i]" in error messages)."""
+    data, lines = _parse(path)
+    entries = _entries(data, path)
+    if isinstance(data, dict) and "configs" not in data:  # one config's fields: the file is the place
+        return entries, [path]
+    where = []
+    for i in range(len(entries)):
+        line = lines[i] if lines and i < len(lines) else None
+        where.append(f"{path}:{line}: configs[{i}]" if line else f"{path}: configs[{i}]")
+    return entries, where
+
+
+def entries_in_text(text: str, name: str) -> tuple[list[Any], list[str]]:
+    """read_entries for JSON given as text (`fastattn probe --config '{...}'`); `name`
+    stands for the file in messages."""
+    data, _ = _json(text, name)
+    entries = _entries(data, name)
+    if isinstance(data, dict) and "configs" not in data:
+        return entries, [name]
+    return entries, [f"{name}: configs[{i}]" for i in range(len(entries))]
+
+
 def load_configs(path: str) -> list[AttentionConfig]:
     """The configs a JSON (.json) or TOML (.toml) file describes, sweeps expanded,
     duplicates dropped, in file order."""
-    data, lines = _parse(path)
-    if isinstance(data, list):
-        data = {"configs": data}
-    if not isinstance(data, dict) or not isinstance(data.get("configs"), list):
-        raise InvalidArgumentError(f"{path}: expected a top-level \"configs\" list (TOML: [[configs]] tables)")
-    unknown = sorted(set(data) - {"configs"})
-    if unknown:
-        raise InvalidArgumentError(f"{path}: unknown top-level key {unknown[0]!r}")
+    entries, where = read_entries(path)
     out: dict[AttentionConfig, None] = {}
-    for i, entry in enumerate(data["configs"]):
-        line = lines[i] if lines else None
-        where = f"{path}:{line}: configs[{i}]" if line else f"{path}: configs[{i}]"
-        for cfg in expand_entry(entry, where):
+    for entry, at in zip(entries, where):
+        for cfg in expand_entry(entry, at):
             out.setdefault(cfg, None)
         if len(out) > MAX_CONFIGS:
             raise InvalidArgumentError(f"{path}: more than {MAX_CONFIGS} configs")

@@ -39,12 +39,17 @@ class WarmItem:
     forward_engine: str = ""
     backward_engine: str = ""
     error_type: str = ""  # the exception class or signal of a failure
+    # Whether the answer a worker built now (a plan or a refusal) is in the main cache
+    # directory at the end of the run; None for answers not built by this run.
+    saved: bool | None = None
+    key: str | None = field(default=None, repr=False)  # the cache key of an answer built now, as the worker saw it
+    built_now: bool = field(default=False, repr=False)
 
     def to_dict(self) -> dict:
         return {"config": self.config.to_dict(), "status": self.status, "seconds": self.seconds,
                 "build_seconds": self.build_seconds, "reason": self.reason,
                 "forward_engine": self.forward_engine, "backward_engine": self.backward_engine,
-                "error_type": self.error_type}
+                "error_type": self.error_type, "saved": self.saved}
 
 
 @dataclass
@@ -54,9 +59,13 @@ class WarmReport:
     workers: int
     counts: dict[str, int] = field(default_factory=dict)
     processes: int = 0  # worker processes started (crashed ones replaced included)
+    not_saved: int = 0  # answers built by this run that the cache directory does not hold at its end
+    not_saved_reason: str = ""  # why, when not_saved
+    warnings: list[str] = field(default_factory=list)  # what the workers logged (each message once)
 
     def to_dict(self) -> dict:
         return {"seconds": self.seconds, "workers": self.workers, "processes": self.processes, "counts": self.counts,
+                "not_saved": self.not_saved, "not_saved_reason": self.not_saved_reason, "warnings": self.warnings,
                 "items": [i.to_dict() for i in self.items]}
 
 
@@ -153,6 +162,8 @@ class _Queue:
 
 def _apply(item: WarmItem, msg: dict, elapsed: float) -> None:
     item.seconds = elapsed
+    if "key" in msg:  # built now by the worker, and stored if the cache took it
+        item.built_now, item.key = True, msg["key"]
     if "error" in msg:
         item.status, item.error_type, item.reason = "failed", msg["error"], msg.get("message", "")
         return
@@ -164,7 +175,7 @@ def _apply(item: WarmItem, msg: dict, elapsed: float) -> None:
         item.status = "loaded" if msg.get("source") in ("disk", "remote", "memory") else "built"
 
 
-def _crashed(item: WarmItem, worker: _Worker, elapsed: float) -> None:
+def _crashed(item: WarmItem, worker: _Worker, elapsed: float, timeout: float) -> None:
     rc = worker.proc.wait()
     item.seconds = elapsed
     item.status = "failed"
@@ -174,20 +185,20 @@ def _crashed(item: WarmItem, worker: _Worker, elapsed: float) -> None:
     else:
         item.error_type, item.reason = "exit", f"the worker process exited with code {rc}"
     if worker.timed_out:
-        item.error_type, item.reason = "timeout", f"no answer after {elapsed:.0f} s: the worker was killed"
+        # The limit it broke, as given (--timeout 3 is "3 s"), not the moment its death was seen.
+        item.error_type, item.reason = "timeout", f"no answer after {timeout:g} s: the worker was killed"
     tail = worker.tail()
     if tail:
         item.reason += f"; its last output: {tail}"
 
 
-def _answer_from_cache(items: list[WarmItem], device: int | None):
+def _answer_from_cache(items: list[WarmItem], device: int | None, cache):
     """Settles, and yields, each item whose answer the persistent cache already holds.
-    The cache is the one the workers would use (the FASTATTN_CACHE_* variables now),
-    and reading entries builds and deserializes nothing, so this is safe outside a
-    worker. Where the GPU stack cannot even start here, the workers report why."""
+    `cache` is the one the workers use (the FASTATTN_CACHE_* variables now), and reading
+    entries builds and deserializes nothing, so this is safe outside a worker. Where
+    the GPU stack cannot even start here, the workers report why."""
     from . import runtime
 
-    cache = runtime.open_plan_cache()  # bad FASTATTN_CACHE_* values raise here, once, naming the variable
     for item in items:
         t0 = time.perf_counter()
         try:
@@ -218,13 +229,14 @@ class _Pool:
         self.workers: list[_Worker] = []
         self.spawned = 0
         self.sel = selectors.DefaultSelector()
+        self.warnings: dict[str, None] = {}  # what the workers logged, each message once, in order
 
     def run(self) -> None:
         with self.sel:
             self._start_workers()
             while self.workers:
                 self._kill_overdue()
-                for key, _ in self.sel.select(timeout=1.0):
+                for key, _ in self.sel.select(timeout=self._until_next_deadline()):
                     self._read(key.data)
                 self._start_workers()  # a retired worker may have left a family for a new one
 
@@ -252,10 +264,16 @@ class _Pool:
         self.queue.forget(w.index)
         w.close()
 
+    def _until_next_deadline(self) -> float:
+        """How long to wait for answers before a worker is due to be killed (at most 1 s)."""
+        now = time.perf_counter()
+        due = [w.started + self.timeout - now for w in self.workers if w.item is not None and not w.timed_out]
+        return max(0.0, min(due + [1.0]))
+
     def _kill_overdue(self) -> None:
         now = time.perf_counter()
         for w in self.workers:
-            if w.item is not None and not w.timed_out and now - w.started > self.timeout:
+            if w.item is not None and not w.timed_out and now - w.started >= self.timeout:
                 w.timed_out = True
                 w.proc.kill()  # its EOF reports the config
 
@@ -265,7 +283,7 @@ class _Pool:
             item = w.item
             self._retire(w)
             if item is not None:
-                _crashed(item, w, time.perf_counter() - w.started)
+                _crashed(item, w, time.perf_counter() - w.started, self.timeout)
                 self.settle(item)
             self._start_workers()
             return
@@ -273,7 +291,9 @@ class _Pool:
         while b"\n" in w.buffer and w.item is not None:
             line, w.buffer = w.buffer.split(b"\n", 1)
             item = w.item
-            _apply(item, json.loads(line), time.perf_counter() - w.started)
+            msg = json.loads(line)
+            self.warnings.update(dict.fromkeys(msg.get("warnings", ())))
+            _apply(item, msg, time.perf_counter() - w.started)
             self.settle(item)
             nxt = self.queue.take(w.index)
             if nxt is None:
@@ -293,7 +313,9 @@ def warm(
 ) -> WarmReport:
     """Loads or builds every config in `workers` processes (default: up to 8, at most
     one per config), storing what is built in the persistent cache. Configs the cache
-    already holds are answered here without a worker. Workers keep to configs of the
+    already holds are answered here without a worker. What a worker built and the main
+    cache directory does not hold at the end (it cannot be written, or keeps nothing)
+    is counted in the report's not_saved, with the reason and the workers' warnings. Workers keep to configs of the
     same kernel family (kernel_family), whose compiled kernels a process reuses, so
     fewer workers than asked may start. A config that takes longer than `timeout`
     seconds has its worker killed and is reported failed. Never raises for a config:
@@ -302,7 +324,10 @@ def warm(
         workers = min(8, os.cpu_count() or 1)
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise InvalidArgumentError(f"workers={workers!r}: must be an integer >= 1")
+    from . import runtime
+
     items = [WarmItem(AttentionConfig.coerce(c)) for c in configs]
+    cache = runtime.open_plan_cache()  # bad FASTATTN_CACHE_* values raise here, once, naming the variable
     t0 = time.perf_counter()
     done = 0
 
@@ -314,11 +339,35 @@ def warm(
 
     # What the cache already holds needs no worker: a second run costs one process's
     # GPU initialization and a read of each entry, not a worker start per config.
-    for item in _answer_from_cache(items, device):
+    for item in _answer_from_cache(items, device, cache):
         settle(item)
     queue = _Queue([i for i in items if i.status == "pending"])
     with tempfile.TemporaryDirectory(prefix="fastattn-warm-") as log_dir:
         pool = _Pool(queue, workers, device, timeout, log_dir, settle)
         pool.run()
     counts = {s: sum(1 for i in items if i.status == s) for s in STATUSES}
-    return WarmReport(items, time.perf_counter() - t0, workers, counts, pool.spawned)
+    warnings = list(pool.warnings)
+    not_saved, why = _check_saved(items, cache, warnings)
+    return WarmReport(items, time.perf_counter() - t0, workers, counts, pool.spawned, not_saved, why, warnings)
+
+
+def _check_saved(items: list[WarmItem], cache, warnings: list[str]) -> tuple[int, str]:
+    """Marks each answer a worker built as saved or not: whether the main cache directory
+    holds its entry now, at the end of the run, where the next run will look (a write
+    that failed is not, nor an entry pruned at once). Returns how many are not, and why.
+    Reads no entry and needs no GPU: the workers named the keys."""
+    built = [i for i in items if i.built_now]
+    for item in built:
+        item.saved = item.key is not None and cache.store.signature(item.key) is not None
+    lost = sum(1 for i in built if not i.saved)
+    if not lost:
+        return 0, ""
+    settings = cache.settings
+    if settings.mode != "read-write":
+        return lost, f"FASTATTN_CACHE_MODE={settings.mode}: nothing is stored"
+    writes = [w for w in warnings if "cannot write" in w or "not storing" in w]
+    if writes:
+        return lost, writes[0]  # the workers' own words: the directory and the OS's error
+    limit = (f"pruned at once by FASTATTN_CACHE_MAX_BYTES={settings.max_bytes}, or removed by another process"
+             if settings.max_bytes is not None else "removed by another process")
+    return lost, f"written, but not in {settings.directory} at the end of the run ({limit})"

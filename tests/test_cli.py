@@ -56,7 +56,7 @@ def test_config_file_errors_point_at_the_file(tmp_path, capsys):
     bad = tmp_path / "bad.json"
     bad.write_text('{"batch": 1,\n "heads_q": }')
     code, _, err = run(["probe", "--config", str(bad)], capsys)
-    assert code == cli.EXIT_BAD_INPUT and str(bad) in err and "line 2" in err
+    assert code == cli.EXIT_BAD_INPUT and f"{bad}:2:" in err and "not valid JSON" in err
     unknown = tmp_path / "unknown.json"
     unknown.write_text('{"batch": 1, "heads_q": 8, "seqlen_q": 64, "head_dim_qk": 64, "seq_len": 3}')
     code, _, err = run(["probe", "--config", str(unknown)], capsys)

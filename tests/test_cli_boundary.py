@@ -140,9 +140,10 @@ def test_matrix_headers_are_whole_and_reasons_are_not_cut(capsys, monkeypatch):
 
 
 @pytest.mark.parametrize("config,message", [
-    ("[1,2]", "must be a JSON object of AttentionConfig fields, not list"),
-    ('"text"', "must be a JSON object"), ("42", "must be a JSON object"),
-    ("{nope", "not valid JSON: line 1"), ("nope.json", "no such file, and not JSON text"),
+    ("[1,2]", "holds 2 entries; probe takes one config"), ("[1]", "must be an object (TOML: a table) of "
+                                                                 "AttentionConfig fields, not int"),
+    ('"text"', "must be an object of AttentionConfig fields"), ("42", "must be an object of AttentionConfig"),
+    ("{nope", "--config '{nope':1:2: not valid JSON"), ("nope.json", "no such file, and not JSON text"),
     ('{"batch": 1, "window": {"left": 16, "right": 0}}', "window="),
 ])
 def test_probe_config_errors_say_what_is_wrong(config, message, capsys, no_work):
@@ -154,7 +155,7 @@ def test_probe_config_file_that_is_not_text(tmp_path, capsys, no_work):
     f = tmp_path / "c.json"
     f.write_bytes(b"\xff\xfe\x00binary")
     code, _, err = run(PROBE + ["--config", str(f)], capsys)
-    assert code == cli.EXIT_BAD_INPUT and "--config" in err
+    assert code == cli.EXIT_BAD_INPUT and f"{f}: not UTF-8 text" in err
 
 
 # -- defect 13: the boundary -------------------------------------------------------------

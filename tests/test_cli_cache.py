@@ -111,7 +111,7 @@ def test_export_only_this_gpus_entries_unless_all(env, capsys, monkeypatch):
     fastattn.plan({**BASE, "seqlen_q": 999})
     bundle = str(env / "b.tar.gz")
     assert run_json(["cache", "export", bundle], capsys)[1]["exported"] == 1
-    assert run_json(["cache", "export", bundle, "--all"], capsys)[1]["exported"] == 4
+    assert run_json(["cache", "export", bundle, "--all", "--force"], capsys)[1]["exported"] == 4
 
 
 def test_import_refuses_another_gpu_unless_forced(env, capsys, monkeypatch):
@@ -243,18 +243,25 @@ def test_matrix_grid_and_reasons(fake_workers, capsys):
 
 
 def test_matrix_feature_columns(fake_workers, capsys):
-    argv = ["matrix", "--head-dims", "64,1024", "--masks", "causal", "--dtypes", "bf16", "--gqa", "1",
-            "--seqlens", "256", "--features", "dense,bias_grad,paged", "--training", "--workers", "2"]
+    argv = ["matrix", "--head-dims", "64,1024", "--masks", "none,causal", "--dtypes", "bf16", "--gqa", "1",
+            "--seqlens", "256", "--features", "dense,bias_grad,window_br", "--training", "--workers", "2"]
     code, body = run_json(argv, capsys)
-    assert code == 0 and len(body["configs"]) == 6
-    by = {(r["head_dim"], r["feature"]): r for r in body["configs"]}
-    assert by[(64, "bias_grad")]["status"] == "built" and by[(1024, "bias_grad")]["status"] == "unsupported"
-    # fastattn's own rule, not cuDNN's answer: no worker asked
-    assert by[(64, "paged")]["status"] == "invalid" and "forward only" in by[(64, "paged")]["reason"]
+    assert code == 0 and len(body["configs"]) == 12
+    by = {(r["head_dim"], r["mask"], r["feature"]): r for r in body["configs"]}
+    assert by[(64, "causal", "bias_grad")]["status"] == "built"
+    assert by[(1024, "causal", "bias_grad")]["status"] == "unsupported"
+    # fastattn's own rule, not cuDNN's answer: no worker asked. A value valid somewhere
+    # (window_br with no mask) leaves n/a where it does not combine (with causal).
+    assert by[(64, "causal", "window_br")]["status"] == "invalid"
+    assert "fixes the right bound" in by[(64, "causal", "window_br")]["reason"]
+    assert by[(64, "none", "window_br")]["status"] == "built"
     code, text, _ = run(argv, capsys)
     rows = text.splitlines()
-    assert rows[0].split()[1:] == ["causal/bf16/g1/s256", "causal/bf16/g1/s256/bias_grad", "causal/bf16/g1/s256/paged"]
-    assert rows[1].split() == ["64", "yes", "yes", "n/a"] and rows[2].split() == ["1024", "no", "no", "n/a"]
+    assert rows[0].split()[1:] == ["none/bf16/g1/s256", "none/bf16/g1/s256/bias_grad", "none/bf16/g1/s256/window_br",
+                                   "causal/bf16/g1/s256", "causal/bf16/g1/s256/bias_grad",
+                                   "causal/bf16/g1/s256/window_br"]
+    assert rows[1].split() == ["64", "yes", "yes", "yes", "yes", "yes", "n/a"]
+    assert rows[2].split() == ["1024", "no", "no", "no", "no", "no", "n/a"]
     code, _, err = run(["matrix", "--features", "dense,flash"], capsys)
     assert code == cli.EXIT_BAD_INPUT and "'flash' is not one of" in err
 

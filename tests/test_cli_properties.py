@@ -67,7 +67,7 @@ VALUES = ["0", "1", "-1", "-2", "-8", "8", "64", "1024", "2147483648", "1e400", 
           "1.5", "0.1", "64,128", "64,0", "1,,2", "causal", "causal_bottom_right", "none", "bf16", "dense,bias",
           "paged", "500M", "1e3G", "30d", "soon", "[1,2]", "{}", '{"window": {"left": 16, "right": 0}}',
           '{"batch": 1, "heads_q": 8, "seqlen_q": 64, "head_dim_qk": 64}', "r.json", "g.png", "b.tgz",
-          "junk.bin", "w.toml", "w.json", "/nonexistent/dir/f", ".", "deadbeef", "--", "-h"]
+          "junk.bin", "w.toml", "w.json", "/nonexistent/dir/f", ".", "deadbeef", "--", "-h", "-"]
 
 
 def _argv(prefix: list[str], flags: list[str], starts=([],)):

@@ -33,11 +33,19 @@ class UsageError(Exception):
 
 
 class Parser(argparse.ArgumentParser):
+    """Every parser of the command: usage errors raise, and flags are written in full
+    (no abbreviations: `--jso` is an error everywhere, not --json in one place and a
+    stray word in another, and a new flag cannot change what an old prefix meant)."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
     def error(self, message: str):  # raise, not exit: main reports it (as JSON with --json) with exit code 2
         raise UsageError(message, self.format_usage())
 
 
-def add_json_flag(parser: argparse.ArgumentParser, help: str | None = "print JSON") -> None:
+def add_json_flag(parser: argparse.ArgumentParser, help: str = "print JSON") -> None:
     # `main` also takes --json anywhere on the line (`fastattn cache --json ls`); this
     # flag is what --help shows.
     parser.add_argument("--json", action="store_true", help=help)
@@ -142,11 +150,23 @@ def age(text: str) -> float:
     return value
 
 
-def output_file(text: str) -> str:
-    """A file the command will write at its end: checked now, so that a long run is
-    not lost to a typo in the path."""
+def input_path(text: str) -> str:
+    """A file (or text) the command reads: never empty (which would otherwise mean "none
+    given") nor `-` (fastattn reads no stdin: a file named `-` is ./-)."""
     if not text:
         raise argparse.ArgumentTypeError("an empty path")
+    if text == "-":
+        raise argparse.ArgumentTypeError("'-' (stdin) is not read here: name a file (./- for a file named -)")
+    return text
+
+
+def output_file(text: str) -> str:
+    """A file the command will write at its end: checked now, so that a long run is
+    not lost to a typo in the path. Never `-`: fastattn's stdout is its report."""
+    if not text:
+        raise argparse.ArgumentTypeError("an empty path")
+    if text == "-":
+        raise argparse.ArgumentTypeError("'-' (stdout) is not written here: name a file (./- for a file named -)")
     path = os.path.abspath(text)
     parent = os.path.dirname(path)
     if os.path.isdir(path):
@@ -159,9 +179,18 @@ def output_file(text: str) -> str:
 
 
 def wrap(text: str, indent: str = "  ", width: int = 100) -> list[str]:
-    """A reason over lines, whole: never cut mid-word (or at all)."""
-    return textwrap.wrap(text, width=width, initial_indent=indent, subsequent_indent=indent + "  ",
-                         break_long_words=False, break_on_hyphens=False) or [indent]
+    """A reason over lines, whole: never cut mid-word (or at all). Each of its own lines
+    starts a line, with its own indentation, so that a list (a LibraryError's missing
+    libraries, "  - ..." each) stays a list; a long line continues two columns in."""
+    out: list[str] = []
+    for line in text.splitlines():
+        body = line.lstrip()
+        if not body:
+            continue
+        own = indent + line[: len(line) - len(body)]
+        out.extend(textwrap.wrap(body, width=width, initial_indent=own, subsequent_indent=own + "  ",
+                                 break_long_words=False, break_on_hyphens=False))
+    return out or [indent]
 
 
 def exit_code(report) -> int:
@@ -184,6 +213,18 @@ def this_environment() -> dict[str, Any] | None:
         return runtime.cache_environment()
     except (LibraryError, CudaError):
         return None
+
+
+def gpu_environment(needed_for: str) -> dict[str, Any]:
+    """This machine's GPU and versions, or the LibraryError or CudaError (exit 3, as on
+    every command) that says why there is none, after what needed one."""
+    from .. import runtime
+    from ..errors import CudaError, LibraryError
+
+    try:
+        return runtime.cache_environment()
+    except (LibraryError, CudaError) as e:
+        raise type(e)(f"{needed_for}: {e}") from None
 
 
 def plain_text(value: Any, indent: str = "") -> str:
@@ -230,7 +271,3 @@ def _lines(value: Any, indent: str) -> list[str]:
         out.append(indent + _scalar(value))
     return out
 
-
-def print_plain(out: dict[str, Any]) -> None:
-    """A result without a handler-made human form."""
-    print(plain_text(out))

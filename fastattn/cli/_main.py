@@ -5,6 +5,7 @@ with --json, stdout is one JSON document on every path)."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import io
 import json
 import os
@@ -17,7 +18,7 @@ from typing import Any, Sequence
 from ..errors import CudaError, CudnnError, InvalidArgumentError, LibraryError
 from . import cache, info, matrix, probe, warm
 from ._common import (EXIT_BAD_INPUT, EXIT_BUG, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_NO_GPU, Parser, UsageError,
-                      print_plain)
+                      plain_text)
 
 # One module per command group; each adds its parser and runs its command.
 _COMMANDS = {"info": info, "probe": probe, "warm": warm, "matrix": matrix, "cache": cache}
@@ -44,6 +45,15 @@ def build_parser() -> Parser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        code = _main(argv)
+        _flush()  # what is still buffered fails here, not at the interpreter's exit
+    except _OutputFailed as e:
+        return _output_failed(e.error)
+    return code
+
+
+def _main(argv: Sequence[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     # --json is one switch for the whole line, wherever it stands (`fastattn cache --json
     # ls`), and known before parsing, so that usage errors are JSON too.
@@ -58,16 +68,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         code, out = _COMMANDS[args.command].run(args)
         _emit(out, args.json)
         return code
+    except _OutputFailed:
+        raise  # main's: whatever the outcome was, it cannot be told on stdout
     except UsageError as e:
         if as_json:
             _print_json({"error": "UsageError", "message": str(e)})
         else:
             sys.stderr.write(f"{e.usage}fastattn: error: {e}\n")
         return EXIT_BAD_INPUT
-    except BrokenPipeError:  # the reader of our output went away (`| head`): nothing more to tell it
-        with contextlib.suppress(OSError, ValueError, AttributeError):
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so that exiting does not complain
-        return EXIT_FAILED
+    except BrokenPipeError as e:  # the reader of our output went away (`| head`)
+        return _output_failed(e)
     except KeyboardInterrupt:
         sys.stderr.write("fastattn: interrupted\n")
         return EXIT_INTERRUPTED
@@ -78,25 +88,66 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _bug(as_json, e, argv)
 
 
+class _OutputFailed(Exception):
+    """A write to stdout failed (a full disk, a closed pipe or descriptor): raised by
+    _write, whatever path the command took, and turned into exit 4 by `main`."""
+
+    def __init__(self, error: OSError):
+        super().__init__(str(error))
+        self.error = error
+
+
+def _write(text: str) -> None:
+    """Every byte `fastattn` prints on stdout goes through here, flushed at once, so
+    that a failed write is known here and not lost (argparse ignores write errors) or
+    met at the interpreter's exit."""
+    if sys.stdout is None:  # started with descriptor 1 closed (`fastattn info >&-`)
+        raise _OutputFailed(OSError(errno.EBADF, "it is closed"))
+    try:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    except OSError as e:
+        raise _OutputFailed(e) from None
+
+
+def _flush() -> None:
+    if sys.stdout is not None:
+        try:
+            sys.stdout.flush()
+        except OSError as e:
+            raise _OutputFailed(e) from None
+
+
+def _output_failed(error: OSError) -> int:
+    """Exit 4 (the work was done, its outcome not delivered) and one line on stderr;
+    none when the reader went away (`| head`): nobody is left to tell."""
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        # What is still buffered goes nowhere, so that exiting does not fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    if error.errno != errno.EPIPE:
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            sys.stderr.write(f"fastattn: cannot write the output to stdout: {error.strerror or error}\n")
+    return EXIT_FAILED
+
+
 class _Exit(Exception):
     def __init__(self, code: int):
         self.code = code
 
 
 def _parse(argv: list[str], as_json: bool):
+    # What argparse prints (--help, --version) is captured and printed by _write: argparse
+    # itself ignores a failed write.
     parser = build_parser()
-    if not as_json:
-        try:
-            return parser.parse_args(argv)
-        except SystemExit as e:  # --help, --version: printed, done
-            raise _Exit(e.code if isinstance(e.code, int) else 0) from None
-    # With --json, what --help and --version print becomes a JSON document.
     text = io.StringIO()
     try:
         with contextlib.redirect_stdout(text):
             return parser.parse_args(argv)
-    except SystemExit as e:
-        _print_json({"output": text.getvalue()})
+    except SystemExit as e:  # --help, --version: printed, done
+        if as_json:  # what they print becomes a JSON document
+            _print_json({"output": text.getvalue()})
+        else:
+            _write(text.getvalue())
         raise _Exit(e.code if isinstance(e.code, int) else 0) from None
 
 
@@ -104,14 +155,12 @@ def _emit(out: dict[str, Any], as_json: bool) -> None:
     text = out.pop("_text", None)  # the human form, when a handler made one
     if as_json:
         _print_json(out)
-    elif text is not None:
-        print(text)
     else:
-        print_plain(out)
+        _write((plain_text(out) if text is None else text) + "\n")
 
 
 def _print_json(value: Any) -> None:
-    print(json.dumps(value, indent=2, sort_keys=True))
+    _write(json.dumps(value, indent=2, sort_keys=True) + "\n")
 
 
 def _fail(as_json: bool, code: int, error: BaseException) -> int:

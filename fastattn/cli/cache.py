@@ -3,22 +3,46 @@
 Through the process's PlanCache (fastattn.runtime.plan_cache()) and its tiers alone.
 Entries are untrusted bytes: a damaged one is listed and verified as damaged (verify
 exits 4), never a traceback. Import and pull fail with exit 4 and say so when the
-cache directory cannot be written.
+cache directory cannot be written, and pull when Redis held entries and every one was
+rejected. What needs this GPU's identity (export and push/pull without --all, import
+without --force, verify --load) is exit 3 where there is no usable GPU, as everywhere.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from typing import Any
 
 from .. import runtime, store, sweep
-from ..errors import CorruptPlanError, InvalidArgumentError, LibraryError
+from ..errors import CorruptPlanError, InvalidArgumentError
 from ..plan_cache import PlanCache, config_of
 from ..store import bundle
 from ..store.entry import decode
-from ._common import EXIT_FAILED, EXIT_OK, Parser, add_json_flag, age, size
+from ._common import (EXIT_FAILED, EXIT_OK, Parser, add_json_flag, age, gpu_environment, input_path, output_file,
+                      size)
 from ._common import this_environment as _this_environment
+
+
+# Each subcommand's exit codes (its --help says them; the README's table is the whole set).
+_EXITS = {
+    "ls": "Exit codes: 0 listed, 2 bad flags.",
+    "show": "Exit codes: 0 shown, 2 no entry, or several, match the key.",
+    "verify": "Exit codes: 0 every entry is good, 3 --load without a usable GPU, 4 damaged entries (with --load, "
+              "also entries that do not load).",
+    "prune": "Exit codes: 0 pruned, 2 neither --max-bytes nor --max-age, or the cache is off.",
+    "clear": "Exit codes: 0 cleared, 2 the cache is off.",
+    "export": "Exit codes: 0 written, 2 a bad path or an existing file (without --force), 3 no usable GPU to "
+              "choose this GPU's entries by (without --all).",
+    "import": "Exit codes: 0 imported, 2 a refused bundle or a cache that is not writable by configuration, 3 no "
+              "usable GPU to check the bundle against (without --force), 4 the cache directory cannot be written.",
+    "push": "Exit codes: 0 pushed, 2 no remote tier, 3 no usable GPU to choose this GPU's entries by (without "
+            "--all), 4 Redis unreachable.",
+    "pull": "Exit codes: 0 pulled, 2 no remote tier or a cache that is not writable by configuration, 3 no usable "
+            "GPU to choose this GPU's entries by (without --all), 4 Redis unreachable, the cache directory cannot be "
+            "written, or every entry Redis holds was rejected (unsigned, signed with another secret, damaged).",
+}
 
 
 def add_parser(sub) -> None:
@@ -30,7 +54,7 @@ def add_parser(sub) -> None:
                        ("export", "write entries to a bundle"), ("import", "add a bundle's entries"),
                        ("push", "publish the local entries to the Redis tier (FASTATTN_REMOTE_CACHE)"),
                        ("pull", "fetch the Redis tier's entries for this GPU and cuDNN into the local cache")):
-        c = csub.add_parser(name, help=text)
+        c = csub.add_parser(name, help=text, description=f"{text[0].upper()}{text[1:]}. {_EXITS[name]}")
         add_json_flag(c)
         if name == "show":
             c.add_argument("key", help="an entry's key or a unique prefix of it")
@@ -40,11 +64,13 @@ def add_parser(sub) -> None:
             c.add_argument("--max-bytes", type=size, help="keep at most this much (e.g. 500M, 2G)")
             c.add_argument("--max-age", type=age, help="remove entries unused for this long (e.g. 12h, 30d)")
         if name == "export":
-            c.add_argument("bundle")
+            c.add_argument("bundle", type=output_file, help="the bundle file to write (never `-`)")
             c.add_argument("--all", action="store_true", help="every entry, not only this GPU's and cuDNN's")
+            c.add_argument("--force", action="store_true", help="replace the bundle file if it exists")
         if name == "import":
-            c.add_argument("bundle")
-            c.add_argument("--force", action="store_true", help="import entries made for another GPU or cuDNN")
+            c.add_argument("bundle", type=input_path, help="the bundle file to read (never `-`)")
+            c.add_argument("--force", action="store_true",
+                           help="import entries made for another GPU or cuDNN (or without a GPU to check them)")
         if name in ("push", "pull"):
             c.add_argument("--all", action="store_true", help="every entry, not only this GPU's and cuDNN's")
 
@@ -115,9 +141,8 @@ def _show(args, cache: PlanCache) -> tuple[int, dict[str, Any]]:
 
 
 def _verify(args, cache: PlanCache) -> tuple[int, dict[str, Any]]:
-    env = _this_environment() if args.load else None
-    if args.load and env is None:
-        raise LibraryError("cache verify --load needs a usable GPU; run without --load to check checksums only")
+    env = gpu_environment("cache verify --load needs a usable GPU (without --load it checks checksums only)") \
+        if args.load else None
     rows = []
     for tier, info in cache.store.entries():
         row = {"key": info.key, "path": info.path, "status": "ok", "reason": ""}
@@ -167,11 +192,12 @@ def _clear(args, cache: PlanCache) -> tuple[int, dict[str, Any]]:
 
 
 def _export(args, cache: PlanCache) -> tuple[int, dict[str, Any]]:
+    if os.path.lexists(args.bundle) and not args.force:
+        raise InvalidArgumentError(f"{args.bundle}: the file exists; --force replaces it")
     keep = None
     if not args.all:
-        env = _this_environment()
-        if env is None:
-            raise InvalidArgumentError("no usable GPU here to choose entries by: use --all to export every entry")
+        env = gpu_environment("cache export chooses this GPU's entries, and there is no usable GPU here "
+                              "(--all exports every entry)")
         keep = lambda description: store.environment_of(description) == env  # noqa: E731
     try:
         count = bundle.export_bundle(cache.store.tiers, args.bundle, keep=keep, secret=cache.settings.secret)
@@ -197,7 +223,10 @@ def _cannot_write(message: str, out: dict[str, Any]) -> tuple[int, dict[str, Any
 def _import(args, cache: PlanCache) -> tuple[int, dict[str, Any]]:
     main = _writable_main(cache)
     try:
-        report = bundle.import_bundle(args.bundle, main, environment=_this_environment(), force=args.force,
+        env = _this_environment() if args.force else gpu_environment(
+            "cache import checks a bundle's entries against this GPU, and there is no usable GPU here "
+            "(--force imports without checking)")
+        report = bundle.import_bundle(args.bundle, main, environment=env, force=args.force,
                                       secret=cache.settings.secret)
     except bundle.BundleWriteError as e:
         return _cannot_write(str(e), {"imported": None, "already_present": None})
@@ -222,9 +251,8 @@ def _keep_for(args):
     """Which entries to move: this GPU's and cuDNN's, or with --all every one."""
     if args.all:
         return lambda description: True
-    env = _this_environment()
-    if env is None:
-        raise InvalidArgumentError("no usable GPU here to choose entries by: use --all to move every entry")
+    env = gpu_environment(f"cache {args.cache_command} chooses this GPU's entries, and there is no usable GPU here "
+                          "(--all moves every entry)")
     return lambda description: store.environment_of(description) == env
 
 
@@ -260,7 +288,8 @@ def _pull(args, cache: PlanCache) -> tuple[int, dict[str, Any]]:
     keep = _keep_for(args)
     pulled, present, rejected = 0, 0, 0
     try:
-        for key in list(remote.keys()):
+        keys = list(remote.keys())
+        for key in keys:
             if main.signature(key) is not None:
                 present += 1
                 continue
@@ -277,10 +306,18 @@ def _pull(args, cache: PlanCache) -> tuple[int, dict[str, Any]]:
                 pulled += written
     except (OSError, *_redis_errors()) as e:
         raise ConnectionError(f"remote cache {remote.name}: {e}") from None
-    return EXIT_OK, {"pulled": pulled, "already_present": present, "rejected": rejected, "remote": remote.name,
-                     "_text": f"pulled {pulled} entries from {remote.name} into {main.root}"
-                              + (f" ({present} already here)" if present else "")
-                              + (f"; {rejected} rejected (see the warnings)" if rejected else "")}
+    out = {"pulled": pulled, "already_present": present, "rejected": rejected, "remote": remote.name,
+           "_text": f"pulled {pulled} entries from {remote.name} into {main.root}"
+                    + (f" ({present} already here)" if present else "")
+                    + (f"; {rejected} rejected (see the warnings)" if rejected else "")}
+    if rejected and rejected == len(keys):
+        # Nothing Redis holds is usable here: most likely another signing secret
+        # (FASTATTN_CACHE_HMAC_KEY) than the machines that pushed. Not a success.
+        message = (f"every entry of {remote.name} was rejected ({rejected}: unsigned, signed with another secret, "
+                   "or damaged; see the warnings)")
+        print(f"fastattn: {message}", file=sys.stderr)
+        return EXIT_FAILED, {**out, "error": "AllRejected", "message": message}
+    return EXIT_OK, out
 
 
 def _redis_errors() -> tuple:

@@ -7,7 +7,8 @@ from typing import Any
 from .. import _fields
 from ..config import DTYPES, FIELDS, MASKS, AttentionConfig
 from ..errors import InvalidArgumentError
-from ._common import EXIT_OK, EXIT_UNSUPPORTED, add_json_flag, choices, exit_code, integer, ints, output_file, wrap
+from ._common import (EXIT_NO_GPU, EXIT_OK, EXIT_UNSUPPORTED, add_json_flag, choices, exit_code, integer, ints,
+                      output_file, wrap)
 
 # fastattn matrix --features: name -> (config fields it sets, what it means), from the
 # field registry (each feature field's `feature`).
@@ -17,26 +18,33 @@ _MASK_LABELS = {"causal_bottom_right": "causal_br"}
 
 
 def add_parser(sub) -> None:
-    matrix = sub.add_parser("matrix", help="probe a grid of configs and show which cuDNN supports on this GPU")
+    matrix = sub.add_parser("matrix", help="probe a grid of configs and show which cuDNN supports on this GPU",
+                            description="Probe a grid of configs (every combination of the values given) and show "
+                            "which cuDNN supports on this GPU, with its reasons. Exit codes: 0 the grid was made "
+                            "(refusals included), 2 bad flags, or a flag value none of whose configs is valid "
+                            "(--features bias_grad without --training), 3 no usable GPU, 4 some configs failed.")
     matrix.add_argument("--head-dims", type=ints, default=[64, 96, 128, 192, 256], metavar="D,D,...",
                         help="head_dim_qk values (head_dim_v the same)")
-    matrix.add_argument("--masks", type=choices(MASKS), default=list(MASKS), metavar="M,M,...")
+    matrix.add_argument("--masks", type=choices(MASKS), default=list(MASKS), metavar="M,M,...",
+                        help=f"masks, of {', '.join(MASKS)} (default: all)")
     # FP8 columns on request (--dtypes bf16,fp8_e4m3): the default grid stays the 16-bit one.
     matrix.add_argument("--dtypes", type=choices(DTYPES), default=["fp16", "bf16"], metavar="T,T,...",
                         help=f"q/k/v dtypes, of {', '.join(DTYPES)} (default fp16,bf16)")
     matrix.add_argument("--gqa", type=ints, default=[1, 4], metavar="R,R,...",
                         help="heads_q / heads_kv ratios (1: MHA); each must divide --heads")
-    matrix.add_argument("--seqlens", type=ints, default=[1024], metavar="S,S,...")
+    matrix.add_argument("--seqlens", type=ints, default=[1024], metavar="S,S,...",
+                        help="seqlen_q values (seqlen_kv the same; default 1024)")
     matrix.add_argument("--features", type=choices(tuple(MATRIX_FEATURES)), default=["dense"], metavar="F,F,...",
                         help="what each column adds: " + ", ".join(f"{n} ({d})" for n, (_, d) in
                                                                     MATRIX_FEATURES.items()))
-    matrix.add_argument("--heads", type=integer(1), default=8, help="heads_q")
-    matrix.add_argument("--batch", type=integer(1), default=1)
+    matrix.add_argument("--heads", type=integer(1), default=8, help="heads_q (default 8)")
+    matrix.add_argument("--batch", type=integer(1), default=1, help="batch (default 1)")
     matrix.add_argument("--training", action="store_true", help="also build backward graphs")
-    matrix.add_argument("--workers", type=integer(1), default=None)
-    matrix.add_argument("--device", type=integer(0), default=None)
+    matrix.add_argument("--workers", type=integer(1), default=None,
+                        help="worker processes, as for fastattn warm (default: min(8, CPUs))")
+    matrix.add_argument("--device", type=integer(0), default=None, help="CUDA device (default: current)")
     matrix.add_argument("--png", type=output_file, help="also draw a heatmap to this PNG file (needs matplotlib)")
-    add_json_flag(matrix, help=None)
+    add_json_flag(matrix, help="print every cell (config, status, reason, engines) as JSON")
 
 
 def run(args) -> tuple[int, dict[str, Any]]:
@@ -47,7 +55,8 @@ def run(args) -> tuple[int, dict[str, Any]]:
     for ratio in args.gqa:  # before any work: a grid with a hole is no answer
         if args.heads % ratio:
             raise InvalidArgumentError(f"--gqa {ratio}: --heads {args.heads} is not a multiple of it")
-    plt = _pyplot() if args.png else None
+    if args.png:
+        _check_matplotlib()
     configs, axes, invalid = [], [], []
     for d, mask, dtype, ratio, s, feature in itertools.product(args.head_dims, args.masks, args.dtypes, args.gqa,
                                                                args.seqlens, args.features):
@@ -62,7 +71,9 @@ def run(args) -> tuple[int, dict[str, Any]]:
             continue
         configs.append(cfg)
         axes.append(axis)
+    _refuse_values_without_configs(args, axes, invalid)
     report = warm(configs, workers=args.workers, device=args.device)
+    code = exit_code(report)
     rows = [{**a, "status": i.status, "reason": i.reason, "forward_engine": i.forward_engine,
              "backward_engine": i.backward_engine} for a, i in zip(axes, report.items)] + invalid
     ok = {"built", "loaded"}
@@ -77,16 +88,40 @@ def run(args) -> tuple[int, dict[str, Any]]:
     for d in dict.fromkeys(args.head_dims):
         lines.append(f"{d:>8} " + " ".join(mark[(d, *c)].rjust(width) for c in cols))
     reasons = sorted({r["reason"] for r in rows if r["status"] not in ok})
-    if reasons:
-        lines.append("reasons:")
+    if code == EXIT_NO_GPU:  # a grid of FAIL cells answers nothing: the reason, once, and no heatmap
+        lines = ["fastattn matrix: no usable GPU here, so nothing was probed:"]
         for r in reasons:
             lines.extend(wrap(r))
-    if plt is not None:
-        _heatmap(plt, args.png, list(dict.fromkeys(args.head_dims)), cols, mark)
-        lines.append(f"heatmap written to {args.png}")
+        if args.png:
+            lines.append(f"no heatmap written to {args.png}: no usable GPU")
+    else:
+        if reasons:
+            lines.append("reasons:")
+            for r in reasons:
+                lines.extend(wrap(r))
+        if args.png:
+            _heatmap(_pyplot(), args.png, list(dict.fromkeys(args.head_dims)), cols, mark)
+            lines.append(f"heatmap written to {args.png}")
     out = {"configs": rows, "counts": report.counts, "_text": "\n".join(lines)}
-    code = exit_code(report)
     return (EXIT_OK if code == EXIT_UNSUPPORTED else code), out  # refusals are the grid's answer, not a failure
+
+
+# The grid's axes: (row key, args attribute, flag), in the order a refusal names them:
+# the feature first, whose rules are fastattn's own (bias_grad needs --training, paged
+# has no backward).
+_AXES = (("feature", "features", "--features"), ("dtype", "dtypes", "--dtypes"), ("mask", "masks", "--masks"),
+         ("gqa", "gqa", "--gqa"), ("seqlen", "seqlens", "--seqlens"), ("head_dim", "head_dims", "--head-dims"))
+
+
+def _refuse_values_without_configs(args, valid: list[dict[str, Any]], invalid: list[dict[str, Any]]) -> None:
+    """A flag value none of whose configs is valid (`--features bias_grad` without
+    --training) asks cuDNN nothing: a usage error, before any work or GPU. An n/a cell
+    is left only where values that are each valid somewhere do not combine."""
+    for axis, dest, flag in _AXES:
+        for value in dict.fromkeys(getattr(args, dest)):
+            if not any(a[axis] == value for a in valid):
+                reason = next(r["reason"] for r in invalid if r[axis] == value)
+                raise InvalidArgumentError(f"{flag} {value}: no config of the grid with it is valid ({reason})")
 
 
 def _column(c) -> str:
@@ -94,15 +129,29 @@ def _column(c) -> str:
     return f"{_MASK_LABELS.get(m, m)}/{t}/g{g}/s{s}" + ("" if f == "dense" else f"/{f}")
 
 
+def _check_matplotlib() -> None:
+    """--png needs matplotlib: checked before the grid is probed (not after), without
+    importing it (an import builds its font cache, for a heatmap that may never be
+    drawn: without a GPU there is none)."""
+    import importlib.util
+
+    try:
+        found = importlib.util.find_spec("matplotlib") is not None
+    except (ImportError, ValueError):
+        found = False
+    if not found:
+        raise InvalidArgumentError("--png needs matplotlib (pip install matplotlib)")
+
+
 def _pyplot():
-    """matplotlib's pyplot, checked before the grid is probed (not after)."""
+    """matplotlib's pyplot, drawing to files only."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-    except ImportError:
-        raise InvalidArgumentError("--png needs matplotlib (pip install matplotlib)") from None
+    except ImportError as e:
+        raise InvalidArgumentError(f"--png needs matplotlib, which does not import here ({e})") from None
     return plt
 
 

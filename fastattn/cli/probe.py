@@ -8,10 +8,11 @@ import json
 import os
 from typing import Any
 
-from .. import _fields, perf_notes
+from .. import _fields, perf_notes, sweep
 from ..config import FIELDS, AttentionConfig
 from ..errors import InvalidArgumentError
-from ._common import EXIT_OK, EXIT_UNSUPPORTED, add_json_flag, integer, number
+from ._common import EXIT_OK, EXIT_UNSUPPORTED, add_json_flag, input_path, integer, number
+
 
 def flag(field: dataclasses.Field) -> str:
     return "--" + field.name.replace("_", "-")
@@ -21,7 +22,9 @@ def add_parser(sub) -> None:
     probe = sub.add_parser("probe", help="ask cuDNN whether it supports one attention config on this GPU",
                            description="Ask cuDNN whether it supports one attention config on this GPU. Exit code "
                            "0: supported, 1: not supported (with cuDNN's reason), 2: bad input, 3: no usable GPU.")
-    probe.add_argument("--config", help="a JSON file, or JSON text, with AttentionConfig fields; flags override it")
+    probe.add_argument("--config", type=input_path,
+                       help="a config file as `fastattn warm` reads it (JSON or TOML) holding one config, or JSON "
+                            "text of its fields; flags override it")
     # One flag per config field, from the field registry: its kind says how the flag parses.
     required = probe.add_argument_group("required config fields (unless --config gives them)")
     optional = probe.add_argument_group("other config fields")
@@ -49,7 +52,7 @@ def add_parser(sub) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> AttentionConfig:
-    fields: dict[str, Any] = dict(_config_option(args.config)) if args.config else {}
+    fields, where = _config_option(args.config) if args.config is not None else ({}, None)
     for f in FIELDS:
         value = getattr(args, f.name)
         if value is not None:
@@ -57,31 +60,32 @@ def config_from_args(args: argparse.Namespace) -> AttentionConfig:
     missing = [flag(f) for f in FIELDS if _fields.is_required(f) and f.name not in fields]
     if missing:
         raise InvalidArgumentError(f"missing {', '.join(missing)} (required, unless --config gives them)")
-    return AttentionConfig.from_dict(fields)
+    if where is None:  # flags alone: nothing sweeps
+        return AttentionConfig.from_dict(fields)
+    configs = sweep.expand_entry(fields, where)
+    if len(configs) != 1:
+        raise InvalidArgumentError(f"--config {args.config!r}: sweeps {len(configs)} configs; probe takes one "
+                                   "(fastattn warm takes sweeps)")
+    return configs[0]
 
 
-def _config_option(option: str) -> dict[str, Any]:
-    """--config: a file when one is there, else JSON text."""
-    text = option
+def _config_option(option: str) -> tuple[dict[str, Any], str]:
+    """--config: a config file as `fastattn warm` reads it (JSON or TOML: one config's
+    fields, or a "configs" list of one), else JSON text; the fields of its one entry,
+    and where they came from (for messages)."""
     if os.path.exists(option):
-        try:
-            with open(option, encoding="utf-8") as f:
-                text = f.read()
-        except (OSError, UnicodeDecodeError) as e:
-            raise InvalidArgumentError(f"--config {option!r}: {getattr(e, 'strerror', None) or e}") from None
-    elif not option.lstrip().startswith(("{", "[", '"')) and not _looks_like_json(option):
+        entries, where = sweep.read_entries(option)
+    elif option.lstrip().startswith(("{", "[", '"')) or _looks_like_json(option):
+        entries, where = sweep.entries_in_text(option, f"--config {option!r}")
+    else:
         raise InvalidArgumentError(f"--config {option!r}: no such file, and not JSON text")
-    try:
-        loaded = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise InvalidArgumentError(f"--config {option!r}: not valid JSON: line {e.lineno}, column {e.colno}: "
-                                   f"{e.msg}") from None
-    except RecursionError:
-        raise InvalidArgumentError(f"--config {option!r}: not valid JSON: nested too deeply") from None
-    if not isinstance(loaded, dict):
-        raise InvalidArgumentError(f"--config {option!r}: must be a JSON object of AttentionConfig fields, "
-                                   f"not {type(loaded).__name__}")
-    return loaded
+    if len(entries) != 1:
+        raise InvalidArgumentError(f"--config {option!r}: holds {len(entries)} entries; probe takes one config "
+                                   "(fastattn warm takes many)")
+    if not isinstance(entries[0], dict):
+        raise InvalidArgumentError(f"{where[0]}: must be an object (TOML: a table) of AttentionConfig fields, "
+                                   f"not {type(entries[0]).__name__}")
+    return dict(entries[0]), where[0]
 
 
 def _looks_like_json(text: str) -> bool:

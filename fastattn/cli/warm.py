@@ -8,17 +8,24 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 from ..errors import InvalidArgumentError
-from ._common import add_json_flag, exit_code, integer, number, output_file, wrap
+from ._common import (EXIT_FAILED, EXIT_NO_GPU, EXIT_OK, EXIT_UNSUPPORTED, add_json_flag, exit_code, input_path,
+                      integer, number, output_file, wrap)
 
 if TYPE_CHECKING:
     from ..warm import WarmItem
 
 
 def add_parser(sub) -> None:
-    warm = sub.add_parser("warm", help="load or build every config a file describes, and store them")
-    warm.add_argument("file", nargs="?", help="JSON or TOML config file with sweeps (default: built-in model shapes)")
+    warm = sub.add_parser("warm", help="load or build every config a file describes, and store them",
+                          description="Load or build every config a file describes (default: built-in model "
+                          "shapes) in parallel worker processes, and store them in the persistent cache. Exit codes: "
+                          "0 every config stored, 1 some not supported by cuDNN (their refusals stored), 2 bad input, "
+                          "3 no usable GPU, 4 some configs failed, or answers built now are not in the cache at the "
+                          "end (it cannot be written, or keeps nothing: counted as not saved, with the reason).")
+    warm.add_argument("file", nargs="?", type=input_path,
+                      help="JSON or TOML config file with sweeps (default: built-in model shapes)")
     warm.add_argument("--workers", type=integer(1), default=None, help="worker processes (default: min(8, CPUs))")
-    warm.add_argument("--device", type=integer(0), default=None)
+    warm.add_argument("--device", type=integer(0), default=None, help="CUDA device (default: current)")
     warm.add_argument("--report", type=output_file, help="write the full report as JSON to this file")
     add_json_flag(warm, help="print the report as JSON")
     warm.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -53,7 +60,7 @@ def run(args) -> tuple[int, dict[str, Any]]:
     from .. import sweep
     from ..warm import warm
 
-    configs = sweep.load_configs(args.file) if args.file else sweep.builtin_configs()
+    configs = sweep.load_configs(args.file) if args.file is not None else sweep.builtin_configs()
     torch_ops = None
     if _wants_torch_ops(args.torch_ops):
         # A compiler process beside the plans' workers, where fastattn.torch can run at
@@ -72,24 +79,56 @@ def run(args) -> tuple[int, dict[str, Any]]:
                 json.dump(out, f, indent=2, sort_keys=True)
         except OSError as e:
             raise InvalidArgumentError(f"--report {args.report!r}: {e.strerror}") from None
+    code = exit_code(report)
+    if report.not_saved and code in (EXIT_OK, EXIT_UNSUPPORTED):
+        code = EXIT_FAILED  # a pre-warm that left the cache without its answers did not do its work
+    for warning in report.warnings:  # the workers' own, which would otherwise end in their logs
+        print(f"fastattn: warning: {warning}", file=sys.stderr)
+    if torch_ops is not None:
+        out["torch_ops"] = torch_ops.result()
+    if code == EXIT_NO_GPU:  # one reason for every config: said once, not once per config
+        out["_text"] = "\n".join(_no_gpu_text(report))
+    else:
+        out["_text"] = "\n".join(_table(report) + ([f"torch op library: {out['torch_ops']['result']}"]
+                                                   if torch_ops is not None else []))
+    return code, out
+
+
+def _summary(report) -> str:
+    return (f"{len(report.items)} configs in {report.seconds:.1f} s, {report.processes} worker processes "
+            f"(at most {report.workers})")
+
+
+def _table(report) -> list[str]:
+    from .. import sweep
+
     c = report.counts
     lines = [f"{'status':<12} {'seconds':>8}  config", "-" * 72]
     previous = None
     for item in report.items:
-        lines.append(f"{item.status:<12} {item.seconds:8.3f}  {sweep.describe_config(item.config)}")
+        status = "not saved" if item.saved is False else item.status  # built, and lost: not "built"
+        lines.append(f"{status:<12} {item.seconds:8.3f}  {sweep.describe_config(item.config)}")
         if item.status in ("unsupported", "failed"):
             why = f"{item.error_type + ': ' if item.error_type else ''}{item.reason}"
             lines.extend(wrap("(the same as above)" if why == previous else why, indent=" " * 22))
             previous = why
     lines.append("-" * 72)
-    lines.append(f"{len(report.items)} configs in {report.seconds:.1f} s, {report.processes} worker processes "
-                 f"(at most {report.workers}): "
-                 f"loaded {c['loaded']}, built {c['built']}, unsupported {c['unsupported']}, failed {c['failed']}")
-    if torch_ops is not None:
-        out["torch_ops"] = torch_ops.result()
-        lines.append(f"torch op library: {out['torch_ops']['result']}")
-    out["_text"] = "\n".join(lines)
-    return exit_code(report), out
+    lines.append(f"{_summary(report)}: loaded {c['loaded']}, built {c['built']}, unsupported {c['unsupported']}, "
+                 f"failed {c['failed']}" + (f", not saved {report.not_saved}" if report.not_saved else ""))
+    if report.not_saved:
+        lines.extend(wrap(f"not saved: {report.not_saved} answers built now are not in the cache, so the next run "
+                          f"builds them again: {report.not_saved_reason}", indent=""))
+    return lines
+
+
+def _no_gpu_text(report) -> list[str]:
+    """Every config failed for want of a GPU stack: each distinct reason once (a
+    LibraryError lists what is missing, a line each), and a closing line that says so."""
+    lines = ["fastattn warm: no usable GPU here, so no config was loaded or built:"]
+    for why in dict.fromkeys(f"{i.error_type}: {i.reason}" for i in report.items):
+        lines.extend(wrap(why))
+    lines.append(f"{_summary(report)}: no usable GPU, all {len(report.items)} failed")
+    return lines
 
 
 def _wants_torch_ops(flag: bool | None) -> bool:

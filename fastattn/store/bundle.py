@@ -7,7 +7,8 @@ path from a validated key: whatever names the archive holds, nothing is written
 outside the cache directory. A bundle with any member other than the manifest and
 well-named entries, or whose checksums or keys disagree, is refused whole.
 
-With a signing secret (store.signing), export signs the manifest (which holds every
+Export writes the bundle as entries are written: 0600, atomically. With a signing
+secret (store.signing), export signs the manifest (which holds every
 entry's sha256) and import refuses a bundle that is unsigned or signed otherwise.
 
 A bundle is untrusted bytes: whatever it holds (a truncated gzip stream, a tar cut
@@ -19,13 +20,16 @@ BundleWriteError (an OSError) after importing what it could.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import io
 import json
 import lzma
+import os
 import re
 import tarfile
+import tempfile
 import time
 import zlib
 from dataclasses import dataclass, field
@@ -93,9 +97,27 @@ def export_bundle(stores: Iterable[DiskStore], path: str, *,
         if secret is not None:
             manifest["signature"] = _manifest_mac(secret, manifest)
         _add(tar, "manifest.json", json.dumps(manifest, indent=1, sort_keys=True).encode())
-    with open(path, "wb") as f:
-        f.write(buf.getvalue())
+    _write_private(path, buf.getvalue())
     return len(manifest["entries"])
+
+
+def _write_private(path: str, data: bytes) -> None:
+    """Writes `path` as the cache writes entries: mode 0600 (mkstemp's, whatever the
+    umask; a bundle is native code and, signed, a credential's work), and atomically
+    (a temporary file in the same folder, renamed): a reader, or a bundle being
+    replaced, sees the old file or the new one, never part of one."""
+    folder = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.tmp-", dir=folder)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 def _add(tar: tarfile.TarFile, name: str, data: bytes) -> None:

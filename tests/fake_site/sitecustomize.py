@@ -11,3 +11,31 @@ if os.environ.get("FASTATTN_TEST_FAKE_CORE") == "1":
     from fastattn import runtime
 
     fake_core.install(runtime)
+
+# FASTATTN_TEST_READONLY_FS=<dir>: writes under <dir> fail as on a read-only mount
+# (EROFS), which a test cannot otherwise make for a process running as root.
+_readonly = os.environ.get("FASTATTN_TEST_READONLY_FS")
+if _readonly:
+    import errno
+
+    _real_open, _real_mkdir = os.open, os.mkdir
+    _root = os.path.abspath(_readonly)
+
+    def _inside(path) -> bool:
+        try:
+            p = os.path.abspath(os.fsdecode(path))
+        except TypeError:  # a descriptor
+            return False
+        return p == _root or p.startswith(_root + os.sep)
+
+    def _open(path, flags, mode=0o777, *, dir_fd=None):
+        if flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT) and _inside(path):
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), path)
+        return _real_open(path, flags, mode, dir_fd=dir_fd)
+
+    def _mkdir(path, mode=0o777, *, dir_fd=None):
+        if _inside(path):
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), path)
+        return _real_mkdir(path, mode, dir_fd=dir_fd)
+
+    os.open, os.mkdir = _open, _mkdir
