@@ -357,6 +357,14 @@ def libraries() -> dict[str, str]:
     return {"cudnn": libs.cudnn, "cudart": libs.cudart, "nvrtc": libs.nvrtc, "cublasLt": libs.cublaslt}
 
 
+def cudnn_location() -> dict[str, str | None]:
+    """Which libcudnn the first GPU call would load and why, loading nothing (the wheel,
+    its version, the file): what `fastattn info` says on a machine without a GPU too."""
+    from ._loader import cudnn_location as find
+
+    return find()
+
+
 def versions() -> dict[str, Any]:
     """fastattn's version, the cudnn-frontend and cuDNN headers it was built against,
     and the cuDNN loaded at run time (None before the first GPU call)."""

@@ -20,7 +20,7 @@ def run(args) -> tuple[int, dict[str, Any]]:
     out: dict[str, Any] = {"versions": runtime.versions()}
     # Which cuDNN the first GPU call takes (the wheel, its version, the file), said
     # without a GPU too: after `pip install torch`, torch's pinned wheel.
-    out["cudnn_library"] = _loader.cudnn_location()
+    out["cudnn_library"] = runtime.cudnn_location()
     cache = runtime.plan_cache().store
     out["cache"] = {
         "directory": cache.settings.directory,
