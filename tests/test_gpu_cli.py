@@ -61,23 +61,25 @@ def test_matrix_on_the_gpu(tmp_path):
 
 def test_matrix_every_registry_feature_on_the_gpu(tmp_path):
     # The feature columns come from the field registry; each must reach cuDNN as a config
-    # it answers (built or refused with a reason), never a failure.
+    # it answers (built or refused with a reason), never a failure. A feature no config
+    # of the mode can have is a usage error (exit 2) before any GPU work: bias_grad
+    # needs --training, paged is forward only.
     from fastattn.cli.matrix import MATRIX_FEATURES
 
-    features = ",".join(MATRIX_FEATURES)
-    for training in (False, True):
-        code, out, err = fastattn(tmp_path / "cache", "matrix", "--head-dims", "64,128", "--masks", "causal",
-                                  "--dtypes", "bf16", "--gqa", "1", "--seqlens", "256", "--features", features,
-                                  "--workers", "4", *(["--training"] if training else []))
+    for training, impossible in ((False, "bias_grad"), (True, "paged")):
+        features = [f for f in MATRIX_FEATURES if f != impossible]
+        flags = ["--head-dims", "64,128", "--masks", "causal", "--dtypes", "bf16", "--gqa", "1", "--seqlens", "256",
+                 "--workers", "4", *(["--training"] if training else [])]
+        code, out, err = fastattn(tmp_path / "cache", "matrix", *flags, "--features", ",".join(features))
         assert code == 0, err
-        assert len(out["configs"]) == 2 * len(MATRIX_FEATURES)
+        assert len(out["configs"]) == 2 * len(features)
         for r in out["configs"]:
-            assert r["status"] in ("built", "loaded", "unsupported", "invalid"), r
+            assert r["status"] in ("built", "loaded", "unsupported"), r
             assert r["status"] in ("built", "loaded") or r["reason"], r
         by = {(r["head_dim"], r["feature"]): r["status"] for r in out["configs"]}
         assert by[(128, "dense")] in ("built", "loaded")
-        if training:
-            assert by[(128, "paged")] == "invalid"  # forward only: fastattn's rule, no cuDNN question
+        code, refused, err = fastattn(tmp_path / "cache", "matrix", *flags, "--features", impossible)
+        assert code == 2 and f"--features {impossible}" in refused["message"], (refused, err)
 
 
 def test_probe_with_registry_flags_on_the_gpu(tmp_path):
