@@ -103,6 +103,9 @@ struct Config {
     // names others. With an FP8 dtype the graphs are cuDNN's FP8 ones and take the
     // FP8 slots (per-tensor float32 descales, scales and amaxes, (1, 1, 1, 1)).
     DType out_dtype = DType::kFp16, grad_dtype = DType::kFp16;
+    // Logit soft-capping: scores become softcap * tanh(score / softcap) after scaling,
+    // before any mask (Gemma 2, Grok); 0: none.
+    float softcap = 0.0f;
 };
 
 // The tensors a plan can take at execute (fastattn_abi.h's slot table). A graph takes

@@ -56,6 +56,7 @@ cdef extern from "fastattn.h" namespace "fastattn" nogil:
         cbool sinks
         int64_t page_size, num_pages
         DType out_dtype, grad_dtype
+        float softcap
 
     # Anonymous: Cython indexes arrays only with plain integer constants.
     cdef enum:

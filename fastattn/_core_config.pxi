@@ -73,4 +73,5 @@ cdef Config _c_config(cfg) except *:
     c.num_pages = cfg.num_pages
     c.out_dtype = _dtype(cfg.out_dtype)
     c.grad_dtype = _dtype(cfg.grad_dtype)
+    c.softcap = cfg.softcap or 0.0
     return c

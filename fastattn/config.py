@@ -182,6 +182,9 @@ class AttentionConfig:
         page_table_v (batch, 1, ceil(seqlen_kv / page_size), 1) list each sequence's
         pages; seqlen_kv is the longest KV sequence. Needs padding. 0 (default): dense.
       num_pages: pages in each pool (default batch * ceil(seqlen_kv / page_size)).
+      softcap: logit soft-capping (Gemma 2, Grok): scores become softcap *
+        tanh(score / softcap) after scaling, before masking; forward and backward.
+        None (default): none. cuDNN decides what it combines with (the probe says).
 
     Raises InvalidArgumentError (a ValueError) naming the field and value.
     """
@@ -261,6 +264,11 @@ class AttentionConfig:
                           feature=("paged", {"padding": True, "page_size": 64}, "paged KV, 64-token pages"))
     num_pages: int | None = spec("int", None, help="with a paged KV cache: pages in each pool (default batch * "
                                  "ceil(seqlen_kv / page_size))")
+    softcap: float | None = spec("positive", None, off=None, help="logit soft-capping: scores become softcap * "
+                                 "tanh(score / softcap) after scaling, before masking (Gemma 2)",
+                                 family=lambda c: c.softcap is not None,
+                                 describe=lambda c: f"softcap{c.softcap:g}" if c.softcap else None,
+                                 feature=("softcap", {"softcap": 50.0}, "logit soft-capping at 50"))
 
     def __post_init__(self) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen)

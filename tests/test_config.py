@@ -1,6 +1,7 @@
 """AttentionConfig: validation of every field, canonical form, JSON round trip, strides."""
 
 import json
+import re
 import struct
 import math
 
@@ -342,3 +343,19 @@ def test_from_dict_errors_name_the_field():
         AttentionConfig.from_dict([1, 2])
     with pytest.raises(InvalidArgumentError, match=r"^config=42"):
         AttentionConfig.coerce(42)
+
+
+def test_softcap_is_a_positive_float32_left_out_of_the_canonical_form_when_unset():
+    plain = cfg()
+    assert plain.softcap is None and "softcap" not in plain.to_json()  # old configs' keys are unchanged
+    capped = cfg(softcap=30)
+    assert capped.softcap == 30.0 and json.loads(capped.to_json())["softcap"] == 30.0
+    assert AttentionConfig.from_json(capped.to_json()) == capped and capped != plain
+    assert cfg(softcap=0.1).softcap == struct.unpack("f", struct.pack("f", 0.1))[0]  # what cuDNN gets
+
+
+@pytest.mark.parametrize("value,why", [(0, "> 0"), (-1.0, "> 0"), (math.inf, "> 0"), (math.nan, "> 0"),
+                                       (True, "a number"), ("30", "a number"), (1e39, "float32"), (1e-50, "float32")])
+def test_softcap_refuses_what_is_not_a_cap(value, why):
+    with pytest.raises(InvalidArgumentError, match=rf"^softcap={re.escape(repr(value))}: .*{why}"):
+        cfg(softcap=value)

@@ -112,7 +112,7 @@ def test_from_json_refuses_anything_but_json_text_of_an_object(text):
 def test_optional_features_are_the_fields_marked_off():
     assert _OPTIONAL_FEATURES == {"padding": False, "alibi": False, "ragged": False, "bias": "none",
                                   "bias_grad": False, "dropout": 0.0, "host_seed": False, "sinks": False,
-                                  "page_size": 0, "alignment": "top_left"}
+                                  "page_size": 0, "alignment": "top_left", "softcap": None}
 
 
 def _old_kernel_family(config):  # fastattn.warm's hand-written tuple before the registry, as a reference
@@ -156,7 +156,7 @@ def test_every_field_has_a_probe_flag_and_help():
 
 def test_matrix_features_come_from_the_registry_and_are_valid():
     assert set(MATRIX_FEATURES) == {"dense", "padding", "ragged", "paged", "bias", "bias_grad", "alibi", "dropout",
-                                    "sinks", "window_br"}
+                                    "sinks", "window_br", "softcap"}
     for name, (settings_, _) in MATRIX_FEATURES.items():
         training = name == "bias_grad"
         AttentionConfig(**BASE, training=training, **settings_)

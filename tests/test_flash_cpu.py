@@ -101,12 +101,15 @@ def _calls_with(**extra):
 
 
 @pytest.mark.parametrize("index", range(7))
-def test_softcap_is_refused_by_every_function(index):
-    with pytest.raises(NotSupportedError, match=r"^softcap=30.0: cuDNN's fused attention has no logit soft-capping"):
-        _calls_with(softcap=30.0)[index]()
-    _calls_with(softcap=0)[index]()  # 0 is FlashAttention's "off"
+def test_softcap_reaches_every_function_and_is_checked(index):
+    # softcap runs in cuDNN's graph now (its score modifier): every function takes it and
+    # hands it on (meta tensors here: the shapes come back); 0 is FlashAttention's "off".
+    _calls_with(softcap=30.0)[index]()
+    _calls_with(softcap=0)[index]()
     with pytest.raises(InvalidArgumentError, match=r"^softcap='30': must be a number"):
         _calls_with(softcap="30")[index]()
+    with pytest.raises(InvalidArgumentError, match=r"^softcap=-1.0: must be a finite number > 0"):
+        _calls_with(softcap=-1.0)[index]()
 
 
 @pytest.mark.parametrize("call,match", [

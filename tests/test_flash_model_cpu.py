@@ -21,7 +21,7 @@ import test_gpu_flash as G  # noqa: E402
 from gpu_helpers import alibi_slopes  # noqa: E402
 
 
-def _one(q, k, v, causal, window, scale, shift, alibi=False):
+def _one(q, k, v, causal, window, scale, shift, alibi=False, softcap=0.0):
     """One sequence, (h, sq, d) float64, fastattn's convention: query i sees keys j with
     i + shift - left <= j <= i + shift + right (causal: right 0). (out, lse)."""
     hq, sq, d = q.shape
@@ -30,6 +30,8 @@ def _one(q, k, v, causal, window, scale, shift, alibi=False):
         return q.new_zeros(hq, sq, v.shape[2]), q.new_full((hq, sq), float("inf"))
     k, v = k.repeat_interleave(hq // hk, 0), v.repeat_interleave(hq // hk, 0)
     s = (d ** -0.5 if scale is None else scale) * q @ k.transpose(-1, -2)
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
     i, j = torch.arange(sq)[:, None], torch.arange(sk)[None, :]
     if alibi:  # cuDNN's: slope * (j - i) at the top left
         s = s + torch.from_numpy(alibi_slopes(hq))[:, None, None] * (j - i)
@@ -53,7 +55,7 @@ def _one(q, k, v, causal, window, scale, shift, alibi=False):
 
 def model_attention(q, k, v, *, causal=False, causal_bottom_right=False, window=None, scale=None, layout="bshd",
                     deterministic=False, seq_lens_q=None, seq_lens_kv=None, alibi=False, bias=None, dropout_p=0.0,
-                    sinks=None, alignment="top_left", return_lse=False):
+                    sinks=None, alignment="top_left", return_lse=False, softcap=0.0):
     assert layout == "bshd" and bias is None and sinks is None and isinstance(deterministic, bool)
     if dropout_p:
         pytest.skip("dropout: the model has none (the GPU run checks it)")
@@ -65,7 +67,7 @@ def model_attention(q, k, v, *, causal=False, causal_bottom_right=False, window=
         lk = sk if seq_lens_kv is None else int(seq_lens_kv[n])
         shift = lk - lq if alignment == "bottom_right" or causal_bottom_right else 0
         o, lse = _one(*(t[n, :m].double().transpose(0, 1) for t, m in ((q, lq), (k, lk), (v, lk))),
-                      causal or causal_bottom_right, window, scale, shift, alibi)
+                      causal or causal_bottom_right, window, scale, shift, alibi, softcap)
         outs.append(torch.cat([o.transpose(0, 1), o.new_zeros(sq - lq, *o.shape[::2])]))
         lses.append(torch.cat([lse, lse.new_zeros(lse.shape[0], sq - lq)], 1))
     out = torch.stack(outs).to(q.dtype)
@@ -73,7 +75,8 @@ def model_attention(q, k, v, *, causal=False, causal_bottom_right=False, window=
 
 
 def model_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, causal=False, causal_bottom_right=False, window=None,
-                 scale=None, deterministic=False, alignment="top_left", alibi=False, dropout_p=0.0, return_lse=False):
+                 scale=None, deterministic=False, alignment="top_left", alibi=False, dropout_p=0.0, return_lse=False,
+                 softcap=0.0):
     if dropout_p:
         pytest.skip("dropout: the model has none (the GPU run checks it)")
     outs, lses = [], []
@@ -81,7 +84,8 @@ def model_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, causal=False, causal_bott
         a, z, ak, zk = int(cu_q[n]), int(cu_q[n + 1]), int(cu_k[n]), int(cu_k[n + 1])
         shift = (zk - ak) - (z - a) if alignment == "bottom_right" or causal_bottom_right else 0
         o, lse = _one(q[a:z].double().transpose(0, 1), k[ak:zk].double().transpose(0, 1),
-                      v[ak:zk].double().transpose(0, 1), causal or causal_bottom_right, window, scale, shift, alibi)
+                      v[ak:zk].double().transpose(0, 1), causal or causal_bottom_right, window, scale, shift, alibi,
+                      softcap)
         outs.append(o.transpose(0, 1))
         lses.append(lse)
     out = torch.cat(outs).to(q.dtype)
@@ -89,13 +93,14 @@ def model_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, causal=False, causal_bott
 
 
 def model_paged(q, k_cache, v_cache, table, lengths, *, seq_lens_q=None, causal=False, causal_bottom_right=False,
-                window=None, scale=None, alignment=None):
+                window=None, scale=None, alignment=None, softcap=0.0):
     b, per_seq, page = table.shape[0], table.shape[1], k_cache.shape[1]
     k = k_cache[table.long()].reshape(b, per_seq * page, *k_cache.shape[2:])
     v = v_cache[table.long()].reshape(b, per_seq * page, *v_cache.shape[2:])
     assert alignment is not None or not (causal or window)
     return model_attention(q, k, v, causal=causal, causal_bottom_right=causal_bottom_right, window=window,
-                           scale=scale, seq_lens_q=seq_lens_q, seq_lens_kv=lengths, alignment=alignment or "top_left")
+                           scale=scale, seq_lens_q=seq_lens_q, seq_lens_kv=lengths, alignment=alignment or "top_left",
+                           softcap=softcap)
 
 
 @pytest.fixture
@@ -151,3 +156,12 @@ def test_alibi(model, batched):
 
 def test_scale(model):
     G.test_softmax_scale_and_deterministic()
+
+
+@pytest.mark.parametrize("causal,window", G.SOFTCAP_MASKS)
+def test_softcap(model, causal, window):
+    G.test_softcap_forward_lse_and_backward(torch.float16, causal, window)
+
+
+def test_softcap_varlen_and_kvcache(model):
+    G.test_softcap_in_varlen_and_kvcache()

@@ -36,10 +36,11 @@ def poison():
     del x
 
 
-def reference(q, k, v, causal, window, scale=None, alibi=None, seqlen_k=None):
+def reference(q, k, v, causal, window, scale=None, alibi=None, seqlen_k=None, softcap=0.0):
     """FlashAttention in float64 on dense (b, s, h, d) tensors, every sequence at full
     length: (out (b, sq, h, dv), lse (b, h, sq)). GQA by repeating k and v; alibi: FA's
-    bias -slope * |i + sk - sq - j|, slopes (h,) or (b, h)."""
+    bias -slope * |i + sk - sq - j|, slopes (h,) or (b, h); softcap: FA's softcap *
+    tanh(score / softcap) on the scaled scores, before the bias and the mask."""
     q, k, v = (t.double() for t in (q, k, v))
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
@@ -47,6 +48,8 @@ def reference(q, k, v, causal, window, scale=None, alibi=None, seqlen_k=None):
     qh = q.permute(0, 2, 1, 3)
     kh, vh = (t.permute(0, 2, 1, 3).repeat_interleave(h // hk, 1) for t in (k, v))
     s = scale * qh @ kh.transpose(-1, -2)
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
     i = torch.arange(sq, device=q.device)[:, None]
     j = torch.arange(sk, device=q.device)[None, :]
     if alibi is not None:
@@ -129,6 +132,59 @@ def test_softmax_scale_and_deterministic():
     first = torch.autograd.grad(out, (q, k, v), d_o, retain_graph=True)
     again = torch.autograd.grad(out, (q, k, v), d_o)
     assert all(torch.equal(a, b) for a, b in zip(first, again))
+
+
+SOFTCAP_MASKS = ((False, (-1, -1)), (True, (-1, -1)), (False, (32, 16)))
+
+
+@pytest.mark.parametrize("dtype", (torch.float16, torch.bfloat16))
+@pytest.mark.parametrize("causal,window", SOFTCAP_MASKS)
+def test_softcap_forward_lse_and_backward(dtype, causal, window):
+    # Scores spread wide (q scaled up) so that the cap bites: the capped answer differs
+    # from the uncapped one by far more than the tolerance, and matches float64's.
+    q = (randn(2, 200, 8, 64, dtype=torch.float32) * 6).to(dtype).requires_grad_()
+    k, v = (randn(2, 170, 2, 64, dtype=dtype, grad=True) for _ in range(2))
+    out, lse, _ = flash.flash_attn_func(q, k, v, causal=causal, window_size=window, softcap=5.0,
+                                        return_attn_probs=True)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref, ref_lse = reference(q64, k64, v64, causal, window, softcap=5.0)
+    assert rel(out, ref) < FWD_TOL[dtype]
+    assert rel(reference(q64, k64, v64, causal, window)[0].detach(), ref.detach()) > 10 * FWD_TOL[dtype]
+    check_lse(lse, ref_lse)
+    check_grads(out, ref, (q, k, v), (q64, k64, v64), dtype)
+
+
+def test_softcap_in_varlen_and_kvcache():
+    dtype = torch.bfloat16
+    lens = [37, 120, 64]
+    cu = torch.tensor([0, *itertools.accumulate(lens)], device=DEV, dtype=torch.int32)
+    q = (randn(sum(lens), 4, 64, dtype=torch.float32) * 6).to(dtype)
+    k, v = (randn(sum(lens), 2, 64, dtype=dtype) for _ in range(2))
+    out = flash.flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens), causal=True, softcap=4.0)
+    for a, n in zip(cu.tolist(), lens):
+        ref, _ = reference(*(t[None, a:a + n] for t in (q, k, v)), True, (-1, -1), softcap=4.0)
+        assert rel(out[a:a + n], ref[0]) < FWD_TOL[dtype]
+    # decode against a dense and a paged cache: the cap applies to every cached key
+    b, sk = 2, 96
+    qd = (randn(b, 1, 4, 64, dtype=torch.float32) * 6).to(dtype)
+    kc, vc = (randn(b, sk, 2, 64, dtype=dtype) for _ in range(2))
+    lengths = torch.tensor([sk, 50], device=DEV, dtype=torch.int32)
+    dense = flash.flash_attn_with_kvcache(qd, kc, vc, cache_seqlens=lengths, causal=True, softcap=4.0)
+    pages = kc.reshape(b * sk // 16, 16, 2, 64), vc.reshape(b * sk // 16, 16, 2, 64)
+    table = torch.arange(b * sk // 16, device=DEV, dtype=torch.int32).reshape(b, sk // 16)
+    paged = flash.flash_attn_with_kvcache(qd, *pages, cache_seqlens=lengths, block_table=table, causal=True,
+                                          softcap=4.0)
+    for n, m in enumerate(lengths.tolist()):
+        ref, _ = reference(qd[n:n + 1], kc[n:n + 1, :m], vc[n:n + 1, :m], True, (-1, -1), softcap=4.0)
+        assert rel(dense[n:n + 1], ref) < FWD_TOL[dtype]
+        assert rel(paged[n:n + 1], ref) < FWD_TOL[dtype]
+
+
+def test_softcap_with_alibi_is_cudnns_refusal():
+    q, k, v = (randn(1, 128, 4, 64, dtype=torch.float16) for _ in range(3))
+    slopes = torch.tensor(flash.standard_alibi_slopes(4), device=DEV, dtype=torch.float32)
+    with pytest.raises(fastattn.NotSupportedError, match="score mod"):
+        flash.flash_attn_func(q, k, v, causal=True, alibi_slopes=slopes, softcap=5.0)
 
 
 @pytest.mark.parametrize("batched", (False, True))

@@ -50,6 +50,8 @@ def reference(q, k, v, cfg, layout):
     k64, v64 = k64.repeat_interleave(group, 1), v64.repeat_interleave(group, 1)
     mask = torch.from_numpy(allowed(cfg)).to(q.device)
     s = cfg.scale * q64 @ k64.transpose(-1, -2)
+    if cfg.softcap:
+        s = cfg.softcap * torch.tanh(s / cfg.softcap)
     if cfg.alibi:
         i = torch.arange(cfg.seqlen_q, device=q.device)[:, None]
         j = torch.arange(cfg.seqlen_kv, device=q.device)[None, :]
@@ -96,6 +98,35 @@ def test_forward_and_gradients_match_float64(dtype, mask, heads, dims, layout):
     ref_grads = torch.autograd.grad(ref, (q64, k64, v64), to_bhsd(d_o, layout).double())
     for g, rg in zip(grads, ref_grads):
         assert rel(g, rg) < BWD_TOL[dtype]
+
+
+@pytest.mark.parametrize("mask,layout,padded", [("causal", "bshd", False), ("causal_bottom_right", "bhsd", True),
+                                                ("none", "bhsd", False)])
+def test_softcap_forward_and_gradients_match_float64(mask, layout, padded):
+    # Both paths (the fixture): the C entry reads softcap, the Python body checks it. The
+    # padded case runs the padding mask inside the score modifier (apply_softcap).
+    dtype, sq, skv = torch.bfloat16, 160, 224
+    cfg = AttentionConfig(batch=2, heads_q=4, heads_kv=2, seqlen_q=sq, seqlen_kv=skv, head_dim_qk=64, mask=mask,
+                          softcap=3.0)
+    q = (torch.randn(from_bhsd_shape((2, 4, sq, 64), layout), device="cuda") * 5).to(dtype).requires_grad_()
+    k, v = (torch.randn(from_bhsd_shape((2, 2, skv, 64), layout), device="cuda", dtype=dtype, requires_grad=True)
+            for _ in range(2))
+    lens = torch.full((2,), sq, device="cuda", dtype=torch.int32) if padded else None
+    lens_kv = torch.full((2,), skv, device="cuda", dtype=torch.int32) if padded else None
+    o = fastattn.torch.attention(q, k, v, causal=mask == "causal", causal_bottom_right=mask == "causal_bottom_right",
+                                 layout=layout, softcap=3.0, seq_lens_q=lens, seq_lens_kv=lens_kv)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref = reference(q64, k64, v64, cfg, layout)
+    assert rel(to_bhsd(o, layout), ref) < FWD_TOL[dtype]
+    uncapped = reference(q64, k64, v64, cfg.replace(softcap=None), layout)
+    assert rel(uncapped.detach(), ref.detach()) > 10 * FWD_TOL[dtype]  # the cap bites
+    d_o = torch.randn_like(o)
+    grads = torch.autograd.grad(o, (q, k, v), d_o)
+    ref_grads = torch.autograd.grad(ref, (q64, k64, v64), to_bhsd(d_o, layout).double())
+    for g, rg in zip(grads, ref_grads):
+        assert rel(g, rg) < BWD_TOL[dtype]
+    with pytest.raises(fastattn.InvalidArgumentError, match="softcap=-1.0"):
+        fastattn.torch.attention(q, k, v, softcap=-1.0, layout=layout)
 
 
 def test_cuda_tensor_mismatched_devices_and_cpu_errors():

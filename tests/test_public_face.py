@@ -247,6 +247,7 @@ ALLOWED_PRIVATE_IMPORTS = {
         "(test_cli's test_a_second_warm_finds_the_op_library_without_importing_torch), and importing "
         "fastattn.torch imports torch, so backend_info() cannot answer it"),
     ("fastattn.torch._dense", "fastattn._fields"): _RESHAPE,
+    ("fastattn.torch._options", "fastattn._fields"): _FIELDS,
     ("fastattn.torch._plans", "fastattn._fields"): _RESHAPE,
     ("fastattn.torch._varlen", "fastattn._fields"): _RESHAPE,
     ("fastattn.torch._native", "fastattn._opslib"): _RESHAPE,

@@ -20,7 +20,7 @@ torch = pytest.importorskip("torch", reason="PyTorch is an optional extra (pip i
 
 import fastattn  # noqa: E402
 import fastattn.torch  # noqa: E402
-from torch_helpers import assert_options_mean_the_same  # noqa: E402
+from torch_helpers import SOFTCAPS, assert_options_mean_the_same, assert_softcap_means_the_same  # noqa: E402
 from fastattn.torch import _dense, _native, _options, _paged, _plans, _varlen  # noqa: E402
 
 
@@ -227,14 +227,14 @@ def test_the_only_eager_entry_takes_attentions_own_arguments(lib):
     assert not hasattr(lib, "attention")  # the 13-argument entry with bit-packed flags is gone
     q, k, v = dense(device="cpu")
     assert lib.call(*call_args(q, k, v, causal=True)) is NotImplemented  # CPU tensors: the Python body reports
-    with pytest.raises(TypeError, match=r"17 positional arguments \(3 given\)"):
+    with pytest.raises(TypeError, match=r"18 positional arguments \(3 given\)"):
         lib.call(q, k, v)
 
 
 # attention()'s 17 arguments in its order, for lib.call / lib.read_call.
 CALL_DEFAULTS = dict(causal=False, causal_bottom_right=False, window=None, scale=None, layout="bshd",
                      deterministic=False, seq_lens_q=None, seq_lens_kv=None, alibi=False, bias=None, dropout_p=0.0,
-                     sinks=None, alignment="top_left", return_lse=False)
+                     sinks=None, alignment="top_left", return_lse=False, softcap=0.0)
 
 
 def call_args(q, k, v, **kw):
@@ -254,11 +254,10 @@ _alignment = st.sampled_from(["top_left", "bottom_right", "bottom-right", "", No
 _dropout = st.one_of(st.sampled_from([0.0, -0.0, 0, False, None, "0", np.float64(0.0), 2**70, -(2**70)]),
                      st.floats(-1, 2))
 _lse = st.sampled_from([False, True, 0, None])
-
-
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(causal=_any_bool, causal_bottom_right=_any_bool, window=_window, scale=_scale, layout=_layout,
        deterministic=_any_bool, alibi=_any_bool, dropout_p=_dropout, alignment=_alignment, return_lse=_lse,
+       softcap=SOFTCAPS,
        lens=st.sampled_from(["none", "q", "both", "kv only"]), extras=st.booleans())
 def test_call_takes_only_values_the_python_body_takes_with_the_same_meaning(lib, lens, extras, **kw):
     # What the C entry takes must be what attention()'s Python body would accept, with
@@ -273,7 +272,8 @@ def test_call_takes_only_values_the_python_body_takes_with_the_same_meaning(lib,
     got = lib.read_call(*call_args(q, k, v, **kw))
     if got is None:
         return
-    layout, causal, bottom_right, deterministic, alibi, left, right, scale, lens_kv = got
+    layout, causal, bottom_right, deterministic, alibi, left, right, scale, lens_kv, softcap = got
+    assert_softcap_means_the_same(kw["softcap"], softcap)
     assert kw["layout"] in _plans.AXES and layout == _options.LAYOUTS.index(kw["layout"])
     assert_options_mean_the_same(kw, causal, bottom_right, deterministic, alibi, left, right, scale)
     assert lens != "kv only" and lens_kv == (lens != "none")
@@ -298,7 +298,7 @@ def test_call_hands_back_what_it_does_not_run(lib):
     assert lib.call(*call_args(*dense())) is NotImplemented  # meta
     assert lib.call(*call_args(q, "k", v)) is NotImplemented
     assert lib.call(*call_args(q, k, v, dropout_p=0.1)) is NotImplemented
-    with pytest.raises(TypeError, match=r"17 positional arguments \(3 given\)"):
+    with pytest.raises(TypeError, match=r"18 positional arguments \(3 given\)"):
         lib.call(q, k, v)
 
 

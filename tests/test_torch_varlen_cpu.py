@@ -12,13 +12,13 @@ from hypothesis import strategies as st
 torch = pytest.importorskip("torch", reason="PyTorch is an optional extra (pip install torch)")
 
 import fastattn  # noqa: E402
-from torch_helpers import assert_options_mean_the_same  # noqa: E402
+from torch_helpers import SOFTCAPS, assert_options_mean_the_same, assert_softcap_means_the_same  # noqa: E402
 from fastattn.torch import _native, _varlen  # noqa: E402
 
 
 # attention_varlen()'s 16 arguments after the tensors' 5, in its order.
 DEFAULTS = dict(max_seqlen_q=64, max_seqlen_kv=64, causal=False, causal_bottom_right=False, window=None, scale=None,
-                deterministic=False, alignment="top_left", alibi=False, dropout_p=0.0, return_lse=False)
+                deterministic=False, alignment="top_left", alibi=False, dropout_p=0.0, return_lse=False, softcap=0.0)
 
 
 def packed(device="meta", tokens=(48, 48), hq=4, hkv=2, dqk=8, dv=8, dtype=torch.bfloat16, batch=3):
@@ -49,12 +49,13 @@ _lse = st.sampled_from([False, True, 0, None])
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(max_seqlen_q=_length, max_seqlen_kv=_length, causal=_any_bool, causal_bottom_right=_any_bool, window=_window,
        scale=_scale, deterministic=_any_bool, alignment=_alignment, alibi=_any_bool, dropout_p=_dropout,
-       return_lse=_lse)
+       return_lse=_lse, softcap=SOFTCAPS)
 def test_call_varlen_takes_only_values_the_python_body_takes_with_the_same_meaning(lib, **kw):
     got = lib.read_varlen_call(*args(packed(), **kw))
     if got is None:
         return  # the Python body takes the call, and checks and reports
-    max_q, max_kv, causal, bottom_right, deterministic, alibi, left, right, scale = got
+    max_q, max_kv, causal, bottom_right, deterministic, alibi, left, right, scale, softcap = got
+    assert_softcap_means_the_same(kw["softcap"], softcap)
     for name in ("max_seqlen_q", "max_seqlen_kv"):  # the body's own check
         n = kw[name]
         assert not isinstance(n, bool) and isinstance(n, int) and n >= 1
@@ -123,9 +124,9 @@ def test_call_varlen_hands_back_what_it_does_not_run(lib):
     q, k, v, cu, _ = packed(device="cpu")
     assert lib.call_varlen(*args((q, "k", v, cu, cu))) is NotImplemented
     assert lib.call_varlen(*args(packed(device="cpu"), dropout_p=0.1)) is NotImplemented
-    with pytest.raises(TypeError, match=r"16 positional arguments \(3 given\)"):
+    with pytest.raises(TypeError, match=r"17 positional arguments \(3 given\)"):
         lib.call_varlen(q, k, v)
-    with pytest.raises(TypeError, match=r"16 positional arguments \(2 given\)"):
+    with pytest.raises(TypeError, match=r"17 positional arguments \(2 given\)"):
         lib.read_varlen_call(q, k)
 
 

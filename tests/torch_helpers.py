@@ -2,7 +2,9 @@
 
 import threading
 
+import numpy as np
 import torch
+from hypothesis import strategies as st
 
 import fastattn.torch
 
@@ -62,3 +64,15 @@ def assert_options_mean_the_same(kw, causal, bottom_right, deterministic, alibi,
     assert (deterministic, alibi) == (kw["deterministic"], kw["alibi"])
     assert _fields.check("probability", "dropout_p", kw["dropout_p"]) == 0.0
     assert kw["return_lse"] is False
+
+
+# softcap values an entry point's C entry must take as its Python body does, or hand back.
+SOFTCAPS = st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.integers(-2, 2),
+                     st.sampled_from([0.0, -0.0, 30.0, 1e-50, 1e39, "30", None, True, np.float32(30.0)]))
+
+
+def assert_softcap_means_the_same(given, got):
+    """What a C entry runs with is what _options.softcap makes of the argument."""
+    from fastattn.torch import _options
+
+    assert got == _options.softcap(given)

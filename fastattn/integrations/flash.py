@@ -18,7 +18,7 @@ Built on fastattn.torch's entry points (attention, attention_varlen, attention_p
 whose plans, caches and per-call costs they share. What differs from FlashAttention:
 
 - Arguments cuDNN cannot honour raise NotSupportedError naming them, never silently
-  ignored: softcap != 0, rotary_cos / rotary_sin, cache_leftpad, block_table in varlen,
+  ignored: rotary_cos / rotary_sin, cache_leftpad, block_table in varlen,
   alibi_slopes other than the ALiBi paper's (cuDNN computes its own) or without causal,
   return_attn_probs with dropout_p > 0 (FlashAttention then returns the dropout pattern,
   S_dmask, which cuDNN does not expose), return_softmax_lse with a paged cache. cuDNN's
@@ -76,13 +76,6 @@ def _mask(causal, window_size, seqlen_k: int) -> tuple[bool, tuple[int, int] | N
     if right == 0:
         causal = True
     return causal, (None if (left, right) == _UNBOUNDED else (left, right))
-
-
-def _no_softcap(softcap) -> None:
-    if softcap != 0.0:
-        value = _fields.number("softcap", softcap)
-        if value != 0.0:
-            raise NotSupportedError(f"softcap={softcap!r}: cuDNN's fused attention has no logit soft-capping")
 
 
 def _alibi(alibi_slopes, heads: int, batch: int, causal: bool) -> bool:
@@ -174,7 +167,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     dropout_p: applied whenever > 0 (pass 0 in evaluation, as with FlashAttention).
     softmax_scale: default 1 / sqrt(headdim).
     causal, window_size: bottom-right aligned (see the module doc).
-    softcap: only 0.0. alibi_slopes: only the standard slopes, with causal.
+    softcap: logit soft-capping, softcap * tanh(score / softcap), in cuDNN's graph (0.0:
+      none; fastattn.torch.attention's). alibi_slopes: only the standard slopes, with causal.
     deterministic: a deterministic backward.
     return_attn_probs: also return softmax_lse, float32 (batch, nheads, seqlen_q), and
       S_dmask (None: dropout_p must be 0).
@@ -185,7 +179,6 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     sq = _shape(q, "q", 4, "(batch, seqlen_q, nheads, headdim)")[1]
     sk = _shape(k, "k", 4, "(batch, seqlen_k, nheads_k, headdim)")[1]
     causal, window = _mask(causal, window_size, sk)
-    _no_softcap(softcap)
     dropout_p = _common(dropout_p, return_attn_probs)
     alibi = _alibi(alibi_slopes, q.shape[2], q.shape[0], causal)
     deterministic = _deterministic(deterministic, return_attn_probs, q, k, v)
@@ -193,8 +186,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     empty = sq - sk - right if right >= 0 else 0
     if empty > 0:
         return _with_empty_rows(q, k, v, empty, causal, window, softmax_scale, deterministic, alibi, dropout_p,
-                                return_attn_probs)
-    out = _dense(q, k, v, causal, window, softmax_scale, deterministic, alibi, dropout_p, return_attn_probs)
+                                return_attn_probs, softcap)
+    out = _dense(q, k, v, causal, window, softmax_scale, deterministic, alibi, dropout_p, return_attn_probs, softcap)
     return (*out, None) if return_attn_probs else out
 
 
@@ -208,7 +201,7 @@ def _fa_lse(out, lse: bool):
     return o, stats.masked_fill(stats == float("-inf"), float("inf"))
 
 
-def _dense(q, k, v, causal, window, scale, deterministic, alibi, dropout_p, lse):
+def _dense(q, k, v, causal, window, scale, deterministic, alibi, dropout_p, lse, softcap):
     sq, sk = q.shape[1], k.shape[1]
     # Where seqlen_q == seqlen_k both diagonals are one: the top-left graph then (which
     # cuDNN also builds with dropout and ALiBi) is the same answer as FlashAttention's.
@@ -218,17 +211,18 @@ def _dense(q, k, v, causal, window, scale, deterministic, alibi, dropout_p, lse)
         lens_q, lens_k = _full(q, q.shape[0], sq), _full(q, q.shape[0], sk)
     return _fa_lse(attention(q, k, v, causal=causal, window=window, scale=scale, deterministic=deterministic,
                              seq_lens_q=lens_q, seq_lens_kv=lens_k, alibi=alibi, dropout_p=dropout_p,
-                             alignment="bottom_right" if bottom else "top_left", return_lse=lse), lse)
+                             alignment="bottom_right" if bottom else "top_left", return_lse=lse,
+                             softcap=softcap), lse)
 
 
-def _with_empty_rows(q, k, v, empty, causal, window, scale, deterministic, alibi, dropout_p, lse):
+def _with_empty_rows(q, k, v, empty, causal, window, scale, deterministic, alibi, dropout_p, lse, softcap):
     """The first `empty` queries see no key (the bottom-right diagonal passes above them:
     more queries than keys): FlashAttention writes 0 and an LSE of +inf there. The rest run
     alone, a slice of q whose bottom-right diagonal is the same (the shift grows with the
     rows cut), so cuDNN never sees a row without keys; a causal mask then has as many
     queries as keys, where the top-left graph (with dropout and ALiBi) is the same one."""
     b, _, h, _ = q.shape
-    out = _dense(q[:, empty:], k, v, causal, window, scale, deterministic, alibi, dropout_p, lse)
+    out = _dense(q[:, empty:], k, v, causal, window, scale, deterministic, alibi, dropout_p, lse, softcap)
     o, stats = out if lse else (out, None)
     o = torch.cat([o.new_zeros(b, empty, h, o.shape[3]), o], 1)
     if not lse:
@@ -274,7 +268,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
       to a power of two; a window bound >= max_seqlen_k is unbounded, as FlashAttention's).
     causal, window_size: bottom-right aligned per sequence (see the module doc); with one
       cu_seqlens tensor for q and k both diagonals are one (the top-left graph runs).
-    dropout_p, alibi_slopes: as flash_attn_func (alibi_slopes (nheads,) or (batch,
+    dropout_p, softcap, alibi_slopes: as flash_attn_func (alibi_slopes (nheads,) or (batch,
       nheads)); cuDNN takes them with a top-left diagonal only, so with causal or a
       window, pass the same cu_seqlens tensor for q and k.
     block_table: only None (paged varlen: use flash_attn_with_kvcache).
@@ -285,7 +279,6 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     if block_table is not None:
         raise NotSupportedError("block_table: fastattn.flash has no paged varlen attention (cuDNN's paged plans are "
                                 "forward only and fixed-batch); flash_attn_with_kvcache takes a block table")
-    _no_softcap(softcap)
     dropout_p = _common(dropout_p, return_attn_probs)
     if isinstance(max_seqlen_k, bool) or not isinstance(max_seqlen_k, int):
         raise InvalidArgumentError(f"max_seqlen_k={max_seqlen_k!r}: must be an int >= 1")
@@ -300,7 +293,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     out = _fa_lse(attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
                                    window=window, scale=softmax_scale, deterministic=deterministic,
                                    alignment="bottom_right" if bottom else "top_left", alibi=alibi,
-                                   dropout_p=dropout_p, return_lse=return_attn_probs), return_attn_probs)
+                                   dropout_p=dropout_p, return_lse=return_attn_probs, softcap=softcap),
+                  return_attn_probs)
     return (*out, None) if return_attn_probs else out
 
 
@@ -383,7 +377,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     block_table: int32 (batch, max_num_blocks_per_seq): each sequence's pages.
     causal, window_size: bottom-right aligned per sequence: query i sees keys up to
       cache_seqlens + seqlen_new - seqlen_q + i (see the module doc).
-    rotary_cos, rotary_sin, cache_leftpad, softcap != 0, alibi_slopes: NotSupportedError.
+    softcap: as flash_attn_func.
+    rotary_cos, rotary_sin, cache_leftpad, alibi_slopes: NotSupportedError.
     rotary_interleaved: checked; used only with rotary (as FlashAttention).
     num_splits: an int >= 0, no effect (cuDNN chooses).
     return_softmax_lse: also return softmax_lse, float32 (batch, nheads, seqlen_q); not
@@ -397,7 +392,6 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                              ("alibi_slopes", alibi_slopes, "ALiBi at the bottom-right diagonal")):
         if value is not None:
             raise NotSupportedError(f"{name}: cuDNN's fused attention has no {why}; pass None")
-    _no_softcap(softcap)
     _fields.check("bool", "rotary_interleaved", rotary_interleaved)
     _fields.check("int", "num_splits", num_splits)
     lse = _fields.check("bool", "return_softmax_lse", return_softmax_lse)
@@ -428,7 +422,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             lengths = lengths + k.shape[1]
         if block_table is not None:
             return attention_paged(q, k_cache, v_cache, block_table, lengths, causal=causal, window=window,
-                                   scale=softmax_scale, alignment="bottom_right")
+                                   scale=softmax_scale, alignment="bottom_right", softcap=softcap)
         if cache_batch_idx is not None:
             if (not isinstance(cache_batch_idx, torch.Tensor) or cache_batch_idx.dtype not in (torch.int32, torch.int64)
                     or tuple(cache_batch_idx.shape) != (batch,)):
@@ -436,4 +430,4 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             k_cache, v_cache = k_cache.index_select(0, cache_batch_idx), v_cache.index_select(0, cache_batch_idx)
         return _fa_lse(attention(q, k_cache, v_cache, causal=causal, window=window, scale=softmax_scale,
                                  seq_lens_q=_full(q, batch, sq), seq_lens_kv=lengths, alignment="bottom_right",
-                                 return_lse=lse), lse)
+                                 return_lse=lse, softcap=softcap), lse)

@@ -57,7 +57,7 @@ def plan_for(q, k, v, o, seq_len_q, seq_len_kv, bias, sink, options: DenseOption
         padding=seq_len_q is not None,
         alibi=options.alibi,
         bias="none" if bias is None else _bias_shape(q, bias, layout), bias_grad=options.bias_grad,
-        dropout=options.dropout, sinks=sink is not None,
+        dropout=options.dropout, sinks=sink is not None, softcap=options.softcap or None,
     )
     return remember(key, cfg, q, k, v, layout)
 
@@ -260,7 +260,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
               layout: str = "bshd", deterministic: bool = False, seq_lens_q: torch.Tensor | None = None,
               seq_lens_kv: torch.Tensor | None = None, alibi: bool = False, bias: torch.Tensor | None = None,
               dropout_p: float = 0.0, sinks: torch.Tensor | None = None, alignment: str = "top_left",
-              return_lse: bool = False):
+              return_lse: bool = False, softcap: float = 0.0):
     """Scaled dot-product attention on cuDNN's fused kernels, with autograd.
 
     q: (batch, seqlen_q, heads_q, head_dim_qk) for layout="bshd" (FlashAttention's order;
@@ -301,6 +301,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
       log), float32 (batch, heads_q, seqlen_q), FlashAttention's softmax_lse: returns
       (o, lse), lse without a gradient. It makes the call a training one (the plan with
       its backward), whose forward writes these stats.
+    softcap: logit soft-capping (Gemma 2): scores become softcap * tanh(score / softcap)
+      after scaling, before masking, in cuDNN's graph (its score modifier); forward and
+      backward. 0.0 (default): none. cuDNN decides what it combines with: a refusal is a
+      NotSupportedError with its reason (cudnn-frontend 1.28 refuses it with ALiBi).
 
     Raises InvalidArgumentError (a ValueError) for CPU tensors, mismatched devices,
     dtypes or shapes, NotSupportedError when cuDNN refuses the config.
@@ -312,7 +316,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
             # they are when they need no conversion; NotImplemented hands the call to
             # the body below, which checks and reports.
             o = call(q, k, v, causal, causal_bottom_right, window, scale, layout, deterministic, seq_lens_q,
-                     seq_lens_kv, alibi, bias, dropout_p, sinks, alignment, return_lse)
+                     seq_lens_kv, alibi, bias, dropout_p, sinks, alignment, return_lse, softcap)
             if o is not NotImplemented:
                 return o
     if layout not in AXES:
@@ -329,6 +333,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     causal = bool(causal or causal_bottom_right)
     if return_lse.__class__ is not bool:
         _fields.check("bool", "return_lse", return_lse)
+    if softcap.__class__ is not float or softcap != 0.0:  # (0.0, the common call, needs no check)
+        softcap = _options.softcap(softcap)
     plain = bias is None and sinks is None and not dropout_p  # the common call
     if plain:
         extras = _NO_EXTRAS
@@ -345,10 +351,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     training = grads or bool(return_lse)
     if plain:
         options = _new(DenseOptions, (layout, causal, br, left, right, scale, bool(deterministic), bool(alibi),
-                                      training, 0.0, False))
+                                      training, 0.0, False, softcap))
     else:
         options = DenseOptions(layout, causal, br, left, right, scale, bool(deterministic), bool(alibi), training,
-                               float(dropout_p), bool(grads and bias is not None and bias.requires_grad))
+                               float(dropout_p), bool(grads and bias is not None and bias.requires_grad), softcap)
     if return_lse:
         if cuda and plain_eager(q):
             o, stats = (EagerWithStats.apply(RULE, options, q, k, v, seq_lens_q, seq_lens_kv, *extras) if grads

@@ -26,6 +26,7 @@ class Option(NamedTuple):
     kind: str  # "bool", "int", "float" or "str" (a str option has choices)
     doc: str
     choices: tuple[str, ...] = ()
+    default: object = None  # the NamedTuple's default (None: none); an option added later has its "off" value
 
 
 # The types of each kind: in a schema, in C++ parameters and in the C++ struct.
@@ -40,6 +41,7 @@ _WINDOW_AND_SCALE = (
     Option("window_right", "int", "the window's right bound, -1 unbounded"),
     Option("scale", "float", "the softmax scale; 0.0: the default, 1 / sqrt(head_dim_qk)"),
 )
+_SOFTCAP = Option("softcap", "float", "logit soft-capping: softcap * tanh(score / softcap); 0.0: none", default=0.0)
 
 OPS: dict[str, tuple[Option, ...]] = {
     "dense": (
@@ -50,6 +52,7 @@ OPS: dict[str, tuple[Option, ...]] = {
         Option("training", "bool", "the forward writes softmax stats; a backward plan exists"),
         Option("dropout", "float", "dropout probability on the attention weights"),
         Option("bias_grad", "bool", "backward also writes the bias's gradient"),
+        _SOFTCAP,
     ),
     "varlen": (
         Option("max_q", "int", "the plan's longest query sequence: max_seqlen_q's bucket"),
@@ -59,21 +62,41 @@ OPS: dict[str, tuple[Option, ...]] = {
         Option("training", "bool", "the forward writes softmax stats; a backward plan exists"),
         Option("alibi", "bool", "ALiBi position biases"),
         Option("dropout", "float", "dropout probability on the attention weights"),
+        _SOFTCAP,
     ),
-    "paged": _WINDOW_AND_SCALE,
+    "paged": (*_WINDOW_AND_SCALE, _SOFTCAP),
 }
+
+
+def softcap(value) -> float:
+    """An entry point's softcap argument as its option: 0.0 (none) or a positive finite
+    float32 value (FlashAttention's convention: 0.0 is none). Raises InvalidArgumentError
+    naming it otherwise."""
+    from .._fields import check, number
+
+    if number("softcap", value) == 0.0:  # 0, 0.0 and -0.0 alike: none
+        return 0.0
+    return check("positive", "softcap", value)
 
 
 def named_tuple(op: str, name: str) -> type:
     """The options of `op` as a NamedTuple class (its fields in declaration order)."""
-    cls = NamedTuple(name, [(o.name, _PY[o.kind]) for o in OPS[op]])
+    options = OPS[op]
+    cls = NamedTuple(name, [(o.name, _PY[o.kind]) for o in options])
+    defaults = []  # the trailing options with defaults: code that names the older ones keeps working
+    for o in reversed(options):
+        if o.default is None:
+            break
+        defaults.insert(0, o.default)
+    cls.__new__.__defaults__ = tuple(defaults) or None
     cls.__doc__ = f"The scalar options of fastattn.torch's {op} ops, in their order (fastattn/torch/_options.py)."
     return cls
 
 
 def schema(op: str) -> str:
     """The options' part of the ops' schemas: "str layout, bool causal, ..."."""
-    return ", ".join(f"{_SCHEMA[o.kind]} {o.name}" for o in OPS[op])
+    return ", ".join(f"{_SCHEMA[o.kind]} {o.name}" + ("" if o.default is None else f"={o.default!r}")
+                     for o in OPS[op])
 
 
 def _word(o: Option) -> str:
@@ -90,7 +113,9 @@ def cpp_header() -> str:
     """fastattn_options.h: for each op (DENSE, VARLEN, PAGED), FA_<OP>_PARAMS (the C++
     parameters), _ARGS (passing them on), _SCHEMA (the schema's options), _OF(o) (a
     struct's fields as arguments), _WORDS(key, o) (push each option's key word),
-    _TUPLE(o) (the miss handler's Python tuple) and the struct <Op>Options. Expects
+    _TUPLE(o) (the miss handler's Python tuple), _COUNT, for ops without str options
+    _SAVE(map, o) and _LOAD(map) (an autograd Function's saved_data), and the struct
+    <Op>Options. Expects
     fa_choice and fa_bits to be defined before it is included (ops.cpp)."""
     out = ["// Generated from fastattn/torch/_options.py by fastattn.torch._native at build time: do not edit.",
            "#pragma once", ""]
@@ -105,6 +130,13 @@ def cpp_header() -> str:
         out.append(f"#define FA_{up}_WORDS(key, o) " + " ".join(f"(key).push_back({_word(o)});" for o in options))
         out.append(f"#define FA_{up}_TUPLE(o) pybind11::make_tuple(" + ", ".join(
             f"std::string((o).{o.name})" if o.kind == "str" else f"(o).{o.name}" for o in options) + ")")
+        out.append(f"#define FA_{up}_COUNT {len(options)}")
+        if not any(o.kind == "str" for o in options):
+            # An autograd Function's saved_data (IValues by name), for ops without str options.
+            to = {"bool": "toBool", "int": "toInt", "float": "toDouble"}
+            out.append(f"#define FA_{up}_SAVE(map, o) " + " ".join(f'(map)["{n}"] = (o).{n};' for n in names))
+            out.append(f"#define FA_{up}_LOAD(map) {camel}Options{{" + ", ".join(
+                f'(map).at("{o.name}").{to[o.kind]}()' for o in options) + "}")
         out.append(f"struct {camel}Options {{")
         out.extend(f"    {_CPP[o.kind]} {o.name};  // {o.doc}" for o in options)
         out.append("};")

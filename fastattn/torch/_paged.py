@@ -43,7 +43,7 @@ def plan_for(q, k_cache, v_cache, table, seq_lens_q, cache_seqlens, options: Pag
         head_dim_v=dv, dtype=DTYPES[q.dtype], layout={"q": q_st, "k": k_st, "v": v_st, "o": o_st},
         mask=mask_name(options.causal, options.bottom_right), window=(options.window_left, options.window_right),
         alignment=alignment_name(options.bottom_right), scale=None if options.scale <= 0 else options.scale,
-        padding=True, page_size=page_size, num_pages=pages,
+        padding=True, page_size=page_size, num_pages=pages, softcap=options.softcap or None,
     )
     return remember(key, cfg, q, k_cache, v_cache, "bshd")
 
@@ -131,7 +131,7 @@ def _check_paged(q, k_cache, v_cache, table, seq_lens_q, cache_seqlens) -> None:
 def attention_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                     cache_seqlens: torch.Tensor, *, seq_lens_q: torch.Tensor | None = None, causal: bool = False,
                     causal_bottom_right: bool = False, window: tuple[int, int] | None = None,
-                    scale: float | None = None, alignment: str | None = None) -> torch.Tensor:
+                    scale: float | None = None, alignment: str | None = None, softcap: float = 0.0) -> torch.Tensor:
     """Attention against a paged KV cache (FlashAttention's flash_attn_with_kvcache
     layout), for decode and for prefill against a cache; forward only (cuDNN has no
     paged backward).
@@ -155,13 +155,15 @@ def attention_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
       "top_left" at its start (j <= i). causal=True without an alignment raises
       InvalidArgumentError, and so does a window. causal_bottom_right=True is
       causal=True with alignment="bottom_right". (fastattn.flash.flash_attn_with_kvcache
-      is FlashAttention's function, bottom right.) window and scale as attention().
+      is FlashAttention's function, bottom right.) window, scale and softcap as attention().
       Returns o: (batch, seqlen_q, heads_q, head_dim_v).
 
     Raises InvalidArgumentError for bad inputs (and for inputs that require
     gradients), NotSupportedError when cuDNN refuses the config.
     """
     left, right, scale = check_options(causal, causal_bottom_right, window, scale)
+    if softcap.__class__ is not float or softcap != 0.0:
+        softcap = _options.softcap(softcap)
     if alignment is None:
         if (causal or (left, right) != (-1, -1)) and not causal_bottom_right:
             raise InvalidArgumentError(
@@ -180,7 +182,7 @@ def attention_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     cuda = isinstance(q, torch.Tensor) and q.is_cuda
     if not cuda:
         _check_paged(q, k_cache, v_cache, block_table, seq_lens_q, cache_seqlens)  # CUDA: once per plan
-    options = _new(PagedOptions, (bool(causal or causal_bottom_right), br, left, right, scale))
+    options = _new(PagedOptions, (bool(causal or causal_bottom_right), br, left, right, scale, softcap))
     native = _native.PAGED
     if native is not None:  # the native path (see _dense.attention)
         if compiling():

@@ -47,7 +47,7 @@ def plan_for(q, k, v, batch: int, options: VarlenOptions) -> Cached:
         alignment=alignment_name(options.bottom_right), scale=None if options.scale <= 0 else options.scale,
         training=options.training,
         deterministic=options.deterministic and options.training,  # it selects the backward: none without one
-        alibi=options.alibi, dropout=options.dropout,
+        alibi=options.alibi, dropout=options.dropout, softcap=options.softcap or None,
     )
     return remember(key, cfg, q, k, v, None)
 
@@ -169,7 +169,7 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
                      cu_seqlens_kv: torch.Tensor, max_seqlen_q: int, max_seqlen_kv: int, *, causal: bool = False,
                      causal_bottom_right: bool = False, window: tuple[int, int] | None = None,
                      scale: float | None = None, deterministic: bool = False, alignment: str = "top_left",
-                     alibi: bool = False, dropout_p: float = 0.0, return_lse: bool = False):
+                     alibi: bool = False, dropout_p: float = 0.0, return_lse: bool = False, softcap: float = 0.0):
     """Attention over packed variable-length sequences (FlashAttention's varlen layout),
     with autograd; cuDNN's THD kernels, one plan per batch size and length bucket.
 
@@ -189,6 +189,7 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     return_lse: also return each row's log-sum-exp (natural log), float32 (heads_q,
       total_q), FlashAttention's varlen softmax_lse, without a gradient: returns (o, lse).
       It makes the call a training one (see attention()).
+    softcap: logit soft-capping, as attention()'s (0.0: none).
 
     Raises InvalidArgumentError for bad inputs, NotSupportedError when cuDNN refuses.
     """
@@ -199,7 +200,7 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
             # checks and takes the call when they pass and no value needs converting;
             # NotImplemented hands the call to the body, which checks and reports.
             o = call(q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, causal, causal_bottom_right,
-                     window, scale, deterministic, alignment, alibi, dropout_p, return_lse)
+                     window, scale, deterministic, alignment, alibi, dropout_p, return_lse, softcap)
             if o is not NotImplemented:
                 return o
     _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_kv)
@@ -212,11 +213,13 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     br = bottom_right(alignment, causal_bottom_right)
     if return_lse.__class__ is not bool:
         _fields.check("bool", "return_lse", return_lse)
+    if softcap.__class__ is not float or softcap != 0.0:
+        softcap = _options.softcap(softcap)
     grads = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     training = grads or bool(return_lse)
     options = _new(VarlenOptions, (bucket(max_seqlen_q), bucket(max_seqlen_kv), bool(causal or causal_bottom_right),
                                    br, left, right, scale, bool(deterministic), training, bool(alibi),
-                                   float(dropout_p)))
+                                   float(dropout_p), softcap))
     # Philox's seed and offset for dropout, drawn from PyTorch's generator (see attention()).
     rng = torch.randint(0, 2**62, (4,), device=q.device, dtype=torch.int64) if dropout_p else None
     tensors = (q, k, v, cu_seqlens_q, cu_seqlens_kv, rng)

@@ -516,10 +516,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     static PyMethodDef fastcall_defs[] = {
         {"call", as_pycfunction(&call_attention), METH_FASTCALL, kCallDoc},
         {"read_call", as_pycfunction(&read_call_for_tests), METH_FASTCALL,
-         "read_call(<call's 17 arguments>) -> what call would run with, or None (tests)"},
+         "read_call(<call's 18 arguments>) -> what call would run with, or None (tests)"},
         {"call_varlen", as_pycfunction(&call_varlen), METH_FASTCALL, kVarlenCallDoc},
         {"read_varlen_call", as_pycfunction(&read_varlen_call_for_tests), METH_FASTCALL,
-         "read_varlen_call(<call_varlen's 16 arguments>) -> what call_varlen would run with, or None (tests)"},
+         "read_varlen_call(<call_varlen's 17 arguments>) -> what call_varlen would run with, or None (tests)"},
     };
     for (PyMethodDef &def : fastcall_defs) {
         m.add_object(def.ml_name, py::reinterpret_steal<py::object>(PyCFunction_NewEx(&def, nullptr, m.ptr())));
