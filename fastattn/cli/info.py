@@ -27,7 +27,8 @@ def run(args) -> tuple[int, dict[str, Any]]:
         "directory": cache.settings.directory,
         "mode": cache.settings.mode,
         "extra_dirs": list(cache.settings.extra_dirs),
-        "entries": [{"directory": t.root, "entries": len(infos), "bytes": sum(i.size for i in infos)}
+        "entries": [{"directory": t.root, "entries": len(infos), "bytes": sum(i.size for i in infos),
+                     "problem": t.root_problem()}  # (a file, a FIFO: the `cache` commands refuse it)
                     for t in cache.tiers for infos in [list(t.entries(with_headers=False))]],
         "remote": cache.remote.status(check=True) if cache.remote else None,
     }

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterator, Mapping
 
 from .. import _env
-from .disk import DiskStore, EntryInfo
+from .disk import DiskStore, EntryInfo, Stray
 from .entry import Entry, EntryError
 from .tier import Tier
 from .keys import FORMAT_VERSION, build_env_vars, canonical_json, describe, environment_of, key_of
@@ -51,6 +51,7 @@ __all__ = [
     "Entry",
     "EntryError",
     "EntryInfo",
+    "Stray",
     "Tier",
     "RemoteSettings",
     "RemoteStore",
@@ -173,6 +174,12 @@ class TieredCache:
         for store in self.tiers:
             for info in store.entries():
                 yield store, info
+
+    def strays(self) -> Iterator[tuple[DiskStore, Stray]]:
+        """What the directories hold that is named like an entry and is not one."""
+        for store in self.tiers:
+            for stray in store.strays():
+                yield store, stray
 
     def counters(self) -> dict[str, int]:
         total: dict[str, int] = {}
