@@ -26,7 +26,7 @@ import sys
 import threading
 from dataclasses import dataclass
 
-from . import _env
+from . import env as _env
 from .errors import LibraryError
 
 __all__ = ["Libraries", "ensure_loaded", "MIN_CUDNN", "check_cudnn_version", "cudnn_location"]

@@ -33,7 +33,7 @@ def tag(torch_version: str, cxx11_abi: int) -> str:
 def build_root() -> Path:
     """FASTATTN_TORCH_OPS_DIR (a directory baked into an image, shared by test sessions),
     else the cache directory's torch-ops/."""
-    from . import _env
+    from . import env as _env
 
     override = _env.get("FASTATTN_TORCH_OPS_DIR")
     if override:

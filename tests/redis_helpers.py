@@ -61,7 +61,7 @@ class Server:
 def start_server(tmp_path):
     why = _missing()
     if why:
-        from fastattn import _env
+        from fastattn import env as _env
 
         if _env.get("FASTATTN_REQUIRE_REDIS"):
             pytest.fail(f"FASTATTN_REQUIRE_REDIS=1 but {why}")

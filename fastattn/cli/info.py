@@ -14,7 +14,7 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> tuple[int, dict[str, Any]]:
-    from .. import _env, runtime
+    from .. import env as _env, runtime
     from ..errors import CudaError, LibraryError
 
     _env.check_all()  # a bad FASTATTN_* value is bad input (exit 2), whichever part of info would read it

@@ -138,7 +138,7 @@ def _wants_torch_ops(flag: bool | None) -> bool:
         return flag
     import importlib.util
 
-    from .. import _env
+    from .. import env as _env
 
     return _env.get("FASTATTN_TORCH_PATH") != "python" and importlib.util.find_spec("torch") is not None
 

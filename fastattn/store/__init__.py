@@ -8,7 +8,7 @@ store.Tier.
 
 Configuration: the FASTATTN_CACHE_* variables, read when the cache is first used or on
 configure(), and FASTATTN_REMOTE_* for the Redis tier behind the directories
-(store.remote); their kinds, defaults and meanings are fastattn._env's table (the
+(store.remote); their kinds, defaults and meanings are fastattn.env's table (the
 README shows it).
 
 With a remote tier, lookups go memory, main directory, extra directories, then Redis;
@@ -23,7 +23,7 @@ import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterator, Mapping
 
-from .. import _env
+from .. import env as _env
 from .disk import DiskStore, EntryInfo, Stray
 from .entry import Entry, EntryError
 from .tier import Tier
@@ -81,7 +81,7 @@ class CacheSettings:
 
 def settings_from_env(environ: Mapping[str, str] | None = None) -> CacheSettings:
     """Cache settings from the FASTATTN_CACHE_* and FASTATTN_REMOTE_* variables (read
-    through fastattn._env); a bad value is an InvalidArgumentError naming the variable."""
+    through fastattn.env); a bad value is an InvalidArgumentError naming the variable."""
     env = os.environ if environ is None else environ
     max_bytes = _env.get("FASTATTN_CACHE_MAX_BYTES", env)
     remote = secret = None

@@ -10,7 +10,7 @@ Fleet single flight: before building a missing plan a process takes a Redis lock
 an expiry (SET NX PX); the others wait up to `wait` seconds for the builder's entry
 to appear, then build anyway. A builder that dies leaves the lock to expire.
 
-Configuration: the FASTATTN_REMOTE_* variables (fastattn._env's table, which the README
+Configuration: the FASTATTN_REMOTE_* variables (fastattn.env's table, which the README
 shows): FASTATTN_REMOTE_CACHE, a redis://, rediss:// or unix:// URL checked up front
 (scheme, host, port, database), turns the tier on.
 
@@ -28,8 +28,8 @@ import uuid
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
-from .. import _env
-from .._env import redact
+from .. import env as _env
+from ..env import redact
 from .disk import EntryInfo
 from .entry import KEY_PATTERN, Entry, EntryError, decode, encode, read_header
 from .signing import unwrap, wrap
@@ -121,7 +121,7 @@ class RemoteStore:
                                                             socket_connect_timeout=t, retry_on_timeout=False,
                                                             health_check_interval=0)
                     except (ValueError, TypeError) as e:
-                        # The URL is checked up front (fastattn._env); a client that still
+                        # The URL is checked up front (fastattn.env); a client that still
                         # refuses it turns the tier off: the cache never makes real work fail.
                         self.disabled = f"the redis client refuses the URL ({type(e).__name__}: {e})"
                         log.warning("fastattn remote cache %s is off: %s", self.name, self.disabled)

@@ -17,7 +17,7 @@ import hashlib
 import hmac
 from collections.abc import Mapping
 
-from .. import _env
+from .. import env as _env
 from ..errors import InvalidArgumentError
 
 __all__ = ["SIGNED_MAGIC", "load_secret", "sign", "unwrap", "wrap"]

@@ -33,7 +33,7 @@ import time
 import warnings
 from pathlib import Path
 
-from .. import _env, _opslib
+from .. import _opslib, env as _env
 from .._opslib import INCLUDE, SOURCES, build_root  # noqa: F401 - build_root: what tests and tools ask
 from ..errors import InvalidArgumentError
 

@@ -8,7 +8,7 @@ import sys
 # (fastattn is imported only where one of its test variables is set; it reads them.)
 _test_vars = [v for v in ("FASTATTN_TEST_FAKE_CORE", "FASTATTN_TEST_READONLY_FS") if v in os.environ]
 if _test_vars:
-    from fastattn import _env
+    from fastattn import env as _env
 
 if "FASTATTN_TEST_FAKE_CORE" in _test_vars and _env.get("FASTATTN_TEST_FAKE_CORE"):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

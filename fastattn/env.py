@@ -1,10 +1,12 @@
-"""Every FASTATTN_* environment variable: one table and one parser.
+"""Every FASTATTN_* environment variable: one table and one parser (public: the store,
+the CLI and fastattn.torch read their variables here, and a user can check an
+environment with check_all()).
 
 VARIABLES declares each variable once: its kind (how its text is read), its default,
 its help. Everything else comes from it: every read in fastattn goes through get(),
 so a variable means the same on every path (the API, the CLI, warm's workers, the
 torch entry points); the README's table is markdown() (tests/test_env.py checks that
-the two agree, and `python -m fastattn._env` prints it).
+the two agree, and `python -m fastattn.env` prints it).
 
 One rule per kind, the same for every variable of that kind:
 
