@@ -6,7 +6,7 @@ VARIABLES declares each variable once: its kind (how its text is read), its defa
 its help. Everything else comes from it: every read in fastattn goes through get(),
 so a variable means the same on every path (the API, the CLI, warm's workers, the
 torch entry points); the README's table is markdown() (tests/test_env.py checks that
-the two agree, and `python -m fastattn.env` prints it).
+the two agree; `python -c 'from fastattn import env; print(env.markdown())'` prints it).
 
 One rule per kind, the same for every variable of that kind:
 
@@ -308,6 +308,3 @@ def markdown() -> str:
         lines.append(f"| `{v.name}` | {value} | {_show(v)} | {v.help} |")
     return "\n".join(lines)
 
-
-if __name__ == "__main__":  # pragma: no cover - what the README's table is made with
-    print(markdown())
