@@ -12,7 +12,10 @@ canonical type; what depends on other fields (a causal mask fixes the window's r
 bound, ragged needs padding, ...) stays in AttentionConfig.__post_init__. Validators
 are per kind, not per field, so every field of a kind accepts and refuses the same
 classes of values: a number is never a string, a bool is never an int, a pair is
-never a mapping.
+never a mapping. A name (a "choice", "dtype" or "layout" field: mask, alignment, bias,
+layout, dtype and its aliases) is taken exactly as written, lowercase, as the CLI's
+flags and fastattn.torch take it: "Causal" and "BF16" are refused, naming the spelling
+that would be taken.
 """
 
 from __future__ import annotations
@@ -98,9 +101,17 @@ def _bool(name: str, value: Any, meta: Mapping[str, Any]) -> bool:
     raise bad(name, value, "must be True or False")
 
 
+def _not_a_name(name: str, value: Any, names, choices: tuple) -> InvalidArgumentError:
+    """The error for a name not taken; one that differs from a name only in case says which."""
+    hint = ""
+    if isinstance(value, str) and value.lower() in names:
+        hint = f" (names are lowercase, exactly as written: {value.lower()!r})"
+    return bad(name, value, f"must be one of {choices}{hint}")
+
+
 def _choice(name: str, value: Any, meta: Mapping[str, Any]) -> str:
     if not isinstance(value, str) or value not in meta["choices"]:
-        raise bad(name, value, f"must be one of {meta['choices']}")
+        raise _not_a_name(name, value, meta["choices"], meta["choices"])
     return value
 
 
@@ -115,10 +126,10 @@ _DTYPE_ALIASES = {"fp16": "fp16", "float16": "fp16", "half": "fp16", "torch.floa
 def _dtype(name: str, value: Any, meta: Mapping[str, Any]) -> str:
     # str() also accepts torch.bfloat16 and the like without importing torch; a
     # container's str() is never an alias, so lists and mappings are refused too.
-    dtype = _DTYPE_ALIASES.get(str(value).lower()) if isinstance(value, str) or not isinstance(
+    dtype = _DTYPE_ALIASES.get(str(value)) if isinstance(value, str) or not isinstance(
         value, (bytes, bytearray, Mapping, Set, list, tuple)) else None
     if dtype is None or (meta["choices"] and dtype not in meta["choices"]):
-        raise bad(name, value, f"must be one of {meta['choices']}")
+        raise _not_a_name(name, value, _DTYPE_ALIASES, meta["choices"])
     return dtype
 
 
@@ -172,7 +183,9 @@ def _layout(name: str, value: Any, meta: Mapping[str, Any]) -> Any:
     # The strides themselves are checked against the shapes, in AttentionConfig.
     if isinstance(value, str):
         if value not in meta["choices"]:
-            raise bad(name, value, f"must be one of {meta['choices']} or explicit strides")
+            hint = f" (names are lowercase, exactly as written: {value.lower()!r})" \
+                if value.lower() in meta["choices"] else ""
+            raise bad(name, value, f"must be one of {meta['choices']} or explicit strides{hint}")
         return value
     if isinstance(value, Mapping) or (isinstance(value, (list, tuple)) and len(value) == 4):
         return value

@@ -26,6 +26,7 @@ import sys
 import threading
 from dataclasses import dataclass
 
+from . import env as _env
 from .errors import LibraryError
 
 __all__ = ["Libraries", "ensure_loaded", "MIN_CUDNN", "check_cudnn_version", "cudnn_location"]
@@ -128,7 +129,7 @@ def _wheel_in(entry: str) -> tuple[str | None, str | None]:
 
 def _load_one(name: str, env: str, hint: str) -> tuple[str | None, str | None]:
     """(path, None) when loaded, (None, why) when not."""
-    override = os.environ.get(env)
+    override = _env.get(env)
     if override:
         try:
             ctypes.CDLL(override, mode=ctypes.RTLD_GLOBAL)
@@ -228,7 +229,7 @@ def _locate_cudnn_problem() -> list[str]:
     """Without loading cuDNN (its dependencies are missing), whether an override names
     a file that does not exist: worth saying in the same error."""
     env = _CUDNN[1]
-    override = os.environ.get(env)
+    override = _env.get(env)
     if override and not os.path.isfile(override):
         return [f"{env}={override!r} is not a file"]
     return []

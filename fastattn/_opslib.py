@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import importlib.machinery
-import os
 import sys
 from pathlib import Path
 
@@ -34,7 +33,9 @@ def tag(torch_version: str, cxx11_abi: int) -> str:
 def build_root() -> Path:
     """FASTATTN_TORCH_OPS_DIR (a directory baked into an image, shared by test sessions),
     else the cache directory's torch-ops/."""
-    override = os.environ.get("FASTATTN_TORCH_OPS_DIR")
+    from . import env as _env
+
+    override = _env.get("FASTATTN_TORCH_OPS_DIR")
     if override:
         return Path(override)
     from .store import settings_from_env

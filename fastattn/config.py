@@ -91,6 +91,21 @@ _INDEX_TENSORS = {
     "page_table_k": (lambda c: (c.batch, 1, c.pages_per_sequence, 1), "int32"),
     "page_table_v": (lambda c: (c.batch, 1, c.pages_per_sequence, 1), "int32"),
 }
+_CORE_TENSORS = frozenset(("q", "k", "v", "o", "d_q", "d_k", "d_v", "d_o", "stats"))
+_TENSOR_NAMES = "must be one of q, k, v, o, d_q, d_k, d_v, d_o, stats or a feature's tensor"
+# A feature's tensors, and which configs have them: shape(), strides() and dtype_of()
+# of any other config refuse them, naming the feature.
+_FEATURE_OF: dict[str, tuple[str, Any]] = {
+    **dict.fromkeys(("bias", "d_bias"), ("a config with a bias (bias != 'none')", lambda c: c.bias != "none")),
+    **dict.fromkeys(("sink", "d_sink"), ("sinks=True", lambda c: c.sinks)),
+    **dict.fromkeys(("seq_len_q", "seq_len_kv"), ("padding=True", lambda c: c.padding)),
+    **dict.fromkeys(("ragged_q", "ragged_k", "ragged_v", "ragged_o", "ragged_stats", "cu_seqlens_q", "cu_seqlens_kv"),
+                    ("ragged=True", lambda c: c.ragged)),
+    **dict.fromkeys(("seed", "offset"), ("dropout > 0", lambda c: c.dropout > 0)),
+    **dict.fromkeys(("page_table_k", "page_table_v"), ("a paged KV cache (page_size > 0)", lambda c: c.page_size > 0)),
+    **dict.fromkeys(FP8_SCALARS, ("an FP8 dtype", lambda c: c.fp8)),
+}
+assert set(_INDEX_TENSORS) <= set(_FEATURE_OF), "a feature's index tensor without its feature"
 
 
 def named_strides(layout: str, batch: int, heads: int, seqlen: int, head_dim: int) -> tuple[int, int, int, int]:
@@ -140,6 +155,8 @@ class AttentionConfig:
         mask="none" with a window's right bound 0 there, is stored as
         mask="causal_bottom_right" (which implies it; the same graph); where no bound
         uses the diagonal (no mask, window (-1, -1)) it is stored as "top_left".
+        Default: not given (top_left, or what the mask implies); mask="causal_bottom_right"
+        with alignment="top_left" contradicts itself and is refused.
       scale: softmax scale (default 1/sqrt(head_dim_qk)); stored as the float32 cuDNN uses.
       training: forward also writes softmax stats, and the plan has a backward graph.
       deterministic: backward uses cuDNN's deterministic algorithm (needs training).
@@ -186,6 +203,10 @@ class AttentionConfig:
         tanh(score / softcap) after scaling, before masking; forward and backward.
         None (default): none. cuDNN decides what it combines with (the probe says).
 
+    Names (dtype and its aliases, layout, mask, alignment, bias) are taken exactly as
+    written, lowercase, as the CLI's flags and fastattn.torch take them: "Causal" and
+    "BF16" are refused, naming the spelling that is taken.
+
     Raises InvalidArgumentError (a ValueError) naming the field and value.
     """
 
@@ -220,7 +241,9 @@ class AttentionConfig:
     window: tuple[int, int] = spec("pair", (-1, -1), help="sliding window (left, right); -1 is unbounded",
                                    family=True, describe=lambda c: None if c.window == (-1, -1)
                                    else f"win{c.window[0]},{c.window[1]}")
-    alignment: str = spec("choice", "top_left", off="top_left", choices=ALIGNMENTS,
+    # Default None: "not given" (top_left unless the mask says bottom_right), so that an
+    # alignment given against the mask can be told from the default and refused.
+    alignment: str = spec("choice", None, off="top_left", choices=ALIGNMENTS,
                           help="the diagonal of the mask and window: top_left (SDPA) or bottom_right "
                           "(FlashAttention)", family=True,
                           describe=lambda c: "br" if c.alignment == "bottom_right" else None,
@@ -282,6 +305,11 @@ class AttentionConfig:
             raise _bad("heads_kv", self.heads_kv, f"heads_q={self.heads_q} must be a multiple of heads_kv")
 
         left, right = self.window
+        if self.mask == "causal_bottom_right" and self.alignment == "top_left":
+            raise _bad("alignment", given["alignment"], "mask='causal_bottom_right' puts the diagonal at the bottom "
+                       "right: give alignment='bottom_right' or leave it out (mask='causal' is the top-left one)")
+        if self.alignment is None:
+            set_("alignment", "top_left")
         if self.alignment == "bottom_right" and (self.mask == "causal" or (self.mask == "none" and right == 0)):
             # One spelling per graph, the one that existed first: a right bound of 0 at the
             # bottom right is the bottom-right causal mask (cuDNN gets the same attributes).
@@ -342,6 +370,9 @@ class AttentionConfig:
         if self.host_seed and not self.dropout:
             raise _bad("host_seed", True, "applies only to dropout > 0")
 
+        if self.page_size and not self.padding:
+            raise _bad("page_size", self.page_size, "a paged KV cache needs padding=True: cuDNN takes each "
+                       "sequence's KV length (seq_len_kv) with its page table")
         if self.page_size == 0:
             if self.num_pages not in (None, 0):
                 raise _bad("num_pages", self.num_pages, "applies only to a paged KV cache (page_size > 0)")
@@ -401,7 +432,9 @@ class AttentionConfig:
     def shape(self, tensor: str) -> tuple[int, ...]:
         """Logical (batch, head, seq, dim) shape of "q", "k", "v", "o" (and their
         gradients) or "stats"; the shape of a feature's tensor (see the module doc).
-        With page_size, "k" and "v" are the page pools."""
+        With page_size, "k" and "v" are the page pools. A feature's tensor of a config
+        without the feature (bias without a bias, ...) is an InvalidArgumentError."""
+        self._check_tensor(tensor)
         kv_batch, kv_seq = (self.num_pages, self.page_size) if self.page_size else (self.batch, self.seqlen_kv)
         if tensor in ("q", "d_q"):
             return (self.batch, self.heads_q, self.seqlen_q, self.head_dim_qk)
@@ -422,7 +455,18 @@ class AttentionConfig:
             return (1, 1, 1, 1)
         if tensor in _INDEX_TENSORS:
             return _INDEX_TENSORS[tensor][0](self)
-        raise _bad("tensor", tensor, "must be one of q, k, v, o, d_q, d_k, d_v, d_o, stats or a feature's tensor")
+        raise _bad("tensor", tensor, _TENSOR_NAMES)
+
+    def _check_tensor(self, tensor: str) -> None:
+        """Raises InvalidArgumentError naming `tensor` unless this config has it."""
+        if tensor in _CORE_TENSORS:
+            return
+        need = _FEATURE_OF.get(tensor) if isinstance(tensor, str) else None
+        if need is None:
+            raise _bad("tensor", tensor, _TENSOR_NAMES)
+        what, has = need
+        if not has(self):
+            raise _bad("tensor", tensor, f"this config has no {tensor}: only {what} has it")
 
     @staticmethod
     def tensor_dtype(tensor: str, dtype: str = "bf16") -> str:
@@ -437,6 +481,7 @@ class AttentionConfig:
     def dtype_of(self, tensor: str) -> str:
         """This config's element type of a tensor: dtype (q, k, v, bias), out_dtype (o),
         grad_dtype (d_o, d_q, d_k, d_v, d_bias), "float32", "int32" or "int64"."""
+        self._check_tensor(tensor)
         if tensor == "o":
             return self.out_dtype
         if tensor in ("d_o", "d_q", "d_k", "d_v", "d_bias"):
@@ -489,8 +534,10 @@ class AttentionConfig:
     # -- canonical form -------------------------------------------------------------
 
     def _derived_defaults(self) -> dict[str, Any]:
-        """The fields whose default follows from others, with that default (0: off)."""
-        return {"max_tokens_q": self.batch * self.seqlen_q if self.ragged else 0,
+        """The fields whose default follows from others, with that default (0: off); an
+        alignment left at top_left follows the mask again (replace)."""
+        return {"alignment": "top_left",
+                "max_tokens_q": self.batch * self.seqlen_q if self.ragged else 0,
                 "max_tokens_kv": self.batch * self.seqlen_kv if self.ragged else 0,
                 "num_pages": self.batch * self.pages_per_sequence,
                 "out_dtype": self.dtype, "grad_dtype": self.dtype}

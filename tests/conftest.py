@@ -86,7 +86,9 @@ def pytest_runtest_setup(item):
         return
     reason = _gpu_unavailable_reason()
     if reason:
-        if os.environ.get("FASTATTN_REQUIRE_GPU") == "1":
+        from fastattn import env as _env
+
+        if _env.get("FASTATTN_REQUIRE_GPU"):
             pytest.fail(f"FASTATTN_REQUIRE_GPU=1 but the GPU is unusable: {reason}")
         pytest.skip(f"no usable GPU: {reason}")
 
@@ -134,7 +136,9 @@ def _cuda_state_stays_healthy(request):
 def pytest_collection_modifyitems(config, items):
     """FASTATTN_TEST_ORDER=reverse or shuffle:SEED runs the collected tests in that order
     (one process, as ever): a suite that passes in file order can still depend on it."""
-    order = os.environ.get("FASTATTN_TEST_ORDER", "")
+    from fastattn import env as _env
+
+    order = _env.get("FASTATTN_TEST_ORDER")
     if order == "reverse":
         items.reverse()
     elif order.startswith("shuffle:"):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import shutil
 import socket
 import subprocess
@@ -62,7 +61,9 @@ class Server:
 def start_server(tmp_path):
     why = _missing()
     if why:
-        if os.environ.get("FASTATTN_REQUIRE_REDIS") == "1":
+        from fastattn import env as _env
+
+        if _env.get("FASTATTN_REQUIRE_REDIS"):
             pytest.fail(f"FASTATTN_REQUIRE_REDIS=1 but {why}")
         pytest.skip(why)
     s = Server(tmp_path)

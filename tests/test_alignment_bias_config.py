@@ -105,7 +105,7 @@ def test_a_right_bound_of_0_at_the_bottom_right_is_the_causal_mask(left):
 
 
 def test_alignment_refuses_other_values():
-    for bad in ("bottom-right", "BOTTOM_RIGHT", 1, True, None, ("bottom_right",)):
+    for bad in ("bottom-right", "BOTTOM_RIGHT", 1, True, ("bottom_right",)):  # (None: not given, the default)
         with pytest.raises(InvalidArgumentError, match=r"^alignment=.*must be one of \('top_left', 'bottom_right'\)"):
             AttentionConfig(**BASE, window=(4, 4), alignment=bad)
 
@@ -153,6 +153,10 @@ def test_alignment_window_bias_configs_are_canonical(mask, alignment, left, righ
                                                      padding):
     fields = dict(batch=2, heads_q=4, seqlen_q=seqlen_q, seqlen_kv=seqlen_kv, head_dim_qk=64, mask=mask,
                   alignment=alignment, window=(left, right), bias=bias, padding=padding)
+    if mask == "causal_bottom_right" and alignment == "top_left":  # the diagonal stated twice, differently
+        with pytest.raises(InvalidArgumentError, match=r"^alignment='top_left': mask='causal_bottom_right' puts"):
+            AttentionConfig(**fields)
+        return
     if mask != "none" and right > 0:
         with pytest.raises(InvalidArgumentError, match=r"^window=.*fixes the right bound at 0"):
             AttentionConfig(**fields)
@@ -171,7 +175,9 @@ def test_alignment_window_bias_configs_are_canonical(mask, alignment, left, righ
     assert ("alignment" in d) == uses_alignment and c.alignment == ("bottom_right" if uses_alignment else "top_left")
     # Equivalent spellings give one config.
     if bottom_right:
-        assert c == AttentionConfig(**{**fields, "mask": "causal_bottom_right", "alignment": "top_left",
+        assert c == AttentionConfig(**{**fields, "mask": "causal_bottom_right", "alignment": "bottom_right",
+                                       "window": (left, min(right, 0))})
+        assert c == AttentionConfig(**{**fields, "mask": "causal_bottom_right", "alignment": None,
                                        "window": (left, min(right, 0))})
     if not uses_alignment and not bottom_right:
         assert c == AttentionConfig(**{**fields, "alignment": "top_left"})

@@ -24,7 +24,7 @@ def cfg(**kw):
 # -- config ------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("alias,name", [("fp8_e4m3", "fp8_e4m3"), ("float8_e4m3fn", "fp8_e4m3"),
-                                        ("torch.float8_e4m3fn", "fp8_e4m3"), ("E4M3", "fp8_e4m3"),
+                                        ("torch.float8_e4m3fn", "fp8_e4m3"), ("e4m3", "fp8_e4m3"),
                                         ("fp8_e5m2", "fp8_e5m2"), ("float8_e5m2", "fp8_e5m2")])
 def test_fp8_dtype_names(alias, name):
     c = cfg(dtype=alias)

@@ -2,10 +2,13 @@
 
 Through the process's PlanCache (fastattn.runtime.plan_cache()) and its tiers alone.
 Entries are untrusted bytes: a damaged one is listed and verified as damaged (verify
-exits 4), never a traceback. Import and pull fail with exit 4 and say so when the
-cache directory cannot be written, and pull when Redis held entries and every one was
-rejected. What needs this GPU's identity (export and push/pull without --all, import
-without --force, verify --load) is exit 3 where there is no usable GPU, as everywhere.
+exits 4), never a traceback. Whatever else is named like an entry (a FIFO, a link, a
+folder, a misplaced file) is listed as not fastattn's and left alone (store.disk); a
+cache directory that is not a directory is bad input (exit 2), naming it. Import and
+pull fail with exit 4 and say so when the cache directory cannot be written, and pull
+when Redis held entries and every one was rejected. What needs this GPU's identity
+(export and push/pull without --all, import without --force, verify --load) is exit 3
+where there is no usable GPU, as everywhere.
 """
 
 from __future__ import annotations
@@ -93,8 +96,35 @@ def _summary(info: store.EntryInfo) -> str:
             f"[{gpu}, cuDNN {desc.get('cudnn', '?')}]")
 
 
+def _shown(path: str) -> str:
+    """A path as one line of text: a name with a newline, a control character or bytes
+    that are not UTF-8 (a stray's, anyone's) is shown escaped, never printed raw."""
+    return path if path.isprintable() else ascii(path)
+
+
+def _check_dirs(tiers) -> None:
+    """A cache directory that is a file, a FIFO or a broken link is bad input naming it
+    (not "0 entries"); one not made yet is an empty cache."""
+    for tier in tiers:
+        problem = tier.root_problem()
+        if problem:
+            raise InvalidArgumentError(f"cache directory {_shown(tier.root)}: {problem}")
+
+
+def _strays(tiers) -> list[dict[str, str]]:
+    return [{"directory": t.name, "path": s.path, "why": s.why} for t in tiers for s in t.strays()]
+
+
+def _stray_lines(strays: list[dict[str, str]]) -> list[str]:
+    return [f"not fastattn's, left alone: {_shown(s['path'])} ({s['why']})" for s in strays]
+
+
 def run(args) -> tuple[int, dict[str, Any]]:
     cache = runtime.plan_cache()
+    if args.cache_command in ("prune", "clear"):
+        _check_dirs([cache.store.main] if cache.store.main else [])
+    elif args.cache_command != "import":  # (import and pull check what they write to as they write)
+        _check_dirs(cache.store.tiers)
     handler = {"ls": _ls, "show": _show, "verify": _verify, "prune": _prune, "clear": _clear,
                "export": _export, "import": _import, "push": _push, "pull": _pull}[args.cache_command]
     return handler(args, cache)
@@ -105,7 +135,8 @@ def _ls(args, cache: PlanCache) -> tuple[int, dict[str, Any]]:
     rows = []
     for tier, info in cache.store.entries():
         header = info.header or {}
-        rows.append({"key": info.key, "directory": tier.name, "size": info.size, "created": info.created,
+        rows.append({"key": info.key, "directory": tier.name, "path": info.path, "size": info.size,
+                     "created": info.created,
                      "last_used": info.last_used, "kind": header.get("kind"),
                      "config": header.get("description", {}).get("config"),
                      "damaged": (info.problem or "unreadable header") if info.header is None else None,
@@ -116,9 +147,13 @@ def _ls(args, cache: PlanCache) -> tuple[int, dict[str, Any]]:
                      f"  {r['summary']}")
     total = sum(r["size"] for r in rows)
     damaged = sum(1 for r in rows if r["damaged"])
+    strays = _strays(cache.store.tiers)
+    lines.extend(_stray_lines(strays))
     lines.append(f"{len(rows)} entries{f' ({damaged} damaged: fastattn cache verify)' if damaged else ''}, "
-                 f"{total} bytes, in {', '.join(t.name for t in cache.store.tiers) or '(cache off)'}")
-    return EXIT_OK, {"entries": rows, "total_bytes": total, "damaged": damaged, "_text": "\n".join(lines)}
+                 f"{total} bytes, in {', '.join(_shown(t.name) for t in cache.store.tiers) or '(cache off)'}"
+                 + (f"; {len(strays)} other things named like entries, not fastattn's" if strays else ""))
+    return EXIT_OK, {"entries": rows, "total_bytes": total, "damaged": damaged, "not_ours": strays,
+                     "_text": "\n".join(lines)}
 
 
 def _find(cache: PlanCache, prefix: str):
@@ -147,8 +182,7 @@ def _verify(args, cache: PlanCache) -> tuple[int, dict[str, Any]]:
     for tier, info in cache.store.entries():
         row = {"key": info.key, "path": info.path, "status": "ok", "reason": ""}
         try:
-            with open(info.path, "rb") as f:
-                entry = decode(f.read(), expected_key=info.key)
+            entry = decode(tier.read(info.path), expected_key=info.key)
         except (OSError, store.EntryError) as e:
             row.update(status="damaged", reason=str(e))
             rows.append(row)
@@ -160,9 +194,12 @@ def _verify(args, cache: PlanCache) -> tuple[int, dict[str, Any]]:
                 row.update(_load(cache, entry))
         rows.append(row)
     bad = [r for r in rows if r["status"] in ("damaged", "does not load")]
-    lines = [f"{r['key'][:16]} {r['status']:<14} {r['reason']}" for r in rows]
-    lines.append(f"{len(rows)} entries: {len(rows) - len(bad)} good, {len(bad)} bad")
-    return (EXIT_FAILED if bad else EXIT_OK), {"entries": rows, "bad": len(bad), "_text": "\n".join(lines)}
+    strays = _strays(cache.store.tiers)
+    lines = [f"{r['key'][:16]} {r['status']:<14} {r['reason']}" for r in rows] + _stray_lines(strays)
+    lines.append(f"{len(rows)} entries: {len(rows) - len(bad)} good, {len(bad)} bad"
+                 + (f"; {len(strays)} other things named like entries, not fastattn's (not checked)" if strays else ""))
+    return (EXIT_FAILED if bad else EXIT_OK), {"entries": rows, "bad": len(bad), "not_ours": strays,
+                                               "_text": "\n".join(lines)}
 
 
 def _load(cache: PlanCache, entry) -> dict[str, str]:
@@ -180,7 +217,15 @@ def _prune(args, cache: PlanCache) -> tuple[int, dict[str, Any]]:
     if args.max_bytes is None and args.max_age is None:
         raise InvalidArgumentError("cache prune needs --max-bytes or --max-age")
     removed = main.prune(max_bytes=args.max_bytes, max_age=args.max_age)
-    return EXIT_OK, {"removed": removed, "_text": f"removed {removed} entries from {main.root}"}
+    return EXIT_OK, _removed(main, removed)
+
+
+def _removed(main: store.DiskStore, removed: int) -> dict[str, Any]:
+    left = len(list(main.strays()))
+    return {"removed": removed, "left_alone": left,
+            "_text": f"removed {removed} entries from {_shown(main.root)}"
+                     + (f"; left alone {left} things named like entries that are not fastattn's (fastattn cache ls "
+                        "lists them)" if left else "")}
 
 
 def _clear(args, cache: PlanCache) -> tuple[int, dict[str, Any]]:
@@ -188,7 +233,7 @@ def _clear(args, cache: PlanCache) -> tuple[int, dict[str, Any]]:
     if main is None:
         raise InvalidArgumentError("the cache is off (FASTATTN_CACHE_MODE=off)")
     removed = main.clear()
-    return EXIT_OK, {"removed": removed, "_text": f"removed {removed} entries from {main.root}"}
+    return EXIT_OK, _removed(main, removed)
 
 
 def _export(args, cache: PlanCache) -> tuple[int, dict[str, Any]]:
@@ -266,8 +311,7 @@ def _push(args, cache: PlanCache) -> tuple[int, dict[str, Any]]:
                 continue
             seen.add(info.key)
             try:
-                with open(info.path, "rb") as f:
-                    entry = decode(f.read(), expected_key=info.key)
+                entry = decode(tier.read(info.path), expected_key=info.key)
             except (OSError, store.EntryError):
                 skipped += 1  # damaged: `fastattn cache verify` reports it
                 continue

@@ -14,9 +14,10 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> tuple[int, dict[str, Any]]:
-    from .. import runtime
+    from .. import env as _env, runtime
     from ..errors import CudaError, LibraryError
 
+    _env.check_all()  # a bad FASTATTN_* value is bad input (exit 2), whichever part of info would read it
     out: dict[str, Any] = {"versions": runtime.versions()}
     # Which cuDNN the first GPU call takes (the wheel, its version, the file), said
     # without a GPU too: after `pip install torch`, torch's pinned wheel.
@@ -26,7 +27,8 @@ def run(args) -> tuple[int, dict[str, Any]]:
         "directory": cache.settings.directory,
         "mode": cache.settings.mode,
         "extra_dirs": list(cache.settings.extra_dirs),
-        "entries": [{"directory": t.root, "entries": len(infos), "bytes": sum(i.size for i in infos)}
+        "entries": [{"directory": t.root, "entries": len(infos), "bytes": sum(i.size for i in infos),
+                     "problem": t.root_problem()}  # (a file, a FIFO: the `cache` commands refuse it)
                     for t in cache.tiers for infos in [list(t.entries(with_headers=False))]],
         "remote": cache.remote.status(check=True) if cache.remote else None,
     }

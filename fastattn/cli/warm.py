@@ -137,10 +137,10 @@ def _wants_torch_ops(flag: bool | None) -> bool:
     if flag is not None:
         return flag
     import importlib.util
-    import os
 
-    path = os.environ.get("FASTATTN_TORCH_PATH", "auto").strip().lower()
-    return path != "python" and importlib.util.find_spec("torch") is not None
+    from .. import env as _env
+
+    return _env.get("FASTATTN_TORCH_PATH") != "python" and importlib.util.find_spec("torch") is not None
 
 
 def _gpu_problem(device: int | None) -> str | None:

@@ -6,22 +6,10 @@ Lookups go through the main directory, then any extra read-only directories; wri
 go to the main directory only. Every tier (a directory, Redis) has one shape,
 store.Tier.
 
-Configuration (environment, read when the cache is first used or on configure()):
-
-=============================  ========================================================
-FASTATTN_CACHE_DIR             main directory (default: the platform's user cache dir)
-FASTATTN_CACHE_MODE            read-write (default), read-only, or off
-FASTATTN_CACHE_EXTRA_DIRS      read-only directories searched after the main one,
-                               separated by os.pathsep (":")
-FASTATTN_CACHE_SHARED          1: group-writable files (0664) and directories (2775)
-                               for a directory shared between users; default private
-                               (0600 / 0700)
-FASTATTN_CACHE_MAX_BYTES       prune least-recently-used entries above this size
-                               (default 4 GiB; 0 means no limit)
-FASTATTN_CACHE_HMAC_KEY(_FILE)  the secret that signs entries shared through Redis and
-                               bundles (store.signing)
-FASTATTN_REMOTE_*              the Redis tier behind the directories (store.remote)
-=============================  ========================================================
+Configuration: the FASTATTN_CACHE_* variables, read when the cache is first used or on
+configure(), and FASTATTN_REMOTE_* for the Redis tier behind the directories
+(store.remote); their kinds, defaults and meanings are fastattn.env's table (the
+README shows it).
 
 With a remote tier, lookups go memory, main directory, extra directories, then Redis;
 what Redis has is copied into the main directory, and what this process builds is
@@ -35,8 +23,8 @@ import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterator, Mapping
 
-from ..errors import InvalidArgumentError
-from .disk import DiskStore, EntryInfo
+from .. import env as _env
+from .disk import DiskStore, EntryInfo, Stray
 from .entry import Entry, EntryError
 from .tier import Tier
 from .keys import FORMAT_VERSION, build_env_vars, canonical_json, describe, environment_of, key_of
@@ -63,6 +51,7 @@ __all__ = [
     "Entry",
     "EntryError",
     "EntryInfo",
+    "Stray",
     "Tier",
     "RemoteSettings",
     "RemoteStore",
@@ -75,8 +64,8 @@ __all__ = [
     "settings_from_env",
 ]
 
-MODES = ("read-write", "read-only", "off")
-DEFAULT_MAX_BYTES = 4 << 30
+MODES = _env.VARIABLES["FASTATTN_CACHE_MODE"].choices
+DEFAULT_MAX_BYTES = _env.VARIABLES["FASTATTN_CACHE_MAX_BYTES"].default
 
 
 @dataclass(frozen=True)
@@ -90,44 +79,23 @@ class CacheSettings:
     secret: bytes | None = field(default=None, repr=False)  # never printed
 
 
-def _default_dir() -> str:
-    import platformdirs
-
-    return platformdirs.user_cache_dir("fastattn", appauthor=False)
-
-
 def settings_from_env(environ: Mapping[str, str] | None = None) -> CacheSettings:
-    """Cache settings from FASTATTN_CACHE_* variables; a bad value is an
-    InvalidArgumentError naming the variable."""
+    """Cache settings from the FASTATTN_CACHE_* and FASTATTN_REMOTE_* variables (read
+    through fastattn.env); a bad value is an InvalidArgumentError naming the variable."""
     env = os.environ if environ is None else environ
-    directory = env.get("FASTATTN_CACHE_DIR") or _default_dir()
-    mode = env.get("FASTATTN_CACHE_MODE", "read-write").strip().lower() or "read-write"
-    if mode not in MODES:
-        raise InvalidArgumentError(f"FASTATTN_CACHE_MODE={env['FASTATTN_CACHE_MODE']!r}: must be one of {MODES}")
-    extras = tuple(d for d in env.get("FASTATTN_CACHE_EXTRA_DIRS", "").split(os.pathsep) if d)
-    shared_raw = env.get("FASTATTN_CACHE_SHARED", "0").strip().lower()
-    if shared_raw not in ("0", "1", "true", "false", "yes", "no", ""):
-        raise InvalidArgumentError(f"FASTATTN_CACHE_SHARED={shared_raw!r}: must be 0 or 1")
-    raw_max = env.get("FASTATTN_CACHE_MAX_BYTES")
-    max_bytes: int | None = DEFAULT_MAX_BYTES
-    if raw_max is not None and raw_max.strip():
-        try:
-            max_bytes = int(raw_max)
-        except ValueError:
-            raise InvalidArgumentError(f"FASTATTN_CACHE_MAX_BYTES={raw_max!r}: must be an integer") from None
-        if max_bytes < 0:
-            raise InvalidArgumentError(f"FASTATTN_CACHE_MAX_BYTES={raw_max!r}: must be >= 0")
-        max_bytes = max_bytes or None
+    max_bytes = _env.get("FASTATTN_CACHE_MAX_BYTES", env)
     remote = secret = None
-    if env.get("FASTATTN_REMOTE_CACHE", "").strip():
+    if _env.is_set("FASTATTN_REMOTE_CACHE", env):
         from .remote import remote_settings_from_env
 
         remote = remote_settings_from_env(env)
-    if env.get("FASTATTN_CACHE_HMAC_KEY") is not None or env.get("FASTATTN_CACHE_HMAC_KEY_FILE"):
+    if _env.is_set("FASTATTN_CACHE_HMAC_KEY", env) or _env.is_set("FASTATTN_CACHE_HMAC_KEY_FILE", env):
         from .signing import load_secret
 
         secret = load_secret(env)
-    return CacheSettings(directory, mode, extras, shared_raw in ("1", "true", "yes"), max_bytes, remote, secret)
+    return CacheSettings(_env.get("FASTATTN_CACHE_DIR", env), _env.get("FASTATTN_CACHE_MODE", env),
+                         _env.get("FASTATTN_CACHE_EXTRA_DIRS", env), _env.get("FASTATTN_CACHE_SHARED", env),
+                         max_bytes or None, remote, secret)
 
 
 class TieredCache:
@@ -206,6 +174,12 @@ class TieredCache:
         for store in self.tiers:
             for info in store.entries():
                 yield store, info
+
+    def strays(self) -> Iterator[tuple[DiskStore, Stray]]:
+        """What the directories hold that is named like an entry and is not one."""
+        for store in self.tiers:
+            for stray in store.strays():
+                yield store, stray
 
     def counters(self) -> dict[str, int]:
         total: dict[str, int] = {}

@@ -67,7 +67,8 @@ def export_bundle(stores: Iterable[DiskStore], path: str, *,
                   keep: Callable[[dict[str, Any]], bool] | None = None, secret: bytes | None = None) -> int:
     """Writes the valid entries of `stores` (those `keep(description)` accepts) to a
     bundle at `path`, signed when `secret` is given; returns how many. Damaged entries
-    are left out."""
+    are left out, and so is anything in the directories that is not an entry (a FIFO,
+    a link: DiskStore.scan)."""
     manifest: dict[str, Any] = {"format": BUNDLE_FORMAT, "created": time.time(), "entries": []}
     seen: set[str] = set()
     buf = io.BytesIO()
@@ -77,8 +78,7 @@ def export_bundle(stores: Iterable[DiskStore], path: str, *,
                 if info.key in seen:
                     continue
                 try:
-                    with open(info.path, "rb") as f:
-                        data = f.read()
+                    data = store.read(info.path)  # never a link's target, never a wait on a FIFO
                     entry = decode(data, expected_key=info.key)
                 except (OSError, EntryError):
                     continue

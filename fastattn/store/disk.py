@@ -11,6 +11,17 @@ a bundle or a remote store, can name a file outside the root.
 
 Directories are made private (0700), or 2775 when shared, whatever the umask: the
 README promises it, and a cache of native code readable by everyone is a leak.
+
+What lies in the directory is untrusted, whoever put it there. fastattn's own is only:
+regular files named <key>.entry in the shard folder named after the key's first two
+hex digits (a real folder, not a link), .tmp-* files there, and regular <key>.lock
+files in locks/. Entries are opened without following a link and without blocking
+(O_NOFOLLOW | O_NONBLOCK, then fstat: a regular file or nothing), so a FIFO or a link
+named like an entry is never read, nor waited on. Anything else named like an entry
+(a FIFO, a link, a folder, a file in the wrong folder or under another name) is a
+stray: listed (strays()), never read, replaced or deleted. Pruning removes entries,
+temporary files left by killed writers, lock files nobody holds, and shard folders it
+emptied.
 """
 
 from __future__ import annotations
@@ -20,21 +31,28 @@ import errno
 import fcntl
 import logging
 import os
+import stat
 import tempfile
 import threading
 import time
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Iterator, Union
 
 from .entry import KEY_PATTERN, Entry, EntryError, decode, encode, read_header_from_file
 
-__all__ = ["DiskStore", "EntryInfo"]
+__all__ = ["DiskStore", "EntryInfo", "Stray"]
 
 log = logging.getLogger("fastattn.store")
 
 _SUFFIX = ".entry"
 _TMP_PREFIX = ".tmp-"
+_LOCK_SUFFIX = ".lock"
 _STALE_TMP_SECONDS = 3600.0
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+# An entry is read through these: never a link's target, never a wait on a FIFO.
+_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | _CLOEXEC
+_FOLDER_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | _CLOEXEC
+_HEX = frozenset("0123456789abcdef")
 
 
 @dataclass(frozen=True)
@@ -46,6 +64,60 @@ class EntryInfo:
     last_used: float
     header: dict | None  # None when the header is unreadable or malformed
     problem: str = ""  # why the header is unusable ("" when it is fine); the blobs are not checked here
+
+
+@dataclass(frozen=True)
+class Stray:
+    """Something in the directory named like fastattn's that is not (a FIFO, a link, a
+    folder, a misplaced or misnamed file): listed, never read or deleted."""
+
+    path: str
+    why: str
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISDIR, "a folder"),
+                       (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISREG, "a regular file")):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def _is_shard(name: str) -> bool:
+    return len(name) == 2 and set(name) <= _HEX
+
+
+def _open_regular(path: str) -> int:
+    """A read-only descriptor of `path` when it is a regular file reached without
+    following a link (neither the file nor its folder may be one) and without blocking;
+    EntryError when it is something else, OSError when it cannot be opened."""
+    folder, name = os.path.split(path)
+    try:
+        dfd = os.open(folder, _FOLDER_FLAGS)
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise EntryError(f"{folder} is not a folder of fastattn's (a link or a file): not followed") from None
+        raise
+    try:
+        fd = os.open(name, _READ_FLAGS, dir_fd=dfd)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise EntryError("a symbolic link, not an entry: not followed") from None
+        raise
+    finally:
+        os.close(dfd)
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise EntryError(f"{_kind(mode)}, not an entry: not read")
+    return fd
+
+
+def read_regular(path: str) -> bytes:
+    """The bytes of the regular file `path` (see _open_regular)."""
+    with os.fdopen(_open_regular(path), "rb") as f:
+        return f.read()
 
 
 class DiskStore:
@@ -120,10 +192,17 @@ class DiskStore:
         """The entry for `key`, or None (absent, unreadable or invalid: all misses)."""
         try:
             path = self.path_for(key)
-            with open(path, "rb") as f:
-                data = f.read()
-        except (FileNotFoundError, EntryError):
+        except EntryError:
             self._count("misses")
+            return None
+        try:
+            data = read_regular(path)
+        except FileNotFoundError:
+            self._count("misses")
+            return None
+        except EntryError as e:  # a FIFO, a link, a folder: not ours, never read
+            self._count("misses")
+            self._warn_once("stray:" + path, "fastattn cache: ignoring %s: %s", path, e)
             return None
         except OSError as e:
             self._count("misses")
@@ -144,17 +223,23 @@ class DiskStore:
         """(inode, mtime, size) of the entry file, or None: tells whether another
         process published the entry since we last looked, without reading it."""
         try:
-            st = os.stat(self.path_for(key))
+            st = os.lstat(self.path_for(key))
         except (OSError, EntryError):
             return None
         return (st.st_ino, st.st_mtime_ns, st.st_size)
+
+    def read(self, path: str) -> bytes:
+        """An entry file's bytes, read without following a link or blocking; EntryError
+        when it is not a regular file, OSError when it cannot be read."""
+        return read_regular(path)
 
     def _touch(self, path: str) -> None:
         if not self.writable:
             return
         try:
-            st = os.stat(path)
-            os.utime(path, ns=(time.time_ns(), st.st_mtime_ns))  # mtime kept exactly: see signature()
+            st = os.lstat(path)
+            if stat.S_ISREG(st.st_mode):  # mtime kept exactly: see signature()
+                os.utime(path, ns=(time.time_ns(), st.st_mtime_ns), follow_symlinks=False)
         except OSError:
             pass  # a file pruned or replaced since we read it: nothing to record
 
@@ -188,7 +273,12 @@ class DiskStore:
         tmp = None
         try:
             self._mkdir(folder)
-            fd, tmp = tempfile.mkstemp(prefix=_TMP_PREFIX, dir=folder)
+            self._check_ours(folder, stat.S_ISDIR, "a shard folder")  # a link there: nothing written elsewhere
+            try:
+                fd, tmp = tempfile.mkstemp(prefix=_TMP_PREFIX, dir=folder)
+            except FileNotFoundError:  # a prune removed the folder, empty, just now
+                self._mkdir(folder)
+                fd, tmp = tempfile.mkstemp(prefix=_TMP_PREFIX, dir=folder)
             try:
                 if self.shared:
                     os.fchmod(fd, 0o664)
@@ -198,7 +288,7 @@ class DiskStore:
                 os.fsync(fd)
             finally:
                 os.close(fd)
-            old = os.path.getsize(path) if os.path.exists(path) else 0
+            old = self._check_ours(path, stat.S_ISREG, "an entry")
             os.replace(tmp, path)  # atomic within one directory
             tmp = None
         except OSError as e:
@@ -214,14 +304,26 @@ class DiskStore:
         self._after_write(len(data) - old)
         return True
 
+    @staticmethod
+    def _check_ours(path: str, is_kind, what: str) -> int:
+        """The size of `path` where it is missing (0) or of the kind fastattn makes there;
+        an OSError naming it where something else is there (left alone)."""
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            return 0
+        if not is_kind(st.st_mode):
+            raise OSError(errno.EEXIST, f"{_kind(st.st_mode)} where {what} would be, not fastattn's: left alone",
+                          path)
+        return st.st_size
+
     def holds(self, key: str) -> bool:
         """Whether the directory has a valid entry for `key` (counted nowhere: import
         reports it as already present, and replaces a damaged one). Another valid
         entry for the same key is as good as the bundle's: the key covers the config,
         the GPU and every version."""
         try:
-            with open(self.path_for(key), "rb") as f:
-                decode(f.read(), expected_key=key)
+            decode(read_regular(self.path_for(key)), expected_key=key)
         except (OSError, EntryError):
             return False
         return True
@@ -254,8 +356,17 @@ class DiskStore:
         folder = os.path.join(self.root, "locks")
         try:
             self._mkdir(folder)
-            fd = os.open(os.path.join(folder, key + ".lock"), os.O_RDWR | os.O_CREAT, 0o664 if self.shared else 0o600)
+            dfd = os.open(folder, _FOLDER_FLAGS)  # a link there is not followed: no lock files made elsewhere
+            try:
+                fd = os.open(key + _LOCK_SUFFIX, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | _CLOEXEC,
+                             0o664 if self.shared else 0o600, dir_fd=dfd)
+            finally:
+                os.close(dfd)
         except OSError:
+            yield False
+            return
+        if not stat.S_ISREG(os.fstat(fd).st_mode):  # a FIFO named like a lock: not ours, go ahead without
+            os.close(fd)
             yield False
             return
         acquired = False
@@ -280,45 +391,90 @@ class DiskStore:
 
     # -- listing, pruning -------------------------------------------------------------
 
-    def entries(self, with_headers: bool = True) -> Iterator[EntryInfo]:
-        """Every entry file (valid or not) with its size and last use."""
+    def root_problem(self) -> str | None:
+        """Why the directory cannot be a cache directory (it is a file, a FIFO, a broken
+        link, unreadable), or None: a directory, or not made yet (an empty cache)."""
+        try:
+            st = os.stat(self.root)  # a root that is a link to a directory is fine: the user chose it
+        except FileNotFoundError:
+            return "not a directory (a symbolic link to a missing path)" if os.path.islink(self.root) else None
+        except OSError as e:
+            return f"cannot be read ({e.strerror})"
+        if not stat.S_ISDIR(st.st_mode):
+            return f"not a directory ({_kind(st.st_mode)})"
+        if not os.access(self.root, os.R_OK | os.X_OK):
+            return "cannot be read (permission denied)"
+        return None
+
+    def scan(self, with_headers: bool = True) -> Iterator[Union[EntryInfo, Stray]]:
+        """Every entry file (valid or not), with its size and last use, and every stray
+        (see the module's doc): from lstat and listings alone, but for the headers."""
         try:
             folders = sorted(os.listdir(self.root))
         except OSError:
             return
         for sub in folders:
             folder = os.path.join(self.root, sub)
-            if sub == "locks" or len(sub) != 2 or not os.path.isdir(folder):
+            if sub == "locks" or len(sub) != 2:
+                if sub.endswith(_SUFFIX):
+                    yield Stray(folder, "named like an entry, outside any shard folder: not fastattn's")
+                continue
+            try:
+                st = os.lstat(folder)
+            except OSError:
+                continue
+            if not stat.S_ISDIR(st.st_mode):
+                if _is_shard(sub):
+                    yield Stray(folder, f"{_kind(st.st_mode)} where a shard folder would be: not followed")
                 continue
             try:
                 names = sorted(os.listdir(folder))
             except OSError:
                 continue
             for name in names:
-                if not name.endswith(_SUFFIX):
-                    continue
-                path = os.path.join(folder, name)
-                try:
-                    st = os.stat(path)
-                except OSError:
-                    continue
-                key, header, problem = name[: -len(_SUFFIX)], None, ""
-                if with_headers:
-                    try:
-                        with open(path, "rb") as f:
-                            header = read_header_from_file(f)
-                        if header["key"] != key:
-                            raise EntryError(f"the header is for key {header['key'][:16]}..., the file's name "
-                                             f"is {key[:16]}...")
-                    except (OSError, EntryError) as e:
-                        header, problem = None, str(e) or type(e).__name__
-                created = float(header["created"]) if header else st.st_mtime
-                yield EntryInfo(key, path, st.st_size, created, st.st_atime, header, problem)
+                if name.endswith(_SUFFIX):
+                    yield self._scan_one(sub, os.path.join(folder, name), name[: -len(_SUFFIX)], with_headers)
 
-    def prune(self, max_bytes: int | None = None, max_age: float | None = None) -> int:
+    def _scan_one(self, sub: str, path: str, key: str, with_headers: bool) -> Union[EntryInfo, Stray]:
+        try:
+            st = os.lstat(path)
+        except OSError:
+            return Stray(path, "vanished while listed")
+        if not KEY_PATTERN.fullmatch(key) or key[:2] != sub:
+            return Stray(path, f"{_kind(st.st_mode)} not named after a cache key of its folder: not fastattn's")
+        if not stat.S_ISREG(st.st_mode):
+            return Stray(path, f"{_kind(st.st_mode)} named like an entry, not a regular file: not fastattn's")
+        header, problem = None, ""
+        if with_headers:
+            try:
+                with os.fdopen(_open_regular(path), "rb") as f:
+                    header = read_header_from_file(f)
+                if header["key"] != key:
+                    raise EntryError(f"the header is for key {header['key'][:16]}..., the file's name "
+                                     f"is {key[:16]}...")
+            except (OSError, EntryError) as e:
+                header, problem = None, str(e) or type(e).__name__
+        created = float(header["created"]) if header else st.st_mtime
+        return EntryInfo(key, path, st.st_size, created, st.st_atime, header, problem)
+
+    def entries(self, with_headers: bool = True) -> Iterator[EntryInfo]:
+        """Every entry file (valid or not) with its size and last use."""
+        for item in self.scan(with_headers):
+            if isinstance(item, EntryInfo):
+                yield item
+
+    def strays(self) -> Iterator[Stray]:
+        """What is named like fastattn's and is not (never read or deleted)."""
+        for item in self.scan(with_headers=False):
+            if isinstance(item, Stray):
+                yield item
+
+    def prune(self, max_bytes: int | None = None, max_age: float | None = None, *, everything: bool = False) -> int:
         """Removes least-recently-used entries until at most `max_bytes` remain, and
-        entries unused for more than `max_age` seconds; also temporary files left by
-        killed writers. Returns how many entries went."""
+        entries unused for more than `max_age` seconds; then what fastattn left behind:
+        temporary files of killed writers, lock files nobody holds, shard folders left
+        empty. Never a stray. everything: every entry (clear), empty ones too. Returns
+        how many entries went."""
         infos = sorted(self.entries(with_headers=False), key=lambda i: i.last_used)
         now = time.time()
         removed = 0
@@ -326,37 +482,79 @@ class DiskStore:
         for info in infos:
             too_old = max_age is not None and now - info.last_used > max_age
             too_big = max_bytes is not None and total > max_bytes
-            if not (too_old or too_big):
+            if not (too_old or too_big or everything):
                 continue
             try:
-                os.unlink(info.path)
+                st = os.lstat(info.path)
+                if stat.S_ISREG(st.st_mode):  # still what was listed, not a stray put there since
+                    os.unlink(info.path)
+                else:
+                    continue
             except OSError:
                 continue
             removed += 1
             total -= info.size
-        self._remove_stale_temporaries(now)
+        self._remove_debris(now)
         with self._lock:
             self._total = total
             self.counters["pruned"] += removed
         return removed
 
-    def _remove_stale_temporaries(self, now: float) -> None:
+    def _remove_debris(self, now: float) -> None:
+        """Temporary files older than _STALE_TMP_SECONDS (a writer has them for
+        milliseconds), idle lock files, empty shard folders, an empty locks/."""
         try:
             folders = os.listdir(self.root)
         except OSError:
             return
         for sub in folders:
             folder = os.path.join(self.root, sub)
-            if not os.path.isdir(folder):
+            if not _is_shard(sub) or not os.path.isdir(folder) or os.path.islink(folder):
                 continue
             with contextlib.suppress(OSError):
                 for name in os.listdir(folder):
                     if name.startswith(_TMP_PREFIX):
                         path = os.path.join(folder, name)
                         with contextlib.suppress(OSError):
-                            if now - os.stat(path).st_mtime > _STALE_TMP_SECONDS:
+                            st = os.lstat(path)
+                            if stat.S_ISREG(st.st_mode) and now - st.st_mtime > _STALE_TMP_SECONDS:
                                 os.unlink(path)
+            with contextlib.suppress(OSError):
+                os.rmdir(folder)  # only when empty; a writer that finds it gone makes it again
+        locks = os.path.join(self.root, "locks")
+        if os.path.isdir(locks) and not os.path.islink(locks):
+            with contextlib.suppress(OSError):
+                for name in os.listdir(locks):
+                    if name.endswith(_LOCK_SUFFIX) and KEY_PATTERN.fullmatch(name[: -len(_LOCK_SUFFIX)]):
+                        self._remove_idle_lock(os.path.join(locks, name))
+            with contextlib.suppress(OSError):
+                os.rmdir(locks)
+
+    @staticmethod
+    def _remove_idle_lock(path: str) -> None:
+        """Unlinks a lock file that nobody holds, holding it meanwhile. A process that
+        opened it just before gets its lock on the unlinked file: at worst one plan is
+        built twice, which is all a lock here prevents."""
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | _CLOEXEC)
+        except OSError:
+            return
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                return
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                return  # held: a build is under way
+            now = os.lstat(path)
+            if (now.st_ino, now.st_dev) == (st.st_ino, st.st_dev):
+                os.unlink(path)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
 
     def clear(self) -> int:
-        """Removes every entry; returns how many."""
-        return self.prune(max_bytes=0)
+        """Removes every entry (and fastattn's debris, as prune does); returns how many."""
+        return self.prune(everything=True)

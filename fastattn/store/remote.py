@@ -10,17 +10,9 @@ Fleet single flight: before building a missing plan a process takes a Redis lock
 an expiry (SET NX PX); the others wait up to `wait` seconds for the builder's entry
 to appear, then build anyway. A builder that dies leaves the lock to expire.
 
-Configuration (environment):
-
-=============================  ========================================================
-FASTATTN_REMOTE_CACHE          redis://[user:password@]host:port/db (rediss:// for TLS);
-                               unset: no remote tier
-FASTATTN_REMOTE_PREFIX         key prefix (default "fastattn:")
-FASTATTN_REMOTE_TIMEOUT        seconds per Redis operation and connection (default 0.25)
-FASTATTN_REMOTE_WAIT           seconds to wait for another machine's build (default 10)
-FASTATTN_REMOTE_RETRY          seconds to leave Redis alone after a failure (default 5)
-FASTATTN_REMOTE_TRUSTED        1: use the store without a signing secret (see signing)
-=============================  ========================================================
+Configuration: the FASTATTN_REMOTE_* variables (fastattn.env's table, which the README
+shows): FASTATTN_REMOTE_CACHE, a redis://, rediss:// or unix:// URL checked up front
+(scheme, host, port, database), turns the tier on.
 
 Without FASTATTN_CACHE_HMAC_KEY(_FILE) and without FASTATTN_REMOTE_TRUSTED=1 the tier
 stays off, with a warning that says so.
@@ -35,9 +27,9 @@ import time
 import uuid
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from urllib.parse import urlsplit, urlunsplit
 
-from ..errors import InvalidArgumentError
+from .. import env as _env
+from ..env import redact
 from .disk import EntryInfo
 from .entry import KEY_PATTERN, Entry, EntryError, decode, encode, read_header
 from .signing import unwrap, wrap
@@ -66,46 +58,20 @@ class RemoteSettings:
     trusted: bool = False
 
 
-def _seconds(env: Mapping[str, str], name: str, default: float) -> float:
-    raw = env.get(name, "").strip()
-    if not raw:
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        raise InvalidArgumentError(f"{name}={raw!r}: must be a number of seconds") from None
-    if not value >= 0:
-        raise InvalidArgumentError(f"{name}={raw!r}: must be >= 0")
-    return value
-
-
-def remote_settings_from_env(environ: Mapping[str, str]) -> RemoteSettings | None:
-    url = environ.get("FASTATTN_REMOTE_CACHE", "").strip()
-    if not url:
+def remote_settings_from_env(environ: Mapping[str, str] | None = None) -> RemoteSettings | None:
+    """The tier's settings from the FASTATTN_REMOTE_* variables (None: no tier); a bad
+    value is an InvalidArgumentError naming the variable."""
+    url = _env.get("FASTATTN_REMOTE_CACHE", environ)
+    if url is None:
         return None
-    scheme = urlsplit(url).scheme
-    if scheme not in ("redis", "rediss", "unix"):
-        raise InvalidArgumentError(f"FASTATTN_REMOTE_CACHE={redact(url)!r}: expected redis://host:port/db")
-    trusted = environ.get("FASTATTN_REMOTE_TRUSTED", "0").strip().lower()
-    if trusted not in ("0", "1", "true", "false", "yes", "no", ""):
-        raise InvalidArgumentError(f"FASTATTN_REMOTE_TRUSTED={trusted!r}: must be 0 or 1")
     return RemoteSettings(
         url=url,
-        prefix=environ.get("FASTATTN_REMOTE_PREFIX", "fastattn:"),
-        timeout=_seconds(environ, "FASTATTN_REMOTE_TIMEOUT", 0.25) or 0.25,
-        wait=_seconds(environ, "FASTATTN_REMOTE_WAIT", 10.0),
-        retry_after=_seconds(environ, "FASTATTN_REMOTE_RETRY", 5.0),
-        trusted=trusted in ("1", "true", "yes"),
+        prefix=_env.get("FASTATTN_REMOTE_PREFIX", environ),
+        timeout=_env.get("FASTATTN_REMOTE_TIMEOUT", environ),
+        wait=_env.get("FASTATTN_REMOTE_WAIT", environ),
+        retry_after=_env.get("FASTATTN_REMOTE_RETRY", environ),
+        trusted=_env.get("FASTATTN_REMOTE_TRUSTED", environ),
     )
-
-
-def redact(url: str) -> str:
-    """The URL without its password, for messages."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = parts.netloc.replace(":" + parts.password + "@", ":***@")
-    return urlunsplit(parts._replace(netloc=netloc))
 
 
 class RemoteStore:
@@ -150,8 +116,16 @@ class RemoteStore:
                         return None
                     t = self.settings.timeout
                     self._errors = (redis.RedisError, OSError)
-                    self._client = redis.Redis.from_url(self.settings.url, socket_timeout=t, socket_connect_timeout=t,
-                                                        retry_on_timeout=False, health_check_interval=0)
+                    try:
+                        self._client = redis.Redis.from_url(self.settings.url, socket_timeout=t,
+                                                            socket_connect_timeout=t, retry_on_timeout=False,
+                                                            health_check_interval=0)
+                    except (ValueError, TypeError) as e:
+                        # The URL is checked up front (fastattn.env); a client that still
+                        # refuses it turns the tier off: the cache never makes real work fail.
+                        self.disabled = f"the redis client refuses the URL ({type(e).__name__}: {e})"
+                        log.warning("fastattn remote cache %s is off: %s", self.name, self.disabled)
+                        return None
         return self._client
 
     def _failed(self, e: BaseException) -> None:

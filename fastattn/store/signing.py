@@ -7,16 +7,17 @@ secret). The checksum inside an entry catches damage; only the signature catches
 entry that someone wrote on purpose.
 
 The secret: FASTATTN_CACHE_HMAC_KEY (the secret itself, as text) or
-FASTATTN_CACHE_HMAC_KEY_FILE (a file holding it; surrounding whitespace is ignored).
+FASTATTN_CACHE_HMAC_KEY_FILE (a file holding it, read when the first is not set;
+surrounding whitespace is ignored).
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
-import os
 from collections.abc import Mapping
 
+from .. import env as _env
 from ..errors import InvalidArgumentError
 
 __all__ = ["SIGNED_MAGIC", "load_secret", "sign", "unwrap", "wrap"]
@@ -29,25 +30,21 @@ def load_secret(environ: Mapping[str, str] | None = None) -> bytes | None:
     """The shared secret from the environment, or None when none is configured. A key
     file that cannot be read, or an empty secret, is an InvalidArgumentError naming
     the variable: signing with a secret nobody meant is worse than failing."""
-    env = os.environ if environ is None else environ
-    text = env.get("FASTATTN_CACHE_HMAC_KEY")
-    name = "FASTATTN_CACHE_HMAC_KEY"
-    if not text and env.get("FASTATTN_CACHE_HMAC_KEY_FILE"):
-        name = "FASTATTN_CACHE_HMAC_KEY_FILE"
-        path = env[name]
-        try:
-            with open(path, "rb") as f:
-                raw = f.read().strip()
-        except OSError as e:
-            raise InvalidArgumentError(f"{name}={path!r}: cannot read it ({e.strerror})") from None
-        if not raw:
-            raise InvalidArgumentError(f"{name}={path!r}: the file is empty")
-        return raw
-    if text is None:
+    secret = _env.get("FASTATTN_CACHE_HMAC_KEY", environ)
+    if secret is not None:
+        return secret
+    path = _env.get("FASTATTN_CACHE_HMAC_KEY_FILE", environ)
+    if path is None:
         return None
-    if not text.strip():
-        raise InvalidArgumentError(f"{name} is set but empty")
-    return text.strip().encode("utf-8")
+    name = "FASTATTN_CACHE_HMAC_KEY_FILE"
+    try:
+        with open(path, "rb") as f:
+            raw = f.read().strip()
+    except OSError as e:
+        raise InvalidArgumentError(f"{name}={path!r}: cannot read it ({e.strerror})") from None
+    if not raw:
+        raise InvalidArgumentError(f"{name}={path!r}: the file is empty")
+    return raw
 
 
 def sign(secret: bytes, key: str, data: bytes) -> bytes:

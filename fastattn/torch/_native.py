@@ -33,12 +33,13 @@ import time
 import warnings
 from pathlib import Path
 
-from .. import _opslib
+from .. import _opslib, env as _env
 from .._opslib import INCLUDE, SOURCES, build_root  # noqa: F401 - build_root: what tests and tools ask
 from ..errors import InvalidArgumentError
 
 ENV = "FASTATTN_TORCH_PATH"
-MODES = ("auto", "native", "python")
+MODES = _env.VARIABLES[ENV].choices
+_env.get(ENV)  # a bad value fails the import: every path (eager, traced, meta), not only an eager CUDA call
 
 _lock = threading.Lock()
 _state: dict = {}  # "lib": the loaded module or None, "reason": why this path, "mode"
@@ -60,10 +61,7 @@ CALL = CALL_VARLEN = None
 
 def mode() -> str:
     """FASTATTN_TORCH_PATH, checked."""
-    value = os.environ.get(ENV, "auto").strip().lower() or "auto"
-    if value not in MODES:
-        raise InvalidArgumentError(f"{ENV}={os.environ.get(ENV)!r}: must be one of {MODES}")
-    return value
+    return _env.get(ENV)
 
 
 def tag() -> str:

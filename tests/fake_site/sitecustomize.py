@@ -5,7 +5,12 @@ instead of cuDNN. How the CPU tests drive worker processes (fastattn warm)."""
 import os
 import sys
 
-if os.environ.get("FASTATTN_TEST_FAKE_CORE") == "1":
+# (fastattn is imported only where one of its test variables is set; it reads them.)
+_test_vars = [v for v in ("FASTATTN_TEST_FAKE_CORE", "FASTATTN_TEST_READONLY_FS") if v in os.environ]
+if _test_vars:
+    from fastattn import env as _env
+
+if "FASTATTN_TEST_FAKE_CORE" in _test_vars and _env.get("FASTATTN_TEST_FAKE_CORE"):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import fake_core
     from fastattn import runtime
@@ -14,7 +19,7 @@ if os.environ.get("FASTATTN_TEST_FAKE_CORE") == "1":
 
 # FASTATTN_TEST_READONLY_FS=<dir>: writes under <dir> fail as on a read-only mount
 # (EROFS), which a test cannot otherwise make for a process running as root.
-_readonly = os.environ.get("FASTATTN_TEST_READONLY_FS")
+_readonly = _env.get("FASTATTN_TEST_READONLY_FS") if "FASTATTN_TEST_READONLY_FS" in _test_vars else None
 if _readonly:
     import errno
 
