@@ -170,6 +170,7 @@ def _stats_like(q: torch.Tensor, layout: str, training: bool) -> torch.Tensor:
 @forward_op.register_fake
 def _(q, k, v, seq_len_q, seq_len_kv, bias, sink, rng, *options):
     options = DenseOptions(*options)
+    _check_tensors(q, k, v, options.layout, seq_len_q, seq_len_kv, bias, sink)  # a trace refuses what eager does
     return q.new_empty(out_shape(q, v, options.layout)), _stats_like(q, options.layout, options.training)
 
 
@@ -217,6 +218,20 @@ _autograd.register(forward_op, RULE, N_TENSORS)
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str, seq_len_q=None, seq_len_kv=None) -> None:
     check_qkv_tensors(q, k, v, 4, f"4 dimensions in {layout} order")
     check_shapes(q, k, v, layout, seq_len_q, seq_len_kv)
+
+
+def _check_tensors(q, k, v, layout: str, seq_len_q, seq_len_kv, bias, sink) -> None:
+    """Every check plan_for makes on a miss (_check, _check_extras), where no plan_for
+    runs: the forward op's fake implementation (any trace of it: FakeTensorMode,
+    make_fx, torch.export, torch.compile) and attention()'s body under dynamo, which
+    sees fake tensors as plain CUDA ones (those the body leaves to plan_for). A check
+    that fails in dynamo's trace of the body makes dynamo run the call eagerly, where
+    it fails as eager does (fullgraph=True and torch.export name it in dynamo's error);
+    in the fake kernel it would be a TorchRuntimeError. A layout the body refuses
+    itself is left to it."""
+    if layout in AXES:
+        _check(q, k, v, layout, seq_len_q, seq_len_kv if seq_len_kv is not None else seq_len_q)
+        _check_extras(q, k, layout, bias, sink)
 
 
 def _bias_shape(q: torch.Tensor, bias: torch.Tensor, layout: str) -> str:
@@ -319,15 +334,21 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
                      seq_lens_kv, alibi, bias, dropout_p, sinks, alignment, return_lse, softcap)
             if o is not NotImplemented:
                 return o
+    else:  # dynamo's fake tensors look like plain CUDA ones, checked below only in plan_for: check them here
+        _check_tensors(q, k, v, layout, seq_lens_q, seq_lens_kv, bias, sinks)
     if layout not in AXES:
         raise InvalidArgumentError(f"layout={layout!r}: must be one of {tuple(AXES)}")
     if seq_lens_kv is None:
         seq_lens_kv = seq_lens_q
     elif seq_lens_q is None:
         raise InvalidArgumentError("seq_lens_kv given without seq_lens_q")
-    cuda = isinstance(q, torch.Tensor) and q.is_cuda
+    # Plain CUDA tensors are checked once per plan, in plan_for (on a miss); anything else
+    # on every call: meta and CPU tensors, subclasses and fake tensors (FakeTensorMode,
+    # make_fx, non-strict torch.export), which outside torch.compile and torch.export
+    # take the Python ops (the op library's Meta kernels check nothing).
+    cuda = q.__class__ is Tensor and q.is_cuda
     if not cuda:
-        _check(q, k, v, layout, seq_lens_q, seq_lens_kv)  # CUDA inputs are checked once per plan, in plan_for
+        _check(q, k, v, layout, seq_lens_q, seq_lens_kv)
     left, right, scale = check_options(causal, causal_bottom_right, window, scale, deterministic, alibi)
     br = bottom_right(alignment, causal_bottom_right)
     causal = bool(causal or causal_bottom_right)

@@ -94,6 +94,7 @@ forward_op = torch.library.custom_op("fastattn::paged_forward", _forward, mutate
 
 @forward_op.register_fake
 def _(q, k_cache, v_cache, block_table, cache_seqlens, seq_lens_q, *options):
+    _check_paged(q, k_cache, v_cache, block_table, seq_lens_q, cache_seqlens)  # a trace refuses what eager does
     return q.new_empty(out_shape(q, v_cache, "bshd"))
 
 
@@ -179,14 +180,17 @@ def attention_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                                     or getattr(v_cache, "requires_grad", False)):
         raise InvalidArgumentError("attention_paged is forward only (cuDNN has no paged backward): call it under "
                                    "torch.no_grad() or on tensors that do not require gradients")
-    cuda = isinstance(q, torch.Tensor) and q.is_cuda
+    # Plain CUDA tensors: checked once per plan, in plan_for; anything else (fake tensors
+    # too) on every call (see _dense.attention).
+    cuda = q.__class__ is torch.Tensor and q.is_cuda
     if not cuda:
-        _check_paged(q, k_cache, v_cache, block_table, seq_lens_q, cache_seqlens)  # CUDA: once per plan
+        _check_paged(q, k_cache, v_cache, block_table, seq_lens_q, cache_seqlens)
     options = _new(PagedOptions, (bool(causal or causal_bottom_right), br, left, right, scale, softcap))
     native = _native.PAGED
     if native is not None:  # the native path (see _dense.attention)
         if compiling():
             if native is not _native.UNDECIDED:
+                _check_paged(q, k_cache, v_cache, block_table, seq_lens_q, cache_seqlens)  # its Meta kernel does not
                 return native[1](q, k_cache, v_cache, block_table, cache_seqlens, seq_lens_q, *options)
         elif cuda and not functorch_active():
             if native is _native.UNDECIDED:
@@ -196,6 +200,8 @@ def attention_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                 return native[0](q, k_cache, v_cache, block_table, cache_seqlens, seq_lens_q, *options)
     if cuda and plain_eager(q):
         return forward_impl(q, k_cache, v_cache, block_table, cache_seqlens, seq_lens_q, options)
+    if cuda:  # dynamo's fake tensors look like plain CUDA ones, and its trace reaches no plan_for
+        _check_paged(q, k_cache, v_cache, block_table, seq_lens_q, cache_seqlens)
     return forward_op(q, k_cache, v_cache, block_table, cache_seqlens, seq_lens_q, *options)
 
 

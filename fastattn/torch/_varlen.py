@@ -104,6 +104,7 @@ forward_op = torch.library.custom_op("fastattn::varlen_forward", _forward, mutat
 
 @forward_op.register_fake
 def _(q, k, v, cu_q, cu_kv, rng, *options):
+    _check_varlen(q, k, v, cu_q, cu_kv)  # a trace refuses what eager does
     training = VarlenOptions(*options).training
     return (q.new_empty(q.shape[0], q.shape[1], v.shape[2]),
             q.new_empty((q.shape[0], q.shape[1]) if training else (0,), dtype=torch.float32))

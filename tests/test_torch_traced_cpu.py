@@ -1,0 +1,236 @@
+"""Tracing sees what eager sees (issue 26, 2.5): under FakeTensorMode with CUDA fake
+tensors (what torch.compile's and torch.export's tracing give the entry points), every
+entry point of fastattn.torch and fastattn.flash refuses what an eager call refuses,
+with the same exception and message, and accepts what it accepts, with the same output
+shape. Eager here: meta and CPU tensors, which the Python body checks on every call (an
+eager CUDA call checks the same tensors once per plan, in plan_for, on a miss)."""
+
+from __future__ import annotations
+
+import contextlib
+import re
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+torch = pytest.importorskip("torch", reason="PyTorch is an optional extra (pip install torch)")
+
+from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
+
+import fastattn.torch  # noqa: E402
+from fastattn import flash  # noqa: E402
+from fastattn.errors import InvalidArgumentError, NotSupportedError  # noqa: E402
+from fastattn.torch import _dense, _native, _paged, _varlen  # noqa: E402
+
+SETTINGS = settings(max_examples=60, deadline=None, derandomize=True,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+LAYOUTS = {"bshd": lambda b, s, h, d: (b, s, h, d), "bhsd": lambda b, s, h, d: (b, h, s, d),
+           "sbhd": lambda b, s, h, d: (s, b, h, d)}
+
+
+@pytest.fixture(autouse=True)
+def python_path(monkeypatch):
+    """The Python path (the native path's tracing is in test_torch_native_cpu.py)."""
+    _native.python_path(monkeypatch)
+
+
+@st.composite
+def tensor_specs(draw, n: int):
+    """n tensors' (dtype, device, rank change): mostly one fp16/bf16 dtype on the main
+    device (CUDA, or meta for eager), at times another dtype, the CPU, a dimension
+    less or more."""
+    common = draw(st.sampled_from(DTYPES[:2]))
+    odd = st.integers(0, 5).map(lambda i: i == 0)
+    return [(draw(st.sampled_from(DTYPES)) if draw(odd) else common, "cpu" if draw(odd) else "main",
+             draw(st.sampled_from((-1, 1))) if draw(odd) else 0) for _ in range(n)]
+
+
+@st.composite
+def calls(draw):
+    """(what the call is, builder): builder(main device) makes the call's arguments
+    and calls it, so that one draw runs on meta tensors and under FakeTensorMode alike."""
+    entry = draw(st.sampled_from(("attention", "flash_attn_func", "attention_varlen", "flash_attn_varlen_func",
+                                  "attention_paged", "flash_attn_with_kvcache")))
+    specs = draw(tensor_specs(3))
+    hq, hkv = draw(st.integers(1, 8)), draw(st.integers(1, 8))
+    hv = hkv if draw(st.integers(0, 5)) else draw(st.integers(1, 8))
+    d, dv = 16, draw(st.sampled_from((16, 32)))
+    causal = draw(st.booleans())
+    layout = draw(st.sampled_from(sorted(LAYOUTS))) if entry == "attention" else "bshd"
+
+    def tensor(shape, spec, main):
+        dtype, where, rank = spec
+        shape = shape[1:] if rank < 0 else (1, *shape) if rank > 0 else shape
+        return torch.zeros(shape, dtype=dtype, device=main if where == "main" else "cpu")
+
+    def build(main):
+        def qkv(shapes):
+            return [tensor(shape, spec, main) for shape, spec in zip(shapes, specs)]
+
+        if entry in ("attention", "flash_attn_func"):
+            shape = LAYOUTS[layout]
+            q, k, v = qkv((shape(2, 8, hq, d), shape(2, 12, hkv, d), shape(2, 12, hv, dv)))
+            if entry == "attention":
+                return fastattn.torch.attention(q, k, v, causal=causal, layout=layout)
+            return flash.flash_attn_func(q, k, v, causal=causal)
+        if entry in ("attention_varlen", "flash_attn_varlen_func"):
+            q, k, v = qkv(((20, hq, d), (24, hkv, d), (24, hv, dv)))
+            cu_q = torch.tensor([0, 8, 20], dtype=torch.int32, device=main)
+            cu_k = torch.tensor([0, 12, 24], dtype=torch.int32, device=main)
+            if entry == "attention_varlen":
+                return fastattn.torch.attention_varlen(q, k, v, cu_q, cu_k, 12, 12, causal=causal)
+            return flash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 12, 12, causal=causal)
+        if entry == "attention_paged":
+            q, k, v = qkv(((2, 4, hq, d), (6, 16, hkv, d), (6, 16, hv, dv)))
+            table = torch.zeros(2, 3, dtype=torch.int32, device=main)
+            lengths = torch.full((2,), 20, dtype=torch.int32, device=main)
+            return fastattn.torch.attention_paged(q, k, v, table, lengths, causal_bottom_right=causal)
+        q, k, v = qkv(((2, 4, hq, d), (2, 32, hkv, d), (2, 32, hv, dv)))
+        return flash.flash_attn_with_kvcache(q, k, v, causal=causal)
+
+    return f"{entry} {layout} causal={causal} heads {hq}/{hkv}/{hv} dv={dv} (dtype, device, rank): {specs}", build
+
+
+def outcome(build, main: str, mode) -> tuple:
+    """("ok", shape, dtype) or (exception class, message), the device's name in the
+    message made neutral: the main device is meta in one run, cuda:0 in the other."""
+    try:
+        with mode:
+            o = build(main)
+        return "ok", tuple(o.shape), o.dtype
+    except Exception as e:  # noqa: BLE001 - the class is what is compared
+        return type(e), re.sub(r"\b(cuda:0|cuda|meta)\b", "DEVICE", str(e))
+
+
+@SETTINGS
+@given(calls())
+def test_fake_cuda_tensors_meet_the_eager_checks(call):
+    what, build = call
+    eager = outcome(build, "meta", contextlib.nullcontext())
+    traced = outcome(build, "cuda", FakeTensorMode(allow_non_fake_inputs=False))
+    assert traced == eager, what
+    assert eager[0] in ("ok", InvalidArgumentError), eager  # no raw IndexError or RuntimeError
+
+
+def test_the_examples_of_the_issue():
+    """fp32, 8 query heads against 3 KV heads, q and k on two GPUs, a 3-D q: each refused
+    under FakeTensorMode as an eager call refuses it (its plan_for's checks)."""
+    with FakeTensorMode(allow_non_fake_inputs=False):
+        def qkv(dtype=torch.bfloat16, hkv=8, k_device="cuda:0", rank=4):
+            q = torch.zeros((2, 16, 8, 64)[4 - rank:], dtype=dtype, device="cuda:0")
+            return q, torch.zeros(2, 16, hkv, 64, dtype=dtype, device=k_device), torch.zeros(
+                2, 16, hkv, 64, dtype=dtype, device="cuda:0")
+
+        for entry in (fastattn.torch.attention, flash.flash_attn_func):
+            with pytest.raises(InvalidArgumentError, match=r"^q has dtype torch.float32: expected torch.float16"):
+                entry(*qkv(dtype=torch.float32))
+            with pytest.raises(InvalidArgumentError, match=r"^heads: q has 8, k 3, v 3; k and v must match"):
+                entry(*qkv(hkv=3))
+            with pytest.raises(InvalidArgumentError, match=r"^q, k, v are on different devices: cuda:0, cuda:1, "
+                                                           r"cuda:0$"):
+                entry(*qkv(k_device="cuda:1"))
+        with pytest.raises(InvalidArgumentError, match=r"^q has shape \(16, 8, 64\): expected 4 dimensions"):
+            fastattn.torch.attention(*qkv(rank=3))
+        # What eager's plan_for raises on a miss, for the same tensors: the same.
+        q, k, v = qkv(k_device="cuda:1")
+        options = _dense.DenseOptions("bshd", False, False, -1, -1, 0.0, False, False, False, 0.0, False)
+        with pytest.raises(InvalidArgumentError, match=r"^q, k, v are on different devices: cuda:0, cuda:1"):
+            _dense.plan_for(q, k, v, None, None, None, None, None, options)
+
+
+def test_the_custom_ops_fake_implementations_check():
+    """The ops themselves (what a traced graph holds) refuse what the entry points refuse."""
+    with FakeTensorMode(allow_non_fake_inputs=False):
+        q = torch.zeros(2, 16, 8, 64, dtype=torch.float32, device="cuda")
+        options = _dense.DenseOptions("bshd", False, False, -1, -1, 0.0, False, False, False, 0.0, False)
+        with pytest.raises(InvalidArgumentError, match=r"^q has dtype torch.float32"):
+            _dense.forward_op(q, q, q, None, None, None, None, None, *options)
+        q = torch.zeros(20, 8, 64, dtype=torch.bfloat16, device="cuda")
+        k = torch.zeros(20, 3, 64, dtype=torch.bfloat16, device="cuda")
+        cu = torch.tensor([0, 20], dtype=torch.int32, device="cuda")
+        options = _varlen.VarlenOptions(32, 32, False, False, -1, -1, 0.0, False, False, False, 0.0)
+        with pytest.raises(InvalidArgumentError, match=r"^shapes do not fit"):
+            _varlen.forward_op(q, k, k, cu, cu, None, *options)
+        q = torch.zeros(2, 1, 8, 64, dtype=torch.bfloat16, device="cuda")
+        cache = torch.zeros(4, 16, 3, 64, dtype=torch.bfloat16, device="cuda")
+        table = torch.zeros(2, 2, dtype=torch.int32, device="cuda")
+        lengths = torch.zeros(2, dtype=torch.int32, device="cuda")
+        with pytest.raises(InvalidArgumentError, match=r"heads_kv must divide heads_q"):
+            _paged.forward_op(q, cache, cache, table, lengths, None, *_paged.PagedOptions(False, False, -1, -1, 0.0))
+
+
+def _heads_8_against_3():
+    """q (8 heads) and k, v (3) as CUDA fake tensors, for each entry point: its arguments."""
+    with FakeTensorMode(allow_non_fake_inputs=False):
+        q = torch.zeros(2, 4, 8, 64, dtype=torch.bfloat16, device="cuda")
+        k = torch.zeros(2, 16, 3, 64, dtype=torch.bfloat16, device="cuda")
+        table = torch.zeros(2, 1, dtype=torch.int32, device="cuda")
+        lengths = torch.zeros(2, dtype=torch.int32, device="cuda")
+    return {"attention": (lambda q, k: fastattn.torch.attention(q, k, k), (q, k)),
+            "flash_attn_func": (lambda q, k: flash.flash_attn_func(q, k, k, causal=True), (q, k)),
+            "attention_paged": (lambda q, k, t, n: fastattn.torch.attention_paged(q, k, k, t, n), (q, k, table, lengths))}
+
+
+class _Call(torch.nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, *args):
+        return self.fn(*args) * 2
+
+
+@pytest.mark.parametrize("entry", ["attention", "flash_attn_func", "attention_paged"])
+def test_torch_export_reports_what_eager_reports(entry):
+    """torch.export with CUDA fake inputs (what it traces from; no GPU needed): non-strict
+    runs the Python with fake tensors and raises eager's error; strict traces it with
+    dynamo, whose error carries it (and torch.compile without fullgraph runs the call
+    eagerly there, which raises it)."""
+    fn, args = _heads_8_against_3()[entry]
+    message = r"(heads: q has 8, k 3, v 3|q \(2, 4, 8, 64\) does not fit k_cache)"
+    with pytest.raises(InvalidArgumentError, match=message):
+        torch.export.export(_Call(fn), args, strict=False)
+    torch._dynamo.reset()
+    with pytest.raises(torch._dynamo.exc.Unsupported, match=r"raised exception InvalidArgumentError\([\"']" + message):
+        torch.export.export(_Call(fn), args, strict=True)
+
+
+def _unchecked(name: str, schema: str, fake):
+    """A stand-in for a native op: the op library's Meta kernels check nothing."""
+    op = torch.library.custom_op(f"fastattn_tests::{name}", lambda *a: fake(*a), mutates_args=(), schema=schema)
+    op.register_fake(fake)
+    return op._opoverload, op._opoverload
+
+
+_NATIVE = {}
+
+
+def test_the_native_path_under_tracing_checks_before_its_op(monkeypatch):
+    """With the native path decided, a trace records the op library's ops, whose Meta
+    kernels check nothing: the entry points check before them."""
+    if not _NATIVE:
+        _NATIVE["dense"] = _unchecked("dense", _dense.FORWARD_SCHEMA, lambda q, k, v, *rest: (
+            q.new_empty(q.shape), q.new_empty(0, dtype=torch.float32)))
+        _NATIVE["paged"] = _unchecked("paged", _paged.FORWARD_SCHEMA, lambda q, *rest: q.new_empty(q.shape))
+    monkeypatch.setattr(_native, "DENSE", _NATIVE["dense"])
+    monkeypatch.setattr(_native, "PAGED", _NATIVE["paged"])
+    calls = _heads_8_against_3()
+    for entry in ("attention", "attention_paged"):
+        fn, args = calls[entry]
+        with pytest.raises(InvalidArgumentError, match=r"heads: q has 8, k 3, v 3|heads_kv must divide heads_q"):
+            with FakeTensorMode(allow_non_fake_inputs=False):
+                fn(*args)
+        with pytest.raises(InvalidArgumentError):
+            torch.export.export(_Call(fn), args, strict=False)
+        torch._dynamo.reset()
+        with pytest.raises(torch._dynamo.exc.Unsupported, match=r"InvalidArgumentError"):
+            torch.export.export(_Call(fn), args, strict=True)
+    # Inputs that pass are traced as the native op.
+    with FakeTensorMode(allow_non_fake_inputs=False):
+        q = torch.zeros(2, 4, 8, 64, dtype=torch.bfloat16, device="cuda")
+        k = torch.zeros(2, 16, 2, 64, dtype=torch.bfloat16, device="cuda")
+    torch._dynamo.reset()
+    ep = torch.export.export(_Call(lambda q, k: fastattn.torch.attention(q, k, k)), (q, k), strict=True)
+    assert "fastattn_tests.dense.default" in [str(n.target) for n in ep.graph.nodes if n.op == "call_function"]
