@@ -238,3 +238,24 @@ def test_the_native_path_under_tracing_checks_before_its_op(monkeypatch):
     torch._dynamo.reset()
     ep = torch.export.export(_Call(lambda q, k: fastattn.torch.attention(q, k, k)), (q, k), strict=True)
     assert "fastattn_tests.dense.default" in [str(n.target) for n in ep.graph.nodes if n.op == "call_function"]
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(hkv=3), r"^heads: q has 8, k 3, v 3"),
+    (dict(dtype=torch.bfloat16), r"^q has dtype torch.bfloat16: FP8 attention takes"),
+    (dict(scale_device="cpu"), r"^descale_q: expected a torch.float32 tensor of one element on DEVICE"),
+])
+def test_fp8_entry_points_under_fake_tensors_meet_the_eager_checks(change, match):
+    def call(main, hkv=8, dtype=torch.float8_e4m3fn, scale_device=None):
+        q = torch.zeros(2, 16, 8, 64, dtype=dtype, device=main)
+        k = torch.zeros(2, 16, hkv, 64, dtype=dtype, device=main)
+        s = torch.ones(1, device=scale_device or main)
+        o = fastattn.torch.attention_fp8(q, k, k, s, s, s, s, s, s, training=True)
+        g = torch.zeros(2, 16, 8, 64, dtype=torch.float8_e5m2, device=main)
+        fastattn.torch.attention_fp8_backward(g, o.o, o.stats, q, k, k, *[s] * 12)
+        return o.o
+
+    eager = outcome(lambda main: call(main, **change), "meta", contextlib.nullcontext())
+    assert eager[0] is InvalidArgumentError and re.search(match, eager[1]), eager
+    assert outcome(lambda main: call(main, **change), "cuda", FakeTensorMode(allow_non_fake_inputs=False)) == eager
+    assert outcome(call, "cuda", FakeTensorMode(allow_non_fake_inputs=False))[0] == "ok"

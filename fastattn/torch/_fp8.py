@@ -187,6 +187,9 @@ def _stats_like(q, layout: str, training: bool) -> torch.Tensor:
 @forward_op.register_fake
 def _(q, k, v, descale_q, descale_k, descale_v, descale_s, scale_s, scale_o, seq_len_q, seq_len_kv, layout, causal,
       bottom_right, window_left, window_right, scale, deterministic, training, out_dtype, grad_dtype):
+    check(q, k, v, layout, seq_len_q, seq_len_kv)  # a trace refuses what eager does
+    for name, t in zip(FORWARD_SCALARS, (descale_q, descale_k, descale_v, descale_s, scale_s, scale_o)):
+        check_scalar(name, t, q.device)
     return (q.new_empty(out_shape(q, v, layout), dtype=TORCH[out_dtype]), _stats_like(q, layout, training),
             _amax(q), _amax(q))
 
@@ -280,10 +283,11 @@ def attention_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, descale_q: 
         o, stats, amax_s, amax_o = forward_impl(q, k, v, descale_q, descale_k, descale_v, descale_s, scale_s,
                                                 scale_o, seq_lens_q, seq_lens_kv, options)
         return Fp8Output(o, stats, amax_s, amax_o)
-    if not (isinstance(q, torch.Tensor) and q.is_cuda):  # CUDA inputs are checked once per plan, in plan_for
-        check(q, k, v, layout, seq_lens_q, seq_lens_kv)
-        for name, t in zip(FORWARD_SCALARS, (descale_q, descale_k, descale_v, descale_s, scale_s, scale_o)):
-            check_scalar(name, t, q.device)
+    # Past the plain eager CUDA path (checked once per plan, in plan_for): meta and CPU
+    # tensors, and traced calls, whose fake tensors look like CUDA ones: every call.
+    check(q, k, v, layout, seq_lens_q, seq_lens_kv)
+    for name, t in zip(FORWARD_SCALARS, (descale_q, descale_k, descale_v, descale_s, scale_s, scale_o)):
+        check_scalar(name, t, q.device)
     o, stats, amax_s, amax_o = forward_op(q, k, v, descale_q, descale_k, descale_v, descale_s, scale_s, scale_o,
                                           seq_lens_q, seq_lens_kv, *options)
     return Fp8Output(o, stats if training else None, amax_s, amax_o)
@@ -318,8 +322,7 @@ def attention_fp8_backward(d_o: torch.Tensor, o: torch.Tensor, stats: torch.Tens
                scale_d_k, scale_d_v, scale_d_p)
     if isinstance(q, torch.Tensor) and q.is_cuda and _eager(q):
         return backward_impl(d_o, o, stats, q, k, v, scalars, seq_lens_q, seq_lens_kv, options)
-    if not (isinstance(q, torch.Tensor) and q.is_cuda):
-        check(q, k, v, layout, seq_lens_q, seq_lens_kv)
-        for name, t in zip(BACKWARD_SCALARS, scalars):
-            check_scalar(name, t, q.device)
+    check(q, k, v, layout, seq_lens_q, seq_lens_kv)  # as attention_fp8: past the plain eager path, every call
+    for name, t in zip(BACKWARD_SCALARS, scalars):
+        check_scalar(name, t, q.device)
     return Fp8Grads(*backward_op(d_o, o, stats, q, k, v, *scalars, seq_lens_q, seq_lens_kv, *options))
