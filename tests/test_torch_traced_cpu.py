@@ -63,6 +63,7 @@ def calls(draw):
     d, dv = 16, draw(st.sampled_from((16, 32)))
     causal = draw(st.booleans())
     layout = draw(st.sampled_from(sorted(LAYOUTS))) if entry == "attention" else "bshd"
+    alibi = draw(st.sampled_from((None, None, "paper's", "too many"))) if entry.startswith("flash_attn_") else None
 
     def tensor(shape, spec, main):
         dtype, where, rank = spec
@@ -70,6 +71,9 @@ def calls(draw):
         return torch.zeros(shape, dtype=dtype, device=main if where == "main" else "cpu")
 
     def build(main):
+        slopes = None if alibi is None else torch.tensor(
+            flash.standard_alibi_slopes(hq) if alibi == "paper's" else [0.5] * (hq + 1), device=main)
+
         def qkv(shapes):
             return [tensor(shape, spec, main) for shape, spec in zip(shapes, specs)]
 
@@ -78,23 +82,23 @@ def calls(draw):
             q, k, v = qkv((shape(2, 8, hq, d), shape(2, 12, hkv, d), shape(2, 12, hv, dv)))
             if entry == "attention":
                 return fastattn.torch.attention(q, k, v, causal=causal, layout=layout)
-            return flash.flash_attn_func(q, k, v, causal=causal)
+            return flash.flash_attn_func(q, k, v, causal=causal, alibi_slopes=slopes)
         if entry in ("attention_varlen", "flash_attn_varlen_func"):
             q, k, v = qkv(((20, hq, d), (24, hkv, d), (24, hv, dv)))
             cu_q = torch.tensor([0, 8, 20], dtype=torch.int32, device=main)
             cu_k = torch.tensor([0, 12, 24], dtype=torch.int32, device=main)
             if entry == "attention_varlen":
                 return fastattn.torch.attention_varlen(q, k, v, cu_q, cu_k, 12, 12, causal=causal)
-            return flash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 12, 12, causal=causal)
+            return flash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 12, 12, causal=causal, alibi_slopes=slopes)
         if entry == "attention_paged":
             q, k, v = qkv(((2, 4, hq, d), (6, 16, hkv, d), (6, 16, hv, dv)))
             table = torch.zeros(2, 3, dtype=torch.int32, device=main)
             lengths = torch.full((2,), 20, dtype=torch.int32, device=main)
             return fastattn.torch.attention_paged(q, k, v, table, lengths, causal_bottom_right=causal)
         q, k, v = qkv(((2, 4, hq, d), (2, 32, hkv, d), (2, 32, hv, dv)))
-        return flash.flash_attn_with_kvcache(q, k, v, causal=causal)
+        return flash.flash_attn_with_kvcache(q, k, v, causal=causal, alibi_slopes=slopes)
 
-    return f"{entry} {layout} causal={causal} heads {hq}/{hkv}/{hv} dv={dv} (dtype, device, rank): {specs}", build
+    return f"{entry} {layout} causal={causal} alibi={alibi} heads {hq}/{hkv}/{hv} dv={dv} (dtype, device, rank): {specs}", build
 
 
 def outcome(build, main: str, mode) -> tuple:
@@ -115,7 +119,7 @@ def test_fake_cuda_tensors_meet_the_eager_checks(call):
     eager = outcome(build, "meta", contextlib.nullcontext())
     traced = outcome(build, "cuda", FakeTensorMode(allow_non_fake_inputs=False))
     assert traced == eager, what
-    assert eager[0] in ("ok", InvalidArgumentError), eager  # no raw IndexError or RuntimeError
+    assert eager[0] in ("ok", InvalidArgumentError, NotSupportedError), eager  # no raw IndexError, RuntimeError
 
 
 def test_the_examples_of_the_issue():
@@ -259,3 +263,62 @@ def test_fp8_entry_points_under_fake_tensors_meet_the_eager_checks(change, match
     assert eager[0] is InvalidArgumentError and re.search(match, eager[1]), eager
     assert outcome(lambda main: call(main, **change), "cuda", FakeTensorMode(allow_non_fake_inputs=False)) == eager
     assert outcome(call, "cuda", FakeTensorMode(allow_non_fake_inputs=False))[0] == "ok"
+
+
+# -- alibi_slopes: fastattn.flash reads them (cuDNN computes its own) -------------------------
+
+UNREADABLE = r"^alibi_slopes in a trace \(FakeTensorMode, make_fx, torch.export\) or on meta tensors: "
+
+
+def _alibi_call(device="meta", slopes_device=None, slopes=None):
+    q = torch.zeros(2, 16, 8, 64, dtype=torch.bfloat16, device=device)
+    slopes = torch.tensor(slopes or flash.standard_alibi_slopes(8), device=slopes_device or device)
+    return flash.flash_attn_func(q, q, q, causal=True, alibi_slopes=slopes)
+
+
+def test_alibi_slopes_that_hold_no_values_are_refused_alike():
+    """Fake (FakeTensorMode, make_fx, export) and meta slopes cannot be read: the same
+    NotSupportedError, not DataDependentOutputException or 'item() on meta tensors'."""
+    with pytest.raises(NotSupportedError, match=UNREADABLE):
+        _alibi_call()
+    with pytest.raises(NotSupportedError, match=UNREADABLE):
+        with FakeTensorMode(allow_non_fake_inputs=False):
+            _alibi_call("cuda")
+    assert _alibi_call(slopes_device="cpu").shape == (2, 16, 8, 64)  # real slopes: read
+    with pytest.raises(NotSupportedError, match=r"^alibi_slopes: only the ALiBi paper's slopes"):
+        _alibi_call(slopes_device="cpu", slopes=[0.5] * 8)
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    q = torch.zeros(2, 16, 8, 64, dtype=torch.bfloat16, device="meta")
+    slopes = torch.tensor(flash.standard_alibi_slopes(8))
+    with pytest.raises(NotSupportedError, match=UNREADABLE):
+        make_fx(lambda q, s: flash.flash_attn_func(q, q, q, causal=True, alibi_slopes=s), tracing_mode="fake")(q, slopes)
+    with FakeTensorMode(allow_non_fake_inputs=False):
+        q, s = torch.zeros(2, 16, 8, 64, dtype=torch.bfloat16, device="cuda"), torch.zeros(8, device="cuda")
+    with pytest.raises(NotSupportedError, match=UNREADABLE):
+        torch.export.export(_Call(lambda q, s: flash.flash_attn_func(q, q, q, causal=True, alibi_slopes=s)), (q, s),
+                            strict=False)
+
+
+def test_torch_compile_reads_alibi_slopes_between_two_graphs():
+    """dynamo does not trace the check: it runs on the real slopes between two graphs (the
+    eager errors), and fullgraph=True refuses it naming the check."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm
+
+    def block(q, slopes):
+        return flash.flash_attn_func(q * 2, q, q, causal=True, alibi_slopes=slopes) + 1
+
+    q = torch.zeros(2, 16, 8, 64, dtype=torch.bfloat16, device="meta")
+    good, bad = torch.tensor(flash.standard_alibi_slopes(8)), torch.full((8,), 0.5)
+    torch._dynamo.reset()
+    compiled = torch.compile(block, backend=backend)
+    assert compiled(q, good).shape == q.shape and len(graphs) >= 2  # the graph broken at the check
+    with pytest.raises(NotSupportedError, match=r"^alibi_slopes: only the ALiBi paper's slopes"):
+        compiled(q, bad)
+    torch._dynamo.reset()
+    with pytest.raises(torch._dynamo.exc.Unsupported, match=r"_read_alibi_slopes"):
+        torch.compile(block, backend=backend, fullgraph=True)(q, good)

@@ -33,7 +33,8 @@ whose plans, caches and per-call costs they share. What differs from FlashAttent
 - num_splits is a FlashAttention tuning knob that cannot change the answer; it is
   checked (an int >= 0) and cuDNN chooses its own split.
 - Asking for the LSE runs the training plan (its forward writes the stats).
-- Checking alibi_slopes against the standard slopes reads them (one synchronization).
+- Checking alibi_slopes against the standard slopes reads them (one synchronization): torch.compile
+  does it between two graphs, and a trace of fake tensors cannot (NotSupportedError).
 - The packed varlen functions copy q, k, v out of the packed tensor (attention_varlen
   takes contiguous tensors); the dense packed functions take strided views, no copy.
 
@@ -48,12 +49,14 @@ import torch
 from .. import _fields
 from ..errors import InvalidArgumentError, NotSupportedError
 from ..torch import attention, attention_paged, attention_varlen
+from ..torch._autograd import dispatch_modes
 from ..torch._plans import capturing
 
 __all__ = ["flash_attn_func", "flash_attn_kvpacked_func", "flash_attn_qkvpacked_func", "flash_attn_varlen_func",
            "flash_attn_varlen_kvpacked_func", "flash_attn_varlen_qkvpacked_func", "flash_attn_with_kvcache"]
 
 _UNBOUNDED = (-1, -1)
+_compiling = torch.compiler.is_compiling
 
 
 # -- FlashAttention's conventions -------------------------------------------------------------
@@ -92,11 +95,31 @@ def _alibi(alibi_slopes, heads: int, batch: int, causal: bool) -> bool:
         raise InvalidArgumentError(f"alibi_slopes: expected a float32 tensor of shape ({heads},) or ({batch}, "
                                    f"{heads}), got {getattr(alibi_slopes, 'dtype', type(alibi_slopes).__name__)} "
                                    f"{tuple(getattr(alibi_slopes, 'shape', ()))}")
+    (_read_alibi_slopes_eagerly if _compiling() else _read_alibi_slopes)(alibi_slopes, heads)
+    return True
+
+
+def _read_alibi_slopes(alibi_slopes: torch.Tensor, heads: int) -> None:
+    """Refuses slopes other than the ALiBi paper's for this many heads. Reads them (one
+    synchronization for CUDA slopes), which only real tensors outside a trace allow."""
+    if alibi_slopes.device.type not in ("cpu", "cuda") or dispatch_modes():  # fake or meta tensors: a trace
+        raise NotSupportedError("alibi_slopes in a trace (FakeTensorMode, make_fx, torch.export) or on meta tensors: "
+                                "fastattn.flash reads the slopes to check that they are the ALiBi paper's (cuDNN "
+                                "computes its own), and these hold no values. torch.compile reads them between two "
+                                "graphs (not with fullgraph=True); fastattn.torch.attention(..., alibi=True) traces "
+                                "whole: there ALiBi is an option")
     expected = torch.tensor(standard_alibi_slopes(heads), dtype=torch.float32, device=alibi_slopes.device)
     if not torch.allclose(alibi_slopes, expected.expand_as(alibi_slopes), rtol=1e-5, atol=0.0):  # one sync
         raise NotSupportedError("alibi_slopes: only the ALiBi paper's slopes for this many heads (cuDNN computes its "
                                 "own; fastattn.flash.standard_alibi_slopes(heads) lists them), not these")
-    return True
+
+
+# Under torch.compile the slopes are fake in dynamo's trace: dynamo does not trace this
+# one (a graph break, fullgraph=True refuses it naming the function) and runs it on the
+# real slopes between two graphs, raising eager's errors. torch._disable_dynamo is
+# torch.compiler.disable without importing dynamo (~1 s) before a call, which only a
+# trace makes; without it (an older torch) torch.allclose breaks the graph instead.
+_read_alibi_slopes_eagerly = getattr(torch, "_disable_dynamo", lambda fn: fn)(_read_alibi_slopes)
 
 
 def standard_alibi_slopes(heads: int) -> list[float]:
