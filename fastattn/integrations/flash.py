@@ -49,7 +49,6 @@ import torch
 from .. import _fields
 from ..errors import InvalidArgumentError, NotSupportedError
 from ..torch import attention, attention_paged, attention_varlen
-from ..torch._autograd import dispatch_modes
 from ..torch._plans import capturing
 
 __all__ = ["flash_attn_func", "flash_attn_kvpacked_func", "flash_attn_qkvpacked_func", "flash_attn_varlen_func",
@@ -57,6 +56,7 @@ __all__ = ["flash_attn_func", "flash_attn_kvpacked_func", "flash_attn_qkvpacked_
 
 _UNBOUNDED = (-1, -1)
 _compiling = torch.compiler.is_compiling
+_dispatch_modes = torch._C._len_torch_dispatch_stack  # FakeTensorMode, make_fx's proxy mode, ...
 
 
 # -- FlashAttention's conventions -------------------------------------------------------------
@@ -102,7 +102,7 @@ def _alibi(alibi_slopes, heads: int, batch: int, causal: bool) -> bool:
 def _read_alibi_slopes(alibi_slopes: torch.Tensor, heads: int) -> None:
     """Refuses slopes other than the ALiBi paper's for this many heads. Reads them (one
     synchronization for CUDA slopes), which only real tensors outside a trace allow."""
-    if alibi_slopes.device.type not in ("cpu", "cuda") or dispatch_modes():  # fake or meta tensors: a trace
+    if alibi_slopes.device.type not in ("cpu", "cuda") or _dispatch_modes():  # fake or meta tensors: a trace
         raise NotSupportedError("alibi_slopes in a trace (FakeTensorMode, make_fx, torch.export) or on meta tensors: "
                                 "fastattn.flash reads the slopes to check that they are the ALiBi paper's (cuDNN "
                                 "computes its own), and these hold no values. torch.compile reads them between two "
