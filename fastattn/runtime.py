@@ -21,7 +21,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable, Literal, Mapping, Union, overload
 
 from . import store
 from ._version import __version__
@@ -29,6 +29,13 @@ from .config import AttentionConfig
 from .errors import InvalidArgumentError, NotSupportedError
 from .plan_cache import PlanCache, version_string
 from .result import ProbeResult, result_from_plan
+
+if TYPE_CHECKING:
+    from ._core import Plan
+
+# What probe(), plan() and preload() take as a config: an AttentionConfig, a mapping of
+# its fields or its JSON (AttentionConfig.coerce).
+ConfigLike = Union[AttentionConfig, Mapping[str, Any], str]
 
 __all__ = ["ProbeResult", "probe", "plan", "preload", "stats", "clear", "configure", "device_info", "versions",
            "libraries", "plan_cache", "open_plan_cache", "stored_answer", "cache_environment"]
@@ -195,7 +202,7 @@ def _lookup(config: Any, device: int | None, refresh: bool = False) -> tuple[_En
     return entry, True
 
 
-def probe(config: Any, *, device: int | None = None, refresh: bool = False) -> ProbeResult:
+def probe(config: ConfigLike, *, device: int | None = None, refresh: bool = False) -> ProbeResult:
     """Does cuDNN support `config` on `device` (default: the current CUDA device)?
 
     Answers from memory, then the persistent cache, else builds the forward graph (and
@@ -214,7 +221,7 @@ def probe(config: Any, *, device: int | None = None, refresh: bool = False) -> P
     return entry.result
 
 
-def plan(config: Any, *, device: int | None = None):
+def plan(config: ConfigLike, *, device: int | None = None) -> Plan:
     """The plan for `config` on `device` (default: the current CUDA device): from
     memory, else loaded from the persistent cache, else built (and stored). At most
     one build per process and config; concurrent first requests wait for it, and
@@ -229,7 +236,7 @@ def plan(config: Any, *, device: int | None = None):
     return entry.plan
 
 
-def stored_answer(config: Any, *, device: int | None = None, cache: PlanCache | None = None) -> ProbeResult | None:
+def stored_answer(config: ConfigLike, *, device: int | None = None, cache: PlanCache | None = None) -> ProbeResult | None:
     """The answer the persistent cache holds for `config` (source "disk" or
     "remote"), read without building or deserializing anything, or None. `cache`: the
     cache to look in (default: this process's); see PlanCache.stored_answer."""
@@ -269,8 +276,20 @@ def warm_torch_backward() -> bool:
     return True
 
 
-def preload(configs: Iterable[Any] | None = None, *, device: int | None = None, threads: int = 4,
-            background: bool = False):
+# The result's type follows background (for type checkers).
+@overload
+def preload(configs: Iterable[ConfigLike] | None = ..., *, device: int | None = ..., threads: int = ...,
+            background: Literal[False] = ...) -> list[ProbeResult]: ...
+@overload
+def preload(configs: Iterable[ConfigLike] | None = ..., *, device: int | None = ..., threads: int = ...,
+            background: Literal[True]) -> Future[list[ProbeResult]]: ...
+@overload
+def preload(configs: Iterable[ConfigLike] | None = ..., *, device: int | None = ..., threads: int = ...,
+            background: bool = ...) -> list[ProbeResult] | Future[list[ProbeResult]]: ...
+
+
+def preload(configs: Iterable[ConfigLike] | None = None, *, device: int | None = None, threads: int = 4,
+            background: bool = False) -> list[ProbeResult] | Future[list[ProbeResult]]:
     """Loads (or builds) plans ahead of first use, in `threads` parallel threads, each
     with its own cuDNN handle. Threads pay for training plans (forward and backward
     graphs) and not for inference ones (docs/BENCHMARKS.md, "Persistent cache"). In
@@ -299,7 +318,7 @@ def preload(configs: Iterable[Any] | None = None, *, device: int | None = None, 
 
     if not background:
         return run()
-    future: Future = Future()
+    future: Future[list[ProbeResult]] = Future()
 
     def worker():
         try:

@@ -44,7 +44,10 @@ NotSupportedError (a NotImplementedError) as above.
 
 from __future__ import annotations
 
+from typing import Literal, overload
+
 import torch
+from torch import Tensor
 
 from .. import _fields
 from ..errors import InvalidArgumentError, NotSupportedError
@@ -180,8 +183,28 @@ def _shape(t, name: str, dims: int, what: str) -> tuple[int, ...]:
 
 # -- dense ------------------------------------------------------------------------------------
 
-def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                    alibi_slopes=None, deterministic=False, return_attn_probs=False):
+# The result's type follows return_attn_probs (for type checkers).
+@overload
+def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = ..., softmax_scale: float | None = ...,
+                    causal: bool = ..., window_size: tuple[int, int] = ..., softcap: float = ...,
+                    alibi_slopes: Tensor | None = ..., deterministic: bool = ...,
+                    return_attn_probs: Literal[False] = ...) -> Tensor: ...
+@overload
+def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = ..., softmax_scale: float | None = ...,
+                    causal: bool = ..., window_size: tuple[int, int] = ..., softcap: float = ...,
+                    alibi_slopes: Tensor | None = ..., deterministic: bool = ..., *,
+                    return_attn_probs: Literal[True]) -> tuple[Tensor, Tensor, None]: ...
+@overload
+def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = ..., softmax_scale: float | None = ...,
+                    causal: bool = ..., window_size: tuple[int, int] = ..., softcap: float = ...,
+                    alibi_slopes: Tensor | None = ..., deterministic: bool = ...,
+                    return_attn_probs: bool = ...) -> Tensor | tuple[Tensor, Tensor, None]: ...
+
+
+def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, softmax_scale: float | None = None,
+                    causal: bool = False, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                    alibi_slopes: Tensor | None = None, deterministic: bool = False,
+                    return_attn_probs: bool = False) -> Tensor | tuple[Tensor, Tensor, None]:
     """FlashAttention's flash_attn_func.
 
     q: (batch, seqlen_q, nheads, headdim); k: (batch, seqlen_k, nheads_k, headdim); v:
@@ -253,8 +276,28 @@ def _with_empty_rows(q, k, v, empty, causal, window, scale, deterministic, alibi
     return o, torch.cat([stats.new_full((b, h, empty), float("inf")), stats], 2), None
 
 
-def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
-                              softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+# The result's type follows return_attn_probs (for type checkers).
+@overload
+def flash_attn_qkvpacked_func(qkv: Tensor, dropout_p: float = ..., softmax_scale: float | None = ...,
+                              causal: bool = ..., window_size: tuple[int, int] = ..., softcap: float = ...,
+                              alibi_slopes: Tensor | None = ..., deterministic: bool = ...,
+                              return_attn_probs: Literal[False] = ...) -> Tensor: ...
+@overload
+def flash_attn_qkvpacked_func(qkv: Tensor, dropout_p: float = ..., softmax_scale: float | None = ...,
+                              causal: bool = ..., window_size: tuple[int, int] = ..., softcap: float = ...,
+                              alibi_slopes: Tensor | None = ..., deterministic: bool = ..., *,
+                              return_attn_probs: Literal[True]) -> tuple[Tensor, Tensor, None]: ...
+@overload
+def flash_attn_qkvpacked_func(qkv: Tensor, dropout_p: float = ..., softmax_scale: float | None = ...,
+                              causal: bool = ..., window_size: tuple[int, int] = ..., softcap: float = ...,
+                              alibi_slopes: Tensor | None = ..., deterministic: bool = ...,
+                              return_attn_probs: bool = ...) -> Tensor | tuple[Tensor, Tensor, None]: ...
+
+
+def flash_attn_qkvpacked_func(qkv: Tensor, dropout_p: float = 0.0, softmax_scale: float | None = None,
+                              causal: bool = False, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                              alibi_slopes: Tensor | None = None, deterministic: bool = False,
+                              return_attn_probs: bool = False) -> Tensor | tuple[Tensor, Tensor, None]:
     """FlashAttention's flash_attn_qkvpacked_func: qkv (batch, seqlen, 3, nheads, headdim);
     q, k, v are views of it (no copy), and its gradient is dqkv. Otherwise flash_attn_func."""
     shape = _shape(qkv, "qkv", 5, "(batch, seqlen, 3, nheads, headdim)")
@@ -265,8 +308,28 @@ def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=Fal
                            deterministic, return_attn_probs)
 
 
-def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
-                             softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+# The result's type follows return_attn_probs (for type checkers).
+@overload
+def flash_attn_kvpacked_func(q: Tensor, kv: Tensor, dropout_p: float = ..., softmax_scale: float | None = ...,
+                             causal: bool = ..., window_size: tuple[int, int] = ..., softcap: float = ...,
+                             alibi_slopes: Tensor | None = ..., deterministic: bool = ...,
+                             return_attn_probs: Literal[False] = ...) -> Tensor: ...
+@overload
+def flash_attn_kvpacked_func(q: Tensor, kv: Tensor, dropout_p: float = ..., softmax_scale: float | None = ...,
+                             causal: bool = ..., window_size: tuple[int, int] = ..., softcap: float = ...,
+                             alibi_slopes: Tensor | None = ..., deterministic: bool = ..., *,
+                             return_attn_probs: Literal[True]) -> tuple[Tensor, Tensor, None]: ...
+@overload
+def flash_attn_kvpacked_func(q: Tensor, kv: Tensor, dropout_p: float = ..., softmax_scale: float | None = ...,
+                             causal: bool = ..., window_size: tuple[int, int] = ..., softcap: float = ...,
+                             alibi_slopes: Tensor | None = ..., deterministic: bool = ...,
+                             return_attn_probs: bool = ...) -> Tensor | tuple[Tensor, Tensor, None]: ...
+
+
+def flash_attn_kvpacked_func(q: Tensor, kv: Tensor, dropout_p: float = 0.0, softmax_scale: float | None = None,
+                             causal: bool = False, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                             alibi_slopes: Tensor | None = None, deterministic: bool = False,
+                             return_attn_probs: bool = False) -> Tensor | tuple[Tensor, Tensor, None]:
     """FlashAttention's flash_attn_kvpacked_func: kv (batch, seqlen_k, 2, nheads_k, headdim);
     k, v are views of it (no copy). Otherwise flash_attn_func."""
     shape = _shape(kv, "kv", 5, "(batch, seqlen_k, 2, nheads_k, headdim)")
@@ -279,9 +342,36 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
 
 # -- varlen -----------------------------------------------------------------------------------
 
-def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
-                           softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                           deterministic=False, return_attn_probs=False, block_table=None):
+# The result's type follows return_attn_probs (for type checkers).
+@overload
+def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+                           max_seqlen_q: int, max_seqlen_k: int, dropout_p: float = ...,
+                           softmax_scale: float | None = ..., causal: bool = ..., window_size: tuple[int, int] = ...,
+                           softcap: float = ..., alibi_slopes: Tensor | None = ..., deterministic: bool = ...,
+                           return_attn_probs: Literal[False] = ..., block_table: Tensor | None = ...) -> Tensor: ...
+@overload
+def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+                           max_seqlen_q: int, max_seqlen_k: int, dropout_p: float = ...,
+                           softmax_scale: float | None = ..., causal: bool = ..., window_size: tuple[int, int] = ...,
+                           softcap: float = ..., alibi_slopes: Tensor | None = ..., deterministic: bool = ..., *,
+                           return_attn_probs: Literal[True],
+                           block_table: Tensor | None = ...) -> tuple[Tensor, Tensor, None]: ...
+@overload
+def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+                           max_seqlen_q: int, max_seqlen_k: int, dropout_p: float = ...,
+                           softmax_scale: float | None = ..., causal: bool = ..., window_size: tuple[int, int] = ...,
+                           softcap: float = ..., alibi_slopes: Tensor | None = ..., deterministic: bool = ...,
+                           return_attn_probs: bool = ...,
+                           block_table: Tensor | None = ...) -> Tensor | tuple[Tensor, Tensor, None]: ...
+
+
+def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+                           max_seqlen_q: int, max_seqlen_k: int, dropout_p: float = 0.0,
+                           softmax_scale: float | None = None, causal: bool = False,
+                           window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                           alibi_slopes: Tensor | None = None, deterministic: bool = False,
+                           return_attn_probs: bool = False,
+                           block_table: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor, None]:
     """FlashAttention's flash_attn_varlen_func.
 
     q: (total_q, nheads, headdim), k: (total_k, nheads_k, headdim), v: (total_k, nheads_k,
@@ -321,9 +411,32 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     return (*out, None) if return_attn_probs else out
 
 
-def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None, causal=False,
-                                     window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
-                                     return_attn_probs=False):
+# The result's type follows return_attn_probs (for type checkers).
+@overload
+def flash_attn_varlen_qkvpacked_func(qkv: Tensor, cu_seqlens: Tensor, max_seqlen: int, dropout_p: float = ...,
+                                     softmax_scale: float | None = ..., causal: bool = ...,
+                                     window_size: tuple[int, int] = ..., softcap: float = ...,
+                                     alibi_slopes: Tensor | None = ..., deterministic: bool = ...,
+                                     return_attn_probs: Literal[False] = ...) -> Tensor: ...
+@overload
+def flash_attn_varlen_qkvpacked_func(qkv: Tensor, cu_seqlens: Tensor, max_seqlen: int, dropout_p: float = ...,
+                                     softmax_scale: float | None = ..., causal: bool = ...,
+                                     window_size: tuple[int, int] = ..., softcap: float = ...,
+                                     alibi_slopes: Tensor | None = ..., deterministic: bool = ..., *,
+                                     return_attn_probs: Literal[True]) -> tuple[Tensor, Tensor, None]: ...
+@overload
+def flash_attn_varlen_qkvpacked_func(qkv: Tensor, cu_seqlens: Tensor, max_seqlen: int, dropout_p: float = ...,
+                                     softmax_scale: float | None = ..., causal: bool = ...,
+                                     window_size: tuple[int, int] = ..., softcap: float = ...,
+                                     alibi_slopes: Tensor | None = ..., deterministic: bool = ...,
+                                     return_attn_probs: bool = ...) -> Tensor | tuple[Tensor, Tensor, None]: ...
+
+
+def flash_attn_varlen_qkvpacked_func(qkv: Tensor, cu_seqlens: Tensor, max_seqlen: int, dropout_p: float = 0.0,
+                                     softmax_scale: float | None = None, causal: bool = False,
+                                     window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                                     alibi_slopes: Tensor | None = None, deterministic: bool = False,
+                                     return_attn_probs: bool = False) -> Tensor | tuple[Tensor, Tensor, None]:
     """FlashAttention's flash_attn_varlen_qkvpacked_func: qkv (total, 3, nheads, headdim),
     one cu_seqlens and max_seqlen for q and k. Otherwise flash_attn_varlen_func."""
     shape = _shape(qkv, "qkv", 4, "(total, 3, nheads, headdim)")
@@ -334,9 +447,36 @@ def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
                                   causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
 
 
-def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
-                                    softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                                    alibi_slopes=None, deterministic=False, return_attn_probs=False):
+# The result's type follows return_attn_probs (for type checkers).
+@overload
+def flash_attn_varlen_kvpacked_func(q: Tensor, kv: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+                                    max_seqlen_q: int, max_seqlen_k: int, dropout_p: float = ...,
+                                    softmax_scale: float | None = ..., causal: bool = ...,
+                                    window_size: tuple[int, int] = ..., softcap: float = ...,
+                                    alibi_slopes: Tensor | None = ..., deterministic: bool = ...,
+                                    return_attn_probs: Literal[False] = ...) -> Tensor: ...
+@overload
+def flash_attn_varlen_kvpacked_func(q: Tensor, kv: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+                                    max_seqlen_q: int, max_seqlen_k: int, dropout_p: float = ...,
+                                    softmax_scale: float | None = ..., causal: bool = ...,
+                                    window_size: tuple[int, int] = ..., softcap: float = ...,
+                                    alibi_slopes: Tensor | None = ..., deterministic: bool = ..., *,
+                                    return_attn_probs: Literal[True]) -> tuple[Tensor, Tensor, None]: ...
+@overload
+def flash_attn_varlen_kvpacked_func(q: Tensor, kv: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+                                    max_seqlen_q: int, max_seqlen_k: int, dropout_p: float = ...,
+                                    softmax_scale: float | None = ..., causal: bool = ...,
+                                    window_size: tuple[int, int] = ..., softcap: float = ...,
+                                    alibi_slopes: Tensor | None = ..., deterministic: bool = ...,
+                                    return_attn_probs: bool = ...) -> Tensor | tuple[Tensor, Tensor, None]: ...
+
+
+def flash_attn_varlen_kvpacked_func(q: Tensor, kv: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+                                    max_seqlen_q: int, max_seqlen_k: int, dropout_p: float = 0.0,
+                                    softmax_scale: float | None = None, causal: bool = False,
+                                    window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                                    alibi_slopes: Tensor | None = None, deterministic: bool = False,
+                                    return_attn_probs: bool = False) -> Tensor | tuple[Tensor, Tensor, None]:
     """FlashAttention's flash_attn_varlen_kvpacked_func: kv (total_k, 2, nheads_k, headdim).
     Otherwise flash_attn_varlen_func."""
     shape = _shape(kv, "kv", 4, "(total_k, 2, nheads_k, headdim)")
@@ -381,10 +521,42 @@ def _append(k_cache, v_cache, k, v, lengths, block_table, batch_idx) -> None:
     v_cache.index_put_((rows, cols), v)
 
 
-def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
-                            cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
-                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                            rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False):
+# The result's type follows return_softmax_lse (for type checkers).
+@overload
+def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Tensor | None = ...,
+                            v: Tensor | None = ..., rotary_cos: Tensor | None = ..., rotary_sin: Tensor | None = ...,
+                            cache_seqlens: int | Tensor | None = ..., cache_batch_idx: Tensor | None = ...,
+                            cache_leftpad: Tensor | None = ..., block_table: Tensor | None = ...,
+                            softmax_scale: float | None = ..., causal: bool = ..., window_size: tuple[int, int] = ...,
+                            softcap: float = ..., rotary_interleaved: bool = ..., alibi_slopes: Tensor | None = ...,
+                            num_splits: int = ..., return_softmax_lse: Literal[False] = ...) -> Tensor: ...
+@overload
+def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Tensor | None = ...,
+                            v: Tensor | None = ..., rotary_cos: Tensor | None = ..., rotary_sin: Tensor | None = ...,
+                            cache_seqlens: int | Tensor | None = ..., cache_batch_idx: Tensor | None = ...,
+                            cache_leftpad: Tensor | None = ..., block_table: Tensor | None = ...,
+                            softmax_scale: float | None = ..., causal: bool = ..., window_size: tuple[int, int] = ...,
+                            softcap: float = ..., rotary_interleaved: bool = ..., alibi_slopes: Tensor | None = ...,
+                            num_splits: int = ..., *, return_softmax_lse: Literal[True]) -> tuple[Tensor, Tensor]: ...
+@overload
+def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Tensor | None = ...,
+                            v: Tensor | None = ..., rotary_cos: Tensor | None = ..., rotary_sin: Tensor | None = ...,
+                            cache_seqlens: int | Tensor | None = ..., cache_batch_idx: Tensor | None = ...,
+                            cache_leftpad: Tensor | None = ..., block_table: Tensor | None = ...,
+                            softmax_scale: float | None = ..., causal: bool = ..., window_size: tuple[int, int] = ...,
+                            softcap: float = ..., rotary_interleaved: bool = ..., alibi_slopes: Tensor | None = ...,
+                            num_splits: int = ...,
+                            return_softmax_lse: bool = ...) -> Tensor | tuple[Tensor, Tensor]: ...
+
+
+def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Tensor | None = None,
+                            v: Tensor | None = None, rotary_cos: Tensor | None = None,
+                            rotary_sin: Tensor | None = None, cache_seqlens: int | Tensor | None = None,
+                            cache_batch_idx: Tensor | None = None, cache_leftpad: Tensor | None = None,
+                            block_table: Tensor | None = None, softmax_scale: float | None = None,
+                            causal: bool = False, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                            rotary_interleaved: bool = True, alibi_slopes: Tensor | None = None, num_splits: int = 0,
+                            return_softmax_lse: bool = False) -> Tensor | tuple[Tensor, Tensor]:
     """FlashAttention's flash_attn_with_kvcache (forward only, no gradients).
 
     q: (batch, seqlen_q, nheads, headdim).

@@ -9,6 +9,8 @@ the same work under _autograd.Eager.
 
 from __future__ import annotations
 
+from typing import Literal, overload
+
 import torch
 
 from .. import _fields
@@ -270,12 +272,36 @@ def _check_extras(q: torch.Tensor, k: torch.Tensor, layout: str, bias, sink) -> 
 _NO_EXTRAS = (None, None, None)  # bias, sinks, rng
 
 
+# The result's type follows return_lse (for type checkers).
+@overload
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = ...,
+              causal_bottom_right: bool = ..., window: tuple[int, int] | None = ..., scale: float | None = ...,
+              layout: str = ..., deterministic: bool = ..., seq_lens_q: torch.Tensor | None = ...,
+              seq_lens_kv: torch.Tensor | None = ..., alibi: bool = ..., bias: torch.Tensor | None = ...,
+              dropout_p: float = ..., sinks: torch.Tensor | None = ..., alignment: str = ...,
+              return_lse: Literal[False] = ..., softcap: float = ...) -> torch.Tensor: ...
+@overload
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = ...,
+              causal_bottom_right: bool = ..., window: tuple[int, int] | None = ..., scale: float | None = ...,
+              layout: str = ..., deterministic: bool = ..., seq_lens_q: torch.Tensor | None = ...,
+              seq_lens_kv: torch.Tensor | None = ..., alibi: bool = ..., bias: torch.Tensor | None = ...,
+              dropout_p: float = ..., sinks: torch.Tensor | None = ..., alignment: str = ...,
+              return_lse: Literal[True], softcap: float = ...) -> tuple[torch.Tensor, torch.Tensor]: ...
+@overload
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = ...,
+              causal_bottom_right: bool = ..., window: tuple[int, int] | None = ..., scale: float | None = ...,
+              layout: str = ..., deterministic: bool = ..., seq_lens_q: torch.Tensor | None = ...,
+              seq_lens_kv: torch.Tensor | None = ..., alibi: bool = ..., bias: torch.Tensor | None = ...,
+              dropout_p: float = ..., sinks: torch.Tensor | None = ..., alignment: str = ...,
+              return_lse: bool = ..., softcap: float = ...) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
               causal_bottom_right: bool = False, window: tuple[int, int] | None = None, scale: float | None = None,
               layout: str = "bshd", deterministic: bool = False, seq_lens_q: torch.Tensor | None = None,
               seq_lens_kv: torch.Tensor | None = None, alibi: bool = False, bias: torch.Tensor | None = None,
               dropout_p: float = 0.0, sinks: torch.Tensor | None = None, alignment: str = "top_left",
-              return_lse: bool = False, softcap: float = 0.0):
+              return_lse: bool = False, softcap: float = 0.0) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Scaled dot-product attention on cuDNN's fused kernels, with autograd.
 
     q: (batch, seqlen_q, heads_q, head_dim_qk) for layout="bshd" (FlashAttention's order;

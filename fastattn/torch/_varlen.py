@@ -9,6 +9,8 @@ share plans, and the persistent cache keeps each one), never by the token count.
 
 from __future__ import annotations
 
+from typing import Literal, overload
+
 import torch
 
 from ..config import AttentionConfig
@@ -166,11 +168,36 @@ def _check_varlen(q, k, v, cu_q, cu_kv) -> None:
             raise InvalidArgumentError(f"{name} holds {t.shape[0] * h * d} elements: cuDNN's offsets are int32")
 
 
+# The result's type follows return_lse (for type checkers).
+@overload
+def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                     cu_seqlens_kv: torch.Tensor, max_seqlen_q: int, max_seqlen_kv: int, *, causal: bool = ...,
+                     causal_bottom_right: bool = ..., window: tuple[int, int] | None = ...,
+                     scale: float | None = ..., deterministic: bool = ..., alignment: str = ...,
+                     alibi: bool = ..., dropout_p: float = ..., return_lse: Literal[False] = ...,
+                     softcap: float = ...) -> torch.Tensor: ...
+@overload
+def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                     cu_seqlens_kv: torch.Tensor, max_seqlen_q: int, max_seqlen_kv: int, *, causal: bool = ...,
+                     causal_bottom_right: bool = ..., window: tuple[int, int] | None = ...,
+                     scale: float | None = ..., deterministic: bool = ..., alignment: str = ...,
+                     alibi: bool = ..., dropout_p: float = ..., return_lse: Literal[True],
+                     softcap: float = ...) -> tuple[torch.Tensor, torch.Tensor]: ...
+@overload
+def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                     cu_seqlens_kv: torch.Tensor, max_seqlen_q: int, max_seqlen_kv: int, *, causal: bool = ...,
+                     causal_bottom_right: bool = ..., window: tuple[int, int] | None = ...,
+                     scale: float | None = ..., deterministic: bool = ..., alignment: str = ...,
+                     alibi: bool = ..., dropout_p: float = ..., return_lse: bool = ...,
+                     softcap: float = ...) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
+
+
 def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                      cu_seqlens_kv: torch.Tensor, max_seqlen_q: int, max_seqlen_kv: int, *, causal: bool = False,
                      causal_bottom_right: bool = False, window: tuple[int, int] | None = None,
                      scale: float | None = None, deterministic: bool = False, alignment: str = "top_left",
-                     alibi: bool = False, dropout_p: float = 0.0, return_lse: bool = False, softcap: float = 0.0):
+                     alibi: bool = False, dropout_p: float = 0.0, return_lse: bool = False, softcap: float = 0.0
+                     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention over packed variable-length sequences (FlashAttention's varlen layout),
     with autograd; cuDNN's THD kernels, one plan per batch size and length bucket.
 
