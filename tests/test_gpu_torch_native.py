@@ -194,7 +194,8 @@ def test_a_hit_runs_no_python(lib):
 def test_the_eager_entry_runs_no_python_on_a_hit(lib):
     q, k, v = (torch.randn(1, 128, 8, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
     # attention()'s own arguments, in its order (causal, bshd), as its C entry takes them.
-    args = (q, k, v, True, False, None, None, "bshd", False, None, None, False, None, 0.0, None, "top_left", False)
+    args = (q, k, v, True, False, None, None, "bshd", False, None, None, False, None, 0.0, None, "top_left", False,
+            0.0)
     torch.autograd.grad(_native.CALL(*args), (q, k, v), torch.ones_like(q))  # the misses
     python_calls = []
 
@@ -250,7 +251,7 @@ def test_the_eager_entry_and_the_dispatcher_op_agree_bitwise(lib, training):
         poison_allocator()
         if call == "call":  # attention()'s own arguments, read in C
             o = _native.CALL(*leaves, True, False, (16, 0), None, "bshd", True, None, None, False, None, 0.0, None,
-                             "top_left", False)
+                             "top_left", False, 0.0)
         else:
             o = _native.DENSE[0](*leaves, None, None, None, None, None, "bshd", True, False, 16, 0, 0.0, True, False,
                                  training, 0.0, False)[0]

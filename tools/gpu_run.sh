@@ -99,5 +99,9 @@ echo "=== env"; cat "$LOGS/env.log" | head -20
 echo "=== pytest (failures)"; grep -E "^(FAILED|ERROR|SKIPPED)" "$LOGS/pytest.log" | head -40
 grep -E "^E  " "$LOGS/pytest.log" | head -20
 echo "=== bench"; for f in "$LOGS"/bench_*.log; do [ -f "$f" ] && sed -n '/^summary:/,$p' "$f"; done
-echo "=== pytest summary"; tail -n 1 "$LOGS/pytest.log"
+# The summary line itself (a crash at exit, after it, would be the log's last line) and
+# pytest's exit status: 0 passed, 1 failed, >= 128 a signal (the process crashed).
+echo "=== pytest summary (exit $rc)"
+grep -E "^=*.* (passed|failed|error|errors|skipped|deselected)" "$LOGS/pytest.log" | tail -n 1
+[ $rc -ge 128 ] && { echo "pytest was killed by signal $((rc - 128)); the log ends:"; tail -n 2 "$LOGS/pytest.log"; }
 exit $rc
