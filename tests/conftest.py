@@ -34,6 +34,33 @@ def lib():
 
 
 @pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    """A fresh cache directory under tmp_path, no remote tier, the runtime cleared: tmp_path."""
+    from fastattn import runtime
+
+    monkeypatch.setenv("FASTATTN_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("FASTATTN_REMOTE_CACHE", raising=False)
+    runtime.clear()
+    yield tmp_path
+    runtime.clear()
+
+
+@pytest.fixture
+def no_work(monkeypatch):
+    """Fails the test if a command starts probing, warming or looking for a GPU: a
+    refusal of its input must come first."""
+    import fastattn.warm
+    from fastattn import runtime
+
+    def refuse(*a, **k):
+        raise AssertionError("the command started work before refusing its input")
+
+    monkeypatch.setattr(fastattn.warm, "warm", refuse)
+    monkeypatch.setattr(runtime, "probe", refuse)
+    monkeypatch.setattr(runtime, "_core", refuse)
+
+
+@pytest.fixture
 def fake_workers(tmp_path, monkeypatch):
     """Worker processes (fastattn warm, matrix) that use tests/fake_core.py instead of
     cuDNN, through tests/fake_site/sitecustomize.py; a fresh cache directory."""

@@ -16,15 +16,9 @@ import fastattn
 from fastattn import cli, runtime, sweep
 from fastattn.cli import _common
 from fastattn.warm import WarmItem, WarmReport
+from cli_helpers import run  # noqa: E402
 
 PROBE = ["probe", "--batch", "1", "--heads-q", "8", "--seqlen-q", "128", "--head-dim-qk", "64"]
-
-
-def run(argv, capsys):
-    code = cli.main(argv)
-    out, err = capsys.readouterr()
-    assert "Traceback" not in out + err
-    return code, out, err
 
 
 def run_json(argv, capsys):

@@ -21,36 +21,10 @@ from fastattn.runtime import ProbeResult
 from fastattn.warm import WarmItem, WarmReport
 
 from conftest import _gpu_unavailable_reason
+from cli_helpers import run  # noqa: E402
 
 SETTINGS = settings(max_examples=40, deadline=None, derandomize=True,
                     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
-
-
-def run(argv, capsys):
-    code = cli.main(argv)
-    out, err = capsys.readouterr()
-    assert "Traceback" not in out + err
-    return code, out, err
-
-
-@pytest.fixture
-def cache_dir(tmp_path, monkeypatch):
-    monkeypatch.setenv("FASTATTN_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.delenv("FASTATTN_REMOTE_CACHE", raising=False)
-    runtime.clear()
-    yield tmp_path
-    runtime.clear()
-
-
-@pytest.fixture
-def no_work(monkeypatch):
-    """Fails the test if a command starts probing, warming or looking for a GPU."""
-    def refuse(*a, **k):
-        raise AssertionError("the command started work before refusing its input")
-
-    monkeypatch.setattr(fastattn.warm, "warm", refuse)
-    monkeypatch.setattr(runtime, "probe", refuse)
-    monkeypatch.setattr(runtime, "_core", refuse)
 
 
 @pytest.fixture

@@ -20,26 +20,12 @@ from fastattn.cli._main import build_parser
 from fastattn.warm import WarmItem, WarmReport
 
 from conftest import _gpu_unavailable_reason
+from cli_helpers import run  # noqa: E402
 
 NO_GPU = ("fastattn cannot use the GPU:\n  - libcublasLt was not found (DynamicLibNotFoundError: no such library); "
           "pip install nvidia-cublas (a dependency of nvidia-cudnn-cu13), or set FASTATTN_CUBLASLT_PATH\n  - the "
           "NVIDIA driver library libcuda.so.1 could not be loaded (libcuda.so.1: cannot open shared object file); "
           "install the NVIDIA driver")
-
-
-def run(argv, capsys):
-    code = cli.main(argv)
-    out, err = capsys.readouterr()
-    assert "Traceback" not in out + err
-    return code, out, err
-
-
-@pytest.fixture
-def cache_dir(tmp_path, monkeypatch):
-    monkeypatch.setenv("FASTATTN_CACHE_DIR", str(tmp_path / "cache"))
-    runtime.clear()
-    yield tmp_path
-    runtime.clear()
 
 
 def _no_gpu_warm(configs, **kwargs):
