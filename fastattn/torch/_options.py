@@ -42,27 +42,23 @@ _WINDOW_AND_SCALE = (
     Option("scale", "float", "the softmax scale; 0.0: the default, 1 / sqrt(head_dim_qk)"),
 )
 _SOFTCAP = Option("softcap", "float", "logit soft-capping: softcap * tanh(score / softcap); 0.0: none", default=0.0)
+# Options more than one op has, each spelled once (the ops' orders differ: their ops came first).
+_DETERMINISTIC = Option("deterministic", "bool", "cuDNN's deterministic backward")
+_ALIBI = Option("alibi", "bool", "ALiBi position biases")
+_TRAINING = Option("training", "bool", "the forward writes softmax stats; a backward plan exists")
+_DROPOUT = Option("dropout", "float", "dropout probability on the attention weights")
 
 OPS: dict[str, tuple[Option, ...]] = {
     "dense": (
         Option("layout", "str", "the tensors' memory order", LAYOUTS),
-        *_WINDOW_AND_SCALE,
-        Option("deterministic", "bool", "cuDNN's deterministic backward"),
-        Option("alibi", "bool", "ALiBi position biases"),
-        Option("training", "bool", "the forward writes softmax stats; a backward plan exists"),
-        Option("dropout", "float", "dropout probability on the attention weights"),
+        *_WINDOW_AND_SCALE, _DETERMINISTIC, _ALIBI, _TRAINING, _DROPOUT,
         Option("bias_grad", "bool", "backward also writes the bias's gradient"),
         _SOFTCAP,
     ),
     "varlen": (
         Option("max_q", "int", "the plan's longest query sequence: max_seqlen_q's bucket"),
         Option("max_kv", "int", "the plan's longest key sequence: max_seqlen_k's bucket"),
-        *_WINDOW_AND_SCALE,
-        Option("deterministic", "bool", "cuDNN's deterministic backward"),
-        Option("training", "bool", "the forward writes softmax stats; a backward plan exists"),
-        Option("alibi", "bool", "ALiBi position biases"),
-        Option("dropout", "float", "dropout probability on the attention weights"),
-        _SOFTCAP,
+        *_WINDOW_AND_SCALE, _DETERMINISTIC, _TRAINING, _ALIBI, _DROPOUT, _SOFTCAP,
     ),
     "paged": (*_WINDOW_AND_SCALE, _SOFTCAP),
 }
