@@ -49,12 +49,12 @@ def _sdpa_bhsd(q, k, v, causal):
 @contextlib.contextmanager
 def _python_path():
     """fastattn.torch's Python path for the block (the native path's ops unpublished)."""
-    saved = _native.DENSE, _native.VARLEN, _native.PAGED, _native.EAGER, _native.CALL
+    saved = _native.DENSE, _native.VARLEN, _native.PAGED, _native.CALL
     _native.python_path()
     try:
         yield
     finally:
-        _native.DENSE, _native.VARLEN, _native.PAGED, _native.EAGER, _native.CALL = saved
+        _native.DENSE, _native.VARLEN, _native.PAGED, _native.CALL = saved
 
 
 def _fastattn(q, k, v, causal):

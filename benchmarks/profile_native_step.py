@@ -2,7 +2,7 @@
 (issue 17): the pieces of an inference call and of a training step, each timed on its
 own in one process (median of 15 samples; the GPU queue is drained between samples).
 
-Inference: attention() whole; its eager entry called directly (no Python wrapper), and
+Inference: attention() whole; its C entry (call) called directly (no Python wrapper), and
 its pieces looped in C++ (the op library's profile_eager: plan lookup, output
 allocation, stream, capture check, workspace, execute, GIL release, wrapping); the
 dispatcher's op (torch.ops) called directly; plan.forward with ints (the Cython
@@ -38,35 +38,34 @@ def main(argv=None) -> int:
     if _native.decide() is None:
         print(f"the native path is not available: {_native.status()}")
         return 1
-    eager, call, dense = _native.EAGER, _native.CALL, _native.DENSE[0]
+    call, dense = _native.CALL, _native.DENSE[0]
+    # attention()'s own arguments in its order (causal, bshd), as its C entry takes them.
+    args = (True, False, None, None, "bshd", False, None, None, False, None, 0.0, None, "top_left", False, 0.0)
     backward_op = torch.ops.fastattn.native_attention_backward.default
     q, k, v = (torch.randn(1, 128, 8, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     qt, kt, vt = (t.transpose(1, 2).contiguous() for t in (q, k, v))
-    flags = 1  # causal, top left, bshd
     opts = ("bshd", True, False, -1, -1, 0.0, False, False)  # the op's options before training
     res = {}
     sdpa = torch.nn.functional.scaled_dot_product_attention
     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
         res["inference_sdpa_cudnn"] = _us(lambda: sdpa(qt, kt, vt, is_causal=True))
         res["inference_attention"] = _us(lambda: fat.attention(q, k, v, causal=True))
-        res["inference_eager_entry"] = _us(lambda: eager(q, k, v, None, None, None, None, None, flags, -1, -1, 0.0,
-                                                         0.0))
-        res["inference_call_entry"] = _us(lambda: call(q, k, v, True, False, None, None, "bshd", False, None, None,
-                                                       False, None, 0.0, None, "top_left", False))
-        fixed = eager(q, k, v, None, None, None, None, None, flags, -1, -1, 0.0, 0.0)
+        res["inference_call_entry"] = _us(lambda: call(q, k, v, *args))
+        fixed = call(q, k, v, *args)
         _native.CALL = lambda *args: fixed  # attention()'s Python alone (plus a lambda's call)
         try:
             res["inference_attention_python_only"] = _us(lambda: fat.attention(q, k, v, causal=True))
         finally:
             _native.CALL = call
-        # attention()'s Python body (session 7's path: option checks, then the 13-argument entry).
+        # attention()'s Python body (option checks, then the dispatcher's op), and the body alone.
+        ops = _native.DENSE
         _native.CALL = None
         try:
             res["inference_attention_body"] = _us(lambda: fat.attention(q, k, v, causal=True))
-            _native.EAGER = lambda *args: fixed
+            _native.DENSE = (lambda *a: (fixed,), ops[1])
             res["inference_attention_body_python_only"] = _us(lambda: fat.attention(q, k, v, causal=True))
         finally:
-            _native.CALL, _native.EAGER = call, eager
+            _native.CALL, _native.DENSE = call, ops
         res["inference_dispatcher_op"] = _us(lambda: dense(q, k, v, None, None, None, None, None, *opts, False, 0.0,
                                                            False))
         res["empty_like"] = _us(lambda: torch.empty_like(q))
@@ -107,8 +106,7 @@ def main(argv=None) -> int:
         interleaved(res, {"train_step": step, "train_step_sdpa_cudnn": step_sdpa})
         res["train_forward"] = _us(lambda: fat.attention(*leaves, causal=True), iters=300)
         res["train_forward_sdpa_cudnn"] = _us(lambda: sdpa(*leaves_t, is_causal=True), iters=300)
-        res["train_forward_eager_entry"] = _us(lambda: eager(*leaves, None, None, None, None, None, flags, -1, -1, 0.0,
-                                                             0.0), iters=300)
+        res["train_forward_call_entry"] = _us(lambda: call(*leaves, *args), iters=300)
         graph_o = fat.attention(*leaves, causal=True)
         graph_ot = sdpa(*leaves_t, is_causal=True)
         res["backward_only"] = _us(lambda: torch.autograd.grad(graph_o, leaves, d_o, retain_graph=True), iters=300)
