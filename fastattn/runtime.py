@@ -236,6 +236,21 @@ def plan(config: ConfigLike, *, device: int | None = None) -> Plan:
     return entry.plan
 
 
+def planned(config: ConfigLike, *, device: int | None = None) -> Plan | None:
+    """The plan for `config` on `device` if this process already holds it, else None:
+    never loads, builds or waits (what a caller that must not touch cuDNN now can ask,
+    inside a CUDA-graph capture say). Raises NotSupportedError with cuDNN's reason when
+    the answer held is a refusal."""
+    config = AttentionConfig.coerce(config)
+    with _lock:
+        entry = _entries.get((config, _resolve_device(device)))
+    if entry is None or not entry.done.is_set() or entry.error is not None:
+        return None
+    if entry.plan is None:
+        raise NotSupportedError(entry.result.reason)
+    return entry.plan
+
+
 def stored_answer(config: ConfigLike, *, device: int | None = None, cache: PlanCache | None = None) -> ProbeResult | None:
     """The answer the persistent cache holds for `config` (source "disk" or
     "remote"), read without building or deserializing anything, or None. `cache`: the

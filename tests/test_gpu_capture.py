@@ -96,3 +96,18 @@ def test_a_failed_launch_raises_fastattns_class_on_both_paths(path, monkeypatch)
     shifted = torch.empty(q.numel() + 1, device="cuda", dtype=q.dtype)[1:].view(q.shape).copy_(q)
     with pytest.raises(fastattn.InvalidArgumentError, match="q=0x[0-9a-f]+ is not 16-byte aligned"):
         fat.attention(shifted, k, v, causal=True)
+
+
+def test_a_call_whose_plan_is_not_loaded_raises_before_touching_the_capture():
+    # A shape this process has never run: its plan would be loaded or built inside the
+    # capture, which would invalidate it. The call raises instead, the capture ends
+    # cleanly (capture_end succeeds), and the generator stays usable (conftest checks).
+    import fastattn
+
+    q, k, v = (t[:, :72].contiguous() for t in _inputs(8))  # seqlen 72: no other test here runs it
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(fastattn.InvalidArgumentError, match="being captured on the current stream"):
+        with torch.cuda.graph(graph):
+            fat.attention(q, k, v, causal=True)
+    torch.randn(4, device="cuda")  # PyTorch's generator is not left in capture state
+    _capture_and_replay(q, k, v)  # and after one call outside a capture, the capture works

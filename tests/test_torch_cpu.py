@@ -349,3 +349,23 @@ def test_config_shape_reads_sizes_and_strides_in_the_layout(layout):
         assert got["layout"][name] == tuple(t.stride()[a] for a in axes), name
     o = torch.empty(order(sq, hq, dv), device="meta").transpose(0, 1)  # o given: its own strides
     assert config_shape(q, k, v, o, layout)["layout"]["o"] == tuple(o.stride()[a] for a in axes)
+
+
+def test_a_miss_inside_a_capture_raises_before_any_cudnn_work(env, monkeypatch):
+    # A plan load or build inside the caller's CUDA-graph capture would invalidate it
+    # (issue 26.1): remember() takes only a plan the process holds, else raises, and
+    # builds nothing. fake_core's plans stand in for cuDNN's.
+    from fastattn import runtime
+    from fastattn.torch import _plans
+
+    cfg = fastattn.AttentionConfig(batch=1, heads_q=2, seqlen_q=64, head_dim_qk=64)
+    q = k = v = torch.empty(1, 64, 2, 64, device="meta", dtype=torch.bfloat16)
+    monkeypatch.setattr(_plans, "capturing", lambda: True)
+    builds = runtime.stats()["builds"]
+    with pytest.raises(fastattn.InvalidArgumentError, match="being captured on the current stream"):
+        _plans.remember(("capture test", 1), cfg, q, k, v, "bshd")
+    assert runtime.stats()["builds"] == builds and runtime.planned(cfg) is None
+    monkeypatch.setattr(_plans, "capturing", lambda: False)
+    first = _plans.remember(("capture test", 2), cfg, q, k, v, "bshd")  # outside a capture: built
+    monkeypatch.setattr(_plans, "capturing", lambda: True)
+    assert _plans.remember(("capture test", 3), cfg, q, k, v, "bshd").plan is first.plan is runtime.planned(cfg)

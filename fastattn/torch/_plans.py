@@ -68,7 +68,19 @@ def remember(key: tuple, cfg: AttentionConfig, q: torch.Tensor, k: torch.Tensor,
     Redis or a build), kept under key."""
     import fastattn
 
-    hit = Cached(fastattn.plan(cfg, device=q.device.index), q, k, v, layout)
+    if capturing():
+        # A load or build inside the caller's capture would make cuDNN calls that
+        # invalidate it (and leave PyTorch's generator in capture state): only a plan this
+        # process already holds is taken, else the call raises before touching the capture.
+        held = fastattn.runtime.planned(cfg, device=q.device.index)
+        if held is None:
+            raise InvalidArgumentError(
+                "a CUDA graph is being captured on the current stream and the plan for this call is not loaded "
+                "yet: run the call once before capturing (a plan load or build inside a capture would invalidate "
+                f"it); config: {cfg.to_json()}")
+        hit = Cached(held, q, k, v, layout)
+    else:
+        hit = Cached(fastattn.plan(cfg, device=q.device.index), q, k, v, layout)
     with _plans_lock:
         plans[key] = hit
     if cfg.training and torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
