@@ -1,6 +1,6 @@
 // Benchmark hooks: not part of fastattn's production interface (fastattn.h, from
-// which the C ABI handed to the PyTorch op library is drawn). Only tools/ call them,
-// through fastattn._core.bench_execute.
+// which the C ABI handed to the PyTorch op library is drawn). Only benchmarks/ and the
+// tests call them, through fastattn._core.bench_execute and its neighbours.
 //
 // A header of their own rather than a compile-time flag: the benchmark must measure
 // the very binary users run (a flagged build is another binary, and the GPU machine

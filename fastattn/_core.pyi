@@ -150,7 +150,7 @@ def load_plan(
     backward_engine: str = "",
 ) -> Plan: ...
 
-# Benchmark hooks (tools/ only; csrc/bench.h).
+# Benchmark hooks (benchmarks/ and tests only; csrc/bench.h).
 def bench_execute(
     plan: Plan,
     direction: str,

@@ -566,7 +566,7 @@ def load_plan(cfg, int device, bytes forward_blob not None, bytes backward_blob=
     return p
 
 
-# Benchmark hooks for tools/ (csrc/bench.h), outside the production interface.
+# Benchmark hooks for benchmarks/ and the tests (csrc/bench.h), outside the production interface.
 include "_core_bench.pxi"
 
 # The C ABI that the PyTorch op library executes plans through (fastattn_abi.h).

@@ -1,4 +1,4 @@
-# Included by _core.pyx: the benchmark hooks of tools/ (csrc/bench.h), kept apart from
+# Included by _core.pyx: the benchmark hooks of benchmarks/ (csrc/bench.h), kept apart from
 # the production interface (Plan.forward / Plan.backward and the C ABI).
 
 cdef extern from "bench.h" namespace "fastattn::bench" nogil:
@@ -40,7 +40,7 @@ def bench_execute(Plan plan, str direction, str mode, int iters, intptr_t worksp
     `tensors`: device addresses by name, as forward/backward take them (with
     config.host_seed, seed and offset are the values). Call i runs layer i % `layers`,
     whose device tensors are `tensors` moved by layer * `layer_bytes` (a model's layers,
-    each with its own tensors, the workspace shared). For tools/ benchmarks only: a
+    each with its own tensors, the workspace shared). For benchmarks/ and tests only: a
     hook outside the production interface (csrc/bench.h)."""
     cdef intptr_t t[kNumSlots]
     cdef int64_t host[2]
@@ -71,7 +71,7 @@ def bench_execute(Plan plan, str direction, str mode, int iters, intptr_t worksp
 def bench_raw_execute(Plan plan, str direction, ptrs, intptr_t workspace=0, intptr_t stream=0, int iters=1000):
     """bench_execute(plan, direction, "frontend_sorted", ...) with the graph's tensors
     given in uid order (q, k, v, o, stats, d_o, d_q, d_k, d_v, then the features' in
-    fastattn.h's Slot order), as tools/ passed them before bench_execute existed."""
+    fastattn.h's Slot order), as the benchmarks passed them before bench_execute existed."""
     cdef const Graph* g = plan._fwd.get() if direction == "forward" else plan._bwd.get()
     cdef uint64_t mask = graph_slots(g)
     names = [SLOT_NAMES[s] for s in range(kNumSlots) if mask & ((<uint64_t>1) << s)]

@@ -1,7 +1,7 @@
 """Measured notes for `fastattn probe`: where a recorded benchmark found a config's FP8
 kernels slower than its bf16 ones, so that nobody picks FP8 to be slower.
 
-The numbers are never typed in here: tools/bench_fp8.py measures FP8 against bf16 on
+The numbers are never typed in here: benchmarks/bench_fp8.py measures FP8 against bf16 on
 its shapes and writes them (`--notes PATH`, the file below), with the date, the GPU and
 the versions it ran on. No file, no notes. A note matches a config by shape, mask and
 layout (what selects the kernels), not by the GPU it is asked on: it says which GPU it

@@ -391,7 +391,7 @@ Grads backward_cpu(const Tensor &, const Tensor &, const Tensor &, const Tensor 
 #include "paged.inc"   // attention_paged's (forward only)
 #include "eager.inc"   // attention()'s eager entries, past torch.ops and the dispatcher
 #include "eager_varlen.inc"  // attention_varlen()'s
-#include "profile.inc"  // the eager entry taken apart, for tools/profile_native_step.py
+#include "profile.inc"  // the eager entry taken apart, for benchmarks/profile_native_step.py
 
 // ---- Python: initialization and introspection -------------------------------------------------
 
@@ -507,7 +507,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           "raise_status(code, message): raises what a failed execute with this status raises (tests)");
     m.def("table_size", &table_size, "plans in the C++ table");
     m.def("clear", &clear, "forget every plan and release the kept workspaces (only while no op runs)");
-    m.def("profile_eager", &profile_eager, "the eager entry's pieces timed in C++ (tools/profile_native_step.py)");
+    m.def("profile_eager", &profile_eager, "the eager entry's pieces timed in C++ (benchmarks/profile_native_step.py)");
     m.def("kept_workspace_bytes", &kept_workspace_bytes, "bytes of workspace kept per thread and stream for reuse");
     m.def("check_varlen_tensors", &check_varlen_tensors_for_tests,
           "check_varlen_tensors(q, k, v, cu_seqlens_q, cu_seqlens_kv): call_varlen's tensor checks (tests)");
