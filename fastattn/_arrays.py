@@ -291,9 +291,9 @@ def _layout_name(cfg: AttentionConfig) -> str:
 
 
 # -- PyTorch tensors, read through their own attributes -------------------------------------
-# torch's __dlpack__ and __dlpack_device__ are Python functions that cost ~11 us per
-# tensor on a CPU where cuda.core's reading of a numpy array costs 0.6 us; torch's
-# attributes cost ~0.1 us each. Found from the first tensor's type, never imported.
+# torch's __dlpack__ and __dlpack_device__ are Python functions that cost many times
+# what cuda.core's reading of a numpy array costs; torch's own attributes cost a small
+# fraction of that. Found from the first tensor's type, never imported.
 _torch_types: frozenset = frozenset()
 _not_torch: set = set()  # array types seen not to be torch's (bounded)
 
@@ -361,7 +361,7 @@ def address(plan: Any, name: str, obj: Any) -> int:
     """The device address of array `obj` for tensor `name` of `plan`, checked."""
     t = type(obj)
     if t in _torch_types:
-        # _torch_address inline: a Python call costs ~0.1 us, a fifth of this path.
+        # _torch_address inline: a Python call would be a good part of this path's cost.
         if not (obj.is_cuda and obj.get_device() == plan.device):
             _torch_device(plan, name, obj)
         try:

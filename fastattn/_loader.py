@@ -76,7 +76,7 @@ _WHEEL_PATHS = {
 def _from_wheels(name: str) -> str | None:
     """The library from an installed NVIDIA wheel on sys.path, loaded, or None. The
     common case, checked first because importing cuda-pathfinder, which knows every
-    other layout, costs ~50 ms of a process's cold start."""
+    other layout, costs a noticeable part of a process's cold start."""
     rel = _WHEEL_PATHS.get(name)
     for entry in sys.path if rel else ():
         path = os.path.join(entry or ".", rel)

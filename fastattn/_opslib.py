@@ -1,6 +1,6 @@
 """Where fastattn.torch's op library (fastattn/torch/csrc/ops.cpp) is built, computed
 without importing torch: `fastattn warm` asks whether it is built already before it
-decides to import torch (1-3 s) and run a compiler. fastattn.torch._native builds and
+decides to import torch (seconds) and run a compiler. fastattn.torch._native builds and
 loads it; both name it through this module.
 """
 

@@ -260,10 +260,11 @@ def stored_answer(config: ConfigLike, *, device: int | None = None, cache: PlanC
 
 
 # What PyTorch imports at a process's first backward given a gradient tensor
-# (torch.autograd._make_grads): sympy, with symbolic shapes. Measured on the H200 machine
-# (tools/bench_coldstart.py, cProfile): 2.09 s of a 2.2 s first backward, for every
-# peer alike (1.6 s of it compiling sympy's .py files, which pip installs without .pyc
-# there); ~0.4 s where the .pyc files exist.
+# (torch.autograd._make_grads): sympy, with symbolic shapes. Measured with
+# benchmarks/bench_coldstart.py under cProfile: nearly all of a first backward, for
+# every peer alike, most of it compiling sympy's .py files where pip installed them
+# without .pyc, much less where the .pyc files exist (docs/BENCHMARKS.md, "Cold start";
+# the profile: docs/history/benchmarks-log.md, "Cold start with autograd (issue 17)").
 TORCH_BACKWARD_IMPORT = "torch.fx.experimental.symbolic_shapes"
 _torch_import_started = False
 
@@ -307,9 +308,9 @@ def preload(configs: Iterable[ConfigLike] | None = None, *, device: int | None =
             background: bool = False) -> list[ProbeResult] | Future[list[ProbeResult]]:
     """Loads (or builds) plans ahead of first use, in `threads` parallel threads, each
     with its own cuDNN handle. Threads pay for training plans (forward and backward
-    graphs) and not for inference ones (docs/BENCHMARKS.md, "Persistent cache"). In
-    the background (background=True) it overlaps whatever else the process does at
-    startup.
+    graphs) and not for inference ones (docs/history/benchmarks-log.md, "Persistent
+    cache (issue 3)"). In the background (background=True) it overlaps whatever else
+    the process does at startup.
 
     configs: the configs to load; None means every entry in the cache directories that
     was stored for this GPU, cuDNN, cudnn-frontend, fastattn and policy.
@@ -324,7 +325,8 @@ def preload(configs: Iterable[ConfigLike] | None = None, *, device: int | None =
     if "fastattn.torch" in sys.modules and any(c.training for c in todo):
         # A user of the autograd path: its first backward will import sympy. Not for raw
         # plan users: measured, the import's GIL contention slowed a raw warm+preload
-        # start from 106 to 545 ms (tools/bench_coldstart.py, s6-4).
+        # start several times over (benchmarks/bench_coldstart.py, s6-4:
+        # docs/history/benchmarks-log.md, "Cold start with autograd (issue 17)").
         warm_torch_backward()
 
     def run() -> list[ProbeResult]:

@@ -111,10 +111,10 @@ class _Worker:
 def kernel_family(config: AttentionConfig) -> tuple:
     """What a config's kernels likely depend on: the fields the field registry marks as
     selecting kernel variants (`family` in fastattn.config). cuDNN compiles each kernel
-    variant once per process and reuses it for other shapes: on the H200 the first config
-    of a head dim took 0.6 s (forward) to 1.6 s (forward and backward) to build, later
-    sequence lengths, batch sizes and head counts 0.05-0.15 s. A guess used only to
-    schedule: a wrong one costs time, never correctness."""
+    variant once per process and reuses it for other shapes, so the first config of a
+    head dim takes far longer to build than later sequence lengths, batch sizes and head
+    counts (measured: docs/history/benchmarks-log.md, "The fastattn command (issue 4)").
+    A guess used only to schedule: a wrong one costs time, never correctness."""
     return _fields.kernel_family(FIELDS, config)
 
 
@@ -124,9 +124,10 @@ class _Queue:
     most configs left per worker on it, when that is worth compiling its kernels again
     (STEAL_AT configs or more each)."""
 
-    # A family's first config costs ~10-15 later ones (see kernel_family), and
+    # A family's first config costs as much as many later ones (see kernel_family), and
     # processes compiling at once slow each other: sharing families early made warm
-    # slower, not faster (docs/BENCHMARKS.md, "The fastattn command": runs s2-6, s2-7).
+    # slower, not faster (docs/history/benchmarks-log.md, "The fastattn command (issue
+    # 4)": runs s2-6, s2-7).
     STEAL_AT = 16
 
     def __init__(self, items: list[WarmItem]):

@@ -184,7 +184,7 @@ def _build_torch_ops() -> dict[str, Any]:
     from .. import _opslib
 
     built = _opslib.find_built()
-    if built is not None:  # a second warm imports no torch (1-3 s) to find it built
+    if built is not None:  # a second warm imports no torch (seconds) to find it built
         return {"ok": True, "path": str(built), "seconds": 0.0, "result": f"{built} (built before)"}
     t0 = time.perf_counter()
     try:

@@ -47,9 +47,9 @@ _state: dict = {}  # "lib": the loaded module or None, "reason": why this path, 
 # The forward ops of attention() (DENSE), attention_varlen() (VARLEN) and
 # attention_paged() (PAGED) once the path is
 # decided: (eager, traced) or None for the Python path; UNDECIDED before the first
-# decision. eager is the operator's C++ entry point (torch.ops' Python wrappers cost ~2
-# us a call), traced its OpOverload, which torch.compile records. Module globals, so
-# that an entry point reads its op in one lookup.
+# decision. eager is the operator's C++ entry point (past torch.ops' Python wrappers,
+# which cost host time on every call), traced its OpOverload, which torch.compile
+# records. Module globals, so that an entry point reads its op in one lookup.
 UNDECIDED = object()
 DENSE = VARLEN = PAGED = UNDECIDED
 # attention()'s own 17 arguments, read in C (eager.inc's call): the first thing a call
@@ -196,8 +196,9 @@ def library():
             state["lib"], state["reason"] = None, f"python: {ENV}=python"
             return None
         if m == "auto" and not library_path().exists():
-            # Compiling it here would make this first call take 40-100 s, the very cold
-            # start fastattn exists to avoid: auto mode uses a library built ahead of time.
+            # Compiling it here would make this first call wait for the whole compile
+            # (docs/BENCHMARKS.md, "The fastattn command"), the very cold start fastattn
+            # exists to avoid: auto mode uses a library built ahead of time.
             state["lib"], state["reason"] = None, (
                 "python: the native op library is not built for this torch yet (`fastattn warm` builds "
                 f"it ahead of time, once per torch version; {ENV}=native builds it at the first call)")

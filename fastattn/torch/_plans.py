@@ -28,13 +28,13 @@ DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 plans: dict[tuple, Cached] = {}
 _plans_lock = threading.Lock()
 
-try:  # the raw stream handle without a torch.cuda.Stream object (~2 us less per call)
+try:  # the raw stream handle without a torch.cuda.Stream object (less host time per call)
     from torch._C import _cuda_getCurrentRawStream as raw_stream
 except ImportError:  # pragma: no cover - older or CPU-only builds
     def raw_stream(device: int) -> int:
         return torch.cuda.current_stream(device).cuda_stream
 
-try:  # without the Python wrapper around it (~0.25 us less per call)
+try:  # without the Python wrapper around it (less host time per call)
     from torch._C import _cuda_isCurrentStreamCapturing as capturing
 except ImportError:  # pragma: no cover - CPU-only builds
     def capturing() -> bool:
@@ -55,8 +55,9 @@ class Cached:
         self.stats_shape = stats_shape(q, layout) if layout else None
         self.forward_workspace = plan.forward_workspace_size
         self.backward_workspace = plan.backward_workspace_size
-        # torch.empty_like costs ~40% less than new_empty(shape) or empty_strided (it parses
-        # no sizes): use it wherever it gives the strides the plan was built for. The key
+        # torch.empty_like costs less than new_empty(shape) or empty_strided (it parses no
+        # sizes; docs/history/benchmarks-log.md, session 4, "PyTorch host time per call
+        # (issue 5)"): use it wherever it gives the strides the plan was built for. The key
         # fixes the inputs' shapes and strides, so this holds for every call of the plan.
         self.out_like_q = layout is not None and like(q, self.out_shape)
         self.grads_like = tuple(layout is not None and like(t, list(t.shape), t.stride()) for t in (q, k, v))
@@ -98,8 +99,9 @@ def like(t: torch.Tensor, shape: list[int], stride: tuple[int, ...] | None = Non
 
 # Workspaces of up to KEPT_WORKSPACE bytes are kept, one per (device, stream, thread),
 # and reused by that thread's calls on that stream: the stream orders them on the GPU, so
-# one buffer serves them all, and a call saves an allocation (~4 us of a ~17 us small
-# call on the H200, tools/profile_torch_call.py). Per thread, not only per stream: a
+# one buffer serves them all, and a call saves an allocation, a good part of a small
+# call's host time (benchmarks/profile_torch_call.py; docs/history/benchmarks-log.md,
+# session 4, "PyTorch host time per call (issue 5)"). Per thread, not only per stream: a
 # call's launches into its workspace are several (cudnn-frontend copies the plan's
 # constants into it, then cuDNN's kernels run), and two threads' launches on one stream
 # interleave, so one thread's constants would land under the other's kernels (seen on
