@@ -4,7 +4,7 @@
 //
 // A header of their own rather than a compile-time flag: the benchmark must measure
 // the very binary users run (a flagged build is another binary, and the GPU machine
-// would need a second build of the ~70 s translation unit to get it); the hooks
+// would need a second build of that slow translation unit to get it); the hooks
 // cost nothing unless called. They live in attention.cpp, the one translation unit
 // that includes cudnn-frontend.
 #pragma once

@@ -1,6 +1,6 @@
 // The narrow interface of fastattn's C++ core.
 //
-// Only csrc/attention.cpp includes cudnn-frontend (one such file takes ~70 s to
+// Only csrc/attention.cpp includes cudnn-frontend (each file that does is slow to
 // compile); everything else, the Cython module included, sees this header alone.
 // Errors are values: no function here throws, and every exception cudnn-frontend
 // raises is caught inside the core and returned as a Status.
