@@ -70,5 +70,5 @@ def notes(config: AttentionConfig, path: str | None = None) -> list[str]:
             ratio = row.get(f"{direction}_ratio")
             if isinstance(ratio, (int, float)) and ratio < 1.0:
                 out.append(f"FP8 {direction} ran at {ratio:.2f}x bf16's speed for this shape on {data.get('gpu')} "
-                           f"({data.get('date')}, cuDNN {data.get('cudnn')}, tools/bench_fp8.py): bf16 is faster")
+                           f"({data.get('date')}, cuDNN {data.get('cudnn')}, benchmarks/bench_fp8.py): bf16 is faster")
     return out
