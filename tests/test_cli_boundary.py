@@ -16,7 +16,7 @@ import fastattn
 from fastattn import cli, runtime, sweep
 from fastattn.cli import _common
 from fastattn.warm import WarmItem, WarmReport
-from cli_helpers import run  # noqa: E402
+from helpers.cli import run  # noqa: E402
 
 PROBE = ["probe", "--batch", "1", "--heads-q", "8", "--seqlen-q", "128", "--head-dim-qk", "64"]
 

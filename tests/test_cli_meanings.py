@@ -21,7 +21,7 @@ from fastattn.runtime import ProbeResult
 from fastattn.warm import WarmItem, WarmReport
 
 from conftest import _gpu_unavailable_reason
-from cli_helpers import run  # noqa: E402
+from helpers.cli import run  # noqa: E402
 
 SETTINGS = settings(max_examples=40, deadline=None, derandomize=True,
                     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])

@@ -20,7 +20,7 @@ from fastattn.cli._main import build_parser
 from fastattn.warm import WarmItem, WarmReport
 
 from conftest import _gpu_unavailable_reason
-from cli_helpers import run  # noqa: E402
+from helpers.cli import run  # noqa: E402
 
 NO_GPU = ("fastattn cannot use the GPU:\n  - libcublasLt was not found (DynamicLibNotFoundError: no such library); "
           "pip install nvidia-cublas (a dependency of nvidia-cudnn-cu13), or set FASTATTN_CUBLASLT_PATH\n  - the "

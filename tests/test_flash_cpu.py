@@ -18,7 +18,7 @@ import fastattn  # noqa: E402
 from fastattn.integrations import flash  # noqa: E402  (the module itself: tests patch its imports)
 from fastattn.errors import InvalidArgumentError, NotSupportedError  # noqa: E402
 
-from gpu_helpers import fa_allowed  # noqa: E402  (FlashAttention's mask, from its documentation)
+from helpers.gpu import fa_allowed  # noqa: E402  (FlashAttention's mask, from its documentation)
 
 M = dict(device="meta", dtype=torch.bfloat16)
 
@@ -174,7 +174,7 @@ def test_standard_alibi_slopes_are_the_papers_and_cudnns(heads):
         closest = 2 ** math.floor(math.log2(n))
         return power_of_2(closest) + get_slopes(2 * closest)[0::2][:n - closest]
 
-    from gpu_helpers import alibi_slopes as cudnn_slopes  # cudnn-frontend's get_alibi_slope, in float32
+    from helpers.gpu import alibi_slopes as cudnn_slopes  # cudnn-frontend's get_alibi_slope, in float32
 
     assert np.allclose(flash.standard_alibi_slopes(heads), get_slopes(heads), rtol=1e-12)
     assert np.allclose(flash.standard_alibi_slopes(heads), cudnn_slopes(heads), rtol=1e-6)

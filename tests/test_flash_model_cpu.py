@@ -18,7 +18,7 @@ from fastattn.integrations import flash  # noqa: E402  (the module itself: tests
 from fastattn.torch._plans import AXES  # noqa: E402
 
 import test_gpu_flash as G  # noqa: E402
-from gpu_helpers import alibi_slopes  # noqa: E402
+from helpers.gpu import alibi_slopes  # noqa: E402
 
 
 def _one(q, k, v, causal, window, scale, shift, alibi=False, softcap=0.0):

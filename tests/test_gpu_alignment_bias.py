@@ -1,7 +1,7 @@
 """GPU: the alignment field and the one-row bias shapes (issue 14) through the plain
 config API (probe, plan, forward, backward on raw pointers), against float64
-references (gpu_helpers.reference_full, whose mask follows the config's alignment), on
-fresh random inputs, outputs poisoned (gpu_helpers.Tensor starts every buffer as NaN),
+references (helpers.gpu.reference_full, whose mask follows the config's alignment), on
+fresh random inputs, outputs poisoned (helpers.gpu.Tensor starts every buffer as NaN),
 and an entry built from a config in its old spelling loading from disk.
 
 Tolerances: relative Frobenius error, fp16 4e-3 / bf16 2e-2 forward, 1e-2 / 4e-2
@@ -15,7 +15,7 @@ import pytest
 import fastattn
 from fastattn import AttentionConfig
 
-from gpu_helpers import DeviceBuffer, Tensor, quantize, random_inputs, reference_full, rel_error, synchronize
+from helpers.gpu import DeviceBuffer, Tensor, quantize, random_inputs, reference_full, rel_error, synchronize
 
 pytestmark = pytest.mark.gpu
 
@@ -95,7 +95,7 @@ def test_a_window_at_the_bottom_right_matches_float64(dtype, shape, window):
 
 
 def reference_rows_with_keys(cfg) -> np.ndarray:
-    from gpu_helpers import allowed
+    from helpers.gpu import allowed
     return allowed(cfg).any(axis=1)
 
 

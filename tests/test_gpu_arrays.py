@@ -11,7 +11,7 @@ import pytest
 import fastattn
 from fastattn import AttentionConfig
 
-from gpu_helpers import Tensor, _check, random_inputs, synchronize, to_raw
+from helpers.gpu import Tensor, _check, random_inputs, synchronize, to_raw
 
 pytestmark = pytest.mark.gpu
 

@@ -13,7 +13,7 @@ import pytest
 import fastattn
 from fastattn import AttentionConfig
 
-from gpu_helpers import DeviceBuffer, Tensor, random_inputs, reference, rel_error, synchronize
+from helpers.gpu import DeviceBuffer, Tensor, random_inputs, reference, rel_error, synchronize
 
 pytestmark = pytest.mark.gpu
 
@@ -114,7 +114,7 @@ def test_explicit_strides_packed_qkv():
     cfg = base.replace(layout={"q": q_strides, "k": q_strides, "v": q_strides, "o": o_strides})
     assert not isinstance(cfg.layout, str)
     rng = np.random.default_rng(11)
-    from gpu_helpers import quantize, to_raw
+    from helpers.gpu import quantize, to_raw
 
     qkv = quantize(rng.standard_normal((b, s, 3, h, d)), "bf16")
     buf = DeviceBuffer(qkv.size * 2)

@@ -1,35 +1,12 @@
 """GPU: the persistent cache across real processes with real cuDNN plans."""
 
-import json
-import os
-import subprocess
-import sys
 import time
 
 import pytest
 
-from fastattn import AttentionConfig
+from helpers.cache_worker import CONFIGS, result, worker
 
 pytestmark = pytest.mark.gpu
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-CONFIGS = [
-    AttentionConfig(batch=1, heads_q=8, seqlen_q=s, head_dim_qk=128, dtype="bf16", mask="causal",
-                    training=True, deterministic=True).to_dict()
-    for s in (256, 512)
-] + [AttentionConfig(batch=2, heads_q=8, heads_kv=2, seqlen_q=384, head_dim_qk=64, dtype="fp16").to_dict()]
-
-
-def worker(cache_dir, configs=CONFIGS, *extra, wait=True):
-    env = {**os.environ, "FASTATTN_CACHE_DIR": str(cache_dir)}
-    cmd = [sys.executable, os.path.join(HERE, "gpu_cache_worker.py"), json.dumps(configs), *extra]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=HERE)
-
-
-def result(proc):
-    out, err = proc.communicate(timeout=300)
-    assert proc.returncode == 0, err[-3000:]
-    return json.loads(out.strip().splitlines()[-1])
 
 
 def test_second_process_starts_warm_and_bitwise_identical(tmp_path):

@@ -12,7 +12,7 @@ The outputs start as NaN, and cuDNN writes zero to their padded rows.
 ALiBi (config.alibi): slope[h] * (j - i) added to the scaled scores.
 
 Packed sequences (ragged), bias and its gradient, dropout, sinks and a paged KV
-cache: each against a float64 reference (gpu_helpers.reference_full) on fresh random
+cache: each against a float64 reference (helpers.gpu.reference_full) on fresh random
 inputs."""
 
 import itertools
@@ -23,7 +23,7 @@ import pytest
 import fastattn
 from fastattn import AttentionConfig
 
-from gpu_helpers import (DeviceBuffer, Tensor, alibi_slopes, from_raw, quantize, random_inputs, reference, reference_full,
+from helpers.gpu import (DeviceBuffer, Tensor, alibi_slopes, from_raw, quantize, random_inputs, reference, reference_full,
                          rel_error, synchronize, to_raw)
 
 pytestmark = pytest.mark.gpu

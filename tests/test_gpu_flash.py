@@ -1,5 +1,5 @@
 """GPU: fastattn.flash against a float64 reference written from FlashAttention 2's
-documented semantics (gpu_helpers.fa_allowed: bottom-right causal and windows, FA's
+documented semantics (helpers.gpu.fa_allowed: bottom-right causal and windows, FA's
 normalizations; a row that sees no key has out 0 and softmax_lse +inf, as FA writes), on
 fresh random inputs, with PyTorch's caching allocator poisoned (NaN bytes) before each
 call so that an unwritten output element shows.
@@ -19,7 +19,7 @@ import fastattn  # noqa: E402
 import fastattn.torch  # noqa: E402,F401
 from fastattn import flash  # noqa: E402
 
-from gpu_helpers import fa_allowed  # noqa: E402
+from helpers.gpu import fa_allowed  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 

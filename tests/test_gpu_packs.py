@@ -12,7 +12,7 @@ import pytest
 import fastattn
 from fastattn import AttentionConfig
 
-from gpu_helpers import DeviceBuffer, Tensor, random_inputs, reference, rel_error, synchronize
+from helpers.gpu import DeviceBuffer, Tensor, random_inputs, reference, rel_error, synchronize
 
 pytestmark = pytest.mark.gpu
 

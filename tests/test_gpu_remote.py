@@ -3,8 +3,8 @@ cuDNN plans (redis-server and the redis client needed, as for test_remote.py).""
 
 import pytest
 
-from redis_helpers import start_server
-from test_gpu_cache import CONFIGS, result, worker
+from helpers.redis import start_server
+from helpers.cache_worker import CONFIGS, result, worker
 
 pytestmark = pytest.mark.gpu
 

@@ -11,8 +11,8 @@ import fastattn.torch  # noqa: E402,F401
 from fastattn.torch import _autograd, _dense, _native, _plans, _varlen  # noqa: E402
 from fastattn import AttentionConfig  # noqa: E402
 
-from gpu_helpers import alibi_slopes, allowed  # noqa: E402
-from torch_helpers import Block, in_threads  # noqa: E402
+from helpers.gpu import alibi_slopes, allowed  # noqa: E402
+from helpers.torch import Block, in_threads  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 

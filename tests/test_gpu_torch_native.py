@@ -23,7 +23,7 @@ import fastattn  # noqa: E402
 import fastattn.torch  # noqa: E402,F401
 from fastattn import AttentionConfig, runtime  # noqa: E402
 from fastattn.torch import _dense, _native  # noqa: E402  (_varlen's ops come with the library)
-from torch_helpers import Block, in_threads  # noqa: E402
+from helpers.torch import Block, in_threads  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 

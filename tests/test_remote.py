@@ -25,7 +25,7 @@ from fastattn.store import bundle, signing
 from fastattn.store.remote import RemoteSettings, RemoteStore
 
 import fake_core
-from redis_helpers import start_server
+from helpers.redis import start_server
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CFG = dict(batch=1, heads_q=32, seqlen_q=512, head_dim_qk=128, mask="causal", training=True)

@@ -324,7 +324,7 @@ def test_paged_traces_as_one_op():
 
 
 def test_the_gpu_tests_thread_helper_collects_results_and_raises_errors():
-    from torch_helpers import in_threads
+    from helpers.torch import in_threads
 
     seen = set()
     assert in_threads(6, lambda i: seen.add(threading.get_ident()) or i * i) == {i: i * i for i in range(6)}

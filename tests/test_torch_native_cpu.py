@@ -20,7 +20,7 @@ torch = pytest.importorskip("torch", reason="PyTorch is an optional extra (pip i
 
 import fastattn  # noqa: E402
 import fastattn.torch  # noqa: E402
-from torch_helpers import SOFTCAPS, assert_options_mean_the_same, assert_softcap_means_the_same  # noqa: E402
+from helpers.torch import SOFTCAPS, assert_options_mean_the_same, assert_softcap_means_the_same  # noqa: E402
 from fastattn.torch import _dense, _native, _options, _paged, _plans, _varlen  # noqa: E402
 
 

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 torch = pytest.importorskip("torch", reason="PyTorch is an optional extra (pip install torch)")
 
 import fastattn  # noqa: E402
-from torch_helpers import SOFTCAPS, assert_options_mean_the_same, assert_softcap_means_the_same  # noqa: E402
+from helpers.torch import SOFTCAPS, assert_options_mean_the_same, assert_softcap_means_the_same  # noqa: E402
 from fastattn.torch import _native, _varlen  # noqa: E402
 
 

@@ -1,14 +1,16 @@
 """One "process" of the GPU cache tests: plans the configs given as JSON, runs each
 forward (and backward when training) on seeded random inputs, and prints one JSON
 line: the runtime's stats and a sha256 of every output, so that two processes can be
-compared bit for bit.
+compared bit for bit. worker() starts one, result() reads its line.
 
-    python gpu_cache_worker.py CONFIGS_JSON [--wait-until T] [--fake-cudnn-version V]
+    python -m helpers.cache_worker CONFIGS_JSON [--wait-until T] [--fake-cudnn-version V]   (from tests/)
 """
 
 import argparse
 import hashlib
 import json
+import os
+import subprocess
 import sys
 import time
 
@@ -17,7 +19,28 @@ import numpy as np
 import fastattn
 from fastattn import AttentionConfig, runtime
 
-from gpu_helpers import DeviceBuffer, Tensor, random_inputs, synchronize
+from helpers.gpu import DeviceBuffer, Tensor, random_inputs, synchronize
+from helpers.paths import TESTS
+
+CONFIGS = [
+    AttentionConfig(batch=1, heads_q=8, seqlen_q=s, head_dim_qk=128, dtype="bf16", mask="causal",
+                    training=True, deterministic=True).to_dict()
+    for s in (256, 512)
+] + [AttentionConfig(batch=2, heads_q=8, heads_kv=2, seqlen_q=384, head_dim_qk=64, dtype="fp16").to_dict()]
+
+
+def worker(cache_dir, configs=CONFIGS, *extra):
+    """A worker process on configs (dicts) with its own cache directory, started now."""
+    env = {**os.environ, "FASTATTN_CACHE_DIR": str(cache_dir)}
+    cmd = [sys.executable, "-m", "helpers.cache_worker", json.dumps(configs), *extra]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=TESTS)
+
+
+def result(proc):
+    """The worker's JSON line, once it has exited 0."""
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    return json.loads(out.strip().splitlines()[-1])
 
 
 def run_one(cfg: AttentionConfig, seed: int) -> str:

@@ -1,4 +1,4 @@
-"""What the fastattn.torch GPU tests share (gpu_helpers.py stays free of PyTorch)."""
+"""What the fastattn.torch GPU tests share (helpers.gpu stays free of PyTorch)."""
 
 import threading
 
