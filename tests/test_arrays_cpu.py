@@ -16,6 +16,8 @@ from hypothesis import strategies as st
 from fastattn import AttentionConfig, _arrays
 from fastattn.errors import InvalidArgumentError, LibraryError
 
+from helpers.paths import ROOT
+
 CFG = AttentionConfig(batch=2, heads_q=4, heads_kv=2, seqlen_q=16, seqlen_kv=24, head_dim_qk=32, head_dim_v=16,
                       dtype="bf16", layout="bshd", training=True)
 PLAN = SimpleNamespace(config=CFG, device=0, forward_workspace_size=64, backward_workspace_size=256)
@@ -515,7 +517,7 @@ def test_device_tensor_is_public_and_the_package_is_typed():
     root = pathlib.Path(fastattn.__file__).parent
     assert (root / "py.typed").is_file() and (root / "_core.pyi").is_file()
     # The checkout's pyproject (the package under test may be installed elsewhere).
-    pyproject = tomllib.loads((pathlib.Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
     assert "py.typed" in pyproject["tool"]["setuptools"]["package-data"]["fastattn"]
 
 

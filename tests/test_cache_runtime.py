@@ -15,8 +15,7 @@ import fastattn
 from fastattn import runtime, store
 
 import fake_core
-
-HERE = os.path.dirname(os.path.abspath(__file__))
+from helpers.paths import TESTS
 CFG = dict(batch=1, heads_q=32, seqlen_q=512, head_dim_qk=128, mask="causal", training=True)
 
 
@@ -209,9 +208,9 @@ def test_processes_started_together_build_once(cache_dir, tmp_path):
     env = {**os.environ, "FASTATTN_CACHE_DIR": str(cache_dir), "FAKE_BUILD_LOG": str(log),
            "FAKE_BUILD_SECONDS": "0.5"}
     start = time.time() + 1.5
-    script = _RACER.format(here=HERE, cfg=CFG)
+    script = _RACER.format(here=str(TESTS), cfg=CFG)
     procs = [subprocess.Popen([sys.executable, "-c", script, str(start)], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, env=env, cwd=HERE) for _ in range(8)]
+                              stderr=subprocess.PIPE, text=True, env=env, cwd=TESTS) for _ in range(8)]
     outs = [p.communicate(timeout=120) for p in procs]
     assert all(p.returncode == 0 for p in procs), [o[1] for o in outs]
     rows = [o[0].split() for o in outs]

@@ -10,6 +10,7 @@ import pytest
 from fastattn import cli, runtime
 
 from conftest import _gpu_unavailable_reason
+from helpers.paths import ROOT, TESTS
 
 PROBE = ["probe", "--batch", "1", "--heads-q", "8", "--seqlen-q", "128", "--head-dim-qk", "64"]
 
@@ -223,12 +224,11 @@ def test_the_torch_version_is_read_without_importing_torch_even_without_metadata
     (fake / "version.py").write_text("__version__ = '9.9.9+fake'\ngit_version = 'x'\n")
     code = "import sys; from fastattn import _opslib; print(_opslib.torch_version(), 'torch' in sys.modules)"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
-    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env, cwd=here)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env, cwd=ROOT)
     assert r.returncode == 0 and r.stdout.split() == ["9.9.9+fake", "False"], r.stderr[-2000:]
 
 
 def test_python_dash_m_runs():
-    here = os.path.dirname(os.path.abspath(__file__))  # not the checkout root: its fastattn/ is unbuilt
-    r = subprocess.run([sys.executable, "-m", "fastattn", "--help"], capture_output=True, text=True, timeout=60, cwd=here)
+    # From tests/, not the checkout root: its fastattn/ is unbuilt.
+    r = subprocess.run([sys.executable, "-m", "fastattn", "--help"], capture_output=True, text=True, timeout=60, cwd=TESTS)
     assert r.returncode == 0 and "probe" in r.stdout and "info" in r.stdout

@@ -17,6 +17,7 @@ from fastattn import cli, runtime, sweep
 from fastattn.cli import _common
 from fastattn.warm import WarmItem, WarmReport
 from helpers.cli import run  # noqa: E402
+from helpers.paths import README
 
 PROBE = ["probe", "--batch", "1", "--heads-q", "8", "--seqlen-q", "128", "--head-dim-qk", "64"]
 
@@ -215,7 +216,7 @@ def test_a_closed_output_pipe_is_exit_4_quietly(capsys, monkeypatch):
 
 def test_exit_codes_are_distinct_and_documented():
     assert len(set(_common.EXIT_CODES)) == len(_common.EXIT_CODES)
-    readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
+    readme = README.read_text()
     table = readme[readme.index("| exit code |"):]
     for code in _common.EXIT_CODES:
         assert f"\n| {code} |" in table

@@ -15,7 +15,6 @@ from fastattn import cli, runtime, store
 
 import fake_core
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 BASE = dict(batch=1, heads_q=8, head_dim_qk=64, mask="causal")
 
 

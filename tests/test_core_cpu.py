@@ -9,16 +9,16 @@ with their arguments on a machine with no GPU.
 import ast
 import inspect
 import re
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from fastattn import errors
 
+from helpers.paths import ROOT
+
 _core = pytest.importorskip("fastattn._core", reason="the extension is not built")
 
-ROOT = Path(__file__).resolve().parent.parent
 STUB = ROOT / "fastattn" / "_core.pyi"
 
 

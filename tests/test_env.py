@@ -21,7 +21,8 @@ import fastattn
 from fastattn import cli, runtime, store
 from fastattn import env as _env
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+from helpers.paths import ROOT
+
 WARM_FILE = '{"configs": [{"batch": 1, "heads_q": 8, "seqlen_q": 128, "head_dim_qk": 64}]}'
 
 

@@ -19,6 +19,7 @@ from fastattn.integrations import flash  # noqa: E402  (the module itself: tests
 from fastattn.errors import InvalidArgumentError, NotSupportedError  # noqa: E402
 
 from helpers.gpu import fa_allowed  # noqa: E402  (FlashAttention's mask, from its documentation)
+from helpers.paths import ROOT  # noqa: E402
 
 M = dict(device="meta", dtype=torch.bfloat16)
 
@@ -434,9 +435,8 @@ def test_the_benchmark_imports_and_parses_its_arguments():
     import subprocess
     import sys
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    r = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "bench_flash.py"), "--help"], capture_output=True,
-                       text=True, env={**os.environ, "PYTHONPATH": root})
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_flash.py"), "--help"], capture_output=True,
+                       text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert r.returncode == 0, r.stderr
     assert "--json" in r.stdout and "summary:" in r.stdout
 

@@ -7,9 +7,10 @@ import sys
 
 import pytest
 
+from helpers.paths import TESTS
+
 pytestmark = pytest.mark.gpu
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 WARM_FILE = """
 [[configs]]
 batch = 1
@@ -25,7 +26,7 @@ training = [false, true]
 def fastattn(cache_dir, *args):
     env = {**os.environ, "FASTATTN_CACHE_DIR": str(cache_dir)}
     r = subprocess.run([sys.executable, "-m", "fastattn", *args, "--json"], capture_output=True, text=True, env=env,
-                       cwd=HERE, timeout=600)
+                       cwd=TESTS, timeout=600)
     return r.returncode, json.loads(r.stdout) if r.stdout.strip() else {}, r.stderr
 
 

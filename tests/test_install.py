@@ -7,14 +7,13 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import os
-import pathlib
 import re
 
 import pytest
 
 from fastattn import _loader, cli, runtime
 
-README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
+from helpers.paths import README
 WHEEL_LIB = os.path.join("nvidia", "cudnn", "lib", "libcudnn.so.9")
 
 

@@ -20,8 +20,9 @@ from fastattn import runtime, store
 from fastattn.plan_cache import PlanCache, config_of
 
 import fake_core
+from helpers import paths
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = str(paths.ROOT)
 OUTSIDE_RUNTIME = [os.path.join("fastattn", "warm.py")] + [
     os.path.join("fastattn", "cli", name) for name in sorted(os.listdir(os.path.join(ROOT, "fastattn", "cli")))
     if name.endswith(".py")]

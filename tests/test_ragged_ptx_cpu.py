@@ -3,9 +3,8 @@
 
 import hashlib
 import re
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from helpers.paths import ROOT
 
 
 def test_the_committed_ptx_was_generated_from_the_committed_source():

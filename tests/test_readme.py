@@ -2,13 +2,12 @@
 without a GPU, they compile and their arrays are checked (host arrays refused)."""
 
 import os
-import pathlib
 import re
 from types import SimpleNamespace
 
 import pytest
 
-README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
+from helpers.paths import README
 
 
 def _python_blocks():

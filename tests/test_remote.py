@@ -25,9 +25,8 @@ from fastattn.store import bundle, signing
 from fastattn.store.remote import RemoteSettings, RemoteStore
 
 import fake_core
+from helpers.paths import TESTS
 from helpers.redis import start_server
-
-HERE = os.path.dirname(os.path.abspath(__file__))
 CFG = dict(batch=1, heads_q=32, seqlen_q=512, head_dim_qk=128, mask="causal", training=True)
 SECRET = b"correct horse battery staple"
 
@@ -217,7 +216,7 @@ def _script(body: str) -> list[str]:
 
 def _fake_env(**extra) -> dict:
     return {**os.environ, "FASTATTN_TEST_FAKE_CORE": "1",
-            "PYTHONPATH": os.pathsep.join(p for p in (os.path.join(HERE, "fake_site"), HERE,
+            "PYTHONPATH": os.pathsep.join(p for p in (str(TESTS / "fake_site"), str(TESTS),
                                                       os.environ.get("PYTHONPATH")) if p), **extra}
 
 

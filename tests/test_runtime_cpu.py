@@ -17,6 +17,8 @@ import pytest
 import fastattn
 from fastattn import AttentionConfig, errors, runtime
 
+from helpers.paths import ROOT, TESTS
+
 BASE = dict(batch=1, heads_q=4, seqlen_q=64, head_dim_qk=64)
 
 
@@ -51,7 +53,7 @@ def test_error_codes_match_the_abi_headers_status_table():
     # classes carry the same ones. (_core reads the table too: tests/test_core_cpu.py.)
     import re
 
-    header = open(os.path.join(os.path.dirname(__file__), "..", "fastattn", "include", "fastattn_abi.h")).read()
+    header = (ROOT / "fastattn" / "include" / "fastattn_abi.h").read_text()
     table = dict(re.findall(r"X\(\w+, \w+, (\d+), (\w+)\)", header))
     assert {name: int(code) for code, name in table.items() if name != "None"} == {
         cls.__name__: code for code, cls in errors._BY_CODE.items()}
@@ -63,7 +65,7 @@ def test_error_codes_match_the_abi_headers_status_table():
 def _python(code: str, **env) -> subprocess.CompletedProcess:
     # Run from tests/, so `-c` puts no source checkout's unbuilt fastattn/ on sys.path.
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
-                          env={**os.environ, **env}, timeout=120, cwd=os.path.dirname(os.path.abspath(__file__)))
+                          env={**os.environ, **env}, timeout=120, cwd=TESTS)
 
 
 def test_import_loads_no_cuda_library():

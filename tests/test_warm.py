@@ -2,14 +2,11 @@
 fake core on the CPU)."""
 
 import json
-import os
 import time
 
 import pytest
 
 from fastattn import AttentionConfig, InvalidArgumentError, sweep, warm
-
-HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def write(tmp_path, name, text):
