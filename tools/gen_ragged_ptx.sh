@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Regenerates csrc/ragged_ptx.inc from csrc/ragged_indices.cu (needs nvcc; run it after
-# any change to the kernel: tests/test_ragged_ptx_cpu.py fails while the two differ).
+# any change to the kernel: tests/attention/test_ragged_ptx.py fails while the two differ).
 #
 # The PTX is emitted for compute_75 and its ISA version lowered to 7.0 (CUDA 11.0), so
 # that any driver fastattn runs with (cuDNN 9 needs CUDA 12 or newer) can JIT it: the

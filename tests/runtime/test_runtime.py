@@ -50,7 +50,7 @@ def test_unknown_status_code_is_an_internal_error():
 
 def test_error_codes_match_the_abi_headers_status_table():
     # fastattn_abi.h's table defines the codes (C++'s Code follows from it); errors.py's
-    # classes carry the same ones. (_core reads the table too: tests/test_core_cpu.py.)
+    # classes carry the same ones. (_core reads the table too: tests/runtime/test_core.py.)
     import re
 
     header = (ROOT / "fastattn" / "include" / "fastattn_abi.h").read_text()

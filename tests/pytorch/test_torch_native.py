@@ -3,7 +3,7 @@ the installed (CPU) torch and registers; its schemas are the Python ops'; its Me
 kernels and its C++ autograd run on meta tensors (the gradients' shapes show which
 input each lands on); CPU tensors get a clear error; a missing compiler or a failing
 build falls back to the Python path with one warning naming the cause; the path is
-chosen by FASTATTN_TORCH_PATH. The CUDA kernels are exercised by test_gpu_torch.py."""
+chosen by FASTATTN_TORCH_PATH. The CUDA kernels are exercised by test_torch_gpu.py."""
 
 import os
 import subprocess

@@ -4,7 +4,7 @@ normalizations; a row that sees no key has out 0 and softmax_lse +inf, as FA wri
 fresh random inputs, with PyTorch's caching allocator poisoned (NaN bytes) before each
 call so that an unwritten output element shows.
 
-Tolerances (relative Frobenius error, as test_gpu_torch.py): out fp16 4e-3 / bf16 2e-2,
+Tolerances (relative Frobenius error, as test_torch_gpu.py): out fp16 4e-3 / bf16 2e-2,
 gradients 1e-2 / 4e-2, softmax_lse 1e-3 on rows that see a key (float32 stats of the same
 rounded inputs)."""
 
@@ -418,7 +418,7 @@ def test_kvcache_cache_batch_idx_and_int_cache_seqlens():
 def test_torch_attention_takes_a_key_padding_bias_with_its_gradient():
     """A (b, 1, 1, s_kv) key-padding bias: forward against float64; with gradients the call
     is refused with the reason (cuDNN 9.19's backward got d_q, d_k wrong for one-row biases
-    in s5-2; see test_gpu_alignment_bias.py)."""
+    in s5-2; see test_alignment_bias_gpu.py)."""
     dtype = torch.float16
     q, k, v = (randn(2, 100, 4, 64, dtype=dtype, grad=True) for _ in range(3))
     bias = (torch.randn(2, 1, 1, 100, device=DEV) * 2).to(dtype)

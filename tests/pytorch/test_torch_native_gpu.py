@@ -7,7 +7,7 @@ compared to rounding, rel < 1e-3). Outputs are poisoned: the caching allocator i
 a NaN-filled block first, so a kernel that skipped an element shows. Also: the hit path
 runs no Python, torch.compile(fullgraph=True) records the native op, CUDA graphs
 capture and replay it with new inputs, and 16 threads missing on new shapes at once
-build each plan once. test_gpu_torch.py runs every fastattn.torch test on both paths.
+build each plan once. test_torch_gpu.py runs every fastattn.torch test on both paths.
 """
 
 import sys
@@ -96,7 +96,7 @@ def test_native_and_python_paths_agree_with_every_feature(lib, monkeypatch, feat
     if feature == "bias_sinks":
         fastattn.probe(AttentionConfig(batch=b, heads_q=hq, heads_kv=hkv, seqlen_q=s, head_dim_qk=d, mask="causal"))
         if fastattn.versions()["cudnn_loaded"] < 91300:
-            pytest.skip("sinks need cuDNN 9.13 (test_gpu_features checks the refusal)")
+            pytest.skip("sinks need cuDNN 9.13 (test_features_gpu checks the refusal)")
     q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=dtype, requires_grad=True) for h in (hq, hkv, hkv))
     d_o = torch.randn(b, s, hq, d, device="cuda", dtype=dtype)
     kw = dict(causal=True)

@@ -3,7 +3,7 @@
 A ragged plan takes FlashAttention's cu_seqlens in place of cuDNN's per-sequence
 lengths and offsets, and computes those into its workspace as part of the launch. These
 tests hold that path to the explicit one bit for bit (whose float64 agreement
-test_gpu_features and test_gpu_torch check), read the arrays the kernel writes, make
+test_features_gpu and test_torch_gpu check), read the arrays the kernel writes, make
 repeated launches replay with new lengths behind the same pointers, and check the
 refusals.
 """

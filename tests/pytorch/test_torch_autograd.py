@@ -196,7 +196,7 @@ def test_the_hot_path_builds_options_of_the_named_type(monkeypatch):
     captured = []
     monkeypatch.setattr(_dense, "forward_impl", lambda *args: captured.append(args[-1]) or (args[0], None))
     monkeypatch.setattr(_dense, "plain_eager", lambda q: True)
-    _native.python_path(monkeypatch)  # the Python path's eager branch (the native one: test_torch_native_cpu)
+    _native.python_path(monkeypatch)  # the Python path's eager branch (the native one: test_torch_native)
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))  # the eager branch, on meta tensors
     monkeypatch.setattr(_dense, "_check", lambda *a: None)
     _dense.attention(q, k, v, causal=True, window=(3, 0))

@@ -5,7 +5,7 @@ fresh random inputs, outputs poisoned (helpers.gpu.Tensor starts every buffer as
 and an entry built from a config in its old spelling loading from disk.
 
 Tolerances: relative Frobenius error, fp16 4e-3 / bf16 2e-2 forward, 1e-2 / 4e-2
-backward (as test_gpu_features.py), stats 1e-3."""
+backward (as test_features_gpu.py), stats 1e-3."""
 
 import itertools
 
@@ -88,7 +88,7 @@ def test_a_window_at_the_bottom_right_matches_float64(dtype, shape, window):
     q, k, v, d_o = random_inputs(cfg, np.random.default_rng(hash((sq, sk, window)) % 2**32), backward=True)
     out = run(cfg, q, k, v, d_o, lengths=((sq,) * 2, (sk,) * 2) if padding else None)
     ref = reference_full(cfg.replace(padding=False), q, k, v, d_o)
-    rows = reference_rows_with_keys(cfg)  # rows that see no key: checked by test_gpu_flash.py (FA writes 0)
+    rows = reference_rows_with_keys(cfg)  # rows that see no key: checked by test_flash_gpu.py (FA writes 0)
     for n in ("o", "stats", "d_q"):
         out[n], ref[n] = out[n][:, :, rows], ref[n][:, :, rows]
     check(out, ref, dtype)

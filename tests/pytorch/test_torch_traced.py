@@ -32,7 +32,7 @@ LAYOUTS = {"bshd": lambda b, s, h, d: (b, s, h, d), "bhsd": lambda b, s, h, d: (
 
 @pytest.fixture(autouse=True)
 def python_path(monkeypatch):
-    """The Python path (the native path's tracing is in test_torch_native_cpu.py)."""
+    """The Python path (the native path's tracing is in test_torch_native.py)."""
     _native.python_path(monkeypatch)
 
 

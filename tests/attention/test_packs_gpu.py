@@ -76,7 +76,7 @@ def test_graphs_whose_execute_does_more_keep_the_frontends():
     # ALiBi: the frontend copies the slopes into the workspace on every call. Host seed
     # and offset: values read per call, not pointers to keep.
     host_seed = AttentionConfig(batch=1, heads_q=2, seqlen_q=64, head_dim_qk=64, dtype="fp16", dropout=0.2,
-                                host_seed=True, training=True)  # (test_gpu_features' dropout shape)
+                                host_seed=True, training=True)  # (test_features_gpu's dropout shape)
     for cfg in (small(mask="causal", alibi=True), host_seed):
         assert fastattn.probe(cfg).supported, cfg
         p = fastattn.plan(cfg)

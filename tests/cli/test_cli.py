@@ -108,7 +108,7 @@ def test_info_reports_versions_everywhere(capsys):
     ({"FASTATTN_TORCH_PATH": "auto", "CXX": "/nonexistent/c++"}, "python", "not built for this torch yet"),
     ({"FASTATTN_TORCH_PATH": "auto"}, "python", "`fastattn warm` builds it"),
     ({"FASTATTN_TORCH_PATH": "native", "CXX": "/nonexistent/c++"}, "none", "there is no C++ compiler"),
-])  # a bad FASTATTN_TORCH_PATH is bad input for info, as every bad value is: tests/test_env.py
+])  # a bad FASTATTN_TORCH_PATH is bad input for info, as every bad value is: tests/runtime/test_env.py
 def test_info_says_which_torch_path_runs_and_why(capsys, monkeypatch, tmp_path, env, path, reason):
     pytest.importorskip("torch", reason="PyTorch is an optional extra")
     from fastattn.torch import _native

@@ -1,5 +1,5 @@
 """fastattn.torch without a GPU: the import boundary, input errors, the fake (meta)
-implementations and tracing. Numerics are in test_gpu_torch.py."""
+implementations and tracing. Numerics are in test_torch_gpu.py."""
 
 import subprocess
 import sys

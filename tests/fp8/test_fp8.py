@@ -1,7 +1,7 @@
 """FP8 without a GPU: the config's dtype fields (validation, canonical form, keys), the
 FP8 tensors' shapes and dtypes, the core's FP8 slots, and fastattn.torch's FP8 entry
 points on meta tensors (fake shapes, traces) and against a recording plan (each scale
-reaches its own slot). Numerics are in test_gpu_fp8.py."""
+reaches its own slot). Numerics are in test_fp8_gpu.py."""
 
 import json
 

@@ -234,7 +234,7 @@ def test_the_custom_ops_and_the_eager_path_agree_with_every_feature(feature):
     if feature == "bias_sinks":
         fastattn.probe(AttentionConfig(batch=b, heads_q=hq, heads_kv=hkv, seqlen_q=s, head_dim_qk=d, mask="causal"))
         if fastattn.versions()["cudnn_loaded"] < 91300:
-            pytest.skip("sinks need cuDNN 9.13 (test_gpu_features checks the refusal)")
+            pytest.skip("sinks need cuDNN 9.13 (test_features_gpu checks the refusal)")
     q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=dtype, requires_grad=True) for h in (hq, hkv, hkv))
     bias = sinks = rng = lengths = None
     if feature == "bias_sinks":
@@ -263,7 +263,7 @@ def test_threads_calling_on_one_stream_match_serial_calls(torch_path):
     # at once: a workspace shared between threads on one stream would mix one call's
     # constants (copied into it at each launch) with another's kernels. Shapes whose
     # plans have a workspace, two of them, so that calls differ in more than pointers.
-    shapes = [(1, 232, 4, 64), (1, 248, 4, 64)]  # not test_gpu_torch_native.py's 16-thread shapes
+    shapes = [(1, 232, 4, 64), (1, 248, 4, 64)]  # not test_torch_native_gpu.py's 16-thread shapes
     inputs = [[torch.randn(shapes[i % 2], device="cuda", dtype=torch.bfloat16) for _ in range(3)] for i in range(8)]
     expected = [fastattn.torch.attention(*x, causal=True) for x in inputs]
     torch.cuda.synchronize()
@@ -357,7 +357,7 @@ def test_bias_and_sinks_match_float64_with_their_gradients(bias_shape):
     cfg = AttentionConfig(batch=b, heads_q=hq, heads_kv=hkv, seqlen_q=s, head_dim_qk=d, mask="causal")
     fastattn.probe(cfg)  # loads cuDNN: its version is known from here on
     if fastattn.versions()["cudnn_loaded"] < 91300:
-        pytest.skip("sinks need cuDNN 9.13 (test_gpu_features checks the refusal)")
+        pytest.skip("sinks need cuDNN 9.13 (test_features_gpu checks the refusal)")
     q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=dtype, requires_grad=True) for h in (hq, hkv, hkv))
     bias = torch.randn(*bias_shape, s, s, device="cuda", dtype=dtype, requires_grad=True)
     sinks = torch.randn(hq, device="cuda", requires_grad=True)

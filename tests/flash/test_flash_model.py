@@ -1,6 +1,6 @@
 """fastattn.flash end to end on the CPU, over a float64 model of fastattn.torch's
 documented semantics (the alignment's shift per sequence, windows, padding lengths,
-packed sequences, page tables, the LSE layouts): the GPU tests of test_gpu_flash.py run
+packed sequences, page tables, the LSE layouts): the GPU tests of test_flash_gpu.py run
 here with their device set to the CPU and fastattn.torch's entry points replaced by the
 model. What this checks: fastattn.flash's own arithmetic (FlashAttention's
 normalizations, the lengths it passes, the KV-cache append, the packed views, the LSE
@@ -17,7 +17,7 @@ torch = pytest.importorskip("torch", reason="PyTorch is an optional extra (pip i
 from fastattn.integrations import flash  # noqa: E402  (the module itself: tests patch its imports)
 from fastattn.torch._plans import AXES  # noqa: E402
 
-import test_gpu_flash as G  # noqa: E402
+import test_flash_gpu as G  # noqa: E402
 from helpers.gpu import alibi_slopes  # noqa: E402
 
 

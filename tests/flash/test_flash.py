@@ -1,7 +1,7 @@
 """fastattn.flash without a GPU: FlashAttention 2's signatures, the arguments it refuses
 (NotSupportedError, naming each), argument errors, shapes on meta tensors, the KV-cache
 append, and a property: the mask each call asks fastattn.torch for is FlashAttention's.
-Numerics are in test_gpu_flash.py."""
+Numerics are in test_flash_gpu.py."""
 
 from __future__ import annotations
 
