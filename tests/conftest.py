@@ -1,5 +1,9 @@
 """Test setup: an isolated cache directory per session, and the `gpu` marker.
 
+tests/<area>/ holds an area's CPU tests (test_<topic>.py) and its GPU tests
+(test_<topic>_gpu.py). Every test in a *_gpu.py file is marked `gpu` here, by its file's
+name, and no test elsewhere may be: `pytest tests -m gpu` selects exactly those files.
+
 A test marked `gpu` is skipped only when this machine has no usable NVIDIA GPU or
 no cuDNN, with the loader's reason. FASTATTN_REQUIRE_GPU=1 (set by tools/gpu_run.sh
 on the GPU machine) turns that skip into a failure, so a broken loader there cannot
@@ -160,9 +164,22 @@ def _cuda_state_stays_healthy(request):
         pytest.fail(f"this test left the process's CUDA state broken: {problem}", pytrace=False)
 
 
+GPU_FILES = "_gpu.py"  # tests/<area>/test_<topic>_gpu.py
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m selects by marker (pytest's own hook)
 def pytest_collection_modifyitems(config, items):
-    """FASTATTN_TEST_ORDER=reverse or shuffle:SEED runs the collected tests in that order
+    """Marks every test in a test_<topic>_gpu.py file `gpu`, and refuses a `gpu` marker
+    on a test anywhere else (a GPU test in a CPU file would hide from the file names).
+    Then FASTATTN_TEST_ORDER=reverse or shuffle:SEED runs the collected tests in that order
     (one process, as ever): a suite that passes in file order can still depend on it."""
+    for item in items:
+        if item.path.name.endswith(GPU_FILES):
+            item.add_marker(pytest.mark.gpu)
+        elif item.get_closest_marker("gpu") is not None:
+            raise pytest.UsageError(f"{item.nodeid}: marked gpu in a CPU test file; GPU tests go in a "
+                                    f"test_<topic>_gpu.py file, which marks them")
+
     from fastattn import env as _env
 
     order = _env.get("FASTATTN_TEST_ORDER")

@@ -15,8 +15,6 @@ from fastattn import AttentionConfig
 
 from helpers.gpu import DeviceBuffer, Tensor, random_inputs, reference, rel_error, synchronize
 
-pytestmark = pytest.mark.gpu
-
 # ||out - ref|| / ||ref|| bounds: float32 accumulation over 16-bit inputs and outputs.
 FWD_TOL = {"fp16": 4e-3, "bf16": 2e-2}
 BWD_TOL = {"fp16": 1e-2, "bf16": 4e-2}

@@ -12,8 +12,6 @@ torch = pytest.importorskip("torch", reason="PyTorch is an optional extra (pip i
 
 import fastattn.torch as fat  # noqa: E402
 
-pytestmark = pytest.mark.gpu
-
 
 def _inputs(seed: int):
     g = torch.Generator(device="cuda").manual_seed(seed)

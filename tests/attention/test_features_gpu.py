@@ -26,8 +26,6 @@ from fastattn import AttentionConfig
 from helpers.gpu import (DeviceBuffer, Tensor, alibi_slopes, from_raw, quantize, random_inputs, reference, reference_full,
                          rel_error, synchronize, to_raw)
 
-pytestmark = pytest.mark.gpu
-
 FWD_TOL = {"fp16": 4e-3, "bf16": 2e-2}
 BWD_TOL = {"fp16": 1e-2, "bf16": 4e-2}
 SEQ_Q, SEQ_KV = (200, 77, 129), (257, 100, 129)  # not multiples of 64; kv >= q for bottom-right

@@ -14,8 +14,6 @@ from fastattn import AttentionConfig
 
 from helpers.gpu import DeviceBuffer, Tensor, random_inputs, reference, rel_error, synchronize
 
-pytestmark = pytest.mark.gpu
-
 FWD_NAMES = ("q", "k", "v", "o", "stats")
 BWD_NAMES = FWD_NAMES + ("d_o", "d_q", "d_k", "d_v")
 

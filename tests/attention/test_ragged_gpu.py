@@ -16,8 +16,6 @@ import fastattn  # noqa: E402
 import fastattn.torch  # noqa: E402,F401
 from fastattn import AttentionConfig  # noqa: E402
 
-pytestmark = pytest.mark.gpu
-
 ROWS = 7  # seq_len_q, seq_len_kv, ragged_q, _k, _v, _o, _stats: the workspace's tail
 
 

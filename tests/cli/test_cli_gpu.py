@@ -5,11 +5,7 @@ import os
 import subprocess
 import sys
 
-import pytest
-
 from helpers.paths import TESTS
-
-pytestmark = pytest.mark.gpu
 
 WARM_FILE = """
 [[configs]]

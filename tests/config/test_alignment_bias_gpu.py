@@ -17,8 +17,6 @@ from fastattn import AttentionConfig
 
 from helpers.gpu import DeviceBuffer, Tensor, quantize, random_inputs, reference_full, rel_error, synchronize
 
-pytestmark = pytest.mark.gpu
-
 FWD_TOL = {"fp16": 4e-3, "bf16": 2e-2}
 BWD_TOL = {"fp16": 1e-2, "bf16": 4e-2}
 NAMES = ("q", "k", "v", "o", "stats", "d_o", "d_q", "d_k", "d_v")

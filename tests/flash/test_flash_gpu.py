@@ -21,8 +21,6 @@ from fastattn import flash  # noqa: E402
 
 from helpers.gpu import fa_allowed  # noqa: E402
 
-pytestmark = pytest.mark.gpu
-
 FWD_TOL = {torch.float16: 4e-3, torch.bfloat16: 2e-2}
 BWD_TOL = {torch.float16: 1e-2, torch.bfloat16: 4e-2}
 LSE_TOL = 1e-3

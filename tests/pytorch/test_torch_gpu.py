@@ -14,8 +14,6 @@ from fastattn import AttentionConfig  # noqa: E402
 from helpers.gpu import alibi_slopes, allowed  # noqa: E402
 from helpers.torch import Block, in_threads  # noqa: E402
 
-pytestmark = pytest.mark.gpu
-
 FWD_TOL = {torch.float16: 4e-3, torch.bfloat16: 2e-2}
 BWD_TOL = {torch.float16: 1e-2, torch.bfloat16: 4e-2}
 AXES = {"bshd": (0, 2, 1, 3), "sbhd": (1, 2, 0, 3), "bhsd": (0, 1, 2, 3)}

@@ -25,8 +25,6 @@ from fastattn import AttentionConfig, runtime  # noqa: E402
 from fastattn.torch import _dense, _native  # noqa: E402  (_varlen's ops come with the library)
 from helpers.torch import Block, in_threads  # noqa: E402
 
-pytestmark = pytest.mark.gpu
-
 
 @pytest.fixture(scope="module")
 def lib():

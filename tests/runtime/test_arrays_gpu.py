@@ -13,8 +13,6 @@ from fastattn import AttentionConfig
 
 from helpers.gpu import Tensor, _check, random_inputs, synchronize, to_raw
 
-pytestmark = pytest.mark.gpu
-
 NAMES_FWD = ("q", "k", "v", "o", "stats")
 NAMES_BWD = ("d_o", "d_q", "d_k", "d_v")
 

@@ -2,11 +2,7 @@
 
 import time
 
-import pytest
-
 from helpers.cache_worker import CONFIGS, result, worker
-
-pytestmark = pytest.mark.gpu
 
 
 def test_second_process_starts_warm_and_bitwise_identical(tmp_path):

@@ -1,12 +1,8 @@
 """GPU: a machine with an empty disk cache starts warm from the Redis tier, with real
 cuDNN plans (redis-server and the redis client needed, as for test_remote.py)."""
 
-import pytest
-
 from helpers.redis import start_server
 from helpers.cache_worker import CONFIGS, result, worker
-
-pytestmark = pytest.mark.gpu
 
 
 def test_a_fresh_machine_starts_warm_from_redis_bitwise_identical(tmp_path, monkeypatch):
