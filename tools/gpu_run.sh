@@ -5,6 +5,7 @@
 # a short summary is printed last.
 #
 #   bash tools/gpu_run.sh [pytest args...]   (default: tests)      (carry .whl: nvidia-cudnn-frontend, platformdirs, redis)
+#     e.g. tests -m gpu (the GPU tests: tests/<area>/test_<topic>_gpu.py), tests/flash (one area), a file
 #   FASTATTN_PREBUILT=1: use the carried fastattn/_core.cpython-312-*.so (tools/build_cp312.sh) instead of building
 #   BENCH="core torch": the benchmarks to run after the tests (benchmarks/bench_core.py, ...; "" for none)
 set -uo pipefail
