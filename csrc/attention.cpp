@@ -410,7 +410,7 @@ Status build_graph(const Config &cfg, Direction dir, int device, GraphPtr *out, 
     if (dir == Direction::kBackward && !cfg.training) {
         return error(Code::kInvalidArgument, "a backward graph needs training=True");
     }
-    // Measured on the H200 with cuDNN 9.19 (tests/test_gpu_alignment_bias.py, session 5's run
+    // Measured on the H200 with cuDNN 9.19 (tests/config/test_alignment_bias_gpu.py, session 5's run
     // s5-2): with a bias of one row broadcast over the queries (shapes "..1s"), cuDNN builds and
     // runs the backward graph and its d_q and d_k are wrong (relative error 0.75-1.0 against
     // float64) while the forward is right. Refused, so that the probe says so instead of a

@@ -1,5 +1,5 @@
 # Type stub of the extension fastattn._core (fastattn/_core.pyx): what type checkers
-# and editors see of plans. Keep in step with _core.pyx; tests/test_runtime_cpu.py
+# and editors see of plans. Keep in step with _core.pyx; tests/runtime/test_runtime.py
 # checks that every public name here exists in the built module and the reverse.
 from typing import Any, Protocol, SupportsIndex
 

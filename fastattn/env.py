@@ -5,7 +5,7 @@ environment with check_all()).
 VARIABLES declares each variable once: its kind (how its text is read), its default,
 its help. Everything else comes from it: every read in fastattn goes through get(),
 so a variable means the same on every path (the API, the CLI, warm's workers, the
-torch entry points); the README's table is markdown() (tests/test_env.py checks that
+torch entry points); the README's table is markdown() (tests/runtime/test_env.py checks that
 the two agree; `python -c 'from fastattn import env; print(env.markdown())'` prints it).
 
 One rule per kind, the same for every variable of that kind:

@@ -95,7 +95,7 @@ enum { FASTATTN_SLOT_TABLE(FASTATTN_SLOT_ENUM_) FASTATTN_NUM_SLOTS };
 
 /* The status codes of every call into the core. X(UPPER, Cpp, value, Python):
  * fastattn::Code::k<Cpp> in C++, the class fastattn.errors.<Python> (errors.py keeps the
- * code -> class table; tests/test_core_cpu.py holds the two equal). */
+ * code -> class table; tests/runtime/test_core.py holds the two equal). */
 #define FASTATTN_STATUS_TABLE(X)                                                                      \
     X(OK, Ok, 0, None)                                                                                \
     X(INVALID_ARGUMENT, InvalidArgument, 1, InvalidArgumentError) /* bad pointer, value or call */   \
