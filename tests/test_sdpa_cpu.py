@@ -525,3 +525,47 @@ def test_attentions_own_refusals_pass_through():
     q, k = _q(B, H, SQ, D, dtype=torch.float16), _q(B, H, SKV, D, dtype=torch.float16)
     with pytest.raises(InvalidArgumentError):
         sdpa(q, k, k, torch.ones(SQ, SKV, dtype=torch.bool))
+
+
+def test_torch_compile_traces_it_without_a_graph_break(calls):
+    """fullgraph=True through the Python around attention() (here the model): the mask's
+    values are not read while tracing, so recognize_mask takes the bias there."""
+    q, k, v = qkv(grad=True)
+    compiled = torch.compile(lambda *a, **kw: sdpa(*a, **kw), fullgraph=True, backend="eager")
+    for mask, kwargs in ((causal_tl(SQ, SKV), {"recognize_mask": True}), (key_padding([7, 3, 0], SKV), {}),
+                         (as_float(causal_br(SQ, SKV)), {"recognize_mask": True}), (None, {"is_causal": True}),
+                         (causal_lower_right(SQ, SKV), {})):
+        out = compiled(q, k, v, mask, **kwargs)
+        ref = torch_sdpa(q, k, v, mask, **kwargs)
+        torch.testing.assert_close(out, ref, rtol=1e-9, atol=1e-10)
+        d_o = torch.randn_like(ref)
+        for g, w in zip(torch.autograd.grad(out, (q, k, v), d_o), torch.autograd.grad(ref, (q, k, v), d_o)):
+            torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-10)
+    assert [form(c)[2:4] for c in calls] == [(None, (1, 1, SQ, SKV)), (None, (B, 1, SQ, SKV)),
+                                             (None, (1, 1, SQ, SKV)), (None, None), (None, None)]
+
+
+# -- the GPU tests' own logic ---------------------------------------------------------------------
+
+@pytest.fixture
+def gpu_tests_on_the_model(monkeypatch):
+    import test_gpu_sdpa as G
+
+    monkeypatch.setattr(G, "DEV", "cpu")
+    monkeypatch.setattr(G, "poison", lambda: None)
+    monkeypatch.setattr(_sdpa, "attention", model_attention)
+    return G
+
+
+def _gpu_cases():
+    import test_gpu_sdpa as G
+
+    return G.CASES
+
+
+@pytest.mark.parametrize("case", _gpu_cases(), ids=[c[0] for c in _gpu_cases()])
+def test_gpu_cases_on_the_model(gpu_tests_on_the_model, monkeypatch, case):
+    """test_gpu_sdpa.py's cases with the model for attention(), in float16 and bfloat16
+    on the CPU: the forms they expect and their references, before a GPU runs them."""
+    G = gpu_tests_on_the_model
+    G.test_matches_sdpa_forward_and_backward(G.record_forms(monkeypatch), *case)
