@@ -88,8 +88,8 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
       pays it per layer), which costs most where calls are short (decode). In exchange
       the masks models build take fastattn's mask-free kernels, which skip the masked
       blocks and read no bias: all True -> no mask; lower-triangular at the top left ->
-      causal; at the bottom right -> causal, bottom right (rows above the diagonal's start
-      are zeros, computed without them); a key-padding mask, each (batch) row a prefix of
+      causal; at the bottom right -> causal, bottom right (with more queries than keys
+      the first rows see no key: zeros, left out of the call); a key-padding mask, each (batch) row a prefix of
       True (b, 1, 1, seqlen_kv), or the same repeated over the queries -> per-sequence
       key lengths; a right-padded causal mask (causal and key padding, the padded query
       rows either masked entirely or not) -> lengths with the causal mask at the top
@@ -102,8 +102,8 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
       synchronize): the mask takes the bias, which is also exact.
 
     Rows that the mask leaves without any key are zeros in the output and in the
-    gradients, as SDPA's math gives (PyTorch 2.5 and later; its fused kernels have
-    returned NaN there). fastattn gets this without reading the mask: the bias of such a
+    gradients, as SDPA's math gives (checked with PyTorch 2.13; PyTorch's fused kernels
+    have returned NaN there). fastattn gets this without reading the mask: the bias of such a
     row is 0 instead of -inf (so the kernel sees an ordinary row, finite forward and
     backward) and the output row is set to zeros afterwards, which costs one reduction
     over the mask and one pass over the output per call; a float mask is copied to do so
