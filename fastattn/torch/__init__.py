@@ -16,8 +16,13 @@ float8_e5m2 tensors with their scales as tensors and return the amaxes;
 `attention_fp8_scaled(q, k, v)` quantizes 16-bit tensors itself (current scaling) and
 has autograd.
 
+`scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal, *,
+scale, enable_gqa)` takes torch.nn.functional.scaled_dot_product_attention's arguments
+and gives its result, running attention() with the cheapest exact form of the mask.
+
 The package: one module per entry point (_dense: attention, _varlen: attention_varlen,
-_paged: attention_paged, _fp8: the FP8 ops, _fp8_scaled: the scaling helper), _plans for what they share (the tensor-signature -> plan
+_paged: attention_paged, _fp8: the FP8 ops, _fp8_scaled: the scaling helper, _sdpa:
+scaled_dot_product_attention, on attention()), _plans for what they share (the tensor-signature -> plan
 table, workspaces per stream, the current stream), and _autograd, the one autograd
 definition that plain eager calls and the custom ops both use. `backend_info()` says
 which path the entry points take (the native C++ op library or the Python path) and why.
@@ -31,10 +36,11 @@ from ._dense import attention
 from ._fp8 import Fp8Grads, Fp8Output, attention_fp8, attention_fp8_backward
 from ._fp8_scaled import attention_fp8_scaled
 from ._paged import attention_paged
+from ._sdpa import scaled_dot_product_attention
 from ._varlen import attention_varlen
 
 __all__ = ["attention", "attention_paged", "attention_varlen", "attention_fp8", "attention_fp8_backward",
-           "attention_fp8_scaled", "Fp8Output", "Fp8Grads", "backend_info"]
+           "attention_fp8_scaled", "Fp8Output", "Fp8Grads", "scaled_dot_product_attention", "backend_info"]
 
 
 def backend_info(build: bool = False) -> dict[str, Any]:

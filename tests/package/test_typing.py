@@ -48,6 +48,10 @@ def torch_entry_points(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: to
     assert_type(fastattn.torch.attention_varlen(q, k, v, cu, cu, 128, 128, causal=True), torch.Tensor)
     assert_type(fastattn.torch.attention_varlen(q, k, v, cu, cu, 128, 128, return_lse=True), Pair)
     assert_type(fastattn.torch.attention_paged(q, k, v, table, lengths, causal_bottom_right=True), torch.Tensor)
+    assert_type(fastattn.torch.scaled_dot_product_attention(q, k, v, None, 0.1, True, scale=0.125, enable_gqa=flag),
+                torch.Tensor)
+    assert_type(fastattn.torch.scaled_dot_product_attention(q, k, v, attn_mask=lengths, recognize_mask=True),
+                torch.Tensor)
 
 
 def flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qkv: torch.Tensor, kv: torch.Tensor,
