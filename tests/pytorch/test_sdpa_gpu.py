@@ -1,7 +1,7 @@
 """GPU: fastattn.torch.scaled_dot_product_attention against PyTorch's SDPA (its math backend
 in float64, on CUDA) for the masks models pass, forward and backward, each through the form
 it takes (recorded: causal, lengths or a bias); and dropout, a CUDA graph capture and
-torch.compile. test_sdpa_cpu.py checks the translation itself over many more cases."""
+torch.compile. test_sdpa.py checks the translation itself over many more cases."""
 
 import warnings
 
@@ -15,7 +15,6 @@ from torch.nn.attention.bias import causal_lower_right  # noqa: E402
 import fastattn.torch  # noqa: E402
 from fastattn.torch import _sdpa  # noqa: E402
 
-pytestmark = pytest.mark.gpu
 
 DEV = "cuda"
 FWD_TOL = {torch.float16: 4e-3, torch.bfloat16: 2e-2}

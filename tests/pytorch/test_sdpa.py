@@ -549,7 +549,7 @@ def test_torch_compile_traces_it_without_a_graph_break(calls):
 
 @pytest.fixture
 def gpu_tests_on_the_model(monkeypatch):
-    import test_gpu_sdpa as G
+    import test_sdpa_gpu as G
 
     monkeypatch.setattr(G, "DEV", "cpu")
     monkeypatch.setattr(G, "poison", lambda: None)
@@ -558,7 +558,7 @@ def gpu_tests_on_the_model(monkeypatch):
 
 
 def _gpu_cases():
-    import test_gpu_sdpa as G
+    import test_sdpa_gpu as G
 
     return G.CASES
 
