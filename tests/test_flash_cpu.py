@@ -280,7 +280,7 @@ def _recorded(monkeypatch, name, fn, *args, **kwargs) -> dict:
     seen = []
 
     def record(q, k, v, *rest, **kw):
-        seen.append({**kw, "q": q})
+        seen.append({**kw, "q": q, "args": rest})
         out = q.new_empty(*q.shape[:-1], v.shape[-1])
         return (out, q.new_empty(q.shape[0], q.shape[2], q.shape[1], dtype=torch.float32)) if kw.get("return_lse") \
             else out
@@ -310,6 +310,44 @@ def test_dense_calls_ask_for_flash_attentions_mask(sq, sk, causal, left, right):
     assert (kw["seq_lens_q"] is not None) == (bottom and asked > sk)
     if kw["seq_lens_q"] is not None:
         assert kw["seq_lens_q"].shape == (2,) and kw["seq_lens_kv"].shape == (2,)
+
+
+@pytest.mark.parametrize("sq,causal", [(1, False), (1, True), (5, True)])
+@pytest.mark.parametrize("grad,lse", [(True, False), (False, True), (False, False)])
+def test_one_query_and_one_key_train_as_a_padded_plan(sq, causal, grad, lse):
+    # cuDNN's training plans refuse s_q = s_kv = 1 (causal 5 x 1: the four rows above the
+    # diagonal are cut first): the query block is padded to two rows, the real one of
+    # length 1. Inference keeps the plan as it is.
+    q, k, v = dense(sq=sq, sk=1, grad=grad, device="cpu")
+    with pytest.MonkeyPatch.context() as mp:
+        kw = _recorded(mp, "attention", flash.flash_attn_func, q, k, v, causal=causal, return_attn_probs=lse)
+    if grad or lse:
+        assert kw["q"].shape == (2, 2, 8, 64) and kw["seq_lens_q"].tolist() == [1, 1]
+        assert kw["seq_lens_kv"].tolist() == [1, 1] and kw["q"].requires_grad == grad
+    else:
+        assert kw["q"].shape == (2, 1, 8, 64) and kw["seq_lens_q"] is None
+    q, k, v = dense(sq=sq, sk=1, grad=grad)
+    out = flash.flash_attn_func(q, k, v, causal=causal)  # meta tensors, the fake kernels: shapes
+    assert out.shape == q.shape and (out.grad_fn is not None) == grad
+
+
+def test_one_query_and_one_key_kvcache_lse_and_padding_rows_are_zero():
+    q = torch.randn(2, 1, 8, 64, dtype=torch.float64)
+    kc, vc = torch.randn(2, 1, 2, 64, dtype=torch.float64), torch.randn(2, 1, 2, 64, dtype=torch.float64)
+    with pytest.MonkeyPatch.context() as mp:
+        kw = _recorded(mp, "attention", flash.flash_attn_with_kvcache, q, kc, vc, return_softmax_lse=True)
+    assert kw["q"].shape == (2, 2, 8, 64) and torch.equal(kw["q"][:, :1], q) and torch.all(kw["q"][:, 1] == 0)
+    assert kw["seq_lens_q"].tolist() == [1, 1] and kw["seq_lens_kv"].tolist() == [1, 1]
+
+
+@pytest.mark.parametrize("max_q,max_k,grad,padded", [(1, 1, True, True), (1, 1, False, False), (1, 2, True, False),
+                                                     (2, 1, True, False)])
+def test_varlen_one_token_sequences_train_with_a_plan_for_two(max_q, max_k, grad, padded):
+    q, k, v, cu_q, cu_k = varlen()
+    q.requires_grad_(grad)
+    with pytest.MonkeyPatch.context() as mp:
+        kw = _recorded(mp, "attention_varlen", flash.flash_attn_varlen_func, q, k, v, cu_q, cu_k, max_q, max_k)
+    assert kw["args"][2:] == ((2 if padded else max_q), max_k)
 
 
 def test_rows_without_keys_are_zero_with_an_lse_of_inf():

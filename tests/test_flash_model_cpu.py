@@ -214,3 +214,16 @@ def test_softcap(model, causal, window):
 def test_softcap_varlen_and_kvcache(model):
     G.test_softcap_in_varlen_and_kvcache()
 
+
+@pytest.mark.parametrize("sq,causal,window", G.ONE_KEY)
+def test_one_query_and_one_key(model, sq, causal, window):
+    G.test_one_query_and_one_key_train(torch.bfloat16, sq, causal, window)
+
+
+@pytest.mark.parametrize("same_cu", (True, False))
+def test_varlen_one_token_sequences(model, same_cu):
+    G.test_varlen_one_token_sequences_train(same_cu)
+
+
+def test_kvcache_lse_one_key(model):
+    G.test_kvcache_lse_with_a_cache_of_one_key()

@@ -218,6 +218,62 @@ def test_dropout_is_unbiased_and_refused_where_cudnn_refuses():
         flash.flash_attn_func(q[:, :64], k, v, dropout_p=0.1, causal=True)
 
 
+# -- one query and one key: cuDNN's training plans refuse s_q = s_kv = 1 ---------------------------
+
+# (seqlen_q, causal, window) against one key: a query and its key alone, or more queries
+# than the key, the rows above the diagonal cut, which leaves one query and one key.
+ONE_KEY = ((1, False, (-1, -1)), (1, True, (-1, -1)), (1, False, (0, 0)), (239, True, (-1, -1)),
+           (40, False, (3, 0)), (6, True, (0, -1)))
+
+
+@pytest.mark.parametrize("dtype", (torch.float16, torch.bfloat16))
+@pytest.mark.parametrize("sq,causal,window", ONE_KEY)
+def test_one_query_and_one_key_train(dtype, sq, causal, window):
+    q = randn(3, sq, 4, 64, dtype=dtype, grad=True)
+    k, v = (randn(3, 1, 2, 64, dtype=dtype, grad=True) for _ in range(2))
+    poison()
+    out, lse, _ = flash.flash_attn_func(q, k, v, causal=causal, window_size=window, return_attn_probs=True)
+    assert out.shape == q.shape and lse.shape == (3, 4, sq)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref, ref_lse = reference(q64, k64, v64, causal, window)
+    assert rel(out, ref) < FWD_TOL[dtype]
+    check_lse(lse, ref_lse)
+    check_grads(out, ref, (q, k, v), (q64, k64, v64), dtype)  # one key: d_q = d_k = 0, d_v = d_o summed
+    with torch.no_grad():  # inference runs the plan as it is
+        assert rel(flash.flash_attn_func(q, k, v, causal=causal, window_size=window), ref.detach()) < FWD_TOL[dtype]
+
+
+@pytest.mark.parametrize("same_cu", (True, False))
+def test_varlen_one_token_sequences_train(same_cu):
+    dtype, lens = torch.bfloat16, (1, 1, 1)
+    cu = cumulative(lens)
+    q = randn(3, 8, 64, dtype=dtype, grad=True)
+    k, v = (randn(3, 2, 64, dtype=dtype, grad=True) for _ in range(2))
+    poison()
+    out, lse, _ = flash.flash_attn_varlen_func(q, k, v, cu, cu if same_cu else cu.clone(), 1, 1, causal=True,
+                                               return_attn_probs=True)
+    d_o = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), d_o)
+    for n in range(3):
+        q64, k64, v64 = (t.detach()[n:n + 1].double()[None].requires_grad_() for t in (q, k, v))
+        ref, ref_lse = reference(q64, k64, v64, True, (-1, -1))
+        assert rel(out[n:n + 1][None], ref) < FWD_TOL[dtype]
+        check_lse(lse[:, n:n + 1][None], ref_lse)
+        for name, g, rg in zip("qkv", grads, torch.autograd.grad(ref, (q64, k64, v64), d_o[n:n + 1][None].double())):
+            assert rel(g[n:n + 1][None], rg) < BWD_TOL[dtype], name
+
+
+def test_kvcache_lse_with_a_cache_of_one_key():
+    # return_softmax_lse runs the training plan, whose backward graph cuDNN refuses at 1 x 1.
+    dtype = torch.float16
+    q = randn(2, 1, 4, 64, dtype=dtype)
+    k_cache, v_cache = (randn(2, 1, 4, 64, dtype=dtype) for _ in range(2))
+    out, lse = flash.flash_attn_with_kvcache(q, k_cache, v_cache, causal=True, return_softmax_lse=True)
+    ref, ref_lse = reference(q, k_cache, v_cache, True, (-1, -1))
+    assert rel(out, ref) < FWD_TOL[dtype]
+    check_lse(lse, ref_lse)
+
+
 # -- packed ---------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("causal,window", ((True, (-1, -1)), (False, (32, 32))))

@@ -147,13 +147,45 @@ def _common(dropout_p, return_attn_probs) -> float:
     return dropout_p
 
 
+def _needs_grad(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in tensors)
+
+
 def _deterministic(deterministic, lse: bool, *tensors) -> bool:
     """fastattn takes deterministic only for a call with a backward (FlashAttention ignores it
     without one)."""
     if deterministic.__class__ is not bool:
         deterministic = _fields.check("bool", "deterministic", deterministic)
-    return deterministic and (lse or (torch.is_grad_enabled() and any(getattr(t, "requires_grad", False)
-                                                                       for t in tensors)))
+    return deterministic and (lse or _needs_grad(*tensors))
+
+
+def _one_by_one(s_q: int, s_kv: int, training: bool) -> bool:
+    """Whether cuDNN refuses this plan for its one query and one key: cudnn-frontend's
+    backward graph does ("s_q = s_kv = 1 is not supported", its documented check), and a
+    training plan (gradients, or the LSE: the training plan's forward writes it) builds
+    its backward graph too. One query against more keys trains as it is."""
+    return training and s_q == 1 and s_kv == 1
+
+
+def _attend(q, k, v, *, return_lse: bool, seq_lens_q=None, seq_lens_kv=None, bias=None, **options):
+    """fastattn.torch.attention, with a training plan of one query and one key (which cuDNN
+    refuses, _one_by_one) run as a plan of two queries, the second a padding row: q padded
+    with a row of zeros (a copy of q, one row of its size more), seq_lens_q 1 and
+    seq_lens_kv the real key lengths (1 unless given), so the real query keeps its place
+    against the keys at either alignment; o and the LSE are sliced back to the real row
+    (views; the gradient flows through the slice and the padding, which get zero)."""
+    b = q.shape[0]
+    if not _one_by_one(q.shape[1], k.shape[1], return_lse or _needs_grad(q, k, v)):
+        return attention(q, k, v, seq_lens_q=seq_lens_q, seq_lens_kv=seq_lens_kv, bias=bias, return_lse=return_lse,
+                         **options)
+    q = torch.nn.functional.pad(q, (0, 0, 0, 0, 0, 1))
+    if seq_lens_q is None:
+        seq_lens_q = seq_lens_kv = _full(q, b, 1)
+    if bias is not None:
+        bias = torch.nn.functional.pad(bias, (0, 0, 0, 1))  # (.., 2, 1): a row for the padding row too
+    out = attention(q, k, v, seq_lens_q=seq_lens_q, seq_lens_kv=seq_lens_kv, bias=bias, return_lse=return_lse,
+                    **options)
+    return (out[0][:, :1], out[1][..., :1]) if return_lse else out[:, :1]
 
 
 # Full-length tensors for a padding mask that masks nothing: cuDNN takes a bottom-right
@@ -219,6 +251,11 @@ def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, sof
     return_attn_probs: also return softmax_lse, float32 (batch, nheads, seqlen_q), and
       S_dmask (None: dropout_p must be 0).
 
+    One query against one key (seqlen_q = seqlen_k = 1, or the one row left when the rows
+    above the diagonal are cut), with gradients or the LSE: cuDNN refuses that training
+    plan, so the query block is padded to two rows, the second a padding row (a copy of
+    q; see the module doc).
+
     Returns out (batch, seqlen_q, nheads, headdim_v), or (out, softmax_lse, None).
     Raises InvalidArgumentError, NotSupportedError (see the module doc).
     """
@@ -255,10 +292,9 @@ def _dense(q, k, v, causal, window, scale, deterministic, alibi, dropout_p, lse,
     lens_q = lens_k = None
     if bottom and sq > sk:  # cuDNN takes it only with per-sequence lengths
         lens_q, lens_k = _full(q, q.shape[0], sq), _full(q, q.shape[0], sk)
-    return _fa_lse(attention(q, k, v, causal=causal, window=window, scale=scale, deterministic=deterministic,
-                             seq_lens_q=lens_q, seq_lens_kv=lens_k, alibi=alibi, dropout_p=dropout_p,
-                             alignment="bottom_right" if bottom else "top_left", return_lse=lse,
-                             softcap=softcap), lse)
+    return _fa_lse(_attend(q, k, v, causal=causal, window=window, scale=scale, deterministic=deterministic,
+                           seq_lens_q=lens_q, seq_lens_kv=lens_k, alibi=alibi, dropout_p=dropout_p,
+                           alignment="bottom_right" if bottom else "top_left", return_lse=lse, softcap=softcap), lse)
 
 
 def _with_empty_rows(q, k, v, empty, causal, window, scale, deterministic, alibi, dropout_p, lse, softcap):
@@ -386,6 +422,9 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
       window, pass the same cu_seqlens tensor for q and k.
     block_table: only None (paged varlen: use flash_attn_with_kvcache).
     return_attn_probs: also return softmax_lse, float32 (nheads, total_q), and None.
+    max_seqlen_q = max_seqlen_k = 1 with gradients or the LSE (cuDNN refuses that training
+      plan): the plan is built for two queries, each sequence's length of 1 padding it (no
+      copy).
 
     Returns out (total_q, nheads, headdim_v), or (out, softmax_lse, None).
     """
@@ -403,6 +442,11 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
     # The same cumulative lengths: each sequence's q and k lengths are equal, and the
     # top-left diagonal is the bottom-right one (the plans attention_varlen shares).
     bottom = cu_seqlens_q is not cu_seqlens_k and (causal or window is not None)
+    if _one_by_one(max_seqlen_q, max_seqlen_k, return_attn_probs or _needs_grad(q, k, v)):
+        # Sequences of one query and one key (cuDNN refuses the training plan of 1 x 1): a
+        # plan for two queries, which each sequence's cu_seqlens_q length of 1 pads (the
+        # plan's longest is an upper bound). No copy; the diagonal is each sequence's own.
+        max_seqlen_q = 2
     out = _fa_lse(attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
                                    window=window, scale=softmax_scale, deterministic=deterministic,
                                    alignment="bottom_right" if bottom else "top_left", alibi=alibi,
@@ -623,6 +667,6 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Tens
                     or tuple(cache_batch_idx.shape) != (batch,)):
                 raise InvalidArgumentError(f"cache_batch_idx: expected an int32 tensor of shape ({batch},)")
             k_cache, v_cache = k_cache.index_select(0, cache_batch_idx), v_cache.index_select(0, cache_batch_idx)
-        return _fa_lse(attention(q, k_cache, v_cache, causal=causal, window=window, scale=softmax_scale,
-                                 seq_lens_q=_full(q, batch, sq), seq_lens_kv=lengths, alignment="bottom_right",
-                                 return_lse=lse, softcap=softcap), lse)
+        return _fa_lse(_attend(q, k_cache, v_cache, causal=causal, window=window, scale=softmax_scale,
+                               seq_lens_q=_full(q, batch, sq), seq_lens_kv=lengths, alignment="bottom_right",
+                               return_lse=lse, softcap=softcap), lse)
