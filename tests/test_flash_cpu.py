@@ -280,7 +280,7 @@ def _recorded(monkeypatch, name, fn, *args, **kwargs) -> dict:
     seen = []
 
     def record(q, k, v, *rest, **kw):
-        seen.append({**kw, "q": q, "args": rest})
+        seen.append({**kw, "q": q, "k": k, "v": v, "args": rest})
         out = q.new_empty(*q.shape[:-1], v.shape[-1])
         return (out, q.new_empty(q.shape[0], q.shape[2], q.shape[1], dtype=torch.float32)) if kw.get("return_lse") \
             else out
@@ -348,6 +348,65 @@ def test_varlen_one_token_sequences_train_with_a_plan_for_two(max_q, max_k, grad
     with pytest.MonkeyPatch.context() as mp:
         kw = _recorded(mp, "attention_varlen", flash.flash_attn_varlen_func, q, k, v, cu_q, cu_k, max_q, max_k)
     assert kw["args"][2:] == ((2 if padded else max_q), max_k)
+
+
+@pytest.mark.parametrize("dqk,dv", [(59, 59), (33, 72), (64, 20), (3, 3), (250, 250)])
+def test_head_dims_are_padded_to_multiples_of_8_with_the_real_scale(dqk, dv):
+    q = torch.randn(2, 5, 4, dqk, dtype=torch.float64)
+    k, v = torch.randn(2, 7, 2, dqk, dtype=torch.float64), torch.randn(2, 7, 2, dv, dtype=torch.float64)
+    for scale in (None, 0.25):
+        with pytest.MonkeyPatch.context() as mp:
+            kw = _recorded(mp, "attention", flash.flash_attn_func, q, k, v, softmax_scale=scale, causal=True)
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            d = t.shape[-1]
+            got = kw[name]
+            assert got.shape[-1] == -(-d // 8) * 8 and torch.equal(got[..., :d], t) and torch.all(got[..., d:] == 0)
+        assert kw["scale"] == (dqk ** -0.5 if scale is None else scale)
+    out = flash.flash_attn_func(*(t.to("meta", torch.bfloat16) for t in (q, k, v)), causal=True)
+    assert out.shape == (2, 5, 4, dv)
+
+
+def test_head_dims_that_are_multiples_of_8_or_unequal_are_passed_as_they_are():
+    q, k, v = dense()
+    with pytest.MonkeyPatch.context() as mp:
+        kw = _recorded(mp, "attention", flash.flash_attn_func, q, k, v)
+    assert kw["q"] is q and kw["k"] is k and kw["v"] is v and kw["scale"] is None  # no copy
+    q, k, v = dense(d=257)  # above 256 no padding helps: cuDNN refuses with its reason
+    with pytest.MonkeyPatch.context() as mp:
+        assert _recorded(mp, "attention", flash.flash_attn_func, q, k, v)["q"] is q
+    with pytest.raises(InvalidArgumentError, match="head"):  # q's and k's differ: fastattn.torch says so
+        flash.flash_attn_func(torch.empty(2, 8, 4, 59, **M), torch.empty(2, 8, 4, 60, **M),
+                              torch.empty(2, 8, 4, 59, **M))
+
+
+def test_packed_head_dims_are_padded_once_packed():
+    qkv = torch.empty(2, 16, 3, 4, 59, **M, requires_grad=True)
+    with pytest.MonkeyPatch.context() as mp:
+        kw = _recorded(mp, "attention", flash.flash_attn_qkvpacked_func, qkv)
+    assert kw["q"].shape == (2, 16, 4, 64) and kw["q"].stride() == (16 * 3 * 4 * 64, 3 * 4 * 64, 64, 1)  # one copy
+    assert kw["scale"] == 59 ** -0.5
+    out = flash.flash_attn_qkvpacked_func(qkv, causal=True)
+    assert out.shape == (2, 16, 4, 59) and out.grad_fn is not None
+    q, kv = torch.empty(2, 16, 4, 20, **M), torch.empty(2, 24, 2, 2, 20, **M)
+    with pytest.MonkeyPatch.context() as mp:
+        kw = _recorded(mp, "attention", flash.flash_attn_kvpacked_func, q, kv)
+    assert kw["k"].shape == (2, 24, 2, 24) and kw["k"].stride()[1] == 2 * 2 * 24 and kw["q"].shape[-1] == 24
+    assert flash.flash_attn_kvpacked_func(q, kv).shape == (2, 16, 4, 20)
+    q, k, v, cu_q, cu_k = varlen(d=59)
+    with pytest.MonkeyPatch.context() as mp:
+        kw = _recorded(mp, "attention_varlen", flash.flash_attn_varlen_func, q, k, v, cu_q, cu_k, 100, 200)
+    assert all(kw[n].shape[-1] == 64 and kw[n].is_contiguous() for n in "qkv") and kw["scale"] == 59 ** -0.5
+    assert flash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 100, 200).shape == (201, 8, 59)
+    packed = torch.empty(201, 3, 8, 59, **M)
+    assert flash.flash_attn_varlen_qkvpacked_func(packed, cu_q, 100, causal=True).shape == (201, 8, 59)
+
+
+@pytest.mark.parametrize("paged", (False, True))
+def test_kvcache_refuses_head_dims_not_multiples_of_8(paged):
+    q, k_cache, v_cache, table, lens = kvcache(d=59, paged=paged)
+    with pytest.raises(NotSupportedError, match=r"^flash_attn_with_kvcache with head dims 59 .* copies the whole "
+                                                r"cache on every call"):
+        flash.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens, block_table=table)
 
 
 def test_rows_without_keys_are_zero_with_an_lse_of_inf():

@@ -227,3 +227,13 @@ def test_varlen_one_token_sequences(model, same_cu):
 
 def test_kvcache_lse_one_key(model):
     G.test_kvcache_lse_with_a_cache_of_one_key()
+
+
+@pytest.mark.parametrize("dqk,dv", G.HEAD_DIMS)
+def test_head_dims(model, dqk, dv):
+    G.test_head_dims_not_multiples_of_8(torch.bfloat16, dqk, dv)
+
+
+@pytest.mark.parametrize("d", (59, 20))
+def test_head_dims_packed_and_varlen(model, d):
+    G.test_head_dims_not_multiples_of_8_packed_and_varlen(d)

@@ -274,6 +274,73 @@ def test_kvcache_lse_with_a_cache_of_one_key():
     check_lse(lse, ref_lse)
 
 
+# -- head dims that are not multiples of 8: padded, as FlashAttention pads them --------------------
+
+HEAD_DIMS = ((59, 59), (111, 111), (33, 72), (64, 20), (250, 250), (3, 3))  # (head_dim_qk, head_dim_v)
+
+
+@pytest.mark.parametrize("dtype", (torch.float16, torch.bfloat16))
+@pytest.mark.parametrize("dqk,dv", HEAD_DIMS)
+def test_head_dims_not_multiples_of_8(dtype, dqk, dv):
+    q = randn(2, 130, 8, dqk, dtype=dtype, grad=True)
+    k, v = randn(2, 150, 2, dqk, dtype=dtype, grad=True), randn(2, 150, 2, dv, dtype=dtype, grad=True)
+    poison()
+    out, lse, _ = flash.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+    assert out.shape == (2, 130, 8, dv) and lse.shape == (2, 8, 130)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref, ref_lse = reference(q64, k64, v64, True, (-1, -1))  # the default scale: 1/sqrt(dqk), not the padded one's
+    assert rel(out, ref) < FWD_TOL[dtype]
+    check_lse(lse, ref_lse)
+    check_grads(out, ref, (q, k, v), (q64, k64, v64), dtype)
+    with torch.no_grad():
+        scaled = flash.flash_attn_func(q, k, v, softmax_scale=0.3, window_size=(20, 5))
+    assert rel(scaled, reference(q64, k64, v64, False, (20, 5), scale=0.3)[0].detach()) < FWD_TOL[dtype]
+
+
+@pytest.mark.parametrize("d", (59, 20))
+def test_head_dims_not_multiples_of_8_packed_and_varlen(d):
+    dtype = torch.bfloat16
+    qkv = randn(2, 100, 3, 4, d, dtype=dtype, grad=True)
+    out = flash.flash_attn_qkvpacked_func(qkv, causal=True)
+    qkv64 = qkv.detach().double().requires_grad_()
+    ref, _ = reference(*qkv64.unbind(2), True, (-1, -1))
+    assert out.shape == (2, 100, 4, d) and rel(out, ref) < FWD_TOL[dtype]
+    d_o = torch.randn_like(out)
+    (g,) = torch.autograd.grad(out, (qkv,), d_o)
+    (rg,) = torch.autograd.grad(ref, (qkv64,), d_o.double())
+    assert g.shape == qkv.shape and rel(g, rg) < BWD_TOL[dtype]
+
+    q, kv = randn(2, 70, 4, d, dtype=dtype, grad=True), randn(2, 90, 2, 1, d, dtype=dtype, grad=True)
+    out = flash.flash_attn_kvpacked_func(q, kv, window_size=(16, 16))
+    q64, kv64 = q.detach().double().requires_grad_(), kv.detach().double().requires_grad_()
+    ref, _ = reference(q64, *kv64.unbind(2), False, (16, 16))
+    assert rel(out, ref) < FWD_TOL[dtype]
+    d_o = torch.randn_like(out)
+    for g, rg in zip(torch.autograd.grad(out, (q, kv), d_o), torch.autograd.grad(ref, (q64, kv64), d_o.double())):
+        assert rel(g, rg) < BWD_TOL[dtype]
+
+    lens_q, lens_k = (37, 128, 1), (50, 128, 9)
+    q = randn(sum(lens_q), 4, d, dtype=dtype, grad=True)
+    k, v = (randn(sum(lens_k), 2, d, dtype=dtype, grad=True) for _ in range(2))
+    poison()
+    out, lse, _ = flash.flash_attn_varlen_func(q, k, v, cumulative(lens_q), cumulative(lens_k), max(lens_q),
+                                               max(lens_k), causal=True, return_attn_probs=True)
+    assert out.shape == (sum(lens_q), 4, d)
+    d_o = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), d_o)
+    at_q = at_k = 0
+    for lq, lk in zip(lens_q, lens_k):
+        q64, k64, v64 = (t.detach()[a:a + n].double()[None].requires_grad_()
+                         for t, a, n in ((q, at_q, lq), (k, at_k, lk), (v, at_k, lk)))
+        ref, ref_lse = reference(q64, k64, v64, True, (-1, -1))
+        assert rel(out[at_q:at_q + lq][None], ref) < FWD_TOL[dtype]
+        check_lse(lse[:, at_q:at_q + lq][None], ref_lse)
+        ref_grads = torch.autograd.grad(ref, (q64, k64, v64), d_o[at_q:at_q + lq][None].double())
+        for name, g, rg, a, n in zip("qkv", grads, ref_grads, (at_q, at_k, at_k), (lq, lk, lk)):
+            assert rel(g[a:a + n][None], rg) < BWD_TOL[dtype], name
+        at_q, at_k = at_q + lq, at_k + lk
+
+
 # -- packed ---------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("causal,window", ((True, (-1, -1)), (False, (32, 32))))

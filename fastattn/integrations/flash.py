@@ -213,6 +213,45 @@ def _shape(t, name: str, dims: int, what: str) -> tuple[int, ...]:
     return shape
 
 
+# -- head dims cuDNN does not take: padded to a multiple of 8, as FlashAttention pads them -------
+
+def _unpadded(*dims: int) -> bool:
+    """Whether cuDNN takes these head dims as they are: multiples of 8 (and above 256,
+    which no padding helps: cuDNN's refusal says so)."""
+    return all(d % 8 == 0 or d > 256 for d in dims)
+
+
+def _pad_head_dim(t: Tensor) -> Tensor:
+    """t with zeros after its last dimension up to a multiple of 8: a copy (the zeros are
+    memory t does not hold, whatever its strides), or t itself when it needs none."""
+    d = t.shape[-1]
+    return t if _unpadded(d) else torch.nn.functional.pad(t, (0, -d % 8))
+
+
+def _pad_head_dims(q, k, v, softmax_scale):
+    """(q, k, v, softmax_scale, head_dim_v or None): FlashAttention's padding of head dims
+    that are not multiples of 8 (its flash_attn_interface pads q, k, v with zeros and
+    slices the output, whose gradient autograd pads back): zeros add nothing to q . k and
+    give the output columns that are cut off. softmax_scale keeps its default from the
+    real head dim. head_dim_v: v's real head dim to cut o back to, None where nothing is
+    padded (no copy). Tensors whose head dims do not match are left to fastattn.torch's
+    checks."""
+    if (not isinstance(v, torch.Tensor) or v.dim() != q.dim() or q.shape[-1] != k.shape[-1]
+            or _unpadded(q.shape[-1], v.shape[-1])):
+        return q, k, v, softmax_scale, None
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
+    return _pad_head_dim(q), _pad_head_dim(k), _pad_head_dim(v), scale, v.shape[-1]
+
+
+def _cut_head_dim(out, head_dim_v: int | None):
+    """out (or (out, lse, ...)) with o cut back to v's real head dim (a view)."""
+    if head_dim_v is None:
+        return out
+    if isinstance(out, tuple):
+        return (out[0][..., :head_dim_v], *out[1:])
+    return out[..., :head_dim_v]
+
+
 # -- dense ------------------------------------------------------------------------------------
 
 # The result's type follows return_attn_probs (for type checkers).
@@ -242,8 +281,11 @@ def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, sof
     q: (batch, seqlen_q, nheads, headdim); k: (batch, seqlen_k, nheads_k, headdim); v:
       (batch, seqlen_k, nheads_k, headdim_v); float16 or bfloat16 CUDA tensors, nheads a
       multiple of nheads_k (MQA/GQA), any strides cuDNN takes (last dimension contiguous).
+      headdim and headdim_v up to 256: those that are not multiples of 8 (which cuDNN
+      takes only) are padded with zeros to the next one, as FlashAttention pads them (a
+      copy of each tensor padded; none otherwise), and out is cut back (a view).
     dropout_p: applied whenever > 0 (pass 0 in evaluation, as with FlashAttention).
-    softmax_scale: default 1 / sqrt(headdim).
+    softmax_scale: default 1 / sqrt(headdim) (the real headdim's, also when padded).
     causal, window_size: bottom-right aligned (see the module doc).
     softcap: logit soft-capping, softcap * tanh(score / softcap), in cuDNN's graph (0.0:
       none; fastattn.torch.attention's). alibi_slopes: only the standard slopes, with causal.
@@ -265,13 +307,14 @@ def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, sof
     dropout_p = _common(dropout_p, return_attn_probs)
     alibi = _alibi(alibi_slopes, q.shape[2], q.shape[0], causal)
     deterministic = _deterministic(deterministic, return_attn_probs, q, k, v)
+    q, k, v, softmax_scale, head_dim_v = _pad_head_dims(q, k, v, softmax_scale)
     right = 0 if causal else window[1] if window is not None else -1
     empty = sq - sk - right if right >= 0 else 0
     if empty > 0:
-        return _with_empty_rows(q, k, v, empty, causal, window, softmax_scale, deterministic, alibi, dropout_p,
-                                return_attn_probs, softcap)
+        return _cut_head_dim(_with_empty_rows(q, k, v, empty, causal, window, softmax_scale, deterministic, alibi,
+                                              dropout_p, return_attn_probs, softcap), head_dim_v)
     out = _dense(q, k, v, causal, window, softmax_scale, deterministic, alibi, dropout_p, return_attn_probs, softcap)
-    return (*out, None) if return_attn_probs else out
+    return _cut_head_dim((*out, None) if return_attn_probs else out, head_dim_v)
 
 
 def _fa_lse(out, lse: bool):
@@ -335,13 +378,18 @@ def flash_attn_qkvpacked_func(qkv: Tensor, dropout_p: float = 0.0, softmax_scale
                               alibi_slopes: Tensor | None = None, deterministic: bool = False,
                               return_attn_probs: bool = False) -> Tensor | tuple[Tensor, Tensor, None]:
     """FlashAttention's flash_attn_qkvpacked_func: qkv (batch, seqlen, 3, nheads, headdim);
-    q, k, v are views of it (no copy), and its gradient is dqkv. Otherwise flash_attn_func."""
+    q, k, v are views of it (no copy; a headdim that is not a multiple of 8 pads qkv once,
+    one copy), and its gradient is dqkv. Otherwise flash_attn_func."""
     shape = _shape(qkv, "qkv", 5, "(batch, seqlen, 3, nheads, headdim)")
     if shape[2] != 3:
         raise InvalidArgumentError(f"qkv has shape {tuple(shape)}: expected (batch, seqlen, 3, nheads, headdim)")
+    head_dim_v = None
+    if not _unpadded(shape[4]):  # padded once, packed (one copy), rather than q, k and v apart
+        head_dim_v, softmax_scale = shape[4], shape[4] ** -0.5 if softmax_scale is None else softmax_scale
+        qkv = _pad_head_dim(qkv)
     q, k, v = qkv.unbind(2)
-    return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                           deterministic, return_attn_probs)
+    return _cut_head_dim(flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
+                                         alibi_slopes, deterministic, return_attn_probs), head_dim_v)
 
 
 # The result's type follows return_attn_probs (for type checkers).
@@ -367,13 +415,18 @@ def flash_attn_kvpacked_func(q: Tensor, kv: Tensor, dropout_p: float = 0.0, soft
                              alibi_slopes: Tensor | None = None, deterministic: bool = False,
                              return_attn_probs: bool = False) -> Tensor | tuple[Tensor, Tensor, None]:
     """FlashAttention's flash_attn_kvpacked_func: kv (batch, seqlen_k, 2, nheads_k, headdim);
-    k, v are views of it (no copy). Otherwise flash_attn_func."""
+    k, v are views of it (no copy; a headdim that is not a multiple of 8 pads q and kv
+    once each). Otherwise flash_attn_func."""
     shape = _shape(kv, "kv", 5, "(batch, seqlen_k, 2, nheads_k, headdim)")
     if shape[2] != 2:
         raise InvalidArgumentError(f"kv has shape {tuple(shape)}: expected (batch, seqlen_k, 2, nheads_k, headdim)")
+    head_dim_v = None
+    if not _unpadded(shape[4]) and isinstance(q, torch.Tensor) and q.shape[-1] == shape[4]:
+        head_dim_v, softmax_scale = shape[4], shape[4] ** -0.5 if softmax_scale is None else softmax_scale
+        q, kv = _pad_head_dim(q), _pad_head_dim(kv)  # kv padded once, packed
     k, v = kv.unbind(2)
-    return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                           deterministic, return_attn_probs)
+    return _cut_head_dim(flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
+                                         alibi_slopes, deterministic, return_attn_probs), head_dim_v)
 
 
 # -- varlen -----------------------------------------------------------------------------------
@@ -411,7 +464,8 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
     """FlashAttention's flash_attn_varlen_func.
 
     q: (total_q, nheads, headdim), k: (total_k, nheads_k, headdim), v: (total_k, nheads_k,
-      headdim_v): the batch's sequences one after another (copied if not contiguous).
+      headdim_v): the batch's sequences one after another (copied if not contiguous, or
+      padded as flash_attn_func's head dims, the padded copy contiguous).
     cu_seqlens_q, cu_seqlens_k: int32 (batch + 1,), cumulative lengths from 0.
     max_seqlen_q, max_seqlen_k: the longest sequences (plans are built for them rounded up
       to a power of two; a window bound >= max_seqlen_k is unbounded, as FlashAttention's).
@@ -438,6 +492,8 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
     batch = cu_seqlens_q.shape[0] - 1 if isinstance(cu_seqlens_q, torch.Tensor) and cu_seqlens_q.dim() == 1 else -1
     alibi = _alibi(alibi_slopes, _shape(q, "q", 3, "(total_q, nheads, headdim)")[1], batch, causal)
     deterministic = _deterministic(deterministic, return_attn_probs, q, k, v)
+    _shape(k, "k", 3, "(total_k, nheads_k, headdim)")
+    q, k, v, softmax_scale, head_dim_v = _pad_head_dims(q, k, v, softmax_scale)  # (padded: contiguous copies)
     q, k, v = (t if not isinstance(t, torch.Tensor) or t.is_contiguous() else t.contiguous() for t in (q, k, v))
     # The same cumulative lengths: each sequence's q and k lengths are equal, and the
     # top-left diagonal is the bottom-right one (the plans attention_varlen shares).
@@ -452,7 +508,7 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
                                    alignment="bottom_right" if bottom else "top_left", alibi=alibi,
                                    dropout_p=dropout_p, return_lse=return_attn_probs, softcap=softcap),
                   return_attn_probs)
-    return (*out, None) if return_attn_probs else out
+    return _cut_head_dim((*out, None) if return_attn_probs else out, head_dim_v)
 
 
 # The result's type follows return_attn_probs (for type checkers).
@@ -603,7 +659,8 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Tens
                             return_softmax_lse: bool = False) -> Tensor | tuple[Tensor, Tensor]:
     """FlashAttention's flash_attn_with_kvcache (forward only, no gradients).
 
-    q: (batch, seqlen_q, nheads, headdim).
+    q: (batch, seqlen_q, nheads, headdim), headdim a multiple of 8 (NotSupportedError
+      otherwise: the caches would have to be padded, a copy of each whole cache per call).
     k_cache, v_cache: (batch_size_cache, seqlen_cache, nheads_k, headdim) dense, or with
       block_table (num_blocks, page_block_size, nheads_k, headdim) pages (any page size).
     k, v: None, or (batch, seqlen_new, nheads_k, headdim): written into the caches in
@@ -639,6 +696,13 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Tens
            "headdim)")
     if (k is None) != (v is None):
         raise InvalidArgumentError("k and v: give both (new keys and values to append) or neither")
+    if isinstance(v_cache, torch.Tensor) and not _unpadded(q.shape[3], k_cache.shape[3], v_cache.shape[-1]):
+        raise NotSupportedError(
+            f"flash_attn_with_kvcache with head dims {q.shape[3]} (q, k_cache) and {v_cache.shape[-1]} (v_cache): "
+            "cuDNN takes multiples of 8, and padding a cache's head dim copies the whole cache on every call "
+            "(FlashAttention does, and copies it back after appending k, v). Allocate the caches with the head dim "
+            "rounded up to a multiple of 8, zeros past it, pad q, k, v with zeros alike, pass softmax_scale=1/sqrt("
+            "the real head dim), and cut the output")
     if block_table is not None:
         if cache_batch_idx is not None:
             raise NotSupportedError("cache_batch_idx with block_table: the block table already maps each sequence's "
