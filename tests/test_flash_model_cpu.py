@@ -237,3 +237,24 @@ def test_head_dims(model, dqk, dv):
 @pytest.mark.parametrize("d", (59, 20))
 def test_head_dims_packed_and_varlen(model, d):
     G.test_head_dims_not_multiples_of_8_packed_and_varlen(d)
+
+
+@pytest.mark.parametrize("kind", ("paper", "random", "batched"))
+@pytest.mark.parametrize("dtype,shape,mask", [c for c in G.ALIBI if c[0] is torch.bfloat16])
+def test_alibi_any_slopes(model, dtype, shape, mask, kind):
+    G.test_alibi_any_slopes_causal_or_not(dtype, shape, mask, kind)
+
+
+@pytest.mark.parametrize("same_cu", (True, False))
+@pytest.mark.parametrize("causal,window", ((False, (-1, -1)), (True, (-1, -1)), (False, (8, 4)), (True, (20, -1))))
+def test_varlen_alibi_any_slopes(model, same_cu, causal, window):
+    G.test_varlen_alibi_any_slopes(same_cu, causal, window)
+
+
+@pytest.mark.parametrize("paged,sq,append,mask", G.KV)
+def test_kvcache_alibi(model, paged, sq, append, mask):
+    G.test_kvcache_alibi_any_slopes(paged, sq, append, mask)
+
+
+def test_softcap_with_alibi(model):
+    G.test_softcap_with_alibi_composes_as_a_bias()
