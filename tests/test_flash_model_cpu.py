@@ -258,3 +258,7 @@ def test_kvcache_alibi(model, paged, sq, append, mask):
 
 def test_softcap_with_alibi(model):
     G.test_softcap_with_alibi_composes_as_a_bias()
+
+
+def test_compositions_combine(model):
+    G.test_the_compositions_combine()

@@ -272,6 +272,42 @@ def test_varlen_alibi_any_slopes(same_cu, causal, window):
         at_q, at_k = at_q + lq, at_k + lk
 
 
+def test_the_compositions_combine():
+    # One query against one key, a head dim of 59 and ALiBi slopes of FlashAttention's
+    # tests' draw, together: dense and varlen with gradients, a KV cache of one key with the LSE.
+    dtype = torch.float16
+    slopes = alibi_slopes_of("batched", 3, 4)
+    q = randn(3, 1, 4, 59, dtype=dtype, grad=True)
+    k, v = (randn(3, 1, 2, 59, dtype=dtype, grad=True) for _ in range(2))
+    out, lse, _ = flash.flash_attn_func(q, k, v, causal=True, alibi_slopes=slopes, return_attn_probs=True)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref, ref_lse = reference(q64, k64, v64, True, (-1, -1), alibi=slopes)
+    assert rel(out, ref) < FWD_TOL[dtype]
+    check_lse(lse, ref_lse)
+    check_grads(out, ref, (q, k, v), (q64, k64, v64), dtype)
+
+    cu = cumulative((1, 1, 1))
+    qv, kv, vv = (t.detach().reshape(3, *t.shape[2:]).requires_grad_() for t in (q, k, v))
+    out, lse, _ = flash.flash_attn_varlen_func(qv, kv, vv, cu, cu.clone(), 1, 1, window_size=(0, 0), alibi_slopes=slopes,
+                                               return_attn_probs=True)
+    ref, ref_lse = reference(q64, k64, v64, False, (0, 0), alibi=slopes)
+    assert rel(out, ref.reshape(out.shape)) < FWD_TOL[dtype]
+    check_lse(lse[:, :, None].transpose(0, 1), ref_lse)
+    d_o = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (qv, kv, vv), d_o)
+    ref_grads = torch.autograd.grad(ref, (q64, k64, v64), d_o.double().reshape(ref.shape))
+    for name, g, rg in zip("qkv", grads, ref_grads):
+        assert rel(g, rg.reshape(g.shape)) < BWD_TOL[dtype], name
+
+    k_cache, v_cache = (randn(3, 1, 2, 64, dtype=dtype) for _ in range(2))
+    qc = randn(3, 1, 4, 64, dtype=dtype)
+    out, lse = flash.flash_attn_with_kvcache(qc, k_cache, v_cache, causal=True, alibi_slopes=slopes,
+                                             return_softmax_lse=True)
+    ref, ref_lse = reference(qc, k_cache, v_cache, True, (-1, -1), alibi=slopes)
+    assert rel(out, ref) < FWD_TOL[dtype]
+    check_lse(lse, ref_lse)
+
+
 def test_dropout_is_unbiased_and_refused_where_cudnn_refuses():
     dtype = torch.bfloat16
     q, k, v = (randn(1, 128, 4, 64, dtype=dtype) for _ in range(3))
