@@ -155,7 +155,7 @@ def _read_alibi_slopes(alibi_slopes: torch.Tensor, heads: int) -> bool:
 # Under torch.compile the slopes are fake in dynamo's trace: dynamo does not trace this
 # one (a graph break, fullgraph=True refuses it naming the function) and runs it on the
 # real slopes between two graphs, so that a compiled call runs eager's plan. torch._disable_dynamo is
-# torch.compiler.disable without importing dynamo (~1 s) before a call, which only a
+# torch.compiler.disable without importing dynamo (slow) before a call, which only a
 # trace makes; without it (an older torch) torch.allclose breaks the graph instead.
 _read_alibi_slopes_eagerly = getattr(torch, "_disable_dynamo", lambda fn: fn)(_read_alibi_slopes)
 
