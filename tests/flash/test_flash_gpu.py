@@ -178,11 +178,19 @@ def test_softcap_in_varlen_and_kvcache():
         assert rel(paged[n:n + 1], ref) < FWD_TOL[dtype]
 
 
-def test_softcap_with_alibi_is_cudnns_refusal():
-    q, k, v = (randn(1, 128, 4, 64, dtype=torch.float16) for _ in range(3))
+def test_softcap_with_alibi_composes_as_a_bias():
+    # cuDNN refuses its ALiBi beside its score modifier: the slopes go into a bias, which
+    # cuDNN adds after the modifier, FlashAttention's order (softcap, then ALiBi).
+    dtype = torch.float16
+    q = (randn(2, 128, 4, 64, dtype=torch.float32) * 6).to(dtype).requires_grad_()
+    k, v = (randn(2, 128, 4, 64, dtype=dtype, grad=True) for _ in range(2))
     slopes = torch.tensor(flash.standard_alibi_slopes(4), device=DEV, dtype=torch.float32)
-    with pytest.raises(fastattn.NotSupportedError, match="score mod"):
-        flash.flash_attn_func(q, k, v, causal=True, alibi_slopes=slopes, softcap=5.0)
+    out, lse, _ = flash.flash_attn_func(q, k, v, causal=True, alibi_slopes=slopes, softcap=5.0, return_attn_probs=True)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref, ref_lse = reference(q64, k64, v64, True, (-1, -1), alibi=slopes, softcap=5.0)
+    assert rel(out, ref) < FWD_TOL[dtype]
+    check_lse(lse, ref_lse)
+    check_grads(out, ref, (q, k, v), (q64, k64, v64), dtype)
 
 
 @pytest.mark.parametrize("batched", (False, True))
@@ -197,6 +205,105 @@ def test_standard_alibi_slopes_with_causal(batched):
     assert rel(out, ref) < FWD_TOL[dtype]
     check_lse(lse, ref_lse)
     check_grads(out, ref, (q, k, v), (q64, k64, v64), dtype)
+
+
+# ALiBi with any slopes, causal or not, FlashAttention's -slope * |i + sk - sq - j|: cuDNN's
+# own where that is FlashAttention's (the paper's slopes, causal, as many queries as keys),
+# a bias elsewhere (with the mask in it where the diagonal is at the bottom right).
+ALIBI = list(itertools.product((torch.float16, torch.bfloat16), ((128, 128), (100, 257), (257, 100), (1, 200)),
+                               ((False, (-1, -1)), (True, (-1, -1)), (False, (16, 8)), (True, (32, -1)))))
+
+
+def alibi_slopes_of(kind, b, h):
+    if kind == "paper":
+        return torch.tensor(flash.standard_alibi_slopes(h), device=DEV, dtype=torch.float32)
+    return torch.rand(*((b, h) if kind == "batched" else (h,)), device=DEV) * 0.3  # FlashAttention's tests' draw
+
+
+@pytest.mark.parametrize("kind", ("paper", "random", "batched"))
+@pytest.mark.parametrize("dtype,shape,mask", ALIBI, ids=[f"{str(c[0])[6:]}-{c[1][0]}x{c[1][1]}-c{int(c[2][0])}-"
+                                                         f"w{c[2][1][0]},{c[2][1][1]}" for c in ALIBI])
+def test_alibi_any_slopes_causal_or_not(dtype, shape, mask, kind):
+    (sq, sk), (causal, window) = shape, mask
+    q = randn(2, sq, 8, 64, dtype=dtype, grad=True)
+    k, v = (randn(2, sk, 2, 64, dtype=dtype, grad=True) for _ in range(2))
+    slopes = alibi_slopes_of(kind, 2, 8)
+    poison()
+    out, lse, _ = flash.flash_attn_func(q, k, v, causal=causal, window_size=window, alibi_slopes=slopes,
+                                        return_attn_probs=True)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref, ref_lse = reference(q64, k64, v64, causal, window, alibi=slopes)
+    assert rel(out, ref) < FWD_TOL[dtype]
+    check_lse(lse, ref_lse)
+    check_grads(out, ref, (q, k, v), (q64, k64, v64), dtype)
+
+
+@pytest.mark.parametrize("same_cu", (True, False))
+@pytest.mark.parametrize("causal,window", ((False, (-1, -1)), (True, (-1, -1)), (False, (8, 4)), (True, (20, -1))))
+def test_varlen_alibi_any_slopes(same_cu, causal, window):
+    dtype = torch.bfloat16
+    # Different cu_seqlens: shifts 65, 0, -23 (the last has rows that see no key when causal).
+    lens_q, lens_k = ((37, 128, 1, 90),) * 2 if same_cu else ((5, 64, 33), (70, 64, 10))
+    cu_q = cumulative(lens_q)
+    cu_k = cu_q if same_cu else cumulative(lens_k)
+    q = randn(sum(lens_q), 8, 64, dtype=dtype, grad=True)
+    k, v = (randn(sum(lens_k), 2, 64, dtype=dtype, grad=True) for _ in range(2))
+    slopes = alibi_slopes_of("batched", len(lens_q), 8)
+    poison()
+    out, lse, _ = flash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=causal,
+                                               window_size=window, alibi_slopes=slopes, return_attn_probs=True)
+    assert out.shape == (sum(lens_q), 8, 64) and lse.shape == (8, sum(lens_q))
+    d_o = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), d_o)
+    at_q = at_k = 0
+    for n, (lq, lk) in enumerate(zip(lens_q, lens_k)):
+        q64, k64, v64 = (t.detach()[a:a + m].double()[None].requires_grad_()
+                         for t, a, m in ((q, at_q, lq), (k, at_k, lk), (v, at_k, lk)))
+        ref, ref_lse = reference(q64, k64, v64, causal, window, alibi=slopes[n:n + 1], seqlen_k=max(lens_k))
+        assert rel(out[at_q:at_q + lq][None], ref) < FWD_TOL[dtype]
+        check_lse(lse[:, at_q:at_q + lq][None], ref_lse)
+        empty = ~torch.isfinite(ref_lse[0])  # (h, lq): rows that see no key are exactly 0
+        assert torch.all(out[at_q:at_q + lq].transpose(0, 1)[empty] == 0)
+        ref_grads = torch.autograd.grad(ref, (q64, k64, v64), d_o[at_q:at_q + lq][None].double())
+        for name, g, rg, a, m in zip("qkv", grads, ref_grads, (at_q, at_k, at_k), (lq, lk, lk)):
+            assert rel(g[a:a + m][None], rg) < BWD_TOL[dtype], name
+        at_q, at_k = at_q + lq, at_k + lk
+
+
+def test_the_compositions_combine():
+    # One query against one key, a head dim of 59 and ALiBi slopes of FlashAttention's
+    # tests' draw, together: dense and varlen with gradients, a KV cache of one key with the LSE.
+    dtype = torch.float16
+    slopes = alibi_slopes_of("batched", 3, 4)
+    q = randn(3, 1, 4, 59, dtype=dtype, grad=True)
+    k, v = (randn(3, 1, 2, 59, dtype=dtype, grad=True) for _ in range(2))
+    out, lse, _ = flash.flash_attn_func(q, k, v, causal=True, alibi_slopes=slopes, return_attn_probs=True)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref, ref_lse = reference(q64, k64, v64, True, (-1, -1), alibi=slopes)
+    assert rel(out, ref) < FWD_TOL[dtype]
+    check_lse(lse, ref_lse)
+    check_grads(out, ref, (q, k, v), (q64, k64, v64), dtype)
+
+    cu = cumulative((1, 1, 1))
+    qv, kv, vv = (t.detach().reshape(3, *t.shape[2:]).requires_grad_() for t in (q, k, v))
+    out, lse, _ = flash.flash_attn_varlen_func(qv, kv, vv, cu, cu.clone(), 1, 1, window_size=(0, 0), alibi_slopes=slopes,
+                                               return_attn_probs=True)
+    ref, ref_lse = reference(q64, k64, v64, False, (0, 0), alibi=slopes)
+    assert rel(out, ref.reshape(out.shape)) < FWD_TOL[dtype]
+    check_lse(lse[:, :, None].transpose(0, 1), ref_lse)
+    d_o = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (qv, kv, vv), d_o)
+    ref_grads = torch.autograd.grad(ref, (q64, k64, v64), d_o.double().reshape(ref.shape))
+    for name, g, rg in zip("qkv", grads, ref_grads):
+        assert rel(g, rg.reshape(g.shape)) < BWD_TOL[dtype], name
+
+    k_cache, v_cache = (randn(3, 1, 2, 64, dtype=dtype) for _ in range(2))
+    qc = randn(3, 1, 4, 64, dtype=dtype)
+    out, lse = flash.flash_attn_with_kvcache(qc, k_cache, v_cache, causal=True, alibi_slopes=slopes,
+                                             return_softmax_lse=True)
+    ref, ref_lse = reference(qc, k_cache, v_cache, True, (-1, -1), alibi=slopes)
+    assert rel(out, ref) < FWD_TOL[dtype]
+    check_lse(lse, ref_lse)
 
 
 def test_dropout_is_unbiased_and_refused_where_cudnn_refuses():
@@ -214,6 +321,129 @@ def test_dropout_is_unbiased_and_refused_where_cudnn_refuses():
     # cudnn-frontend refuses a bottom-right causal mask with dropout: NotSupportedError with its reason.
     with pytest.raises(fastattn.NotSupportedError):
         flash.flash_attn_func(q[:, :64], k, v, dropout_p=0.1, causal=True)
+
+
+# -- one query and one key: cuDNN's training plans refuse s_q = s_kv = 1 ---------------------------
+
+# (seqlen_q, causal, window) against one key: a query and its key alone, or more queries
+# than the key, the rows above the diagonal cut, which leaves one query and one key.
+ONE_KEY = ((1, False, (-1, -1)), (1, True, (-1, -1)), (1, False, (0, 0)), (239, True, (-1, -1)),
+           (40, False, (3, 0)), (6, True, (0, -1)))
+
+
+@pytest.mark.parametrize("dtype", (torch.float16, torch.bfloat16))
+@pytest.mark.parametrize("sq,causal,window", ONE_KEY)
+def test_one_query_and_one_key_train(dtype, sq, causal, window):
+    q = randn(3, sq, 4, 64, dtype=dtype, grad=True)
+    k, v = (randn(3, 1, 2, 64, dtype=dtype, grad=True) for _ in range(2))
+    poison()
+    out, lse, _ = flash.flash_attn_func(q, k, v, causal=causal, window_size=window, return_attn_probs=True)
+    assert out.shape == q.shape and lse.shape == (3, 4, sq)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref, ref_lse = reference(q64, k64, v64, causal, window)
+    assert rel(out, ref) < FWD_TOL[dtype]
+    check_lse(lse, ref_lse)
+    check_grads(out, ref, (q, k, v), (q64, k64, v64), dtype)  # one key: d_q = d_k = 0, d_v = d_o summed
+    with torch.no_grad():  # inference runs the plan as it is
+        assert rel(flash.flash_attn_func(q, k, v, causal=causal, window_size=window), ref.detach()) < FWD_TOL[dtype]
+
+
+@pytest.mark.parametrize("same_cu", (True, False))
+def test_varlen_one_token_sequences_train(same_cu):
+    dtype, lens = torch.bfloat16, (1, 1, 1)
+    cu = cumulative(lens)
+    q = randn(3, 8, 64, dtype=dtype, grad=True)
+    k, v = (randn(3, 2, 64, dtype=dtype, grad=True) for _ in range(2))
+    poison()
+    out, lse, _ = flash.flash_attn_varlen_func(q, k, v, cu, cu if same_cu else cu.clone(), 1, 1, causal=True,
+                                               return_attn_probs=True)
+    d_o = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), d_o)
+    for n in range(3):
+        q64, k64, v64 = (t.detach()[n:n + 1].double()[None].requires_grad_() for t in (q, k, v))
+        ref, ref_lse = reference(q64, k64, v64, True, (-1, -1))
+        assert rel(out[n:n + 1][None], ref) < FWD_TOL[dtype]
+        check_lse(lse[:, n:n + 1][None], ref_lse)
+        for name, g, rg in zip("qkv", grads, torch.autograd.grad(ref, (q64, k64, v64), d_o[n:n + 1][None].double())):
+            assert rel(g[n:n + 1][None], rg) < BWD_TOL[dtype], name
+
+
+def test_kvcache_lse_with_a_cache_of_one_key():
+    # return_softmax_lse runs the training plan, whose backward graph cuDNN refuses at 1 x 1.
+    dtype = torch.float16
+    q = randn(2, 1, 4, 64, dtype=dtype)
+    k_cache, v_cache = (randn(2, 1, 4, 64, dtype=dtype) for _ in range(2))
+    out, lse = flash.flash_attn_with_kvcache(q, k_cache, v_cache, causal=True, return_softmax_lse=True)
+    ref, ref_lse = reference(q, k_cache, v_cache, True, (-1, -1))
+    assert rel(out, ref) < FWD_TOL[dtype]
+    check_lse(lse, ref_lse)
+
+
+# -- head dims that are not multiples of 8: padded, as FlashAttention pads them --------------------
+
+HEAD_DIMS = ((59, 59), (111, 111), (33, 72), (64, 20), (250, 250), (3, 3))  # (head_dim_qk, head_dim_v)
+
+
+@pytest.mark.parametrize("dtype", (torch.float16, torch.bfloat16))
+@pytest.mark.parametrize("dqk,dv", HEAD_DIMS)
+def test_head_dims_not_multiples_of_8(dtype, dqk, dv):
+    q = randn(2, 130, 8, dqk, dtype=dtype, grad=True)
+    k, v = randn(2, 150, 2, dqk, dtype=dtype, grad=True), randn(2, 150, 2, dv, dtype=dtype, grad=True)
+    poison()
+    out, lse, _ = flash.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+    assert out.shape == (2, 130, 8, dv) and lse.shape == (2, 8, 130)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref, ref_lse = reference(q64, k64, v64, True, (-1, -1))  # the default scale: 1/sqrt(dqk), not the padded one's
+    assert rel(out, ref) < FWD_TOL[dtype]
+    check_lse(lse, ref_lse)
+    check_grads(out, ref, (q, k, v), (q64, k64, v64), dtype)
+    with torch.no_grad():
+        scaled = flash.flash_attn_func(q, k, v, softmax_scale=0.3, window_size=(20, 5))
+    assert rel(scaled, reference(q64, k64, v64, False, (20, 5), scale=0.3)[0].detach()) < FWD_TOL[dtype]
+
+
+@pytest.mark.parametrize("d", (59, 20))
+def test_head_dims_not_multiples_of_8_packed_and_varlen(d):
+    dtype = torch.bfloat16
+    qkv = randn(2, 100, 3, 4, d, dtype=dtype, grad=True)
+    out = flash.flash_attn_qkvpacked_func(qkv, causal=True)
+    qkv64 = qkv.detach().double().requires_grad_()
+    ref, _ = reference(*qkv64.unbind(2), True, (-1, -1))
+    assert out.shape == (2, 100, 4, d) and rel(out, ref) < FWD_TOL[dtype]
+    d_o = torch.randn_like(out)
+    (g,) = torch.autograd.grad(out, (qkv,), d_o)
+    (rg,) = torch.autograd.grad(ref, (qkv64,), d_o.double())
+    assert g.shape == qkv.shape and rel(g, rg) < BWD_TOL[dtype]
+
+    q, kv = randn(2, 70, 4, d, dtype=dtype, grad=True), randn(2, 90, 2, 1, d, dtype=dtype, grad=True)
+    out = flash.flash_attn_kvpacked_func(q, kv, window_size=(16, 16))
+    q64, kv64 = q.detach().double().requires_grad_(), kv.detach().double().requires_grad_()
+    ref, _ = reference(q64, *kv64.unbind(2), False, (16, 16))
+    assert rel(out, ref) < FWD_TOL[dtype]
+    d_o = torch.randn_like(out)
+    for g, rg in zip(torch.autograd.grad(out, (q, kv), d_o), torch.autograd.grad(ref, (q64, kv64), d_o.double())):
+        assert rel(g, rg) < BWD_TOL[dtype]
+
+    lens_q, lens_k = (37, 128, 1), (50, 128, 9)
+    q = randn(sum(lens_q), 4, d, dtype=dtype, grad=True)
+    k, v = (randn(sum(lens_k), 2, d, dtype=dtype, grad=True) for _ in range(2))
+    poison()
+    out, lse, _ = flash.flash_attn_varlen_func(q, k, v, cumulative(lens_q), cumulative(lens_k), max(lens_q),
+                                               max(lens_k), causal=True, return_attn_probs=True)
+    assert out.shape == (sum(lens_q), 4, d)
+    d_o = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), d_o)
+    at_q = at_k = 0
+    for lq, lk in zip(lens_q, lens_k):
+        q64, k64, v64 = (t.detach()[a:a + n].double()[None].requires_grad_()
+                         for t, a, n in ((q, at_q, lq), (k, at_k, lk), (v, at_k, lk)))
+        ref, ref_lse = reference(q64, k64, v64, True, (-1, -1))
+        assert rel(out[at_q:at_q + lq][None], ref) < FWD_TOL[dtype]
+        check_lse(lse[:, at_q:at_q + lq][None], ref_lse)
+        ref_grads = torch.autograd.grad(ref, (q64, k64, v64), d_o[at_q:at_q + lq][None].double())
+        for name, g, rg, a, n in zip("qkv", grads, ref_grads, (at_q, at_k, at_k), (lq, lk, lk)):
+            assert rel(g[a:a + n][None], rg) < BWD_TOL[dtype], name
+        at_q, at_k = at_q + lq, at_k + lk
 
 
 # -- packed ---------------------------------------------------------------------------------------
@@ -362,9 +592,10 @@ KV = list(itertools.product((False, True), (1, 4), (0, 1), ((False, (-1, -1)), (
 
 @pytest.mark.parametrize("paged,sq,append,mask", KV, ids=[f"{'paged' if c[0] else 'dense'}-q{c[1]}-new{c[2]}-"
                                                           f"c{int(c[3][0])}-w{c[3][1][0]}" for c in KV])
-def test_kvcache_decode_and_prefill_with_append(paged, sq, append, mask):
+def test_kvcache_decode_and_prefill_with_append(paged, sq, append, mask, alibi=False):
     causal, window = mask
     dtype, b, hq, hk, d, page, per_seq = torch.bfloat16, 3, 8, 2, 64, 16, 8
+    slopes = torch.rand(b, hq, device=DEV) * 0.3 if alibi else None  # FlashAttention's tests draw (batch, nheads)
     cached = torch.tensor([0, 37, 100], dtype=torch.int32, device=DEV)
     new = sq * append  # FlashAttention's usual call: the new tokens are the queries' own
     q = randn(b, sq, hq, d, dtype=dtype)
@@ -381,7 +612,8 @@ def test_kvcache_decode_and_prefill_with_append(paged, sq, append, mask):
     before_k, before_v = dense_view(k_cache).clone(), dense_view(v_cache).clone()
     poison()
     got = flash.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=cached, block_table=table,
-                                        causal=causal, window_size=window, return_softmax_lse=not paged)
+                                        causal=causal, window_size=window, alibi_slopes=slopes,
+                                        return_softmax_lse=not paged)
     out, lse = got if not paged else (got, None)
     after_k, after_v = dense_view(k_cache), dense_view(v_cache)
     for i, n in enumerate(cached.tolist()):
@@ -392,12 +624,20 @@ def test_kvcache_decode_and_prefill_with_append(paged, sq, append, mask):
         assert torch.equal(after_k[i, keep], before_k[i, keep]) and torch.equal(after_v[i, keep], before_v[i, keep])
         sk = n + new
         if sk == 0:
+            if alibi:  # (a bias path: fastattn.flash writes FlashAttention's 0 and +inf itself)
+                assert torch.all(out[i] == 0) and (lse is None or torch.all(lse[i] == float("inf")))
             continue
         ref, ref_lse = reference(q[i:i + 1], after_k[i:i + 1, :sk], after_v[i:i + 1, :sk], causal, window,
-                                 seqlen_k=per_seq * page)
+                                 seqlen_k=per_seq * page, alibi=None if slopes is None else slopes[i:i + 1])
         assert rel(out[i:i + 1], ref) < FWD_TOL[dtype]
         if lse is not None:
             check_lse(lse[i:i + 1], ref_lse)
+
+
+@pytest.mark.parametrize("paged,sq,append,mask", KV, ids=[f"{'paged' if c[0] else 'dense'}-q{c[1]}-new{c[2]}-"
+                                                          f"c{int(c[3][0])}-w{c[3][1][0]}" for c in KV])
+def test_kvcache_alibi_any_slopes(paged, sq, append, mask):
+    test_kvcache_decode_and_prefill_with_append(paged, sq, append, mask, alibi=True)
 
 
 def test_kvcache_cache_batch_idx_and_int_cache_seqlens():
