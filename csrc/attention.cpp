@@ -1,5 +1,8 @@
 // Where an attention config becomes a cuDNN graph, a graph becomes a plan, and a
-// plan runs. The only translation unit that includes cudnn-frontend.
+// plan runs. The only translation unit that includes cudnn-frontend: through this
+// file's headers (graph_state.h, handles.h, packs.h, graphs.h, graphs_fp8.h), which
+// nothing else includes. What needs no frontend (device.cpp, slots.cpp, ragged.cpp)
+// compiles beside it, in translation units of its own.
 //
 // cudnn-frontend is compiled in its dynamic-loading mode: nothing here links
 // against cuDNN or CUDA. The Python loader (fastattn/_loader.py) finds and loads
@@ -9,238 +12,51 @@
 
 #include <dlfcn.h>
 
-#include <atomic>
 #include <chrono>
 #include <cstring>
-#include <exception>
 #include <mutex>
-#include <unordered_map>
 #include <sstream>
+#include <unordered_map>
 
 #include <cudnn_frontend.h>
+
+#include "device.h"
+#include "graph_state.h"
+#include "graphs.h"
+#include "graphs_fp8.h"
+#include "handles.h"
+#include "packs.h"
+#include "ragged.h"
+#include "slots.h"
+#include "status.h"
 
 namespace cudnn_frontend {
 // The frontend resolves every cuDNN symbol through this handle in dynamic-loading mode.
 void *cudnn_dlhandle = nullptr;
 }  // namespace cudnn_frontend
 
-namespace fe = cudnn_frontend;
-
 namespace fastattn {
 
-// What a launch through cuDNN's backend itself needs (packs.inc), read from the
-// frontend graph once, when the graph is made or loaded.
-struct DirectLaunch {
-    bool usable  = false;  // false: every call goes through the frontend's execute
-    uint64_t serial = 0;   // this graph's, never reused: the key of its cached variant packs
-    cudnnBackendDescriptor_t plan = nullptr;  // the chosen plan, owned by the frontend graph
-    int64_t fe_workspace = 0;                 // the frontend's share of the workspace, ahead of cuDNN's
-    std::vector<int64_t> uids;                // the variant pack's uids, sorted
-    std::vector<void *> fixed;                // its pointers that never change (pass-by-value scalars)
-    std::vector<int> user;                    // the caller's i-th pointer (uid order) goes to pack index user[i]
-    std::vector<std::pair<int, int64_t>> in_workspace;  // pack index, byte offset into the workspace
-};
+using namespace detail;
 
-// A ragged graph's index arrays, which fastattn computes from cumulative lengths
-// (ragged.inc): n = batch + 1 entries per row, rows `stride` int32 apart from byte
-// `offset` of the workspace; the rows' multipliers; the slots such a launch takes.
-struct RaggedIndex {
-    int n = 0, stride = 0;  // n == 0: not a ragged graph
-    int64_t offset = 0;
-    int32_t mult[5] = {};   // token strides of q, k, v, o, stats (0: no packed stats)
-    uint64_t cu_slots = 0;
-};
-
-class Graph {
-   public:
-    std::shared_ptr<fe::graph::Graph> g;
-    Direction dir     = Direction::kForward;
-    uint64_t slots    = 0;  // bit s set: the graph takes the tensor of Slot s at execute
-    uint64_t by_value = 0;  // host values (host_seed's seed and offset): not held to device alignment
-    int64_t workspace = 0;
-    // The variant pack's layout, fixed when the graph is made: order[i] is the slot of
-    // its i-th tensor in uid order (cuDNN's sorted order), so execute writes each
-    // pointer straight to its place, with no map, vector or search per call.
-    int8_t order[kNumSlots] = {};
-    int n                   = 0;
-    DirectLaunch direct;
-    RaggedIndex ragged;
-};
+// The frontend's CUDA loader, for device.h: one libcudart and one libcuda for the process.
+void *detail::cuda_symbol(CudaLibrary library, const char *name) {
+    return fe::detail::get_cuda_symbol(
+        library == CudaLibrary::kDriver ? fe::detail::CudaLibrary::CUDA : fe::detail::CudaLibrary::CUDART, name);
+}
 
 void GraphDeleter::operator()(Graph *g) const { delete g; }
 
 namespace {
 
-// A tensor's uid is its slot + 1: the sorted-pointer execute takes user pointers in
-// uid order, which is then slot order.
-constexpr int64_t uid(Slot s) { return static_cast<int64_t>(s) + 1; }
-constexpr uint64_t bit(Slot s) { return uint64_t{1} << s; }
-static_assert(kNumSlots <= 64, "slot masks are 64-bit");
-
-// Each slot's name in errors, and why a plan may not take it.
-struct SlotSpec {
-    const char *name;
-    const char *absent;
-};
-constexpr SlotSpec kSlots[kNumSlots] = {
-#define FASTATTN_SLOT_SPEC_(UPPER, Camel, name, absent) {name, absent},
-    FASTATTN_SLOT_TABLE(FASTATTN_SLOT_SPEC_)
-#undef FASTATTN_SLOT_SPEC_
-};
-constexpr int kMaxDevices                        = 64;
-constexpr uintptr_t kAlignment                   = 16;
-
 std::mutex g_load_mutex;
 int64_t g_cudnn_version = 0;
 
-Status error(Code code, std::string message) { return Status{code, std::move(message)}; }
-
-double ms_since(std::chrono::steady_clock::time_point t0) {
-    return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-}
-
-// Runs fn and turns any C++ exception into a status with `code`: nothing crosses
-// the boundary (cudnn-frontend throws from graph construction, blob parsing and
-// its dynamic loader; an uncaught throw aborts the Python process).
-template <class Fn>
-Status guarded(Code code, const char *what, Fn &&fn) {
-    try {
-        return fn();
-    } catch (const std::exception &e) {
-        return error(code, std::string(what) + ": " + e.what());
-    } catch (...) {
-        return error(code, std::string(what) + ": unknown C++ exception");
-    }
-}
-
-// CUDA runtime entry points, statuses, DeviceGuard and RelaxedCaptureMode.
-#include "cuda.inc"
-
-// cuDNN handles are per thread and per device. They are deliberately never
-// destroyed: at thread or process exit the CUDA context may already be gone, and
-// destroying a handle then crashes (PyTorch leaks its handles for the same reason).
-struct ThreadState {
-    cudnnHandle_t handle[kMaxDevices] = {};
-    cudaStream_t stream[kMaxDevices]  = {};
-};
-thread_local ThreadState t_state;
-
-// Call with `device` current (inside a DeviceGuard).
-Status thread_handle(int device, cudnnHandle_t *out) {
-    if (device < 0 || device >= kMaxDevices) {
-        return error(Code::kInvalidArgument, "device=" + std::to_string(device) + " is out of range");
-    }
-    if (t_state.handle[device] == nullptr) {
-        cudnnHandle_t h = nullptr;
-        cudnnStatus_t st;
-        {
-            // A thread's first launch may be inside the caller's capture: cudnnCreate's
-            // allocations must not invalidate it (see set_stream).
-            RelaxedCaptureMode relaxed;
-            st = fe::detail::create_handle(&h);
-        }
-        if (st != CUDNN_STATUS_SUCCESS) {
-            return error(Code::kCudnnError,
-                         std::string("cudnnCreate failed: ") + fe::detail::get_error_string(st));
-        }
-        t_state.handle[device] = h;
-        t_state.stream[device] = nullptr;  // a new handle runs on the default stream
-    }
-    *out = t_state.handle[device];
-    return {};
-}
-
-// A stream's capture state, for messages.
-const char *capture_state(cudaStream_t s) {
-    static IsCapturingFn *is_capturing = cudart<IsCapturingFn>("cudaStreamIsCapturing");
-    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-    if (is_capturing(s, &status) != cudaSuccess) {
-        (void)cudart<GetLastErrorFn>("cudaGetLastError")();
-        return "unknown";
-    }
-    return status == cudaStreamCaptureStatusActive        ? "capturing"
-           : status == cudaStreamCaptureStatusInvalidated ? "capture invalidated"
-                                                          : "not capturing";
-}
-
-Status set_stream(int device, cudnnHandle_t h, intptr_t stream) {
-    auto s = reinterpret_cast<cudaStream_t>(stream);
-    if (t_state.stream[device] == s) return {};
-    cudnnStatus_t st;
-    {
-        // Binding a stream records nothing into a capture, but cuDNN may make calls that
-        // CUDA counts as unsafe while any capture in global mode (PyTorch's default) is
-        // under way, which would invalidate the caller's capture: relaxed for this call
-        // only (as PyTorch's allocator relaxes its own), never around a launch.
-        RelaxedCaptureMode relaxed;
-        st = fe::detail::set_stream(h, s);
-    }
-    if (st != CUDNN_STATUS_SUCCESS) {
-        std::ostringstream msg;
-        msg << "cudnnSetStream failed for stream=" << stream << " (" << capture_state(s)
-            << "; the handle was bound to stream=" << reinterpret_cast<intptr_t>(t_state.stream[device])
-            << "): " << fe::detail::get_error_string(st);
-        return error(Code::kInvalidArgument, msg.str());
-    }
-    t_state.stream[device] = s;
-    return {};
-}
-
-// The preamble of every launch: `device` current for the scope (restored after),
-// this thread's handle for it, bound to `stream`. One place, so that execute and the
-// benchmark hook pay exactly the same for it.
-class LaunchScope {
-   public:
-    LaunchScope(int device, intptr_t stream) : guard_(device) {
-        status_ = guard_.status();
-        if (status_.ok()) status_ = thread_handle(device, &handle_);
-        if (status_.ok()) status_ = set_stream(device, handle_, stream);
-    }
-    const Status &status() const { return status_; }
-    cudnnHandle_t handle() const { return handle_; }
-
-   private:
-    DeviceGuard guard_;
-    cudnnHandle_t handle_ = nullptr;
-    Status status_;
-};
-
-#define FA_RETURN_IF_ERROR(expr)          \
-    do {                                  \
-        Status _st = (expr);              \
-        if (!_st.ok()) return _st;        \
-    } while (0)
-
-// Ragged launches from cumulative lengths: the index kernel and its arrays' places.
-#include "ragged.inc"
-
-// Launches through cached variant packs: capture_direct(graph) and launch_cached(...).
-#include "packs.inc"
-
-// The graph builders: make_graph(config, direction) and slot_mask(config, direction).
-#include "graphs.inc"
-// The FP8 builders (sdpa_fp8, sdpa_fp8_backward), which make_graph dispatches to.
-#include "graphs_fp8.inc"
-
-// Fixes the graph's tensors and their places in the variant pack.
-void set_layout(Graph &graph, const Config &c, Direction dir) {
-    graph.dir      = dir;
-    graph.slots    = slot_mask(c, dir);
-    graph.by_value = c.host_seed ? bit(kSlotSeed) | bit(kSlotOffset) : uint64_t{0};
-    graph.n        = 0;
-    for (int s = 0; s < kNumSlots; ++s) {
-        if (graph.slots & bit(static_cast<Slot>(s))) graph.order[graph.n++] = static_cast<int8_t>(s);
-    }
-    set_ragged_index(graph, c);
-}
-
-// The uids of a slot mask, sorted: what cuDNN's variant pack holds, in its order.
-std::vector<int64_t> mask_uids(uint64_t mask) {
-    std::vector<int64_t> uids;
-    for (int s = 0; s < kNumSlots; ++s) {
-        if (mask & bit(static_cast<Slot>(s))) uids.push_back(uid(static_cast<Slot>(s)));
-    }
-    return uids;
+// The one function that turns a config into a cuDNN graph: build, probe and warm all
+// come through here, so a probed graph is the graph that runs.
+std::shared_ptr<fe::graph::Graph> make_graph(const Config &c, Direction dir) {
+    if (is_fp8(c.dtype)) return dir == Direction::kForward ? make_fp8_forward_graph(c) : make_fp8_backward_graph(c);
+    return dir == Direction::kForward ? make_forward_graph(c) : make_backward_graph(c);
 }
 
 // A failed build step is cuDNN refusing the graph, unless the failure is the
@@ -267,30 +83,15 @@ Status finish(Graph &graph, const char *stage_prefix, bool built, GraphInfo *inf
         return error(Code::kCorruptPlan, std::string(stage_prefix) + ": plan's tensors do not match its config");
     }
     FA_RETURN_IF_ERROR(build_step(graph.g->get_workspace_size(graph.workspace), "get_workspace_size"));
-    place_index(graph);
-    if (graph.ragged.n > 0) (void)ragged_kernel();  // loaded now, not inside a caller's launch or capture
+    graph.workspace = place_index(graph.ragged, graph.workspace);
+    if (graph.ragged.n > 0) (void)load_index_kernel();  // loaded now, not inside a caller's launch or capture
     info->workspace_size = graph.workspace;
     if (built) FA_RETURN_IF_ERROR(build_step(graph.g->get_plan_name(info->engine_name), "get_plan_name"));
     capture_direct(graph);
     return {};
 }
 
-Status check_pointer(intptr_t p, const char *name) {
-    if (p == 0) return error(Code::kInvalidArgument, std::string(name) + " is a null pointer");
-    if (static_cast<uintptr_t>(p) % kAlignment != 0) {
-        std::ostringstream msg;
-        msg << name << "=0x" << std::hex << p << " is not " << std::dec << kAlignment << "-byte aligned";
-        return error(Code::kInvalidArgument, msg.str());
-    }
-    return {};
-}
-
-Status check_workspace(const Graph &g, intptr_t workspace) {
-    if (g.workspace > 0) return check_pointer(workspace, "workspace");
-    return {};
-}
-
-// How a launch reaches cuDNN: through a cached variant pack (packs.inc), or through
+// How a launch reaches cuDNN: through a cached variant pack (packs.h), or through
 // the frontend's execute, which fastattn takes where a graph's execute does more
 // than fill pointers, and which the benchmark times as the floor to beat.
 enum class Via { kCachedPack, kFrontend };
@@ -339,71 +140,10 @@ Status load_cudnn(const std::string &path, int64_t *version) {
     return st;
 }
 
-const char *slot_name(int slot) { return slot >= 0 && slot < kNumSlots ? kSlots[slot].name : nullptr; }
-
-#define FASTATTN_STATUS_NAME_(UPPER, Cpp, value, Python) {value, #Python},
-const StatusName kStatusNames[] = {FASTATTN_STATUS_TABLE(FASTATTN_STATUS_NAME_)};
-#undef FASTATTN_STATUS_NAME_
-const int kNumStatusNames = sizeof kStatusNames / sizeof kStatusNames[0];
-
 int64_t cudnn_version() { return g_cudnn_version; }
 int64_t cudnn_header_version() { return CUDNN_VERSION; }
 int64_t frontend_version() { return CUDNN_FRONTEND_VERSION; }
 const char *plan_policy() { return "heuristics=A,FALLBACK;build=HEURISTICS_CHOICE"; }
-
-Status device_count(int *count) {
-    return guarded(Code::kLibraryError, "CUDA runtime", [&]() -> Status {
-        static GetCountFn *fn = cudart<GetCountFn>("cudaGetDeviceCount");
-        *count                = 0;
-        return cuda_status(fn(count), "cudaGetDeviceCount");
-    });
-}
-
-Status current_device(int *device) {
-    return guarded(Code::kLibraryError, "CUDA runtime", [&]() -> Status {
-        static GetDeviceFn *fn = cudart<GetDeviceFn>("cudaGetDevice");
-        return cuda_status(fn(device), "cudaGetDevice");
-    });
-}
-
-Status stream_capturing(intptr_t stream, bool *capturing) {
-    return guarded(Code::kLibraryError, "CUDA runtime", [&]() -> Status {
-        static IsCapturingFn *fn      = cudart<IsCapturingFn>("cudaStreamIsCapturing");
-        cudaStreamCaptureStatus state = cudaStreamCaptureStatusNone;
-        FA_RETURN_IF_ERROR(cuda_status(fn(reinterpret_cast<cudaStream_t>(stream), &state), "cudaStreamIsCapturing"));
-        *capturing = state != cudaStreamCaptureStatusNone;
-        return {};
-    });
-}
-
-Status device_info(int device, DeviceInfo *out) {
-    return guarded(Code::kLibraryError, "CUDA runtime", [&]() -> Status {
-        static AttributeFn *attr = cudart<AttributeFn>("cudaDeviceGetAttribute");
-        static VersionFn *drv    = cudart<VersionFn>("cudaDriverGetVersion");
-        static VersionFn *rt     = cudart<VersionFn>("cudaRuntimeGetVersion");
-        FA_RETURN_IF_ERROR(cuda_status(attr(&out->major, cudaDevAttrComputeCapabilityMajor, device),
-                                       "cudaDeviceGetAttribute"));
-        FA_RETURN_IF_ERROR(cuda_status(attr(&out->minor, cudaDevAttrComputeCapabilityMinor, device),
-                                       "cudaDeviceGetAttribute"));
-        FA_RETURN_IF_ERROR(cuda_status(attr(&out->sm_count, cudaDevAttrMultiProcessorCount, device),
-                                       "cudaDeviceGetAttribute"));
-        FA_RETURN_IF_ERROR(cuda_status(drv(&out->driver_version), "cudaDriverGetVersion"));
-        FA_RETURN_IF_ERROR(cuda_status(rt(&out->runtime_version), "cudaRuntimeGetVersion"));
-        // The device name is the driver's: cudaDeviceProp's layout changes between
-        // CUDA releases, cuDeviceGetName's signature does not.
-        auto get_dev  = reinterpret_cast<DeviceGetFn *>(
-            fe::detail::get_cuda_symbol(fe::detail::CudaLibrary::CUDA, "cuDeviceGet"));
-        auto get_name = reinterpret_cast<DeviceGetNameFn *>(
-            fe::detail::get_cuda_symbol(fe::detail::CudaLibrary::CUDA, "cuDeviceGetName"));
-        CUdevice dev;
-        char name[256] = {};
-        if (get_dev(&dev, device) != CUDA_SUCCESS || get_name(name, sizeof(name) - 1, dev) != CUDA_SUCCESS) {
-            return error(Code::kCudaError, "cuDeviceGetName failed for device " + std::to_string(device));
-        }
-        out->name = name;
-        return {};
-    });
-}
 
 Status build_graph(const Config &cfg, Direction dir, int device, GraphPtr *out, GraphInfo *info) {
     if (fe::cudnn_dlhandle == nullptr) return error(Code::kLibraryError, "cuDNN is not loaded");
@@ -480,80 +220,18 @@ Status deserialize_graph(const uint8_t *data, size_t size, const Config &cfg, Di
     });
 }
 
-namespace {
-
-// Why execute refused its pointers, slot by slot (execute's error path).
-Status slot_error(const Graph &g, const intptr_t *slots, intptr_t workspace) {
-    // A ragged plan given cumulative lengths takes them in place of its index arrays.
-    uint64_t takes = g.slots;
-    if (g.ragged.n > 0 && (slots[kSlotCuSeqlensQ] != 0 || slots[kSlotCuSeqlensKV] != 0)) {
-        takes = g.ragged.cu_slots;
-        for (Slot s : kIndexSlots) {
-            if (slots[s] != 0) {
-                return error(Code::kInvalidArgument, std::string(kSlots[s].name) +
-                                                         " given with cu_seqlens_q and cu_seqlens_kv, which fastattn "
-                                                         "computes it from: give one or the other");
-            }
-        }
-        for (Slot s : {kSlotCuSeqlensQ, kSlotCuSeqlensKV}) {
-            if (slots[s] == 0) {
-                return error(Code::kInvalidArgument, std::string(kSlots[s].name) +
-                                                         " is null: give both cumulative lengths (the same array "
-                                                         "twice for self-attention)");
-            }
-            if (slots[s] % 4 != 0) {
-                std::ostringstream msg;
-                msg << kSlots[s].name << "=0x" << std::hex << slots[s] << " is not 4-byte aligned (int32)";
-                return error(Code::kInvalidArgument, msg.str());
-            }
-        }
-    }
-    for (int s = 0; s < kNumSlots; ++s) {
-        if (slots[s] != 0 && !(takes & bit(static_cast<Slot>(s)))) {
-            return error(Code::kInvalidArgument, std::string(kSlots[s].name) + " given, but " + kSlots[s].absent);
-        }
-    }
-    for (int s = 0; s < kNumSlots; ++s) {
-        if (!(takes & bit(static_cast<Slot>(s))) || (kCuSlots & bit(static_cast<Slot>(s)))) continue;
-        if (g.by_value & bit(static_cast<Slot>(s))) {  // a host int64, read by cuDNN during the call
-            if (slots[s] == 0) return error(Code::kInvalidArgument, std::string(kSlots[s].name) + " is null");
-        } else {
-            FA_RETURN_IF_ERROR(check_pointer(slots[s], kSlots[s].name));
-        }
-    }
-    return check_workspace(g, workspace);
-}
-
-}  // namespace
-
 Status execute(const Graph *g, Direction dir, int device, const intptr_t *slots, intptr_t workspace,
                intptr_t stream) {
     if (g == nullptr || g->dir != dir) {
         return error(Code::kInvalidArgument,
                      dir == Direction::kForward ? "not a forward graph" : "not a backward graph");
     }
-    // Every check in one branch-free pass over the slots: a pointer the plan does not
-    // take, one it takes missing, a device pointer not 16-byte aligned, the workspace.
-    // Only a refusal looks for the culprit (slot_error), so a call pays no per-slot
-    // branches or Status objects.
-    uint64_t given = 0, misaligned = 0;
-    for (int s = 0; s < kNumSlots; ++s) {
-        const auto p = static_cast<uintptr_t>(slots[s]);
-        given |= static_cast<uint64_t>(p != 0) << s;
-        misaligned |= static_cast<uint64_t>(p % kAlignment != 0) << s;
-    }
-    const auto ws = static_cast<uintptr_t>(workspace);
-    const bool bad_workspace = g->workspace > 0 && (ws == 0 || ws % kAlignment != 0);
-    // Cumulative lengths are int32 arrays that may start anywhere 4-byte aligned.
-    const bool derived   = g->ragged.n > 0 && given == g->ragged.cu_slots;
-    const bool bad_cu    = ((slots[kSlotCuSeqlensQ] | slots[kSlotCuSeqlensKV]) & 3) != 0;
-    if ((given != g->slots && !derived) || (misaligned & ~g->by_value & ~kCuSlots) != 0 || bad_cu || bad_workspace) {
-        return slot_error(*g, slots, workspace);
-    }
+    bool derived = false;
+    if (!slots_fit(*g, slots, workspace, &derived)) return slot_error(*g, slots, workspace);
     intptr_t full[kNumSlots];
-    IndexLaunch index{g, slots[kSlotCuSeqlensQ], slots[kSlotCuSeqlensKV], workspace};
+    IndexLaunch index{&g->ragged, slots[kSlotCuSeqlensQ], slots[kSlotCuSeqlensKV], workspace};
     if (derived) {
-        fill_index_slots(*g, slots, workspace, full);
+        fill_index_slots(g->ragged, g->slots, slots, workspace, full);
         slots = full;
     }
     // The variant pack, filled in place in cuDNN's order. On the stack, not kept with
@@ -564,7 +242,80 @@ Status execute(const Graph *g, Direction dir, int device, const intptr_t *slots,
     return run(*g, device, pack, g->n, workspace, stream, Via::kCachedPack, derived ? &index : nullptr);
 }
 
-// The benchmark hooks of bench.h.
-#include "bench.inc"
+// ---- the benchmark hooks of bench.h, beside the execute they time (execute, run) and
+// the frontend calls they time it against.
+
+namespace bench {
+
+uint64_t graph_slots(const Graph *g) { return g == nullptr ? 0u : g->slots; }
+
+bool direct_launch(const Graph *g) { return g != nullptr && g->direct.usable; }
+
+void pack_counts(uint64_t *hits, uint64_t *misses, uint64_t *replays) {
+    *hits    = thread_packs().hits;
+    *misses  = thread_packs().misses;
+    *replays = thread_packs().replays;
+}
+
+Status time_execute(const Graph *g, Direction dir, int device, const intptr_t *slots, intptr_t workspace,
+                    intptr_t stream, Mode mode, int iters, int layers, int64_t layer_bytes, double *seconds) {
+    if (g == nullptr || g->dir != dir || iters < 1 || layers < 1 || layer_bytes < 0) {
+        return error(Code::kInvalidArgument,
+                     "time_execute: no graph of that direction, or iters < 1, layers < 1 or layer_bytes < 0");
+    }
+    // Each layer's pointers, made before the clock starts: the graph's device tensors
+    // moved by layer_bytes per layer (host values stay), and in uid order for the
+    // frontend's execute.
+    std::vector<intptr_t> sets(static_cast<size_t>(layers) * kNumSlots);
+    std::vector<void *> packs(static_cast<size_t>(layers) * kNumSlots);
+    const uint64_t moved = g->slots & ~g->by_value;
+    for (int l = 0; l < layers; ++l) {
+        intptr_t *set = &sets[static_cast<size_t>(l) * kNumSlots];
+        for (int s = 0; s < kNumSlots; ++s) {
+            set[s] = slots[s] + ((moved >> s) & 1 ? static_cast<intptr_t>(l * layer_bytes) : 0);
+        }
+        for (int i = 0; i < g->n; ++i) packs[static_cast<size_t>(l) * kNumSlots + i] = reinterpret_cast<void *>(set[g->order[i]]);
+    }
+    auto layer_slots = [&](int i) { return &sets[static_cast<size_t>(i % layers) * kNumSlots]; };
+    auto layer_pack  = [&](int i) { return &packs[static_cast<size_t>(i % layers) * kNumSlots]; };
+    if (mode == Mode::kFastattn || mode == Mode::kFastattnPacksOnly) {
+        ReplaysOff off(mode == Mode::kFastattnPacksOnly);
+        auto t0 = std::chrono::steady_clock::now();
+        for (int i = 0; i < iters; ++i) FA_RETURN_IF_ERROR(execute(g, dir, device, layer_slots(i), workspace, stream));
+        *seconds = ms_since(t0) / 1000.0;
+        return {};
+    }
+    if (mode == Mode::kFrontendSortedPreamble) {
+        auto t0 = std::chrono::steady_clock::now();
+        for (int i = 0; i < iters; ++i) {
+            FA_RETURN_IF_ERROR(run(*g, device, layer_pack(i), g->n, workspace, stream, Via::kFrontend));
+        }
+        *seconds = ms_since(t0) / 1000.0;
+        return {};
+    }
+    return guarded(Code::kCudnnError, "time_execute", [&]() -> Status {
+        LaunchScope scope(device, stream);
+        FA_RETURN_IF_ERROR(scope.status());
+        const cudnnHandle_t h = scope.handle();
+        auto ws = reinterpret_cast<void *>(workspace);
+        auto t0 = std::chrono::steady_clock::now();
+        for (int i = 0; i < iters; ++i) {
+            void **pack = layer_pack(i);
+            fe::error_t e;
+            if (mode == Mode::kFrontendSorted) {
+                e = g->g->execute(h, pack, g->n, ws);
+            } else {
+                std::unordered_map<int64_t, void *> by_uid;
+                for (int j = 0; j < g->n; ++j) by_uid.emplace(uid(static_cast<Slot>(g->order[j])), pack[j]);
+                e = g->g->execute(h, by_uid, ws);
+            }
+            if (e.is_bad()) return error(Code::kCudnnError, "execute: " + e.err_msg);
+        }
+        *seconds = ms_since(t0) / 1000.0;
+        return {};
+    });
+}
+
+}  // namespace bench
 
 }  // namespace fastattn

@@ -1,12 +1,27 @@
-// Config -> cudnn-frontend graph, forward and backward: the graph builders of
-// attention.cpp, kept in their own file for size. Not a header of its own: textually
-// part of attention.cpp (the one translation unit that includes cudnn-frontend),
-// included inside its anonymous namespace after the slot table (kSlots, uid, bit),
-// which it uses. Include nowhere else.
+// Config -> cudnn-frontend graph, forward and backward: the 16-bit builders
+// (make_forward_graph, make_backward_graph over make_common) and the pieces the FP8 ones
+// (graphs_fp8.h) share; attention.cpp's make_graph picks between them. Includes
+// cudnn-frontend: for attention.cpp alone (the one translation unit that does).
+#pragma once
 
-std::vector<int64_t> strides(const int64_t s[4]) { return {s[0], s[1], s[2], s[3]}; }
+#include <cudnn_frontend.h>
 
-fe::DataType_t fe_type(DType t) {
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <type_traits>
+#include <vector>
+
+#include "fastattn.h"
+#include "slots.h"
+
+namespace fastattn::detail {
+
+namespace fe = cudnn_frontend;
+
+inline std::vector<int64_t> strides(const int64_t s[4]) { return {s[0], s[1], s[2], s[3]}; }
+
+inline fe::DataType_t fe_type(DType t) {
     switch (t) {
         case DType::kBf16: return fe::DataType_t::BFLOAT16;
         case DType::kFp8E4m3: return fe::DataType_t::FP8_E4M3;
@@ -17,7 +32,7 @@ fe::DataType_t fe_type(DType t) {
 
 using TensorPtr = std::shared_ptr<fe::graph::Tensor_attributes>;
 
-TensorPtr input(fe::graph::Graph &g, Slot slot, std::vector<int64_t> dims, std::vector<int64_t> stride) {
+inline TensorPtr input(fe::graph::Graph &g, Slot slot, std::vector<int64_t> dims, std::vector<int64_t> stride) {
     return g.tensor(fe::graph::Tensor_attributes()
                         .set_name(kSlots[slot].name)
                         .set_uid(uid(slot))
@@ -26,13 +41,13 @@ TensorPtr input(fe::graph::Graph &g, Slot slot, std::vector<int64_t> dims, std::
 }
 
 // Per-sequence lengths and ragged offsets: int32 columns of n entries.
-TensorPtr index_input(fe::graph::Graph &g, Slot slot, int64_t n) {
+inline TensorPtr index_input(fe::graph::Graph &g, Slot slot, int64_t n) {
     auto t = input(g, slot, {n, 1, 1, 1}, {1, 1, 1, 1});
     t->set_data_type(fe::DataType_t::INT32);
     return t;
 }
 
-void set_output(const TensorPtr &t, Slot slot, std::vector<int64_t> dims, std::vector<int64_t> stride) {
+inline void set_output(const TensorPtr &t, Slot slot, std::vector<int64_t> dims, std::vector<int64_t> stride) {
     t->set_output(true).set_name(kSlots[slot].name).set_uid(uid(slot)).set_dim(dims).set_stride(stride);
 }
 
@@ -67,7 +82,7 @@ struct Common {
     TensorPtr q, k, v, seq_len_q, seq_len_kv, ragged[4], ragged_stats, bias, seed, offset, sink;
 };
 
-Common make_common(const Config &c) {
+inline Common make_common(const Config &c) {
     Common m;
     m.g = std::make_shared<fe::graph::Graph>();
     auto &g = *m.g;
@@ -138,7 +153,7 @@ void apply_features(const Config &c, const Common &m, Attributes &a) {
 
 // A paged KV cache's page tables (forward only; SDPA_attributes, which the FP8
 // forward shares).
-void apply_paging(const Config &c, fe::graph::Graph &g, fe::graph::SDPA_attributes &a) {
+inline void apply_paging(const Config &c, fe::graph::Graph &g, fe::graph::SDPA_attributes &a) {
     if (c.page_size == 0) return;
     const int64_t pages = (c.seqlen_kv + c.page_size - 1) / c.page_size;
     auto table_k        = input(g, kSlotPageTableK, {c.batch, 1, pages, 1}, {pages, pages, 1, 1});
@@ -205,7 +220,7 @@ void apply_scores(const Config &c, const Common &m, Attributes &a) {
     }
 }
 
-std::shared_ptr<fe::graph::Graph> make_forward_graph(const Config &c) {
+inline std::shared_ptr<fe::graph::Graph> make_forward_graph(const Config &c) {
     Common m = make_common(c);
     auto &g  = *m.g;
     auto a   = fe::graph::SDPA_attributes().set_name("sdpa").set_generate_stats(c.training).set_attn_scale(c.scale);
@@ -223,7 +238,7 @@ std::shared_ptr<fe::graph::Graph> make_forward_graph(const Config &c) {
     return m.g;
 }
 
-std::shared_ptr<fe::graph::Graph> make_backward_graph(const Config &c) {
+inline std::shared_ptr<fe::graph::Graph> make_backward_graph(const Config &c) {
     Common m   = make_common(c);
     auto &g    = *m.g;
     auto o     = input(g, kSlotO, m.o_dims, strides(c.o_stride));
@@ -259,43 +274,4 @@ std::shared_ptr<fe::graph::Graph> make_backward_graph(const Config &c) {
     return m.g;
 }
 
-// In graphs_fp8.inc.
-std::shared_ptr<fe::graph::Graph> make_fp8_forward_graph(const Config &c);
-std::shared_ptr<fe::graph::Graph> make_fp8_backward_graph(const Config &c);
-
-// The one function that turns a config into a cuDNN graph: build, probe and warm all
-// come through here, so a probed graph is the graph that runs.
-std::shared_ptr<fe::graph::Graph> make_graph(const Config &c, Direction dir) {
-    if (is_fp8(c.dtype)) return dir == Direction::kForward ? make_fp8_forward_graph(c) : make_fp8_backward_graph(c);
-    return dir == Direction::kForward ? make_forward_graph(c) : make_backward_graph(c);
-}
-
-// The slots a graph of this config and direction takes at execute.
-uint64_t slot_mask(const Config &c, Direction dir) {
-    const bool backward = dir == Direction::kBackward;
-    uint64_t m          = bit(kSlotQ) | bit(kSlotK) | bit(kSlotV) | bit(kSlotO);
-    if (backward) {
-        m |= bit(kSlotStats) | bit(kSlotDO) | bit(kSlotDQ) | bit(kSlotDK) | bit(kSlotDV);
-    } else if (c.training) {
-        m |= bit(kSlotStats);
-    }
-    if (c.padding) m |= bit(kSlotSeqLenQ) | bit(kSlotSeqLenKV);
-    if (c.ragged) m |= bit(kSlotRaggedQ) | bit(kSlotRaggedK) | bit(kSlotRaggedV) | bit(kSlotRaggedO);
-    if (c.ragged && c.training) m |= bit(kSlotRaggedStats);
-    if (c.bias_batch > 0) m |= bit(kSlotBias);
-    if (backward && c.bias_grad) m |= bit(kSlotDBias);
-    if (c.dropout > 0.0f) m |= bit(kSlotSeed) | bit(kSlotOffset);
-    if (c.sinks) m |= bit(kSlotSink) | (backward ? bit(kSlotDSink) : 0u);
-    if (!backward && c.page_size > 0) m |= bit(kSlotPageTableK) | bit(kSlotPageTableV);
-    if (is_fp8(c.dtype)) {
-        m |= bit(kSlotDescaleQ) | bit(kSlotDescaleK) | bit(kSlotDescaleV) | bit(kSlotDescaleS) | bit(kSlotScaleS);
-        if (backward) {
-            m |= bit(kSlotDescaleO) | bit(kSlotDescaleDO) | bit(kSlotDescaleDP) | bit(kSlotScaleDQ) |
-                 bit(kSlotScaleDK) | bit(kSlotScaleDV) | bit(kSlotScaleDP) | bit(kSlotAmaxDQ) | bit(kSlotAmaxDK) |
-                 bit(kSlotAmaxDV) | bit(kSlotAmaxDP);
-        } else {
-            m |= bit(kSlotScaleO) | bit(kSlotAmaxS) | bit(kSlotAmaxO);
-        }
-    }
-    return m;
-}
+}  // namespace fastattn::detail

@@ -1,5 +1,7 @@
-// Included by attention.cpp: a launch that repeats, made cheap. Cached variant packs,
-// then CUDA graph replays.
+// A launch that repeats, made cheap: cached variant packs, then CUDA graph replays.
+// Includes cudnn-frontend (its backend shims and graph internals): for attention.cpp
+// alone. Not for two translation units: the explicit instantiations below may appear
+// once in a program.
 //
 // cudnn-frontend's execute creates, fills, finalizes and destroys a cuDNN variant
 // pack descriptor on every call (plans.h detail::execute: six backend calls around
@@ -20,7 +22,7 @@
 // data behind the same pointers is read (tests/attention/test_packs_gpu.py). A stream that is
 // being captured (the caller's own CUDA graph) gets cuDNN's execute, which its capture
 // records. A ragged launch given cumulative lengths captures and replays the index
-// kernel (ragged.inc) with it, and its key includes the lengths' pointers.
+// kernel (ragged.h) with it, and its key includes the lengths' pointers.
 //
 // A launch here does what the frontend's execute_plan_at_index does for a plan of
 // cuDNN's own engines, and nothing else: the pass-by-value scalars and the workspace
@@ -29,6 +31,28 @@
 // zero memory per call, pointer replacements, the frontend's own OSS engines, host
 // values read per call, tensor dumps) keeps the frontend's execute: capture_direct
 // leaves it unusable.
+
+#pragma once
+
+#include <cudnn_frontend.h>
+
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <tuple>
+#include <unordered_map>
+#include <vector>
+
+#include "device.h"
+#include "fastattn.h"
+#include "graph_state.h"
+#include "handles.h"
+#include "ragged.h"
+#include "status.h"
+
+namespace fastattn::detail {
 
 // Three things execute needs are not public in the frontend: its share of the
 // workspace, its per-call workspace edits (private to fe::graph::Graph) and the plan
@@ -61,13 +85,13 @@ template struct Expose<FePlans, &fe::ICudnn::plans>;
 // A workspace edit of this kind only places a tensor in the workspace; the others
 // (0: copy host values in, 1: zero it) are per-call work of the frontend's
 // run_auxiliary_kernels (graph_interface.h).
-constexpr int64_t kEditPlaceOnly = 2;
+inline constexpr int64_t kEditPlaceOnly = 2;
 
-std::atomic<uint64_t> g_next_serial{1};
+inline std::atomic<uint64_t> g_next_serial{1};
 
 // Fills graph.direct from its frontend graph, once its plan is chosen and its
 // variant-pack template prepared. Leaves it unusable where a launch needs more.
-void capture_direct(Graph &graph) {
+inline void capture_direct(Graph &graph) {
     DirectLaunch d;
     d.serial = g_next_serial.fetch_add(1, std::memory_order_relaxed);
     fe::graph::Graph &g = *graph.g;
@@ -170,10 +194,8 @@ class PackCache {
 
     uint64_t hits = 0, misses = 0, replays = 0;
 
-
    private:
     static constexpr int kSetBits = 6, kWays = 4;
-
 
     // What the frontend's execute_plan_at_index and create_variant_pack do, kept.
     static Status make_pack(const DirectLaunch &d, void *const *user, void *workspace, cudnnBackendDescriptor_t *out) {
@@ -225,16 +247,15 @@ class PackCache {
 };
 
 // The calling thread's packs, made on its first launch and destroyed when it exits.
-PackCache &thread_packs() {
+inline PackCache &thread_packs() {
     thread_local std::unique_ptr<PackCache> packs;
     if (!packs) packs = std::make_unique<PackCache>();
     return *packs;
 }
 
-
-// Set by the benchmark hook (bench.inc, kFastattnPacksOnly) to time this thread's
+// Set by the benchmark hook (attention.cpp's time_execute, kFastattnPacksOnly) to time this thread's
 // launches through their packs alone; never set in production.
-thread_local bool t_replays_off = false;
+inline thread_local bool t_replays_off = false;
 
 class ReplaysOff {
    public:
@@ -249,12 +270,12 @@ class ReplaysOff {
 // replayed from then on: a graph launch costs the host less than cuDNN's execute,
 // and pointers that repeat this often will repeat again. A one-off call is never
 // captured (a capture and an instantiation cost far more than a launch).
-constexpr uint32_t kReplayAfter = 3;
+inline constexpr uint32_t kReplayAfter = 3;
 
 // Captures the launch of e's pack on a stream of this thread's (the handle rebound
 // to it and back), for replay on any stream. A launch cuDNN does not let a capture
 // record leaves e without a replay, for good.
-void capture_replay(const Graph &g, cudnnHandle_t handle, int device, intptr_t stream, const IndexLaunch *index,
+inline void capture_replay(const Graph &g, cudnnHandle_t handle, int device, intptr_t stream, const IndexLaunch *index,
                     PackCache::Entry &e) {
     static BeginCaptureFn *begin    = cudart<BeginCaptureFn>("cudaStreamBeginCapture");
     static EndCaptureFn *end        = cudart<EndCaptureFn>("cudaStreamEndCapture");
@@ -291,7 +312,7 @@ void capture_replay(const Graph &g, cudnnHandle_t handle, int device, intptr_t s
 
 // Launches g (direct.usable) on `handle`, already bound to `stream`. `user`: the
 // caller's g.n pointers in uid order; `index`: its cumulative lengths, if it gave them.
-Status launch_cached(const Graph &g, cudnnHandle_t handle, int device, intptr_t stream, void *const *user,
+inline Status launch_cached(const Graph &g, cudnnHandle_t handle, int device, intptr_t stream, void *const *user,
                      void *workspace, const IndexLaunch *index) {
     // As the frontend's execute: a thread with no current context (a PyTorch autograd
     // worker that has done no CUDA work) gets the stream's before a driver-API launch.
@@ -330,3 +351,5 @@ Status launch_cached(const Graph &g, cudnnHandle_t handle, int device, intptr_t 
     }
     return {};
 }
+
+}  // namespace fastattn::detail

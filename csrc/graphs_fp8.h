@@ -1,7 +1,7 @@
 // Config -> cudnn-frontend FP8 graph (dtype fp8_e4m3 / fp8_e5m2): sdpa_fp8 forward and
 // sdpa_fp8_backward, with their per-tensor float32 descales, scales and amaxes as
-// slots. Textually part of attention.cpp like graphs.inc (after it: it uses make_common,
-// apply_mask, apply_features, apply_paging); include nowhere else.
+// slots, over graphs.h's make_common, apply_mask, apply_features and apply_paging.
+// Includes cudnn-frontend: for attention.cpp alone.
 //
 // cuDNN decides what combines with FP8 (masks, windows, GQA, padding, ragged, paged,
 // dropout, sinks, output dtypes): these builders pass every feature the frontend's FP8
@@ -9,23 +9,37 @@
 // the frontend's FP8 backward attributes cannot express at all is refused here, with
 // that reason, since building without it would compute a different function.
 
+#pragma once
+
+#include <cudnn_frontend.h>
+
+#include <memory>
+#include <stdexcept>
+#include <string>
+
+#include "fastattn.h"
+#include "graphs.h"
+#include "slots.h"
+
+namespace fastattn::detail {
+
 // A per-tensor float32 scalar, (1, 1, 1, 1): a descale or scale input.
-TensorPtr fp8_scalar(fe::graph::Graph &g, Slot slot) {
+inline TensorPtr fp8_scalar(fe::graph::Graph &g, Slot slot) {
     auto t = input(g, slot, {1, 1, 1, 1}, {1, 1, 1, 1});
     t->set_data_type(fe::DataType_t::FLOAT);
     return t;
 }
 
 // An amax output: the largest |value| of a tensor before its scale, float32 (1, 1, 1, 1).
-void set_amax_output(const TensorPtr &t, Slot slot) {
+inline void set_amax_output(const TensorPtr &t, Slot slot) {
     set_output(t, slot, {1, 1, 1, 1}, {1, 1, 1, 1});
     t->set_data_type(fe::DataType_t::FLOAT);
 }
 
 // Thrown inside make_graph, which build_graph guards as "not supported".
-[[noreturn]] void refuse(const std::string &why) { throw std::invalid_argument(why); }
+[[noreturn]] inline void refuse(const std::string &why) { throw std::invalid_argument(why); }
 
-std::shared_ptr<fe::graph::Graph> make_fp8_forward_graph(const Config &c) {
+inline std::shared_ptr<fe::graph::Graph> make_fp8_forward_graph(const Config &c) {
     if (c.softcap > 0.0f) refuse("softcap: fastattn's FP8 graphs (cudnn-frontend's sdpa_fp8) take no score modifier");
     Common m = make_common(c);
     auto &g  = *m.g;
@@ -61,7 +75,7 @@ std::shared_ptr<fe::graph::Graph> make_fp8_forward_graph(const Config &c) {
     return m.g;
 }
 
-std::shared_ptr<fe::graph::Graph> make_fp8_backward_graph(const Config &c) {
+inline std::shared_ptr<fe::graph::Graph> make_fp8_backward_graph(const Config &c) {
     if (c.softcap > 0.0f) refuse("softcap: fastattn's FP8 graphs (cudnn-frontend's sdpa_fp8) take no score modifier");
     // SDPA_fp8_backward_attributes (1.28) has no ALiBi, no d_bias output and no
     // max_total_seq_len: a graph without them would be another function.
@@ -124,3 +138,5 @@ std::shared_ptr<fe::graph::Graph> make_fp8_backward_graph(const Config &c) {
     set_amax_output(amax_dp, kSlotAmaxDP);
     return m.g;
 }
+
+}  // namespace fastattn::detail

@@ -1,0 +1,97 @@
+// The CUDA runtime calls of device.h that are not inline, and fastattn.h's device
+// queries (device_count, current_device, stream_capturing, device_info). A translation
+// unit of its own: it needs no cudnn-frontend, so it compiles in seconds, beside it.
+#include "device.h"
+
+#include <sstream>
+#include <string>
+
+#include "status.h"
+
+namespace fastattn {
+namespace detail {
+
+Status cuda_failure(cudaError_t err, const char *what) {
+    // A failed runtime call also stays behind as the thread's "last error", which
+    // the next library to check it (PyTorch, after its next kernel launch) would
+    // report as its own failure. The error is ours: clear it.
+    static GetLastErrorFn *clear = cudart<GetLastErrorFn>("cudaGetLastError");
+    (void)clear();
+    static ErrorStringFn *str = cudart<ErrorStringFn>("cudaGetErrorString");
+    std::ostringstream msg;
+    msg << what << " failed: " << str(err) << " (cudaError " << int(err) << ")";
+    if (err == cudaErrorInsufficientDriver || err == cudaErrorNoDevice) {
+        msg << ". fastattn needs an NVIDIA GPU and its driver (libcuda.so.1)";
+    }
+    return error(Code::kCudaError, msg.str());
+}
+
+const char *capture_state(cudaStream_t s) {
+    static IsCapturingFn *is_capturing = cudart<IsCapturingFn>("cudaStreamIsCapturing");
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    if (is_capturing(s, &status) != cudaSuccess) {
+        (void)cudart<GetLastErrorFn>("cudaGetLastError")();
+        return "unknown";
+    }
+    return status == cudaStreamCaptureStatusActive        ? "capturing"
+           : status == cudaStreamCaptureStatusInvalidated ? "capture invalidated"
+                                                          : "not capturing";
+}
+
+}  // namespace detail
+
+using namespace detail;
+
+Status device_count(int *count) {
+    return guarded(Code::kLibraryError, "CUDA runtime", [&]() -> Status {
+        static GetCountFn *fn = cudart<GetCountFn>("cudaGetDeviceCount");
+        *count                = 0;
+        return cuda_status(fn(count), "cudaGetDeviceCount");
+    });
+}
+
+Status current_device(int *device) {
+    return guarded(Code::kLibraryError, "CUDA runtime", [&]() -> Status {
+        static GetDeviceFn *fn = cudart<GetDeviceFn>("cudaGetDevice");
+        return cuda_status(fn(device), "cudaGetDevice");
+    });
+}
+
+Status stream_capturing(intptr_t stream, bool *capturing) {
+    return guarded(Code::kLibraryError, "CUDA runtime", [&]() -> Status {
+        static IsCapturingFn *fn      = cudart<IsCapturingFn>("cudaStreamIsCapturing");
+        cudaStreamCaptureStatus state = cudaStreamCaptureStatusNone;
+        FA_RETURN_IF_ERROR(cuda_status(fn(reinterpret_cast<cudaStream_t>(stream), &state), "cudaStreamIsCapturing"));
+        *capturing = state != cudaStreamCaptureStatusNone;
+        return {};
+    });
+}
+
+Status device_info(int device, DeviceInfo *out) {
+    return guarded(Code::kLibraryError, "CUDA runtime", [&]() -> Status {
+        static AttributeFn *attr = cudart<AttributeFn>("cudaDeviceGetAttribute");
+        static VersionFn *drv    = cudart<VersionFn>("cudaDriverGetVersion");
+        static VersionFn *rt     = cudart<VersionFn>("cudaRuntimeGetVersion");
+        FA_RETURN_IF_ERROR(cuda_status(attr(&out->major, cudaDevAttrComputeCapabilityMajor, device),
+                                       "cudaDeviceGetAttribute"));
+        FA_RETURN_IF_ERROR(cuda_status(attr(&out->minor, cudaDevAttrComputeCapabilityMinor, device),
+                                       "cudaDeviceGetAttribute"));
+        FA_RETURN_IF_ERROR(cuda_status(attr(&out->sm_count, cudaDevAttrMultiProcessorCount, device),
+                                       "cudaDeviceGetAttribute"));
+        FA_RETURN_IF_ERROR(cuda_status(drv(&out->driver_version), "cudaDriverGetVersion"));
+        FA_RETURN_IF_ERROR(cuda_status(rt(&out->runtime_version), "cudaRuntimeGetVersion"));
+        // The device name is the driver's: cudaDeviceProp's layout changes between
+        // CUDA releases, cuDeviceGetName's signature does not.
+        auto get_dev  = reinterpret_cast<DeviceGetFn *>(cuda_symbol(CudaLibrary::kDriver, "cuDeviceGet"));
+        auto get_name = reinterpret_cast<DeviceGetNameFn *>(cuda_symbol(CudaLibrary::kDriver, "cuDeviceGetName"));
+        CUdevice dev;
+        char name[256] = {};
+        if (get_dev(&dev, device) != CUDA_SUCCESS || get_name(name, sizeof(name) - 1, dev) != CUDA_SUCCESS) {
+            return error(Code::kCudaError, "cuDeviceGetName failed for device " + std::to_string(device));
+        }
+        out->name = name;
+        return {};
+    });
+}
+
+}  // namespace fastattn
