@@ -1,4 +1,4 @@
-"""Where fastattn.torch's op library (fastattn/torch/csrc/ops.cpp) is built, computed
+"""Where fastattn.torch's op library (fastattn/torch/csrc/) is built, computed
 without importing torch: `fastattn warm` asks whether it is built already before it
 decides to import torch (seconds) and run a compiler. fastattn.torch._native builds and
 loads it; both name it through this module.
@@ -14,11 +14,19 @@ from pathlib import Path
 from ._version import __version__
 
 _TORCH_DIR = Path(__file__).resolve().parent / "torch"
-SOURCES = (_TORCH_DIR / "csrc" / "ops.cpp",)
+_CSRC = _TORCH_DIR / "csrc"
+# The library's sources (fastattn/torch/csrc/ops.h says what each holds), each with its
+# own includes, and how they are batched into translation units, which compile in
+# parallel and are then linked. Two units, because torch's headers dominate: a unit that
+# includes them costs 5-10 s before its first line, so on two cores the sources
+# batched by the headers they share (Python's and pybind11's; autograd's) build faster
+# than one unit or five (docs/history/benchmarks-log.md, "Session 12: build times").
+UNITS = (("ops.cpp", "eager.cpp"), ("dense.cpp", "varlen.cpp", "table.cpp"))
+SOURCES = tuple(_CSRC / name for unit in UNITS for name in unit)
 INCLUDE = Path(__file__).resolve().parent / "include"
-# ops.cpp's included files: every .inc beside it, so that a new one is part of the tag
-# unasked, and the options' declaration its generated header comes from (_options.py).
-HEADERS = (INCLUDE / "fastattn_abi.h", *sorted((_TORCH_DIR / "csrc").glob("*.inc")), _TORCH_DIR / "_options.py")
+# The sources' included files: every header beside them, so that a new one is part of the
+# tag unasked, and the options' declaration the generated header comes from (_options.py).
+HEADERS = (INCLUDE / "fastattn_abi.h", *sorted(_CSRC.glob("*.h")), _TORCH_DIR / "_options.py")
 
 
 def tag(torch_version: str, cxx11_abi: int) -> str:

@@ -1,5 +1,5 @@
 """The native path of fastattn.torch: finding, building and loading the C++ op library
-(fastattn/torch/csrc/ops.cpp), and the Python miss handler it calls.
+(fastattn/torch/csrc/: ops.h lists its units), and the Python miss handler it calls.
 
 Which path runs is chosen once per process, by FASTATTN_TORCH_PATH:
   auto (default): the native path where the library is built (by `fastattn warm`) and
@@ -9,7 +9,7 @@ Which path runs is chosen once per process, by FASTATTN_TORCH_PATH:
   python: the Python path, the library is never built.
 
 The library is compiled against the torch that is imported, by the C++ compiler
-(CXX, else c++), into the cache directory under a tag of the fastattn version, the
+(CXX, else c++; its units in parallel, one per core, then linked), into the cache directory under a tag of the fastattn version, the
 torch version, its C++ ABI, the Python version and a hash of the sources (_opslib), so
 an upgrade of any of them builds anew and never loads a stale library. Builds are
 serialized by a flock (the kernel drops it when its holder dies, so a crashed build
@@ -34,7 +34,7 @@ import warnings
 from pathlib import Path
 
 from .. import _opslib, env as _env
-from .._opslib import INCLUDE, SOURCES, build_root  # noqa: F401 - build_root: what tests and tools ask
+from .._opslib import INCLUDE, SOURCES, UNITS, build_root  # noqa: F401 - build_root, SOURCES: what tests and tools ask
 from ..errors import InvalidArgumentError
 
 ENV = "FASTATTN_TORCH_PATH"
@@ -52,10 +52,10 @@ _state: dict = {}  # "lib": the loaded module or None, "reason": why this path, 
 # records. Module globals, so that an entry point reads its op in one lookup.
 UNDECIDED = object()
 DENSE = VARLEN = PAGED = UNDECIDED
-# attention()'s own 17 arguments, read in C (eager.inc's call): the first thing a call
+# attention()'s own 17 arguments, read in C (eager.cpp's call): the first thing a call
 # outside torch.compile tries. None until the native path is decided (the Python body
 # decides it), and on the Python path. CALL_VARLEN: attention_varlen()'s 16
-# (eager_varlen.inc), likewise.
+# (eager.cpp's call_varlen), likewise.
 CALL = CALL_VARLEN = None
 
 
@@ -71,28 +71,65 @@ def tag() -> str:
     return _opslib.tag(torch.__version__, int(torch._C._GLIBCXX_USE_CXX11_ABI))
 
 
-def compile_command(output: Path, name: str, generated: Path) -> list[str]:
-    """The compiler line: torch's include and library dirs, its C++ ABI, C++20 (what
-    torch's own extensions use), a shared libstdc++; `generated` holds the headers
-    generated for this build (write_generated)."""
-    import torch
+def compile_command(source: Path, output: Path, name: str, generated: Path) -> list[str]:
+    """The compiler line of one translation unit: torch's include dirs, its C++ ABI, C++20
+    (what torch's own extensions use); `generated` holds the headers generated for this
+    build (write_generated)."""
     from torch.utils import cpp_extension
 
     cxx = shlex.split(os.environ.get("CXX", "c++"))
     includes = [*cpp_extension.include_paths(), sysconfig.get_paths()["include"], str(INCLUDE), str(generated)]
-    lib_dir = os.path.join(os.path.dirname(torch.__file__), "lib")
-    return [*cxx, "-shared", "-fPIC", "-O2", "-std=c++20", "-fvisibility=hidden", "-w",
-            f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+    return [*cxx, "-c", "-fPIC", "-O2", "-std=c++20", "-fvisibility=hidden", "-w",
+            f"-D_GLIBCXX_USE_CXX11_ABI={int(_torch()._C._GLIBCXX_USE_CXX11_ABI)}",
             "-DTORCH_API_INCLUDE_EXTENSION_H", f"-DTORCH_EXTENSION_NAME={name}",
-            *(f"-I{d}" for d in includes), *(str(s) for s in SOURCES),
+            *(f"-I{d}" for d in includes), str(source), "-o", str(output)]
+
+
+def link_command(objects: list[Path], output: Path) -> list[str]:
+    """The linker line: the units' objects against torch's libraries, a shared libstdc++."""
+    cxx = shlex.split(os.environ.get("CXX", "c++"))
+    lib_dir = os.path.join(os.path.dirname(_torch().__file__), "lib")
+    return [*cxx, "-shared", "-fPIC", *(str(o) for o in objects),
             f"-L{lib_dir}", "-lc10", "-ltorch", "-ltorch_cpu", "-ltorch_python", f"-Wl,-rpath,{lib_dir}",
             "-o", str(output)]
 
 
+def _torch():
+    import torch
+
+    return torch
+
+
+def _workers() -> int:
+    """The cores this process may use: the units compile in parallel, at most one per core
+    (each compiler takes ~0.5-1.5 GB)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def _run(cmd: list[str]) -> tuple[subprocess.CompletedProcess, float]:
+    t0 = time.perf_counter()
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True)
+    except FileNotFoundError:
+        raise RuntimeError(f"no C++ compiler: CXX={cmd[0]!r} not found") from None
+    return done, time.perf_counter() - t0
+
+
+def _failure(what: str, done: subprocess.CompletedProcess) -> RuntimeError:
+    tail = (done.stderr or done.stdout).strip()[-2000:]
+    return RuntimeError(f"{what} failed (exit {done.returncode}): {tail}")
+
+
 def build(root: Path | None = None) -> Path:
     """The library for this torch, built into root (default: the cache directory) unless
-    it is there already. Raises RuntimeError with the compiler's output when it fails."""
+    it is there already: its translation units (UNITS) compiled in parallel, then linked. Raises
+    RuntimeError with the compiler's output when it fails."""
     import fcntl
+    import shutil
+    from concurrent.futures import ThreadPoolExecutor
 
     target = library_path(root)
     folder, name = target.parent, target.name.split(".")[0]
@@ -105,23 +142,40 @@ def build(root: Path | None = None) -> Path:
             return target
         fd, tmp = tempfile.mkstemp(dir=folder, suffix=".so.tmp")
         os.close(fd)
+        objects = Path(tempfile.mkdtemp(dir=folder, prefix="objects."))
         try:
             generated = write_generated(folder / "generated")
-            cmd = compile_command(Path(tmp), name, generated)
+            units = [write_unit(objects, i, names) for i, names in enumerate(UNITS)]
+            commands = [compile_command(unit, unit.with_suffix(".o"), name, generated) for unit in units]
             t0 = time.perf_counter()
-            try:
-                done = subprocess.run(cmd, capture_output=True, text=True)
-            except FileNotFoundError:
-                raise RuntimeError(f"no C++ compiler: CXX={cmd[0]!r} not found") from None
+            with ThreadPoolExecutor(max_workers=max(1, min(len(units), _workers()))) as pool:
+                results = list(pool.map(_run, commands))
+            for names, (done, _) in zip(UNITS, results):
+                if done.returncode != 0:
+                    raise _failure(f"compiling {' + '.join(names)}", done)
+            link = link_command([unit.with_suffix(".o") for unit in units], Path(tmp))
+            done, link_s = _run(link)
             if done.returncode != 0:
-                tail = (done.stderr or done.stdout).strip()[-2000:]
-                raise RuntimeError(f"compiling {SOURCES[0].name} failed (exit {done.returncode}): {tail}")
-            (folder / "build.log").write_text(f"{shlex.join(cmd)}\n{time.perf_counter() - t0:.1f} s\n")
+                raise _failure(f"linking {target.name}", done)
+            log = [f"{shlex.join(cmd)}\n{took:.1f} s" for cmd, (_, took) in zip(commands, results)]
+            log.append(f"{shlex.join(link)}\n{link_s:.1f} s")
+            log.append(f"total {time.perf_counter() - t0:.1f} s")
+            (folder / "build.log").write_text("\n".join(log) + "\n")
             os.replace(tmp, target)  # atomic: a reader sees no library or a whole one
         finally:
+            shutil.rmtree(objects, ignore_errors=True)
             if os.path.exists(tmp):
                 os.unlink(tmp)
     return target
+
+
+def write_unit(folder: Path, index: int, names: tuple[str, ...]) -> Path:
+    """Translation unit `index`: its sources (UNITS[index]) included one after the other,
+    as CMake's unity builds batch them."""
+    path = folder / f"unit{index}.cpp"
+    path.write_text("// Generated by fastattn.torch._native: one translation unit of the op library.\n"
+                    + "".join(f'#include "{SOURCES[0].parent / n}"\n' for n in names))
+    return path
 
 
 def write_generated(folder: Path) -> Path:

@@ -111,10 +111,11 @@ def cpp_header() -> str:
     struct's fields as arguments), _WORDS(key, o) (push each option's key word),
     _TUPLE(o) (the miss handler's Python tuple), _COUNT, for ops without str options
     _SAVE(map, o) and _LOAD(map) (an autograd Function's saved_data), and the struct
-    <Op>Options. Expects
-    fa_choice and fa_bits to be defined before it is included (ops.cpp)."""
+    <Op>Options, in namespace fastattn::ops. The macros expect fa_choice and fa_bits
+    (ops.h) where they are expanded."""
     out = ["// Generated from fastattn/torch/_options.py by fastattn.torch._native at build time: do not edit.",
-           "#pragma once", ""]
+           "#pragma once", "", "#include <c10/util/string_view.h>", "", "#include <cstdint>", "",
+           "namespace fastattn::ops {", ""]
     for op, options in OPS.items():
         up, camel = op.upper(), op.capitalize()
         names = [o.name for o in options]
@@ -137,4 +138,5 @@ def cpp_header() -> str:
         out.extend(f"    {_CPP[o.kind]} {o.name};  // {o.doc}" for o in options)
         out.append("};")
         out.append("")
-    return "\n".join(out)
+    out.append("}  // namespace fastattn::ops")
+    return "\n".join(out) + "\n"

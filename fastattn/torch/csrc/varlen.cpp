@@ -1,10 +1,34 @@
-// attention_varlen's ops (included by ops.cpp, inside its anonymous namespace: one
-// translation unit, one build): packed sequences (tokens, heads, dim) with cumulative
-// lengths, the C++ twin of fastattn/torch/_varlen.py. A plan is keyed by the tensors'
-// shapes past the token count, their strides, the batch size and the options (whose
-// max_q and max_kv are already bucketed by attention_varlen), never by the token count.
+// attention_varlen's ops: packed sequences (tokens, heads, dim) with cumulative
+// lengths, the C++ twin of fastattn/torch/_varlen.py; and attention_paged's op: forward
+// against a paged KV cache, the twin of fastattn/torch/_paged.py. The same plan table,
+// run and conventions as attention()'s (dense.cpp). A varlen plan is keyed by the
+// tensors' shapes past the token count, their strides, the batch size and the options
+// (whose max_q and max_kv are already bucketed by attention_varlen), never by the token
+// count. cuDNN has no paged backward, so paged has no autograd: its Autograd key falls
+// through (ops.cpp).
+#include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/full.h>
+#include <ATen/ops/zeros.h>
+#include <c10/core/SymInt.h>
+#include <torch/csrc/autograd/custom_function.h>
 
+#include <tuple>
+#include <vector>
+
+#include "ops.h"
+
+namespace fastattn::ops {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// ---- attention_varlen -------------------------------------------------------------------------
 // Its options: FA_VARLEN_PARAMS, _ARGS, _SCHEMA, VarlenOptions (fastattn_options.h).
+
+namespace {
 
 void put_packed(std::vector<int64_t> &key, const Tensor &t) {
     key.push_back(static_cast<int64_t>(t.scalar_type()));
@@ -28,13 +52,11 @@ const Entry &find_varlen_plan(int direction, const Tensor &q, const Tensor &k, c
     key.push_back(given(rng));
     const VarlenOptions opt{FA_VARLEN_ARGS};
     FA_VARLEN_WORDS(key, opt);
-    return lookup(key, [&](const py::object &handler) {
-        return handler(static_cast<int64_t>(kVarlen), direction, q, k, v, cu_q.size(0) - 1, FA_VARLEN_TUPLE(opt));
-    });
+    return lookup(key, [&] { return miss_varlen(direction, q, k, v, cu_q.size(0) - 1, opt); });
 }
 
 // The launch's cumulative lengths (the plan derives cuDNN's lengths and offsets from
-// them in its own kernel: _core's csrc/ragged.inc) and dropout's Philox seed and offset.
+// them in its own kernel: _core's csrc/ragged.h) and dropout's Philox seed and offset.
 // The index kernel reads them as contiguous int32 arrays of batch + 1 on q's device:
 // attention_varlen checks that first, and so does this, for callers of the ops.
 void check_cumulative(const Tensor &cu, const char *name, const Tensor &q) {
@@ -56,6 +78,8 @@ void put_cumulative(intptr_t *slots, const Tensor &q, const Tensor &cu_q, const 
         slots[FASTATTN_SLOT_OFFSET] = ptr(rng) + 16;
     }
 }
+
+}  // namespace
 
 std::tuple<Tensor, Tensor> varlen_forward_cuda(const Tensor &q, const Tensor &k, const Tensor &v, const Tensor &cu_q,
                                                const Tensor &cu_kv, const OptTensor &rng, FA_VARLEN_PARAMS) {
@@ -122,6 +146,8 @@ std::tuple<Tensor, Tensor, Tensor> varlen_backward_cpu(const Tensor &, const Ten
     cpu_error(q);
 }
 
+namespace {
+
 // The C++ twin of _varlen.RULE: gradients for q, k, v; none for cu_q, cu_kv and the options.
 struct VarlenFunction : torch::autograd::Function<VarlenFunction> {
     static variable_list forward(AutogradContext *ctx, const Tensor &q, const Tensor &k, const Tensor &v,
@@ -158,6 +184,8 @@ struct VarlenFunction : torch::autograd::Function<VarlenFunction> {
     }
 };
 
+}  // namespace
+
 std::tuple<Tensor, Tensor> varlen_forward_autograd(const Tensor &q, const Tensor &k, const Tensor &v,
                                                    const Tensor &cu_q, const Tensor &cu_kv, const OptTensor &rng,
                                                    FA_VARLEN_PARAMS) {
@@ -171,3 +199,56 @@ std::tuple<Tensor, Tensor> varlen_forward_autograd(const Tensor &q, const Tensor
     auto out = VarlenFunction::apply(q, k, v, cu_q, cu_kv, rng, FA_VARLEN_ARGS);
     return {out[0], out[1]};
 }
+
+// ---- attention_paged ---------------------------------------------------------------------------
+// Its options: FA_PAGED_PARAMS, _ARGS, _SCHEMA, PagedOptions (fastattn_options.h).
+
+Tensor paged_forward_cuda(const Tensor &q, const Tensor &k_cache, const Tensor &v_cache, const Tensor &table,
+                          const Tensor &cache_seqlens, const OptTensor &seq_lens_q, FA_PAGED_PARAMS) {
+    thread_local std::vector<int64_t> key;  // everything _paged.plan_for's key holds
+    key.clear();
+    key.push_back(kPaged);
+    key.push_back(FASTATTN_FORWARD);
+    put_tensor(key, q);
+    put_tensor(key, k_cache);
+    put_tensor(key, v_cache);
+    put_tensor(key, table);
+    put_tensor(key, cache_seqlens);
+    put_optional(key, seq_lens_q);
+    const PagedOptions opt{FA_PAGED_ARGS};
+    FA_PAGED_WORDS(key, opt);
+    const Entry &e =
+        lookup(key, [&] { return miss_paged(q, k_cache, v_cache, table, seq_lens_q, cache_seqlens, opt); });
+    std::vector<int64_t> shape(q.sizes().begin(), q.sizes().end());
+    shape[3] = v_cache.size(3);
+    // Rows past a query length are zero (see forward_cuda). Without lengths, every
+    // query counts: a tensor of seqlen_q per sequence (made per call, so that one made
+    // inside a CUDA graph capture is filled by the graph itself).
+    Tensor o = given(seq_lens_q) ? at::zeros(shape, q.options()) : at::empty(shape, q.options());
+    Tensor lengths = given(seq_lens_q) ? *seq_lens_q : at::full({q.size(0)}, q.size(1), q.options().dtype(at::kInt));
+    intptr_t slots[FASTATTN_NUM_SLOTS] = {};
+    slots[FASTATTN_SLOT_Q] = ptr(q);
+    slots[FASTATTN_SLOT_K] = ptr(k_cache);
+    slots[FASTATTN_SLOT_V] = ptr(v_cache);
+    slots[FASTATTN_SLOT_O] = ptr(o);
+    slots[FASTATTN_SLOT_SEQ_LEN_Q] = ptr(lengths);
+    slots[FASTATTN_SLOT_SEQ_LEN_KV] = ptr(cache_seqlens);
+    slots[FASTATTN_SLOT_PAGE_TABLE_K] = ptr(table);
+    slots[FASTATTN_SLOT_PAGE_TABLE_V] = ptr(table);
+    run(e, FASTATTN_FORWARD, q, slots);
+    return o;
+}
+
+Tensor paged_forward_meta(const Tensor &q, const Tensor &, const Tensor &v_cache, const Tensor &, const Tensor &,
+                          const OptTensor &, FA_PAGED_PARAMS) {
+    std::vector<c10::SymInt> shape(q.sym_sizes().begin(), q.sym_sizes().end());
+    shape[3] = v_cache.sym_size(3);
+    return at::empty_symint(shape, q.options());
+}
+
+Tensor paged_forward_cpu(const Tensor &q, const Tensor &, const Tensor &, const Tensor &, const Tensor &,
+                         const OptTensor &, FA_PAGED_PARAMS) {
+    cpu_error(q);
+}
+
+}  // namespace fastattn::ops

@@ -1,4 +1,108 @@
-// Included by ops.cpp, inside its anonymous namespace: where outputs and workspaces come from.
+// The plan table, outputs and workspaces, and the launch through _core's C ABI: what
+// every op's kernel shares (ops.h). Needs no autograd and no Python beyond Python.h (a
+// plan's reference dropped): a unit that compiles in seconds.
+#include <Python.h>
+
+#include <ATen/EmptyTensor.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_strided.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+
+#include <algorithm>
+#include <atomic>
+#include <mutex>
+#include <shared_mutex>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "ops.h"
+
+namespace fastattn::ops {
+
+namespace {
+
+struct KeyHash {
+    size_t operator()(const std::vector<int64_t> &k) const noexcept {
+        uint64_t h = 1469598103934665603ull;  // FNV-1a over the words
+        for (int64_t w : k) h = (h ^ static_cast<uint64_t>(w)) * 1099511628211ull;
+        return static_cast<size_t>(h);
+    }
+};
+
+// Read under a shared lock on every call; written under the unique lock after a miss
+// (which took and released the GIL: a hit never takes the GIL, so a hit waiting for the
+// lock never holds it). Entries are never removed while ops can run (clear_table() is
+// for tests), so a hit's Entry stays valid after the lock is dropped.
+std::shared_mutex g_table_lock;
+std::unordered_map<std::vector<int64_t>, Entry, KeyHash> g_table;
+
+// A thread's last hits, one per kind and direction: a model's attention layers share
+// a shape, so a call's key is usually the one before it, and comparing it costs less
+// than hashing it, locking and searching. clear_table() bumps g_generation, which empties
+// every thread's.
+std::atomic<uint64_t> g_generation{0};
+struct LastHit {
+    uint64_t generation = ~uint64_t{0};
+    std::vector<int64_t> key;
+    const Entry *entry = nullptr;
+};
+thread_local LastHit t_last_hit[3][2];  // [Kind][direction]: every kind's key starts with (kind, direction)
+static_assert(kPaged < 3, "t_last_hit has a row per Kind");
+
+}  // namespace
+
+const Entry &lookup(const std::vector<int64_t> &key, c10::function_ref<Entry()> miss) {
+    LastHit &last = t_last_hit[key[0]][key[1]];
+    const uint64_t generation = g_generation.load(std::memory_order_acquire);
+    if (last.generation == generation && last.key == key) return *last.entry;
+    {
+        std::shared_lock<std::shared_mutex> lock(g_table_lock);
+        auto it = g_table.find(key);
+        if (it != g_table.end()) {
+            last.key.assign(key.begin(), key.end());  // into the capacity it has: no allocation once grown
+            last.entry = &it->second;
+            last.generation = generation;
+            return it->second;
+        }
+    }
+    // A miss: the Python runtime validates and finds or builds the plan. Two threads
+    // missing on one key both ask; the runtime builds a (config, device) once.
+    const Entry e = miss();
+    void *unused = nullptr;
+    const Entry *kept = nullptr;
+    {
+        std::unique_lock<std::shared_mutex> lock(g_table_lock);
+        auto [it, inserted] = g_table.emplace(key, e);
+        if (!inserted) unused = e.plan;  // the other thread's entry stays
+        kept = &it->second;
+    }
+    if (unused != nullptr) {
+        PyGILState_STATE gil = PyGILState_Ensure();
+        Py_DECREF(static_cast<PyObject *>(unused));
+        PyGILState_Release(gil);
+    }
+    return *kept;
+}
+
+size_t table_size() {
+    std::shared_lock<std::shared_mutex> lock(g_table_lock);
+    return g_table.size();
+}
+
+void clear_table() {
+    std::vector<void *> plans;
+    {
+        std::unique_lock<std::shared_mutex> lock(g_table_lock);
+        for (auto &kv : g_table) plans.push_back(kv.second.plan);
+        g_table.clear();
+        g_generation.fetch_add(1, std::memory_order_release);  // every thread's last hits are stale
+    }
+    for (void *plan : plans) Py_XDECREF(static_cast<PyObject *>(plan));  // clear() holds the GIL
+}
+
+namespace {
 
 // ---- outputs ------------------------------------------------------------------------------------
 // From the caching allocator directly, as at::empty's CUDA kernel allocates them, but
@@ -18,7 +122,8 @@ bool device_current(const Tensor &like) {
     return cuda->getDevice() == like.device();
 }
 
-// A new tensor on like's device; strides empty: contiguous.
+}  // namespace
+
 Tensor empty_cuda(c10::IntArrayRef sizes, c10::IntArrayRef strides, at::ScalarType dtype, const Tensor &like) {
     c10::Allocator *allocator = g_cuda_allocator.load(std::memory_order_relaxed);
     if (allocator != nullptr && device_current(like)) {
@@ -31,6 +136,8 @@ Tensor empty_cuda(c10::IntArrayRef sizes, c10::IntArrayRef strides, at::ScalarTy
     if (allocator == nullptr && t.is_cuda()) g_cuda_allocator.store(t.storage().allocator(), std::memory_order_relaxed);
     return t;
 }
+
+namespace {
 
 // ---- the workspace ------------------------------------------------------------------------------
 // Kept per (thread, device, stream) and grown as needed, as PyTorch keeps cuBLAS's
@@ -81,6 +188,8 @@ thread_local ThreadWorkspaces t_workspaces;
 
 int64_t grain(int64_t size) { return (size + kWorkspaceGrain - 1) / kWorkspaceGrain * kWorkspaceGrain; }
 
+}  // namespace
+
 Tensor workspace(int64_t size, const Tensor &q, const c10::Stream &stream) {
     if (size == 0) return Tensor();
     const auto bytes = q.options().dtype(at::kByte);
@@ -107,3 +216,33 @@ Tensor workspace(int64_t size, const Tensor &q, const c10::Stream &stream) {
     mine.kept.push_back({stream, fresh});
     return fresh;
 }
+
+void clear_workspaces() {
+    std::vector<KeptWorkspace> released;  // freed after the lock is released
+    std::lock_guard<std::mutex> lock(g_workspace_lock);
+    for (ThreadWorkspaces *t : *g_threads) {
+        for (auto &kept : t->kept) released.push_back(std::move(kept));
+        t->kept.clear();
+    }
+}
+
+int64_t kept_workspace_bytes() {
+    std::lock_guard<std::mutex> lock(g_workspace_lock);
+    int64_t total = 0;
+    for (const ThreadWorkspaces *t : *g_threads) {
+        for (const auto &kept : t->kept) total += kept.buffer.numel();
+    }
+    return total;
+}
+
+void run(const Entry &e, int direction, const Tensor &q, intptr_t *slots) {
+    const int64_t size = e.workspace[direction];
+    const c10::Stream stream = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getStream(q.device());
+    const Tensor ws = workspace(size, q, stream);  // held until the launch is queued
+    char message[512];
+    const int code = g_abi->execute(e.graph[direction], direction, q.get_device(), slots, size ? ptr(ws) : 0,
+                                    reinterpret_cast<intptr_t>(stream.native_handle()), message, sizeof message);
+    if (code != FASTATTN_STATUS_OK) raise_status(code, message);
+}
+
+}  // namespace fastattn::ops

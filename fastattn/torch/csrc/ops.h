@@ -1,0 +1,241 @@
+// What the op library's translation units share: tensors, the plan table and its keys,
+// outputs and workspaces, the launch through _core's C ABI, and every kernel's
+// declaration (ops.cpp registers them; eager.cpp calls them directly).
+//
+// The units are compiled in parallel and linked into one library (fastattn/torch/_native.py):
+//   ops.cpp     registration (schemas, kernels by dispatch key), the Python module, the
+//               bridge to Python (the miss handler, exceptions), init and clear;
+//   table.cpp   the plan table, outputs and workspaces, run;
+//   dense.cpp   attention()'s kernels and its autograd node, DenseBackward;
+//   varlen.cpp  attention_varlen()'s and attention_paged()'s kernels, varlen's autograd Function;
+//   eager.cpp   the eager entries past torch.ops (call, call_varlen) and profile_eager.
+// Each includes only the torch headers it needs: torch/extension.h alone takes longer to
+// parse than most units take to compile (docs/history/benchmarks-log.md, "Session 12").
+//
+// Never includes cudnn-frontend: its statics live once, in _core.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/Stream.h>
+#include <c10/util/Exception.h>
+#include <c10/util/FunctionRef.h>
+
+#include <array>
+#include <cstdint>
+#include <cstring>
+#include <initializer_list>
+#include <optional>
+#include <tuple>
+#include <vector>
+
+#include "fastattn_abi.h"
+
+namespace pybind11 {
+class module_;
+}  // namespace pybind11
+
+namespace fastattn::ops {
+
+using at::Tensor;
+using OptTensor = std::optional<Tensor>;
+
+// An option's key word (fastattn_options.h's FA_<OP>_WORDS): a float's bits, a
+// choice's index among its names.
+inline int64_t fa_bits(double x) {
+    int64_t b;
+    std::memcpy(&b, &x, sizeof b);
+    return b;
+}
+
+inline int64_t fa_choice(c10::string_view value, std::initializer_list<c10::string_view> names) {
+    int64_t i = 0;
+    for (c10::string_view name : names) {
+        if (value == name) return i;
+        ++i;
+    }
+    TORCH_CHECK_VALUE(false, "fastattn: '", value, "' is none of the option's names");
+}
+
+}  // namespace fastattn::ops
+
+// Each op's options (FA_DENSE_PARAMS, FA_DENSE_SCHEMA, DenseOptions, ...): generated from
+// fastattn/torch/_options.py when this library is built (fastattn.torch._native).
+#include "fastattn_options.h"
+
+namespace fastattn::ops {
+
+extern const fastattn_abi *g_abi;  // set once by init() (ops.cpp), before any op can run
+
+// Positions of (batch, head, seq, dim) in the tensors' shapes, per layout (_plans.AXES).
+inline std::array<int, 4> axes(c10::string_view layout) {
+    if (layout == "bshd") return {0, 2, 1, 3};
+    if (layout == "sbhd") return {1, 2, 0, 3};
+    if (layout == "bhsd") return {0, 1, 2, 3};
+    TORCH_CHECK_VALUE(false, "fastattn: layout='", layout, "': must be one of ('bshd', 'sbhd', 'bhsd')");
+}
+
+inline int64_t layout_id(c10::string_view layout) { return layout == "bshd" ? 0 : layout == "sbhd" ? 1 : 2; }
+
+inline constexpr c10::string_view kLayouts[3] = {"bshd", "sbhd", "bhsd"};  // by layout_id
+
+inline bool given(const OptTensor &t) { return t.has_value() && t->defined(); }
+
+inline intptr_t ptr(const Tensor &t) { return reinterpret_cast<intptr_t>(t.data_ptr()); }
+inline intptr_t ptr(const OptTensor &t) { return given(t) ? ptr(*t) : 0; }
+
+inline OptTensor saved(const Tensor &t) { return t.defined() ? OptTensor(t) : std::nullopt; }
+
+// ---- the plan table (table.cpp) ----------------------------------------------------------------
+
+enum Kind : int64_t { kDense = 0, kVarlen = 1, kPaged = 2 };  // the miss handler's first argument; a key's first word
+
+struct Entry {
+    void *plan;            // the fastattn.Plan, a PyObject (a reference held by the table): keeps the graphs alive
+    const void *graph[2];  // forward, backward (fastattn_abi_execute's graphs)
+    int64_t workspace[2];
+};
+
+inline void put_tensor(std::vector<int64_t> &key, const Tensor &t) {
+    key.push_back(static_cast<int64_t>(t.scalar_type()));
+    key.push_back(static_cast<int64_t>(t.device().type()) * 1024 + t.device().index());
+    key.push_back(t.dim());
+    for (int64_t s : t.sizes()) key.push_back(s);
+    for (int64_t s : t.strides()) key.push_back(s);
+}
+
+inline void put_optional(std::vector<int64_t> &key, const OptTensor &t) {
+    if (given(t)) {
+        put_tensor(key, *t);
+    } else {
+        key.push_back(-1);
+    }
+}
+
+// The table's entry for `key` (its first words: a Kind, then the direction). On a miss,
+// `miss` asks Python for it (ops.cpp's miss_dense, miss_varlen, miss_paged: the GIL
+// taken, a new reference to the plan), and the table keeps what it returns. A Python
+// exception of the miss handler (InvalidArgumentError, NotSupportedError, ...) propagates
+// as pybind11::error_already_set, which PyTorch turns back into the same exception.
+const Entry &lookup(const std::vector<int64_t> &key, c10::function_ref<Entry()> miss);
+
+size_t table_size();
+// Forgets every plan (only while no op runs, since a hit holds its Entry unlocked).
+void clear_table();
+
+// A failed execute as the exception the Python path raises for it (ops.cpp: fastattn.errors'
+// one code table: InvalidArgumentError, CudnnError, ...).
+[[noreturn]] void raise_status(int code, const char *message);
+
+// Runs direction `direction` of e's plan on q's device and current stream with `slots`
+// (FASTATTN_NUM_SLOTS addresses), its workspace kept per thread and stream.
+void run(const Entry &e, int direction, const Tensor &q, intptr_t *slots);
+
+// ---- outputs and workspaces (table.cpp) --------------------------------------------------------
+
+// A new tensor on like's device from the caching allocator, past the dispatcher; strides
+// empty: contiguous.
+Tensor empty_cuda(c10::IntArrayRef sizes, c10::IntArrayRef strides, at::ScalarType dtype, const Tensor &like);
+
+// `size` bytes of workspace for a launch on `stream` from q's device: kept per (thread,
+// device, stream), or fresh (capturing, or large). Undefined for 0.
+Tensor workspace(int64_t size, const Tensor &q, const c10::Stream &stream);
+
+// Releases every thread's kept workspaces (only while no op runs).
+void clear_workspaces();
+int64_t kept_workspace_bytes();
+
+// ---- the Python side (ops.cpp): each op's miss, under the GIL ----------------------------------
+
+Entry miss_dense(int direction, const Tensor &q, const Tensor &k, const Tensor &v, const Tensor *o,
+                 const OptTensor &seq_len_q, const OptTensor &seq_len_kv, const OptTensor &bias, const OptTensor &sink,
+                 const DenseOptions &opt);
+Entry miss_varlen(int direction, const Tensor &q, const Tensor &k, const Tensor &v, int64_t batch,
+                  const VarlenOptions &opt);
+Entry miss_paged(const Tensor &q, const Tensor &k_cache, const Tensor &v_cache, const Tensor &table,
+                 const OptTensor &seq_lens_q, const Tensor &cache_seqlens, const PagedOptions &opt);
+
+[[noreturn]] void cpu_error(const Tensor &q);
+
+// Adds eager.cpp's functions to the Python module: call, call_varlen (the eager entries),
+// profile_eager and the tests' read_call, read_varlen_call, check_varlen_tensors.
+void add_eager_entries(pybind11::module_ &m);
+
+// ---- attention() (dense.cpp, dense_autograd.h) -------------------------------------------------
+
+using Grads = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor>;
+
+// The plan for a dense call: everything fastattn.torch._dense.plan_for's key holds (so
+// that a hit was validated by the miss that made it), plus the direction. o: the
+// backward's forward output (its strides are the plan's); null for the forward.
+const Entry &find_plan(int direction, const Tensor &q, const Tensor &k, const Tensor &v, const Tensor *o,
+                       const OptTensor &seq_len_q, const OptTensor &seq_len_kv, const OptTensor &bias,
+                       const OptTensor &sink, const OptTensor &rng, const DenseOptions &opt);
+
+// o's shape: q's, with v's head dim (q is 4-d: its plan was found).
+std::array<int64_t, 4> out_shape(const Tensor &q, const Tensor &v, const std::array<int, 4> &ax);
+
+// The forward's work: (o, stats), stats undefined when not training.
+std::tuple<Tensor, Tensor> forward_work(const Tensor &q, const Tensor &k, const Tensor &v, const OptTensor &seq_len_q,
+                                        const OptTensor &seq_len_kv, const OptTensor &bias, const OptTensor &sink,
+                                        const OptTensor &rng, FA_DENSE_PARAMS);
+// The kernels of fastattn::native_attention_forward / _backward, by dispatch key.
+std::tuple<Tensor, Tensor> forward_cuda(const Tensor &q, const Tensor &k, const Tensor &v, const OptTensor &seq_len_q,
+                                        const OptTensor &seq_len_kv, const OptTensor &bias, const OptTensor &sink,
+                                        const OptTensor &rng, FA_DENSE_PARAMS);
+Grads backward_cuda(const Tensor &d_o, const Tensor &o, const Tensor &stats, const Tensor &q, const Tensor &k,
+                    const Tensor &v, const OptTensor &seq_len_q, const OptTensor &seq_len_kv, const OptTensor &bias,
+                    const OptTensor &sink, const OptTensor &rng, FA_DENSE_PARAMS);
+std::tuple<Tensor, Tensor> forward_meta(const Tensor &q, const Tensor &k, const Tensor &v, const OptTensor &,
+                                        const OptTensor &, const OptTensor &, const OptTensor &, const OptTensor &,
+                                        FA_DENSE_PARAMS);
+Grads backward_meta(const Tensor &, const Tensor &, const Tensor &, const Tensor &q, const Tensor &k, const Tensor &v,
+                    const OptTensor &, const OptTensor &, const OptTensor &bias, const OptTensor &sink,
+                    const OptTensor &, FA_DENSE_PARAMS);
+std::tuple<Tensor, Tensor> forward_cpu(const Tensor &q, const Tensor &, const Tensor &, const OptTensor &,
+                                       const OptTensor &, const OptTensor &, const OptTensor &, const OptTensor &,
+                                       FA_DENSE_PARAMS);
+Grads backward_cpu(const Tensor &, const Tensor &, const Tensor &, const Tensor &q, const Tensor &, const Tensor &,
+                   const OptTensor &, const OptTensor &, const OptTensor &, const OptTensor &, const OptTensor &,
+                   FA_DENSE_PARAMS);
+std::tuple<Tensor, Tensor> forward_autograd(const Tensor &q, const Tensor &k, const Tensor &v,
+                                            const OptTensor &seq_len_q, const OptTensor &seq_len_kv,
+                                            const OptTensor &bias, const OptTensor &sink, const OptTensor &rng,
+                                            FA_DENSE_PARAMS);
+// A forward that records autograd (DenseBackward). direct: the eager entry's plain CUDA
+// tensors, forward_work itself; else the op below Autograd.
+std::tuple<Tensor, Tensor> forward_recorded(bool direct, const Tensor &q, const Tensor &k, const Tensor &v,
+                                            const OptTensor &seq_len_q, const OptTensor &seq_len_kv,
+                                            const OptTensor &bias, const OptTensor &sink, const OptTensor &rng,
+                                            const DenseOptions &opt);
+
+// ---- attention_varlen() and attention_paged() (varlen.cpp) -------------------------------------
+
+std::tuple<Tensor, Tensor> varlen_forward_cuda(const Tensor &q, const Tensor &k, const Tensor &v, const Tensor &cu_q,
+                                               const Tensor &cu_kv, const OptTensor &rng, FA_VARLEN_PARAMS);
+std::tuple<Tensor, Tensor, Tensor> varlen_backward_cuda(const Tensor &d_o_in, const Tensor &o, const Tensor &stats,
+                                                        const Tensor &q, const Tensor &k, const Tensor &v,
+                                                        const Tensor &cu_q, const Tensor &cu_kv, const OptTensor &rng,
+                                                        FA_VARLEN_PARAMS);
+std::tuple<Tensor, Tensor> varlen_forward_meta(const Tensor &q, const Tensor &, const Tensor &v, const Tensor &,
+                                               const Tensor &, const OptTensor &, FA_VARLEN_PARAMS);
+std::tuple<Tensor, Tensor, Tensor> varlen_backward_meta(const Tensor &, const Tensor &, const Tensor &,
+                                                        const Tensor &q, const Tensor &k, const Tensor &v,
+                                                        const Tensor &, const Tensor &, const OptTensor &,
+                                                        FA_VARLEN_PARAMS);
+std::tuple<Tensor, Tensor> varlen_forward_cpu(const Tensor &q, const Tensor &, const Tensor &, const Tensor &,
+                                              const Tensor &, const OptTensor &, FA_VARLEN_PARAMS);
+std::tuple<Tensor, Tensor, Tensor> varlen_backward_cpu(const Tensor &, const Tensor &, const Tensor &, const Tensor &q,
+                                                       const Tensor &, const Tensor &, const Tensor &, const Tensor &,
+                                                       const OptTensor &, FA_VARLEN_PARAMS);
+std::tuple<Tensor, Tensor> varlen_forward_autograd(const Tensor &q, const Tensor &k, const Tensor &v,
+                                                   const Tensor &cu_q, const Tensor &cu_kv, const OptTensor &rng,
+                                                   FA_VARLEN_PARAMS);
+
+Tensor paged_forward_cuda(const Tensor &q, const Tensor &k_cache, const Tensor &v_cache, const Tensor &table,
+                          const Tensor &cache_seqlens, const OptTensor &seq_lens_q, FA_PAGED_PARAMS);
+Tensor paged_forward_meta(const Tensor &q, const Tensor &, const Tensor &v_cache, const Tensor &, const Tensor &,
+                          const OptTensor &, FA_PAGED_PARAMS);
+Tensor paged_forward_cpu(const Tensor &q, const Tensor &, const Tensor &, const Tensor &, const Tensor &,
+                         const OptTensor &, FA_PAGED_PARAMS);
+
+}  // namespace fastattn::ops
