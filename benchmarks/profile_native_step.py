@@ -69,7 +69,7 @@ def main(argv=None) -> int:
         res["inference_dispatcher_op"] = _us(lambda: dense(q, k, v, None, None, None, None, None, *opts, False, 0.0,
                                                            False))
         res["empty_like"] = _us(lambda: torch.empty_like(q))
-        # The eager entry's pieces, each looped in C++ (ops.cpp's profile.inc): medians of 15 samples.
+        # The eager entry's pieces, each looped in C++ (eager.cpp's profile_eager): medians of 15 samples.
         lib = _native.library()
         pieces = [lib.profile_eager(q, k, v, 2000) for _ in range(15)]
         for name in pieces[0]:

@@ -42,7 +42,7 @@ Status time_execute(const Graph *g, Direction dir, int device, const intptr_t *s
 // Bit s set: the graph takes the tensor of Slot s (the order of its variant pack).
 uint64_t graph_slots(const Graph *g);
 
-// Whether execute launches g through cached variant packs (packs.inc), not the frontend's execute.
+// Whether execute launches g through cached variant packs (packs.h), not the frontend's execute.
 bool direct_launch(const Graph *g);
 
 // The calling thread's variant-pack cache: launches that found their pack, that made one,

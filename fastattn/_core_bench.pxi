@@ -82,12 +82,12 @@ def bench_raw_execute(Plan plan, str direction, ptrs, intptr_t workspace=0, intp
 
 def bench_direct_launch(Plan plan, str direction):
     """Whether execute launches the plan's `direction` graph through cached variant packs
-    (csrc/packs.inc) rather than cudnn-frontend's execute."""
+    (csrc/packs.h) rather than cudnn-frontend's execute."""
     return direct_launch(_bench_graph(plan, direction))
 
 
 def bench_pack_counts():
-    """(hits, misses, replays) of the calling thread's variant-pack cache (csrc/packs.inc):
+    """(hits, misses, replays) of the calling thread's variant-pack cache (csrc/packs.h):
     launches that found their pack, that made one, and that replayed a captured graph."""
     cdef uint64_t hits = 0, misses = 0, replays = 0
     pack_counts(&hits, &misses, &replays)

@@ -37,7 +37,7 @@
  * CU_SEQLENS_* are not tensors of cuDNN's graph: a ragged plan takes either its lengths
  * and offsets (SEQ_LEN_*, RAGGED_*) or FlashAttention's int32 cumulative lengths (batch
  * + 1 each, 4-byte aligned), from which fastattn's index kernel writes them into the
- * plan's workspace on the launch's stream, ahead of the launch (csrc/ragged.inc). */
+ * plan's workspace on the launch's stream, ahead of the launch (csrc/ragged.h). */
 #define FASTATTN_SLOT_TABLE(X) \
     /* the attention tensors and their gradients */ \
     X(Q, Q, "q", "") \

@@ -16,7 +16,7 @@ from typing import Any, Mapping
 __all__ = ["FORMAT_VERSION", "describe", "environment_of", "key_of", "canonical_json", "build_env_vars"]
 
 # Bump whenever the description, the key or the entry layout changes, or what a stored
-# answer means. 2: a ragged plan's workspace holds its index arrays too (csrc/ragged.inc),
+# answer means. 2: a ragged plan's workspace holds its index arrays too (csrc/ragged.h),
 # so version 1's recorded workspace sizes are too small for it.
 FORMAT_VERSION = 2
 

@@ -353,7 +353,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     if not dynamo_compiling():  # (dynamo traces the body below instead)
         call = _native.CALL
         if call is not None:
-            # The native path's C entry (ops.cpp, eager.inc): it takes these arguments as
+            # The native path's C entry (eager.cpp's call): it takes these arguments as
             # they are when they need no conversion; NotImplemented hands the call to
             # the body below, which checks and reports.
             o = call(q, k, v, causal, causal_bottom_right, window, scale, layout, deterministic, seq_lens_q,

@@ -56,7 +56,7 @@ def plan_for(q, k, v, batch: int, options: VarlenOptions) -> Cached:
 
 def _run_args(cu_q, cu_kv, rng) -> dict[str, int]:
     """The launch's cumulative lengths (the plan derives cuDNN's lengths and offsets
-    from them in its own kernel, csrc/ragged.inc) and dropout's seed and offset."""
+    from them in its own kernel, csrc/ragged.h) and dropout's seed and offset."""
     ptrs = {"cu_seqlens_q": cu_q.data_ptr(), "cu_seqlens_kv": cu_kv.data_ptr()}
     if rng is not None:  # Philox's seed at element 0, its offset at element 2 (see _dense)
         ptrs["seed"], ptrs["offset"] = rng.data_ptr(), rng.data_ptr() + 16
@@ -224,7 +224,7 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     if not dynamo_compiling():  # (dynamo traces the body below instead)
         call = _native.CALL_VARLEN
         if call is not None:
-            # The native path's C entry (ops.cpp, eager_varlen.inc): it makes this body's
+            # The native path's C entry (eager.cpp's call_varlen): it makes this body's
             # checks and takes the call when they pass and no value needs converting;
             # NotImplemented hands the call to the body, which checks and reports.
             o = call(q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, causal, causal_bottom_right,

@@ -1,4 +1,4 @@
-"""GPU: launches through cached variant packs (csrc/packs.inc). A plan's execute
+"""GPU: launches through cached variant packs (csrc/packs.h). A plan's execute
 keeps, per thread, the cuDNN variant pack of each (graph, pointers, workspace) it has
 run, and replays a launch that repeats as a CUDA graph; these tests hold both to what
 cudnn-frontend's own execute writes, bit for bit, as pointers, workspaces, streams,
@@ -294,7 +294,7 @@ def test_replays_are_made_while_another_thread_captures_in_global_mode():
 
 
 def test_a_freed_plan_leaves_its_replays_harmless():
-    # Packs and replays keep their frontend graph alive (csrc/packs.inc, Entry::keep):
+    # Packs and replays keep their frontend graph alive (csrc/packs.h, Entry::keep):
     # a plan freed while its entries remain must leave nothing dangling, whether the
     # entries are evicted later or outlive it to the thread's exit.
     import gc

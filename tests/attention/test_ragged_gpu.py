@@ -1,4 +1,4 @@
-"""GPU: ragged plans given cumulative lengths (csrc/ragged.inc's index kernel).
+"""GPU: ragged plans given cumulative lengths (csrc/ragged.h's index kernel).
 
 A ragged plan takes FlashAttention's cu_seqlens in place of cuDNN's per-sequence
 lengths and offsets, and computes those into its workspace as part of the launch. These

@@ -220,7 +220,7 @@ def test_cpu_tensors_get_a_clear_error(lib):
         torch.ops.fastattn.native_attention_forward(q, k, v, None, None, None, None, None, *options())
 
 
-# The eager entry (eager.inc): attention()'s plain eager CUDA calls, past the dispatcher,
+# The eager entry (eager.cpp): attention()'s plain eager CUDA calls, past the dispatcher,
 # taking attention()'s own arguments (call); nothing else enters that way.
 
 def test_the_only_eager_entry_takes_attentions_own_arguments(lib):

@@ -1,4 +1,4 @@
-"""attention_varlen()'s C entry (fastattn/torch/csrc/eager_varlen.inc) without a GPU: it
+"""attention_varlen()'s C entry (fastattn/torch/csrc/eager.cpp's call_varlen) without a GPU: it
 takes only calls that attention_varlen()'s Python body takes, with the same meaning,
 and hands everything else back. Its CUDA work is exercised by test_torch_gpu.py and
 test_ragged_gpu.py."""
