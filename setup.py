@@ -115,4 +115,7 @@ def extensions():
     return cythonize([ext], compiler_directives={"language_level": "3"})
 
 
-setup(ext_modules=extensions(), cmdclass={"build_ext": ParallelBuildExt})
+# Only when run as the build script (setuptools' build backend runs it as __main__): the
+# tests import include_dirs() and HEADERS from here.
+if __name__ == "__main__":
+    setup(ext_modules=extensions(), cmdclass={"build_ext": ParallelBuildExt})
