@@ -16,7 +16,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="PyTorch is an optional extra (pip install torch)")
 
 from fastattn.errors import NotSupportedError  # noqa: E402
-from fastattn.integrations import flash  # noqa: E402  (the module itself: tests patch its imports)
+from fastattn.integrations.flash import _common  # noqa: E402  (whose fastattn.torch entry points the tests replace)
 from fastattn.torch._dense import _check_extras  # noqa: E402
 from fastattn.torch._plans import AXES  # noqa: E402
 from fastattn.torch._varlen import bucket  # noqa: E402
@@ -155,9 +155,9 @@ def model_paged(q, k_cache, v_cache, table, lengths, *, seq_lens_q=None, causal=
 def model(monkeypatch):
     monkeypatch.setattr(G, "DEV", "cpu")
     monkeypatch.setattr(G, "poison", lambda: None)
-    monkeypatch.setattr(flash, "attention", model_attention)
-    monkeypatch.setattr(flash, "attention_varlen", model_varlen)
-    monkeypatch.setattr(flash, "attention_paged", model_paged)
+    monkeypatch.setattr(_common, "attention", model_attention)
+    monkeypatch.setattr(_common, "attention_varlen", model_varlen)
+    monkeypatch.setattr(_common, "attention_paged", model_paged)
     assert AXES["bshd"] == (0, 2, 1, 3)
 
 
