@@ -33,7 +33,7 @@ FA_SIGNATURES = {
     "flash_attn_kvpacked_func": [("q", None), ("kv", None)] + _FA_DENSE_TAIL,
     "flash_attn_varlen_func": [("q", None), ("k", None), ("v", None), ("cu_seqlens_q", None), ("cu_seqlens_k", None),
                                ("max_seqlen_q", None), ("max_seqlen_k", None)] + _FA_DENSE_TAIL
-    + [("block_table", None)],
+    + [("block_table", None), ("seqused_k", None)],  # seqused_k: fastattn.flash's, at the end (FA's C++ takes it)
     "flash_attn_varlen_qkvpacked_func": [("qkv", None), ("cu_seqlens", None), ("max_seqlen", None)] + _FA_DENSE_TAIL,
     "flash_attn_varlen_kvpacked_func": [("q", None), ("kv", None), ("cu_seqlens_q", None), ("cu_seqlens_k", None),
                                         ("max_seqlen_q", None), ("max_seqlen_k", None)] + _FA_DENSE_TAIL,
@@ -117,8 +117,6 @@ def test_softcap_reaches_every_function_and_is_checked(index):
 @pytest.mark.parametrize("call,match", [
     (lambda: flash.flash_attn_func(*dense(), dropout_p=0.1, return_attn_probs=True),
      r"^return_attn_probs=True with dropout_p > 0: .*S_dmask"),
-    (lambda: flash.flash_attn_varlen_func(*varlen(), 100, 200, block_table=torch.zeros(2, 4, dtype=torch.int32)),
-     r"^block_table: fastattn.flash has no paged varlen"),
     (lambda: flash.flash_attn_with_kvcache(*kvcache()[:3], rotary_cos=torch.ones(4, 32)), r"^rotary_cos: cuDNN"),
     (lambda: flash.flash_attn_with_kvcache(*kvcache()[:3], rotary_sin=torch.ones(4, 32)), r"^rotary_sin: cuDNN"),
     (lambda: flash.flash_attn_with_kvcache(*kvcache()[:3], cache_leftpad=torch.zeros(2, dtype=torch.int32)),

@@ -22,6 +22,7 @@ from fastattn.torch._plans import AXES  # noqa: E402
 from fastattn.torch._varlen import bucket  # noqa: E402
 
 import test_flash_gpu as G  # noqa: E402
+import test_flash_paged_gpu as P  # noqa: E402
 from helpers.gpu import alibi_slopes  # noqa: E402
 
 
@@ -262,3 +263,19 @@ def test_softcap_with_alibi(model):
 
 def test_compositions_combine(model):
     G.test_the_compositions_combine()
+
+
+@pytest.mark.parametrize("seqused", (False, True))
+@pytest.mark.parametrize("causal,window", P.PAGED_MASKS)
+def test_varlen_paged_plan(model, causal, window, seqused):
+    P.test_varlen_paged_forward_on_cudnns_paged_plan(causal, window, seqused)
+
+
+@pytest.mark.parametrize("kind", P.GATHERED)
+def test_varlen_paged_gather(model, kind):
+    P.test_varlen_paged_gradients_lse_alibi_and_odd_head_dims_through_the_gather(kind)
+
+
+@pytest.mark.parametrize("causal,window", ((True, (-1, -1)), (False, (16, 0))))
+def test_varlen_seqused_k(model, causal, window):
+    P.test_varlen_seqused_k_without_block_table(causal, window)

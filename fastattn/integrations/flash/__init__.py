@@ -18,7 +18,7 @@ Built on fastattn.torch's entry points (attention, attention_varlen, attention_p
 whose plans, caches and per-call costs they share. What differs from FlashAttention:
 
 - Arguments cuDNN cannot honour raise NotSupportedError naming them, never silently
-  ignored: rotary_cos / rotary_sin, cache_leftpad, block_table in varlen,
+  ignored: rotary_cos / rotary_sin, cache_leftpad,
   return_attn_probs with dropout_p > 0 (FlashAttention then returns the dropout pattern,
   S_dmask, which cuDNN does not expose), return_softmax_lse with a paged cache, and in
   flash_attn_with_kvcache head dims that are not multiples of 8 (padding them would copy
@@ -48,6 +48,14 @@ whose plans, caches and per-call costs they share. What differs from FlashAttent
     beside a bias; its tiles are then computed). varlen runs it as a zero-padded dense
     call (copies of q, k, v, lengths rounded up to powers of two), a paged cache is
     gathered into a dense one (a copy of the sequences' pages).
+  - flash_attn_varlen_func with a block table (paged K/V, FlashAttention's paged
+    varlen) runs on cuDNN's paged plan, forward only: q unpacked into a padded batch (a
+    copy of q), out packed back. Gradients, the LSE, dropout, ALiBi and head dims that
+    are not multiples of 8, which that plan has not, gather the pages each sequence uses
+    into packed keys (a copy) and run a varlen call, with its backward into the pools
+    (FlashAttention has no paged backward). seqused_k (each sequence's used keys;
+    FlashAttention's C++ argument, at the end of the signature here) is the length with
+    a block table, and gathers the used keys without one.
 - Dropout draws its mask from PyTorch's CUDA generator with cuDNN's Philox: the same
   distribution as FlashAttention's, not the same bits.
 - num_splits is a FlashAttention tuning knob that cannot change the answer; it is

@@ -8,11 +8,12 @@ from typing import Literal, overload
 import torch
 from torch import Tensor
 
-from ...errors import InvalidArgumentError, NotSupportedError
-from . import _common
+from ...errors import InvalidArgumentError
+from . import _common, _paged
 from ._alibi import _alibi, _alibi_bias, _cudnn_alibi, _with_bias
 from ._common import (_attend, _check_dropout, _cut_head_dim, _deterministic, _fa_lse, _mask,
                       _needs_grad, _on_device, _one_by_one, _pad_head_dims, _shape)
+from ._packing import _bucket, _pack, _token_rows, _unpack
 
 
 # The result's type follows return_attn_probs (for type checkers).
@@ -21,21 +22,22 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
                            max_seqlen_q: int, max_seqlen_k: int, dropout_p: float = ...,
                            softmax_scale: float | None = ..., causal: bool = ..., window_size: tuple[int, int] = ...,
                            softcap: float = ..., alibi_slopes: Tensor | None = ..., deterministic: bool = ...,
-                           return_attn_probs: Literal[False] = ..., block_table: Tensor | None = ...) -> Tensor: ...
+                           return_attn_probs: Literal[False] = ..., block_table: Tensor | None = ...,
+                           seqused_k: Tensor | None = ...) -> Tensor: ...
 @overload
 def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
                            max_seqlen_q: int, max_seqlen_k: int, dropout_p: float = ...,
                            softmax_scale: float | None = ..., causal: bool = ..., window_size: tuple[int, int] = ...,
                            softcap: float = ..., alibi_slopes: Tensor | None = ..., deterministic: bool = ..., *,
-                           return_attn_probs: Literal[True],
-                           block_table: Tensor | None = ...) -> tuple[Tensor, Tensor, None]: ...
+                           return_attn_probs: Literal[True], block_table: Tensor | None = ...,
+                           seqused_k: Tensor | None = ...) -> tuple[Tensor, Tensor, None]: ...
 @overload
 def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
                            max_seqlen_q: int, max_seqlen_k: int, dropout_p: float = ...,
                            softmax_scale: float | None = ..., causal: bool = ..., window_size: tuple[int, int] = ...,
                            softcap: float = ..., alibi_slopes: Tensor | None = ..., deterministic: bool = ...,
-                           return_attn_probs: bool = ...,
-                           block_table: Tensor | None = ...) -> Tensor | tuple[Tensor, Tensor, None]: ...
+                           return_attn_probs: bool = ..., block_table: Tensor | None = ...,
+                           seqused_k: Tensor | None = ...) -> Tensor | tuple[Tensor, Tensor, None]: ...
 
 
 def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
@@ -43,8 +45,8 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
                            softmax_scale: float | None = None, causal: bool = False,
                            window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
                            alibi_slopes: Tensor | None = None, deterministic: bool = False,
-                           return_attn_probs: bool = False,
-                           block_table: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor, None]:
+                           return_attn_probs: bool = False, block_table: Tensor | None = None,
+                           seqused_k: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor, None]:
     """FlashAttention's flash_attn_varlen_func.
 
     q: (total_q, nheads, headdim), k: (total_k, nheads_k, headdim), v: (total_k, nheads_k,
@@ -63,7 +65,20 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
       unpacked into a zero-padded dense batch at max_seqlen_q x max_seqlen_k rounded up to
       powers of two (copies of q, k, v; compute and a bias (batch, nheads, those lengths)
       at that size) and the output packed back.
-    block_table: only None (paged varlen: use flash_attn_with_kvcache).
+    block_table: None, or int32 (batch, max_num_blocks_per_seq): k and v are then page pools
+      (num_blocks, page_block_size, nheads_k, headdim), any page size, sequence b's keys
+      its pages in order, and cu_seqlens_k gives each sequence's key length (its
+      differences; FlashAttention's paged varlen). Forward on cuDNN's paged plan where it
+      fits (no gradients, no LSE, no dropout, no ALiBi, head dims multiples of 8; q is
+      unpacked into a padded batch, a copy); otherwise the pages each sequence uses are
+      gathered into packed k, v (a copy) and the call runs as a varlen call, with
+      gradients into the pools (FlashAttention has no paged backward). See _paged.
+    seqused_k: None, or int32 (batch,): each sequence uses only its first seqused_k[b]
+      keys (at most its cu_seqlens_k length), its masks at the bottom right of those
+      (FlashAttention's varlen_fwd argument, which its Python function does not pass on;
+      a fastattn.flash extension at the end of the signature). With a block table it
+      is each sequence's length; without one, the used keys are gathered into packed
+      k, v (a copy: cuDNN's packed plans take their lengths from one cumulative tensor).
     return_attn_probs: also return softmax_lse, float32 (nheads, total_q), and None.
     max_seqlen_q = max_seqlen_k = 1 with gradients or the LSE (cuDNN refuses that training
       plan): the plan is built for two queries, each sequence's length of 1 padding it (no
@@ -71,9 +86,6 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
 
     Returns out (total_q, nheads, headdim_v), or (out, softmax_lse, None).
     """
-    if block_table is not None:
-        raise NotSupportedError("block_table: fastattn.flash has no paged varlen attention (cuDNN's paged plans are "
-                                "forward only and fixed-batch); flash_attn_with_kvcache takes a block table")
     dropout_p = _check_dropout(dropout_p, return_attn_probs)
     if isinstance(max_seqlen_k, bool) or not isinstance(max_seqlen_k, int):
         raise InvalidArgumentError(f"max_seqlen_k={max_seqlen_k!r}: must be an int >= 1")
@@ -81,6 +93,13 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
     batch = cu_seqlens_q.shape[0] - 1 if isinstance(cu_seqlens_q, torch.Tensor) and cu_seqlens_q.dim() == 1 else -1
     slopes = _alibi(alibi_slopes, q, _shape(q, "q", 3, "(total_q, nheads, headdim)")[1], batch)
     deterministic = _deterministic(deterministic, return_attn_probs, q, k, v)
+    if block_table is not None or seqused_k is not None:
+        lens_k = _paged.key_lengths(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k)
+        if _paged.paged_plan_fits(q, k, v, block_table, return_attn_probs or _needs_grad(q, k, v), dropout_p, slopes):
+            return _paged.attend_pages(q, k, v, block_table, cu_seqlens_q, lens_k, max_seqlen_q, causal, window,
+                                       softmax_scale, softcap)
+        # (a new cu_seqlens_k: each sequence at its own bottom right, below)
+        k, v, cu_seqlens_k = _paged.gather_keys(k, v, cu_seqlens_k, block_table, lens_k)
     _shape(k, "k", 3, "(total_k, nheads_k, headdim)")
     q, k, v, softmax_scale, head_dim_v = _pad_head_dims(q, k, v, softmax_scale)  # (padded: contiguous copies)
     q, k, v = (t if not isinstance(t, torch.Tensor) or t.is_contiguous() else t.contiguous() for t in (q, k, v))
@@ -105,12 +124,6 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
                                        softcap=softcap)
     out = _fa_lse(out, return_attn_probs)
     return _cut_head_dim((*out, None) if return_attn_probs else out, head_dim_v)
-
-
-def _bucket(n: int) -> int:
-    """attention_varlen's plan length for a longest sequence of n: the next power of two
-    (so that batches of other lengths share the plan)."""
-    return 1 << max(0, n - 1).bit_length()
 
 
 def _varlen_as_dense(q, k, v, cu_q, cu_k, max_q, max_k, causal, window, bottom, scale, deterministic, slopes,
@@ -156,39 +169,6 @@ def _varlen_as_dense(q, k, v, cu_q, cu_k, max_q, max_k, causal, window, bottom, 
         return o
     stats: Tensor = out[1]
     return o, _pack(stats.transpose(0, 1).reshape(stats.shape[1], b * rows), rows_of, 1, float("inf"))
-
-
-def _unpack(t: Tensor, cu: Tensor, lens: Tensor, rows: int) -> Tensor:
-    """Packed (total, heads, dim) as (batch, rows, heads, dim), zeros past each length."""
-    b = cu.shape[0] - 1
-    if t.shape[0] == 0:
-        return t.new_zeros(b, rows, *t.shape[1:])
-    pos = torch.arange(rows, device=t.device, dtype=cu.dtype)
-    padding = pos.view(1, rows) >= lens.view(b, 1)  # (not ~: fake CUDA tensors without CUDA cannot)
-    # Clamped: lengths past the tensor (cu_seqlens unchecked, as FlashAttention's) read its last token, never
-    # past it.
-    idx = (cu.narrow(0, 0, b).view(b, 1) + pos.view(1, rows)).clamp_(0, t.shape[0] - 1).masked_fill_(padding, 0)
-    return t.index_select(0, idx.view(-1).long()).view(b, rows, *t.shape[1:]).masked_fill_(padding.view(b, rows, 1, 1),
-                                                                                              0)
-
-
-def _token_rows(cu: Tensor, total: int, rows: int) -> Tensor:
-    """For each packed token, its row of the dense (batch * rows) block, or -1 for tokens past cu_seqlens[-1] or
-    past rows."""
-    b = cu.shape[0] - 1
-    tok = torch.arange(total, device=cu.device, dtype=cu.dtype)
-    seq = torch.searchsorted(cu.narrow(0, 1, b), tok, right=True)
-    inside = seq < b
-    seq = seq.clamp_(max=b - 1)
-    pos = tok - cu.index_select(0, seq)
-    return torch.where(inside & (pos < rows), seq * rows + pos, -1)
-
-
-def _pack(dense: Tensor, rows_of: Tensor, dim: int, fill: float = 0.0) -> Tensor:
-    """dense's rows (along dim) for each packed token (_token_rows), fill where it has none."""
-    none = rows_of < 0
-    out = dense.index_select(dim, rows_of.clamp(min=0))
-    return out.masked_fill_(none.view(-1, *[1] * (out.dim() - 1 - dim)) if dim == 0 else none, fill)
 
 
 # The result's type follows return_attn_probs (for type checkers).
