@@ -1,7 +1,9 @@
-"""fastattn.flash without a GPU: flash_attn_varlen_func's block_table and seqused_k:
-argument errors naming the argument, which path each call takes and what it hands
-fastattn.torch, the gathers. Numerics against a float64 reference are in
-test_flash_paged_gpu.py (and run here through test_flash_model.py's model)."""
+"""fastattn.flash without a GPU: flash_attn_varlen_func's block_table and seqused_k, and
+flash_attn_with_kvcache's rotary embedding and cache_leftpad: argument errors naming the
+argument, which path each call takes and what it hands fastattn.torch, the gathers, the
+rotation against an independent formula (complex multiplication). Numerics against a
+float64 reference are in test_flash_paged_gpu.py and test_flash_kvcache_gpu.py (and run
+here through test_flash_model.py's model)."""
 
 from __future__ import annotations
 
@@ -10,9 +12,10 @@ import pytest
 torch = pytest.importorskip("torch", reason="PyTorch is an optional extra (pip install torch)")
 
 from fastattn import flash  # noqa: E402
-from fastattn.errors import InvalidArgumentError  # noqa: E402
-from fastattn.integrations.flash import _common, _paged  # noqa: E402
+from fastattn.errors import InvalidArgumentError, NotSupportedError  # noqa: E402
+from fastattn.integrations.flash import _common, _paged, _rotary  # noqa: E402
 
+from helpers.torch import rotary_reference  # noqa: E402
 from test_flash import _recorded  # noqa: E402  (the keywords a call hands a fastattn.torch entry point)
 
 I32 = dict(dtype=torch.int32)
@@ -132,3 +135,107 @@ def test_gather_keys_follows_the_block_table_and_its_gradient_reaches_only_used_
 def test_paged_varlen_arguments_are_named(call, match):
     with pytest.raises(InvalidArgumentError, match=match):
         call(*paged_varlen())
+
+
+# -- rotary ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("interleaved", (True, False))
+@pytest.mark.parametrize("r", (4, 8))
+@pytest.mark.parametrize("per_row", (True, False))
+def test_rotate_is_flash_attentions_rotary_embedding(interleaved, r, per_row):
+    torch.manual_seed(1)
+    x = torch.randn(3, 5, 2, 8).double()  # (float32's values: the rows left unrotated come back exactly)
+    angle = torch.rand(12, r // 2, dtype=torch.float64) * 6.3
+    cos, sin = angle.cos(), angle.sin()
+    start = torch.tensor([0, 4, 10], **I32)  # the last runs past the table: rows there are not rotated
+    got = _rotary.rotate(x, cos, sin, start, per_row, interleaved)
+    positions = start[:, None] + (torch.arange(5)[None, :] if per_row else torch.zeros(1, 5, dtype=torch.int64))
+    expected = rotary_reference(x, cos, sin, positions, interleaved)
+    # float32 arithmetic (FlashAttention's), then x's float64
+    assert got.dtype == x.dtype and torch.allclose(got, expected, rtol=1e-6, atol=1e-6)
+    assert torch.equal(got[..., r:], x[..., r:])
+    if per_row:
+        assert torch.equal(got[2, 2:], x[2, 2:])  # positions 12 .. 14: past the table's 12
+    other = _rotary.rotate(x, cos, sin, start, per_row, not interleaved)
+    assert not torch.allclose(other, expected, atol=1e-3)  # the pairing matters
+
+
+def kvcache_inputs(b=2, sq=2, new=2, s=16, hq=4, hk=2, d=16, batch_cache=None):
+    torch.manual_seed(2)
+    q = torch.randn(b, sq, hq, d)
+    k_cache, v_cache = (torch.randn(batch_cache or b, s, hk, d) for _ in range(2))
+    k, v = (torch.randn(b, new, hk, d) for _ in range(2)) if new else (None, None)
+    angle = torch.rand(s, 4) * 6.3
+    return q, k_cache, v_cache, k, v, angle.cos(), angle.sin()
+
+
+@pytest.mark.parametrize("causal,window,per_row", [(False, (-1, -1), False), (True, (-1, -1), True),
+                                                   (False, (3, 2), True), (False, (100, 100), False)])
+def test_kvcache_rotates_q_and_the_appended_keys_at_flash_attentions_positions(monkeypatch, causal, window, per_row):
+    # q's rows at cache_seqlens + i with causal or a window (one that the cache's length
+    # does not make unbounded), else all at cache_seqlens; the new keys at cache_seqlens + i,
+    # written rotated into the cache; v as it is.
+    q, k_cache, v_cache, k, v, cos, sin = kvcache_inputs()
+    before = k_cache.clone()
+    lens = torch.tensor([3, 9], **I32)
+    kw = _recorded(monkeypatch, "attention", flash.flash_attn_with_kvcache, q, k_cache, v_cache, k, v, cos, sin, lens,
+                   causal=causal, window_size=window, rotary_interleaved=False)
+    rows = torch.arange(2)[None, :] if per_row else torch.zeros(1, 2, dtype=torch.int64)
+    assert torch.allclose(kw["q"].double(), rotary_reference(q, cos, sin, lens[:, None] + rows, False), atol=1e-5)
+    k_rot = rotary_reference(k, cos, sin, lens[:, None] + torch.arange(2)[None, :], False)
+    for n, m in enumerate(lens.tolist()):
+        assert torch.allclose(k_cache[n, m:m + 2].double(), k_rot[n], atol=1e-5)
+        assert torch.equal(v_cache[n, m:m + 2], v[n]) and torch.equal(k_cache[n, :m], before[n, :m])
+    assert kw["seq_lens_kv"].tolist() == [5, 11]
+
+
+def test_kvcache_leftpad_shifts_each_sequence_to_start_at_its_pad(monkeypatch):
+    q, k_cache, v_cache, k, v, cos, sin = kvcache_inputs(batch_cache=4)
+    rows, pad, lens = torch.tensor([3, 1], **I32), torch.tensor([2, 0], **I32), torch.tensor([5, 9], **I32)
+    kw = _recorded(monkeypatch, "attention", flash.flash_attn_with_kvcache, q, k_cache, v_cache, k, v, cos, sin, lens,
+                   rows, pad, causal=True)
+    assert kw["seq_lens_kv"].tolist() == [5 + 2 - 2, 9 + 2]  # cache_seqlens + new - cache_leftpad
+    assert kw["alignment"] == "bottom_right" and kw["k"].shape == (2, 16, 2, 16)
+    assert torch.equal(kw["k"][0, :14], k_cache[3, 2:]) and torch.equal(kw["v"][1], v_cache[1])
+    # The new keys were appended at cache_seqlens (where the sequence ends), rotated there.
+    k_rot = rotary_reference(k, cos, sin, lens[:, None] + torch.arange(2)[None, :], True)
+    assert torch.allclose(k_cache[3, 5:7].double(), k_rot[0], atol=1e-5)
+    q_rot = rotary_reference(q, cos, sin, lens[:, None] + torch.arange(2)[None, :], True)
+    assert torch.allclose(kw["q"].double(), q_rot, atol=1e-5)
+
+
+def test_kvcache_paged_lse_gathers_the_pages_into_a_dense_cache(monkeypatch):
+    q = torch.randn(2, 1, 4, 16)
+    pool = torch.randn(8, 4, 2, 16)
+    table = torch.tensor([[3, 1], [7, 6]], **I32)
+    kw = _recorded(monkeypatch, "attention", flash.flash_attn_with_kvcache, q, pool, pool,
+                   cache_seqlens=torch.tensor([5, 8], **I32), block_table=table, return_softmax_lse=True)
+    assert kw["return_lse"] is True and torch.equal(kw["k"], pool[table.long()].flatten(1, 2))
+
+
+@pytest.mark.parametrize("call,match,error", [
+    (lambda q, kc, vc, k, v, cos, sin: flash.flash_attn_with_kvcache(q, kc, vc, k, v, cos, None, 3),
+     r"^rotary_cos and rotary_sin: give both", InvalidArgumentError),
+    (lambda q, kc, vc, k, v, cos, sin: flash.flash_attn_with_kvcache(q, kc, vc, None, None, cos, sin, 3),
+     r"^rotary_cos, rotary_sin without k, v: ", InvalidArgumentError),
+    (lambda q, kc, vc, k, v, cos, sin: flash.flash_attn_with_kvcache(q, kc, vc, k, v, cos, sin[:, :2], 3),
+     r"^rotary_cos has shape \(16, 4\), rotary_sin \(16, 2\): expected one shape", InvalidArgumentError),
+    (lambda q, kc, vc, k, v, cos, sin: flash.flash_attn_with_kvcache(q, kc, vc, k, v, cos[:8], sin[:8], 3),
+     r"^rotary_cos has 8 positions: expected at least the cache's 16", InvalidArgumentError),
+    (lambda q, kc, vc, k, v, cos, sin: flash.flash_attn_with_kvcache(q, kc, vc, k, v, cos.repeat(1, 3),
+                                                                     sin.repeat(1, 3), 3),
+     r"^rotary_cos has shape \(16, 12\): rotary_dim = 2 \* 12 must be in \[2, headdim = 16\]", InvalidArgumentError),
+    (lambda q, kc, vc, k, v, cos, sin: flash.flash_attn_with_kvcache(q, kc, vc, k, v, cos.int(), sin, 3),
+     r"^rotary_cos: expected a floating-point tensor \(seqlen_ro, rotary_dim / 2\), got torch.int32",
+     InvalidArgumentError),
+    (lambda q, kc, vc, k, v, cos, sin: flash.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=3,
+                                                                     cache_leftpad=torch.zeros(2)),
+     r"^cache_leftpad: expected an int32 tensor of shape \(2,\), got torch.float32 \(2,\)", InvalidArgumentError),
+    (lambda q, kc, vc, k, v, cos, sin: flash.flash_attn_with_kvcache(q, kc.view(8, 4, 2, 16), vc.view(8, 4, 2, 16),
+                                                                     cache_seqlens=3, cache_leftpad=torch.zeros(2, **I32),
+                                                                     block_table=torch.zeros(2, 4, **I32)),
+     r"^cache_leftpad with block_table: .*FlashAttention refuses this too", NotSupportedError),
+])
+def test_kvcache_rotary_and_leftpad_arguments_are_named(call, match, error):
+    with pytest.raises(error, match=match):
+        call(*kvcache_inputs())

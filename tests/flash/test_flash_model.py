@@ -22,6 +22,7 @@ from fastattn.torch._plans import AXES  # noqa: E402
 from fastattn.torch._varlen import bucket  # noqa: E402
 
 import test_flash_gpu as G  # noqa: E402
+import test_flash_kvcache_gpu as K  # noqa: E402
 import test_flash_paged_gpu as P  # noqa: E402
 from helpers.gpu import alibi_slopes  # noqa: E402
 
@@ -279,3 +280,19 @@ def test_varlen_paged_gather(model, kind):
 @pytest.mark.parametrize("causal,window", ((True, (-1, -1)), (False, (16, 0))))
 def test_varlen_seqused_k(model, causal, window):
     P.test_varlen_seqused_k_without_block_table(causal, window)
+
+
+@pytest.mark.parametrize("layout,rotary,mask", K.CASES)
+def test_kvcache_combinations(model, layout, rotary, mask):
+    K.test_kvcache_combinations_with_rotary_and_leftpad(layout, rotary, mask)
+
+
+@pytest.mark.parametrize("layout", K.LAYOUTS)
+@pytest.mark.parametrize("causal,window", ((True, (-1, -1)), (False, (24, 8))))
+def test_kvcache_alibi_rotary_leftpad(model, layout, causal, window):
+    K.test_kvcache_alibi_with_rotary_and_leftpad(layout, causal, window)
+
+
+@pytest.mark.parametrize("layout", ("paged", "batch_idx+leftpad"))
+def test_kvcache_without_new_keys(model, layout):
+    K.test_kvcache_without_new_keys(layout)

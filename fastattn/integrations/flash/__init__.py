@@ -18,11 +18,11 @@ Built on fastattn.torch's entry points (attention, attention_varlen, attention_p
 whose plans, caches and per-call costs they share. What differs from FlashAttention:
 
 - Arguments cuDNN cannot honour raise NotSupportedError naming them, never silently
-  ignored: rotary_cos / rotary_sin, cache_leftpad,
-  return_attn_probs with dropout_p > 0 (FlashAttention then returns the dropout pattern,
-  S_dmask, which cuDNN does not expose), return_softmax_lse with a paged cache, and in
-  flash_attn_with_kvcache head dims that are not multiples of 8 (padding them would copy
-  the whole cache on every call). cuDNN's own refusals (for example a causal mask at the
+  ignored: return_attn_probs with dropout_p > 0 (FlashAttention then returns the dropout
+  pattern, S_dmask, which cuDNN does not expose), and in flash_attn_with_kvcache head
+  dims that are not multiples of 8 (padding them would copy the whole cache on every
+  call). What FlashAttention refuses is refused too (cache_batch_idx or cache_leftpad
+  with a block table; rotary without new keys). cuDNN's own refusals (for example a causal mask at the
   bottom right together with dropout when seqlen_q < seqlen_k, or in a varlen call whose
   cu_seqlens_q and cu_seqlens_k are different tensors) are NotSupportedError too,
   carrying cuDNN's reason.
@@ -56,6 +56,13 @@ whose plans, caches and per-call costs they share. What differs from FlashAttent
     (FlashAttention has no paged backward). seqused_k (each sequence's used keys;
     FlashAttention's C++ argument, at the end of the signature here) is the length with
     a block table, and gathers the used keys without one.
+  - flash_attn_with_kvcache's rotary embedding (rotary_cos, rotary_sin, interleaved or
+    not, any rotary_dim up to the head dim) is applied in PyTorch ops before attending,
+    at FlashAttention's positions (a copy of q and of the new keys, which are written
+    into the cache rotated). cache_leftpad gathers each sequence's keys to start at 0
+    (a copy of the rows, with those of cache_batch_idx), and return_softmax_lse with a
+    block table gathers the pages into a dense cache (a copy: cuDNN's paged plans write
+    no softmax stats).
 - Dropout draws its mask from PyTorch's CUDA generator with cuDNN's Philox: the same
   distribution as FlashAttention's, not the same bits.
 - num_splits is a FlashAttention tuning knob that cannot change the answer; it is

@@ -11,7 +11,7 @@ from torch import Tensor
 
 from ... import _fields
 from ...errors import InvalidArgumentError, NotSupportedError
-from . import _common
+from . import _common, _rotary
 from ._alibi import _alibi, _alibi_bias, _with_bias
 from ._common import _attend, _fa_lse, _full, _mask, _on_device, _shape, _unpadded
 
@@ -91,33 +91,47 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Tens
       block_table (num_blocks, page_block_size, nheads_k, headdim) pages (any page size).
     k, v: None, or (batch, seqlen_new, nheads_k, headdim): written into the caches in
       place at each sequence's cache_seqlens before attending (cache_seqlens is not
-      advanced, as with FlashAttention).
-    cache_seqlens: an int or int32 (batch,): each sequence's cached length before k, v
-      (None: the whole cache; needed with k, v).
+      advanced, as with FlashAttention); k rotated first where rotary_cos is given.
+    rotary_cos, rotary_sin: None, or (seqlen_ro, rotary_dim / 2), floating point on q's
+      device, seqlen_ro at least seqlen_cache (max_num_blocks_per_seq * page_block_size
+      when paged), rotary_dim <= headdim; only with k, v. FlashAttention's rotary
+      embedding of the first rotary_dim features (see _rotary; rotary_interleaved picks
+      the pairs), applied here in PyTorch ops (a copy of q and of k; cuDNN's graph has no
+      rotary): k's row i at position cache_seqlens + i, and q's row i at cache_seqlens + i
+      with causal or a window, else every row of q at cache_seqlens. Positions are the
+      cache's own indices, as FlashAttention's (with cache_leftpad too: cache_seqlens is
+      where the sequence ends, not its length).
+    cache_seqlens: an int or int32 (batch,): where each sequence's cached keys end before
+      k, v (its length, less cache_leftpad; None: the whole cache; needed with k, v).
     cache_batch_idx: int32 (batch,): the cache rows of a dense cache (default 0 ... batch
-      - 1); the rows are gathered (a copy). Not with block_table.
+      - 1); the rows are gathered (a copy). Not with block_table (FlashAttention refuses
+      the pair too).
+    cache_leftpad: None, or int32 (batch,): sequence b's cache starts at cache_leftpad[b]
+      of its row; the keys before it are not attended, and the masks and ALiBi count
+      positions from it (FlashAttention's). Each sequence's keys are gathered to start at
+      0 (a copy of the rows, as with cache_batch_idx, in the same gather). Not with
+      block_table (FlashAttention refuses the pair too).
     block_table: int32 (batch, max_num_blocks_per_seq): each sequence's pages.
     causal, window_size: bottom-right aligned per sequence: query i sees keys up to
       cache_seqlens + seqlen_new - seqlen_q + i (see the module doc).
     softcap: as flash_attn_func.
-    rotary_cos, rotary_sin, cache_leftpad: NotSupportedError.
     alibi_slopes: as flash_attn_func's, at each sequence's bottom right: a bias (batch,
       nheads, seqlen_q, seqlen_cache) holding the mask too; with block_table the
       sequences' pages are gathered into a dense cache first (a copy: attention_paged
       takes no bias).
     rotary_interleaved: checked; used only with rotary (as FlashAttention).
     num_splits: an int >= 0, no effect (cuDNN chooses).
-    return_softmax_lse: also return softmax_lse, float32 (batch, nheads, seqlen_q); not
-      with block_table.
+    return_softmax_lse: also return softmax_lse, float32 (batch, nheads, seqlen_q). With
+      block_table the sequences' pages are gathered into a dense cache first (a copy:
+      cuDNN's paged plans write no softmax stats).
+
+    Paths: attention_paged (cuDNN's paged plan) for a block table without ALiBi or the
+    LSE; otherwise attention on a dense cache (the caller's, or the rows gathered for
+    cache_batch_idx and cache_leftpad, or the pages gathered for a block table).
 
     Returns out (batch, seqlen_q, nheads, headdim_v), or (out, softmax_lse).
     """
-    for name, value, why in (("rotary_cos", rotary_cos, "rotary embedding inside the call"),
-                             ("rotary_sin", rotary_sin, "rotary embedding inside the call"),
-                             ("cache_leftpad", cache_leftpad, "left-padded caches")):
-        if value is not None:
-            raise NotSupportedError(f"{name}: cuDNN's fused attention has no {why}; pass None")
-    _fields.check("bool", "rotary_interleaved", rotary_interleaved)
+    interleaved = _fields.check("bool", "rotary_interleaved", rotary_interleaved)
     _fields.check("int", "num_splits", num_splits)
     lse = _fields.check("bool", "return_softmax_lse", return_softmax_lse)
     batch, sq = _shape(q, "q", 4, "(batch, seqlen_q, nheads, headdim)")[:2]
@@ -136,43 +150,53 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Tens
         if cache_batch_idx is not None:
             raise NotSupportedError("cache_batch_idx with block_table: the block table already maps each sequence's "
                                     "pages (FlashAttention refuses this too)")
-        if lse:
-            raise NotSupportedError("return_softmax_lse=True with block_table: cuDNN's paged plans write no softmax "
-                                    "stats (fastattn builds them forward only, without training)")
+        if cache_leftpad is not None:
+            raise NotSupportedError("cache_leftpad with block_table: a paged sequence starts at its first page "
+                                    "(FlashAttention refuses this too: 'Paged KV and leftpad_k')")
         _shape(block_table, "block_table", 2, "int32 (batch, max_num_blocks_per_seq)")
         seqlen_k = block_table.shape[1] * k_cache.shape[1]
     else:
         seqlen_k = k_cache.shape[1]
     lengths = _cache_lengths(cache_seqlens, batch, seqlen_k, q)
+    if cache_leftpad is not None:
+        _int32_lengths("cache_leftpad", cache_leftpad, batch)
     causal, window = _mask(causal, window_size, seqlen_k)
     slopes = _alibi(alibi_slopes, q, q.shape[2], batch)
+    rotary = _rotary.check(rotary_cos, rotary_sin, q, k, seqlen_k)
     with torch.no_grad():  # FlashAttention's kvcache call has no backward; neither does this one
         if k is not None:
             if cache_seqlens is None:
                 raise InvalidArgumentError("k, v given without cache_seqlens: the positions to write them at")
             _shape(k, "k", 4, "(batch, seqlen_new, nheads_k, headdim)")
+            if rotary is not None:
+                # FlashAttention's positions: the new keys at cache_seqlens + i; the queries there
+                # too with causal or a window (each query is the new token of its row), else all at
+                # cache_seqlens.
+                _on_device(q, k=k, cache_seqlens=lengths)
+                q = _rotary.rotate(q, *rotary, lengths, causal or window is not None, interleaved)
+                k = _rotary.rotate(k, *rotary, lengths, True, interleaved)
             _append(k_cache, v_cache, k, v, lengths, block_table, cache_batch_idx)
             lengths = lengths + k.shape[1]
-        if slopes is not None:  # (computed with here: the bias, the gathers)
+        if slopes is not None or cache_leftpad is not None or (block_table is not None and lse):
+            # (computed with here: the bias, the gathers)
             _on_device(q, k_cache=k_cache, v_cache=v_cache, block_table=block_table, cache_seqlens=lengths,
-                       cache_batch_idx=cache_batch_idx)
+                       cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad)
         if block_table is not None:
-            if slopes is None:
+            if slopes is None and not lse:
                 return _common.attention_paged(q, k_cache, v_cache, block_table, lengths, causal=causal,
                                                window=window, scale=softmax_scale, alignment="bottom_right",
                                                softcap=softcap)
-            # attention_paged takes no bias: each sequence's pages gathered into a dense cache (a
-            # copy of them, (batch, max_num_blocks_per_seq * page_block_size, nheads_k, headdim)).
+            # attention_paged takes no bias and writes no stats: each sequence's pages gathered into
+            # a dense cache (a copy, (batch, max_num_blocks_per_seq * page_block_size, nheads_k, headdim)).
             if block_table.shape[0] != batch:
                 raise InvalidArgumentError(f"block_table has shape {tuple(block_table.shape)}: expected ({batch}, "
                                            "max_num_blocks_per_seq)")
             pages = block_table.reshape(-1).to(torch.int64)
             k_cache, v_cache = (c.index_select(0, pages).view(batch, seqlen_k, *c.shape[2:]) for c in (k_cache, v_cache))
-        elif cache_batch_idx is not None:
-            if (not isinstance(cache_batch_idx, torch.Tensor) or cache_batch_idx.dtype not in (torch.int32, torch.int64)
-                    or tuple(cache_batch_idx.shape) != (batch,)):
-                raise InvalidArgumentError(f"cache_batch_idx: expected an int32 tensor of shape ({batch},)")
-            k_cache, v_cache = k_cache.index_select(0, cache_batch_idx), v_cache.index_select(0, cache_batch_idx)
+        elif cache_batch_idx is not None or cache_leftpad is not None:
+            k_cache, v_cache = _cache_rows(k_cache, v_cache, cache_batch_idx, cache_leftpad, batch)
+            if cache_leftpad is not None:
+                lengths = lengths - cache_leftpad  # (each sequence's keys now start at 0)
         if slopes is None:
             return _fa_lse(_attend(q, k_cache, v_cache, causal=causal, window=window, scale=softmax_scale,
                                    seq_lens_q=_full(q, batch, sq), seq_lens_kv=lengths, alignment="bottom_right",
@@ -183,3 +207,31 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Tens
         out = _attend(q, k_cache, v_cache, scale=softmax_scale, seq_lens_q=_full(q, batch, sq), seq_lens_kv=lengths,
                       bias=bias.bias, return_lse=lse, softcap=softcap)
         return _fa_lse(_with_bias(out, bias, lse), lse)
+
+
+def _int32_lengths(name: str, t, batch: int) -> Tensor:
+    if not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or tuple(t.shape) != (batch,):
+        raise InvalidArgumentError(f"{name}: expected an int32 tensor of shape ({batch},), got "
+                                   f"{getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}")
+    return t
+
+
+def _cache_rows(k_cache, v_cache, batch_idx, leftpad, batch: int) -> tuple[Tensor, Tensor]:
+    """The dense cache rows of the batch's sequences (cache_batch_idx's, else 0 ... batch -
+    1), each shifted left by its cache_leftpad so that its keys start at 0 (one gather: a
+    copy of the rows; positions past the row read its last key, past every length)."""
+    if batch_idx is not None and (not isinstance(batch_idx, torch.Tensor)
+                                  or batch_idx.dtype not in (torch.int32, torch.int64)
+                                  or tuple(batch_idx.shape) != (batch,)):
+        raise InvalidArgumentError(f"cache_batch_idx: expected an int32 tensor of shape ({batch},), got "
+                                   f"{getattr(batch_idx, 'dtype', type(batch_idx).__name__)} "
+                                   f"{tuple(getattr(batch_idx, 'shape', ()))}")
+    if leftpad is None:
+        return k_cache.index_select(0, batch_idx), v_cache.index_select(0, batch_idx)
+    s = k_cache.shape[1]
+    rows = (batch_idx.to(torch.int64) if batch_idx is not None
+            else torch.arange(batch, device=k_cache.device)).view(batch, 1)
+    cols = (leftpad.to(torch.int64).view(batch, 1) + torch.arange(s, device=k_cache.device).view(1, s)).clamp_(0, s - 1)
+    flat = rows * s + cols  # (batch, s) into the rows flattened: one index_select per cache
+    return tuple(c.reshape(-1, *c.shape[2:]).index_select(0, flat.view(-1)).view(batch, s, *c.shape[2:])
+                 for c in (k_cache, v_cache))
