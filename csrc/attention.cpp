@@ -67,8 +67,6 @@ class Graph {
     RaggedIndex ragged;
 };
 
-void GraphDeleter::operator()(Graph *g) const { delete g; }
-
 namespace {
 
 // A tensor's uid is its slot + 1: the sorted-pointer execute takes user pointers in
@@ -115,6 +113,18 @@ Status guarded(Code code, const char *what, Fn &&fn) {
 
 // CUDA runtime entry points, statuses, DeviceGuard and RelaxedCaptureMode.
 #include "cuda.inc"
+
+}  // namespace
+
+// A plan may be freed while some thread captures (Python's garbage collector runs
+// anywhere): its graph's destruction may unload runtime-compiled kernels, which a
+// capture in global mode would count as unsafe.
+void GraphDeleter::operator()(Graph *g) const {
+    RelaxedCaptureMode relaxed;
+    delete g;
+}
+
+namespace {
 
 // cuDNN handles are per thread and per device. They are deliberately never
 // destroyed: at thread or process exit the CUDA context may already be gone, and
