@@ -45,7 +45,13 @@ void *detail::cuda_symbol(CudaLibrary library, const char *name) {
         library == CudaLibrary::kDriver ? fe::detail::CudaLibrary::CUDA : fe::detail::CudaLibrary::CUDART, name);
 }
 
-void GraphDeleter::operator()(Graph *g) const { delete g; }
+// A plan may be freed while some thread captures (Python's garbage collector runs
+// anywhere): its graph's destruction may unload runtime-compiled kernels, which a
+// capture in global mode would count as unsafe.
+void GraphDeleter::operator()(Graph *g) const {
+    RelaxedCaptureMode relaxed;
+    delete g;
+}
 
 namespace {
 

@@ -144,6 +144,7 @@ class PackCache {
     PackCache &operator=(const PackCache &) = delete;
     ~PackCache() {
         for (auto &e : entries_) drop(e);
+        for (auto &e : deferred_) drop(e);
         for (auto s : capture_) {
             if (s != nullptr) (void)stream_destroy()(s);
         }
@@ -151,7 +152,8 @@ class PackCache {
 
     // The entry of g for `user` (key_n pointers: g.n in uid order, then a ragged graph's
     // two cumulative lengths) and `workspace`, its pack made on a miss.
-    Status find(const Graph &g, void *const *user, int key_n, void *workspace, Entry **found) {
+    // `stream`: the caller's, asked whether it is being captured only on a miss.
+    Status find(const Graph &g, void *const *user, int key_n, void *workspace, intptr_t stream, Entry **found) {
         const DirectLaunch &d = g.direct;
         const size_t bytes    = static_cast<size_t>(key_n) * sizeof(void *);
         constexpr uint64_t kMix = 0x9E3779B97F4A7C15ull;  // 2^64 / golden ratio: spreads aligned addresses
@@ -167,12 +169,14 @@ class PackCache {
                 return {};
             }
         }
+        bool capturing = false;
+        FA_RETURN_IF_ERROR(stream_capturing(stream, &capturing));
         cudnnBackendDescriptor_t fresh = nullptr;
         FA_RETURN_IF_ERROR(make_pack(d, user, workspace, &fresh));
         ++misses;
         Entry &e = ways[next_[set]];
         next_[set] = static_cast<uint8_t>((next_[set] + 1) % kWays);
-        drop(e);
+        retire(e, capturing);
         e.serial    = d.serial;
         e.workspace = workspace;
         std::memcpy(e.user, user, bytes);
@@ -227,14 +231,29 @@ class PackCache {
         return {};
     }
 
-    static void drop(Entry &e) {
-        if (e.pack != nullptr) fe::detail::destroy_descriptor(e.pack);
-        if (e.replay != nullptr) {
-            static GraphExecDestroyFn *destroy = cudart<GraphExecDestroyFn>("cudaGraphExecDestroy");
-            RelaxedCaptureMode relaxed;
-            (void)destroy(e.replay);
+    // An evicted entry may hold the last reference to a plan freed meanwhile, whose
+    // destruction frees cuDNN's runtime-compiled kernels (a module unload, a potentially
+    // unsafe call). Inside the caller's capture nothing is destroyed: the entry waits
+    // for this thread's next miss outside one (seen 2026-12-01: an eviction inside
+    // torch.cuda.graph invalidated the capture, and the next launch failed with
+    // CUDNN_STATUS_EXECUTION_FAILED_CUDART, only once the suite had filled the table).
+    void retire(Entry &e, bool capturing) {
+        if (capturing) {
+            if (e.serial != 0) deferred_.push_back(std::move(e));
+            e = Entry{};
+            return;
         }
-        e = Entry{};
+        drop(e);
+        for (auto &old : deferred_) drop(old);
+        deferred_.clear();
+    }
+    // Relaxed: a capture in global mode on another thread must not count it as unsafe.
+    static void drop(Entry &e) {
+        static GraphExecDestroyFn *destroy = cudart<GraphExecDestroyFn>("cudaGraphExecDestroy");
+        RelaxedCaptureMode relaxed;
+        if (e.pack != nullptr) fe::detail::destroy_descriptor(e.pack);
+        if (e.replay != nullptr) (void)destroy(e.replay);
+        e = Entry{};  // releases `keep`: perhaps the plan's last reference
     }
     static StreamDestroyFn *stream_destroy() {
         static StreamDestroyFn *fn = cudart<StreamDestroyFn>("cudaStreamDestroy");
@@ -244,6 +263,7 @@ class PackCache {
     Entry entries_[(1 << kSetBits) * kWays];
     cudaStream_t capture_[kMaxDevices] = {};
     uint8_t next_[1 << kSetBits] = {};  // per set, the way the next miss replaces
+    std::vector<Entry> deferred_;       // evicted inside a capture: dropped at the next miss outside one
 };
 
 // The calling thread's packs, made on its first launch and destroyed when it exits.
@@ -328,7 +348,7 @@ inline Status launch_cached(const Graph &g, cudnnHandle_t handle, int device, in
     }
     PackCache &packs = thread_packs();
     PackCache::Entry *e = nullptr;
-    FA_RETURN_IF_ERROR(packs.find(g, key, key_n, workspace, &e));
+    FA_RETURN_IF_ERROR(packs.find(g, key, key_n, workspace, stream, &e));
     // A stream being captured (the caller's CUDA graph) records cuDNN's own launch,
     // and is not a moment to capture one of ours. Asked only where it decides.
     bool capturing = false;

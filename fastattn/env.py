@@ -237,6 +237,9 @@ _TABLE = (
        "`native` (built at the first call if missing; an error where it is unavailable) or `python`; read when "
        "fastattn.torch is imported and when its first CUDA call decides the path",
        choices=("auto", "native", "python")),
+    _V("FASTATTN_SDPA", "bool", False, "serve torch.nn.functional.scaled_dot_product_attention's cuDNN calls on "
+       "fastattn (`fastattn.torch.enable_sdpa()`) from the moment fastattn.torch is imported; unset, nothing is "
+       "changed until enable_sdpa() is called"),
     _V("FASTATTN_TORCH_OPS_DIR", "path", None, "where fastattn.torch's op library is built and found",
        "`torch-ops/` in the cache directory"),
     # The test suite.

@@ -8,6 +8,7 @@
 #     e.g. tests -m gpu (the GPU tests: tests/<area>/test_<topic>_gpu.py), tests/flash (one area), a file
 #   FASTATTN_PREBUILT=1: use the carried fastattn/_core.cpython-312-*.so (tools/build_cp312.sh) instead of building
 #   BENCH="core torch": the benchmarks to run after the tests (benchmarks/bench_core.py, ...; "" for none)
+#   CRASH_BT=0: no second run under cuda-gdb after a crash (a whole-suite rerun costs minutes of device time)
 set -uo pipefail
 OUT=${OUT:-/tmp/fastattn-out}
 LOGS=$(mktemp -d /tmp/fastattn-logs.XXXX)
@@ -76,9 +77,18 @@ if [ -x .redis/redis-server ]; then
 fi
 # Arguments name what to test (default: everything under tests/).
 [ $# -gt 0 ] || set -- tests
-python3 -m pytest -q -rfEs -p no:cacheprovider "$@" > "$LOGS/pytest.log" 2>&1
+# A crash (an abort at exit included) leaves a core file, read below for the C++ stack:
+# a rerun under cuda-gdb would cost the whole suite's time again.
+ulimit -c unlimited 2>/dev/null && echo "/tmp/fastattn-core.%p" > /proc/sys/kernel/core_pattern 2>/dev/null
+python3 -m pytest -q -rfEs --durations=25 -p no:cacheprovider "$@" > "$LOGS/pytest.log" 2>&1
 rc=$?
-if [ $rc -ge 128 ]; then
+for core in /tmp/fastattn-core.*; do
+  [ -f "$core" ] || continue
+  timeout 120 cuda-gdb -q -batch -ex "bt 40" "$(command -v python3)" "$core" > "$LOGS/core_bt.log" 2>&1
+  echo "=== core dump $core: backtrace"; grep -E "^#" "$LOGS/core_bt.log" | head -40
+  rm -f "$core"
+done
+if [ $rc -ge 128 ] && [ "${CRASH_BT:-1}" != "0" ]; then
   # A crash: run the suite again under cuda-gdb (there is no gdb there) for the C++ stack.
   timeout 400 cuda-gdb -q -batch -ex run -ex bt --args python3 -m pytest -x -q -p no:cacheprovider "$@" \
     > "$LOGS/crash_bt.log" 2>&1

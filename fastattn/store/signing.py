@@ -42,6 +42,8 @@ def load_secret(environ: Mapping[str, str] | None = None) -> bytes | None:
             raw = f.read().strip()
     except OSError as e:
         raise InvalidArgumentError(f"{name}={path!r}: cannot read it ({e.strerror})") from None
+    except ValueError:  # open() refuses a path with a NUL byte before asking the system
+        raise InvalidArgumentError(f"{name}={path!r}: not a path (it holds a NUL byte)") from None
     if not raw:
         raise InvalidArgumentError(f"{name}={path!r}: the file is empty")
     return raw

@@ -19,6 +19,10 @@ has autograd.
 `scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal, *,
 scale, enable_gqa)` takes torch.nn.functional.scaled_dot_product_attention's arguments
 and gives its result, running attention() with the cheapest exact form of the mask.
+`enable_sdpa()` / `disable_sdpa()` make torch.nn.functional.scaled_dot_product_attention
+itself run on fastattn where PyTorch would run its cuDNN backend (the SDPA mode,
+_sdpa_mode); FASTATTN_SDPA=1 enables it when this package is imported. Importing
+fastattn.torch changes nothing in PyTorch otherwise.
 
 The package: one module per entry point (_dense: attention, _varlen: attention_varlen,
 _paged: attention_paged, _fp8: the FP8 ops, _fp8_scaled: the scaling helper, _sdpa:
@@ -37,10 +41,11 @@ from ._fp8 import Fp8Grads, Fp8Output, attention_fp8, attention_fp8_backward
 from ._fp8_scaled import attention_fp8_scaled
 from ._paged import attention_paged
 from ._sdpa import scaled_dot_product_attention
+from ._sdpa_mode import disable_sdpa, enable_sdpa, sdpa_enabled
 from ._varlen import attention_varlen
 
 __all__ = ["attention", "attention_paged", "attention_varlen", "attention_fp8", "attention_fp8_backward",
-           "attention_fp8_scaled", "Fp8Output", "Fp8Grads", "scaled_dot_product_attention", "backend_info"]
+           "attention_fp8_scaled", "Fp8Output", "Fp8Grads", "scaled_dot_product_attention", "enable_sdpa", "disable_sdpa", "sdpa_enabled", "backend_info"]
 
 
 def backend_info(build: bool = False) -> dict[str, Any]:
@@ -79,3 +84,15 @@ def backend_info(build: bool = False) -> dict[str, Any]:
     library = _native.library_path()
     return {**_native.describe(), "torch": torch.__version__, "library": str(library), "built": library.exists(),
             "build_error": error}
+
+
+def _enable_from_environment() -> None:
+    # Only where the user asked (FASTATTN_SDPA=1): importing fastattn.torch never changes
+    # what PyTorch's SDPA runs by itself.
+    from .. import env
+
+    if env.get("FASTATTN_SDPA"):
+        enable_sdpa()
+
+
+_enable_from_environment()

@@ -162,7 +162,9 @@ def _run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, form: _Form, scale: 
 def _check_options(dropout_p: object, is_causal: object, scale: object, enable_gqa: object,
                    recognize_mask: object) -> None:
     for name, flag in (("is_causal", is_causal), ("enable_gqa", enable_gqa), ("recognize_mask", recognize_mask)):
-        if flag.__class__ is not bool:
+        # isinstance, not `__class__ is`: torch 2.11's dynamo misjudged the latter in this
+        # loop and raised for is_causal=False (seen on the H200; bool has no subclasses).
+        if not isinstance(flag, bool):
             raise InvalidArgumentError(f"{name}={flag!r}: expected a bool")
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
         raise InvalidArgumentError(f"dropout_p={dropout_p!r}: expected a float in [0, 1)")

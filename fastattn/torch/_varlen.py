@@ -192,6 +192,15 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
                      softcap: float = ...) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
 
 
+def _as_int(n):
+    """A 0-d integer tensor (what transformers and FlashAttention's callers hand over) as
+    its int: one read of its value, a synchronization where it is on the GPU. Anything
+    else is left to the check that follows."""
+    if isinstance(n, torch.Tensor) and n.dim() == 0 and not n.is_floating_point() and n.dtype != torch.bool:
+        return int(n)
+    return n
+
+
 def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                      cu_seqlens_kv: torch.Tensor, max_seqlen_q: int, max_seqlen_kv: int, *, causal: bool = False,
                      causal_bottom_right: bool = False, window: tuple[int, int] | None = None,
@@ -207,7 +216,8 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     cu_seqlens_q, cu_seqlens_kv: int32 (batch + 1,): 0, then cumulative lengths (the
       sequences' starts in q and k); the last is at most total_q / total_kv.
     max_seqlen_q, max_seqlen_kv: at least the longest sequence (not checked: that
-      would synchronize). Plans are built for them rounded up to a power of two.
+      would synchronize). Plans are built for them rounded up to a power of two. A 0-d
+      integer tensor is taken too (its value is read: a synchronization on a GPU).
     causal, causal_bottom_right, window, scale, deterministic, alignment, alibi,
       dropout_p: as attention(); the masks apply within each sequence, and the
       bottom-right diagonal is each sequence's own (shift = its kv length - its q
@@ -235,6 +245,8 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     left, right, scale = check_options(causal, causal_bottom_right, window, scale, deterministic, alibi)
     if dropout_p:
         _fields.check("probability", "dropout_p", dropout_p)
+    if max_seqlen_q.__class__ is not int or max_seqlen_kv.__class__ is not int:
+        max_seqlen_q, max_seqlen_kv = _as_int(max_seqlen_q), _as_int(max_seqlen_kv)
     for name, n in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_kv", max_seqlen_kv)):
         if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n < 2**31:  # the ops' int is int64; cuDNN's int32
             raise InvalidArgumentError(f"{name}={n!r}: must be an int >= 1 and < 2**31")

@@ -109,3 +109,63 @@ def test_a_call_whose_plan_is_not_loaded_raises_before_touching_the_capture():
             fat.attention(q, k, v, causal=True)
     torch.randn(4, device="cuda")  # PyTorch's generator is not left in capture state
     _capture_and_replay(q, k, v)  # and after one call outside a capture, the capture works
+
+
+# Plans whose graphs cuDNN compiles at run time (a score modifier, a bias) and a plain one:
+# freeing a runtime-compiled graph unloads its kernels.
+FREED = {
+    "softcap": dict(softcap=30.0),
+    "bias": dict(bias="1hss"),
+    "plain": dict(),
+}
+
+
+@pytest.mark.parametrize("freed", sorted(FREED))
+def test_capture_that_evicts_every_pack_of_a_freed_plan(freed):
+    # The whole suite's collapse (issue 26): a plan freed by an earlier test left its graph
+    # alive only in this thread's pack table; a miss inside torch.cuda.graph evicted it,
+    # its destruction invalidated the capture, and the next launch failed with
+    # CUDNN_STATUS_EXECUTION_FAILED_CUDART. Here the table is made to evict inside the
+    # capture on purpose: thousands of distinct pointer sets (it holds 256). Seen failing
+    # so (the bias case) before packs.inc deferred what a capture evicts.
+    import gc
+
+    import fastattn
+
+    base = dict(batch=1, heads_q=2, heads_kv=2, seqlen_q=64, seqlen_kv=64, head_dim_qk=64, dtype="bf16")
+    old_cfg = fastattn.AttentionConfig(**base, **FREED[freed])
+    g = torch.Generator(device="cuda").manual_seed(41)
+    shape = (1, 64, 2, 64)
+    q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
+    o = torch.empty_like(q)
+    stream = torch.cuda.current_stream().cuda_stream
+    old = fastattn.plan(old_cfg)
+    bias = torch.zeros(old_cfg.shape("bias"), device="cuda", dtype=torch.bfloat16) if "bias" in FREED[freed] else None
+    ws = torch.empty(max(old.workspace_size, 1), device="cuda", dtype=torch.uint8)
+    extra = {"bias": bias.data_ptr()} if bias is not None else {}
+    for _ in range(4):  # past the replay threshold: the entry holds a CUDA graph too
+        old.forward(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), 0, ws.data_ptr(), stream, **extra)
+    torch.cuda.synchronize()
+    del old
+    fastattn.clear()
+    gc.collect()  # the pack table now holds the freed plan's graph alone
+
+    cfg = fastattn.AttentionConfig(**base, mask="causal")
+    new = fastattn.plan(cfg)
+    count = 3000
+    # q moves 16 bytes (8 elements) per call: every call is a pointer set of its own.
+    big_q = torch.randn(q.numel() + 8 * count, device="cuda", dtype=torch.bfloat16, generator=g)
+    ws = torch.empty(max(new.workspace_size, 1), device="cuda", dtype=torch.uint8)
+    last = big_q[8 * (count - 1):8 * (count - 1) + q.numel()].view(shape)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        s = torch.cuda.current_stream().cuda_stream
+        for i in range(count):
+            new.forward(big_q.data_ptr() + 16 * i, k.data_ptr(), v.data_ptr(), o.data_ptr(), 0, ws.data_ptr(), s)
+    o.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        *(t.transpose(1, 2).double() for t in (last, k, v)), is_causal=True).transpose(1, 2)
+    assert torch.isfinite(o).all()
+    assert (o.double() - ref).abs().max().item() < 2e-2

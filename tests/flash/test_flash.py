@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 torch = pytest.importorskip("torch", reason="PyTorch is an optional extra (pip install torch)")
 
 import fastattn  # noqa: E402
-from fastattn.integrations import flash  # noqa: E402  (the module itself: tests patch its imports)
+from fastattn import flash  # noqa: E402
+from fastattn.integrations.flash import _alibi, _common, _kvcache  # noqa: E402  (tests patch _common's entry points)
 from fastattn.errors import InvalidArgumentError, NotSupportedError  # noqa: E402
 
 from helpers.gpu import fa_allowed  # noqa: E402  (FlashAttention's mask, from its documentation)
@@ -32,7 +33,7 @@ FA_SIGNATURES = {
     "flash_attn_kvpacked_func": [("q", None), ("kv", None)] + _FA_DENSE_TAIL,
     "flash_attn_varlen_func": [("q", None), ("k", None), ("v", None), ("cu_seqlens_q", None), ("cu_seqlens_k", None),
                                ("max_seqlen_q", None), ("max_seqlen_k", None)] + _FA_DENSE_TAIL
-    + [("block_table", None)],
+    + [("block_table", None), ("seqused_k", None)],  # seqused_k: fastattn.flash's, at the end (FA's C++ takes it)
     "flash_attn_varlen_qkvpacked_func": [("qkv", None), ("cu_seqlens", None), ("max_seqlen", None)] + _FA_DENSE_TAIL,
     "flash_attn_varlen_kvpacked_func": [("q", None), ("kv", None), ("cu_seqlens_q", None), ("cu_seqlens_k", None),
                                         ("max_seqlen_q", None), ("max_seqlen_k", None)] + _FA_DENSE_TAIL,
@@ -116,17 +117,12 @@ def test_softcap_reaches_every_function_and_is_checked(index):
 @pytest.mark.parametrize("call,match", [
     (lambda: flash.flash_attn_func(*dense(), dropout_p=0.1, return_attn_probs=True),
      r"^return_attn_probs=True with dropout_p > 0: .*S_dmask"),
-    (lambda: flash.flash_attn_varlen_func(*varlen(), 100, 200, block_table=torch.zeros(2, 4, dtype=torch.int32)),
-     r"^block_table: fastattn.flash has no paged varlen"),
-    (lambda: flash.flash_attn_with_kvcache(*kvcache()[:3], rotary_cos=torch.ones(4, 32)), r"^rotary_cos: cuDNN"),
-    (lambda: flash.flash_attn_with_kvcache(*kvcache()[:3], rotary_sin=torch.ones(4, 32)), r"^rotary_sin: cuDNN"),
-    (lambda: flash.flash_attn_with_kvcache(*kvcache()[:3], cache_leftpad=torch.zeros(2, dtype=torch.int32)),
-     r"^cache_leftpad: cuDNN"),
     (lambda: flash.flash_attn_with_kvcache(*kvcache()[:3], block_table=kvcache()[3],
                                            cache_batch_idx=torch.zeros(2, dtype=torch.int32)),
      r"^cache_batch_idx with block_table"),
-    (lambda: flash.flash_attn_with_kvcache(*kvcache()[:3], block_table=kvcache()[3], return_softmax_lse=True),
-     r"^return_softmax_lse=True with block_table"),
+    (lambda: flash.flash_attn_with_kvcache(*kvcache()[:3], block_table=kvcache()[3],
+                                           cache_leftpad=torch.zeros(2, dtype=torch.int32)),
+     r"^cache_leftpad with block_table"),
 ])
 def test_what_cudnn_cannot_do_is_refused_by_name(call, match):
     with pytest.raises(NotSupportedError, match=match):
@@ -206,7 +202,7 @@ def test_alibi_takes_cudnns_own_where_it_is_flash_attentions_and_a_bias_elsewher
     rel = i + 7 - j
     allowed = (rel >= 0) & (rel <= 3)
     bias = kw["bias"][0].double()
-    assert torch.all(bias[:, ~allowed] == flash._masked(torch.bfloat16))
+    assert torch.all(bias[:, ~allowed] == _alibi._masked(torch.bfloat16))
     expected = _bias_of(paper, 5, 12)
     assert torch.allclose(bias[:, allowed], expected[:, allowed], rtol=1e-2, atol=0)
 
@@ -224,7 +220,7 @@ def test_alibi_bias_rows_are_shifted_to_keep_their_precision_and_the_lse_shifted
         return torch.zeros(1, 6, 2, 8), torch.zeros(1, 2, 6)
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(flash, "attention", fake)
+        mp.setattr(_common, "attention", fake)
         _, lse, _ = flash.flash_attn_func(q, k, v, alibi_slopes=slopes, return_attn_probs=True)
     bias = seen[0][0].double()  # (heads, 6, 3)
     nearest = torch.tensor([3.0, 2.0, 1.0, 0.0, 0.0, 0.0])  # from each diagonal i - 3 to the keys 0..2
@@ -294,7 +290,7 @@ def test_varlen_alibi_paths():
         allowed = j <= i + lk - lq
         bias = kw["bias"][n, :, :lq, :lk].float()
         assert torch.allclose(bias[:, allowed], _bias_of(paper, lq, lk)[:, allowed].float(), rtol=1e-2)
-        assert torch.all(bias[:, ~allowed] == flash._masked(torch.float32))
+        assert torch.all(bias[:, ~allowed] == _alibi._masked(torch.float32))
 
 
 def test_varlen_alibi_packs_the_output_back_and_cuts_rows_without_keys():
@@ -310,7 +306,7 @@ def test_varlen_alibi_packs_the_output_back_and_cuts_rows_without_keys():
         return rows + 1.0, (torch.arange(b * s, dtype=torch.float32).view(b, 1, s) + 1.0).expand(b, h, s)
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(flash, "attention", fake)
+        mp.setattr(_common, "attention", fake)
         out, lse, _ = flash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 3, 4, causal=True,
                                                    alibi_slopes=torch.ones(2), return_attn_probs=True)
     rows = 4  # bucket(3)
@@ -341,7 +337,7 @@ def test_kvcache_alibi_is_a_bias_at_each_sequences_bottom_right(paged):
         allowed = j <= i + lk - 2
         bias = kw["bias"][n, :, :, :lk]
         assert torch.allclose(bias[:, allowed].double(), _bias_of(slopes, 2, lk)[:, allowed], rtol=1e-6)
-        assert torch.all(bias[:, ~allowed] == flash._masked(torch.float32))
+        assert torch.all(bias[:, ~allowed] == _alibi._masked(torch.float32))
 
 
 @pytest.mark.parametrize("heads", [1, 2, 3, 5, 8, 12, 16, 24, 32, 40, 64])
@@ -468,7 +464,7 @@ def _recorded(monkeypatch, name, fn, *args, **kwargs) -> dict:
         return (out, q.new_empty(q.shape[0], q.shape[2], q.shape[1], dtype=torch.float32)) if kw.get("return_lse") \
             else out
 
-    monkeypatch.setattr(flash, name, record)
+    monkeypatch.setattr(_common, name, record)
     fn(*args, **kwargs)
     return seen[0]
 
@@ -599,7 +595,7 @@ def test_rows_without_keys_are_zero_with_an_lse_of_inf():
     assert kw["q"].shape[1] == 100 and kw["alignment"] == "top_left" and kw["seq_lens_q"] is None
     q, k, v = dense(sq=300, sk=100, device="cpu")
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(flash, "attention", lambda q, k, v, **kw: (torch.ones(*q.shape), torch.ones(2, 8, q.shape[1])))
+        mp.setattr(_common, "attention", lambda q, k, v, **kw: (torch.ones(*q.shape), torch.ones(2, 8, q.shape[1])))
         out, lse, _ = flash.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
     assert out.shape == (2, 300, 8, 64) and torch.all(out[:, :200] == 0) and torch.all(out[:, 200:] == 1)
     assert lse.shape == (2, 8, 300) and torch.all(lse[..., :200] == float("inf")) and torch.all(lse[..., 200:] == 1)
@@ -649,14 +645,14 @@ def test_append_writes_each_sequence_at_its_length_dense_and_paged():
     # dense, with cache_batch_idx picking rows 4, 0, 2 of a 5-row cache
     k_cache, v_cache = torch.zeros(5, 16, hk, d), torch.zeros(5, 16, hk, d)
     rows = torch.tensor([4, 0, 2], dtype=torch.int32)
-    flash._append(k_cache, v_cache, k_new, v_new, lengths, None, rows)
+    _kvcache._append(k_cache, v_cache, k_new, v_new, lengths, None, rows)
     for i, (r, n) in enumerate(zip(rows.tolist(), lengths.tolist())):
         assert torch.equal(k_cache[r, n:n + s_new], k_new[i]) and torch.equal(v_cache[r, n:n + s_new], v_new[i])
     assert k_cache.count_nonzero() == k_new.count_nonzero()  # nothing else written
     # paged, with shuffled pages
     table = torch.randperm(12, dtype=torch.int64).reshape(b, 4).to(torch.int32)
     k_pool, v_pool = torch.zeros(12, page, hk, d), torch.zeros(12, page, hk, d)
-    flash._append(k_pool, v_pool, k_new, v_new, lengths, table, None)
+    _kvcache._append(k_pool, v_pool, k_new, v_new, lengths, table, None)
     for i, n in enumerate(lengths.tolist()):
         seq_k = k_pool[table[i].long()].reshape(-1, hk, d)  # the sequence's pages in order
         seq_v = v_pool[table[i].long()].reshape(-1, hk, d)

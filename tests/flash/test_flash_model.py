@@ -16,12 +16,14 @@ import pytest
 torch = pytest.importorskip("torch", reason="PyTorch is an optional extra (pip install torch)")
 
 from fastattn.errors import NotSupportedError  # noqa: E402
-from fastattn.integrations import flash  # noqa: E402  (the module itself: tests patch its imports)
+from fastattn.integrations.flash import _common  # noqa: E402  (whose fastattn.torch entry points the tests replace)
 from fastattn.torch._dense import _check_extras  # noqa: E402
 from fastattn.torch._plans import AXES  # noqa: E402
 from fastattn.torch._varlen import bucket  # noqa: E402
 
 import test_flash_gpu as G  # noqa: E402
+import test_flash_kvcache_gpu as K  # noqa: E402
+import test_flash_paged_gpu as P  # noqa: E402
 from helpers.gpu import alibi_slopes  # noqa: E402
 
 
@@ -155,9 +157,9 @@ def model_paged(q, k_cache, v_cache, table, lengths, *, seq_lens_q=None, causal=
 def model(monkeypatch):
     monkeypatch.setattr(G, "DEV", "cpu")
     monkeypatch.setattr(G, "poison", lambda: None)
-    monkeypatch.setattr(flash, "attention", model_attention)
-    monkeypatch.setattr(flash, "attention_varlen", model_varlen)
-    monkeypatch.setattr(flash, "attention_paged", model_paged)
+    monkeypatch.setattr(_common, "attention", model_attention)
+    monkeypatch.setattr(_common, "attention_varlen", model_varlen)
+    monkeypatch.setattr(_common, "attention_paged", model_paged)
     assert AXES["bshd"] == (0, 2, 1, 3)
 
 
@@ -262,3 +264,35 @@ def test_softcap_with_alibi(model):
 
 def test_compositions_combine(model):
     G.test_the_compositions_combine()
+
+
+@pytest.mark.parametrize("seqused", (False, True))
+@pytest.mark.parametrize("causal,window", P.PAGED_MASKS)
+def test_varlen_paged_plan(model, causal, window, seqused):
+    P.test_varlen_paged_forward_on_cudnns_paged_plan(causal, window, seqused)
+
+
+@pytest.mark.parametrize("kind", P.GATHERED)
+def test_varlen_paged_gather(model, kind):
+    P.test_varlen_paged_gradients_lse_alibi_and_odd_head_dims_through_the_gather(kind)
+
+
+@pytest.mark.parametrize("causal,window", ((True, (-1, -1)), (False, (16, 0))))
+def test_varlen_seqused_k(model, causal, window):
+    P.test_varlen_seqused_k_without_block_table(causal, window)
+
+
+@pytest.mark.parametrize("layout,rotary,mask", K.CASES)
+def test_kvcache_combinations(model, layout, rotary, mask):
+    K.test_kvcache_combinations_with_rotary_and_leftpad(layout, rotary, mask)
+
+
+@pytest.mark.parametrize("layout", K.LAYOUTS)
+@pytest.mark.parametrize("causal,window", ((True, (-1, -1)), (False, (24, 8))))
+def test_kvcache_alibi_rotary_leftpad(model, layout, causal, window):
+    K.test_kvcache_alibi_with_rotary_and_leftpad(layout, causal, window)
+
+
+@pytest.mark.parametrize("layout", ("paged", "batch_idx+leftpad"))
+def test_kvcache_without_new_keys(model, layout):
+    K.test_kvcache_without_new_keys(layout)

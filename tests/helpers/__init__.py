@@ -2,7 +2,7 @@
 tests/ (pyproject.toml puts tests/ on sys.path: [tool.pytest.ini_options] pythonpath).
 
     gpu           device buffers (cuda-python) and the float64 attention reference (numpy)
-    torch         what the fastattn.torch tests share (helpers.gpu stays free of PyTorch)
+    torch         what the fastattn.torch tests share (helpers.gpu stays free of PyTorch), a rotary reference
     redis         a private redis-server for the Redis tier's tests
     cli           one in-process run of the fastattn command
     cache_worker  the GPU cache tests' worker process, and how they start it

@@ -76,3 +76,24 @@ def assert_softcap_means_the_same(given, got):
     from fastattn.torch import _options
 
     assert got == _options.softcap(given)
+
+
+def rotary_reference(x, cos, sin, positions, interleaved):
+    """FlashAttention's rotary embedding in float64, written as complex multiplication
+    (independent of fastattn.flash's real arithmetic): x (b, s, h, d); cos, sin
+    (seqlen_ro, rotary_dim / 2); positions (b, s), each row's; a position past the table
+    is not rotated. Each pair (x0, x1) (interleaved: features 2i, 2i + 1; else i and
+    i + rotary_dim / 2) is x0 + i x1 times cos + i sin; the features past rotary_dim pass."""
+    half = cos.shape[1]
+    r = 2 * half
+    pairs = x[..., :r].reshape(*x.shape[:3], half, 2) if interleaved else \
+        torch.stack((x[..., :half], x[..., half:r]), -1)
+    z = torch.view_as_complex(pairs.double().contiguous())
+    positions = torch.as_tensor(positions, device=x.device)
+    inside = positions < cos.shape[0]
+    p = positions.clamp(max=cos.shape[0] - 1).long()
+    w = torch.complex(cos.double()[p], sin.double()[p])
+    w = torch.where(inside[..., None], w, torch.ones_like(w))[:, :, None, :]
+    rotated = torch.view_as_real(z * w)
+    rotated = rotated.reshape(*x.shape[:3], r) if interleaved else torch.cat((rotated[..., 0], rotated[..., 1]), -1)
+    return torch.cat((rotated, x[..., r:].double()), -1)

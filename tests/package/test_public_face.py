@@ -233,16 +233,18 @@ def _private_uses(name: str, tree: ast.Module, package: bool = False):
 
 _FIELDS = ("the field registry has no public face yet; _fields.py and config.py are being reshaped "
            "(issue 25 item 1: options declared once)")
+_CAPTURING = ("capturing(): fastattn.torch has no public capture check, and fastattn.flash's content is kept "
+              "as it was moved while softcap is written into it (issue 25 item 6)")
 _RESHAPE = "reshape in progress (fastattn/torch, issue 25 item 1)"
 # (module, the private module it imports from another package) -> why, for now. Each
 # entry is a debt: remove it with the import; add one only with a reason that holds.
 ALLOWED_PRIVATE_IMPORTS = {
     ("fastattn.cli.matrix", "fastattn._fields"): _FIELDS,
     ("fastattn.cli.probe", "fastattn._fields"): _FIELDS,
-    ("fastattn.integrations.flash", "fastattn._fields"): _FIELDS,
-    ("fastattn.integrations.flash", "fastattn.torch._plans"): (
-        "capturing(): fastattn.torch has no public capture check, and integrations/flash.py's content is kept "
-        "as it was moved while softcap is written into it (issue 25 item 6)"),
+    ("fastattn.integrations.flash._common", "fastattn._fields"): _FIELDS,
+    ("fastattn.integrations.flash._kvcache", "fastattn._fields"): _FIELDS,
+    ("fastattn.integrations.flash._common", "fastattn.torch._plans"): _CAPTURING,
+    ("fastattn.integrations.flash._alibi", "fastattn.torch._plans"): _CAPTURING,
     ("fastattn.cli.warm", "fastattn._opslib"): (
         "find_built(): a second `fastattn warm` finds the op library without importing torch "
         "(test_cli's test_a_second_warm_finds_the_op_library_without_importing_torch), and importing "

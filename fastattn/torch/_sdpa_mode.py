@@ -1,0 +1,302 @@
+"""The SDPA mode: torch.nn.functional.scaled_dot_product_attention served by fastattn.
+
+`enable_sdpa()` registers CUDA kernels of fastattn's over PyTorch's cuDNN SDPA operators,
+`aten::_scaled_dot_product_cudnn_attention` and its backward, through the dispatcher
+(`torch.library.Library("aten", "IMPL")`), and puts PyTorch's cuDNN backend first in its
+SDPA priority order. PyTorch's own selection (its checks of dtypes, head dims, masks,
+its `sdpa_kernel` contexts) still decides which backend a call takes; a call it gives
+the cuDNN backend then runs fastattn's plan for it, and any call fastattn cannot take
+exactly runs PyTorch's own cuDNN kernels (`aten::_cudnn_attention_forward` /
+`_backward`, which PyTorch's cuDNN SDPA operators run themselves). Every other call,
+and every call while the mode is off, is PyTorch's.
+
+Why the dispatcher and these two operators (docs/ARCHITECTURE.md): torch.compile traces
+SDPA down to this operator (its Meta kernel, PyTorch's, gives the shapes) and Inductor
+calls it at run time, so the kernel serves compiled graphs without a graph break, and
+CUDA-graph captures of them; a TorchFunctionMode would be per thread and cost host time
+on every torch call. `torch.nn.attention.register_flash_attention_impl` activates
+kernels for the *flash* backend's operators (one implementation at a time, FA3 or FA4),
+which PyTorch 2.11 does not choose on Hopper where it prefers cuDNN.
+
+What fastattn takes: float16 / bfloat16 CUDA tensors of 4 dims, heads_q a multiple of
+heads_kv, any additive attn_bias (copied into a contiguous bias of cuDNN's broadcast
+shapes where it is not one), dropout, is_causal (top left), scale. The verdict is kept
+per call signature (shapes, strides, dtypes, options), so the forward and the backward
+of one call always take the same side.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from typing import NamedTuple
+
+import torch
+
+from ..errors import InvalidArgumentError, NotSupportedError
+from . import _dense
+from ._plans import DTYPES, capturing
+
+_FORWARD = "_scaled_dot_product_cudnn_attention"
+_BACKWARD = "_scaled_dot_product_cudnn_attention_backward"
+# The arguments the kernels below take, by name and in order, as PyTorch 2.5-2.13 declare
+# them; enable_sdpa() checks the installed torch's schemas against these.
+FORWARD_ARGS = ("query", "key", "value", "attn_bias", "compute_log_sumexp", "dropout_p", "is_causal",
+                "return_debug_mask", "scale")
+BACKWARD_ARGS = ("grad_out", "query", "key", "value", "out", "logsumexp", "philox_seed", "philox_offset",
+                 "attn_bias", "cum_seq_q", "cum_seq_k", "max_q", "max_k", "dropout_p", "is_causal", "scale")
+FALLBACK_FORWARD_ARGS = ("query", "key", "value", "attn_bias", "cum_seq_q", "cum_seq_k", "max_q", "max_k",
+                         "compute_log_sumexp", "dropout_p", "is_causal", "return_debug_mask", "scale")
+
+_CUDNN_BACKEND = 3  # torch._C._SDPBackend.CUDNN_ATTENTION's value in PyTorch's priority list
+
+
+class _Route(NamedTuple):
+    """How fastattn runs one call signature: the layout its tensors are read in (the
+    query's memory order), the options of fastattn's dense plan, and the output's and
+    logsumexp's shapes and strides as the installed torch's Meta kernel gives them
+    (what torch.compile's graphs were traced with)."""
+
+    layout: str
+    options: tuple
+    out_stride: tuple
+    lse_shape: tuple
+    grad_strides: tuple  # d_query's, d_key's and d_value's (the backward's Meta kernel: empty_like)
+
+
+class _State(NamedTuple):
+    library: object  # the torch.library.Library holding the two kernels
+    priority: list   # PyTorch's SDPA priority order before enable_sdpa()
+
+
+_lock = threading.Lock()
+_state: _State | None = None
+# signature -> _Route, or the reason fastattn does not take it (a str)
+_routes: dict[tuple, _Route | str] = {}
+
+
+def enable_sdpa() -> None:
+    """Make torch.nn.functional.scaled_dot_product_attention run on fastattn wherever
+    PyTorch would run its cuDNN backend and fastattn supports the call (CUDA, float16 /
+    bfloat16), in this process and every thread; PyTorch's own kernels run everything
+    else, without an error. Also puts cuDNN first in PyTorch's SDPA priority order
+    (torch._C._set_sdp_priority_order), so that the calls cuDNN can take reach it; a
+    `torch.nn.attention.sdpa_kernel` context still chooses as it does. Works under
+    torch.compile (fullgraph: the kernels are below the traced operator) and CUDA-graph
+    capture (after one call of each shape outside the capture, as fastattn.torch's
+    entry points). Calling it again changes nothing; `disable_sdpa()` undoes it. Also
+    done when fastattn.torch is imported with FASTATTN_SDPA=1 (never otherwise).
+
+    Raises NotSupportedError where the installed torch's cuDNN SDPA operators do not
+    have the arguments these kernels are written for (see FORWARD_ARGS)."""
+    global _state
+    with _lock:
+        if _state is not None:
+            return
+        _check_schemas()
+        library = torch.library.Library("aten", "IMPL")  # noqa: TOR901 (an override of aten's own kernels)
+        with warnings.catch_warnings():
+            # PyTorch warns that a kernel replaces another for the same key: that is the point.
+            warnings.simplefilter("ignore", UserWarning)
+            library.impl(_FORWARD, _forward, "CUDA")
+            library.impl(_BACKWARD, _backward, "CUDA")
+        priority = list(torch._C._get_sdp_priority_order())
+        torch._C._set_sdp_priority_order([_CUDNN_BACKEND] + [b for b in priority if b != _CUDNN_BACKEND])
+        _state = _State(library, priority)
+
+
+def disable_sdpa() -> None:
+    """Undo enable_sdpa(): PyTorch's own cuDNN kernels and priority order again. Calling
+    it while the mode is off changes nothing."""
+    global _state
+    with _lock:
+        if _state is None:
+            return
+        # Destroying the library removes its kernels; the dispatcher falls back to the
+        # ones they replaced, PyTorch's.
+        _state.library._destroy()
+        torch._C._set_sdp_priority_order(_state.priority)
+        _state = None
+
+
+def sdpa_enabled() -> bool:
+    """Whether enable_sdpa() is in effect."""
+    return _state is not None
+
+
+def sdpa_routes() -> dict[tuple, str]:
+    """What the mode decided per call signature so far: "fastattn (<layout>)" or the
+    reason PyTorch's kernels run it (for `fastattn info`-style introspection and tests)."""
+    return {key: (f"fastattn ({r.layout})" if isinstance(r, _Route) else r) for key, r in list(_routes.items())}
+
+
+def _check_schemas() -> None:
+    for name, expected in ((_FORWARD, FORWARD_ARGS), (_BACKWARD, BACKWARD_ARGS),
+                           ("_cudnn_attention_forward", FALLBACK_FORWARD_ARGS)):
+        try:
+            schema = getattr(torch.ops.aten, name).default._schema
+        except (AttributeError, RuntimeError):
+            raise NotSupportedError(f"enable_sdpa: torch {torch.__version__} has no aten::{name}") from None
+        got = tuple(a.name for a in schema.arguments)
+        if got != expected:
+            raise NotSupportedError(f"enable_sdpa: torch {torch.__version__}'s aten::{name} takes {got}; the SDPA "
+                                    f"mode is written for {expected}")
+
+
+# -- the route of a call ----------------------------------------------------------------------
+
+_LAYOUT_ORDERS = {(0, 1, 2, 3): "bhsd", (0, 2, 1, 3): "bshd", (2, 0, 1, 3): "sbhd"}  # bhsd dims, outermost first
+
+
+def layout_of(t: torch.Tensor) -> str | None:
+    """The fastattn layout whose memory order t's (batch, heads, seq, dim) strides follow
+    (dims of extent 1 fit anywhere), or None where none does."""
+    dims = [d for d in range(4) if t.shape[d] > 1]
+    for order, name in _LAYOUT_ORDERS.items():
+        placed = [d for d in order if d in dims]
+        if all(t.stride(a) >= t.stride(b) for a, b in zip(placed, placed[1:])):
+            return name
+    return None
+
+
+def _views(layout: str, *tensors: torch.Tensor) -> list[torch.Tensor]:
+    """bhsd tensors as views in the layout's order (what attention()'s plans read)."""
+    if layout == "bhsd":
+        return list(tensors)
+    perm = (0, 2, 1, 3) if layout == "bshd" else (2, 0, 1, 3)
+    return [t.permute(perm) for t in tensors]
+
+
+def _to_bhsd(layout: str, t: torch.Tensor) -> torch.Tensor:
+    if layout == "bhsd":
+        return t
+    return t.permute((0, 2, 1, 3) if layout == "bshd" else (1, 2, 0, 3))
+
+
+def _bias(attn_bias: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor, training: bool) -> torch.Tensor | None:
+    """attn_bias (broadcastable to (b, heads_q, seq_q, seq_kv)) as fastattn's bias: each
+    broadcast dim of extent 1, contiguous (a copy only where it is not already); one row
+    is expanded over the queries when training (fastattn has no correct backward for a
+    one-row bias)."""
+    if attn_bias is None:
+        return None
+    b, h, sq, skv = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
+    m = attn_bias.expand(b, h, sq, skv)
+    for dim in range(3):
+        if m.stride(dim) == 0 and m.shape[dim] > 1 and not (dim == 2 and training):
+            m = m.narrow(dim, 0, 1)
+    return m if m.is_contiguous() else m.contiguous()
+
+
+def _signature(q, k, v, attn_bias, dropout_p, is_causal, scale, training) -> tuple:
+    bias = None if attn_bias is None else (attn_bias.shape, attn_bias.stride(), attn_bias.dtype)
+    return (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype,
+            q.get_device(), bias, float(dropout_p), bool(is_causal), scale, bool(training))
+
+
+def _route(q, k, v, attn_bias, dropout_p, is_causal, scale, training) -> _Route | str:
+    """fastattn's way to run this call, or why PyTorch's kernels run it. One dict lookup
+    once the signature has been seen."""
+    key = _signature(q, k, v, attn_bias, dropout_p, is_causal, scale, training)
+    hit = _routes.get(key)
+    if hit is not None:
+        return hit
+    route = _decide(q, k, v, attn_bias, dropout_p, is_causal, scale, training)
+    if isinstance(route, _Route) or not (q.is_cuda and capturing()):
+        # (a refusal inside a capture, for a plan not loaded yet, is not kept: the same call
+        # outside a capture can load it)
+        _routes[key] = route
+    return route
+
+
+def _decide(q, k, v, attn_bias, dropout_p, is_causal, scale, training) -> _Route | str:
+    if q.dtype not in DTYPES or not (q.dtype == k.dtype == v.dtype):
+        return f"dtype {q.dtype}: fastattn takes float16 and bfloat16"
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        return "fastattn takes 4-d (batch, heads, seq, dim) tensors here"
+    if k.shape[1] != v.shape[1] or q.shape[1] % k.shape[1]:
+        return f"heads: query {q.shape[1]}, key {k.shape[1]}, value {v.shape[1]}"
+    if attn_bias is not None and attn_bias.dtype != q.dtype:
+        return f"attn_bias is {attn_bias.dtype}, query {q.dtype}"
+    if scale is not None and not scale > 0:
+        return f"scale={scale}: fastattn takes a scale > 0"
+    layout = layout_of(q)
+    if layout is None:
+        return f"query strides {q.stride()}: in no memory order fastattn reads (bhsd, bshd, sbhd)"
+    options = _dense.DenseOptions(layout, bool(is_causal), False, -1, -1, 0.0 if scale is None else float(scale),
+                                  False, False, bool(training), float(dropout_p), False, 0.0)
+    ql, kl, vl = _views(layout, q, k, v)
+    try:
+        _dense.plan_for(ql, kl, vl, None, None, None, _bias(attn_bias, q, k, training), None, options)
+    except (NotSupportedError, InvalidArgumentError) as e:  # cuDNN's refusal, or a plan not loadable now
+        return f"{type(e).__name__}: {e}"
+    # PyTorch's own Meta kernel on meta copies: the output layout and logsumexp shape this
+    # torch version promises (they have changed between versions), read once per signature.
+    meta = [None if t is None else torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+            for t in (q, k, v, attn_bias)]
+    o, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(*meta, training, dropout_p, is_causal, False,
+                                                                 scale=scale)[:2]
+    grads = tuple(torch.empty_like(t).stride() for t in meta[:3])
+    return _Route(layout, options, o.stride(), tuple(lse.shape), grads)
+
+
+def _matched(o: torch.Tensor, stride: tuple) -> torch.Tensor:
+    """o with the strides PyTorch's Meta kernel gave: a view where they differ only on
+    dims of extent 1 (the same memory), else a copy."""
+    if o.stride() == stride:
+        return o
+    if all(a == b or n == 1 for a, b, n in zip(o.stride(), stride, o.shape)):
+        return o.as_strided(o.shape, stride)
+    return torch.empty_strided(o.shape, stride, dtype=o.dtype, device=o.device).copy_(o)
+
+
+# -- the kernels ------------------------------------------------------------------------------
+
+def _forward(query, key, value, attn_bias, compute_log_sumexp, dropout_p=0.0, is_causal=False,
+             return_debug_mask=False, *, scale=None):
+    """aten::_scaled_dot_product_cudnn_attention's CUDA kernel: the outputs PyTorch's
+    gives (output in the query's memory order, logsumexp (b, h, seq_q, 1) float32, the
+    lengths, Philox's seed and offset as 0-d int64 tensors; cum_seq and the debug mask
+    undefined, as PyTorch's Meta kernel returns them)."""
+    route = _route(query, key, value, attn_bias, dropout_p, is_causal, scale, compute_log_sumexp)
+    if not isinstance(route, _Route) or return_debug_mask:
+        return torch.ops.aten._cudnn_attention_forward(
+            query, key, value, attn_bias, None, None, query.shape[2], key.shape[2], compute_log_sumexp, dropout_p,
+            is_causal, return_debug_mask, scale=scale)
+    layout, options, out_stride, lse_shape = route[:4]
+    q, k, v = _views(layout, query, key, value)
+    bias = _bias(attn_bias, query, key, compute_log_sumexp)
+    # Philox's seed at element 0 and offset at element 2 (fastattn's rng tensor)
+    rng = torch.randint(0, 2**62, (4,), device=query.device, dtype=torch.int64) if dropout_p else None
+    o, stats = _dense.forward_impl(q, k, v, None, None, bias, None, rng, options)
+    b, h, sq = query.shape[0], query.shape[1], query.shape[2]
+    if stats is None:  # inference writes no stats; the operator still returns the tensor
+        stats = query.new_empty((b, h, sq, 1), dtype=torch.float32)
+    if rng is None:
+        seed = offset = query.new_zeros((), dtype=torch.int64)
+    else:
+        seed, offset = rng[0], rng[2]
+    return (_matched(_to_bhsd(layout, o), out_stride), stats.view(lse_shape), None, None, sq, key.shape[2], seed,
+            offset, None)
+
+
+def _backward(grad_out, query, key, value, out, logsumexp, philox_seed, philox_offset, attn_bias, cum_seq_q,
+              cum_seq_k, max_q, max_k, dropout_p, is_causal, *, scale=None):
+    """aten::_scaled_dot_product_cudnn_attention_backward's CUDA kernel: (d_query, d_key,
+    d_value), from the side (fastattn or PyTorch's) that ran the forward."""
+    bias = attn_bias if attn_bias is not None and attn_bias.numel() else None
+    route = _route(query, key, value, bias, dropout_p, is_causal, scale, True)
+    if not isinstance(route, _Route):
+        return torch.ops.aten._cudnn_attention_backward(
+            grad_out, query, key, value, out, logsumexp, philox_seed, philox_offset, attn_bias, cum_seq_q, cum_seq_k,
+            max_q, max_k, dropout_p, is_causal, scale=scale)
+    layout, options = route.layout, route.options
+    q, k, v, o, d_o = _views(layout, query, key, value, out, grad_out)
+    stats = logsumexp.reshape(query.shape[0], query.shape[1], query.shape[2], 1)
+    rng = None
+    if dropout_p:
+        rng = torch.stack([philox_seed, philox_seed, philox_offset, philox_offset]).reshape(4)
+    d_q, d_k, d_v, _, _ = _dense.backward_impl(d_o, o, stats, q, k, v, None, None, _bias(bias, query, key, True),
+                                               None, rng, options)
+    return tuple(_matched(_to_bhsd(layout, g), stride) for g, stride in zip((d_q, d_k, d_v), route.grad_strides))
+

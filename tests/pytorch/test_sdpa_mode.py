@@ -1,0 +1,242 @@
+"""The SDPA mode (fastattn.torch.enable_sdpa) on the CPU: registration and undoing it, the
+schema gate, FASTATTN_SDPA, the layouts and biases a call becomes, and the kernels' round
+trip through PyTorch's own operator, autograd formula and Meta kernel (eager and under
+torch.compile with fullgraph), with fastattn's dense work replaced by a float64 model of
+it. The kernels are registered for the CPU key as well in these tests only (the mode
+registers them for CUDA), so that the cuDNN operator can be called here; what they do
+with a call does not depend on the key. What this cannot check: cuDNN, PyTorch's choice
+of its cuDNN backend on a GPU, CUDA graphs (test_sdpa_mode_gpu.py)."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="PyTorch is an optional extra (pip install torch)")
+
+import fastattn.torch  # noqa: E402
+from fastattn import NotSupportedError  # noqa: E402
+from fastattn.torch import _dense, _sdpa_mode  # noqa: E402
+
+OP = torch.ops.aten._scaled_dot_product_cudnn_attention.default
+
+
+def _logical(t, layout):
+    return t.permute({"bhsd": (0, 1, 2, 3), "bshd": (0, 2, 1, 3), "sbhd": (1, 2, 0, 3)}[layout])
+
+
+def _from_logical(t, layout):
+    return t.permute({"bhsd": (0, 1, 2, 3), "bshd": (0, 2, 1, 3), "sbhd": (2, 0, 1, 3)}[layout])
+
+
+def _reference(q, k, v, bias, options):
+    """(o, lse) of fastattn's dense attention in float64, on bhsd tensors."""
+    q, k, v = (t.double() for t in (q, k, v))
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    scale = options.scale or 1.0 / math.sqrt(q.shape[-1])
+    s = q @ k.transpose(-1, -2) * scale
+    if bias is not None:
+        s = s + bias.double()
+    if options.causal:
+        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool).triu(1), float("-inf"))
+    lse = s.logsumexp(-1, keepdim=True)
+    return (s - lse).exp() @ v, lse
+
+
+class Model:
+    """forward_impl / backward_impl / plan_for of _dense, in float64; records calls."""
+
+    def __init__(self):
+        self.calls = []
+
+    def plan_for(self, q, k, v, o, seq_len_q, seq_len_kv, bias, sink, options):
+        assert o is None and seq_len_q is None and sink is None
+        if bias is not None:
+            assert bias.is_contiguous() and bias.dim() == 4 and bias.dtype == q.dtype
+        self.calls.append(("plan", options))
+
+    def forward_impl(self, q, k, v, seq_len_q, seq_len_kv, bias, sink, rng, options):
+        layout = options.layout
+        o, lse = _reference(*(_logical(t, layout) for t in (q, k, v)), bias, options)
+        self.calls.append(("forward", options.layout, bias is None))
+        o = _from_logical(o, layout).to(q.dtype).contiguous()  # contiguous in the layout, as fastattn's
+        return o, (lse.float() if options.training else None)
+
+    def backward_impl(self, d_o, o, stats, q, k, v, seq_len_q, seq_len_kv, bias, sink, rng, options):
+        # By hand: the kernel runs below autograd, where no graph is recorded.
+        layout = options.layout
+        ql, kl, vl, do = (_logical(t, layout).double() for t in (q, k, v, d_o))
+        assert stats.shape == (*ql.shape[:3], 1)
+        rep = ql.shape[1] // kl.shape[1]
+        kr, vr = kl.repeat_interleave(rep, 1), vl.repeat_interleave(rep, 1)
+        scale = options.scale or 1.0 / math.sqrt(ql.shape[-1])
+        s = ql @ kr.transpose(-1, -2) * scale
+        if bias is not None:
+            s = s + bias.double()
+        if options.causal:
+            s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool).triu(1), float("-inf"))
+        p = s.softmax(-1)
+        dp = do @ vr.transpose(-1, -2)
+        ds = p * (dp - (dp * p).sum(-1, keepdim=True))
+        dq = ds @ kr * scale
+        dk = (ds.transpose(-1, -2) @ ql * scale).unflatten(1, (kl.shape[1], rep)).sum(2)
+        dv = (p.transpose(-1, -2) @ do).unflatten(1, (kl.shape[1], rep)).sum(2)
+        self.calls.append(("backward", layout))
+        return (*(_from_logical(g, layout).to(q.dtype).contiguous() for g in (dq, dk, dv)), None, None)
+
+
+@pytest.fixture
+def model(monkeypatch):
+    m = Model()
+    for name in ("plan_for", "forward_impl", "backward_impl"):
+        monkeypatch.setattr(_dense, name, getattr(m, name))
+    _sdpa_mode._routes.clear()
+    lib = torch.library.Library("aten", "IMPL")  # the kernels on the CPU key: these tests' only
+    lib.impl("_scaled_dot_product_cudnn_attention", _sdpa_mode._forward, "CPU")
+    lib.impl("_scaled_dot_product_cudnn_attention_backward", _sdpa_mode._backward, "CPU")
+    yield m
+    lib._destroy()
+    _sdpa_mode._routes.clear()
+
+
+def _qkv(b, hq, hk, sq, skv, d, layout="bshd", dtype=torch.bfloat16):
+    def make(h, s):
+        t = torch.randn(*(b, s, h, d) if layout == "bshd" else (b, h, s, d), dtype=dtype)
+        return (t.transpose(1, 2) if layout == "bshd" else t).requires_grad_()
+    return make(hq, sq), make(hk, skv), make(hk, skv)
+
+
+def _sdpa_reference(q, k, v, bias=None, causal=False, scale=None):
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    o = torch.nn.functional.scaled_dot_product_attention(
+        q64, k64, v64, attn_mask=None if bias is None else bias.double(), is_causal=causal, scale=scale,
+        enable_gqa=q.shape[1] != k.shape[1])
+    return o, (q64, k64, v64)
+
+
+@pytest.mark.parametrize("layout", ["bshd", "bhsd"])
+@pytest.mark.parametrize("causal,gqa,with_bias", [(True, False, False), (False, True, False), (False, False, True)])
+def test_the_cudnn_operator_runs_fastattn_with_pytorchs_outputs_and_gradients(model, layout, causal, gqa, with_bias):
+    q, k, v = _qkv(2, 4, 2 if gqa else 4, 5, 5 if causal else 7, 16, layout)
+    bias = torch.randn(1, 1, 5, k.shape[2], dtype=torch.bfloat16).expand(2, 4, 5, k.shape[2]) if with_bias else None
+    out, lse, cq, ck, max_q, max_k, seed, offset, debug = OP(q, k, v, bias, True, 0.0, causal, False, scale=0.3)
+    meta = OP(*(torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta") if t is not None else None
+                for t in (q, k, v, bias)), True, 0.0, causal, False, scale=0.3)
+    assert out.shape == meta[0].shape and out.stride() == meta[0].stride()  # the query's memory order
+    assert lse.shape == meta[1].shape and lse.dtype == torch.float32
+    assert (max_q, max_k) == (5, k.shape[2]) and seed.shape == () and offset.shape == ()
+    ref, leaves = _sdpa_reference(q, k, v, bias, causal, 0.3)
+    torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=2e-2)
+    g = torch.randn_like(ref)
+    (out.double() * g).sum().backward()
+    (ref * g).sum().backward()
+    for ours, theirs in zip((q, k, v), leaves):
+        assert ours.grad.stride() == ours.stride()  # the backward's Meta kernel: empty_like
+        torch.testing.assert_close(ours.grad.double(), theirs.grad, atol=3e-2, rtol=3e-2)
+    kinds = [c[0] for c in model.calls]
+    assert kinds.count("forward") == 1 and kinds.count("backward") == 1 and kinds.count("plan") == 1
+    if with_bias:  # the expanded bias became one of cuDNN's broadcast shapes, contiguous
+        assert model.calls[1][2] is False
+
+
+def test_a_call_fastattn_refuses_runs_pytorchs_own_kernel_and_its_backward_too(model, monkeypatch):
+    ran = []
+
+    def refuse(*args):
+        raise NotSupportedError("cuDNN refuses this graph")
+
+    monkeypatch.setattr(_dense, "plan_for", refuse)
+    monkeypatch.setattr(torch.ops.aten, "_cudnn_attention_forward",
+                        lambda *a, **kw: ran.append("forward") or ("pytorch's", a, kw), raising=False)
+    q, k, v = _qkv(1, 2, 2, 3, 3, 8)
+    got = _sdpa_mode._forward(q, k, v, None, True, 0.0, False, False, scale=None)
+    assert got[0] == "pytorch's" and ran == ["forward"]
+    route = _sdpa_mode._routes[next(iter(_sdpa_mode._routes))]
+    assert "cuDNN refuses this graph" in route
+    monkeypatch.setattr(torch.ops.aten, "_cudnn_attention_backward",
+                        lambda *a, **kw: ran.append("backward") or "pytorch's backward", raising=False)
+    assert _sdpa_mode._backward(q, q, k, v, q, None, None, None, None, None, None, 3, 3, 0.0, False) \
+        == "pytorch's backward"
+    assert ran == ["forward", "backward"]
+
+
+def test_dtypes_and_strides_fastattn_does_not_read_go_to_pytorch_without_asking_it(model):
+    q, k, v = (torch.randn(1, 2, 3, 8) for _ in range(3))
+    assert "float32" in _sdpa_mode._decide(q, k, v, None, 0.0, False, None, False)
+    q2 = torch.randn(1, 3, 8, 2).permute(0, 3, 1, 2)  # (b, h, s, d) with the head dim outermost but one
+    assert "no memory order" in _sdpa_mode._decide(q2.bfloat16(), q2.bfloat16(), q2.bfloat16(), None, 0.0,
+                                                   False, None, False)
+    assert model.calls == []
+
+
+def test_compiled_with_fullgraph_the_kernels_agree_with_pytorchs_meta_kernel(model):
+    q, k, v = _qkv(2, 4, 4, 6, 6, 16, "bshd")
+
+    def f(q, k, v):
+        return OP(q, k, v, None, True, 0.0, True, False, scale=None)[0]
+
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
+    out = compiled(q, k, v)
+    out.float().sum().backward()
+    ref, leaves = _sdpa_reference(q, k, v, causal=True)
+    ref.sum().backward()
+    torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(q.grad.double(), leaves[0].grad, atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize("layout,order", [("bhsd", (0, 1, 2, 3)), ("bshd", (0, 2, 1, 3)), ("sbhd", (2, 0, 1, 3))])
+def test_layout_of_reads_the_memory_order(layout, order):
+    shape = (2, 3, 5, 8)
+    t = torch.empty([shape[i] for i in order]).permute([order.index(i) for i in range(4)])
+    assert t.shape == shape and _sdpa_mode.layout_of(t) == layout
+    assert _sdpa_mode.layout_of(torch.empty(1, 1, 5, 8)) == "bhsd"  # extents of 1 fit anywhere
+
+
+def test_bias_takes_cudnns_broadcast_shapes():
+    q, k = torch.empty(2, 4, 5, 8), torch.empty(2, 4, 7, 8)
+    row = torch.randn(2, 1, 1, 7)
+    assert _sdpa_mode._bias(row, q, k, False).shape == (2, 1, 1, 7)
+    assert _sdpa_mode._bias(row, q, k, True).shape == (2, 1, 5, 7)  # one row is expanded for a backward
+    full = torch.randn(4, 5, 7)
+    b = _sdpa_mode._bias(full, q, k, False)
+    assert b.shape == (1, 4, 5, 7) and b.is_contiguous()
+    assert _sdpa_mode._bias(None, q, k, True) is None
+
+
+def test_enable_and_disable_register_undo_and_repeat_safely():
+    assert not fastattn.torch.sdpa_enabled()
+    before = list(torch._C._get_sdp_priority_order())
+    fastattn.torch.enable_sdpa()
+    try:
+        fastattn.torch.enable_sdpa()  # a second call changes nothing
+        assert fastattn.torch.sdpa_enabled()
+        assert torch._C._get_sdp_priority_order()[0] == 3  # cuDNN first
+        assert sorted(torch._C._get_sdp_priority_order()) == sorted(before)
+        q = torch.randn(1, 2, 4, 8)
+        torch.testing.assert_close(torch.nn.functional.scaled_dot_product_attention(q, q, q),
+                                   torch.ops.aten._scaled_dot_product_attention_math(q, q, q)[0])  # CPU: PyTorch's
+    finally:
+        fastattn.torch.disable_sdpa()
+    fastattn.torch.disable_sdpa()
+    assert not fastattn.torch.sdpa_enabled() and list(torch._C._get_sdp_priority_order()) == before
+
+
+def test_a_torch_whose_operator_takes_other_arguments_is_refused(monkeypatch):
+    monkeypatch.setattr(_sdpa_mode, "FORWARD_ARGS", ("query", "key"))
+    with pytest.raises(NotSupportedError, match="_scaled_dot_product_cudnn_attention takes"):
+        fastattn.torch.enable_sdpa()
+    assert not fastattn.torch.sdpa_enabled()
+
+
+@pytest.mark.parametrize("value,enabled", [("1", True), ("", False), ("0", False)])
+def test_fastattn_sdpa_enables_the_mode_at_import_only_when_set(value, enabled):
+    env = {**os.environ, "FASTATTN_SDPA": value, "PYTHONPATH": os.pathsep.join(sys.path)}
+    out = subprocess.run([sys.executable, "-c", "import fastattn.torch as t; print(t.sdpa_enabled())"],
+                         capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == str(enabled)

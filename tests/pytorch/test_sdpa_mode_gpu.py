@@ -1,0 +1,107 @@
+"""GPU: the SDPA mode. A module calling torch.nn.functional.scaled_dot_product_attention gives
+the same outputs and gradients with the mode on (fastattn's kernels, which the routes
+record) and off (PyTorch's cuDNN backend), and both agree with PyTorch's math in float64;
+under torch.compile(fullgraph=True) and in a CUDA graph capture; and a call fastattn
+cannot read (a query in no layout it takes) runs PyTorch's kernel without an error."""
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="PyTorch is an optional extra (pip install torch)")
+
+import torch.nn.functional as F  # noqa: E402
+
+import fastattn.torch  # noqa: E402
+from fastattn.torch import _sdpa_mode  # noqa: E402
+
+DEV = "cuda"
+TOL = 3e-2  # bfloat16
+
+
+@pytest.fixture
+def mode():
+    _sdpa_mode._routes.clear()
+    fastattn.torch.enable_sdpa()
+    yield
+    fastattn.torch.disable_sdpa()
+
+
+class Attn(torch.nn.Module):
+    def __init__(self, heads=8, kv_heads=2, dim=64):
+        super().__init__()
+        self.h, self.hk, self.d = heads, kv_heads, dim
+        self.qkv = torch.nn.Linear(heads * dim, (heads + 2 * kv_heads) * dim, bias=False)
+
+    def forward(self, x, mask=None, causal=True):
+        b, s, _ = x.shape
+        q, k, v = self.qkv(x).split([self.h * self.d, self.hk * self.d, self.hk * self.d], -1)
+        q, k, v = (t.view(b, s, -1, self.d).transpose(1, 2) for t in (q, k, v))
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None,
+                                           enable_gqa=self.h != self.hk)
+        return o.transpose(1, 2).reshape(b, s, -1)
+
+
+def _run(model, x, **kw):
+    x = x.detach().requires_grad_()
+    model.zero_grad()
+    out = model(x, **kw)
+    out.float().square().sum().backward()
+    return out.detach(), x.grad, model.qkv.weight.grad.clone()
+
+
+@pytest.mark.parametrize("heads,kv_heads,masked", [(8, 8, False), (8, 2, False), (8, 8, True)])
+def test_outputs_and_gradients_match_with_the_mode_on_and_off(mode, heads, kv_heads, masked):
+    torch.manual_seed(0)
+    model = Attn(heads, kv_heads).to(DEV, torch.bfloat16)
+    x = torch.randn(2, 128, heads * 64, device=DEV, dtype=torch.bfloat16)
+    mask = torch.randn(2, 1, 128, 128, device=DEV, dtype=torch.bfloat16) if masked else None
+    on = _run(model, x, mask=mask)
+    routes = list(_sdpa_mode.sdpa_routes().values())
+    fastattn.torch.disable_sdpa()
+    off = _run(model, x, mask=mask)
+    fastattn.torch.enable_sdpa()
+    ref = _run(model.double(), x.double(), mask=None if mask is None else mask.double())
+    model.bfloat16()
+    for a, b, r in zip(on, off, ref):
+        torch.testing.assert_close(a.double(), r, atol=TOL * r.abs().max().item(), rtol=TOL)
+        torch.testing.assert_close(b.double(), r, atol=TOL * r.abs().max().item(), rtol=TOL)
+    # (PyTorch may give a call to another backend: then no route, and nothing to check here)
+    assert all(r.startswith("fastattn") for r in routes), routes
+    if not routes:
+        pytest.skip("PyTorch gave these calls to a backend other than cuDNN")
+
+
+def test_compiled_fullgraph_and_captured_in_a_cuda_graph(mode):
+    torch.manual_seed(0)
+    model = Attn().to(DEV, torch.bfloat16)
+    x = torch.randn(2, 64, 512, device=DEV, dtype=torch.bfloat16)
+    with torch.no_grad():
+        want = model(x)
+        compiled = torch.compile(model, fullgraph=True)
+        torch.testing.assert_close(compiled(x), want, atol=TOL, rtol=TOL)
+        graph = torch.cuda.CUDAGraph()
+        static = x.clone()
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            model(static)  # the plan is loaded outside the capture
+        torch.cuda.current_stream().wait_stream(s)
+        with torch.cuda.graph(graph):
+            out = model(static)
+        static.copy_(torch.randn_like(x))
+        graph.replay()
+        torch.testing.assert_close(out, model(static), atol=0, rtol=0)
+    assert any(r.startswith("fastattn") for r in _sdpa_mode.sdpa_routes().values())
+
+
+def test_a_call_fastattn_does_not_take_runs_pytorchs_kernel(mode):
+    q = torch.randn(2, 8, 64, 64, device=DEV, dtype=torch.bfloat16)
+    fp32 = q.float()
+    torch.testing.assert_close(F.scaled_dot_product_attention(fp32, fp32, fp32),
+                               torch.ops.aten._scaled_dot_product_attention_math(fp32, fp32, fp32)[0], atol=1e-4,
+                               rtol=1e-4)
+    odd = torch.randn(64, 64, 2, 8, device=DEV, dtype=torch.bfloat16).permute(2, 3, 0, 1)  # head dim outermost
+    with torch.nn.attention.sdpa_kernel([torch.nn.attention.SDPBackend.CUDNN_ATTENTION,
+                                         torch.nn.attention.SDPBackend.MATH]):
+        got = F.scaled_dot_product_attention(odd, odd, odd)
+    want = torch.ops.aten._scaled_dot_product_attention_math(odd.double(), odd.double(), odd.double())[0]
+    torch.testing.assert_close(got.double(), want, atol=TOL, rtol=TOL)

@@ -1,0 +1,274 @@
+"""fastattn.integrations.transformers on the CPU: tiny random-weight models built from
+configs (no downloads) with attn_implementation="fastattn" against the same weights with
+transformers' own "sdpa" or "eager" path, float32, where fastattn.torch's entry points are
+replaced by a float64 model of their documented semantics (bshd; causal masks and
+windows at either corner, per-sequence lengths, a bias of cuDNN's shapes, sinks, softcap,
+packed sequences) that also refuses what cuDNN refuses here (softcap beside a bias, sinks
+with one query). What this checks: the mask function's forms (no padding, right padding
+as lengths, left padding as a key bias, packed sequences, KV-cache decoding at the bottom
+right, sliding windows, transformers' own mask otherwise), the arguments each layer
+passes, the fallback, registration through the classes. What it cannot: cuDNN
+(test_transformers_gpu.py)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="PyTorch is an optional extra (pip install torch)")
+transformers = pytest.importorskip("transformers", reason="transformers is an optional extra")
+
+from fastattn import NotSupportedError  # noqa: E402
+from fastattn.integrations import transformers as fa_tf  # noqa: E402
+
+
+def _keep(sq, skv, causal, bottom_right, window, lq=None, lk=None):
+    i = torch.arange(sq)[:, None]
+    j = torch.arange(skv)[None, :]
+    lq = sq if lq is None else lq
+    lk = skv if lk is None else lk
+    shift = (lk - lq) if bottom_right else 0
+    keep = (i < lq) & (j < lk)
+    left, right = (-1, -1) if window is None else window
+    if causal:
+        right = 0
+    if right >= 0:
+        keep &= j <= i + shift + right
+    if left >= 0:
+        keep &= j >= i + shift - left
+    return keep
+
+
+def _core(q, k, v, keep, scale, bias, sinks, softcap):
+    """bhsd float64 attention with fastattn's conventions: rows without keys are 0."""
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    s = q @ k.transpose(-1, -2) * (scale if scale is not None else 1 / math.sqrt(q.shape[-1]))
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    if bias is not None:
+        s = s + bias.double()
+    s = s.masked_fill(~keep, float("-inf"))
+    if sinks is not None:
+        s = torch.cat([s, sinks.double().reshape(1, -1, 1, 1).expand(*s.shape[:3], 1)], -1)
+    p = torch.nan_to_num(s.softmax(-1), nan=0.0)
+    if sinks is not None:
+        p = p[..., :-1]
+    return p @ v
+
+
+class Calls(list):
+    pass
+
+
+def make_attention(calls):
+    def attention(q, k, v, *, causal=False, causal_bottom_right=False, window=None, scale=None, layout="bshd",
+                  deterministic=False, seq_lens_q=None, seq_lens_kv=None, alibi=False, bias=None, dropout_p=0.0,
+                  sinks=None, alignment="top_left", return_lse=False, softcap=0.0):
+        assert layout == "bshd" and not alibi and not return_lse and dropout_p == 0.0
+        b, sq, hq, d = q.shape
+        skv = k.shape[1]
+        if bias is not None:
+            assert bias.dtype == q.dtype and bias.is_contiguous() and bias.dim() == 4
+            assert bias.shape[2] in (1, sq) and bias.shape[3] == skv
+            if softcap:
+                raise NotSupportedError("Attention score mod enabled and hence other subgraphs are disabled")
+            if bias.shape[2] == 1 and torch.is_grad_enabled() and q.requires_grad:
+                raise AssertionError("a one-row bias with gradients")
+        if sinks is not None:
+            assert sinks.dtype == torch.float32 and sinks.shape == (hq,)
+            if sq == 1:
+                raise NotSupportedError("sinks with one query")
+        calls.append(dict(causal=causal, alignment=alignment, window=window, lens=seq_lens_q is not None,
+                          bias=None if bias is None else tuple(bias.shape), sinks=sinks is not None, softcap=softcap,
+                          sq=sq, skv=skv))
+        out = torch.zeros(b, hq, sq, v.shape[-1], dtype=torch.float64)
+        qb, kb, vb = (t.transpose(1, 2).double() for t in (q, k, v))
+        for n in range(b):
+            lq = None if seq_lens_q is None else int(seq_lens_q[n])
+            lk = None if seq_lens_kv is None else int(seq_lens_kv[n])
+            keep = _keep(sq, skv, causal, alignment == "bottom_right", window, lq, lk)
+            out[n] = _core(qb[n:n + 1], kb[n:n + 1], vb[n:n + 1], keep, scale,
+                           None if bias is None else bias[n if bias.shape[0] > 1 else 0], sinks, softcap)[0]
+        return out.transpose(1, 2).to(q.dtype)
+
+    def attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, causal=False, alignment="top_left", window=None,
+                         scale=None, dropout_p=0.0, softcap=0.0, **kw):
+        assert cu_q.dtype == torch.int32 and isinstance(max_q, int) and max_q >= int((cu_q[1:] - cu_q[:-1]).max())
+        calls.append(dict(varlen=True, n=cu_q.numel() - 1, causal=causal, window=window))
+        out = torch.zeros(q.shape[0], q.shape[1], v.shape[-1], dtype=torch.float64)
+        for n in range(cu_q.numel() - 1):
+            a, e = int(cu_q[n]), int(cu_q[n + 1])
+            ak, ek = int(cu_k[n]), int(cu_k[n + 1])
+            keep = _keep(e - a, ek - ak, causal, alignment == "bottom_right", window)
+            qs, ks, vs = (t.transpose(0, 1)[None].double() for t in (q[a:e], k[ak:ek], v[ak:ek]))
+            out[a:e] = _core(qs, ks, vs, keep, scale, None, None, softcap)[0].transpose(0, 1)
+        return out.to(q.dtype)
+
+    return attention, attention_varlen
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    c = Calls()
+    attention, varlen = make_attention(c)
+    monkeypatch.setattr(fa_tf, "attention", attention)
+    monkeypatch.setattr(fa_tf, "attention_varlen", varlen)
+    return c
+
+
+def _model(kind, attn, **extra):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    common = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=256)
+    kinds = {
+        "llama": dict(model_type="llama", head_dim=16),
+        "mistral": dict(model_type="mistral", head_dim=16, sliding_window=5),
+        "qwen2": dict(model_type="qwen2", use_sliding_window=True, sliding_window=4, max_window_layers=0,
+                      layer_types=["sliding_attention", "sliding_attention"]),
+        "gemma2": dict(model_type="gemma2", head_dim=16, sliding_window=4, attn_logit_softcapping=20.0,
+                       final_logit_softcapping=None, query_pre_attn_scalar=16),
+        "gpt_oss": dict(model_type="gpt_oss", head_dim=16, sliding_window=4, num_local_experts=2,
+                        num_experts_per_tok=1, layer_types=["sliding_attention", "full_attention"]),
+    }
+    cfg = AutoConfig.for_model(**{**common, **kinds[kind], **extra})
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation=attn, dtype=torch.float32).eval()
+    return model
+
+
+def _pair(kind, reference="sdpa"):
+    ours = _model(kind, "fastattn")
+    theirs = _model(kind, reference)
+    theirs.load_state_dict(ours.state_dict())
+    return ours, theirs
+
+
+def _batch(lengths, total, left=True, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, 97, (len(lengths), total), generator=g)
+    mask = torch.zeros(len(lengths), total, dtype=torch.long)
+    for n, length in enumerate(lengths):
+        if left:
+            mask[n, total - length:] = 1
+        else:
+            mask[n, :length] = 1
+    return ids, mask
+
+
+def test_registered_through_the_classes_so_every_instance_and_model_sees_it():
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    assert AttentionInterface()["fastattn"] is fa_tf.attention_forward
+    assert AttentionMaskInterface()["fastattn"] is fa_tf.attention_mask
+    assert "fastattn" in AttentionMaskInterface._global_mapping
+
+
+@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2"])
+def test_prefill_without_padding_is_causal_at_the_top_left_with_the_window(calls, kind):
+    ours, theirs = _pair(kind)
+    ids = torch.randint(3, 97, (2, 11))
+    torch.testing.assert_close(ours(ids).logits, theirs(ids).logits, atol=1e-4, rtol=1e-4)
+    assert all(c["causal"] and c["alignment"] == "top_left" and not c["lens"] and c["bias"] is None for c in calls)
+    window = {"llama": None, "mistral": (4, 0), "qwen2": (3, 0)}[kind]
+    assert all(c["window"] == window for c in calls)
+
+
+@pytest.mark.parametrize("left", [True, False])
+def test_padded_batches_left_as_a_key_bias_right_as_lengths(calls, left):
+    ours, theirs = _pair("llama")
+    ids, mask = _batch([9, 4, 7], 9, left=left)
+    with torch.no_grad():  # (with gradients a key bias is expanded over the queries: the training test)
+        a, b = ours(ids, attention_mask=mask).logits, theirs(ids, attention_mask=mask).logits
+    kept = mask.bool()
+    torch.testing.assert_close(a[kept], b[kept], atol=1e-4, rtol=1e-4)
+    if left:
+        assert all(c["bias"] == (3, 1, 1, 9) and not c["lens"] for c in calls), calls
+    else:
+        assert all(c["lens"] and c["bias"] is None for c in calls)
+
+
+@pytest.mark.parametrize("kind", ["llama", "mistral"])
+def test_greedy_generate_from_a_left_padded_batch_token_for_token(calls, kind):
+    ours, theirs = _pair(kind)
+    ids, mask = _batch([6, 3, 8, 5], 8)
+    kw = dict(max_new_tokens=10, do_sample=False, pad_token_id=0)
+    a = ours.generate(ids, attention_mask=mask, **kw)
+    b = theirs.generate(ids, attention_mask=mask, **kw)
+    assert torch.equal(a, b)
+    decode = [c for c in calls if c["sq"] == 1]
+    # (a key bias while padding is among the keys; a sliding window's cache can leave it behind)
+    assert decode and all(c["alignment"] == "bottom_right" for c in decode)
+    assert any(c["bias"] is not None for c in decode)
+
+
+def test_a_cache_without_padding_decodes_at_the_bottom_right_without_a_mask(calls):
+    ours, theirs = _pair("mistral")
+    ids = torch.randint(3, 97, (2, 7))
+    kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert torch.equal(ours.generate(ids, **kw), theirs.generate(ids, **kw))
+    decode = [c for c in calls if c["sq"] == 1]
+    assert decode and all(c["alignment"] == "bottom_right" and c["bias"] is None and c["window"] == (4, 0)
+                          for c in decode)
+
+
+def test_softcap_runs_on_fastattn_and_beside_a_bias_falls_back_exactly(calls):
+    ours, theirs = _pair("gemma2", reference="eager")
+    ids = torch.randint(3, 97, (2, 9))
+    torch.testing.assert_close(ours(ids).logits, theirs(ids).logits, atol=1e-4, rtol=1e-4)
+    assert calls and all(c["softcap"] == 20.0 for c in calls)
+    ids, mask = _batch([9, 5], 9)
+    a, b = ours(ids, attention_mask=mask).logits, theirs(ids, attention_mask=mask).logits
+    torch.testing.assert_close(a[mask.bool()], b[mask.bool()], atol=1e-4, rtol=1e-4)
+
+
+def test_sinks_in_prefill_and_in_decode_steps_of_one_query(calls):
+    ours, theirs = _pair("gpt_oss", reference="eager")
+    ids = torch.randint(3, 97, (2, 9))
+    torch.testing.assert_close(ours(ids).logits, theirs(ids).logits, atol=1e-4, rtol=1e-4)
+    kw = dict(max_new_tokens=5, do_sample=False, pad_token_id=0)
+    assert torch.equal(ours.generate(ids, **kw), theirs.generate(ids, **kw))
+    decode = [c for c in calls if c["skv"] > c["sq"]]
+    assert decode and all(c["sinks"] and c["sq"] == 2 for c in decode)  # two copies of the one query
+
+
+def test_packed_sequences_from_restarting_position_ids_run_as_varlen(calls):
+    ours, theirs = _pair("llama")
+    parts = [torch.randint(3, 97, (1, n)) for n in (5, 3, 6)]
+    packed = torch.cat(parts, 1)
+    position_ids = torch.cat([torch.arange(p.shape[1]) for p in parts])[None]
+    with torch.no_grad():  # (packing is recognized without a cache, as transformers does)
+        got = ours(packed, position_ids=position_ids, use_cache=False).logits
+        want = torch.cat([theirs(p).logits for p in parts], 1)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert calls and all(c.get("varlen") and c["n"] == 3 for c in calls)
+
+
+def test_a_training_step_has_sdpas_loss_and_gradients(calls):
+    ours, theirs = _pair("llama")
+    ours.train()
+    theirs.train()
+    ids, mask = _batch([8, 6], 8)
+    labels = ids.masked_fill(mask == 0, -100)
+    la = ours(ids, attention_mask=mask, labels=labels).loss
+    lb = theirs(ids, attention_mask=mask, labels=labels).loss
+    torch.testing.assert_close(la, lb, atol=1e-5, rtol=1e-5)
+    la.backward()
+    lb.backward()
+    for (name, pa), pb in zip(ours.named_parameters(), theirs.parameters()):
+        torch.testing.assert_close(pa.grad, pb.grad, atol=1e-4, rtol=1e-3, msg=name)
+    assert all(c["bias"] == (2, 1, 8, 8) for c in calls)  # one row expanded over the queries for the backward
+
+
+def test_a_mask_function_it_does_not_know_takes_transformers_own_mask():
+    from transformers import masking_utils as mu
+
+    chunked = mu.chunked_causal_mask_function(3, torch.zeros(2, dtype=torch.long))
+    form = fa_tf.attention_mask(2, 6, 6, mask_function=chunked)
+    want = mu.sdpa_mask(batch_size=2, q_length=6, kv_length=6, mask_function=chunked, allow_is_causal_skip=False)
+    assert form.full is not None and torch.equal(form.full, want)
+    assert fa_tf._pattern(mu.sliding_window_causal_mask_function(7), fa_tf._codes()) == \
+        {"causal": True, "window": 7, "packed": None}

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# A gpu_run.sh longer than one device call (600 s): started in a process session of its
+# own, which outlives the call (the device README), and collected by the next call on
+# the same warm machine (it goes back ~30 s after a call: make the next one at once).
+#
+#   bash tools/gpu_bg.sh start [gpu_run.sh args...]   starts it, then waits as `wait` does
+#   bash tools/gpu_bg.sh wait                         waits up to WAIT s (default 570);
+#       once it has ended: its output, and its logs.tgz copied into $OUT
+# The run's environment (FASTATTN_PREBUILT, BENCH, FASTATTN_TEST_ORDER, ...) is passed on.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+BG=/tmp/fastattn-bg
+cmd=${1:-wait}; shift || true
+if [ "$cmd" = start ]; then
+  rm -rf "$BG"; mkdir -p "$BG/out"
+  OUT="$BG/out" setsid bash -c 'bash tools/gpu_run.sh "$@" > '"$BG"'/run.log 2>&1; echo $? > '"$BG"'/rc' _ "$@" \
+    < /dev/null > /dev/null 2>&1 &
+  echo "started $(date +%T)"
+fi
+deadline=$(( $(date +%s) + ${WAIT:-570} ))
+while [ ! -f "$BG/rc" ] && [ "$(date +%s)" -lt "$deadline" ]; do sleep 5; done
+if [ ! -f "$BG/rc" ]; then
+  echo "still running at $(date +%T); its output and pytest's progress end:"
+  tail -n 3 "$BG/run.log"; tail -c 400 /tmp/fastattn-logs.*/pytest.log 2>/dev/null; echo
+  exit 75
+fi
+cp "$BG"/out/* "${OUT:-/tmp}/" 2>/dev/null
+cat "$BG/run.log"
+exit "$(cat "$BG/rc")"
