@@ -127,7 +127,7 @@ def test_capture_that_evicts_every_pack_of_a_freed_plan(freed):
     # its destruction invalidated the capture, and the next launch failed with
     # CUDNN_STATUS_EXECUTION_FAILED_CUDART. Here the table is made to evict inside the
     # capture on purpose: thousands of distinct pointer sets (it holds 256). Seen failing
-    # so (the bias case) before packs.inc deferred what a capture evicts.
+    # so (the bias case) before csrc/packs.h deferred what a capture evicts.
     import gc
 
     import fastattn
