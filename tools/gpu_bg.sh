@@ -22,6 +22,8 @@ while [ ! -f "$BG/rc" ] && [ "$(date +%s)" -lt "$deadline" ]; do sleep 5; done
 if [ ! -f "$BG/rc" ]; then
   echo "still running at $(date +%T); its output and pytest's progress end:"
   tail -n 3 "$BG/run.log"; tail -c 400 /tmp/fastattn-logs.*/pytest.log 2>/dev/null; echo
+  # What it has so far, in case the machine goes back before the next call.
+  cp /tmp/fastattn-logs.*/pytest.log "${OUT:-/tmp}/pytest-so-far.log" 2>/dev/null
   exit 75
 fi
 cp "$BG"/out/* "${OUT:-/tmp}/" 2>/dev/null
