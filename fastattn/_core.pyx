@@ -548,7 +548,11 @@ cdef _build_one(Plan p, const Config& c, Direction d):
     with nogil:
         st = build_graph(c, d, p.device, out, &info)
     if not st.ok():
-        raise _error(st, "forward" if d == Direction.kForward else "backward")
+        where = "forward" if d == Direction.kForward else "backward"
+        if c.full_lengths:  # a refusal of the remedy, not of anything the caller asked for: say so
+            where += (f" (built with a padding mask over the full lengths, the remedy for known cuDNN defect "
+                      f"{', '.join(x.name for x in p.defects.avoided)}; the plain graph is wrong for this config)")
+        raise _error(st, where)
     _record(p, d, info, info.engine_name.decode("utf-8", "replace"))
 
 
