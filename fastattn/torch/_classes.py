@@ -124,6 +124,16 @@ def _packed(t: torch.Tensor) -> bool:
         and t.shape[0] * max(st[0], 1) < _INT32
 
 
+def _within(t: torch.Tensor, upper: int) -> bool:
+    """The tokens t's offsets span fit the plan's max_tokens (batch * upper): cuDNN sizes
+    the backward's ragged workspace tensors (dQ's accumulator, GQA's full-head dK, dV) by
+    it (cudnn-frontend's ragged_workspace_size), and indexes them by the same offsets. A
+    KV-cache slice longer than its class fails this and trains on an exact plan."""
+    b, s, h, d = t.shape
+    hd = h * d
+    return t.stride(0) % hd == 0 and (b - 1) * (t.stride(0) // hd) + s <= b * upper
+
+
 # -- the plan and the work ------------------------------------------------------------------
 
 def plan_for(q, k, v, options: ClassOptions) -> Cached:
@@ -215,6 +225,8 @@ def serve(q, k, v, seq_len_q, seq_len_kv, rng, options, choice, grads: bool, ret
         return None
     upper_q, upper_kv = classes.upper(q.shape[1]), classes.upper(k.shape[1])
     if upper_q is None or upper_kv is None or not (_packed(q) and _packed(k) and _packed(v)):
+        return None
+    if options.training and not all(_within(t, u) for t, u in ((q, upper_q), (k, upper_kv), (v, upper_kv))):
         return None
     # The plan's key leaves out the lengths and batch strides, so the checks run on every call.
     _check(q, k, v, seq_len_q, seq_len_kv)
