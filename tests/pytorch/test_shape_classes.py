@@ -162,3 +162,29 @@ def test_a_bad_keyword_is_named(fake):
     q, k, v = (meta(1, 100, 4, 64) for _ in range(3))
     with pytest.raises(fastattn.InvalidArgumentError, match=r"^shape_classes=\(64, 32\): .*ascending"):
         _dense.attention(q, k, v, shape_classes=(64, 32))
+
+
+def test_the_benchmark_writes_the_file_the_policy_reads(tmp_path):
+    import importlib.util
+    import json
+    import pathlib
+    import sys
+
+    bench_dir = pathlib.Path(__file__).resolve().parents[2] / "benchmarks"
+    sys.path.insert(0, str(bench_dir))
+    try:
+        spec = importlib.util.spec_from_file_location("bench_shape_classes", bench_dir / "bench_shape_classes.py")
+        bench = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(bench)
+    finally:
+        sys.path.remove(str(bench_dir))
+    path = str(tmp_path / "shape_classes.json")
+    m = {"n": 65, "forward_class_us": 10.2, "forward_exact_us": 10.0}
+    res = {"gpu": "NVIDIA H200", "versions": {"cudnn_loaded": 91900, "fastattn": "0"}, "date": "2026-12-01",
+           "shape": {"training": False}, "classes": [{"lo": 64, "hi": 128, "lengths": [m]}]}
+    bench.write(path, bench.row(res))
+    bench.write(path, bench.row({**res, "gpu": "NVIDIA B200"}))
+    bench.write(path, bench.row(res))  # the same GPU and cuDNN again: replaced, not added
+    data = json.loads(open(path).read())
+    assert sorted(r["gpu"] for r in data["rows"]) == ["NVIDIA B200", "NVIDIA H200"]
+    assert sc.measured("NVIDIA H200", 91900, path).ranges == ((64, 128),)
