@@ -28,7 +28,6 @@ import torch
 
 from .. import env
 from .. import shape_classes as sc
-from ..config import AttentionConfig
 from . import _autograd
 from ._plans import (DTYPES, Cached, alignment_name, capturing, check_qkv_tensors, check_shapes, mask_name, plans,
                      raw_stream, remember, workspace)
@@ -143,13 +142,12 @@ def plan_for(q, k, v, options: ClassOptions) -> Cached:
     if hit is not None:
         return hit
     d = options.dense
-    cfg = AttentionConfig(
-        batch=q.shape[0], heads_q=q.shape[2], heads_kv=k.shape[2], seqlen_q=options.upper_q,
-        seqlen_kv=options.upper_kv, head_dim_qk=q.shape[3], head_dim_v=v.shape[3], dtype=DTYPES[q.dtype],
-        layout="bshd", padding=True, ragged=True, mask=mask_name(d.causal, d.bottom_right),
-        window=(d.window_left, d.window_right), alignment=alignment_name(d.bottom_right),
-        scale=None if d.scale <= 0 else d.scale, training=d.training,
-        deterministic=d.deterministic and d.training, alibi=d.alibi, dropout=d.dropout, softcap=d.softcap or None,
+    cfg = sc.class_config(
+        batch=q.shape[0], heads_q=q.shape[2], heads_kv=k.shape[2], head_dim_qk=q.shape[3], head_dim_v=v.shape[3],
+        dtype=DTYPES[q.dtype], upper_q=options.upper_q, upper_kv=options.upper_kv,
+        mask=mask_name(d.causal, d.bottom_right), alignment=alignment_name(d.bottom_right),
+        window=(d.window_left, d.window_right), scale=None if d.scale <= 0 else d.scale, training=d.training,
+        deterministic=d.deterministic, alibi=d.alibi, dropout=d.dropout, softcap=d.softcap,
     )
     return remember(key, cfg, q, k, v, None)
 
