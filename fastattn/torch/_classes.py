@@ -27,6 +27,7 @@ from typing import NamedTuple
 import torch
 
 from .. import env
+from ..errors import NotSupportedError
 from .. import shape_classes as sc
 from . import _autograd
 from ._plans import (DTYPES, Cached, alignment_name, capturing, check_qkv_tensors, check_shapes, mask_name, plans,
@@ -100,7 +101,8 @@ def _array(q: torch.Tensor, kind: str, b: int, value: int, stream: int) -> torch
     if kind == "len":
         t = torch.full((b,), value, dtype=torch.int32, device=q.device)
     else:
-        t = torch.arange(0, (b + 1) * value, value, dtype=torch.int32, device=q.device) if value else \
+        # (its end b * value + 1, not (b + 1) * value: the last offset fits int32, the end may not)
+        t = torch.arange(0, b * value + 1, value, dtype=torch.int32, device=q.device) if value else \
             torch.zeros(b + 1, dtype=torch.int32, device=q.device)
     if not capturing():
         if len(_arrays) >= KEPT_ARRAYS:
@@ -135,9 +137,16 @@ def _within(t: torch.Tensor, upper: int) -> bool:
 
 # -- the plan and the work ------------------------------------------------------------------
 
+def _key(q, k, v, options: ClassOptions) -> tuple:
+    return ("class", q.shape[0], q.shape[2:], k.shape[2:], v.shape[2:], q.dtype, k.dtype, v.dtype, q.get_device(),
+            k.get_device(), v.get_device(), options)
+
+
+_refused: set[tuple] = set()  # class plans' keys cuDNN refused: those calls take exact plans
+
+
 def plan_for(q, k, v, options: ClassOptions) -> Cached:
-    key = ("class", q.shape[0], q.shape[2:], k.shape[2:], v.shape[2:], q.dtype, k.dtype, v.dtype, q.get_device(),
-           k.get_device(), v.get_device(), options)
+    key = _key(q, k, v, options)
     hit = plans.get(key)
     if hit is not None:
         return hit
@@ -224,11 +233,23 @@ def serve(q, k, v, seq_len_q, seq_len_kv, rng, options, choice, grads: bool, ret
     upper_q, upper_kv = classes.upper(q.shape[1]), classes.upper(k.shape[1])
     if upper_q is None or upper_kv is None or not (_packed(q) and _packed(k) and _packed(v)):
         return None
+    if q.shape[0] * q.shape[1] * q.shape[2] * v.shape[3] >= _INT32:  # o's offsets, int32 too
+        return None
     if options.training and not all(_within(t, u) for t, u in ((q, upper_q), (k, upper_kv), (v, upper_kv))):
         return None
     # The plan's key leaves out the lengths and batch strides, so the checks run on every call.
     _check(q, k, v, seq_len_q, seq_len_kv)
     copts = ClassOptions(options, upper_q, upper_kv)
+    if _refused and _key(q, k, v, copts) in _refused:
+        return None
+    try:
+        plan_for(q, k, v, copts)
+    except NotSupportedError:
+        # cuDNN refuses the ragged graph for what it builds densely (a feature it does not
+        # combine with packed sequences): the call takes its exact plan, as with classes off,
+        # and so do later calls of this key, for a set lookup.
+        _refused.add(_key(q, k, v, copts))
+        return None
     tensors = (q, k, v, seq_len_q, seq_len_kv, rng)
     if return_lse:
         if grads:

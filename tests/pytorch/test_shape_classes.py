@@ -188,3 +188,26 @@ def test_the_benchmark_writes_the_file_the_policy_reads(tmp_path):
     data = json.loads(open(path).read())
     assert sorted(r["gpu"] for r in data["rows"]) == ["NVIDIA B200", "NVIDIA H200"]
     assert sc.measured("NVIDIA H200", 91900, path).ranges == ((64, 128),)
+
+
+def test_a_class_plan_cudnn_refuses_leaves_the_call_its_exact_plan(fake, monkeypatch):
+    served, asked = [], []
+
+    def refuse(cfg, device=None):
+        asked.append(cfg)
+        raise fastattn.NotSupportedError("ragged: not with this")
+
+    monkeypatch.setattr(fastattn, "plan", refuse)
+    monkeypatch.setattr(_classes, "_refused", set())
+    monkeypatch.setattr(_dense, "forward_impl", lambda *a: served.append(a) or (a[0], None))
+    for s in (100, 120):
+        q, k, v = (meta(1, s, 4, 64) for _ in range(3))
+        _dense.attention(q, k, v, shape_classes=(128,))
+    assert len(served) == 2 and len(asked) == 1  # the refusal is asked once
+
+
+def test_offsets_past_int32_are_not_made(fake):
+    q, k, v = (meta(3, 40, 4, 64) for _ in range(3))
+    _dense.attention(q, k, v, shape_classes=(64,))
+    t = _classes._array(q, "off", 3, 2**31 // 3 - 1, 7)
+    assert t.shape == (4,) and t.dtype == torch.int32
