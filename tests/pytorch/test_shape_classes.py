@@ -211,3 +211,20 @@ def test_offsets_past_int32_are_not_made(fake):
     _dense.attention(q, k, v, shape_classes=(64,))
     t = _classes._array(q, "off", 3, 2**31 // 3 - 1, 7)
     assert t.shape == (4,) and t.dtype == torch.int32
+
+
+def test_varlen_max_lengths_take_their_class_bound(fake, monkeypatch):
+    from fastattn.torch import _varlen
+
+    seen = []
+    monkeypatch.setattr(_varlen, "forward_impl", lambda *a: seen.append(a[-1]) or (a[0], None))
+    monkeypatch.setattr(_varlen, "plain_eager", lambda q: True)
+    monkeypatch.setattr(_varlen, "_check_varlen", lambda *a: None)
+    q, k, v = (meta(300, 4, 64) for _ in range(3))
+    cu = meta(3, dtype=torch.int32)
+    for max_q, max_kv in ((150, 150), (200, 260), (1, 140)):
+        _varlen.attention_varlen(q, k, v, cu, cu, max_q, max_kv, shape_classes=(128, 1024))
+    _varlen.attention_varlen(q, k, v, cu, cu, 150, 2000, shape_classes=(128, 1024))  # past the classes
+    _varlen.attention_varlen(q, k, v, cu, cu, 150, 150)  # classes off: powers of two
+    assert [(o.max_q, o.max_kv) for o in seen] == [(1024, 1024), (1024, 1024), (1, 1024), (1024, 2048),
+                                                   (256, 256)]

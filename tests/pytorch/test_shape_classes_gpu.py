@@ -134,3 +134,24 @@ def test_the_environment_variable_turns_classes_on_in_a_fresh_process(tmp_path):
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["1", "1"], r.stdout
+
+
+def test_varlen_one_class_plan_serves_several_max_lengths():
+    from fastattn.torch import _varlen
+
+    h, d = 4, 64
+    before = None
+    for lens in ((129, 200), (300, 140), (512, 400)):  # max lengths 200, 300, 512: the (128, 512] class
+        total = sum(lens)
+        q, k, v = (rand(total, h, d, grad=True) for _ in range(3))
+        cu = torch.tensor([0, lens[0], total], dtype=torch.int32, device="cuda")
+        o = _varlen.attention_varlen(q, k, v, cu, cu, max(lens), max(lens), causal=True, shape_classes=CLASSES)
+        o.backward(torch.ones_like(o))
+        for start, n in ((0, lens[0]), (lens[0], lens[1])):
+            qi, ki, vi = (t[start:start + n].unsqueeze(0) for t in (q, k, v))
+            torch.testing.assert_close(o[start:start + n].double(), reference(qi, ki, vi, True)[0], atol=2e-2,
+                                       rtol=2e-2)
+        if before is None:
+            before = _counts()
+        else:
+            assert _counts() == before, f"lengths {lens} built or loaded a plan"
