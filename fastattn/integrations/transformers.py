@@ -282,7 +282,14 @@ def _grads(*tensors) -> bool:
 
 def _bias_for(form: FastattnMask, q: torch.Tensor, k: torch.Tensor, training: bool) -> torch.Tensor | None:
     """The form's bias in q's dtype and a shape fastattn takes: the full mask as 0 /
-    finfo.min, a key bias with one row expanded over the queries for a backward."""
+    finfo.min, a key bias with one row expanded over the queries for a backward.
+
+    For a backward, the rows that see no key (a left-padded batch's padding rows) see
+    every key instead: their outputs are zeroed after (_zero_empty), so their output
+    gradient is zero and what they attend to changes no other row's gradient, while a
+    row whose every score is finfo.min has a log-sum-exp far below -88.7, where cuDNN
+    9.19's SM90 backward turns zero-filled tail keys into NaN (s_kv = 64 mod 128; issue
+    27, cudnn-frontend#628): every gradient of the batch was NaN on the H200."""
     if form.full is not None:
         m = form.full
         if m.dtype == torch.bool:
@@ -291,13 +298,21 @@ def _bias_for(form: FastattnMask, q: torch.Tensor, k: torch.Tensor, training: bo
         b, _, sq, skv = m.shape
         if sq == 1 and q.shape[1] > 1:
             m = m.expand(b, m.shape[1], q.shape[1], skv)
-        return m.contiguous()
+        return _open_empty_rows(m, form, training).contiguous()
     if form.bias is None:
         return None
     bias = form.bias.to(q.dtype)
     if training and q.shape[1] > 1:
-        bias = bias.expand(bias.shape[0], 1, q.shape[1], bias.shape[3])
+        bias = _open_empty_rows(bias.expand(bias.shape[0], 1, q.shape[1], bias.shape[3]), form, training)
     return bias.contiguous()
+
+
+def _open_empty_rows(bias: torch.Tensor, form: FastattnMask, training: bool) -> torch.Tensor:
+    sq = bias.shape[2]
+    if not training or form.empty is None or form.empty.shape[-1] % sq:
+        return bias
+    # empty: (batch, seq_q), or (batch, heads * seq_q) from a materialized mask
+    return bias.masked_fill(form.empty.reshape(form.empty.shape[0], -1, sq, 1), 0.0)
 
 
 def _dense_call(q, k, v, form: FastattnMask, scale, dropout, cap, sinks) -> torch.Tensor:

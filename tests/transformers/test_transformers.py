@@ -76,6 +76,16 @@ def make_attention(calls):
                 raise NotSupportedError("Attention score mod enabled and hence other subgraphs are disabled")
             if bias.shape[2] == 1 and torch.is_grad_enabled() and q.requires_grad:
                 raise AssertionError("a one-row bias with gradients")
+            if torch.is_grad_enabled() and q.requires_grad:
+                # A row whose every key the bias masks has a log-sum-exp near finfo.min,
+                # where cuDNN 9.19's SM90 backward gives NaN (issue 27): the adapter must
+                # not hand one to a backward. (Causal masks leave key 0 to every row.)
+                low = torch.finfo(bias.dtype).min
+                seen = bias > low / 2
+                if causal and alignment == "top_left":
+                    seen = seen & torch.ones(sq, skv, dtype=torch.bool).tril()
+                if not seen.any(-1).all():
+                    raise AssertionError("a row that sees no key in a backward (cuDNN's NaN, issue 27)")
         if sinks is not None:
             assert sinks.dtype == torch.float32 and sinks.shape == (hq,)
             if sq == 1:
