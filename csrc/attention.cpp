@@ -85,7 +85,7 @@ Status build_step(const fe::error_t &e, const char *stage) {
 // past the end of an empty vector: only built graphs are asked (`built`).
 Status finish(Graph &graph, const char *stage_prefix, bool built, GraphInfo *info) {
     auto uids = graph.g->get_variant_pack_uids_sorted();
-    if (uids != mask_uids(graph.slots)) {
+    if (uids != mask_uids(graph.slots | graph.owned)) {
         return error(Code::kCorruptPlan, std::string(stage_prefix) + ": plan's tensors do not match its config");
     }
     FA_RETURN_IF_ERROR(build_step(graph.g->get_workspace_size(graph.workspace), "get_workspace_size"));
@@ -94,6 +94,24 @@ Status finish(Graph &graph, const char *stage_prefix, bool built, GraphInfo *inf
     info->workspace_size = graph.workspace;
     if (built) FA_RETURN_IF_ERROR(build_step(graph.g->get_plan_name(info->engine_name), "get_plan_name"));
     capture_direct(graph);
+    return {};
+}
+
+// A full_lengths graph's own length arrays (slots.h's Layout::owned), made when the
+// graph is built or loaded, with the device current.
+Status own_lengths(Graph &graph, const Config &c, int device) {
+    if (graph.owned == 0) return {};
+    FA_RETURN_IF_ERROR(constant_int32(device, static_cast<int32_t>(c.seqlen_q), c.batch, &graph.lengths[0]));
+    return constant_int32(device, static_cast<int32_t>(c.seqlen_kv), c.batch, &graph.lengths[1]);
+}
+
+// The remedy replaces lengths a graph does not have; a graph with lengths of its own
+// (or FP8's, which no defect names) has no use for it. Python never asks for the pair.
+Status check_full_lengths(const Config &c) {
+    if (c.full_lengths && (c.padding || c.ragged || c.page_size > 0 || is_fp8(c.dtype))) {
+        return error(Code::kInvalidArgument,
+                     "full_lengths is for 16-bit graphs without lengths of their own (not padding, ragged, paged)");
+    }
     return {};
 }
 
@@ -156,6 +174,7 @@ Status build_graph(const Config &cfg, Direction dir, int device, GraphPtr *out, 
     if (dir == Direction::kBackward && !cfg.training) {
         return error(Code::kInvalidArgument, "a backward graph needs training=True");
     }
+    FA_RETURN_IF_ERROR(check_full_lengths(cfg));
     // Measured on the H200 with cuDNN 9.19 (tests/config/test_alignment_bias_gpu.py, session 5's run
     // s5-2): with a bias of one row broadcast over the queries (shapes "..1s"), cuDNN builds and
     // runs the backward graph and its d_q and d_k are wrong (relative error 0.75-1.0 against
@@ -176,6 +195,7 @@ Status build_graph(const Config &cfg, Direction dir, int device, GraphPtr *out, 
 
         GraphPtr graph(new Graph);
         set_layout(*graph, cfg, dir);
+        FA_RETURN_IF_ERROR(own_lengths(*graph, cfg, device));
         graph->g        = make_graph(cfg, dir);
         auto &g         = *graph->g;
         FA_RETURN_IF_ERROR(build_step(g.validate(), "validate"));
@@ -205,6 +225,7 @@ Status deserialize_graph(const uint8_t *data, size_t size, const Config &cfg, Di
                          GraphPtr *out, GraphInfo *info) {
     if (fe::cudnn_dlhandle == nullptr) return error(Code::kLibraryError, "cuDNN is not loaded");
     if (data == nullptr || size == 0) return error(Code::kCorruptPlan, "deserialize: empty plan blob");
+    FA_RETURN_IF_ERROR(check_full_lengths(cfg));
     return guarded(Code::kCorruptPlan, "deserialize", [&]() -> Status {
         auto t0 = std::chrono::steady_clock::now();
         DeviceGuard guard(device);
@@ -216,6 +237,7 @@ Status deserialize_graph(const uint8_t *data, size_t size, const Config &cfg, Di
         const std::vector<uint8_t> blob(data, data + size);
         GraphPtr graph(new Graph);
         set_layout(*graph, cfg, dir);
+        FA_RETURN_IF_ERROR(own_lengths(*graph, cfg, device));
         graph->g        = std::make_shared<fe::graph::Graph>();
         auto e = graph->g->deserialize(h, blob, /*enforce_precompiled=*/false, /*run_warmup=*/false);
         if (e.is_bad()) return error(Code::kCorruptPlan, "deserialize: " + e.err_msg);
@@ -238,6 +260,9 @@ Status execute(const Graph *g, Direction dir, int device, const intptr_t *slots,
     IndexLaunch index{&g->ragged, slots[kSlotCuSeqlensQ], slots[kSlotCuSeqlensKV], workspace};
     if (derived) {
         fill_index_slots(g->ragged, g->slots, slots, workspace, full);
+        slots = full;
+    } else if (g->owned != 0) {  // a defect's remedy: lengths the caller does not give
+        fill_owned(*g, slots, full);
         slots = full;
     }
     // The variant pack, filled in place in cuDNN's order. On the stack, not kept with
@@ -280,7 +305,14 @@ Status time_execute(const Graph *g, Direction dir, int device, const intptr_t *s
         for (int s = 0; s < kNumSlots; ++s) {
             set[s] = slots[s] + ((moved >> s) & 1 ? static_cast<intptr_t>(l * layer_bytes) : 0);
         }
-        for (int i = 0; i < g->n; ++i) packs[static_cast<size_t>(l) * kNumSlots + i] = reinterpret_cast<void *>(set[g->order[i]]);
+        // The frontend's modes take the whole pack, the plan's own lengths included;
+        // execute (the fastattn modes) takes the caller's slots and adds them itself.
+        intptr_t pack_slots[kNumSlots];
+        if (g->owned != 0) fill_owned(*g, set, pack_slots);
+        const intptr_t *from = g->owned != 0 ? pack_slots : set;
+        for (int i = 0; i < g->n; ++i) {
+            packs[static_cast<size_t>(l) * kNumSlots + i] = reinterpret_cast<void *>(from[g->order[i]]);
+        }
     }
     auto layer_slots = [&](int i) { return &sets[static_cast<size_t>(i % layers) * kNumSlots]; };
     auto layer_pack  = [&](int i) { return &packs[static_cast<size_t>(i % layers) * kNumSlots]; };

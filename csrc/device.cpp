@@ -3,8 +3,12 @@
 // unit of its own: it needs no cudnn-frontend, so it compiles in seconds, beside it.
 #include "device.h"
 
+#include <map>
+#include <mutex>
 #include <sstream>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "status.h"
 
@@ -36,6 +40,48 @@ const char *capture_state(cudaStream_t s) {
     return status == cudaStreamCaptureStatusActive        ? "capturing"
            : status == cudaStreamCaptureStatusInvalidated ? "capture invalidated"
                                                           : "not capturing";
+}
+
+Status constant_int32(int device, int32_t value, int64_t count, intptr_t *out) {
+    if (count < 1) return error(Code::kInvalidArgument, "constant_int32: count must be at least 1");
+    struct Array {
+        intptr_t ptr   = 0;
+        int64_t count  = 0;
+    };
+    static std::mutex mutex;
+    static std::map<std::pair<int, int32_t>, Array> arrays;  // never freed: see device.h
+    std::lock_guard<std::mutex> lock(mutex);
+    Array &a = arrays[{device, value}];
+    if (a.count >= count) {
+        *out = a.ptr;
+        return {};
+    }
+    return guarded(Code::kCudaError, "constant_int32", [&]() -> Status {
+        static MallocFn *malloc_         = cudart<MallocFn>("cudaMalloc");
+        static MemcpyAsyncFn *copy       = cudart<MemcpyAsyncFn>("cudaMemcpyAsync");
+        static StreamCreateFn *create    = cudart<StreamCreateFn>("cudaStreamCreateWithFlags");
+        static StreamSyncFn *sync        = cudart<StreamSyncFn>("cudaStreamSynchronize");
+        static StreamDestroyFn *destroy  = cudart<StreamDestroyFn>("cudaStreamDestroy");
+        RelaxedCaptureMode relaxed;
+        int64_t n = 64;
+        while (n < count) n *= 2;
+        const std::vector<int32_t> host(static_cast<size_t>(n), value);
+        void *p = nullptr;
+        FA_RETURN_IF_ERROR(cuda_status(malloc_(&p, host.size() * sizeof(int32_t)), "cudaMalloc"));
+        cudaStream_t s = nullptr;
+        FA_RETURN_IF_ERROR(cuda_status(create(&s, cudaStreamNonBlocking), "cudaStreamCreateWithFlags"));
+        Status st = cuda_status(copy(p, host.data(), host.size() * sizeof(int32_t), cudaMemcpyHostToDevice, s),
+                                "cudaMemcpyAsync");
+        if (st.ok()) st = cuda_status(sync(s), "cudaStreamSynchronize");  // `host` is freed at return
+        (void)destroy(s);
+        // On failure `p` is left allocated (and unused): a few bytes, and no free that
+        // could meet a capture.
+        FA_RETURN_IF_ERROR(st);
+        a.ptr   = reinterpret_cast<intptr_t>(p);  // an older, smaller array stays: plans still hold it
+        a.count = n;
+        *out    = a.ptr;
+        return {};
+    });
 }
 
 }  // namespace detail

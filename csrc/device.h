@@ -44,6 +44,9 @@ using GraphLaunchFn      = cudaError_t(cudaGraphExec_t, cudaStream_t);
 using GraphExecDestroyFn = cudaError_t(cudaGraphExec_t);
 using GraphDestroyFn     = cudaError_t(cudaGraph_t);
 using ExchangeModeFn     = cudaError_t(cudaStreamCaptureMode *);
+using MallocFn           = cudaError_t(void **, size_t);
+using MemcpyAsyncFn      = cudaError_t(void *, const void *, size_t, cudaMemcpyKind, cudaStream_t);
+using StreamSyncFn       = cudaError_t(cudaStream_t);
 
 // A failed runtime call as a status (kCudaError), the thread's last error cleared.
 Status cuda_failure(cudaError_t err, const char *what);
@@ -106,5 +109,15 @@ class RelaxedCaptureMode {
     cudaStreamCaptureMode mode_ = cudaStreamCaptureModeRelaxed;
     bool ok_                    = false;
 };
+
+// A device array of at least `count` int32, each `value`, on `device` (made current by
+// the caller): a full_lengths plan's lengths (slots.h's Layout::lengths). Shared by every
+// plan in the process and never freed, so that freeing a plan makes no CUDA call (a
+// plan may be freed inside someone's capture, where cudaFree would break it) and a CUDA
+// graph captured from a plan stays valid after the plan goes. Made once per (device,
+// value), regrown by powers of two: a few bytes per distinct sequence length. Made in
+// relaxed capture mode, on a stream of its own that is synchronized before the return:
+// never on a caller's stream, which may be capturing.
+Status constant_int32(int device, int32_t value, int64_t count, intptr_t *out);
 
 }  // namespace fastattn::detail

@@ -106,6 +106,11 @@ struct Config {
     // Logit soft-capping: scores become softcap * tanh(score / softcap) after scaling,
     // before any mask (Gemma 2, Grok); 0: none.
     float softcap = 0.0f;
+    // A known cuDNN defect's remedy (fastattn/defects.py): the graph masks with padding
+    // as if `padding` were set, over lengths the plan owns (every sequence its full
+    // seqlen_q, seqlen_kv), which execute passes itself: callers give no seq_len slots.
+    // Only for graphs without lengths of their own (not padding, ragged, paged or FP8).
+    bool full_lengths = false;
 };
 
 // The tensors a plan can take at execute (fastattn_abi.h's slot table). A graph takes

@@ -111,7 +111,7 @@ inline Common make_common(const Config &c) {
     m.q = input(g, kSlotQ, m.q_dims, strides(c.q_stride));
     m.k = input(g, kSlotK, m.k_dims, strides(c.k_stride));
     m.v = input(g, kSlotV, m.v_dims, strides(c.v_stride));
-    if (c.padding) {
+    if (c.padding || c.full_lengths) {
         m.seq_len_q  = index_input(g, kSlotSeqLenQ, c.batch);
         m.seq_len_kv = index_input(g, kSlotSeqLenKV, c.batch);
     }
@@ -137,10 +137,11 @@ inline Common make_common(const Config &c) {
 }
 
 // What both directions' attributes share beyond the mask. With softcap the padding mask
-// is the score modifier's (apply_softcap); the lengths are the graph's either way.
+// is the score modifier's (apply_softcap); the lengths are the graph's either way. A
+// full_lengths graph (a defect's remedy) masks exactly as a padding graph does.
 template <class Attributes>
 void apply_features(const Config &c, const Common &m, Attributes &a) {
-    if (c.padding) {
+    if (c.padding || c.full_lengths) {
         if (c.softcap <= 0.0f) a.set_padding_mask(true);
         a.set_seq_len_q(m.seq_len_q).set_seq_len_kv(m.seq_len_kv);
     }
@@ -186,7 +187,9 @@ void apply_softcap(const Config &c, const Common &m, Attributes &a) {
         auto x = g->pointwise(score, scalar(cap), Pointwise_attributes().set_name("softcap_div").set_mode(Mode::DIV));
         *tanh  = g->pointwise(x, Pointwise_attributes().set_name("softcap_tanh").set_mode(Mode::TANH_FWD));
         auto out = g->pointwise(*tanh, scalar(cap), Pointwise_attributes().set_name("softcap_mul").set_mode(Mode::MUL));
-        if (cfg.padding) out = fe::graph::attn::score_modifiers::padding_mask(g, out, seq_len_kv, seq_len_q);
+        if (cfg.padding || cfg.full_lengths) {
+            out = fe::graph::attn::score_modifiers::padding_mask(g, out, seq_len_kv, seq_len_q);
+        }
         // apply_mask's bounds, in the frontend's convention (its left bound counts the diagonal).
         const bool bottom_right = cfg.bottom_right || cfg.mask == Mask::kCausalBottomRight;
         std::optional<int64_t> left, right;

@@ -44,9 +44,13 @@ void set_layout(Layout &layout, const Config &c, Direction dir) {
     layout.dir      = dir;
     layout.slots    = slot_mask(c, dir);
     layout.by_value = c.host_seed ? bit(kSlotSeed) | bit(kSlotOffset) : uint64_t{0};
-    layout.n        = 0;
+    // A padding graph takes its lengths from the caller, so full_lengths adds none there
+    // (build_graph refuses the pair; this keeps the masks disjoint regardless).
+    layout.owned = c.full_lengths && !c.padding ? bit(kSlotSeqLenQ) | bit(kSlotSeqLenKV) : uint64_t{0};
+    layout.n     = 0;
+    const uint64_t pack = layout.slots | layout.owned;
     for (int s = 0; s < kNumSlots; ++s) {
-        if (layout.slots & bit(static_cast<Slot>(s))) layout.order[layout.n++] = static_cast<int8_t>(s);
+        if (pack & bit(static_cast<Slot>(s))) layout.order[layout.n++] = static_cast<int8_t>(s);
     }
     layout.ragged = ragged_index(c, layout.slots);
 }

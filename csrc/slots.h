@@ -41,6 +41,12 @@ struct Layout {
     uint64_t slots    = 0;  // bit s set: the graph takes the tensor of Slot s at execute
     uint64_t by_value = 0;  // host values (host_seed's seed and offset): not held to device alignment
     int64_t workspace = 0;  // bytes: cuDNN's, then a ragged graph's index arrays (place_index)
+    // Slots the plan fills itself, never the caller (a full_lengths graph's seq_len_q and
+    // seq_len_kv): in the variant pack (order, n) but not in `slots`, which is what the
+    // caller gives. `lengths` holds their device arrays, by slot - kSlotSeqLenQ; they
+    // are process-wide constants (device.h's constant_int32), never freed.
+    uint64_t owned      = 0;
+    intptr_t lengths[2] = {};
     // The variant pack's layout: order[i] is the slot of its i-th tensor in uid order
     // (cuDNN's sorted order), so execute writes each pointer straight to its place,
     // with no map, vector or search per call.
@@ -75,6 +81,13 @@ inline bool slots_fit(const Layout &g, const intptr_t *slots, intptr_t workspace
     *derived          = g.ragged.n > 0 && given == g.ragged.cu_slots;
     const bool bad_cu = ((slots[kSlotCuSeqlensQ] | slots[kSlotCuSeqlensKV]) & 3) != 0;
     return (given == g.slots || *derived) && (misaligned & ~g.by_value & ~kCuSlots) == 0 && !bad_cu && !bad_workspace;
+}
+
+// A full_lengths graph's slots: the caller's, with the plan's own length arrays added.
+inline void fill_owned(const Layout &g, const intptr_t *slots, intptr_t *full) {
+    for (int s = 0; s < kNumSlots; ++s) full[s] = slots[s];
+    full[kSlotSeqLenQ]  = g.lengths[0];
+    full[kSlotSeqLenKV] = g.lengths[1];
 }
 
 // Why execute refused its pointers, slot by slot (execute's error path).

@@ -13,8 +13,8 @@ from libcpp cimport bool as cbool
 from libcpp.string cimport string
 from libcpp.vector cimport vector
 
-from fastattn import _arrays
-from fastattn.errors import CorruptPlanError, InvalidArgumentError, error_for_code
+from fastattn import _arrays, defects as _defects
+from fastattn.errors import CorruptPlanError, InvalidArgumentError, NotSupportedError, error_for_code
 
 
 cdef extern from "fastattn.h" namespace "fastattn" nogil:
@@ -57,6 +57,7 @@ cdef extern from "fastattn.h" namespace "fastattn" nogil:
         int64_t page_size, num_pages
         DType out_dtype, grad_dtype
         float softcap
+        cbool full_lengths
 
     # Anonymous: Cython indexes arrays only with plain integer constants.
     cdef enum:
@@ -225,6 +226,8 @@ cdef class Plan:
       workspace_size: the larger of the two: one buffer of this size serves both.
       forward_engine, backward_engine: cuDNN's names of the chosen plans.
       forward_ms, backward_ms: wall time to build (or deserialize) each graph.
+      defects: the fastattn.defects.Decision its graphs were made under: the known cuDNN
+        defects they avoid and how (empty for most configs).
     """
 
     cdef GraphPtr _fwd
@@ -238,7 +241,9 @@ cdef class Plan:
     cdef readonly double forward_ms
     cdef readonly double backward_ms
     cdef Config _c
+    cdef Config _c_bwd  # _c with the defects' backward remedy (full_lengths), when one applies
     cdef cbool _training
+    cdef readonly object defects
     # What fastattn._arrays expects of each tensor, by name, filled on first use.
     cdef readonly dict _layouts
 
@@ -498,12 +503,31 @@ cdef inline Status _launch(Plan p, Direction d, intptr_t* t, int64_t* host, intp
     return st
 
 
-cdef Plan _new_plan(cfg, int device):
+cdef dict _capabilities = {}  # device -> (major, minor): asked once per device, not per plan
+
+
+cdef tuple _capability(int device):
+    cap = _capabilities.get(device)
+    if cap is None:
+        cap = _capabilities[device] = tuple(get_device_info(device)["compute_capability"])
+    return cap
+
+
+cdef Plan _new_plan(cfg, int device, registry):
     cdef Plan p = Plan.__new__(Plan)
     p.config = cfg
     p.device = device
     p._training = cfg.training
     p._c = _c_config(cfg)
+    # The graph builder's side of fastattn.defects: the same decision PlanCache.describe
+    # puts in the cache key, from the same inputs (the cuDNN loaded, the GPU's capability).
+    registry = _defects.DEFECTS if registry is None else tuple(registry)
+    p.defects = _defects.decide(cfg, cudnn_version(), _capability(device), registry)
+    if p.defects.refusal:
+        raise NotSupportedError(p.defects.refusal)
+    p._c.full_lengths = "forward" in p.defects.full_lengths
+    p._c_bwd = p._c
+    p._c_bwd.full_lengths = "backward" in p.defects.full_lengths
     p._layouts = {}
     p.forward_engine = None
     p.backward_engine = None
@@ -524,7 +548,11 @@ cdef _build_one(Plan p, const Config& c, Direction d):
     with nogil:
         st = build_graph(c, d, p.device, out, &info)
     if not st.ok():
-        raise _error(st, "forward" if d == Direction.kForward else "backward")
+        where = "forward" if d == Direction.kForward else "backward"
+        if c.full_lengths:  # a refusal of the remedy, not of anything the caller asked for: say so
+            where += (f" (built with a padding mask over the full lengths, the remedy for known cuDNN defect "
+                      f"{', '.join(x.name for x in p.defects.avoided)}; the plain graph is wrong for this config)")
+        raise _error(st, where)
     _record(p, d, info, info.engine_name.decode("utf-8", "replace"))
 
 
@@ -536,28 +564,34 @@ cdef _load_one(Plan p, Direction d, bytes blob, str engine):
     cdef const uint8_t* data = &view[0] if n else NULL
     cdef GraphPtr* out = &p._fwd if d == Direction.kForward else &p._bwd
     with nogil:
-        st = deserialize_graph(data, n, p._c, d, p.device, out, &info)
+        st = deserialize_graph(data, n, p._c if d == Direction.kForward else p._c_bwd, d, p.device, out, &info)
     if not st.ok():
         raise _error(st, "forward" if d == Direction.kForward else "backward")
     _record(p, d, info, engine)
 
 
-def build_plan(cfg, int device):
+def build_plan(cfg, int device, registry=None):
     """Builds the forward graph and, when cfg.training, the backward graph of `cfg` on
-    `device`. Raises NotSupportedError with cuDNN's reason, prefixed by the direction."""
-    cdef Plan p = _new_plan(cfg, device)
+    `device`, with the remedies fastattn.defects decides for it (plan.defects). Raises
+    NotSupportedError with cuDNN's reason, prefixed by the direction, or a known defect's.
+
+    registry: the defects to apply (None: fastattn.defects.DEFECTS); () builds the plain
+      graphs, for benchmarks and tests that measure a defect. The runtime and the cache
+      never pass it: their keys describe the default registry's decision."""
+    cdef Plan p = _new_plan(cfg, device, registry)
     _build_one(p, p._c, Direction.kForward)
     if p._training:
-        _build_one(p, p._c, Direction.kBackward)
+        _build_one(p, p._c_bwd, Direction.kBackward)
     return p
 
 
 def load_plan(cfg, int device, bytes forward_blob not None, bytes backward_blob=None, str forward_engine="",
-              str backward_engine=""):
+              str backward_engine="", registry=None):
     """A Plan from blobs that Plan.serialize produced for the same cfg on the same kind
     of GPU and cuDNN. A loaded plan cannot name its engine, so the caller passes the
-    names it stored with the blobs. Raises CorruptPlanError when a blob does not load."""
-    cdef Plan p = _new_plan(cfg, device)
+    names it stored with the blobs. Raises CorruptPlanError when a blob does not load.
+    registry: as build_plan's; the blobs must have been built under the same decision."""
+    cdef Plan p = _new_plan(cfg, device, registry)
     if p._training and backward_blob is None:
         raise CorruptPlanError("a training plan needs a backward blob")
     _load_one(p, Direction.kForward, forward_blob, forward_engine)

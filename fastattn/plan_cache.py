@@ -19,7 +19,7 @@ import threading
 import time
 from typing import Any, Callable
 
-from . import store
+from . import defects, store
 from ._version import __version__
 from .config import AttentionConfig
 from .errors import CorruptPlanError, FastAttnError, InvalidArgumentError
@@ -98,8 +98,12 @@ class PlanCache:
 
     def describe(self, config: AttentionConfig, device: int | None = None) -> dict[str, Any]:
         """The cache key's description of `config` on `device`: the config, this
-        process's GPU, versions, policy and plan-changing CUDNN_* variables."""
-        return store.describe(config.to_dict(), env=store.build_env_vars(), **self._base(self._device(device)))
+        process's GPU, versions, policy and plan-changing CUDNN_* variables, and the
+        known cuDNN defects its graphs avoid (fastattn.defects: the decision the graph
+        builder makes, from the same cuDNN version and compute capability)."""
+        base = self._base(self._device(device))
+        avoided = defects.decide(config, base["cudnn_version"], base["compute_capability"])
+        return store.describe(config.to_dict(), env=store.build_env_vars(), defects=avoided.key_part(), **base)
 
     def key(self, config: AttentionConfig, device: int | None = None) -> str:
         return store.key_of(self.describe(config, device))
@@ -168,7 +172,7 @@ class PlanCache:
         m = e.meta  # shapes checked by the entry decoder
         return ProbeResult(config, device, True, "", m.get("forward_workspace_size", 0),
                            m.get("backward_workspace_size", 0), m.get("forward_engine", ""),
-                           m.get("backward_engine") or "", 0.0, tier.kind)
+                           m.get("backward_engine") or "", 0.0, tier.kind, tuple(e.description.get("defects", ())))
 
     def configs(self, device: int | None = None) -> list[AttentionConfig]:
         """The configs of every entry in the directories stored for `device`'s GPU and

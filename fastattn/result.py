@@ -24,6 +24,8 @@ class ProbeResult:
     build_seconds: wall time this call spent building or loading (0.0 from memory).
     source: "built" (cuDNN built it now), "disk" (loaded from a cache directory),
       "remote" (loaded from the Redis tier) or "memory" (this process already had it).
+    avoided: the known cuDNN defects (fastattn.defects) the plan's graphs avoid, as
+      "name:remedy" (the cache key's own words); empty for most configs.
     """
 
     config: AttentionConfig
@@ -36,6 +38,7 @@ class ProbeResult:
     backward_engine: str = ""
     build_seconds: float = 0.0
     source: str = "built"
+    avoided: tuple[str, ...] = ()
 
     def __bool__(self) -> bool:
         return self.supported
@@ -57,10 +60,13 @@ class ProbeResult:
             "backward_engine": self.backward_engine,
             "build_seconds": self.build_seconds,
             "source": self.source,
+            "avoided": list(self.avoided),
         }
 
 
 def result_from_plan(config: AttentionConfig, device: int, p: Any, seconds: float, source: str) -> ProbeResult:
     """The answer a plan object (_core.Plan) gives: supported, with its sizes and engines."""
+    decision = getattr(p, "defects", None)
+    avoided = tuple(decision.key_part()) if decision is not None else ()
     return ProbeResult(config, device, True, "", p.forward_workspace_size, p.backward_workspace_size,
-                       p.forward_engine or "", p.backward_engine or "", seconds, source)
+                       p.forward_engine or "", p.backward_engine or "", seconds, source, avoided)

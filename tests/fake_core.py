@@ -11,6 +11,7 @@ import os
 import signal
 import time
 
+from fastattn import defects
 from fastattn.errors import CorruptPlanError, NotSupportedError
 
 CUDNN_VERSION = [91900]
@@ -26,6 +27,8 @@ class FakePlan:
         self.forward_engine = engines[0]
         self.backward_engine = engines[1] if cfg.training else None
         self.workspace_size = max(self.forward_workspace_size, self.backward_workspace_size)
+        # As _core's plans: the defect registry's decision for this cuDNN and GPU.
+        self.defects = defects.decide(cfg, CUDNN_VERSION[0], get_device_info(device)["compute_capability"])
 
     def serialize(self):
         return self._blobs

@@ -92,8 +92,9 @@ def _summary(info: store.EntryInfo) -> str:
     desc = header["description"]  # shapes checked by the entry decoder
     cfg = config_of(desc)
     gpu = desc.get("gpu", {}).get("name", "?")
+    avoided = desc.get("defects") or []  # fastattn.defects: the remedies its graphs carry
     return (f"{header['kind']:<11} {sweep.describe_config(cfg) if cfg else '(unknown config)'}  "
-            f"[{gpu}, cuDNN {desc.get('cudnn', '?')}]")
+            f"[{gpu}, cuDNN {desc.get('cudnn', '?')}]" + (f" avoids {', '.join(avoided)}" if avoided else ""))
 
 
 def _shown(path: str) -> str:
@@ -139,6 +140,7 @@ def _ls(args, cache: PlanCache) -> tuple[int, dict[str, Any]]:
                      "created": info.created,
                      "last_used": info.last_used, "kind": header.get("kind"),
                      "config": header.get("description", {}).get("config"),
+                     "defects": header.get("description", {}).get("defects", []),
                      "damaged": (info.problem or "unreadable header") if info.header is None else None,
                      "summary": _summary(info)})
     lines = [f"{'key':<16} {'size':>9} {'age':>5} {'used':>5}  kind        config"]

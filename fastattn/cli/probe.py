@@ -8,7 +8,7 @@ import json
 import os
 from typing import Any
 
-from .. import _fields, perf_notes, sweep
+from .. import _fields, defects, perf_notes, sweep
 from ..config import FIELDS, AttentionConfig
 from ..errors import InvalidArgumentError
 from ._common import EXIT_OK, EXIT_UNSUPPORTED, add_json_flag, input_path, integer, number
@@ -103,6 +103,7 @@ def run(args) -> tuple[int, dict[str, Any]]:
     result = runtime.probe(cfg, device=args.device)
     out = result.to_dict()
     out["notes"] = perf_notes.notes(cfg) if result.supported else []
+    out["avoided"] = defects.explain(result.avoided)
     out["_text"] = _text(out)
     return (EXIT_OK if result.supported else EXIT_UNSUPPORTED), out
 
@@ -118,5 +119,10 @@ def _text(out: dict[str, Any]) -> str:
     else:
         lines.append(f"  reason: {out['reason']}")
     lines.append(f"  build: {out['build_seconds'] * 1e3:.1f} ms")
+    for a in out.get("avoided", ()):  # known cuDNN defects this plan's graphs avoid (fastattn.defects)
+        how = f": {a['how']}" if "how" in a else f" (remedy {a['remedy']})"
+        lines.append(f"  avoided cuDNN defect {a['defect']}{how}")
+        if "summary" in a:
+            lines.append(f"    {a['summary']}; {a['cudnn']}; see {', '.join(a['reports'])}")
     lines.extend(f"  note: {note}" for note in out.get("notes", ()))
     return "\n".join(lines)

@@ -139,6 +139,7 @@ _DESCRIPTION_FIELDS = {
     "cudnn": _is_int,
     "policy": lambda v: isinstance(v, str),
     "config": lambda v: isinstance(v, dict),
+    "defects": lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
     "env": lambda v: isinstance(v, dict) and all(isinstance(x, str) for x in v.values()),
     "gpu": lambda v: (isinstance(v, dict) and isinstance(v.get("name", ""), str)
                       and _is_int(v.get("sm_count", 0))

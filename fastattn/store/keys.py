@@ -55,10 +55,15 @@ def describe(
     sm_count: int,
     policy: str,
     env: Mapping[str, str],
+    defects: list[str] | tuple[str, ...] = (),
 ) -> dict[str, Any]:
     """The canonical description of one plan: identical GPUs (name, compute
-    capability, SM count) share entries; any other difference is another key."""
-    return {
+    capability, SM count) share entries; any other difference is another key.
+
+    defects: the known cuDNN defects the plan's graphs avoid, with their remedies
+    (fastattn.defects.Decision.key_part()). Present only when there are some, so that
+    every other config keeps the key it had before the registry existed."""
+    description = {
         "format": FORMAT_VERSION,
         "fastattn": fastattn_version,
         "cudnn_frontend": frontend_version,
@@ -68,12 +73,20 @@ def describe(
         "policy": policy,
         "env": dict(sorted(env.items())),
     }
+    if defects:
+        description["defects"] = list(defects)
+    return description
+
+
+# What a description says of its config alone (the defects follow from the config and the
+# environment), left out of the environment that entries for one GPU share.
+_PER_CONFIG = frozenset({"config", "defects"})
 
 
 def environment_of(description: Mapping[str, Any]) -> dict[str, Any]:
     """What must match between machines for an entry to be usable: the description
-    without the config."""
-    return {k: v for k, v in description.items() if k != "config"}
+    without the config (and what follows from it, the defects it avoids)."""
+    return {k: v for k, v in description.items() if k not in _PER_CONFIG}
 
 
 def canonical_json(description: Mapping[str, Any]) -> str:

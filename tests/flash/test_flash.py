@@ -581,11 +581,15 @@ def test_packed_head_dims_are_padded_once_packed():
 
 
 @pytest.mark.parametrize("paged", (False, True))
-def test_kvcache_refuses_head_dims_not_multiples_of_8(paged):
+def test_kvcache_pads_head_dims_not_multiples_of_8_after_the_append(paged):
     q, k_cache, v_cache, table, lens = kvcache(d=59, paged=paged)
-    with pytest.raises(NotSupportedError, match=r"^flash_attn_with_kvcache with head dims 59 .* copies the whole "
-                                                r"cache on every call"):
-        flash.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens, block_table=table)
+    k_new, v_new = (torch.randn(q.shape[0], 1, k_cache.shape[2], 59, **M) for _ in range(2))
+    with pytest.MonkeyPatch.context() as mp:  # a paged cache with a padded head dim is gathered: attention
+        kw = _recorded(mp, "attention", flash.flash_attn_with_kvcache, q, k_cache, v_cache, k_new, v_new,
+                       cache_seqlens=lens, block_table=table)
+    assert all(kw[n].shape[-1] == 64 for n in "qkv") and kw["scale"] == 59 ** -0.5
+    assert flash.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens, block_table=table).shape[-1] == 59
+    assert k_cache.shape[-1] == v_cache.shape[-1] == 59  # the caller's caches, appended to, not replaced
 
 
 def test_rows_without_keys_are_zero_with_an_lse_of_inf():

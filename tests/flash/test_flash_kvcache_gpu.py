@@ -33,8 +33,9 @@ LEFTPAD = (0, 20, 99)  # where they start, with cache_leftpad
 ROWS = (4, 0, 2)  # cache_batch_idx, into a cache of 5 rows
 
 
-def run_case(layout, fraction, interleaved, causal, window, hk, new=NEW, alibi=False, lse=False):
+def run_case(layout, fraction, interleaved, causal, window, hk, new=NEW, alibi=False, lse=False, d=D):
     dtype = torch.float16
+    D = d  # noqa: N806 - the head dim of this case
     paged, batch_idx, leftpad = layout == "paged", "batch_idx" in layout, "leftpad" in layout
     q = G.randn(B, SQ, HQ, D, dtype=dtype)
     k_new, v_new = (G.randn(B, new, hk, D, dtype=dtype) for _ in range(2)) if new else (None, None)
@@ -111,3 +112,10 @@ def test_kvcache_alibi_with_rotary_and_leftpad(layout, causal, window):
 @pytest.mark.parametrize("layout", ("paged", "batch_idx+leftpad"))
 def test_kvcache_without_new_keys(layout):
     run_case(layout, 0.0, True, True, (-1, -1), hk=2, new=0, lse=layout != "paged")
+
+
+@pytest.mark.parametrize("layout", ("dense", "paged", "batch_idx+leftpad"))
+def test_kvcache_head_dim_not_a_multiple_of_8(layout):
+    # FlashAttention's kvcache test draws d = 59: padded to 64 for cuDNN after the append (the
+    # caches keep their 59), rotary on a part of it, the LSE on one layout.
+    run_case(layout, 0.5, True, True, (-1, -1), hk=3, lse=layout == "dense", d=59)

@@ -296,3 +296,8 @@ def test_kvcache_alibi_rotary_leftpad(model, layout, causal, window):
 @pytest.mark.parametrize("layout", ("paged", "batch_idx+leftpad"))
 def test_kvcache_without_new_keys(model, layout):
     K.test_kvcache_without_new_keys(layout)
+
+
+@pytest.mark.parametrize("layout", ("dense", "paged", "batch_idx+leftpad"))
+def test_kvcache_head_dim_59(model, layout):
+    K.test_kvcache_head_dim_not_a_multiple_of_8(layout)

@@ -19,9 +19,7 @@ whose plans, caches and per-call costs they share. What differs from FlashAttent
 
 - Arguments cuDNN cannot honour raise NotSupportedError naming them, never silently
   ignored: return_attn_probs with dropout_p > 0 (FlashAttention then returns the dropout
-  pattern, S_dmask, which cuDNN does not expose), and in flash_attn_with_kvcache head
-  dims that are not multiples of 8 (padding them would copy the whole cache on every
-  call). What FlashAttention refuses is refused too (cache_batch_idx or cache_leftpad
+  pattern, S_dmask, which cuDNN does not expose). What FlashAttention refuses is refused too (cache_batch_idx or cache_leftpad
   with a block table; rotary without new keys). cuDNN's own refusals (for example a causal mask at the
   bottom right together with dropout when seqlen_q < seqlen_k, or in a varlen call whose
   cu_seqlens_q and cu_seqlens_k are different tensors) are NotSupportedError too,
@@ -38,7 +36,8 @@ whose plans, caches and per-call costs they share. What differs from FlashAttent
     max_seqlen_q 2 instead (no copy).
   - Head dims up to 256 that are not multiples of 8: q, k, v padded with zeros to the
     next one, as FlashAttention pads them (a copy of each padded tensor, the packed
-    tensor once in the packed functions; none when they are multiples of 8), softmax_scale
+    tensor once in the packed functions, each whole cache in flash_attn_with_kvcache after
+    the append; none when they are multiples of 8), softmax_scale
     from the real head dim, out cut back (a view).
   - ALiBi with any slopes, causal or not (FlashAttention's -slope * |i + seqlen_k -
     seqlen_q - j|): cuDNN's own ALiBi where that is it (the paper's slopes, causal, as

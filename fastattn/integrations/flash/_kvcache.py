@@ -13,7 +13,7 @@ from ... import _fields
 from ...errors import InvalidArgumentError, NotSupportedError
 from . import _common, _rotary
 from ._alibi import _alibi, _alibi_bias, _with_bias
-from ._common import _attend, _fa_lse, _full, _mask, _on_device, _shape, _unpadded
+from ._common import _attend, _cut_head_dim, _fa_lse, _full, _mask, _on_device, _shape, _unpadded
 
 
 def _cache_lengths(cache_seqlens, batch: int, full: int, q: torch.Tensor) -> torch.Tensor:
@@ -85,8 +85,9 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Tens
                             return_softmax_lse: bool = False) -> Tensor | tuple[Tensor, Tensor]:
     """FlashAttention's flash_attn_with_kvcache (forward only, no gradients).
 
-    q: (batch, seqlen_q, nheads, headdim), headdim a multiple of 8 (NotSupportedError
-      otherwise: the caches would have to be padded, a copy of each whole cache per call).
+    q: (batch, seqlen_q, nheads, headdim), any headdim up to 256: one not a multiple of 8
+      is padded with zeros as FlashAttention pads it, q and each whole cache copied per
+      call after k, v are appended (with block_table, the sequences' pages gathered).
     k_cache, v_cache: (batch_size_cache, seqlen_cache, nheads_k, headdim) dense, or with
       block_table (num_blocks, page_block_size, nheads_k, headdim) pages (any page size).
     k, v: None, or (batch, seqlen_new, nheads_k, headdim): written into the caches in
@@ -139,13 +140,10 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Tens
            "headdim)")
     if (k is None) != (v is None):
         raise InvalidArgumentError("k and v: give both (new keys and values to append) or neither")
-    if isinstance(v_cache, torch.Tensor) and not _unpadded(q.shape[3], k_cache.shape[3], v_cache.shape[-1]):
-        raise NotSupportedError(
-            f"flash_attn_with_kvcache with head dims {q.shape[3]} (q, k_cache) and {v_cache.shape[-1]} (v_cache): "
-            "cuDNN takes multiples of 8, and padding a cache's head dim copies the whole cache on every call "
-            "(FlashAttention does, and copies it back after appending k, v). Allocate the caches with the head dim "
-            "rounded up to a multiple of 8, zeros past it, pad q, k, v with zeros alike, pass softmax_scale=1/sqrt("
-            "the real head dim), and cut the output")
+    # Head dims cuDNN does not take: the caches are appended to as they are, then copied
+    # padded to a multiple of 8 for the attention (a copy of each whole cache per call;
+    # FlashAttention pads and copies back after appending, the same traffic).
+    pad = isinstance(v_cache, torch.Tensor) and not _unpadded(q.shape[3], k_cache.shape[3], v_cache.shape[-1])
     if block_table is not None:
         if cache_batch_idx is not None:
             raise NotSupportedError("cache_batch_idx with block_table: the block table already maps each sequence's "
@@ -182,12 +180,13 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Tens
             _on_device(q, k_cache=k_cache, v_cache=v_cache, block_table=block_table, cache_seqlens=lengths,
                        cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad)
         if block_table is not None:
-            if slopes is None and not lse:
+            if slopes is None and not lse and not pad:
                 return _common.attention_paged(q, k_cache, v_cache, block_table, lengths, causal=causal,
                                                window=window, scale=softmax_scale, alignment="bottom_right",
                                                softcap=softcap)
-            # attention_paged takes no bias and writes no stats: each sequence's pages gathered into
-            # a dense cache (a copy, (batch, max_num_blocks_per_seq * page_block_size, nheads_k, headdim)).
+            # attention_paged takes no bias and writes no stats (and a padded head dim would copy
+            # the whole pool): each sequence's pages gathered into a dense cache (a copy,
+            # (batch, max_num_blocks_per_seq * page_block_size, nheads_k, headdim)).
             if block_table.shape[0] != batch:
                 raise InvalidArgumentError(f"block_table has shape {tuple(block_table.shape)}: expected ({batch}, "
                                            "max_num_blocks_per_seq)")
@@ -197,16 +196,19 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Tens
             k_cache, v_cache = _cache_rows(k_cache, v_cache, cache_batch_idx, cache_leftpad, batch)
             if cache_leftpad is not None:
                 lengths = lengths - cache_leftpad  # (each sequence's keys now start at 0)
+        head_dim_v = None
+        if pad:
+            q, k_cache, v_cache, softmax_scale, head_dim_v = _common._pad_head_dims(q, k_cache, v_cache, softmax_scale)
         if slopes is None:
-            return _fa_lse(_attend(q, k_cache, v_cache, causal=causal, window=window, scale=softmax_scale,
-                                   seq_lens_q=_full(q, batch, sq), seq_lens_kv=lengths, alignment="bottom_right",
-                                   return_lse=lse, softcap=softcap), lse)
+            return _cut_head_dim(_fa_lse(_attend(
+                q, k_cache, v_cache, causal=causal, window=window, scale=softmax_scale, seq_lens_q=_full(q, batch, sq),
+                seq_lens_kv=lengths, alignment="bottom_right", return_lse=lse, softcap=softcap), lse), head_dim_v)
         # ALiBi as a bias, per sequence at its own bottom right (cuDNN's ALiBi is top-left), with
         # the mask in it (cuDNN refuses a bottom-right mask beside a bias).
         bias = _alibi_bias(slopes, q, sq, seqlen_k, lengths - sq, (causal, window), lengths)
         out = _attend(q, k_cache, v_cache, scale=softmax_scale, seq_lens_q=_full(q, batch, sq), seq_lens_kv=lengths,
                       bias=bias.bias, return_lse=lse, softcap=softcap)
-        return _fa_lse(_with_bias(out, bias, lse), lse)
+        return _cut_head_dim(_fa_lse(_with_bias(out, bias, lse), lse), head_dim_v)
 
 
 def _int32_lengths(name: str, t, batch: int) -> Tensor:

@@ -1,0 +1,221 @@
+"""Known cuDNN defects: graphs cuDNN builds that compute the wrong answer, and their remedies.
+
+A graph cuDNN accepts can still be wrong. Each entry here names the cuDNN versions (the
+library loaded at run time, not the headers) and compute capabilities it was seen on, a
+predicate over the AttentionConfig, the public reports, and its remedy: a graph variant
+that is correct, or a refusal with the reason where none is.
+
+`decide(config, cudnn_version, capability)` is the one decision. Its callers:
+fastattn._core.build_plan / load_plan (the graph builder: which graph to build), and
+PlanCache.describe (the cache key: a remedied plan has another key than a plain one), so
+the probe, the plan, the key and `fastattn warm` agree. A config no entry matches gets an
+empty decision, and then exactly the graph and the key it had before this module existed.
+
+A version range is [first, fixed): `fixed` stays None (open-ended) until a release that
+fixes the defect has been measured with fastattn's tests (tests/attention/
+test_numerics_gpu.py); a release note alone does not move it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from .config import FP8_DTYPES, AttentionConfig
+from .errors import InvalidArgumentError
+
+__all__ = ["Defect", "Decision", "DEFECTS", "FULL_LENGTHS", "REFUSE", "decide", "explain", "version_text"]
+
+# Remedies. FULL_LENGTHS: the affected direction's graph is built with a padding mask, and
+# the plan gives it each sequence's full lengths itself (csrc: Config.full_lengths), so
+# callers pass exactly the tensors they pass today. REFUSE: the plan is refused with the
+# defect's summary as the reason.
+FULL_LENGTHS = "full_lengths"
+REFUSE = "refuse"
+_REMEDIES = (FULL_LENGTHS, REFUSE)
+_DIRECTIONS = ("forward", "backward")
+
+
+def version_text(v: int) -> str:
+    """cuDNN's version number (major * 10000 + minor * 100 + patch, as cudnnGetVersion
+    gives it for 9.x) as "9.19.0"."""
+    return f"{v // 10000}.{v // 100 % 100}.{v % 100}"
+
+
+@dataclass(frozen=True)
+class Defect:
+    """One known defect. `name` is stable: it enters cache keys, so renaming one moves
+    every affected key (do that only with the remedy itself changing)."""
+
+    name: str
+    summary: str  # what goes wrong, in one sentence: the probe's note and a refusal's reason
+    first: int  # the first cuDNN version affected (cudnnGetVersion's number)
+    fixed: int | None  # the first measured fixed version; None: still open
+    capabilities: frozenset[tuple[int, int]]
+    direction: str  # the graph that is wrong: "forward" or "backward"
+    predicate: Callable[[AttentionConfig], bool]
+    reports: tuple[str, ...]
+    remedy: str  # FULL_LENGTHS or REFUSE
+
+    def __post_init__(self) -> None:
+        if self.remedy not in _REMEDIES:
+            raise InvalidArgumentError(f"Defect {self.name!r}: remedy={self.remedy!r} is not one of {_REMEDIES}")
+        if self.direction not in _DIRECTIONS:
+            raise InvalidArgumentError(f"Defect {self.name!r}: direction={self.direction!r} is not one of "
+                                       f"{_DIRECTIONS}")
+        if self.fixed is not None and self.fixed <= self.first:
+            raise InvalidArgumentError(f"Defect {self.name!r}: fixed={self.fixed} is not after first={self.first}")
+        if not self.reports:
+            raise InvalidArgumentError(f"Defect {self.name!r}: names no public report")
+
+    def affects_version(self, cudnn_version: int) -> bool:
+        return self.first <= cudnn_version and (self.fixed is None or cudnn_version < self.fixed)
+
+    def matches(self, config: AttentionConfig, cudnn_version: int, capability: tuple[int, int]) -> bool:
+        if not self.affects_version(cudnn_version) or tuple(capability) not in self.capabilities:
+            return False
+        if self.direction == "backward" and not config.training:
+            return False  # no backward graph is built
+        return bool(self.predicate(config))
+
+    def how(self) -> str:
+        """How the remedy avoids it, for the probe's output."""
+        if self.remedy == FULL_LENGTHS:
+            return f"{self.direction} built with a padding mask over the full sequence lengths"
+        return "refused"
+
+    def versions(self) -> str:
+        fixed = "open" if self.fixed is None else f"fixed in {version_text(self.fixed)}"
+        return f"cuDNN >= {version_text(self.first)} ({fixed})"
+
+
+def _lengths_given(c: AttentionConfig) -> bool:
+    """The config already masks with per-sequence lengths (ragged and paged need
+    padding): its graph has the remedy's padding mask, over the caller's lengths."""
+    return c.padding
+
+
+def _sixteen_bit(c: AttentionConfig) -> bool:
+    # The FP8 graphs run other kernels; no report covers them.
+    return c.dtype not in FP8_DTYPES
+
+
+def _kv_tail(c: AttentionConfig) -> bool:
+    return (_sixteen_bit(c) and not _lengths_given(c) and c.seqlen_kv % 128 == 64
+            and (c.mask == "none" or c.bias != "none"))
+
+
+def _single_query(c: AttentionConfig) -> bool:
+    # Reported at s_kv = 128 (97 is finite) for non-causal attention. The multiples of 128
+    # and the masks are covered too: the remedy costs one query row little, and a wrong
+    # gradient costs a training run.
+    return _sixteen_bit(c) and not _lengths_given(c) and c.seqlen_q == 1 and c.seqlen_kv % 128 == 0
+
+
+_SM90 = frozenset({(9, 0)})
+
+# The reports do not say in which release either defect began; every cuDNN 9 is assumed
+# affected (the remedy is exact, so a false match costs time, never correctness).
+DEFECTS: tuple[Defect, ...] = (
+    Defect(
+        name="sm90-bwd-kv-tail",
+        summary=("cuDNN's SM90 backward masks the last 128-key tile at 64-key granularity, so for s_kv = 64 "
+                 "(mod 128) without a causal mask (or with a bias) zero-filled keys enter exp(0 - LSE): rows whose "
+                 "log-sum-exp is below -88.7 get NaN d_q"),
+        first=90000,
+        fixed=None,
+        capabilities=_SM90,
+        direction="backward",
+        predicate=_kv_tail,
+        reports=("https://github.com/NVIDIA/cudnn-frontend/pull/628",
+                 "https://github.com/pytorch/pytorch/issues/196678",
+                 "https://github.com/huggingface/trl/issues/7181"),
+        remedy=FULL_LENGTHS,
+    ),
+    Defect(
+        name="sm90-bwd-single-query",
+        summary=("cuDNN's SM90 backward with one query and s_kv a multiple of 128 gives NaN d_k and d_v when the "
+                 "row's log-sum-exp is strongly negative"),
+        first=90000,
+        fixed=None,
+        capabilities=_SM90,
+        direction="backward",
+        predicate=_single_query,
+        reports=("https://github.com/NVIDIA/cudnn-frontend/issues/1072",),
+        remedy=FULL_LENGTHS,
+    ),
+)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What the registry decides for one config, cuDNN and GPU.
+
+    avoided: the matching defects, in registry order (empty: the plain graphs).
+    full_lengths: the directions ("forward", "backward") whose graphs take the
+      FULL_LENGTHS remedy.
+    refusal: the reason the plan is refused, or "" (a REFUSE remedy matched).
+    """
+
+    avoided: tuple[Defect, ...] = ()
+    full_lengths: frozenset[str] = frozenset()
+    refusal: str = ""
+
+    def __bool__(self) -> bool:
+        return bool(self.avoided)
+
+    def key_part(self) -> list[str]:
+        """What the cache key's description holds: the defects and their remedies, by
+        name (a list, empty for an unaffected config, which then adds nothing)."""
+        return [f"{d.name}:{d.remedy}" for d in self.avoided]
+
+    def notes(self) -> list[str]:
+        """One line per avoided defect: which, how, and where it is reported."""
+        return [f"avoided cuDNN defect {d.name} ({d.versions()}): {d.how()}; {d.summary}; "
+                f"see {', '.join(d.reports)}" for d in self.avoided]
+
+    def to_dict(self) -> list[dict[str, Any]]:
+        return [{"defect": d.name, "remedy": d.remedy, "how": d.how(), "summary": d.summary,
+                 "reports": list(d.reports), "cudnn": d.versions()} for d in self.avoided]
+
+
+_NONE = Decision()
+
+
+def decide(config: AttentionConfig, cudnn_version: int, capability: tuple[int, int] | list[int],
+           defects: tuple[Defect, ...] = DEFECTS) -> Decision:
+    """The registry's decision for `config` with the cuDNN of version `cudnn_version`
+    (loaded at run time) on a GPU of compute capability `capability` ((major, minor)).
+    Deterministic: a function of its arguments alone."""
+    if not isinstance(config, AttentionConfig):
+        raise InvalidArgumentError(f"config must be an AttentionConfig, not {type(config).__name__}")
+    if isinstance(cudnn_version, bool) or not isinstance(cudnn_version, int) or cudnn_version < 0:
+        raise InvalidArgumentError(f"cudnn_version={cudnn_version!r} must be a non-negative int "
+                                   "(cudnnGetVersion's number, 91900 for 9.19.0)")
+    cap = tuple(capability)
+    if len(cap) != 2 or not all(isinstance(x, int) and not isinstance(x, bool) for x in cap):
+        raise InvalidArgumentError(f"capability={capability!r} must be (major, minor) ints")
+    hits = tuple(d for d in defects if d.matches(config, cudnn_version, cap))
+    if not hits:
+        return _NONE
+    refusals = [d for d in hits if d.remedy == REFUSE]
+    refusal = "; ".join(f"{d.direction}: known cuDNN defect {d.name} ({d.versions()}): {d.summary} "
+                        f"(see {', '.join(d.reports)})" for d in refusals)
+    full = frozenset(d.direction for d in hits if d.remedy == FULL_LENGTHS)
+    return Decision(hits, full, refusal)
+
+
+def explain(avoided: list[str] | tuple[str, ...]) -> list[dict[str, Any]]:
+    """What ProbeResult.avoided's "name:remedy" entries mean, from this registry (an entry
+    written by another fastattn may name a defect this one does not know: its name and
+    remedy alone, then)."""
+    known = {d.name: d for d in DEFECTS}
+    out = []
+    for part in avoided:
+        name, _, remedy = str(part).partition(":")
+        d = known.get(name)
+        if d is None or d.remedy != remedy:
+            out.append({"defect": name, "remedy": remedy})
+        else:
+            out.append(Decision((d,)).to_dict()[0])
+    return out
