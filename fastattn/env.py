@@ -127,6 +127,15 @@ def _secret(var: Var, raw: str) -> bytes:
     return raw.strip().encode("utf-8", "surrogateescape")
 
 
+def _classes(var: Var, raw: str):
+    from .shape_classes import parse  # (shape_classes imports nothing heavy)
+
+    try:
+        return parse(raw, var.name)
+    except InvalidArgumentError as e:
+        raise _bad(var, raw, str(e).split(": ", 1)[-1]) from None
+
+
 def redact(url: str) -> str:
     """The URL without its password, for messages."""
     try:
@@ -186,11 +195,12 @@ def _url(var: Var, raw: str) -> str:
 
 _PARSERS: dict[str, Callable[[Var, str], Any]] = {
     "bool": _bool, "choice": _choice, "seconds": _seconds, "size": _size, "path": _path, "paths": _paths,
-    "text": _text, "secret": _secret, "url": _url,
+    "text": _text, "secret": _secret, "url": _url, "classes": _classes,
 }
 # How the README names each kind's values.
 _KIND_TEXT = {"bool": "boolean", "seconds": "seconds", "size": "bytes (500M, 4G)", "path": "path",
-              "paths": "paths, `:`-separated", "text": "text", "secret": "secret text", "url": "Redis URL"}
+              "paths": "paths, `:`-separated", "text": "text", "secret": "secret text", "url": "Redis URL",
+              "classes": "`auto` / `off` / lengths, `,`-separated"}
 
 
 def _platform_cache_dir() -> str:
@@ -240,6 +250,12 @@ _TABLE = (
     _V("FASTATTN_SDPA", "bool", False, "serve torch.nn.functional.scaled_dot_product_attention's cuDNN calls on "
        "fastattn (`fastattn.torch.enable_sdpa()`) from the moment fastattn.torch is imported; unset, nothing is "
        "changed until enable_sdpa() is called"),
+    _V("FASTATTN_SHAPE_CLASSES", "classes", lambda: _classes(VARIABLES["FASTATTN_SHAPE_CLASSES"], "off"), "fastattn.torch.attention()'s shape classes (its "
+       "`shape_classes=` keyword overrides it per call): `off` (an exact plan per shape), `auto` (the classes "
+       "`benchmarks/bench_shape_classes.py` measured on this GPU and cuDNN version in "
+       "`fastattn/_measured/shape_classes.json`; `off` where none were measured) or ascending class bounds such "
+       "as `256,1024,4096` (lengths in (256, 1024] share the plan declared for 1024); read when fastattn.torch "
+       "is imported", "`off`"),
     _V("FASTATTN_TORCH_OPS_DIR", "path", None, "where fastattn.torch's op library is built and found",
        "`torch-ops/` in the cache directory"),
     # The test suite.

@@ -121,6 +121,30 @@ def choices(allowed):
     return parse
 
 
+def length_range(text: str) -> tuple[int, int]:
+    """An argparse type: sequence lengths LO..HI (inclusive) or one length
+    (fastattn.shape_classes.parse_range)."""
+    from ..shape_classes import parse_range
+
+    try:
+        return parse_range(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).split(": ", 1)[-1]) from None
+
+
+length_range.__name__ = "length range"
+
+
+def shape_classes(text: str):
+    """An argparse type: auto, off or ascending class bounds (fastattn.shape_classes.parse)."""
+    from ..shape_classes import parse
+
+    try:
+        return parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).split(": ", 1)[-1]) from None
+
+
 def size(text: str) -> int:
     units = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
     t = text.strip().lower().removesuffix("b").removesuffix("i")

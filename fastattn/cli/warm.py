@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import InvalidArgumentError
 from ._common import (EXIT_FAILED, EXIT_NO_GPU, EXIT_OK, EXIT_UNSUPPORTED, add_json_flag, exit_code, input_path,
-                      integer, number, output_file, wrap)
+                      integer, length_range, number, output_file, shape_classes, wrap)
 
 if TYPE_CHECKING:
     from ..warm import WarmItem
@@ -35,6 +35,22 @@ def add_parser(sub) -> None:
                            "FASTATTN_TORCH_PATH=python; without it fastattn.torch runs its Python path)")
     warm.add_argument("--timeout", type=number(above=0), default=600.0,
                       help="seconds one config may take before its worker is killed (default 600)")
+    cls = warm.add_argument_group(
+        "warm by shape class", "with --seqlens, instead of a file: the class plans (fastattn.shape_classes) that "
+        "serve a model's fastattn.torch.attention() calls (bshd, packed tokens) at every length in the range, "
+        "prefill (s_q = s_kv) and decode (s_q = 1): a plan per class, not per length")
+    cls.add_argument("--seqlens", type=length_range, help="LO..HI, the lengths to serve (e.g. 1..32768)")
+    cls.add_argument("--heads", type=integer(1), help="query heads (needed with --seqlens)")
+    cls.add_argument("--heads-kv", type=integer(1), help="key/value heads (default: --heads)")
+    cls.add_argument("--head-dim", type=integer(1), help="head dim of q and k (needed with --seqlens)")
+    cls.add_argument("--head-dim-v", type=integer(1), help="head dim of v (default: --head-dim)")
+    cls.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16", help="default bf16")
+    cls.add_argument("--mask", choices=("none", "causal", "causal_bottom_right"), default="causal_bottom_right",
+                     help="default causal_bottom_right (FlashAttention's causal, what decode needs)")
+    cls.add_argument("--batch", type=integer(1), default=1, help="batch size (a class plan per batch; default 1)")
+    cls.add_argument("--training", action="store_true", help="plans with their backward (training calls)")
+    cls.add_argument("--shape-classes", type=shape_classes, default=None,
+                     help="auto, or ascending class bounds such as 256,1024,4096 (default: FASTATTN_SHAPE_CLASSES)")
 
 
 def _progress_bar():
@@ -60,7 +76,11 @@ def run(args) -> tuple[int, dict[str, Any]]:
     from .. import sweep
     from ..warm import warm
 
-    configs = sweep.load_configs(args.file) if args.file is not None else sweep.builtin_configs()
+    if getattr(args, "seqlens", None) is not None:
+        configs, skipped = class_configs(args)
+    else:
+        _no_class_flags(args)
+        configs, skipped = (sweep.load_configs(args.file) if args.file is not None else sweep.builtin_configs()), None
     torch_ops = None
     if _wants_torch_ops(args.torch_ops):
         # A compiler process beside the plans' workers, where fastattn.torch can run at
@@ -71,6 +91,9 @@ def run(args) -> tuple[int, dict[str, Any]]:
                   progress=None if args.no_progress or args.json else _progress_bar())
     out = report.to_dict()
     out["source"] = args.file or "built-in model shapes"
+    if skipped is not None:
+        out["source"] = f"shape classes for lengths {args.seqlens[0]}..{args.seqlens[1]}"
+        out["lengths_without_a_class"] = skipped
     if args.report:
         import json
 
@@ -90,8 +113,70 @@ def run(args) -> tuple[int, dict[str, Any]]:
         out["_text"] = "\n".join(_no_gpu_text(report))
     else:
         out["_text"] = "\n".join(_table(report) + ([f"torch op library: {out['torch_ops']['result']}"]
-                                                   if torch_ops is not None else []))
+                                                   if torch_ops is not None else [])
+                                  + ([f"lengths no class covers (exact plans at their first call): {skipped}"]
+                                     if skipped else []))
     return code, out
+
+
+_CLASS_FLAGS = ("heads", "heads_kv", "head_dim", "head_dim_v", "batch", "training", "shape_classes")
+
+
+def _no_class_flags(args) -> None:
+    """The model flags mean something only with --seqlens: refused without it, not ignored."""
+    given = [f"--{n.replace('_', '-')}" for n in _CLASS_FLAGS
+             if getattr(args, n, None) not in (None, False, 1 if n == "batch" else None)]
+    if getattr(args, "dtype", "bf16") != "bf16" or getattr(args, "mask", "causal_bottom_right") != "causal_bottom_right":
+        given.append("--dtype/--mask")
+    if given:
+        raise InvalidArgumentError(f"{', '.join(given)}: only with --seqlens (warm by shape class)")
+
+
+def class_configs(args) -> tuple[list, list[list[int]]]:
+    """The class plans for --seqlens's range (prefill and decode), and the sub-ranges no
+    class covers (their lengths get exact plans at their first call; not warmed: one
+    plan per length is what classes are for)."""
+    from .. import env
+    from .. import shape_classes as sc
+
+    if args.file is not None:
+        raise InvalidArgumentError("--seqlens: warms the classes of the model the flags describe; not with a file")
+    for flag, value in (("--heads", args.heads), ("--head-dim", args.head_dim)):
+        if value is None:
+            raise InvalidArgumentError(f"{flag}: needed with --seqlens")
+    heads_kv = args.heads_kv or args.heads
+    if args.heads % heads_kv:
+        raise InvalidArgumentError(f"--heads-kv={heads_kv}: must divide --heads={args.heads}")
+    choice = args.shape_classes if args.shape_classes is not None else env.get("FASTATTN_SHAPE_CLASSES")
+    if choice == "auto":
+        from ..runtime import device_info, libraries, versions
+
+        libraries()
+        classes = sc.measured(device_info(args.device)["name"], int(versions()["cudnn_loaded"] or 0),
+                              training=args.training)
+        if classes is None:
+            raise InvalidArgumentError("--shape-classes=auto: nothing measured for this GPU and cuDNN "
+                                       "(benchmarks/bench_shape_classes.py --write), so auto means exact plans: "
+                                       "pass class bounds such as 256,1024,4096")
+    else:
+        classes = choice
+    if not classes:
+        raise InvalidArgumentError("--shape-classes: classes are off (FASTATTN_SHAPE_CLASSES): pass auto or class "
+                                   "bounds such as 256,1024,4096")
+    lo, hi = args.seqlens
+    uppers, uncovered = sc.classes_in_range(lo, hi, classes)
+    common = dict(batch=args.batch, heads_q=args.heads, heads_kv=heads_kv, head_dim_qk=args.head_dim,
+                  head_dim_v=args.head_dim_v or args.head_dim, dtype=args.dtype, training=args.training,
+                  mask=args.mask, alignment="bottom_right" if args.mask == "causal_bottom_right" else "top_left")
+    configs = []
+    for u in uppers:
+        # Prefill; and decode (one query, the class's keys), which is inference only.
+        pairs = [(u, u)] + ([(1, u)] if u > 1 and not args.training else [])
+        for u_q, u_kv in pairs:
+            cfg = sc.class_config(upper_q=u_q, upper_kv=u_kv, **common)
+            if cfg not in configs:
+                configs.append(cfg)
+    return configs, [list(r) for r in uncovered]
 
 
 def _summary(report) -> str:

@@ -9,6 +9,7 @@ the same work under _autograd.Eager.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Literal, overload
 
 import torch
@@ -16,7 +17,7 @@ import torch
 from .. import _fields
 from ..config import AttentionConfig
 from ..errors import InvalidArgumentError
-from . import _autograd, _native, _options
+from . import _autograd, _classes, _native, _options
 from ._plans import check_shapes
 from ._plans import options as check_options
 from ._plans import (AXES, DTYPES, Cached, alignment_name, bottom_right, check_qkv_tensors, config_shape, mask_name,
@@ -279,21 +280,25 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
               layout: str = ..., deterministic: bool = ..., seq_lens_q: torch.Tensor | None = ...,
               seq_lens_kv: torch.Tensor | None = ..., alibi: bool = ..., bias: torch.Tensor | None = ...,
               dropout_p: float = ..., sinks: torch.Tensor | None = ..., alignment: str = ...,
-              return_lse: Literal[False] = ..., softcap: float = ...) -> torch.Tensor: ...
+              return_lse: Literal[False] = ..., softcap: float = ...,
+              shape_classes: str | Sequence[int] | None = ...) -> torch.Tensor: ...
 @overload
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = ...,
               causal_bottom_right: bool = ..., window: tuple[int, int] | None = ..., scale: float | None = ...,
               layout: str = ..., deterministic: bool = ..., seq_lens_q: torch.Tensor | None = ...,
               seq_lens_kv: torch.Tensor | None = ..., alibi: bool = ..., bias: torch.Tensor | None = ...,
               dropout_p: float = ..., sinks: torch.Tensor | None = ..., alignment: str = ...,
-              return_lse: Literal[True], softcap: float = ...) -> tuple[torch.Tensor, torch.Tensor]: ...
+              return_lse: Literal[True], softcap: float = ...,
+              shape_classes: str | Sequence[int] | None = ...) -> tuple[torch.Tensor, torch.Tensor]: ...
 @overload
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = ...,
               causal_bottom_right: bool = ..., window: tuple[int, int] | None = ..., scale: float | None = ...,
               layout: str = ..., deterministic: bool = ..., seq_lens_q: torch.Tensor | None = ...,
               seq_lens_kv: torch.Tensor | None = ..., alibi: bool = ..., bias: torch.Tensor | None = ...,
               dropout_p: float = ..., sinks: torch.Tensor | None = ..., alignment: str = ...,
-              return_lse: bool = ..., softcap: float = ...) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
+              return_lse: bool = ..., softcap: float = ...,
+              shape_classes: str | Sequence[int] | None = ...
+              ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
@@ -301,7 +306,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
               layout: str = "bshd", deterministic: bool = False, seq_lens_q: torch.Tensor | None = None,
               seq_lens_kv: torch.Tensor | None = None, alibi: bool = False, bias: torch.Tensor | None = None,
               dropout_p: float = 0.0, sinks: torch.Tensor | None = None, alignment: str = "top_left",
-              return_lse: bool = False, softcap: float = 0.0) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+              return_lse: bool = False, softcap: float = 0.0, shape_classes: str | Sequence[int] | None = None
+              ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Scaled dot-product attention on cuDNN's fused kernels, with autograd.
 
     q: (batch, seqlen_q, heads_q, head_dim_qk) for layout="bshd" (FlashAttention's order;
@@ -346,13 +352,22 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
       after scaling, before masking, in cuDNN's graph (its score modifier); forward and
       backward. 0.0 (default): none. cuDNN decides what it combines with: a refusal is a
       NotSupportedError with its reason (cudnn-frontend 1.28 refuses it with ALiBi).
+    shape_classes: "off", "auto" or ascending class bounds, e.g. (256, 1024, 4096)
+      (fastattn.shape_classes); None (default): FASTATTN_SHAPE_CLASSES, read when
+      fastattn.torch was imported ("off" unless set). With classes, a plain eager bshd
+      call with packed tokens (token stride heads * dim), no bias and no sinks runs the
+      plan of its lengths' class, so a new length in a known class builds and loads
+      nothing; the same results (o's rows past seq_lens zero, gradients), o contiguous.
+      Such calls take the Python path (fastattn/torch/_classes.py says what that costs).
 
     Raises InvalidArgumentError (a ValueError) for CPU tensors, mismatched devices,
     dtypes or shapes, NotSupportedError when cuDNN refuses the config.
     """
+    # Classes wanted (SETTING OFF is falsy: then the hot path is as it was).
+    classes = _classes.SETTING if shape_classes is None else shape_classes != "off"
     if not dynamo_compiling():  # (dynamo traces the body below instead)
         call = _native.CALL
-        if call is not None:
+        if call is not None and not classes:
             # The native path's C entry (eager.cpp's call): it takes these arguments as
             # they are when they need no conversion; NotImplemented hands the call to
             # the body below, which checks and reports.
@@ -402,6 +417,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     else:
         options = DenseOptions(layout, causal, br, left, right, scale, bool(deterministic), bool(alibi), training,
                                float(dropout_p), bool(grads and bias is not None and bias.requires_grad), softcap)
+    if classes and bias is None and sinks is None and cuda and plain_eager(q):
+        # A class plan where the call's lengths have one (_classes.serve; None: exact plans).
+        served = _classes.serve(q, k, v, seq_lens_q, seq_lens_kv, extras[2], options, shape_classes, grads,
+                                return_lse)
+        if served is not None:
+            return served
     if return_lse:
         if cuda and plain_eager(q):
             o, stats = (EagerWithStats.apply(RULE, options, q, k, v, seq_lens_q, seq_lens_kv, *extras) if grads

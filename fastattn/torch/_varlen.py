@@ -9,13 +9,14 @@ share plans, and the persistent cache keeps each one), never by the token count.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Literal, overload
 
 import torch
 
 from ..config import AttentionConfig
 from ..errors import InvalidArgumentError
-from . import _autograd, _native, _options
+from . import _autograd, _classes, _native, _options
 from .. import _fields
 from ._plans import (DTYPES, Cached, alignment_name, bottom_right, check_qkv_tensors, mask_name, plans, raw_stream,
                      remember, workspace)
@@ -175,21 +176,21 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
                      causal_bottom_right: bool = ..., window: tuple[int, int] | None = ...,
                      scale: float | None = ..., deterministic: bool = ..., alignment: str = ...,
                      alibi: bool = ..., dropout_p: float = ..., return_lse: Literal[False] = ...,
-                     softcap: float = ...) -> torch.Tensor: ...
+                     softcap: float = ..., shape_classes: str | Sequence[int] | None = ...) -> torch.Tensor: ...
 @overload
 def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                      cu_seqlens_kv: torch.Tensor, max_seqlen_q: int, max_seqlen_kv: int, *, causal: bool = ...,
                      causal_bottom_right: bool = ..., window: tuple[int, int] | None = ...,
                      scale: float | None = ..., deterministic: bool = ..., alignment: str = ...,
                      alibi: bool = ..., dropout_p: float = ..., return_lse: Literal[True],
-                     softcap: float = ...) -> tuple[torch.Tensor, torch.Tensor]: ...
+                     softcap: float = ..., shape_classes: str | Sequence[int] | None = ...) -> tuple[torch.Tensor, torch.Tensor]: ...
 @overload
 def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                      cu_seqlens_kv: torch.Tensor, max_seqlen_q: int, max_seqlen_kv: int, *, causal: bool = ...,
                      causal_bottom_right: bool = ..., window: tuple[int, int] | None = ...,
                      scale: float | None = ..., deterministic: bool = ..., alignment: str = ...,
                      alibi: bool = ..., dropout_p: float = ..., return_lse: bool = ...,
-                     softcap: float = ...) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
+                     softcap: float = ..., shape_classes: str | Sequence[int] | None = ...) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
 
 
 def _as_int(n):
@@ -205,7 +206,8 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
                      cu_seqlens_kv: torch.Tensor, max_seqlen_q: int, max_seqlen_kv: int, *, causal: bool = False,
                      causal_bottom_right: bool = False, window: tuple[int, int] | None = None,
                      scale: float | None = None, deterministic: bool = False, alignment: str = "top_left",
-                     alibi: bool = False, dropout_p: float = 0.0, return_lse: bool = False, softcap: float = 0.0
+                     alibi: bool = False, dropout_p: float = 0.0, return_lse: bool = False, softcap: float = 0.0,
+                     shape_classes: str | Sequence[int] | None = None
                      ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention over packed variable-length sequences (FlashAttention's varlen layout),
     with autograd; cuDNN's THD kernels, one plan per batch size and length bucket.
@@ -228,12 +230,18 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
       total_q), FlashAttention's varlen softmax_lse, without a gradient: returns (o, lse).
       It makes the call a training one (see attention()).
     softcap: logit soft-capping, as attention()'s (0.0: none).
+    shape_classes: as attention()'s (None: FASTATTN_SHAPE_CLASSES). Plans are keyed by
+      batch size and max lengths, never by token counts; with classes (eager calls), a
+      max length inside a class takes the class's bound instead of its power of two, so
+      that one plan serves the class (the native op too; the C entry is skipped).
 
     Raises InvalidArgumentError for bad inputs, NotSupportedError when cuDNN refuses.
     """
+    # Classes wanted (SETTING OFF is falsy: then the hot path is as it was).
+    classes = _classes.SETTING if shape_classes is None else shape_classes != "off"
     if not dynamo_compiling():  # (dynamo traces the body below instead)
         call = _native.CALL_VARLEN
-        if call is not None:
+        if call is not None and not classes:
             # The native path's C entry (eager.cpp's call_varlen): it makes this body's
             # checks and takes the call when they pass and no value needs converting;
             # NotImplemented hands the call to the body, which checks and reports.
@@ -257,7 +265,11 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
         softcap = _options.softcap(softcap)
     grads = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     training = grads or bool(return_lse)
-    options = _new(VarlenOptions, (bucket(max_seqlen_q), bucket(max_seqlen_kv), bool(causal or causal_bottom_right),
+    max_q, max_kv = bucket(max_seqlen_q), bucket(max_seqlen_kv)
+    if classes and not compiling() and q.is_cuda:  # (traces keep the power-of-two buckets)
+        c = _classes.resolve(shape_classes, q.get_device(), training)
+        max_q, max_kv = c.upper(max_seqlen_q) or max_q, c.upper(max_seqlen_kv) or max_kv
+    options = _new(VarlenOptions, (max_q, max_kv, bool(causal or causal_bottom_right),
                                    br, left, right, scale, bool(deterministic), training, bool(alibi),
                                    float(dropout_p), softcap))
     # Philox's seed and offset for dropout, drawn from PyTorch's generator (see attention()).

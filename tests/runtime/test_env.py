@@ -220,7 +220,8 @@ def test_any_value_of_any_variable_parses_or_is_named(name, value):
         return
     kind = _env.VARIABLES[name].kind
     types = {"bool": bool, "choice": str, "seconds": float, "size": int, "path": (str, type(None)), "text": str,
-             "paths": tuple, "secret": (bytes, type(None)), "url": (str, type(None))}
+             "paths": tuple, "secret": (bytes, type(None)), "url": (str, type(None)),
+             "classes": (str, tuple)}  # "auto", or shape_classes.Classes (a NamedTuple)
     assert isinstance(got, types[kind]), (name, value, got)
 
 

@@ -1,0 +1,230 @@
+"""Shape classes: one plan per class of sequence lengths, so that a new length inside a
+known class builds and loads nothing.
+
+A class is a range of lengths (lo, hi]; its plan is cuDNN's ragged (THD) graph declared
+for hi, whose batch offsets and sequence lengths are read from device arrays at run time
+(cuDNN 9.19 has no execute-time shape override; 9.21+ does, unused here yet). Length 1
+(a decode step's query) is always a class of its own: a q = 1 call never runs a graph
+declared for more rows.
+
+The choice (`shape_classes=` of fastattn.torch.attention, or FASTATTN_SHAPE_CLASSES):
+- "off": exact plans, one per shape (today's behaviour);
+- explicit boundaries, e.g. (256, 1024, 4096) or "256,1024,4096": the classes (1, 256],
+  (256, 1024], (1024, 4096]; a longer length gets its exact plan;
+- "auto": the classes that benchmarks/bench_shape_classes.py measured on this GPU and
+  cuDNN version (fastattn/_measured/shape_classes.json) as costing at most TOLERANCE
+  more kernel time than exact plans; every other length an exact plan. Where no
+  measurement exists for the loaded GPU and cuDNN, "auto" is "off": a class plan's
+  kernel can be slower than the exact shape's (cudnn-frontend#1087 saw 2.0-2.3x), and
+  fastattn does not guess.
+
+Pure Python, no torch: the CLI (fastattn warm --seqlens) and env.py read it too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from functools import lru_cache
+from typing import Any, NamedTuple
+
+from .errors import InvalidArgumentError
+
+__all__ = ["Classes", "parse", "class_of", "measured", "parse_range", "classes_in_range", "class_config",
+           "CANDIDATES", "TOLERANCE", "PATH", "FORMAT"]
+
+PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_measured", "shape_classes.json")
+FORMAT = 1
+# The class upper bounds the benchmark measures (and "auto" can choose among): powers of
+# two, each class the lengths above the one before.
+CANDIDATES = tuple(1 << i for i in range(6, 16))  # 64 ... 32768
+# A class is kept where its plan's kernel costs at most this much more than the exact
+# plan's, at every measured length in it (the issue's "a few percent").
+TOLERANCE = 0.05
+_MAX = 2**31 - 1  # cuDNN's lengths and offsets are int32
+
+
+class Classes(NamedTuple):
+    """Classes as ranges: lengths in (lo, hi] are served by the plan declared for hi.
+    Sorted, disjoint; lengths in no range get exact plans."""
+
+    ranges: tuple[tuple[int, int], ...]
+
+    def __bool__(self) -> bool:
+        return bool(self.ranges)
+
+    def upper(self, n: int) -> int | None:
+        """The class plan's declared length for a call of length n, or None (exact)."""
+        if n == 1:
+            return 1  # a decode step's query: its own class (see the module's docstring)
+        for lo, hi in self.ranges:
+            if lo < n <= hi:
+                return hi
+        return None
+
+
+OFF = Classes(())
+
+
+def _bad(name: str, value: Any, why: str) -> InvalidArgumentError:
+    return InvalidArgumentError(f"{name}={value!r}: {why}")
+
+
+def boundaries(values, name: str = "shape_classes") -> Classes:
+    """Explicit class upper bounds (ascending ints, 2 <= b < 2**31) as Classes."""
+    try:
+        bs = list(values)
+    except TypeError:
+        raise _bad(name, values, 'expected "auto", "off" or ascending ints (e.g. (256, 1024, 4096))') from None
+    if not bs:
+        raise _bad(name, values, "no boundaries: pass \"off\" for exact plans")
+    for b in bs:
+        if isinstance(b, bool) or not isinstance(b, int) or not 2 <= b <= _MAX:
+            raise _bad(name, values, f"boundary {b!r} is not an int in 2..{_MAX}")
+    if any(a >= b for a, b in zip(bs, bs[1:])):
+        raise _bad(name, values, "boundaries must be strictly ascending")
+    return Classes(tuple(zip([1, *bs[:-1]], bs)))
+
+
+def parse(value, name: str = "shape_classes") -> str | Classes:
+    """A user's choice: "auto", "off" (either case, surrounding spaces allowed), a
+    comma-separated string of boundaries, or a sequence of ints. Returns "auto" or
+    Classes (OFF for "off"). Raises InvalidArgumentError naming `name`."""
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text in ("auto", "off"):
+            return "auto" if text == "auto" else OFF
+        if not re.fullmatch(r"\s*\d+\s*(,\s*\d+\s*)*,?\s*", value):
+            raise _bad(name, value, 'expected "auto", "off" or comma-separated lengths (e.g. "256,1024,4096")')
+        return boundaries([int(p) for p in value.split(",") if p.strip()], name)
+    if isinstance(value, Classes):
+        return value
+    return boundaries(value, name)
+
+
+def class_of(n: int, classes: Classes) -> int | None:
+    """Classes.upper as a function: the declared length serving n, or None (exact)."""
+    return classes.upper(n)
+
+
+def class_config(*, batch: int, heads_q: int, heads_kv: int, head_dim_qk: int, head_dim_v: int, dtype: str,
+                 upper_q: int, upper_kv: int, mask: str = "none", alignment: str = "top_left",
+                 window: tuple[int, int] = (-1, -1), scale: float | None = None, training: bool = False,
+                 deterministic: bool = False, alibi: bool = False, dropout: float = 0.0,
+                 softcap: float | None = None):
+    """The one description of a class plan: the ragged (THD) bshd config declared for the
+    class's lengths. fastattn.torch's class-served calls (_classes.plan_for) and
+    `fastattn warm --seqlens` both make it here, so that warm builds the plans calls ask for."""
+    from .config import AttentionConfig
+
+    return AttentionConfig(
+        batch=batch, heads_q=heads_q, heads_kv=heads_kv, seqlen_q=upper_q, seqlen_kv=upper_kv,
+        head_dim_qk=head_dim_qk, head_dim_v=head_dim_v, dtype=dtype, layout="bshd", padding=True, ragged=True,
+        mask=mask, window=window, alignment=alignment, scale=scale, training=training,
+        deterministic=deterministic and training,  # it selects the backward: none without one
+        alibi=alibi, dropout=dropout, softcap=softcap or None,
+    )
+
+
+# -- "auto": the measured file ---------------------------------------------------------------
+
+def _load(path: str) -> dict[str, Any] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return _read(path, st.st_mtime_ns, st.st_size)
+
+
+@lru_cache(maxsize=4)
+def _read(path: str, mtime_ns: int, size: int) -> dict[str, Any] | None:
+    """The file's contents, read once per version of the file; anything malformed is
+    None (no measurement: exact plans), never an error at a call."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict) or data.get("format") != FORMAT or not isinstance(data.get("rows"), list):
+        return None
+    return data
+
+
+def _ratio(m: Any, direction: str) -> float | None:
+    c, e = m.get(f"{direction}_class_us"), m.get(f"{direction}_exact_us")
+    if not all(isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0 for x in (c, e)):
+        return None
+    return c / e
+
+
+def measured(gpu: str, cudnn: int, path: str | None = None, training: bool = False) -> Classes | None:
+    """The classes the recorded benchmark kept for this GPU (its name, as
+    torch.cuda.get_device_name gives it) and cuDNN version (cudnnGetVersion's number),
+    or None where nothing was recorded for them (the file missing, damaged, or without a
+    row for this GPU and cuDNN). A class is kept only when every measured length in it
+    ran within TOLERANCE of its exact plan (forward; and backward, for training calls)
+    and it was measured at all; a damaged measurement drops its class."""
+    data = _load(path or PATH)
+    if data is None:
+        return None
+    for row in data["rows"]:
+        if not isinstance(row, dict) or row.get("gpu") != gpu or row.get("cudnn") != cudnn:
+            continue
+        kept = []
+        for c in row.get("classes") or ():
+            try:
+                lo, hi, lengths = int(c["lo"]), int(c["hi"]), c["lengths"]
+                if not (1 <= lo < hi <= _MAX) or not lengths:
+                    continue
+                ok = True
+                for m in lengths:
+                    for direction in ("forward", "backward") if training else ("forward",):
+                        r = _ratio(m, direction)
+                        ok = ok and r is not None and r <= 1.0 + TOLERANCE
+                if ok:
+                    kept.append((lo, hi))
+            except (KeyError, TypeError, ValueError):
+                continue  # a damaged class: not kept
+        kept.sort()
+        if any(a[1] > b[0] for a, b in zip(kept, kept[1:])):
+            return None  # overlapping classes: not a file the benchmark wrote
+        return Classes(tuple(kept))
+    return None
+
+
+# -- ranges of lengths (fastattn warm --seqlens) ----------------------------------------------
+
+def parse_range(text: str, name: str = "--seqlens") -> tuple[int, int]:
+    """"LO..HI" (inclusive, 1 <= LO <= HI < 2**31) or a single length "N"."""
+    m = re.fullmatch(r"\s*(\d+)\s*(?:\.\.\s*(\d+)\s*)?", text or "")
+    if not m:
+        raise _bad(name, text, "expected LO..HI (e.g. 1..32768) or one length")
+    lo = int(m.group(1))
+    hi = int(m.group(2)) if m.group(2) is not None else lo
+    if not 1 <= lo <= hi <= _MAX:
+        raise _bad(name, text, f"expected 1 <= LO <= HI <= {_MAX}")
+    return lo, hi
+
+
+def classes_in_range(lo: int, hi: int, classes: Classes) -> tuple[list[int], list[tuple[int, int]]]:
+    """The class plans' declared lengths that serve every length in [lo, hi] (ascending),
+    and the sub-ranges no class covers (those lengths need exact plans, one each)."""
+    uppers, uncovered = [], []
+    n = lo
+    if n == 1:
+        uppers.append(1)
+        n = 2
+    for c_lo, c_hi in classes.ranges:
+        if c_hi < n or n > hi:
+            continue
+        if c_lo >= n:  # a gap before this class
+            if c_lo >= hi:
+                break
+            uncovered.append((n, c_lo))
+            n = c_lo + 1
+        uppers.append(c_hi)
+        n = c_hi + 1
+    if n <= hi:
+        uncovered.append((n, hi))
+    return uppers, uncovered

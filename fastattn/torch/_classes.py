@@ -1,0 +1,262 @@
+"""attention() served by shape classes (fastattn/shape_classes.py): a call whose lengths
+fall in a class runs the class's plan, cuDNN's ragged (THD) graph declared for the
+class's longest lengths, with the call's own batch offsets and lengths passed at run time.
+A new length inside a known class builds and loads nothing.
+
+Why ragged: cuDNN 9.19 fixes a graph's dimensions when it is built; its ragged tensors
+take each sequence's element offset from a device array at execute time (so the batch
+stride is the call's, not the graph's), and the padding mask takes each sequence's
+length from another. A bshd tensor whose tokens are packed (token stride heads * dim, head
+stride dim) is such a tensor for any batch stride: offsets i * stride(0). So one plan
+declared for (batch, class_q, class_kv) serves every call of that batch size with
+s_q <= class_q and s_kv <= class_kv, including a KV-cache slice (its batch stride is the
+cache's).
+
+What is served: layout "bshd" with packed tokens, no bias, no sinks, plain eager calls
+(torch.compile, tracing and torch.func take exact plans: their ops are exact-shape).
+The batch is exact (a class plan per batch size): cuDNN's ragged graph fixes it. These
+calls take the Python path, not the op library's C++ (whose table is keyed by exact
+shapes): a call costs the Python body, the per-call checks (_dense._check) and the
+arrays' lookups, several microseconds more than a native hit.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from .. import env
+from ..errors import NotSupportedError
+from .. import shape_classes as sc
+from . import _autograd
+from ._plans import (DTYPES, Cached, alignment_name, capturing, check_qkv_tensors, check_shapes, mask_name, plans,
+                     raw_stream, remember, workspace)
+
+# FASTATTN_SHAPE_CLASSES, read when fastattn.torch is imported (as FASTATTN_TORCH_PATH):
+# a call's shape_classes= overrides it. OFF (falsy) keeps attention()'s hot path as it was.
+SETTING: str | sc.Classes = env.get("FASTATTN_SHAPE_CLASSES")
+
+_INT32 = 2**31
+
+
+class ClassOptions(NamedTuple):
+    """A class plan's options: the call's DenseOptions and the class's declared lengths."""
+
+    dense: tuple
+    upper_q: int
+    upper_kv: int
+
+    @property
+    def training(self) -> bool:  # what _autograd reads
+        return self.dense.training
+
+
+# -- the policy: which classes a call's choice means on its device ----------------------------
+
+_auto: dict[tuple[int, bool], sc.Classes] = {}
+
+
+def resolve(choice, device: int, training: bool) -> sc.Classes:
+    """The classes for a call: its shape_classes= (None: SETTING), "auto" read from the
+    measured file for this GPU and the loaded cuDNN (OFF where nothing was measured)."""
+    global SETTING
+    if choice is None:
+        choice = SETTING
+    elif not isinstance(choice, sc.Classes):
+        choice = sc.parse(choice, "shape_classes")
+    if choice != "auto":
+        return choice
+    key = (device, training)
+    hit = _auto.get(key)
+    if hit is None:
+        import fastattn
+
+        fastattn.runtime.libraries()  # cuDNN loaded, so that its version is known
+        cudnn = fastattn.runtime.versions()["cudnn_loaded"] or 0
+        found = sc.measured(torch.cuda.get_device_name(device), int(cudnn), training=training)
+        hit = _auto[key] = found or sc.OFF
+        if found is None and SETTING == "auto" and torch.cuda.device_count() == 1:
+            # Nothing measured for the one GPU: "auto" is "off" for this process, and calls
+            # take the native path again (attention() skips it while classes are wanted).
+            SETTING = sc.OFF
+    return hit
+
+
+# -- the run-time arrays: lengths and offsets, made once per (device, stream, value) ----------
+
+_arrays: dict[tuple, torch.Tensor] = {}
+KEPT_ARRAYS = 512  # then the table starts afresh (decode makes a length array per step)
+
+
+def _array(q: torch.Tensor, kind: str, b: int, value: int, stream: int) -> torch.Tensor:
+    """int32 on q's device: kind "len": (b,) all `value`; "off": (b + 1,) i * value.
+    Made by a kernel on the current stream and kept per stream, so a later call on the
+    same stream reads it after it is written (stream order); inside a CUDA graph capture
+    made fresh and not kept (the capture replays its fill)."""
+    key = (kind, q.get_device(), stream, b, value)
+    t = _arrays.get(key)
+    if t is not None:
+        return t
+    if kind == "len":
+        t = torch.full((b,), value, dtype=torch.int32, device=q.device)
+    else:
+        # (its end b * value + 1, not (b + 1) * value: the last offset fits int32, the end may not)
+        t = torch.arange(0, b * value + 1, value, dtype=torch.int32, device=q.device) if value else \
+            torch.zeros(b + 1, dtype=torch.int32, device=q.device)
+    if not capturing():
+        if len(_arrays) >= KEPT_ARRAYS:
+            _arrays.clear()
+        _arrays[key] = t
+    return t
+
+
+def _check(q, k, v, seq_len_q, seq_len_kv) -> None:
+    """_dense._check for bshd (the same two checks, the same messages)."""
+    check_qkv_tensors(q, k, v, 4, "4 dimensions in bshd order")
+    check_shapes(q, k, v, "bshd", seq_len_q, seq_len_kv)
+
+
+def _packed(t: torch.Tensor) -> bool:
+    """bshd with packed tokens (any batch stride), its last offset within int32."""
+    _, s, h, d = t.shape
+    st = t.stride()
+    return (st[3] == 1 or d == 1) and (st[2] == d or h == 1) and (st[1] == h * d or s == 1) \
+        and t.shape[0] * max(st[0], 1) < _INT32
+
+
+def _within(t: torch.Tensor, upper: int) -> bool:
+    """The tokens t's offsets span fit the plan's max_tokens (batch * upper): cuDNN sizes
+    the backward's ragged workspace tensors (dQ's accumulator, GQA's full-head dK, dV) by
+    it (cudnn-frontend's ragged_workspace_size), and indexes them by the same offsets. A
+    KV-cache slice longer than its class fails this and trains on an exact plan."""
+    b, s, h, d = t.shape
+    hd = h * d
+    return t.stride(0) % hd == 0 and (b - 1) * (t.stride(0) // hd) + s <= b * upper
+
+
+# -- the plan and the work ------------------------------------------------------------------
+
+def _key(q, k, v, options: ClassOptions) -> tuple:
+    return ("class", q.shape[0], q.shape[2:], k.shape[2:], v.shape[2:], q.dtype, k.dtype, v.dtype, q.get_device(),
+            k.get_device(), v.get_device(), options)
+
+
+_refused: set[tuple] = set()  # class plans' keys cuDNN refused: those calls take exact plans
+
+
+def plan_for(q, k, v, options: ClassOptions) -> Cached:
+    key = _key(q, k, v, options)
+    hit = plans.get(key)
+    if hit is not None:
+        return hit
+    d = options.dense
+    cfg = sc.class_config(
+        batch=q.shape[0], heads_q=q.shape[2], heads_kv=k.shape[2], head_dim_qk=q.shape[3], head_dim_v=v.shape[3],
+        dtype=DTYPES[q.dtype], upper_q=options.upper_q, upper_kv=options.upper_kv,
+        mask=mask_name(d.causal, d.bottom_right), alignment=alignment_name(d.bottom_right),
+        window=(d.window_left, d.window_right), scale=None if d.scale <= 0 else d.scale, training=d.training,
+        deterministic=d.deterministic, alibi=d.alibi, dropout=d.dropout, softcap=d.softcap,
+    )
+    return remember(key, cfg, q, k, v, None)
+
+
+def _pointers(q, k, v, o_stride0: int, seq_len_q, seq_len_kv, rng, training: bool, stream: int) -> dict:
+    b, s_q, hq, _ = q.shape
+    ptrs = {"ragged_q": _array(q, "off", b, q.stride(0), stream).data_ptr(),
+            "ragged_k": _array(q, "off", b, k.stride(0), stream).data_ptr(),
+            "ragged_v": _array(q, "off", b, v.stride(0), stream).data_ptr(),
+            "ragged_o": _array(q, "off", b, o_stride0, stream).data_ptr()}
+    if training:  # stats packed as (b * s_q, hq): sequence i's at i * s_q * hq
+        ptrs["ragged_stats"] = _array(q, "off", b, s_q * hq, stream).data_ptr()
+    if seq_len_q is None:
+        seq_len_q = _array(q, "len", b, s_q, stream)
+        seq_len_kv = _array(q, "len", b, k.shape[1], stream)
+    ptrs["seq_len_q"], ptrs["seq_len_kv"] = seq_len_q.data_ptr(), seq_len_kv.data_ptr()
+    if rng is not None:  # Philox's seed at element 0, its offset at element 2 (see _dense)
+        ptrs["seed"], ptrs["offset"] = rng.data_ptr(), rng.data_ptr() + 16
+    return ptrs
+
+
+def forward_impl(q, k, v, seq_len_q, seq_len_kv, rng, options: ClassOptions):
+    """(o, stats): o (b, s_q, hq, dv) contiguous; stats float32 (b, s_q, hq), None when
+    not training. With lengths, rows past them are zero (as _dense.forward_impl)."""
+    c = plan_for(q, k, v, options)
+    b, s_q, hq, _ = q.shape
+    shape = (b, s_q, hq, v.shape[3])
+    o = q.new_zeros(shape) if seq_len_q is not None else q.new_empty(shape)
+    training = options.dense.training
+    stats = q.new_empty((b, s_q, hq), dtype=torch.float32) if training else None
+    stream = raw_stream(c.device)
+    ws = workspace(q, c.forward_workspace, c.device, stream)
+    c.plan.forward(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), stats.data_ptr() if training else 0,
+                   ws.data_ptr() if ws is not None else 0, stream,
+                   **_pointers(q, k, v, o.stride(0), seq_len_q, seq_len_kv, rng, training, stream))
+    return o, stats
+
+
+def backward_impl(d_o, o, stats, q, k, v, seq_len_q, seq_len_kv, rng, options: ClassOptions):
+    """(d_q, d_k, d_v) at q's, k's and v's strides (the plan's offsets are shared)."""
+    d_o = d_o.contiguous()  # the plan reads d_o at o's (contiguous) offsets
+    c = plan_for(q, k, v, options)
+    d_q, d_k, d_v = (torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device) for t in (q, k, v))
+    if seq_len_q is not None:
+        for g in (d_q, d_k, d_v):
+            g.zero_()  # padded rows get zero gradients (as _dense.backward_impl)
+    stream = raw_stream(c.device)
+    ws = workspace(q, c.backward_workspace, c.device, stream)
+    c.plan.backward(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), d_o.data_ptr(), stats.data_ptr(),
+                    d_q.data_ptr(), d_k.data_ptr(), d_v.data_ptr(), ws.data_ptr() if ws is not None else 0, stream,
+                    **_pointers(q, k, v, o.stride(0), seq_len_q, seq_len_kv, rng, True, stream))
+    return d_q, d_k, d_v
+
+
+def _grads(d_o, o, stats, tensors, options: ClassOptions):
+    return (*backward_impl(d_o, o, stats, *tensors, options), None, None, None)
+
+
+def _no_op(*args):  # class plans run only in plain eager calls: there is no op to trace
+    raise RuntimeError("fastattn: class plans have no custom op")
+
+
+RULE = _autograd.Rule(forward_impl, _grads, _no_op, ClassOptions)
+
+
+def serve(q, k, v, seq_len_q, seq_len_kv, rng, options, choice, grads: bool, return_lse: bool):
+    """attention()'s result from a class plan, or None when this call is not one a class
+    serves (attention() then runs it as before). options: the call's DenseOptions."""
+    if options.layout != "bshd" or q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        return None
+    classes = resolve(choice, q.get_device(), options.training)
+    if not classes:
+        return None
+    upper_q, upper_kv = classes.upper(q.shape[1]), classes.upper(k.shape[1])
+    if upper_q is None or upper_kv is None or not (_packed(q) and _packed(k) and _packed(v)):
+        return None
+    if q.shape[0] * q.shape[1] * q.shape[2] * v.shape[3] >= _INT32:  # o's offsets, int32 too
+        return None
+    if options.training and not all(_within(t, u) for t, u in ((q, upper_q), (k, upper_kv), (v, upper_kv))):
+        return None
+    # The plan's key leaves out the lengths and batch strides, so the checks run on every call.
+    _check(q, k, v, seq_len_q, seq_len_kv)
+    copts = ClassOptions(options, upper_q, upper_kv)
+    if _refused and _key(q, k, v, copts) in _refused:
+        return None
+    try:
+        plan_for(q, k, v, copts)
+    except NotSupportedError:
+        # cuDNN refuses the ragged graph for what it builds densely (a feature it does not
+        # combine with packed sequences): the call takes its exact plan, as with classes off,
+        # and so do later calls of this key, for a set lookup.
+        _refused.add(_key(q, k, v, copts))
+        return None
+    tensors = (q, k, v, seq_len_q, seq_len_kv, rng)
+    if return_lse:
+        if grads:
+            o, stats = _autograd.EagerWithStats.apply(RULE, copts, *tensors)
+        else:
+            o, stats = forward_impl(*tensors, copts)
+        return o, stats.permute(0, 2, 1).contiguous()  # (b, s_q, hq) -> attention()'s (b, hq, s_q)
+    if not options.training:
+        return forward_impl(*tensors, copts)[0]
+    return _autograd.Eager.apply(RULE, copts, *tensors)

@@ -1,0 +1,230 @@
+"""attention() with shape classes, without a GPU: meta tensors posing as CUDA ones and a
+recording plan. Which plan a call asks for (a second length in a class asks for none),
+what it passes at run time (offsets from the call's batch strides, its lengths), what
+a class does not serve. Numerics: test_shape_classes_gpu.py."""
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="PyTorch is an optional extra (pip install torch)")
+
+import fastattn  # noqa: E402
+from fastattn import shape_classes as sc  # noqa: E402
+from fastattn.torch import _classes, _dense, _native, _plans  # noqa: E402
+
+
+class RecordingPlan:
+    forward_workspace_size = backward_workspace_size = 0
+
+    def __init__(self, cfg):
+        self.cfg, self.calls = cfg, []
+
+    def forward(self, *args, **kw):
+        self.calls.append(("forward", args, kw))
+
+    def backward(self, *args, **kw):
+        self.calls.append(("backward", args, kw))
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    asked = []
+
+    def plan(cfg, device=None):
+        asked.append(cfg)
+        return RecordingPlan(cfg)
+
+    monkeypatch.setattr(fastattn, "plan", plan)
+    monkeypatch.setattr(_plans, "plans", {})
+    monkeypatch.setattr(_classes, "plans", _plans.plans)
+    monkeypatch.setattr(_classes, "_arrays", {})
+    monkeypatch.setattr(_classes, "raw_stream", lambda device: 7)
+    for mod in (_plans, _classes):
+        monkeypatch.setattr(mod, "capturing", lambda: False)
+    monkeypatch.setattr(fastattn.runtime, "warm_torch_backward", lambda: None)
+    _native.python_path(monkeypatch)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))  # the eager branch, on meta tensors
+    monkeypatch.setattr(_dense, "plain_eager", lambda q: True)
+    monkeypatch.setattr(_dense, "_check", lambda *a: None)
+    monkeypatch.setattr(_classes, "_check", lambda *a: None)
+    monkeypatch.setattr(_classes, "SETTING", sc.OFF)
+    return asked
+
+
+def meta(*shape, grad=False, dtype=torch.bfloat16):
+    return torch.empty(*shape, device="meta", dtype=dtype, requires_grad=grad)
+
+
+def test_a_second_length_in_a_class_asks_for_no_plan(fake):
+    classes = (256, 1024)
+    for s in (100, 200, 256, 2):
+        q, k, v = meta(2, s, 8, 64), meta(2, s, 2, 64), meta(2, s, 2, 64)
+        o = _dense.attention(q, k, v, causal=True, shape_classes=classes)
+        assert o.shape == (2, s, 8, 64)
+    assert len(fake) == 1
+    cfg = fake[0]
+    assert (cfg.ragged, cfg.padding, cfg.seqlen_q, cfg.seqlen_kv, cfg.batch, cfg.mask) == \
+        (True, True, 256, 256, 2, "causal")
+    q, k, v = meta(2, 300, 8, 64), meta(2, 300, 2, 64), meta(2, 300, 2, 64)
+    _dense.attention(q, k, v, causal=True, shape_classes=classes)
+    assert len(fake) == 2 and fake[1].seqlen_q == 1024
+
+
+def test_decode_with_a_growing_kv_length_asks_for_one_plan(fake):
+    cache_k, cache_v = meta(4, 2048, 2, 128), meta(4, 2048, 2, 128)
+    for n in range(1025, 1060):
+        q = meta(4, 1, 8, 128)
+        _dense.attention(q, cache_k[:, :n], cache_v[:, :n], causal_bottom_right=True, shape_classes=(1024, 2048))
+    assert len(fake) == 1 and (fake[0].seqlen_q, fake[0].seqlen_kv) == (1, 2048)
+    plan = _plans.plans[next(iter(_plans.plans))].plan
+    _, _, kw = plan.calls[-1]
+    # The offsets are the call's batch strides: the cache's for k and v, q's and o's own.
+    assert set(kw) >= {"ragged_q", "ragged_k", "ragged_v", "ragged_o", "seq_len_q", "seq_len_kv"}
+    assert "ragged_stats" not in kw
+    keys = {key for key in _classes._arrays}
+    assert ("off", -1, 7, 4, 2048 * 2 * 128) in keys and ("off", -1, 7, 4, 8 * 128) in keys
+    assert ("len", -1, 7, 4, 1) in keys and ("len", -1, 7, 4, 1059) in keys
+
+
+def test_the_call_lengths_are_passed_when_given(fake):
+    q, k, v = meta(3, 50, 4, 64), meta(3, 60, 4, 64), meta(3, 60, 4, 64)
+    lq, lkv = meta(3, dtype=torch.int32), meta(3, dtype=torch.int32)
+    _dense.attention(q, k, v, seq_lens_q=lq, seq_lens_kv=lkv, shape_classes="64")
+    plan = _plans.plans[next(iter(_plans.plans))].plan
+    _, _, kw = plan.calls[-1]
+    assert kw["seq_len_q"] == lq.data_ptr() and kw["seq_len_kv"] == lkv.data_ptr()
+
+
+def test_training_saves_packed_stats_and_backward_runs_the_class_plan(fake):
+    q, k, v = (meta(2, 40, 4, 64, grad=True) for _ in range(3))
+    o = _dense.attention(q, k, v, shape_classes=(64,))
+    assert o.grad_fn is not None
+    o.backward(torch.ones_like(o))
+    assert q.grad.shape == q.shape and k.grad.shape == k.shape
+    plan = _plans.plans[next(iter(_plans.plans))].plan
+    assert [c[0] for c in plan.calls] == ["forward", "backward"]
+    assert "ragged_stats" in plan.calls[0][2] and "ragged_stats" in plan.calls[1][2]
+    assert fake[0].training
+
+
+def test_return_lse_has_attentions_shape(fake):
+    q, k, v = (meta(2, 40, 4, 64) for _ in range(3))
+    o, lse = _dense.attention(q, k, v, return_lse=True, shape_classes=(64,))
+    assert o.shape == (2, 40, 4, 64) and lse.shape == (2, 4, 40)
+
+
+@pytest.mark.parametrize("case", ["bhsd", "bias", "sinks", "strided_heads", "too_long", "off"])
+def test_what_a_class_does_not_serve_takes_an_exact_plan(fake, case, monkeypatch):
+    served = []
+    monkeypatch.setattr(_dense, "forward_impl", lambda *a: served.append(a) or (a[0], None))
+    q, k, v = (meta(2, 40, 4, 64) for _ in range(3))
+    kw = {"shape_classes": (64,)}
+    if case == "bhsd":
+        kw["layout"] = "bhsd"
+    elif case == "bias":
+        kw["bias"] = meta(1, 4, 40, 40)
+    elif case == "sinks":
+        kw["sinks"] = meta(4, dtype=torch.float32)
+    elif case == "strided_heads":
+        q = meta(2, 4, 40, 64).transpose(1, 2)  # bshd shape, heads not packed in each token
+    elif case == "too_long":
+        q, k, v = (meta(2, 65, 4, 64) for _ in range(3))
+    else:
+        kw["shape_classes"] = "off"
+    _dense.attention(q, k, v, **kw)
+    assert fake == [] and len(served) == 1
+
+
+def test_the_setting_applies_when_no_keyword_is_given(fake, monkeypatch):
+    monkeypatch.setattr(_classes, "SETTING", sc.parse("128"))
+    q, k, v = (meta(1, 100, 4, 64) for _ in range(3))
+    _dense.attention(q, k, v)
+    _dense.attention(q[:, :90], k[:, :90], v[:, :90])
+    assert len(fake) == 1 and fake[0].seqlen_q == 128
+
+
+def test_auto_without_a_measurement_is_off(fake, monkeypatch, tmp_path):
+    monkeypatch.setattr(sc, "PATH", str(tmp_path / "absent.json"))
+    monkeypatch.setattr(_classes, "_auto", {})
+    monkeypatch.setattr(fastattn.runtime, "libraries", dict)
+    monkeypatch.setattr(fastattn.runtime, "versions", lambda: {"cudnn_loaded": 91900})
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(_classes, "SETTING", "auto")
+    served = []
+    monkeypatch.setattr(_dense, "forward_impl", lambda *a: served.append(a) or (a[0], None))
+    q, k, v = (meta(1, 100, 4, 64) for _ in range(3))
+    _dense.attention(q, k, v)
+    assert fake == [] and len(served) == 1
+    assert _classes.SETTING == sc.OFF  # and the process's later calls take the native path again
+
+
+def test_a_bad_keyword_is_named(fake):
+    q, k, v = (meta(1, 100, 4, 64) for _ in range(3))
+    with pytest.raises(fastattn.InvalidArgumentError, match=r"^shape_classes=\(64, 32\): .*ascending"):
+        _dense.attention(q, k, v, shape_classes=(64, 32))
+
+
+def test_the_benchmark_writes_the_file_the_policy_reads(tmp_path):
+    import importlib.util
+    import json
+    import pathlib
+    import sys
+
+    bench_dir = pathlib.Path(__file__).resolve().parents[2] / "benchmarks"
+    sys.path.insert(0, str(bench_dir))
+    try:
+        spec = importlib.util.spec_from_file_location("bench_shape_classes", bench_dir / "bench_shape_classes.py")
+        bench = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(bench)
+    finally:
+        sys.path.remove(str(bench_dir))
+    path = str(tmp_path / "shape_classes.json")
+    m = {"n": 65, "forward_class_us": 10.2, "forward_exact_us": 10.0}
+    res = {"gpu": "NVIDIA H200", "versions": {"cudnn_loaded": 91900, "fastattn": "0"}, "date": "2026-12-01",
+           "shape": {"training": False}, "classes": [{"lo": 64, "hi": 128, "lengths": [m]}]}
+    bench.write(path, bench.row(res))
+    bench.write(path, bench.row({**res, "gpu": "NVIDIA B200"}))
+    bench.write(path, bench.row(res))  # the same GPU and cuDNN again: replaced, not added
+    data = json.loads(open(path).read())
+    assert sorted(r["gpu"] for r in data["rows"]) == ["NVIDIA B200", "NVIDIA H200"]
+    assert sc.measured("NVIDIA H200", 91900, path).ranges == ((64, 128),)
+
+
+def test_a_class_plan_cudnn_refuses_leaves_the_call_its_exact_plan(fake, monkeypatch):
+    served, asked = [], []
+
+    def refuse(cfg, device=None):
+        asked.append(cfg)
+        raise fastattn.NotSupportedError("ragged: not with this")
+
+    monkeypatch.setattr(fastattn, "plan", refuse)
+    monkeypatch.setattr(_classes, "_refused", set())
+    monkeypatch.setattr(_dense, "forward_impl", lambda *a: served.append(a) or (a[0], None))
+    for s in (100, 120):
+        q, k, v = (meta(1, s, 4, 64) for _ in range(3))
+        _dense.attention(q, k, v, shape_classes=(128,))
+    assert len(served) == 2 and len(asked) == 1  # the refusal is asked once
+
+
+def test_offsets_past_int32_are_not_made(fake):
+    q, k, v = (meta(3, 40, 4, 64) for _ in range(3))
+    _dense.attention(q, k, v, shape_classes=(64,))
+    t = _classes._array(q, "off", 3, 2**31 // 3 - 1, 7)
+    assert t.shape == (4,) and t.dtype == torch.int32
+
+
+def test_varlen_max_lengths_take_their_class_bound(fake, monkeypatch):
+    from fastattn.torch import _varlen
+
+    seen = []
+    monkeypatch.setattr(_varlen, "forward_impl", lambda *a: seen.append(a[-1]) or (a[0], None))
+    monkeypatch.setattr(_varlen, "plain_eager", lambda q: True)
+    monkeypatch.setattr(_varlen, "_check_varlen", lambda *a: None)
+    q, k, v = (meta(300, 4, 64) for _ in range(3))
+    cu = meta(3, dtype=torch.int32)
+    for max_q, max_kv in ((150, 150), (200, 260), (1, 140)):
+        _varlen.attention_varlen(q, k, v, cu, cu, max_q, max_kv, shape_classes=(128, 1024))
+    _varlen.attention_varlen(q, k, v, cu, cu, 150, 2000, shape_classes=(128, 1024))  # past the classes
+    _varlen.attention_varlen(q, k, v, cu, cu, 150, 150)  # classes off: powers of two
+    assert [(o.max_q, o.max_kv) for o in seen] == [(1024, 1024), (1024, 1024), (1, 1024), (1024, 2048),
+                                                   (256, 256)]
