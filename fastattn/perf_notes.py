@@ -29,23 +29,25 @@ def shape_key(config: AttentionConfig) -> tuple:
     return tuple(json.dumps(d.get(f), sort_keys=True) for f in SHAPE_FIELDS)
 
 
-def _load(path: str) -> dict[str, Any] | None:
+def read_measured(path: str, fmt: int) -> dict[str, Any] | None:
+    """A measurements file of fastattn/_measured/ (a dict with "format" == fmt and a list
+    of "rows"), read once per version of the file; missing or malformed is None (no
+    measurement), never an error at a call. Shared with shape_classes."""
     try:
         st = os.stat(path)
     except OSError:
         return None
-    return _read(path, st.st_mtime_ns, st.st_size)
+    return _read(path, st.st_mtime_ns, st.st_size, fmt)
 
 
-@lru_cache(maxsize=4)
-def _read(path: str, mtime_ns: int, size: int) -> dict[str, Any] | None:
-    """The file's contents, read once per version of the file."""
+@lru_cache(maxsize=8)
+def _read(path: str, mtime_ns: int, size: int, fmt: int) -> dict[str, Any] | None:
     try:
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
     except (OSError, ValueError):
         return None
-    if not isinstance(data, dict) or data.get("format") != FORMAT or not isinstance(data.get("rows"), list):
+    if not isinstance(data, dict) or data.get("format") != fmt or not isinstance(data.get("rows"), list):
         return None
     return data
 
@@ -56,7 +58,7 @@ def notes(config: AttentionConfig, path: str | None = None) -> list[str]:
     backward for a training config)."""
     if not config.fp8:
         return []
-    data = _load(path or PATH)
+    data = read_measured(path or PATH, FORMAT)
     if data is None:
         return []
     key, out = shape_key(config), []

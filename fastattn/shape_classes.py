@@ -23,10 +23,8 @@ Pure Python, no torch: the CLI (fastattn warm --seqlens) and env.py read it too.
 
 from __future__ import annotations
 
-import json
 import os
 import re
-from functools import lru_cache
 from typing import Any, NamedTuple
 
 from .errors import InvalidArgumentError
@@ -129,28 +127,6 @@ def class_config(*, batch: int, heads_q: int, heads_kv: int, head_dim_qk: int, h
 
 # -- "auto": the measured file ---------------------------------------------------------------
 
-def _load(path: str) -> dict[str, Any] | None:
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return _read(path, st.st_mtime_ns, st.st_size)
-
-
-@lru_cache(maxsize=4)
-def _read(path: str, mtime_ns: int, size: int) -> dict[str, Any] | None:
-    """The file's contents, read once per version of the file; anything malformed is
-    None (no measurement: exact plans), never an error at a call."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except (OSError, ValueError):
-        return None
-    if not isinstance(data, dict) or data.get("format") != FORMAT or not isinstance(data.get("rows"), list):
-        return None
-    return data
-
-
 def _ratio(m: Any, direction: str) -> float | None:
     c, e = m.get(f"{direction}_class_us"), m.get(f"{direction}_exact_us")
     if not all(isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0 for x in (c, e)):
@@ -165,7 +141,9 @@ def measured(gpu: str, cudnn: int, path: str | None = None, training: bool = Fal
     row for this GPU and cuDNN). A class is kept only when every measured length in it
     ran within TOLERANCE of its exact plan (forward; and backward, for training calls)
     and it was measured at all; a damaged measurement drops its class."""
-    data = _load(path or PATH)
+    from .perf_notes import read_measured  # (here: env.py imports this module, perf_notes imports config)
+
+    data = read_measured(path or PATH, FORMAT)
     if data is None:
         return None
     for row in data["rows"]:
