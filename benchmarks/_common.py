@@ -39,6 +39,26 @@ def time_us(fn, iters: int = 2000, samples: int = 15) -> float:
     return round(statistics.median(out), 3)
 
 
+def gpu_ms(fn, reps: int = 20, samples: int = 5, warmup: int = 1) -> float:
+    """GPU milliseconds per call of `fn`: the median over `samples` of the mean over
+    `reps` back-to-back calls, timed with CUDA events, after `warmup` calls."""
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    out = []
+    for _ in range(samples):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            fn()
+        end.record()
+        end.synchronize()
+        out.append(start.elapsed_time(end) / reps)
+    return statistics.median(out)
+
+
 def interleaved(res: dict, steps: dict, rounds: int = 3) -> None:
     """Times each of `steps` (name -> function) in `rounds` interleaved rounds (300
     calls, 5 samples each), so that drift hits every peer alike: res[name + "_rounds"]

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 
 import torch
@@ -33,25 +32,10 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import fastattn
 import fastattn.torch as fat
+from _common import gpu_ms
 
 HQ, HKV, D, PAGE = 32, 8, 128, 64
 DT = torch.bfloat16
-
-
-def _time_ms(fn, reps: int = 20, samples: int = 5) -> float:
-    """Median over `samples` of the mean GPU ms per call over `reps` back-to-back calls."""
-    fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(samples):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
-            fn()
-        end.record()
-        end.synchronize()
-        out.append(start.elapsed_time(end) / reps)
-    return statistics.median(out)
 
 
 def _rel(a, b) -> float:
@@ -137,7 +121,7 @@ def decode(batch: int = 64, seed: int = 0) -> dict:
            "rel_error_torch_paged_vs_torch": _rel(torch_paged[0], ref)}
     for name, fn in (("fastattn_paged", run_paged), ("fastattn_torch_paged", run_torch_paged),
                      ("fastattn_dense", run_dense), ("torch_sdpa_masked", run_torch)):
-        ms = _time_ms(fn)
+        ms = gpu_ms(fn)
         res[name] = {"us": round(ms * 1e3, 2), "kv_GBps": round(kv_bytes / (ms * 1e-3) / 1e9, 1)}
     res["ratio_torch_to_paged"] = res["torch_sdpa_masked"]["us"] / res["fastattn_paged"]["us"]
     return res
@@ -217,7 +201,7 @@ def support() -> list[dict]:
 
 
 def _timed(fn, flops: float) -> dict:
-    ms = _time_ms(fn)
+    ms = gpu_ms(fn)
     return {"ms": round(ms, 4), "tflops": round(flops / (ms * 1e-3) / 1e12, 1)}
 
 

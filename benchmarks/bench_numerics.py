@@ -30,7 +30,7 @@ import torch
 import fastattn
 from fastattn import _core, defects
 
-from _common import report
+from _common import gpu_ms, report
 
 # name: AttentionConfig fields. Affected by sm90-bwd-kv-tail (s_kv = 64 mod 128, non-causal
 # or with a bias) or sm90-bwd-single-query (s_q = 1, s_kv a multiple of 128).
@@ -81,23 +81,6 @@ class Case:
         }
 
 
-def time_ms(fn, reps: int, samples: int) -> float:
-    """Median over `samples` of the mean GPU ms per call over `reps` back-to-back calls."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(samples):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
-            fn()
-        end.record()
-        end.synchronize()
-        out.append(start.elapsed_time(end) / reps)
-    return statistics.median(out)
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", help="write the results here")
@@ -123,7 +106,7 @@ def main(argv=None) -> int:
         rounds: dict[str, list[float]] = {"plain": [], "remedied": []}
         for _ in range(args.rounds):
             for step, fn in case.steps.items():
-                rounds[step].append(time_ms(fn, args.reps, args.samples))
+                rounds[step].append(gpu_ms(fn, args.reps, args.samples, warmup=3))
         plain, remedied = (statistics.median(rounds[s]) * 1e3 for s in ("plain", "remedied"))
         pct = (remedied - plain) / plain * 100
         overheads.append(pct)
