@@ -10,7 +10,9 @@ length from another. A bshd tensor whose tokens are packed (token stride heads *
 stride dim) is such a tensor for any batch stride: offsets i * stride(0). So one plan
 declared for (batch, class_q, class_kv) serves every call of that batch size with
 s_q <= class_q and s_kv <= class_kv, including a KV-cache slice (its batch stride is the
-cache's).
+cache's) whose offsets stay within the plan's batch * class tokens; a slice of a longer
+cache (batch > 1) takes the smallest class that covers its offsets, else its exact plan
+(_upper).
 
 What is served: layout "bshd" with packed tokens, no bias, no sinks, plain eager calls
 (torch.compile, tracing and torch.func take exact plans: their ops are exact-shape).
@@ -126,13 +128,29 @@ def _packed(t: torch.Tensor) -> bool:
 
 
 def _within(t: torch.Tensor, upper: int) -> bool:
-    """The tokens t's offsets span fit the plan's max_tokens (batch * upper): cuDNN sizes
-    the backward's ragged workspace tensors (dQ's accumulator, GQA's full-head dK, dV) by
-    it (cudnn-frontend's ragged_workspace_size), and indexes them by the same offsets. A
-    KV-cache slice longer than its class fails this and trains on an exact plan."""
+    """The tokens t's offsets span fit the plan's max_tokens (batch * upper): the plan's
+    ragged tensors are declared for that many tokens, and cuDNN sizes the backward's ragged
+    workspace tensors (dQ's accumulator, GQA's full-head dK, dV) by it
+    (cudnn-frontend's ragged_workspace_size) and indexes them by the same offsets."""
     b, s, h, d = t.shape
     hd = h * d
     return t.stride(0) % hd == 0 and (b - 1) * (t.stride(0) // hd) + s <= b * upper
+
+
+def _upper(classes: sc.Classes, t: torch.Tensor) -> int | None:
+    """The declared length of the plan serving t (bshd, packed tokens), or None (its
+    exact plan). Its class's, unless t's offsets run past that class's tokens (a KV-cache
+    slice keeps the cache's batch stride: with batch > 1 its last sequence starts
+    (b - 1) * cache_len tokens in): then the smallest class whose tokens cover them, so
+    that a decode step from a long cache still runs a class plan. A one-row query keeps
+    its own class (1) or takes its exact plan."""
+    n = t.shape[1]
+    upper = classes.upper(n)
+    if upper is None or _within(t, upper):
+        return upper
+    if n == 1:
+        return None
+    return next((hi for _, hi in classes.ranges if hi > upper and _within(t, hi)), None)
 
 
 # -- the plan and the work ------------------------------------------------------------------
@@ -230,12 +248,12 @@ def serve(q, k, v, seq_len_q, seq_len_kv, rng, options, choice, grads: bool, ret
     classes = resolve(choice, q.get_device(), options.training)
     if not classes:
         return None
-    upper_q, upper_kv = classes.upper(q.shape[1]), classes.upper(k.shape[1])
-    if upper_q is None or upper_kv is None or not (_packed(q) and _packed(k) and _packed(v)):
+    if not (_packed(q) and _packed(k) and _packed(v)):
+        return None
+    upper_q, upper_kv = _upper(classes, q), _upper(classes, k)
+    if upper_q is None or upper_kv is None or not _within(v, upper_kv):
         return None
     if q.shape[0] * q.shape[1] * q.shape[2] * v.shape[3] >= _INT32:  # o's offsets, int32 too
-        return None
-    if options.training and not all(_within(t, u) for t, u in ((q, upper_q), (k, upper_kv), (v, upper_kv))):
         return None
     # The plan's key leaves out the lengths and batch strides, so the checks run on every call.
     _check(q, k, v, seq_len_q, seq_len_kv)

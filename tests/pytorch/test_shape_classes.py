@@ -228,3 +228,41 @@ def test_varlen_max_lengths_take_their_class_bound(fake, monkeypatch):
     _varlen.attention_varlen(q, k, v, cu, cu, 150, 150)  # classes off: powers of two
     assert [(o.max_q, o.max_kv) for o in seen] == [(1024, 1024), (1024, 1024), (1, 1024), (1024, 2048),
                                                    (256, 256)]
+
+
+def _spans_fit(cfg, call_tensors) -> bool:
+    """Every tensor's offsets (i * stride(0), batch b) and its s tokens end within the
+    plan's declared tokens (max_tokens: batch * class length), in elements."""
+    q, k, v = call_tensors
+    for t, tokens in ((q, cfg.max_tokens_q), (k, cfg.max_tokens_kv), (v, cfg.max_tokens_kv)):
+        b, s, h, d = t.shape
+        if (b - 1) * t.stride(0) + s * h * d > tokens * h * d:
+            return False
+    return True
+
+
+@pytest.mark.parametrize("training", [False, True])
+@pytest.mark.parametrize("b,cache_len,n", [(3, 4096, 130), (3, 512, 130), (1, 8192, 130), (4, 2048, 1030)])
+def test_a_cache_slice_longer_than_its_class_gets_a_plan_whose_tokens_cover_its_offsets(fake, monkeypatch, training,
+                                                                                         b, cache_len, n):
+    """A KV-cache slice keeps the cache's batch stride: its last sequence starts at
+    (b - 1) * cache_len tokens. A plan declared for the slice's class (b * hi tokens) can
+    be shorter than that; the call must then take a class whose tokens cover it, or its
+    exact plan, never a plan its offsets run past (inference as well as training)."""
+    monkeypatch.setattr(_dense, "raw_stream", lambda device: 7)  # an exact plan runs (recorded) too
+    classes = (128, 512)
+    cache_k, cache_v = meta(b, cache_len, 2, 64, grad=training), meta(b, cache_len, 2, 64, grad=training)
+    q = meta(b, 1 if not training else n, 8, 64, grad=training)
+    k, v = cache_k[:, :n], cache_v[:, :n]
+    _dense.attention(q, k, v, causal_bottom_right=True, shape_classes=classes)
+    assert len(fake) == 1
+    assert not fake[0].ragged or _spans_fit(fake[0], (q, k, v)), (fake[0].max_tokens_q, fake[0].max_tokens_kv)
+
+
+def test_a_cache_slice_takes_the_smallest_class_that_covers_its_offsets(fake):
+    cache_k, cache_v = meta(3, 4096, 2, 64), meta(3, 4096, 2, 64)
+    for n in (130, 131, 200):  # decode steps: one plan, declared for the class covering the cache
+        q = meta(3, 1, 8, 64)
+        _dense.attention(q, cache_k[:, :n], cache_v[:, :n], causal_bottom_right=True,
+                         shape_classes=(128, 512, 4096, 8192))
+    assert len(fake) == 1 and (fake[0].seqlen_q, fake[0].seqlen_kv) == (1, 4096)

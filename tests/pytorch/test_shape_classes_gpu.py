@@ -94,8 +94,12 @@ def test_return_lse_matches_the_exact_plan():
     torch.testing.assert_close(o, o_exact, atol=2e-2, rtol=2e-2)
 
 
-@pytest.mark.parametrize("cache_len", [512, 4096])  # a cache as long as the class, and longer (its batch stride)
-def test_decode_with_a_growing_kv_length_builds_nothing_after_its_first_step(cache_len):
+# A cache as long as the class; longer (its batch stride: the last sequence's offset is past
+# the (128, 512] plan's tokens, so the step takes the 4096 class, which covers them); longer
+# with no class covering it (exact plans: correct, one per step).
+@pytest.mark.parametrize("cache_len,classes,builds_nothing", [(512, CLASSES, True), (4096, (*CLASSES, 4096), True),
+                                                              (4096, CLASSES, False)])
+def test_decode_with_a_growing_kv_length_builds_nothing_after_its_first_step(cache_len, classes, builds_nothing):
     b, hq, hkv, d = 3, 8, 2, 128
     cache_k, cache_v = rand(b, cache_len, hkv, d), rand(b, cache_len, hkv, d)
     before = None
@@ -103,13 +107,13 @@ def test_decode_with_a_growing_kv_length_builds_nothing_after_its_first_step(cac
         for n in range(130, 170):  # each step one key more, all in the (128, 512] class
             q = rand(b, 1, hq, d)
             o = _dense.attention(q, cache_k[:, :n], cache_v[:, :n], causal=True, alignment="bottom_right",
-                                 shape_classes=CLASSES)
+                                 shape_classes=classes)
             if n % 13 == 0 or n == 130:
                 ref = reference(q, cache_k[:, :n], cache_v[:, :n], True, True)
                 torch.testing.assert_close(o.double(), ref, atol=2e-2, rtol=2e-2)
             if before is None:
                 before = _counts()
-            else:
+            elif builds_nothing:
                 assert _counts() == before, f"step {n} built or loaded a plan"
 
 
