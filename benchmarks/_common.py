@@ -39,9 +39,12 @@ def time_us(fn, iters: int = 2000, samples: int = 15) -> float:
     return round(statistics.median(out), 3)
 
 
-def gpu_ms(fn, reps: int = 20, samples: int = 5, warmup: int = 1) -> float:
+def gpu_ms(fn, reps: int = 20, samples: int = 5, warmup: int = 1, lead_cycles: int = 0) -> float:
     """GPU milliseconds per call of `fn`: the median over `samples` of the mean over
-    `reps` back-to-back calls, timed with CUDA events, after `warmup` calls."""
+    `reps` back-to-back calls, timed with CUDA events, after `warmup` calls.
+    lead_cycles: the GPU first spins that many clock cycles (torch.cuda._sleep) while the
+    host queues the calls, so that the events time the kernels back to back and not the
+    launch gaps of calls whose kernels are shorter than their host time (decode steps)."""
     import torch
 
     for _ in range(warmup):
@@ -50,6 +53,8 @@ def gpu_ms(fn, reps: int = 20, samples: int = 5, warmup: int = 1) -> float:
     out = []
     for _ in range(samples):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if lead_cycles:
+            torch.cuda._sleep(lead_cycles)
         start.record()
         for _ in range(reps):
             fn()
@@ -57,6 +62,31 @@ def gpu_ms(fn, reps: int = 20, samples: int = 5, warmup: int = 1) -> float:
         end.synchronize()
         out.append(start.elapsed_time(end) / reps)
     return statistics.median(out)
+
+
+def run_child(script: str, argv: list[str], extra_env: dict | None = None, timeout: float = 600) -> dict:
+    """`python script *argv` in a fresh process (the benchmarks' children): the JSON
+    object its last stdout line prints, with process_seconds (the whole process, start
+    to exit); {"error": the end of its stderr} when it fails."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(extra_env or {})}
+    t0 = time.perf_counter()
+    try:
+        out = subprocess.run([sys.executable, script, *argv], capture_output=True, text=True, env=env,
+                             timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout} s"}
+    if out.returncode != 0:
+        return {"error": f"exit {out.returncode}: " + out.stderr[-2000:]}
+    try:
+        res = json.loads(out.stdout.strip().splitlines()[-1])
+    except (IndexError, ValueError):
+        return {"error": "no JSON on the last line: " + out.stdout[-1000:] + out.stderr[-1000:]}
+    res["process_seconds"] = time.perf_counter() - t0
+    return res
 
 
 def interleaved(res: dict, steps: dict, rounds: int = 3) -> None:

@@ -266,3 +266,58 @@ def test_a_cache_slice_takes_the_smallest_class_that_covers_its_offsets(fake):
         _dense.attention(q, cache_k[:, :n], cache_v[:, :n], causal_bottom_right=True,
                          shape_classes=(128, 512, 4096, 8192))
     assert len(fake) == 1 and (fake[0].seqlen_q, fake[0].seqlen_kv) == (1, 4096)
+
+
+def _bench(name):
+    import importlib.util
+    import pathlib
+    import sys
+
+    bench_dir = pathlib.Path(__file__).resolve().parents[2] / "benchmarks"
+    sys.path.insert(0, str(bench_dir))
+    try:
+        spec = importlib.util.spec_from_file_location(name, bench_dir / f"{name}.py")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+    finally:
+        sys.path.remove(str(bench_dir))
+    return mod
+
+
+def test_the_server_benchmarks_stream_asks_only_for_plans_warm_builds(fake):
+    """benchmarks/bench_server.py's claim, on CPU: every plan its request stream asks for
+    (prefills of distinct lengths, decode steps up to 8192 KV tokens) is one that
+    `fastattn warm --seqlens 1..8192` with the same classes builds."""
+    import argparse
+
+    from fastattn.cli.warm import class_configs
+
+    bench = _bench("bench_server")
+    bounds = bench.DEFAULT_CLASSES
+    reqs = bench.requests(200, 3, 30)
+    assert len({s for s, _ in reqs}) == 200 and all(1 <= s <= 4096 for s, _ in reqs)
+    assert max(n for _, kv in reqs for n in kv) <= 8192 and all(kv == sorted(kv) for _, kv in reqs)
+    q, q1 = meta(1, 4096, 32, 128), meta(1, 1, 32, 128)
+    k, v = meta(1, 8192, 8, 128), meta(1, 8192, 8, 128)
+    classes = sc.parse(bounds)
+    for s, kv in reqs[:60]:
+        _dense.attention(q[:, :s], k[:, :s], v[:, :s], causal_bottom_right=True, shape_classes=classes)
+        for n in kv:
+            _dense.attention(q1, k[:, :n], v[:, :n], causal_bottom_right=True, shape_classes=classes)
+    args = argparse.Namespace(file=None, heads=32, heads_kv=8, head_dim=128, head_dim_v=None, dtype="bf16",
+                              mask="causal_bottom_right", batch=1, training=False, shape_classes=classes,
+                              seqlens=(1, 8192))
+    warmed, uncovered = class_configs(args)
+    assert uncovered == [] and len(warmed) <= 16
+    assert fake and all(cfg in warmed for cfg in fake), [c for c in fake if c not in warmed][:2]
+
+
+def test_the_server_benchmarks_kernel_table():
+    bench = _bench("bench_server")
+    rows = [{"prompt": 100, "decode_kv": 300, "steps": 3, "prefill_class": 128, "decode_class": 512,
+             "prefill_class_ms": 1.02, "prefill_exact_ms": 1.0, "decode_class_ms": 0.2, "decode_exact_ms": 0.1,
+             "prefill_ratio": 1.02, "decode_ratio": 2.0}]
+    lines, out = bench._kernel_table(rows)
+    assert out["prefill_128"]["within_5pct"] == 1.0 and out["decode_512"]["worst_ratio"] == 2.0
+    assert out["kernel_ms_per_request_class"] == pytest.approx(1.02 + 3 * 0.2)
+    assert len(lines) == 3
