@@ -99,13 +99,18 @@ def child_stream(variant: str, args) -> dict:
     if variant != "fastattn_classes":
         prefill, decode = _sdpa_call(torch, variant)
         q, q1, k, v = _inputs(torch)
-        try:  # the backend's GQA on a small call (its first-shape cost outside the clock is small)
+        try:  # the backend's GQA, on a small call before the clock
             prefill(q[:, :8], k[:, :8], v[:, :8], True)
             torch.cuda.synchronize()
         except RuntimeError:
             gqa, expanded = False, True
             del k, v
             q, q1, k, v = _inputs(torch, gqa_expanded=True)
+        try:  # and its decode (one query): said here, not as a traceback in the middle of the stream
+            decode(q1, k[:, :8], v[:, :8], gqa)
+            torch.cuda.synchronize()
+        except RuntimeError as e:
+            return {"variant": variant, "error": f"{variant} refuses a decode step (q = 1): {e}"[:1500]}
     else:
         q, q1, k, v = _inputs(torch)
     torch.cuda.synchronize()
@@ -241,17 +246,25 @@ def warm(cache_dir: str, classes: str) -> dict:
 def _default_classes() -> str:
     """auto where the measured file has a row for this GPU and the loaded cuDNN, else the
     explicit powers of two."""
+    from fastattn import shape_classes as sc
+
+    if not os.path.exists(sc.PATH):
+        return DEFAULT_CLASSES
     try:
         import torch
 
         import fastattn
-        from fastattn import shape_classes as sc
 
         fastattn.runtime.libraries()
         found = sc.measured(torch.cuda.get_device_name(), int(fastattn.versions()["cudnn_loaded"] or 0))
         return "auto" if found else DEFAULT_CLASSES
     except Exception:  # no GPU or no file: the explicit bounds (the warm reports any problem)
         return DEFAULT_CLASSES
+
+
+def _last_line(text: str | None) -> str:
+    lines = (text or "").strip().splitlines()
+    return lines[-1][-300:] if lines else ""
 
 
 def _child_argv(args) -> list[str]:
@@ -318,7 +331,7 @@ def main(argv=None) -> int:
             res[f"{name}_request_p50_ms"] = statistics.median(r["request_ms_p50"] for r in ok)
             res[f"{name}_request_p99_ms"] = statistics.median(r["request_ms_p99"] for r in ok)
         else:
-            res[f"{name}_error"] = (rounds[name][0].get("error") or "")[-300:] if rounds[name] else "not run"
+            res[f"{name}_error"] = _last_line(rounds[name][0].get("error")) if rounds[name] else "not run"
     fa = [r for r in rounds["fastattn_classes"] if "seconds" in r]
     if fa:
         res["plans_built_or_loaded_after_warm"] = str([r["plans_built_or_loaded_after_warm"] for r in fa])
@@ -334,12 +347,17 @@ def main(argv=None) -> int:
         for key in ("kernel_ms_per_request_class", "kernel_ms_per_request_exact", "kernel_ratio_per_request"):
             res[key] = by_class[key]
     elif "error" in k:
-        res["kernels_error"] = k["error"][-300:]
+        res["kernels_error"] = _last_line(k["error"])
     fo = res["first_outputs"]
     for name in ("fastattn_torch_warm", "torch_flash"):
         for suffix in ("_ms", "_first_call_ms"):
             if fo.get(name + suffix) is not None:
                 res[f"first_outputs_{name}{suffix}"] = float(fo[name + suffix])
+    for name in ("fastattn_torch_warm", "torch_flash"):
+        row = (fo.get(name) or [{}])[0]
+        if "stats" in row:
+            res[f"first_outputs_{name}_plans"] = (f"builds {row['stats'].get('builds')}, loads "
+                                                  f"{row['stats'].get('deserializations')}, {row.get('path')} path")
     for line in table:
         print(line)
     return _common.report(res, args.json)
