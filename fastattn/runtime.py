@@ -292,6 +292,51 @@ def warm_torch_backward() -> bool:
     return True
 
 
+# cuDNN's sub-libraries that its graph API opens at a process's first handle and first
+# plan (the legacy cnn, ops and adv libraries are not needed by it).
+CUDNN_SUBLIBRARIES = ("libcudnn_graph.so.9", "libcudnn_heuristic.so.9", "libcudnn_engines_precompiled.so.9",
+                      "libcudnn_engines_runtime_compiled.so.9")
+_libraries_started: threading.Thread | None = None
+
+
+def _load_libraries() -> None:
+    import ctypes
+    import os
+
+    from . import _loader
+
+    # An optimization: whatever fails here, the first call loads it itself and reports.
+    try:
+        folder = os.path.dirname(_loader.ensure_loaded().cudnn)
+    except Exception:
+        return
+    for name in CUDNN_SUBLIBRARIES:
+        path = os.path.join(folder, name)
+        if os.path.exists(path):
+            try:
+                ctypes.CDLL(path)  # kept open: cuDNN's own dlopen of it later finds it loaded
+            except OSError:
+                pass
+
+
+def warm_libraries() -> bool:
+    """Starts loading what a process's first plan needs from disk, in a daemon thread,
+    once per process: cuDNN and its dependencies (fastattn._loader.ensure_loaded, under
+    its lock: a call that needs them meanwhile waits for that one load) and the cuDNN
+    sub-libraries its graph API opens (CUDNN_SUBLIBRARIES), so that the first call finds
+    them loaded. Only dlopen: no CUDA context and no cuDNN handle (a handle is per thread
+    and would make a context on whatever device is current there). Called when
+    fastattn.torch is imported where PyTorch sees a CUDA GPU, unless
+    FASTATTN_WARM_LIBRARIES=0. Returns whether it started one."""
+    global _libraries_started
+    with _lock:
+        if _libraries_started is not None:
+            return False
+        _libraries_started = threading.Thread(target=_load_libraries, name="fastattn-load-libraries", daemon=True)
+    _libraries_started.start()
+    return True
+
+
 # The result's type follows background (for type checkers).
 @overload
 def preload(configs: Iterable[ConfigLike] | None = ..., *, device: int | None = ..., threads: int = ...,

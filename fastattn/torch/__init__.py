@@ -95,4 +95,16 @@ def _enable_from_environment() -> None:
         enable_sdpa()
 
 
+def _warm_libraries() -> None:
+    # Where a CUDA GPU is visible (torch.cuda.is_available() makes no context): the
+    # libraries a first call would load from disk, loaded meanwhile (FASTATTN_WARM_LIBRARIES).
+    import torch
+
+    from .. import env, runtime
+
+    if env.get("FASTATTN_WARM_LIBRARIES") and torch.cuda.is_available():
+        runtime.warm_libraries()
+
+
 _enable_from_environment()
+_warm_libraries()
