@@ -42,24 +42,33 @@ def time_us(fn, iters: int = 2000, samples: int = 15) -> float:
 def gpu_ms(fn, reps: int = 20, samples: int = 5, warmup: int = 1, lead_cycles: int = 0) -> float:
     """GPU milliseconds per call of `fn`: the median over `samples` of the mean over
     `reps` back-to-back calls, timed with CUDA events, after `warmup` calls.
-    lead_cycles: the GPU first spins that many clock cycles (torch.cuda._sleep) while the
-    host queues the calls, so that the events time the kernels back to back and not the
-    launch gaps of calls whose kernels are shorter than their host time (decode steps)."""
+    lead_cycles: the GPU first spins at least that many clock cycles (torch.cuda._sleep)
+    while the host queues the calls, so that the events time the kernels back to back and
+    not the launch gaps of calls whose kernels are shorter than their host time (decode
+    steps); a sample whose calls were not all queued before the spin ended is taken again
+    with a spin twice as long (as bench_shape_classes' timer)."""
     import torch
 
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
     out = []
-    for _ in range(samples):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        if lead_cycles:
-            torch.cuda._sleep(lead_cycles)
+    cycles = lead_cycles
+    while len(out) < samples:
+        gap, start, end = (torch.cuda.Event(enable_timing=True) for _ in range(3))
+        if cycles:
+            gap.record()
+            torch.cuda._sleep(cycles)
         start.record()
+        t0 = time.perf_counter()
         for _ in range(reps):
             fn()
+        host_ms = (time.perf_counter() - t0) * 1e3
         end.record()
         end.synchronize()
+        if cycles and gap.elapsed_time(start) <= 1.2 * host_ms and cycles < 1 << 34:
+            cycles *= 2  # the GPU ran out of queued work: not a kernel-only sample
+            continue
         out.append(start.elapsed_time(end) / reps)
     return statistics.median(out)
 
