@@ -24,7 +24,7 @@ synchronized, as a server returns each token. Steps, each in fresh processes:
    class plan and on the exact plan (shape_classes="off"; built in that process):
    the class-vs-exact table, by class.
 4. first outputs of the 8 prefill shapes 1x32xSx128 (S = 256 ... 4096) in a fresh process
-   with a warm cache, no separate preload, beside SDPA flash (bench_coldstart.first_outputs).
+   with a warm cache, no separate preload, beside SDPA flash (bench_coldstart.first_outputs), --first-output-rounds rounds (default 2).
 
     python benchmarks/bench_server.py [--json out.json] [--quick] [--requests N] [--classes 256,1024,4096]
 """
@@ -283,7 +283,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds of the stream's fresh processes")
     ap.add_argument("--kernel-requests", type=int, default=100, help="requests in the class-vs-exact kernel table")
     ap.add_argument("--reps", type=int, default=10, help="calls per CUDA-event sample in the kernel table")
-    ap.add_argument("--first-output-rounds", type=int, default=3)
+    ap.add_argument("--first-output-rounds", type=int, default=2)
     ap.add_argument("--quick", action="store_true", help="40 requests, 2 decode steps, 1 round, 20 in the table")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
