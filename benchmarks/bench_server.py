@@ -24,7 +24,8 @@ synchronized, as a server returns each token. Steps, each in fresh processes:
    class plan and on the exact plan (shape_classes="off"; built in that process):
    the class-vs-exact table, by class.
 4. first outputs of the 8 prefill shapes 1x32xSx128 (S = 256 ... 4096) in a fresh process
-   with a warm cache, no separate preload, beside SDPA flash (bench_coldstart.first_outputs), --first-output-rounds rounds (default 2).
+   with a warm cache, no separate preload, beside SDPA flash (bench_coldstart.first_outputs),
+   in --first-output-rounds interleaved rounds (default 2).
 
     python benchmarks/bench_server.py [--json out.json] [--quick] [--requests N] [--classes 256,1024,4096]
 """
