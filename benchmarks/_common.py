@@ -1,7 +1,8 @@
 """What more than one benchmark uses: the host-time loop and the interleaved rounds of
 the profiles, their common ending (the JSON and the `summary:` block that
 tools/gpu_run.sh prints), FlashAttention 2's varlen kernels as PyTorch ships them, and
-bench_warm's 64 configs.
+bench_warm's 64 configs, and the fresh-process runs of the cold-start figures (`fresh`,
+`rotated`, `paired_ratio`, `require_cuda`).
 
 The scripts run as `python benchmarks/NAME.py`, so this folder is on sys.path and they
 import it as `_common`. torch and fastattn are imported by the functions that use
@@ -12,7 +13,10 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import statistics
+import subprocess
+import sys
 import time
 from typing import TYPE_CHECKING
 
@@ -68,6 +72,49 @@ def interleaved(res: dict, steps: dict, rounds: int = 3) -> None:
             res.setdefault(name + "_rounds", []).append(time_us(fn, iters=300, samples=5))
     for name in steps:
         res[name] = statistics.median(res[name + "_rounds"])
+
+
+def require_cuda(script: str) -> None:
+    """Exits with status 2 and a message, not a traceback, where CUDA is not usable (a
+    benchmark of GPU kernels has nothing to measure there)."""
+    try:
+        import torch
+
+        usable = torch.cuda.is_available()
+    except ImportError:
+        usable = False
+    if not usable:
+        print(f"{script}: needs a CUDA GPU and a CUDA build of PyTorch; none is usable here", file=sys.stderr)
+        sys.exit(2)
+
+
+def fresh(script: str, args: list[str], env: dict | None = None, timeout: float = 600) -> dict:
+    """Runs `python script *args` in a fresh process and returns the JSON object its last
+    line of output prints, with process_seconds (the whole process, start to exit)
+    added; {"error": the end of its stderr} where it fails."""
+    t0 = time.perf_counter()
+    out = subprocess.run([sys.executable, script, *args], capture_output=True, text=True, timeout=timeout,
+                         env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+    if out.returncode != 0:
+        return {"error": out.stderr[-2000:]}
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    res["process_seconds"] = time.perf_counter() - t0
+    return res
+
+
+def rotated(names, rounds: int) -> list[list]:
+    """The order of each interleaved round: `names` rotated by one place a round, so that
+    no peer always runs first (or after the same one)."""
+    names = list(names)
+    return [names[r % len(names):] + names[:r % len(names)] for r in range(rounds)]
+
+
+def paired_ratio(a: list[float], b: list[float]) -> float | None:
+    """The median of each round's own ratio a / b (rounds where both were measured):
+    the host's speed drifts between rounds, and a ratio within one round compares the
+    peers at one speed. None where no round has both."""
+    pairs = [x / y for x, y in zip(a, b) if x is not None and y]
+    return statistics.median(pairs) if pairs else None
 
 
 def report(res: dict, json_path: str | None) -> int:
