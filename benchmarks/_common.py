@@ -104,6 +104,16 @@ def fresh(script: str, args: list[str], env: dict | None = None, timeout: float 
     return res
 
 
+def fresh_cache_env(cache_dir: str) -> dict:
+    """The environment of fresh processes that must start from `cache_dir` as their
+    fastattn cache, with the op library where this process's environment has it
+    (FASTATTN_TORCH_OPS_DIR, else the default cache's torch-ops/), so that a fresh cache
+    directory does not hide a library `fastattn warm` built."""
+    from fastattn import _opslib
+
+    return {"FASTATTN_CACHE_DIR": cache_dir, "FASTATTN_TORCH_OPS_DIR": str(_opslib.build_root())}
+
+
 def rotated(names, rounds: int) -> list[list]:
     """The order of each interleaved round: `names` rotated by one place a round, so that
     no peer always runs first (or after the same one)."""

@@ -44,7 +44,7 @@ import sys
 import tempfile
 import time
 
-from _common import HELD_ITERS, fresh, held_gpu_us, host_rounds, paired_ratio, require_cuda, rotated  # (benchmarks/ on sys.path)
+from _common import HELD_ITERS, fresh, fresh_cache_env, held_gpu_us, host_rounds, paired_ratio, require_cuda, rotated  # (benchmarks/ on sys.path)
 from bench_coldstart import HEAD_DIM, HEADS, SEQLENS
 
 PEERS = ("mode_on", "torch_cudnn", "torch_flash")
@@ -186,17 +186,8 @@ def child(variant: str, backward: bool) -> dict:
     return res
 
 
-def child_env(cache_dir: str) -> dict:
-    """The children's environment: their own fastattn cache directory, and the op library
-    where the parent's environment has it built (FASTATTN_TORCH_OPS_DIR, else the default
-    cache's torch-ops/), so that a fresh cache directory does not hide it."""
-    from fastattn import _opslib
-
-    return {"FASTATTN_CACHE_DIR": cache_dir, "FASTATTN_TORCH_OPS_DIR": str(_opslib.build_root())}
-
-
 def coldstart(rounds: int, backward: bool) -> dict:
-    env = child_env(tempfile.mkdtemp(prefix="fastattn-sdpa-coldstart-"))
+    env = fresh_cache_env(tempfile.mkdtemp(prefix="fastattn-sdpa-coldstart-"))
     args = ["--backward"] if backward else []
     res: dict = {"mode_cold": fresh(__file__, ["--child", "mode_cold", *args], env)}
     runs: dict = {name: [] for name in COLD_PEERS}
