@@ -328,3 +328,14 @@ def test_host_rounds_interleaves_the_peers_and_times_each_loop(monkeypatch):
     assert common.rotated("abc", 4) == [list("abc"), list("bca"), list("cab"), list("abc")]
     assert common.paired_ratio([1.0, None, 3.0], [2.0, 1.0, 0.0]) == 0.5
     assert common.paired_ratio([None], [1.0]) is None
+
+
+@pytest.mark.parametrize("layout", ["bshd", "bhsd"])
+def test_an_inference_call_returns_the_logsumexp_pytorchs_meta_kernel_gives(model, layout):
+    q, k, v = (t.detach() for t in _qkv(2, 4, 2, 5, 7, 16, layout))
+    for training in (False, True, False):  # the second inference call takes the kept route
+        out, lse = OP(q, k, v, None, training, 0.0, False, False)[:2]
+        meta = OP(*(torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta") for t in (q, k, v)),
+                  None, training, 0.0, False, False)
+        assert out.shape == meta[0].shape and out.stride() == meta[0].stride()
+        assert lse.shape == meta[1].shape and lse.dtype == torch.float32 and lse.is_contiguous()
