@@ -93,10 +93,13 @@ def require_cuda(script: str) -> None:
 def fresh(script: str, args: list[str], env: dict | None = None, timeout: float = 600) -> dict:
     """Runs `python script *args` in a fresh process and returns the JSON object its last
     line of output prints, with process_seconds (the whole process, start to exit)
-    added; {"error": the end of its stderr} where it fails."""
+    added; {"error": the end of its stderr} where it fails or runs past `timeout` seconds."""
     t0 = time.perf_counter()
-    out = subprocess.run([sys.executable, script, *args], capture_output=True, text=True, timeout=timeout,
-                         env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+    try:
+        out = subprocess.run([sys.executable, script, *args], capture_output=True, text=True, timeout=timeout,
+                             env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+    except subprocess.TimeoutExpired as e:
+        return {"error": f"ran past {timeout} s; stderr ends: {(e.stderr or b'')[-2000:]!r}"}
     if out.returncode != 0:
         return {"error": out.stderr[-2000:]}
     res = json.loads(out.stdout.strip().splitlines()[-1])
@@ -112,6 +115,15 @@ def fresh_cache_env(cache_dir: str) -> dict:
     from fastattn import _opslib
 
     return {"FASTATTN_CACHE_DIR": cache_dir, "FASTATTN_TORCH_OPS_DIR": str(_opslib.build_root())}
+
+
+def first_error(rows) -> str | None:
+    """The last line of the first failed row's error (a fresh process's stderr), for a summary."""
+    for r in rows:
+        if "error" in r:
+            lines = r["error"].strip().splitlines()
+            return lines[-1][:300] if lines else "(no stderr)"
+    return None
 
 
 def rotated(names, rounds: int) -> list[list]:

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import statistics
@@ -44,7 +45,7 @@ import sys
 import tempfile
 import time
 
-from _common import HELD_ITERS, fresh, fresh_cache_env, held_gpu_us, host_rounds, paired_ratio, require_cuda, rotated  # (benchmarks/ on sys.path)
+from _common import HELD_ITERS, first_error, fresh, fresh_cache_env, held_gpu_us, host_rounds, paired_ratio, require_cuda, rotated  # (benchmarks/ on sys.path)
 from bench_coldstart import HEAD_DIM, HEADS, SEQLENS
 
 PEERS = ("mode_on", "torch_cudnn", "torch_flash")
@@ -114,8 +115,9 @@ def host_overhead(iters: int, repeats: int, shape: str) -> dict:
     for name in PEERS:
         ts = [t.clone() for t in base]
         gs = [t.clone().requires_grad_() for t in base]
-        steps[name] = (lambda name=name: peer(name), lambda ts=ts: sdpa(*ts, is_causal=causal),
-                       lambda gs=gs: train_step(*gs))
+        # partial, not a lambda: the loops call SDPA with no Python frame of their own in between
+        steps[name] = (functools.partial(peer, name), functools.partial(sdpa, *ts, is_causal=causal),
+                       functools.partial(train_step, *gs))
     _sdpa_mode._routes.clear()  # (the routes this shape's calls take, recorded below)
     rounds = host_rounds(steps, iters, repeats)
     res = {"shape": shape, "held_iters": min(iters, HELD_ITERS), "mode_routes": sorted(set(_sdpa_mode.sdpa_routes().values()))}
@@ -244,13 +246,14 @@ def summary(res: dict) -> list[str]:
         cold = c["mode_cold"]
         cells = [f"mode_cold {_fmt(cold.get('seconds') and cold['seconds'] * 1e3, '.1f')}"]
         cells += [f"{p} {_fmt(c[p]['seconds'] and c[p]['seconds'] * 1e3, '.1f')}"
-                  + (f" ({c[p]['errors']} failed)" if c[p]["errors"] else "") for p in COLD_PEERS]
+                  + (f" ({c[p]['errors']} failed: {first_error(c[p]['rounds'])})" if c[p]["errors"] else "")
+                  for p in COLD_PEERS]
         lines.append(f"  cold start {mode}, ms to first outputs of {len(SEQLENS)} shapes: " + ", ".join(cells))
         lines.append(f"    mode_warm / torch_cudnn {_fmt(c['ratio_mode_warm_to_torch_cudnn'])} "
                      f"({_fmt(c['ratio_mode_warm_to_torch_cudnn_paired'])}), mode_warm / torch_flash "
                      f"{_fmt(c['ratio_mode_warm_to_torch_flash'])} ({_fmt(c['ratio_mode_warm_to_torch_flash_paired'])})")
         routes = next((r.get("routes") for r in c["mode_warm"]["rounds"] if "routes" in r), None)
-        lines.append(f"    mode_warm routes {routes}; mode_cold error: {'error' in cold}")
+        lines.append(f"    mode_warm routes {routes}; mode_cold error: {first_error([cold])}")
     return lines
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import random
 import statistics
@@ -105,8 +106,9 @@ def host_overhead(iters: int, repeats: int, shape: str) -> dict:
         o = fn(q, k, v, causal)
         torch.autograd.grad(o, (q, k, v), o)  # o as its own gradient: no extra allocation in the loop
 
-    steps = {name: (lambda backend=backend: _backend(backend), lambda fn=fn, t=ts: fn(*t, causal),
-                    lambda fn=fn, g=grads[name]: train_step(fn, *g, causal))
+    # partial, not a lambda: the loops call the peer with no Python frame of their own in between
+    steps = {name: (functools.partial(_backend, backend), functools.partial(fn, *ts, causal),
+                    functools.partial(train_step, fn, *grads[name], causal))
              for name, (fn, backend, ts) in calls.items()}
     rounds = host_rounds(steps, iters, repeats)
     samples = {name: r["wall"] for name, r in rounds.items()}

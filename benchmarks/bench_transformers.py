@@ -49,7 +49,7 @@ import sys
 import tempfile
 import time
 
-from _common import fresh, fresh_cache_env, gpu_ms, paired_ratio, require_cuda, rotated  # (benchmarks/ on sys.path)
+from _common import first_error, fresh, fresh_cache_env, gpu_ms, paired_ratio, require_cuda, rotated  # (benchmarks/ on sys.path)
 
 SIZES = dict(vocab_size=4096, hidden_size=1024, intermediate_size=2816, num_hidden_layers=4, num_attention_heads=16,
              num_key_value_heads=4, head_dim=64, max_position_embeddings=4096, bos_token_id=1, eos_token_id=2,
@@ -273,12 +273,13 @@ def summary(res: dict) -> list[str]:
         cold = c["fastattn_cold"]
         lines.append(f"  (a) ms to first logits, llama, prompts {c['prompts']} (import and model build apart): "
                      f"fastattn_cold {_fmt(cold.get('seconds') and cold['seconds'] * 1e3, '.1f')}"
-                     + (" (failed)" if "error" in cold else f" ({cold.get('path')} path)"))
+                     + (f" (failed: {first_error([cold])})" if "error" in cold else f" ({cold.get('path')} path)"))
         for name in COLD_PEERS:
             r = c[name]
             lines.append(f"    {name:<14} {_fmt(r['seconds'] and r['seconds'] * 1e3, '.1f')} ms"
                          f"  (import {_fmt(r.get('import_seconds'))} s, build {_fmt(r.get('build_seconds'))} s)"
-                         + (f"  {r['errors']} of {len(r['rounds'])} failed" if r["errors"] else ""))
+                         + (f"  {r['errors']} of {len(r['rounds'])} failed: {first_error(r['rounds'])}"
+                            if r["errors"] else ""))
         for name, claim in (("sdpa_cudnn", "< 1"), ("sdpa_flash", "<= 1")):
             lines.append(f"    fastattn_warm / {name}: {_fmt(c[f'ratio_fastattn_warm_to_{name}'])} "
                          f"({_fmt(c[f'ratio_fastattn_warm_to_{name}_paired'])}); claim {claim}")
