@@ -302,10 +302,10 @@ def _profiled(fn) -> list[str]:
 
 def run_fresh(variant: str, backward: bool, cache_dir: str, **extra_env) -> dict:
     """One variant in a fresh process on cache_dir (see child)."""
-    from _common import run_child
+    from _common import fresh  # (benchmarks/ is on sys.path)
 
-    return run_child(__file__, ["--child", variant] + (["--backward"] if backward else []),
-                     {"FASTATTN_CACHE_DIR": cache_dir, **extra_env})
+    return fresh(__file__, ["--child", variant] + (["--backward"] if backward else []),
+                 {"FASTATTN_CACHE_DIR": cache_dir, **extra_env})
 
 
 def first_outputs(cache_dir: str, rounds: int = 3) -> dict:

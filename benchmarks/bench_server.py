@@ -225,14 +225,14 @@ def _kernel_table(rows: list[dict]) -> tuple[list[str], dict]:
     return lines, out
 
 
-def warm(cache_dir: str, classes: str) -> dict:
-    """`fastattn warm --seqlens 1..MAX_KV` for the model into cache_dir."""
+def warm(env: dict, classes: str) -> dict:
+    """`fastattn warm --seqlens 1..MAX_KV` for the model into env's cache directory."""
     cmd = [sys.executable, "-m", "fastattn", "warm", "--seqlens", f"1..{MAX_KV}", "--heads", str(HEADS),
            "--heads-kv", str(HEADS_KV), "--head-dim", str(HEAD_DIM), "--dtype", "bf16",
            "--mask", "causal_bottom_right", "--shape-classes", classes, "--no-torch-ops", "--no-progress", "--json"]
     t0 = time.perf_counter()
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
-                         env={**os.environ, "FASTATTN_CACHE_DIR": cache_dir})
+                         env={**os.environ, **env})
     res = {"command": " ".join(cmd[1:]), "exit": out.returncode, "seconds": time.perf_counter() - t0}
     try:
         report = json.loads(out.stdout)
@@ -261,11 +261,6 @@ def _default_classes() -> str:
         return "auto" if found else DEFAULT_CLASSES
     except Exception:  # no GPU or no file: the explicit bounds (the warm reports any problem)
         return DEFAULT_CLASSES
-
-
-def _last_line(text: str | None) -> str:
-    lines = (text or "").strip().splitlines()
-    return lines[-1][-300:] if lines else ""
 
 
 def _child_argv(args) -> list[str]:
@@ -306,15 +301,15 @@ def main(argv=None) -> int:
                  "requests": args.requests, "decode_steps": args.decode_steps, "seed": args.seed,
                  "shape": f"1x{HEADS}(kv {HEADS_KV})xSx{HEAD_DIM} bf16 causal bottom right"}
     cache_dir = tempfile.mkdtemp(prefix="fastattn-server-")
-    env = {"FASTATTN_CACHE_DIR": cache_dir}
-    res["warm"] = warm(cache_dir, args.classes)
+    env = _common.fresh_cache_env(cache_dir)  # (the op library where `fastattn warm` built it)
+    res["warm"] = warm(env, args.classes)
     me = os.path.abspath(__file__)
     rounds: dict = {name: [] for name in VARIANTS}
-    for _ in range(args.rounds):
-        for name in VARIANTS:
-            rounds[name].append(_common.run_child(me, ["--child", name, *_child_argv(args)], env))
+    for order in _common.rotated(VARIANTS, args.rounds):
+        for name in order:
+            rounds[name].append(_common.fresh(me, ["--child", name, *_child_argv(args)], env))
     res["stream"] = rounds
-    res["kernels"] = _common.run_child(me, ["--child", "kernels", *_child_argv(args)], env)
+    res["kernels"] = _common.fresh(me, ["--child", "kernels", *_child_argv(args)], env)
     sys.path.insert(0, os.path.dirname(me))
     import bench_coldstart
 
@@ -332,7 +327,7 @@ def main(argv=None) -> int:
             res[f"{name}_request_p50_ms"] = statistics.median(r["request_ms_p50"] for r in ok)
             res[f"{name}_request_p99_ms"] = statistics.median(r["request_ms_p99"] for r in ok)
         else:
-            res[f"{name}_error"] = _last_line(rounds[name][0].get("error")) if rounds[name] else "not run"
+            res[f"{name}_error"] = _common.first_error(rounds[name]) or "not run"
     fa = [r for r in rounds["fastattn_classes"] if "seconds" in r]
     if fa:
         res["plans_built_or_loaded_after_warm"] = str([r["plans_built_or_loaded_after_warm"] for r in fa])
@@ -348,7 +343,7 @@ def main(argv=None) -> int:
         for key in ("kernel_ms_per_request_class", "kernel_ms_per_request_exact", "kernel_ratio_per_request"):
             res[key] = by_class[key]
     elif "error" in k:
-        res["kernels_error"] = _last_line(k["error"])
+        res["kernels_error"] = _common.first_error([k])
     fo = res["first_outputs"]
     for name in ("fastattn_torch_warm", "torch_flash"):
         for suffix in ("_ms", "_first_call_ms"):

@@ -175,14 +175,14 @@ def main(argv=None) -> int:
     modes = [m for m in args.modes.split(",") if m]
     results: dict[str, list[dict]] = {m: [] for m in modes}
     errors = {}
-    for _ in range(args.rounds):
-        for mode in modes:
-            env = {"FASTATTN_CACHE_DIR": cache_dir}
+    for order in _common.rotated(modes, args.rounds):
+        for mode in order:
+            env = _common.fresh_cache_env(cache_dir)
             if not mode.startswith("call_warm"):
                 env["FASTATTN_WARM_LIBRARIES"] = "0"
-            r = _common.run_child(os.path.abspath(__file__), ["--child", mode, "--idle-ms", str(args.idle_ms)], env)
+            r = _common.fresh(os.path.abspath(__file__), ["--child", mode, "--idle-ms", str(args.idle_ms)], env)
             if "error" in r:
-                errors[mode] = r["error"].strip().splitlines()[-1][-300:] if r["error"].strip() else "error"
+                errors[mode] = _common.first_error([r])
             else:
                 results[mode].append(r)
     ok = {m: rows for m, rows in results.items() if rows}
