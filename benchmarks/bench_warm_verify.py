@@ -63,7 +63,7 @@ def main(argv=None) -> int:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=2)
     print(json.dumps(res, indent=2))
-    print("\nsummary (median over rounds):")
+    print("\nsummary: (median seconds over rounds)")
     for name in ("plain", "verify", "verify_after", "verify_again"):
         t = sorted(row[name]["seconds"] for row in rounds)
         last = rounds[-1][name]

@@ -80,10 +80,10 @@ def verify_plan(plan: Any, config: AttentionConfig, device: int) -> Verdict:
     kind and judges its outputs against the float32 reference. Raises
     InvalidArgumentError without PyTorch (or CUDA in it); CUDA and cuDNN errors of the
     plan's run propagate as the plan's execute raises them."""
-    from . import versions
+    from . import _core  # loaded already: `plan` is one of its plans
 
     t0 = time.perf_counter()
-    cudnn = int(versions().get("cudnn_loaded") or 0)
+    cudnn = int(_core.versions()[0] or 0)  # the cuDNN loaded at run time
     tolerance = TOLERANCE.get(config.dtype, TOLERANCE["bf16"])
     torch = _torch()  # asked first: verify means the same on every config, FP8 ones included
     why = unverifiable(config)

@@ -279,3 +279,28 @@ def test_warm_without_verify_leaves_plans_unverified_and_verify_then_checks_them
     body = json.loads(out)  # the two stored plans go to a worker to be verified; the refusal stays
     assert code == cli.EXIT_FAILED and body["counts"]["rejected"] == 1 and body["counts"]["loaded"] == 1
     assert _verified(log) == [64, 96]
+
+
+# -- through Redis -----------------------------------------------------------------------
+
+
+def test_a_verdict_travels_through_redis_and_needs_no_second_run(tmp_path, monkeypatch, calls):
+    from helpers.redis import start_server
+
+    server = start_server(tmp_path)  # skips without redis-server or its client
+    try:
+        monkeypatch.setenv("FASTATTN_REMOTE_CACHE", server.url)
+        monkeypatch.setenv("FASTATTN_CACHE_HMAC_KEY", "correct horse battery staple")
+        monkeypatch.setattr(runtime, "_core", lambda: fake_core)
+        for machine in ("a", "b"):  # each with its own empty disk cache and memory
+            monkeypatch.setenv("FASTATTN_CACHE_DIR", str(tmp_path / machine))
+            runtime.clear()
+            runtime.configure()
+            good, bad = fastattn.probe(CFG, verify=True), fastattn.probe(BAD, verify=True)
+            assert good.verdict.status == "passed" and bad.verdict.status == "failed" and not bad.supported
+            if machine == "b":
+                assert good.source == "remote" and bad.source == "remote"
+        assert calls == [CFG, BAD]  # machine b ran nothing: both verdicts came with the entries
+    finally:
+        server.stop()
+        runtime.clear()  # the settings are read again at the next use, after monkeypatch's undo
