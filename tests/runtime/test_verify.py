@@ -110,6 +110,25 @@ def test_any_stored_verdict_decodes_to_a_valid_one_or_is_a_damaged_entry(value, 
     assert not (kind == "plan" and v.status == "failed") and not (kind == "unsupported" and v.status == "passed")
 
 
+_STORED = entry_mod.encode(store.Entry(
+    "b" * 64, "plan", {"config": CFG.to_dict()}, {"forward": b"blob"},
+    {"verdict": Verdict.judge([Check("random", "o", 1e-3, 1.0, 0), Check("low_lse", "d_q", 2e-3, 0.5, 0)], 91900,
+                              TOLERANCE["bf16"], 0.1).to_dict()}, created=1.0))
+_AT = _STORED.index(b'"verdict"')
+
+
+@fast(300)
+@given(flips=st.lists(st.tuples(st.integers(0, 200), st.integers(1, 255)), min_size=1, max_size=4,
+                      unique_by=lambda f: f[0]))
+def test_garbled_verdict_bytes_are_a_damaged_entry(flips):
+    data = bytearray(_STORED)
+    assert _AT + 200 < len(data)
+    for offset, mask in flips:  # distinct bytes of the stored verdict (and what follows it)
+        data[_AT + offset] ^= mask
+    with pytest.raises(entry_mod.EntryError):
+        entry_mod.decode(bytes(data))
+
+
 # -- the runtime -------------------------------------------------------------------------
 
 
