@@ -67,10 +67,11 @@ def test_correct_plans_with_features_pass(extra):
         assert "d_bias" in {c.output for c in v.checks}
 
 
-def _rel_errors(out, ref):
-    """verify.compare's measure: max |out - ref| / max |ref|, per output."""
-    return {name: float((out[name].float() - ref[name]).abs().max() / ref[name].abs().max().clamp_min(1e-30))
-            for name in ref}
+def _judged(cfg, kind, inputs, out, ref):
+    """verify.compare's measure, per output: the error beyond the rounding floor over the
+    reference's scale (and the raw max error over the scale, for the log)."""
+    return {c.output: (c.judged / c.scale, c.max_abs_error / c.scale, c.nonfinite)
+            for c in verify.compare(cfg, kind, inputs, out, ref)}
 
 
 TOL_GRID = list(itertools.product(("bf16", "fp16"), (64, 128), ("random", "low_lse"), (False, True)))
@@ -89,12 +90,14 @@ def test_the_tolerance_is_no_stricter_than_twice_the_efficient_kernel(dtype, hea
     with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
         o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
     o.backward(inputs["d_o"])
-    eff = _rel_errors({"o": o.detach(), "d_q": q.grad, "d_k": k.grad, "d_v": v.grad}, ref)
-    ours = _rel_errors(verify.run_plan(fastattn.plan(cfg), cfg, inputs), ref)
-    print({n: (f"{ours[n]:.3g}", f"{eff[n]:.3g}") for n in eff})
-    for name, e in eff.items():
-        assert TOLERANCE[dtype] >= 2 * e, f"{name}: the efficient kernel's error {e:.3g} is over half the tolerance"
-        assert ours[name] <= TOLERANCE[dtype], f"{name}: {ours[name]:.3g}"
+    eff = _judged(cfg, kind, inputs, {"o": o.detach(), "d_q": q.grad, "d_k": k.grad, "d_v": v.grad}, ref)
+    ours = _judged(cfg, kind, inputs, verify.run_plan(fastattn.plan(cfg), cfg, inputs), ref)
+    print({n: (ours[n], eff[n]) for n in eff})
+    for name, (e, raw, bad) in eff.items():
+        assert bad == 0, f"{name}: the efficient kernel's output has {bad} non-finite elements"
+        assert TOLERANCE[dtype] >= 2 * e, (f"{name}: the efficient kernel's error beyond rounding, {e:.3g} of scale "
+                                           f"(raw {raw:.3g}), is over half the tolerance")
+        assert ours[name][0] <= TOLERANCE[dtype] and ours[name][2] == 0, f"{name}: {ours[name]}"
 
 
 CFG = AttentionConfig(batch=1, heads_q=4, seqlen_q=128, seqlen_kv=192, head_dim_qk=64, dtype="bf16", training=True)

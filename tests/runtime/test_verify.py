@@ -54,6 +54,9 @@ def _entry_files():
 
 
 def test_the_rule_scales_the_tolerance_by_the_reference_and_counts_non_finite_elements():
+    # The error judged is the one beyond each element's rounding floor (fastattn.verify.compare).
+    assert Check("low_lse", "d_q", 20.0, 1.0, 0, excess=0.01).passed(TOLERANCE["bf16"])
+    assert not Check("low_lse", "d_q", 20.0, 1.0, 0, excess=0.1).passed(TOLERANCE["bf16"])
     ok = Check("random", "o", 0.05, 1.0, 0)
     assert ok.passed(TOLERANCE["bf16"]) and not ok.passed(TOLERANCE["fp16"])
     assert Check("random", "o", 5e-4, 0.01, 0).passed(TOLERANCE["bf16"])  # relative to the scale
@@ -70,7 +73,10 @@ def test_a_stored_verdict_must_be_what_its_numbers_give():
     good = Verdict.judge([Check("random", "o", 1e-3, 1.0, 0)], 91900, 0.0625).to_dict()
     assert is_valid(good)
     for change in ({"status": "failed"}, {"kinds": ["low_lse"]}, {"tolerance": 2.0}, {"cudnn": True},
-                   {"checks": [{"kind": "random", "output": "o", "max_abs_error": 0.9, "scale": 1.0, "nonfinite": 0}]},
+                   {"checks": [{"kind": "random", "output": "o", "max_abs_error": 0.9, "scale": 1.0, "nonfinite": 0,
+                                "excess": 0.9}]},
+                   {"checks": [{"kind": "random", "output": "o", "max_abs_error": 0.1, "scale": 1.0, "nonfinite": 0,
+                                "excess": 0.2}]},
                    {"status": "skipped"}, {"extra": 1}):
         with pytest.raises(VerdictError):
             Verdict.from_dict({**good, **change})
@@ -85,7 +91,8 @@ _json = st.recursive(st.none() | st.booleans() | st.integers(-2**40, 2**40) | st
 _check = st.fixed_dictionaries({"kind": st.sampled_from(["random", "low_lse", 3]),
                                 "output": st.sampled_from(["o", "d_q", "x"]),
                                 "max_abs_error": st.floats(-1, 2) | st.integers(-1, 2),
-                                "scale": st.floats(0, 2), "nonfinite": st.integers(-1, 3) | st.booleans()})
+                                "scale": st.floats(0, 2), "nonfinite": st.integers(-1, 3) | st.booleans(),
+                                "excess": st.floats(-1, 2)})
 _verdicts = st.fixed_dictionaries({"status": st.sampled_from(["passed", "failed", "skipped", "ok"]),
                                    "cudnn": st.integers(-1, 99999) | st.booleans(), "tolerance": st.floats(0, 1.5),
                                    "kinds": st.lists(st.sampled_from(["random", "low_lse"]), max_size=2),
