@@ -48,7 +48,7 @@ from .verdict import TOLERANCE, Check, Verdict
 
 __all__ = ["verify_plan", "unverifiable", "data_kinds", "adversarial_inputs", "reference", "CHUNK_ELEMENTS", "LOGIT"]
 
-CHUNK_ELEMENTS = 1 << 24  # scores held at once by the reference (64 MiB in float32, before autograd's copies)
+CHUNK_ELEMENTS = 1 << 24  # scores held at once by the reference (64 MiB in float32; a few such tensors live at once)
 LOGIT = -120.0  # every score of the low_lse kind: each row's LSE ~ -120 + ln(s_kv) < -88.7
 _TORCH_DTYPES = ("fp16", "bf16")
 UNIT_ROUNDOFF = {"bf16": 2.0**-8, "fp16": 2.0**-11}
