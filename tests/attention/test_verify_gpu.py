@@ -170,8 +170,8 @@ def test_the_reference_stays_within_its_memory_bound_on_a_long_sequence():
     peak = torch.cuda.max_memory_allocated() - base
     print(v.summary(), f"peak {peak / 2**20:.0f} MiB")
     assert v.status == "passed", v.reason
-    # Inputs, outputs and float32 copies (~1 GiB here) plus the chunked scores with
-    # the chunk's few score-sized tensors; a full (s_q, s_kv) float32 score matrix per head would be 8 GiB.
+    # Inputs, outputs, float32 copies and bounds (~1 GiB here), plus one block's few
+    # score-sized tensors; one (s_q, s_kv) float32 score matrix per head would be 8 GiB.
     assert peak < 4 * 2**30, f"{peak / 2**30:.1f} GiB"
 
 
