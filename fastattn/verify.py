@@ -230,7 +230,7 @@ def reference(config: AttentionConfig, inputs: dict[str, Any]) -> dict[str, Any]
     o, and with d_o the gradients d_q, d_k, d_v (and d_bias with bias_grad), logical
     (b, h, s, d) float32; zero outside each sequence's lengths and on rows that see no
     key. Beside each output X, "bound_X": the sum of the magnitudes of the terms each of
-    its elements adds (o: p @ |v|; d_q: scale |ds| @ |k|; ...), what the rounding of a
+    its elements adds (o: p @ |v|; d_q: scale |p| (|dp| + |d_o o|) @ |k|; ...), what the rounding of a
     16-bit operand costs at most in proportion to (compare's floor). Computed per
     (batch, kv head) in blocks of queries (CHUNK_ELEMENTS), the backward written out."""
     torch = _torch()
@@ -278,12 +278,19 @@ def reference(config: AttentionConfig, inputs: dict[str, Any]) -> dict[str, Any]
                 if not backward:
                     continue
                 do = f32["d_o"][n, heads, rows]
-                ds = p * (torch.matmul(do, vs.T) - (do * o).sum(dim=-1, keepdim=True))  # d score (after the cap)
+                dp = torch.matmul(do, vs.T)
+                ds = p * (dp - (do * o).sum(dim=-1, keepdim=True))  # d score (after the cap)
+                # Its terms' magnitudes, not |ds|: a kernel rounds p (and o, in delta) to 16
+                # bits before ds = p (dp - delta), and where dp ~ delta (a row that sees few
+                # keys: one key gives ds = 0 exactly) that rounding is all that is left. On
+                # low_lse data d_q's shared coordinate multiplies it by ~120 / scale (s13-3:
+                # causal plans off by 3-4x the scale beyond |ds|'s floor, correct ones).
+                ads = p * (dp.abs() + (do * o).abs().sum(dim=-1, keepdim=True))
                 if config.bias_grad:
                     _add_bias_grad(out, n, heads, rows, lkv, ds)
                 if config.softcap is not None:
                     ds = ds * (1 - t * t)
-                ads = ds.abs()
+                    ads = ads * (1 - t * t).abs()
                 out["d_q"][n, heads, rows] = config.scale * torch.matmul(ds, ks)
                 out["bound_d_q"][n, heads, rows] = config.scale * torch.matmul(ads, ks.abs())
                 # GQA: the group's query heads all add to their kv head
