@@ -24,6 +24,9 @@ The reference: float32, on the plan's GPU, one (batch, kv head) at a time and in
 of queries, so that its memory stays below about CHUNK_ELEMENTS scores (times the few
 copies it keeps) whatever the shape; the backward written out (ds = p (dp - delta)).
 
+On low_lse data d_q is judged by its non-finite count alone (compare() says why); every
+other output, and d_q on the other kinds, by the rule.
+
 Rounding that is not an error: where an output element is a sum of large terms that
 cancel (d_q's coordinate that every key shares, on low_lse data: terms ~120 times the
 result), a kernel that rounds its 16-bit operands (cuDNN and PyTorch's efficient kernel
@@ -340,6 +343,13 @@ def compare(config: AttentionConfig, kind: str, inputs: dict[str, Any], ours: di
         zero = torch.zeros_like(r)
         diff = torch.where(keep & finite, (x - r).abs(), zero)
         floor = unit * ref["bound_" + name].float() if "bound_" + name in ref else zero
+        if kind == "low_lse" and name == "d_q":
+            # Finiteness only: its shared coordinate is ill-conditioned past any tolerance
+            # a float32 reference could justify. On the H200 (s13-3) cuDNN's correct
+            # plans and PyTorch's efficient kernel alike were 0.4-6.8x the scale beyond
+            # the rounding floor there on causal plans; what this kind exists to catch,
+            # cuDNN 9.19's NaN (issue 27), is the non-finite count, still judged.
+            floor = torch.full_like(r, math.inf)
         numbers = [float(t.max()) if r.numel() else 0.0
                    for t in (diff, (diff - floor).clamp_min(0), torch.where(keep, r.abs(), zero))]
         big = 3.4e38  # past float32's range (an overflow in x - r): stored as the largest float32

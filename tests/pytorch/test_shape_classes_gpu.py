@@ -185,7 +185,9 @@ def test_a_call_captured_in_a_cuda_graph_replays_right(n):
     # the replay reads new data behind the captured pointers.
     q, k, v = rand(1, n, 32, 128), rand(1, n, 8, 128), rand(1, n, 8, 128)
     with torch.no_grad():
-        _dense.attention(q, k, v, causal=True, alignment="bottom_right", shape_classes=SMALL)  # plans made outside
+        # Plans made outside: the capture's exact plan too (run eagerly, the call took its class's).
+        _dense.attention(q, k, v, causal=True, alignment="bottom_right", shape_classes=SMALL)
+        _dense.attention(q, k, v, causal=True, alignment="bottom_right", shape_classes="off")
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
