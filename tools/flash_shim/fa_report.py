@@ -87,7 +87,8 @@ def summarize(data: dict) -> dict:
     total = {c: sum(r[c] for r in table.values()) for c in ("collected", "selected", *COLUMNS)}
     ok = total["failed"] == 0 and total["crashed"] == 0 and total["passed"] > 0
     return {"table": table, "total": total, "ok": ok,
-            "failure_reasons": [{"count": len(ids), "reason": r, "example": ids[0]} for r, ids in top],
+            "failure_reasons": [{"count": len(ids), "reason": data["reasons"][ids[0]], "family": fam, "example": ids[0]}
+                                for fam, ids in top],
             "refusals": dict(refusals), "skip_reasons": dict(skips.most_common(10)),
             "seed": sel.get("seed"), "per_func": sel.get("per_func")}
 
@@ -103,7 +104,8 @@ def markdown(s: dict, top: int = 15) -> str:
     lines += ["", "refused (S_dmask): return_attn_probs=True with dropout_p > 0, fastattn.flash's one refusal "
               f"left (issue 29 item 7): {s['total']['refused']} cases", ""]
     if s["failure_reasons"]:
-        lines += [f"## Top failure reasons ({len(s['failure_reasons'])} distinct; numbers shown as #)", "",
+        lines += [f"## Top failure reasons ({len(s['failure_reasons'])} distinct; cases whose reasons differ only in "
+                  "numbers count as one, shown by its first case's)", "",
                   "| cases | reason | example |", "|---|---|---|"]
         for f in s["failure_reasons"][:top]:
             lines.append(f"| {f['count']} | {f['reason'].replace('|', '/')} | `{f['example'].split('::')[-1]}` |")

@@ -131,6 +131,7 @@ class _Plugin:
         table, order = sample
         return order.get(_index_tuple(table, getattr(getattr(item, "callspec", None), "params", {})))
 
+    @pytest.hookimpl(trylast=True)  # after -k and -m have deselected theirs
     def pytest_collection_modifyitems(self, config, items):
         chosen: dict[str, list] = {}
         for item in items:
