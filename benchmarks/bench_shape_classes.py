@@ -8,9 +8,10 @@ the middle and hi, two calls of one model shape (--heads, --heads-kv, --head-dim
 --dtype, causal bottom-right, --batch):
 - prefill: s_q = s_kv = n (forward; with --training also the backward);
 - decode: s_q = 1, s_kv = n (forward), a KV cache's slice of a cache 2 * hi long.
-Kernel time, not host time: `--reps` calls are captured in one CUDA graph per plan and
-the replay is timed with CUDA events, in `--rounds` interleaved rounds (class, exact,
-class, ...: drift hits both alike); the medians are recorded.
+Kernel time, not host time: `--reps` eager calls are queued behind a GPU sleep long enough
+for the host to enqueue them all, and timed with CUDA events around them, in `--rounds`
+interleaved rounds (class, exact, class, ...: drift hits both alike); the medians are
+recorded. (Not CUDA graphs: a call inside a capture takes its exact plan.)
 
     python benchmarks/bench_shape_classes.py [--json out.json] [--write fastattn/_measured/shape_classes.json]
 
@@ -38,55 +39,43 @@ from fastattn import shape_classes as sc
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def _graph_time_us(fn, reps: int) -> tuple[torch.cuda.CUDAGraph, callable]:
-    """A CUDA graph of reps calls of fn (run once before, so that its plan is held)."""
+def _queued_time_us(fn, reps: int) -> callable:
+    """A timer of reps eager calls of fn queued behind a GPU sleep (after one call, so that
+    its plan is held): the host enqueues them while the GPU waits, so the events time the
+    kernels back to back, not the host. Not a CUDA graph: a call inside a capture takes its
+    exact plan (fastattn/torch/_classes.py), so a graph would time the exact plan twice."""
     fn()
     torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(reps):
-            fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    gap, start, end = (torch.cuda.Event(enable_timing=True) for _ in range(3))
+    cycles = [1 << 21]
 
     def timed() -> float:
-        start.record()
-        g.replay()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) * 1000.0 / reps
+        while True:
+            gap.record()
+            torch.cuda._sleep(cycles[0])
+            start.record()
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                fn()
+            host_ms = (time.perf_counter() - t0) * 1000.0
+            end.record()
+            end.synchronize()
+            if gap.elapsed_time(start) > 1.2 * host_ms:  # every call was queued before the sleep ended
+                return start.elapsed_time(end) * 1000.0 / reps
+            cycles[0] *= 2
 
-    return g, timed
-
-
-def _events_time_us(fn, reps: int) -> tuple[None, callable]:
-    """Without a graph (a training step: autograd's backward is not captured here): reps
-    calls between CUDA events, after one call; the kernels must outlast the host's calls."""
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-
-    def timed() -> float:
-        start.record()
-        for _ in range(reps):
-            fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) * 1000.0 / reps
-
-    return None, timed
+    return timed
 
 
-def measure(make, classes: sc.Classes, reps: int, rounds: int, graph: bool = True) -> tuple[float, float]:
+def measure(make, classes: sc.Classes, reps: int, rounds: int) -> tuple[float, float]:
     """(class plan us, exact plan us) per call of make(shape_classes) -> a callable."""
-    graphs = {}
-    for name, choice in (("class", classes), ("exact", "off")):
-        graphs[name] = (_graph_time_us if graph else _events_time_us)(make(choice), reps)
+    timers = {name: _queued_time_us(make(choice), reps) for name, choice in (("class", classes), ("exact", "off"))}
     samples = {"class": [], "exact": []}
-    for name in graphs:  # one warm replay each
-        graphs[name][1]()
+    for name in timers:  # one warm run each
+        timers[name]()
     for _ in range(rounds):
         for name in ("class", "exact"):
-            samples[name].append(graphs[name][1]())
+            samples[name].append(timers[name]())
     return statistics.median(samples["class"]), statistics.median(samples["exact"])
 
 
@@ -125,7 +114,7 @@ def run(args) -> dict:
                     return fn
 
                 # A training step less its forward: the backward's time.
-                c_step, e_step = measure(step, classes, max(1, args.reps // 4), args.rounds, graph=False)
+                c_step, e_step = measure(step, classes, max(1, args.reps // 4), args.rounds)
                 m["backward_class_us"] = max(c_step - m["forward_class_us"], 1e-3)
                 m["backward_exact_us"] = max(e_step - m["forward_exact_us"], 1e-3)
             # The policy reads forward_* (and backward_*): the worse of prefill and decode.
@@ -175,7 +164,7 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", choices=tuple(DTYPES), default="bf16")
     ap.add_argument("--max", type=int, default=16384, help="the longest class measured (a candidate bound)")
     ap.add_argument("--training", action="store_true", help="also the backward (training calls' classes)")
-    ap.add_argument("--reps", type=int, default=20, help="calls per CUDA graph replay")
+    ap.add_argument("--reps", type=int, default=20, help="calls per timed sample")
     ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds (the median is recorded)")
     ap.add_argument("--json")
     ap.add_argument("--write", help="merge the policy's row into this file (fastattn/_measured/shape_classes.json)")

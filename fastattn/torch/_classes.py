@@ -13,7 +13,10 @@ s_q <= class_q and s_kv <= class_kv, including a KV-cache slice (its batch strid
 cache's).
 
 What is served: layout "bshd" with packed tokens, no bias, no sinks, plain eager calls
-(torch.compile, tracing and torch.func take exact plans: their ops are exact-shape).
+(torch.compile, tracing and torch.func take exact plans: their ops are exact-shape; so
+does a call inside a CUDA graph capture: a captured graph's shapes are fixed anyway, and
+on the H200 with cuDNN 9.19 a captured class-plan call replayed wrong outputs or faulted
+with "misaligned address" while the same calls run eagerly were right; session 13).
 The batch is exact (a class plan per batch size): cuDNN's ragged graph fixes it. These
 calls take the Python path, not the op library's C++ (whose table is keyed by exact
 shapes): a call costs the Python body, the per-call checks (_dense._check) and the
@@ -225,7 +228,7 @@ RULE = _autograd.Rule(forward_impl, _grads, _no_op, ClassOptions)
 def serve(q, k, v, seq_len_q, seq_len_kv, rng, options, choice, grads: bool, return_lse: bool):
     """attention()'s result from a class plan, or None when this call is not one a class
     serves (attention() then runs it as before). options: the call's DenseOptions."""
-    if options.layout != "bshd" or q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+    if options.layout != "bshd" or q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or capturing():
         return None
     classes = resolve(choice, q.get_device(), options.training)
     if not classes:

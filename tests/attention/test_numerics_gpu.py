@@ -21,7 +21,7 @@ import fastattn  # noqa: E402
 import fastattn.torch  # noqa: E402,F401
 from fastattn import AttentionConfig, defects  # noqa: E402
 
-from helpers.gpu import DeviceBuffer, Tensor, quantize, reference_full, rel_error, synchronize  # noqa: E402
+from helpers.gpu import DeviceBuffer, Tensor, quantize, synchronize  # noqa: E402
 
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 # A floor under "twice the efficient kernel's error": the rounding of a 16-bit output alone
@@ -188,12 +188,11 @@ def test_raw_plans_supply_the_lengths_themselves(skv, dtype):
     p.backward(t["q"].ptr, t["k"].ptr, t["v"].ptr, t["o"].ptr, t["d_o"].ptr, t["stats"].ptr, t["d_q"].ptr,
                t["d_k"].ptr, t["d_v"].ptr, workspace=ws.ptr)
     synchronize()
-    ref = reference_full(cfg, q, k, v, d_o)
-    tol = {"bf16": 4e-2, "fp16": 1e-2}[dtype]  # test_attention_gpu.py's BWD_TOL
-    for name in ("o", "d_q", "d_k", "d_v"):
-        out = t[name].read()
-        assert np.all(np.isfinite(out)), f"{name}: {int((~np.isfinite(out)).sum())} non-finite elements"
-        assert rel_error(out, ref[name]) < tol, (name, rel_error(out, ref[name]))
+    # Adversarial rows cancel large terms in d_q (every key shares coordinate 0): held,
+    # as the grid above, to twice PyTorch's efficient kernel on the same inputs.
+    tq, tk, tv, tdo = (torch.from_numpy(x).to("cuda", tdt) for x in (q, k, v, d_o))
+    ours = {name: torch.from_numpy(np.ascontiguousarray(t[name].read())).cuda() for name in ("o", "d_q", "d_k", "d_v")}
+    check(ours, efficient(tq, tk, tv, tdo, None), reference(tq, tk, tv, tdo, None), dtype, f"raw kv{skv}")
 
 
 def test_a_plain_plan_given_seq_len_still_refuses_it():

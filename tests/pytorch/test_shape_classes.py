@@ -112,7 +112,7 @@ def test_return_lse_has_attentions_shape(fake):
     assert o.shape == (2, 40, 4, 64) and lse.shape == (2, 4, 40)
 
 
-@pytest.mark.parametrize("case", ["bhsd", "bias", "sinks", "strided_heads", "too_long", "off"])
+@pytest.mark.parametrize("case", ["bhsd", "bias", "sinks", "strided_heads", "too_long", "off", "capturing"])
 def test_what_a_class_does_not_serve_takes_an_exact_plan(fake, case, monkeypatch):
     served = []
     monkeypatch.setattr(_dense, "forward_impl", lambda *a: served.append(a) or (a[0], None))
@@ -128,6 +128,8 @@ def test_what_a_class_does_not_serve_takes_an_exact_plan(fake, case, monkeypatch
         q = meta(2, 4, 40, 64).transpose(1, 2)  # bshd shape, heads not packed in each token
     elif case == "too_long":
         q, k, v = (meta(2, 65, 4, 64) for _ in range(3))
+    elif case == "capturing":  # a CUDA graph capture takes exact plans (_classes.py says why)
+        monkeypatch.setattr(_classes, "capturing", lambda: True)
     else:
         kw["shape_classes"] = "off"
     _dense.attention(q, k, v, **kw)

@@ -155,3 +155,40 @@ def test_varlen_one_class_plan_serves_several_max_lengths():
             before = _counts()
         else:
             assert _counts() == before, f"lengths {lens} built or loaded a plan"
+
+
+SMALL = (64, 128)  # classes (0, 64] and (64, 128]: short lengths in a class declared longer
+
+
+@pytest.mark.parametrize("n", [2, 33, 64, 100])
+def test_repeated_calls_with_new_data_behind_the_same_pointers_stay_right(n):
+    # A launch's third run is replayed from fastattn's own CUDA graph (csrc/packs.h): the
+    # class plan's offsets and lengths must be read per call, never captured as values.
+    # The shape of benchmarks/bench_shape_classes.py, where a captured call faulted.
+    q, k, v = rand(1, n, 32, 128), rand(1, n, 8, 128), rand(1, n, 8, 128)
+    with torch.no_grad():
+        for step in range(6):
+            for t in (q, k, v):
+                t.copy_(torch.randn_like(t))
+            o = _dense.attention(q, k, v, causal=True, alignment="bottom_right", shape_classes=SMALL)
+            ref = reference(q, k, v, True, True)
+            torch.testing.assert_close(o.double(), ref, atol=2e-2, rtol=2e-2, msg=lambda m, step=step: f"step {step}: {m}")
+
+
+@pytest.mark.parametrize("n", [2, 33, 64])
+def test_a_call_captured_in_a_cuda_graph_replays_right(n):
+    # Inside a capture a call takes its exact plan (fastattn/torch/_classes.py says why):
+    # the replay reads new data behind the captured pointers.
+    q, k, v = rand(1, n, 32, 128), rand(1, n, 8, 128), rand(1, n, 8, 128)
+    with torch.no_grad():
+        _dense.attention(q, k, v, causal=True, alignment="bottom_right", shape_classes=SMALL)  # plans made outside
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            o = _dense.attention(q, k, v, causal=True, alignment="bottom_right", shape_classes=SMALL)
+        for _ in range(3):
+            for t in (q, k, v):
+                t.copy_(torch.randn_like(t))
+            graph.replay()
+            torch.cuda.synchronize()
+            torch.testing.assert_close(o.double(), reference(q, k, v, True, True), atol=2e-2, rtol=2e-2)

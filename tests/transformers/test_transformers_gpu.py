@@ -2,7 +2,24 @@
 attn_implementation="fastattn" against the same weights with "sdpa" (bfloat16), or "eager"
 in float32 where sdpa lacks the feature (Gemma 2's softcap, gpt-oss's sinks): logits of a
 left-padded batch, a training step's loss and gradients, and greedy generate of 32 tokens
-from a left-padded batch of 4 prompts of different lengths, token for token."""
+from a left-padded batch of 4 prompts of different lengths, token for token.
+
+What the references are, and why (measured on the H200, session 13):
+- Gradients against float32 eager, not bf16 sdpa: PyTorch 2.11's SDPA (its cuDNN
+  backend) gives NaN in every gradient of a left-padded training step, and bf16 eager
+  is within 0.8-1.5% of float32 eager, so float32 eager is the reference that can fail
+  us and not itself.
+- The loss leaves out the positions predicted from a padding row (a row that sees no
+  key): frameworks disagree on what such a row outputs (eager: the mean of its padding
+  values; sdpa and fastattn: zeros), and a left-padded batch's last padding row predicts
+  the first real token. With it in the loss, fastattn's gradients were 20% from eager's
+  while both were right by their own definition.
+- gpt-oss with one expert: with two, a bf16 near-tie in the router sends a token to the
+  other expert, and that token's whole logit row differs (855 of 131072 elements, in
+  two rows, with every attention output within tolerance).
+- generate against float32 eager, token for token up to the first difference, which is
+  allowed only where the reference's top two logits are within TIE of each other (a
+  bf16 near-tie: sdpa in bf16 breaks the same ties differently, too)."""
 
 import pytest
 
@@ -22,7 +39,7 @@ KINDS = {
     "gemma2": dict(model_type="gemma2", head_dim=64, num_attention_heads=8, num_key_value_heads=4, sliding_window=24,
                    attn_logit_softcapping=50.0, final_logit_softcapping=None, query_pre_attn_scalar=64),
     "gpt_oss": dict(model_type="gpt_oss", head_dim=64, num_attention_heads=8, num_key_value_heads=2,
-                    sliding_window=24, num_local_experts=2, num_experts_per_tok=1,
+                    sliding_window=24, num_local_experts=1, num_experts_per_tok=1,
                     layer_types=["sliding_attention", "full_attention"]),
 }
 EAGER = {"gemma2", "gpt_oss"}  # sdpa has no softcap / sinks: float32 eager is the reference
@@ -38,10 +55,21 @@ def _model(kind, attn, dtype):
 
 
 def _pair(kind):
+    """(fastattn bf16, the logits' reference, float32 eager), one set of weights."""
     ours = _model(kind, "fastattn", torch.bfloat16)
     ref = _model(kind, "eager" if kind in EAGER else "sdpa", torch.float32 if kind in EAGER else torch.bfloat16)
     ref.load_state_dict(ours.state_dict())
-    return ours, ref
+    exact = _model(kind, "eager", torch.float32)
+    exact.load_state_dict(ours.state_dict())
+    return ours, ref, exact
+
+
+def _labels(ids, mask):
+    """Labels whose every prediction is made from a real token (see the module)."""
+    keep = mask.bool()
+    labels = ids.masked_fill(~keep, -100)
+    labels[:, 1:] = labels[:, 1:].masked_fill(~keep[:, :-1], -100)
+    return labels
 
 
 def _batch(lengths, total):
@@ -61,7 +89,7 @@ def _close(a, b, tol):
 
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_logits_and_a_training_step(kind):
-    ours, ref = _pair(kind)
+    ours, ref, exact = _pair(kind)
     ids, mask = _batch([64, 40, 57, 33], 64)
     with torch.no_grad():
         a, b = ours(ids, attention_mask=mask).logits, ref(ids, attention_mask=mask).logits
@@ -69,14 +97,14 @@ def test_logits_and_a_training_step(kind):
     with torch.no_grad():  # no padding: causal at the top left, no bias
         _close(ours(ids).logits, ref(ids).logits, 3e-2)
     ours.train()
-    ref.train()
-    labels = ids.masked_fill(mask == 0, -100)
+    exact.train()
+    labels = _labels(ids, mask)
     la = ours(ids, attention_mask=mask, labels=labels).loss
-    lb = ref(ids, attention_mask=mask, labels=labels).loss
+    lb = exact(ids, attention_mask=mask, labels=labels).loss
     torch.testing.assert_close(la.float(), lb.float(), atol=2e-2, rtol=2e-2)
     la.backward()
     lb.backward()
-    for (name, pa), pb in zip(ours.named_parameters(), ref.parameters()):
+    for (name, pa), pb in zip(ours.named_parameters(), exact.parameters()):
         if pb.grad is None:
             continue
         ga, gb = pa.grad.float(), pb.grad.float()
@@ -84,13 +112,24 @@ def test_logits_and_a_training_step(kind):
         assert err < 6e-2, (name, err.item())
 
 
+TIE = 2e-2  # top-two gap of the float32 reference's logits (~1.3 here) that bf16 may resolve either way
+
+
 @pytest.mark.parametrize("kind", ["llama-d64", "qwen2"])
 def test_greedy_generate_of_32_tokens_from_a_left_padded_batch(kind):
     ours = _model(kind, "fastattn", torch.bfloat16)
-    ref = _model(kind, "sdpa", torch.bfloat16)
+    ref = _model(kind, "eager", torch.float32)
     ref.load_state_dict(ours.state_dict())
     ids, mask = _batch([20, 9, 31, 14], 31)
     kw = dict(max_new_tokens=32, do_sample=False, pad_token_id=0)
     a = ours.generate(ids, attention_mask=mask, **kw)
-    b = ref.generate(ids, attention_mask=mask, **kw)
-    assert torch.equal(a, b), (a - b).ne(0).nonzero()[:8].tolist()
+    b = ref.generate(ids, attention_mask=mask, output_scores=True, return_dict_in_generate=True, **kw)
+    assert a.shape == b.sequences.shape
+    for row in range(a.shape[0]):
+        differ = (a[row, ids.shape[1]:] != b.sequences[row, ids.shape[1]:]).nonzero()
+        if len(differ) == 0:
+            continue
+        step = int(differ[0])
+        top = b.scores[step][row].float().topk(2).values
+        gap = float(top[0] - top[1])
+        assert gap < TIE, f"row {row} differs at new token {step}, where the reference's top two are {gap:.4f} apart"
