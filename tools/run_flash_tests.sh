@@ -11,7 +11,7 @@
 #   bash tools/run_flash_tests.sh [pytest args...]      (e.g. -k kvcache)
 #   FA_PER_FUNC=30  cases drawn per test function (14 functions; 0: every case)
 #   FA_SEED=0       which cases are drawn (the same on every machine)
-#   FA_BUDGET_S=190 no case starts after this many seconds (those left: "not reached")
+#   FA_BUDGET_S=180 no case starts after this many seconds (those left: "not reached")
 #   FA_CASE_S=30    a case running longer is interrupted and fails, saying so
 #   FA_TESTS=.peer/flash-attention-2.8.3/tests/test_flash_attn.py
 #
@@ -33,7 +33,7 @@ PY=${PYTHON:-python3}
 FA_TESTS=${FA_TESTS:-.peer/flash-attention-2.8.3/tests/test_flash_attn.py}
 [ -f "$FA_TESTS" ] || { echo "no $FA_TESTS: carry .peer (see the top of this script)"; exit 2; }
 export FA_PER_FUNC=${FA_PER_FUNC:-30} FA_SEED=${FA_SEED:-0} FA_CASE_S=${FA_CASE_S:-30}
-budget=${FA_BUDGET_S:-190}
+budget=${FA_BUDGET_S:-180}
 t_start=$(date +%s)
 export FA_DEADLINE=$(( t_start + budget )) FA_RESULTS="$LOGS/results.jsonl"
 

@@ -54,7 +54,7 @@ class _Plugin:
         self.per_func = _env_int("FA_PER_FUNC", 30)
         self.seed = os.environ.get("FA_SEED", "0")
         deadline = os.environ.get("FA_DEADLINE", "").strip()
-        self.deadline = float(deadline) if deadline else time.time() + _env_int("FA_BUDGET_S", 200)
+        self.deadline = float(deadline) if deadline else time.time() + _env_int("FA_BUDGET_S", 180)
         self.case_s = _env_int("FA_CASE_S", 60)
         self.results_path = os.environ.get("FA_RESULTS") or None
         self.started = self._already_started()
