@@ -1,7 +1,9 @@
-"""What more than one benchmark uses: the host-time loop and the interleaved rounds of
-the profiles, their common ending (the JSON and the `summary:` block that
+"""What more than one benchmark uses: the host-time loops (`time_us` and the interleaved
+rounds of the profiles; `host_rounds`, bench_torch's and bench_sdpa_mode's per-call
+host time with the GPU held), their common ending (the JSON and the `summary:` block that
 tools/gpu_run.sh prints), FlashAttention 2's varlen kernels as PyTorch ships them, and
-bench_warm's 64 configs.
+bench_warm's 64 configs, and the fresh-process runs of the cold-start figures (`fresh`,
+`rotated`, `paired_ratio`, `require_cuda`).
 
 The scripts run as `python benchmarks/NAME.py`, so this folder is on sys.path and they
 import it as `_common`. torch and fastattn are imported by the functions that use
@@ -12,7 +14,11 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
+import random
 import statistics
+import subprocess
+import sys
 import time
 from typing import TYPE_CHECKING
 
@@ -68,6 +74,144 @@ def interleaved(res: dict, steps: dict, rounds: int = 3) -> None:
             res.setdefault(name + "_rounds", []).append(time_us(fn, iters=300, samples=5))
     for name in steps:
         res[name] = statistics.median(res[name + "_rounds"])
+
+
+def require_cuda(script: str) -> None:
+    """Exits with status 2 and a message, not a traceback, where CUDA is not usable (a
+    benchmark of GPU kernels has nothing to measure there)."""
+    try:
+        import torch
+
+        usable = torch.cuda.is_available()
+    except ImportError:
+        usable = False
+    if not usable:
+        print(f"{script}: needs a CUDA GPU and a CUDA build of PyTorch; none is usable here", file=sys.stderr)
+        sys.exit(2)
+
+
+def fresh(script: str, args: list[str], env: dict | None = None, timeout: float = 600) -> dict:
+    """Runs `python script *args` in a fresh process and returns the JSON object its last
+    line of output prints, with process_seconds (the whole process, start to exit)
+    added; {"error": the end of its stderr} where it fails or runs past `timeout` seconds."""
+    t0 = time.perf_counter()
+    try:
+        out = subprocess.run([sys.executable, script, *args], capture_output=True, text=True, timeout=timeout,
+                             env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+    except subprocess.TimeoutExpired as e:
+        return {"error": f"ran past {timeout} s; stderr ends: {(e.stderr or b'')[-2000:]!r}"}
+    if out.returncode != 0:
+        return {"error": out.stderr[-2000:]}
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    res["process_seconds"] = time.perf_counter() - t0
+    return res
+
+
+def fresh_cache_env(cache_dir: str) -> dict:
+    """The environment of fresh processes that must start from `cache_dir` as their
+    fastattn cache, with the op library where this process's environment has it
+    (FASTATTN_TORCH_OPS_DIR, else the default cache's torch-ops/), so that a fresh cache
+    directory does not hide a library `fastattn warm` built."""
+    from fastattn import _opslib
+
+    return {"FASTATTN_CACHE_DIR": cache_dir, "FASTATTN_TORCH_OPS_DIR": str(_opslib.build_root())}
+
+
+def first_error(rows) -> str | None:
+    """The last line of the first failed row's error (a fresh process's stderr), for a summary."""
+    for r in rows:
+        if "error" in r:
+            lines = r["error"].strip().splitlines()
+            return lines[-1][:300] if lines else "(no stderr)"
+    return None
+
+
+def rotated(names, rounds: int) -> list[list]:
+    """The order of each interleaved round: `names` rotated by one place a round, so that
+    no peer always runs first (or after the same one)."""
+    names = list(names)
+    return [names[r % len(names):] + names[:r % len(names)] for r in range(rounds)]
+
+
+def paired_ratio(a: list[float], b: list[float]) -> float | None:
+    """The median of each round's own ratio a / b (rounds where both were measured):
+    the host's speed drifts between rounds, and a ratio within one round compares the
+    peers at one speed. None where no round has both."""
+    pairs = [x / y for x, y in zip(a, b) if x is not None and y]
+    return statistics.median(pairs) if pairs else None
+
+
+# The held host-time loop's length and the sleep kernel in front of it (~20 ms at the
+# H200's 1.98 GHz): the loop's launches (2-3 a call at most) stay within CUDA's launch queue.
+HELD_ITERS = 200
+HELD_SLEEP_CYCLES = 40_000_000
+
+
+def host_rounds(calls: dict, iters: int, repeats: int, seed: int = 17) -> dict:
+    """Per-call host time of each peer, in `repeats` interleaved rounds, each in a new
+    seeded order (so that drift hits every peer alike and no peer always follows the same
+    one). calls: name -> (enter, infer, train): enter() a context manager entered around
+    each of the peer's loops (its backend, path or mode: chosen once, its cost not the
+    peer's), infer() one inference call, train() one training step. Returns, per name,
+    microseconds per call for each round:
+      held: inference with the GPU held by a sleep kernel, so that the calls queue and the
+        loop never waits for the GPU (a small call's GPU time is near its host time, and a
+        loop the GPU holds back times the GPU); held_valid counts the rounds where the
+        sleep still ran when the loop ended (min(iters, HELD_ITERS) calls);
+      wall: the same inference loop with the GPU free (iters calls);
+      train: training steps (iters)."""
+    import torch
+
+    for enter, infer, train in calls.values():
+        with enter():
+            for _ in range(20):
+                infer()
+                train()
+    torch.cuda.synchronize()
+    out = {name: {"held": [], "held_valid": 0, "wall": [], "train": []} for name in calls}
+    held_iters = min(iters, HELD_ITERS)
+    order, rng = list(calls), random.Random(seed)
+    for _ in range(repeats):
+        rng.shuffle(order)
+        for name in order:
+            enter, infer, train = calls[name]
+            r = out[name]
+            with enter():
+                torch.cuda.synchronize()
+                torch.cuda._sleep(HELD_SLEEP_CYCLES)
+                asleep = torch.cuda.Event()
+                asleep.record()
+                t0 = time.perf_counter()
+                for _ in range(held_iters):
+                    infer()
+                r["held"].append((time.perf_counter() - t0) / held_iters * 1e6)
+                r["held_valid"] += not asleep.query()
+                for key, step in (("wall", infer), ("train", train)):
+                    torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    for _ in range(iters):
+                        step()
+                    r[key].append((time.perf_counter() - t0) / iters * 1e6)
+                    torch.cuda.synchronize()
+    return out
+
+
+def held_gpu_us(enter, infer, iters: int) -> float:
+    """GPU time per call of infer(): the calls queue up behind a ~25 ms sleep kernel, so
+    the GPU runs them back to back and events around them time the GPU, not the host. A
+    host time per call above this is the host's own cost, not the GPU holding it back."""
+    import torch
+
+    with enter():
+        torch.cuda.synchronize()
+        torch.cuda._sleep(50_000_000)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            infer()
+        end.record()
+        end.synchronize()
+    return start.elapsed_time(end) / iters * 1e3
 
 
 def report(res: dict, json_path: str | None) -> int:

@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -302,15 +301,10 @@ def _profiled(fn) -> list[str]:
 
 
 def run_fresh(variant: str, backward: bool, cache_dir: str, **extra_env) -> dict:
-    env = {**os.environ, "FASTATTN_CACHE_DIR": cache_dir, "PYTHONUNBUFFERED": "1", **extra_env}
-    t0 = time.perf_counter()
-    out = subprocess.run([sys.executable, __file__, "--child", variant] + (["--backward"] if backward else []),
-                         capture_output=True, text=True, env=env, timeout=600)
-    if out.returncode != 0:
-        return {"error": out.stderr[-2000:]}
-    res = json.loads(out.stdout.strip().splitlines()[-1])
-    res["process_seconds"] = time.perf_counter() - t0
-    return res
+    from _common import fresh  # (benchmarks/ is on sys.path)
+
+    return fresh(__file__, ["--child", variant] + (["--backward"] if backward else []),
+                 {"FASTATTN_CACHE_DIR": cache_dir, **extra_env})
 
 
 def measure() -> dict:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import random
 import statistics
@@ -34,6 +35,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 import fastattn
 import fastattn.torch as fat
 from fastattn.torch import _native
+from _common import HELD_ITERS, held_gpu_us, host_rounds  # (benchmarks/ is on sys.path)
 
 
 def _sdpa(q, k, v, causal):
@@ -80,27 +82,6 @@ def _backend(backend):
     return sdpa_kernel(backend) if backend is not None else contextlib.nullcontext()
 
 
-def _gpu_us(fn, backend, q, k, v, iters: int, causal: bool = True) -> float:
-    """GPU time per call: the calls queue up behind a ~25 ms sleep kernel, so the GPU
-    runs them back to back and events around them time the GPU, not the host. A host
-    time per call above this is the host's own cost, not the GPU holding it back."""
-    with _backend(backend):
-        torch.cuda.synchronize()
-        torch.cuda._sleep(50_000_000)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iters):
-            fn(q, k, v, causal)
-        end.record()
-        end.synchronize()
-    return start.elapsed_time(end) / iters * 1e3
-
-
-# The host-time loop's length and the sleep kernel in front of it (~20 ms at the H200's
-# 1.98 GHz): the loop's launches (2-3 a call at most) stay within CUDA's launch queue.
-HELD_ITERS = 200
-HELD_SLEEP_CYCLES = 40_000_000
-
 SHAPES = {  # name -> (q's bshd shape, k's and v's, causal)
     "prefill_1x8x128x64_causal": ((1, 128, 8, 64), (1, 128, 8, 64), True),
     "decode_1x8x1x4096x64": ((1, 1, 8, 64), (1, 4096, 8, 64), False),
@@ -125,52 +106,22 @@ def host_overhead(iters: int, repeats: int, shape: str) -> dict:
         o = fn(q, k, v, causal)
         torch.autograd.grad(o, (q, k, v), o)  # o as its own gradient: no extra allocation in the loop
 
-    for name, (fn, backend, (q, k, v)) in calls.items():
-        with _backend(backend):
-            for _ in range(20):
-                fn(q, k, v, causal)
-                train_step(fn, *grads[name], causal)
-    torch.cuda.synchronize()
-    samples = {name: [] for name in calls}
-    held = {name: [] for name in calls}
-    held_valid = {name: 0 for name in calls}
-    train = {name: [] for name in calls}
+    # partial, not a lambda: the loops call the peer with no Python frame of their own in between
+    steps = {name: (functools.partial(_backend, backend), functools.partial(fn, *ts, causal),
+                    functools.partial(train_step, fn, *grads[name], causal))
+             for name, (fn, backend, ts) in calls.items()}
+    rounds = host_rounds(steps, iters, repeats)
+    samples = {name: r["wall"] for name, r in rounds.items()}
+    held = {name: r["held"] for name, r in rounds.items()}
+    held_valid = {name: r["held_valid"] for name, r in rounds.items()}
+    train = {name: r["train"] for name, r in rounds.items()}
     held_iters = min(iters, HELD_ITERS)
-    # Interleaved rounds, so drift hits every peer alike, each in a new order (seeded), so
-    # no peer always follows the same one.
-    order, rng = list(calls.items()), random.Random(17)
-    for _ in range(repeats):
-        rng.shuffle(order)
-        for name, (fn, backend, (q, k, v)) in order:
-            with _backend(backend):
-                # Host time alone: the calls queue behind a sleep kernel, so the loop never
-                # waits for the GPU (a small call's GPU time, 6-9 us, is near its host time,
-                # and a loop the GPU holds back times the GPU). Valid while the sleep still
-                # runs when the loop ends.
-                torch.cuda.synchronize()
-                torch.cuda._sleep(HELD_SLEEP_CYCLES)
-                asleep = torch.cuda.Event()
-                asleep.record()
-                t0 = time.perf_counter()
-                for _ in range(held_iters):
-                    fn(q, k, v, causal)
-                held[name].append((time.perf_counter() - t0) / held_iters * 1e6)
-                held_valid[name] += not asleep.query()
-                for out, step, args in ((samples, fn, (q, k, v)), (train, lambda *a, fn=fn: train_step(fn, *a),
-                                                                    grads[name])):
-                    torch.cuda.synchronize()
-                    t0 = time.perf_counter()
-                    for _ in range(iters):
-                        step(*args, causal)
-                    out[name].append((time.perf_counter() - t0) / iters * 1e6)
-                    torch.cuda.synchronize()
     res = {"shape": shape, "native_path": _native.status(), "held_iters": held_iters}
     res.update({f"{n}_us": statistics.median(s) for n, s in samples.items()})
     res.update({f"{n}_held_us": statistics.median(s) for n, s in held.items()})
     res.update({f"{n}_held_us_rounds": s for n, s in held.items()})
     res.update({f"{n}_held_valid_rounds": c for n, c in held_valid.items()})
-    res.update({f"{n}_gpu_us": _gpu_us(fn, backend, q, k, v, iters, causal)
-                for n, (fn, backend, (q, k, v)) in calls.items()})
+    res.update({f"{n}_gpu_us": held_gpu_us(enter, infer, iters) for n, (enter, infer, _) in steps.items()})
     res.update({f"{n}_train_us": statistics.median(s) for n, s in train.items()})
     res.update({f"{n}_us_rounds": s for n, s in samples.items()})
     res.update({f"{n}_train_us_rounds": s for n, s in train.items()})

@@ -7,7 +7,8 @@
 #   bash tools/gpu_run.sh [pytest args...]   (default: tests)      (carry .whl: nvidia-cudnn-frontend, platformdirs, redis)
 #     e.g. tests -m gpu (the GPU tests: tests/<area>/test_<topic>_gpu.py), tests/flash (one area), a file
 #   FASTATTN_PREBUILT=1: use the carried fastattn/_core.cpython-312-*.so (tools/build_cp312.sh) instead of building
-#   BENCH="core torch": the benchmarks to run after the tests (benchmarks/bench_core.py, ...; "" for none)
+#   BENCH="core torch": the benchmarks to run after the tests (benchmarks/bench_core.py, ...; "" for none;
+#     also by name only: numerics, shape_classes, sdpa_mode, transformers)
 #   CRASH_BT=0: no second run under cuda-gdb after a crash (a whole-suite rerun costs minutes of device time)
 #   ORDERS="file reverse shuffle:7": one pytest process per order (FASTATTN_TEST_ORDER), all at once on
 #     the one GPU (each order is still one process: what issue 26 asks; three in turn cost ~3 x 560 s);
@@ -117,6 +118,8 @@ fi
 python3 -m compileall -q fastattn > /dev/null
 # BENCH: what to run after the tests: benchmarks/bench_NAME.py or benchmarks/NAME.py for each NAME
 # ("core coldstart torch warm features fp8 flash", and "remote" where a redis-server is carried; "" for none).
+# Not in the default list, by name: numerics, shape_classes, sdpa_mode (the SDPA mode's host time and
+# cold start), transformers (attn_implementation="fastattn": first logits, prefill, decode).
 default_bench="core coldstart torch warm features fp8 flash"
 [ -x .redis/redis-server ] && default_bench="$default_bench remote"
 for b in ${BENCH-$default_bench}; do

@@ -269,15 +269,16 @@ def _forward(query, key, value, attn_bias, compute_log_sumexp, dropout_p=0.0, is
     # Philox's seed at element 0 and offset at element 2 (fastattn's rng tensor)
     rng = torch.randint(0, 2**62, (4,), device=query.device, dtype=torch.int64) if dropout_p else None
     o, stats = _dense.forward_impl(q, k, v, None, None, bias, None, rng, options)
-    b, h, sq = query.shape[0], query.shape[1], query.shape[2]
-    if stats is None:  # inference writes no stats; the operator still returns the tensor
-        stats = query.new_empty((b, h, sq, 1), dtype=torch.float32)
+    if stats is None:  # inference writes no stats; the operator still returns the tensor, in its own shape
+        stats = query.new_empty(lse_shape, dtype=torch.float32)
+    elif stats.shape != lse_shape:  # (a view costs more host time than the comparison)
+        stats = stats.view(lse_shape)
     if rng is None:
         seed = offset = query.new_zeros((), dtype=torch.int64)
     else:
         seed, offset = rng[0], rng[2]
-    return (_matched(_to_bhsd(layout, o), out_stride), stats.view(lse_shape), None, None, sq, key.shape[2], seed,
-            offset, None)
+    return (_matched(_to_bhsd(layout, o), out_stride), stats, None, None, query.shape[2], key.shape[2], seed, offset,
+            None)
 
 
 def _backward(grad_out, query, key, value, out, logsumexp, philox_seed, philox_offset, attn_bias, cum_seq_q,

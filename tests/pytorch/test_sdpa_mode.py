@@ -240,3 +240,102 @@ def test_fastattn_sdpa_enables_the_mode_at_import_only_when_set(value, enabled):
                          capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == str(enabled)
+
+
+# -- benchmarks/bench_sdpa_mode.py and the host-time loop it shares with bench_torch.py ----------
+
+def test_the_benchmark_parses_its_arguments_and_refuses_to_run_without_cuda():
+    from helpers import benchmarks
+
+    r = benchmarks.run("bench_sdpa_mode", "--help")
+    assert r.returncode == 0, r.stderr
+    assert all(flag in r.stdout for flag in ("--json", "--quick", "--rounds", "--repeats")) and "summary:" in r.stdout
+    r = benchmarks.run("bench_sdpa_mode", "--quick", cuda=False)
+    assert r.returncode == 2 and "needs a CUDA GPU" in r.stderr and "Traceback" not in r.stderr
+    bench = benchmarks.load("bench_sdpa_mode")
+    quick = bench.parse_args(["--quick", "--json", "x.json"])
+    assert (quick.iters, quick.repeats, quick.rounds, quick.forward_only, quick.json) == (100, 5, 2, True, "x.json")
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--rounds", "0"])
+
+
+def test_the_benchmarks_ratios_and_summary():
+    from helpers import benchmarks
+
+    bench = benchmarks.load("bench_sdpa_mode")
+    rounds = {"mode_on": {"held": [10.0, 12.0, 30.0], "wall": [11.0] * 3, "train": [40.0] * 3},
+              "torch_cudnn": {"held": [20.0, 20.0, 40.0], "wall": [22.0] * 3, "train": [50.0] * 3},
+              "torch_flash": {"held": [15.0] * 3, "wall": [16.0] * 3, "train": [45.0] * 3}}
+    r = bench.host_ratios(rounds)
+    assert r["ratio_held_mode_on_to_torch_cudnn"] == 12.0 / 20.0
+    assert r["ratio_held_mode_on_to_torch_cudnn_paired"] == 0.6  # median of 0.5, 0.6, 0.75
+    assert r["ratio_train_torch_flash_to_torch_cudnn"] == 0.9
+    runs = {"mode_warm": [{"seconds": 0.1}, {"error": "x"}, {"seconds": 0.3}],
+            "torch_cudnn": [{"seconds": 1.0}, {"seconds": 1.2}, {"seconds": 1.5}],
+            "torch_flash": [{"seconds": 0.2}] * 3}
+    c = bench.coldstart_medians(runs)
+    assert c["mode_warm"]["seconds"] == 0.2 and c["mode_warm"]["errors"] == 1
+    assert c["ratio_mode_warm_to_torch_cudnn"] == 0.2 / 1.2
+    assert c["ratio_mode_warm_to_torch_cudnn_paired"] == pytest.approx(0.15)  # rounds 1 and 3: 0.1, 0.2
+    host = {"shape": "s", "mode_routes": ["fastattn (bhsd)"], **r}
+    for p in bench.PEERS:
+        host.update({f"{p}_{k}": 1.0 for k in ("held_us", "us", "gpu_us", "train_us")}, **{f"{p}_held_valid_rounds": 3})
+    c["mode_cold"] = {"error": "boom"}
+    lines = bench.summary({"host_overhead": [host], "coldstart": {"fwd": c}})
+    text = "\n".join(lines)
+    assert "target <= 0.6" in text and "mode_cold error: boom" in text and "n/a" in text
+
+
+def test_host_rounds_interleaves_the_peers_and_times_each_loop(monkeypatch):
+    from helpers import benchmarks
+
+    common = benchmarks.load("_common")
+
+    class Event:
+        def __init__(self, **kw):
+            pass
+
+        def record(self):
+            pass
+
+        def query(self):
+            return False  # the sleep still runs: every held round valid
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: None)
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    seen = []
+
+    class Enter:
+        def __init__(self, name):
+            self.name = name
+
+        def __enter__(self):
+            seen.append(self.name)
+
+        def __exit__(self, *exc):
+            pass
+
+    counts = {"a": 0, "b": 0}
+    calls = {n: (lambda n=n: Enter(n), lambda n=n: counts.__setitem__(n, counts[n] + 1), lambda: None)
+             for n in ("a", "b")}
+    out = common.host_rounds(calls, iters=5, repeats=4)
+    assert set(out) == {"a", "b"}
+    for r in out.values():
+        assert len(r["held"]) == len(r["wall"]) == len(r["train"]) == 4 and r["held_valid"] == 4
+    assert counts == {"a": 20 + 4 * (5 + 5), "b": 20 + 4 * (5 + 5)}  # warm-up, then held and wall loops
+    assert seen[:2] == ["a", "b"] and len(seen) == 2 + 8  # entered once per warm-up and per round
+    assert common.rotated("abc", 4) == [list("abc"), list("bca"), list("cab"), list("abc")]
+    assert common.paired_ratio([1.0, None, 3.0], [2.0, 1.0, 0.0]) == 0.5
+    assert common.paired_ratio([None], [1.0]) is None
+
+
+@pytest.mark.parametrize("layout", ["bshd", "bhsd"])
+def test_an_inference_call_returns_the_logsumexp_pytorchs_meta_kernel_gives(model, layout):
+    q, k, v = (t.detach() for t in _qkv(2, 4, 2, 5, 7, 16, layout))
+    for training in (False, True, False):  # the second inference call takes the kept route
+        out, lse = OP(q, k, v, None, training, 0.0, False, False)[:2]
+        meta = OP(*(torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta") for t in (q, k, v)),
+                  None, training, 0.0, False, False)
+        assert out.shape == meta[0].shape and out.stride() == meta[0].stride()
+        assert lse.shape == meta[1].shape and lse.dtype == torch.float32 and lse.is_contiguous()

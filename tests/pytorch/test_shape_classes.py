@@ -167,19 +167,11 @@ def test_a_bad_keyword_is_named(fake):
 
 
 def test_the_benchmark_writes_the_file_the_policy_reads(tmp_path):
-    import importlib.util
     import json
-    import pathlib
-    import sys
 
-    bench_dir = pathlib.Path(__file__).resolve().parents[2] / "benchmarks"
-    sys.path.insert(0, str(bench_dir))
-    try:
-        spec = importlib.util.spec_from_file_location("bench_shape_classes", bench_dir / "bench_shape_classes.py")
-        bench = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(bench)
-    finally:
-        sys.path.remove(str(bench_dir))
+    from helpers import benchmarks
+
+    bench = benchmarks.load("bench_shape_classes")
     path = str(tmp_path / "shape_classes.json")
     m = {"n": 65, "forward_class_us": 10.2, "forward_exact_us": 10.0}
     res = {"gpu": "NVIDIA H200", "versions": {"cudnn_loaded": 91900, "fastattn": "0"}, "date": "2026-12-01",

@@ -282,3 +282,56 @@ def test_a_mask_function_it_does_not_know_takes_transformers_own_mask():
     assert form.full is not None and torch.equal(form.full, want)
     assert fa_tf._pattern(mu.sliding_window_causal_mask_function(7), fa_tf._codes()) == \
         {"causal": True, "window": 7, "packed": None}
+
+
+# -- benchmarks/bench_transformers.py -----------------------------------------------------------
+
+def test_the_benchmark_parses_its_arguments_and_refuses_to_run_without_cuda():
+    from helpers import benchmarks
+
+    r = benchmarks.run("bench_transformers", "--help")
+    assert r.returncode == 0, r.stderr
+    assert all(flag in r.stdout for flag in ("--json", "--quick", "--rounds", "--steady-rounds")) and "summary:" in r.stdout
+    r = benchmarks.run("bench_transformers", "--quick", cuda=False)
+    assert r.returncode == 2 and "needs a CUDA GPU" in r.stderr and "Traceback" not in r.stderr
+    bench = benchmarks.load("bench_transformers")
+    args = bench.parse_args(["--quick", "--prompts", "128,512"])
+    assert (args.rounds, args.steady_rounds, args.new_tokens, args.prompts) == (1, 2, 8, [128, 512])
+    for bad in (["--prompts", "12,x"], ["--new-tokens", "1"], ["--kv-heads", "3"], ["--prompts", "5000"]):
+        with pytest.raises(SystemExit):
+            bench.parse_args(bad)
+
+
+def test_the_benchmarks_models_are_the_configs_it_names():
+    from helpers import benchmarks
+
+    bench = benchmarks.load("bench_transformers")
+    for kind in ("llama", "qwen2"):
+        cfg = bench.config(kind, 4)
+        assert (cfg.model_type, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads) == (
+            kind, 4, 16, 4)
+        assert cfg.eos_token_id < cfg.vocab_size  # min_new_tokens masks the EOS logit
+    assert set(bench.config("qwen2", 4).layer_types) == {"full_attention"}  # sdpa's flash backend takes no mask
+
+
+def test_the_benchmarks_medians_ratios_and_summary():
+    from helpers import benchmarks
+
+    bench = benchmarks.load("bench_transformers")
+    runs = {"fastattn_warm": [{"seconds": 0.5}, {"seconds": 0.7}, {"error": "x"}],
+            "sdpa_cudnn": [{"seconds": 1.0}, {"seconds": 1.4}, {"seconds": 2.0}],
+            "sdpa_flash": [{"seconds": 0.5}, {"seconds": 0.7}, {"seconds": 0.6}]}
+    m = bench.medians(runs, "seconds", "fastattn_warm", ("sdpa_cudnn", "sdpa_flash"))
+    assert m["fastattn_warm"]["seconds"] == pytest.approx(0.6) and m["fastattn_warm"]["errors"] == 1
+    assert m["ratio_fastattn_warm_to_sdpa_cudnn"] == pytest.approx(0.6 / 1.4)
+    assert m["ratio_fastattn_warm_to_sdpa_flash_paired"] == 1.0
+    cold = {"prompts": [256], "fastattn_cold": {"seconds": 2.0, "path": "native"}, **m}
+    for name in bench.COLD_PEERS:
+        cold[name].update(import_seconds=3.0, build_seconds=0.5)
+    rows = {p: [{"prefill_ms": 3.0, "decode_ms_per_token": 4.0}] for p in bench.STEADY_PEERS}
+    others = [p for p in bench.STEADY_PEERS if p != "fastattn"]
+    steady = {"batch": 4, "prompt": 256, "new_tokens": 32, "errors": {}, "path": "native",
+              **{k: bench.medians(rows, k, "fastattn", others) for k in ("prefill_ms", "decode_ms_per_token")}}
+    text = "\n".join(bench.summary({"coldstart": cold, "steady": steady}))
+    assert "fastattn_warm / sdpa_cudnn: 0.43" in text and "claim < 1" in text
+    assert "issue 28's baseline: 3.41 vs 4.07" in text and "sdpa_mode 1.00 (1.00)" in text
