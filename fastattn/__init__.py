@@ -22,6 +22,7 @@ from .errors import (
     InvalidArgumentError,
     LibraryError,
     NotSupportedError,
+    VerificationFailedError,
 )
 from .runtime import ProbeResult, clear, configure, device_info, plan, preload, probe, stats, versions
 
@@ -40,6 +41,7 @@ __all__ = [
     "FastAttnError",
     "InvalidArgumentError",
     "NotSupportedError",
+    "VerificationFailedError",
     "LibraryError",
     "CudaError",
     "CudnnError",

@@ -39,6 +39,7 @@ class _Collect(logging.Handler):
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", type=int, default=None)
+    ap.add_argument("--verify", action="store_true")  # fastattn.warm's verify: probe(verify=True)
     args = ap.parse_args()
     results = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)
@@ -55,7 +56,7 @@ def main() -> int:
         if not line.strip():
             continue
         try:
-            result = fastattn.probe(line, device=args.device)
+            result = fastattn.probe(line, device=args.device, verify=args.verify)
             msg = {k: v for k, v in result.to_dict().items() if k != "config"}
             if result.source == "built":  # stored by this probe, if the cache took it
                 cache = runtime.plan_cache()

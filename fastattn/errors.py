@@ -9,6 +9,7 @@ __all__ = [
     "FastAttnError",
     "InvalidArgumentError",
     "NotSupportedError",
+    "VerificationFailedError",
     "LibraryError",
     "CudaError",
     "CudnnError",
@@ -34,6 +35,18 @@ class NotSupportedError(FastAttnError, NotImplementedError):
     """cuDNN refuses this config on this GPU; the message is cuDNN's own reason."""
 
     code = 2
+
+
+class VerificationFailedError(NotSupportedError):
+    """The plan cuDNN built failed verification (verify=True, `--verify`): it computed
+    outputs beyond the tolerance of a float32 reference, or non-finite ones, on the data
+    tried. Refused like cuDNN's refusals, and remembered: `verdict` (a
+    fastattn.verdict.Verdict) carries the evidence, the message says it. Python only:
+    no C++ status returns it (its code is NotSupportedError's)."""
+
+    def __init__(self, message: str, verdict=None):
+        super().__init__(message)
+        self.verdict = verdict
 
 
 class LibraryError(FastAttnError, OSError):

@@ -17,9 +17,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from dataclasses import replace
 from typing import Any, Callable
 
-from . import defects, store
+from . import defects, store, verdict
 from ._version import __version__
 from .config import AttentionConfig
 from .errors import CorruptPlanError, FastAttnError, InvalidArgumentError
@@ -127,9 +128,11 @@ class PlanCache:
     def load(self, config: AttentionConfig, device: int, key: str, entry: store.Entry, tier: store.Tier):
         """(plan or None, ProbeResult) from an entry of `tier`; None when cuDNN refuses
         its blobs (counted as bad_entries: the caller rebuilds and overwrites it)."""
+        stored = verdict.parse(entry.meta.get("verdict"))  # its shape checked by the entry decoder
         if entry.kind == "unsupported":
             self._count(negative_hits=1)
-            return None, ProbeResult(config, device, False, entry.meta.get("reason", ""), source=tier.kind)
+            return None, ProbeResult(config, device, False, entry.meta.get("reason", ""), source=tier.kind,
+                                     verdict=stored)
         t0 = time.perf_counter()
         try:
             p = self.load_entry(entry, device, config)
@@ -141,7 +144,7 @@ class PlanCache:
             return None
         elapsed = time.perf_counter() - t0
         self._count(disk_hits=1, deserializations=1, load_seconds=elapsed)
-        return p, result_from_plan(config, device, p, elapsed, tier.kind)
+        return p, replace(result_from_plan(config, device, p, elapsed, tier.kind), verdict=stored)
 
     def load_entry(self, entry: store.Entry, device: int | None = None, config: AttentionConfig | None = None):
         """The plan in a "plan" entry (what `fastattn cache verify --load` checks).
@@ -167,12 +170,14 @@ class PlanCache:
         if found is None:
             return None
         e, tier = found
+        stored = verdict.parse(e.meta.get("verdict"))
         if e.kind == "unsupported":
-            return ProbeResult(config, device, False, e.meta.get("reason", ""), source=tier.kind)
+            return ProbeResult(config, device, False, e.meta.get("reason", ""), source=tier.kind, verdict=stored)
         m = e.meta  # shapes checked by the entry decoder
         return ProbeResult(config, device, True, "", m.get("forward_workspace_size", 0),
                            m.get("backward_workspace_size", 0), m.get("forward_engine", ""),
-                           m.get("backward_engine") or "", 0.0, tier.kind, tuple(e.description.get("defects", ())))
+                           m.get("backward_engine") or "", 0.0, tier.kind, tuple(e.description.get("defects", ())),
+                           stored)
 
     def configs(self, device: int | None = None) -> list[AttentionConfig]:
         """The configs of every entry in the directories stored for `device`'s GPU and
@@ -192,10 +197,14 @@ class PlanCache:
     # -- plans -> entries -----------------------------------------------------------------
 
     def publish(self, key: str, description: dict[str, Any], p: Any, result: ProbeResult) -> None:
-        """Stores what was just built (p None: cuDNN's refusal, with its reason). A plan
-        that cannot be serialized stays in memory: the cache never makes real work fail."""
+        """Stores what was just built (p None: cuDNN's refusal, with its reason, or a plan
+        that failed verification, with the evidence), and result.verdict where it has one
+        (a verified entry loaded later needs no second run). A plan that cannot be
+        serialized stays in memory: the cache never makes real work fail."""
+        extra = {"verdict": result.verdict.to_dict()} if result.verdict is not None else {}
         if p is None:
-            entry = store.Entry(key, "unsupported", description, meta={"reason": result.reason}, created=time.time())
+            entry = store.Entry(key, "unsupported", description, meta={"reason": result.reason, **extra},
+                                created=time.time())
         else:
             try:
                 forward, backward = p.serialize()
@@ -211,6 +220,7 @@ class PlanCache:
                 "forward_workspace_size": result.forward_workspace_size,
                 "backward_workspace_size": result.backward_workspace_size,
                 "build_seconds": result.build_seconds,
+                **extra,
             }
             entry = store.Entry(key, "plan", description, blobs, meta, created=time.time())
         self.store.put(entry)

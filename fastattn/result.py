@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .config import AttentionConfig
+from .verdict import Verdict
 
 __all__ = ["ProbeResult", "result_from_plan"]
 
@@ -26,6 +27,9 @@ class ProbeResult:
       "remote" (loaded from the Redis tier) or "memory" (this process already had it).
     avoided: the known cuDNN defects (fastattn.defects) the plan's graphs avoid, as
       "name:remedy" (the cache key's own words); empty for most configs.
+    verdict: what verifying the plan showed (fastattn.verdict.Verdict: verify=True,
+      `--verify`, or stored with the entry by an earlier verification), else None. A
+      failed one comes with supported=False and its evidence as the reason.
     """
 
     config: AttentionConfig
@@ -39,6 +43,7 @@ class ProbeResult:
     build_seconds: float = 0.0
     source: str = "built"
     avoided: tuple[str, ...] = ()
+    verdict: Verdict | None = None
 
     def __bool__(self) -> bool:
         return self.supported
@@ -61,6 +66,7 @@ class ProbeResult:
             "build_seconds": self.build_seconds,
             "source": self.source,
             "avoided": list(self.avoided),
+            "verdict": self.verdict.to_dict() if self.verdict is not None else None,
         }
 
 

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Literal, Mapping, Union, overlo
 from . import store
 from ._version import __version__
 from .config import AttentionConfig
-from .errors import InvalidArgumentError, NotSupportedError
+from .errors import InvalidArgumentError, NotSupportedError, VerificationFailedError
 from .plan_cache import PlanCache, version_string
 from .result import ProbeResult, result_from_plan
 
@@ -47,6 +47,7 @@ class _Entry:
     plan: Any = None  # _core.Plan when supported
     result: ProbeResult | None = None
     error: BaseException | None = None
+    verifying: threading.Lock = field(default_factory=threading.Lock)  # one verification at a time
 
 
 _lock = threading.Lock()
@@ -61,11 +62,17 @@ _COUNTERS = {
     "unsupported": 0,  # builds cuDNN refused
     "build_errors": 0,  # builds that raised (CUDA errors, missing libraries)
     "bad_entries": 0,  # entries that would not load (cuDNN rejected the blob): rebuilt
+    "verifications": 0,  # plans run against the reference (verify=True) by this process
+    "verification_failures": 0,  # of those, plans refused on the evidence
+    "verify_seconds": 0.0,
     "build_seconds": 0.0,
     "load_seconds": 0.0,
 }
 _counters = dict(_COUNTERS)
 _cache: PlanCache | None = None
+# What runs a plan against the reference: fastattn.verify.verify_plan(plan, config,
+# device) -> Verdict, looked up at each use (tests replace it, as they replace _core).
+_verify: Any = None
 
 
 def _core():
@@ -202,7 +209,59 @@ def _lookup(config: Any, device: int | None, refresh: bool = False) -> tuple[_En
     return entry, True
 
 
-def probe(config: ConfigLike, *, device: int | None = None, refresh: bool = False) -> ProbeResult:
+def _verifier():
+    if _verify is not None:
+        return _verify
+    from .verify import verify_plan
+
+    return verify_plan
+
+
+def _answer(config: Any, device: int | None, refresh: bool = False, verify: bool = False) -> tuple[_Entry, bool]:
+    """_lookup, then (verify=True) the plan verified unless its answer carries a
+    verdict already (from this process, or stored with the cache entry)."""
+    entry, from_memory = _lookup(config, device, refresh)
+    if verify and entry.plan is not None and entry.result.verdict is None:
+        _ensure_verified(entry, AttentionConfig.coerce(config), _resolve_device(device))
+    return entry, from_memory
+
+
+def _ensure_verified(entry: _Entry, config: AttentionConfig, device: int) -> None:
+    """Runs the plan once against the reference and keeps the verdict with the answer,
+    in memory and in the cache entry. A failed plan becomes a refusal carrying the
+    evidence: never served again by this process, nor by any that reads the entry.
+    Errors of the verifier itself (no PyTorch, a CUDA error) leave the answer as it was."""
+    with entry.verifying:
+        p, result = entry.plan, entry.result
+        if p is None or result.verdict is not None:  # another thread verified it meanwhile
+            return
+        t0 = time.perf_counter()
+        verdict = _verifier()(p, config, device)
+        failed = verdict.status == "failed"
+        _count(verifications=1, verification_failures=int(failed), verify_seconds=time.perf_counter() - t0)
+        if failed:
+            result = ProbeResult(config, device, False, verdict.reason, build_seconds=result.build_seconds,
+                                 source=result.source, avoided=result.avoided, verdict=verdict)
+        else:
+            result = replace(result, verdict=verdict)
+        cache = plan_cache()
+        if cache.store.tiers:
+            description = cache.describe(config, device)
+            cache.publish(store.key_of(description), description, None if failed else p, result)
+        with _lock:
+            entry.result = result
+            if failed:
+                entry.plan = None
+
+
+def _refusal(result: ProbeResult) -> NotSupportedError:
+    if result.verdict is not None and result.verdict.status == "failed":
+        return VerificationFailedError(result.reason, result.verdict)
+    return NotSupportedError(result.reason)
+
+
+def probe(config: ConfigLike, *, device: int | None = None, refresh: bool = False,
+          verify: bool = False) -> ProbeResult:
     """Does cuDNN support `config` on `device` (default: the current CUDA device)?
 
     Answers from memory, then the persistent cache, else builds the forward graph (and
@@ -211,28 +270,40 @@ def probe(config: ConfigLike, *, device: int | None = None, refresh: bool = Fals
     and builds again (and replaces them). `config` is an AttentionConfig, a mapping of
     its fields, or its JSON.
 
+    verify=True: also run the plan once on random and adversarial data against a
+    float32 reference on the GPU (fastattn.verify; needs PyTorch), unless its answer
+    carries a verdict already; the verdict is stored with the cache entry
+    (result.verdict). A plan that fails is refused: supported=False, the evidence as
+    the reason, remembered like cuDNN's refusals (and refused to later calls without
+    verify too).
+
     Never raises for a config cuDNN refuses: the result says supported=False with
-    cuDNN's reason. Raises InvalidArgumentError for invalid input, LibraryError when
-    cuDNN, CUDA or the driver is missing, CudaError when the device is unusable.
+    cuDNN's reason. Raises InvalidArgumentError for invalid input (and for verify=True
+    without PyTorch), LibraryError when cuDNN, CUDA or the driver is missing,
+    CudaError when the device is unusable.
     """
-    entry, from_memory = _lookup(config, device, refresh)
+    entry, from_memory = _answer(config, device, refresh, verify)
     if from_memory:
         return replace(entry.result, source="memory", build_seconds=0.0)
     return entry.result
 
 
-def plan(config: ConfigLike, *, device: int | None = None) -> Plan:
+def plan(config: ConfigLike, *, device: int | None = None, verify: bool = False) -> Plan:
     """The plan for `config` on `device` (default: the current CUDA device): from
     memory, else loaded from the persistent cache, else built (and stored). At most
     one build per process and config; concurrent first requests wait for it, and
     processes sharing a cache directory wait for one another.
 
-    Raises NotSupportedError with cuDNN's reason when cuDNN refuses the config, and
-    the errors probe() raises for invalid input or a missing GPU stack.
+    verify=True: the plan is verified first, as probe(verify=True) does.
+
+    Raises NotSupportedError with cuDNN's reason when cuDNN refuses the config
+    (VerificationFailedError, a subclass carrying `verdict`, when the plan failed
+    verification, now or when its entry was stored), and the errors probe() raises
+    for invalid input or a missing GPU stack.
     """
-    entry, _ = _lookup(config, device)
+    entry, _ = _answer(config, device, verify=verify)
     if entry.plan is None:
-        raise NotSupportedError(entry.result.reason)
+        raise _refusal(entry.result)
     return entry.plan
 
 
@@ -247,7 +318,7 @@ def planned(config: ConfigLike, *, device: int | None = None) -> Plan | None:
     if entry is None or not entry.done.is_set() or entry.error is not None:
         return None
     if entry.plan is None:
-        raise NotSupportedError(entry.result.reason)
+        raise _refusal(entry.result)
     return entry.plan
 
 
@@ -295,17 +366,17 @@ def warm_torch_backward() -> bool:
 # The result's type follows background (for type checkers).
 @overload
 def preload(configs: Iterable[ConfigLike] | None = ..., *, device: int | None = ..., threads: int = ...,
-            background: Literal[False] = ...) -> list[ProbeResult]: ...
+            background: Literal[False] = ..., verify: bool = ...) -> list[ProbeResult]: ...
 @overload
 def preload(configs: Iterable[ConfigLike] | None = ..., *, device: int | None = ..., threads: int = ...,
-            background: Literal[True]) -> Future[list[ProbeResult]]: ...
+            background: Literal[True], verify: bool = ...) -> Future[list[ProbeResult]]: ...
 @overload
 def preload(configs: Iterable[ConfigLike] | None = ..., *, device: int | None = ..., threads: int = ...,
-            background: bool = ...) -> list[ProbeResult] | Future[list[ProbeResult]]: ...
+            background: bool = ..., verify: bool = ...) -> list[ProbeResult] | Future[list[ProbeResult]]: ...
 
 
 def preload(configs: Iterable[ConfigLike] | None = None, *, device: int | None = None, threads: int = 4,
-            background: bool = False) -> list[ProbeResult] | Future[list[ProbeResult]]:
+            background: bool = False, verify: bool = False) -> list[ProbeResult] | Future[list[ProbeResult]]:
     """Loads (or builds) plans ahead of first use, in `threads` parallel threads, each
     with its own cuDNN handle. Threads pay for training plans (forward and backward
     graphs) and not for inference ones (docs/history/benchmarks-log.md, "Persistent
@@ -315,6 +386,8 @@ def preload(configs: Iterable[ConfigLike] | None = None, *, device: int | None =
     configs: the configs to load; None means every entry in the cache directories that
     was stored for this GPU, cuDNN, cudnn-frontend, fastattn and policy.
     background: return a concurrent.futures.Future at once instead of the results.
+    verify: verify each plan first, as probe(verify=True) does (a plan that fails is
+      refused: its result says so, with the evidence).
     Returns the ProbeResults (refusals included), in order. Errors of one config (a
     CUDA error) are raised from the call, or from the Future's result().
     """
@@ -331,7 +404,7 @@ def preload(configs: Iterable[ConfigLike] | None = None, *, device: int | None =
 
     def run() -> list[ProbeResult]:
         with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="fastattn-preload") as pool:
-            return list(pool.map(lambda c: probe(c, device=device), todo))
+            return list(pool.map(lambda c: probe(c, device=device, verify=verify), todo))
 
     if not background:
         return run()
@@ -356,8 +429,8 @@ def cache_environment(device: int | None = None) -> dict[str, Any]:
 
 def stats() -> dict[str, float]:
     """Counters of this process: memory_hits, disk_hits, negative_hits, misses,
-    builds, deserializations, unsupported, build_errors, bad_entries, build_seconds,
-    load_seconds, plans (in memory), and the cache directories' own counters under
+    builds, deserializations, unsupported, build_errors, bad_entries, verifications,
+    verification_failures, verify_seconds, build_seconds, load_seconds, plans (in memory), and the cache directories' own counters under
     "cache" (hits, misses, corrupt, writes, write_failures, pruned)."""
     with _lock:
         out: dict[str, Any] = dict(_counters)

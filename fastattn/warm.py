@@ -27,12 +27,15 @@ from .errors import FastAttnError, InvalidArgumentError
 __all__ = ["WarmItem", "WarmReport", "warm"]
 
 STATUSES = ("loaded", "built", "unsupported", "failed")
+# With verify: a plan cuDNN built that failed verification (refused with the evidence:
+# never served). Counted, as "rejected", in runs that verify or meet one.
+REJECTED = "rejected"
 
 
 @dataclass
 class WarmItem:
     config: AttentionConfig
-    status: str = "pending"  # loaded (found in the cache), built, unsupported, failed
+    status: str = "pending"  # loaded (found in the cache), built, unsupported, failed, rejected (failed verification)
     seconds: float = 0.0  # wall time from handing it to a worker to its answer
     build_seconds: float = 0.0  # the part the worker spent building or loading it
     reason: str = ""  # cuDNN's reason, or what failed
@@ -44,12 +47,13 @@ class WarmItem:
     saved: bool | None = None
     key: str | None = field(default=None, repr=False)  # the cache key of an answer built now, as the worker saw it
     built_now: bool = field(default=False, repr=False)
+    verdict: dict | None = None  # fastattn.verdict.Verdict.to_dict(): verified now or stored with the entry
 
     def to_dict(self) -> dict:
         return {"config": self.config.to_dict(), "status": self.status, "seconds": self.seconds,
                 "build_seconds": self.build_seconds, "reason": self.reason,
                 "forward_engine": self.forward_engine, "backward_engine": self.backward_engine,
-                "error_type": self.error_type, "saved": self.saved}
+                "error_type": self.error_type, "saved": self.saved, "verdict": self.verdict}
 
 
 @dataclass
@@ -62,19 +66,30 @@ class WarmReport:
     not_saved: int = 0  # answers built by this run that the cache directory does not hold at its end
     not_saved_reason: str = ""  # why, when not_saved
     warnings: list[str] = field(default_factory=list)  # what the workers logged (each message once)
+    verify: bool = False  # every plan was verified (now, or by the run that stored its verdict)
+
+    @property
+    def verdicts(self) -> dict[str, int]:
+        """How many items carry a verdict of each status (passed, failed, skipped)."""
+        out = {"passed": 0, "failed": 0, "skipped": 0}
+        for i in self.items:
+            if i.verdict is not None:
+                out[i.verdict["status"]] += 1
+        return out
 
     def to_dict(self) -> dict:
         return {"seconds": self.seconds, "workers": self.workers, "processes": self.processes, "counts": self.counts,
                 "not_saved": self.not_saved, "not_saved_reason": self.not_saved_reason, "warnings": self.warnings,
-                "items": [i.to_dict() for i in self.items]}
+                "verify": self.verify, "verdicts": self.verdicts, "items": [i.to_dict() for i in self.items]}
 
 
 class _Worker:
-    def __init__(self, device: int | None, log_dir: str, index: int):
+    def __init__(self, device: int | None, log_dir: str, index: int, verify: bool = False):
         self.index = index
         self.log_path = os.path.join(log_dir, f"worker-{index}.log")
         self.log = open(self.log_path, "ab")
         cmd = [sys.executable, "-m", "fastattn._warm_worker"] + ([] if device is None else ["--device", str(device)])
+        cmd += ["--verify"] if verify else []
         # cwd: `python -m` puts it first on sys.path; from a source checkout that would
         # shadow the installed fastattn with an unbuilt one.
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, bufsize=0,
@@ -170,8 +185,10 @@ def _apply(item: WarmItem, msg: dict, elapsed: float) -> None:
         return
     item.forward_engine, item.backward_engine = msg.get("forward_engine", ""), msg.get("backward_engine", "")
     item.build_seconds = float(msg.get("build_seconds", 0.0))
+    item.verdict = msg.get("verdict")
     if not msg["supported"]:
-        item.status, item.reason = "unsupported", msg.get("reason", "")
+        rejected = (item.verdict or {}).get("status") == "failed"
+        item.status, item.reason = REJECTED if rejected else "unsupported", msg.get("reason", "")
     else:
         item.status = "loaded" if msg.get("source") in ("disk", "remote", "memory") else "built"
 
@@ -193,8 +210,10 @@ def _crashed(item: WarmItem, worker: _Worker, elapsed: float, timeout: float) ->
         item.reason += f"; its last output: {tail}"
 
 
-def _answer_from_cache(items: list[WarmItem], device: int | None, cache):
-    """Settles, and yields, each item whose answer the persistent cache already holds.
+def _answer_from_cache(items: list[WarmItem], device: int | None, cache, verify: bool = False):
+    """Settles, and yields, each item whose answer the persistent cache already holds
+    (with verify, a plan only where its entry holds a verdict: the others go to a
+    worker, which verifies them).
     `cache` is the one the workers use (the FASTATTN_CACHE_* variables now), and reading
     entries builds and deserializes nothing, so this is safe outside a worker. Where
     the GPU stack cannot even start here, the workers report why."""
@@ -206,14 +225,16 @@ def _answer_from_cache(items: list[WarmItem], device: int | None, cache):
             known = runtime.stored_answer(item.config, device=device, cache=cache)
         except FastAttnError:
             return
-        if known is None:
+        if known is None or (verify and known.supported and known.verdict is None):
             continue
         item.seconds = time.perf_counter() - t0
         item.forward_engine, item.backward_engine = known.forward_engine, known.backward_engine
+        item.verdict = known.verdict.to_dict() if known.verdict is not None else None
         if known.supported:
             item.status = "loaded"
         else:
-            item.status, item.reason = "unsupported", known.reason
+            rejected = known.verdict is not None and known.verdict.status == "failed"
+            item.status, item.reason = REJECTED if rejected else "unsupported", known.reason
         yield item
 
 
@@ -224,8 +245,9 @@ class _Pool:
     empty and every worker has answered or died."""
 
     def __init__(self, queue: _Queue, size: int, device: int | None, timeout: float, log_dir: str,
-                 settle: Callable[[WarmItem], None]):
+                 settle: Callable[[WarmItem], None], verify: bool = False):
         self.queue, self.size, self.device, self.timeout, self.log_dir = queue, size, device, timeout, log_dir
+        self.verify = verify
         self.settle = settle  # called once per item answered or failed
         self.workers: list[_Worker] = []
         self.spawned = 0
@@ -246,7 +268,7 @@ class _Pool:
             item = self.queue.take(self.spawned)
             if item is None:
                 return
-            w = _Worker(self.device, self.log_dir, self.spawned)
+            w = _Worker(self.device, self.log_dir, self.spawned, self.verify)
             self.spawned += 1
             self.workers.append(w)
             self.sel.register(w.proc.stdout, selectors.EVENT_READ, w)
@@ -311,6 +333,7 @@ def warm(
     device: int | None = None,
     progress: Callable[[int, int, WarmItem], None] | None = None,
     timeout: float = 600.0,
+    verify: bool = False,
 ) -> WarmReport:
     """Loads or builds every config in `workers` processes (default: up to 8, at most
     one per config), storing what is built in the persistent cache. Configs the cache
@@ -319,8 +342,10 @@ def warm(
     is counted in the report's not_saved, with the reason and the workers' warnings. Workers keep to configs of the
     same kernel family (kernel_family), whose compiled kernels a process reuses, so
     fewer workers than asked may start. A config that takes longer than `timeout`
-    seconds has its worker killed and is reported failed. Never raises for a config:
-    refusals and failures are in the report."""
+    seconds has its worker killed and is reported failed. verify: each plan is also
+    verified (fastattn.verify, in the workers; entries that hold a verdict need no
+    second run); one that fails is refused with the evidence, status "rejected". Never
+    raises for a config: refusals and failures are in the report."""
     if workers is None:
         workers = min(8, os.cpu_count() or 1)
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
@@ -340,16 +365,20 @@ def warm(
 
     # What the cache already holds needs no worker: a second run costs one process's
     # GPU initialization and a read of each entry, not a worker start per config.
-    for item in _answer_from_cache(items, device, cache):
+    for item in _answer_from_cache(items, device, cache, verify):
         settle(item)
     queue = _Queue([i for i in items if i.status == "pending"])
     with tempfile.TemporaryDirectory(prefix="fastattn-warm-") as log_dir:
-        pool = _Pool(queue, workers, device, timeout, log_dir, settle)
+        pool = _Pool(queue, workers, device, timeout, log_dir, settle, verify)
         pool.run()
     counts = {s: sum(1 for i in items if i.status == s) for s in STATUSES}
+    rejected = sum(1 for i in items if i.status == REJECTED)
+    if verify or rejected:
+        counts[REJECTED] = rejected
     warnings = list(pool.warnings)
     not_saved, why = _check_saved(items, cache, warnings)
-    return WarmReport(items, time.perf_counter() - t0, workers, counts, pool.spawned, not_saved, why, warnings)
+    return WarmReport(items, time.perf_counter() - t0, workers, counts, pool.spawned, not_saved, why, warnings,
+                      verify)
 
 
 def _check_saved(items: list[WarmItem], cache, warnings: list[str]) -> tuple[int, str]:

@@ -85,6 +85,7 @@ def env(tmp_path, monkeypatch):
 
     monkeypatch.setenv("FASTATTN_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(runtime, "_core", lambda: fake_core)
+    monkeypatch.setattr(runtime, "_verify", fake_core.verify)
     monkeypatch.setattr(fake_core, "GPU_NAME", ["NVIDIA H200"])
     runtime.clear()
     yield tmp_path

@@ -4,6 +4,8 @@ for real (keys, entries, locks, counters) without cuDNN.
 
 FAKE_BUILD_LOG: a file that gets one line per build (to count builds across processes).
 FAKE_BUILD_SECONDS: how long a build takes (default 0.01).
+FAKE_VERIFY_LOG: a file that gets one line per verification (`verify`, the stand-in for
+fastattn.verify.verify_plan).
 """
 
 import hashlib
@@ -85,3 +87,20 @@ def policy():
 def install(runtime):
     """Makes `runtime` use this module instead of the extension."""
     runtime._core = lambda: __import__("fake_core")
+    runtime._verify = verify
+
+
+def verify(plan, config, device):
+    """What fastattn.verify.verify_plan answers, without a GPU: a pass, except for
+    head_dim_qk=96, which stands for a plan that computes wrong answers (NaN d_q on the
+    low_lse data, as cuDNN 9.19's SM90 backward did)."""
+    from fastattn.verdict import TOLERANCE, Check, Verdict
+
+    with open(os.environ.get("FAKE_VERIFY_LOG", os.devnull), "a") as f:
+        f.write(f"{os.getpid()} {config.to_json()}\n")
+    tol = TOLERANCE.get(config.dtype, TOLERANCE["bf16"])
+    outputs = ("o", "d_q", "d_k", "d_v") if config.training else ("o",)
+    checks = [Check(kind, name, 1e-3, 1.0, 0) for kind in ("random", "low_lse") for name in outputs]
+    if config.head_dim_qk == 96:
+        checks[-1] = Check("low_lse", outputs[-1], 0.75, 1.0, 4096)
+    return Verdict.judge(checks, CUDNN_VERSION[0], tol, 0.02)

@@ -17,7 +17,8 @@ EXIT_OK = 0           # success (probe: supported; matrix: the grid was made)
 EXIT_UNSUPPORTED = 1  # cuDNN does not support the config (warm: some configs)
 EXIT_BAD_INPUT = 2    # bad flags, files or values; a refused bundle
 EXIT_NO_GPU = 3       # no usable GPU stack: driver, CUDA or cuDNN missing, a CUDA error
-EXIT_FAILED = 4       # some work failed: a crashed config, damaged entries, Redis unreachable
+EXIT_FAILED = 4       # some work failed: a crashed config, damaged entries, Redis unreachable, a plan
+                      # that failed verification (--verify: refused with the evidence, never served)
 EXIT_BUG = 5          # an unexpected exception: a bug in fastattn (the traceback goes to a file)
 EXIT_INTERRUPTED = 130  # Ctrl-C, as shells report SIGINT
 EXIT_CODES = (EXIT_OK, EXIT_UNSUPPORTED, EXIT_BAD_INPUT, EXIT_NO_GPU, EXIT_FAILED, EXIT_BUG, EXIT_INTERRUPTED)
@@ -49,6 +50,30 @@ def add_json_flag(parser: argparse.ArgumentParser, help: str = "print JSON") -> 
     # `main` also takes --json anywhere on the line (`fastattn cache --json ls`); this
     # flag is what --help shows.
     parser.add_argument("--json", action="store_true", help=help)
+
+
+VERIFY_HELP = ("also run each plan once on random and adversarial data (rows with log-sum-exp below -88.7; "
+               "with padding, random lengths) against a float32 reference on the GPU, forward and backward, and "
+               "store the verdict in its cache entry (entries verified before need no second run); a plan that "
+               "fails is refused with the evidence and never served (exit 4). Needs PyTorch (exit 2 without it)")
+
+
+def add_verify_flag(parser: argparse.ArgumentParser) -> None:
+    """--verify, the one declaration `probe` and `warm` share (fastattn.verify)."""
+    parser.add_argument("--verify", action="store_true", help=VERIFY_HELP)
+
+
+def check_verify_possible() -> None:
+    """--verify's reference runs on PyTorch: without it, a usage error (exit 2) naming
+    the flag and what is missing, before any work starts."""
+    import importlib.util
+
+    from ..errors import InvalidArgumentError
+
+    if importlib.util.find_spec("torch") is None:
+        raise InvalidArgumentError("--verify: needs PyTorch for its float32 GPU reference (fastattn.torch's "
+                                   "optional extra), and torch is not installed here: pip install torch, or run "
+                                   "without --verify")
 
 
 # -- flag parsers: each names the value and the rule; argparse adds the flag's name -----
@@ -218,12 +243,13 @@ def wrap(text: str, indent: str = "  ", width: int = 100) -> list[str]:
 
 
 def exit_code(report) -> int:
-    """A warm report's exit code: no GPU stack at all, some configs failed, some refused, or all good."""
+    """A warm report's exit code: no GPU stack at all, some configs failed (or failed
+    verification), some refused, or all good."""
     failed = [i for i in report.items if i.status == "failed"]
     if failed and len(failed) == len(report.items) and all(i.error_type in ("LibraryError", "CudaError")
                                                            for i in failed):
         return EXIT_NO_GPU
-    if failed:
+    if failed or any(i.status == "rejected" for i in report.items):
         return EXIT_FAILED
     return EXIT_UNSUPPORTED if report.counts["unsupported"] else EXIT_OK
 

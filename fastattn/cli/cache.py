@@ -23,6 +23,7 @@ from ..errors import CorruptPlanError, InvalidArgumentError
 from ..plan_cache import PlanCache, config_of
 from ..store import bundle
 from ..store.entry import decode
+from ..verdict import Verdict
 from ._common import (EXIT_FAILED, EXIT_OK, Parser, add_json_flag, age, gpu_environment, input_path, output_file,
                       size)
 from ._common import this_environment as _this_environment
@@ -93,8 +94,11 @@ def _summary(info: store.EntryInfo) -> str:
     cfg = config_of(desc)
     gpu = desc.get("gpu", {}).get("name", "?")
     avoided = desc.get("defects") or []  # fastattn.defects: the remedies its graphs carry
+    verdict = header["meta"].get("verdict")  # its shape checked by the entry decoder
+    shown = f" verified {Verdict.from_dict(verdict).summary()}" if verdict is not None else ""
     return (f"{header['kind']:<11} {sweep.describe_config(cfg) if cfg else '(unknown config)'}  "
-            f"[{gpu}, cuDNN {desc.get('cudnn', '?')}]" + (f" avoids {', '.join(avoided)}" if avoided else ""))
+            f"[{gpu}, cuDNN {desc.get('cudnn', '?')}]" + (f" avoids {', '.join(avoided)}" if avoided else "")
+            + shown)
 
 
 def _shown(path: str) -> str:
@@ -141,6 +145,7 @@ def _ls(args, cache: PlanCache) -> tuple[int, dict[str, Any]]:
                      "last_used": info.last_used, "kind": header.get("kind"),
                      "config": header.get("description", {}).get("config"),
                      "defects": header.get("description", {}).get("defects", []),
+                     "verdict": header.get("meta", {}).get("verdict"),
                      "damaged": (info.problem or "unreadable header") if info.header is None else None,
                      "summary": _summary(info)})
     lines = [f"{'key':<16} {'size':>9} {'age':>5} {'used':>5}  kind        config"]

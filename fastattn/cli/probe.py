@@ -11,7 +11,8 @@ from typing import Any
 from .. import _fields, defects, perf_notes, sweep
 from ..config import FIELDS, AttentionConfig
 from ..errors import InvalidArgumentError
-from ._common import EXIT_OK, EXIT_UNSUPPORTED, add_json_flag, input_path, integer, number
+from ._common import (EXIT_FAILED, EXIT_OK, EXIT_UNSUPPORTED, add_json_flag, add_verify_flag, check_verify_possible,
+                      input_path, integer, number)
 
 
 def flag(field: dataclasses.Field) -> str:
@@ -21,7 +22,8 @@ def flag(field: dataclasses.Field) -> str:
 def add_parser(sub) -> None:
     probe = sub.add_parser("probe", help="ask cuDNN whether it supports one attention config on this GPU",
                            description="Ask cuDNN whether it supports one attention config on this GPU. Exit code "
-                           "0: supported, 1: not supported (with cuDNN's reason), 2: bad input, 3: no usable GPU.")
+                           "0: supported, 1: not supported (with cuDNN's reason), 2: bad input, 3: no usable GPU, 4: the plan "
+                           "failed verification (--verify now, or when its cache entry was stored).")
     probe.add_argument("--config", type=input_path,
                        help="a config file as `fastattn warm` reads it (JSON or TOML) holding one config, or JSON "
                             "text of its fields; flags override it")
@@ -48,6 +50,7 @@ def add_parser(sub) -> None:
         else:  # pragma: no cover - a new kind needs its flag here
             raise AssertionError(f"no flag for field kind {kind!r}")
     probe.add_argument("--device", type=integer(0), default=None, help="CUDA device (default: current)")
+    add_verify_flag(probe)
     add_json_flag(probe)
 
 
@@ -100,11 +103,16 @@ def run(args) -> tuple[int, dict[str, Any]]:
     from .. import runtime
 
     cfg = config_from_args(args)
-    result = runtime.probe(cfg, device=args.device)
+    if args.verify:
+        check_verify_possible()
+    # verify passed only when asked: the call without it is the one it always was
+    result = runtime.probe(cfg, device=args.device, **({"verify": True} if args.verify else {}))
     out = result.to_dict()
     out["notes"] = perf_notes.notes(cfg) if result.supported else []
     out["avoided"] = defects.explain(result.avoided)
     out["_text"] = _text(out)
+    if result.verdict is not None and result.verdict.status == "failed":
+        return EXIT_FAILED, out
     return (EXIT_OK if result.supported else EXIT_UNSUPPORTED), out
 
 
@@ -125,4 +133,16 @@ def _text(out: dict[str, Any]) -> str:
         if "summary" in a:
             lines.append(f"    {a['summary']}; {a['cudnn']}; see {', '.join(a['reports'])}")
     lines.extend(f"  note: {note}" for note in out.get("notes", ()))
+    if out.get("verdict") is not None:
+        lines.extend(verdict_lines(out["verdict"]))
     return "\n".join(lines)
+
+
+def verdict_lines(data: dict[str, Any], indent: str = "  ") -> list[str]:
+    """A verdict (Verdict.to_dict()) as lines: its summary, then a line per check."""
+    from ..verdict import Verdict
+
+    v = Verdict.from_dict(data)
+    lines = [f"{indent}verified: {v.summary()} in {v.seconds:.2f} s, cuDNN {v.cudnn_version}"]
+    lines.extend(f"{indent}  {'ok  ' if c.passed(v.tolerance) else 'FAIL'} {c.describe()}" for c in v.checks)
+    return lines

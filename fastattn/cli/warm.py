@@ -8,8 +8,9 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 from ..errors import InvalidArgumentError
-from ._common import (EXIT_FAILED, EXIT_NO_GPU, EXIT_OK, EXIT_UNSUPPORTED, add_json_flag, exit_code, input_path,
-                      integer, length_range, number, output_file, shape_classes, wrap)
+from ._common import (EXIT_FAILED, EXIT_NO_GPU, EXIT_OK, EXIT_UNSUPPORTED, add_json_flag, add_verify_flag,
+                      check_verify_possible, exit_code, input_path, integer, length_range, number, output_file,
+                      shape_classes, wrap)
 
 if TYPE_CHECKING:
     from ..warm import WarmItem
@@ -20,7 +21,8 @@ def add_parser(sub) -> None:
                           description="Load or build every config a file describes (default: built-in model "
                           "shapes) in parallel worker processes, and store them in the persistent cache. Exit codes: "
                           "0 every config stored, 1 some not supported by cuDNN (their refusals stored), 2 bad input, "
-                          "3 no usable GPU, 4 some configs failed, or answers built now are not in the cache at the "
+                          "3 no usable GPU, 4 some configs failed, or failed verification (--verify: status rejected, "
+                          "refused with the evidence), or answers built now are not in the cache at the "
                           "end (it cannot be written, or keeps nothing: counted as not saved, with the reason).")
     warm.add_argument("file", nargs="?", type=input_path,
                       help="JSON or TOML config file with sweeps (default: built-in model shapes)")
@@ -35,6 +37,7 @@ def add_parser(sub) -> None:
                            "FASTATTN_TORCH_PATH=python; without it fastattn.torch runs its Python path)")
     warm.add_argument("--timeout", type=number(above=0), default=600.0,
                       help="seconds one config may take before its worker is killed (default 600)")
+    add_verify_flag(warm)
     cls = warm.add_argument_group(
         "warm by shape class", "with --seqlens, instead of a file: the class plans (fastattn.shape_classes) that "
         "serve a model's fastattn.torch.attention() calls (bshd, packed tokens) at every length in the range, "
@@ -76,6 +79,9 @@ def run(args) -> tuple[int, dict[str, Any]]:
     from .. import sweep
     from ..warm import warm
 
+    verify = getattr(args, "verify", False)
+    if verify:
+        check_verify_possible()
     if getattr(args, "seqlens", None) is not None:
         configs, skipped = class_configs(args)
     else:
@@ -88,7 +94,8 @@ def run(args) -> tuple[int, dict[str, Any]]:
         problem = _gpu_problem(args.device)
         torch_ops = _TorchOpsBuild() if problem is None else _TorchOpsBuild(f"not built: no usable GPU ({problem})")
     report = warm(configs, workers=args.workers, device=args.device, timeout=args.timeout,
-                  progress=None if args.no_progress or args.json else _progress_bar())
+                  progress=None if args.no_progress or args.json else _progress_bar(),
+                  **({"verify": True} if verify else {}))
     out = report.to_dict()
     out["source"] = args.file or "built-in model shapes"
     if skipped is not None:
@@ -188,18 +195,28 @@ def _table(report) -> list[str]:
     from .. import sweep
 
     c = report.counts
-    lines = [f"{'status':<12} {'seconds':>8}  config", "-" * 72]
+    verified = report.verify or any(i.verdict is not None for i in report.items)
+    head = f"{'status':<12} {'seconds':>8}  " + (f"{'verified':<9} " if verified else "")
+    lines = [head + "config", "-" * 72]
     previous = None
     for item in report.items:
         status = "not saved" if item.saved is False else item.status  # built, and lost: not "built"
-        lines.append(f"{status:<12} {item.seconds:8.3f}  {sweep.describe_config(item.config)}")
-        if item.status in ("unsupported", "failed"):
+        mark = f"{(item.verdict or {}).get('status', '-'):<9} " if verified else ""
+        lines.append(f"{status:<12} {item.seconds:8.3f}  {mark}{sweep.describe_config(item.config)}")
+        if item.verdict is not None and item.verdict["status"] == "skipped":
+            lines.extend(wrap(f"not verified: {item.verdict['reason']}", indent=" " * 22))
+        if item.status in ("unsupported", "failed", "rejected"):
             why = f"{item.error_type + ': ' if item.error_type else ''}{item.reason}"
             lines.extend(wrap("(the same as above)" if why == previous else why, indent=" " * 22))
             previous = why
     lines.append("-" * 72)
     lines.append(f"{_summary(report)}: loaded {c['loaded']}, built {c['built']}, unsupported {c['unsupported']}, "
-                 f"failed {c['failed']}" + (f", not saved {report.not_saved}" if report.not_saved else ""))
+                 f"failed {c['failed']}" + (f", rejected {c['rejected']}" if "rejected" in c else "")
+                 + (f", not saved {report.not_saved}" if report.not_saved else ""))
+    if verified:
+        v = report.verdicts
+        lines.append(f"verified: passed {v['passed']}, failed {v['failed']} (refused: never served), "
+                     f"skipped {v['skipped']} (not covered by the reference)")
     if report.not_saved:
         lines.extend(wrap(f"not saved: {report.not_saved} answers built now are not in the cache, so the next run "
                           f"builds them again: {report.not_saved_reason}", indent=""))

@@ -32,6 +32,7 @@ import struct
 from dataclasses import dataclass, field
 from typing import Any
 
+from .. import verdict as _verdict
 from .keys import FORMAT_VERSION
 
 __all__ = ["MAGIC", "KEY_PATTERN", "Entry", "EntryError", "encode", "decode", "read_header", "read_header_from_file"]
@@ -153,6 +154,8 @@ _META_FIELDS = {
     "forward_workspace_size": lambda v: _is_int(v) and v >= 0,
     "backward_workspace_size": lambda v: _is_int(v) and v >= 0,
     "build_seconds": _is_number,
+    # fastattn.verdict's own shape check (its status must be what its numbers give).
+    "verdict": _verdict.is_valid,
 }
 
 
@@ -185,6 +188,11 @@ def _check_header(header: dict[str, Any]) -> None:
         for field_name, ok in fields.items():
             if field_name in value and not ok(value[field_name]):
                 raise bad(f"{name}.{field_name}", value[field_name])
+    # A plan entry serves: it never carries a failed verdict (a failed plan is stored as
+    # a refusal), and a refusal carries no passed one.
+    status = (header["meta"].get("verdict") or {}).get("status")
+    if (header["kind"] == "plan" and status == "failed") or (header["kind"] == "unsupported" and status == "passed"):
+        raise bad("meta.verdict.status", status)
 
 
 def read_header(data: bytes) -> dict[str, Any]:

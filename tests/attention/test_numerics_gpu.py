@@ -5,7 +5,8 @@ non-finite output or gradient on finite inputs, and errors no worse than twice P
 efficient kernel's on the same inputs. fastattn.defects' remedies are what makes the
 s_kv = 64 (mod 128) and s_q = 1 cases pass on cuDNN 9.19's SM90 kernels.
 
-Through fastattn.torch (whichever path the machine takes) and the raw plans."""
+Through fastattn.torch (whichever path the machine takes), fastattn.flash (dense and
+varlen) and the raw plans."""
 
 from __future__ import annotations
 
@@ -130,6 +131,54 @@ def test_adversarial_rows_are_finite_and_as_accurate_as_the_efficient_kernel(res
     ours = fastattn_torch(q, k, v, d_o, causal, bias)
     eff = efficient(q, k, v, d_o, mask)
     print(check(ours, eff, ref, dtype, f"s_kv={skv} {dtype} d={head_dim} bias={with_bias} causal={causal}"))
+
+
+FLASH = list(itertools.product((0, 64, 65), ("bf16", "fp16"), (64, 128), (False, True)))
+
+
+@pytest.mark.parametrize("residue,dtype,head_dim,causal", FLASH,
+                         ids=[f"kv{128 + r}-{t}-d{d}-{'causal' if c else 'full'}" for r, t, d, c in FLASH])
+def test_adversarial_rows_through_fastattn_flash(residue, dtype, head_dim, causal):
+    # FlashAttention's causal mask is at the bottom right: every row sees a key here (s_q < s_kv).
+    from fastattn.flash import flash_attn_func
+
+    b, h, sq, skv = 1, 2, 96, 128 + residue
+    q, k, v, d_o = adversarial(b, h, sq, skv, head_dim, TORCH_DTYPES[dtype], seed=residue * 5 + head_dim)
+    mask = None
+    if causal:
+        keep = torch.ones(sq, skv, dtype=torch.bool, device="cuda").tril(diagonal=skv - sq)
+        mask = torch.zeros(sq, skv, device="cuda").masked_fill(~keep, float("-inf"))[None, None]
+
+    def f(q, k, v):  # bhsd in and out; FlashAttention's functions take bshd
+        t = (x.transpose(1, 2) for x in (q, k, v))
+        return flash_attn_func(*t, causal=causal).transpose(1, 2)
+
+    ours = grads(f, q, k, v, d_o)
+    print(check(ours, efficient(q, k, v, d_o, mask), reference(q, k, v, d_o, mask), dtype,
+                f"flash s_kv={skv} {dtype} d={head_dim} causal={causal}"))
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_adversarial_rows_through_fastattn_flash_varlen(dtype):
+    # Two packed sequences of 96 queries and 192 keys (s_kv = 64 mod 128), non-causal.
+    from fastattn.flash import flash_attn_varlen_func
+
+    tdt = TORCH_DTYPES[dtype]
+    parts = [adversarial(1, 2, 96, 192, 64, tdt, seed=11 + i) for i in range(2)]
+    cu_q = torch.tensor([0, 96, 192], dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0, 192, 384], dtype=torch.int32, device="cuda")
+    packed = [torch.cat([p[i][0].transpose(0, 1) for p in parts]) for i in range(4)]  # (tokens, h, d) each
+
+    def f(q, k, v):
+        return flash_attn_varlen_func(q, k, v, cu_q, cu_k, 96, 192)
+
+    ours = grads(f, *packed[:3], packed[3])
+    for i, (q, k, v, d_o) in enumerate(parts):
+        rows_q, rows_k = slice(96 * i, 96 * (i + 1)), slice(192 * i, 192 * (i + 1))
+        mine = {name: ours[name][rows_k if name in ("d_k", "d_v") else rows_q].transpose(0, 1)[None]
+                for name in ("o", "d_q", "d_k", "d_v")}
+        print(check(mine, efficient(q, k, v, d_o, None), reference(q, k, v, d_o, None), dtype,
+                    f"flash varlen sequence {i} {dtype}"))
 
 
 SINGLE = list(itertools.product((97, 128, 256), ("bf16", "fp16")))

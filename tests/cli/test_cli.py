@@ -67,7 +67,7 @@ def test_config_file_errors_point_at_the_file(tmp_path, capsys):
 def test_flags_override_the_config_file(tmp_path, capsys, monkeypatch):
     seen = {}
 
-    def fake_probe(cfg, device=None):
+    def fake_probe(cfg, device=None, verify=False):
         seen["cfg"] = cfg
         from fastattn.runtime import ProbeResult
 
