@@ -12,7 +12,16 @@ one process on one GPU (issue 14: target at least 1.6x FA2's TFLOP/s).
     cached tokens, beside FA2 on the same KV laid out densely): fastattn.flash, fastattn.torch (what
     fastattn.flash adds on top) and FA2, interleaved rounds, medians.
 
-    python benchmarks/bench_flash.py [--json out.json] [--rounds N] [--reps N]
+(c) Issue 29's paths, TFLOP/s beside FA2 on the same shapes and beside fastattn's own
+    call without the feature (what the composition costs): flash_attn_varlen_func with a
+    block table (FA2 through PyTorch's varlen kernel with that block table where this
+    PyTorch takes one, and on the same K/V packed), flash_attn_with_kvcache appending a
+    chunk with the rotary embedding and with cache_leftpad (FA2 attends only: fastattn's
+    time also holds the append and the rotation), ALiBi with random slopes not causal
+    (the additive bias; FA2 with alibi_slopes, forward), a head dim of 111 (padded to 112;
+    FA2 is SDPA's flash backend, which pads too), forward and where it applies backward.
+
+    python benchmarks/bench_flash.py [--json out.json] [--rounds N] [--reps N] [--quick]
 
 Prints the JSON, then a `summary:` block last.
 """
@@ -125,6 +134,195 @@ def throughput(rounds: int, reps: int) -> list[dict]:
     return rows
 
 
+# -- issue 29's new paths, each beside FA2 on the same shapes and beside fastattn's own call
+# without the new feature ("direct": what the composition costs) -----------------------------
+
+def _aten_fa2(q, k, v, cu_q, cu_k, max_q, max_k, causal, **kw):
+    """FA2's varlen forward as PyTorch ships it (its bottom-right causal, GQA, and where this
+    PyTorch has them alibi_slopes and block_table): the output."""
+    return torch.ops.aten._flash_attention_forward(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False, **kw)[0]
+
+
+def _cu(lens) -> torch.Tensor:
+    return torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+
+
+def _causal_pairs(n_q: int, n_k: int) -> float:
+    """Query-key pairs of a bottom-right causal mask (query i sees keys up to i + n_k - n_q)."""
+    return n_q * (n_k - n_q) + n_q * (n_q + 1) / 2 if n_q <= n_k else n_k * (n_k + 1) / 2
+
+
+def _paged_varlen(h=16, d=128, page=256):
+    """flash_attn_varlen_func with a block table: 8 causal prefills of 1024-4096 tokens whose
+    K/V sit in shuffled 256-token pages (FA2's page size), forward. FA2: PyTorch's varlen
+    kernel with that block table where it takes one, and on the same K/V packed."""
+    g = torch.Generator().manual_seed(1)
+    lens = torch.randint(1024, 4097, (8,), generator=g).tolist()
+    n_pages = [-(-n // page) for n in lens]
+    width = max(n_pages)
+    perm = torch.randperm(2 * sum(n_pages), generator=g)
+    table = torch.zeros(8, width, dtype=torch.int32)
+    at = 0
+    for b, n in enumerate(n_pages):
+        table[b, :n] = perm[at:at + n]
+        table[b, n:] = perm[at]  # unused entries: any valid page
+        at += n
+    table = table.cuda()
+    k_pool, v_pool = (torch.randn(len(perm), page, h, d, device="cuda", dtype=BF16) for _ in range(2))
+    packed = [torch.cat([pool[table[b, :n_pages[b]].long()].reshape(-1, h, d)[:lens[b]] for b in range(8)])
+              for pool in (k_pool, v_pool)]
+    q = torch.randn(sum(lens), h, d, device="cuda", dtype=BF16)
+    cu, longest = _cu(lens), max(lens)
+    peers = {
+        "fastattn": lambda: flash.flash_attn_varlen_func(q, k_pool, v_pool, cu, cu, longest, longest, causal=True,
+                                                         block_table=table),
+        "fastattn_direct": lambda: flash.flash_attn_varlen_func(q, *packed, cu, cu, longest, longest, causal=True),
+        "fa2": lambda: _aten_fa2(q, *packed, cu, cu, longest, longest, True),
+        "fa2_paged": lambda: _aten_fa2(q, k_pool, v_pool, cu, cu, longest, longest, True, block_table=table),
+    }
+    pairs = sum(_causal_pairs(n, n) for n in lens)
+    return {"path": "block_table varlen", "shape": f"8 seqs 1024-4096 x{h}x{d} page {page} causal",
+            "modes": {"fwd": peers}, "flops": 4 * pairs * h * d}
+
+
+def _kvcache_chunk(rotary: bool, leftpad: bool, b=8, new=256, cache=4096, h=32, h_kv=8, d=128):
+    """flash_attn_with_kvcache appending a chunk of `new` tokens per sequence to a cache
+    filled to cache - new (GQA 32/8, causal), with the rotary embedding (cos, sin over the
+    whole head dim, not interleaved) or cache_leftpad (each sequence's first 0-1023 cache
+    rows unused). fastattn also writes k, v into the cache (and rotates q and k); FA2 here
+    only attends (PyTorch's varlen kernel on the same keys, packed): the append and the
+    rotation are in fastattn's time alone."""
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(b, new, h, d, device="cuda", dtype=BF16)
+    k_new, v_new = (torch.randn(b, new, h_kv, d, device="cuda", dtype=BF16) for _ in range(2))
+    k_cache, v_cache = (torch.randn(b, cache, h_kv, d, device="cuda", dtype=BF16) for _ in range(2))
+    seqlens = torch.full((b,), cache - new, dtype=torch.int32, device="cuda")
+    pad = (torch.randint(0, 1024, (b,), generator=g) if leftpad else torch.zeros(b, dtype=torch.int64)).tolist()
+    kw = {}
+    if rotary:
+        angle = torch.rand(cache, d // 2, generator=g) * 6.2832
+        kw.update(rotary_cos=torch.cos(angle).to("cuda", BF16), rotary_sin=torch.sin(angle).to("cuda", BF16))
+    if leftpad:
+        kw["cache_leftpad"] = torch.tensor(pad, dtype=torch.int32, device="cuda")
+    used = [cache - p for p in pad]
+    k_packed, v_packed = (torch.cat([c[i, pad[i]:] for i in range(b)]) for c in (k_cache, v_cache))
+    q_packed = q.reshape(b * new, h, d)
+    cu_q, cu_k = _cu([new] * b), _cu(used)
+    peers = {
+        "fastattn": lambda: flash.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=seqlens,
+                                                          causal=True, **kw),
+        "fastattn_direct": lambda: flash.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new,
+                                                                 cache_seqlens=seqlens, causal=True),
+        "fa2": lambda: _aten_fa2(q_packed, k_packed, v_packed, cu_q, cu_k, new, max(used), True),
+    }
+    pairs = sum(_causal_pairs(new, n) for n in used)
+    what = "rotary kvcache" if rotary else "cache_leftpad kvcache"
+    return {"path": what, "shape": f"{b}x{h}/{h_kv}x{d}, {new} new tokens onto {cache - new} cached, causal",
+            "modes": {"fwd": peers}, "flops": 4 * pairs * h * d}
+
+
+def _alibi(b=2, h=16, s=4096, d=128):
+    """ALiBi with random slopes, not causal: fastattn's additive bias (cuDNN's own ALiBi
+    is causal with the paper's slopes only). FA2: PyTorch's varlen kernel with
+    alibi_slopes, forward (its backward there takes no slopes); direct: no ALiBi."""
+    q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=BF16, requires_grad=True) for _ in range(3))
+    slopes = torch.rand(b, h, device="cuda") * 0.3
+    cu = _cu([s] * b)
+    flat = [t.detach().reshape(b * s, h, d) for t in (q, k, v)]
+
+    def fwd(fn):
+        def step():
+            with torch.no_grad():
+                fn()
+        return step
+
+    def bwd(fn):
+        def step():
+            o = fn()
+            torch.autograd.grad(o, (q, k, v), torch.ones_like(o))
+        return step
+
+    def ours():
+        return flash.flash_attn_func(q, k, v, alibi_slopes=slopes)
+
+    def direct():
+        return flash.flash_attn_func(q, k, v)
+
+    return {"path": "ALiBi as bias", "shape": f"{b}x{h}x{s}x{d} random slopes, not causal",
+            "modes": {"fwd": {"fastattn": fwd(ours), "fastattn_direct": fwd(direct),
+                              "fa2": lambda: _aten_fa2(*flat, cu, cu, s, s, False, alibi_slopes=slopes)},
+                      "bwd": {"fastattn": bwd(ours), "fastattn_direct": bwd(direct)}},
+            "flops": 4 * b * s * s * h * d}
+
+
+def _padded_head_dim(b=2, h=16, s=4096, d=111):
+    """A head dim that is not a multiple of 8 (fastattn pads q, k, v to the next one, a copy
+    of each, and cuts o back), causal, forward and forward+backward. FA2: SDPA's flash
+    backend (which pads too); direct: fastattn at the padded head dim (no copies)."""
+    pad = d + (-d % 8)
+    qkv = [torch.randn(b, s, h, d, device="cuda", dtype=BF16, requires_grad=True) for _ in range(3)]
+    qkv8 = [torch.randn(b, s, h, pad, device="cuda", dtype=BF16, requires_grad=True) for _ in range(3)]
+    calls = {"fastattn": lambda: flash.flash_attn_func(*qkv, causal=True),
+             "fastattn_direct": lambda: flash.flash_attn_func(*qkv8, causal=True),
+             "fa2": lambda: _fa2_dense(*qkv, True)}
+    inputs = {"fastattn": qkv, "fastattn_direct": qkv8, "fa2": qkv}
+
+    def step(peer, backward):
+        fn, ts = calls[peer], inputs[peer]
+
+        def run():
+            if not backward:
+                with torch.no_grad():
+                    return fn()
+            o = fn()
+            torch.autograd.grad(o, ts, torch.ones_like(o))
+        return run
+
+    flops = 4 * b * s * s * 0.5 * h * d  # the real head dim's work
+    return {"path": "head dim padded to a multiple of 8", "shape": f"{b}x{h}x{s}x{d} (to {pad}) causal",
+            "modes": {"fwd": {p: step(p, False) for p in calls}, "bwd": {p: step(p, True) for p in calls}},
+            "flops": flops, "bwd_flops": flops * 3.5}
+
+
+def new_paths(rounds: int, reps: int) -> list[dict]:
+    """TFLOP/s of each path issue 29 adds, interleaved rounds, medians; the ratios are
+    medians of the rounds' ratios: to FA2 and to fastattn's direct call."""
+    rows = []
+    for build in (_paged_varlen, lambda: _kvcache_chunk(True, False), lambda: _kvcache_chunk(False, True), _alibi,
+                  _padded_head_dim):
+        try:
+            case = build()
+        except Exception as e:  # a case this machine cannot set up: recorded, not fatal
+            rows.append({"path": getattr(build, "__name__", "?"), "error": f"{type(e).__name__}: {e}"[:300]})
+            continue
+        row = {"path": case["path"], "shape": case["shape"]}
+        for mode, peers in case["modes"].items():
+            flops = case["bwd_flops"] if mode == "bwd" and "bwd_flops" in case else case["flops"] * (
+                3.5 if mode == "bwd" else 1.0)
+            steps = {}
+            for peer, fn in peers.items():
+                try:
+                    for _ in range(3):  # warm-up: plans, kernels
+                        fn()
+                    torch.cuda.synchronize()
+                    steps[peer] = fn
+                except Exception as e:  # a peer this PyTorch lacks (fa2_paged, ALiBi in FA2): recorded
+                    row[f"{peer}_{mode}_error"] = f"{type(e).__name__}: {e}"[:300]
+            samples = {peer: [] for peer in steps}
+            for _ in range(rounds):
+                for peer, fn in steps.items():
+                    samples[peer].append(flops / _time_ms(lambda i, fn=fn: fn(), 1, reps) / 1e9)
+            for peer, sm in samples.items():
+                row[f"{peer}_{mode}_tflops"] = statistics.median(sm)
+            for other in ("fa2", "fa2_paged", "fastattn_direct"):
+                if "fastattn" in samples and other in samples:
+                    row[f"ratio_{mode}_fastattn_to_{other}"] = statistics.median(
+                        a / b for a, b in zip(samples["fastattn"], samples[other]))
+        rows.append(row)
+        torch.cuda.empty_cache()
+    return rows
+
+
 def host_overhead(iters: int, rounds: int) -> dict:
     q, k, v = (torch.randn(1, 128, 8, 64, device="cuda", dtype=BF16) for _ in range(3))
     lens = [32] * 4
@@ -190,11 +388,16 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=300, help="calls per host-time sample")
     ap.add_argument("--rounds", type=int, default=7, help="interleaved rounds")
     ap.add_argument("--reps", type=int, default=10, help="calls per throughput sample")
+    ap.add_argument("--quick", action="store_true", help="3 rounds of 3 reps, 100 calls per host sample (a smoke run)")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
+    if args.quick:
+        args.rounds, args.reps, args.iters = 3, 3, 100
+    t0 = time.perf_counter()
     res = {"date": time.strftime("%Y-%m-%d"), "device": fastattn.device_info(), "versions": fastattn.versions(),
-           "torch": torch.__version__, "throughput": throughput(args.rounds, args.reps),
-           "host_overhead": host_overhead(args.iters, args.rounds)}
+           "torch": torch.__version__, "quick": args.quick, "throughput": throughput(args.rounds, args.reps),
+           "new_paths": new_paths(args.rounds, args.reps), "host_overhead": host_overhead(args.iters, args.rounds)}
+    res["wall_s"] = round(time.perf_counter() - t0, 1)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=2)
@@ -209,11 +412,26 @@ def main(argv=None) -> int:
                          f"(ratio {ratio or float('nan'):.2f}, target >= 1.6)")
         errs = [f"{k}: {v}" for k, v in r.items() if k.endswith("_error")]
         print(f"  {r['shape']} causal={r['causal']}: " + "; ".join(parts) + (f" [{'; '.join(errs)}]" if errs else ""))
+    print("  issue 29's paths (TFLOP/s; x FA2 and x fastattn without the feature, medians of round ratios):")
+    for r in res["new_paths"]:
+        parts = []
+        for mode in ("fwd", "bwd"):
+            if f"fastattn_{mode}_tflops" not in r:
+                continue
+            peers = ", ".join(f"{p} {r[f'{p}_{mode}_tflops']:.0f}" for p in ("fa2", "fa2_paged", "fastattn_direct")
+                              if f"{p}_{mode}_tflops" in r)
+            ratios = ", ".join(f"x{p} {r[f'ratio_{mode}_fastattn_to_{p}']:.2f}"
+                               for p in ("fa2", "fa2_paged", "fastattn_direct")
+                               if f"ratio_{mode}_fastattn_to_{p}" in r)
+            parts.append(f"{mode} {r[f'fastattn_{mode}_tflops']:.0f} ({peers}; {ratios})")
+        errs = [f"{k}: {v}" for k, v in r.items() if k.endswith("error")]
+        print(f"    {r['path']} [{r.get('shape', '')}]: " + "; ".join(parts) + (f" [{'; '.join(errs)}]" if errs else ""))
     h = res["host_overhead"]
     print("  host us/call: " + ", ".join(f"{k[:-3]} {v:.2f}" for k, v in h.items() if k.endswith("_us")))
     print("  host ratios: " + ", ".join(f"{k[6:]} {v:.2f}" for k, v in h.items() if k.startswith("ratio_")))
     if h["errors"]:
         print(f"  host errors: {h['errors']}")
+    print(f"  wall: {res['wall_s']} s")
     return 0
 
 

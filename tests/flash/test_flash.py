@@ -717,7 +717,16 @@ def test_the_benchmark_imports_and_parses_its_arguments():
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_flash.py"), "--help"], capture_output=True,
                        text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert r.returncode == 0, r.stderr
-    assert "--json" in r.stdout and "summary:" in r.stdout
+    assert "--json" in r.stdout and "--quick" in r.stdout and "summary:" in r.stdout
+
+
+def test_the_benchmarks_flop_count_of_a_bottom_right_causal_mask_is_its_pairs():
+    from helpers.benchmarks import load
+
+    bench = load("bench_flash")
+    for sq, sk in [(1, 1), (3, 7), (7, 3), (16, 300), (5, 5)]:
+        pairs = sum(1 for i in range(sq) for j in range(sk) if j <= i + sk - sq)  # FlashAttention's causal mask
+        assert bench._causal_pairs(sq, sk) == pairs
 
 
 @pytest.mark.parametrize("sq,sk", [(128, 128), (64, 200), (300, 100)])
