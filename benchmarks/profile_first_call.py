@@ -178,8 +178,7 @@ def main(argv=None) -> int:
     for order in _common.rotated(modes, args.rounds):
         for mode in order:
             env = _common.fresh_cache_env(cache_dir)
-            if not mode.startswith("call_warm"):
-                env["FASTATTN_WARM_LIBRARIES"] = "0"
+            env["FASTATTN_WARM_LIBRARIES"] = "1" if mode.startswith("call_warm") else "0"
             r = _common.fresh(os.path.abspath(__file__), ["--child", mode, "--idle-ms", str(args.idle_ms)], env)
             if "error" in r:
                 errors[mode] = _common.first_error([r])

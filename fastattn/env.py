@@ -250,10 +250,10 @@ _TABLE = (
     _V("FASTATTN_SDPA", "bool", False, "serve torch.nn.functional.scaled_dot_product_attention's cuDNN calls on "
        "fastattn (`fastattn.torch.enable_sdpa()`) from the moment fastattn.torch is imported; unset, nothing is "
        "changed until enable_sdpa() is called"),
-    _V("FASTATTN_WARM_LIBRARIES", "bool", True, "when fastattn.torch is imported where PyTorch sees a CUDA GPU, "
-       "load cuDNN, its dependencies and its graph sub-libraries in a background thread "
-       "(`fastattn.runtime.warm_libraries`), so that the first call finds them loaded; `0`: the first call loads "
-       "them"),
+    _V("FASTATTN_WARM_LIBRARIES", "bool", False, "`1`: when fastattn.torch is imported where PyTorch sees a CUDA "
+       "GPU, load cuDNN, its dependencies and its graph sub-libraries in a background thread "
+       "(`fastattn.runtime.warm_libraries`), so that the first call finds them loaded (opt-in until "
+       "benchmarks/profile_first_call.py has measured it); unset: the first call loads them"),
     _V("FASTATTN_SHAPE_CLASSES", "classes", lambda: _classes(VARIABLES["FASTATTN_SHAPE_CLASSES"], "off"), "fastattn.torch.attention()'s shape classes (its "
        "`shape_classes=` keyword overrides it per call): `off` (an exact plan per shape), `auto` (the classes "
        "`benchmarks/bench_shape_classes.py` measured on this GPU and cuDNN version in "

@@ -75,7 +75,7 @@ def test_every_boolean_takes_one_set_of_words(value, shared):
     # FASTATTN_CACHE_SHARED=2 was refused while yes and true passed; on/off were refused.
     assert store.settings_from_env({"FASTATTN_CACHE_SHARED": value}).shared is shared
     for var in _env.VARIABLES.values():
-        if var.kind == "bool":  # (empty: the variable's default, False for all but FASTATTN_WARM_LIBRARIES)
+        if var.kind == "bool":  # (empty: the variable's default)
             assert _env.get(var.name, {var.name: value}) is (shared if value else var.default)
 
 

@@ -84,8 +84,9 @@ def test_threads_racing_start_one_loader(recorded):
     assert sorted(started) == [False] * 7 + [True] and calls.count("ensure_loaded") == 1
 
 
-@pytest.mark.parametrize("setting,gpu,started", [(None, True, True), ("0", True, False), (None, False, False)])
-def test_importing_fastattn_torch_starts_it_where_a_gpu_is_visible_unless_turned_off(monkeypatch, setting, gpu,
+@pytest.mark.parametrize("setting,gpu,started", [("1", True, True), ("0", True, False), (None, True, False),
+                                                 ("1", False, False)])
+def test_importing_fastattn_torch_starts_it_where_a_gpu_is_visible_when_turned_on(monkeypatch, setting, gpu,
                                                                                       started):
     torch = pytest.importorskip("torch", reason="PyTorch is an optional extra (pip install torch)")
     import fastattn.torch as fat
