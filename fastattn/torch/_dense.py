@@ -363,8 +363,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     Raises InvalidArgumentError (a ValueError) for CPU tensors, mismatched devices,
     dtypes or shapes, NotSupportedError when cuDNN refuses the config.
     """
-    # Classes wanted (SETTING OFF is falsy: then the hot path is as it was).
-    classes = _classes.SETTING if shape_classes is None else shape_classes != "off"
+    # Classes wanted: "auto" or bounds (SETTING OFF: the hot path as it was). Read as fields,
+    # not bool(SETTING): Classes.__bool__ is a Python call on every call of the hot path.
+    setting = _classes.SETTING
+    classes = (setting.__class__ is str or setting.ranges != ()) if shape_classes is None else shape_classes != "off"
     if not dynamo_compiling():  # (dynamo traces the body below instead)
         call = _native.CALL
         if call is not None and not classes:

@@ -182,6 +182,13 @@ struct ThreadWorkspaces {
         std::lock_guard<std::mutex> lock(g_workspace_lock);
         g_threads->erase(std::find(g_threads->begin(), g_threads->end(), this));
         released.swap(kept);
+        // The main thread's thread_locals die inside exit(), after Python has finalized:
+        // PyTorch's caching allocator then throws from a free, inside a noexcept
+        // destructor, and the process aborts at exit (s13-4: 2 of 3 pytest processes,
+        // exit 134). The process is ending: its buffers go with it, unfreed.
+        if (!Py_IsInitialized()) {
+            for (auto &k : released) (void)k.buffer.unsafeReleaseTensorImpl();
+        }
     }
 };
 thread_local ThreadWorkspaces t_workspaces;
