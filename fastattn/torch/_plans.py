@@ -78,7 +78,8 @@ def remember(key: tuple, cfg: AttentionConfig, q: torch.Tensor, k: torch.Tensor,
             raise InvalidArgumentError(
                 "a CUDA graph is being captured on the current stream and the plan for this call is not loaded "
                 "yet: run the call once before capturing (a plan load or build inside a capture would invalidate "
-                f"it); config: {cfg.to_json()}")
+                "it; with shape classes, run it once with shape_classes=\"off\": a captured call takes its exact "
+                f"plan); config: {cfg.to_json()}")
         hit = Cached(held, q, k, v, layout)
     else:
         hit = Cached(fastattn.plan(cfg, device=q.device.index), q, k, v, layout)

@@ -315,3 +315,17 @@ def test_the_server_benchmarks_kernel_table():
     assert out["prefill_128"]["within_5pct"] == 1.0 and out["decode_512"]["worst_ratio"] == 2.0
     assert out["kernel_ms_per_request_class"] == pytest.approx(1.02 + 3 * 0.2)
     assert len(lines) == 3
+
+
+def test_a_capture_without_its_exact_plan_says_how_to_load_it(monkeypatch):
+    # A call captured in a CUDA graph takes its exact plan, which an eager call that took
+    # its class's did not load: the refusal says how to load it.
+    from fastattn import AttentionConfig
+    from fastattn.errors import InvalidArgumentError
+
+    monkeypatch.setattr(_plans, "capturing", lambda: True)
+    monkeypatch.setattr(fastattn.runtime, "planned", lambda cfg, device=None: None)
+    q = meta(1, 40, 4, 64)
+    cfg = AttentionConfig(batch=1, heads_q=4, seqlen_q=40, seqlen_kv=40, head_dim_qk=64, dtype="bf16", layout="bshd")
+    with pytest.raises(InvalidArgumentError, match='shape_classes="off"'):
+        _plans.remember(("test",), cfg, q, q, q, "bshd")
