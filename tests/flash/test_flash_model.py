@@ -23,6 +23,7 @@ from fastattn.torch._varlen import bucket  # noqa: E402
 
 import test_flash_gpu as G  # noqa: E402
 import test_flash_kvcache_gpu as K  # noqa: E402
+import test_flash_varlen_gpu as V  # noqa: E402
 import test_flash_paged_gpu as P  # noqa: E402
 from helpers.gpu import alibi_slopes  # noqa: E402
 
@@ -176,18 +177,18 @@ def test_packed(model, causal, window):
     G.test_qkvpacked_and_kvpacked(causal, window)
 
 
-@pytest.mark.parametrize("dtype,mask", [c for c in G.VARLEN if c[0] is torch.bfloat16])
+@pytest.mark.parametrize("dtype,mask", [c for c in V.VARLEN if c[0] is torch.bfloat16])
 def test_varlen(model, dtype, mask):
-    G.test_varlen_each_sequence_at_its_own_bottom_right(dtype, mask)
+    V.test_varlen_each_sequence_at_its_own_bottom_right(dtype, mask)
 
 
 def test_varlen_packed(model):
-    G.test_varlen_packed_variants()
+    V.test_varlen_packed_variants()
 
 
 @pytest.mark.parametrize("hq,hk,dv", ((4, 4, 64), (4, 1, 64), (4, 4, 32)))
 def test_varlen_alibi(model, hq, hk, dv):
-    G.test_varlen_alibi_and_shared_offsets(hq, hk, dv)
+    V.test_varlen_alibi_and_shared_offsets(hq, hk, dv)
 
 
 @pytest.mark.parametrize("paged,sq,append,mask", G.KV)
