@@ -228,6 +228,17 @@ def held_gpu_us(enter, infer, iters: int) -> float:
     return start.elapsed_time(end) / iters * 1e3
 
 
+def emit(res: dict, json_path: str | None) -> None:
+    """Writes `res` to json_path (if given), prints it, then the `summary:` line that
+    tools/gpu_run.sh prints from: the benchmarks' common ending before their own summary
+    lines."""
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(res, f, indent=2)
+    print(json.dumps(res, indent=2))
+    print("\nsummary:")
+
+
 def report(res: dict, json_path: str | None) -> int:
     """Writes `res` to json_path (if given) and prints the `summary:` block (numbers and
     strings) that tools/gpu_run.sh shows; the profiles' common ending. Returns 0."""

@@ -29,7 +29,6 @@ Prints the JSON, then a `summary:` block last.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -40,7 +39,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 import fastattn
 import fastattn.torch as fat
 from fastattn import flash
-from _common import fa2_varlen  # (benchmarks/ is on sys.path)
+from _common import emit, fa2_varlen  # (benchmarks/ is on sys.path)
 
 BF16 = torch.bfloat16
 
@@ -398,11 +397,7 @@ def main(argv=None) -> int:
            "torch": torch.__version__, "quick": args.quick, "throughput": throughput(args.rounds, args.reps),
            "new_paths": new_paths(args.rounds, args.reps), "host_overhead": host_overhead(args.iters, args.rounds)}
     res["wall_s"] = round(time.perf_counter() - t0, 1)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=2)
-    print(json.dumps(res, indent=2))
-    print("\nsummary:")
+    emit(res, args.json)
     for r in res["throughput"]:
         parts = []
         for mode in ("fwd", "bwd"):

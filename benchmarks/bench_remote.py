@@ -116,11 +116,9 @@ def main(argv=None) -> int:
             proc.terminate()
             proc.wait()
         res["miss_redis_down"] = miss_cost(url)  # the same port, nothing listening now
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=2)
-    print(json.dumps(res, indent=2))
-    print("\nsummary:")
+    from _common import emit
+
+    emit(res, args.json)
     if "build" in res:
         b, r = res["build"], res["from_redis"]
         if "error" in b or "error" in r:

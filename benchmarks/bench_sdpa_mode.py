@@ -45,7 +45,7 @@ import sys
 import tempfile
 import time
 
-from _common import HELD_ITERS, first_error, fresh, fresh_cache_env, held_gpu_us, host_rounds, paired_ratio, require_cuda, rotated  # (benchmarks/ on sys.path)
+from _common import HELD_ITERS, emit, first_error, fresh, fresh_cache_env, held_gpu_us, host_rounds, paired_ratio, require_cuda, rotated  # (benchmarks/ on sys.path)
 from bench_coldstart import HEAD_DIM, HEADS, SEQLENS
 
 PEERS = ("mode_on", "torch_cudnn", "torch_flash")
@@ -277,11 +277,7 @@ def main(argv=None) -> int:
         if not args.forward_only:
             res["coldstart"]["fwd_bwd"] = coldstart(args.rounds, True)
     res["seconds"] = time.perf_counter() - t0
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=2)
-    print(json.dumps(res, indent=2))
-    print("\nsummary:")  # tools/gpu_run.sh prints from this line on
+    emit(res, args.json)
     print("\n".join(summary(res)))
     print(f"  seconds: {res['seconds']:.1f}")
     return 0

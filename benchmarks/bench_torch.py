@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
-import json
 import random
 import statistics
 import sys
@@ -35,7 +34,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 import fastattn
 import fastattn.torch as fat
 from fastattn.torch import _native
-from _common import HELD_ITERS, held_gpu_us, host_rounds  # (benchmarks/ is on sys.path)
+from _common import HELD_ITERS, emit, held_gpu_us, host_rounds  # (benchmarks/ is on sys.path)
 
 
 def _sdpa(q, k, v, causal):
@@ -218,11 +217,7 @@ def main(argv=None) -> int:
     res = {"date": time.strftime("%Y-%m-%d"), "device": fastattn.device_info(), "versions": fastattn.versions(),
            "torch": torch.__version__, "host_overhead": [host_overhead(args.iters, args.repeats, s) for s in SHAPES],
            "throughput": throughput(shapes, args.reps, args.rounds)}
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=2)
-    print(json.dumps(res, indent=2))
-    print("\nsummary:")  # tools/gpu_run.sh prints from this line on
+    emit(res, args.json)
     print("  (medians of interleaved rounds)")
     print(f"  fastattn.torch path: {res['host_overhead'][0]['native_path']}")
     for h in res["host_overhead"]:

@@ -49,7 +49,7 @@ import sys
 import tempfile
 import time
 
-from _common import first_error, fresh, fresh_cache_env, gpu_ms, paired_ratio, require_cuda, rotated  # (benchmarks/ on sys.path)
+from _common import emit, first_error, fresh, fresh_cache_env, gpu_ms, paired_ratio, require_cuda, rotated  # (benchmarks/ on sys.path)
 
 SIZES = dict(vocab_size=4096, hidden_size=1024, intermediate_size=2816, num_hidden_layers=4, num_attention_heads=16,
              num_key_value_heads=4, head_dim=64, max_position_embeddings=4096, bos_token_id=1, eos_token_id=2,
@@ -319,11 +319,7 @@ def main(argv=None) -> int:
     if not args.skip_steady:
         res["steady"] = steady(args.steady_rounds, args.batch, args.prompt, args.new_tokens, args.kv_heads)
     res["seconds"] = time.perf_counter() - t0
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=2)
-    print(json.dumps(res, indent=2))
-    print("\nsummary:")  # tools/gpu_run.sh prints from this line on
+    emit(res, args.json)
     print("\n".join(summary(res)))
     print(f"  seconds: {res['seconds']:.1f}")
     return 0

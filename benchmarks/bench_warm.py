@@ -25,7 +25,7 @@ import tempfile
 import time
 
 from fastattn.warm import warm
-from _common import warm_configs  # (benchmarks/ is on sys.path)
+from _common import emit, warm_configs  # (benchmarks/ is on sys.path)
 
 
 def _children_cpu() -> float:
@@ -97,11 +97,7 @@ def main(argv=None) -> int:
     res = {"date": time.strftime("%Y-%m-%d"), "set": args.which, "configs": len(todo), "cpus": os.cpu_count(),
            "rows": rows,
            "thread_rows": thread_rows}
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=2)
-    print(json.dumps(res, indent=2))
-    print("\nsummary:")
+    emit(res, args.json)
     for r in rows:
         print(f"  {r['workers']:>2} workers ({r['processes']} started): cold {r['cold_seconds']:.1f} s"
               + (f" (speed-up {r['speedup']:.1f}x, {r['speedup_per_worker']:.2f} per worker)" if base else "")

@@ -1,0 +1,19 @@
+"""benchmarks/_common.py's pieces that every benchmark's output goes through (CPU)."""
+
+import json
+
+from helpers import benchmarks
+
+
+def test_the_benchmarks_common_ending_writes_the_json_and_the_summary_line(tmp_path, capsys):
+    # benchmarks/_common.emit: what tools/gpu_run.sh reads (from "summary:" on) and the
+    # JSON kept under benchmarks/results/, the same numbers.
+    common = benchmarks.load("_common")
+    path = tmp_path / "out.json"
+    common.emit({"ratio": 0.25, "rows": [1, 2]}, str(path))
+    printed = capsys.readouterr().out
+    assert json.loads(path.read_text()) == {"ratio": 0.25, "rows": [1, 2]}
+    body, _, rest = printed.partition("\nsummary:")
+    assert json.loads(body) == {"ratio": 0.25, "rows": [1, 2]} and rest.strip() == ""
+    common.emit({"a": 1}, None)  # no path: printed only
+    assert not list(tmp_path.glob("*.json"))[1:]
