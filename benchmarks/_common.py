@@ -25,6 +25,11 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from fastattn import AttentionConfig
 
+# Every benchmark imports this module: their output goes out line by line even into a pipe
+# or a file, so that a run cut short (a timeout, the device's time running out) keeps what
+# it printed (s13-5's three benchmarks under `timeout 60` left empty logs).
+sys.stdout.reconfigure(line_buffering=True)
+
 
 def time_us(fn, iters: int = 2000, samples: int = 15) -> float:
     """Microseconds per call of `fn`: the median of `samples` samples of `iters` calls
