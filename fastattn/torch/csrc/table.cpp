@@ -185,7 +185,9 @@ struct ThreadWorkspaces {
         // The main thread's thread_locals die inside exit(), after Python has finalized:
         // PyTorch's caching allocator then throws from a free, inside a noexcept
         // destructor, and the process aborts at exit (s13-4: 2 of 3 pytest processes,
-        // exit 134). The process is ending: its buffers go with it, unfreed.
+        // exit 134, "invalid device pointer"; pytorch/pytorch#185148 is the same failure
+        // from a global's destructor at exit). The process is ending: its buffers go
+        // with it, unfreed.
         if (!Py_IsInitialized()) {
             for (auto &k : released) (void)k.buffer.unsafeReleaseTensorImpl();
         }
