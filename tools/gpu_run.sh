@@ -95,7 +95,14 @@ if [ -n "${ORDERS:-}" ]; then
     pids+=($!)
   done
   rc=0
-  for pid in "${pids[@]}"; do wait "$pid" || { r=$?; [ $r -gt $rc ] && rc=$r; }; done
+  declare -A order_rc
+  i=0
+  for order in $ORDERS; do
+    wait "${pids[$i]}"; r=$?
+    order_rc[$order]=$r
+    [ $r -gt $rc ] && rc=$r
+    i=$((i + 1))
+  done
   cat "$LOGS"/pytest-*.log > "$LOGS/pytest.log"
 else
   python3 -m pytest -q -rfEs --durations=25 -p no:cacheprovider "$@" > "$LOGS/pytest.log" 2>&1
@@ -136,7 +143,7 @@ echo "=== bench"; for f in "$LOGS"/bench_*.log; do [ -f "$f" ] && sed -n '/^summ
 echo "=== pytest summary (exit $rc)"
 if [ -n "${ORDERS:-}" ]; then
   for order in $ORDERS; do
-    echo "$order: $(grep -E "^=*.* (passed|failed|error|errors|skipped|deselected)" "$LOGS/pytest-${order//:/-}.log" | tail -n 1)"
+    echo "$order (exit ${order_rc[$order]}): $(grep -E "^=*.* (passed|failed|error|errors|skipped|deselected)" "$LOGS/pytest-${order//:/-}.log" | tail -n 1)"
   done
 else
   grep -E "^=*.* (passed|failed|error|errors|skipped|deselected)" "$LOGS/pytest.log" | tail -n 1
