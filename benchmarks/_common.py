@@ -234,6 +234,17 @@ def held_gpu_us(enter, infer, iters: int) -> float:
     return start.elapsed_time(end) / iters * 1e3
 
 
+def header() -> dict:
+    """What every benchmark's JSON opens with: the date, the GPU, fastattn's and cuDNN's
+    versions, torch's and the kernel's (`uname -r`), as the benchmark notes record them."""
+    import torch
+
+    import fastattn
+
+    return {"date": time.strftime("%Y-%m-%d"), "device": fastattn.device_info(), "versions": fastattn.versions(),
+            "torch": torch.__version__, "uname": os.uname().release}
+
+
 def emit(res: dict, json_path: str | None) -> None:
     """Writes `res` to json_path (if given), prints it, then the `summary:` line that
     tools/gpu_run.sh prints from: the benchmarks' common ending before their own summary

@@ -36,10 +36,9 @@ import time
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-import fastattn
 import fastattn.torch as fat
 from fastattn import flash
-from _common import emit, fa2_varlen  # (benchmarks/ is on sys.path)
+from _common import emit, fa2_varlen, header  # (benchmarks/ is on sys.path)
 
 BF16 = torch.bfloat16
 
@@ -393,8 +392,7 @@ def main(argv=None) -> int:
     if args.quick:
         args.rounds, args.reps, args.iters = 3, 3, 100
     t0 = time.perf_counter()
-    res = {"date": time.strftime("%Y-%m-%d"), "device": fastattn.device_info(), "versions": fastattn.versions(),
-           "torch": torch.__version__, "quick": args.quick, "throughput": throughput(args.rounds, args.reps),
+    res = {**header(), "quick": args.quick, "throughput": throughput(args.rounds, args.reps),
            "new_paths": new_paths(args.rounds, args.reps), "host_overhead": host_overhead(args.iters, args.rounds)}
     res["wall_s"] = round(time.perf_counter() - t0, 1)
     emit(res, args.json)

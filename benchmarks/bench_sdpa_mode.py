@@ -39,13 +39,12 @@ import argparse
 import contextlib
 import functools
 import json
-import os
 import statistics
 import sys
 import tempfile
 import time
 
-from _common import HELD_ITERS, emit, first_error, fresh, fresh_cache_env, held_gpu_us, host_rounds, paired_ratio, require_cuda, rotated  # (benchmarks/ on sys.path)
+from _common import HELD_ITERS, emit, first_error, fresh, fresh_cache_env, header, held_gpu_us, host_rounds, paired_ratio, require_cuda, rotated  # (benchmarks/ on sys.path)
 from bench_coldstart import HEAD_DIM, HEADS, SEQLENS
 
 PEERS = ("mode_on", "torch_cudnn", "torch_flash")
@@ -263,13 +262,10 @@ def main(argv=None) -> int:
         print(json.dumps(child(args.child, args.backward)))
         return 0
     require_cuda("bench_sdpa_mode.py")
-    import torch
 
-    import fastattn
 
     t0 = time.perf_counter()
-    res = {"date": time.strftime("%Y-%m-%d"), "device": fastattn.device_info(), "versions": fastattn.versions(),
-           "torch": torch.__version__, "uname": os.uname().release,
+    res = {**header(),
            "args": {k: v for k, v in vars(args).items() if k not in ("child", "backward")},
            "host_overhead": [host_overhead(args.iters, args.repeats, s) for s in SHAPES]}
     if not args.skip_coldstart:

@@ -36,6 +36,8 @@ import fastattn
 import fastattn.torch
 from fastattn import shape_classes as sc
 
+from _common import header  # (benchmarks/ is on sys.path)
+
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -170,8 +172,7 @@ def main(argv=None) -> int:
     ap.add_argument("--write", help="merge the policy's row into this file (fastattn/_measured/shape_classes.json)")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
-    res = {"date": time.strftime("%Y-%m-%d"), "device": fastattn.device_info(), "versions": fastattn.versions(),
-           "torch": torch.__version__,
+    res = {**header(),
            "gpu": torch.cuda.get_device_name(),  # the name the policy compares (fastattn.torch._classes.resolve)
            "shape": {"batch": args.batch, "heads_q": args.heads, "heads_kv": args.heads_kv or args.heads,
                      "head_dim": args.head_dim, "dtype": args.dtype, "mask": "causal_bottom_right",

@@ -26,15 +26,13 @@ import functools
 import random
 import statistics
 import sys
-import time
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-import fastattn
 import fastattn.torch as fat
 from fastattn.torch import _native
-from _common import HELD_ITERS, emit, held_gpu_us, host_rounds  # (benchmarks/ is on sys.path)
+from _common import HELD_ITERS, emit, header, held_gpu_us, host_rounds  # (benchmarks/ is on sys.path)
 
 
 def _sdpa(q, k, v, causal):
@@ -214,8 +212,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     shapes = [((2, 16, 8192, 128), c) for c in (False, True)] + [((4, 32, 4096, 128), c) for c in (False, True)]
-    res = {"date": time.strftime("%Y-%m-%d"), "device": fastattn.device_info(), "versions": fastattn.versions(),
-           "torch": torch.__version__, "host_overhead": [host_overhead(args.iters, args.repeats, s) for s in SHAPES],
+    res = {**header(), "host_overhead": [host_overhead(args.iters, args.repeats, s) for s in SHAPES],
            "throughput": throughput(shapes, args.reps, args.rounds)}
     emit(res, args.json)
     print("  (medians of interleaved rounds)")

@@ -43,13 +43,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import statistics
 import sys
 import tempfile
 import time
 
-from _common import emit, first_error, fresh, fresh_cache_env, gpu_ms, paired_ratio, require_cuda, rotated  # (benchmarks/ on sys.path)
+from _common import emit, first_error, fresh, fresh_cache_env, gpu_ms, header, paired_ratio, require_cuda, rotated  # (benchmarks/ on sys.path)
 
 SIZES = dict(vocab_size=4096, hidden_size=1024, intermediate_size=2816, num_hidden_layers=4, num_attention_heads=16,
              num_key_value_heads=4, head_dim=64, max_position_embeddings=4096, bos_token_id=1, eos_token_id=2,
@@ -305,14 +304,11 @@ def main(argv=None) -> int:
         print(json.dumps(child(args.child, args.prompts, args.kv_heads)))
         return 0
     require_cuda("bench_transformers.py")
-    import torch
     import transformers
 
-    import fastattn
 
     t0 = time.perf_counter()
-    res = {"date": time.strftime("%Y-%m-%d"), "device": fastattn.device_info(), "versions": fastattn.versions(),
-           "torch": torch.__version__, "transformers": transformers.__version__, "uname": os.uname().release,
+    res = {**header(), "transformers": transformers.__version__,
            "args": {k: v for k, v in vars(args).items() if k != "child"}, "sizes": SIZES}
     if not args.skip_coldstart:
         res["coldstart"] = coldstart(args.rounds, args.prompts, args.kv_heads)

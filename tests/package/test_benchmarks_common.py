@@ -17,3 +17,14 @@ def test_the_benchmarks_common_ending_writes_the_json_and_the_summary_line(tmp_p
     assert json.loads(body) == {"ratio": 0.25, "rows": [1, 2]} and rest.strip() == ""
     common.emit({"a": 1}, None)  # no path: printed only
     assert not list(tmp_path.glob("*.json"))[1:]
+
+
+def test_every_benchmarks_json_opens_with_the_machine_and_versions(monkeypatch):
+    # header(): what the benchmark notes record beside every figure (date, GPU, versions,
+    # kernel); the GPU's description stubbed (benchmarks run where there is one).
+    import fastattn
+
+    monkeypatch.setattr(fastattn, "device_info", lambda: {"name": "stub"})
+    common = benchmarks.load("_common")
+    head = common.header()
+    assert set(head) == {"date", "device", "versions", "torch", "uname"} and head["device"] == {"name": "stub"}
