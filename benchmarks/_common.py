@@ -234,6 +234,21 @@ def held_gpu_us(enter, infer, iters: int) -> float:
     return start.elapsed_time(end) / iters * 1e3
 
 
+class Steps(list):
+    """A child process's stopwatch: (name, ms since the previous mark) rows, a list (so it
+    goes into JSON as it is). `mark(name)` closes the step that ends now."""
+
+    def __init__(self, digits: int = 2):
+        super().__init__()
+        self.digits = digits
+        self._t = time.perf_counter()
+
+    def mark(self, name: str) -> None:
+        now = time.perf_counter()
+        self.append((name, round((now - self._t) * 1e3, self.digits)))
+        self._t = now
+
+
 def header() -> dict:
     """What every benchmark's JSON opens with: the date, the GPU, fastattn's and cuDNN's
     versions, torch's and the kernel's (`uname -r`), as the benchmark notes record them."""

@@ -19,7 +19,8 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
+
+import _common  # (benchmarks/ is on sys.path)
 
 SEQLENS = (256, 512, 768, 1024, 1536, 2048, 3072, 4096)
 
@@ -32,14 +33,8 @@ def _configs(training: bool):
 
 
 def child(mode: str) -> dict:
-    steps: list[tuple[str, float]] = []
-    t = time.perf_counter()
-
-    def mark(name: str) -> None:
-        nonlocal t
-        now = time.perf_counter()
-        steps.append((name, round((now - t) * 1e3, 2)))
-        t = now
+    steps = _common.Steps(2)
+    mark = steps.mark
 
     import torch  # what a server has loaded already; not part of fastattn's cost
 

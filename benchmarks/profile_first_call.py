@@ -45,14 +45,8 @@ FIRST, SECOND = 256, 512
 
 
 def child(mode: str, idle_ms: float) -> dict:
-    steps: list[tuple[str, float]] = []
-    t = time.perf_counter()
-
-    def mark(name: str) -> None:
-        nonlocal t
-        now = time.perf_counter()
-        steps.append((name, round((now - t) * 1e3, 3)))
-        t = now
+    steps = _common.Steps(3)
+    mark = steps.mark
 
     import torch  # what a server has loaded already: not part of fastattn's cost
 

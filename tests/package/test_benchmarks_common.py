@@ -28,3 +28,16 @@ def test_every_benchmarks_json_opens_with_the_machine_and_versions(monkeypatch):
     common = benchmarks.load("_common")
     head = common.header()
     assert set(head) == {"date", "device", "versions", "torch", "uname"} and head["device"] == {"name": "stub"}
+
+
+def test_the_childrens_stopwatch_marks_each_step_since_the_last():
+    import json
+    import time
+
+    common = benchmarks.load("_common")
+    steps = common.Steps(3)
+    time.sleep(0.01)
+    steps.mark("first")
+    steps.mark("second")
+    assert [n for n, _ in steps] == ["first", "second"] and steps[0][1] >= 10.0 and steps[1][1] < steps[0][1]
+    assert json.loads(json.dumps(steps)) == [list(r) for r in steps]
