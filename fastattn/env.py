@@ -269,8 +269,8 @@ _TABLE = (
        "`redis` client is missing (set by `.ci/run`)", scope="tests"),
     _V("FASTATTN_TEST_FAKE_CORE", "bool", False, "a Python process started with `tests/fake_site` on PYTHONPATH "
        "runs on `tests/fake_core.py` instead of cuDNN (the CPU tests' worker processes)", scope="tests"),
-    _V("FASTATTN_TEST_ORDER", "text", "", "the order the collected tests run in, in one process: `reverse` or "
-       "`shuffle:SEED` (default: file order)", "file order", scope="tests"),
+    _V("FASTATTN_TEST_ORDER", "text", "", "the order the collected tests run in, in one process: `reverse`, "
+       "`shuffle:SEED`, or `list:FILE` (FILE's node ids, one a line, in its order; default: file order)", "file order", scope="tests"),
     _V("FASTATTN_TEST_READONLY_FS", "path", None, "with `tests/fake_site` on PYTHONPATH, writes under this "
        "directory fail as on a read-only mount (EROFS), which a test running as root cannot otherwise make",
        "none", scope="tests"),

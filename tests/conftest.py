@@ -172,7 +172,7 @@ GPU_FILES = "_gpu.py"  # tests/<area>/test_<topic>_gpu.py
 def pytest_collection_modifyitems(config, items):
     """Marks every test in a test_<topic>_gpu.py file `gpu`, and refuses a `gpu` marker
     on a test anywhere else (a GPU test in a CPU file would hide from the file names).
-    Then FASTATTN_TEST_ORDER=reverse or shuffle:SEED runs the collected tests in that order
+    Then FASTATTN_TEST_ORDER=reverse, shuffle:SEED or list:FILE runs the collected tests in that order
     (one process, as ever): a suite that passes in file order can still depend on it."""
     for item in items:
         if item.path.name.endswith(GPU_FILES):
@@ -190,5 +190,20 @@ def pytest_collection_modifyitems(config, items):
         import random
 
         random.Random(order.partition(":")[2]).shuffle(items)
+    elif order.startswith("list:"):
+        # A failure seen in one order, bisected: the node ids of a file, one a line, run
+        # in that order (the rest deselected), e.g. a prefix of `--collect-only -q`'s list.
+        path = order.partition(":")[2]
+        try:
+            wanted = [line.strip() for line in open(path) if line.strip()]
+        except OSError as e:
+            raise pytest.UsageError(f"FASTATTN_TEST_ORDER={order!r}: {e.strerror}") from None
+        by_id = {item.nodeid: item for item in items}
+        missing = [n for n in wanted if n not in by_id]
+        if missing:
+            raise pytest.UsageError(f"FASTATTN_TEST_ORDER={order!r}: {len(missing)} node ids not collected, "
+                                    f"the first {missing[0]!r}")
+        config.hook.pytest_deselected(items=[item for item in items if item.nodeid not in set(wanted)])
+        items[:] = [by_id[n] for n in wanted]
     elif order:
-        raise pytest.UsageError(f"FASTATTN_TEST_ORDER={order!r}: must be 'reverse' or 'shuffle:SEED'")
+        raise pytest.UsageError(f"FASTATTN_TEST_ORDER={order!r}: must be 'reverse', 'shuffle:SEED' or 'list:FILE'")

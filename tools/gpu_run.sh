@@ -84,11 +84,12 @@ fi
 # A crash (an abort at exit included) leaves a core file, read below for the C++ stack:
 # a rerun under cuda-gdb would cost the whole suite's time again.
 ulimit -c unlimited 2>/dev/null && echo "/tmp/fastattn-core.%p" > /proc/sys/kernel/core_pattern 2>/dev/null
+log_name() { local n=${1//:/-}; echo "${n//\//_}"; }  # an order as a file name: shuffle-7, list-tools_orders_a.txt
 if [ -n "${ORDERS:-}" ]; then
   # Each its own basetemp: pytest prunes other sessions' numbered temp directories.
   pids=()
   for order in $ORDERS; do
-    name=${order//:/-}
+    name=$(log_name "$order")
     FASTATTN_TEST_ORDER=$([ "$order" = file ] && echo "" || echo "$order") \
       python3 -m pytest -q -rfEs --durations=25 -p no:cacheprovider --basetemp="/tmp/pt-$name" "$@" \
       > "$LOGS/pytest-$name.log" 2>&1 &
@@ -143,7 +144,7 @@ echo "=== bench"; for f in "$LOGS"/bench_*.log; do [ -f "$f" ] && sed -n '/^summ
 echo "=== pytest summary (exit $rc)"
 if [ -n "${ORDERS:-}" ]; then
   for order in $ORDERS; do
-    echo "$order (exit ${order_rc[$order]}): $(grep -E "^=*.* (passed|failed|error|errors|skipped|deselected)" "$LOGS/pytest-${order//:/-}.log" | tail -n 1)"
+    echo "$order (exit ${order_rc[$order]}): $(grep -E "^=*.* (passed|failed|error|errors|skipped|deselected)" "$LOGS/pytest-$(log_name "$order").log" | tail -n 1)"
   done
 else
   grep -E "^=*.* (passed|failed|error|errors|skipped|deselected)" "$LOGS/pytest.log" | tail -n 1
