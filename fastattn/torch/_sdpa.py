@@ -13,10 +13,10 @@ autograd and torch.compile see through them.
 from __future__ import annotations
 
 import math
+import sys
 from typing import NamedTuple
 
 import torch
-from torch.nn.attention.bias import CausalBias, CausalVariant
 
 from ..errors import InvalidArgumentError, NotSupportedError
 from ._dense import attention
@@ -135,7 +135,7 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
         form = _Form(causal=True)
     elif attn_mask is None:
         form = _NONE
-    elif isinstance(attn_mask, CausalBias):
+    elif _is_causal_bias(attn_mask):
         form = _causal_bias(attn_mask, q, k)
     else:
         mask = _mask_4d(attn_mask, query, key)
@@ -263,12 +263,20 @@ def _mask_4d(attn_mask: torch.Tensor, query: torch.Tensor, key: torch.Tensor) ->
     return m.expand(*query.shape[:-3], *m.shape[-3:]).reshape(math.prod(query.shape[:-3]), *m.shape[-3:])
 
 
-def _causal_bias(mask: CausalBias, q: torch.Tensor, k: torch.Tensor) -> _Form:
+def _is_causal_bias(mask) -> bool:
+    # torch.nn.attention.bias imports torch._dynamo (1-4 s, most of fastattn.torch's
+    # import where it was imported with it): read from sys.modules, since a CausalBias
+    # can only exist once its caller has imported that module.
+    bias = sys.modules.get("torch.nn.attention.bias")
+    return bias is not None and isinstance(mask, bias.CausalBias)
+
+
+def _causal_bias(mask, q: torch.Tensor, k: torch.Tensor) -> _Form:
     sq, skv = q.shape[2], k.shape[2]
     if (mask.seq_len_q, mask.seq_len_kv) != (sq, skv):
         raise InvalidArgumentError(f"attn_mask is a causal mask of {mask.seq_len_q} queries and {mask.seq_len_kv} "
                                    f"keys, for {sq} queries and {skv} keys")
-    if mask.variant == CausalVariant.UPPER_LEFT:
+    if mask.variant == sys.modules["torch.nn.attention.bias"].CausalVariant.UPPER_LEFT:
         return _Form(causal=True)
     return _bottom_right(sq, skv)
 
