@@ -109,7 +109,8 @@ def cpp_header() -> str:
     """fastattn_options.h: for each op (DENSE, VARLEN, PAGED), FA_<OP>_PARAMS (the C++
     parameters), _ARGS (passing them on), _SCHEMA (the schema's options), _OF(o) (a
     struct's fields as arguments), _WORDS(key, o) (push each option's key word),
-    _TUPLE(o) (the miss handler's Python tuple), _COUNT, for ops without str options
+    _TUPLE(o) (the miss handler's Python tuple), _FROM(t) (the struct from a Python
+    sequence of the options, as a NamedTuple of _dense holds them), _COUNT, for ops without str options
     _SAVE(map, o) and _LOAD(map) (an autograd Function's saved_data), and the struct
     <Op>Options, in namespace fastattn::ops. The macros expect fa_choice and fa_bits
     (ops.h) where they are expanded."""
@@ -127,6 +128,9 @@ def cpp_header() -> str:
         out.append(f"#define FA_{up}_WORDS(key, o) " + " ".join(f"(key).push_back({_word(o)});" for o in options))
         out.append(f"#define FA_{up}_TUPLE(o) pybind11::make_tuple(" + ", ".join(
             f"std::string((o).{o.name})" if o.kind == "str" else f"(o).{o.name}" for o in options) + ")")
+        out.append(f"#define FA_{up}_FROM(t) {camel}Options{{" + ", ".join(
+            f"fa_named((t)[{i}].cast<std::string>(), {{{', '.join(json.dumps(c) for c in o.choices)}}})"
+            if o.kind == "str" else f"(t)[{i}].cast<{_CPP[o.kind]}>()" for i, o in enumerate(options)) + "}")
         out.append(f"#define FA_{up}_COUNT {len(options)}")
         if not any(o.kind == "str" for o in options):
             # An autograd Function's saved_data (IValues by name), for ops without str options.

@@ -1,8 +1,10 @@
 """The SDPA mode: torch.nn.functional.scaled_dot_product_attention served by fastattn.
 
 `enable_sdpa()` registers CUDA kernels of fastattn's over PyTorch's cuDNN SDPA operators,
-`aten::_scaled_dot_product_cudnn_attention` and its backward, through the dispatcher
-(`torch.library.Library("aten", "IMPL")`), and puts PyTorch's cuDNN backend first in its
+`aten::_scaled_dot_product_cudnn_attention` and its backward, through the dispatcher (the
+op library's C++ kernels, csrc/sdpa.cpp, where fastattn.torch runs on its native path;
+else `_forward` and `_backward` below through `torch.library.Library("aten", "IMPL")`;
+both ask `_route` once per call signature), and puts PyTorch's cuDNN backend first in its
 SDPA priority order. PyTorch's own selection (its checks of dtypes, head dims, masks,
 its `sdpa_kernel` contexts) still decides which backend a call takes; a call it gives
 the cuDNN backend then runs fastattn's plan for it, and any call fastattn cannot take
@@ -34,7 +36,7 @@ from typing import NamedTuple
 import torch
 
 from ..errors import InvalidArgumentError, NotSupportedError
-from . import _dense
+from . import _dense, _native
 from ._plans import DTYPES, capturing
 
 _FORWARD = "_scaled_dot_product_cudnn_attention"
@@ -65,7 +67,7 @@ class _Route(NamedTuple):
 
 
 class _State(NamedTuple):
-    library: object  # the torch.library.Library holding the two kernels
+    library: object  # the op library (its C++ kernels), or the torch.library.Library holding the Python ones
     priority: list   # PyTorch's SDPA priority order before enable_sdpa()
 
 
@@ -94,12 +96,21 @@ def enable_sdpa() -> None:
         if _state is not None:
             return
         _check_schemas()
-        library = torch.library.Library("aten", "IMPL")  # noqa: TOR901 (an override of aten's own kernels)
-        with warnings.catch_warnings():
-            # PyTorch warns that a kernel replaces another for the same key: that is the point.
-            warnings.simplefilter("ignore", UserWarning)
-            library.impl(_FORWARD, _forward, "CUDA")
-            library.impl(_BACKWARD, _backward, "CUDA")
+        # The path fastattn.torch's entry points take (FASTATTN_TORCH_PATH): the op library's
+        # kernels where they run on it.
+        native = _native.library() if _native.decide() is not None else None
+        if native is not None:
+            # The op library's kernels (csrc/sdpa.cpp): these below in C++, a new signature's
+            # route asked of _route once.
+            native.sdpa_kernels(True, _route)
+            library = native
+        else:
+            library = torch.library.Library("aten", "IMPL")  # noqa: TOR901 (an override of aten's own kernels)
+            with warnings.catch_warnings():
+                # PyTorch warns that a kernel replaces another for the same key: that is the point.
+                warnings.simplefilter("ignore", UserWarning)
+                library.impl(_FORWARD, _forward, "CUDA")
+                library.impl(_BACKWARD, _backward, "CUDA")
         priority = list(torch._C._get_sdp_priority_order())
         torch._C._set_sdp_priority_order([_CUDNN_BACKEND] + [b for b in priority if b != _CUDNN_BACKEND])
         _state = _State(library, priority)
@@ -112,9 +123,11 @@ def disable_sdpa() -> None:
     with _lock:
         if _state is None:
             return
-        # Destroying the library removes its kernels; the dispatcher falls back to the
-        # ones they replaced, PyTorch's.
-        _state.library._destroy()
+        # Removing the kernels, the dispatcher falls back to the ones they replaced, PyTorch's.
+        if isinstance(_state.library, torch.library.Library):
+            _state.library._destroy()
+        else:
+            _state.library.sdpa_kernels(False)
         torch._C._set_sdp_priority_order(_state.priority)
         _state = None
 

@@ -226,6 +226,60 @@ def test_enable_and_disable_register_undo_and_repeat_safely():
     assert not fastattn.torch.sdpa_enabled() and list(torch._C._get_sdp_priority_order()) == before
 
 
+def _cuda_kernels(name):
+    return [line for line in torch._C._dispatch_dump(f"aten::{name}").splitlines() if line.startswith("CUDA")]
+
+
+def test_on_the_native_path_the_mode_registers_the_op_librarys_kernels_and_removes_them(lib):
+    before = {name: _cuda_kernels(name) for name in (_sdpa_mode._FORWARD, _sdpa_mode._BACKWARD)}
+    assert all("sdpa.cpp" not in str(k) for k in before.values())
+    fastattn.torch.enable_sdpa()
+    try:
+        assert _sdpa_mode._state.library is lib
+        for name in before:
+            assert len(_cuda_kernels(name)) == 1 and "fastattn/torch/csrc/sdpa.cpp" in _cuda_kernels(name)[0]
+    finally:
+        fastattn.torch.disable_sdpa()
+    assert {name: _cuda_kernels(name) for name in before} == before  # PyTorch's own again (none on a CPU torch)
+    fastattn.torch.enable_sdpa()  # and again
+    fastattn.torch.disable_sdpa()
+
+
+def test_on_the_python_path_the_mode_registers_python_kernels(lib, monkeypatch):
+    from fastattn.torch import _native
+
+    _native.python_path(monkeypatch)
+    fastattn.torch.enable_sdpa()
+    try:
+        assert isinstance(_sdpa_mode._state.library, torch.library.Library)
+        assert all("sdpa.cpp" not in line for line in _cuda_kernels(_sdpa_mode._FORWARD))
+    finally:
+        fastattn.torch.disable_sdpa()
+
+
+@pytest.mark.parametrize("layout", ["bshd", "bhsd"])
+def test_the_op_librarys_kernels_keep_the_route_python_decides(lib, model, layout):
+    # What csrc/sdpa.cpp converts _route's answer into and keeps, read back: the options
+    # (every field, through the generated FA_DENSE_FROM), the Meta kernel's strides and
+    # logsumexp shape, the gradients' strides; one miss per signature.
+    lib.clear()
+    q, k, v = (t.detach() for t in _qkv(2, 8, 2, 16, 24, 64, layout))
+    bias = torch.randn(1, 1, 16, 24, dtype=torch.bfloat16)
+    for args in ((q, k, v, None, 0.0, True, None, True), (q, k, v, bias, 0.25, False, 0.125, False)):
+        want = _sdpa_mode._route(*args)
+        got = lib.sdpa_route(*args)
+        assert got == (True, tuple(want.options), list(want.out_stride), list(want.lse_shape),
+                       [list(s) for s in want.grad_strides]), (got, want)
+    assert lib.sdpa_route_count() == 2
+    lib.sdpa_route(q, k, v, None, 0.0, True, None, True)
+    assert lib.sdpa_route_count() == 2 and len(model.calls) == 2  # kept: no second miss
+    fp32 = q.float()
+    assert lib.sdpa_route(fp32, fp32, fp32, None, 0.0, False, None, False) == (False,)
+    assert isinstance(_sdpa_mode._route(fp32, fp32, fp32, None, 0.0, False, None, False), str)
+    lib.clear()
+    assert lib.sdpa_route_count() == 0
+
+
 def test_a_torch_whose_operator_takes_other_arguments_is_refused(monkeypatch):
     monkeypatch.setattr(_sdpa_mode, "FORWARD_ARGS", ("query", "key"))
     with pytest.raises(NotSupportedError, match="_scaled_dot_product_cudnn_attention takes"):

@@ -11,17 +11,27 @@ torch = pytest.importorskip("torch", reason="PyTorch is an optional extra (pip i
 import torch.nn.functional as F  # noqa: E402
 
 import fastattn.torch  # noqa: E402
-from fastattn.torch import _sdpa_mode  # noqa: E402
+from fastattn.torch import _native, _sdpa_mode  # noqa: E402
 
 DEV = "cuda"
 TOL = 3e-2  # bfloat16
 
 
-@pytest.fixture
-def mode():
+@pytest.fixture(params=("native", "python"))
+def mode(request, monkeypatch):
+    """The mode on, with the op library's C++ kernels (csrc/sdpa.cpp; it must load on the
+    GPU machine) or the Python ones (_sdpa_mode._forward, _backward)."""
+    lib = _native.library()
+    assert lib is not None, _native.status()
+    if request.param == "python":
+        _native.python_path(monkeypatch)
+    else:
+        _native._publish_ops()
+    lib.clear()
     _sdpa_mode._routes.clear()
     fastattn.torch.enable_sdpa()
-    yield
+    assert (_sdpa_mode._state.library is lib) == (request.param == "native")
+    yield request.param
     fastattn.torch.disable_sdpa()
 
 
@@ -56,6 +66,8 @@ def test_outputs_and_gradients_match_with_the_mode_on_and_off(mode, heads, kv_he
     mask = torch.randn(2, 1, 128, 128, device=DEV, dtype=torch.bfloat16) if masked else None
     on = _run(model, x, mask=mask)
     routes = list(_sdpa_mode.sdpa_routes().values())
+    if mode == "native":  # the C++ kernels ran the calls (each signature asked _route once)
+        assert _native.library().sdpa_route_count() == len(routes), (routes, _native.library().sdpa_route_count())
     fastattn.torch.disable_sdpa()
     off = _run(model, x, mask=mask)
     fastattn.torch.enable_sdpa()

@@ -109,8 +109,8 @@ namespace {
 
 Tensor like(const Tensor &t) { return empty_cuda(t.sizes(), t.strides(), t.scalar_type(), t); }
 
-// The backward's work: d_bias and d_sink undefined where not computed (backward_cuda, the
-// op's kernel, returns empty tensors in their place).
+}  // namespace
+
 Grads backward_work(const Tensor &d_o_in, const Tensor &o, const Tensor &stats, const Tensor &q, const Tensor &k,
                     const Tensor &v, const OptTensor &seq_len_q, const OptTensor &seq_len_kv, const OptTensor &bias,
                     const OptTensor &sink, const OptTensor &rng, FA_DENSE_PARAMS) {
@@ -142,8 +142,6 @@ Grads backward_work(const Tensor &d_o_in, const Tensor &o, const Tensor &stats, 
     run(e, FASTATTN_BACKWARD, q, slots);
     return {d_q, d_k, d_v, d_bias, d_sink};
 }
-
-}  // namespace
 
 Grads backward_cuda(const Tensor &d_o, const Tensor &o, const Tensor &stats, const Tensor &q, const Tensor &k,
                     const Tensor &v, const OptTensor &seq_len_q, const OptTensor &seq_len_kv, const OptTensor &bias,

@@ -26,6 +26,7 @@
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
+#include <array>
 #include <string>
 
 #include "ops.h"
@@ -40,6 +41,7 @@ namespace {
 
 PyObject *g_miss = nullptr;            // the Python miss handler; a new reference, never released
 PyObject *g_error_for_code = nullptr;  // fastattn.errors.error_for_code; likewise
+PyObject *g_sdpa_route = nullptr;      // fastattn.torch._sdpa_mode._route, once the mode is on; likewise
 
 py::object to_py(const OptTensor &t) { return given(t) ? py::cast(*t) : py::none(); }
 
@@ -84,6 +86,40 @@ Entry miss_paged(const Tensor &q, const Tensor &k_cache, const Tensor &v_cache, 
                               v_cache, table, to_py(seq_lens_q), cache_seqlens, FA_PAGED_TUPLE(opt)));
 }
 
+namespace {
+
+template <size_t N>
+std::array<int64_t, N> ints(const py::handle &seq) {
+    auto t = seq.cast<py::tuple>();
+    TORCH_CHECK(t.size() == N, "fastattn: the SDPA mode's route has ", t.size(), " numbers where ", N, " belong");
+    std::array<int64_t, N> out{};
+    for (size_t i = 0; i < N; ++i) out[i] = t[i].cast<int64_t>();
+    return out;
+}
+
+}  // namespace
+
+// _sdpa_mode._route's answer: a _Route (layout, options, out_stride, lse_shape,
+// grad_strides) or the reason PyTorch's kernels run the call (a str).
+SdpaRoute miss_sdpa(const Tensor &q, const Tensor &k, const Tensor &v, const OptTensor &bias, double dropout_p,
+                    bool is_causal, std::optional<double> scale, bool training) {
+    py::gil_scoped_acquire gil;
+    TORCH_CHECK(g_sdpa_route != nullptr, "fastattn: the SDPA mode's kernels run without enable_sdpa()");
+    py::object got = py::reinterpret_borrow<py::object>(g_sdpa_route)(
+        q, k, v, to_py(bias), dropout_p, is_causal, scale ? py::cast(*scale) : py::none(), training);
+    SdpaRoute r;
+    if (py::isinstance<py::str>(got)) return r;
+    auto t = got.cast<py::tuple>();
+    auto options = t[1].cast<py::tuple>();
+    r.ours = true;
+    r.opt = FA_DENSE_FROM(options);
+    r.out_stride = ints<4>(t[2]);
+    for (auto n : t[3].cast<py::tuple>()) r.lse_shape.push_back(n.cast<int64_t>());
+    auto grads = t[4].cast<py::tuple>();
+    for (size_t i = 0; i < 3; ++i) r.grad_strides[i] = ints<4>(grads[i]);
+    return r;
+}
+
 // Through the dispatcher, which hands a Python exception back to Python as it is.
 [[noreturn]] void raise_status(int code, const char *message) {
     py::gil_scoped_acquire gil;
@@ -117,6 +153,17 @@ void init(py::capsule abi, py::object miss, py::object error_for_code) {
 void clear() {
     clear_table();
     clear_workspaces();
+    clear_sdpa_routes();
+}
+
+// The SDPA mode's kernels on (with the route function they ask for a new signature's
+// route) or off.
+void sdpa_kernels(bool on, py::object route) {
+    if (on) {
+        if (g_sdpa_route != nullptr) Py_DECREF(g_sdpa_route);
+        g_sdpa_route = route.inc_ref().ptr();
+    }
+    set_sdpa_kernels(on);
 }
 
 }  // namespace
@@ -184,5 +231,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("table_size", &table_size, "plans in the C++ table");
     m.def("clear", &clear, "forget every plan and release the kept workspaces (only while no op runs)");
     m.def("kept_workspace_bytes", &kept_workspace_bytes, "bytes of workspace kept per thread and stream for reuse");
+    m.def("sdpa_kernels", &sdpa_kernels, py::arg("on"), py::arg("route") = py::none(),
+          "sdpa_kernels(on, route): the SDPA mode's C++ kernels over aten::_scaled_dot_product_cudnn_attention "
+          "and its backward registered (route: fastattn.torch._sdpa_mode._route) or removed");
+    m.def("sdpa_route_count", &sdpa_route_count, "call signatures the SDPA mode's C++ kernels have a route for");
+    m.def(
+        "sdpa_route",
+        [](const Tensor &q, const Tensor &k, const Tensor &v, const OptTensor &bias, double dropout_p, bool is_causal,
+           std::optional<double> scale, bool training) -> py::tuple {
+            const SdpaRoute &r = sdpa_route(q, k, v, bias, dropout_p, is_causal, scale, training);
+            if (!r.ours) return py::make_tuple(false);
+            return py::make_tuple(true, FA_DENSE_TUPLE(r.opt), r.out_stride, r.lse_shape, r.grad_strides);
+        },
+        "sdpa_route(q, k, v, attn_bias, dropout_p, is_causal, scale, training): the route the SDPA mode's C++ "
+        "kernels take for this call, as they keep it (tests): (False,) for PyTorch's kernels, else (True, options, "
+        "out_stride, lse_shape, grad_strides)");
     add_eager_entries(m);
 }

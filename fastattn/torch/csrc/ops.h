@@ -8,7 +8,8 @@
 //   table.cpp   the plan table, outputs and workspaces, run;
 //   dense.cpp   attention()'s kernels and its autograd node, DenseBackward;
 //   varlen.cpp  attention_varlen()'s and attention_paged()'s kernels, varlen's autograd Function;
-//   eager.cpp   the eager entries past torch.ops (call, call_varlen) and profile_eager.
+//   eager.cpp   the eager entries past torch.ops (call, call_varlen) and profile_eager;
+//   sdpa.cpp    the SDPA mode's kernels over PyTorch's cuDNN SDPA operators.
 // Each includes only the torch headers it needs: torch/extension.h alone takes longer to
 // parse than most units take to compile (docs/history/benchmarks-log.md, "Session 12").
 //
@@ -25,6 +26,7 @@
 #include <cstring>
 #include <initializer_list>
 #include <optional>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -45,6 +47,15 @@ inline int64_t fa_bits(double x) {
     int64_t b;
     std::memcpy(&b, &x, sizeof b);
     return b;
+}
+
+// A str option's value as the name it is among `names` (string literals: the view stays
+// valid after value is gone), for fastattn_options.h's FA_<OP>_FROM.
+inline c10::string_view fa_named(const std::string &value, std::initializer_list<c10::string_view> names) {
+    for (c10::string_view name : names) {
+        if (value == name) return name;
+    }
+    TORCH_CHECK_VALUE(false, "fastattn: '", value, "' is none of the option's names");
 }
 
 inline int64_t fa_choice(c10::string_view value, std::initializer_list<c10::string_view> names) {
@@ -88,6 +99,14 @@ inline OptTensor saved(const Tensor &t) { return t.defined() ? OptTensor(t) : st
 // ---- the plan table (table.cpp) ----------------------------------------------------------------
 
 enum Kind : int64_t { kDense = 0, kVarlen = 1, kPaged = 2 };  // the miss handler's first argument; a key's first word
+
+struct KeyHash {  // a table key's hash: FNV-1a over its words
+    size_t operator()(const std::vector<int64_t> &k) const noexcept {
+        uint64_t h = 1469598103934665603ull;
+        for (int64_t w : k) h = (h ^ static_cast<uint64_t>(w)) * 1099511628211ull;
+        return static_cast<size_t>(h);
+    }
+};
 
 struct Entry {
     void *plan;            // the fastattn.Plan, a PyObject (a reference held by the table): keeps the graphs alive
@@ -171,6 +190,12 @@ const Entry &find_plan(int direction, const Tensor &q, const Tensor &k, const Te
                        const OptTensor &seq_len_q, const OptTensor &seq_len_kv, const OptTensor &bias,
                        const OptTensor &sink, const OptTensor &rng, const DenseOptions &opt);
 
+// The backward's work: (d_q, d_k, d_v, d_bias, d_sink), the last two undefined where not
+// computed (backward_cuda, the op's kernel, returns empty tensors in their place).
+Grads backward_work(const Tensor &d_o_in, const Tensor &o, const Tensor &stats, const Tensor &q, const Tensor &k,
+                    const Tensor &v, const OptTensor &seq_len_q, const OptTensor &seq_len_kv, const OptTensor &bias,
+                    const OptTensor &sink, const OptTensor &rng, FA_DENSE_PARAMS);
+
 // o's shape: q's, with v's head dim (q is 4-d: its plan was found).
 std::array<int64_t, 4> out_shape(const Tensor &q, const Tensor &v, const std::array<int, 4> &ax);
 
@@ -207,6 +232,36 @@ std::tuple<Tensor, Tensor> forward_recorded(bool direct, const Tensor &q, const 
                                             const OptTensor &seq_len_q, const OptTensor &seq_len_kv,
                                             const OptTensor &bias, const OptTensor &sink, const OptTensor &rng,
                                             const DenseOptions &opt);
+
+// ---- the SDPA mode (sdpa.cpp; fastattn/torch/_sdpa_mode.py) ------------------------------------
+
+// How the mode runs one call signature of aten::_scaled_dot_product_cudnn_attention (and
+// its backward): fastattn's dense plan with `opt`, its outputs given the strides and
+// shapes the installed torch's Meta kernels give, or PyTorch's own kernels (ours false).
+struct SdpaRoute {
+    bool ours = false;
+    DenseOptions opt{};
+    std::array<int64_t, 4> out_stride{};
+    std::vector<int64_t> lse_shape;
+    std::array<std::array<int64_t, 4>, 3> grad_strides{};  // d_query's, d_key's, d_value's
+};
+
+// The route of a signature seen for the first time: _sdpa_mode._route's answer (ops.cpp,
+// under the GIL). bias: attn_bias as the kernel got it; training: the forward's
+// compute_log_sumexp (true for the backward).
+SdpaRoute miss_sdpa(const Tensor &q, const Tensor &k, const Tensor &v, const OptTensor &bias, double dropout_p,
+                    bool is_causal, std::optional<double> scale, bool training);
+
+// A call signature's route: from the table, else miss_sdpa's (kept, but for a refusal
+// inside a CUDA-graph capture).
+const SdpaRoute &sdpa_route(const Tensor &q, const Tensor &k, const Tensor &v, const OptTensor &bias,
+                            double dropout_p, bool is_causal, const std::optional<double> &scale, bool training);
+
+// Registers the mode's two CUDA kernels over PyTorch's (on) or removes them, PyTorch's
+// serving again (off).
+void set_sdpa_kernels(bool on);
+size_t sdpa_route_count();
+void clear_sdpa_routes();  // only while no op runs
 
 // ---- attention_varlen() and attention_paged() (varlen.cpp) -------------------------------------
 

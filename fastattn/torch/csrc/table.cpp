@@ -23,14 +23,6 @@ namespace fastattn::ops {
 
 namespace {
 
-struct KeyHash {
-    size_t operator()(const std::vector<int64_t> &k) const noexcept {
-        uint64_t h = 1469598103934665603ull;  // FNV-1a over the words
-        for (int64_t w : k) h = (h ^ static_cast<uint64_t>(w)) * 1099511628211ull;
-        return static_cast<size_t>(h);
-    }
-};
-
 // Read under a shared lock on every call; written under the unique lock after a miss
 // (which took and released the GIL: a hit never takes the GIL, so a hit waiting for the
 // lock never holds it). Entries are never removed while ops can run (clear_table() is

@@ -1,0 +1,260 @@
+// The SDPA mode's kernels (fastattn/torch/_sdpa_mode.py says what the mode is and why these
+// two operators): CUDA kernels over aten::_scaled_dot_product_cudnn_attention and its
+// backward, registered while the mode is on. The Python kernels they replace cost ~22 us
+// of host time a call beyond fastattn's own ~5 (docs/BENCHMARKS.md, "The SDPA mode"):
+// the dispatcher's call into Python, a signature tuple, the Python path's forward. Here a
+// call is a route lookup (one hash of its shapes, strides and options), permuted views and
+// the dense op's own work (dense.cpp); a new signature asks Python once (_sdpa_mode._route:
+// PyTorch's checks, the plan's verdict, the Meta kernel's strides).
+//
+// Boxed kernels: they read their arguments off the dispatcher's stack by position, so a
+// torch whose operators changed their types still builds this library (enable_sdpa checks
+// the arguments' names against the installed torch before registering), and a call
+// fastattn does not take is handed, stack and all, to PyTorch's own kernels:
+// aten::_cudnn_attention_forward / _backward, which its cuDNN SDPA operators run.
+#include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
+#include <ATen/ops/randint.h>
+#include <ATen/ops/stack.h>
+#include <ATen/ops/zeros.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include <memory>
+#include <mutex>
+#include <shared_mutex>
+#include <unordered_map>
+#include <vector>
+
+#include "ops.h"
+
+namespace fastattn::ops {
+
+namespace {
+
+using torch::jit::Stack;
+
+// ---- routes -----------------------------------------------------------------------------------
+
+// Written under the unique lock after a miss (which took the GIL and released it), read
+// under the shared one; entries are removed only by clear_sdpa_routes() (tests, while no
+// op runs), so a hit's route stays valid after the lock is dropped.
+std::shared_mutex g_routes_lock;
+std::unordered_map<std::vector<int64_t>, SdpaRoute, KeyHash> g_routes;
+
+void put_scale(std::vector<int64_t> &key, const std::optional<double> &scale) {
+    key.push_back(scale.has_value());
+    key.push_back(scale.has_value() ? fa_bits(*scale) : 0);
+}
+
+bool capturing(const Tensor &q) {
+    const c10::Stream stream = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getStream(q.device());
+    return g_abi->stream_capturing(reinterpret_cast<intptr_t>(stream.native_handle())) != 0;
+}
+
+}  // namespace
+
+const SdpaRoute &sdpa_route(const Tensor &q, const Tensor &k, const Tensor &v, const OptTensor &bias,
+                            double dropout_p, bool is_causal, const std::optional<double> &scale, bool training) {
+    thread_local std::vector<int64_t> key;
+    key.clear();
+    put_tensor(key, q);
+    put_tensor(key, k);
+    put_tensor(key, v);
+    put_optional(key, bias);
+    key.push_back(fa_bits(dropout_p));
+    key.push_back(is_causal);
+    put_scale(key, scale);
+    key.push_back(training);
+    {
+        std::shared_lock<std::shared_mutex> lock(g_routes_lock);
+        auto it = g_routes.find(key);
+        if (it != g_routes.end()) return it->second;
+    }
+    SdpaRoute r = miss_sdpa(q, k, v, bias, dropout_p, is_causal, scale, training);
+    if (!r.ours && q.is_cuda() && capturing(q)) {
+        // Not kept: a refusal inside a capture may be a plan not loadable there, which the
+        // same call outside a capture loads (as _sdpa_mode._route).
+        thread_local SdpaRoute once;
+        once = std::move(r);
+        return once;
+    }
+    std::unique_lock<std::shared_mutex> lock(g_routes_lock);
+    return g_routes.emplace(key, std::move(r)).first->second;
+}
+
+namespace {
+
+// ---- tensors ----------------------------------------------------------------------------------
+
+// bhsd tensors as views in the layout's order (what attention()'s plans read), and back
+// (_sdpa_mode._views, _to_bhsd).
+Tensor to_layout(c10::string_view layout, const Tensor &t) {
+    if (layout == "bhsd") return t;
+    return layout == "bshd" ? t.transpose(1, 2) : t.permute({2, 0, 1, 3});
+}
+
+Tensor to_bhsd(c10::string_view layout, const Tensor &t) {
+    if (layout == "bhsd") return t;
+    return layout == "bshd" ? t.transpose(1, 2) : t.permute({1, 2, 0, 3});
+}
+
+// t with the strides PyTorch's Meta kernel gave: a view where they differ only on dims of
+// extent 1 (the same memory), else a copy (_sdpa_mode._matched).
+Tensor matched(const Tensor &t, const std::array<int64_t, 4> &stride) {
+    const auto st = t.strides();
+    bool same = true, compatible = true;
+    for (int d = 0; d < 4; ++d) {
+        same = same && st[d] == stride[d];
+        compatible = compatible && (st[d] == stride[d] || t.size(d) == 1);
+    }
+    if (same) return t;
+    if (compatible) return t.as_strided(t.sizes(), stride);
+    return empty_cuda(t.sizes(), stride, t.scalar_type(), t).copy_(t);
+}
+
+// attn_bias as fastattn's bias (_sdpa_mode._bias): broadcast over (b, heads_q, seq_q,
+// seq_kv), each broadcast dim of extent 1 except the queries' when training (fastattn has
+// no correct backward for a one-row bias), contiguous.
+OptTensor as_bias(const OptTensor &attn_bias, const Tensor &q, const Tensor &k, bool training) {
+    if (!given(attn_bias)) return std::nullopt;
+    Tensor m = attn_bias->expand({q.size(0), q.size(1), q.size(2), k.size(2)});
+    for (int d = 0; d < 3; ++d) {
+        if (m.stride(d) == 0 && m.size(d) > 1 && !(d == 2 && training)) m = m.narrow(d, 0, 1);
+    }
+    return m.is_contiguous() ? m : m.contiguous();
+}
+
+// Philox's seed and offset when there is no dropout: a 0-d int64 zero per device, made
+// once (outside a capture: one made inside would be filled only when the graph replays).
+Tensor zero_seed(const Tensor &q) {
+    static std::mutex lock;
+    static std::unordered_map<int64_t, Tensor> *zeros = new std::unordered_map<int64_t, Tensor>();  // never freed: no
+    // tensor is released after the caching allocator (at exit)
+    if (capturing(q)) return at::zeros({}, q.options().dtype(at::kLong));
+    std::lock_guard<std::mutex> guard(lock);
+    Tensor &z = (*zeros)[q.get_device()];
+    if (!z.defined()) z = at::zeros({}, q.options().dtype(at::kLong));
+    return z;
+}
+
+const c10::OperatorHandle &op(const char *name) {
+    return c10::Dispatcher::singleton().findSchemaOrThrow(name, "");
+}
+
+// ---- the kernels ------------------------------------------------------------------------------
+
+constexpr size_t kForwardArgs = 9;    // _sdpa_mode.FORWARD_ARGS
+constexpr size_t kBackwardArgs = 16;  // _sdpa_mode.BACKWARD_ARGS
+
+// aten::_scaled_dot_product_cudnn_attention: (output in the query's memory order,
+// logsumexp, cum_seq_q, cum_seq_k (undefined), max_q, max_k, philox seed and offset,
+// debug mask (undefined)), as PyTorch's kernel returns them.
+void forward(const c10::OperatorHandle &, Stack *stack) {
+    const auto args = torch::jit::last(*stack, kForwardArgs);
+    const Tensor q = args[0].toTensor(), k = args[1].toTensor(), v = args[2].toTensor();
+    const OptTensor bias = args[3].toOptional<Tensor>();
+    const bool lse = args[4].toBool(), is_causal = args[6].toBool(), debug = args[7].toBool();
+    const double dropout_p = args[5].toDouble();
+    const std::optional<double> scale = args[8].toOptional<double>();
+    const SdpaRoute &r = sdpa_route(q, k, v, bias, dropout_p, is_causal, scale, lse);
+    if (!r.ours || debug) {
+        // aten::_cudnn_attention_forward: the same arguments, with no cumulative lengths
+        // after attn_bias and the maximal ones, the tensors' own.
+        static const c10::OperatorHandle &fallback = op("aten::_cudnn_attention_forward");
+        const int64_t max_q = q.size(2), max_k = k.size(2);
+        stack->insert(stack->end() - 5, {c10::IValue(), c10::IValue(), c10::IValue(max_q), c10::IValue(max_k)});
+        fallback.callBoxed(stack);
+        return;
+    }
+    const c10::string_view layout = r.opt.layout;
+    const OptTensor rng = dropout_p > 0 ? OptTensor(at::randint(0, int64_t{1} << 62, {4}, q.options().dtype(at::kLong)))
+                                        : std::nullopt;
+    auto [o, stats] = forward_work(to_layout(layout, q), to_layout(layout, k), to_layout(layout, v), std::nullopt,
+                                   std::nullopt, as_bias(bias, q, k, lse), std::nullopt, rng, FA_DENSE_OF(r.opt));
+    if (!stats.defined()) {  // inference writes no stats; the operator still returns the tensor
+        stats = empty_cuda(r.lse_shape, {}, at::kFloat, q);
+    } else if (stats.sizes() != c10::IntArrayRef(r.lse_shape)) {
+        stats = stats.view(r.lse_shape);
+    }
+    const Tensor seed = rng ? rng->select(0, 0) : zero_seed(q);
+    const Tensor offset = rng ? rng->select(0, 2) : seed;
+    const int64_t max_q = q.size(2), max_k = k.size(2);
+    torch::jit::drop(*stack, kForwardArgs);
+    torch::jit::push(*stack, matched(to_bhsd(layout, o), r.out_stride), stats, Tensor(), Tensor(), max_q, max_k, seed,
+                     offset, Tensor());
+}
+
+// aten::_scaled_dot_product_cudnn_attention_backward: (d_query, d_key, d_value), from the
+// side (fastattn's or PyTorch's) that ran the forward: the same route.
+void backward(const c10::OperatorHandle &, Stack *stack) {
+    const auto args = torch::jit::last(*stack, kBackwardArgs);
+    const Tensor q = args[1].toTensor(), k = args[2].toTensor(), v = args[3].toTensor();
+    const Tensor b = args[8].isTensor() ? args[8].toTensor() : Tensor();
+    const OptTensor bias = b.defined() && b.numel() > 0 ? OptTensor(b) : std::nullopt;
+    const double dropout_p = args[13].toDouble();
+    const bool is_causal = args[14].toBool();
+    const std::optional<double> scale = args[15].toOptional<double>();
+    const SdpaRoute &r = sdpa_route(q, k, v, bias, dropout_p, is_causal, scale, true);
+    if (!r.ours) {
+        static const c10::OperatorHandle &fallback = op("aten::_cudnn_attention_backward");  // the same arguments
+        fallback.callBoxed(stack);
+        return;
+    }
+    const c10::string_view layout = r.opt.layout;
+    const Tensor d_o = args[0].toTensor(), o = args[4].toTensor(), lse = args[5].toTensor();
+    OptTensor rng;
+    if (dropout_p > 0) {  // fastattn's rng tensor: the seed at element 0, the offset at element 2
+        const Tensor seed = args[6].toTensor(), offset = args[7].toTensor();
+        rng = at::stack({seed, seed, offset, offset}).reshape({4});
+    }
+    const Tensor stats = lse.reshape({q.size(0), q.size(1), q.size(2), 1});
+    auto grads = backward_work(to_layout(layout, d_o), to_layout(layout, o), stats, to_layout(layout, q),
+                               to_layout(layout, k), to_layout(layout, v), std::nullopt, std::nullopt,
+                               as_bias(bias, q, k, true), std::nullopt, rng, FA_DENSE_OF(r.opt));
+    torch::jit::drop(*stack, kBackwardArgs);
+    torch::jit::push(*stack, matched(to_bhsd(layout, std::get<0>(grads)), r.grad_strides[0]),
+                     matched(to_bhsd(layout, std::get<1>(grads)), r.grad_strides[1]),
+                     matched(to_bhsd(layout, std::get<2>(grads)), r.grad_strides[2]));
+}
+
+std::unique_ptr<torch::Library> g_library;  // holds the two kernels while the mode is on
+std::mutex g_library_lock;
+
+}  // namespace
+
+void set_sdpa_kernels(bool on) {
+    std::lock_guard<std::mutex> guard(g_library_lock);
+    if (on && g_library == nullptr) {
+        // PyTorch warns that a kernel replaces another for the same key: that is the point.
+        struct Quiet : c10::WarningHandler {
+            void process(const c10::Warning &) override {}
+        } quiet;
+        c10::WarningUtils::WarningHandlerGuard silence(&quiet);
+        auto library = std::make_unique<torch::Library>(torch::Library::IMPL, "aten", c10::DispatchKey::CUDA,
+                                                        __FILE__, __LINE__);
+        library->impl("_scaled_dot_product_cudnn_attention", torch::CppFunction::makeFromBoxedFunction<&forward>());
+        library->impl("_scaled_dot_product_cudnn_attention_backward",
+                      torch::CppFunction::makeFromBoxedFunction<&backward>());
+        g_library = std::move(library);
+    } else if (!on) {
+        // The dispatcher falls back to the kernels these replaced, PyTorch's. The routes
+        // stay (a call may be running on one): what a signature's route is does not
+        // depend on the mode.
+        g_library.reset();
+    }
+}
+
+size_t sdpa_route_count() {
+    std::shared_lock<std::shared_mutex> lock(g_routes_lock);
+    return g_routes.size();
+}
+
+void clear_sdpa_routes() {
+    std::unique_lock<std::shared_mutex> lock(g_routes_lock);
+    g_routes.clear();
+}
+
+}  // namespace fastattn::ops
