@@ -220,7 +220,10 @@ void backward(const c10::OperatorHandle &, Stack *stack) {
                      matched(to_bhsd(layout, std::get<2>(grads)), r.grad_strides[2]));
 }
 
-std::unique_ptr<torch::Library> g_library;  // holds the two kernels while the mode is on
+// Holds the two kernels while the mode is on. A plain pointer, not destroyed at exit: a
+// static's destructor would deregister from a dispatcher that static destruction may
+// already have taken apart (the mode on at exit is the usual case).
+torch::Library *g_library = nullptr;
 std::mutex g_library_lock;
 
 }  // namespace
@@ -238,12 +241,13 @@ void set_sdpa_kernels(bool on) {
         library->impl("_scaled_dot_product_cudnn_attention", torch::CppFunction::makeFromBoxedFunction<&forward>());
         library->impl("_scaled_dot_product_cudnn_attention_backward",
                       torch::CppFunction::makeFromBoxedFunction<&backward>());
-        g_library = std::move(library);
+        g_library = library.release();
     } else if (!on) {
         // The dispatcher falls back to the kernels these replaced, PyTorch's. The routes
         // stay (a call may be running on one): what a signature's route is does not
         // depend on the mode.
-        g_library.reset();
+        delete g_library;
+        g_library = nullptr;
     }
 }
 
