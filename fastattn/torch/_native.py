@@ -48,8 +48,8 @@ _state: dict = {}  # "lib": the loaded module or None, "reason": why this path, 
 # attention_paged() (PAGED) once the path is
 # decided: (eager, traced) or None for the Python path; UNDECIDED before the first
 # decision. eager is the operator's C++ entry point (past torch.ops' Python wrappers,
-# which cost host time on every call), traced its OpOverload, which torch.compile
-# records. Module globals, so that an entry point reads its op in one lookup.
+# which cost host time on every call; attention_paged's, eager.cpp's call_paged, past the
+# dispatcher too), traced its OpOverload, which torch.compile records. Module globals, so that an entry point reads its op in one lookup.
 UNDECIDED = object()
 DENSE = VARLEN = PAGED = UNDECIDED
 # attention()'s own 17 arguments, read in C (eager.cpp's call): the first thing a call
@@ -280,7 +280,7 @@ def _publish_ops() -> None:
     paged = torch.ops.fastattn.native_paged_forward.default
     DENSE = (getattr(dense, "_op", dense), dense)
     VARLEN = (getattr(varlen, "_op", varlen), varlen)
-    PAGED = (getattr(paged, "_op", paged), paged)
+    PAGED = (_state["lib"].call_paged, paged)  # the eager callable: the op's kernel past torch.ops (eager.cpp)
     CALL, CALL_VARLEN = _state["lib"].call, _state["lib"].call_varlen
 
 

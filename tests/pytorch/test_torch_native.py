@@ -204,6 +204,22 @@ def test_paged_meta_shape_and_cpu_error(lib):
                                                 None, False, True, -1, -1, 0.0)
 
 
+def test_the_paged_eager_callable_runs_the_op_where_its_kernel_does_not(lib):
+    # Off CUDA (and inside dispatch modes) call_paged runs the op: its Meta kernel's shape,
+    # its CPU kernel's error, as torch.ops gives them; attention_paged calls it eagerly.
+    assert _native.PAGED[0] is lib.call_paged
+    q = torch.empty(3, 1, 8, 64, device="meta", dtype=torch.bfloat16)
+    k_cache = torch.empty(20, 64, 2, 64, device="meta", dtype=torch.bfloat16)
+    v_cache = torch.empty(20, 64, 2, 32, device="meta", dtype=torch.bfloat16)
+    table = torch.empty(3, 4, device="meta", dtype=torch.int32)
+    lens = torch.empty(3, device="meta", dtype=torch.int32)
+    options = _paged.PagedOptions(False, True, -1, -1, 0.0, 0.0)
+    o = lib.call_paged(q, k_cache, v_cache, table, lens, None, *options)
+    assert o.device.type == "meta" and o.shape == (3, 1, 8, 32) and o.dtype == q.dtype
+    with pytest.raises(ValueError, match=r"fastattn: q is on cpu: fastattn runs on CUDA tensors"):
+        lib.call_paged(*(torch.empty_like(t, device="cpu") for t in (q, k_cache, v_cache, table, lens)), None, *options)
+
+
 def test_meta_backward_shapes(lib):
     q, k, v = dense()
     o = torch.empty(2, 16, 4, 16, dtype=torch.bfloat16, device="meta")

@@ -1,4 +1,4 @@
-// The eager entries (call, call_varlen): from Python straight to the CUDA kernels,
+// The eager entries (call, call_varlen, call_paged): from Python straight to the CUDA kernels,
 // past torch.ops and the dispatcher, and profile_eager, the dense entry taken apart.
 //
 // call: attention()'s own 18 arguments, as they are. fastattn.torch.attention() hands
@@ -27,6 +27,7 @@
 #include <torch/csrc/utils/pybind.h>  // first: Python.h, then pybind11 with torch's casters
 
 #include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/empty.h>
 #include <ATen/record_function.h>
@@ -452,6 +453,28 @@ py::dict profile_eager(const Tensor &q, const Tensor &k, const Tensor &v, int64_
 }
 
 // A METH_FASTCALL function as the PyCFunction that PyMethodDef holds (CPython casts it back).
+// ---- attention_paged()'s eager callable -------------------------------------------------------
+// _native.PAGED[0]: fastattn::native_paged_forward's arguments, once attention_paged's
+// Python body has checked and converted them. A plain call runs the op's CUDA kernel
+// (paged_forward_cuda) past torch.ops, whose argument parsing and dispatch cost more host
+// time than the call's launch; inside a dispatch mode or torch.jit.trace, which must see
+// the op, and for tensors not on CUDA, it runs the op. No autograd either way:
+// attention_paged is forward only.
+Tensor call_paged(const Tensor &q, const Tensor &k_cache, const Tensor &v_cache, const Tensor &table,
+                  const Tensor &cache_seqlens, const OptTensor &seq_lens_q, FA_PAGED_PARAMS) {
+    py::gil_scoped_release no_gil;
+    if (!outside_modes() || !q.is_cuda()) {
+        static const auto op =
+            c10::Dispatcher::singleton()
+                .findSchemaOrThrow("fastattn::native_paged_forward", "")
+                .typed<Tensor(const Tensor &, const Tensor &, const Tensor &, const Tensor &, const Tensor &,
+                              const OptTensor &, FA_PAGED_PARAMS)>();
+        return op.call(q, k_cache, v_cache, table, cache_seqlens, seq_lens_q, FA_PAGED_ARGS);
+    }
+    RECORD_FUNCTION("fastattn::attention_paged", c10::ArrayRef<const c10::IValue>{});
+    return paged_forward_cuda(q, k_cache, v_cache, table, cache_seqlens, seq_lens_q, FA_PAGED_ARGS);
+}
+
 using FastCall = PyObject *(*)(PyObject *, PyObject *const *, Py_ssize_t);
 PyCFunction as_pycfunction(FastCall f) { return reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(f)); }
 
@@ -459,6 +482,10 @@ PyCFunction as_pycfunction(FastCall f) { return reinterpret_cast<PyCFunction>(re
 
 void add_eager_entries(py::module_ &m) {
     m.def("profile_eager", &profile_eager, "the eager entry's pieces timed in C++ (benchmarks/profile_native_step.py)");
+    m.def("call_paged", &call_paged,
+          "call_paged(q, k_cache, v_cache, block_table, cache_seqlens, seq_lens_q, <the paged options>) -> o: "
+          "attention_paged()'s eager callable (fastattn::native_paged_forward's arguments), past torch.ops "
+          "outside dispatch modes and torch.jit.trace");
     m.def("check_varlen_tensors", &check_varlen_tensors_for_tests,
           "check_varlen_tensors(q, k, v, cu_seqlens_q, cu_seqlens_kv): call_varlen's tensor checks (tests)");
     // The eager entries take Python's vectorcall convention (METH_FASTCALL), which
