@@ -510,5 +510,6 @@ def differences(out, expected, again) -> str:
     kept = {k: v.tolist() for k, v in _paged._full_lengths.items()}
     with torch.no_grad():
         same = [torch.equal(expected, again()) for _ in range(3)]
+    nan = (int(out.isnan().sum()), int(expected.isnan().sum()))  # torch.equal is False where both hold a NaN
     return (f"{int((d > 0).sum())} of {d.numel()} elements differ, up to {d.max().item():.3g}, in batch rows {rows}; "
-            f"eager again equal: {same}; the query lengths kept: {kept}")
+            f"NaN in the replay, the eager call: {nan}; eager again equal: {same}; the query lengths kept: {kept}")
