@@ -13,6 +13,8 @@
 #   FA_SEED=0       which cases are drawn (the same on every machine)
 #   FA_BUDGET_S=180 no case starts after this many seconds (those left: "not reached")
 #   FA_CASE_S=30    a case running longer is interrupted and fails, saying so
+#   FA_SHARDS=1     pytest processes at once, each every FA_SHARDS-th case (fa_subset's
+#                   FA_SHARD): most of a case's time is its plan's build, on the CPU
 #   FA_TESTS=.peer/flash-attention-2.8.3/tests/test_flash_attn.py
 #
 # A crash (an abort inside a library) ends pytest's process: the run goes on in a new
@@ -56,21 +58,29 @@ sys.exit(0 if flash_attn.__version__.endswith("+fastattn.shim") else "flash_attn
   2>&1 | tee "$LOGS/env.log"
 [ "${PIPESTATUS[0]}" = 0 ] || exit 2
 uname -r >> "$LOGS/env.log"
-echo "FA_PER_FUNC=$FA_PER_FUNC FA_SEED=$FA_SEED FA_BUDGET_S=$budget FA_CASE_S=$FA_CASE_S $FA_TESTS $*" | tee -a "$LOGS/env.log"
+echo "FA_PER_FUNC=$FA_PER_FUNC FA_SEED=$FA_SEED FA_BUDGET_S=$budget FA_CASE_S=$FA_CASE_S FA_SHARDS=${FA_SHARDS:-1} $FA_TESTS $*" | tee -a "$LOGS/env.log"
 
-attempt=0
-while :; do
-  attempt=$((attempt + 1))
-  # The outer timeout only backs up the plugin's own limits (a hang inside a C call).
-  left=$(( FA_DEADLINE - $(date +%s) + FA_CASE_S + 30 ))
-  timeout --signal=KILL "$left" "$PY" -m pytest -p fa_subset -p no:cacheprovider -q --tb=short -rfE \
-    "$FA_TESTS" "$@" >> "$LOGS/pytest.log" 2>&1
-  rc=$?
-  echo "pytest attempt $attempt: exit $rc after $(( $(date +%s) - t_start )) s" | tee -a "$LOGS/env.log"
-  # 0 passed, 1 failures, >= 128 a signal (a crash, or the timeout's KILL: 137).
-  [ $rc -ge 128 ] && [ $(( FA_DEADLINE - $(date +%s) )) -gt 20 ] && [ $attempt -lt 5 ] || break
-  echo "=== pytest's process died (exit $rc); the log ends:"; tail -n 3 "$LOGS/pytest.log"
-done
+shards=${FA_SHARDS:-1}
+run_shard() {  # shard $1 of $shards: its own results and log, rerun after a crash
+  local attempt=0 rc left
+  while :; do
+    attempt=$((attempt + 1))
+    # The outer timeout only backs up the plugin's own limits (a hang inside a C call).
+    left=$(( FA_DEADLINE - $(date +%s) + FA_CASE_S + 30 ))
+    FA_SHARD="$1/$shards" FA_RESULTS="$LOGS/results-$1.jsonl" timeout --signal=KILL "$left" \
+      "$PY" -m pytest -p fa_subset -p no:cacheprovider -q --tb=short -rfE "$FA_TESTS" "${@:2}" \
+      >> "$LOGS/pytest-$1.log" 2>&1
+    rc=$?
+    echo "shard $1/$shards, pytest attempt $attempt: exit $rc after $(( $(date +%s) - t_start )) s" | tee -a "$LOGS/env.log"
+    # 0 passed, 1 failures, >= 128 a signal (a crash, or the timeout's KILL: 137).
+    [ $rc -ge 128 ] && [ $(( FA_DEADLINE - $(date +%s) )) -gt 20 ] && [ $attempt -lt 5 ] || break
+    echo "=== shard $1: pytest's process died (exit $rc); the log ends:"; tail -n 3 "$LOGS/pytest-$1.log"
+  done
+}
+for ((i = 0; i < shards; i++)); do run_shard "$i" "$@" & done
+wait
+cat "$LOGS"/results-*.jsonl > "$FA_RESULTS" 2> /dev/null
+cat "$LOGS"/pytest-*.log > "$LOGS/pytest.log" 2> /dev/null
 
 "$PY" tools/flash_shim/fa_report.py "$LOGS/results.jsonl" --md "$LOGS/flash_tests.md" --json "$LOGS/summary.json" \
   > "$LOGS/summary.txt" 2>&1

@@ -283,3 +283,30 @@ def test_a_rerun_skips_started_cases_and_the_report_names_a_crash(tmp_path):
     s = fa_report.summarize(fa_report.load(str(results)))
     assert s["table"]["test_sampled"]["passed"] == 1 and s["table"]["test_sampled"]["crashed"] == 1
     assert s["failure_reasons"][0]["example"] == first and not s["ok"]
+
+
+def _ran(results: str) -> list[str]:
+    return [rec["nodeid"] for rec in map(json.loads, open(results)) if rec.get("event") == "start"]
+
+
+def test_shards_split_one_sample_between_processes(tmp_path, monkeypatch):
+    # FA_SHARD=i/n: every n-th case of the run's order from the i-th; together the shards
+    # run the unsharded run's cases, each once, and each records the whole selection.
+    (tmp_path / "test_cases.py").write_text(_CASES)
+    whole = str(tmp_path / "whole.jsonl")
+    _run_plugin(tmp_path, 4, whole, "-k", "sampled or refusals")
+    parts = []
+    for i in range(3):
+        monkeypatch.setenv("FA_SHARD", f"{i}/3")
+        part = str(tmp_path / f"part-{i}.jsonl")
+        _run_plugin(tmp_path, 4, part, "-k", "sampled or refusals")
+        parts.append(_ran(part))
+        assert [json.loads(line) for line in open(part)][0]["selected"] == \
+            [json.loads(line) for line in open(whole)][0]["selected"]
+    assert [len(p) for p in parts] == [2, 2, 2]  # 6 cases: 4 sampled, 2 refusals
+    assert sorted(sum(parts, [])) == sorted(_ran(whole)) and len(set(sum(parts, []))) == 6
+    assert sum(parts, []) != _ran(whole)  # interleaved, not cut in three runs of the order
+    for bad in ("3/3", "1", "a/b"):
+        monkeypatch.setenv("FA_SHARD", bad)
+        r = _run_plugin(tmp_path, 4, str(tmp_path / "bad.jsonl"))
+        assert r.returncode == 4 and "FA_SHARD" in r.stderr, r.stdout + r.stderr

@@ -18,6 +18,10 @@ FlashAttention's tests/test_flash_attn.py against fastattn.flash in bounded time
 - A record per case in FA_RESULTS (JSON lines, appended and flushed as each case starts
   and ends), so a crashed process leaves the case it died in, and a rerun with the same
   FA_RESULTS skips the cases already started (tools/run_flash_tests.sh reruns after a crash).
+- Shards: FA_SHARD=i/n runs every n-th case of the run's order from the i-th (0-based):
+  n processes at once split one sample (tools/run_flash_tests.sh's FA_SHARDS), each with
+  its own FA_RESULTS; each records the whole selection, so fa_report reads their files
+  concatenated as one run's.
 - Without CUDA (collection checks on a CPU machine) the test module's import-time
   torch.cuda.get_device_capability() is answered (9, 0), an H200's, so that the same
   parametrization is collected as on the device; every case then fails on "cuda" tensors.
@@ -49,6 +53,21 @@ def _env_int(name: str, default: int) -> int:
     return int(value) if value.strip() else default
 
 
+def _shard() -> tuple[int, int]:
+    """FA_SHARD as (i, n); (0, 1) when unset."""
+    value = os.environ.get("FA_SHARD", "").strip()
+    if not value:
+        return 0, 1
+    i, _, n = value.partition("/")
+    try:
+        i, n = int(i), int(n)
+    except ValueError:
+        raise pytest.UsageError(f"FA_SHARD={value!r}: expected i/n, e.g. 0/4") from None
+    if not 0 <= i < n:
+        raise pytest.UsageError(f"FA_SHARD={value!r}: i must be in 0 .. n - 1")
+    return i, n
+
+
 class _Plugin:
     def __init__(self):
         self.per_func = _env_int("FA_PER_FUNC", 30)
@@ -56,6 +75,7 @@ class _Plugin:
         deadline = os.environ.get("FA_DEADLINE", "").strip()
         self.deadline = float(deadline) if deadline else time.time() + _env_int("FA_BUDGET_S", 180)
         self.case_s = _env_int("FA_CASE_S", 60)
+        self.shard = _shard()
         self.results_path = os.environ.get("FA_RESULTS") or None
         self.started = self._already_started()
         self.collected: dict[str, int] = {}  # cases per function before the sample (pytest_generate_tests)
@@ -143,11 +163,13 @@ class _Plugin:
             self.write(event="selection", seed=self.seed, per_func=self.per_func,
                        collected={f: self.collected.get(f, len(c)) for f, c in chosen.items()},
                        selected={f: [i.nodeid for i in c] for f, c in chosen.items()})
-        keep = []
+        order = []
         for rnd in range(max((len(c) for c in chosen.values()), default=0)):  # round-robin over the functions
             for cases in chosen.values():
-                if rnd < len(cases) and cases[rnd].nodeid not in self.started:
-                    keep.append(cases[rnd])
+                if rnd < len(cases):
+                    order.append(cases[rnd])
+        i, n = self.shard
+        keep = [item for item in order[i::n] if item.nodeid not in self.started]
         kept = {id(i) for i in keep}
         dropped = [i for i in items if id(i) not in kept]
         if dropped:
@@ -193,7 +215,8 @@ class _Plugin:
                        reason=_reason(report), duration=round(report.duration, 4))
 
     def pytest_report_header(self, config):
-        lines = [f"fa_subset: FA_PER_FUNC={self.per_func} FA_SEED={self.seed} FA_CASE_S={self.case_s}, "
+        lines = [f"fa_subset: FA_PER_FUNC={self.per_func} FA_SEED={self.seed} FA_CASE_S={self.case_s} "
+                 f"FA_SHARD={self.shard[0]}/{self.shard[1]}, "
                  f"{max(0.0, self.deadline - time.time()):.0f} s of budget left, results -> {self.results_path}"]
         if _faked_capability:
             lines.append(f"fa_subset: no CUDA here: torch.cuda.get_device_capability() answers {CPU_CAPABILITY} "
