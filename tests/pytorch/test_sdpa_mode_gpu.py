@@ -117,3 +117,36 @@ def test_a_call_fastattn_does_not_take_runs_pytorchs_kernel(mode):
         got = F.scaled_dot_product_attention(odd, odd, odd)
     want = torch.ops.aten._scaled_dot_product_attention_math(odd.double(), odd.double(), odd.double())[0]
     torch.testing.assert_close(got.double(), want, atol=TOL, rtol=TOL)
+
+
+def test_dropout_is_seeded_unbiased_and_its_backward_drops_what_the_forward_dropped(mode):
+    # v the identity (as many keys as the head dim): o is then the dropped-out attention
+    # matrix A itself (P * mask / (1 - p)), and d_v of sum(o * g) is A^T g, which holds only
+    # if the backward drops what the forward dropped (the seed and offset round trip).
+    p, s = 0.25, 64
+    q = torch.randn(2, 4, s, s, device=DEV, dtype=torch.bfloat16)
+    k = torch.randn(2, 4, s, s, device=DEV, dtype=torch.bfloat16)
+    v = torch.eye(s, device=DEV, dtype=torch.bfloat16).expand(2, 4, s, s).contiguous().requires_grad_()
+    cudnn = [torch.nn.attention.SDPBackend.CUDNN_ATTENTION]
+    with torch.nn.attention.sdpa_kernel(cudnn):
+        torch.manual_seed(1)
+        o = F.scaled_dot_product_attention(q, k, v, dropout_p=p)
+        g = torch.randn_like(o)
+        (d_v,) = torch.autograd.grad(o, v, g)
+        torch.manual_seed(1)
+        again = F.scaled_dot_product_attention(q, k, v.detach(), dropout_p=p)
+        with torch.no_grad():
+            mean = sum(F.scaled_dot_product_attention(q, k, v, dropout_p=p).float() for _ in range(200)) / 200
+            plain = F.scaled_dot_product_attention(q, k, v).float()
+    assert torch.equal(o, again)  # torch's generator seeds it
+    dropped = (o == 0).float().mean().item()
+    assert abs(dropped - p) < 0.03, dropped  # a quarter of the weights dropped
+    want = o.float().transpose(-1, -2) @ g.float()
+    torch.testing.assert_close(d_v.float(), want, atol=3e-2 * want.abs().max().item(), rtol=3e-2)
+    # Unbiased: each weight's mean over the draws within 6 of its standard errors (a draw's
+    # weight is P / (1 - p) or 0), plus bf16's rounding of each draw.
+    stderr = plain.abs() * (p / (1 - p) / 200) ** 0.5 + 1e-2 * plain.abs() + 1e-4
+    z = ((mean - plain).abs() / stderr).max().item()
+    assert z < 6, z
+    routes = list(_sdpa_mode.sdpa_routes().values())
+    assert routes and all(r.startswith("fastattn") for r in routes), routes
