@@ -98,7 +98,11 @@ def enable_sdpa() -> None:
         _check_schemas()
         # The path fastattn.torch's entry points take (FASTATTN_TORCH_PATH): the op library's
         # kernels where they run on it.
-        native = _native.library() if _native.decide() is not None else None
+        try:
+            native = _native.library() if _native.decide() is not None else None
+        except RuntimeError as e:  # FASTATTN_TORCH_PATH=native without a usable op library (attention() raises it)
+            warnings.warn(f"enable_sdpa: the SDPA mode runs its Python kernels: {e}", RuntimeWarning, stacklevel=2)
+            native = None
         if native is not None:
             # The op library's kernels (csrc/sdpa.cpp): these below in C++, a new signature's
             # route asked of _route once.

@@ -287,6 +287,23 @@ def test_a_torch_whose_operator_takes_other_arguments_is_refused(monkeypatch):
     assert not fastattn.torch.sdpa_enabled()
 
 
+def test_native_mode_without_an_op_library_enables_the_python_kernels_and_says_why(tmp_path):
+    # FASTATTN_SDPA=1 with FASTATTN_TORCH_PATH=native and no compiler: the import must not
+    # fail (attention() raises at its call, as ever); the mode warns and runs its Python kernels.
+    env = {**os.environ, "FASTATTN_SDPA": "1", "FASTATTN_TORCH_PATH": "native", "CXX": str(tmp_path / "no-cxx"),
+           "FASTATTN_TORCH_OPS_DIR": str(tmp_path / "ops"), "PYTHONPATH": os.pathsep.join(sys.path)}
+    code = ("import warnings, torch; warnings.simplefilter('always')\n"
+            "with warnings.catch_warnings(record=True) as w:\n"
+            "    import fastattn.torch as t\n"
+            "from fastattn.torch import _sdpa_mode\n"
+            "print(t.sdpa_enabled(), isinstance(_sdpa_mode._state.library, torch.library.Library))\n"
+            "print([str(x.message) for x in w if 'SDPA mode runs its Python kernels' in str(x.message)])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.strip().splitlines()
+    assert lines[0] == "True True" and "native op library is unavailable" in lines[1], out.stdout
+
+
 @pytest.mark.parametrize("value,enabled", [("1", True), ("", False), ("0", False)])
 def test_fastattn_sdpa_enables_the_mode_at_import_only_when_set(value, enabled):
     env = {**os.environ, "FASTATTN_SDPA": value, "PYTHONPATH": os.pathsep.join(sys.path)}
