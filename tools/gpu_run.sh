@@ -13,6 +13,9 @@
 #   ORDERS="file reverse shuffle:7": one pytest process per order (FASTATTN_TEST_ORDER), all at once on
 #     the one GPU (each order is still one process: what issue 26 asks; three in turn cost ~3 x 560 s);
 #     logs pytest-<order>.log, a summary line each; exit 0 only if every order passed
+#   ALSO="cmd": a command run alongside the tests, once the setup is done (e.g. "bash
+#     tools/run_flash_tests.sh": correctness runs only, never a timed one beside the tests);
+#     its output in also.log, its last lines and exit status in the summary
 set -uo pipefail
 OUT=${OUT:-/tmp/fastattn-out}
 LOGS=$(mktemp -d /tmp/fastattn-logs.XXXX)
@@ -81,6 +84,11 @@ if [ -x .redis/redis-server ]; then
 fi
 # Arguments name what to test (default: everything under tests/).
 [ $# -gt 0 ] || set -- tests
+also_pid=
+if [ -n "${ALSO:-}" ]; then
+  (OUT="$LOGS/also" bash -c "$ALSO" > "$LOGS/also.log" 2>&1; echo "ALSO exit $?" >> "$LOGS/also.log") &
+  also_pid=$!
+fi
 # A crash (an abort at exit included) leaves a core file, read below for the C++ stack:
 # a rerun under cuda-gdb would cost the whole suite's time again.
 ulimit -c unlimited 2>/dev/null && echo "/tmp/fastattn-core.%p" > /proc/sys/kernel/core_pattern 2>/dev/null
@@ -121,6 +129,7 @@ if [ $rc -ge 128 ] && [ "${CRASH_BT:-1}" != "0" ]; then
     > "$LOGS/crash_bt.log" 2>&1
   echo "=== crash backtrace"; grep -v "New Thread\|Thread 0x" "$LOGS/crash_bt.log" | tail -30
 fi
+[ -n "$also_pid" ] && wait "$also_pid"  # done before any benchmark: nothing else on the GPU while one times
 # pip byte-compiles an installed package; the source tree here has no .pyc files, and
 # compiling them inside a timed cold start would bill fastattn for it.
 python3 -m compileall -q fastattn > /dev/null
@@ -138,6 +147,9 @@ done
 echo "=== env"; cat "$LOGS/env.log" | head -20
 echo "=== pytest (failures)"; grep -E "^(FAILED|ERROR|SKIPPED)" "$LOGS/pytest.log" | head -40
 grep -E "^E  " "$LOGS/pytest.log" | head -20
+if [ -n "$also_pid" ]; then
+  echo "=== ALSO ($ALSO): the last lines"; tail -n 15 "$LOGS/also.log"
+fi
 echo "=== bench"; for f in "$LOGS"/bench_*.log; do [ -f "$f" ] && sed -n '/^summary:/,$p' "$f"; done
 # The summary line itself (a crash at exit, after it, would be the log's last line) and
 # pytest's exit status: 0 passed, 1 failed, >= 128 a signal (the process crashed).
