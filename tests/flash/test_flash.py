@@ -125,10 +125,26 @@ def test_varlen_takes_dropout_and_standard_alibi_slopes():
      r"^rotary_interleaved='no': must be True or False"),
     (lambda: flash.flash_attn_with_kvcache(*kvcache()[:3], return_softmax_lse=None),
      r"^return_softmax_lse=None: must be True or False"),
+    (lambda: flash.flash_attn_with_kvcache(*kvcache()[:3], num_splits=True), r"^num_splits=True: must be an integer"),
+    (lambda: flash.flash_attn_with_kvcache(*kvcache()[:3], num_splits=2**31), r"^num_splits=2147483648: must be < 2"),
+    (lambda: flash.flash_attn_with_kvcache(*kvcache()[:3], num_splits=1.0), r"^num_splits=1.0: must be an integer"),
+    (lambda: flash.flash_attn_with_kvcache(*kvcache()[:3], rotary_interleaved=1),
+     r"^rotary_interleaved=1: must be True or False"),
 ])
 def test_bad_arguments_are_named(call, match):
     with pytest.raises(InvalidArgumentError, match=match):
         call()
+    assert torch.is_grad_enabled()  # flash_attn_with_kvcache sets the grad mode back, raising too
+
+
+def test_the_kvcache_call_leaves_the_grad_mode_as_it_found_it():
+    q, k_cache, v_cache = kvcache(paged=False)[:3]
+    new = torch.empty(2, 1, 2, 64, **M)
+    for enabled in (True, False):
+        with torch.set_grad_enabled(enabled):
+            with pytest.raises(InvalidArgumentError, match="k, v given without cache_seqlens"):
+                flash.flash_attn_with_kvcache(q, k_cache, v_cache, new, new)  # raised past the grad mode's switch
+            assert torch.is_grad_enabled() is enabled
 
 
 # -- shapes (meta tensors run the custom ops' fake implementations) ----------------------------

@@ -119,6 +119,8 @@ def _full(q: torch.Tensor, batch: int, n: int) -> torch.Tensor:
 
 
 def _shape(t, name: str, dims: int, what: str) -> tuple[int, ...]:
+    if t.__class__ is torch.Tensor and t.dim() == dims:  # the common case, first
+        return t.shape
     shape = getattr(t, "shape", None)
     if not isinstance(t, torch.Tensor) or len(shape) != dims:
         raise InvalidArgumentError(f"{name}: expected a torch.Tensor {what}, got "
