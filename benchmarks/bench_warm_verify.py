@@ -15,11 +15,13 @@ largest of the verifications' own seconds (from the verdicts).
 from __future__ import annotations
 
 import argparse
-import json
 import os
+import statistics
 import sys
 import tempfile
 import time
+
+import _common
 
 from fastattn import sweep
 from fastattn.warm import warm
@@ -57,17 +59,15 @@ def main(argv=None) -> int:
                     row["verify_again"] = _timed(configs, args.workers, True)
         rounds.append(row)
         print(f"round {r}: " + ", ".join(f"{k} {v['seconds']:.1f} s" for k, v in row.items()), file=sys.stderr)
-    res = {"date": time.strftime("%Y-%m-%d"), "configs": len(configs), "workers": args.workers,
-           "cpus": os.cpu_count(), "rounds": rounds}
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=2)
-    print(json.dumps(res, indent=2))
-    print("\nsummary: (median seconds over rounds)")
-    for name in ("plain", "verify", "verify_after", "verify_again"):
-        t = sorted(row[name]["seconds"] for row in rounds)
+    res = {**_common.header(), "configs": len(configs), "workers": args.workers, "cpus": os.cpu_count(),
+           "rounds": rounds,
+           "median_seconds": {name: statistics.median(row[name]["seconds"] for row in rounds)
+                              for name in ("plain", "verify", "verify_after", "verify_again")}}
+    _common.emit(res, args.json)
+    print("  (median seconds over rounds)")
+    for name, median in res["median_seconds"].items():
         last = rounds[-1][name]
-        print(f"  {name:<13} {t[len(t) // 2]:7.1f} s  counts {last['counts']}  verdicts {last['verdicts']}  "
+        print(f"  {name:<13} {median:7.2f} s  counts {last['counts']}  verdicts {last['verdicts']}  "
               f"verification sum {last['verify_seconds_sum']:.1f} s, max {last['verify_seconds_max']:.2f} s")
     return 0
 

@@ -41,3 +41,31 @@ def test_the_childrens_stopwatch_marks_each_step_since_the_last():
     steps.mark("second")
     assert [n for n, _ in steps] == ["first", "second"] and steps[0][1] >= 10.0 and steps[1][1] < steps[0][1]
     assert json.loads(json.dumps(steps)) == [list(r) for r in steps]
+
+
+def test_the_warm_verify_benchmark_reports_medians_over_its_rounds(tmp_path, monkeypatch, capsys):
+    # bench_warm_verify: each round times plain warm, warm --verify, --verify over a plain
+    # cache and over a verified one, in fresh cache directories; the medians are the
+    # rounds' medians (s14-2 printed the upper one of two as "median").
+    import types
+
+    bench = benchmarks.load("bench_warm_verify")
+    times = iter([5.0, 15.0, 1.0, 6.0, 14.0, 7.0, 17.0, 3.0, 2.0, 13.0, 6.5, 16.0, 2.0, 4.0, 15.0])
+    clock = types.SimpleNamespace(t=0.0)
+
+    def fake_warm(configs, workers, verify):
+        clock.t += next(times)
+        return types.SimpleNamespace(counts={"built": len(configs)}, verdicts={"passed": 0}, processes=workers, items=[])
+
+    monkeypatch.setattr(bench, "warm", fake_warm)
+    monkeypatch.setattr(bench.time, "perf_counter", lambda: clock.t)
+    monkeypatch.setattr(bench.sweep, "builtin_configs", lambda: ["a", "b"])
+    monkeypatch.setattr(bench._common, "header", lambda: {"date": "d", "uname": "u"})
+    out = tmp_path / "out.json"
+    assert bench.main(["--rounds", "3", "--workers", "2", "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    # per round, in order: plain, verify, verify_again, plain_before, verify_after
+    assert [r["plain"]["seconds"] for r in res["rounds"]] == [5.0, 7.0, 6.5]
+    assert res["median_seconds"] == {"plain": 6.5, "verify": 16.0, "verify_after": 14.0, "verify_again": 2.0}
+    assert res["date"] == "d" and res["configs"] == 2
+    assert "verify_after    14.00 s" in capsys.readouterr().out
