@@ -21,6 +21,7 @@ so setup.py cannot see the torch the user has (docs/ARCHITECTURE.md).
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import shlex
@@ -78,11 +79,26 @@ def compile_command(source: Path, output: Path, name: str, generated: Path) -> l
     from torch.utils import cpp_extension
 
     cxx = shlex.split(os.environ.get("CXX", "c++"))
-    includes = [*cpp_extension.include_paths(), sysconfig.get_paths()["include"], str(INCLUDE), str(generated)]
-    return [*cxx, "-c", "-fPIC", "-O2", "-std=c++20", "-fvisibility=hidden", "-w",
+    # torch's and Python's headers as system headers (their warnings are theirs); ours with
+    # the warnings that are bugs as errors (a reference to a temporary returned: s14's
+    # sdpa.cpp, found by review, would have crashed at its first fallback).
+    system = [*cpp_extension.include_paths(), sysconfig.get_paths()["include"]]
+    return [*cxx, "-c", "-fPIC", "-O2", "-std=c++20", "-fvisibility=hidden", *_bug_warnings(tuple(cxx)),
             f"-D_GLIBCXX_USE_CXX11_ABI={int(_torch()._C._GLIBCXX_USE_CXX11_ABI)}",
             "-DTORCH_API_INCLUDE_EXTENSION_H", f"-DTORCH_EXTENSION_NAME={name}",
-            *(f"-I{d}" for d in includes), str(source), "-o", str(output)]
+            *(f"-isystem{d}" for d in system), f"-I{INCLUDE}", f"-I{generated}", str(source), "-o", str(output)]
+
+
+@functools.lru_cache(maxsize=None)
+def _bug_warnings(cxx: tuple[str, ...]) -> tuple[str, ...]:
+    """The compiler's names for warnings that are bugs, as errors: GCC's and Clang's differ."""
+    try:
+        version = subprocess.run([*cxx, "--version"], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ()  # the compile itself says what is wrong with the compiler
+    if "clang" in version.lower():
+        return ("-Werror=return-stack-address", "-Werror=return-type")
+    return ("-Werror=return-local-addr", "-Werror=return-type")
 
 
 def link_command(objects: list[Path], output: Path) -> list[str]:

@@ -149,7 +149,8 @@ def sdpa_routes() -> dict[tuple, str]:
 
 def _check_schemas() -> None:
     for name, expected in ((_FORWARD, FORWARD_ARGS), (_BACKWARD, BACKWARD_ARGS),
-                           ("_cudnn_attention_forward", FALLBACK_FORWARD_ARGS)):
+                           ("_cudnn_attention_forward", FALLBACK_FORWARD_ARGS),
+                           ("_cudnn_attention_backward", BACKWARD_ARGS)):  # its stack is the backward's
         try:
             schema = getattr(torch.ops.aten, name).default._schema
         except (AttributeError, RuntimeError):

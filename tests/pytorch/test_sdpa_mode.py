@@ -280,6 +280,33 @@ def test_the_op_librarys_kernels_keep_the_route_python_decides(lib, model, layou
     assert lib.sdpa_route_count() == 0
 
 
+def test_the_op_librarys_kernels_hand_a_refused_call_to_pytorchs_own_operators(lib):
+    # The C++ kernels registered for the CPU here (the mode registers them for CUDA): a call
+    # fastattn refuses (float32) reaches aten::_cudnn_attention_forward / _backward with its
+    # stack, which has no CPU kernel: their error, not _scaled_dot_product_cudnn_attention's,
+    # says the hand-over arrived (a null operator handle crashed here before review).
+    assert not fastattn.torch.sdpa_enabled()
+    lib.clear()
+    lib.sdpa_kernels(True, _sdpa_mode._route, "CPU")
+    try:
+        q = torch.randn(1, 2, 8, 16)
+        with pytest.raises(NotImplementedError, match=r"aten::_cudnn_attention_forward' with arguments from the 'CPU'"):
+            torch.ops.aten._scaled_dot_product_cudnn_attention(q, q, q, None, False)
+        lse, seed = torch.empty(1, 2, 8), torch.empty((), dtype=torch.long)
+        with pytest.raises(NotImplementedError, match=r"aten::_cudnn_attention_backward' with arguments from the 'CPU'"):
+            torch.ops.aten._scaled_dot_product_cudnn_attention_backward(q, q, q, q, q, lse, seed, seed, torch.empty(0),
+                                                                        torch.empty(0), torch.empty(0), 8, 8, 0.0,
+                                                                        False)
+        assert lib.sdpa_route_count() == 2  # both refusals kept (an inference forward's key, the backward's)
+        with pytest.raises(ValueError, match="'CUDA' or 'CPU'"):
+            lib.sdpa_kernels(True, _sdpa_mode._route, "Meta")
+    finally:
+        lib.sdpa_kernels(False)
+        lib.clear()
+    with pytest.raises(NotImplementedError, match=r"aten::_scaled_dot_product_cudnn_attention' with arguments"):
+        torch.ops.aten._scaled_dot_product_cudnn_attention(q, q, q, None, False)  # PyTorch's (none on the CPU) again
+
+
 def test_a_torch_whose_operator_takes_other_arguments_is_refused(monkeypatch):
     monkeypatch.setattr(_sdpa_mode, "FORWARD_ARGS", ("query", "key"))
     with pytest.raises(NotSupportedError, match="_scaled_dot_product_cudnn_attention takes"):

@@ -514,3 +514,20 @@ def test_a_failed_execute_raises_the_python_paths_exception(lib, code):
     with pytest.raises(errors.FastAttnError) as info:
         lib.raise_status(code, "the core's message")
     assert type(info.value) is type(want) and str(info.value) == str(want)
+
+
+def test_the_op_librarys_compile_line_makes_a_returned_temporary_an_error(tmp_path):
+    # What sdpa.cpp had before review (a const reference to findSchemaOrThrow's temporary:
+    # null at run time): the warning that is a bug fails the build; torch's headers are
+    # system headers, whose own warnings stay theirs.
+    from pathlib import Path
+
+    source = tmp_path / "bad.cpp"
+    source.write_text("#include <string>\nconst std::string &name() { return std::string(\"x\"); }\n")
+    cmd = _native.compile_command(source, tmp_path / "bad.o", "bad", tmp_path)
+    assert any(a.startswith("-isystem") for a in cmd) and "-w" not in cmd
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0 and "error" in r.stderr and "temporar" in r.stderr, r.stderr
+    source.write_text("#include <string>\nstd::string name() { return std::string(\"x\"); }\n")
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and Path(tmp_path / "bad.o").exists(), r.stderr

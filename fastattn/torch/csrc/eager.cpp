@@ -457,13 +457,18 @@ py::dict profile_eager(const Tensor &q, const Tensor &k, const Tensor &v, int64_
 // _native.PAGED[0]: fastattn::native_paged_forward's arguments, once attention_paged's
 // Python body has checked and converted them. A plain call runs the op's CUDA kernel
 // (paged_forward_cuda) past torch.ops, whose argument parsing and dispatch cost more host
-// time than the call's launch; inside a dispatch mode or torch.jit.trace, which must see
-// the op, and for tensors not on CUDA, it runs the op. No autograd either way:
+// time than the call's launch; inside a dispatch mode or torch.jit.trace, for tensor
+// subclasses with a __torch_dispatch__ (all of which must see the op) and for tensors not
+// on CUDA, it runs the op. No autograd either way:
 // attention_paged is forward only.
 Tensor call_paged(const Tensor &q, const Tensor &k_cache, const Tensor &v_cache, const Tensor &table,
                   const Tensor &cache_seqlens, const OptTensor &seq_lens_q, FA_PAGED_PARAMS) {
     py::gil_scoped_release no_gil;
-    if (!outside_modes() || !q.is_cuda()) {
+    // A tensor subclass with its own __torch_dispatch__ (the Python key) must see the op too.
+    const bool plain = !(q.key_set() | k_cache.key_set() | v_cache.key_set() | table.key_set() |
+                         cache_seqlens.key_set() | (given(seq_lens_q) ? seq_lens_q->key_set() : c10::DispatchKeySet()))
+                            .has(c10::DispatchKey::Python);
+    if (!plain || !outside_modes() || !q.is_cuda()) {
         static const auto op =
             c10::Dispatcher::singleton()
                 .findSchemaOrThrow("fastattn::native_paged_forward", "")

@@ -257,9 +257,9 @@ SdpaRoute miss_sdpa(const Tensor &q, const Tensor &k, const Tensor &v, const Opt
 const SdpaRoute &sdpa_route(const Tensor &q, const Tensor &k, const Tensor &v, const OptTensor &bias,
                             double dropout_p, bool is_causal, const std::optional<double> &scale, bool training);
 
-// Registers the mode's two CUDA kernels over PyTorch's (on) or removes them, PyTorch's
-// serving again (off).
-void set_sdpa_kernels(bool on);
+// Registers the mode's two kernels over PyTorch's for `key` (CUDA; the CPU for tests of
+// their fallback) (on) or removes them, PyTorch's serving again (off).
+void set_sdpa_kernels(bool on, c10::DispatchKey key);
 size_t sdpa_route_count();
 void clear_sdpa_routes();  // only while no op runs
 

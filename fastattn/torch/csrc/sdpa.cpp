@@ -17,7 +17,7 @@
 #include <ATen/core/stack.h>
 #include <ATen/ops/randint.h>
 #include <ATen/ops/stack.h>
-#include <ATen/ops/zeros.h>
+#include <c10/core/DeviceGuard.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/util/Exception.h>
 #include <torch/library.h>
@@ -73,16 +73,20 @@ const SdpaRoute &sdpa_route(const Tensor &q, const Tensor &k, const Tensor &v, c
         auto it = g_routes.find(key);
         if (it != g_routes.end()) return it->second;
     }
+    // The miss runs Python, which may run another call on this thread (a finalizer): this
+    // key is copied first, and a route not kept is this call's own.
+    std::vector<int64_t> mine = key;
     SdpaRoute r = miss_sdpa(q, k, v, bias, dropout_p, is_causal, scale, training);
     if (!r.ours && q.is_cuda() && capturing(q)) {
         // Not kept: a refusal inside a capture may be a plan not loadable there, which the
-        // same call outside a capture loads (as _sdpa_mode._route).
-        thread_local SdpaRoute once;
-        once = std::move(r);
-        return once;
+        // same call outside a capture loads (as _sdpa_mode._route). Kept per thread until
+        // its next such call: the kernel reads it before then.
+        thread_local std::unique_ptr<SdpaRoute> once;
+        once = std::make_unique<SdpaRoute>(std::move(r));
+        return *once;
     }
     std::unique_lock<std::shared_mutex> lock(g_routes_lock);
-    return g_routes.emplace(key, std::move(r)).first->second;
+    return g_routes.emplace(std::move(mine), std::move(r)).first->second;
 }
 
 namespace {
@@ -127,22 +131,13 @@ OptTensor as_bias(const OptTensor &attn_bias, const Tensor &q, const Tensor &k, 
     return m.is_contiguous() ? m : m.contiguous();
 }
 
-// Philox's seed and offset when there is no dropout: a 0-d int64 zero per device, made
-// once (outside a capture: one made inside would be filled only when the graph replays).
-Tensor zero_seed(const Tensor &q) {
-    static std::mutex lock;
-    static std::unordered_map<int64_t, Tensor> *zeros = new std::unordered_map<int64_t, Tensor>();  // never freed: no
-    // tensor is released after the caching allocator (at exit)
-    if (capturing(q)) return at::zeros({}, q.options().dtype(at::kLong));
-    std::lock_guard<std::mutex> guard(lock);
-    Tensor &z = (*zeros)[q.get_device()];
-    if (!z.defined()) z = at::zeros({}, q.options().dtype(at::kLong));
-    return z;
-}
+// Philox's seed and offset when there is no dropout: one 0-d int64 tensor on q's device,
+// new for each call (a tensor shared by calls would be saved by every autograd node, and
+// one first made inside torch.compile's CUDA-graph warm-up would live in its pool), not
+// filled: nothing reads it without dropout, as PyTorch's flash kernels leave theirs.
+Tensor no_seed(const Tensor &q) { return empty_cuda({}, {}, at::kLong, q); }
 
-const c10::OperatorHandle &op(const char *name) {
-    return c10::Dispatcher::singleton().findSchemaOrThrow(name, "");
-}
+c10::OperatorHandle op(const char *name) { return c10::Dispatcher::singleton().findSchemaOrThrow(name, ""); }
 
 // ---- the kernels ------------------------------------------------------------------------------
 
@@ -159,11 +154,14 @@ void forward(const c10::OperatorHandle &, Stack *stack) {
     const bool lse = args[4].toBool(), is_causal = args[6].toBool(), debug = args[7].toBool();
     const double dropout_p = args[5].toDouble();
     const std::optional<double> scale = args[8].toOptional<double>();
+    // q's device current, as PyTorch's generated CUDA wrappers make it (this kernel
+    // replaces one): the route's capture check and Python's read the same device.
+    const c10::DeviceGuard device(q.device());
     const SdpaRoute &r = sdpa_route(q, k, v, bias, dropout_p, is_causal, scale, lse);
     if (!r.ours || debug) {
         // aten::_cudnn_attention_forward: the same arguments, with no cumulative lengths
         // after attn_bias and the maximal ones, the tensors' own.
-        static const c10::OperatorHandle &fallback = op("aten::_cudnn_attention_forward");
+        static const c10::OperatorHandle fallback = op("aten::_cudnn_attention_forward");
         const int64_t max_q = q.size(2), max_k = k.size(2);
         stack->insert(stack->end() - 5, {c10::IValue(), c10::IValue(), c10::IValue(max_q), c10::IValue(max_k)});
         fallback.callBoxed(stack);
@@ -179,7 +177,7 @@ void forward(const c10::OperatorHandle &, Stack *stack) {
     } else if (stats.sizes() != c10::IntArrayRef(r.lse_shape)) {
         stats = stats.view(r.lse_shape);
     }
-    const Tensor seed = rng ? rng->select(0, 0) : zero_seed(q);
+    const Tensor seed = rng ? rng->select(0, 0) : no_seed(q);
     const Tensor offset = rng ? rng->select(0, 2) : seed;
     const int64_t max_q = q.size(2), max_k = k.size(2);
     torch::jit::drop(*stack, kForwardArgs);
@@ -197,9 +195,10 @@ void backward(const c10::OperatorHandle &, Stack *stack) {
     const double dropout_p = args[13].toDouble();
     const bool is_causal = args[14].toBool();
     const std::optional<double> scale = args[15].toOptional<double>();
+    const c10::DeviceGuard device(q.device());  // (as the forward's)
     const SdpaRoute &r = sdpa_route(q, k, v, bias, dropout_p, is_causal, scale, true);
     if (!r.ours) {
-        static const c10::OperatorHandle &fallback = op("aten::_cudnn_attention_backward");  // the same arguments
+        static const c10::OperatorHandle fallback = op("aten::_cudnn_attention_backward");  // the same arguments
         fallback.callBoxed(stack);
         return;
     }
@@ -228,7 +227,7 @@ std::mutex g_library_lock;
 
 }  // namespace
 
-void set_sdpa_kernels(bool on) {
+void set_sdpa_kernels(bool on, c10::DispatchKey key) {
     std::lock_guard<std::mutex> guard(g_library_lock);
     if (on && g_library == nullptr) {
         // PyTorch warns that a kernel replaces another for the same key: that is the point.
@@ -236,8 +235,7 @@ void set_sdpa_kernels(bool on) {
             void process(const c10::Warning &) override {}
         } quiet;
         c10::WarningUtils::WarningHandlerGuard silence(&quiet);
-        auto library = std::make_unique<torch::Library>(torch::Library::IMPL, "aten", c10::DispatchKey::CUDA,
-                                                        __FILE__, __LINE__);
+        auto library = std::make_unique<torch::Library>(torch::Library::IMPL, "aten", key, __FILE__, __LINE__);
         library->impl("_scaled_dot_product_cudnn_attention", torch::CppFunction::makeFromBoxedFunction<&forward>());
         library->impl("_scaled_dot_product_cudnn_attention_backward",
                       torch::CppFunction::makeFromBoxedFunction<&backward>());
