@@ -153,6 +153,42 @@ def _cuda_state_problem():
     return None
 
 
+def _kept_lengths_problem():
+    """fastattn's kept full-length tensors (each key's last word is the length every element
+    holds) that no longer hold it, or None: a stray write into one changes only the calls
+    that read it (s14-1's intermittent paged-capture failure had this as a suspect)."""
+    import sys
+
+    found = []
+    for name in ("fastattn.torch._paged", "fastattn.integrations.flash._common"):
+        module = sys.modules.get(name)
+        for key, t in list(getattr(module, "_full_lengths", {}).items()):
+            try:
+                values = t.tolist()
+            except Exception:  # noqa: BLE001 - a broken CUDA state: _cuda_state_stays_healthy reports it
+                return None
+            if any(v != key[-1] for v in values):
+                found.append(f"{name}._full_lengths[{key}] = {values}")
+    return "; ".join(found) or None
+
+
+@pytest.fixture(autouse=True)
+def _kept_lengths_stay_whole(request):
+    """After each GPU test: fastattn's kept length tensors still hold their lengths, or
+    this test fails naming them (the test that wrote into one is this one or, if it ran on
+    another stream's time, the one before)."""
+    yield
+    if request.node.get_closest_marker("gpu") is None or _gpu_state != "":
+        return
+    problem = _kept_lengths_problem()
+    if problem:
+        import sys
+
+        for name in ("fastattn.torch._paged", "fastattn.integrations.flash._common"):
+            getattr(sys.modules.get(name), "_full_lengths", {}).clear()  # reported once: the next tests start whole
+        pytest.fail(f"a kept length tensor changed during this test: {problem}", pytrace=False)
+
+
 @pytest.fixture(autouse=True)
 def _cuda_state_stays_healthy(request):
     """After each GPU test: the CUDA context and PyTorch's generator are healthy, or that

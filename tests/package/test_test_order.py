@@ -1,10 +1,13 @@
-"""FASTATTN_TEST_ORDER (tests/conftest.py): the orders a suite can run in, one process
-each, to find a test that depends on what ran before it."""
+"""The GPU suite's own checks (tests/conftest.py), on the CPU: FASTATTN_TEST_ORDER, the
+orders a suite can run in (one process each, to find a test that depends on what ran
+before it), and the check after each GPU test of fastattn's kept length tensors."""
 
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 FILE = "tests/config/test_fields.py"
@@ -41,3 +44,16 @@ def test_a_list_naming_an_uncollected_test_or_no_file_is_a_usage_error(tmp_path)
     assert r.returncode == 4 and "No such file" in r.stderr
     r = collected("sideways")
     assert r.returncode == 4 and "'reverse', 'shuffle:SEED' or 'list:FILE'" in r.stderr
+
+
+def test_the_kept_lengths_check_names_a_tensor_that_changed(monkeypatch):
+    # conftest's check after each GPU test: a kept full-length tensor whose elements no
+    # longer hold its key's length is named, with its values.
+    torch = pytest.importorskip("torch")
+    import conftest
+    from fastattn.torch import _paged
+
+    monkeypatch.setattr(_paged, "_full_lengths", {(0, 3, 1): torch.ones(3, dtype=torch.int32)})
+    assert conftest._kept_lengths_problem() is None
+    _paged._full_lengths[(0, 3, 1)][1] = 0
+    assert conftest._kept_lengths_problem() == "fastattn.torch._paged._full_lengths[(0, 3, 1)] = [1, 0, 1]"

@@ -499,17 +499,37 @@ def test_paged_decode_captures_in_a_cuda_graph_and_replays_new_lengths():
             expected = fastattn.torch.attention_paged(q, k_cache, v_cache, table, lens)
         torch.cuda.synchronize()
         again = lambda: fastattn.torch.attention_paged(q, k_cache, v_cache, table, lens)  # noqa: E731
-        assert torch.equal(out, expected), f"lengths {new_lens}: {differences(out, expected, again)}"
+        assert torch.equal(out, expected), f"lengths {new_lens}: {differences(out, expected, again, graph)}"
 
 
-def differences(out, expected, again) -> str:
-    """What a replay and an eager call disagree on: where, by how much, and whether
-    eager calls agree with each other (a kernel that is not deterministic)."""
+def differences(out, expected, again, graph) -> str:
+    """What a replay and an eager call disagree on, and which suspect it points to: where
+    and by how much; NaN on either side; whether eager calls agree with each other and a
+    second replay with the first (a kernel that is not deterministic); whether an eager
+    call agrees once the kept query lengths are made anew (a stray write into them) or
+    with its kept workspace filled with 0xFF (a kernel reading stale workspace); the
+    plan's engine; the threads alive (a leftover writer)."""
+    import threading
+
     d = (out.float() - expected.float()).abs()
     rows = d.amax(dim=(1, 2, 3)).nonzero().flatten().tolist()
     kept = {k: v.tolist() for k, v in _paged._full_lengths.items()}
-    with torch.no_grad():
-        same = [torch.equal(expected, again()) for _ in range(3)]
     nan = (int(out.isnan().sum()), int(expected.isnan().sum()))  # torch.equal is False where both hold a NaN
+    with torch.no_grad():
+        eager_again = [torch.equal(expected, again()) for _ in range(3)]
+        first = out.clone()
+        graph.replay()
+        torch.cuda.synchronize()
+        replay_again = torch.equal(first, out)
+        for ws in _plans.workspaces.values():
+            ws.fill_(0xFF)
+        stale_workspace = torch.equal(out, again())
+        _paged._full_lengths.clear()
+        fresh_lengths = torch.equal(out, again())
+    engines = sorted({str(getattr(c.plan, "forward_engine", "?")) for key, c in _plans.plans.items()
+                      if key and key[0] == "paged"})
     return (f"{int((d > 0).sum())} of {d.numel()} elements differ, up to {d.max().item():.3g}, in batch rows {rows}; "
-            f"NaN in the replay, the eager call: {nan}; eager again equal: {same}; the query lengths kept: {kept}")
+            f"NaN in the replay, the eager call: {nan}; eager again equal: {eager_again}; replay again equal: "
+            f"{replay_again}; eager equal to the replay with the workspace filled 0xFF: {stale_workspace}, with the "
+            f"query lengths made anew: {fresh_lengths}; the query lengths kept: {kept}; paged engines {engines}; "
+            f"threads {[t.name for t in threading.enumerate()]}")
