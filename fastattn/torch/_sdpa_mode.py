@@ -89,6 +89,11 @@ def enable_sdpa() -> None:
     entry points). Calling it again changes nothing; `disable_sdpa()` undoes it. Also
     done when fastattn.torch is imported with FASTATTN_SDPA=1 (never otherwise).
 
+    The kernels are the op library's C++ ones where fastattn.torch runs on its native
+    path, else Python ones (FASTATTN_TORCH_PATH=python, or no op library built); with
+    FASTATTN_TORCH_PATH=native and no usable op library, a RuntimeWarning says why and the
+    Python ones serve (attention() itself raises then).
+
     Raises NotSupportedError where the installed torch's cuDNN SDPA operators do not
     have the arguments these kernels are written for (see FORWARD_ARGS)."""
     global _state
