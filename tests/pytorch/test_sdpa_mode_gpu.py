@@ -134,7 +134,7 @@ def test_dropout_is_seeded_unbiased_and_its_backward_drops_what_the_forward_drop
         g = torch.randn_like(o)
         (d_v,) = torch.autograd.grad(o, v, g)
         torch.manual_seed(1)
-        again = F.scaled_dot_product_attention(q, k, v.detach(), dropout_p=p)
+        again = F.scaled_dot_product_attention(q, k, v, dropout_p=p)  # (the same training graph)
         with torch.no_grad():
             mean = sum(F.scaled_dot_product_attention(q, k, v, dropout_p=p).float() for _ in range(200)) / 200
             plain = F.scaled_dot_product_attention(q, k, v).float()
