@@ -1,8 +1,9 @@
 // The SDPA mode's kernels (fastattn/torch/_sdpa_mode.py says what the mode is and why these
 // two operators): CUDA kernels over aten::_scaled_dot_product_cudnn_attention and its
-// backward, registered while the mode is on. The Python kernels they replace cost ~22 us
-// of host time a call beyond fastattn's own ~5 (docs/BENCHMARKS.md, "The SDPA mode"):
-// the dispatcher's call into Python, a signature tuple, the Python path's forward. Here a
+// backward, registered while the mode is on. With the Python kernels they replace, the
+// mode's call cost more host time than PyTorch's own cuDNN kernels (docs/BENCHMARKS.md,
+// "The SDPA mode"): the dispatcher's call into Python, a signature tuple, the Python
+// path's forward. Here a
 // call is a route lookup (one hash of its shapes, strides and options), permuted views and
 // the dense op's own work (dense.cpp); a new signature asks Python once (_sdpa_mode._route:
 // PyTorch's checks, the plan's verdict, the Meta kernel's strides).
