@@ -10,6 +10,7 @@ torch = pytest.importorskip("torch", reason="PyTorch is an optional extra (pip i
 import fastattn  # noqa: E402
 from fastattn import shape_classes as sc  # noqa: E402
 from fastattn.torch import _classes, _dense, _native, _plans  # noqa: E402
+from helpers import benchmarks  # noqa: E402
 
 
 class RecordingPlan:
@@ -262,22 +263,6 @@ def test_a_cache_slice_takes_the_smallest_class_that_covers_its_offsets(fake):
     assert len(fake) == 1 and (fake[0].seqlen_q, fake[0].seqlen_kv) == (1, 4096)
 
 
-def _bench(name):
-    import importlib.util
-    import pathlib
-    import sys
-
-    bench_dir = pathlib.Path(__file__).resolve().parents[2] / "benchmarks"
-    sys.path.insert(0, str(bench_dir))
-    try:
-        spec = importlib.util.spec_from_file_location(name, bench_dir / f"{name}.py")
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-    finally:
-        sys.path.remove(str(bench_dir))
-    return mod
-
-
 def test_the_server_benchmarks_stream_asks_only_for_plans_warm_builds(fake):
     """benchmarks/bench_server.py's claim, on CPU: every plan its request stream asks for
     (prefills of distinct lengths, decode steps up to 8192 KV tokens) is one that
@@ -286,7 +271,7 @@ def test_the_server_benchmarks_stream_asks_only_for_plans_warm_builds(fake):
 
     from fastattn.cli.warm import class_configs
 
-    bench = _bench("bench_server")
+    bench = benchmarks.load("bench_server")
     bounds = bench.DEFAULT_CLASSES
     reqs = bench.requests(200, 3, 30)
     assert len({s for s, _ in reqs}) == 200 and all(1 <= s <= 4096 for s, _ in reqs)
@@ -307,7 +292,7 @@ def test_the_server_benchmarks_stream_asks_only_for_plans_warm_builds(fake):
 
 
 def test_the_server_benchmarks_kernel_table():
-    bench = _bench("bench_server")
+    bench = benchmarks.load("bench_server")
     rows = [{"prompt": 100, "decode_kv": 300, "steps": 3, "prefill_class": 128, "decode_class": 512,
              "prefill_class_ms": 1.02, "prefill_exact_ms": 1.0, "decode_class_ms": 0.2, "decode_exact_ms": 0.1,
              "prefill_ratio": 1.02, "decode_ratio": 2.0}]
