@@ -482,3 +482,26 @@ def test_flash_attn_func_traces_to_fastattns_ops(sq, sk):
     assert calls == ["fastattn.attention_forward.default"]
     out, lse = (n.meta["val"] for n in gm.graph.output_node().args[0])
     assert tuple(out.shape) == (2, sq, 8, 64) and tuple(lse.shape) == (2, 8, sq)
+
+
+# Values a caller might pass for a bool or an int option: the kvcache call's inline checks
+# (its common cases first) must refuse and accept exactly what fastattn._fields.check does.
+_ODD_VALUES = st.one_of(st.booleans(), st.integers(-2**40, 2**40), st.floats(allow_nan=True), st.none(),
+                        st.text(max_size=3), st.sampled_from([np.bool_(True), np.int64(3), np.float32(1.0), 1 + 0j]))
+
+
+@settings(max_examples=150, deadline=None)
+@given(name=st.sampled_from(("num_splits", "rotary_interleaved", "return_softmax_lse")), value=_ODD_VALUES)
+def test_the_kvcache_options_inline_checks_agree_with_the_fields_checks(name, value):
+    kind = "int" if name == "num_splits" else "bool"
+    try:
+        fastattn._fields.check(kind, name, value)
+        want = None
+    except InvalidArgumentError as e:
+        want = str(e)
+    try:
+        flash.flash_attn_with_kvcache(*kvcache(paged=False)[:3], **{name: value})
+        got = None
+    except InvalidArgumentError as e:
+        got = str(e)
+    assert got == want, (name, value)
