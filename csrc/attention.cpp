@@ -83,7 +83,7 @@ Status build_step(const fe::error_t &e, const char *stage) {
 
 // A deserialized graph has no engine configs, and asking it for its plan name reads
 // past the end of an empty vector: only built graphs are asked (`built`).
-Status finish(Graph &graph, const char *stage_prefix, bool built, GraphInfo *info) {
+Status finish(Graph &graph, const char *stage_prefix, bool built, int device, GraphInfo *info) {
     auto uids = graph.g->get_variant_pack_uids_sorted();
     if (uids != mask_uids(graph.slots | graph.owned)) {
         return error(Code::kCorruptPlan, std::string(stage_prefix) + ": plan's tensors do not match its config");
@@ -93,7 +93,7 @@ Status finish(Graph &graph, const char *stage_prefix, bool built, GraphInfo *inf
     if (graph.ragged.n > 0) (void)load_index_kernel();  // loaded now, not inside a caller's launch or capture
     info->workspace_size = graph.workspace;
     if (built) FA_RETURN_IF_ERROR(build_step(graph.g->get_plan_name(info->engine_name), "get_plan_name"));
-    capture_direct(graph);
+    capture_direct(graph, device);
     return {};
 }
 
@@ -129,9 +129,23 @@ enum class Via { kCachedPack, kFrontend };
 Status run(const Graph &g, int device, void **ptrs, int n, intptr_t workspace, intptr_t stream, Via via,
            const IndexLaunch *index = nullptr) {
     return guarded(Code::kCudnnError, "execute", [&]() -> Status {
+        const bool direct = via == Via::kCachedPack && g.direct.usable && !fe::isLoggingTensorDumpEnabled();
+        if (!direct && g.direct.copies_from_host) {
+            // The frontend's execute would record a copy from freed host memory into the
+            // caller's capture (packs.h, capture_direct): refused before touching it.
+            bool capturing = false;
+            FA_RETURN_IF_ERROR(stream_capturing(stream, &capturing));
+            if (capturing) {
+                return error(Code::kNotSupported,
+                             "this plan cannot be captured in a CUDA graph: cudnn-frontend's execute copies its "
+                             "ALiBi slopes or lengths from a temporary host buffer, which a replay would read after "
+                             "it is freed (here its launch cannot take fastattn's own copy: host seeds or a tensor "
+                             "dump); run it outside the capture");
+            }
+        }
         LaunchScope scope(device, stream);
         FA_RETURN_IF_ERROR(scope.status());
-        if (via == Via::kCachedPack && g.direct.usable && !fe::isLoggingTensorDumpEnabled()) {
+        if (direct) {
             return launch_cached(g, scope.handle(), device, stream, ptrs, reinterpret_cast<void *>(workspace), index);
         }
         if (index != nullptr) FA_RETURN_IF_ERROR(launch_index(*index, reinterpret_cast<cudaStream_t>(stream)));
@@ -205,7 +219,7 @@ Status build_graph(const Config &cfg, Direction dir, int device, GraphPtr *out, 
                                       "create_execution_plans"));
         FA_RETURN_IF_ERROR(build_step(g.check_support(h), "check_support"));
         FA_RETURN_IF_ERROR(build_step(g.build_plans(fe::BuildPlanPolicy_t::HEURISTICS_CHOICE), "build_plans"));
-        FA_RETURN_IF_ERROR(finish(*graph, "build", /*built=*/true, info));
+        FA_RETURN_IF_ERROR(finish(*graph, "build", /*built=*/true, device, info));
         info->build_ms = ms_since(t0);
         *out           = std::move(graph);
         return {};
@@ -241,7 +255,7 @@ Status deserialize_graph(const uint8_t *data, size_t size, const Config &cfg, Di
         graph->g        = std::make_shared<fe::graph::Graph>();
         auto e = graph->g->deserialize(h, blob, /*enforce_precompiled=*/false, /*run_warmup=*/false);
         if (e.is_bad()) return error(Code::kCorruptPlan, "deserialize: " + e.err_msg);
-        FA_RETURN_IF_ERROR(finish(*graph, "deserialize", /*built=*/false, info));
+        FA_RETURN_IF_ERROR(finish(*graph, "deserialize", /*built=*/false, device, info));
         info->build_ms = ms_since(t0);
         *out           = std::move(graph);
         return {};

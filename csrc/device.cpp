@@ -42,6 +42,33 @@ const char *capture_state(cudaStream_t s) {
                                                           : "not capturing";
 }
 
+namespace {
+
+// `bytes` bytes from `host` into fresh device memory on `device`, in relaxed capture mode
+// on a stream of its own that is synchronized before the return (never a caller's
+// stream, which may be capturing). Never freed: see device.h. On failure the memory is
+// left allocated (and unused): a few bytes, and no free that could meet a capture.
+Status upload(const void *host, size_t bytes, intptr_t *out) {
+    static MallocFn *malloc_        = cudart<MallocFn>("cudaMalloc");
+    static MemcpyAsyncFn *copy      = cudart<MemcpyAsyncFn>("cudaMemcpyAsync");
+    static StreamCreateFn *create   = cudart<StreamCreateFn>("cudaStreamCreateWithFlags");
+    static StreamSyncFn *sync       = cudart<StreamSyncFn>("cudaStreamSynchronize");
+    static StreamDestroyFn *destroy = cudart<StreamDestroyFn>("cudaStreamDestroy");
+    RelaxedCaptureMode relaxed;
+    void *p = nullptr;
+    FA_RETURN_IF_ERROR(cuda_status(malloc_(&p, bytes), "cudaMalloc"));
+    cudaStream_t s = nullptr;
+    FA_RETURN_IF_ERROR(cuda_status(create(&s, cudaStreamNonBlocking), "cudaStreamCreateWithFlags"));
+    Status st = cuda_status(copy(p, host, bytes, cudaMemcpyHostToDevice, s), "cudaMemcpyAsync");
+    if (st.ok()) st = cuda_status(sync(s), "cudaStreamSynchronize");  // `host` may be freed at return
+    (void)destroy(s);
+    FA_RETURN_IF_ERROR(st);
+    *out = reinterpret_cast<intptr_t>(p);
+    return {};
+}
+
+}  // namespace
+
 Status constant_int32(int device, int32_t value, int64_t count, intptr_t *out) {
     if (count < 1) return error(Code::kInvalidArgument, "constant_int32: count must be at least 1");
     struct Array {
@@ -57,29 +84,29 @@ Status constant_int32(int device, int32_t value, int64_t count, intptr_t *out) {
         return {};
     }
     return guarded(Code::kCudaError, "constant_int32", [&]() -> Status {
-        static MallocFn *malloc_         = cudart<MallocFn>("cudaMalloc");
-        static MemcpyAsyncFn *copy       = cudart<MemcpyAsyncFn>("cudaMemcpyAsync");
-        static StreamCreateFn *create    = cudart<StreamCreateFn>("cudaStreamCreateWithFlags");
-        static StreamSyncFn *sync        = cudart<StreamSyncFn>("cudaStreamSynchronize");
-        static StreamDestroyFn *destroy  = cudart<StreamDestroyFn>("cudaStreamDestroy");
-        RelaxedCaptureMode relaxed;
         int64_t n = 64;
         while (n < count) n *= 2;
         const std::vector<int32_t> host(static_cast<size_t>(n), value);
-        void *p = nullptr;
-        FA_RETURN_IF_ERROR(cuda_status(malloc_(&p, host.size() * sizeof(int32_t)), "cudaMalloc"));
-        cudaStream_t s = nullptr;
-        FA_RETURN_IF_ERROR(cuda_status(create(&s, cudaStreamNonBlocking), "cudaStreamCreateWithFlags"));
-        Status st = cuda_status(copy(p, host.data(), host.size() * sizeof(int32_t), cudaMemcpyHostToDevice, s),
-                                "cudaMemcpyAsync");
-        if (st.ok()) st = cuda_status(sync(s), "cudaStreamSynchronize");  // `host` is freed at return
-        (void)destroy(s);
-        // On failure `p` is left allocated (and unused): a few bytes, and no free that
-        // could meet a capture.
-        FA_RETURN_IF_ERROR(st);
-        a.ptr   = reinterpret_cast<intptr_t>(p);  // an older, smaller array stays: plans still hold it
-        a.count = n;
+        FA_RETURN_IF_ERROR(upload(host.data(), host.size() * sizeof(int32_t), &a.ptr));
+        a.count = n;  // an older, smaller array stays: plans still hold it
         *out    = a.ptr;
+        return {};
+    });
+}
+
+Status constant_bytes(int device, const void *data, size_t bytes, intptr_t *out) {
+    if (bytes == 0) return error(Code::kInvalidArgument, "constant_bytes: bytes must be at least 1");
+    static std::mutex mutex;
+    static std::map<std::pair<int, std::string>, intptr_t> arrays;  // never freed: see device.h
+    std::lock_guard<std::mutex> lock(mutex);
+    intptr_t &a = arrays[{device, std::string(static_cast<const char *>(data), bytes)}];
+    if (a != 0) {
+        *out = a;
+        return {};
+    }
+    return guarded(Code::kCudaError, "constant_bytes", [&]() -> Status {
+        FA_RETURN_IF_ERROR(upload(data, bytes, &a));
+        *out = a;
         return {};
     });
 }

@@ -46,6 +46,7 @@ using GraphDestroyFn     = cudaError_t(cudaGraph_t);
 using ExchangeModeFn     = cudaError_t(cudaStreamCaptureMode *);
 using MallocFn           = cudaError_t(void **, size_t);
 using MemcpyAsyncFn      = cudaError_t(void *, const void *, size_t, cudaMemcpyKind, cudaStream_t);
+using MemsetAsyncFn      = cudaError_t(void *, int, size_t, cudaStream_t);
 using StreamSyncFn       = cudaError_t(cudaStream_t);
 
 // A failed runtime call as a status (kCudaError), the thread's last error cleared.
@@ -119,5 +120,12 @@ class RelaxedCaptureMode {
 // relaxed capture mode, on a stream of its own that is synchronized before the return:
 // never on a caller's stream, which may be capturing.
 Status constant_int32(int device, int32_t value, int64_t count, intptr_t *out);
+
+// A device copy of the `bytes` bytes at `data`, on `device` (made current by the caller),
+// made once per (device, contents) and never freed, as constant_int32's arrays are:
+// what cudnn-frontend would copy from the host into the workspace at each execute
+// (ALiBi's slopes, the backward's workaround lengths), read by a device-to-device copy
+// instead, which a caller's capture can record safely (packs.h, DirectLaunch::edits).
+Status constant_bytes(int device, const void *data, size_t bytes, intptr_t *out);
 
 }  // namespace fastattn::detail

@@ -31,6 +31,18 @@ struct DirectLaunch {
     std::vector<void *> fixed;                // its pointers that never change (pass-by-value scalars)
     std::vector<int> user;                    // the caller's i-th pointer (uid order) goes to pack index user[i]
     std::vector<std::pair<int, int64_t>> in_workspace;  // pack index, byte offset into the workspace
+    // What the frontend's run_auxiliary_kernels does to the workspace before each
+    // launch: `bytes` at `offset` copied from `from` (a device constant, device.h's
+    // constant_bytes), or zeroed where `from` is 0.
+    struct Edit {
+        int64_t offset = 0;
+        int64_t bytes  = 0;
+        intptr_t from  = 0;
+    };
+    std::vector<Edit> edits;
+    // Its execute would copy host memory into the workspace (edits of kind 0). Where the
+    // launch cannot be direct, a caller's capture of it is refused (attention.cpp's run).
+    bool copies_from_host = false;
 };
 
 }  // namespace detail

@@ -27,10 +27,10 @@
 // A launch here does what the frontend's execute_plan_at_index does for a plan of
 // cuDNN's own engines, and nothing else: the pass-by-value scalars and the workspace
 // regions of the frontend's variant-pack template, the engine's workspace after the
-// frontend's share. A graph whose execute does more (workspace edits that copy or
-// zero memory per call, pointer replacements, the frontend's own OSS engines, host
-// values read per call, tensor dumps) keeps the frontend's execute: capture_direct
-// leaves it unusable.
+// frontend's share, and its per-call workspace edits (copies from device constants
+// here, zeroing). A graph whose execute does more (pointer replacements, the frontend's
+// own OSS engines, host values read per call, tensor dumps) keeps the frontend's
+// execute: capture_direct leaves it unusable.
 
 #pragma once
 
@@ -82,16 +82,24 @@ template struct Expose<FeWorkspaceSize, &fe::graph::Graph::fe_workspace_size>;
 template struct Expose<FeWorkspaceEdits, &fe::graph::Graph::cached_workspace_modifications>;
 template struct Expose<FePlans, &fe::ICudnn::plans>;
 
-// A workspace edit of this kind only places a tensor in the workspace; the others
-// (0: copy host values in, 1: zero it) are per-call work of the frontend's
-// run_auxiliary_kernels (graph_interface.h).
-inline constexpr int64_t kEditPlaceOnly = 2;
+// The frontend's workspace edits (graph_interface.h's run_auxiliary_kernels, per
+// execute): copy host values in, zero a region, or only place a tensor there.
+inline constexpr int64_t kEditCopy = 0, kEditZero = 1, kEditPlaceOnly = 2;
 
 inline std::atomic<uint64_t> g_next_serial{1};
 
 // Fills graph.direct from its frontend graph, once its plan is chosen and its
-// variant-pack template prepared. Leaves it unusable where a launch needs more.
-inline void capture_direct(Graph &graph) {
+// variant-pack template prepared, with `device` current. Leaves it unusable where a
+// launch needs more.
+//
+// The frontend's copies (ALiBi's slopes, the backward's workaround lengths) read a
+// temporary: run_auxiliary_kernels iterates its map by value (1.28), so the source of
+// each cudaMemcpyAsync is freed when it returns. Eagerly the driver has staged the
+// pageable copy by then; a caller's CUDA graph capture records the address instead,
+// and its replays read whatever the heap put there since. Here each copy's values
+// become a device constant (device.h's constant_bytes, never freed, so a captured graph
+// outlives the plan), and the launch copies device to device (apply_edits).
+inline void capture_direct(Graph &graph, int device) {
     DirectLaunch d;
     d.serial = g_next_serial.fetch_add(1, std::memory_order_relaxed);
     fe::graph::Graph &g = *graph.g;
@@ -102,7 +110,22 @@ inline void capture_direct(Graph &graph) {
                   plans.execution_plans[plans.candidate] != nullptr && t.replacement_slots.empty() &&
                   t.user_slots.size() == static_cast<size_t>(graph.n) && t.template_ptrs.size() == t.all_uids.size();
     for (const auto &[uid, edit] : g.*member(FeWorkspaceEdits{})) {
-        usable = usable && std::get<0>(edit) == kEditPlaceOnly;
+        const int64_t kind = std::get<0>(edit);
+        const auto &values = std::get<2>(edit);
+        DirectLaunch::Edit e;
+        e.offset = std::get<1>(edit);
+        if (kind == kEditPlaceOnly) continue;
+        if (kind == kEditCopy) {
+            d.copies_from_host = true;
+            e.bytes = static_cast<int64_t>(values.size() * sizeof(float));
+            if (e.bytes == 0) continue;
+            usable = usable && constant_bytes(device, values.data(), static_cast<size_t>(e.bytes), &e.from).ok();
+        } else if (kind == kEditZero && values.size() == 1 && values[0] > 0) {
+            e.bytes = static_cast<int64_t>(values[0]);  // the frontend's encoding of a memset's size
+        } else {
+            usable = false;  // an edit this code does not know: the frontend's execute does it
+        }
+        d.edits.push_back(e);
     }
     if (usable) {
         d.plan         = plans.execution_plans[plans.candidate]->get_raw_desc();
@@ -114,6 +137,24 @@ inline void capture_direct(Graph &graph) {
         d.usable       = true;
     }
     graph.direct = std::move(d);
+}
+
+// The workspace edits of a direct launch, on `stream` ahead of its kernels (and inside
+// a replay's capture, so that a replay does them too).
+inline Status apply_edits(const DirectLaunch &d, void *workspace, cudaStream_t stream) {
+    static MemcpyAsyncFn *copy = cudart<MemcpyAsyncFn>("cudaMemcpyAsync");
+    static MemsetAsyncFn *zero = cudart<MemsetAsyncFn>("cudaMemsetAsync");
+    for (const auto &e : d.edits) {
+        char *at = static_cast<char *>(workspace) + e.offset;
+        const auto n = static_cast<size_t>(e.bytes);
+        if (e.from != 0) {
+            FA_RETURN_IF_ERROR(cuda_status(copy(at, reinterpret_cast<const void *>(e.from), n,
+                                                cudaMemcpyDeviceToDevice, stream), "cudaMemcpyAsync"));
+        } else {
+            FA_RETURN_IF_ERROR(cuda_status(zero(at, 0, n, stream), "cudaMemsetAsync"));
+        }
+    }
+    return {};
 }
 
 // One thread's finalized variant packs: a set-associative table (64 sets of 4), so
@@ -313,6 +354,7 @@ inline void capture_replay(const Graph &g, cudnnHandle_t handle, int device, int
     bool ok = begin(side, cudaStreamCaptureModeThreadLocal) == cudaSuccess;
     if (ok) {
         ok = index == nullptr || launch_index(*index, side).ok();
+        ok = ok && apply_edits(g.direct, e.workspace, side).ok();
         ok = ok && fe::detail::execute(handle, g.direct.plan, e.pack) == CUDNN_STATUS_SUCCESS;
         ok = end(side, &graph) == cudaSuccess && ok && graph != nullptr;
     }
@@ -361,6 +403,7 @@ inline Status launch_cached(const Graph &g, cudnnHandle_t handle, int device, in
         }
     }
     if (index != nullptr) FA_RETURN_IF_ERROR(launch_index(*index, reinterpret_cast<cudaStream_t>(stream)));
+    FA_RETURN_IF_ERROR(apply_edits(g.direct, workspace, reinterpret_cast<cudaStream_t>(stream)));
     const cudnnStatus_t st = fe::detail::execute(handle, g.direct.plan, e->pack);
     if (st != CUDNN_STATUS_SUCCESS) {
         return error(Code::kCudnnError, std::string("execute: cudnnBackendExecute: ") + fe::detail::get_error_string(st));
