@@ -260,15 +260,19 @@ def header() -> dict:
             "torch": torch.__version__, "uname": os.uname().release}
 
 
-def emit(res: dict, json_path: str | None) -> None:
+def emit(res: dict, json_path: str | None, lines=()) -> None:
     """Writes `res` to json_path (if given), prints it, then the `summary:` line that
-    tools/gpu_run.sh prints from: the benchmarks' common ending before their own summary
-    lines."""
+    tools/gpu_run.sh prints from and `lines` (a benchmark's summary; one that prints its
+    own summary afterwards gives none), then res["seconds"] where it was timed."""
     if json_path:
         with open(json_path, "w") as f:
             json.dump(res, f, indent=2)
     print(json.dumps(res, indent=2))
     print("\nsummary:")
+    for line in lines:
+        print(line)
+    if lines and "seconds" in res:
+        print(f"  seconds: {res['seconds']:.1f}")
 
 
 def report(res: dict, json_path: str | None) -> int:

@@ -273,9 +273,7 @@ def main(argv=None) -> int:
         if not args.forward_only:
             res["coldstart"]["fwd_bwd"] = coldstart(args.rounds, True)
     res["seconds"] = time.perf_counter() - t0
-    emit(res, args.json)
-    print("\n".join(summary(res)))
-    print(f"  seconds: {res['seconds']:.1f}")
+    emit(res, args.json, summary(res))
     return 0
 
 

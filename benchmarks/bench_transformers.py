@@ -315,9 +315,7 @@ def main(argv=None) -> int:
     if not args.skip_steady:
         res["steady"] = steady(args.steady_rounds, args.batch, args.prompt, args.new_tokens, args.kv_heads)
     res["seconds"] = time.perf_counter() - t0
-    emit(res, args.json)
-    print("\n".join(summary(res)))
-    print(f"  seconds: {res['seconds']:.1f}")
+    emit(res, args.json, summary(res))
     return 0
 
 

@@ -45,15 +45,7 @@ def child(mode: str) -> dict:
     from fastattn import _loader
 
     mark("import fastattn")
-    for name, env, hint in _loader._DEPENDENCIES:
-        _loader._load_one(name, env, hint)
-        mark(f"load {name}")
-    _loader._check_driver()
-    mark("check libcuda")
-    cudnn_path, _ = _loader._load_one(*_loader._CUDNN)
-    mark("load cudnn")
-    _loader.ensure_loaded()
-    mark("ensure_loaded (init_cudnn)")
+    cudnn_path = _loader.ensure_loaded(on_step=mark).cudnn
     if mode == "sublibs":
         lib_dir = os.path.dirname(cudnn_path)
         for name in sorted(os.listdir(lib_dir)):

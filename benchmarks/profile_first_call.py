@@ -74,15 +74,7 @@ def child(mode: str, idle_ms: float) -> dict:
         _native.library()
         res["op_library"] = _native.status()
         mark(f"op library ({_native.status().get('path')})")
-        for name, env, hint in _loader._DEPENDENCIES:
-            _loader._load_one(name, env, hint)
-            mark(f"load {name}")
-        _loader._check_driver()
-        mark("load libcuda (check)")
-        cudnn_path, _ = _loader._load_one(*_loader._CUDNN)
-        mark("load libcudnn")
-        _loader.ensure_loaded()
-        mark("init_cudnn (the frontend's loader, cudnnGetVersion)")
+        cudnn_path = _loader.ensure_loaded(on_step=mark).cudnn  # each loading step marked
         if mode == "steps":
             folder = os.path.dirname(cudnn_path)
             for name in fastattn.runtime.CUDNN_SUBLIBRARIES:

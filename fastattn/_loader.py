@@ -24,6 +24,7 @@ import ctypes
 import os
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from . import env as _env
@@ -157,13 +158,16 @@ def _check_driver() -> str | None:
     return None
 
 
-def ensure_loaded() -> Libraries:
+def ensure_loaded(on_step: Callable[[str], None] | None = None) -> Libraries:
     """Loads everything the GPU path needs, once per process. Raises LibraryError
     (an OSError) listing each missing piece. A failure is not remembered: a later
-    call tries again (after the user installs what was missing, or sets a variable)."""
+    call tries again (after the user installs what was missing, or sets a variable).
+    on_step(label) is called after each step of a first load ("load cudart", ...,
+    "check libcuda", "load cudnn", "init_cudnn"): the profiles' breakdown of it."""
     global _loaded
     if _loaded is not None:
         return _loaded
+    step = on_step or (lambda label: None)
     with _lock:
         if _loaded is not None:
             return _loaded
@@ -171,16 +175,19 @@ def ensure_loaded() -> Libraries:
         problems: list[str] = []
         for name, env, hint in _DEPENDENCIES:
             path, why = _load_one(name, env, hint)
+            step(f"load {name}")
             if why:
                 problems.append(why)
             else:
                 paths[name] = path
         driver_problem = _check_driver()
+        step("check libcuda")
         if driver_problem:
             problems.append(driver_problem)
         # cuDNN last: its dependencies must be loadable before it looks for them.
         if not problems:
             path, why = _load_one(*_CUDNN)
+            step("load cudnn")
             if why:
                 problems.append(why)
             else:
@@ -195,6 +202,7 @@ def ensure_loaded() -> Libraries:
         from . import _core
 
         version = _core.init_cudnn(paths["cudnn"])
+        step("init_cudnn")
         check_cudnn_version(version, paths["cudnn"])
         _loaded = Libraries(
             cudnn=paths["cudnn"],

@@ -39,3 +39,36 @@ def test_every_version_number_is_accepted_or_a_library_error(version):
         assert not (_loader.MIN_CUDNN <= version < 100000)
     else:
         assert _loader.MIN_CUDNN <= version < 100000
+
+
+def test_a_first_load_reports_each_step_in_order(monkeypatch):
+    # The profiles' breakdown of a first load (benchmarks/profile_*.py): every step is
+    # reported, in the order it ran, also when the load fails (here: the driver is faked
+    # missing, so cuDNN is never tried).
+    monkeypatch.setattr(_loader, "_loaded", None)
+    monkeypatch.setattr(_loader, "_load_one", lambda name, env, hint: (f"/x/{name}.so", None))
+    monkeypatch.setattr(_loader, "_check_driver", lambda: "no libcuda.so.1 (faked)")
+    monkeypatch.setattr(_loader, "_locate_cudnn_problem", list)
+    steps = []
+    with pytest.raises(fastattn.LibraryError, match="faked"):
+        _loader.ensure_loaded(on_step=steps.append)
+    assert steps == [f"load {name}" for name, _, _ in _loader._DEPENDENCIES] + ["check libcuda"]
+
+
+def test_a_load_that_succeeds_reports_cudnn_and_its_initialization(monkeypatch):
+    import os
+
+    from fastattn import _core
+
+    # ensure_loaded names the cudart it loaded for cudnn-frontend (setdefault): kept to
+    # this test, so that a real load later in the process is not pointed at /x.
+    monkeypatch.setenv("CUDNN_FRONTEND_CUDART_LIB_NAME", os.environ.get("CUDNN_FRONTEND_CUDART_LIB_NAME", "unset"))
+    monkeypatch.setattr(_loader, "_loaded", None)
+    monkeypatch.setattr(_loader, "_load_one", lambda name, env, hint: (f"/x/{name}.so", None))
+    monkeypatch.setattr(_loader, "_check_driver", lambda: None)
+    monkeypatch.setattr(_core, "init_cudnn", lambda path: 91900)
+    steps = []
+    libs = _loader.ensure_loaded(on_step=steps.append)
+    assert libs.cudnn == "/x/cudnn.so" and libs.cudnn_version == 91900
+    assert steps[-3:] == ["check libcuda", "load cudnn", "init_cudnn"]
+    assert _loader.ensure_loaded(on_step=steps.append) is libs and len(steps) == len(_loader._DEPENDENCIES) + 3
