@@ -136,11 +136,12 @@ Status run(const Graph &g, int device, void **ptrs, int n, intptr_t workspace, i
             bool capturing = false;
             FA_RETURN_IF_ERROR(stream_capturing(stream, &capturing));
             if (capturing) {
+                const std::string why = g.direct.usable ? "cudnn-frontend's tensor dumps are on" : g.direct.why_not;
                 return error(Code::kNotSupported,
                              "this plan cannot be captured in a CUDA graph: cudnn-frontend's execute copies its "
                              "ALiBi slopes or lengths from a temporary host buffer, which a replay would read after "
-                             "it is freed (here its launch cannot take fastattn's own copy: host seeds or a tensor "
-                             "dump); run it outside the capture");
+                             "it is freed, and fastattn's own launch (which copies them from device memory) cannot "
+                             "take it: " + why + "; run it outside the capture");
             }
         }
         LaunchScope scope(device, stream);

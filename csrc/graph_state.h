@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -32,17 +33,20 @@ struct DirectLaunch {
     std::vector<int> user;                    // the caller's i-th pointer (uid order) goes to pack index user[i]
     std::vector<std::pair<int, int64_t>> in_workspace;  // pack index, byte offset into the workspace
     // What the frontend's run_auxiliary_kernels does to the workspace before each
-    // launch: `bytes` at `offset` copied from `from` (a device constant, device.h's
-    // constant_bytes), or zeroed where `from` is 0.
+    // launch: `bytes` at `offset` zeroed, or copied from `from` (a device constant,
+    // device.h's constant_bytes).
     struct Edit {
         int64_t offset = 0;
         int64_t bytes  = 0;
+        bool zero      = false;
         intptr_t from  = 0;
     };
     std::vector<Edit> edits;
     // Its execute would copy host memory into the workspace (edits of kind 0). Where the
-    // launch cannot be direct, a caller's capture of it is refused (attention.cpp's run).
+    // launch cannot be direct, a caller's capture of it is refused (attention.cpp's run),
+    // saying why it is not direct.
     bool copies_from_host = false;
+    std::string why_not;
 };
 
 }  // namespace detail

@@ -105,10 +105,16 @@ inline void capture_direct(Graph &graph, int device) {
     fe::graph::Graph &g = *graph.g;
     const auto &plans   = g.*member(FePlans{});
     const auto &t       = g.varpack_template;
-    bool usable         = graph.by_value == 0 && plans.candidate >= 0 &&
-                  plans.candidate < static_cast<int64_t>(plans.execution_plans.size()) &&
-                  plans.execution_plans[plans.candidate] != nullptr && t.replacement_slots.empty() &&
-                  t.user_slots.size() == static_cast<size_t>(graph.n) && t.template_ptrs.size() == t.all_uids.size();
+    if (graph.by_value != 0) {
+        d.why_not = "host seeds (values read per call)";
+    } else if (plans.candidate < 0 || plans.candidate >= static_cast<int64_t>(plans.execution_plans.size()) ||
+               plans.execution_plans[plans.candidate] == nullptr) {
+        d.why_not = "no cuDNN plan chosen (the frontend's own engine)";
+    } else if (!t.replacement_slots.empty()) {
+        d.why_not = "pointer replacements";
+    } else if (t.user_slots.size() != static_cast<size_t>(graph.n) || t.template_ptrs.size() != t.all_uids.size()) {
+        d.why_not = "a variant-pack template that does not match its tensors";
+    }
     for (const auto &[uid, edit] : g.*member(FeWorkspaceEdits{})) {
         const int64_t kind = std::get<0>(edit);
         const auto &values = std::get<2>(edit);
@@ -119,15 +125,19 @@ inline void capture_direct(Graph &graph, int device) {
             d.copies_from_host = true;
             e.bytes = static_cast<int64_t>(values.size() * sizeof(float));
             if (e.bytes == 0) continue;
-            usable = usable && constant_bytes(device, values.data(), static_cast<size_t>(e.bytes), &e.from).ok();
+            if (d.why_not.empty()) {
+                Status st = constant_bytes(device, values.data(), static_cast<size_t>(e.bytes), &e.from);
+                if (!st.ok()) d.why_not = "its workspace values could not be copied to the device: " + st.message;
+            }
         } else if (kind == kEditZero && values.size() == 1 && values[0] > 0) {
             e.bytes = static_cast<int64_t>(values[0]);  // the frontend's encoding of a memset's size
-        } else {
-            usable = false;  // an edit this code does not know: the frontend's execute does it
+            e.zero  = true;
+        } else if (d.why_not.empty()) {
+            d.why_not = "a workspace edit of kind " + std::to_string(kind) + " (unknown here)";
         }
         d.edits.push_back(e);
     }
-    if (usable) {
+    if (d.why_not.empty()) {
         d.plan         = plans.execution_plans[plans.candidate]->get_raw_desc();
         d.fe_workspace = g.*member(FeWorkspaceSize{});
         d.uids         = t.all_uids;
@@ -147,11 +157,11 @@ inline Status apply_edits(const DirectLaunch &d, void *workspace, cudaStream_t s
     for (const auto &e : d.edits) {
         char *at = static_cast<char *>(workspace) + e.offset;
         const auto n = static_cast<size_t>(e.bytes);
-        if (e.from != 0) {
+        if (e.zero) {
+            FA_RETURN_IF_ERROR(cuda_status(zero(at, 0, n, stream), "cudaMemsetAsync"));
+        } else {
             FA_RETURN_IF_ERROR(cuda_status(copy(at, reinterpret_cast<const void *>(e.from), n,
                                                 cudaMemcpyDeviceToDevice, stream), "cudaMemcpyAsync"));
-        } else {
-            FA_RETURN_IF_ERROR(cuda_status(zero(at, 0, n, stream), "cudaMemsetAsync"));
         }
     }
     return {};

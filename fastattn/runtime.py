@@ -23,7 +23,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Iterable, Literal, Mapping, Union, overload
 
-from . import store
+from . import _record, store
 from ._version import __version__
 from .config import AttentionConfig
 from .errors import InvalidArgumentError, NotSupportedError, VerificationFailedError
@@ -190,6 +190,7 @@ def _lookup(config: Any, device: int | None, refresh: bool = False) -> tuple[_En
             _counters["memory_hits"] += 1
     if owner:
         try:
+            _record.note(config)
             entry.plan, entry.result = _build(config, device, refresh)
         except BaseException as e:
             # Not a verdict on the config (a CUDA error, a missing library, an interrupt):

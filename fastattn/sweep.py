@@ -1,6 +1,7 @@
 """Config files: lists of AttentionConfigs and sweeps over their fields, in JSON or TOML.
 
 A file holds {"configs": [entry, ...]} (TOML: [[configs]] tables), a list of entries,
+an entry a line (JSON Lines, as FASTATTN_RECORD writes them: fastattn._record),
 or one entry's fields at the top level (what `fastattn probe --config` reads is the
 same: one reader for both commands). Each entry maps AttentionConfig fields to values;
 a field may also be swept:
@@ -122,8 +123,9 @@ def _json_entry_lines(text: str, count: int) -> list[int | None]:
 
 
 def _parse(path: str) -> tuple[Any, list[int | None] | None]:
-    """A file's data: TOML when it is named .toml, JSON when named .json, else whichever
-    of the two it parses as (the error says both, when neither)."""
+    """A file's data: TOML when it is named .toml, JSON when named .json, JSON Lines when
+    named .jsonl, else whichever of them it parses as (the error says JSON's and TOML's,
+    when neither)."""
     try:
         with open(path, "rb") as f:
             raw = f.read()
@@ -135,11 +137,15 @@ def _parse(path: str) -> tuple[Any, list[int | None] | None]:
         raise InvalidArgumentError(f"{path}: not UTF-8 text: {e}") from None
     if path.endswith(".toml"):
         return _toml(text, path), None
+    if path.endswith(".jsonl"):
+        return _json_lines(text, path)
     try:
         return _json(text, path)
     except InvalidArgumentError as json_error:
         if path.endswith(".json"):
             raise
+        if _looks_like_json_lines(text):
+            return _json_lines(text, path)
         try:
             return _toml(text, path), None
         except InvalidArgumentError as toml_error:
@@ -176,6 +182,34 @@ def _json(text: str, path: str) -> tuple[Any, list[int | None]]:
         raise InvalidArgumentError(f"{path}: not valid JSON: nested too deeply") from None
     count = len(data.get("configs", [])) if isinstance(data, dict) and isinstance(data.get("configs"), list) else 0
     return data, _json_entry_lines(text, count)
+
+
+def _looks_like_json_lines(text: str) -> bool:
+    """Every line that is not blank opens a JSON object, and there are two or more:
+    what FASTATTN_RECORD writes (fastattn._record), under any name."""
+    lines = [line for line in text.splitlines() if line.strip()]
+    return len(lines) > 1 and all(line.lstrip().startswith("{") for line in lines)
+
+
+def _json_lines(text: str, path: str) -> tuple[list[Any], list[int | None]]:
+    """JSON Lines: a JSON object (an entry) on each line that is not blank."""
+    entries: list[Any] = []
+    lines: list[int | None] = []
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            entry = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise InvalidArgumentError(f"{path}:{number}:{e.colno}: not valid JSON: {e.msg}") from None
+        except RecursionError:
+            raise InvalidArgumentError(f"{path}:{number}: not valid JSON: nested too deeply") from None
+        if not isinstance(entry, dict):
+            raise InvalidArgumentError(f"{path}:{number}: each line must be an object of AttentionConfig fields, "
+                                       f"not {type(entry).__name__}")
+        entries.append(entry)
+        lines.append(number)
+    return entries, lines
 
 
 _FIELD_NAMES = frozenset(f.name for f in FIELDS)

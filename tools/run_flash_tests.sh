@@ -15,6 +15,8 @@
 #   FA_CASE_S=30    a case running longer is interrupted and fails, saying so
 #   FA_SHARDS=1     pytest processes at once, each every FA_SHARDS-th case (fa_subset's
 #                   FA_SHARD): most of a case's time is its plan's build, on the CPU
+#   FA_WARM=FILE    `fastattn warm FILE` first: an earlier run's $OUT/flash_configs.jsonl
+#                   (every config its cases asked for, FASTATTN_RECORD)
 #   FA_TESTS=.peer/flash-attention-2.8.3/tests/test_flash_attn.py
 #
 # A crash (an abort inside a library) ends pytest's process: the run goes on in a new
@@ -36,8 +38,7 @@ FA_TESTS=${FA_TESTS:-.peer/flash-attention-2.8.3/tests/test_flash_attn.py}
 [ -f "$FA_TESTS" ] || { echo "no $FA_TESTS: carry .peer (see the top of this script)"; exit 2; }
 export FA_PER_FUNC=${FA_PER_FUNC:-30} FA_SEED=${FA_SEED:-0} FA_CASE_S=${FA_CASE_S:-30}
 budget=${FA_BUDGET_S:-180}
-t_start=$(date +%s)
-export FA_DEADLINE=$(( t_start + budget )) FA_RESULTS="$LOGS/results.jsonl"
+export FA_RESULTS="$LOGS/results.jsonl"
 
 # What tools/gpu_run.sh set up: the carried wheels in /tmp/site, the extension built in
 # place, the op library in /tmp/fastattn-torch-ops. Plans go to a cache of this run's own.
@@ -59,6 +60,21 @@ sys.exit(0 if flash_attn.__version__.endswith("+fastattn.shim") else "flash_attn
 [ "${PIPESTATUS[0]}" = 0 ] || exit 2
 uname -r >> "$LOGS/env.log"
 echo "FA_PER_FUNC=$FA_PER_FUNC FA_SEED=$FA_SEED FA_BUDGET_S=$budget FA_CASE_S=$FA_CASE_S FA_SHARDS=${FA_SHARDS:-1} $FA_TESTS $*" | tee -a "$LOGS/env.log"
+
+# FA_WARM=FILE: the configs an earlier run's cases asked for (its flash_configs.jsonl)
+# built first by `fastattn warm`, in parallel, so that the cases load their plans. Not
+# counted in the budget; not recorded again.
+if [ -n "${FA_WARM:-}" ]; then
+  t0=$(date +%s)
+  FASTATTN_RECORD= "$PY" -m fastattn warm --no-progress --no-torch-ops "$FA_WARM" > "$LOGS/warm.log" 2>&1
+  echo "FA_WARM=$FA_WARM: fastattn warm exit $?, $(( $(date +%s) - t0 )) s; $(grep -E 'configs|built|loaded' "$LOGS/warm.log" | tail -n 1)" \
+    | tee -a "$LOGS/env.log"
+fi
+# Every config the cases ask for (FASTATTN_RECORD), into $OUT/flash_configs.jsonl: a
+# later run's FA_WARM.
+export FASTATTN_RECORD="$LOGS/flash_configs.jsonl"
+t_start=$(date +%s)
+export FA_DEADLINE=$(( t_start + budget ))
 
 shards=${FA_SHARDS:-1}
 run_shard() {  # shard $1 of $shards: its own results and log, rerun after a crash
@@ -86,6 +102,7 @@ cat "$LOGS"/pytest-*.log > "$LOGS/pytest.log" 2> /dev/null
   > "$LOGS/summary.txt" 2>&1
 report_rc=$?
 cp "$LOGS/flash_tests.md" "$OUT/flash_tests.md" 2> /dev/null
+cp "$LOGS/flash_configs.jsonl" "$OUT/flash_configs.jsonl" 2> /dev/null
 echo "=== pytest (last lines)"; grep -E "^=*.* (passed|failed|error|errors|skipped|deselected)" "$LOGS/pytest.log" | tail -n 3
 echo "=== flash tests: $(( $(date +%s) - t_start )) s"; cat "$LOGS/summary.txt"
 exit $report_rc

@@ -25,7 +25,8 @@ def add_parser(sub) -> None:
                           "refused with the evidence), or answers built now are not in the cache at the "
                           "end (it cannot be written, or keeps nothing: counted as not saved, with the reason).")
     warm.add_argument("file", nargs="?", type=input_path,
-                      help="JSON or TOML config file with sweeps (default: built-in model shapes)")
+                      help="JSON or TOML config file with sweeps, or the JSON Lines FASTATTN_RECORD writes "
+                           "(default: built-in model shapes)")
     warm.add_argument("--workers", type=integer(1), default=None, help="worker processes (default: min(8, CPUs))")
     warm.add_argument("--device", type=integer(0), default=None, help="CUDA device (default: current)")
     warm.add_argument("--report", type=output_file, help="write the full report as JSON to this file")

@@ -48,11 +48,14 @@ class Tensors:
         for n in ("o", "stats", "d_q", "d_k", "d_v"):
             self.t[n].buf.poison()
 
-    def run(self, plan, mode: str, stream: int = 0):
-        """Outputs poisoned, then forward and backward through bench_execute in `mode`
-        ("fastattn": execute, the cached packs and replays; "frontend_sorted":
+    def run(self, plan, mode: str, stream: int = 0, poison_workspace: bool = False):
+        """Outputs poisoned (and the workspace: what a launch writes there itself must
+        be written anew each call), then forward and backward through bench_execute in
+        `mode` ("fastattn": execute, the cached packs and replays; "frontend_sorted":
         cudnn-frontend's execute) on `stream`."""
         self.poison()
+        if poison_workspace:
+            self.ws.poison()
         _core().bench_execute(plan, "forward", mode, 1, self.ws.ptr, stream, **self.ptrs(FWD_NAMES))
         _core().bench_execute(plan, "backward", mode, 1, self.ws.ptr, stream, **self.ptrs(BWD_NAMES))
         synchronize()
@@ -71,15 +74,35 @@ def test_plain_plans_launch_through_cached_packs():
 
 
 def test_graphs_whose_execute_does_more_keep_the_frontends():
-    # ALiBi: the frontend copies the slopes into the workspace on every call. Host seed
-    # and offset: values read per call, not pointers to keep.
+    # Host seed and offset: values read per call, not pointers to keep.
     host_seed = AttentionConfig(batch=1, heads_q=2, seqlen_q=64, head_dim_qk=64, dtype="fp16", dropout=0.2,
                                 host_seed=True, training=True)  # (test_features_gpu's dropout shape)
-    for cfg in (small(mask="causal", alibi=True), host_seed):
-        assert fastattn.probe(cfg).supported, cfg
-        p = fastattn.plan(cfg)
-        assert not _core().bench_direct_launch(p, "forward"), cfg
-        assert not _core().bench_direct_launch(p, "backward"), cfg
+    assert fastattn.probe(host_seed).supported
+    p = fastattn.plan(host_seed)
+    assert not _core().bench_direct_launch(p, "forward")
+    assert not _core().bench_direct_launch(p, "backward")
+
+
+def test_alibi_launches_directly_and_writes_what_the_frontend_writes():
+    # The frontend copies ALiBi's slopes into the workspace on every call, from host
+    # memory it frees at once; fastattn's launch copies them from a device constant
+    # (csrc/packs.h, capture_direct). The workspace is poisoned before every run, so a
+    # slope not written (or written elsewhere) anew by each launch, its pack or its replay
+    # shows; forward and backward, past the replay threshold, on two tensor sets.
+    cfg = small(mask="causal", alibi=True, seqlen_q=80, seqlen_kv=80)
+    assert fastattn.probe(cfg).supported, fastattn.probe(cfg).reason
+    p = fastattn.plan(cfg)
+    assert _core().bench_direct_launch(p, "forward") and _core().bench_direct_launch(p, "backward")
+    a, b = Tensors(cfg, p, seed=3), Tensors(cfg, p, seed=4)
+    want_a = a.run(p, "frontend_sorted", poison_workspace=True)
+    want_b = b.run(p, "frontend_sorted", poison_workspace=True)
+    replays = _core().bench_pack_counts()[2]
+    for _ in range(5):  # three runs through the pack, then replays
+        assert a.run(p, "fastattn", poison_workspace=True) == want_a
+        assert b.run(p, "fastattn", poison_workspace=True) == want_b
+    assert _core().bench_pack_counts()[2] - replays >= 4  # the last two rounds replayed (a, b; fwd, bwd)
+    a.check_reference()
+    b.check_reference()
 
 
 def new_stream(non_blocking: bool = False) -> int:

@@ -1,0 +1,136 @@
+"""FASTATTN_RECORD (fastattn/_record.py): the configs a process asks plans for, one JSON
+object a line, which `fastattn warm FILE` reads back (fastattn/sweep.py's JSON Lines)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import fastattn
+from fastattn import AttentionConfig, _record, cli, sweep
+from fastattn.errors import InvalidArgumentError
+
+BASE = dict(batch=1, heads_q=8, head_dim_qk=64, mask="causal")
+
+
+@pytest.fixture(autouse=True)
+def _fresh_recorder():
+    _record.reset()
+    yield
+    _record.reset()
+
+
+def test_each_config_asked_for_is_recorded_once_in_order(env, monkeypatch):
+    path = env / "asked.jsonl"
+    monkeypatch.setenv("FASTATTN_RECORD", str(path))
+    configs = [AttentionConfig(**BASE, seqlen_q=s) for s in (128, 256)]
+    fastattn.plan(configs[0])
+    fastattn.probe(configs[1])
+    fastattn.plan(configs[0])  # a memory hit: not asked again
+    refused = AttentionConfig(**{**BASE, "head_dim_qk": 1024}, seqlen_q=128)  # the fake core refuses it
+    assert not fastattn.probe(refused).supported
+    fastattn.runtime.clear()
+    fastattn.plan(configs[1])  # asked again after clear(): this process recorded it already
+    lines = path.read_text().splitlines()
+    assert [AttentionConfig.from_json(line) for line in lines] == [*configs, refused]
+    assert sweep.load_configs(str(path)) == [*configs, refused]
+
+
+def test_unset_or_blank_records_nothing(env, monkeypatch):
+    monkeypatch.setenv("FASTATTN_RECORD", "  ")
+    fastattn.plan(AttentionConfig(**BASE, seqlen_q=128))
+    assert not list(env.glob("*.jsonl"))
+
+
+def test_two_processes_append_whole_lines_to_one_file(tmp_path):
+    # Each its own configs, into one file: every line whole, nothing lost.
+    path = tmp_path / "asked.jsonl"
+    code = ("import sys, fastattn\n"
+            "from fastattn import AttentionConfig\n"
+            "for s in range(int(sys.argv[1]), int(sys.argv[1]) + 40):\n"
+            "    fastattn._record.note(AttentionConfig(batch=1, heads_q=8, head_dim_qk=64, seqlen_q=s))\n")
+    envs = {**os.environ, "FASTATTN_RECORD": str(path)}
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(start)], env=envs) for start in (1, 1000)]
+    assert [p.wait(timeout=60) for p in procs] == [0, 0]
+    got = sorted(AttentionConfig.from_json(line).seqlen_q for line in path.read_text().splitlines())
+    assert got == [*range(1, 41), *range(1000, 1040)]
+
+
+@pytest.mark.parametrize("where", ["a directory", "a missing directory", "/dev/full"])
+def test_a_file_that_cannot_be_written_warns_once_and_never_fails_a_call(env, monkeypatch, where):
+    target = {"a directory": str(env), "a missing directory": str(env / "no" / "such.jsonl"),
+              "/dev/full": "/dev/full"}[where]
+    monkeypatch.setenv("FASTATTN_RECORD", target)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for s in (128, 256, 384):
+            fastattn.plan(AttentionConfig(**BASE, seqlen_q=s))
+    texts = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert len(texts) == 1 and f"FASTATTN_RECORD={target} cannot be written" in texts[0], texts
+
+
+def test_warm_builds_what_a_process_recorded(fake_workers, capsys):
+    path = fake_workers / "asked.jsonl"
+    configs = [AttentionConfig(**BASE, seqlen_q=s) for s in (64, 128, 192)]
+    path.write_text("".join(c.to_json() + "\n" for c in configs) + "\n")  # a blank line at the end is fine
+    assert cli.main(["warm", str(path), "--workers", "2", "--json", "--no-torch-ops"]) == 0
+    body = json.loads(capsys.readouterr().out)
+    assert body["counts"]["built"] == 3
+    renamed = fake_workers / "asked.log"  # any name: the content says JSON Lines
+    renamed.write_text(path.read_text())
+    assert cli.main(["warm", str(renamed), "--workers", "2", "--json", "--no-torch-ops"]) == 0
+    assert json.loads(capsys.readouterr().out)["counts"]["loaded"] == 3
+
+
+@pytest.mark.parametrize("text, message", [
+    ('{"batch": 1}\n[1, 2]\n', "x.jsonl:2: each line must be an object of AttentionConfig fields, not list"),
+    ('{"batch": 1}\n{"batch": \n', "x.jsonl:2:11: not valid JSON"),
+    ('{"batch": 1, "heads_q": 8, "seqlen_q": 64, "head_dim_qk": 64, "mask": "diag"}\n', "x.jsonl:1: configs[0]: "
+                                                                                          "mask='diag'"),
+])
+def test_a_bad_line_is_named(tmp_path, text, message):
+    path = tmp_path / "x.jsonl"
+    path.write_text(text)
+    with pytest.raises(InvalidArgumentError) as e:
+        sweep.load_configs(str(path))
+    assert message in str(e.value)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.text(st.sampled_from('{}[]":,0123456789 \nabcehqst_-.'), max_size=120))
+def test_any_text_in_a_jsonl_file_is_configs_or_a_clear_error(tmp_path, text):
+    path = tmp_path / "any.jsonl"
+    path.write_text(text)
+    try:
+        configs = sweep.load_configs(str(path))
+    except InvalidArgumentError as e:
+        assert str(e).startswith(str(path))
+    else:
+        assert all(isinstance(c, AttentionConfig) for c in configs)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.builds(lambda b, h, s, d, m: AttentionConfig(batch=b, heads_q=h, seqlen_q=s, head_dim_qk=d, mask=m),
+                          st.integers(1, 64), st.integers(1, 64), st.integers(1, 1 << 16), st.sampled_from((64, 128)),
+                          st.sampled_from(("none", "causal", "causal_bottom_right"))), max_size=8))
+def test_what_is_recorded_reads_back_as_the_same_configs(configs):
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "asked.jsonl")
+        os.environ["FASTATTN_RECORD"] = path
+        try:
+            for c in configs:
+                _record.note(c)
+        finally:
+            del os.environ["FASTATTN_RECORD"]
+            _record.reset()
+        expected = list(dict.fromkeys(configs))
+        assert (sweep.load_configs(path) if os.path.exists(path) else []) == expected
