@@ -243,8 +243,8 @@ _TABLE = (
     _V("FASTATTN_REMOTE_TRUSTED", "bool", False, "use the Redis tier without a signing secret"),
     # What a process asked for (fastattn._record).
     _V("FASTATTN_RECORD", "path", None, "append each distinct config this process asks a plan for (through any "
-       "entry point) to this file, one JSON object a line, for `fastattn warm FILE` to build elsewhere; a file that "
-       "cannot be written warns once", "none"),
+       "entry point; `fastattn warm`'s own workers excepted) to this file, one JSON object a line, for `fastattn warm "
+       "FILE` to build elsewhere; a file that cannot be written warns once", "none"),
     # fastattn.torch.
     _V("FASTATTN_TORCH_PATH", "choice", "auto", "fastattn.torch's per-call path: `auto` (the native op library where "
        "`fastattn warm` built it, else the Python path; a library that is built but fails to load warns once), "

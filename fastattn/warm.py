@@ -91,9 +91,11 @@ class _Worker:
         cmd = [sys.executable, "-m", "fastattn._warm_worker"] + ([] if device is None else ["--device", str(device)])
         cmd += ["--verify"] if verify else []
         # cwd: `python -m` puts it first on sys.path; from a source checkout that would
-        # shadow the installed fastattn with an unbuilt one.
+        # shadow the installed fastattn with an unbuilt one. FASTATTN_RECORD dropped: a
+        # pre-warm is not the workload it records (fastattn._record).
+        env = {k: v for k, v in os.environ.items() if k != "FASTATTN_RECORD"}
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, bufsize=0,
-                                     cwd=log_dir)
+                                     cwd=log_dir, env=env)
         self.buffer = b""
         self.item: WarmItem | None = None
         self.started = 0.0

@@ -76,8 +76,9 @@ def test_a_file_that_cannot_be_written_warns_once_and_never_fails_a_call(env, mo
     assert len(texts) == 1 and f"FASTATTN_RECORD={target} cannot be written" in texts[0], texts
 
 
-def test_warm_builds_what_a_process_recorded(fake_workers, capsys):
+def test_warm_builds_what_a_process_recorded(fake_workers, capsys, monkeypatch):
     path = fake_workers / "asked.jsonl"
+    monkeypatch.setenv("FASTATTN_RECORD", str(fake_workers / "warm-asked.jsonl"))  # a pre-warm records nothing
     configs = [AttentionConfig(**BASE, seqlen_q=s) for s in (64, 128, 192)]
     path.write_text("".join(c.to_json() + "\n" for c in configs) + "\n")  # a blank line at the end is fine
     assert cli.main(["warm", str(path), "--workers", "2", "--json", "--no-torch-ops"]) == 0
@@ -87,6 +88,7 @@ def test_warm_builds_what_a_process_recorded(fake_workers, capsys):
     renamed.write_text(path.read_text())
     assert cli.main(["warm", str(renamed), "--workers", "2", "--json", "--no-torch-ops"]) == 0
     assert json.loads(capsys.readouterr().out)["counts"]["loaded"] == 3
+    assert not (fake_workers / "warm-asked.jsonl").exists()
 
 
 @pytest.mark.parametrize("text, message", [
