@@ -15,6 +15,7 @@ from typing import Literal, overload
 import torch
 
 from .. import _fields
+from .. import shape_classes as _shape_classes
 from ..config import AttentionConfig
 from ..errors import InvalidArgumentError
 from . import _autograd, _classes, _native, _options
@@ -48,10 +49,17 @@ def plan_for(q, k, v, o, seq_len_q, seq_len_kv, bias, sink, options: DenseOption
     hit = plans.get(key)
     if hit is not None:
         return hit
+    return remember(key, config_for(q, k, v, o, seq_len_q, seq_len_kv, bias, sink, options), q, k, v, options.layout)
+
+
+def config_for(q, k, v, o, seq_len_q, seq_len_kv, bias, sink, options: DenseOptions) -> AttentionConfig:
+    """The call's AttentionConfig, every check made: a miss's (plan_for), and a trace's
+    (the forward op's fake kernel: meta tensors, FakeTensorMode, make_fx, torch.export),
+    so that a traced call refuses what an eager one does."""
     layout = options.layout
     _check(q, k, v, layout, seq_len_q, seq_len_kv)
     _check_extras(q, k, layout, bias, sink)
-    cfg = AttentionConfig(
+    return AttentionConfig(
         **config_shape(q, k, v, o, layout), dtype=DTYPES[q.dtype],
         mask=mask_name(options.causal, options.bottom_right), window=(options.window_left, options.window_right),
         alignment=alignment_name(options.bottom_right), scale=None if options.scale <= 0 else options.scale,
@@ -62,7 +70,6 @@ def plan_for(q, k, v, o, seq_len_q, seq_len_kv, bias, sink, options: DenseOption
         bias="none" if bias is None else _bias_shape(q, bias, layout), bias_grad=options.bias_grad,
         dropout=options.dropout, sinks=sink is not None, softcap=options.softcap or None,
     )
-    return remember(key, cfg, q, k, v, layout)
 
 
 def forward_impl(q, k, v, seq_len_q, seq_len_kv, bias, sink, rng, options: DenseOptions):
@@ -173,7 +180,9 @@ def _stats_like(q: torch.Tensor, layout: str, training: bool) -> torch.Tensor:
 @forward_op.register_fake
 def _(q, k, v, seq_len_q, seq_len_kv, bias, sink, rng, *options):
     options = DenseOptions(*options)
-    _check_tensors(q, k, v, options.layout, seq_len_q, seq_len_kv, bias, sink)  # a trace refuses what eager does
+    if options.layout in AXES:  # (a layout the body refuses itself is left to it)
+        config_for(q, k, v, None, seq_len_q, seq_len_kv if seq_len_kv is not None else seq_len_q, bias, sink,
+                   options)  # a trace refuses what eager does
     return q.new_empty(out_shape(q, v, options.layout)), _stats_like(q, options.layout, options.training)
 
 
@@ -224,14 +233,13 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str, seq_l
 
 
 def _check_tensors(q, k, v, layout: str, seq_len_q, seq_len_kv, bias, sink) -> None:
-    """Every check plan_for makes on a miss (_check, _check_extras), where no plan_for
-    runs: the forward op's fake implementation (any trace of it: FakeTensorMode,
-    make_fx, torch.export, torch.compile) and attention()'s body under dynamo, which
-    sees fake tensors as plain CUDA ones (those the body leaves to plan_for). A check
-    that fails in dynamo's trace of the body makes dynamo run the call eagerly, where
-    it fails as eager does (fullgraph=True and torch.export name it in dynamo's error);
-    in the fake kernel it would be a TorchRuntimeError. A layout the body refuses
-    itself is left to it."""
+    """The tensor checks plan_for makes on a miss (_check, _check_extras), for
+    attention()'s body under dynamo, which sees fake tensors as plain CUDA ones (those the
+    body leaves to plan_for). A check that fails in dynamo's trace of the body makes
+    dynamo run the call eagerly, where it fails as eager does (fullgraph=True and
+    torch.export name it in dynamo's error). The whole config is checked by the forward
+    op's fake kernel (config_for), outside dynamo's trace of Python. A layout the body
+    refuses itself is left to it."""
     if layout in AXES:
         _check(q, k, v, layout, seq_len_q, seq_len_kv if seq_len_kv is not None else seq_len_q)
         _check_extras(q, k, layout, bias, sink)
@@ -365,8 +373,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     """
     # Classes wanted: "auto" or bounds (SETTING OFF: the hot path as it was). Read as fields,
     # not bool(SETTING): Classes.__bool__ is a Python call on every call of the hot path.
-    setting = _classes.SETTING
-    classes = (setting.__class__ is str or setting.ranges != ()) if shape_classes is None else shape_classes != "off"
+    if shape_classes is None:
+        setting = _classes.SETTING
+        classes = setting.__class__ is str or setting.ranges != ()
+    else:  # parsed here, so that a bad choice is refused whatever the tensors (meta, traced, CPU)
+        shape_classes = _parse_classes(shape_classes, "shape_classes")
+        classes = shape_classes.__class__ is str or shape_classes.ranges != ()
     if not dynamo_compiling():  # (dynamo traces the body below instead)
         call = _native.CALL
         if call is not None and not classes:
@@ -454,6 +466,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
 
 
 # Module globals: one lookup less per call.
+_parse_classes = _shape_classes.parse
 plain_eager, Eager, EagerWithStats = _autograd.plain_eager, _autograd.Eager, _autograd.EagerWithStats
 compiling, functorch_active = torch.compiler.is_compiling, _autograd.functorch_active
 # Dynamo's own flag (one call, cheaper than is_compiling): other tracers

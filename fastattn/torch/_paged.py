@@ -33,19 +33,25 @@ def plan_for(q, k_cache, v_cache, table, seq_lens_q, cache_seqlens, options: Pag
     hit = plans.get(key)
     if hit is not None:
         return hit
+    cfg = config_for(q, k_cache, v_cache, table, seq_lens_q, cache_seqlens, options)
+    return remember(key, cfg, q, k_cache, v_cache, "bshd")
+
+
+def config_for(q, k_cache, v_cache, table, seq_lens_q, cache_seqlens, options: PagedOptions) -> AttentionConfig:
+    """The call's AttentionConfig, every check made: a miss's (plan_for) and a trace's
+    (the forward op's fake kernel), so that a traced call refuses what an eager one does."""
     _check_paged(q, k_cache, v_cache, table, seq_lens_q, cache_seqlens)
     (b, hq, sq, dqk), q_st = logical(q, "bshd")
     (pages, hkv, page_size, _), k_st = logical(k_cache, "bshd")  # a page is a "sequence" of page_size tokens
     (_, _, _, dv), v_st = logical(v_cache, "bshd")
     _, o_st = logical(q.new_empty(out_shape(q, v_cache, "bshd"), device="meta"), "bshd")
-    cfg = AttentionConfig(
+    return AttentionConfig(
         batch=b, heads_q=hq, heads_kv=hkv, seqlen_q=sq, seqlen_kv=table.shape[1] * page_size, head_dim_qk=dqk,
         head_dim_v=dv, dtype=DTYPES[q.dtype], layout={"q": q_st, "k": k_st, "v": v_st, "o": o_st},
         mask=mask_name(options.causal, options.bottom_right), window=(options.window_left, options.window_right),
         alignment=alignment_name(options.bottom_right), scale=None if options.scale <= 0 else options.scale,
         padding=True, page_size=page_size, num_pages=pages, softcap=options.softcap or None,
     )
-    return remember(key, cfg, q, k_cache, v_cache, "bshd")
 
 
 # A batch's query lengths when the caller gives none (all seqlen_q): cuDNN's padding mask
@@ -94,7 +100,8 @@ forward_op = torch.library.custom_op("fastattn::paged_forward", _forward, mutate
 
 @forward_op.register_fake
 def _(q, k_cache, v_cache, block_table, cache_seqlens, seq_lens_q, *options):
-    _check_paged(q, k_cache, v_cache, block_table, seq_lens_q, cache_seqlens)  # a trace refuses what eager does
+    # A trace refuses what eager does.
+    config_for(q, k_cache, v_cache, block_table, seq_lens_q, cache_seqlens, PagedOptions(*options))
     return q.new_empty(out_shape(q, v_cache, "bshd"))
 
 

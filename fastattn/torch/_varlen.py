@@ -42,8 +42,14 @@ def plan_for(q, k, v, batch: int, options: VarlenOptions) -> Cached:
     hit = plans.get(key)
     if hit is not None:
         return hit
+    return remember(key, config_for(q, k, v, batch, options), q, k, v, None)
+
+
+def config_for(q, k, v, batch: int, options: VarlenOptions) -> AttentionConfig:
+    """The call's AttentionConfig: a miss's (plan_for) and a trace's (the forward op's
+    fake kernel), so that a traced call refuses what an eager one does."""
     (_, hq, dqk), (_, hkv, _), (_, _, dv) = q.shape, k.shape, v.shape
-    cfg = AttentionConfig(
+    return AttentionConfig(
         batch=batch, heads_q=hq, heads_kv=hkv, seqlen_q=options.max_q, seqlen_kv=options.max_kv, head_dim_qk=dqk,
         head_dim_v=dv, dtype=DTYPES[q.dtype], layout="bshd", padding=True, ragged=True,
         mask=mask_name(options.causal, options.bottom_right), window=(options.window_left, options.window_right),
@@ -52,7 +58,6 @@ def plan_for(q, k, v, batch: int, options: VarlenOptions) -> Cached:
         deterministic=options.deterministic and options.training,  # it selects the backward: none without one
         alibi=options.alibi, dropout=options.dropout, softcap=options.softcap or None,
     )
-    return remember(key, cfg, q, k, v, None)
 
 
 def _run_args(cu_q, cu_kv, rng) -> dict[str, int]:
@@ -108,6 +113,7 @@ forward_op = torch.library.custom_op("fastattn::varlen_forward", _forward, mutat
 @forward_op.register_fake
 def _(q, k, v, cu_q, cu_kv, rng, *options):
     _check_varlen(q, k, v, cu_q, cu_kv)  # a trace refuses what eager does
+    config_for(q, k, v, cu_q.shape[0] - 1, VarlenOptions(*options))
     training = VarlenOptions(*options).training
     return (q.new_empty(q.shape[0], q.shape[1], v.shape[2]),
             q.new_empty((q.shape[0], q.shape[1]) if training else (0,), dtype=torch.float32))

@@ -325,3 +325,42 @@ def test_torch_compile_reads_alibi_slopes_between_two_graphs():
     torch._dynamo.reset()
     with pytest.raises(torch._dynamo.exc.Unsupported, match=r"_read_alibi_slopes"):
         torch.compile(block, backend=backend, fullgraph=True)(q, good)
+
+
+def _meta(*shape, dtype=torch.bfloat16):
+    return torch.zeros(*shape, dtype=dtype, device="meta")
+
+
+_CONFIG_REFUSALS = {
+    # What only the AttentionConfig of the call refuses (not the tensor checks): meta and
+    # traced calls build it too (each module's config_for, from its op's fake kernel).
+    "dense window and causal": (lambda: fastattn.torch.attention(*[_meta(1, 4, 2, 8)] * 3, causal=True,
+                                                                   window=(1, 3)),
+                                "mask='causal' fixes the right bound at 0"),
+    "dense length 2**31": (lambda: fastattn.torch.attention(*[_meta(1, 2**31, 2, 8)] * 3), "seqlen_q=2147483648"),
+    "dense shape classes": (lambda: fastattn.torch.attention(*[_meta(1, 4, 2, 8)] * 3, shape_classes="x"),
+                            "shape_classes='x'"),
+    "dense one class bound": (lambda: fastattn.torch.attention(*[_meta(1, 4, 2, 8)] * 3, shape_classes=(1,)),
+                              "shape_classes=(1,)"),
+    "varlen window and causal": (lambda: fastattn.torch.attention_varlen(
+        *[_meta(8, 2, 8)] * 3, *[torch.zeros(2, dtype=torch.int32, device="meta")] * 2, 8, 8, causal=True,
+        window=(1, 3)), "mask='causal' fixes the right bound at 0"),
+    "paged window and causal": (lambda: fastattn.torch.attention_paged(
+        _meta(1, 1, 2, 8), _meta(4, 16, 2, 8), _meta(4, 16, 2, 8), torch.zeros(1, 4, dtype=torch.int32, device="meta"),
+        torch.zeros(1, dtype=torch.int32, device="meta"), causal_bottom_right=True, window=(1, 3)),
+        "mask='causal_bottom_right' fixes the right bound at 0"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_CONFIG_REFUSALS))
+def test_a_meta_call_refuses_what_its_config_refuses(case):
+    call, message = _CONFIG_REFUSALS[case]
+    with pytest.raises(InvalidArgumentError, match=re.escape(message)):
+        call()
+
+
+@pytest.mark.parametrize("case", sorted(k for k in _CONFIG_REFUSALS if "2**31" not in k))
+def test_a_traced_call_refuses_what_its_config_refuses(case):
+    call, message = _CONFIG_REFUSALS[case]
+    with FakeTensorMode(), pytest.raises(InvalidArgumentError, match=re.escape(message)):
+        call()
