@@ -243,8 +243,13 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
 
     Raises InvalidArgumentError for bad inputs, NotSupportedError when cuDNN refuses.
     """
-    # Classes wanted (SETTING OFF is falsy: then the hot path is as it was).
-    classes = _classes.SETTING if shape_classes is None else shape_classes != "off"
+    # Classes wanted (SETTING OFF is falsy: then the hot path is as it was). A choice given
+    # is parsed first, so that a bad one is refused whatever the tensors (meta, traced, CPU).
+    if shape_classes is None:
+        classes = _classes.SETTING
+    else:
+        shape_classes = _classes.sc.parse(shape_classes, "shape_classes")
+        classes = shape_classes.__class__ is str or shape_classes.ranges != ()
     if not dynamo_compiling():  # (dynamo traces the body below instead)
         call = _native.CALL_VARLEN
         if call is not None and not classes:

@@ -345,6 +345,9 @@ _CONFIG_REFUSALS = {
     "varlen window and causal": (lambda: fastattn.torch.attention_varlen(
         *[_meta(8, 2, 8)] * 3, *[torch.zeros(2, dtype=torch.int32, device="meta")] * 2, 8, 8, causal=True,
         window=(1, 3)), "mask='causal' fixes the right bound at 0"),
+    "varlen shape classes": (lambda: fastattn.torch.attention_varlen(
+        *[_meta(8, 2, 8)] * 3, *[torch.zeros(2, dtype=torch.int32, device="meta")] * 2, 8, 8, shape_classes="1,x"),
+        "shape_classes='1,x'"),
     "paged window and causal": (lambda: fastattn.torch.attention_paged(
         _meta(1, 1, 2, 8), _meta(4, 16, 2, 8), _meta(4, 16, 2, 8), torch.zeros(1, 4, dtype=torch.int32, device="meta"),
         torch.zeros(1, dtype=torch.int32, device="meta"), causal_bottom_right=True, window=(1, 3)),
