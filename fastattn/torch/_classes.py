@@ -18,7 +18,8 @@ What is served: layout "bshd" with packed tokens, no bias, no sinks, plain eager
 (torch.compile, tracing and torch.func take exact plans: their ops are exact-shape; so
 does a call inside a CUDA graph capture: a captured graph's shapes are fixed anyway, and
 on the H200 with cuDNN 9.19 a captured class-plan call replayed wrong outputs or faulted
-with "misaligned address" while the same calls run eagerly were right; session 13).
+with "misaligned address" while the same calls run eagerly were right; session 13; the
+likely cause and its fix: _held_by_captures below; IN_CAPTURES turns them on).
 The batch is exact (a class plan per batch size): cuDNN's ragged graph fixes it. These
 calls take the Python path, not the op library's C++ (whose table is keyed by exact
 shapes): a call costs the Python body, the per-call checks (_dense._check) and the
@@ -92,13 +93,24 @@ def resolve(choice, device: int, training: bool) -> sc.Classes:
 
 _arrays: dict[tuple, torch.Tensor] = {}
 KEPT_ARRAYS = 512  # then the table starts afresh (decode makes a length array per step)
+# Arrays made inside a caller's CUDA graph capture: its graph fills and reads them at every
+# replay, for as long as it lives, which nothing here can see; so they are never freed (a
+# few hundred bytes per captured call). Freed at once (they were temporaries until session
+# 15), the caching allocator handed the next array of the same call the same block: in a
+# capture the four offset arrays of one launch were one array, the last one's, which is
+# what session 13 saw as wrong replays and "misaligned address" faults (found by reading,
+# not yet run on a GPU).
+_held_by_captures: list[torch.Tensor] = []
+# Class plans inside a capture: off until a GPU run of tests/pytorch/test_shape_classes_gpu.py
+# shows the arrays above made them replay right (calls take exact plans meanwhile).
+IN_CAPTURES = False
 
 
 def _array(q: torch.Tensor, kind: str, b: int, value: int, stream: int) -> torch.Tensor:
     """int32 on q's device: kind "len": (b,) all `value`; "off": (b + 1,) i * value.
     Made by a kernel on the current stream and kept per stream, so a later call on the
     same stream reads it after it is written (stream order); inside a CUDA graph capture
-    made fresh and not kept (the capture replays its fill)."""
+    made fresh (the capture replays its fill) and held for good (_held_by_captures)."""
     key = (kind, q.get_device(), stream, b, value)
     t = _arrays.get(key)
     if t is not None:
@@ -109,7 +121,9 @@ def _array(q: torch.Tensor, kind: str, b: int, value: int, stream: int) -> torch
         # (its end b * value + 1, not (b + 1) * value: the last offset fits int32, the end may not)
         t = torch.arange(0, b * value + 1, value, dtype=torch.int32, device=q.device) if value else \
             torch.zeros(b + 1, dtype=torch.int32, device=q.device)
-    if not capturing():
+    if capturing():
+        _held_by_captures.append(t)
+    else:
         if len(_arrays) >= KEPT_ARRAYS:
             _arrays.clear()
         _arrays[key] = t
@@ -246,7 +260,7 @@ RULE = _autograd.Rule(forward_impl, _grads, _no_op, ClassOptions)
 def serve(q, k, v, seq_len_q, seq_len_kv, rng, options, choice, grads: bool, return_lse: bool):
     """attention()'s result from a class plan, or None when this call is not one a class
     serves (attention() then runs it as before). options: the call's DenseOptions."""
-    if options.layout != "bshd" or q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or capturing():
+    if options.layout != "bshd" or q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or (capturing() and not IN_CAPTURES):
         return None
     classes = resolve(choice, q.get_device(), options.training)
     if not classes:

@@ -314,3 +314,22 @@ def test_a_capture_without_its_exact_plan_says_how_to_load_it(monkeypatch):
     cfg = AttentionConfig(batch=1, heads_q=4, seqlen_q=40, seqlen_kv=40, head_dim_qk=64, dtype="bf16", layout="bshd")
     with pytest.raises(InvalidArgumentError, match='shape_classes="off"'):
         _plans.remember(("test",), cfg, q, q, q, "bshd")
+
+
+def test_arrays_made_inside_a_capture_are_distinct_and_held(monkeypatch):
+    # A launch's offset arrays made in a caller's capture must stay allocated for its
+    # graph's replays: freed at once, the allocator hands the next one the same block, and
+    # one launch's four offset arrays become one (the last). Here on the CPU, where the
+    # allocator reuses freed memory the same way often enough; the check is on what is
+    # held, not on addresses.
+    monkeypatch.setattr(_classes, "_arrays", {})
+    monkeypatch.setattr(_classes, "_held_by_captures", [])
+    monkeypatch.setattr(_classes, "capturing", lambda: True)
+    q = torch.zeros(3, 5, 2, 8)
+    ptrs = _classes._pointers(q, q[:, :, :1], q[:, :, :1], 5 * 2 * 4, None, None, None, True, stream=0)
+    assert _classes._arrays == {}  # nothing kept for eager calls: the fills run only at replay
+    held = _classes._held_by_captures
+    assert len(held) == 7  # ragged q, k, v, o, stats; the two lengths
+    assert len({t.data_ptr() for t in held}) == 7 and set(ptrs.values()) == {t.data_ptr() for t in held}
+    assert held[0].tolist() == [0, 80, 160, 240] and held[1].tolist() == [0, 80, 160, 240]
+    assert held[3].tolist() == [0, 40, 80, 120] and held[4].tolist() == [0, 10, 20, 30]

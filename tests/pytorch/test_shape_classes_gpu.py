@@ -198,3 +198,38 @@ def test_a_call_captured_in_a_cuda_graph_replays_right(n):
             graph.replay()
             torch.cuda.synchronize()
             torch.testing.assert_close(o.double(), reference(q, k, v, True, True), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_class_plans_captured_in_a_cuda_graph_replay_right(batch, monkeypatch):
+    # _classes.IN_CAPTURES: class plans inside a capture, off by default until this test has
+    # passed on a GPU. Session 13 saw captured class-plan calls replay wrong outputs or fault
+    # ("misaligned address"); the likely cause (found by reading): the offset arrays made in
+    # a capture were temporaries, so the allocator gave one launch's four arrays one block.
+    # GQA and a head dim of v unlike q's, so that q's, k's and o's batch strides (and their
+    # offsets) all differ; two calls of different lengths in one capture; new data each
+    # replay, against float64.
+    from fastattn.torch import _classes
+
+    monkeypatch.setattr(_classes, "IN_CAPTURES", True)
+    shapes = [(batch, n, 8, 64, 2, 128) for n in (130, 300)]  # (b, s, hq, dqk, hkv, dv): both in (128, 512]
+    tensors = [(rand(b, s, hq, dqk), rand(b, s, hkv, dqk), rand(b, s, hkv, dv)) for b, s, hq, dqk, hkv, dv in shapes]
+    with torch.no_grad():
+        for q, k, v in tensors:  # the class plan exists before the capture
+            _dense.attention(q, k, v, causal=True, shape_classes=CLASSES)
+        torch.cuda.synchronize()
+        builds = _counts()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outs = [_dense.attention(q, k, v, causal=True, shape_classes=CLASSES) for q, k, v in tensors]
+        assert _counts() == builds  # served by the class plan: nothing new was planned
+        for step in range(3):
+            for t in (t for group in tensors for t in group):
+                t.copy_(torch.randn_like(t))
+            for o in outs:
+                o.fill_(float("nan"))
+            graph.replay()
+            torch.cuda.synchronize()
+            for i, ((q, k, v), o) in enumerate(zip(tensors, outs)):
+                torch.testing.assert_close(o.double(), reference(q, k, v, True, False), atol=2e-2, rtol=2e-2,
+                                           msg=lambda m, i=i, step=step: f"call {i}, replay {step}: {m}")
