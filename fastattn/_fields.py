@@ -16,14 +16,23 @@ never a mapping. A name (a "choice", "dtype" or "layout" field: mask, alignment,
 layout, dtype and its aliases) is taken exactly as written, lowercase, as the CLI's
 flags and fastattn.torch take it: "Causal" and "BF16" are refused, naming the spelling
 that would be taken.
+
+Every error message that echoes a user's value formats it with show() (bad() does),
+which cannot fail: an integer past Python's str() limit is "an integer of N digits",
+and long values are cut. read_json() and long_integer() turn what json and tomllib
+raise for such an integer in text (a bare ValueError) into an InvalidArgumentError.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import operator
+import re
+import reprlib
 import struct
+import sys
 from collections.abc import Mapping, Set
 from typing import Any, Callable
 
@@ -68,7 +77,100 @@ def has_off(field: dataclasses.Field) -> bool:
 
 
 def bad(field: str, value: Any, why: str) -> InvalidArgumentError:
-    return InvalidArgumentError(f"{field}={value!r}: {why}")
+    return InvalidArgumentError(f"{field}={show(value)}: {why}")
+
+
+# -- a user's value and text in messages -------------------------------------------------
+
+SHOWN = 200  # the most characters of one value a message echoes
+
+
+def _digits(n: int) -> int:
+    """Decimal digits of abs(n), counted without str() (which refuses past Python's limit)."""
+    n = abs(n)
+    d = int(n.bit_length() * 0.30102999566398120) + 1  # log10(2): exact, or one too many
+    return d - 1 if d > 1 and 10 ** (d - 1) > n else d
+
+
+def int_text(n: int) -> str:
+    """An integer as a message shows it: its digits, or "an integer of N digits"."""
+    if n.bit_length() <= 128:  # at most 39 digits
+        return str(n)
+    return f"{'a negative' if n < 0 else 'an'} integer of {_digits(n)} digits"
+
+
+class _Repr(reprlib.Repr):
+    def __init__(self) -> None:
+        super().__init__()
+        self.maxlevel = 4
+        self.maxtuple = self.maxlist = self.maxarray = self.maxdict = self.maxset = self.maxfrozenset = \
+            self.maxdeque = 8
+        self.maxstring = self.maxother = 120
+
+    def repr_int(self, x: int, level: int) -> str:
+        return int_text(x)
+
+    def repr_dict(self, x: dict, level: int) -> str:  # in the user's order (reprlib sorts the keys)
+        if not x:
+            return "{}"
+        if level <= 0:
+            return "{...}"
+        items = [f"{self.repr1(k, level - 1)}: {self.repr1(v, level - 1)}" for k, v in list(x.items())[:self.maxdict]]
+        return "{" + ", ".join(items + (["..."] if len(x) > self.maxdict else [])) + "}"
+
+
+_repr = _Repr()
+
+
+def show(value: Any) -> str:
+    """A user's value as an error message echoes it: its repr, except that an integer
+    too long to print (str() refuses past sys.get_int_max_str_digits(), 4300 digits) is
+    "an integer of N digits", containers and strings are cut to a few items and
+    characters, and a value whose repr raises is shown by its type. A message about a
+    bad value must never fail itself, nor print megabytes."""
+    try:
+        text = _repr.repr(value)
+    except Exception:  # reprlib catches a failing repr only below containers
+        text = f"<{type(value).__name__}>"
+    return text if len(text) <= SHOWN else text[:SHOWN - 3] + "..."
+
+
+def _int_limit() -> int:
+    return sys.get_int_max_str_digits() if hasattr(sys, "get_int_max_str_digits") else 0
+
+
+def long_integer(text: str | bytes) -> tuple[int | None, int | None, str]:
+    """What a JSON or TOML parser's ValueError for an integer literal past Python's digit
+    limit (json and tomllib raise a bare ValueError) means: (line, column, message), the
+    place that of the first run of that many digits outside a string (best effort: None,
+    None where none is found, e.g. in bytes that are not UTF-8)."""
+    limit = _int_limit()
+    why = f"Python reads at most {limit}"
+    if isinstance(text, (bytes, bytearray)):
+        text = bytes(text).decode("utf-8", "replace")
+    if limit:  # (0: no limit, and then no such error)
+        strings = r"""(?:"(?:[^"\\\n]|\\.)*"|'[^'\n]*'|#[^\n]*)"""  # skipped: strings, TOML comments
+        for m in re.finditer(rf"{strings}|([0-9_]{{{limit + 1},}})", text):
+            if m.group(1) is not None:
+                line = text.count("\n", 0, m.start()) + 1
+                column = m.start() - (text.rfind("\n", 0, m.start()) + 1) + 1
+                digits = len(m.group(1).replace("_", ""))
+                return line, column, f"an integer of {digits} digits: {why}"
+    return None, None, f"an integer of more than {limit} digits: {why}"
+
+
+def read_json(text: str | bytes, what: str = "config JSON") -> Any:
+    """json.loads of a user's text (AttentionConfig.from_json); whatever it cannot read
+    is an InvalidArgumentError that starts with `what`."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise InvalidArgumentError(f"{what} is not valid JSON: {e}") from None
+    except (TypeError, UnicodeDecodeError, RecursionError) as e:  # not text; nested past the parser's depth
+        raise InvalidArgumentError(f"{what} is not valid JSON: {type(e).__name__}: {e}") from None
+    except ValueError:  # json's bare ValueError: an integer past Python's digit limit
+        line, column, why = long_integer(text)
+        raise InvalidArgumentError(f"{what}: {why}" + (f": line {line} column {column}" if line else "")) from None
 
 
 # -- validators: (field name, value, the field's metadata) -> the canonical value ----------
@@ -126,8 +228,12 @@ _DTYPE_ALIASES = {"fp16": "fp16", "float16": "fp16", "half": "fp16", "torch.floa
 def _dtype(name: str, value: Any, meta: Mapping[str, Any]) -> str:
     # str() also accepts torch.bfloat16 and the like without importing torch; a
     # container's str() is never an alias, so lists and mappings are refused too.
-    dtype = _DTYPE_ALIASES.get(str(value)) if isinstance(value, str) or not isinstance(
-        value, (bytes, bytearray, Mapping, Set, list, tuple)) else None
+    dtype = None
+    if isinstance(value, str) or not isinstance(value, (bytes, bytearray, Mapping, Set, list, tuple)):
+        try:
+            dtype = _DTYPE_ALIASES.get(str(value))
+        except Exception:  # str() of an int past Python's digit limit, or a user's type: no dtype's name
+            pass
     if dtype is None or (meta["choices"] and dtype not in meta["choices"]):
         raise _not_a_name(name, value, _DTYPE_ALIASES, meta["choices"])
     return dtype

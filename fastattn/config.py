@@ -564,7 +564,7 @@ class AttentionConfig:
         if unknown:
             name = unknown[0]
             if not isinstance(name, str):
-                raise InvalidArgumentError(f"config key {name!r}: field names are strings")
+                raise InvalidArgumentError(f"config key {_fields.show(name)}: field names are strings")
             raise _bad(name, data[name], f"is not a field of AttentionConfig (fields: {', '.join(FIELD_NAMES)})")
         missing = [f.name for f in FIELDS if _fields.is_required(f) and f.name not in data]
         if missing:
@@ -577,13 +577,7 @@ class AttentionConfig:
 
     @classmethod
     def from_json(cls, text: str | bytes) -> "AttentionConfig":
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise InvalidArgumentError(f"config JSON is not valid JSON: {e}") from None
-        except (TypeError, UnicodeDecodeError, RecursionError) as e:  # not text; nested past the parser's depth
-            raise InvalidArgumentError(f"config JSON is not valid JSON: {type(e).__name__}: {e}") from None
-        return cls.from_dict(data)
+        return cls.from_dict(_fields.read_json(text))
 
     def replace(self, **changes: Any) -> "AttentionConfig":
         """A copy with some fields changed (and validated again). Fields left at a

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 from urllib.parse import parse_qs, urlsplit, urlunsplit
 
+from ._fields import show
 from .errors import InvalidArgumentError
 
 __all__ = ["VARIABLES", "Var", "get", "is_set", "check_all", "markdown", "redact", "TRUE", "FALSE"]
@@ -65,7 +66,7 @@ class Var:
 
 def _bad(var: Var, raw: str, why: str) -> InvalidArgumentError:
     shown = "***" if var.kind == "secret" else redact(raw) if var.kind == "url" else raw
-    return InvalidArgumentError(f"{var.name}={shown!r}: {why}")
+    return InvalidArgumentError(f"{var.name}={show(shown)}: {why}")
 
 
 # -- the parsers: (variable, its text, stripped and not empty) -> value ------------------
@@ -154,7 +155,7 @@ _URL_FORMS = "redis://[user:password@]host[:port][/db], rediss://... (TLS) or un
 
 def _db(var: Var, raw: str, text: str) -> None:
     if not re.fullmatch(r"\d{1,10}", text) or int(text) >= _INT32:
-        raise _bad(var, raw, f"the database must be a number from 0 (got {text!r}); expected {_URL_FORMS}")
+        raise _bad(var, raw, f"the database must be a number from 0 (got {show(text)}); expected {_URL_FORMS}")
 
 
 def _url(var: Var, raw: str) -> str:

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Literal, Mapping, Union, overlo
 
 from . import _record, store
 from ._version import __version__
+from ._fields import show
 from .config import AttentionConfig
 from .errors import InvalidArgumentError, NotSupportedError, VerificationFailedError
 from .plan_cache import PlanCache, version_string
@@ -94,7 +95,7 @@ def _resolve_device(device: int | None) -> int:
     if device is None:
         return core.get_current_device()
     if isinstance(device, bool) or not isinstance(device, int) or device < 0:
-        raise InvalidArgumentError(f"device={device!r}: must be a CUDA device index >= 0")
+        raise InvalidArgumentError(f"device={show(device)}: must be a CUDA device index >= 0")
     count = core.get_device_count()
     if device >= count:
         raise InvalidArgumentError(f"device={device}: this process sees {count} CUDA device(s)")
@@ -438,7 +439,7 @@ def preload(configs: Iterable[ConfigLike] | None = None, *, device: int | None =
     CUDA error) are raised from the call, or from the Future's result().
     """
     if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-        raise InvalidArgumentError(f"threads={threads!r}: must be an integer >= 1")
+        raise InvalidArgumentError(f"threads={show(threads)}: must be an integer >= 1")
     device = _resolve_device(device)
     todo = [AttentionConfig.coerce(c) for c in configs] if configs is not None else plan_cache().configs(device)
     if "fastattn.torch" in sys.modules and any(c.training for c in todo):

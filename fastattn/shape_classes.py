@@ -27,6 +27,7 @@ import os
 import re
 from typing import Any, NamedTuple
 
+from ._fields import show
 from .errors import InvalidArgumentError
 
 __all__ = ["Classes", "parse", "class_of", "measured", "parse_range", "classes_in_range", "class_config",
@@ -66,7 +67,7 @@ OFF = Classes(())
 
 
 def _bad(name: str, value: Any, why: str) -> InvalidArgumentError:
-    return InvalidArgumentError(f"{name}={value!r}: {why}")
+    return InvalidArgumentError(f"{name}={show(value)}: {why}")
 
 
 def boundaries(values, name: str = "shape_classes") -> Classes:
@@ -79,7 +80,7 @@ def boundaries(values, name: str = "shape_classes") -> Classes:
         raise _bad(name, values, "no boundaries: pass \"off\" for exact plans")
     for b in bs:
         if isinstance(b, bool) or not isinstance(b, int) or not 2 <= b <= _MAX:
-            raise _bad(name, values, f"boundary {b!r} is not an int in 2..{_MAX}")
+            raise _bad(name, values, f"boundary {show(b)} is not an int in 2..{_MAX}")
     if any(a >= b for a, b in zip(bs, bs[1:])):
         raise _bad(name, values, "boundaries must be strictly ascending")
     return Classes(tuple(zip([1, *bs[:-1]], bs)))

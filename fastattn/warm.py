@@ -351,7 +351,7 @@ def warm(
     if workers is None:
         workers = min(8, os.cpu_count() or 1)
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
-        raise InvalidArgumentError(f"workers={workers!r}: must be an integer >= 1")
+        raise InvalidArgumentError(f"workers={_fields.show(workers)}: must be an integer >= 1")
     from . import runtime
 
     items = [WarmItem(AttentionConfig.coerce(c)) for c in configs]

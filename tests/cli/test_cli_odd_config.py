@@ -1,0 +1,38 @@
+"""Exit codes of the CLI for odd values that fastattn's config, env and path layers now
+refuse or report (the tests of the refusals themselves are in tests/config and
+tests/runtime): bad input is exit 2, never exit 5 (a bug) nor a traceback."""
+
+from __future__ import annotations
+
+import pytest
+
+from fastattn import cli
+
+from helpers.cli import run
+
+BIG = "1" + "0" * 5000  # past Python's 4300-digit limit for str <-> int
+
+
+def odd_run(argv, capsys):
+    code, out, err = run(argv, capsys)
+    assert "a bug in fastattn" not in out + err
+    return code, out + err
+
+
+@pytest.mark.parametrize("name,text", [
+    ("c.json", '{"batch": %s, "heads_q": 8, "seqlen_q": 128, "head_dim_qk": 64}'),
+    ("c.toml", 'batch = %s\nheads_q = 8\nseqlen_q = 128\nhead_dim_qk = 64\n'),
+    ("c.jsonl", '{"batch": 1, "heads_q": 8, "seqlen_q": 128, "head_dim_qk": 64}\n{"batch": %s}\n'),
+])
+def test_a_huge_integer_in_a_config_file_is_bad_input(tmp_path, capsys, no_work, name, text):
+    path = tmp_path / name
+    path.write_text(text % BIG)
+    for argv in (["probe", "--config", str(path)], ["warm", str(path), "--no-torch-ops"]):
+        code, output = odd_run(argv, capsys)
+        assert code == cli.EXIT_BAD_INPUT and "integer of 5001 digits" in output, output
+
+
+def test_a_huge_integer_in_config_text_is_bad_input(capsys, no_work):
+    text = '{"batch": %s, "heads_q": 8, "seqlen_q": 128, "head_dim_qk": 64}' % BIG
+    code, output = odd_run(["probe", "--config", text], capsys)
+    assert code == cli.EXIT_BAD_INPUT and "integer of 5001 digits" in output
