@@ -94,9 +94,14 @@ def parse(value, name: str = "shape_classes") -> str | Classes:
         text = value.strip().lower()
         if text in ("auto", "off"):
             return "auto" if text == "auto" else OFF
-        if not re.fullmatch(r"\s*\d+\s*(,\s*\d+\s*)*,?\s*", value):
+        # ASCII digits: int() also takes other scripts' (١٢).
+        if not re.fullmatch(r"\s*[0-9]+\s*(,\s*[0-9]+\s*)*,?\s*", value):
             raise _bad(name, value, 'expected "auto", "off" or comma-separated lengths (e.g. "256,1024,4096")')
-        return boundaries([int(p) for p in value.split(",") if p.strip()], name)
+        parts = [p.strip().lstrip("0") or "0" for p in value.split(",") if p.strip()]
+        for p in parts:
+            if len(p) > 10:  # out of range, and int() raises past 4300 digits (so no leading zeros)
+                raise _bad(name, value, f"a boundary of {len(p)} digits is not an int in 2..{_MAX}")
+        return boundaries([int(p) for p in parts], name)
     if isinstance(value, Classes):
         return value
     return boundaries(value, name)
@@ -176,11 +181,13 @@ def measured(gpu: str, cudnn: int, path: str | None = None, training: bool = Fal
 
 def parse_range(text: str, name: str = "--seqlens") -> tuple[int, int]:
     """"LO..HI" (inclusive, 1 <= LO <= HI < 2**31) or a single length "N"."""
-    m = re.fullmatch(r"\s*(\d+)\s*(?:\.\.\s*(\d+)\s*)?", text or "")
+    m = re.fullmatch(r"\s*([0-9]+)\s*(?:\.\.\s*([0-9]+)\s*)?", text or "")  # ASCII digits, as parse()
     if not m:
         raise _bad(name, text, "expected LO..HI (e.g. 1..32768) or one length")
-    lo = int(m.group(1))
-    hi = int(m.group(2)) if m.group(2) is not None else lo
+    digits = [g.lstrip("0") or "0" for g in m.groups() if g is not None]
+    if max(len(d) for d in digits) > 10:  # before int(), which raises past 4300 digits
+        raise _bad(name, text, f"expected 1 <= LO <= HI <= {_MAX}")
+    lo, hi = int(digits[0]), int(digits[-1])
     if not 1 <= lo <= hi <= _MAX:
         raise _bad(name, text, f"expected 1 <= LO <= HI <= {_MAX}")
     return lo, hi
