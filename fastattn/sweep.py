@@ -131,6 +131,8 @@ def _parse(path: str) -> tuple[Any, list[int | None] | None]:
             raw = f.read()
     except OSError as e:
         raise InvalidArgumentError(f"{path}: {e.strerror}") from None
+    except ValueError:  # a NUL in the name: from the API only (argv and the environment cannot hold one)
+        raise InvalidArgumentError(f"{_fields.show(path)}: not a file name (it holds a NUL character)") from None
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:

@@ -46,3 +46,14 @@ def test_a_number_out_of_its_kind_in_the_environment_is_bad_input(cache_dir, cap
     monkeypatch.setenv(name, value)
     code, output = odd_run(["info"], capsys)
     assert code == cli.EXIT_BAD_INPUT and f"{name}={value!r}: must be" in output, output
+
+
+@pytest.mark.parametrize("variable", ["FASTATTN_CACHE_DIR", "FASTATTN_TORCH_OPS_DIR"])
+def test_info_reports_a_directory_whose_name_is_too_long(cache_dir, capsys, monkeypatch, variable):
+    pytest.importorskip("torch", reason="PyTorch is an optional extra (info's torch section)")
+    from fastattn.torch import _native
+
+    monkeypatch.setattr(_native, "_state", {})  # (the path not decided yet, as in a fresh `fastattn info`)
+    monkeypatch.setenv(variable, str(cache_dir / ("y" * 300)))  # (ENAMETOOLONG was exit 5)
+    code, output = odd_run(["info"], capsys)
+    assert code in (cli.EXIT_OK, cli.EXIT_NO_GPU) and "cannot be read (File name too long)" in output, output
