@@ -255,21 +255,34 @@ def float32(value: float) -> float:
     return struct.unpack("f", struct.pack("f", value))[0]
 
 
+FLOAT32_NORMAL = 2.0**-126  # float32's smallest normal number, 1.18e-38
+FLOAT32_MAX = float32(3.4028234663852886e38)
+
+
+def _nonzero_float32(name: str, value: Any, v: float) -> float:
+    """A nonzero value of a float kind as the float32 cuDNN gets, which must mean what
+    the value means: refused where float32 makes it 0 (1e-50: dropout=1e-50 was
+    accepted, and no dropout built) or infinite, or a subnormal, which GPU kernels
+    that flush subnormals to zero take for 0."""
+    v32 = float32(v)
+    if not FLOAT32_NORMAL <= abs(v32) <= FLOAT32_MAX:
+        raise bad(name, value, f"is out of float32 range (cuDNN takes float32: a nonzero value must be from "
+                               f"{FLOAT32_NORMAL:.3g} to {FLOAT32_MAX:.3g})")
+    return v32
+
+
 def _positive(name: str, value: Any, meta: Mapping[str, Any]) -> float:
     v = number(name, value)
     if not math.isfinite(v) or v <= 0.0:
         raise bad(name, value, "must be a finite number > 0")
-    v32 = float32(v)
-    if v32 == 0.0 or math.isinf(v32):
-        raise bad(name, value, "is out of float32 range")
-    return v32
+    return _nonzero_float32(name, value, v)
 
 
 def _probability(name: str, value: Any, meta: Mapping[str, Any]) -> float:
     p = number(name, value)
     if not 0.0 <= p < 1.0 or float32(p) >= 1.0:  # 0.99999999 is 1.0 as the float32 cuDNN gets
         raise bad(name, value, "must be in [0, 1)")
-    return float32(p)
+    return _nonzero_float32(name, value, p) if p else 0.0  # (-0.0 is 0.0)
 
 
 def pair(name: str, value: Any, meta: Mapping[str, Any] | None = None) -> tuple[int, int]:
