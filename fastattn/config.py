@@ -108,6 +108,13 @@ _FEATURE_OF: dict[str, tuple[str, Any]] = {
 assert set(_INDEX_TENSORS) <= set(_FEATURE_OF), "a feature's index tensor without its feature"
 
 
+def _check_name(tensor: Any) -> str:
+    """`tensor` if it names a tensor of some config, else InvalidArgumentError naming it."""
+    if not isinstance(tensor, str) or (tensor not in _CORE_TENSORS and tensor not in _FEATURE_OF):
+        raise _bad("tensor", tensor, _TENSOR_NAMES)
+    return tensor
+
+
 def named_strides(layout: str, batch: int, heads: int, seqlen: int, head_dim: int) -> tuple[int, int, int, int]:
     """Element strides, in (batch, head, seq, dim) order, of a densely packed tensor
     whose memory order is the named layout."""
@@ -459,12 +466,9 @@ class AttentionConfig:
 
     def _check_tensor(self, tensor: str) -> None:
         """Raises InvalidArgumentError naming `tensor` unless this config has it."""
-        if tensor in _CORE_TENSORS:
+        if _check_name(tensor) in _CORE_TENSORS:
             return
-        need = _FEATURE_OF.get(tensor) if isinstance(tensor, str) else None
-        if need is None:
-            raise _bad("tensor", tensor, _TENSOR_NAMES)
-        what, has = need
+        what, has = _FEATURE_OF[tensor]
         if not has(self):
             raise _bad("tensor", tensor, f"this config has no {tensor}: only {what} has it")
 
@@ -472,6 +476,9 @@ class AttentionConfig:
     def tensor_dtype(tensor: str, dtype: str = "bf16") -> str:
         """A tensor's element type where q, k, v, o and gradients are all `dtype`: that
         dtype, "float32", "int32" or "int64". A config's own: dtype_of."""
+        _check_name(tensor)
+        if dtype not in DTYPES:
+            raise _bad("dtype", dtype, f"must be one of {DTYPES}")
         if tensor in ("stats", "sink", "d_sink") or tensor in FP8_SCALARS:
             return "float32"
         if tensor in _INDEX_TENSORS:
@@ -501,6 +508,7 @@ class AttentionConfig:
 
     def strides(self, tensor: str) -> tuple[int, int, int, int]:
         """Element strides of a tensor in (batch, head, seq, dim) order."""
+        self._check_tensor(tensor)
         if tensor == "stats" and self.ragged:  # packed with the tokens: (tokens, heads_q)
             return (self.heads_q * self.seqlen_q, 1, self.heads_q, 1)
         if tensor in ("stats", "bias", "d_bias", "sink", "d_sink") or tensor in _INDEX_TENSORS or \
@@ -511,9 +519,7 @@ class AttentionConfig:
                 out.append(step)
                 step *= n
             return tuple(reversed(out))
-        base = tensor[2:] if tensor.startswith("d_") else tensor
-        if base not in TENSORS:
-            raise _bad("tensor", tensor, "must be one of q, k, v, o, d_q, d_k, d_v, d_o, stats")
+        base = tensor[2:] if tensor.startswith("d_") else tensor  # (q, k, v, o: checked above)
         table = self._strides_for(self.layout) if isinstance(self.layout, str) else self.layout
         return table[TENSORS.index(base)]
 
