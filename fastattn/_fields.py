@@ -323,6 +323,23 @@ def check(kind: str, name: str, value: Any, **meta: Any) -> Any:
     return VALIDATORS[kind](name, value, {"minimum": 0, "choices": (), **meta})
 
 
+def check_mapping(data: Any, fields) -> None:
+    """What AttentionConfig.from_dict takes: a mapping whose keys are the names of
+    `fields`, the required ones among them."""
+    if not isinstance(data, Mapping):
+        raise bad("config", data, "must be a mapping of field names to values")
+    names = [f.name for f in fields]
+    unknown = [k for k in data if k not in names]
+    if unknown:
+        name = unknown[0]
+        if not isinstance(name, str):
+            raise InvalidArgumentError(f"config key {show(name)}: field names are strings")
+        raise bad(name, data[name], f"is not a field of AttentionConfig (fields: {', '.join(names)})")
+    missing = [f.name for f in fields if is_required(f) and f.name not in data]
+    if missing:
+        raise InvalidArgumentError(f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} required")
+
+
 def validate(field: dataclasses.Field, value: Any) -> Any:
     """One field's value, checked and canonical; None stays None where the default
     follows from other fields."""

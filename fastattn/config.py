@@ -54,7 +54,6 @@ from . import _fields
 from ._fields import bad as _bad
 from ._fields import check_int as _int
 from ._fields import spec
-from .errors import InvalidArgumentError
 
 __all__ = ["AttentionConfig", "LAYOUTS", "MASKS", "DTYPES", "FP8_DTYPES", "ALIGNMENTS", "BIAS_SHAPES"]
 
@@ -564,17 +563,7 @@ class AttentionConfig:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "AttentionConfig":
-        if not isinstance(data, Mapping):
-            raise _bad("config", data, "must be a mapping of field names to values")
-        unknown = [k for k in data if k not in FIELD_NAMES]
-        if unknown:
-            name = unknown[0]
-            if not isinstance(name, str):
-                raise InvalidArgumentError(f"config key {_fields.show(name)}: field names are strings")
-            raise _bad(name, data[name], f"is not a field of AttentionConfig (fields: {', '.join(FIELD_NAMES)})")
-        missing = [f.name for f in FIELDS if _fields.is_required(f) and f.name not in data]
-        if missing:
-            raise InvalidArgumentError(f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} required")
+        _fields.check_mapping(data, FIELDS)
         return cls(**data)
 
     def to_json(self) -> str:
