@@ -190,6 +190,25 @@ def check_int(name: str, value: Any, minimum: int) -> int:
     return v
 
 
+def derived(name: str, value: int, formula: str) -> int:
+    """The default of a field that follows from others (`formula`, which names them: num_pages,
+    max_tokens_*), held to the limit that a value given for it is held to."""
+    if value >= INT_LIMIT:
+        raise InvalidArgumentError(f"{name}={int_text(value)} (its default, {formula}): must be < 2**31, as a "
+                                   f"given {name}; give {name}")
+    return value
+
+
+def check_extent(tensor: str, shape: tuple[int, ...], strides: tuple[int, ...] | None) -> None:
+    """The elements a tensor spans (from the sizes, each < 2**31, and the layout's
+    strides, None: contiguous), within the int64 that cuDNN and the C config's strides
+    index it with: derived values, held to a limit as given ones are."""
+    elements = 1 + sum((n - 1) * s for n, s in zip(shape, strides)) if strides else math.prod(shape)
+    if elements >= 2**63:
+        raise InvalidArgumentError(f"tensor {tensor} of shape {shape} (from batch, heads, seqlen and head_dim) spans "
+                                   f"{int_text(elements)} elements: must be < 2**63, as cuDNN indexes it in int64")
+
+
 def _int(name: str, value: Any, meta: Mapping[str, Any]) -> int:
     return check_int(name, value, meta["minimum"])
 

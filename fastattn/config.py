@@ -339,6 +339,9 @@ class AttentionConfig:
         set_("layout", self._canonical_layout())
         if self.ragged and self.layout != "bshd":
             raise _bad("layout", self.layout, "ragged (packed) sequences need layout='bshd' (tokens, heads, dim)")
+        strides = self._strides_for(self.layout) if isinstance(self.layout, str) else self.layout
+        for t, s in [*zip(TENSORS, strides), *([("bias", None)] if self.bias != "none" else [])]:
+            _fields.check_extent(t, self.shape(t), s)  # (stats, and packed tokens, lie within q's)
 
     def _check_dtypes(self, given) -> None:
         # Only the FP8 graphs take an output or gradient type of their own; which
@@ -358,15 +361,15 @@ class AttentionConfig:
     def _canonical_features(self, set_) -> None:
         if self.ragged and not self.padding:
             raise _bad("ragged", True, "needs padding=True: cuDNN takes each sequence's length with its offsets")
-        for name, seqlen in (("max_tokens_q", self.seqlen_q), ("max_tokens_kv", self.seqlen_kv)):
+        for name, seqlen in (("max_tokens_q", "seqlen_q"), ("max_tokens_kv", "seqlen_kv")):
             value = getattr(self, name)
             if not self.ragged:
                 if value not in (None, 0):
                     raise _bad(name, value, "applies only to ragged=True")
                 set_(name, 0)
                 continue
-            most = self.batch * seqlen
-            value = most if value is None else _int(name, value, 1)
+            most = self.batch * getattr(self, seqlen)
+            value = _fields.derived(name, most, f"batch * {seqlen}") if value is None else _int(name, value, 1)
             if value > most:
                 raise _bad(name, value, f"exceeds batch * seqlen = {most}: no sequence is longer than seqlen")
             set_(name, value)
@@ -387,8 +390,8 @@ class AttentionConfig:
         if self.training:
             raise _bad("page_size", self.page_size, "a paged KV cache is forward only (training=False): "
                        "cuDNN has no paged backward")
-        fewest = self.batch * self.pages_per_sequence
-        set_("num_pages", fewest if self.num_pages is None else _int("num_pages", self.num_pages, 1))
+        set_("num_pages", _int("num_pages", self.num_pages, 1) if self.num_pages is not None else _fields.derived(
+            "num_pages", self.batch * self.pages_per_sequence, "batch * ceil(seqlen_kv / page_size)"))
 
     def _canonical_layout(self) -> str | tuple[tuple[int, ...], ...]:
         layout = self.layout
