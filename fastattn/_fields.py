@@ -16,14 +16,23 @@ never a mapping. A name (a "choice", "dtype" or "layout" field: mask, alignment,
 layout, dtype and its aliases) is taken exactly as written, lowercase, as the CLI's
 flags and fastattn.torch take it: "Causal" and "BF16" are refused, naming the spelling
 that would be taken.
+
+Every error message that echoes a user's value formats it with show() (bad() does),
+which cannot fail: an integer past Python's str() limit is "an integer of N digits",
+and long values are cut. read_json() and long_integer() turn what json and tomllib
+raise for such an integer in text (a bare ValueError) into an InvalidArgumentError.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import operator
+import re
+import reprlib
 import struct
+import sys
 from collections.abc import Mapping, Set
 from typing import Any, Callable
 
@@ -68,7 +77,100 @@ def has_off(field: dataclasses.Field) -> bool:
 
 
 def bad(field: str, value: Any, why: str) -> InvalidArgumentError:
-    return InvalidArgumentError(f"{field}={value!r}: {why}")
+    return InvalidArgumentError(f"{field}={show(value)}: {why}")
+
+
+# -- a user's value and text in messages -------------------------------------------------
+
+SHOWN = 200  # the most characters of one value a message echoes
+
+
+def _digits(n: int) -> int:
+    """Decimal digits of abs(n), counted without str() (which refuses past Python's limit)."""
+    n = abs(n)
+    d = int(n.bit_length() * 0.30102999566398120) + 1  # log10(2): exact, or one too many
+    return d - 1 if d > 1 and 10 ** (d - 1) > n else d
+
+
+def int_text(n: int) -> str:
+    """An integer as a message shows it: its digits, or "an integer of N digits"."""
+    if n.bit_length() <= 128:  # at most 39 digits
+        return str(n)
+    return f"{'a negative' if n < 0 else 'an'} integer of {_digits(n)} digits"
+
+
+class _Repr(reprlib.Repr):
+    def __init__(self) -> None:
+        super().__init__()
+        self.maxlevel = 4
+        self.maxtuple = self.maxlist = self.maxarray = self.maxdict = self.maxset = self.maxfrozenset = \
+            self.maxdeque = 8
+        self.maxstring = self.maxother = 120
+
+    def repr_int(self, x: int, level: int) -> str:
+        return int_text(x)
+
+    def repr_dict(self, x: dict, level: int) -> str:  # in the user's order (reprlib sorts the keys)
+        if not x:
+            return "{}"
+        if level <= 0:
+            return "{...}"
+        items = [f"{self.repr1(k, level - 1)}: {self.repr1(v, level - 1)}" for k, v in list(x.items())[:self.maxdict]]
+        return "{" + ", ".join(items + (["..."] if len(x) > self.maxdict else [])) + "}"
+
+
+_repr = _Repr()
+
+
+def show(value: Any) -> str:
+    """A user's value as an error message echoes it: its repr, except that an integer
+    too long to print (str() refuses past sys.get_int_max_str_digits(), 4300 digits) is
+    "an integer of N digits", containers and strings are cut to a few items and
+    characters, and a value whose repr raises is shown by its type. A message about a
+    bad value must never fail itself, nor print megabytes."""
+    try:
+        text = _repr.repr(value)
+    except Exception:  # reprlib catches a failing repr only below containers
+        text = f"<{type(value).__name__}>"
+    return text if len(text) <= SHOWN else text[:SHOWN - 3] + "..."
+
+
+def _int_limit() -> int:
+    return sys.get_int_max_str_digits() if hasattr(sys, "get_int_max_str_digits") else 0
+
+
+def long_integer(text: str | bytes) -> tuple[int | None, int | None, str]:
+    """What a JSON or TOML parser's ValueError for an integer literal past Python's digit
+    limit (json and tomllib raise a bare ValueError) means: (line, column, message), the
+    place that of the first run of that many digits outside a string (best effort: None,
+    None where none is found, e.g. in bytes that are not UTF-8)."""
+    limit = _int_limit()
+    why = f"Python reads at most {limit}"
+    if isinstance(text, (bytes, bytearray)):
+        text = bytes(text).decode("utf-8", "replace")
+    if limit:  # (0: no limit, and then no such error)
+        strings = r"""(?:"(?:[^"\\\n]|\\.)*"|'[^'\n]*'|#[^\n]*)"""  # skipped: strings, TOML comments
+        for m in re.finditer(rf"{strings}|([0-9_]{{{limit + 1},}})", text):
+            if m.group(1) is not None:
+                line = text.count("\n", 0, m.start()) + 1
+                column = m.start() - (text.rfind("\n", 0, m.start()) + 1) + 1
+                digits = len(m.group(1).replace("_", ""))
+                return line, column, f"an integer of {digits} digits: {why}"
+    return None, None, f"an integer of more than {limit} digits: {why}"
+
+
+def read_json(text: str | bytes, what: str = "config JSON") -> Any:
+    """json.loads of a user's text (AttentionConfig.from_json); whatever it cannot read
+    is an InvalidArgumentError that starts with `what`."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise InvalidArgumentError(f"{what} is not valid JSON: {e}") from None
+    except (TypeError, UnicodeDecodeError, RecursionError) as e:  # not text; nested past the parser's depth
+        raise InvalidArgumentError(f"{what} is not valid JSON: {type(e).__name__}: {e}") from None
+    except ValueError:  # json's bare ValueError: an integer past Python's digit limit
+        line, column, why = long_integer(text)
+        raise InvalidArgumentError(f"{what}: {why}" + (f": line {line} column {column}" if line else "")) from None
 
 
 # -- validators: (field name, value, the field's metadata) -> the canonical value ----------
@@ -86,6 +188,25 @@ def check_int(name: str, value: Any, minimum: int) -> int:
     if v >= INT_LIMIT:
         raise bad(name, value, "must be < 2**31")
     return v
+
+
+def derived(name: str, value: int, formula: str) -> int:
+    """The default of a field that follows from others (`formula`, which names them: num_pages,
+    max_tokens_*), held to the limit that a value given for it is held to."""
+    if value >= INT_LIMIT:
+        raise InvalidArgumentError(f"{name}={int_text(value)} (its default, {formula}): must be < 2**31, as a "
+                                   f"given {name}; give {name}")
+    return value
+
+
+def check_extent(tensor: str, shape: tuple[int, ...], strides: tuple[int, ...] | None) -> None:
+    """The elements a tensor spans (from the sizes, each < 2**31, and the layout's
+    strides, None: contiguous), within the int64 that cuDNN and the C config's strides
+    index it with: derived values, held to a limit as given ones are."""
+    elements = 1 + sum((n - 1) * s for n, s in zip(shape, strides)) if strides else math.prod(shape)
+    if elements >= 2**63:
+        raise InvalidArgumentError(f"tensor {tensor} of shape {shape} (from batch, heads, seqlen and head_dim) spans "
+                                   f"{int_text(elements)} elements: must be < 2**63, as cuDNN indexes it in int64")
 
 
 def _int(name: str, value: Any, meta: Mapping[str, Any]) -> int:
@@ -126,8 +247,12 @@ _DTYPE_ALIASES = {"fp16": "fp16", "float16": "fp16", "half": "fp16", "torch.floa
 def _dtype(name: str, value: Any, meta: Mapping[str, Any]) -> str:
     # str() also accepts torch.bfloat16 and the like without importing torch; a
     # container's str() is never an alias, so lists and mappings are refused too.
-    dtype = _DTYPE_ALIASES.get(str(value)) if isinstance(value, str) or not isinstance(
-        value, (bytes, bytearray, Mapping, Set, list, tuple)) else None
+    dtype = None
+    if isinstance(value, str) or not isinstance(value, (bytes, bytearray, Mapping, Set, list, tuple)):
+        try:
+            dtype = _DTYPE_ALIASES.get(str(value))
+        except Exception:  # str() of an int past Python's digit limit, or a user's type: no dtype's name
+            pass
     if dtype is None or (meta["choices"] and dtype not in meta["choices"]):
         raise _not_a_name(name, value, _DTYPE_ALIASES, meta["choices"])
     return dtype
@@ -149,21 +274,34 @@ def float32(value: float) -> float:
     return struct.unpack("f", struct.pack("f", value))[0]
 
 
+FLOAT32_NORMAL = 2.0**-126  # float32's smallest normal number, 1.18e-38
+FLOAT32_MAX = float32(3.4028234663852886e38)
+
+
+def _nonzero_float32(name: str, value: Any, v: float) -> float:
+    """A nonzero value of a float kind as the float32 cuDNN gets, which must mean what
+    the value means: refused where float32 makes it 0 (1e-50: dropout=1e-50 was
+    accepted, and no dropout built) or infinite, or a subnormal, which GPU kernels
+    that flush subnormals to zero take for 0."""
+    v32 = float32(v)
+    if not FLOAT32_NORMAL <= abs(v32) <= FLOAT32_MAX:
+        raise bad(name, value, f"is out of float32 range (cuDNN takes float32: a nonzero value must be from "
+                               f"{FLOAT32_NORMAL:.3g} to {FLOAT32_MAX:.3g})")
+    return v32
+
+
 def _positive(name: str, value: Any, meta: Mapping[str, Any]) -> float:
     v = number(name, value)
     if not math.isfinite(v) or v <= 0.0:
         raise bad(name, value, "must be a finite number > 0")
-    v32 = float32(v)
-    if v32 == 0.0 or math.isinf(v32):
-        raise bad(name, value, "is out of float32 range")
-    return v32
+    return _nonzero_float32(name, value, v)
 
 
 def _probability(name: str, value: Any, meta: Mapping[str, Any]) -> float:
     p = number(name, value)
     if not 0.0 <= p < 1.0 or float32(p) >= 1.0:  # 0.99999999 is 1.0 as the float32 cuDNN gets
         raise bad(name, value, "must be in [0, 1)")
-    return float32(p)
+    return _nonzero_float32(name, value, p) if p else 0.0  # (-0.0 is 0.0)
 
 
 def pair(name: str, value: Any, meta: Mapping[str, Any] | None = None) -> tuple[int, int]:
@@ -202,6 +340,23 @@ def check(kind: str, name: str, value: Any, **meta: Any) -> Any:
     """A value of a field's kind outside a config (fastattn.torch's arguments): the same
     validator, so the same classes of values pass."""
     return VALIDATORS[kind](name, value, {"minimum": 0, "choices": (), **meta})
+
+
+def check_mapping(data: Any, fields) -> None:
+    """What AttentionConfig.from_dict takes: a mapping whose keys are the names of
+    `fields`, the required ones among them."""
+    if not isinstance(data, Mapping):
+        raise bad("config", data, "must be a mapping of field names to values")
+    names = [f.name for f in fields]
+    unknown = [k for k in data if k not in names]
+    if unknown:
+        name = unknown[0]
+        if not isinstance(name, str):
+            raise InvalidArgumentError(f"config key {show(name)}: field names are strings")
+        raise bad(name, data[name], f"is not a field of AttentionConfig (fields: {', '.join(names)})")
+    missing = [f.name for f in fields if is_required(f) and f.name not in data]
+    if missing:
+        raise InvalidArgumentError(f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} required")
 
 
 def validate(field: dataclasses.Field, value: Any) -> Any:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.machinery
+import os
 import sys
 from pathlib import Path
 
@@ -51,9 +52,36 @@ def build_root() -> Path:
     return Path(settings_from_env().directory) / "torch-ops"
 
 
-def library_path(build_tag: str, root: Path | None = None) -> Path:
+class LibraryPath(type(Path())):  # type: ignore[misc]  # PosixPath or WindowsPath, as Path() makes
+    """Where the op library is (library_path()): a Path whose exists() is False, not an
+    OSError, where the path cannot be looked up. Path.exists() raises for a directory
+    named by the user (FASTATTN_CACHE_DIR, FASTATTN_TORCH_OPS_DIR) with a component past
+    the file system's name limit (ENAMETOOLONG) or one that cannot be searched (EACCES),
+    and every check of whether the library is built (here, fastattn.torch's
+    backend_info, describe, library, build) goes through this path. problem() says why."""
+
+    def exists(self, *args, **kwargs) -> bool:
+        try:
+            return super().exists(*args, **kwargs)
+        except OSError:  # no library can be loaded from a path that cannot be looked up
+            return False
+
+
+def problem(path: Path) -> str | None:
+    """Why `path` cannot be looked up, as `fastattn cache ls` says it of a cache directory
+    ("cannot be read (File name too long)"), or None: it is there, or simply missing."""
+    try:
+        os.stat(path)
+    except FileNotFoundError:
+        return None
+    except OSError as e:  # (ValueError, a NUL: not from the environment, which cannot hold one)
+        return f"cannot be read ({e.strerror})"
+    return None
+
+
+def library_path(build_tag: str, root: Path | None = None) -> LibraryPath:
     name = "fastattn_ops_" + hashlib.sha256(build_tag.encode()).hexdigest()[:16]
-    return (root or build_root()) / build_tag / (name + importlib.machinery.EXTENSION_SUFFIXES[0])
+    return LibraryPath(root or build_root(), build_tag, name + importlib.machinery.EXTENSION_SUFFIXES[0])
 
 
 def version_in(folder: Path) -> str | None:

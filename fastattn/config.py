@@ -54,7 +54,6 @@ from . import _fields
 from ._fields import bad as _bad
 from ._fields import check_int as _int
 from ._fields import spec
-from .errors import InvalidArgumentError
 
 __all__ = ["AttentionConfig", "LAYOUTS", "MASKS", "DTYPES", "FP8_DTYPES", "ALIGNMENTS", "BIAS_SHAPES"]
 
@@ -106,6 +105,13 @@ _FEATURE_OF: dict[str, tuple[str, Any]] = {
     **dict.fromkeys(FP8_SCALARS, ("an FP8 dtype", lambda c: c.fp8)),
 }
 assert set(_INDEX_TENSORS) <= set(_FEATURE_OF), "a feature's index tensor without its feature"
+
+
+def _check_name(tensor: Any) -> str:
+    """`tensor` if it names a tensor of some config, else InvalidArgumentError naming it."""
+    if not isinstance(tensor, str) or (tensor not in _CORE_TENSORS and tensor not in _FEATURE_OF):
+        raise _bad("tensor", tensor, _TENSOR_NAMES)
+    return tensor
 
 
 def named_strides(layout: str, batch: int, heads: int, seqlen: int, head_dim: int) -> tuple[int, int, int, int]:
@@ -333,6 +339,9 @@ class AttentionConfig:
         set_("layout", self._canonical_layout())
         if self.ragged and self.layout != "bshd":
             raise _bad("layout", self.layout, "ragged (packed) sequences need layout='bshd' (tokens, heads, dim)")
+        strides = self._strides_for(self.layout) if isinstance(self.layout, str) else self.layout
+        for t, s in [*zip(TENSORS, strides), *([("bias", None)] if self.bias != "none" else [])]:
+            _fields.check_extent(t, self.shape(t), s)  # (stats, and packed tokens, lie within q's)
 
     def _check_dtypes(self, given) -> None:
         # Only the FP8 graphs take an output or gradient type of their own; which
@@ -352,15 +361,15 @@ class AttentionConfig:
     def _canonical_features(self, set_) -> None:
         if self.ragged and not self.padding:
             raise _bad("ragged", True, "needs padding=True: cuDNN takes each sequence's length with its offsets")
-        for name, seqlen in (("max_tokens_q", self.seqlen_q), ("max_tokens_kv", self.seqlen_kv)):
+        for name, seqlen in (("max_tokens_q", "seqlen_q"), ("max_tokens_kv", "seqlen_kv")):
             value = getattr(self, name)
             if not self.ragged:
                 if value not in (None, 0):
                     raise _bad(name, value, "applies only to ragged=True")
                 set_(name, 0)
                 continue
-            most = self.batch * seqlen
-            value = most if value is None else _int(name, value, 1)
+            most = self.batch * getattr(self, seqlen)
+            value = _fields.derived(name, most, f"batch * {seqlen}") if value is None else _int(name, value, 1)
             if value > most:
                 raise _bad(name, value, f"exceeds batch * seqlen = {most}: no sequence is longer than seqlen")
             set_(name, value)
@@ -381,8 +390,8 @@ class AttentionConfig:
         if self.training:
             raise _bad("page_size", self.page_size, "a paged KV cache is forward only (training=False): "
                        "cuDNN has no paged backward")
-        fewest = self.batch * self.pages_per_sequence
-        set_("num_pages", fewest if self.num_pages is None else _int("num_pages", self.num_pages, 1))
+        set_("num_pages", _int("num_pages", self.num_pages, 1) if self.num_pages is not None else _fields.derived(
+            "num_pages", self.batch * self.pages_per_sequence, "batch * ceil(seqlen_kv / page_size)"))
 
     def _canonical_layout(self) -> str | tuple[tuple[int, ...], ...]:
         layout = self.layout
@@ -459,12 +468,9 @@ class AttentionConfig:
 
     def _check_tensor(self, tensor: str) -> None:
         """Raises InvalidArgumentError naming `tensor` unless this config has it."""
-        if tensor in _CORE_TENSORS:
+        if _check_name(tensor) in _CORE_TENSORS:
             return
-        need = _FEATURE_OF.get(tensor) if isinstance(tensor, str) else None
-        if need is None:
-            raise _bad("tensor", tensor, _TENSOR_NAMES)
-        what, has = need
+        what, has = _FEATURE_OF[tensor]
         if not has(self):
             raise _bad("tensor", tensor, f"this config has no {tensor}: only {what} has it")
 
@@ -472,6 +478,9 @@ class AttentionConfig:
     def tensor_dtype(tensor: str, dtype: str = "bf16") -> str:
         """A tensor's element type where q, k, v, o and gradients are all `dtype`: that
         dtype, "float32", "int32" or "int64". A config's own: dtype_of."""
+        _check_name(tensor)
+        if dtype not in DTYPES:
+            raise _bad("dtype", dtype, f"must be one of {DTYPES}")
         if tensor in ("stats", "sink", "d_sink") or tensor in FP8_SCALARS:
             return "float32"
         if tensor in _INDEX_TENSORS:
@@ -501,6 +510,7 @@ class AttentionConfig:
 
     def strides(self, tensor: str) -> tuple[int, int, int, int]:
         """Element strides of a tensor in (batch, head, seq, dim) order."""
+        self._check_tensor(tensor)
         if tensor == "stats" and self.ragged:  # packed with the tokens: (tokens, heads_q)
             return (self.heads_q * self.seqlen_q, 1, self.heads_q, 1)
         if tensor in ("stats", "bias", "d_bias", "sink", "d_sink") or tensor in _INDEX_TENSORS or \
@@ -511,9 +521,7 @@ class AttentionConfig:
                 out.append(step)
                 step *= n
             return tuple(reversed(out))
-        base = tensor[2:] if tensor.startswith("d_") else tensor
-        if base not in TENSORS:
-            raise _bad("tensor", tensor, "must be one of q, k, v, o, d_q, d_k, d_v, d_o, stats")
+        base = tensor[2:] if tensor.startswith("d_") else tensor  # (q, k, v, o: checked above)
         table = self._strides_for(self.layout) if isinstance(self.layout, str) else self.layout
         return table[TENSORS.index(base)]
 
@@ -558,17 +566,7 @@ class AttentionConfig:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "AttentionConfig":
-        if not isinstance(data, Mapping):
-            raise _bad("config", data, "must be a mapping of field names to values")
-        unknown = [k for k in data if k not in FIELD_NAMES]
-        if unknown:
-            name = unknown[0]
-            if not isinstance(name, str):
-                raise InvalidArgumentError(f"config key {name!r}: field names are strings")
-            raise _bad(name, data[name], f"is not a field of AttentionConfig (fields: {', '.join(FIELD_NAMES)})")
-        missing = [f.name for f in FIELDS if _fields.is_required(f) and f.name not in data]
-        if missing:
-            raise InvalidArgumentError(f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} required")
+        _fields.check_mapping(data, FIELDS)
         return cls(**data)
 
     def to_json(self) -> str:
@@ -577,13 +575,7 @@ class AttentionConfig:
 
     @classmethod
     def from_json(cls, text: str | bytes) -> "AttentionConfig":
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise InvalidArgumentError(f"config JSON is not valid JSON: {e}") from None
-        except (TypeError, UnicodeDecodeError, RecursionError) as e:  # not text; nested past the parser's depth
-            raise InvalidArgumentError(f"config JSON is not valid JSON: {type(e).__name__}: {e}") from None
-        return cls.from_dict(data)
+        return cls.from_dict(_fields.read_json(text))
 
     def replace(self, **changes: Any) -> "AttentionConfig":
         """A copy with some fields changed (and validated again). Fields left at a

@@ -13,8 +13,14 @@ One rule per kind, the same for every variable of that kind:
 - unset or empty (only spaces) is the default; a secret that is set must not be empty;
 - bool: 1, true, yes, on / 0, false, no, off, in any case;
 - choice: one of the names, in any case;
-- seconds: a finite number, at least the minimum;
-- size: bytes, an integer, or a number with a K, M, G or T suffix (powers of 1024);
+- seconds: a number (decimal, optionally with an exponent: 0.25, 1e3), at least the
+  minimum and at most MAX_SECONDS (1e6 s, 11.6 days: far larger ones overflow the
+  clients' and the OS's timers, redis-py's among them);
+- size: bytes, an integer, or a number with a K, M, G or T suffix (powers of 1024),
+  below 8 EiB;
+- numbers (seconds, size, a URL's database, classes) are ASCII digits: Python's int()
+  and float() also take other scripts' digits (١٢) and underscores (1_000), which no
+  other program reading the same environment would;
 - url: a Redis URL, checked up front (scheme, host, port, database);
 - path, paths (os.pathsep-separated), text: taken as written.
 
@@ -33,6 +39,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 from urllib.parse import parse_qs, urlsplit, urlunsplit
 
+from ._fields import show
 from .errors import InvalidArgumentError
 
 __all__ = ["VARIABLES", "Var", "get", "is_set", "check_all", "markdown", "redact", "TRUE", "FALSE"]
@@ -42,6 +49,8 @@ FALSE = ("0", "false", "no", "off")
 _SIZE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 _PORTS = (1, 65535)
 _INT32 = 2**31
+MAX_SECONDS = 1e6  # every "seconds" variable's largest value (see the module's doc)
+_SECONDS = re.compile(r"[+-]?([0-9]+(\.[0-9]*)?|\.[0-9]+)([eE][+-]?[0-9]+)?")
 
 
 @dataclass(frozen=True)
@@ -65,7 +74,7 @@ class Var:
 
 def _bad(var: Var, raw: str, why: str) -> InvalidArgumentError:
     shown = "***" if var.kind == "secret" else redact(raw) if var.kind == "url" else raw
-    return InvalidArgumentError(f"{var.name}={shown!r}: {why}")
+    return InvalidArgumentError(f"{var.name}={show(shown)}: {why}")
 
 
 # -- the parsers: (variable, its text, stripped and not empty) -> value ------------------
@@ -88,14 +97,20 @@ def _choice(var: Var, raw: str) -> str:
 
 
 def _seconds(var: Var, raw: str) -> float:
-    try:
-        value = float(raw.strip())
-    except ValueError:
-        raise _bad(var, raw, "must be a number of seconds") from None
-    if not math.isfinite(value):
-        raise _bad(var, raw, "must be a finite number of seconds")
+    text = raw.strip()
+    if not _SECONDS.fullmatch(text):
+        try:
+            value = float(text)  # takes more: inf, nan, ١٢, 1_0
+        except ValueError:
+            raise _bad(var, raw, "must be a number of seconds") from None
+        if not math.isfinite(value):
+            raise _bad(var, raw, "must be a finite number of seconds")
+        raise _bad(var, raw, "must be a number of seconds in ASCII digits (e.g. 0.25, 10, 1e3)")
+    value = float(text)  # (inf for 400 digits: over the maximum)
     if value < var.minimum or (var.above and value == var.minimum):
         raise _bad(var, raw, f"must be {'>' if var.above else '>='} {var.minimum:g}")
+    if value > MAX_SECONDS:
+        raise _bad(var, raw, f"must be <= {MAX_SECONDS:.0f} (seconds)")
     return value
 
 
@@ -103,9 +118,12 @@ def _size(var: Var, raw: str) -> int:
     text = raw.strip().lower().removesuffix("b").removesuffix("i")
     number, unit = (text[:-1], text[-1]) if text and text[-1] in _SIZE_UNITS else (text, "")
     number = number.strip()
-    if not re.fullmatch(r"\d+" if not unit else r"\d+(\.\d*)?|\.\d+", number):
+    if not re.fullmatch(r"[0-9]+" if not unit else r"[0-9]+(\.[0-9]*)?|\.[0-9]+", number):
         raise _bad(var, raw, "must be a size in bytes: an integer, or a number with K, M, G or T (e.g. 500M, 1.5G)")
-    value = int(number) if not unit else int(float(number) * _SIZE_UNITS[unit])
+    # float() first: int() refuses 4300 digits or more (leading zeros too), and an infinite float.
+    if float(number) * _SIZE_UNITS[unit] >= 2**64:
+        raise _bad(var, raw, "must be below 8 EiB")
+    value = int(number.lstrip("0") or "0") if not unit else int(float(number) * _SIZE_UNITS[unit])
     if value >= 2**63:
         raise _bad(var, raw, "must be below 8 EiB")
     return value
@@ -153,8 +171,8 @@ _URL_FORMS = "redis://[user:password@]host[:port][/db], rediss://... (TLS) or un
 
 
 def _db(var: Var, raw: str, text: str) -> None:
-    if not re.fullmatch(r"\d{1,10}", text) or int(text) >= _INT32:
-        raise _bad(var, raw, f"the database must be a number from 0 (got {text!r}); expected {_URL_FORMS}")
+    if not re.fullmatch(r"[0-9]{1,10}", text) or int(text) >= _INT32:
+        raise _bad(var, raw, f"the database must be a number from 0 (got {show(text)}); expected {_URL_FORMS}")
 
 
 def _url(var: Var, raw: str) -> str:
@@ -198,8 +216,8 @@ _PARSERS: dict[str, Callable[[Var, str], Any]] = {
     "text": _text, "secret": _secret, "url": _url, "classes": _classes,
 }
 # How the README names each kind's values.
-_KIND_TEXT = {"bool": "boolean", "seconds": "seconds", "size": "bytes (500M, 4G)", "path": "path",
-              "paths": "paths, `:`-separated", "text": "text", "secret": "secret text", "url": "Redis URL",
+_KIND_TEXT = {"bool": "boolean", "seconds": f"seconds (at most {MAX_SECONDS:.0f})", "size": "bytes (500M, 4G)",
+              "path": "path", "paths": "paths, `:`-separated", "text": "text", "secret": "secret text", "url": "Redis URL",
               "classes": "`auto` / `off` / lengths, `,`-separated"}
 
 

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Literal, Mapping, Union, overlo
 
 from . import _record, store
 from ._version import __version__
+from ._fields import check, show
 from .config import AttentionConfig
 from .errors import InvalidArgumentError, NotSupportedError, VerificationFailedError
 from .plan_cache import PlanCache, version_string
@@ -89,12 +90,35 @@ def _count(**deltas: float) -> None:
             _counters[k] += v
 
 
+def check_device(device: Any) -> int | None:
+    """`device` as every entry point takes it, checked before anything is loaded (so that
+    a bad one is an InvalidArgumentError naming it even where the GPU stack is missing):
+    None (the current device) or a CUDA device index. Its range: _resolve_device."""
+    if device is not None and (isinstance(device, bool) or not isinstance(device, int) or device < 0):
+        raise InvalidArgumentError(f"device={show(device)}: must be a CUDA device index >= 0 (an int) or None")
+    return device
+
+
+def check_configs(configs: Any, name: str = "configs") -> list[AttentionConfig]:
+    """A list of configs as preload() and fastattn.warm.warm() take it: an iterable of
+    ConfigLike (never one config: a str, a mapping or an AttentionConfig iterates as
+    something else), each coerced; an error names the one that is not a config."""
+    if isinstance(configs, (str, bytes, bytearray, Mapping, AttentionConfig)) or not hasattr(configs, "__iter__"):
+        raise InvalidArgumentError(f"{name}={show(configs)}: must be an iterable of configs (one config: [config])")
+    out = []
+    for i, c in enumerate(configs):
+        try:
+            out.append(AttentionConfig.coerce(c))
+        except InvalidArgumentError as e:
+            raise InvalidArgumentError(f"{name}[{i}]: {e}") from None
+    return out
+
+
 def _resolve_device(device: int | None) -> int:
+    check_device(device)
     core = _core()
     if device is None:
         return core.get_current_device()
-    if isinstance(device, bool) or not isinstance(device, int) or device < 0:
-        raise InvalidArgumentError(f"device={device!r}: must be a CUDA device index >= 0")
     count = core.get_device_count()
     if device >= count:
         raise InvalidArgumentError(f"device={device}: this process sees {count} CUDA device(s)")
@@ -105,6 +129,9 @@ def open_plan_cache(settings: store.CacheSettings | None = None) -> PlanCache:
     """A PlanCache over `settings` (None: the FASTATTN_CACHE_* variables now) that loads
     and describes plans with this process's GPU stack and counts into stats(). Not made
     the process's cache (configure() does that)."""
+    if settings is not None and not isinstance(settings, store.CacheSettings):
+        raise InvalidArgumentError(f"settings={show(settings)}: must be a fastattn.store.CacheSettings "
+                                   "(fastattn.store.settings_from_env() makes one) or None")
     # The lambda looks _core up at each use: tests replace it with a fake.
     return PlanCache(settings or store.settings_from_env(), core=lambda: _core(), count=_count)
 
@@ -221,6 +248,8 @@ def _verifier():
 def _answer(config: Any, device: int | None, refresh: bool = False, verify: bool = False) -> tuple[_Entry, bool]:
     """_lookup, then (verify=True) the plan verified unless its answer carries a
     verdict already (from this process, or stored with the cache entry)."""
+    check("bool", "refresh", refresh)
+    check("bool", "verify", verify)
     entry, from_memory = _lookup(config, device, refresh)
     if verify and entry.plan is not None and entry.result.verdict is None:
         _ensure_verified(entry, AttentionConfig.coerce(config), _resolve_device(device))
@@ -438,9 +467,12 @@ def preload(configs: Iterable[ConfigLike] | None = None, *, device: int | None =
     CUDA error) are raised from the call, or from the Future's result().
     """
     if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-        raise InvalidArgumentError(f"threads={threads!r}: must be an integer >= 1")
+        raise InvalidArgumentError(f"threads={show(threads)}: must be an integer >= 1")
+    check("bool", "background", background)
+    check("bool", "verify", verify)
+    given = check_configs(configs) if configs is not None else None  # all arguments before any library loads
     device = _resolve_device(device)
-    todo = [AttentionConfig.coerce(c) for c in configs] if configs is not None else plan_cache().configs(device)
+    todo = given if given is not None else plan_cache().configs(device)
     if "fastattn.torch" in sys.modules and any(c.training for c in todo):
         # A user of the autograd path: its first backward will import sympy. Not for raw
         # plan users: measured, the import's GIL contention slowed a raw warm+preload
@@ -499,7 +531,8 @@ def clear() -> None:
 
 def device_info(device: int | None = None) -> dict[str, Any]:
     """Name, compute capability, SM count and driver/runtime versions of a CUDA device."""
-    return _core().get_device_info(_resolve_device(device))
+    device = _resolve_device(device)  # (first: it checks the argument before loading anything)
+    return _core().get_device_info(device)
 
 
 def libraries() -> dict[str, str]:

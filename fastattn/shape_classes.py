@@ -27,6 +27,7 @@ import os
 import re
 from typing import Any, NamedTuple
 
+from ._fields import show
 from .errors import InvalidArgumentError
 
 __all__ = ["Classes", "parse", "class_of", "measured", "parse_range", "classes_in_range", "class_config",
@@ -66,7 +67,7 @@ OFF = Classes(())
 
 
 def _bad(name: str, value: Any, why: str) -> InvalidArgumentError:
-    return InvalidArgumentError(f"{name}={value!r}: {why}")
+    return InvalidArgumentError(f"{name}={show(value)}: {why}")
 
 
 def boundaries(values, name: str = "shape_classes") -> Classes:
@@ -79,7 +80,7 @@ def boundaries(values, name: str = "shape_classes") -> Classes:
         raise _bad(name, values, "no boundaries: pass \"off\" for exact plans")
     for b in bs:
         if isinstance(b, bool) or not isinstance(b, int) or not 2 <= b <= _MAX:
-            raise _bad(name, values, f"boundary {b!r} is not an int in 2..{_MAX}")
+            raise _bad(name, values, f"boundary {show(b)} is not an int in 2..{_MAX}")
     if any(a >= b for a, b in zip(bs, bs[1:])):
         raise _bad(name, values, "boundaries must be strictly ascending")
     return Classes(tuple(zip([1, *bs[:-1]], bs)))
@@ -93,9 +94,14 @@ def parse(value, name: str = "shape_classes") -> str | Classes:
         text = value.strip().lower()
         if text in ("auto", "off"):
             return "auto" if text == "auto" else OFF
-        if not re.fullmatch(r"\s*\d+\s*(,\s*\d+\s*)*,?\s*", value):
+        # ASCII digits: int() also takes other scripts' (١٢).
+        if not re.fullmatch(r"\s*[0-9]+\s*(,\s*[0-9]+\s*)*,?\s*", value):
             raise _bad(name, value, 'expected "auto", "off" or comma-separated lengths (e.g. "256,1024,4096")')
-        return boundaries([int(p) for p in value.split(",") if p.strip()], name)
+        parts = [p.strip().lstrip("0") or "0" for p in value.split(",") if p.strip()]
+        for p in parts:
+            if len(p) > 10:  # out of range, and int() raises past 4300 digits (so no leading zeros)
+                raise _bad(name, value, f"a boundary of {len(p)} digits is not an int in 2..{_MAX}")
+        return boundaries([int(p) for p in parts], name)
     if isinstance(value, Classes):
         return value
     return boundaries(value, name)
@@ -175,11 +181,13 @@ def measured(gpu: str, cudnn: int, path: str | None = None, training: bool = Fal
 
 def parse_range(text: str, name: str = "--seqlens") -> tuple[int, int]:
     """"LO..HI" (inclusive, 1 <= LO <= HI < 2**31) or a single length "N"."""
-    m = re.fullmatch(r"\s*(\d+)\s*(?:\.\.\s*(\d+)\s*)?", text or "")
+    m = re.fullmatch(r"\s*([0-9]+)\s*(?:\.\.\s*([0-9]+)\s*)?", text or "")  # ASCII digits, as parse()
     if not m:
         raise _bad(name, text, "expected LO..HI (e.g. 1..32768) or one length")
-    lo = int(m.group(1))
-    hi = int(m.group(2)) if m.group(2) is not None else lo
+    digits = [g.lstrip("0") or "0" for g in m.groups() if g is not None]
+    if max(len(d) for d in digits) > 10:  # before int(), which raises past 4300 digits
+        raise _bad(name, text, f"expected 1 <= LO <= HI <= {_MAX}")
+    lo, hi = int(digits[0]), int(digits[-1])
     if not 1 <= lo <= hi <= _MAX:
         raise _bad(name, text, f"expected 1 <= LO <= HI <= {_MAX}")
     return lo, hi

@@ -36,14 +36,14 @@ MAX_CONFIGS = 100_000  # a sweep that expands past this is almost certainly a ty
 def _range(where: str, spec: Mapping[str, Any]) -> list[int]:
     keys = set(spec)
     if not ({"from", "to"} <= keys and keys <= {"from", "to", "step", "times"} and len(keys & {"step", "times"}) <= 1):
-        raise InvalidArgumentError(f"{where}={dict(spec)!r}: a range is {{from, to, step}} or {{from, to, times}}")
+        raise InvalidArgumentError(f"{where}={_fields.show(dict(spec))}: a range is {{from, to, step}} or {{from, to, times}}")
     start, stop = spec["from"], spec["to"]
     step, times = spec.get("step"), spec.get("times")
     for name, v in (("from", start), ("to", stop), ("step", step), ("times", times)):
         if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
-            raise InvalidArgumentError(f"{where}.{name}={v!r}: must be an integer")
+            raise InvalidArgumentError(f"{where}.{name}={_fields.show(v)}: must be an integer")
     if start > stop:
-        raise InvalidArgumentError(f"{where}: from={start} is greater than to={stop}")
+        raise InvalidArgumentError(f"{where}: from={_fields.show(start)} is greater than to={_fields.show(stop)}")
     if times is not None:
         if times < 2 or start < 1:
             raise InvalidArgumentError(f"{where}: times must be >= 2 and from >= 1")
@@ -54,7 +54,7 @@ def _range(where: str, spec: Mapping[str, Any]) -> list[int]:
         return out
     step = 1 if step is None else step
     if step < 1:
-        raise InvalidArgumentError(f"{where}.step={step!r}: must be >= 1")
+        raise InvalidArgumentError(f"{where}.step={_fields.show(step)}: must be >= 1")
     if (stop - start) // step + 1 > MAX_CONFIGS:
         raise InvalidArgumentError(f"{where}: the range has more than {MAX_CONFIGS} values")
     return list(range(start, stop + 1, step))
@@ -80,7 +80,7 @@ def _values(field: str, value: Any, where: str) -> list[Any]:
 def expand_entry(entry: Mapping[str, Any], where: str = "entry") -> list[AttentionConfig]:
     """Every config one entry stands for, validated."""
     if not isinstance(entry, Mapping):
-        raise InvalidArgumentError(f"{where}: must be a table/object of AttentionConfig fields, got {entry!r}")
+        raise InvalidArgumentError(f"{where}: must be a table/object of AttentionConfig fields, got {_fields.show(entry)}")
     axes: list[tuple[str, list[Any]]] = []
     for field, value in entry.items():
         values = _values(field, value, where)
@@ -131,6 +131,8 @@ def _parse(path: str) -> tuple[Any, list[int | None] | None]:
             raw = f.read()
     except OSError as e:
         raise InvalidArgumentError(f"{path}: {e.strerror}") from None
+    except ValueError:  # a NUL in the name: from the API only (argv and the environment cannot hold one)
+        raise InvalidArgumentError(f"{_fields.show(path)}: not a file name (it holds a NUL character)") from None
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -169,6 +171,8 @@ def _toml(text: str, path: str) -> Any:
         elif msg.endswith("(at end of document)"):
             msg, where = msg[:-len("(at end of document)")].rstrip(), f"{path}:{text.count(chr(10)) + 1}"
         raise InvalidArgumentError(f"{where}: not valid TOML: {msg}") from None
+    except ValueError:  # tomllib's bare ValueError: an integer past Python's digit limit
+        raise _too_long(path, text, "TOML") from None
     except RecursionError:
         raise InvalidArgumentError(f"{path}: not valid TOML: nested too deeply") from None
 
@@ -178,10 +182,19 @@ def _json(text: str, path: str) -> tuple[Any, list[int | None]]:
         data = json.loads(text)
     except json.JSONDecodeError as e:
         raise InvalidArgumentError(f"{path}:{e.lineno}:{e.colno}: not valid JSON: {e.msg}") from None
+    except ValueError:  # json's bare ValueError: an integer past Python's digit limit
+        raise _too_long(path, text, "JSON") from None
     except RecursionError:
         raise InvalidArgumentError(f"{path}: not valid JSON: nested too deeply") from None
     count = len(data.get("configs", [])) if isinstance(data, dict) and isinstance(data.get("configs"), list) else 0
     return data, _json_entry_lines(text, count)
+
+
+def _too_long(path: str, text: str, what: str, first_line: int = 1) -> InvalidArgumentError:
+    """The error for an integer literal past Python's digit limit, at its place."""
+    line, column, why = _fields.long_integer(text)
+    where = f"{path}:{line + first_line - 1}:{column}" if line else path
+    return InvalidArgumentError(f"{where}: not valid {what}: {why}")
 
 
 def _looks_like_json_lines(text: str) -> bool:
@@ -202,6 +215,8 @@ def _json_lines(text: str, path: str) -> tuple[list[Any], list[int | None]]:
             entry = json.loads(line)
         except json.JSONDecodeError as e:
             raise InvalidArgumentError(f"{path}:{number}:{e.colno}: not valid JSON: {e.msg}") from None
+        except ValueError:  # an integer past Python's digit limit
+            raise _too_long(path, line, "JSON", number) from None
         except RecursionError:
             raise InvalidArgumentError(f"{path}:{number}: not valid JSON: nested too deeply") from None
         if not isinstance(entry, dict):
@@ -225,7 +240,7 @@ def _entries(data: Any, path: str) -> list[Any]:
             raise InvalidArgumentError(f"{path}: \"configs\" must be a list (TOML: [[configs]] tables)")
         unknown = sorted(set(data) - {"configs"})
         if unknown:
-            raise InvalidArgumentError(f"{path}: unknown top-level key {unknown[0]!r}")
+            raise InvalidArgumentError(f"{path}: unknown top-level key {_fields.show(unknown[0])}")
         return data["configs"]
     if not isinstance(data, dict):
         raise InvalidArgumentError(f"{path}: must be an object of AttentionConfig fields, or a \"configs\" list of "
@@ -233,7 +248,7 @@ def _entries(data: Any, path: str) -> list[Any]:
     if not data or set(data) & _FIELD_NAMES:
         return [data]  # one config's fields (unknown ones are named by expand_entry)
     raise InvalidArgumentError(f"{path}: expected a top-level \"configs\" list (TOML: [[configs]] tables), or one "
-                               f"config's fields (not {sorted(data)[0]!r})")
+                               f"config's fields (not {_fields.show(sorted(data)[0])})")
 
 
 def read_entries(path: str) -> tuple[list[Any], list[str]]:

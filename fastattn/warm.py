@@ -10,6 +10,7 @@ goes on.
 from __future__ import annotations
 
 import json
+import math
 import os
 import selectors
 import signal
@@ -347,14 +348,26 @@ def warm(
     seconds has its worker killed and is reported failed. verify: each plan is also
     verified (fastattn.verify, in the workers; entries that hold a verdict need no
     second run); one that fails is refused with the evidence, status "rejected". Never
-    raises for a config: refusals and failures are in the report."""
+    raises for a config cuDNN refuses or a worker fails: refusals and failures are in
+    the report. Raises InvalidArgumentError, before any worker starts, for a bad
+    argument (a config that is not one, workers, device, timeout, verify, progress)."""
     if workers is None:
         workers = min(8, os.cpu_count() or 1)
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
-        raise InvalidArgumentError(f"workers={workers!r}: must be an integer >= 1")
+        raise InvalidArgumentError(f"workers={_fields.show(workers)}: must be an integer >= 1")
+    # Every argument here, before a worker starts: a worker would report a bad one as a
+    # failure of each config (timeout=-1 "killed" them all; device="x" was its usage error).
+    seconds = _fields.number("timeout", timeout)
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise InvalidArgumentError(f"timeout={_fields.show(timeout)}: must be a finite number of seconds > 0")
+    _fields.check("bool", "verify", verify)
+    if progress is not None and not callable(progress):
+        raise InvalidArgumentError(f"progress={_fields.show(progress)}: must be a function (done, total, item) or "
+                                   "None")
     from . import runtime
 
-    items = [WarmItem(AttentionConfig.coerce(c)) for c in configs]
+    runtime.check_device(device)
+    items = [WarmItem(c) for c in runtime.check_configs(configs)]
     cache = runtime.open_plan_cache()  # bad FASTATTN_CACHE_* values raise here, once, naming the variable
     t0 = time.perf_counter()
     done = 0
@@ -371,7 +384,7 @@ def warm(
         settle(item)
     queue = _Queue([i for i in items if i.status == "pending"])
     with tempfile.TemporaryDirectory(prefix="fastattn-warm-") as log_dir:
-        pool = _Pool(queue, workers, device, timeout, log_dir, settle, verify)
+        pool = _Pool(queue, workers, device, seconds, log_dir, settle, verify)
         pool.run()
     counts = {s: sum(1 for i in items if i.status == s) for s in STATUSES}
     rejected = sum(1 for i in items if i.status == REJECTED)

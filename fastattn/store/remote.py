@@ -115,7 +115,9 @@ class RemoteStore:
                         log.warning("fastattn remote cache %s is off: %s", self.name, self.disabled)
                         return None
                     t = self.settings.timeout
-                    self._errors = (redis.RedisError, OSError)
+                    # OverflowError: what the socket raises for a timeout past the OS's
+                    # clock (fastattn.env caps FASTATTN_REMOTE_TIMEOUT well below it).
+                    self._errors = (redis.RedisError, OSError, OverflowError)
                     try:
                         self._client = redis.Redis.from_url(self.settings.url, socket_timeout=t,
                                                             socket_connect_timeout=t, retry_on_timeout=False,

@@ -345,6 +345,10 @@ def describe() -> dict:
     if m == "python":
         return {"path": "python", "reason": f"{ENV}=python"}
     target = library_path()
+    problem = _opslib.problem(target)
+    if problem:  # what a call meets: nothing to load, and no build (auto: the Python path)
+        return {"path": "python" if m == "auto" else "none",
+                "reason": f"{ENV}={m}; the op library's directory {target.parent} {problem}"}
     if target.exists():
         return {"path": "native", "reason": f"{ENV}={m}; built for this torch: {target}"}
     if m == "auto":  # never compiled at a call (library())
