@@ -101,7 +101,8 @@ def _split(data: bytes) -> tuple[dict[str, Any], bytes, int]:
         raise EntryError(f"truncated header ({header_len} bytes announced, {len(data)} in file)")
     raw = data[_FIXED.size : _FIXED.size + header_len]
     try:
-        header = json.loads(raw.decode("utf-8"), parse_constant=_no_constant, parse_float=_finite_float)
+        header = json.loads(raw.decode("utf-8"), parse_constant=_no_constant, parse_float=_finite_float,
+                            parse_int=_float_sized_int)
         if not isinstance(header, dict):
             raise ValueError("header is not an object")
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
@@ -119,6 +120,19 @@ def _finite_float(text: str) -> float:
     value = float(text)
     if not math.isfinite(value):
         raise ValueError(f"{text[:20]} is out of range")
+    return value
+
+
+def _float_sized_int(text: str) -> int:
+    # Readers take a header's numbers as floats ("created", build_seconds, a verdict's
+    # errors: float(), math.isfinite), and a float holds no integer past 1.8e308: such
+    # a number is damage here, for every field at once, not an OverflowError in the
+    # reader that meets it. (int() itself refuses more than 4300 digits: a ValueError.)
+    value = int(text)
+    try:
+        float(value)
+    except OverflowError:
+        raise ValueError(f"the integer {text[:20]}... ({len(text)} digits) is out of range") from None
     return value
 
 
