@@ -43,6 +43,10 @@ _CHECKSUM = 32
 _MAX_HEADER = 1 << 20
 KEY_PATTERN = re.compile(r"[0-9a-f]{64}")  # keys.key_of: a sha256 in hex; also what file names are made of
 KINDS = ("plan", "unsupported")
+# "created" is a time.time() when the entry was written: at or after 1970 and before the
+# year 10000 (UTC). Anything else was never written by fastattn, and `cache ls` would
+# show its age as hundreds of digits.
+_LAST_TIME = 253402300800.0
 
 
 class EntryError(ValueError):
@@ -58,7 +62,8 @@ class Entry:
     meta: JSON-able facts stored beside the blobs (engine names, workspace sizes,
       cuDNN's reason for a refusal, build time).
     description: the key's description (see keys.describe).
-    created: seconds since the epoch when it was written.
+    created: seconds since the epoch when it was written (a stored one outside
+      [1970, 10000) is damage).
     """
 
     key: str
@@ -187,7 +192,7 @@ def _check_header(header: dict[str, Any]) -> None:
         raise bad("key", header["key"])
     if header["kind"] not in KINDS:
         raise bad("kind", header["kind"])
-    if not _is_number(header["created"]):
+    if not (_is_number(header["created"]) and 0 <= header["created"] < _LAST_TIME):
         raise bad("created", header["created"])
     blobs = header["blobs"]
     if not (isinstance(blobs, list)

@@ -58,6 +58,10 @@ def verdict_with(path: tuple, value) -> dict:
 # Each a header no reader may use: what it holds cannot be read as a number or a time.
 DAMAGE = {
     "created a 401-digit integer": header("01" + "a" * 62, created=HUGE),
+    "created 1e308": header("02" + "a" * 62, created=1e308),
+    "created -1e308": header("03" + "a" * 62, created=-1e308),
+    "created before 1970": header("04" + "a" * 62, created=-1.0),
+    "created after the year 9999": header("0a" + "a" * 62, created=253402300800.0),
     "build_seconds a 401-digit integer": header("05" + "a" * 62, meta={"build_seconds": HUGE}),
     "a verdict's seconds a 401-digit integer": header("06" + "a" * 62,
                                                       meta={"verdict": verdict_with(("seconds",), HUGE)}),
@@ -87,6 +91,12 @@ def test_a_verdict_with_a_huge_number_is_a_verdict_error(path):
     for value in (HUGE, -HUGE):
         with pytest.raises(VerdictError):
             Verdict.from_dict(verdict_with(path, value))
+
+
+def test_times_within_the_calendar_decode():
+    for created in (0, 0.0, 1.0, 1.7e9, 253402300799.0):
+        h = header("0b" + "a" * 62, created=created)
+        assert entry_mod.decode(entry_bytes(h["key"], json.dumps(h), b"x")).created == created
 
 
 def write_damage(root) -> list[str]:
