@@ -37,7 +37,7 @@ from typing import Any, Callable, Iterable
 
 from ..errors import InvalidArgumentError
 from .disk import DiskStore
-from .entry import EntryError, decode
+from .entry import MAX_ENTRY_BYTES, EntryError, decode
 from .keys import canonical_json, environment_of
 from .signing import sign
 
@@ -45,7 +45,7 @@ __all__ = ["BUNDLE_FORMAT", "BundleWriteError", "export_bundle", "import_bundle"
 
 BUNDLE_FORMAT = 1
 _ENTRY_NAME = re.compile(r"^entries/([0-9a-f]{64})\.entry$")
-_MAX_MEMBER = 256 << 20
+_MAX_MEMBER = MAX_ENTRY_BYTES  # an entry (or the manifest) is never larger
 _MAX_TOTAL = 4 << 30  # a decompression bomb stops here, not when memory runs out
 # What tarfile and its decompressors raise on damaged input while members are read
 # (not only at open): a gzip stream cut short is EOFError, a bad deflate block

@@ -12,8 +12,8 @@ Layout (integers little-endian):
 A header readable with `head -c` is deliberate: `fastattn cache show` and a person
 debugging a cache can see what an entry is without cuDNN. Any deviation (short file,
 other magic, other version, bad JSON, a header field of the wrong shape, wrong sizes,
-checksum mismatch, a key that is not the file's) is an EntryError: the store treats it
-as a miss.
+more than MAX_ENTRY_BYTES in all, checksum mismatch, a key that is not the file's) is
+an EntryError: the store treats it as a miss.
 
 Entry bytes are untrusted (a bundle from elsewhere, a shared volume, Redis, a disk
 that flipped a bit), and the header is read without its checksum when listing. So
@@ -35,12 +35,18 @@ from typing import Any
 from .. import verdict as _verdict
 from .keys import FORMAT_VERSION
 
-__all__ = ["MAGIC", "KEY_PATTERN", "Entry", "EntryError", "encode", "decode", "read_header", "read_header_from_file"]
+__all__ = ["MAGIC", "KEY_PATTERN", "MAX_ENTRY_BYTES", "Entry", "EntryError", "encode", "decode", "read_header",
+           "read_header_from_file"]
 
 MAGIC = b"FASTATTN"
 _FIXED = struct.Struct("<8sII")
 _CHECKSUM = 32
 _MAX_HEADER = 1 << 20
+# The most bytes an entry may hold, blobs included. Plans are kilobytes to a few
+# megabytes; a file (or a Redis value, a bundle member) past this is damage, refused
+# before it is read whole: a 3 GiB sparse file named like an entry must not cost 3 GiB
+# of memory, or a MemoryError, to find that out.
+MAX_ENTRY_BYTES = 256 << 20
 KEY_PATTERN = re.compile(r"[0-9a-f]{64}")  # keys.key_of: a sha256 in hex; also what file names are made of
 KINDS = ("plan", "unsupported")
 # "created" is a time.time() when the entry was written: at or after 1970 and before the
@@ -74,6 +80,13 @@ class Entry:
     created: float = 0.0
 
 
+def too_large(size: int) -> EntryError | None:
+    """The EntryError for an entry of `size` bytes, when that is over MAX_ENTRY_BYTES."""
+    if size <= MAX_ENTRY_BYTES:
+        return None
+    return EntryError(f"{size} bytes, over the {MAX_ENTRY_BYTES >> 20} MiB an entry may hold: not read")
+
+
 def encode(entry: Entry) -> bytes:
     header = json.dumps(
         {
@@ -95,6 +108,9 @@ def encode(entry: Entry) -> bytes:
 
 def _split(data: bytes) -> tuple[dict[str, Any], bytes, int]:
     """(header, header bytes, offset of the checksum)."""
+    error = too_large(len(data))
+    if error is not None:
+        raise error
     if len(data) < _FIXED.size:
         raise EntryError(f"truncated: {len(data)} bytes")
     magic, version, header_len = _FIXED.unpack_from(data)

@@ -168,3 +168,81 @@ def test_the_remote_tier_misses_on_one(what):
     r._client, r._errors = _FakeRedis({"fastattn:" + h["key"]: wrap(None, h["key"], entry_bytes(
         h["key"], json.dumps(h), b"x"))}), (OSError,)
     assert r.get(h["key"]) is None and r.counters["remote_rejected"] == 1
+
+
+# -- entry files of gigabytes ----------------------------------------------------------------------
+
+_SIZE_PROBE = """
+import json, sys
+from fastattn import store
+disk = store.DiskStore(sys.argv[1])
+got = disk.get(sys.argv[2])
+print(json.dumps({"got": got is not None, "counters": disk.counters, "holds": disk.holds(sys.argv[2])}))
+"""
+
+
+def _limited(argv, cwd, env):
+    """argv run with 1 GiB of address space: enough for fastattn, not for reading 3 GiB."""
+    import resource
+    import subprocess
+    import sys
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))
+
+    return subprocess.run([sys.executable, *argv], cwd=cwd, env=env, preexec_fn=limit, capture_output=True,
+                          text=True, timeout=120)
+
+
+@pytest.fixture
+def sparse_entry(tmp_path):
+    """A 3 GiB sparse entry file whose first bytes are a valid header (its blobs are
+    not what the header says): an entry no reader may read whole."""
+    key = "bb" * 32
+    h = header(key)
+    path = tmp_path / "ce" / key[:2] / f"{key}.entry"
+    path.parent.mkdir(parents=True)
+    with open(path, "wb") as f:
+        f.write(entry_bytes(key, json.dumps(h), b"x"))
+        f.truncate(3 << 30)
+    env = {**os.environ, "FASTATTN_CACHE_DIR": str(tmp_path / "ce"),
+           "PYTHONPATH": os.pathsep.join([os.path.dirname(os.path.dirname(fastattn.__file__)),
+                                          os.environ.get("PYTHONPATH", "")])}
+    env.pop("FASTATTN_REMOTE_CACHE", None)
+    return tmp_path, key, env
+
+
+def test_an_entry_file_of_gigabytes_is_a_miss_never_read_whole(sparse_entry):
+    tmp_path, key, env = sparse_entry
+    r = _limited(["-c", _SIZE_PROBE, str(tmp_path / "ce"), key], tmp_path, env)
+    assert r.returncode == 0, r.stderr
+    body = json.loads(r.stdout)
+    assert body["got"] is False and body["holds"] is False
+    assert body["counters"]["misses"] == 1 and body["counters"]["corrupt"] == 1
+    assert "over the" in r.stderr  # the warning says why
+
+
+def test_the_cache_commands_refuse_an_entry_file_of_gigabytes(sparse_entry):
+    tmp_path, key, env = sparse_entry
+    r = _limited(["-m", "fastattn", "cache", "verify", "--json"], tmp_path, env)
+    assert r.returncode == cli.EXIT_FAILED, r.stdout + r.stderr
+    (row,) = json.loads(r.stdout)["entries"]
+    assert row["status"] == "damaged" and "over the" in row["reason"]
+    r = _limited(["-m", "fastattn", "cache", "export", "--all", "--json", str(tmp_path / "b.tgz")], tmp_path, env)
+    assert r.returncode == cli.EXIT_OK and json.loads(r.stdout)["exported"] == 0, r.stdout + r.stderr
+    r = _limited(["-m", "fastattn", "cache", "ls", "--json"], tmp_path, env)
+    (row,) = json.loads(r.stdout)["entries"]
+    assert r.returncode == cli.EXIT_OK and "over the" in row["damaged"], r.stdout + r.stderr
+
+
+def test_entries_over_the_cap_are_neither_decoded_nor_written(tmp_path, monkeypatch):
+    monkeypatch.setattr(entry_mod, "MAX_ENTRY_BYTES", 1 << 10)
+    big = store.Entry("cd" * 32, "plan", {}, {"forward": b"x" * 2048}, {}, 1.0)
+    with pytest.raises(entry_mod.EntryError, match="over the"):
+        entry_mod.decode(entry_mod.encode(big))
+    disk = store.DiskStore(str(tmp_path / "c"))
+    assert not disk.put(big) and not os.path.exists(disk.path_for(big.key))
+    with pytest.raises(entry_mod.EntryError, match="over the"):
+        disk.publish(big)
+    small = store.Entry("ce" * 32, "plan", {}, {"forward": b"x" * 16}, {}, 1.0)
+    assert disk.put(small) and disk.get(small.key) == small
