@@ -210,16 +210,23 @@ def input_path(text: str) -> str:
 
 
 def output_file(text: str) -> str:
-    """A file the command will write at its end: checked now, so that a long run is
-    not lost to a typo in the path. Never `-`: fastattn's stdout is its report."""
+    """A file the command will write at its end (through fastattn.files.write_file):
+    checked now, so that a long run is not lost to a typo in the path. Never `-`:
+    fastattn's stdout is its report. Only a new path or a regular file: a device node,
+    a FIFO, a socket or a link there would be replaced by the write, and is refused."""
     if not text:
         raise argparse.ArgumentTypeError("an empty path")
     if text == "-":
         raise argparse.ArgumentTypeError("'-' (stdout) is not written here: name a file (./- for a file named -)")
+    from .. import files
+
     path = os.path.abspath(text)
     parent = os.path.dirname(path)
-    if os.path.isdir(path):
+    if os.path.isdir(path) and not os.path.islink(path):
         raise argparse.ArgumentTypeError(f"{text!r} is a directory, not a file")
+    problem = files.not_replaceable(path)  # the write would replace a device node, a FIFO, a link
+    if problem is not None:
+        raise argparse.ArgumentTypeError(f"{text!r}: {problem}")
     if not os.path.isdir(parent):
         raise argparse.ArgumentTypeError(f"{text!r}: the directory {parent} does not exist")
     if not os.access(parent, os.W_OK | os.X_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):

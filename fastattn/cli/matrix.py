@@ -169,9 +169,16 @@ def _heatmap(plt, path: str, head_dims, cols, mark) -> None:
             ax.text(x, y, mark[(d, *c)], ha="center", va="center", fontsize=7)
     ax.set_title("cuDNN support on this GPU (green: supported)")
     fig.tight_layout()
+    import io
+
+    from .. import files
+
+    image = io.BytesIO()
     try:
-        fig.savefig(path, dpi=120, format="png")  # exactly the path given: no ".png" added
-    except OSError as e:
-        raise InvalidArgumentError(f"--png {path!r}: {e.strerror or e}") from None
+        fig.savefig(image, dpi=120, format="png")
     finally:
         plt.close(fig)
+    try:
+        files.write_file(path, image.getvalue())  # exactly the path given: no ".png" added
+    except OSError as e:
+        raise InvalidArgumentError(f"--png {path!r}: {e.strerror or e}") from None

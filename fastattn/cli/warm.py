@@ -105,9 +105,10 @@ def run(args) -> tuple[int, dict[str, Any]]:
     if args.report:
         import json
 
+        from .. import files
+
         try:
-            with open(args.report, "w") as f:
-                json.dump(out, f, indent=2, sort_keys=True)
+            files.write_file(args.report, json.dumps(out, indent=2, sort_keys=True).encode())
         except OSError as e:
             raise InvalidArgumentError(f"--report {args.report!r}: {e.strerror}") from None
     code = exit_code(report)

@@ -7,7 +7,9 @@ path from a validated key: whatever names the archive holds, nothing is written
 outside the cache directory. A bundle with any member other than the manifest and
 well-named entries, or whose checksums or keys disagree, is refused whole.
 
-Export writes the bundle as entries are written: 0600, atomically. With a signing
+Export writes the bundle as entries are written: 0600, atomically, and only where no
+file or a regular one is (fastattn.files: a FIFO or a device node there is refused,
+not replaced). With a signing
 secret (store.signing), export signs the manifest (which holds every
 entry's sha256) and import refuses a bundle that is unsigned or signed otherwise.
 
@@ -20,21 +22,19 @@ BundleWriteError (an OSError) after importing what it could.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import hmac
 import io
 import json
 import lzma
-import os
 import re
 import tarfile
-import tempfile
 import time
 import zlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
+from .. import files
 from ..errors import InvalidArgumentError
 from .disk import DiskStore
 from .entry import MAX_ENTRY_BYTES, EntryError, decode
@@ -97,27 +97,11 @@ def export_bundle(stores: Iterable[DiskStore], path: str, *,
         if secret is not None:
             manifest["signature"] = _manifest_mac(secret, manifest)
         _add(tar, "manifest.json", json.dumps(manifest, indent=1, sort_keys=True).encode())
-    _write_private(path, buf.getvalue())
+    # 0600, as entries are (native code, and a credential's work when signed), and
+    # atomically: a reader, or a bundle being replaced, sees the old file or the new one.
+    # Only over a regular file: files.NotRegularFileError (an OSError) for anything else.
+    files.write_file(path, buf.getvalue(), private=True)
     return len(manifest["entries"])
-
-
-def _write_private(path: str, data: bytes) -> None:
-    """Writes `path` as the cache writes entries: mode 0600 (mkstemp's, whatever the
-    umask; a bundle is native code and, signed, a credential's work), and atomically
-    (a temporary file in the same folder, renamed): a reader, or a bundle being
-    replaced, sees the old file or the new one, never part of one."""
-    folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.tmp-", dir=folder)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
 
 
 def _add(tar: tarfile.TarFile, name: str, data: bytes) -> None:

@@ -38,6 +38,7 @@ import time
 from dataclasses import dataclass
 from typing import Iterator, Union
 
+from ..files import kind as _kind
 from . import entry as _entry
 from .entry import KEY_PATTERN, Entry, EntryError, decode, encode, read_header_from_file
 
@@ -74,15 +75,6 @@ class Stray:
 
     path: str
     why: str
-
-
-def _kind(mode: int) -> str:
-    for test, name in ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISDIR, "a folder"),
-                       (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
-                       (stat.S_ISBLK, "a block device"), (stat.S_ISREG, "a regular file")):
-        if test(mode):
-            return name
-    return "not a regular file"
 
 
 def _is_shard(name: str) -> bool:
