@@ -1,5 +1,6 @@
 """Files a user names for fastattn to write (a bundle, `warm --report`, `matrix --png`):
-published whole or not at all, and only where nothing but a regular file stands.
+published whole or not at all, and only where nothing but a regular file stands; and
+files it reads (a bundle, a config file): regular files only (not_readable).
 
 A temporary file in the same folder is written, flushed and fsynced, then renamed over
 the path: a reader sees the old file or the new one, never part of one. A rename
@@ -19,7 +20,7 @@ import os
 import secrets
 import stat
 
-__all__ = ["NotRegularFileError", "kind", "not_replaceable", "write_file"]
+__all__ = ["NotRegularFileError", "kind", "not_readable", "not_replaceable", "write_file"]
 
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 
@@ -50,6 +51,20 @@ def not_replaceable(path: str) -> str | None:
     if stat.S_ISREG(st.st_mode):
         return None
     return f"{kind(st.st_mode)}, not a regular file: not replaced"
+
+
+def not_readable(path: str) -> str | None:
+    """Why reading `path` as a file would block or never end ("a FIFO, not a regular
+    file: not read": a FIFO waits for a writer, /dev/zero never ends, a folder is not a
+    file), or None: a regular file (links followed: the file they name is what is
+    read), or nothing there (the reader says so)."""
+    try:
+        st = os.stat(path)
+    except (OSError, ValueError):  # no such file, a name too long, a NUL in it
+        return None
+    if stat.S_ISREG(st.st_mode):
+        return None
+    return f"{kind(st.st_mode)}, not a regular file: not read"
 
 
 def _refuse_unless_replaceable(path: str) -> None:

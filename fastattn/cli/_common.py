@@ -201,11 +201,18 @@ def age(text: str) -> float:
 
 def input_path(text: str) -> str:
     """A file (or text) the command reads: never empty (which would otherwise mean "none
-    given") nor `-` (fastattn reads no stdin: a file named `-` is ./-)."""
+    given") nor `-` (fastattn reads no stdin: a file named `-` is ./-), and, where the
+    path names something, a regular file: a FIFO would block the command forever, a
+    device such as /dev/zero never end, a folder is no file."""
+    from .. import files
+
     if not text:
         raise argparse.ArgumentTypeError("an empty path")
     if text == "-":
         raise argparse.ArgumentTypeError("'-' (stdin) is not read here: name a file (./- for a file named -)")
+    problem = files.not_readable(text)
+    if problem is not None:
+        raise argparse.ArgumentTypeError(f"{text!r}: {problem}")
     return text
 
 

@@ -27,7 +27,9 @@ import hmac
 import io
 import json
 import lzma
+import os
 import re
+import stat
 import tarfile
 import time
 import zlib
@@ -47,6 +49,8 @@ BUNDLE_FORMAT = 1
 _ENTRY_NAME = re.compile(r"^entries/([0-9a-f]{64})\.entry$")
 _MAX_MEMBER = MAX_ENTRY_BYTES  # an entry (or the manifest) is never larger
 _MAX_TOTAL = 4 << 30  # a decompression bomb stops here, not when memory runs out
+_MAX_BUNDLE = _MAX_TOTAL  # the file itself: compressed, its members take no more
+_MAX_MEMBERS = 1 << 20  # members of no size still cost a header's decompression and memory each
 # What tarfile and its decompressors raise on damaged input while members are read
 # (not only at open): a gzip stream cut short is EOFError, a bad deflate block
 # zlib.error, a bad gzip header gzip.BadGzipFile (an OSError).
@@ -125,9 +129,11 @@ def _read_members(path: str) -> dict[str, bytes]:
     members: dict[str, bytes] = {}
     total = 0
     try:
-        with tarfile.open(path, mode="r:*") as tar:
+        with _open_regular(path) as f, tarfile.open(fileobj=f, mode="r:*") as tar:
             for m in tar:
                 name = m.name
+                if len(members) >= _MAX_MEMBERS:
+                    raise InvalidArgumentError(f"{path}: refusing bundle: more than {_MAX_MEMBERS} members")
                 if name != "manifest.json" and not _ENTRY_NAME.match(name):
                     raise InvalidArgumentError(f"{path}: refusing bundle: unexpected member {name[:200]!r}")
                 if not m.isfile():
@@ -146,6 +152,24 @@ def _read_members(path: str) -> dict[str, bytes]:
         why = str(e) or type(e).__name__
         raise InvalidArgumentError(f"{path}: not a readable bundle ({why})") from None
     return members
+
+
+def _open_regular(path: str):
+    """`path` open for reading, when it is a regular file of at most _MAX_BUNDLE bytes;
+    InvalidArgumentError naming it otherwise. Opened without blocking and checked on
+    the descriptor (fstat), so that a FIFO put there after the command checked its
+    argument is not waited on, nor a device such as /dev/zero read forever."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise InvalidArgumentError(f"{path}: {files.kind(st.st_mode)}, not a regular file: not read")
+    if st.st_size > _MAX_BUNDLE:
+        os.close(fd)
+        raise InvalidArgumentError(f"{path}: refusing bundle: {st.st_size} bytes, over the {_MAX_BUNDLE >> 30} GiB "
+                                   "a bundle may hold")
+    os.set_blocking(fd, True)  # (a regular file's reads never block; this keeps them plain)
+    return os.fdopen(fd, "rb")
 
 
 def _read_bundle(path: str) -> tuple[dict[str, Any], dict[str, bytes]]:

@@ -185,3 +185,103 @@ def test_matrix_png_goes_through_write_file(fake_workers, capsys, monkeypatch, w
                         "--png", str(png)], capsys)
     assert code == cli.EXIT_OK, err
     assert png.read_bytes() == b"\x89PNG fake" and written == [str(png)]
+
+
+# -- files the command reads: regular files only (a FIFO would block, /dev/zero never end) -------
+
+
+def _zero_device(path):
+    try:  # a copy of /dev/zero's node, in tmp_path
+        os.mknod(path, stat.S_IFCHR | 0o666, os.makedev(1, 5))
+    except (PermissionError, OSError) as e:
+        pytest.skip(f"cannot mknod here ({e})")
+
+
+def _link_to_fifo(path):
+    os.mkfifo(path.parent / "fifo-target")
+    os.symlink("fifo-target", path)
+
+
+INPUTS = {"a character device": _zero_device, "a FIFO": _fifo, "a socket": _socket,
+          "a link to a FIFO": _link_to_fifo, "a folder": os.mkdir}
+
+
+def _fastattn(argv, tmp_path, timeout=60):
+    """`fastattn <argv>` in a child process (a read that blocks fails the test at the
+    timeout instead of hanging it), with a cache directory in tmp_path and no GPU."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "FASTATTN_CACHE_DIR": str(tmp_path / "cache"),
+           "PYTHONPATH": os.pathsep.join([os.path.dirname(os.path.dirname(fastattn.__file__)),
+                                          os.environ.get("PYTHONPATH", "")])}
+    env.pop("FASTATTN_REMOTE_CACHE", None)
+    try:
+        return subprocess.run([sys.executable, "-m", "fastattn", *argv], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"fastattn {' '.join(argv)} still ran after {timeout} s (a blocked or endless read)")
+
+
+@pytest.mark.parametrize("node", list(INPUTS))
+@pytest.mark.parametrize("argv,flag", [
+    (["cache", "import", "{path}", "--force"], "bundle"),
+    (["cache", "import", "{path}"], "bundle"),
+    (["probe", "--config", "{path}"], "--config"),
+    (["warm", "{path}"], "file"),
+])
+def test_an_input_that_is_not_a_regular_file_is_refused(tmp_path, node, argv, flag):
+    path = tmp_path / "in"
+    INPUTS[node](path)
+    r = _fastattn([a.format(path=path) for a in argv], tmp_path)
+    assert r.returncode == cli.EXIT_BAD_INPUT, r.stdout + r.stderr
+    assert f"argument {flag}:" in r.stderr and str(path) in r.stderr and "not a regular file" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and not (tmp_path / "cache").exists()
+
+
+def test_import_bundle_refuses_a_fifo_without_waiting_on_it(tmp_path):
+    # The library's own check: what the path names when it is opened, not when the flag was read.
+    os.mkfifo(tmp_path / "b.tgz")
+    code = ("import sys\nfrom fastattn import store\nfrom fastattn.store import bundle\n"
+            "try:\n    bundle.import_bundle(sys.argv[1], store.DiskStore(sys.argv[2]), environment=None, force=True)\n"
+            "except ValueError as e:\n    print(e)\n")
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(os.path.dirname(fastattn.__file__)),
+                                                        os.environ.get("PYTHONPATH", "")])}
+    try:
+        r = subprocess.run([sys.executable, "-c", code, str(tmp_path / "b.tgz"), str(tmp_path / "c")], env=env,
+                           capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail("import_bundle waited on a FIFO")
+    assert "a FIFO, not a regular file" in r.stdout and str(tmp_path / "b.tgz") in r.stdout, r.stdout + r.stderr
+
+
+def test_a_bundle_over_the_size_limit_is_refused_unread(tmp_path, monkeypatch):
+    from fastattn import store
+    from fastattn.store import bundle
+
+    path = tmp_path / "big.tgz"
+    with open(path, "wb") as f:
+        f.truncate(2 << 20)
+    monkeypatch.setattr(bundle, "_MAX_BUNDLE", 1 << 20)
+    monkeypatch.setattr(bundle.tarfile, "open", lambda *a, **k: pytest.fail("the bundle was read"))
+    with pytest.raises(fastattn.InvalidArgumentError, match="over the"):
+        bundle.import_bundle(str(path), store.DiskStore(str(tmp_path / "c")), environment=None, force=True)
+
+
+def test_a_bundle_of_too_many_members_is_refused(tmp_path, monkeypatch):
+    import io
+    import tarfile
+
+    from fastattn import store
+    from fastattn.store import bundle
+
+    path = tmp_path / "many.tar"
+    with tarfile.open(path, "w") as tar:
+        for i in range(5):
+            tar.addfile(tarfile.TarInfo(f"entries/{i:064x}.entry"), io.BytesIO(b""))
+    monkeypatch.setattr(bundle, "_MAX_MEMBERS", 3)
+    with pytest.raises(fastattn.InvalidArgumentError, match="more than 3 members"):
+        bundle.import_bundle(str(path), store.DiskStore(str(tmp_path / "c")), environment=None, force=True)
