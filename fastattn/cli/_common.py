@@ -7,8 +7,10 @@ Handlers return (exit code, result dict); "_text" in the dict is the human form.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
+import sys
 import textwrap
 from typing import Any
 
@@ -239,6 +241,41 @@ def output_file(text: str) -> str:
     if not os.access(parent, os.W_OK | os.X_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
         raise argparse.ArgumentTypeError(f"{text!r}: not writable here")
     return text
+
+
+def to_stderr(text: str) -> bool:
+    """Writes `text` to stderr, flushed; whether it was. Never raises: stderr may be
+    closed (`2>&-`: sys.stderr is None), on a full disk (ENOSPC) or a pipe nobody reads,
+    and the exit code is the outcome whatever it is. Every line the command writes to
+    stderr goes through here. After a failed write stderr is pointed at os.devnull, so
+    that what stays in its buffer does not fail again at the interpreter's exit (which
+    would make the exit code 120)."""
+    stream = sys.stderr
+    if stream is None:
+        return False
+    try:
+        stream.write(text)
+        stream.flush()
+        return True
+    except (OSError, ValueError):  # ValueError: a closed file object
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            null = os.open(os.devnull, os.O_WRONLY)
+            try:
+                os.dup2(null, stream.fileno())
+            finally:
+                os.close(null)
+        return False
+
+
+def say(line: str) -> None:
+    """One line on stderr (a failure, a warning), through to_stderr."""
+    to_stderr(line + "\n")
+
+
+def settle_stderr() -> None:
+    """What is still buffered on stderr (logging's lines, a warning's) written now, or
+    dropped: `main`'s last step, so that the interpreter's own flush at exit cannot fail."""
+    to_stderr("")
 
 
 def wrap(text: str, indent: str = "  ", width: int = 100) -> list[str]:

@@ -14,7 +14,6 @@ where there is no usable GPU, as everywhere.
 from __future__ import annotations
 
 import os
-import sys
 import time
 from typing import Any
 
@@ -25,7 +24,7 @@ from ..store import bundle
 from ..store.entry import decode
 from ..verdict import Verdict
 from ._common import (EXIT_FAILED, EXIT_OK, Parser, add_json_flag, age, gpu_environment, input_path, output_file,
-                      size)
+                      say, size)
 from ._common import this_environment as _this_environment
 
 
@@ -268,7 +267,7 @@ def _writable_main(cache: PlanCache) -> store.DiskStore:
 def _cannot_write(message: str, out: dict[str, Any]) -> tuple[int, dict[str, Any]]:
     """Exit 4 with the reason: the bundle (or the remote tier) was fine, the work was
     not done. The message goes to stderr, as every failure's does."""
-    print(f"fastattn: {message}", file=sys.stderr)
+    say(f"fastattn: {message}")
     return EXIT_FAILED, {**out, "error": "CannotWrite", "message": message, "_text": "failed: the cache cannot be written"}
 
 
@@ -366,7 +365,7 @@ def _pull(args, cache: PlanCache) -> tuple[int, dict[str, Any]]:
         # (FASTATTN_CACHE_HMAC_KEY) than the machines that pushed. Not a success.
         message = (f"every entry of {remote.name} was rejected ({rejected}: unsigned, signed with another secret, "
                    "or damaged; see the warnings)")
-        print(f"fastattn: {message}", file=sys.stderr)
+        say(f"fastattn: {message}")
         return EXIT_FAILED, {**out, "error": "AllRejected", "message": message}
     return EXIT_OK, out
 

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import InvalidArgumentError
 from ._common import (EXIT_FAILED, EXIT_NO_GPU, EXIT_OK, EXIT_UNSUPPORTED, add_json_flag, add_verify_flag,
                       check_verify_possible, exit_code, input_path, integer, length_range, number, output_file,
-                      shape_classes, wrap)
+                      say, shape_classes, to_stderr, wrap)
 
 if TYPE_CHECKING:
     from ..warm import WarmItem
@@ -58,20 +58,25 @@ def add_parser(sub) -> None:
 
 
 def _progress_bar():
-    """A one-line bar on stderr, only on a terminal (logs and pipes get the table alone)."""
-    if not sys.stderr.isatty():
+    """A one-line bar on stderr, only on a terminal (logs and pipes get the table alone;
+    a closed stderr, none). A write that fails ends the bar, not the warm."""
+    try:
+        if sys.stderr is None or not sys.stderr.isatty():
+            return None
+    except (OSError, ValueError):  # a closed file object
         return None
     counts: dict[str, int] = {}
+    drawing = [True]
 
     def draw(done: int, total_: int, item: WarmItem) -> None:
         counts[item.status] = counts.get(item.status, 0) + 1
+        if not drawing[0]:
+            return
         width = 30
         filled = int(width * done / max(total_, 1))
         summary = " ".join(f"{k} {v}" for k, v in sorted(counts.items()))
-        sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total_} {summary}   ")
-        if done == total_:
-            sys.stderr.write("\n")
-        sys.stderr.flush()
+        drawing[0] = to_stderr(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total_} {summary}   "
+                               + ("\n" if done == total_ else ""))
 
     return draw
 
@@ -115,7 +120,7 @@ def run(args) -> tuple[int, dict[str, Any]]:
     if report.not_saved and code in (EXIT_OK, EXIT_UNSUPPORTED):
         code = EXIT_FAILED  # a pre-warm that left the cache without its answers did not do its work
     for warning in report.warnings:  # the workers' own, which would otherwise end in their logs
-        print(f"fastattn: warning: {warning}", file=sys.stderr)
+        say(f"fastattn: warning: {warning}")
     if torch_ops is not None:
         out["torch_ops"] = torch_ops.result()
     if code == EXIT_NO_GPU:  # one reason for every config: said once, not once per config
