@@ -243,6 +243,24 @@ def output_file(text: str) -> str:
     return text
 
 
+def printable(text: str) -> str:
+    """`text` with each character that is not printable escaped as Python writes it
+    (an ANSI escape as \\x1b, a newline as \\n, a NUL as \\x00, a surrogate from an
+    undecodable file name as \\udcff); printable ones, accents and CJK included, as
+    they are. For what the command shows from elsewhere (a stored header's strings, a
+    file name, a flag's value): it cannot paint the terminal, move its cursor or forge
+    a line of a listing."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)
+
+
+def printable_lines(text: str) -> str:
+    """printable() on each line of `text`, its line breaks kept: what `main` does to
+    every text it prints, whatever made it."""
+    return "\n".join(printable(line) for line in text.split("\n"))
+
+
 def to_stderr(text: str) -> bool:
     """Writes `text` to stderr, flushed; whether it was. Never raises: stderr may be
     closed (`2>&-`: sys.stderr is None), on a full disk (ENOSPC) or a pipe nobody reads,
@@ -268,8 +286,9 @@ def to_stderr(text: str) -> bool:
 
 
 def say(line: str) -> None:
-    """One line on stderr (a failure, a warning), through to_stderr."""
-    to_stderr(line + "\n")
+    """One line on stderr (a failure, a warning; a message's own lines kept, their
+    controls escaped: printable_lines), through to_stderr."""
+    to_stderr(printable_lines(line) + "\n")
 
 
 def settle_stderr() -> None:

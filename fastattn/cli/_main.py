@@ -18,7 +18,7 @@ from typing import Any, Sequence
 from ..errors import CudaError, CudnnError, InvalidArgumentError, LibraryError
 from . import cache, info, matrix, probe, warm
 from ._common import (EXIT_BAD_INPUT, EXIT_BUG, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_NO_GPU, Parser, UsageError,
-                      plain_text, say, settle_stderr, to_stderr)
+                      plain_text, printable_lines, say, settle_stderr, to_stderr)
 
 # One module per command group; each adds its parser and runs its command.
 _COMMANDS = {"info": info, "probe": probe, "warm": warm, "matrix": matrix, "cache": cache}
@@ -77,7 +77,7 @@ def _main(argv: Sequence[str] | None) -> int:
         if as_json:
             _print_json({"error": "UsageError", "message": str(e)})
         else:
-            to_stderr(f"{e.usage}fastattn: error: {e}\n")
+            to_stderr(printable_lines(f"{e.usage}fastattn: error: {e}") + "\n")  # argparse echoes values raw
         return EXIT_BAD_INPUT
     except BrokenPipeError as e:  # the reader of our output went away (`| head`)
         return _output_failed(e)
@@ -158,7 +158,9 @@ def _emit(out: dict[str, Any], as_json: bool) -> None:
     if as_json:
         _print_json(out)
     else:
-        _write((plain_text(out) if text is None else text) + "\n")
+        # Whatever the text holds (a stored header's strings, a path, cuDNN's reason), no
+        # terminal control reaches the terminal; JSON escapes them itself.
+        _write(printable_lines(plain_text(out) if text is None else text) + "\n")
 
 
 def _print_json(value: Any) -> None:
