@@ -42,12 +42,15 @@ def kind(mode: int) -> str:
 
 def not_replaceable(path: str) -> str | None:
     """Why writing `path` would destroy what is there ("a FIFO, not a regular file: not
-    replaced"), or None: nothing there, or a regular file. Links are not followed: a
-    link is what would be replaced."""
+    replaced") or cannot be done (it cannot be looked up: a name too long, a file where
+    a folder should be), or None: nothing there, or a regular file. Links are not
+    followed: a link is what would be replaced."""
     try:
         st = os.lstat(path)
     except FileNotFoundError:
         return None
+    except OSError as e:  # a name too long, a file where a folder should be: nothing can be written there
+        return f"cannot be looked up ({e.strerror})"
     if stat.S_ISREG(st.st_mode):
         return None
     return f"{kind(st.st_mode)}, not a regular file: not replaced"

@@ -233,11 +233,11 @@ def output_file(text: str) -> str:
     parent = os.path.dirname(path)
     if os.path.isdir(path) and not os.path.islink(path):
         raise argparse.ArgumentTypeError(f"{text!r} is a directory, not a file")
+    if not os.path.isdir(parent):
+        raise argparse.ArgumentTypeError(f"{text!r}: the directory {parent} does not exist")
     problem = files.not_replaceable(path)  # the write would replace a device node, a FIFO, a link
     if problem is not None:
         raise argparse.ArgumentTypeError(f"{text!r}: {problem}")
-    if not os.path.isdir(parent):
-        raise argparse.ArgumentTypeError(f"{text!r}: the directory {parent} does not exist")
     if not os.access(parent, os.W_OK | os.X_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
         raise argparse.ArgumentTypeError(f"{text!r}: not writable here")
     return text

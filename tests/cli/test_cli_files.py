@@ -285,3 +285,13 @@ def test_a_bundle_of_too_many_members_is_refused(tmp_path, monkeypatch):
     monkeypatch.setattr(bundle, "_MAX_MEMBERS", 3)
     with pytest.raises(fastattn.InvalidArgumentError, match="more than 3 members"):
         bundle.import_bundle(str(path), store.DiskStore(str(tmp_path / "c")), environment=None, force=True)
+
+
+@pytest.mark.parametrize("name", ["x" * 300 + "/r.json", "file.txt/r.json", "x" * 300])
+def test_an_output_path_that_cannot_be_looked_up_is_bad_input(tmp_path, capsys, cache_dir, no_work, name):
+    (tmp_path / "file.txt").write_text("a file, not a folder\n")
+    for argv in (["warm", "--report", str(tmp_path / name)], ["cache", "export", "--all", str(tmp_path / name)]):
+        code, out, err = run(argv, capsys)
+        assert code == cli.EXIT_BAD_INPUT and "argument" in err, err
+    with pytest.raises(OSError):
+        files.write_file(str(tmp_path / name), b"data")
