@@ -10,6 +10,7 @@ import argparse
 import contextlib
 import math
 import os
+import re
 import sys
 import textwrap
 from typing import Any
@@ -45,7 +46,9 @@ class Parser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
 
     def error(self, message: str):  # raise, not exit: main reports it (as JSON with --json) with exit code 2
-        raise UsageError(message, self.format_usage())
+        # argparse quotes values itself too (an invalid choice, unrecognized arguments):
+        # shortened here, as echo() shortens ours.
+        raise UsageError(_LONG_WORD.sub(lambda m: _shortened(m.group()), message), self.format_usage())
 
 
 def add_json_flag(parser: argparse.ArgumentParser, help: str = "print JSON") -> None:
@@ -80,6 +83,25 @@ def check_verify_possible() -> None:
 
 # -- flag parsers: each names the value and the rule; argparse adds the flag's name -----
 
+_ECHO = 80  # the most characters of a value a message quotes
+_LONG_WORD = re.compile(r"\S{%d,}" % (_ECHO + 20))
+
+
+def _shortened(text: str) -> str:
+    return f"{text[:_ECHO]}... ({len(text)} characters)"
+
+
+def echo(value: str) -> str:
+    """A flag's value as a message quotes it: its repr (quotes, escapes) when it has at
+    most _ECHO characters; else its first _ECHO and its length, so that a 5000-digit
+    value does not fill the screen (and the rule after it stays in sight)."""
+    value = str(value)
+    if len(value) <= _ECHO:
+        return repr(value)
+    quoted = repr(value[:_ECHO])
+    return f"{quoted[:-1]}...{quoted[-1]} ({len(value)} characters)"
+
+
 
 def integer(minimum: int | None = None, maximum: int | None = INT_MAX):
     """An argparse type: an integer within [minimum, maximum]."""
@@ -88,7 +110,7 @@ def integer(minimum: int | None = None, maximum: int | None = INT_MAX):
         try:
             value = int(text.strip())
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+            raise argparse.ArgumentTypeError(f"{echo(text)} is not an integer") from None
         _check_range(text, value, minimum, maximum)
         return value
 
@@ -100,7 +122,7 @@ def ints(text: str, minimum: int | None = 1, maximum: int | None = INT_MAX) -> l
     try:
         values = [int(v) for v in text.split(",") if v.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
+        raise argparse.ArgumentTypeError(f"{echo(text)} is not a comma-separated list of integers") from None
     if not values:
         raise argparse.ArgumentTypeError("an empty list")
     for v in values:
@@ -116,14 +138,14 @@ def number(minimum: float | None = None, maximum: float | None = None, *, above:
         try:
             value = float(text.strip())
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+            raise argparse.ArgumentTypeError(f"{echo(text)} is not a number") from None
         if not math.isfinite(value):
-            raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+            raise argparse.ArgumentTypeError(f"{echo(text)} is not a finite number")
         _check_range(text, value, minimum, maximum)
         if above is not None and not value > above:
-            raise argparse.ArgumentTypeError(f"{text!r} must be > {above:g}")
+            raise argparse.ArgumentTypeError(f"{echo(text)} must be > {above:g}")
         if below is not None and not value < below:
-            raise argparse.ArgumentTypeError(f"{text!r} must be < {below:g}")
+            raise argparse.ArgumentTypeError(f"{echo(text)} must be < {below:g}")
         return value
 
     parse.__name__ = "number"
@@ -132,9 +154,9 @@ def number(minimum: float | None = None, maximum: float | None = None, *, above:
 
 def _check_range(text: str, value, minimum, maximum) -> None:
     if minimum is not None and value < minimum:
-        raise argparse.ArgumentTypeError(f"{text!r} must be >= {minimum}")
+        raise argparse.ArgumentTypeError(f"{echo(text)} must be >= {minimum}")
     if maximum is not None and value > maximum:
-        raise argparse.ArgumentTypeError(f"{text!r} must be <= {maximum}")
+        raise argparse.ArgumentTypeError(f"{echo(text)} must be <= {maximum}")
 
 
 def choices(allowed):
@@ -142,7 +164,7 @@ def choices(allowed):
         values = [v.strip() for v in text.split(",") if v.strip()]
         bad = [v for v in values if v not in allowed]
         if bad or not values:
-            raise argparse.ArgumentTypeError(f"{bad[0] if bad else text!r} is not one of {', '.join(allowed)}")
+            raise argparse.ArgumentTypeError(f"{echo(bad[0] if bad else text)} is not one of {', '.join(allowed)}")
         return values
 
     return parse
@@ -155,8 +177,8 @@ def length_range(text: str) -> tuple[int, int]:
 
     try:
         return parse_range(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e).split(": ", 1)[-1]) from None
+    except ValueError as e:  # (its message quotes the value whole: quoted here by echo)
+        raise argparse.ArgumentTypeError(f"{echo(text)}: {str(e).split(': ', 1)[-1]}") from None
 
 
 length_range.__name__ = "length range"
@@ -169,7 +191,7 @@ def shape_classes(text: str):
     try:
         return parse(text)
     except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e).split(": ", 1)[-1]) from None
+        raise argparse.ArgumentTypeError(f"{echo(text)}: {str(e).split(': ', 1)[-1]}") from None
 
 
 def size(text: str) -> int:
@@ -179,11 +201,11 @@ def size(text: str) -> int:
     try:
         value = float(num) * units[unit]
     except (ValueError, KeyError):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size (e.g. 500M, 2G)") from None
+        raise argparse.ArgumentTypeError(f"{echo(text)} is not a size (e.g. 500M, 2G)") from None
     if not math.isfinite(value) or value >= 2**63:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a finite size below 8 EiB")
+        raise argparse.ArgumentTypeError(f"{echo(text)} is not a finite size below 8 EiB")
     if value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is negative")
+        raise argparse.ArgumentTypeError(f"{echo(text)} is negative")
     return int(value)
 
 
@@ -193,11 +215,11 @@ def age(text: str) -> float:
     try:
         value = float(t[:-1]) * units[t[-1]] if t and t[-1] in units else float(t)
     except (ValueError, KeyError):
-        raise argparse.ArgumentTypeError(f"{text!r} is not an age (e.g. 90s, 12h, 30d)") from None
+        raise argparse.ArgumentTypeError(f"{echo(text)} is not an age (e.g. 90s, 12h, 30d)") from None
     if not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a finite age")
+        raise argparse.ArgumentTypeError(f"{echo(text)} is not a finite age")
     if value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is negative")
+        raise argparse.ArgumentTypeError(f"{echo(text)} is negative")
     return value
 
 
@@ -214,7 +236,7 @@ def input_path(text: str) -> str:
         raise argparse.ArgumentTypeError("'-' (stdin) is not read here: name a file (./- for a file named -)")
     problem = files.not_readable(text)
     if problem is not None:
-        raise argparse.ArgumentTypeError(f"{text!r}: {problem}")
+        raise argparse.ArgumentTypeError(f"{echo(text)}: {problem}")
     return text
 
 
@@ -232,14 +254,14 @@ def output_file(text: str) -> str:
     path = os.path.abspath(text)
     parent = os.path.dirname(path)
     if os.path.isdir(path) and not os.path.islink(path):
-        raise argparse.ArgumentTypeError(f"{text!r} is a directory, not a file")
+        raise argparse.ArgumentTypeError(f"{echo(text)} is a directory, not a file")
     if not os.path.isdir(parent):
-        raise argparse.ArgumentTypeError(f"{text!r}: the directory {parent} does not exist")
+        raise argparse.ArgumentTypeError(f"{echo(text)}: the directory {echo(parent)} does not exist")
     problem = files.not_replaceable(path)  # the write would replace a device node, a FIFO, a link
     if problem is not None:
-        raise argparse.ArgumentTypeError(f"{text!r}: {problem}")
+        raise argparse.ArgumentTypeError(f"{echo(text)}: {problem}")
     if not os.access(parent, os.W_OK | os.X_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
-        raise argparse.ArgumentTypeError(f"{text!r}: not writable here")
+        raise argparse.ArgumentTypeError(f"{echo(text)}: not writable here")
     return text
 
 

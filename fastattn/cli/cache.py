@@ -23,7 +23,7 @@ from ..plan_cache import PlanCache, config_of
 from ..store import bundle
 from ..store.entry import decode
 from ..verdict import Verdict
-from ._common import (EXIT_FAILED, EXIT_OK, Parser, add_json_flag, age, gpu_environment, input_path, output_file,
+from ._common import (EXIT_FAILED, EXIT_OK, Parser, add_json_flag, age, echo, gpu_environment, input_path, output_file,
                       printable, say, size)
 from ._common import this_environment as _this_environment
 
@@ -169,7 +169,7 @@ def _find(cache: PlanCache, prefix: str):
     keys = {i.key for _, i in matches}
     if not prefix or len(keys) != 1:
         what = "no entry" if not keys else f"{len(keys)} entries"
-        raise InvalidArgumentError(f"key {prefix!r}: {what} match; give more of the key (fastattn cache ls)")
+        raise InvalidArgumentError(f"key {echo(prefix)}: {what} match; give more of the key (fastattn cache ls)")
     return matches[0]
 
 

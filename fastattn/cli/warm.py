@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import InvalidArgumentError
 from ._common import (EXIT_FAILED, EXIT_NO_GPU, EXIT_OK, EXIT_UNSUPPORTED, add_json_flag, add_verify_flag,
-                      check_verify_possible, exit_code, input_path, integer, length_range, number, output_file,
+                      check_verify_possible, echo, exit_code, input_path, integer, length_range, number, output_file,
                       say, shape_classes, to_stderr, wrap)
 
 if TYPE_CHECKING:
@@ -115,7 +115,7 @@ def run(args) -> tuple[int, dict[str, Any]]:
         try:
             files.write_file(args.report, json.dumps(out, indent=2, sort_keys=True).encode())
         except OSError as e:
-            raise InvalidArgumentError(f"--report {args.report!r}: {e.strerror}") from None
+            raise InvalidArgumentError(f"--report {echo(args.report)}: {e.strerror}") from None
     code = exit_code(report)
     if report.not_saved and code in (EXIT_OK, EXIT_UNSUPPORTED):
         code = EXIT_FAILED  # a pre-warm that left the cache without its answers did not do its work
