@@ -103,30 +103,53 @@ def echo(value: str) -> str:
 
 
 
+# What a flag takes as a number: ASCII decimal digits, an optional sign (a range check
+# refuses a negative value where none is meaningful, saying so), and for a real number a
+# decimal point and an exponent. int() and float() take more than a person types as a
+# number (1_0, Arabic-Indic or fullwidth digits, Unicode spaces around it): not here.
+_SPACES = " \t\n\r\x0b\x0c"
+_INTEGER = re.compile(r"[+-]?[0-9]+")
+_REAL = re.compile(r"[+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?")
+_DIGITS = 1000  # more digits than any bound has: out of range without converting them
+
+
+def _integer(text: str, minimum: int | None, maximum: int | None, what: str = "an integer") -> int:
+    t = text.strip(_SPACES)
+    if not _INTEGER.fullmatch(t):
+        raise argparse.ArgumentTypeError(f"{echo(text)} is not {what} (ASCII digits 0-9, an optional sign)")
+    value = int(t) if len(t) <= _DIGITS else (-1 if t[0] == "-" else 1) * 10**_DIGITS
+    _check_range(text, value, minimum, maximum)
+    if abs(value) >= 10**_DIGITS:
+        raise argparse.ArgumentTypeError(f"{echo(text)} is out of range")
+    return value
+
+
+def _real(text: str, what: str) -> float:
+    t = text.strip(_SPACES)
+    if t.lower().lstrip("+-") in ("inf", "infinity", "nan"):
+        raise argparse.ArgumentTypeError(f"{echo(text)} is not a finite {what}")
+    if len(t) > _DIGITS or not _REAL.fullmatch(t):
+        raise argparse.ArgumentTypeError(f"{echo(text)} is not a {what} (ASCII digits 0-9, a sign, a point, "
+                                         "an exponent)")
+    return float(t)
+
+
 def integer(minimum: int | None = None, maximum: int | None = INT_MAX):
-    """An argparse type: an integer within [minimum, maximum]."""
+    """An argparse type: an integer within [minimum, maximum], in ASCII digits."""
 
     def parse(text: str) -> int:
-        try:
-            value = int(text.strip())
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{echo(text)} is not an integer") from None
-        _check_range(text, value, minimum, maximum)
-        return value
+        return _integer(text, minimum, maximum)
 
     parse.__name__ = "integer"  # argparse names the type in some messages
     return parse
 
 
 def ints(text: str, minimum: int | None = 1, maximum: int | None = INT_MAX) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{echo(text)} is not a comma-separated list of integers") from None
+    """A comma-separated list of integers within [minimum, maximum] (empty items dropped)."""
+    values = [_integer(v, minimum, maximum, "a comma-separated list of integers") for v in text.split(",")
+              if v.strip(_SPACES)]
     if not values:
         raise argparse.ArgumentTypeError("an empty list")
-    for v in values:
-        _check_range(str(v), v, minimum, maximum)
     return values
 
 
@@ -135,11 +158,8 @@ def number(minimum: float | None = None, maximum: float | None = None, *, above:
     """An argparse type: a finite number within the bounds (above/below: exclusive)."""
 
     def parse(text: str) -> float:
-        try:
-            value = float(text.strip())
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{echo(text)} is not a number") from None
-        if not math.isfinite(value):
+        value = _real(text, "number")
+        if not math.isfinite(value):  # 1e400
             raise argparse.ArgumentTypeError(f"{echo(text)} is not a finite number")
         _check_range(text, value, minimum, maximum)
         if above is not None and not value > above:
@@ -170,11 +190,22 @@ def choices(allowed):
     return parse
 
 
+def _ascii_lengths(text: str, form: str, largest: str) -> None:
+    """What the length parsers (fastattn.shape_classes) take from a flag: ASCII digits
+    (their \\d takes any script's), of at most the digits of the largest length; else
+    the rule, `form` (what is written) or `largest` (the range)."""
+    if not text.isascii():
+        raise argparse.ArgumentTypeError(f"{echo(text)}: {form}, in ASCII digits 0-9")
+    if any(len(run) > len(str(INT_MAX)) for run in re.findall(r"[0-9]+", text)):
+        raise argparse.ArgumentTypeError(f"{echo(text)}: {largest}")
+
+
 def length_range(text: str) -> tuple[int, int]:
     """An argparse type: sequence lengths LO..HI (inclusive) or one length
     (fastattn.shape_classes.parse_range)."""
     from ..shape_classes import parse_range
 
+    _ascii_lengths(text, "expected LO..HI (e.g. 1..32768) or one length", f"expected 1 <= LO <= HI <= {INT_MAX}")
     try:
         return parse_range(text)
     except ValueError as e:  # (its message quotes the value whole: quoted here by echo)
@@ -188,6 +219,8 @@ def shape_classes(text: str):
     """An argparse type: auto, off or ascending class bounds (fastattn.shape_classes.parse)."""
     from ..shape_classes import parse
 
+    _ascii_lengths(text, 'expected "auto", "off" or comma-separated lengths (e.g. "256,1024,4096")',
+                   f"a boundary must be an int in 2..{INT_MAX}")
     try:
         return parse(text)
     except ValueError as e:
@@ -199,8 +232,8 @@ def size(text: str) -> int:
     t = text.strip().lower().removesuffix("b").removesuffix("i")
     num, unit = (t[:-1], t[-1]) if t and t[-1] in units else (t, "")
     try:
-        value = float(num) * units[unit]
-    except (ValueError, KeyError):
+        value = _real(num, "size") * units[unit]
+    except (argparse.ArgumentTypeError, KeyError):
         raise argparse.ArgumentTypeError(f"{echo(text)} is not a size (e.g. 500M, 2G)") from None
     if not math.isfinite(value) or value >= 2**63:
         raise argparse.ArgumentTypeError(f"{echo(text)} is not a finite size below 8 EiB")
@@ -213,8 +246,8 @@ def age(text: str) -> float:
     units = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
     t = text.strip().lower()
     try:
-        value = float(t[:-1]) * units[t[-1]] if t and t[-1] in units else float(t)
-    except (ValueError, KeyError):
+        value = _real(t[:-1], "age") * units[t[-1]] if t and t[-1] in units else _real(t, "age")
+    except argparse.ArgumentTypeError:
         raise argparse.ArgumentTypeError(f"{echo(text)} is not an age (e.g. 90s, 12h, 30d)") from None
     if not math.isfinite(value):
         raise argparse.ArgumentTypeError(f"{echo(text)} is not a finite age")
