@@ -48,10 +48,13 @@ def add_parser(sub) -> None:
     cls.add_argument("--heads-kv", type=integer(1), help="key/value heads (default: --heads)")
     cls.add_argument("--head-dim", type=integer(1), help="head dim of q and k (needed with --seqlens)")
     cls.add_argument("--head-dim-v", type=integer(1), help="head dim of v (default: --head-dim)")
-    cls.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16", help="default bf16")
-    cls.add_argument("--mask", choices=("none", "causal", "causal_bottom_right"), default="causal_bottom_right",
+    # No argparse defaults in this group: a flag given (even at its default's value) is
+    # told from one left out, so that each is refused alike without --seqlens
+    # (_no_class_flags); class_configs applies the defaults, _CLASS_DEFAULTS.
+    cls.add_argument("--dtype", choices=("bf16", "fp16"), help="default bf16")
+    cls.add_argument("--mask", choices=("none", "causal", "causal_bottom_right"),
                      help="default causal_bottom_right (FlashAttention's causal, what decode needs)")
-    cls.add_argument("--batch", type=integer(1), default=1, help="batch size (a class plan per batch; default 1)")
+    cls.add_argument("--batch", type=integer(1), help="batch size (a class plan per batch; default 1)")
     cls.add_argument("--training", action="store_true", help="plans with their backward (training calls)")
     cls.add_argument("--shape-classes", type=shape_classes, default=None,
                      help="auto, or ascending class bounds such as 256,1024,4096 (default: FASTATTN_SHAPE_CLASSES)")
@@ -133,15 +136,15 @@ def run(args) -> tuple[int, dict[str, Any]]:
     return code, out
 
 
-_CLASS_FLAGS = ("heads", "heads_kv", "head_dim", "head_dim_v", "batch", "training", "shape_classes")
+_CLASS_FLAGS = ("heads", "heads_kv", "head_dim", "head_dim_v", "dtype", "mask", "batch", "training",
+                "shape_classes")
+_CLASS_DEFAULTS = {"dtype": "bf16", "mask": "causal_bottom_right", "batch": 1}
 
 
 def _no_class_flags(args) -> None:
-    """The model flags mean something only with --seqlens: refused without it, not ignored."""
-    given = [f"--{n.replace('_', '-')}" for n in _CLASS_FLAGS
-             if getattr(args, n, None) not in (None, False, 1 if n == "batch" else None)]
-    if getattr(args, "dtype", "bf16") != "bf16" or getattr(args, "mask", "causal_bottom_right") != "causal_bottom_right":
-        given.append("--dtype/--mask")
+    """The model flags mean something only with --seqlens: each given is refused without
+    it (whatever its value, its default's too), not ignored."""
+    given = [f"--{n.replace('_', '-')}" for n in _CLASS_FLAGS if getattr(args, n, None) not in (None, False)]
     if given:
         raise InvalidArgumentError(f"{', '.join(given)}: only with --seqlens (warm by shape class)")
 
@@ -179,9 +182,11 @@ def class_configs(args) -> tuple[list, list[list[int]]]:
                                    "bounds such as 256,1024,4096")
     lo, hi = args.seqlens
     uppers, uncovered = sc.classes_in_range(lo, hi, classes)
-    common = dict(batch=args.batch, heads_q=args.heads, heads_kv=heads_kv, head_dim_qk=args.head_dim,
-                  head_dim_v=args.head_dim_v or args.head_dim, dtype=args.dtype, training=args.training,
-                  mask=args.mask, alignment="bottom_right" if args.mask == "causal_bottom_right" else "top_left")
+    batch, dtype, mask = (_CLASS_DEFAULTS[n] if getattr(args, n) is None else getattr(args, n)
+                          for n in ("batch", "dtype", "mask"))
+    common = dict(batch=batch, heads_q=args.heads, heads_kv=heads_kv, head_dim_qk=args.head_dim,
+                  head_dim_v=args.head_dim_v or args.head_dim, dtype=dtype, training=args.training,
+                  mask=mask, alignment="bottom_right" if mask == "causal_bottom_right" else "top_left")
     configs = []
     for u in uppers:
         # Prefill; and decode (one query, the class's keys), which is inference only.
