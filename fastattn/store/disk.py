@@ -120,7 +120,7 @@ def read_regular(path: str) -> bytes:
         data = f.read(_entry.MAX_ENTRY_BYTES + 1) if error is None else b""
         error = error or _entry.too_large(len(data))
         if error is not None:
-            raise _TooLarge(str(error))
+            raise _TooLarge(f"{error}: not read")
         return data
 
 

@@ -84,7 +84,7 @@ def too_large(size: int) -> EntryError | None:
     """The EntryError for an entry of `size` bytes, when that is over MAX_ENTRY_BYTES."""
     if size <= MAX_ENTRY_BYTES:
         return None
-    return EntryError(f"{size} bytes, over the {MAX_ENTRY_BYTES >> 20} MiB an entry may hold: not read")
+    return EntryError(f"{size} bytes, over the {MAX_ENTRY_BYTES >> 20} MiB an entry may hold")
 
 
 def encode(entry: Entry) -> bytes:
