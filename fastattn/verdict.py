@@ -39,7 +39,19 @@ class VerdictError(ValueError):
 
 
 def _number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
+    """A finite number >= 0 as a float holds it (an integer past 1.8e308 is not one:
+    math.isfinite would raise OverflowError on it)."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(float(value)) and value >= 0
+    except OverflowError:
+        return False
+
+
+def _count(value: Any) -> bool:
+    """An integer in [0, 2**63): a cuDNN version, a count of elements."""
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**63
 
 
 @dataclass(frozen=True)
@@ -146,7 +158,7 @@ class Verdict:
         status, cudnn, tol, checks = data["status"], data["cudnn"], data["tolerance"], data["checks"]
         if status not in STATUSES:
             raise VerdictError(f"verdict: status {status!r}")
-        if not (isinstance(cudnn, int) and not isinstance(cudnn, bool) and cudnn >= 0):
+        if not _count(cudnn):
             raise VerdictError("verdict: cudnn")
         if not (_number(tol) and 0 < tol < 1) or not _number(data["seconds"]):
             raise VerdictError("verdict: tolerance or seconds")
@@ -157,8 +169,7 @@ class Verdict:
             if not (isinstance(c, dict) and set(c) == {"kind", "output", "max_abs_error", "scale", "nonfinite", "excess"}
                     and isinstance(c["kind"], str) and c["output"] in OUTPUTS and _number(c["max_abs_error"])
                     and _number(c["scale"]) and _number(c["excess"]) and c["excess"] <= c["max_abs_error"]
-                    and isinstance(c["nonfinite"], int) and not isinstance(c["nonfinite"], bool)
-                    and c["nonfinite"] >= 0):
+                    and _count(c["nonfinite"])):
                 raise VerdictError("verdict: a check")
             out.append(Check(c["kind"], c["output"], float(c["max_abs_error"]), float(c["scale"]), c["nonfinite"],
                              float(c["excess"])))

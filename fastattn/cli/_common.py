@@ -7,8 +7,11 @@ Handlers return (exit code, result dict); "_text" in the dict is the human form.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
+import re
+import sys
 import textwrap
 from typing import Any
 
@@ -43,7 +46,9 @@ class Parser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
 
     def error(self, message: str):  # raise, not exit: main reports it (as JSON with --json) with exit code 2
-        raise UsageError(message, self.format_usage())
+        # argparse quotes values itself too (an invalid choice, unrecognized arguments):
+        # shortened here, as echo() shortens ours.
+        raise UsageError(_LONG_WORD.sub(lambda m: _shortened(m.group()), message), self.format_usage())
 
 
 def add_json_flag(parser: argparse.ArgumentParser, help: str = "print JSON") -> None:
@@ -78,31 +83,73 @@ def check_verify_possible() -> None:
 
 # -- flag parsers: each names the value and the rule; argparse adds the flag's name -----
 
+_ECHO = 80  # the most characters of a value a message quotes
+_LONG_WORD = re.compile(r"\S{%d,}" % (_ECHO + 20))
+
+
+def _shortened(text: str) -> str:
+    return f"{text[:_ECHO]}... ({len(text)} characters)"
+
+
+def echo(value: str) -> str:
+    """A flag's value as a message quotes it: its repr (quotes, escapes) when it has at
+    most _ECHO characters; else its first _ECHO and its length, so that a 5000-digit
+    value does not fill the screen (and the rule after it stays in sight)."""
+    value = str(value)
+    if len(value) <= _ECHO:
+        return repr(value)
+    quoted = repr(value[:_ECHO])
+    return f"{quoted[:-1]}...{quoted[-1]} ({len(value)} characters)"
+
+
+
+# What a flag takes as a number: ASCII decimal digits, an optional sign (a range check
+# refuses a negative value where none is meaningful, saying so), and for a real number a
+# decimal point and an exponent. int() and float() take more than a person types as a
+# number (1_0, Arabic-Indic or fullwidth digits, Unicode spaces around it): not here.
+_SPACES = " \t\n\r\x0b\x0c"
+_INTEGER = re.compile(r"[+-]?[0-9]+")
+_REAL = re.compile(r"[+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?")
+_DIGITS = 1000  # more digits than any bound has: out of range without converting them
+
+
+def _integer(text: str, minimum: int | None, maximum: int | None, what: str = "an integer") -> int:
+    t = text.strip(_SPACES)
+    if not _INTEGER.fullmatch(t):
+        raise argparse.ArgumentTypeError(f"{echo(text)} is not {what} (ASCII digits 0-9, an optional sign)")
+    value = int(t) if len(t) <= _DIGITS else (-1 if t[0] == "-" else 1) * 10**_DIGITS
+    _check_range(text, value, minimum, maximum)
+    if abs(value) >= 10**_DIGITS:
+        raise argparse.ArgumentTypeError(f"{echo(text)} is out of range")
+    return value
+
+
+def _real(text: str, what: str) -> float:
+    t = text.strip(_SPACES)
+    if t.lower().lstrip("+-") in ("inf", "infinity", "nan"):
+        raise argparse.ArgumentTypeError(f"{echo(text)} is not a finite {what}")
+    if len(t) > _DIGITS or not _REAL.fullmatch(t):
+        raise argparse.ArgumentTypeError(f"{echo(text)} is not a {what} (ASCII digits 0-9, a sign, a point, "
+                                         "an exponent)")
+    return float(t)
+
 
 def integer(minimum: int | None = None, maximum: int | None = INT_MAX):
-    """An argparse type: an integer within [minimum, maximum]."""
+    """An argparse type: an integer within [minimum, maximum], in ASCII digits."""
 
     def parse(text: str) -> int:
-        try:
-            value = int(text.strip())
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-        _check_range(text, value, minimum, maximum)
-        return value
+        return _integer(text, minimum, maximum)
 
     parse.__name__ = "integer"  # argparse names the type in some messages
     return parse
 
 
 def ints(text: str, minimum: int | None = 1, maximum: int | None = INT_MAX) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
+    """A comma-separated list of integers within [minimum, maximum] (empty items dropped)."""
+    values = [_integer(v, minimum, maximum, "a comma-separated list of integers") for v in text.split(",")
+              if v.strip(_SPACES)]
     if not values:
         raise argparse.ArgumentTypeError("an empty list")
-    for v in values:
-        _check_range(str(v), v, minimum, maximum)
     return values
 
 
@@ -111,17 +158,14 @@ def number(minimum: float | None = None, maximum: float | None = None, *, above:
     """An argparse type: a finite number within the bounds (above/below: exclusive)."""
 
     def parse(text: str) -> float:
-        try:
-            value = float(text.strip())
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-        if not math.isfinite(value):
-            raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+        value = _real(text, "number")
+        if not math.isfinite(value):  # 1e400
+            raise argparse.ArgumentTypeError(f"{echo(text)} is not a finite number")
         _check_range(text, value, minimum, maximum)
         if above is not None and not value > above:
-            raise argparse.ArgumentTypeError(f"{text!r} must be > {above:g}")
+            raise argparse.ArgumentTypeError(f"{echo(text)} must be > {above:g}")
         if below is not None and not value < below:
-            raise argparse.ArgumentTypeError(f"{text!r} must be < {below:g}")
+            raise argparse.ArgumentTypeError(f"{echo(text)} must be < {below:g}")
         return value
 
     parse.__name__ = "number"
@@ -130,9 +174,9 @@ def number(minimum: float | None = None, maximum: float | None = None, *, above:
 
 def _check_range(text: str, value, minimum, maximum) -> None:
     if minimum is not None and value < minimum:
-        raise argparse.ArgumentTypeError(f"{text!r} must be >= {minimum}")
+        raise argparse.ArgumentTypeError(f"{echo(text)} must be >= {minimum}")
     if maximum is not None and value > maximum:
-        raise argparse.ArgumentTypeError(f"{text!r} must be <= {maximum}")
+        raise argparse.ArgumentTypeError(f"{echo(text)} must be <= {maximum}")
 
 
 def choices(allowed):
@@ -140,10 +184,20 @@ def choices(allowed):
         values = [v.strip() for v in text.split(",") if v.strip()]
         bad = [v for v in values if v not in allowed]
         if bad or not values:
-            raise argparse.ArgumentTypeError(f"{bad[0] if bad else text!r} is not one of {', '.join(allowed)}")
+            raise argparse.ArgumentTypeError(f"{echo(bad[0] if bad else text)} is not one of {', '.join(allowed)}")
         return values
 
     return parse
+
+
+def _ascii_lengths(text: str, form: str, largest: str) -> None:
+    """What the length parsers (fastattn.shape_classes) take from a flag: ASCII digits
+    (their \\d takes any script's), of at most the digits of the largest length; else
+    the rule, `form` (what is written) or `largest` (the range)."""
+    if not text.isascii():
+        raise argparse.ArgumentTypeError(f"{echo(text)}: {form}, in ASCII digits 0-9")
+    if any(len(run) > len(str(INT_MAX)) for run in re.findall(r"[0-9]+", text)):
+        raise argparse.ArgumentTypeError(f"{echo(text)}: {largest}")
 
 
 def length_range(text: str) -> tuple[int, int]:
@@ -151,10 +205,11 @@ def length_range(text: str) -> tuple[int, int]:
     (fastattn.shape_classes.parse_range)."""
     from ..shape_classes import parse_range
 
+    _ascii_lengths(text, "expected LO..HI (e.g. 1..32768) or one length", f"expected 1 <= LO <= HI <= {INT_MAX}")
     try:
         return parse_range(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e).split(": ", 1)[-1]) from None
+    except ValueError as e:  # (its message quotes the value whole: quoted here by echo)
+        raise argparse.ArgumentTypeError(f"{echo(text)}: {str(e).split(': ', 1)[-1]}") from None
 
 
 length_range.__name__ = "length range"
@@ -164,10 +219,12 @@ def shape_classes(text: str):
     """An argparse type: auto, off or ascending class bounds (fastattn.shape_classes.parse)."""
     from ..shape_classes import parse
 
+    _ascii_lengths(text, 'expected "auto", "off" or comma-separated lengths (e.g. "256,1024,4096")',
+                   f"a boundary must be an int in 2..{INT_MAX}")
     try:
         return parse(text)
     except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e).split(": ", 1)[-1]) from None
+        raise argparse.ArgumentTypeError(f"{echo(text)}: {str(e).split(': ', 1)[-1]}") from None
 
 
 def size(text: str) -> int:
@@ -175,13 +232,13 @@ def size(text: str) -> int:
     t = text.strip().lower().removesuffix("b").removesuffix("i")
     num, unit = (t[:-1], t[-1]) if t and t[-1] in units else (t, "")
     try:
-        value = float(num) * units[unit]
-    except (ValueError, KeyError):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size (e.g. 500M, 2G)") from None
+        value = _real(num, "size") * units[unit]
+    except (argparse.ArgumentTypeError, KeyError):
+        raise argparse.ArgumentTypeError(f"{echo(text)} is not a size (e.g. 500M, 2G)") from None
     if not math.isfinite(value) or value >= 2**63:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a finite size below 8 EiB")
+        raise argparse.ArgumentTypeError(f"{echo(text)} is not a finite size below 8 EiB")
     if value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is negative")
+        raise argparse.ArgumentTypeError(f"{echo(text)} is negative")
     return int(value)
 
 
@@ -189,42 +246,110 @@ def age(text: str) -> float:
     units = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
     t = text.strip().lower()
     try:
-        value = float(t[:-1]) * units[t[-1]] if t and t[-1] in units else float(t)
-    except (ValueError, KeyError):
-        raise argparse.ArgumentTypeError(f"{text!r} is not an age (e.g. 90s, 12h, 30d)") from None
+        value = _real(t[:-1], "age") * units[t[-1]] if t and t[-1] in units else _real(t, "age")
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"{echo(text)} is not an age (e.g. 90s, 12h, 30d)") from None
     if not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a finite age")
+        raise argparse.ArgumentTypeError(f"{echo(text)} is not a finite age")
     if value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is negative")
+        raise argparse.ArgumentTypeError(f"{echo(text)} is negative")
     return value
 
 
 def input_path(text: str) -> str:
     """A file (or text) the command reads: never empty (which would otherwise mean "none
-    given") nor `-` (fastattn reads no stdin: a file named `-` is ./-)."""
+    given") nor `-` (fastattn reads no stdin: a file named `-` is ./-), and, where the
+    path names something, a regular file: a FIFO would block the command forever, a
+    device such as /dev/zero never end, a folder is no file."""
+    from .. import files
+
     if not text:
         raise argparse.ArgumentTypeError("an empty path")
     if text == "-":
         raise argparse.ArgumentTypeError("'-' (stdin) is not read here: name a file (./- for a file named -)")
+    problem = files.not_readable(text)
+    if problem is not None:
+        raise argparse.ArgumentTypeError(f"{echo(text)}: {problem}")
     return text
 
 
 def output_file(text: str) -> str:
-    """A file the command will write at its end: checked now, so that a long run is
-    not lost to a typo in the path. Never `-`: fastattn's stdout is its report."""
+    """A file the command will write at its end (through fastattn.files.write_file):
+    checked now, so that a long run is not lost to a typo in the path. Never `-`:
+    fastattn's stdout is its report. Only a new path or a regular file: a device node,
+    a FIFO, a socket or a link there would be replaced by the write, and is refused."""
     if not text:
         raise argparse.ArgumentTypeError("an empty path")
     if text == "-":
         raise argparse.ArgumentTypeError("'-' (stdout) is not written here: name a file (./- for a file named -)")
+    from .. import files
+
     path = os.path.abspath(text)
     parent = os.path.dirname(path)
-    if os.path.isdir(path):
-        raise argparse.ArgumentTypeError(f"{text!r} is a directory, not a file")
+    if os.path.isdir(path) and not os.path.islink(path):
+        raise argparse.ArgumentTypeError(f"{echo(text)} is a directory, not a file")
     if not os.path.isdir(parent):
-        raise argparse.ArgumentTypeError(f"{text!r}: the directory {parent} does not exist")
+        raise argparse.ArgumentTypeError(f"{echo(text)}: the directory {echo(parent)} does not exist")
+    problem = files.not_replaceable(path)  # the write would replace a device node, a FIFO, a link
+    if problem is not None:
+        raise argparse.ArgumentTypeError(f"{echo(text)}: {problem}")
     if not os.access(parent, os.W_OK | os.X_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
-        raise argparse.ArgumentTypeError(f"{text!r}: not writable here")
+        raise argparse.ArgumentTypeError(f"{echo(text)}: not writable here")
     return text
+
+
+def printable(text: str) -> str:
+    """`text` with each character that is not printable escaped as Python writes it
+    (an ANSI escape as \\x1b, a newline as \\n, a NUL as \\x00, a surrogate from an
+    undecodable file name as \\udcff); printable ones, accents and CJK included, as
+    they are. For what the command shows from elsewhere (a stored header's strings, a
+    file name, a flag's value): it cannot paint the terminal, move its cursor or forge
+    a line of a listing."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)
+
+
+def printable_lines(text: str) -> str:
+    """printable() on each line of `text`, its line breaks kept: what `main` does to
+    every text it prints, whatever made it."""
+    return "\n".join(printable(line) for line in text.split("\n"))
+
+
+def to_stderr(text: str) -> bool:
+    """Writes `text` to stderr, flushed; whether it was. Never raises: stderr may be
+    closed (`2>&-`: sys.stderr is None), on a full disk (ENOSPC) or a pipe nobody reads,
+    and the exit code is the outcome whatever it is. Every line the command writes to
+    stderr goes through here. After a failed write stderr is pointed at os.devnull, so
+    that what stays in its buffer does not fail again at the interpreter's exit (which
+    would make the exit code 120)."""
+    stream = sys.stderr
+    if stream is None:
+        return False
+    try:
+        stream.write(text)
+        stream.flush()
+        return True
+    except (OSError, ValueError):  # ValueError: a closed file object
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            null = os.open(os.devnull, os.O_WRONLY)
+            try:
+                os.dup2(null, stream.fileno())
+            finally:
+                os.close(null)
+        return False
+
+
+def say(line: str) -> None:
+    """One line on stderr (a failure, a warning; a message's own lines kept, their
+    controls escaped: printable_lines), through to_stderr."""
+    to_stderr(printable_lines(line) + "\n")
+
+
+def settle_stderr() -> None:
+    """What is still buffered on stderr (logging's lines, a warning's) written now, or
+    dropped: `main`'s last step, so that the interpreter's own flush at exit cannot fail."""
+    to_stderr("")
 
 
 def wrap(text: str, indent: str = "  ", width: int = 100) -> list[str]:

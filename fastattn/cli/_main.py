@@ -18,7 +18,7 @@ from typing import Any, Sequence
 from ..errors import CudaError, CudnnError, InvalidArgumentError, LibraryError
 from . import cache, info, matrix, probe, warm
 from ._common import (EXIT_BAD_INPUT, EXIT_BUG, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_NO_GPU, Parser, UsageError,
-                      plain_text)
+                      plain_text, printable_lines, say, settle_stderr, to_stderr)
 
 # One module per command group; each adds its parser and runs its command.
 _COMMANDS = {"info": info, "probe": probe, "warm": warm, "matrix": matrix, "cache": cache}
@@ -45,11 +45,14 @@ def build_parser() -> Parser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """The command; its exit code. Whatever stderr is (closed, full), the code is the
+    outcome's: every line for stderr goes through _common.to_stderr, which never raises."""
     try:
         code = _main(argv)
         _flush()  # what is still buffered fails here, not at the interpreter's exit
     except _OutputFailed as e:
-        return _output_failed(e.error)
+        code = _output_failed(e.error)
+    settle_stderr()
     return code
 
 
@@ -74,12 +77,12 @@ def _main(argv: Sequence[str] | None) -> int:
         if as_json:
             _print_json({"error": "UsageError", "message": str(e)})
         else:
-            sys.stderr.write(f"{e.usage}fastattn: error: {e}\n")
+            to_stderr(printable_lines(f"{e.usage}fastattn: error: {e}") + "\n")  # argparse echoes values raw
         return EXIT_BAD_INPUT
     except BrokenPipeError as e:  # the reader of our output went away (`| head`)
         return _output_failed(e)
     except KeyboardInterrupt:
-        sys.stderr.write("fastattn: interrupted\n")
+        say("fastattn: interrupted")
         return EXIT_INTERRUPTED
     except Exception as e:  # the boundary: every exception ends here, as an exit code and one line
         for classes, code in _EXPECTED:
@@ -125,8 +128,7 @@ def _output_failed(error: OSError) -> int:
         # What is still buffered goes nowhere, so that exiting does not fail again.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     if error.errno != errno.EPIPE:
-        with contextlib.suppress(OSError, ValueError, AttributeError):
-            sys.stderr.write(f"fastattn: cannot write the output to stdout: {error.strerror or error}\n")
+        say(f"fastattn: cannot write the output to stdout: {error.strerror or error}")
     return EXIT_FAILED
 
 
@@ -156,7 +158,9 @@ def _emit(out: dict[str, Any], as_json: bool) -> None:
     if as_json:
         _print_json(out)
     else:
-        _write((plain_text(out) if text is None else text) + "\n")
+        # Whatever the text holds (a stored header's strings, a path, cuDNN's reason), no
+        # terminal control reaches the terminal; JSON escapes them itself.
+        _write(printable_lines(plain_text(out) if text is None else text) + "\n")
 
 
 def _print_json(value: Any) -> None:
@@ -167,7 +171,7 @@ def _fail(as_json: bool, code: int, error: BaseException) -> int:
     if as_json:
         _print_json({"error": type(error).__name__, "message": str(error)})
     else:
-        print(f"fastattn: {type(error).__name__}: {error}", file=sys.stderr)
+        say(f"fastattn: {type(error).__name__}: {error}")
     return code
 
 
@@ -186,7 +190,7 @@ def _bug(as_json: bool, error: BaseException, argv: list[str]) -> int:
     if as_json:
         _print_json({"error": "Bug", "message": message, "traceback_file": path})
     else:
-        print(f"fastattn: a bug in fastattn ({message}); {where}; please report it", file=sys.stderr)
+        say(f"fastattn: a bug in fastattn ({message}); {where}; please report it")
     return EXIT_BUG
 
 

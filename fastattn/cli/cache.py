@@ -14,7 +14,6 @@ where there is no usable GPU, as everywhere.
 from __future__ import annotations
 
 import os
-import sys
 import time
 from typing import Any
 
@@ -24,8 +23,8 @@ from ..plan_cache import PlanCache, config_of
 from ..store import bundle
 from ..store.entry import decode
 from ..verdict import Verdict
-from ._common import (EXIT_FAILED, EXIT_OK, Parser, add_json_flag, age, gpu_environment, input_path, output_file,
-                      size)
+from ._common import (EXIT_FAILED, EXIT_OK, Parser, add_json_flag, age, echo, gpu_environment, input_path, output_file,
+                      printable, say, size)
 from ._common import this_environment as _this_environment
 
 
@@ -89,22 +88,23 @@ def _age(seconds: float) -> str:
 def _summary(info: store.EntryInfo) -> str:
     header = info.header
     if header is None:
-        return f"DAMAGED     {info.problem or 'unreadable header'}"
+        return printable(f"DAMAGED     {info.problem or 'unreadable header'}")
     desc = header["description"]  # shapes checked by the entry decoder
     cfg = config_of(desc)
     gpu = desc.get("gpu", {}).get("name", "?")
     avoided = desc.get("defects") or []  # fastattn.defects: the remedies its graphs carry
     verdict = header["meta"].get("verdict")  # its shape checked by the entry decoder
     shown = f" verified {Verdict.from_dict(verdict).summary()}" if verdict is not None else ""
-    return (f"{header['kind']:<11} {sweep.describe_config(cfg) if cfg else '(unknown config)'}  "
-            f"[{gpu}, cuDNN {desc.get('cudnn', '?')}]" + (f" avoids {', '.join(avoided)}" if avoided else "")
-            + shown)
+    # One line of the listing whatever the header's strings hold (a newline, an escape).
+    return printable(f"{header['kind']:<11} {sweep.describe_config(cfg) if cfg else '(unknown config)'}  "
+                     f"[{gpu}, cuDNN {desc.get('cudnn', '?')}]" + (f" avoids {', '.join(avoided)}" if avoided else "")
+                     + shown)
 
 
 def _shown(path: str) -> str:
     """A path as one line of text: a name with a newline, a control character or bytes
     that are not UTF-8 (a stray's, anyone's) is shown escaped, never printed raw."""
-    return path if path.isprintable() else ascii(path)
+    return printable(path)
 
 
 def _check_dirs(tiers) -> None:
@@ -169,7 +169,7 @@ def _find(cache: PlanCache, prefix: str):
     keys = {i.key for _, i in matches}
     if not prefix or len(keys) != 1:
         what = "no entry" if not keys else f"{len(keys)} entries"
-        raise InvalidArgumentError(f"key {prefix!r}: {what} match; give more of the key (fastattn cache ls)")
+        raise InvalidArgumentError(f"key {echo(prefix)}: {what} match; give more of the key (fastattn cache ls)")
     return matches[0]
 
 
@@ -202,7 +202,7 @@ def _verify(args, cache: PlanCache) -> tuple[int, dict[str, Any]]:
         rows.append(row)
     bad = [r for r in rows if r["status"] in ("damaged", "does not load")]
     strays = _strays(cache.store.tiers)
-    lines = [f"{r['key'][:16]} {r['status']:<14} {r['reason']}" for r in rows] + _stray_lines(strays)
+    lines = [f"{r['key'][:16]} {r['status']:<14} {printable(r['reason'])}" for r in rows] + _stray_lines(strays)
     lines.append(f"{len(rows)} entries: {len(rows) - len(bad)} good, {len(bad)} bad"
                  + (f"; {len(strays)} other things named like entries, not fastattn's (not checked)" if strays else ""))
     return (EXIT_FAILED if bad else EXIT_OK), {"entries": rows, "bad": len(bad), "not_ours": strays,
@@ -268,7 +268,7 @@ def _writable_main(cache: PlanCache) -> store.DiskStore:
 def _cannot_write(message: str, out: dict[str, Any]) -> tuple[int, dict[str, Any]]:
     """Exit 4 with the reason: the bundle (or the remote tier) was fine, the work was
     not done. The message goes to stderr, as every failure's does."""
-    print(f"fastattn: {message}", file=sys.stderr)
+    say(f"fastattn: {message}")
     return EXIT_FAILED, {**out, "error": "CannotWrite", "message": message, "_text": "failed: the cache cannot be written"}
 
 
@@ -366,7 +366,7 @@ def _pull(args, cache: PlanCache) -> tuple[int, dict[str, Any]]:
         # (FASTATTN_CACHE_HMAC_KEY) than the machines that pushed. Not a success.
         message = (f"every entry of {remote.name} was rejected ({rejected}: unsigned, signed with another secret, "
                    "or damaged; see the warnings)")
-        print(f"fastattn: {message}", file=sys.stderr)
+        say(f"fastattn: {message}")
         return EXIT_FAILED, {**out, "error": "AllRejected", "message": message}
     return EXIT_OK, out
 

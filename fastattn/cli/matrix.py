@@ -7,7 +7,7 @@ from typing import Any
 from .. import _fields
 from ..config import DTYPES, FIELDS, MASKS, AttentionConfig
 from ..errors import InvalidArgumentError
-from ._common import (EXIT_NO_GPU, EXIT_OK, EXIT_UNSUPPORTED, add_json_flag, choices, exit_code, integer, ints,
+from ._common import (EXIT_NO_GPU, EXIT_OK, EXIT_UNSUPPORTED, add_json_flag, choices, echo, exit_code, integer, ints,
                       output_file, wrap)
 
 # fastattn matrix --features: name -> (config fields it sets, what it means), from the
@@ -169,9 +169,16 @@ def _heatmap(plt, path: str, head_dims, cols, mark) -> None:
             ax.text(x, y, mark[(d, *c)], ha="center", va="center", fontsize=7)
     ax.set_title("cuDNN support on this GPU (green: supported)")
     fig.tight_layout()
+    import io
+
+    from .. import files
+
+    image = io.BytesIO()
     try:
-        fig.savefig(path, dpi=120, format="png")  # exactly the path given: no ".png" added
-    except OSError as e:
-        raise InvalidArgumentError(f"--png {path!r}: {e.strerror or e}") from None
+        fig.savefig(image, dpi=120, format="png")
     finally:
         plt.close(fig)
+    try:
+        files.write_file(path, image.getvalue())  # exactly the path given: no ".png" added
+    except OSError as e:
+        raise InvalidArgumentError(f"--png {echo(path)}: {e.strerror or e}") from None

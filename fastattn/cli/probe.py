@@ -12,7 +12,7 @@ from .. import _fields, defects, perf_notes, sweep
 from ..config import FIELDS, AttentionConfig
 from ..errors import InvalidArgumentError
 from ._common import (EXIT_FAILED, EXIT_OK, EXIT_UNSUPPORTED, add_json_flag, add_verify_flag, check_verify_possible,
-                      input_path, integer, number)
+                      echo, input_path, integer, number)
 
 
 def flag(field: dataclasses.Field) -> str:
@@ -67,7 +67,7 @@ def config_from_args(args: argparse.Namespace) -> AttentionConfig:
         return AttentionConfig.from_dict(fields)
     configs = sweep.expand_entry(fields, where)
     if len(configs) != 1:
-        raise InvalidArgumentError(f"--config {args.config!r}: sweeps {len(configs)} configs; probe takes one "
+        raise InvalidArgumentError(f"--config {echo(args.config)}: sweeps {len(configs)} configs; probe takes one "
                                    "(fastattn warm takes sweeps)")
     return configs[0]
 
@@ -79,11 +79,11 @@ def _config_option(option: str) -> tuple[dict[str, Any], str]:
     if os.path.exists(option):
         entries, where = sweep.read_entries(option)
     elif option.lstrip().startswith(("{", "[", '"')) or _looks_like_json(option):
-        entries, where = sweep.entries_in_text(option, f"--config {option!r}")
+        entries, where = sweep.entries_in_text(option, f"--config {echo(option)}")
     else:
-        raise InvalidArgumentError(f"--config {option!r}: no such file, and not JSON text")
+        raise InvalidArgumentError(f"--config {echo(option)}: no such file, and not JSON text")
     if len(entries) != 1:
-        raise InvalidArgumentError(f"--config {option!r}: holds {len(entries)} entries; probe takes one config "
+        raise InvalidArgumentError(f"--config {echo(option)}: holds {len(entries)} entries; probe takes one config "
                                    "(fastattn warm takes many)")
     if not isinstance(entries[0], dict):
         raise InvalidArgumentError(f"{where[0]}: must be an object (TOML: a table) of AttentionConfig fields, "

@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import InvalidArgumentError
 from ._common import (EXIT_FAILED, EXIT_NO_GPU, EXIT_OK, EXIT_UNSUPPORTED, add_json_flag, add_verify_flag,
-                      check_verify_possible, exit_code, input_path, integer, length_range, number, output_file,
-                      shape_classes, wrap)
+                      check_verify_possible, echo, exit_code, input_path, integer, length_range, number, output_file,
+                      say, shape_classes, to_stderr, wrap)
 
 if TYPE_CHECKING:
     from ..warm import WarmItem
@@ -48,30 +48,38 @@ def add_parser(sub) -> None:
     cls.add_argument("--heads-kv", type=integer(1), help="key/value heads (default: --heads)")
     cls.add_argument("--head-dim", type=integer(1), help="head dim of q and k (needed with --seqlens)")
     cls.add_argument("--head-dim-v", type=integer(1), help="head dim of v (default: --head-dim)")
-    cls.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16", help="default bf16")
-    cls.add_argument("--mask", choices=("none", "causal", "causal_bottom_right"), default="causal_bottom_right",
+    # No argparse defaults in this group: a flag given (even at its default's value) is
+    # told from one left out, so that each is refused alike without --seqlens
+    # (_no_class_flags); class_configs applies the defaults, _CLASS_DEFAULTS.
+    cls.add_argument("--dtype", choices=("bf16", "fp16"), help="default bf16")
+    cls.add_argument("--mask", choices=("none", "causal", "causal_bottom_right"),
                      help="default causal_bottom_right (FlashAttention's causal, what decode needs)")
-    cls.add_argument("--batch", type=integer(1), default=1, help="batch size (a class plan per batch; default 1)")
+    cls.add_argument("--batch", type=integer(1), help="batch size (a class plan per batch; default 1)")
     cls.add_argument("--training", action="store_true", help="plans with their backward (training calls)")
     cls.add_argument("--shape-classes", type=shape_classes, default=None,
                      help="auto, or ascending class bounds such as 256,1024,4096 (default: FASTATTN_SHAPE_CLASSES)")
 
 
 def _progress_bar():
-    """A one-line bar on stderr, only on a terminal (logs and pipes get the table alone)."""
-    if not sys.stderr.isatty():
+    """A one-line bar on stderr, only on a terminal (logs and pipes get the table alone;
+    a closed stderr, none). A write that fails ends the bar, not the warm."""
+    try:
+        if sys.stderr is None or not sys.stderr.isatty():
+            return None
+    except (OSError, ValueError):  # a closed file object
         return None
     counts: dict[str, int] = {}
+    drawing = [True]
 
     def draw(done: int, total_: int, item: WarmItem) -> None:
         counts[item.status] = counts.get(item.status, 0) + 1
+        if not drawing[0]:
+            return
         width = 30
         filled = int(width * done / max(total_, 1))
         summary = " ".join(f"{k} {v}" for k, v in sorted(counts.items()))
-        sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total_} {summary}   ")
-        if done == total_:
-            sys.stderr.write("\n")
-        sys.stderr.flush()
+        drawing[0] = to_stderr(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total_} {summary}   "
+                               + ("\n" if done == total_ else ""))
 
     return draw
 
@@ -105,16 +113,17 @@ def run(args) -> tuple[int, dict[str, Any]]:
     if args.report:
         import json
 
+        from .. import files
+
         try:
-            with open(args.report, "w") as f:
-                json.dump(out, f, indent=2, sort_keys=True)
+            files.write_file(args.report, json.dumps(out, indent=2, sort_keys=True).encode())
         except OSError as e:
-            raise InvalidArgumentError(f"--report {args.report!r}: {e.strerror}") from None
+            raise InvalidArgumentError(f"--report {echo(args.report)}: {e.strerror}") from None
     code = exit_code(report)
     if report.not_saved and code in (EXIT_OK, EXIT_UNSUPPORTED):
         code = EXIT_FAILED  # a pre-warm that left the cache without its answers did not do its work
     for warning in report.warnings:  # the workers' own, which would otherwise end in their logs
-        print(f"fastattn: warning: {warning}", file=sys.stderr)
+        say(f"fastattn: warning: {warning}")
     if torch_ops is not None:
         out["torch_ops"] = torch_ops.result()
     if code == EXIT_NO_GPU:  # one reason for every config: said once, not once per config
@@ -127,15 +136,15 @@ def run(args) -> tuple[int, dict[str, Any]]:
     return code, out
 
 
-_CLASS_FLAGS = ("heads", "heads_kv", "head_dim", "head_dim_v", "batch", "training", "shape_classes")
+_CLASS_FLAGS = ("heads", "heads_kv", "head_dim", "head_dim_v", "dtype", "mask", "batch", "training",
+                "shape_classes")
+_CLASS_DEFAULTS = {"dtype": "bf16", "mask": "causal_bottom_right", "batch": 1}
 
 
 def _no_class_flags(args) -> None:
-    """The model flags mean something only with --seqlens: refused without it, not ignored."""
-    given = [f"--{n.replace('_', '-')}" for n in _CLASS_FLAGS
-             if getattr(args, n, None) not in (None, False, 1 if n == "batch" else None)]
-    if getattr(args, "dtype", "bf16") != "bf16" or getattr(args, "mask", "causal_bottom_right") != "causal_bottom_right":
-        given.append("--dtype/--mask")
+    """The model flags mean something only with --seqlens: each given is refused without
+    it (whatever its value, its default's too), not ignored."""
+    given = [f"--{n.replace('_', '-')}" for n in _CLASS_FLAGS if getattr(args, n, None) not in (None, False)]
     if given:
         raise InvalidArgumentError(f"{', '.join(given)}: only with --seqlens (warm by shape class)")
 
@@ -173,9 +182,11 @@ def class_configs(args) -> tuple[list, list[list[int]]]:
                                    "bounds such as 256,1024,4096")
     lo, hi = args.seqlens
     uppers, uncovered = sc.classes_in_range(lo, hi, classes)
-    common = dict(batch=args.batch, heads_q=args.heads, heads_kv=heads_kv, head_dim_qk=args.head_dim,
-                  head_dim_v=args.head_dim_v or args.head_dim, dtype=args.dtype, training=args.training,
-                  mask=args.mask, alignment="bottom_right" if args.mask == "causal_bottom_right" else "top_left")
+    batch, dtype, mask = (_CLASS_DEFAULTS[n] if getattr(args, n) is None else getattr(args, n)
+                          for n in ("batch", "dtype", "mask"))
+    common = dict(batch=batch, heads_q=args.heads, heads_kv=heads_kv, head_dim_qk=args.head_dim,
+                  head_dim_v=args.head_dim_v or args.head_dim, dtype=dtype, training=args.training,
+                  mask=mask, alignment="bottom_right" if mask == "causal_bottom_right" else "top_left")
     configs = []
     for u in uppers:
         # Prefill; and decode (one query, the class's keys), which is inference only.

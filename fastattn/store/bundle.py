@@ -7,7 +7,9 @@ path from a validated key: whatever names the archive holds, nothing is written
 outside the cache directory. A bundle with any member other than the manifest and
 well-named entries, or whose checksums or keys disagree, is refused whole.
 
-Export writes the bundle as entries are written: 0600, atomically. With a signing
+Export writes the bundle as entries are written: 0600, atomically, and only where no
+file or a regular one is (fastattn.files: a FIFO or a device node there is refused,
+not replaced). With a signing
 secret (store.signing), export signs the manifest (which holds every
 entry's sha256) and import refuses a bundle that is unsigned or signed otherwise.
 
@@ -20,7 +22,6 @@ BundleWriteError (an OSError) after importing what it could.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import hmac
 import io
@@ -28,16 +29,17 @@ import json
 import lzma
 import os
 import re
+import stat
 import tarfile
-import tempfile
 import time
 import zlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
+from .. import files
 from ..errors import InvalidArgumentError
 from .disk import DiskStore
-from .entry import EntryError, decode
+from .entry import MAX_ENTRY_BYTES, EntryError, decode
 from .keys import canonical_json, environment_of
 from .signing import sign
 
@@ -45,8 +47,10 @@ __all__ = ["BUNDLE_FORMAT", "BundleWriteError", "export_bundle", "import_bundle"
 
 BUNDLE_FORMAT = 1
 _ENTRY_NAME = re.compile(r"^entries/([0-9a-f]{64})\.entry$")
-_MAX_MEMBER = 256 << 20
+_MAX_MEMBER = MAX_ENTRY_BYTES  # an entry (or the manifest) is never larger
 _MAX_TOTAL = 4 << 30  # a decompression bomb stops here, not when memory runs out
+_MAX_BUNDLE = _MAX_TOTAL  # the file itself: compressed, its members take no more
+_MAX_MEMBERS = 1 << 20  # members of no size still cost a header's decompression and memory each
 # What tarfile and its decompressors raise on damaged input while members are read
 # (not only at open): a gzip stream cut short is EOFError, a bad deflate block
 # zlib.error, a bad gzip header gzip.BadGzipFile (an OSError).
@@ -97,27 +101,11 @@ def export_bundle(stores: Iterable[DiskStore], path: str, *,
         if secret is not None:
             manifest["signature"] = _manifest_mac(secret, manifest)
         _add(tar, "manifest.json", json.dumps(manifest, indent=1, sort_keys=True).encode())
-    _write_private(path, buf.getvalue())
+    # 0600, as entries are (native code, and a credential's work when signed), and
+    # atomically: a reader, or a bundle being replaced, sees the old file or the new one.
+    # Only over a regular file: files.NotRegularFileError (an OSError) for anything else.
+    files.write_file(path, buf.getvalue(), private=True)
     return len(manifest["entries"])
-
-
-def _write_private(path: str, data: bytes) -> None:
-    """Writes `path` as the cache writes entries: mode 0600 (mkstemp's, whatever the
-    umask; a bundle is native code and, signed, a credential's work), and atomically
-    (a temporary file in the same folder, renamed): a reader, or a bundle being
-    replaced, sees the old file or the new one, never part of one."""
-    folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.tmp-", dir=folder)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
 
 
 def _add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
@@ -141,9 +129,11 @@ def _read_members(path: str) -> dict[str, bytes]:
     members: dict[str, bytes] = {}
     total = 0
     try:
-        with tarfile.open(path, mode="r:*") as tar:
+        with _open_regular(path) as f, tarfile.open(fileobj=f, mode="r:*") as tar:
             for m in tar:
                 name = m.name
+                if len(members) >= _MAX_MEMBERS:
+                    raise InvalidArgumentError(f"{path}: refusing bundle: more than {_MAX_MEMBERS} members")
                 if name != "manifest.json" and not _ENTRY_NAME.match(name):
                     raise InvalidArgumentError(f"{path}: refusing bundle: unexpected member {name[:200]!r}")
                 if not m.isfile():
@@ -162,6 +152,24 @@ def _read_members(path: str) -> dict[str, bytes]:
         why = str(e) or type(e).__name__
         raise InvalidArgumentError(f"{path}: not a readable bundle ({why})") from None
     return members
+
+
+def _open_regular(path: str):
+    """`path` open for reading, when it is a regular file of at most _MAX_BUNDLE bytes;
+    InvalidArgumentError naming it otherwise. Opened without blocking and checked on
+    the descriptor (fstat), so that a FIFO put there after the command checked its
+    argument is not waited on, nor a device such as /dev/zero read forever."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise InvalidArgumentError(f"{path}: {files.kind(st.st_mode)}, not a regular file: not read")
+    if st.st_size > _MAX_BUNDLE:
+        os.close(fd)
+        raise InvalidArgumentError(f"{path}: refusing bundle: {st.st_size} bytes, over the {_MAX_BUNDLE >> 30} GiB "
+                                   "a bundle may hold")
+    os.set_blocking(fd, True)  # (a regular file's reads never block; this keeps them plain)
+    return os.fdopen(fd, "rb")
 
 
 def _read_bundle(path: str) -> tuple[dict[str, Any], dict[str, bytes]]:

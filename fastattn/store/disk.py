@@ -38,6 +38,8 @@ import time
 from dataclasses import dataclass
 from typing import Iterator, Union
 
+from ..files import kind as _kind
+from . import entry as _entry
 from .entry import KEY_PATTERN, Entry, EntryError, decode, encode, read_header_from_file
 
 __all__ = ["DiskStore", "EntryInfo", "Stray"]
@@ -75,15 +77,6 @@ class Stray:
     why: str
 
 
-def _kind(mode: int) -> str:
-    for test, name in ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISDIR, "a folder"),
-                       (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
-                       (stat.S_ISBLK, "a block device"), (stat.S_ISREG, "a regular file")):
-        if test(mode):
-            return name
-    return "not a regular file"
-
-
 def _is_shard(name: str) -> bool:
     return len(name) == 2 and set(name) <= _HEX
 
@@ -114,10 +107,21 @@ def _open_regular(path: str) -> int:
     return fd
 
 
+class _TooLarge(EntryError):
+    """An entry file over entry.MAX_ENTRY_BYTES: damage, never read."""
+
+
 def read_regular(path: str) -> bytes:
-    """The bytes of the regular file `path` (see _open_regular)."""
+    """The bytes of the regular file `path` (see _open_regular); _TooLarge (an
+    EntryError) when it holds more than an entry may, read no further than that."""
     with os.fdopen(_open_regular(path), "rb") as f:
-        return f.read()
+        error = _entry.too_large(os.fstat(f.fileno()).st_size)
+        # A file that grows after fstat is still read no further than the cap allows.
+        data = f.read(_entry.MAX_ENTRY_BYTES + 1) if error is None else b""
+        error = error or _entry.too_large(len(data))
+        if error is not None:
+            raise _TooLarge(f"{error}: not read")
+        return data
 
 
 class DiskStore:
@@ -200,7 +204,9 @@ class DiskStore:
         except FileNotFoundError:
             self._count("misses")
             return None
-        except EntryError as e:  # a FIFO, a link, a folder: not ours, never read
+        except EntryError as e:  # a FIFO, a link, a folder: not ours; or too large to be an entry
+            if isinstance(e, _TooLarge):
+                self._count("corrupt")
             self._count("misses")
             self._warn_once("stray:" + path, "fastattn cache: ignoring %s: %s", path, e)
             return None
@@ -269,6 +275,9 @@ class DiskStore:
             return False
         path = self.path_for(entry.key)
         data = encode(entry)
+        error = _entry.too_large(len(data))
+        if error is not None:  # written, it would be a miss for every reader
+            raise EntryError(f"entry {entry.key[:16]}...: {error}")
         folder = os.path.dirname(path)
         tmp = None
         try:
@@ -447,6 +456,9 @@ class DiskStore:
         header, problem = None, ""
         if with_headers:
             try:
+                error = _entry.too_large(st.st_size)
+                if error is not None:  # what the header says cannot make it an entry
+                    raise error
                 with os.fdopen(_open_regular(path), "rb") as f:
                     header = read_header_from_file(f)
                 if header["key"] != key:

@@ -12,8 +12,8 @@ Layout (integers little-endian):
 A header readable with `head -c` is deliberate: `fastattn cache show` and a person
 debugging a cache can see what an entry is without cuDNN. Any deviation (short file,
 other magic, other version, bad JSON, a header field of the wrong shape, wrong sizes,
-checksum mismatch, a key that is not the file's) is an EntryError: the store treats it
-as a miss.
+more than MAX_ENTRY_BYTES in all, checksum mismatch, a key that is not the file's) is
+an EntryError: the store treats it as a miss.
 
 Entry bytes are untrusted (a bundle from elsewhere, a shared volume, Redis, a disk
 that flipped a bit), and the header is read without its checksum when listing. So
@@ -35,14 +35,24 @@ from typing import Any
 from .. import verdict as _verdict
 from .keys import FORMAT_VERSION
 
-__all__ = ["MAGIC", "KEY_PATTERN", "Entry", "EntryError", "encode", "decode", "read_header", "read_header_from_file"]
+__all__ = ["MAGIC", "KEY_PATTERN", "MAX_ENTRY_BYTES", "Entry", "EntryError", "encode", "decode", "read_header",
+           "read_header_from_file"]
 
 MAGIC = b"FASTATTN"
 _FIXED = struct.Struct("<8sII")
 _CHECKSUM = 32
 _MAX_HEADER = 1 << 20
+# The most bytes an entry may hold, blobs included. Plans are kilobytes to a few
+# megabytes; a file (or a Redis value, a bundle member) past this is damage, refused
+# before it is read whole: a 3 GiB sparse file named like an entry must not cost 3 GiB
+# of memory, or a MemoryError, to find that out.
+MAX_ENTRY_BYTES = 256 << 20
 KEY_PATTERN = re.compile(r"[0-9a-f]{64}")  # keys.key_of: a sha256 in hex; also what file names are made of
 KINDS = ("plan", "unsupported")
+# "created" is a time.time() when the entry was written: at or after 1970 and before the
+# year 10000 (UTC). Anything else was never written by fastattn, and `cache ls` would
+# show its age as hundreds of digits.
+_LAST_TIME = 253402300800.0
 
 
 class EntryError(ValueError):
@@ -58,7 +68,8 @@ class Entry:
     meta: JSON-able facts stored beside the blobs (engine names, workspace sizes,
       cuDNN's reason for a refusal, build time).
     description: the key's description (see keys.describe).
-    created: seconds since the epoch when it was written.
+    created: seconds since the epoch when it was written (a stored one outside
+      [1970, 10000) is damage).
     """
 
     key: str
@@ -67,6 +78,13 @@ class Entry:
     blobs: dict[str, bytes] = field(default_factory=dict)
     meta: dict[str, Any] = field(default_factory=dict)
     created: float = 0.0
+
+
+def too_large(size: int) -> EntryError | None:
+    """The EntryError for an entry of `size` bytes, when that is over MAX_ENTRY_BYTES."""
+    if size <= MAX_ENTRY_BYTES:
+        return None
+    return EntryError(f"{size} bytes, over the {MAX_ENTRY_BYTES >> 20} MiB an entry may hold")
 
 
 def encode(entry: Entry) -> bytes:
@@ -90,6 +108,9 @@ def encode(entry: Entry) -> bytes:
 
 def _split(data: bytes) -> tuple[dict[str, Any], bytes, int]:
     """(header, header bytes, offset of the checksum)."""
+    error = too_large(len(data))
+    if error is not None:
+        raise error
     if len(data) < _FIXED.size:
         raise EntryError(f"truncated: {len(data)} bytes")
     magic, version, header_len = _FIXED.unpack_from(data)
@@ -101,7 +122,8 @@ def _split(data: bytes) -> tuple[dict[str, Any], bytes, int]:
         raise EntryError(f"truncated header ({header_len} bytes announced, {len(data)} in file)")
     raw = data[_FIXED.size : _FIXED.size + header_len]
     try:
-        header = json.loads(raw.decode("utf-8"), parse_constant=_no_constant, parse_float=_finite_float)
+        header = json.loads(raw.decode("utf-8"), parse_constant=_no_constant, parse_float=_finite_float,
+                            parse_int=_float_sized_int)
         if not isinstance(header, dict):
             raise ValueError("header is not an object")
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
@@ -119,6 +141,19 @@ def _finite_float(text: str) -> float:
     value = float(text)
     if not math.isfinite(value):
         raise ValueError(f"{text[:20]} is out of range")
+    return value
+
+
+def _float_sized_int(text: str) -> int:
+    # Readers take a header's numbers as floats ("created", build_seconds, a verdict's
+    # errors: float(), math.isfinite), and a float holds no integer past 1.8e308: such
+    # a number is damage here, for every field at once, not an OverflowError in the
+    # reader that meets it. (int() itself refuses more than 4300 digits: a ValueError.)
+    value = int(text)
+    try:
+        float(value)
+    except OverflowError:
+        raise ValueError(f"the integer {text[:20]}... ({len(text)} digits) is out of range") from None
     return value
 
 
@@ -173,7 +208,7 @@ def _check_header(header: dict[str, Any]) -> None:
         raise bad("key", header["key"])
     if header["kind"] not in KINDS:
         raise bad("kind", header["kind"])
-    if not _is_number(header["created"]):
+    if not (_is_number(header["created"]) and 0 <= header["created"] < _LAST_TIME):
         raise bad("created", header["created"])
     blobs = header["blobs"]
     if not (isinstance(blobs, list)

@@ -80,6 +80,32 @@ def test_bad_flags_exit_2_naming_the_flag(warmed, capsys, argv, flag):
     assert warmed == []
 
 
+# Every flag of the class group means something only with --seqlens: each is refused
+# without it, whatever its value, the default's included (`--batch 1` as `--batch 2`).
+CLASS_ONLY = [["--heads", "32"], ["--heads-kv", "8"], ["--head-dim", "128"], ["--head-dim-v", "128"],
+              ["--dtype", "bf16"], ["--dtype", "fp16"], ["--mask", "causal_bottom_right"], ["--mask", "causal"],
+              ["--batch", "1"], ["--batch", "2"], ["--training"], ["--shape-classes", "auto"],
+              ["--shape-classes", "256,1024"]]
+
+
+@pytest.mark.parametrize("flags", CLASS_ONLY, ids=" ".join)
+def test_a_class_flag_without_seqlens_is_refused_whatever_its_value(warmed, capsys, tmp_path, flags):
+    code, out, err = run(["warm", *flags, "--no-torch-ops"], capsys)
+    assert code == 2 and flags[0] in err and "only with --seqlens" in err, err
+    (tmp_path / "w.json").write_text(json.dumps({"batch": 1, "heads_q": 8, "seqlen_q": 128, "head_dim_qk": 64}))
+    code, out, err = run(["warm", str(tmp_path / "w.json"), *flags, "--no-torch-ops"], capsys)
+    assert code == 2 and flags[0] in err, err
+    assert warmed == []
+
+
+def test_the_class_flags_defaults_are_what_their_help_says(warmed, capsys):
+    code, _, err = run(["warm", "--seqlens", "300", "--shape-classes", "512", "--heads", "8", "--head-dim", "64",
+                        "--no-torch-ops"], capsys)
+    assert code == 0, err
+    assert {(c.batch, c.dtype, c.mask, c.training, c.heads_kv, c.head_dim_v) for c in warmed} == {
+        (1, "bf16", "causal_bottom_right", False, 8, 64)}
+
+
 def test_classes_off_by_default_is_an_error_naming_the_flag(warmed, capsys, monkeypatch):
     monkeypatch.delenv("FASTATTN_SHAPE_CLASSES", raising=False)
     code, out, err = run(["warm", "--seqlens", "1..4096", *MODEL], capsys)

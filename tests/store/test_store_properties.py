@@ -436,3 +436,70 @@ def test_mutated_bundles_through_cache_import(valid, fake_gpu, monkeypatch, caps
         assert box.outside() == {path}
     finally:
         box.close()
+
+
+# -- numbers -----------------------------------------------------------------------------------
+
+# Every JSON number a header can hold, and bools (an int to Python): integers of every size,
+# past what a float holds too (10**400: json.dumps writes it), floats of every size.
+numbers = st.one_of(st.integers(), st.integers(min_value=2**1023, max_value=10**1000),
+                    st.integers(min_value=-(10**1000), max_value=-(2**1023)), st.just(int(1.7976931348623157e308)),
+                    st.floats(), st.booleans())
+
+# Where a header holds a number (a verdict's, in the verdict added to meta).
+NUMBER_PATHS = [("created",), ("blobs", 0, 1), ("description", "format"), ("description", "cudnn"),
+                ("description", "gpu", "sm_count"), ("description", "gpu", "compute_capability", 0),
+                ("description", "config", "batch"), ("description", "config", "seqlen_q"),
+                ("description", "config", "scale"), ("meta", "build_seconds"), ("meta", "forward_workspace_size"),
+                ("meta", "verdict", "seconds"), ("meta", "verdict", "tolerance"), ("meta", "verdict", "cudnn"),
+                ("meta", "verdict", "checks", 0, "max_abs_error"), ("meta", "verdict", "checks", 0, "scale"),
+                ("meta", "verdict", "checks", 0, "excess"), ("meta", "verdict", "checks", 0, "nonfinite")]
+
+
+def with_number(header: dict, path: tuple, value) -> dict:
+    from fastattn.verdict import Check, Verdict
+
+    header = json.loads(json.dumps(header))
+    header["meta"]["verdict"] = Verdict.judge([Check("random", "o", 1e-3, 1.0, 0)], 91900, 6.25e-2, 0.02).to_dict()
+    header["description"].setdefault("gpu", {}).setdefault("compute_capability", [9, 0])
+    target = header
+    for part in path[:-1]:
+        target = target[part]
+    target[path[-1]] = value
+    return header
+
+
+@fast(300)
+@given(changes=st.lists(st.tuples(st.sampled_from(NUMBER_PATHS), numbers), min_size=1, max_size=3))
+def test_headers_with_any_json_number_decode_or_raise_entry_error(valid, tmp_path_factory, changes):
+    from fastattn.cli import cache as cache_cli
+
+    header, blobs = split(valid["data"])
+    for path, value in changes:
+        header = with_number(header, path, value)
+    try:
+        data = with_header(header, blobs)
+    except ValueError:  # a NaN: json.dumps writes it, and json cannot; an int past 4300 digits
+        assume(False)
+    for read in (lambda: entry_mod.decode(data, expected_key=valid["key"]), lambda: entry_mod.read_header(data),
+                 lambda: entry_mod.read_header_from_file(io.BytesIO(data))):
+        try:
+            got = read()
+        except entry_mod.EntryError:
+            continue
+        if isinstance(got, store.Entry):
+            well_formed(got)
+            assert 0 <= got.created < 253402300800  # a time in the calendar: `cache ls` shows its age
+        else:
+            assert math.isfinite(float(got["created"])) and isinstance(got["meta"], dict)
+    # What `cache ls` and the store make of it: a row (damaged or not) and a hit or a miss.
+    root = tmp_path_factory.mktemp("numbers")
+    disk = store.DiskStore(str(root))
+    os.makedirs(os.path.dirname(disk.path_for(valid["key"])))
+    with open(disk.path_for(valid["key"]), "wb") as f:
+        f.write(data)
+    (info,) = disk.entries()
+    assert isinstance(cache_cli._summary(info), str) and isinstance(cache_cli._age(0.0 - info.created), str)
+    got = disk.get(valid["key"])
+    assert got is None or got.key == valid["key"]
+    assert (got is None) == (disk.counters["corrupt"] == 1)

@@ -1,0 +1,109 @@
+"""Files a user names for fastattn to write (a bundle, `warm --report`, `matrix --png`):
+published whole or not at all, and only where nothing but a regular file stands; and
+files it reads (a bundle, a config file): regular files only (not_readable).
+
+A temporary file in the same folder is written, flushed and fsynced, then renamed over
+the path: a reader sees the old file or the new one, never part of one. A rename
+replaces whatever the path names, so a device node (a copy of /dev/null), a FIFO, a
+socket or a symbolic link there would become a regular file and be lost: such a path
+is refused (NotRegularFileError), when the command checks its flags
+(fastattn.cli._common.output_file, through not_replaceable) and again just before the
+rename. A node made in the instant between that last look and the rename would still
+be replaced; no rename of Linux's refuses a target by its kind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import secrets
+import stat
+
+__all__ = ["NotRegularFileError", "kind", "not_readable", "not_replaceable", "write_file"]
+
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+
+
+class NotRegularFileError(OSError):
+    """The path names something other than a regular file (strerror says what): not
+    replaced."""
+
+
+def kind(mode: int) -> str:
+    """What an lstat's st_mode is, in words ("a FIFO")."""
+    for test, name in ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISDIR, "a folder"),
+                       (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISREG, "a regular file")):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def not_replaceable(path: str) -> str | None:
+    """Why writing `path` would destroy what is there ("a FIFO, not a regular file: not
+    replaced") or cannot be done (it cannot be looked up: a name too long, a file where
+    a folder should be), or None: nothing there, or a regular file. Links are not
+    followed: a link is what would be replaced."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    except OSError as e:  # a name too long, a file where a folder should be: nothing can be written there
+        return f"cannot be looked up ({e.strerror})"
+    if stat.S_ISREG(st.st_mode):
+        return None
+    return f"{kind(st.st_mode)}, not a regular file: not replaced"
+
+
+def not_readable(path: str) -> str | None:
+    """Why reading `path` as a file would block or never end ("a FIFO, not a regular
+    file: not read": a FIFO waits for a writer, /dev/zero never ends, a folder is not a
+    file), or None: a regular file (links followed: the file they name is what is
+    read), or nothing there (the reader says so)."""
+    try:
+        st = os.stat(path)
+    except (OSError, ValueError):  # no such file, a name too long, a NUL in it
+        return None
+    if stat.S_ISREG(st.st_mode):
+        return None
+    return f"{kind(st.st_mode)}, not a regular file: not read"
+
+
+def _refuse_unless_replaceable(path: str) -> None:
+    problem = not_replaceable(path)
+    if problem is not None:
+        raise NotRegularFileError(errno.EEXIST, problem, path)
+
+
+def write_file(path: str, data: bytes, *, private: bool = False) -> None:
+    """Writes `data` to `path` atomically. private: mode 0600 whatever the umask (a
+    bundle: native code, and a credential's work when signed); else the mode open()
+    would give (0666 less the umask). Raises NotRegularFileError where the path names
+    anything but a regular file (before writing, and again before the rename), OSError
+    where it cannot be written; either way the path is left as it was and no
+    temporary file remains."""
+    _refuse_unless_replaceable(path)
+    folder = os.path.dirname(os.path.abspath(path))
+    base = os.path.basename(path)
+    while True:  # mkstemp's exclusive create, with the mode chosen here, not mkstemp's 0600
+        tmp = os.path.join(folder, f".{base}.tmp-{secrets.token_hex(6)}")
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | _CLOEXEC,
+                         0o600 if private else 0o666)
+            break
+        except FileExistsError:
+            continue
+    try:
+        with os.fdopen(fd, "wb") as f:
+            if private:
+                os.fchmod(f.fileno(), 0o600)  # the umask may have taken bits of 0600 away too
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        _refuse_unless_replaceable(path)  # what was put there while the file was written
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
