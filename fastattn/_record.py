@@ -54,8 +54,10 @@ def note(config: AttentionConfig) -> None:
 
 
 def _open(path: str) -> int | None:
+    # O_NONBLOCK: a FIFO nobody reads would block the first plan() for good (here it fails
+    # with ENXIO and warns); a regular file ignores it.
     try:
-        return os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        return os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | os.O_NONBLOCK, 0o644)
     except OSError as e:
         _stop(path, e, opened=False)
         return None

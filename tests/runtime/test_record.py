@@ -76,6 +76,20 @@ def test_a_file_that_cannot_be_written_warns_once_and_never_fails_a_call(env, mo
     assert len(texts) == 1 and f"FASTATTN_RECORD={target} cannot be written" in texts[0], texts
 
 
+def test_a_fifo_nobody_reads_warns_instead_of_blocking_the_first_call(tmp_path):
+    fifo = tmp_path / "asked.jsonl"
+    os.mkfifo(fifo)
+    code = ("import warnings, fastattn\n"
+            "with warnings.catch_warnings(record=True) as caught:\n"
+            "    warnings.simplefilter('always')\n"
+            "    fastattn._record.note(fastattn.AttentionConfig(batch=1, heads_q=8, head_dim_qk=64, seqlen_q=64))\n"
+            "print([str(w.message) for w in caught])\n")
+    r = subprocess.run([sys.executable, "-c", code], env={**os.environ, "FASTATTN_RECORD": str(fifo)},
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "cannot be written" in r.stdout, r.stdout
+
+
 def test_warm_builds_what_a_process_recorded(fake_workers, capsys, monkeypatch):
     path = fake_workers / "asked.jsonl"
     monkeypatch.setenv("FASTATTN_RECORD", str(fake_workers / "warm-asked.jsonl"))  # a pre-warm records nothing
