@@ -263,11 +263,21 @@ def _mask_4d(attn_mask: torch.Tensor, query: torch.Tensor, key: torch.Tensor) ->
     return m.expand(*query.shape[:-3], *m.shape[-3:]).reshape(math.prod(query.shape[:-3]), *m.shape[-3:])
 
 
+def _bias_module():
+    """torch.nn.attention.bias where it is imported, else None. It imports torch._dynamo
+    (1-4 s, most of fastattn.torch's import where it was imported with it), so it is
+    read from sys.modules: a CausalBias can only exist once its caller imported it. Under
+    dynamo (imported then) it is imported: dynamo cannot trace sys.modules (torch 2.11:
+    "dictionary changed size during iteration", on the H200 in s15-1)."""
+    if torch.compiler.is_compiling():
+        import torch.nn.attention.bias as bias
+
+        return bias
+    return sys.modules.get("torch.nn.attention.bias")
+
+
 def _is_causal_bias(mask) -> bool:
-    # torch.nn.attention.bias imports torch._dynamo (1-4 s, most of fastattn.torch's
-    # import where it was imported with it): read from sys.modules, since a CausalBias
-    # can only exist once its caller has imported that module.
-    bias = sys.modules.get("torch.nn.attention.bias")
+    bias = _bias_module()
     return bias is not None and isinstance(mask, bias.CausalBias)
 
 
@@ -276,7 +286,7 @@ def _causal_bias(mask, q: torch.Tensor, k: torch.Tensor) -> _Form:
     if (mask.seq_len_q, mask.seq_len_kv) != (sq, skv):
         raise InvalidArgumentError(f"attn_mask is a causal mask of {mask.seq_len_q} queries and {mask.seq_len_kv} "
                                    f"keys, for {sq} queries and {skv} keys")
-    if mask.variant == sys.modules["torch.nn.attention.bias"].CausalVariant.UPPER_LEFT:
+    if mask.variant == _bias_module().CausalVariant.UPPER_LEFT:
         return _Form(causal=True)
     return _bottom_right(sq, skv)
 

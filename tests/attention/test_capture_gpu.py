@@ -184,6 +184,8 @@ def _host_churn():
 
     libc = ctypes.CDLL(None)
     libc.malloc.restype = ctypes.c_void_p
+    libc.malloc.argtypes = [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]  # (without it ctypes passes an int: a truncated pointer)
     blocks = []
     for n in range(8, 80, 8):
         for _ in range(32):
