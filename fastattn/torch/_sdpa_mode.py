@@ -253,14 +253,77 @@ def _decide(q, k, v, attn_bias, dropout_p, is_causal, scale, training) -> _Route
         _dense.plan_for(ql, kl, vl, None, None, None, _bias(attn_bias, q, k, training), None, options)
     except (NotSupportedError, InvalidArgumentError) as e:  # cuDNN's refusal, or a plan not loadable now
         return f"{type(e).__name__}: {e}"
-    # PyTorch's own Meta kernel on meta copies: the output layout and logsumexp shape this
-    # torch version promises (they have changed between versions), read once per signature.
-    meta = [None if t is None else torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
-            for t in (q, k, v, attn_bias)]
-    o, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(*meta, training, dropout_p, is_causal, False,
-                                                                 scale=scale)[:2]
-    grads = tuple(torch.empty_like(t).stride() for t in meta[:3])
-    return _Route(layout, options, o.stride(), tuple(lse.shape), grads)
+    # The output's strides and logsumexp's shape PyTorch's Meta kernel gives (what
+    # torch.compile's graphs were traced with), and the backward's (empty_like of each
+    # input), by their rules below: asking the Meta kernel itself would import sympy and
+    # torch.fx's symbolic shapes in the first call (any meta op does; ~3 s on the H200,
+    # session 15). CPU tests hold these rules to the installed torch's Meta kernels.
+    b, h, s_q, d_v = q.shape[0], q.shape[1], q.shape[2], v.shape[3]
+    out_shape = (b, h, s_q, d_v)
+    if tuple(q.shape) == out_shape:
+        out_stride = empty_like_strides(q.shape, q.stride())
+    else:
+        out_stride = _dense_strides(out_shape, sorted(range(4), key=lambda d: q.stride(d), reverse=True))
+    grads = tuple(empty_like_strides(t.shape, t.stride()) for t in (q, k, v))
+    return _Route(layout, options, out_stride, (b, h, s_q, 1), grads)
+
+
+def _dense_strides(shape, order) -> tuple:
+    """Dense strides of shape with its dims in memory in order (outermost first)."""
+    strides = [0] * len(shape)
+    step = 1
+    for d in reversed(order):
+        strides[d] = step
+        step *= max(shape[d], 1)
+    return tuple(strides)
+
+
+def empty_like_strides(shape, stride) -> tuple:
+    """The strides torch.empty_like gives a meta tensor of this shape and these strides
+    (PyTorch's Meta kernels call it; on meta tensors it is torch._refs.empty_like): dense,
+    in the dims' order as compute_elementwise_output_logical_to_physical_perm sorts them
+    (contiguous, or channels-last for 4 dims, where the tensor already is one)."""
+    shape, stride = tuple(shape), tuple(stride)
+    n = len(shape)
+    if n < 2:
+        return _dense_strides(shape, range(n))
+    is_contiguous = 0 in shape or _follows(shape, stride, range(n))  # (an empty tensor is contiguous)
+    is_channels_last = n == 4 and _follows(shape, stride, (0, 2, 3, 1))
+    if is_contiguous and not is_channels_last:
+        return _dense_strides(shape, range(n))
+    if is_channels_last and not is_contiguous:
+        return _dense_strides(shape, (0, 2, 3, 1))
+
+    def should_swap(a, b):  # 1 where dim a belongs inside dim b, -1 where outside, 0 unknown
+        if stride[a] == 0 or stride[b] == 0:
+            return 0
+        if stride[a] == stride[b]:
+            return 0 if shape[b] >= shape[a] else 1
+        return -1 if stride[b] > stride[a] else 1
+
+    perm = list(range(n))[::-1]  # innermost first, insertion-sorted as PyTorch's
+    for i in range(1, n):
+        j = i
+        for k in range(i - 1, -1, -1):
+            c = should_swap(perm[k], perm[j])
+            if c > 0:
+                perm[k], perm[j] = perm[j], perm[k]
+                j = k
+            elif c < 0:
+                break
+    return _dense_strides(shape, perm[::-1])
+
+
+def _follows(shape, stride, order) -> bool:
+    """Whether the strides are dense in this dim order (outermost first; dims of extent 1
+    ignored): PyTorch's contiguity checks."""
+    expected = 1
+    for d in reversed(tuple(order)):
+        if shape[d] != 1:
+            if stride[d] != expected:
+                return False
+            expected *= shape[d]
+    return True
 
 
 def _matched(o: torch.Tensor, stride: tuple) -> torch.Tensor:

@@ -22,3 +22,17 @@ def test_importing_fastattn_torch_and_flash_imports_none_of_torchs_lazy_modules(
                        env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "[]", f"imported with fastattn.torch: {r.stdout.strip()}"
+
+
+def test_the_sdpa_modes_first_route_imports_none_of_torchs_lazy_modules():
+    # (session 15: its Meta kernel call imported sympy, ~3 s of the mode's first call on the H200)
+    code = ("import sys, torch, fastattn.torch; from fastattn.torch import _sdpa_mode; "
+            "_sdpa_mode._dense.plan_for = lambda *a: None; before = set(sys.modules); "
+            "q = torch.empty(1, 8, 16, 64, dtype=torch.bfloat16).transpose(1, 2); "
+            "r = _sdpa_mode._route(q, q, q, None, 0.0, True, None, True); assert r.layout == 'bshd', r; "
+            f"print(sorted(m for m in {LAZY!r} + ('torch.fx.experimental.symbolic_shapes',) "
+            "if m in sys.modules and m not in before))")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[]", f"imported by the first route: {r.stdout.strip()}"
