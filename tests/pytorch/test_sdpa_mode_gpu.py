@@ -4,6 +4,11 @@ record) and off (PyTorch's cuDNN backend), and both agree with PyTorch's math in
 under torch.compile(fullgraph=True) and in a CUDA graph capture; and a call fastattn
 cannot read (a query in no layout it takes) runs PyTorch's kernel without an error."""
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 torch = pytest.importorskip("torch", reason="PyTorch is an optional extra (pip install torch)")
@@ -150,3 +155,24 @@ def test_dropout_is_seeded_unbiased_and_its_backward_drops_what_the_forward_drop
     assert z < 6, z
     routes = list(_sdpa_mode.sdpa_routes().values())
     assert routes and all(r.startswith("fastattn") for r in routes), routes
+
+
+def test_the_modes_first_call_in_a_fresh_process_imports_none_of_torchs_lazy_modules(tmp_path):
+    # A server's first SDPA call with the mode on: fastattn's, on a warm cache, without
+    # sympy or torch.fx's symbolic shapes (session 15: its Meta kernel call brought them,
+    # ~3 s of that first call on the H200).
+    code = ("import sys, torch, torch.nn.functional as F, fastattn.torch; fastattn.torch.enable_sdpa(); "
+            "from fastattn.torch import _sdpa_mode; "
+            "q = torch.randn(1, 128, 8, 64, device='cuda', dtype=torch.bfloat16).transpose(1, 2); "
+            "before = set(sys.modules); o = F.scaled_dot_product_attention(q, q, q, is_causal=True); "
+            "torch.cuda.synchronize(); routes = set(_sdpa_mode.sdpa_routes().values()); "
+            "assert routes == {'fastattn (bshd)'}, routes; "
+            "print(sorted(m for m in ('sympy', 'torch.fx.experimental.symbolic_shapes', 'torch._dynamo') "
+            "if m in sys.modules and m not in before))")
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(root), "FASTATTN_CACHE_DIR": str(tmp_path)}
+    for _ in range(2):  # an empty cache, then the warm one a server starts with
+        r = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300,
+                           env=env)
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.strip().splitlines()[-1] == "[]", r.stdout
