@@ -15,11 +15,9 @@ cache (batch > 1) takes the smallest class that covers its offsets, else its exa
 (_upper).
 
 What is served: layout "bshd" with packed tokens, no bias, no sinks, plain eager calls
-(torch.compile, tracing and torch.func take exact plans: their ops are exact-shape; so
-does a call inside a CUDA graph capture: a captured graph's shapes are fixed anyway, and
-on the H200 with cuDNN 9.19 a captured class-plan call replayed wrong outputs or faulted
-with "misaligned address" while the same calls run eagerly were right; session 13; the
-likely cause and its fix: _held_by_captures below; IN_CAPTURES turns them on).
+(torch.compile, tracing and torch.func take exact plans: their ops are exact-shape), and
+calls inside a caller's CUDA graph capture, with the class plan loaded beforehand (its
+offset and length arrays held for the graph's life: _held_by_captures below).
 The batch is exact (a class plan per batch size): cuDNN's ragged graph fixes it. These
 calls take the Python path, not the op library's C++ (whose table is keyed by exact
 shapes): a call costs the Python body, the per-call checks (_dense._check) and the
@@ -33,7 +31,7 @@ from typing import NamedTuple
 import torch
 
 from .. import env
-from ..errors import NotSupportedError
+from ..errors import InvalidArgumentError, NotSupportedError
 from .. import shape_classes as sc
 from . import _autograd
 from ._plans import (DTYPES, Cached, alignment_name, capturing, check_qkv_tensors, check_shapes, mask_name, plans,
@@ -98,12 +96,9 @@ KEPT_ARRAYS = 512  # then the table starts afresh (decode makes a length array p
 # few hundred bytes per captured call). Freed at once (they were temporaries until session
 # 15), the caching allocator handed the next array of the same call the same block: in a
 # capture the four offset arrays of one launch were one array, the last one's, which is
-# what session 13 saw as wrong replays and "misaligned address" faults (found by reading,
-# not yet run on a GPU).
+# what session 13 saw as wrong replays and "misaligned address" faults (found by reading;
+# tests/pytorch/test_shape_classes_gpu.py's captures replay right since).
 _held_by_captures: list[torch.Tensor] = []
-# Class plans inside a capture: off until a GPU run of tests/pytorch/test_shape_classes_gpu.py
-# shows the arrays above made them replay right (calls take exact plans meanwhile).
-IN_CAPTURES = False
 
 
 def _array(q: torch.Tensor, kind: str, b: int, value: int, stream: int) -> torch.Tensor:
@@ -260,7 +255,7 @@ RULE = _autograd.Rule(forward_impl, _grads, _no_op, ClassOptions)
 def serve(q, k, v, seq_len_q, seq_len_kv, rng, options, choice, grads: bool, return_lse: bool):
     """attention()'s result from a class plan, or None when this call is not one a class
     serves (attention() then runs it as before). options: the call's DenseOptions."""
-    if options.layout != "bshd" or q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or (capturing() and not IN_CAPTURES):
+    if options.layout != "bshd" or q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         return None
     classes = resolve(choice, q.get_device(), options.training)
     if not classes:
@@ -285,6 +280,10 @@ def serve(q, k, v, seq_len_q, seq_len_kv, rng, options, choice, grads: bool, ret
         # and so do later calls of this key, for a set lookup.
         _refused.add(_key(q, k, v, copts))
         return None
+    except InvalidArgumentError:
+        if not capturing():
+            raise
+        return None  # inside a capture, a class plan not loaded beforehand: the exact plan, if that was
     tensors = (q, k, v, seq_len_q, seq_len_kv, rng)
     if return_lse:
         if grads:

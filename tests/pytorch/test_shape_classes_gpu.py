@@ -180,38 +180,37 @@ def test_repeated_calls_with_new_data_behind_the_same_pointers_stay_right(n):
 
 
 @pytest.mark.parametrize("n", [2, 33, 64])
-def test_a_call_captured_in_a_cuda_graph_replays_right(n):
-    # Inside a capture a call takes its exact plan (fastattn/torch/_classes.py says why):
-    # the replay reads new data behind the captured pointers.
+@pytest.mark.parametrize("held", ["class", "exact"])
+def test_a_call_captured_in_a_cuda_graph_replays_right(n, held):
+    # Inside a caller's capture a call takes a plan this process holds: its class plan, or
+    # (the class plan never loaded) its exact plan; the replay reads new data behind the
+    # captured pointers, and nothing is planned inside the capture.
     q, k, v = rand(1, n, 32, 128), rand(1, n, 8, 128), rand(1, n, 8, 128)
     with torch.no_grad():
-        # Plans made outside: the capture's exact plan too (run eagerly, the call took its class's).
-        _dense.attention(q, k, v, causal=True, alignment="bottom_right", shape_classes=SMALL)
-        _dense.attention(q, k, v, causal=True, alignment="bottom_right", shape_classes="off")
+        _dense.attention(q, k, v, causal=True, alignment="bottom_right", shape_classes=SMALL if held == "class" else "off")
         torch.cuda.synchronize()
+        before = _counts()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             o = _dense.attention(q, k, v, causal=True, alignment="bottom_right", shape_classes=SMALL)
+        assert _counts() == before
         for _ in range(3):
             for t in (q, k, v):
                 t.copy_(torch.randn_like(t))
+            o.fill_(float("nan"))
             graph.replay()
             torch.cuda.synchronize()
             torch.testing.assert_close(o.double(), reference(q, k, v, True, True), atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.parametrize("batch", [1, 3])
-def test_class_plans_captured_in_a_cuda_graph_replay_right(batch, monkeypatch):
-    # _classes.IN_CAPTURES: class plans inside a capture, off by default until this test has
-    # passed on a GPU. Session 13 saw captured class-plan calls replay wrong outputs or fault
-    # ("misaligned address"); the likely cause (found by reading): the offset arrays made in
-    # a capture were temporaries, so the allocator gave one launch's four arrays one block.
+def test_class_plans_captured_in_a_cuda_graph_replay_right(batch):
+    # Session 13 saw captured class-plan calls replay wrong outputs or fault ("misaligned
+    # address"): the offset arrays made in a capture were temporaries, so the allocator gave
+    # one launch's four arrays one block (_classes._held_by_captures holds them since).
     # GQA and a head dim of v unlike q's, so that q's, k's and o's batch strides (and their
     # offsets) all differ; two calls of different lengths in one capture; new data each
     # replay, against float64.
-    from fastattn.torch import _classes
-
-    monkeypatch.setattr(_classes, "IN_CAPTURES", True)
     shapes = [(batch, n, 8, 64, 2, 128) for n in (130, 300)]  # (b, s, hq, dqk, hkv, dv): both in (128, 512]
     tensors = [(rand(b, s, hq, dqk), rand(b, s, hkv, dqk), rand(b, s, hkv, dv)) for b, s, hq, dqk, hkv, dv in shapes]
     with torch.no_grad():
