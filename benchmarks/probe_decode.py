@@ -31,6 +31,8 @@ def repeats(b, sq, sk, h, d, dtype, lse: bool, via: str, n: int = 12) -> dict:
         if via == "flash":
             o, m, _ = flash.flash_attn_func(q, k, v, 0.0, return_attn_probs=True)
             return o, m
+        if via == "kvcache":  # a decode step against a dense cache (a padded plan of one query)
+            return flash.flash_attn_with_kvcache(q, k, v, cache_seqlens=sk, return_softmax_lse=lse), None
         r = attention(q, k, v, return_lse=lse)
         return r if lse else (r, None)
 
@@ -122,6 +124,7 @@ def main(argv=None) -> int:
             if d % 8 and via == "torch":
                 continue
             out["repeats"].append(repeats(60, 1, 239, 4, d, torch.float16, lse, via))
+    out["repeats"].append(repeats(60, 1, 239, 4, 128, torch.float16, False, "kvcache"))
     out["repeats"].append(repeats(60, 2, 239, 4, 256, torch.float16, True, "torch"))
     out["repeats"].append(repeats(4, 1, 239, 4, 256, torch.float16, True, "torch"))
     for cap in (0.0, 50.0):

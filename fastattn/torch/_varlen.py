@@ -36,6 +36,15 @@ def bucket(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
+# A training plan is declared for at least two queries per sequence (the lengths from
+# cu_seqlens_q still mask the rest: no copy). With one, cuDNN 9.19's ragged backward is
+# wrong whenever there are fewer key heads than query heads: d_q, d_k and d_v hundreds
+# of times off (with softcap 1e22) on the H200, while the same plan declared for two is
+# right (benchmarks/probe_decode.py, s16-1); and it refuses one query against one key
+# outright. The C entry (csrc/eager.cpp) declares the same.
+MIN_TRAINING_Q = 2
+
+
 def plan_for(q, k, v, batch: int, options: VarlenOptions) -> Cached:
     key = ("varlen", q.shape[1:], k.shape[1:], v.shape[1:], q.dtype, k.dtype, v.dtype, q.get_device(),
            k.get_device(), v.get_device(), batch, options)
@@ -280,6 +289,8 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     if classes and not compiling() and q.is_cuda:  # (traces keep the power-of-two buckets)
         c = _classes.resolve(shape_classes, q.get_device(), training)
         max_q, max_kv = c.upper(max_seqlen_q) or max_q, c.upper(max_seqlen_kv) or max_kv
+    if training and max_q < MIN_TRAINING_Q:
+        max_q = MIN_TRAINING_Q
     options = _new(VarlenOptions, (max_q, max_kv, bool(causal or causal_bottom_right),
                                    br, left, right, scale, bool(deterministic), training, bool(alibi),
                                    float(dropout_p), softcap))

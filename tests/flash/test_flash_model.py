@@ -191,6 +191,11 @@ def test_varlen_alibi(model, hq, hk, dv):
     V.test_varlen_alibi_and_shared_offsets(hq, hk, dv)
 
 
+@pytest.mark.parametrize("softcap,window", [(0.0, (-1, -1)), (50.0, (40, 7))])
+def test_varlen_one_query_per_sequence(model, softcap, window):
+    V.test_varlen_one_query_per_sequence_with_fewer_key_heads_trains_right("flash", softcap, window)
+
+
 @pytest.mark.parametrize("paged,sq,append,mask", G.KV)
 def test_kvcache(model, paged, sq, append, mask):
     G.test_kvcache_decode_and_prefill_with_append(paged, sq, append, mask)

@@ -121,3 +121,56 @@ def test_varlen_dropout_is_unbiased_and_refused_where_cudnn_refuses():
     # which cuDNN refuses with dropout: NotSupportedError with its reason.
     with pytest.raises(fastattn.NotSupportedError, match="dropout"):
         flash.flash_attn_varlen_func(q[:100], k, v, G.cumulative((40, 60)), cu, 64, 128, dropout_p=0.1, causal=True)
+
+
+@pytest.mark.parametrize("via", ["flash", "torch"])
+@pytest.mark.parametrize("softcap,window", [(0.0, (-1, -1)), (50.0, (-1, -1)), (50.0, (40, 7))])
+def test_varlen_one_query_per_sequence_with_fewer_key_heads_trains_right(via, softcap, window):
+    # cuDNN 9.19's ragged backward declared for one query with fewer key heads than query
+    # heads gave d_q, d_k, d_v hundreds of times off (1e22 with softcap; FlashAttention's
+    # test_flash_attn_varlen_output, s15-1; probe_decode, s16-1): the plan declares two.
+    # Through fastattn.torch too (its native C entry and Python body share the rule).
+    dtype = torch.bfloat16
+    lens_k = (147, 131, 140, 127)
+    lens_q = (1,) * len(lens_k)
+    hq, hk = 4, 1
+    q = (G.randn(len(lens_k), hq, 64, dtype=dtype) * (softcap or 1)).requires_grad_()
+    k, v = (G.randn(sum(lens_k), hk, 64, dtype=dtype, grad=True) for _ in range(2))
+    cu_q, cu_k = G.cumulative(lens_q), G.cumulative(lens_k)
+    G.poison()
+    if via == "flash":
+        out = flash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 1, max(lens_k), softcap=softcap, window_size=window)
+    else:
+        out = fastattn.torch.attention_varlen(q, k, v, cu_q, cu_k, 1, max(lens_k), softcap=softcap,
+                                              window=None if window == (-1, -1) else window,
+                                              alignment="bottom_right")
+    d_o = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), d_o)
+    at_k = 0
+    for i, lk in enumerate(lens_k):
+        q64, k64, v64 = (t.detach()[a:a + n].double()[None].requires_grad_()
+                         for t, a, n in ((q, i, 1), (k, at_k, lk), (v, at_k, lk)))
+        ref, _ = G.reference(q64, k64, v64, False, window, softcap=softcap)
+        assert G.rel(out[i:i + 1][None], ref) < G.FWD_TOL[dtype]
+        ref_grads = torch.autograd.grad(ref, (q64, k64, v64), d_o[i:i + 1][None].double())
+        for name, g, rg, a, n in zip("qkv", grads, ref_grads, (i, at_k, at_k), (1, lk, lk)):
+            assert G.rel(g[a:a + n][None], rg) < G.BWD_TOL[dtype], (i, name)
+        at_k += lk
+
+
+@pytest.mark.parametrize("d", [111, 256])
+def test_one_query_training_calls_repeat_bitwise(d):
+    # FlashAttention's test_flash_attn_race_condition (seqlen_q 1, seqlen_k 239, batch 60):
+    # identical calls, identical bits, forward and backward (cuDNN 9.19's one-query
+    # training forward was not: fastattn.flash runs two rows, probe_decode, s16-1).
+    torch.manual_seed(0)
+    q = G.randn(60, 1, 4, d, dtype=torch.float16, grad=True)
+    k, v = (G.randn(60, 239, 4, d, dtype=torch.float16, grad=True) for _ in range(2))
+    out0, lse0, _ = flash.flash_attn_func(q, k, v, return_attn_probs=True)
+    g = torch.randn_like(out0)
+    grads0 = torch.autograd.grad(out0, (q, k, v), g)
+    for i in range(20):
+        out, lse, _ = flash.flash_attn_func(q, k, v, return_attn_probs=True)
+        assert torch.equal(out, out0) and torch.equal(lse, lse0), i
+        grads = torch.autograd.grad(out, (q, k, v), g)
+        assert torch.equal(grads[1], grads0[1]) and torch.equal(grads[2], grads0[2]), i

@@ -151,3 +151,16 @@ def test_attention_varlen_names_a_bad_max_length(name, value):
     lengths = {"max_seqlen_q": 16, "max_seqlen_kv": 16, name: value}
     with pytest.raises(fastattn.InvalidArgumentError, match=f"^{name}="):
         fastattn.torch.attention_varlen(q, k, v, cu, cu, lengths["max_seqlen_q"], lengths["max_seqlen_kv"])
+
+
+@pytest.mark.parametrize("max_q,grad,lse,want", [(1, True, False, 2), (1, False, True, 2), (1, False, False, 1),
+                                                 (2, True, False, 2), (3, True, False, 4)])
+def test_a_training_plan_declares_at_least_two_queries(monkeypatch, max_q, grad, lse, want):
+    # cuDNN 9.19's ragged backward of one query with fewer key heads than query heads is
+    # wrong (probe_decode, s16-1): a training plan declares two (the C entry likewise).
+    seen = []
+    monkeypatch.setattr(_varlen, "forward_op", lambda *a: seen.append(a[6:]) or (a[0], a[0].new_empty(a[0].shape[:2])))
+    q, k, v, cu, _ = packed()
+    q.requires_grad_(grad)
+    fastattn.torch.attention_varlen(q, k, v, cu, cu, max_q, 64, return_lse=lse)
+    assert seen[0][0] == want and seen[0][1] == 64

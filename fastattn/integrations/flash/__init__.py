@@ -29,11 +29,13 @@ whose plans, caches and per-call costs they share. What differs from FlashAttent
   - Rows without keys: with more queries than keys the first rows see no key;
     fastattn.flash writes FlashAttention's 0 and +inf there itself and runs the rest (a
     causal mask then has as many queries as keys).
-  - One query against one key with gradients or the LSE (cudnn-frontend refuses a
-    training plan of s_q = s_kv = 1, its documented check; more keys train as they are):
-    the query block is padded to two rows, the second a padding row (seq_lens_q 1; a
-    copy of q), and o and the LSE are sliced back; varlen builds the plan for
-    max_seqlen_q 2 instead (no copy).
+  - One query with gradients or the LSE (cudnn-frontend refuses a training plan of
+    s_q = s_kv = 1, its documented check; against more keys cuDNN 9.19's forward is
+    not bitwise repeatable, where FlashAttention's is): the query block is padded to
+    two rows, the second a padding row (seq_lens_q 1; a copy of q), and o and the LSE
+    are sliced back; varlen builds the plan for max_seqlen_q 2 instead (no copy).
+    Inference calls of one query run as they are (their last bits may differ between
+    identical calls, as in PyTorch's cuDNN backend).
   - Head dims up to 256 that are not multiples of 8: q, k, v padded with zeros to the
     next one, as FlashAttention pads them (a copy of each padded tensor, the packed
     tensor once in the packed functions, each whole cache in flash_attn_with_kvcache after

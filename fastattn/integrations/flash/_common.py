@@ -72,30 +72,34 @@ def _deterministic(deterministic, lse: bool, *tensors) -> bool:
     return deterministic and (lse or _needs_grad(*tensors))
 
 
-def _one_by_one(s_q: int, s_kv: int, training: bool) -> bool:
-    """Whether cuDNN refuses this plan for its one query and one key: cudnn-frontend's
-    backward graph does ("s_q = s_kv = 1 is not supported", its documented check), and a
-    training plan (gradients, or the LSE: the training plan's forward writes it) builds
-    its backward graph too. One query against more keys trains as it is."""
-    return training and s_q == 1 and s_kv == 1
+def _one_query(s_q: int, training: bool) -> bool:
+    """Whether a training plan (gradients, or the LSE: the training plan's forward writes
+    it) has one query per sequence, which fastattn.flash runs as a plan of two instead:
+    cudnn-frontend refuses the backward graph of one query and one key ("s_q = s_kv = 1
+    is not supported", its documented check), and with one query against more keys the
+    forward that cuDNN 9.19 runs on the H200 is not bitwise repeatable (a few rows an ulp
+    apart between identical calls at batch 60, 4 heads, 239 keys; benchmarks/
+    probe_decode.py, s16-1), where FlashAttention's is (its test_flash_attn_race_condition
+    asks it). A plan of two queries is repeatable there."""
+    return training and s_q == 1
 
 
 def _attend(q, k, v, *, return_lse: bool, seq_lens_q=None, seq_lens_kv=None, bias=None, **options):
-    """fastattn.torch.attention, with a training plan of one query and one key (which cuDNN
-    refuses, _one_by_one) run as a plan of two queries, the second a padding row: q padded
-    with a row of zeros (a copy of q, one row of its size more), seq_lens_q 1 and
-    seq_lens_kv the real key lengths (1 unless given), so the real query keeps its place
-    against the keys at either alignment; o and the LSE are sliced back to the real row
-    (views; the gradient flows through the slice and the padding, which get zero)."""
+    """fastattn.torch.attention, with a training plan of one query (_one_query) run as a
+    plan of two queries, the second a padding row: q padded with a row of zeros (a copy
+    of q, one row of its size more), seq_lens_q 1 and seq_lens_kv the real key lengths
+    (all of k's unless given), so the real query keeps its place against the keys at
+    either alignment; o and the LSE are sliced back to the real row (views; the gradient
+    flows through the slice and the padding, which get zero)."""
     b = q.shape[0]
-    if not _one_by_one(q.shape[1], k.shape[1], return_lse or _needs_grad(q, k, v)):
+    if not _one_query(q.shape[1], return_lse or _needs_grad(q, k, v)):
         return attention(q, k, v, seq_lens_q=seq_lens_q, seq_lens_kv=seq_lens_kv, bias=bias, return_lse=return_lse,
                          **options)
     q = torch.nn.functional.pad(q, (0, 0, 0, 0, 0, 1))
     if seq_lens_q is None:
-        seq_lens_q = seq_lens_kv = _full(q, b, 1)
+        seq_lens_q, seq_lens_kv = _full(q, b, 1), _full(q, b, k.shape[1])
     if bias is not None:
-        bias = torch.nn.functional.pad(bias, (0, 0, 0, 1))  # (.., 2, 1): a row for the padding row too
+        bias = torch.nn.functional.pad(bias, (0, 0, 0, 1))  # (.., 2, s_kv): a row for the padding row too
     out = attention(q, k, v, seq_lens_q=seq_lens_q, seq_lens_kv=seq_lens_kv, bias=bias, return_lse=return_lse,
                     **options)
     return (out[0].narrow(1, 0, 1), out[1].narrow(-1, 0, 1)) if return_lse else out.narrow(1, 0, 1)

@@ -61,10 +61,10 @@ def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, sof
     return_attn_probs: also return softmax_lse, float32 (batch, nheads, seqlen_q), and
       S_dmask (None: dropout_p must be 0).
 
-    One query against one key (seqlen_q = seqlen_k = 1, or the one row left when the rows
-    above the diagonal are cut), with gradients or the LSE: cuDNN refuses that training
-    plan, so the query block is padded to two rows, the second a padding row (a copy of
-    q; see the module doc).
+    One query (seqlen_q = 1, or the one row left when the rows above the diagonal are
+    cut), with gradients or the LSE: the query block is padded to two rows, the second a
+    padding row (a copy of q; see the module doc): cuDNN refuses that training plan
+    against one key, and against more its forward is not bitwise repeatable.
 
     Returns out (batch, seqlen_q, nheads, headdim_v), or (out, softmax_lse, None).
     Raises InvalidArgumentError, NotSupportedError (see the module doc).

@@ -12,7 +12,7 @@ from ...errors import InvalidArgumentError
 from . import _common, _paged
 from ._alibi import _alibi, _alibi_bias, _cudnn_alibi, _with_bias
 from ._common import (_attend, _check_dropout, _cut_head_dim, _deterministic, _fa_lse, _mask,
-                      _needs_grad, _on_device, _one_by_one, _pad_head_dims, _shape)
+                      _needs_grad, _on_device, _one_query, _pad_head_dims, _shape)
 from ._packing import _bucket, _pack, _token_rows, _unpack
 
 
@@ -106,10 +106,10 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
     # The same cumulative lengths: each sequence's q and k lengths are equal, and the
     # top-left diagonal is the bottom-right one (the plans attention_varlen shares).
     bottom = cu_seqlens_q is not cu_seqlens_k and (causal or window is not None)
-    if _one_by_one(max_seqlen_q, max_seqlen_k, return_attn_probs or _needs_grad(q, k, v)):
-        # Sequences of one query and one key (cuDNN refuses the training plan of 1 x 1): a
-        # plan for two queries, which each sequence's cu_seqlens_q length of 1 pads (the
-        # plan's longest is an upper bound). No copy; the diagonal is each sequence's own.
+    if _one_query(max_seqlen_q, return_attn_probs or _needs_grad(q, k, v)):
+        # Training sequences of one query (_one_query: why): a plan for two queries, which
+        # each sequence's cu_seqlens_q length of 1 pads (the plan's longest is an upper
+        # bound). No copy; the diagonal is each sequence's own.
         max_seqlen_q = 2
     # cuDNN's ALiBi where it is FlashAttention's (see _dense; each sequence's q and k
     # lengths equal); other slopes and masks take a bias, which a packed plan cannot.
@@ -152,7 +152,7 @@ def _varlen_as_dense(q, k, v, cu_q, cu_k, max_q, max_k, causal, window, bottom, 
         raise InvalidArgumentError(f"k has {k.shape[0]} tokens, v {v.shape[0]}")
     b = cu_q.shape[0] - 1
     rows, cols = _bucket(max_q), _bucket(max_k)
-    if _one_by_one(rows, cols, lse or _needs_grad(q, k, v)):
+    if _one_query(rows, lse or _needs_grad(q, k, v)):
         rows = 2  # (see flash_attn_varlen_func; the padded rows are the padding)
     lens_q, lens_k = cu_q.diff(), cu_k.diff()
     bias = _alibi_bias(slopes, q, rows, cols, lens_k - lens_q, (causal, window) if bottom else None, lens_k)

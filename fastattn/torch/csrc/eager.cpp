@@ -26,6 +26,8 @@
 // to the same answers).
 #include <torch/csrc/utils/pybind.h>  // first: Python.h, then pybind11 with torch's casters
 
+#include <algorithm>
+
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/grad_mode.h>
@@ -352,7 +354,9 @@ PyObject *call_varlen(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
         pybind11::gil_scoped_release no_gil;  // as run_eager: a miss takes the GIL back
         RECORD_FUNCTION("fastattn::attention_varlen", c10::ArrayRef<const c10::IValue>{});
         if (training) {
-            o = std::get<0>(varlen_forward_autograd(q, k, v, cu_q, cu_kv, no_dropout, a.max_q, a.max_kv, a.causal,
+            // At least two queries declared (_varlen.MIN_TRAINING_Q says why).
+            o = std::get<0>(varlen_forward_autograd(q, k, v, cu_q, cu_kv, no_dropout, std::max<int64_t>(a.max_q, 2),
+                                                    a.max_kv, a.causal,
                                                     a.bottom_right, a.window_left, a.window_right, a.scale,
                                                     a.deterministic, true, a.alibi, 0.0, a.softcap));
         } else {
