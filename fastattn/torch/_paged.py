@@ -169,6 +169,17 @@ def attention_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     Raises InvalidArgumentError for bad inputs (and for inputs that require
     gradients), NotSupportedError when cuDNN refuses the config.
     """
+    options = options_for(causal, causal_bottom_right, window, scale, alignment, softcap)
+    if torch.is_grad_enabled() and (getattr(q, "requires_grad", False) or getattr(k_cache, "requires_grad", False)
+                                    or getattr(v_cache, "requires_grad", False)):
+        raise InvalidArgumentError("attention_paged is forward only (cuDNN has no paged backward): call it under "
+                                   "torch.no_grad() or on tensors that do not require gradients")
+    return run(q, k_cache, v_cache, block_table, cache_seqlens, seq_lens_q, options)
+
+
+def options_for(causal, causal_bottom_right, window, scale, alignment, softcap) -> PagedOptions:
+    """attention_paged()'s scalar arguments, checked, as its plans' options (what a caller
+    that makes many calls with the same arguments may keep: fastattn.flash's decode)."""
     left, right, scale = check_options(causal, causal_bottom_right, window, scale)
     if softcap.__class__ is not float or softcap != 0.0:
         softcap = _options.softcap(softcap)
@@ -183,16 +194,17 @@ def attention_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         br = bottom_right(alignment, causal_bottom_right)
         if causal_bottom_right and alignment == "top_left":
             raise InvalidArgumentError("causal_bottom_right=True and alignment='top_left' contradict each other")
-    if torch.is_grad_enabled() and (getattr(q, "requires_grad", False) or getattr(k_cache, "requires_grad", False)
-                                    or getattr(v_cache, "requires_grad", False)):
-        raise InvalidArgumentError("attention_paged is forward only (cuDNN has no paged backward): call it under "
-                                   "torch.no_grad() or on tensors that do not require gradients")
+    return _new(PagedOptions, (bool(causal or causal_bottom_right), br, left, right, scale, softcap))
+
+
+def run(q, k_cache, v_cache, block_table, cache_seqlens, seq_lens_q, options: PagedOptions) -> torch.Tensor:
+    """attention_paged() once its options are checked (options_for) and no input needs a
+    gradient: the native op where fastattn.torch runs on it, else the Python one."""
     # Plain CUDA tensors: checked once per plan, in plan_for; anything else (fake tensors
     # too) on every call (see _dense.attention).
     cuda = q.__class__ is torch.Tensor and q.is_cuda
     if not cuda:
         _check_paged(q, k_cache, v_cache, block_table, seq_lens_q, cache_seqlens)
-    options = _new(PagedOptions, (bool(causal or causal_bottom_right), br, left, right, scale, softcap))
     native = _native.PAGED
     if native is not None:  # the native path (see _dense.attention)
         if compiling():

@@ -119,6 +119,8 @@ def test_varlen_takes_dropout_and_standard_alibi_slopes():
     (lambda: flash.flash_attn_with_kvcache(*kvcache(paged=False)[:3], torch.empty(2, 1, 2, 64, **M),
                                            torch.empty(2, 1, 2, 64, **M)), r"^k, v given without cache_seqlens"),
     (lambda: flash.flash_attn_with_kvcache(*kvcache()[:3], cache_seqlens=torch.zeros(2), block_table=kvcache()[3]),
+     r"^cache_seqlens: expected an int32 tensor of shape \(2,\).* got torch.float32"),  # (a decode step's: a miss)
+    (lambda: flash.flash_attn_with_kvcache(*kvcache(paged=False)[:3], cache_seqlens=torch.zeros(2)),
      r"^cache_seqlens: expected an int or an int32 tensor of shape \(2,\)"),
     (lambda: flash.flash_attn_with_kvcache(*kvcache()[:3], num_splits=-1), r"^num_splits=-1: must be >= 0"),
     (lambda: flash.flash_attn_with_kvcache(*kvcache()[:3], rotary_interleaved="no"),

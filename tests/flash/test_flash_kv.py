@@ -239,3 +239,28 @@ def test_kvcache_paged_lse_gathers_the_pages_into_a_dense_cache(monkeypatch):
 def test_kvcache_rotary_and_leftpad_arguments_are_named(call, match, error):
     with pytest.raises(error, match=match):
         call(*kvcache_inputs())
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("scale", [None, 0.125])
+@pytest.mark.parametrize("lengths", ["tensor", "int", "none"])
+def test_a_plain_paged_decode_step_runs_what_the_full_body_runs(monkeypatch, causal, scale, lengths):
+    # The decode step's fast path (_kvcache._paged_decode) hands fastattn.torch the same
+    # tensors and options as the full body's attention_paged call (and so the same plan).
+    from fastattn.torch import _paged as torch_paged
+
+    seen = []
+    record = lambda name: lambda *a: seen.append((name, a)) or a[0]  # noqa: E731
+    monkeypatch.setattr(_common, "paged_run", record("fast"))
+    monkeypatch.setattr(torch_paged, "run", record("full"))
+    q = torch.randn(2, 1, 4, 16, dtype=torch.bfloat16)
+    pool = torch.randn(6, 8, 2, 16, dtype=torch.bfloat16)
+    table = torch.tensor([[0, 3], [5, 1]], **I32)
+    lens = {"tensor": torch.tensor([9, 16], **I32), "int": 11, "none": None}[lengths]
+    flash.flash_attn_with_kvcache(q, pool, pool, cache_seqlens=lens, block_table=table, softmax_scale=scale,
+                                  causal=causal)
+    flash.flash_attn_with_kvcache(q, pool, pool, cache_seqlens=lens, block_table=table, softmax_scale=scale,
+                                  causal=causal, window_size=None)  # (not the default tuple: the full body)
+    (fast, a), (full, b) = seen
+    assert (fast, full) == ("fast", "full") and a[-1] == b[-1] and a[:3] == b[:3] and a[3] is b[3]
+    assert a[5] is None and b[5] is None and torch.equal(a[4], b[4]) and a[4].dtype == torch.int32

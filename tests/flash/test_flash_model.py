@@ -161,6 +161,10 @@ def model(monkeypatch):
     monkeypatch.setattr(_common, "attention", model_attention)
     monkeypatch.setattr(_common, "attention_varlen", model_varlen)
     monkeypatch.setattr(_common, "attention_paged", model_paged)
+    monkeypatch.setattr(_common, "paged_run", lambda q, kc, vc, table, lengths, seq_lens_q, o: model_paged(
+        q, kc, vc, table, lengths, seq_lens_q=seq_lens_q, causal=o.causal, window=None if (o.window_left, o.window_right)
+        == (-1, -1) else (o.window_left, o.window_right), scale=o.scale or None,
+        alignment="bottom_right" if o.bottom_right else "top_left", softcap=o.softcap))
     assert AXES["bshd"] == (0, 2, 1, 3)
 
 

@@ -13,7 +13,8 @@ from ... import _fields
 from ...errors import InvalidArgumentError, NotSupportedError
 from . import _common, _rotary
 from ._alibi import _alibi, _alibi_bias, _with_bias
-from ._common import _attend, _cut_head_dim, _fa_lse, _full, _mask, _on_device, _shape, _unpadded
+from ._common import (_UNBOUNDED, _attend, _cut_head_dim, _fa_lse, _full, _mask, _on_device, _shape,
+                      _unpadded)
 
 
 def _cache_lengths(cache_seqlens, batch: int, full: int, q: torch.Tensor) -> torch.Tensor:
@@ -132,6 +133,13 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Tens
 
     Returns out (batch, seqlen_q, nheads, headdim_v), or (out, softmax_lse).
     """
+    if (block_table is not None and k is None and v is None and rotary_cos is None and rotary_sin is None
+            and cache_batch_idx is None and cache_leftpad is None and alibi_slopes is None
+            and return_softmax_lse is False and causal.__class__ is bool and window_size.__class__ is tuple
+            and window_size == _UNBOUNDED and softcap.__class__ is float and softcap == 0.0
+            and (softmax_scale is None or softmax_scale.__class__ is float) and rotary_interleaved.__class__ is bool
+            and num_splits.__class__ is int and 0 <= num_splits < _fields.INT_LIMIT):
+        return _paged_decode(q, k_cache, v_cache, block_table, cache_seqlens, causal, softmax_scale)
     # The checks' common cases inline (a decode step's host time is mostly this body's):
     # plain bools and a small non-negative int pass as they are; the rest are checked.
     interleaved = (rotary_interleaved if rotary_interleaved.__class__ is bool
@@ -222,6 +230,52 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Tens
     finally:
         if grad:
             torch._C._set_grad_enabled(True)
+
+
+# A paged decode step's options, per (causal, softmax_scale): fastattn.torch's checks of
+# them made once, not per step (a decode loop repeats one pair). Bounded: a caller varying
+# the scale per call starts it afresh now and then.
+_decode_options: dict[tuple[bool, float | None], object] = {}
+
+
+def _paged_decode(q, k_cache, v_cache, block_table, cache_seqlens, causal: bool, scale: float | None) -> Tensor:
+    """flash_attn_with_kvcache's plain paged step (a block table; no new keys, rotary,
+    ALiBi, softcap, window or LSE) straight to attention_paged's run with kept options:
+    the serving loop's call, without either body's per-call option checks. Anything but
+    plain tensors of the usual ranks and head dims that are multiples of 8 takes the full
+    body, which checks and reports."""
+    # Only what decides between this and the full body is looked at: the ranks and head
+    # dims (a head dim not a multiple of 8 is padded there). The rest (dtypes, devices,
+    # the table's and the lengths' shapes) enter the plan's key, so a tensor unlike the
+    # plan's misses, and the miss checks it and names what is wrong (_paged._check_paged).
+    if not (q.__class__ is Tensor and k_cache.__class__ is Tensor and v_cache.__class__ is Tensor
+            and block_table.__class__ is Tensor):
+        return _full_body(q, k_cache, v_cache, block_table, cache_seqlens, causal, scale)
+    qs, ks, vs = q.shape, k_cache.shape, v_cache.shape
+    if not (len(qs) == len(ks) == len(vs) == 4) or qs[3] % 8 or ks[3] % 8 or vs[3] % 8:
+        return _full_body(q, k_cache, v_cache, block_table, cache_seqlens, causal, scale)
+    if cache_seqlens.__class__ is not Tensor:  # an int or None: FlashAttention's other forms
+        table = _shape(block_table, "block_table", 2, "int32 (batch, max_num_blocks_per_seq)")
+        cache_seqlens = _cache_lengths(cache_seqlens, qs[0], table[1] * ks[1], q)
+    options = _decode_options.get((causal, scale))
+    if options is None:
+        if len(_decode_options) >= 64:
+            _decode_options.clear()
+        options = _decode_options[(causal, scale)] = _common.paged_options(causal, False, None, scale,
+                                                                            "bottom_right", 0.0)
+    if not torch.is_grad_enabled():
+        return _common.paged_run(q, k_cache, v_cache, block_table, cache_seqlens, None, options)
+    torch._C._set_grad_enabled(False)  # (no backward: see flash_attn_with_kvcache)
+    try:
+        return _common.paged_run(q, k_cache, v_cache, block_table, cache_seqlens, None, options)
+    finally:
+        torch._C._set_grad_enabled(True)
+
+
+def _full_body(q, k_cache, v_cache, block_table, cache_seqlens, causal, scale) -> Tensor:
+    # (window_size=None: the same window, and it keeps the call from the fast path)
+    return flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=cache_seqlens, block_table=block_table,
+                                   softmax_scale=scale, causal=causal, window_size=None)
 
 
 def _int32_lengths(name: str, t, batch: int) -> Tensor:
