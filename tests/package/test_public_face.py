@@ -245,6 +245,10 @@ ALLOWED_PRIVATE_IMPORTS = {
     ("fastattn.integrations.flash._kvcache", "fastattn._fields"): _FIELDS,
     ("fastattn.integrations.flash._common", "fastattn.torch._plans"): _CAPTURING,
     ("fastattn.integrations.flash._alibi", "fastattn.torch._plans"): _CAPTURING,
+    ("fastattn.integrations.flash._common", "fastattn.torch._paged"): (
+        "options_for and run: flash_attn_with_kvcache's paged decode step keeps its checked options "
+        "across calls (issue 29's host time per step); public, this would be attention_paged taking "
+        "options made once"),
     ("fastattn.cli.warm", "fastattn._opslib"): (
         "find_built(): a second `fastattn warm` finds the op library without importing torch "
         "(test_cli's test_a_second_warm_finds_the_op_library_without_importing_torch), and importing "
