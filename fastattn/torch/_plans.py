@@ -78,7 +78,7 @@ def remember(key: tuple, cfg: AttentionConfig, q: torch.Tensor, k: torch.Tensor,
             raise InvalidArgumentError(
                 "a CUDA graph is being captured on the current stream and the plan for this call is not loaded "
                 "yet: run the call once before capturing (a plan load or build inside a capture would invalidate "
-                "it; with shape classes, run it once with shape_classes=\"off\": a captured call takes its exact "
+                "it; with shape classes, a captured call takes its class plan if that was loaded, else its exact "
                 f"plan); config: {cfg.to_json()}")
         hit = Cached(held, q, k, v, layout)
     else:

@@ -113,7 +113,7 @@ def test_return_lse_has_attentions_shape(fake):
     assert o.shape == (2, 40, 4, 64) and lse.shape == (2, 4, 40)
 
 
-@pytest.mark.parametrize("case", ["bhsd", "bias", "sinks", "strided_heads", "too_long", "off", "capturing"])
+@pytest.mark.parametrize("case", ["bhsd", "bias", "sinks", "strided_heads", "too_long", "off"])
 def test_what_a_class_does_not_serve_takes_an_exact_plan(fake, case, monkeypatch):
     served = []
     monkeypatch.setattr(_dense, "forward_impl", lambda *a: served.append(a) or (a[0], None))
@@ -129,12 +129,27 @@ def test_what_a_class_does_not_serve_takes_an_exact_plan(fake, case, monkeypatch
         q = meta(2, 4, 40, 64).transpose(1, 2)  # bshd shape, heads not packed in each token
     elif case == "too_long":
         q, k, v = (meta(2, 65, 4, 64) for _ in range(3))
-    elif case == "capturing":  # a CUDA graph capture takes exact plans (_classes.py says why)
-        monkeypatch.setattr(_classes, "capturing", lambda: True)
     else:
         kw["shape_classes"] = "off"
     _dense.attention(q, k, v, **kw)
     assert fake == [] and len(served) == 1
+
+
+@pytest.mark.parametrize("held", ["class", "exact"])
+def test_inside_a_capture_a_call_takes_the_plan_held_for_it(fake, held, monkeypatch):
+    # Its class plan where that was loaded before the capture, else its exact plan (if
+    # that was); nothing is planned inside the capture.
+    served = []
+    monkeypatch.setattr(_dense, "forward_impl", lambda *a: served.append("exact") or (a[0], None))
+    monkeypatch.setattr(_classes, "forward_impl", lambda *a: served.append("class") or (a[0], None))
+    q, k, v = (meta(2, 40, 4, 64) for _ in range(3))
+    _dense.attention(q, k, v, shape_classes=(64,) if held == "class" else "off")
+    asked = list(fake)
+    for mod in (_plans, _classes):
+        monkeypatch.setattr(mod, "capturing", lambda: True)
+    monkeypatch.setattr(fastattn.runtime, "planned", lambda cfg, device=None: None)  # (the fake's plans: in _plans)
+    _dense.attention(q, k, v, shape_classes=(64,))
+    assert fake == asked and served == [held, held]
 
 
 def test_the_setting_applies_when_no_keyword_is_given(fake, monkeypatch):
@@ -302,9 +317,9 @@ def test_the_server_benchmarks_kernel_table():
     assert len(lines) == 3
 
 
-def test_a_capture_without_its_exact_plan_says_how_to_load_it(monkeypatch):
-    # A call captured in a CUDA graph takes its exact plan, which an eager call that took
-    # its class's did not load: the refusal says how to load it.
+def test_a_capture_without_a_held_plan_says_how_to_load_it(monkeypatch):
+    # A call captured in a CUDA graph takes a plan held before the capture (its class's,
+    # else its exact one): the refusal says how to load it.
     from fastattn import AttentionConfig
     from fastattn.errors import InvalidArgumentError
 
@@ -312,7 +327,7 @@ def test_a_capture_without_its_exact_plan_says_how_to_load_it(monkeypatch):
     monkeypatch.setattr(fastattn.runtime, "planned", lambda cfg, device=None: None)
     q = meta(1, 40, 4, 64)
     cfg = AttentionConfig(batch=1, heads_q=4, seqlen_q=40, seqlen_kv=40, head_dim_qk=64, dtype="bf16", layout="bshd")
-    with pytest.raises(InvalidArgumentError, match='shape_classes="off"'):
+    with pytest.raises(InvalidArgumentError, match="run the call once before capturing.*class plan if that was"):
         _plans.remember(("test",), cfg, q, q, q, "bshd")
 
 
