@@ -142,6 +142,9 @@ def _model(kind, attn, **extra):
                        final_logit_softcapping=None, query_pre_attn_scalar=16),
         "gpt_oss": dict(model_type="gpt_oss", head_dim=16, sliding_window=4, num_local_experts=2,
                         num_experts_per_tok=1, layer_types=["sliding_attention", "full_attention"]),
+        # Gemma 3's text model: alternating sliding and full layers, a query scalar, no softcap
+        "gemma3": dict(model_type="gemma3_text", head_dim=16, sliding_window=4, query_pre_attn_scalar=16,
+                       layer_types=["sliding_attention", "full_attention"]),
     }
     cfg = AutoConfig.for_model(**{**common, **kinds[kind], **extra})
     torch.manual_seed(0)
@@ -177,14 +180,14 @@ def test_registered_through_the_classes_so_every_instance_and_model_sees_it():
     assert "fastattn" in AttentionMaskInterface._global_mapping
 
 
-@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2"])
+@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2", "gemma3"])
 def test_prefill_without_padding_is_causal_at_the_top_left_with_the_window(calls, kind):
     ours, theirs = _pair(kind)
     ids = torch.randint(3, 97, (2, 11))
     torch.testing.assert_close(ours(ids).logits, theirs(ids).logits, atol=1e-4, rtol=1e-4)
     assert all(c["causal"] and c["alignment"] == "top_left" and not c["lens"] and c["bias"] is None for c in calls)
-    window = {"llama": None, "mistral": (4, 0), "qwen2": (3, 0)}[kind]
-    assert all(c["window"] == window for c in calls)
+    windows = {"llama": [None], "mistral": [(4, 0)], "qwen2": [(3, 0)], "gemma3": [(3, 0), None]}[kind]
+    assert [c["window"] for c in calls[:len(windows)]] == windows and all(c["window"] in windows for c in calls)
 
 
 @pytest.mark.parametrize("left", [True, False])
@@ -201,7 +204,7 @@ def test_padded_batches_left_as_a_key_bias_right_as_lengths(calls, left):
         assert all(c["lens"] and c["bias"] is None for c in calls)
 
 
-@pytest.mark.parametrize("kind", ["llama", "mistral"])
+@pytest.mark.parametrize("kind", ["llama", "mistral", "gemma3"])
 def test_greedy_generate_from_a_left_padded_batch_token_for_token(calls, kind):
     ours, theirs = _pair(kind)
     ids, mask = _batch([6, 3, 8, 5], 8)

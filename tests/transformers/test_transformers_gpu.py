@@ -38,6 +38,8 @@ KINDS = {
                   sliding_window=24, max_window_layers=0, layer_types=["sliding_attention"] * 2),
     "gemma2": dict(model_type="gemma2", head_dim=64, num_attention_heads=8, num_key_value_heads=4, sliding_window=24,
                    attn_logit_softcapping=50.0, final_logit_softcapping=None, query_pre_attn_scalar=64),
+    "gemma3": dict(model_type="gemma3_text", head_dim=64, num_attention_heads=8, num_key_value_heads=4,
+                   sliding_window=24, query_pre_attn_scalar=64, layer_types=["sliding_attention", "full_attention"]),
     "gpt_oss": dict(model_type="gpt_oss", head_dim=64, num_attention_heads=8, num_key_value_heads=2,
                     sliding_window=24, num_local_experts=1, num_experts_per_tok=1,
                     layer_types=["sliding_attention", "full_attention"]),
@@ -115,7 +117,7 @@ def test_logits_and_a_training_step(kind):
 TIE = 2e-2  # top-two gap of the float32 reference's logits (~1.3 here) that bf16 may resolve either way
 
 
-@pytest.mark.parametrize("kind", ["llama-d64", "qwen2"])
+@pytest.mark.parametrize("kind", ["llama-d64", "qwen2", "gemma3"])
 def test_greedy_generate_of_32_tokens_from_a_left_padded_batch(kind):
     ours = _model(kind, "fastattn", torch.bfloat16)
     ref = _model(kind, "eager", torch.float32)
