@@ -31,10 +31,14 @@ from dataclasses import dataclass
 from .. import env as _env
 from ..env import redact
 from .disk import EntryInfo
-from .entry import KEY_PATTERN, Entry, EntryError, decode, encode, read_header
-from .signing import unwrap, wrap
+from .entry import KEY_PATTERN, MAX_ENTRY_BYTES, Entry, EntryError, decode, encode, read_header
+from .signing import SIGNED_MAGIC, unwrap, wrap
 
 __all__ = ["RemoteSettings", "RemoteStore", "remote_settings_from_env"]
+
+# The most a stored value may hold (an entry at its cap, signed): a longer one is read
+# only up to here, one byte past (GETRANGE), and rejected, never downloaded whole.
+MAX_VALUE_BYTES = MAX_ENTRY_BYTES + len(SIGNED_MAGIC) + 32
 
 log = logging.getLogger("fastattn")
 
@@ -157,7 +161,7 @@ class RemoteStore:
         if c is None:
             return None
         try:
-            value = c.get(self.settings.prefix + key)
+            value = self._read(c, key)
         except self._errors as e:
             self._failed(e)
             return None
@@ -167,10 +171,22 @@ class RemoteStore:
             return None
         return self._verify(key, value)
 
+    def _read(self, c, key: str) -> bytes | None:
+        """The value under key (None: none, or an empty one), at most MAX_VALUE_BYTES + 1
+        bytes of it: its length and its head in one round trip."""
+        name = self.settings.prefix + key
+        pipe = c.pipeline(transaction=False)
+        pipe.strlen(name)
+        pipe.getrange(name, 0, MAX_VALUE_BYTES)  # (the end is inclusive)
+        n, value = pipe.execute()
+        return value if n else None
+
     def _verify(self, key: str, value: bytes) -> Entry | None:
         # Whatever another machine (or an intruder) stored: an entry that verifies, or None.
         if not KEY_PATTERN.fullmatch(key):
             data, why = None, "not a cache key"
+        elif len(value) > MAX_VALUE_BYTES:
+            data, why = None, f"over {MAX_VALUE_BYTES} bytes (not read further)"
         else:
             data, why = unwrap(self.secret, key, value)
         if data is not None:
@@ -277,7 +293,7 @@ class RemoteStore:
         c = self._conn()
         if c is None:
             raise ConnectionError(self.disabled or self.state)
-        value = c.get(self.settings.prefix + key)
+        value = self._read(c, key)
         self._ok()
         if value is None:
             return None

@@ -101,6 +101,28 @@ def test_no_secret_and_not_trusted_leaves_the_tier_off(server, caplog, monkeypat
     assert server.client().dbsize() == 0 and r.status()["state"].startswith("off:")
 
 
+def test_a_value_over_the_size_cap_is_rejected_without_being_read_whole(server, caplog, monkeypatch):
+    from fastattn.store import remote as remote_mod
+
+    monkeypatch.setattr(remote_mod, "MAX_VALUE_BYTES", 4000)
+    r = remote(server)
+    c = server.client()
+    small = entry("0a" * 32, blob=b"x" * 100)
+    assert r.put(small)
+    c.set("fastattn:" + "0b" * 32, b"y" * 50_000)
+    c.set("fastattn:" + "0c" * 32, b"")  # an empty value: no entry
+    read = []
+    real = r._read
+    monkeypatch.setattr(r, "_read", lambda conn, key: read.append(real(conn, key)) or read[-1])
+    with caplog.at_level(logging.WARNING, logger="fastattn"):
+        assert r.get("0a" * 32).blobs == small.blobs
+        assert r.get("0b" * 32) is None and r.get("0c" * 32) is None
+    assert len(read[1]) == 4001  # one byte past the cap, of 50,000
+    assert r.counters["remote_rejected"] == 1 and r.counters["remote_misses"] == 1
+    assert "over 4000 bytes" in caplog.text
+    assert r.fetch("0b" * 32) is None and len(read[-1]) == 4001  # fetch (push and pull) reads the same way
+
+
 def test_redis_stopped_mid_run_then_restarted(server, caplog):
     r = remote(server)
     e = entry()
