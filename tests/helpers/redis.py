@@ -69,3 +69,31 @@ def start_server(tmp_path):
     s = Server(tmp_path)
     s.start()
     return s
+
+
+class FakeRedis:
+    """The few commands the Redis tier reads with, over a dict of bytes (the property and
+    limit tests feed it stored values without a server): STRLEN and GETRANGE, pipelined."""
+
+    def __init__(self, values: dict):
+        self.values = values
+
+    def strlen(self, name) -> int:
+        return len(self.values.get(name) or b"")
+
+    def getrange(self, name, start: int, end: int) -> bytes:
+        return (self.values.get(name) or b"")[start:end + 1]  # (Redis's end is inclusive)
+
+    def pipeline(self, transaction: bool = True) -> "_Pipeline":
+        return _Pipeline(self)
+
+
+class _Pipeline:
+    def __init__(self, redis: FakeRedis):
+        self.redis, self.calls = redis, []
+
+    def __getattr__(self, command):
+        return lambda *args: self.calls.append((command, args))
+
+    def execute(self) -> list:
+        return [getattr(self.redis, command)(*args) for command, args in self.calls]

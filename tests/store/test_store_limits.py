@@ -21,6 +21,7 @@ from fastattn import cli, runtime, store
 from fastattn.store import entry as entry_mod
 from fastattn.verdict import Check, Verdict, VerdictError
 from helpers.cli import run
+from helpers.redis import FakeRedis
 
 BASE = dict(batch=1, heads_q=8, head_dim_qk=64, mask="causal")
 HUGE = 10**400  # json.dumps writes it; no float holds it
@@ -150,14 +151,6 @@ def test_a_bundle_holding_one_is_refused(env, capsys, monkeypatch, what):
     assert not (env / "target").exists()
 
 
-class _FakeRedis:
-    def __init__(self, values):
-        self.values = values
-
-    def get(self, name):
-        return self.values.get(name)
-
-
 @pytest.mark.parametrize("what", list(DAMAGE))
 def test_the_remote_tier_misses_on_one(what):
     from fastattn.store.remote import RemoteSettings, RemoteStore
@@ -165,7 +158,7 @@ def test_the_remote_tier_misses_on_one(what):
 
     h = DAMAGE[what]
     r = RemoteStore(RemoteSettings("redis://localhost:1/0", trusted=True), None)
-    r._client, r._errors = _FakeRedis({"fastattn:" + h["key"]: wrap(None, h["key"], entry_bytes(
+    r._client, r._errors = FakeRedis({"fastattn:" + h["key"]: wrap(None, h["key"], entry_bytes(
         h["key"], json.dumps(h), b"x"))}), (OSError,)
     assert r.get(h["key"]) is None and r.counters["remote_rejected"] == 1
 

@@ -29,6 +29,7 @@ from fastattn.store import bundle as bundle_mod
 from fastattn.store import entry as entry_mod
 
 import fake_core
+from helpers.redis import FakeRedis
 
 BASE = dict(batch=1, heads_q=8, head_dim_qk=64, mask="causal")
 GOOD_CFG = fastattn.AttentionConfig(**BASE, seqlen_q=128, training=True)
@@ -296,14 +297,6 @@ def test_mutated_entry_files_are_listed_verified_and_missed(valid, fake_gpu, mon
 # -- remote values -------------------------------------------------------------------------------
 
 
-class FakeRedis:
-    def __init__(self, values):
-        self.values = values
-
-    def get(self, name):
-        return self.values.get(name)
-
-
 @fast(150)
 @given(data=st.data(), signed=st.booleans())
 def test_remote_values_verify_or_miss(valid, data, signed):
@@ -321,7 +314,8 @@ def test_remote_values_verify_or_miss(valid, data, signed):
     if got is not None:
         well_formed(got)
         assert got.key == key and value == good
-    assert r.counters["remote_hits"] + r.counters["remote_rejected"] == (0 if value is None else 1)
+    # (an empty value is no entry: a miss)
+    assert r.counters["remote_hits"] + r.counters["remote_rejected"] == (0 if not value else 1)
 
 
 # -- bundles and manifests ---------------------------------------------------------------------
