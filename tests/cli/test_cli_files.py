@@ -25,9 +25,9 @@ from helpers.cli import run
 BASE = dict(batch=1, heads_q=8, head_dim_qk=64, mask="causal")
 
 
-def _device(path):
-    try:  # a copy of /dev/null's node, in tmp_path
-        os.mknod(path, stat.S_IFCHR | 0o666, os.makedev(1, 3))
+def _device(path, minor=3):
+    try:  # a copy of /dev/null's node (minor 3; /dev/zero's: 5), in tmp_path
+        os.mknod(path, stat.S_IFCHR | 0o666, os.makedev(1, minor))
     except (PermissionError, OSError) as e:
         pytest.skip(f"cannot mknod here ({e})")
 
@@ -191,10 +191,7 @@ def test_matrix_png_goes_through_write_file(fake_workers, capsys, monkeypatch, w
 
 
 def _zero_device(path):
-    try:  # a copy of /dev/zero's node, in tmp_path
-        os.mknod(path, stat.S_IFCHR | 0o666, os.makedev(1, 5))
-    except (PermissionError, OSError) as e:
-        pytest.skip(f"cannot mknod here ({e})")
+    _device(path, minor=5)
 
 
 def _link_to_fifo(path):

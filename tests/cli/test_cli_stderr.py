@@ -35,7 +35,6 @@ import sys
 import fastattn.warm
 from fastattn import cli, runtime
 from fastattn.errors import LibraryError
-from fastattn.warm import WarmItem, WarmReport
 
 case = sys.argv[1]
 if case == "no-gpu":
@@ -47,14 +46,8 @@ elif case == "bug":
         raise RuntimeError("a test's stand-in for a bug")
     runtime.probe = probe
 elif case == "warm":
-    def warm(configs, progress=None, **k):
-        items = [WarmItem(c, status="built") for c in configs]
-        for i, item in enumerate(items):
-            if progress is not None:
-                progress(i + 1, len(items), item)
-        return WarmReport(items, 0.0, 1, {"built": len(items), "loaded": 0, "unsupported": 0, "failed": 0}, 1,
-                          warnings=["a worker's warning"])
-    fastattn.warm.warm = warm
+    from test_cli_stderr import _fake_warm  # (this file's: its folder is on the child's path)
+    fastattn.warm.warm = _fake_warm
 sys.exit(cli.main(sys.argv[2:]))
 """
 
@@ -71,7 +64,7 @@ CASES = [
 def _child(tmp_path, case, argv, **popen):
     env = {**os.environ, "FASTATTN_CACHE_DIR": str(tmp_path / "cache"), "TMPDIR": str(tmp_path),
            "PYTHONPATH": os.pathsep.join([os.path.dirname(os.path.dirname(fastattn.__file__)),
-                                          os.environ.get("PYTHONPATH", "")])}
+                                          os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])}
     env.pop("FASTATTN_REMOTE_CACHE", None)
     return subprocess.run([sys.executable, "-c", _CHILD, case, *argv], cwd=tmp_path, env=env, timeout=120,
                           stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, **popen)
