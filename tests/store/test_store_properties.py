@@ -318,6 +318,35 @@ def test_remote_values_verify_or_miss(valid, data, signed):
     assert r.counters["remote_hits"] + r.counters["remote_rejected"] == (0 if not value else 1)
 
 
+@fast(100)
+@given(data=st.data(), cap=st.integers(0, 3000))
+def test_remote_values_past_the_size_cap_are_rejected_having_read_one_byte_past_it(valid, data, cap):
+    from fastattn.store import remote as remote_mod
+    from fastattn.store.signing import wrap
+
+    good = wrap(None, valid["key"], valid["data"])
+    value = data.draw(st.one_of(st.just(good), st.binary(min_size=0, max_size=4000),
+                                st.builds(lambda n: good + b"\0" * n, st.integers(0, 100))))
+    fake = FakeRedis({"fastattn:" + valid["key"]: value})
+    read = []
+    old = remote_mod.MAX_VALUE_BYTES
+    remote_mod.MAX_VALUE_BYTES = cap
+    try:
+        r = remote_mod.RemoteStore(remote_mod.RemoteSettings("redis://localhost:1/0", trusted=True), None)
+        r._client, r._errors = fake, (OSError,)
+        real = r._read
+        r._read = lambda c, key: read.append(real(c, key)) or read[-1]
+        got = r.get(valid["key"])
+    finally:
+        remote_mod.MAX_VALUE_BYTES = old
+    if not value:
+        assert got is None and read == [None] and r.counters["remote_misses"] == 1
+    elif len(value) > cap:
+        assert got is None and len(read[0]) == cap + 1 and r.counters["remote_rejected"] == 1
+    else:
+        assert read == [value] and (got is not None) == (value == good)
+
+
 # -- bundles and manifests ---------------------------------------------------------------------
 
 
