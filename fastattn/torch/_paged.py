@@ -166,6 +166,12 @@ def attention_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
       is FlashAttention's function, bottom right.) window, scale and softcap as attention().
       Returns o: (batch, seqlen_q, heads_q, head_dim_v).
 
+    Not bitwise repeatable: cuDNN's paged kernels may sum a row's keys in another order
+    from one call to the next (identical eager calls, and a CUDA-graph replay against
+    an eager call, were seen an element apart on the H200 with cuDNN 9.19). What is
+    promised is the output dtype's rounding: identical calls agree within one unit in
+    the last place of o's dtype, element by element.
+
     Raises InvalidArgumentError for bad inputs (and for inputs that require
     gradients), NotSupportedError when cuDNN refuses the config.
     """

@@ -25,6 +25,16 @@ class Block(torch.nn.Module):
         return self.out(fastattn.torch.attention(q, k, v, causal=True).reshape(b, s, d))
 
 
+def ulps_apart(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """How many units in the last place of a's dtype each element of a lies from b's,
+    the unit taken at the larger of the two magnitudes (NaN where either is NaN): what a
+    kernel that is not bitwise repeatable promises (fastattn.torch.attention_paged, 1)."""
+    x, y = a.float(), b.float()
+    finfo = torch.finfo(a.dtype)
+    big = torch.maximum(x.abs(), y.abs()).clamp_min(finfo.tiny)
+    return (x - y).abs() / (finfo.eps * torch.exp2(torch.floor(torch.log2(big))))
+
+
 def in_threads(n, fn):
     """fn(i) in n threads released together (a barrier), each then draining its current
     stream (where there is CUDA); their results by i. Raises the first exception a

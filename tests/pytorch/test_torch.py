@@ -369,3 +369,15 @@ def test_a_miss_inside_a_capture_raises_before_any_cudnn_work(env, monkeypatch):
     first = _plans.remember(("capture test", 2), cfg, q, k, v, "bshd")  # outside a capture: built
     monkeypatch.setattr(_plans, "capturing", lambda: True)
     assert _plans.remember(("capture test", 3), cfg, q, k, v, "bshd").plan is first.plan is runtime.planned(cfg)
+
+
+def test_ulps_apart_counts_units_in_the_last_place_of_the_dtype():
+    # The GPU tests' measure for kernels that are not bitwise repeatable (helpers.torch):
+    # one bf16 ulp at 1.0 is 2^-7, at 0.0625 it is 2^-11; NaN is never within a bound.
+    from helpers.torch import ulps_apart
+
+    a = torch.tensor([1.0, 0.0625, -3.0, 0.0, 1.0, float("nan")], dtype=torch.bfloat16)
+    b = torch.tensor([1.0 + 2**-7, 0.0625 + 2**-10, -3.0, 0.0, 1.0 + 2**-5, 1.0], dtype=torch.bfloat16)
+    got = ulps_apart(a, b)
+    assert got[:5].tolist() == [1.0, 2.0, 0.0, 0.0, 4.0] and got[5].isnan()
+    assert not (ulps_apart(a, b) <= 1).all() and (ulps_apart(a[:4], a[:4]) <= 1).all()

@@ -12,7 +12,7 @@ from fastattn.torch import _autograd, _dense, _native, _paged, _plans, _varlen  
 from fastattn import AttentionConfig  # noqa: E402
 
 from helpers.gpu import alibi_slopes, allowed  # noqa: E402
-from helpers.torch import Block, in_threads  # noqa: E402
+from helpers.torch import Block, in_threads, ulps_apart  # noqa: E402
 
 FWD_TOL = {torch.float16: 4e-3, torch.bfloat16: 2e-2}
 BWD_TOL = {torch.float16: 1e-2, torch.bfloat16: 4e-2}
@@ -536,8 +536,10 @@ def test_paged_decode_captures_in_a_cuda_graph_and_replays_new_lengths():
     graph = torch.cuda.CUDAGraph()
     with torch.no_grad(), torch.cuda.graph(graph):
         out = fastattn.torch.attention_paged(q, k_cache, v_cache, table, lens)
-    # More lengths than two: s14-1 saw a replay and its eager call differ once (shuffle:13,
-    # not reproduced in that order since); each round is a chance to see it again.
+    # cuDNN's paged decode is not bitwise repeatable, even between eager calls (an element
+    # one bf16 ulp apart, one run in three): a replay is held to what attention_paged
+    # promises, one ulp of o's dtype from an eager call; a replay that read stale lengths
+    # or a stale query is off by far more. Many lengths: each round is a chance to see it.
     rng = torch.Generator().manual_seed(0)
     draws = [tuple(torch.randint(1, 321, (3,), generator=rng).tolist()) for _ in range(30)]
     for new_lens in ((1, 64, 320), (299, 5, 128), *draws):
@@ -548,7 +550,7 @@ def test_paged_decode_captures_in_a_cuda_graph_and_replays_new_lengths():
             expected = fastattn.torch.attention_paged(q, k_cache, v_cache, table, lens)
         torch.cuda.synchronize()
         again = lambda: fastattn.torch.attention_paged(q, k_cache, v_cache, table, lens)  # noqa: E731
-        assert torch.equal(out, expected), f"lengths {new_lens}: {differences(out, expected, again, graph)}"
+        assert (ulps_apart(out, expected) <= 1).all(), f"lengths {new_lens}: {differences(out, expected, again, graph)}"
 
 
 def differences(out, expected, again, graph) -> str:
@@ -562,6 +564,7 @@ def differences(out, expected, again, graph) -> str:
 
     d = (out.float() - expected.float()).abs()
     rows = d.amax(dim=(1, 2, 3)).nonzero().flatten().tolist()
+    ulps = ulps_apart(out, expected).nan_to_num(float("inf")).max().item()
     kept = {k: v.tolist() for k, v in _paged._full_lengths.items()}
     nan = (int(out.isnan().sum()), int(expected.isnan().sum()))  # torch.equal is False where both hold a NaN
     with torch.no_grad():
@@ -577,7 +580,8 @@ def differences(out, expected, again, graph) -> str:
         fresh_lengths = torch.equal(out, again())
     engines = sorted({str(getattr(c.plan, "forward_engine", "?")) for key, c in _plans.plans.items()
                       if key and key[0] == "paged"})
-    return (f"{int((d > 0).sum())} of {d.numel()} elements differ, up to {d.max().item():.3g}, in batch rows {rows}; "
+    return (f"{int((d > 0).sum())} of {d.numel()} elements differ, up to {d.max().item():.3g} ({ulps:.3g} ulp), "
+            f"in batch rows {rows}; "
             f"NaN in the replay, the eager call: {nan}; eager again equal: {eager_again}; replay again equal: "
             f"{replay_again}; eager equal to the replay with the workspace filled 0xFF: {stale_workspace}, with the "
             f"query lengths made anew: {fresh_lengths}; the query lengths kept: {kept}; paged engines {engines}; "
