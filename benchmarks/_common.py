@@ -251,13 +251,18 @@ class Steps(list):
 
 def header() -> dict:
     """What every benchmark's JSON opens with: the date, the GPU, fastattn's and cuDNN's
-    versions, torch's and the kernel's (`uname -r`), as the benchmark notes record them."""
-    import torch
+    versions, torch's (None where it is not installed) and the kernel's (`uname -r`), as the benchmark notes record them. torch's version
+    is read from its installed metadata, which is what torch.__version__ says, unimported."""
+    from importlib import metadata
 
     import fastattn
 
+    try:
+        torch_version = metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        torch_version = None
     return {"date": time.strftime("%Y-%m-%d"), "device": fastattn.device_info(), "versions": fastattn.versions(),
-            "torch": torch.__version__, "uname": os.uname().release}
+            "torch": torch_version, "uname": os.uname().release}
 
 
 def emit(res: dict, json_path: str | None, lines=()) -> None:

@@ -46,6 +46,18 @@ def calls(monkeypatch):
     return seen
 
 
+@pytest.fixture
+def fake_reference(monkeypatch):
+    """The CLI checks before any work that PyTorch, --verify's GPU reference, is installed;
+    these tests' verifier is fake_core's, which needs none: the check passes without
+    torch too (test_verify_without_pytorch_exits_2_naming_the_flag holds the check)."""
+    from fastattn.cli import probe as cli_probe
+    from fastattn.cli import warm as cli_warm
+
+    for module in (cli_probe, cli_warm):
+        monkeypatch.setattr(module, "check_verify_possible", lambda: None)
+
+
 def _entry_files():
     return [info.path for _, info in runtime.plan_cache().store.entries()]
 
@@ -232,7 +244,7 @@ def test_the_reference_does_not_claim_what_it_does_not_model():
 PROBE = ["probe", "--batch", "1", "--heads-q", "8", "--seqlen-q", "128", "--training"]
 
 
-def test_probe_verify_prints_the_verdict_and_exits_4_on_a_failure(env, capsys):
+def test_probe_verify_prints_the_verdict_and_exits_4_on_a_failure(env, capsys, fake_reference):
     code, out, _ = run(PROBE + ["--head-dim-qk", "64", "--verify"], capsys)
     assert code == cli.EXIT_OK and "verified: passed (random+low_lse" in out and "ok   d_q on low_lse" in out
     code, out, _ = run(PROBE + ["--head-dim-qk", "96", "--verify", "--json"], capsys)
@@ -261,7 +273,7 @@ def _verified(log) -> list[int]:
         if log.exists() else []
 
 
-def test_warm_verify_reports_a_rejected_plan_and_exits_4(fake_workers, capsys, monkeypatch):
+def test_warm_verify_reports_a_rejected_plan_and_exits_4(fake_workers, capsys, monkeypatch, fake_reference):
     log = fake_workers / "verified.log"
     monkeypatch.setenv("FAKE_VERIFY_LOG", str(log))
     f = fake_workers / "w.toml"
@@ -292,7 +304,7 @@ def test_warm_verify_reports_a_rejected_plan_and_exits_4(fake_workers, capsys, m
 
 
 def test_warm_without_verify_leaves_plans_unverified_and_verify_then_checks_them(fake_workers, capsys,
-                                                                                  monkeypatch):
+                                                                                  monkeypatch, fake_reference):
     log = fake_workers / "verified.log"
     monkeypatch.setenv("FAKE_VERIFY_LOG", str(log))
     f = fake_workers / "w.toml"

