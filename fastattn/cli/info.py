@@ -14,10 +14,9 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> tuple[int, dict[str, Any]]:
-    from .. import env as _env, runtime
+    from .. import runtime
     from ..errors import CudaError, LibraryError
 
-    _env.check_all()  # a bad FASTATTN_* value is bad input (exit 2), whichever part of info would read it
     out: dict[str, Any] = {"versions": runtime.versions()}
     # Which cuDNN the first GPU call takes (the wheel, its version, the file), said
     # without a GPU too: after `pip install torch`, torch's pinned wheel.
