@@ -37,8 +37,8 @@ def build_parser() -> Parser:
     from .. import __version__
 
     p = Parser(prog="fastattn", description="cuDNN fused attention with plans built once. Exit codes: 0 success, "
-               "1 not supported by cuDNN, 2 bad input (flags, files, FASTATTN_* values), 3 no usable GPU stack, "
-               "4 some work failed, 5 a bug in "
+               "1 not supported by cuDNN, 2 bad input (flags, files, FASTATTN_* values), 3 no usable GPU stack (or "
+               "fastattn's compiled extension does not import), 4 some work failed, 5 a bug in "
                "fastattn (the traceback is written to a file), 130 interrupted.")
     p.add_argument("--version", action="version", version=f"fastattn {__version__}")
     sub = p.add_subparsers(dest="command", required=True, parser_class=Parser)

@@ -24,7 +24,7 @@ def add_parser(sub) -> None:
                             "which cuDNN supports on this GPU, with its reasons. Exit codes: 0 the grid was made "
                             "(refusals included), 2 bad flags, a flag value none of whose configs is valid "
                             f"(--features bias_grad without --training), or a grid of more than {MAX_CONFIGS} "
-                            "cells, 3 no usable GPU, 4 some configs failed.")
+                            "cells, 3 no usable GPU (with --png: checked first), 4 some configs failed.")
     matrix.add_argument("--head-dims", type=ints, default=[64, 96, 128, 192, 256], metavar="D,D,...",
                         help="head_dim_qk values (head_dim_v the same)")
     matrix.add_argument("--masks", type=choices(MASKS), default=list(MASKS), metavar="M,M,...",
@@ -58,7 +58,8 @@ def run(args) -> tuple[int, dict[str, Any]]:
     for ratio in args.gqa:  # before any work: a grid with a hole is no answer
         if args.heads % ratio:
             raise InvalidArgumentError(f"--gqa {ratio}: --heads {args.heads} is not a multiple of it")
-    if args.png:
+    if args.png:  # no heatmap without a GPU (exit 3), said before asking for matplotlib (exit 2)
+        _check_gpu(args.device)
         _check_matplotlib()
     configs, axes, invalid = [], [], []
     for d, mask, dtype, ratio, s, feature in itertools.product(args.head_dims, args.masks, args.dtypes, args.gqa,
@@ -147,6 +148,18 @@ def _check_grid_size(args) -> None:
 def _column(c) -> str:
     m, t, g, s, f = c
     return f"{_MASK_LABELS.get(m, m)}/{t}/g{g}/s{s}" + ("" if f == "dense" else f"/{f}")
+
+
+def _check_gpu(device: int | None) -> None:
+    """--png draws what this GPU supports: without a usable GPU stack, the LibraryError
+    or CudaError that says why (exit 3), before any other work."""
+    from .. import runtime
+    from ..errors import CudaError, LibraryError
+
+    try:
+        runtime.device_info(device)
+    except (LibraryError, CudaError) as e:
+        raise type(e)(f"--png: no heatmap, no usable GPU here: {e}") from None
 
 
 def _check_matplotlib() -> None:

@@ -98,12 +98,45 @@ def test_warm_report_into_a_missing_directory_is_refused_first(tmp_path, capsys,
 # -- defect 7: matrix --------------------------------------------------------------------
 
 
-def test_matrix_png_without_matplotlib_is_refused_before_probing(tmp_path, capsys, monkeypatch, no_work):
+@pytest.fixture
+def gpu_here(monkeypatch):
+    """This process sees tests/fake_core.py's GPU."""
+    import fake_core
+
+    monkeypatch.setattr(runtime, "_core", lambda: fake_core)
+    runtime.clear()
+    yield
+    runtime.clear()
+
+
+@pytest.fixture
+def no_gpu_here(monkeypatch):
+    """This process finds no usable GPU stack."""
+    def no_core():
+        raise fastattn.LibraryError("fastattn cannot use the GPU:\n  - fake: libcuda.so.1 is missing")
+
+    monkeypatch.setattr(runtime, "_core", no_core)
+    runtime.clear()
+    yield
+    runtime.clear()
+
+
+def test_matrix_png_without_matplotlib_is_refused_before_probing(tmp_path, capsys, monkeypatch, no_work, gpu_here):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
     code, out, err = run(["matrix", "--head-dims", "64", "--png", str(tmp_path / "g.png")], capsys)
     assert code == cli.EXIT_BAD_INPUT and "needs matplotlib" in err
     code, _, err = run(["matrix", "--png", str(tmp_path / "nope" / "g.png")], capsys)
     assert code == cli.EXIT_BAD_INPUT and "--png" in err
+
+
+def test_matrix_png_without_a_gpu_is_exit_3_before_matplotlib_is_asked_for(tmp_path, capsys, monkeypatch, no_work,
+                                                                           no_gpu_here):
+    # Without a GPU and without matplotlib it asked for matplotlib (exit 2): installing it
+    # would only have led to exit 3.
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    code, out, err = run(["matrix", "--head-dims", "64", "--png", str(tmp_path / "g.png")], capsys)
+    assert code == cli.EXIT_NO_GPU, (out, err)
+    assert "libcuda" in err and "matplotlib" not in err and not (tmp_path / "g.png").exists()
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
