@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from . import env as _env
 from .errors import LibraryError
 
-__all__ = ["Libraries", "ensure_loaded", "MIN_CUDNN", "check_cudnn_version", "cudnn_location"]
+__all__ = ["Libraries", "ensure_loaded", "MIN_CUDNN", "check_cudnn_version", "cudnn_location", "import_core"]
 
 # The oldest cuDNN fastattn supports: the oldest on which its whole GPU suite has run
 # (9.19.0, on the H200 machine). The extension is usually built against newer headers
@@ -199,7 +199,7 @@ def ensure_loaded(on_step: Callable[[str], None] | None = None) -> Libraries:
 
         # cudnn-frontend dlopens libcudart by name; make it take the one loaded above.
         os.environ.setdefault("CUDNN_FRONTEND_CUDART_LIB_NAME", paths["cudart"])
-        from . import _core
+        _core = import_core()
 
         version = _core.init_cudnn(paths["cudnn"])
         step("init_cudnn")
@@ -212,6 +212,47 @@ def ensure_loaded(on_step: Callable[[str], None] | None = None) -> Libraries:
             cudnn_version=version,
         )
         return _loaded
+
+
+def import_core():
+    """fastattn._core, the compiled extension (it loads no CUDA library by itself).
+    Raises LibraryError (exit 3 from the command), in one line, where it does not
+    import: above all a source checkout that Python imports instead of the installed
+    package (`python -m fastattn` in the cloned repository: the current directory comes
+    first on sys.path, and a checkout has _core.pyx, not the built module)."""
+    try:
+        from . import _core
+    except ImportError as e:
+        raise LibraryError(core_problem(e)) from None
+    return _core
+
+
+def _built_core(folder: str) -> str | None:
+    """The built extension module in a fastattn folder, or None."""
+    import importlib.machinery
+
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        path = os.path.join(folder, "_core" + suffix)
+        if os.path.isfile(path):
+            return path
+    return None
+
+
+def core_problem(error: ImportError) -> str:
+    """Why fastattn._core does not import, and what to do: import_core's message."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    built = _built_core(here)
+    if built is not None:
+        return f"fastattn's compiled extension {built} does not load: {error}"
+    for entry in sys.path:
+        folder = os.path.join(os.path.abspath(entry or os.curdir), "fastattn")
+        if os.path.realpath(folder) != os.path.realpath(here) and _built_core(folder) is not None:
+            return (f"fastattn was imported from {here}, a source tree without its compiled extension, which "
+                    f"shadows the fastattn installed in {folder} (Python puts the current directory first on "
+                    "sys.path for `python -m` and `python -c`): run the `fastattn` command, or run Python from "
+                    "another directory")
+    return (f"fastattn's compiled extension (_core) is not built in {here}: install fastattn (pip install .), or "
+            "build it in place (pip install -e .)")
 
 
 def version_text(version: int) -> str:

@@ -77,9 +77,9 @@ _verify: Any = None
 
 
 def _core():
-    from . import _core as core
-    from ._loader import ensure_loaded
+    from ._loader import ensure_loaded, import_core
 
+    core = import_core()  # (first: a checkout without its extension says so, not what libraries are missing)
     ensure_loaded()
     return core
 
@@ -556,9 +556,9 @@ def cudnn_location() -> dict[str, str | None]:
 def versions() -> dict[str, Any]:
     """fastattn's version, the cudnn-frontend and cuDNN headers it was built against,
     and the cuDNN loaded at run time (None before the first GPU call)."""
-    from . import _core as core
+    from ._loader import import_core
 
-    loaded, header, frontend = core.versions()
+    loaded, header, frontend = import_core().versions()
     return {
         "fastattn": __version__,
         "cudnn_frontend": version_string(frontend),

@@ -77,8 +77,9 @@ def _values(field: str, value: Any, where: str) -> list[Any]:
     return [value]
 
 
-def expand_entry(entry: Mapping[str, Any], where: str = "entry") -> list[AttentionConfig]:
-    """Every config one entry stands for, validated."""
+def _axes(entry: Any, where: str) -> list[tuple[str, list[Any]]]:
+    """The fields one entry sweeps and the values of each, its sweeps' shapes checked
+    (a range, an empty list); its values are checked by expanding it (_expand)."""
     if not isinstance(entry, Mapping):
         raise InvalidArgumentError(f"{where}: must be a table/object of AttentionConfig fields, got {_fields.show(entry)}")
     axes: list[tuple[str, list[Any]]] = []
@@ -87,11 +88,21 @@ def expand_entry(entry: Mapping[str, Any], where: str = "entry") -> list[Attenti
         if not values:
             raise InvalidArgumentError(f"{where}.{field}: an empty list sweeps nothing")
         axes.append((field, values))
+    return axes
+
+
+def _count(axes: list[tuple[str, list[Any]]], where: str) -> int:
+    """How many configs an entry's axes stand for (the product of their lengths),
+    counted without making any; past MAX_CONFIGS, refused."""
     total = 1
     for _, values in axes:
         total *= len(values)
     if total > MAX_CONFIGS:
         raise InvalidArgumentError(f"{where}: expands to {total} configs (more than {MAX_CONFIGS})")
+    return total
+
+
+def _expand(axes: list[tuple[str, list[Any]]], where: str) -> list[AttentionConfig]:
     out = []
     names = [name for name, _ in axes]
     for combo in itertools.product(*(values for _, values in axes)):
@@ -102,6 +113,13 @@ def expand_entry(entry: Mapping[str, Any], where: str = "entry") -> list[Attenti
     return out
 
 
+def expand_entry(entry: Mapping[str, Any], where: str = "entry") -> list[AttentionConfig]:
+    """Every config one entry stands for, validated."""
+    axes = _axes(entry, where)
+    _count(axes, where)
+    return _expand(axes, where)
+
+
 def _json_entry_lines(text: str, count: int) -> list[int | None]:
     """Best effort: the line where each entry of "configs" starts, for error messages."""
     lines: list[int | None] = []
@@ -109,11 +127,15 @@ def _json_entry_lines(text: str, count: int) -> list[int | None]:
     at = text.find("[", text.find('"configs"'))
     if at < 0:
         return [None] * count
-    pos = at + 1
+    pos, line, counted = at + 1, 1, 0
     for _ in range(count):
         while pos < len(text) and text[pos] in " \t\r\n,":
             pos += 1
-        lines.append(text.count("\n", 0, pos) + 1)
+        # Each character is counted once, from where the last entry's count stopped:
+        # counting from the start for each entry made a file of n entries n**2 work.
+        line += text.count("\n", counted, pos)
+        counted = pos
+        lines.append(line)
         try:
             _, pos = decoder.raw_decode(text, pos)
         except json.JSONDecodeError:
@@ -277,14 +299,20 @@ def entries_in_text(text: str, name: str) -> tuple[list[Any], list[str]]:
 
 def load_configs(path: str) -> list[AttentionConfig]:
     """The configs a JSON (.json) or TOML (.toml) file describes, sweeps expanded,
-    duplicates dropped, in file order."""
+    duplicates dropped, in file order. A file that describes more than MAX_CONFIGS
+    (counted before any is made, duplicates included) is refused before any is made."""
     entries, where = read_entries(path)
-    out: dict[AttentionConfig, None] = {}
+    axes, total = [], 0
     for entry, at in zip(entries, where):
-        for cfg in expand_entry(entry, at):
+        axes.append(_axes(entry, at))
+        total += _count(axes[-1], at)
+        if total > MAX_CONFIGS:
+            raise InvalidArgumentError(f"{path}: describes more than {MAX_CONFIGS} configs (counted up to {at}, "
+                                       "duplicates included): split it into files of fewer")
+    out: dict[AttentionConfig, None] = {}
+    for entry_axes, at in zip(axes, where):
+        for cfg in _expand(entry_axes, at):
             out.setdefault(cfg, None)
-        if len(out) > MAX_CONFIGS:
-            raise InvalidArgumentError(f"{path}: more than {MAX_CONFIGS} configs")
     return list(out)
 
 

@@ -68,6 +68,9 @@ class WarmReport:
     not_saved_reason: str = ""  # why, when not_saved
     warnings: list[str] = field(default_factory=list)  # what the workers logged (each message once)
     verify: bool = False  # every plan was verified (now, or by the run that stored its verdict)
+    # Configs failed without being sent to a worker: an answer said no config can run here
+    # (no usable GPU stack), so the rest were given its reason.
+    not_tried: int = 0
 
     @property
     def verdicts(self) -> dict[str, int]:
@@ -81,7 +84,8 @@ class WarmReport:
     def to_dict(self) -> dict:
         return {"seconds": self.seconds, "workers": self.workers, "processes": self.processes, "counts": self.counts,
                 "not_saved": self.not_saved, "not_saved_reason": self.not_saved_reason, "warnings": self.warnings,
-                "verify": self.verify, "verdicts": self.verdicts, "items": [i.to_dict() for i in self.items]}
+                "verify": self.verify, "verdicts": self.verdicts, "not_tried": self.not_tried,
+                "items": [i.to_dict() for i in self.items]}
 
 
 class _Worker:
@@ -173,6 +177,13 @@ class _Queue:
             self.owners[mine[0]].add(worker)
         return self.groups[mine[0]].pop()
 
+    def drain(self) -> list[WarmItem]:
+        """Every config left, taken off the queue."""
+        out = [item for items in self.groups.values() for item in reversed(items)]
+        for items in self.groups.values():
+            items.clear()
+        return out
+
     def forget(self, worker: int) -> None:
         """A worker is gone: its families are free for others."""
         for owners in self.owners.values():
@@ -248,10 +259,13 @@ class _Pool:
     empty and every worker has answered or died."""
 
     def __init__(self, queue: _Queue, size: int, device: int | None, timeout: float, log_dir: str,
-                 settle: Callable[[WarmItem], None], verify: bool = False):
+                 settle: Callable[[WarmItem], None], verify: bool = False,
+                 no_gpu: Callable[[WarmItem], bool] = lambda item: False):
         self.queue, self.size, self.device, self.timeout, self.log_dir = queue, size, device, timeout, log_dir
         self.verify = verify
         self.settle = settle  # called once per item answered or failed
+        self.no_gpu = no_gpu  # whether an answer says no config can run here (then the rest are not sent)
+        self.not_tried = 0  # configs settled without a worker, after such an answer
         self.workers: list[_Worker] = []
         self.spawned = 0
         self.sel = selectors.DefaultSelector()
@@ -265,6 +279,14 @@ class _Pool:
                 for key, _ in self.sel.select(timeout=self._until_next_deadline()):
                     self._read(key.data)
                 self._start_workers()  # a retired worker may have left a family for a new one
+
+    def _give_up(self, answer: WarmItem) -> None:
+        """No config can run here (`answer` says why): each one left fails with the same
+        reason, unsent; the workers already asked finish theirs."""
+        for item in self.queue.drain():
+            item.status, item.error_type, item.reason = "failed", answer.error_type, answer.reason
+            self.not_tried += 1
+            self.settle(item)
 
     def _start_workers(self) -> None:
         while len(self.workers) < self.size:
@@ -321,6 +343,8 @@ class _Pool:
             self.warnings.update(dict.fromkeys(msg.get("warnings", ())))
             _apply(item, msg, time.perf_counter() - w.started)
             self.settle(item)
+            if item.status == "failed" and self.no_gpu(item):
+                self._give_up(item)
             nxt = self.queue.take(w.index)
             if nxt is None:
                 w.item = None
@@ -349,8 +373,11 @@ def warm(
     verified (fastattn.verify, in the workers; entries that hold a verdict need no
     second run); one that fails is refused with the evidence, status "rejected". Never
     raises for a config cuDNN refuses or a worker fails: refusals and failures are in
-    the report. Raises InvalidArgumentError, before any worker starts, for a bad
-    argument (a config that is not one, workers, device, timeout, verify, progress)."""
+    the report. Where a worker answers that there is no usable GPU stack (LibraryError,
+    CudaError) and this process finds none either, the configs left are not sent: each
+    fails with that answer's reason (counted in the report's not_tried). Raises
+    InvalidArgumentError, before any worker starts, for a bad argument (a config that
+    is not one, workers, device, timeout, verify, progress)."""
     if workers is None:
         workers = min(8, os.cpu_count() or 1)
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
@@ -384,7 +411,7 @@ def warm(
         settle(item)
     queue = _Queue([i for i in items if i.status == "pending"])
     with tempfile.TemporaryDirectory(prefix="fastattn-warm-") as log_dir:
-        pool = _Pool(queue, workers, device, seconds, log_dir, settle, verify)
+        pool = _Pool(queue, workers, device, seconds, log_dir, settle, verify, _NoGpu(device))
         pool.run()
     counts = {s: sum(1 for i in items if i.status == s) for s in STATUSES}
     rejected = sum(1 for i in items if i.status == REJECTED)
@@ -393,7 +420,37 @@ def warm(
     warnings = list(pool.warnings)
     not_saved, why = _check_saved(items, cache, warnings)
     return WarmReport(items, time.perf_counter() - t0, workers, counts, pool.spawned, not_saved, why, warnings,
-                      verify)
+                      verify, pool.not_tried)
+
+
+class _NoGpu:
+    """Whether a worker's failure says that no config can run here: a LibraryError or a
+    CudaError (what a machine without a usable GPU stack answers), where this process
+    cannot reach the GPU either (asked once, at the first such answer). Where it can,
+    the failure is that config's own (a graph sub-library only it needs, a CUDA error
+    it alone causes), and the other configs still go to workers."""
+
+    ERRORS = ("LibraryError", "CudaError")
+
+    def __init__(self, device: int | None):
+        self.device = device
+        self.here: bool | None = None
+
+    def __call__(self, item: WarmItem) -> bool:
+        if item.error_type not in self.ERRORS:
+            return False
+        if self.here is None:
+            from . import runtime
+            from .errors import CudaError, LibraryError
+
+            try:
+                runtime.device_info(self.device)
+                self.here = False
+            except (LibraryError, CudaError):
+                self.here = True
+            except FastAttnError:  # a device this process does not see: the workers' answers say so
+                self.here = False
+        return self.here
 
 
 def _check_saved(items: list[WarmItem], cache, warnings: list[str]) -> tuple[int, str]:

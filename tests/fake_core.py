@@ -6,6 +6,8 @@ FAKE_BUILD_LOG: a file that gets one line per build (to count builds across proc
 FAKE_BUILD_SECONDS: how long a build takes (default 0.01).
 FAKE_VERIFY_LOG: a file that gets one line per verification (`verify`, the stand-in for
 fastattn.verify.verify_plan).
+FAKE_NO_GPU: set, the process has no usable GPU stack: every device query raises the
+LibraryError a machine without one gives.
 """
 
 import hashlib
@@ -14,7 +16,7 @@ import signal
 import time
 
 from fastattn import defects
-from fastattn.errors import CorruptPlanError, NotSupportedError
+from fastattn.errors import CorruptPlanError, LibraryError, NotSupportedError
 
 CUDNN_VERSION = [91900]
 GPU_NAME = ["Fake GPU (tests/fake_core.py)"]  # never a real GPU's: fake entries must not match real ones
@@ -68,11 +70,18 @@ def get_device_info(device):
             "runtime_version": 13000}
 
 
+def _no_gpu():
+    if os.environ.get("FAKE_NO_GPU"):
+        raise LibraryError("fastattn cannot use the GPU:\n  - fake: libcuda.so.1 is missing (FAKE_NO_GPU)")
+
+
 def get_device_count():
+    _no_gpu()
     return 2
 
 
 def get_current_device():
+    _no_gpu()
     return 0
 
 

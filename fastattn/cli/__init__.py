@@ -13,8 +13,9 @@
 
 --json (anywhere on the line) makes stdout one JSON document on every path, usage
 errors and bugs included. Exit codes: 0 success (probe: supported), 1 not supported by
-cuDNN (warm: some configs), 2 bad input (flags, files, a refused bundle), 3 no usable
-GPU stack (driver, CUDA or cuDNN missing, CUDA error), 4 some work failed (warm: a
+cuDNN (warm: some configs), 2 bad input (flags, files, FASTATTN_* values, a refused
+bundle), 3 no usable GPU stack (driver, CUDA or cuDNN missing, CUDA error; fastattn's own
+extension not importable: a source tree shadowing the installed package), 4 some work failed (warm: a
 config crashed or errored, or built answers not saved; verify: damaged entries; push, pull: Redis unreachable;
 any command: stdout could not be written),
 5 a bug in fastattn (an unexpected exception: one line, the traceback in a file),

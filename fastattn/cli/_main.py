@@ -1,6 +1,7 @@
 """The `fastattn` command's parser and its one entry point, `main`: the one place an
 outcome becomes an exit code and the one error boundary (no traceback reaches the user;
-with --json, stdout is one JSON document on every path)."""
+with --json, stdout is one JSON document on every path), and the one place the
+FASTATTN_* variables are checked (every runtime one, before any command runs)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import time
 import traceback
 from typing import Any, Sequence
 
+from .. import env as _env
 from ..errors import CudaError, CudnnError, InvalidArgumentError, LibraryError
 from . import cache, info, matrix, probe, warm
 from ._common import (EXIT_BAD_INPUT, EXIT_BUG, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_NO_GPU, Parser, UsageError,
@@ -35,7 +37,8 @@ def build_parser() -> Parser:
     from .. import __version__
 
     p = Parser(prog="fastattn", description="cuDNN fused attention with plans built once. Exit codes: 0 success, "
-               "1 not supported by cuDNN, 2 bad input, 3 no usable GPU stack, 4 some work failed, 5 a bug in "
+               "1 not supported by cuDNN, 2 bad input (flags, files, FASTATTN_* values), 3 no usable GPU stack (or "
+               "fastattn's compiled extension does not import), 4 some work failed, 5 a bug in "
                "fastattn (the traceback is written to a file), 130 interrupted.")
     p.add_argument("--version", action="version", version=f"fastattn {__version__}")
     sub = p.add_subparsers(dest="command", required=True, parser_class=Parser)
@@ -68,6 +71,10 @@ def _main(argv: Sequence[str] | None) -> int:
         except _Exit as e:
             return e.code
         args.json = as_json or bool(getattr(args, "json", False))
+        # Every FASTATTN_* variable fastattn reads at run time, checked once here, before
+        # any command starts: a bad value is exit 2 naming it on every command, not only
+        # on those whose path happens to read it (and a surprise later on the others').
+        _env.check_all()
         code, out = _COMMANDS[args.command].run(args)
         _emit(out, args.json)
         return code

@@ -7,6 +7,7 @@ from typing import Any
 from .. import _fields
 from ..config import DTYPES, FIELDS, MASKS, AttentionConfig
 from ..errors import InvalidArgumentError
+from ..sweep import MAX_CONFIGS
 from ._common import (EXIT_NO_GPU, EXIT_OK, EXIT_UNSUPPORTED, add_json_flag, choices, echo, exit_code, integer, ints,
                       output_file, wrap)
 
@@ -21,8 +22,9 @@ def add_parser(sub) -> None:
     matrix = sub.add_parser("matrix", help="probe a grid of configs and show which cuDNN supports on this GPU",
                             description="Probe a grid of configs (every combination of the values given) and show "
                             "which cuDNN supports on this GPU, with its reasons. Exit codes: 0 the grid was made "
-                            "(refusals included), 2 bad flags, or a flag value none of whose configs is valid "
-                            "(--features bias_grad without --training), 3 no usable GPU, 4 some configs failed.")
+                            "(refusals included), 2 bad flags, a flag value none of whose configs is valid "
+                            f"(--features bias_grad without --training), or a grid of more than {MAX_CONFIGS} "
+                            "cells, 3 no usable GPU (with --png: checked first), 4 some configs failed.")
     matrix.add_argument("--head-dims", type=ints, default=[64, 96, 128, 192, 256], metavar="D,D,...",
                         help="head_dim_qk values (head_dim_v the same)")
     matrix.add_argument("--masks", type=choices(MASKS), default=list(MASKS), metavar="M,M,...",
@@ -52,10 +54,12 @@ def run(args) -> tuple[int, dict[str, Any]]:
 
     from ..warm import warm
 
+    _check_grid_size(args)
     for ratio in args.gqa:  # before any work: a grid with a hole is no answer
         if args.heads % ratio:
             raise InvalidArgumentError(f"--gqa {ratio}: --heads {args.heads} is not a multiple of it")
-    if args.png:
+    if args.png:  # no heatmap without a GPU (exit 3), said before asking for matplotlib (exit 2)
+        _check_gpu(args.device)
         _check_matplotlib()
     configs, axes, invalid = [], [], []
     for d, mask, dtype, ratio, s, feature in itertools.product(args.head_dims, args.masks, args.dtypes, args.gqa,
@@ -124,9 +128,38 @@ def _refuse_values_without_configs(args, valid: list[dict[str, Any]], invalid: l
                 raise InvalidArgumentError(f"{flag} {value}: no config of the grid with it is valid ({reason})")
 
 
+def _check_grid_size(args) -> None:
+    """A grid of more cells than a warm file may describe (fastattn.sweep.MAX_CONFIGS)
+    is refused before any cell is made: a usage error naming its size and the cap."""
+    from .. import sweep
+
+    sizes = [(len(getattr(args, dest)), flag) for dest, flag in (
+        ("head_dims", "--head-dims"), ("masks", "--masks"), ("dtypes", "--dtypes"), ("gqa", "--gqa"),
+        ("seqlens", "--seqlens"), ("features", "--features"))]  # (the order the grid is made in)
+    cells = 1
+    for n, _ in sizes:
+        cells *= n
+    if cells > sweep.MAX_CONFIGS:
+        product = " x ".join(f"{n} {flag}" for n, flag in sizes)
+        raise InvalidArgumentError(f"the grid has {cells} cells ({product}), more than {sweep.MAX_CONFIGS}: "
+                                   "give fewer values")
+
+
 def _column(c) -> str:
     m, t, g, s, f = c
     return f"{_MASK_LABELS.get(m, m)}/{t}/g{g}/s{s}" + ("" if f == "dense" else f"/{f}")
+
+
+def _check_gpu(device: int | None) -> None:
+    """--png draws what this GPU supports: without a usable GPU stack, the LibraryError
+    or CudaError that says why (exit 3), before any other work."""
+    from .. import runtime
+    from ..errors import CudaError, LibraryError
+
+    try:
+        runtime.device_info(device)
+    except (LibraryError, CudaError) as e:
+        raise type(e)(f"--png: no heatmap, no usable GPU here: {e}") from None
 
 
 def _check_matplotlib() -> None:

@@ -21,9 +21,10 @@ def add_parser(sub) -> None:
                           description="Load or build every config a file describes (default: built-in model "
                           "shapes) in parallel worker processes, and store them in the persistent cache. Exit codes: "
                           "0 every config stored, 1 some not supported by cuDNN (their refusals stored), 2 bad input, "
-                          "3 no usable GPU, 4 some configs failed, or failed verification (--verify: status rejected, "
-                          "refused with the evidence), or answers built now are not in the cache at the "
-                          "end (it cannot be written, or keeps nothing: counted as not saved, with the reason).")
+                          "3 no usable GPU (the configs left are not sent to workers once one answers so), 4 some "
+                          "configs failed, or failed verification (--verify: status rejected, refused with the "
+                          "evidence), or answers built now are not in the cache at the end (it cannot be written, or "
+                          "keeps nothing: counted as not saved, with the reason).")
     warm.add_argument("file", nargs="?", type=input_path,
                       help="JSON or TOML config file with sweeps, or the JSON Lines FASTATTN_RECORD writes "
                            "(default: built-in model shapes)")
@@ -241,7 +242,9 @@ def _no_gpu_text(report) -> list[str]:
     lines = ["fastattn warm: no usable GPU here, so no config was loaded or built:"]
     for why in dict.fromkeys(f"{i.error_type}: {i.reason}" for i in report.items):
         lines.extend(wrap(why))
-    lines.append(f"{_summary(report)}: no usable GPU, all {len(report.items)} failed")
+    lines.append(f"{_summary(report)}: no usable GPU, all {len(report.items)} failed"
+                 + (f" ({report.not_tried} not sent to a worker: the first answer said so)"
+                    if report.not_tried else ""))
     return lines
 
 

@@ -29,6 +29,29 @@ def test_missing_flags_are_named_as_flags_all_at_once(capsys):
     assert "Traceback" not in out + err
 
 
+def _subcommands():
+    from fastattn.cli._main import build_parser
+
+    top = build_parser()._subparsers._group_actions[0]
+    for name, parser in top.choices.items():
+        subs = [a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction"]
+        if subs:
+            yield from ([name, sub] for sub in subs[0].choices)
+        else:
+            yield [name]
+
+
+@pytest.mark.parametrize("argv", list(_subcommands()), ids=" ".join)
+def test_every_subcommands_help_describes_it_and_its_exit_codes(capsys, argv):
+    # `fastattn info --help` had neither: a usage line and its flags.
+    code, out, _ = run(argv + ["--help"], capsys)
+    assert code == cli.EXIT_OK
+    body = out.split("\n\n", 1)[1]  # (after the usage lines)
+    assert not body.startswith(("options:", "positional arguments:")), out
+    description = " ".join(body.split("\n\n", 1)[0].split())
+    assert "Exit code" in description, out
+
+
 def test_help_marks_the_required_flags(capsys):
     code, out, _ = run(["probe", "--help"], capsys)
     assert code == cli.EXIT_OK
@@ -96,8 +119,8 @@ def test_info_reports_versions_everywhere(capsys):
     code, out, _ = run(["info", "--json"], capsys)
     body = json.loads(out)
     assert body["versions"]["fastattn"] and body["versions"]["cudnn_frontend"]
-    if _gpu_unavailable_reason():
-        assert code == cli.EXIT_NO_GPU
+    if _gpu_unavailable_reason():  # a report of the machine: without a GPU it says why, and is done (exit 0)
+        assert code == cli.EXIT_OK and body["device"] is None
         assert "libcuda" in body["gpu_error"] or "cudnn" in body["gpu_error"].lower()
     else:
         assert code == cli.EXIT_OK and body["device"]["sm_count"] > 0
@@ -226,6 +249,39 @@ def test_the_torch_version_is_read_without_importing_torch_even_without_metadata
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env, cwd=ROOT)
     assert r.returncode == 0 and r.stdout.split() == ["9.9.9+fake", "False"], r.stderr[-2000:]
+
+
+def test_python_dash_m_in_a_source_tree_says_it_shadows_the_installed_package(tmp_path):
+    # `python -m fastattn info` in the cloned repository (after `pip install .`) imported
+    # the checkout, which has no built extension: "a bug in fastattn (ImportError:
+    # cannot import name '_core' ...)", exit 5.
+    import shutil
+
+    import fastattn
+
+    installed = os.path.dirname(fastattn.__file__)
+    checkout = tmp_path / "repo"
+    shutil.copytree(installed, checkout / "fastattn", ignore=shutil.ignore_patterns("_core.*.so", "_core*.pyd",
+                                                                                   "__pycache__"))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (os.path.dirname(installed),
+                                                                  os.environ.get("PYTHONPATH")) if p))
+    for argv in (["info"], ["info", "--json"], PROBE):
+        r = subprocess.run([sys.executable, "-m", "fastattn", *argv], capture_output=True, text=True, timeout=120,
+                           cwd=checkout, env=env)
+        assert r.returncode == cli.EXIT_NO_GPU, (argv, r.stdout, r.stderr)
+        said = json.loads(r.stdout)["message"] if "--json" in argv else r.stderr
+        assert len(said.strip().splitlines()) == 1 and "bug" not in said, said
+        assert f"{checkout / 'fastattn'}, a source tree without its compiled extension, which shadows the " \
+               f"fastattn installed in {installed}" in said, said
+
+
+def test_a_checkout_without_an_installed_fastattn_says_to_build_it(monkeypatch, tmp_path):
+    from fastattn import _loader
+
+    monkeypatch.setattr(_loader, "_built_core", lambda folder: None)
+    monkeypatch.setattr(sys, "path", [str(tmp_path)])
+    said = _loader.core_problem(ImportError("cannot import name '_core'"))
+    assert "compiled extension (_core) is not built in" in said and "pip install" in said
 
 
 def test_python_dash_m_runs():

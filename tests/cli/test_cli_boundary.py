@@ -11,6 +11,8 @@ import sys
 import tempfile
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import fastattn
 from fastattn import cli, runtime, sweep
@@ -96,12 +98,86 @@ def test_warm_report_into_a_missing_directory_is_refused_first(tmp_path, capsys,
 # -- defect 7: matrix --------------------------------------------------------------------
 
 
-def test_matrix_png_without_matplotlib_is_refused_before_probing(tmp_path, capsys, monkeypatch, no_work):
+@pytest.fixture
+def gpu_here(monkeypatch):
+    """This process sees tests/fake_core.py's GPU."""
+    import fake_core
+
+    monkeypatch.setattr(runtime, "_core", lambda: fake_core)
+    runtime.clear()
+    yield
+    runtime.clear()
+
+
+@pytest.fixture
+def no_gpu_here(monkeypatch):
+    """This process finds no usable GPU stack."""
+    def no_core():
+        raise fastattn.LibraryError("fastattn cannot use the GPU:\n  - fake: libcuda.so.1 is missing")
+
+    monkeypatch.setattr(runtime, "_core", no_core)
+    runtime.clear()
+    yield
+    runtime.clear()
+
+
+def test_matrix_png_without_matplotlib_is_refused_before_probing(tmp_path, capsys, monkeypatch, no_work, gpu_here):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
     code, out, err = run(["matrix", "--head-dims", "64", "--png", str(tmp_path / "g.png")], capsys)
     assert code == cli.EXIT_BAD_INPUT and "needs matplotlib" in err
     code, _, err = run(["matrix", "--png", str(tmp_path / "nope" / "g.png")], capsys)
     assert code == cli.EXIT_BAD_INPUT and "--png" in err
+
+
+def test_matrix_png_without_a_gpu_is_exit_3_before_matplotlib_is_asked_for(tmp_path, capsys, monkeypatch, no_work,
+                                                                           no_gpu_here):
+    # Without a GPU and without matplotlib it asked for matplotlib (exit 2): installing it
+    # would only have led to exit 3.
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    code, out, err = run(["matrix", "--head-dims", "64", "--png", str(tmp_path / "g.png")], capsys)
+    assert code == cli.EXIT_NO_GPU, (out, err)
+    assert "libcuda" in err and "matplotlib" not in err and not (tmp_path / "g.png").exists()
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(sizes=st.lists(st.integers(1, 12), min_size=6, max_size=6), cap=st.integers(1, 3000))
+def test_a_grid_past_the_cap_is_a_usage_error_before_any_cell_is_made(capsys, monkeypatch, sizes, cap):
+    # A 600,000-cell grid printed nothing for 400 s, at 1.7 GB, before it was killed.
+    from fastattn.config import DTYPES, MASKS
+    from fastattn.cli import matrix
+
+    monkeypatch.setattr(sweep, "MAX_CONFIGS", cap)
+    made = []
+
+    def cell(**fields):  # each cell made is counted, and refused (as fastattn's rules refuse paged backward)
+        made.append(fields)
+        raise fastattn.InvalidArgumentError("refused by the test")
+
+    monkeypatch.setattr(matrix, "AttentionConfig", cell)
+    values = {"--head-dims": [str(64 + 8 * i) for i in range(sizes[0])], "--masks": list(MASKS)[:sizes[1]],
+              "--dtypes": list(DTYPES)[:sizes[2]], "--gqa": ["1"] * sizes[3], "--seqlens": [str(i + 1) for i in
+                                                                                            range(sizes[4])],
+              "--features": ["dense"] * sizes[5]}
+    cells = 1
+    for v in values.values():
+        cells *= len(v)
+    argv = ["matrix"] + [a for flag, v in values.items() for a in (flag, ",".join(v))]
+    code, out, err = run(argv, capsys)
+    assert code == cli.EXIT_BAD_INPUT, err
+    if cells > cap:
+        assert f"the grid has {cells} cells" in err and f"more than {cap}" in err and not made, err
+    else:  # under the cap, every cell is made (and refused)
+        assert "no config of the grid with it is valid" in err and len(made) == cells, (cells, cap, err)
+
+
+def test_a_600000_cell_grid_is_refused_at_once(capsys, no_work):
+    argv = ["matrix", "--head-dims", ",".join(str(d) for d in range(8, 8 + 8 * 1250, 8)), "--seqlens",
+            ",".join(str(s) for s in range(1, 21)), "--masks", "none,causal,causal_bottom_right", "--dtypes",
+            "fp16,bf16,fp8_e4m3,fp8_e5m2"]
+    code, out, err = run(argv, capsys)
+    assert code == cli.EXIT_BAD_INPUT, err
+    assert "the grid has 600000 cells (1250 --head-dims x 3 --masks x 4 --dtypes x 2 --gqa x 20 --seqlens x 1 " \
+           "--features), more than 100000" in err
 
 
 def _fake_warm(reason):

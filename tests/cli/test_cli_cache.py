@@ -265,7 +265,9 @@ def test_matrix_feature_columns(fake_workers, capsys):
     assert code == cli.EXIT_BAD_INPUT and "'flash' is not one of" in err
 
 
-def test_matrix_png(fake_workers, capsys):
+def test_matrix_png(fake_workers, capsys, monkeypatch):
+    monkeypatch.setattr(runtime, "_core", lambda: fake_core)  # --png asks this process for a GPU first
+    runtime.clear()
     png = fake_workers / "grid.png"
     argv = ["matrix", "--head-dims", "64", "--masks", "causal", "--dtypes", "bf16", "--gqa", "1", "--png", str(png)]
     try:

@@ -176,8 +176,12 @@ class _FakePyplot:
 
 
 def test_matrix_png_goes_through_write_file(fake_workers, capsys, monkeypatch, written):
+    import fake_core
+    from fastattn import runtime
     from fastattn.cli import matrix
 
+    monkeypatch.setattr(runtime, "_core", lambda: fake_core)  # --png asks this process for a GPU first
+    runtime.clear()
     monkeypatch.setattr(matrix, "_check_matplotlib", lambda: None)
     monkeypatch.setattr(matrix, "_pyplot", _FakePyplot)
     png = fake_workers / "g.png"
