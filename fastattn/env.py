@@ -248,8 +248,9 @@ _TABLE = (
        "limit", "`4G`"),
     _V("FASTATTN_CACHE_HMAC_KEY", "secret", None, "the shared secret that signs and checks entries in Redis and "
        "bundles; when set, it must not be empty", "none"),
-    _V("FASTATTN_CACHE_HMAC_KEY_FILE", "path", None, "a file holding that secret (surrounding whitespace ignored), "
-       "read when FASTATTN_CACHE_HMAC_KEY is not set", "none"),
+    _V("FASTATTN_CACHE_HMAC_KEY_FILE", "path", None, "a file holding that secret as UTF-8 text (surrounding "
+       "whitespace ignored), read when FASTATTN_CACHE_HMAC_KEY is not set: a regular file of at most 4096 bytes (a "
+       "FIFO, a device, a folder, an empty or larger file is refused)", "none"),
     # The Redis tier (fastattn.store.remote).
     _V("FASTATTN_REMOTE_CACHE", "url", None, "the Redis tier behind the disk cache: "
        "`redis://[user:password@]host[:port][/db]`, `rediss://` for TLS, `unix://[user:password@]/socket[?db=N]`",

@@ -7,8 +7,8 @@ secret). The checksum inside an entry catches damage; only the signature catches
 entry that someone wrote on purpose.
 
 The secret: FASTATTN_CACHE_HMAC_KEY (the secret itself, as text) or
-FASTATTN_CACHE_HMAC_KEY_FILE (a file holding it, read when the first is not set;
-surrounding whitespace is ignored).
+FASTATTN_CACHE_HMAC_KEY_FILE (a small regular file holding it as UTF-8 text, read when
+the first is not set; surrounding whitespace is ignored).
 """
 
 from __future__ import annotations
@@ -18,35 +18,48 @@ import hmac
 from collections.abc import Mapping
 
 from .. import env as _env
+from .. import files
 from ..errors import InvalidArgumentError
 
-__all__ = ["SIGNED_MAGIC", "load_secret", "sign", "unwrap", "wrap"]
+__all__ = ["MAX_KEY_FILE_BYTES", "SIGNED_MAGIC", "load_secret", "sign", "unwrap", "wrap"]
 
 SIGNED_MAGIC = b"FASIGN01"  # then a 32-byte HMAC, then the entry's bytes
 _MAC = 32
+MAX_KEY_FILE_BYTES = 4096  # a secret is tens of bytes; a larger file is not a key file
 
 
 def load_secret(environ: Mapping[str, str] | None = None) -> bytes | None:
     """The shared secret from the environment, or None when none is configured. A key
-    file that cannot be read, or an empty secret, is an InvalidArgumentError naming
-    the variable: signing with a secret nobody meant is worse than failing."""
+    file that is not a small regular file of UTF-8 text (a FIFO is never waited on, a
+    device never read, at most MAX_KEY_FILE_BYTES + 1 bytes are read), or an empty
+    secret, is an InvalidArgumentError naming the variable and the path: signing with
+    a secret nobody meant is worse than failing."""
     secret = _env.get("FASTATTN_CACHE_HMAC_KEY", environ)
     if secret is not None:
         return secret
     path = _env.get("FASTATTN_CACHE_HMAC_KEY_FILE", environ)
     if path is None:
         return None
-    name = "FASTATTN_CACHE_HMAC_KEY_FILE"
+    where = f"FASTATTN_CACHE_HMAC_KEY_FILE={path!r}"  # whole (the user must find the file), escaped
     try:
-        with open(path, "rb") as f:
-            raw = f.read().strip()
+        raw = files.read_regular(path, MAX_KEY_FILE_BYTES)
+    except files.NotRegularFileError as e:
+        raise InvalidArgumentError(f"{where}: {e.strerror}") from None
+    except files.FileTooLargeError:
+        raise InvalidArgumentError(f"{where}: over {MAX_KEY_FILE_BYTES} bytes, not a key file: not read") from None
     except OSError as e:
-        raise InvalidArgumentError(f"{name}={path!r}: cannot read it ({e.strerror})") from None
-    except ValueError:  # open() refuses a path with a NUL byte before asking the system
-        raise InvalidArgumentError(f"{name}={path!r}: not a path (it holds a NUL byte)") from None
+        raise InvalidArgumentError(f"{where}: cannot read it ({e.strerror or e})") from None
+    except ValueError:  # the system is never asked about a path with a NUL byte
+        raise InvalidArgumentError(f"{where}: not a path (it holds a NUL byte)") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise InvalidArgumentError(f"{where}: not UTF-8 text (byte {e.start})") from None
     if not raw:
-        raise InvalidArgumentError(f"{name}={path!r}: the file is empty")
-    return raw
+        raise InvalidArgumentError(f"{where}: the file is empty")
+    if not text.strip():
+        raise InvalidArgumentError(f"{where}: the file holds only whitespace")
+    return text.strip().encode("utf-8")
 
 
 def sign(secret: bytes, key: str, data: bytes) -> bytes:
