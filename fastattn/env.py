@@ -248,8 +248,13 @@ _TABLE = (
        "limit", "`4G`"),
     _V("FASTATTN_CACHE_HMAC_KEY", "secret", None, "the shared secret that signs and checks entries in Redis and "
        "bundles; when set, it must not be empty", "none"),
-    _V("FASTATTN_CACHE_HMAC_KEY_FILE", "path", None, "a file holding that secret (surrounding whitespace ignored), "
-       "read when FASTATTN_CACHE_HMAC_KEY is not set", "none"),
+    _V("FASTATTN_CACHE_HMAC_KEY_FILE", "path", None, "a file holding that secret as UTF-8 text (surrounding "
+       "whitespace ignored), read when FASTATTN_CACHE_HMAC_KEY is not set: a regular file of at most 4096 bytes (a "
+       "FIFO, a device, a folder, an empty or larger file is refused)", "none"),
+    _V("FASTATTN_CACHE_TRUSTED", "bool", False, "`1`: without a signing secret, take plans from the Redis tier and "
+       "from bundles (`fastattn cache import`) unchecked, signed or not; unset, without a secret the Redis tier is off "
+       "and bundles are refused (loading a plan loads native code). With a secret, only what it signs is taken "
+       "either way"),
     # The Redis tier (fastattn.store.remote).
     _V("FASTATTN_REMOTE_CACHE", "url", None, "the Redis tier behind the disk cache: "
        "`redis://[user:password@]host[:port][/db]`, `rediss://` for TLS, `unix://[user:password@]/socket[?db=N]`",
@@ -258,7 +263,6 @@ _TABLE = (
     _V("FASTATTN_REMOTE_TIMEOUT", "seconds", 0.25, "per Redis operation and connection (> 0)", above=True),
     _V("FASTATTN_REMOTE_WAIT", "seconds", 10.0, "how long to wait for another machine's build of a missing plan"),
     _V("FASTATTN_REMOTE_RETRY", "seconds", 5.0, "how long to leave Redis alone after a failure"),
-    _V("FASTATTN_REMOTE_TRUSTED", "bool", False, "use the Redis tier without a signing secret"),
     # What a process asked for (fastattn._record).
     _V("FASTATTN_RECORD", "path", None, "append each distinct config this process asks a plan for (through any "
        "entry point; `fastattn warm`'s own workers excepted) to this file, one JSON object a line, for `fastattn warm "

@@ -1,6 +1,7 @@
 """Files a user names for fastattn to write (a bundle, `warm --report`, `matrix --png`):
 published whole or not at all, and only where nothing but a regular file stands; and
-files it reads (a bundle, a config file): regular files only (not_readable).
+files it reads (a bundle, a config file, a key file): regular files only (not_readable,
+and again on the opened descriptor: open_regular, read_regular).
 
 A temporary file in the same folder is written, flushed and fsynced, then renamed over
 the path: a reader sees the old file or the new one, never part of one. A rename
@@ -19,8 +20,10 @@ import errno
 import os
 import secrets
 import stat
+from typing import BinaryIO
 
-__all__ = ["NotRegularFileError", "kind", "not_readable", "not_replaceable", "write_file"]
+__all__ = ["FileTooLargeError", "NotRegularFileError", "kind", "not_readable", "not_replaceable", "open_regular",
+           "read_regular", "write_file"]
 
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 
@@ -28,6 +31,11 @@ _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 class NotRegularFileError(OSError):
     """The path names something other than a regular file (strerror says what): not
     replaced."""
+
+
+class FileTooLargeError(OSError):
+    """The file holds more than its reader takes (strerror says how much it takes): read
+    no further than that."""
 
 
 def kind(mode: int) -> str:
@@ -68,6 +76,38 @@ def not_readable(path: str) -> str | None:
     if stat.S_ISREG(st.st_mode):
         return None
     return f"{kind(st.st_mode)}, not a regular file: not read"
+
+
+def open_regular(path: str) -> BinaryIO:
+    """`path` open for reading, when it is a regular file (a link is followed: the file
+    it names is what is read). Opened without blocking (O_NONBLOCK) and checked on the
+    descriptor (fstat), so that what the path names at the moment it is opened is what
+    is judged: a FIFO is never waited on, a device such as /dev/zero never read, a
+    folder never taken for a file. Raises NotRegularFileError (strerror: "a FIFO, not a
+    regular file: not read") for anything else, OSError when it cannot be opened,
+    ValueError for a name holding a NUL."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | _CLOEXEC)
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise NotRegularFileError(errno.EINVAL, f"{kind(mode)}, not a regular file: not read", path)
+        os.set_blocking(fd, True)  # (a regular file's reads never block; this keeps them plain)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def read_regular(path: str, limit: int) -> bytes:
+    """The bytes of the regular file `path` (see open_regular), when it holds at most
+    `limit` bytes: FileTooLargeError when it holds more, read no further than limit + 1
+    bytes (a file that grows while it is read included)."""
+    with open_regular(path) as f:
+        size = os.fstat(f.fileno()).st_size
+        data = f.read(limit + 1) if size <= limit else b""
+        if size > limit or len(data) > limit:
+            raise FileTooLargeError(errno.EFBIG, f"over {limit} bytes: not read", path)
+        return data
 
 
 def _refuse_unless_replaceable(path: str) -> None:

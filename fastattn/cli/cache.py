@@ -5,7 +5,8 @@ Entries are untrusted bytes: a damaged one is listed and verified as damaged (ve
 exits 4), never a traceback. Whatever else is named like an entry (a FIFO, a link, a
 folder, a misplaced file) is listed as not fastattn's and left alone (store.disk); a
 cache directory that is not a directory is bad input (exit 2), naming it. Import and
-pull fail with exit 4 and say so when the cache directory cannot be written, and pull
+pull fail with exit 4 and say so when the cache directory cannot be written, import
+when the directory does not keep what it imported (pruned at once), and pull
 when Redis held entries and every one was rejected. What needs this GPU's identity
 (export and push/pull without --all, import without --force, verify --load) is exit 3
 where there is no usable GPU, as everywhere.
@@ -38,8 +39,10 @@ _EXITS = {
     "clear": "Exit codes: 0 cleared, 2 the cache is off.",
     "export": "Exit codes: 0 written, 2 a bad path or an existing file (without --force), 3 no usable GPU to "
               "choose this GPU's entries by (without --all).",
-    "import": "Exit codes: 0 imported, 2 a refused bundle or a cache that is not writable by configuration, 3 no "
-              "usable GPU to check the bundle against (without --force), 4 the cache directory cannot be written.",
+    "import": "Exit codes: 0 imported, 2 a refused bundle (also one that the trust policy refuses: without a "
+              "signing secret, only with FASTATTN_CACHE_TRUSTED=1) or a cache that is not writable by configuration, 3 "
+              "no usable GPU to check the bundle against (without --force), 4 the cache directory cannot be written, "
+              "or does not keep what was imported (FASTATTN_CACHE_MAX_BYTES prunes it at once).",
     "push": "Exit codes: 0 pushed, 2 no remote tier, 3 no usable GPU to choose this GPU's entries by (without "
             "--all), 4 Redis unreachable.",
     "pull": "Exit codes: 0 pulled, 2 no remote tier or a cache that is not writable by configuration, 3 no usable "
@@ -255,7 +258,9 @@ def _export(args, cache: PlanCache) -> tuple[int, dict[str, Any]]:
         count = bundle.export_bundle(cache.store.tiers, args.bundle, keep=keep, secret=cache.settings.secret)
     except OSError as e:
         raise InvalidArgumentError(f"{args.bundle}: {e.strerror}") from None
-    return EXIT_OK, {"exported": count, "bundle": args.bundle, "_text": f"exported {count} entries to {args.bundle}"}
+    signed = cache.settings.secret is not None
+    return EXIT_OK, {"exported": count, "bundle": args.bundle, "signed": signed,
+                     "_text": f"exported {count} entries to {args.bundle} ({'signed' if signed else 'unsigned'})"}
 
 
 def _writable_main(cache: PlanCache) -> store.DiskStore:
@@ -279,14 +284,27 @@ def _import(args, cache: PlanCache) -> tuple[int, dict[str, Any]]:
             "cache import checks a bundle's entries against this GPU, and there is no usable GPU here "
             "(--force imports without checking)")
         report = bundle.import_bundle(args.bundle, main, environment=env, force=args.force,
-                                      secret=cache.settings.secret)
+                                      secret=cache.settings.secret, trusted=cache.settings.trusted)
     except bundle.BundleWriteError as e:
         return _cannot_write(str(e), {"imported": None, "already_present": None})
     out = {"imported": report.imported, "already_present": report.already_present,
-           "mismatched_forced": len(report.mismatched) if args.force else 0}
-    out["_text"] = (f"imported {report.imported} entries into {main.root}"
+           "mismatched_forced": len(report.mismatched) if args.force else 0, "policy": report.policy,
+           "not_kept": len(report.not_kept), "not_kept_reason": ""}
+    out["_text"] = (f"imported {report.imported} entries into {_shown(main.root)}"
                     + (f", {report.already_present} already present" if report.already_present else "")
-                    + (f" ({len(report.mismatched)} made for another GPU or cuDNN, forced)" if report.mismatched else ""))
+                    + (f" ({len(report.mismatched)} made for another GPU or cuDNN, forced)" if report.mismatched else "")
+                    + f"; the bundle: {report.policy}")
+    if report.not_kept:
+        # As `warm` counts answers it built that the cache does not hold at its end: the
+        # work was done and is lost, so the next run does it again.
+        limit = cache.settings.max_bytes
+        why = (f"pruned at once by FASTATTN_CACHE_MAX_BYTES={limit}, or removed by another process"
+               if limit is not None else "removed by another process")
+        message = (f"not kept: {len(report.not_kept)} of the bundle's {report.listed} entries are not in "
+                   f"{_shown(main.root)} at the end of the import ({why})")
+        say(f"fastattn: {message}")
+        out.update(not_kept_reason=why, error="NotKept", message=message)
+        return EXIT_FAILED, out
     return EXIT_OK, out
 
 
@@ -360,7 +378,8 @@ def _pull(args, cache: PlanCache) -> tuple[int, dict[str, Any]]:
     out = {"pulled": pulled, "already_present": present, "rejected": rejected, "remote": remote.name,
            "_text": f"pulled {pulled} entries from {remote.name} into {main.root}"
                     + (f" ({present} already here)" if present else "")
-                    + (f"; {rejected} rejected (see the warnings)" if rejected else "")}
+                    + (f"; {rejected} rejected (see the warnings)" if rejected else "")
+                    + f"; entries taken: {remote.policy.applied()}", "policy": remote.policy.applied()}
     if rejected and rejected == len(keys):
         # Nothing Redis holds is usable here: most likely another signing secret
         # (FASTATTN_CACHE_HMAC_KEY) than the machines that pushed. Not a success.

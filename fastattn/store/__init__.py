@@ -77,6 +77,7 @@ class CacheSettings:
     max_bytes: int | None = DEFAULT_MAX_BYTES
     remote: RemoteSettings | None = None
     secret: bytes | None = field(default=None, repr=False)  # never printed
+    trusted: bool = False  # FASTATTN_CACHE_TRUSTED: with `secret`, store.signing.Policy
 
 
 def settings_from_env(environ: Mapping[str, str] | None = None) -> CacheSettings:
@@ -95,7 +96,7 @@ def settings_from_env(environ: Mapping[str, str] | None = None) -> CacheSettings
         secret = load_secret(env)
     return CacheSettings(_env.get("FASTATTN_CACHE_DIR", env), _env.get("FASTATTN_CACHE_MODE", env),
                          _env.get("FASTATTN_CACHE_EXTRA_DIRS", env), _env.get("FASTATTN_CACHE_SHARED", env),
-                         max_bytes or None, remote, secret)
+                         max_bytes or None, remote, secret, _env.get("FASTATTN_CACHE_TRUSTED", env))
 
 
 class TieredCache:

@@ -14,8 +14,10 @@ Configuration: the FASTATTN_REMOTE_* variables (fastattn.env's table, which the 
 shows): FASTATTN_REMOTE_CACHE, a redis://, rediss:// or unix:// URL checked up front
 (scheme, host, port, database), turns the tier on.
 
-Without FASTATTN_CACHE_HMAC_KEY(_FILE) and without FASTATTN_REMOTE_TRUSTED=1 the tier
-stays off, with a warning that says so.
+What the tier takes from Redis is store.signing's Policy, the one bundles follow too:
+with a secret (FASTATTN_CACHE_HMAC_KEY(_FILE)), entries signed with it; without one,
+anything when FASTATTN_CACHE_TRUSTED=1; without either, the tier stays off, with a
+warning that says so.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from .. import env as _env
 from ..env import redact
 from .disk import EntryInfo
 from .entry import KEY_PATTERN, MAX_ENTRY_BYTES, Entry, EntryError, decode, encode, read_header
-from .signing import SIGNED_MAGIC, unwrap, wrap
+from .signing import SIGNED_MAGIC, Policy, unwrap, wrap
 
 __all__ = ["RemoteSettings", "RemoteStore", "remote_settings_from_env"]
 
@@ -59,7 +61,7 @@ class RemoteSettings:
     timeout: float = 0.25
     wait: float = 10.0
     retry_after: float = 5.0
-    trusted: bool = False
+    trusted: bool = False  # FASTATTN_CACHE_TRUSTED: see store.signing.Policy
 
 
 def remote_settings_from_env(environ: Mapping[str, str] | None = None) -> RemoteSettings | None:
@@ -74,7 +76,7 @@ def remote_settings_from_env(environ: Mapping[str, str] | None = None) -> Remote
         timeout=_env.get("FASTATTN_REMOTE_TIMEOUT", environ),
         wait=_env.get("FASTATTN_REMOTE_WAIT", environ),
         retry_after=_env.get("FASTATTN_REMOTE_RETRY", environ),
-        trusted=_env.get("FASTATTN_REMOTE_TRUSTED", environ),
+        trusted=_env.get("FASTATTN_CACHE_TRUSTED", environ),
     )
 
 
@@ -87,13 +89,13 @@ class RemoteStore:
     def __init__(self, settings: RemoteSettings, secret: bytes | None):
         self.settings = settings
         self.secret = secret
+        self.policy = Policy(secret, settings.trusted)
         self.name = redact(settings.url)  # how messages name this tier: never with its password
         self.counters = dict.fromkeys(COUNTERS, 0)
         self.state = "not connected yet"
         self.disabled = ""
-        if secret is None and not settings.trusted:
-            self.disabled = ("no signing secret (FASTATTN_CACHE_HMAC_KEY or FASTATTN_CACHE_HMAC_KEY_FILE) and the "
-                             "store is not declared trusted (FASTATTN_REMOTE_TRUSTED=1)")
+        self.disabled = self.policy.refusal()
+        if self.disabled:
             if self.name not in _warned_off:  # once per process and URL, however many caches are made
                 _warned_off.add(self.name)
                 log.warning("fastattn remote cache %s is off: %s", self.name, self.disabled)
@@ -188,7 +190,7 @@ class RemoteStore:
         elif len(value) > MAX_VALUE_BYTES:
             data, why = None, f"over {MAX_VALUE_BYTES} bytes (not read further)"
         else:
-            data, why = unwrap(self.secret, key, value)
+            data, why = unwrap(self.policy, key, value)
         if data is not None:
             try:
                 return self._hit(decode(data, expected_key=key))

@@ -86,13 +86,14 @@ def test_prune_and_clear(env, capsys):
 
 def _new_process(cache_dir, monkeypatch):
     monkeypatch.setenv("FASTATTN_CACHE_DIR", str(cache_dir))
+    monkeypatch.setenv("FASTATTN_CACHE_TRUSTED", "1")  # the bundles here are unsigned: trust is stated
     runtime.clear()
 
 
 def test_bundle_round_trip_then_zero_builds(env, capsys, monkeypatch):
     fill()
     bundle = str(env / "b.tar.gz")
-    assert run_json(["cache", "export", bundle], capsys) == (0, {"exported": 4, "bundle": bundle})
+    assert run_json(["cache", "export", bundle], capsys) == (0, {"exported": 4, "bundle": bundle, "signed": False})
     _new_process(env / "other", monkeypatch)
     code, body = run_json(["cache", "import", bundle], capsys)
     assert code == 0 and body["imported"] == 4
@@ -298,7 +299,7 @@ def test_fp8_plans_travel_in_bundles(env, capsys, monkeypatch):
     fastattn.plan(fp8)
     fastattn.plan({**fp8, "dtype": "bf16", "out_dtype": None, "grad_dtype": None})
     bundle = str(env / "fp8.tar.gz")
-    assert run_json(["cache", "export", bundle], capsys) == (0, {"exported": 2, "bundle": bundle})
+    assert run_json(["cache", "export", bundle], capsys) == (0, {"exported": 2, "bundle": bundle, "signed": False})
     _new_process(env / "other", monkeypatch)
     assert run_json(["cache", "import", bundle], capsys)[1]["imported"] == 2
     _new_process(env / "other", monkeypatch)

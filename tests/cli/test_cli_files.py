@@ -272,20 +272,25 @@ def test_a_bundle_over_the_size_limit_is_refused_unread(tmp_path, monkeypatch):
         bundle.import_bundle(str(path), store.DiskStore(str(tmp_path / "c")), environment=None, force=True)
 
 
-def test_a_bundle_of_too_many_members_is_refused(tmp_path, monkeypatch):
+def test_members_past_what_the_manifest_lists_are_refused_at_their_header(tmp_path, monkeypatch):
     import io
+    import json
     import tarfile
 
     from fastattn import store
     from fastattn.store import bundle
 
     path = tmp_path / "many.tar"
+    manifest = json.dumps({"format": bundle.BUNDLE_FORMAT, "entries": []}).encode()
     with tarfile.open(path, "w") as tar:
+        info = tarfile.TarInfo("manifest.json")
+        info.size = len(manifest)
+        tar.addfile(info, io.BytesIO(manifest))
         for i in range(5):
             tar.addfile(tarfile.TarInfo(f"entries/{i:064x}.entry"), io.BytesIO(b""))
-    monkeypatch.setattr(bundle, "_MAX_MEMBERS", 3)
-    with pytest.raises(fastattn.InvalidArgumentError, match="more than 3 members"):
-        bundle.import_bundle(str(path), store.DiskStore(str(tmp_path / "c")), environment=None, force=True)
+    with pytest.raises(fastattn.InvalidArgumentError, match=f"entries/{0:064x}.entry is not in the manifest"):
+        bundle.import_bundle(str(path), store.DiskStore(str(tmp_path / "c")), environment=None, force=True,
+                             trusted=True)
 
 
 @pytest.mark.parametrize("name", ["x" * 300 + "/r.json", "file.txt/r.json", "x" * 300])

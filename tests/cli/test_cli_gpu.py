@@ -20,7 +20,8 @@ training = [false, true]
 
 
 def fastattn(cache_dir, *args):
-    env = {**os.environ, "FASTATTN_CACHE_DIR": str(cache_dir)}
+    # A signing secret: the bundle this machine exports is imported as signed and checked.
+    env = {**os.environ, "FASTATTN_CACHE_DIR": str(cache_dir), "FASTATTN_CACHE_HMAC_KEY": "a test secret"}
     r = subprocess.run([sys.executable, "-m", "fastattn", *args, "--json"], capture_output=True, text=True, env=env,
                        cwd=TESTS, timeout=600)
     return r.returncode, json.loads(r.stdout) if r.stdout.strip() else {}, r.stderr
@@ -42,7 +43,7 @@ def test_warm_info_rewarm_export_import(tmp_path):
     code, out, err = fastattn(cache, "cache", "export", str(bundle))
     assert code == 0 and out["exported"] == 24, err
     code, out, err = fastattn(other, "cache", "import", str(bundle))
-    assert code == 0 and out["imported"] == 24, err
+    assert code == 0 and out["imported"] == 24 and out["policy"] == "signed and checked", err
     code, third, err = fastattn(other, "warm", str(f), "--workers", "4")
     assert code == 0 and third["counts"]["built"] == 0 and third["counts"]["loaded"] == 24
     code, verify, err = fastattn(other, "cache", "verify", "--load")

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 import fastattn.warm
 from fastattn import cli, runtime
+from fastattn.store import signing
 from fastattn.cli._main import build_parser
 from fastattn.config import AttentionConfig
 from fastattn.runtime import ProbeResult
@@ -167,6 +168,8 @@ def test_no_gpu_is_exit_3_for_every_command_that_needs_one(cache_dir, capsys, mo
     # info needs no GPU: it reports that there is none (exit 0).
     code, out, _ = run(["info"], capsys)
     assert code == cli.EXIT_OK and "device: none" in out and "gpu_error: fastattn cannot use the GPU" in out
+    monkeypatch.setenv("FASTATTN_CACHE_TRUSTED", "1")  # (the bundle is unsigned)
+    runtime.clear()
     assert run(["cache", "import", empty, "--force"], capsys)[0] == cli.EXIT_OK
 
 
@@ -175,6 +178,7 @@ class _Remote:
 
     name, disabled, kind = "redis://fake/0", "", "remote"
     counters: dict = {}
+    policy = signing.Policy(b"a secret")
 
     def keys(self):
         return iter(["a" * 64, "b" * 64])

@@ -42,7 +42,7 @@ def test_a_huge_integer_in_config_text_is_bad_input(capsys, no_work):
                                         ("FASTATTN_CACHE_MAX_BYTES", "١٢"), ("FASTATTN_REMOTE_TIMEOUT", "١")])
 def test_a_number_out_of_its_kind_in_the_environment_is_bad_input(cache_dir, capsys, monkeypatch, name, value):
     monkeypatch.setenv("FASTATTN_REMOTE_CACHE", "redis://127.0.0.1:1/0")  # (1e10 s overflowed its socket: exit 5)
-    monkeypatch.setenv("FASTATTN_REMOTE_TRUSTED", "1")
+    monkeypatch.setenv("FASTATTN_CACHE_TRUSTED", "1")
     monkeypatch.setenv(name, value)
     code, output = odd_run(["info"], capsys)
     assert code == cli.EXIT_BAD_INPUT and f"{name}={value!r}: must be" in output, output

@@ -46,7 +46,7 @@ def run(argv, capsys):
 ])
 def test_a_bad_redis_url_is_bad_input_on_every_path(env, capsys, monkeypatch, url, why):
     monkeypatch.setenv("FASTATTN_REMOTE_CACHE", url)
-    monkeypatch.setenv("FASTATTN_REMOTE_TRUSTED", "1")
+    monkeypatch.setenv("FASTATTN_CACHE_TRUSTED", "1")
     head = f"FASTATTN_REMOTE_CACHE={url!r}: "
     with pytest.raises(fastattn.InvalidArgumentError) as e:
         store.settings_from_env()

@@ -44,7 +44,7 @@ def test_every_seconds_variable_has_the_kinds_maximum():
 
 def test_a_huge_remote_timeout_is_refused_by_the_api_before_redis(env, monkeypatch):
     monkeypatch.setenv("FASTATTN_REMOTE_CACHE", "redis://127.0.0.1:1/0")
-    monkeypatch.setenv("FASTATTN_REMOTE_TRUSTED", "1")
+    monkeypatch.setenv("FASTATTN_CACHE_TRUSTED", "1")
     monkeypatch.setenv("FASTATTN_REMOTE_TIMEOUT", "1e10")
     with pytest.raises(fastattn.InvalidArgumentError, match=r"^FASTATTN_REMOTE_TIMEOUT='1e10': must be <= 1000000"):
         fastattn.plan(CFG)

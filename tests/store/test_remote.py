@@ -96,7 +96,7 @@ def test_no_secret_and_not_trusted_leaves_the_tier_off(server, caplog, monkeypat
     with caplog.at_level(logging.WARNING, logger="fastattn"):
         r = remote(server, secret=None)
         remote(server, secret=None)
-    assert caplog.text.count("is off") == 1 and "FASTATTN_REMOTE_TRUSTED" in caplog.text
+    assert caplog.text.count("is off") == 1 and "FASTATTN_CACHE_TRUSTED" in caplog.text
     assert not r.put(entry()) and r.get(entry().key) is None
     assert server.client().dbsize() == 0 and r.status()["state"].startswith("off:")
 
@@ -337,7 +337,9 @@ def test_signed_bundles(tmp_path):
     bundle.export_bundle([src], unsigned)
     with pytest.raises(fastattn.InvalidArgumentError, match="not signed"):
         bundle.import_bundle(unsigned, dst, environment=env, force=True, secret=SECRET)
-    assert bundle.import_bundle(unsigned, dst, environment=env).already_present == 1  # no secret: as before
+    with pytest.raises(fastattn.InvalidArgumentError, match="not signed, and no signing secret"):
+        bundle.import_bundle(unsigned, dst, environment=env)  # no secret: only where trust is stated
+    assert bundle.import_bundle(unsigned, dst, environment=env, trusted=True).already_present == 1
 
 
 def test_warm_answers_what_redis_holds_without_workers(fleet, tmp_path, monkeypatch):

@@ -137,17 +137,19 @@ def test_the_cache_commands_list_them_as_damaged(env, capsys):
 def test_a_bundle_holding_one_is_refused(env, capsys, monkeypatch, what):
     h = DAMAGE[what]
     key, data = h["key"], entry_bytes(h["key"], json.dumps(h), b"x")
-    manifest = {"format": 1, "created": 0, "entries": [{"key": key, "sha256": hashlib.sha256(data).hexdigest()}]}
+    manifest = {"format": 1, "created": 0,
+                "entries": [{"key": key, "sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}]}
     path = env / "b.tgz"
     with tarfile.open(path, "w:gz") as tar:
-        for name, blob in ((f"entries/{key}.entry", data), ("manifest.json", json.dumps(manifest).encode())):
+        for name, blob in (("manifest.json", json.dumps(manifest).encode()), (f"entries/{key}.entry", data)):
             info = tarfile.TarInfo(name)
             info.size = len(blob)
             tar.addfile(info, io.BytesIO(blob))
     monkeypatch.setenv("FASTATTN_CACHE_DIR", str(env / "target"))
+    monkeypatch.setenv("FASTATTN_CACHE_TRUSTED", "1")  # (unsigned: refused for its entry, not its signature)
     runtime.clear()
     code, _, err = run(["cache", "import", str(path), "--force"], capsys)
-    assert code == cli.EXIT_BAD_INPUT and "refusing bundle" in err
+    assert code == cli.EXIT_BAD_INPUT and f"refusing bundle: entries/{key}.entry: " in err, err
     assert not (env / "target").exists()
 
 

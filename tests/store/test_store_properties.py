@@ -367,7 +367,7 @@ def test_mutated_bundles_import_or_are_bad_input(valid, data, tmp_path_factory):
     (root / "b.tgz").write_bytes(bad)
     target = store.DiskStore(str(root / "cache"))
     try:
-        report = bundle_mod.import_bundle(str(root / "b.tgz"), target, environment=None, force=True)
+        report = bundle_mod.import_bundle(str(root / "b.tgz"), target, environment=None, force=True, trusted=True)
     except fastattn.InvalidArgumentError as e:
         assert str(root / "b.tgz") in str(e)
         assert not (root / "cache").exists()
@@ -421,6 +421,7 @@ def test_generated_manifests_through_cache_import(valid, fake_gpu, monkeypatch, 
             monkeypatch.setenv("FASTATTN_CACHE_HMAC_KEY", "s3cret")
         else:
             monkeypatch.delenv("FASTATTN_CACHE_HMAC_KEY", raising=False)
+            monkeypatch.setenv("FASTATTN_CACHE_TRUSTED", "1")  # unsigned: taken only where trust is stated
         with tarfile.open(fileobj=io.BytesIO(valid["bundle"])) as tar:
             members = {m.name: tar.extractfile(m).read() for m in tar}
         manifest = edit_manifest(json.loads(members["manifest.json"]), changes) if whole is None else whole
@@ -446,6 +447,7 @@ def test_mutated_bundles_through_cache_import(valid, fake_gpu, monkeypatch, caps
     box = Sandbox(monkeypatch)
     try:
         monkeypatch.delenv("FASTATTN_CACHE_HMAC_KEY", raising=False)
+        monkeypatch.setenv("FASTATTN_CACHE_TRUSTED", "1")  # unsigned: taken only where trust is stated
         original = valid["bundle"]
         path = os.path.join(box.root, "b.tgz")
         with open(path, "wb") as f:

@@ -29,6 +29,7 @@ BASE = dict(batch=1, heads_q=8, head_dim_qk=64, mask="causal")
 
 def new_process(cache_dir, monkeypatch):
     monkeypatch.setenv("FASTATTN_CACHE_DIR", str(cache_dir))
+    monkeypatch.setenv("FASTATTN_CACHE_TRUSTED", "1")  # the bundles here are unsigned: trust is stated
     runtime.clear()
 
 
@@ -125,7 +126,8 @@ def test_truncated_bundle_raises_only_invalid_argument(tmp_path):
 def test_bundle_entry_with_odd_description_is_refused(env, capsys, monkeypatch, description):
     key = "c" * 64
     data = odd_entry(key, description=description)
-    manifest = {"format": 1, "created": 0, "entries": [{"key": key, "sha256": hashlib.sha256(data).hexdigest()}]}
+    manifest = {"format": 1, "created": 0, "entries": [{"key": key, "sha256": hashlib.sha256(data).hexdigest(),
+                                                                "size": len(data)}]}
     path = write_bundle(env / "odd.tgz", {"manifest.json": json.dumps(manifest).encode(),
                                           f"entries/{key}.entry": data})
     new_process(env / "target", monkeypatch)
