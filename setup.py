@@ -91,7 +91,7 @@ class ParallelBuildExt(build_ext):
 
 # csrc/'s headers. The ones that include cudnn-frontend (graph_state.h, handles.h, packs.h,
 # graphs.h, graphs_fp8.h) are included by csrc/attention.cpp alone.
-HEADERS = ["fastattn.h", "bench.h", "status.h", "device.h", "slots.h", "ragged.h", "ragged_ptx.h", "graph_state.h",
+HEADERS = ["fastattn.h", "config_gen.h", "bench.h", "status.h", "device.h", "slots.h", "ragged.h", "ragged_ptx.h", "graph_state.h",
            "handles.h", "packs.h", "graphs.h", "graphs_fp8.h"]
 
 

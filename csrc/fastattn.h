@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "config_gen.h"    // Config and its enums, generated from AttentionConfig's field registry
 #include "fastattn_abi.h"  // the slot and status tables, shared with C and Python
 
 namespace fastattn {
@@ -32,86 +33,8 @@ struct [[nodiscard]] Status {
     bool ok() const { return code == Code::kOk; }
 };
 
-// AttentionConfig.dtype (q, k, v), out_dtype (o) and grad_dtype (d_o, d_q, d_k, d_v).
-// The FP8 types select cudnn-frontend's FP8 graphs (sdpa_fp8, sdpa_fp8_backward) with
-// their per-tensor float32 scale, descale and amax tensors.
-enum class DType : int { kFp16 = 0, kBf16 = 1, kFp8E4m3 = 2, kFp8E5m2 = 3 };
-
+// Whether q, k, v are FP8: the graphs are then cudnn-frontend's FP8 ones (graphs_fp8.h).
 inline bool is_fp8(DType t) { return t == DType::kFp8E4m3 || t == DType::kFp8E5m2; }
-
-// AttentionConfig.mask.
-enum class Mask : int {
-    kNone              = 0,
-    kCausal            = 1,  // top-left diagonal: query i sees keys j <= i
-    kCausalBottomRight = 2,  // bottom-right diagonal: shifted by seqlen_kv - seqlen_q
-};
-
-// Plain data mirror of fastattn.config.AttentionConfig. Python validates and
-// canonicalizes before filling it, so the core trusts its values.
-struct Config {
-    int64_t batch = 0, heads_q = 0, heads_kv = 0, seqlen_q = 0, seqlen_kv = 0;
-    int64_t head_dim_qk = 0, head_dim_v = 0;
-    DType dtype = DType::kFp16;
-    // Element strides of q, k, v, o in (batch, head, seq, dim) order. The
-    // gradients share the strides of their tensors: dq of q, dk of k, dv of v, do of o.
-    int64_t q_stride[4] = {}, k_stride[4] = {}, v_stride[4] = {}, o_stride[4] = {};
-    Mask mask = Mask::kNone;
-    // FlashAttention's convention: query i sees keys j with i - left <= j <= i + right
-    // (shifted by seqlen_kv - seqlen_q for the bottom-right diagonal); -1 is unbounded.
-    int64_t window_left = -1, window_right = -1;
-    // AttentionConfig.alignment: the window's diagonal at the bottom right (shifted by
-    // each sequence's seqlen_kv - seqlen_q), without a causal mask; kCausalBottomRight
-    // implies it.
-    bool bottom_right = false;
-    float scale        = 1.0f;
-    bool training      = false;  // forward writes softmax stats; a backward graph exists
-    bool deterministic = false;  // backward uses cuDNN's deterministic algorithm
-    // Per-sequence lengths: int32 device arrays seq_len_q and seq_len_kv of `batch`
-    // entries, given at execute; queries and keys past them are ignored.
-    bool padding = false;
-    // ALiBi: scores get slope[h] * (j - i) after scaling, with cuDNN's slopes for
-    // heads_q heads (copied from host memory into the workspace at each execute).
-    bool alibi = false;
-    // Packed variable-length sequences (THD): q, k, v, o, their gradients and stats
-    // start each sequence at an element offset given at execute (int32, batch + 1
-    // entries each); stats are then packed too, (tokens, heads_q). Needs padding.
-    // max_tokens_* bound the packed tokens (cuDNN sizes its workspace by them).
-    bool ragged          = false;
-    int64_t max_tokens_q = 0, max_tokens_kv = 0;
-    // Additive bias after scaling, (bias_batch, bias_heads, bias_seq_q, seqlen_kv),
-    // contiguous, in dtype; bias_batch is 1 or batch, bias_heads 1 or heads_q; 0: none.
-    // bias_seq_q is 1 (one row broadcast over the queries: a key-padding bias) or
-    // seqlen_q; 0 means seqlen_q.
-    int64_t bias_batch = 0, bias_heads = 0, bias_seq_q = 0;
-    bool bias_grad     = false;  // backward also writes d_bias, of the bias's shape
-    // Dropout probability on the softmax; Philox seed and offset are int64 device
-    // scalars given at execute (the same ones to backward: the same mask).
-    float dropout = 0.0f;
-    // Seed and offset are host int64 values passed by value (read at each execute on
-    // the host, so fixed inside a captured CUDA graph) instead of device scalars.
-    bool host_seed = false;
-    // Attention sinks: a learnable float32 logit per query head, (1, heads_q, 1, 1),
-    // in every softmax denominator; backward also writes its gradient d_sink.
-    bool sinks = false;
-    // Paged KV cache (forward only): k and v are pools of num_pages pages of
-    // page_size tokens, (num_pages, heads_kv, page_size, dim) at k_stride / v_stride;
-    // int32 page tables (batch, 1, ceil(seqlen_kv / page_size), 1) map each
-    // sequence's pages; needs padding. 0: k and v are dense.
-    int64_t page_size = 0, num_pages = 0;
-    // The dtypes of o and of the gradients (d_o, d_q, d_k, d_v); `dtype` above is
-    // then the dtype of q, k and v. Python sets both to `dtype` unless an FP8 config
-    // names others. With an FP8 dtype the graphs are cuDNN's FP8 ones and take the
-    // FP8 slots (per-tensor float32 descales, scales and amaxes, (1, 1, 1, 1)).
-    DType out_dtype = DType::kFp16, grad_dtype = DType::kFp16;
-    // Logit soft-capping: scores become softcap * tanh(score / softcap) after scaling,
-    // before any mask (Gemma 2, Grok); 0: none.
-    float softcap = 0.0f;
-    // A known cuDNN defect's remedy (fastattn/defects.py): the graph masks with padding
-    // as if `padding` were set, over lengths the plan owns (every sequence its full
-    // seqlen_q, seqlen_kv), which execute passes itself: callers give no seq_len slots.
-    // Only for graphs without lengths of their own (not padding, ragged, paged or FP8).
-    bool full_lengths = false;
-};
 
 // The tensors a plan can take at execute (fastattn_abi.h's slot table). A graph takes
 // the subset its config implies; the others must be 0. The slot is also the tensor's

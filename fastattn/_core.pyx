@@ -16,6 +16,10 @@ from libcpp.vector cimport vector
 from fastattn import _arrays, defects as _defects
 from fastattn.errors import CorruptPlanError, InvalidArgumentError, NotSupportedError, error_for_code
 
+# The core's Config and its enums (csrc/config_gen.h) and the conversion _c_config, generated
+# from AttentionConfig's field registry by tools/gen_config.py.
+include "_core_config.pxi"
+
 
 cdef extern from "fastattn.h" namespace "fastattn" nogil:
     cdef enum class Code(int):
@@ -25,39 +29,6 @@ cdef extern from "fastattn.h" namespace "fastattn" nogil:
         Code code
         string message
         cbool ok()
-
-    cdef enum class DType(int):
-        kFp16
-        kBf16
-        kFp8E4m3
-        kFp8E5m2
-
-    cdef enum class Mask(int):
-        kNone
-        kCausal
-        kCausalBottomRight
-
-    cdef cppclass Config:
-        int64_t batch, heads_q, heads_kv, seqlen_q, seqlen_kv, head_dim_qk, head_dim_v
-        DType dtype
-        int64_t q_stride[4]
-        int64_t k_stride[4]
-        int64_t v_stride[4]
-        int64_t o_stride[4]
-        Mask mask
-        int64_t window_left, window_right
-        cbool bottom_right
-        float scale
-        cbool training, deterministic, padding, alibi, ragged
-        int64_t max_tokens_q, max_tokens_kv, bias_batch, bias_heads, bias_seq_q
-        cbool bias_grad
-        float dropout
-        cbool host_seed
-        cbool sinks
-        int64_t page_size, num_pages
-        DType out_dtype, grad_dtype
-        float softcap
-        cbool full_lengths
 
     # Anonymous: Cython indexes arrays only with plain integer constants.
     cdef enum:
@@ -117,10 +88,6 @@ cdef inline object _error(const Status& st, str prefix=None):
     if prefix:
         msg = f"{prefix}: {msg}"
     return error_for_code(<int>st.code, msg)
-
-
-# AttentionConfig to the core's Config: _c_config.
-include "_core_config.pxi"
 
 
 def init_cudnn(str path):

@@ -42,14 +42,42 @@ INT_LIMIT = 2**31  # cuDNN takes int64 dims, but its masks and windows are int32
 _NO_OFF = object()  # a field that is always in the canonical form
 
 
-def spec(kind: str, default: Any = dataclasses.MISSING, *, help: str, minimum: int = 0, choices: tuple = (),
-         off: Any = _NO_OFF, follows: str | None = None, family: bool | Callable[[Any], Any] = False,
-         describe: Callable[[Any], str | None] | None = None,
+@dataclasses.dataclass(frozen=True)
+class Cxx:
+    """How a field reaches the C++ core: its members of the struct Config. tools/gen_config.py
+    generates from these entries the struct (csrc/config_gen.h, with an enum class per enum
+    type), its Cython declaration and the conversion _c_config (fastattn/_core_config.pxi).
+
+    type: each member's C++ type: "int64_t", "bool", "float", "int64_t[4]" (an array), or
+      the name of an enum class ("DType", "Mask") made from the field's choices: value i is
+      choices[i], named k + the choice in CamelCase ("fp8_e4m3": kFp8E4m3). Fields that share
+      an enum have the same choices.
+    default: each member's C++ initializer.
+    names: the members (default: one, named as the field).
+    value: a Python expression of the config `cfg` that gives the member's value, or with
+      several names a sequence of theirs (default: the field's value; one that can be None,
+      a feature that is off, reaches C++ as the member's default, which must be zero).
+    note: why the members are what they are (the header's comment; default: help).
+    after: the member these follow in the struct, where that is not the registry's order.
+    """
+
+    type: str
+    default: str
+    names: tuple[str, ...] = ()
+    value: str = ""
+    note: str = ""
+    after: str | None = None
+
+
+def spec(kind: str, default: Any = dataclasses.MISSING, *, help: str, cxx: Cxx, minimum: int = 0,
+         choices: tuple = (), off: Any = _NO_OFF, follows: str | None = None,
+         family: bool | Callable[[Any], Any] = False, describe: Callable[[Any], str | None] | None = None,
          feature: tuple[str, dict[str, Any], str] | None = None) -> Any:
     """A dataclass field of AttentionConfig with its registry entry.
 
     kind: a key of VALIDATORS. default: none given means required; None means one
       that follows from other fields. help: one line, for `fastattn probe --help`.
+    cxx: how the field reaches the C++ core's Config (Cxx): every field does.
     minimum: the least value of an "int" field. choices: the names a "choice",
       "dtype" or "layout" field takes.
     off: the value of a feature added after the first release when it is not used; the
@@ -64,7 +92,7 @@ def spec(kind: str, default: Any = dataclasses.MISSING, *, help: str, minimum: i
     if kind not in VALIDATORS:
         raise ValueError(f"unknown field kind {kind!r}")  # a mistake in config.py, caught at import
     meta = {"kind": kind, "help": help, "minimum": minimum, "choices": tuple(choices), "off": off,
-            "follows": follows, "family": family, "describe": describe, "feature": feature}
+            "follows": follows, "family": family, "describe": describe, "feature": feature, "cxx": cxx}
     return dataclasses.field(default=default, metadata=meta)
 
 

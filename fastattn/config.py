@@ -53,7 +53,7 @@ from typing import Any, Mapping
 from . import _fields
 from ._fields import bad as _bad
 from ._fields import check_int as _int
-from ._fields import spec
+from ._fields import Cxx, spec
 
 __all__ = ["AttentionConfig", "LAYOUTS", "MASKS", "DTYPES", "FP8_DTYPES", "ALIGNMENTS", "BIAS_SHAPES"]
 
@@ -220,33 +220,54 @@ class AttentionConfig:
     # what is derived from it. A default of None follows from other fields; `off` marks
     # a feature added after the first release, left out of the canonical form (and so of
     # every other config's cache key) when not used.
-    batch: int = spec("int", minimum=1, help="sequences in the batch")
-    heads_q: int = spec("int", minimum=1, help="query heads")
-    heads_kv: int | None = spec("int", None, minimum=1, follows="heads_q", help="key/value heads (default: heads_q)")
-    seqlen_q: int = spec("int", minimum=1, help="query sequence length")
+    batch: int = spec("int", minimum=1, help="sequences in the batch", cxx=Cxx("int64_t", "0"))
+    heads_q: int = spec("int", minimum=1, help="query heads", cxx=Cxx("int64_t", "0"))
+    heads_kv: int | None = spec("int", None, minimum=1, follows="heads_q", help="key/value heads (default: heads_q)",
+                                cxx=Cxx("int64_t", "0"))
+    seqlen_q: int = spec("int", minimum=1, help="query sequence length", cxx=Cxx("int64_t", "0"))
     seqlen_kv: int | None = spec("int", None, minimum=1, follows="seqlen_q",
-                                 help="key/value sequence length (default: seqlen_q)")
-    head_dim_qk: int = spec("int", minimum=1, help="query/key head dim", family=True)
+                                 help="key/value sequence length (default: seqlen_q)", cxx=Cxx("int64_t", "0"))
+    head_dim_qk: int = spec("int", minimum=1, help="query/key head dim", family=True, cxx=Cxx("int64_t", "0"))
     head_dim_v: int | None = spec("int", None, minimum=1, follows="head_dim_qk",
-                                  help="value head dim (default: head_dim_qk)", family=True)
+                                  help="value head dim (default: head_dim_qk)", family=True, cxx=Cxx("int64_t", "0"))
     dtype: str = spec("dtype", "bf16", choices=DTYPES, help="element type of q, k, v (and of o and gradients "
                       "unless --out-dtype / --grad-dtype)",
                       family=lambda c: (c.dtype, c.out_dtype, c.grad_dtype) if c.fp8 else c.dtype,
                       describe=lambda c: c.dtype + ("" if c.out_dtype == c.dtype else f">{c.out_dtype}")
-                      + ("" if c.grad_dtype == c.dtype else f"/grad:{c.grad_dtype}"))
+                      + ("" if c.grad_dtype == c.dtype else f"/grad:{c.grad_dtype}"),
+                      cxx=Cxx("DType", "DType::kFp16", note="q, k, v. The FP8 types select cudnn-frontend's FP8 "
+                              "graphs (sdpa_fp8, sdpa_fp8_backward) with their per-tensor float32 scale, descale "
+                              "and amax tensors."))
+    # out_dtype and grad_dtype follow num_pages in the struct: the core took them last.
     out_dtype: str | None = spec("dtype", None, choices=DTYPES, follows="dtype",
-                                 help="element type of o (default: dtype; another only with FP8)")
+                                 help="element type of o (default: dtype; another only with FP8)",
+                                 cxx=Cxx("DType", "DType::kFp16", after="num_pages",
+                                         note="o; Python sets it to dtype unless an FP8 config names another."))
     grad_dtype: str | None = spec("dtype", None, choices=DTYPES, follows="dtype",
                                   help="element type of d_o, d_q, d_k, d_v (default: dtype; another only with "
-                                  "FP8 and --training)")
+                                  "FP8 and --training)",
+                                  cxx=Cxx("DType", "DType::kFp16", after="out_dtype",
+                                          note="d_o, d_q, d_k, d_v; Python sets it to dtype unless an FP8 config "
+                                          "names another."))
     layout: Any = spec("layout", "bshd", choices=LAYOUTS, help="memory order of q, k, v, o (default bshd)",
                        describe=lambda c: None if c.layout == "bshd" else c.layout if isinstance(c.layout, str)
-                       else "strided")
+                       else "strided",
+                       cxx=Cxx("int64_t[4]", "{}", names=("q_stride", "k_stride", "v_stride", "o_stride"),
+                               value="(cfg.strides('q'), cfg.strides('k'), cfg.strides('v'), cfg.strides('o'))",
+                               note="The layout as element strides of q, k, v, o in (batch, head, seq, dim) order. "
+                               "The gradients share the strides of their tensors: d_q of q, d_k of k, d_v of v, "
+                               "d_o of o."))
     mask: str = spec("choice", "none", choices=MASKS, help="causal mask (default none)", family=True,
-                     describe=lambda c: c.mask)
+                     describe=lambda c: c.mask,
+                     cxx=Cxx("Mask", "Mask::kNone", note="kCausal: the top-left diagonal, query i sees keys j <= i; "
+                             "kCausalBottomRight: shifted by seqlen_kv - seqlen_q."))
     window: tuple[int, int] = spec("pair", (-1, -1), help="sliding window (left, right); -1 is unbounded",
                                    family=True, describe=lambda c: None if c.window == (-1, -1)
-                                   else f"win{c.window[0]},{c.window[1]}")
+                                   else f"win{c.window[0]},{c.window[1]}",
+                                   cxx=Cxx("int64_t", "-1", names=("window_left", "window_right"), value="cfg.window",
+                                           note="FlashAttention's convention: query i sees keys j with i - left <= j "
+                                           "<= i + right (shifted by seqlen_kv - seqlen_q for the bottom-right "
+                                           "diagonal); -1 is unbounded."))
     # Default None: "not given" (top_left unless the mask says bottom_right), so that an
     # alignment given against the mask can be told from the default and refused.
     alignment: str = spec("choice", None, off="top_left", choices=ALIGNMENTS,
@@ -254,50 +275,91 @@ class AttentionConfig:
                           "(FlashAttention)", family=True,
                           describe=lambda c: "br" if c.alignment == "bottom_right" else None,
                           feature=("window_br", {"alignment": "bottom_right", "window": (64, 64)},
-                                   "window (64, 64) at the bottom right"))
-    scale: float | None = spec("positive", None, help="softmax scale (default 1/sqrt(head_dim_qk))")
+                                   "window (64, 64) at the bottom right"),
+                          cxx=Cxx("bool", "false", names=("bottom_right",), value="cfg.alignment == 'bottom_right'",
+                                  note="The window's diagonal at the bottom right (shifted by each sequence's "
+                                  "seqlen_kv - seqlen_q), without a causal mask; kCausalBottomRight implies it."))
+    scale: float | None = spec("positive", None, help="softmax scale (default 1/sqrt(head_dim_qk))",
+                               cxx=Cxx("float", "1.0f"))
     training: bool = spec("bool", False, help="also build the backward graph", family=True,
-                          describe=lambda c: ("train/det" if c.deterministic else "train") if c.training else None)
-    deterministic: bool = spec("bool", False, help="deterministic backward (needs --training)", family=True)
+                          describe=lambda c: ("train/det" if c.deterministic else "train") if c.training else None,
+                          cxx=Cxx("bool", "false", note="forward writes softmax stats; a backward graph exists"))
+    deterministic: bool = spec("bool", False, help="deterministic backward (needs --training)", family=True,
+                               cxx=Cxx("bool", "false", note="backward uses cuDNN's deterministic algorithm"))
     padding: bool = spec("bool", False, off=False, help="per-sequence lengths given at run time (seq_len_q, "
                          "seq_len_kv)", family=True, describe=lambda c: "padded" if c.padding else None,
-                         feature=("padding", {"padding": True}, "per-sequence lengths"))
+                         feature=("padding", {"padding": True}, "per-sequence lengths"),
+                         cxx=Cxx("bool", "false", note="Per-sequence lengths: int32 device arrays seq_len_q and "
+                                 "seq_len_kv of `batch` entries, given at execute; queries and keys past them are "
+                                 "ignored."))
     alibi: bool = spec("bool", False, off=False, help="ALiBi position biases", family=True,
-                       describe=lambda c: "alibi" if c.alibi else None, feature=("alibi", {"alibi": True}, "ALiBi"))
+                       describe=lambda c: "alibi" if c.alibi else None, feature=("alibi", {"alibi": True}, "ALiBi"),
+                       cxx=Cxx("bool", "false", note="ALiBi: scores get slope[h] * (j - i) after scaling, with cuDNN's "
+                               "slopes for heads_q heads (copied from host memory into the workspace at each "
+                               "execute)."))
     ragged: bool = spec("bool", False, off=False, help="packed variable-length sequences (THD; with --padding and "
                         "bshd)", family=True, describe=lambda c: "packed" if c.ragged else None,
-                        feature=("ragged", {"padding": True, "ragged": True}, "packed sequences"))
+                        feature=("ragged", {"padding": True, "ragged": True}, "packed sequences"),
+                        cxx=Cxx("bool", "false", note="Packed variable-length sequences (THD): q, k, v, o, their "
+                                "gradients and stats start each sequence at an element offset given at execute "
+                                "(int32, batch + 1 entries each); stats are then packed too, (tokens, heads_q). "
+                                "Needs padding."))
     max_tokens_q: int | None = spec("int", None, help="with ragged: tokens the packed q holds (default batch * "
-                                    "seqlen_q)")
+                                    "seqlen_q)", cxx=Cxx("int64_t", "0", note="with ragged, bounds the packed "
+                                                         "tokens of q (cuDNN sizes its workspace by it)"))
     max_tokens_kv: int | None = spec("int", None, help="with ragged: tokens the packed k, v hold (default batch "
-                                     "* seqlen_kv)")
+                                     "* seqlen_kv)", cxx=Cxx("int64_t", "0", note="with ragged, bounds the packed "
+                                                             "tokens of k and v"))
     # Bias and dropout: their sizes (bias batch, rate) select no other kernel than their presence.
     bias: str = spec("choice", "none", off="none", choices=BIAS_SHAPES, help="additive bias of this broadcast "
                      "shape", family=lambda c: c.bias.replace("b", "1", 1),
                      describe=lambda c: None if c.bias == "none" else f"bias{c.bias}" + ("/grad" if c.bias_grad
                                                                                          else ""),
-                     feature=("bias", {"bias": "1hss"}, "a 1hss bias"))
+                     feature=("bias", {"bias": "1hss"}, "a 1hss bias"),
+                     cxx=Cxx("int64_t", "0", names=("bias_batch", "bias_heads", "bias_seq_q"),
+                             value="cfg.shape('bias')[:3] if cfg.bias != 'none' else (0, 0, 0)",
+                             note="Additive bias after scaling, (bias_batch, bias_heads, bias_seq_q, seqlen_kv): "
+                             "the shape's extents, contiguous, in dtype; bias_batch is 1 or batch, bias_heads 1 or "
+                             "heads_q, bias_seq_q 1 (one row broadcast over the queries: a key-padding bias) or "
+                             "seqlen_q; 0: none."))
     bias_grad: bool = spec("bool", False, off=False, help="backward also writes d_bias", family=True,
                            feature=("bias_grad", {"bias": "1hss", "bias_grad": True},
-                                    "with its gradient; needs --training"))
+                                    "with its gradient; needs --training"),
+                           cxx=Cxx("bool", "false", note="backward also writes d_bias, of the bias's shape"))
     dropout: float = spec("probability", 0.0, off=0.0, help="dropout probability", family=lambda c: c.dropout > 0,
                           describe=lambda c: f"drop{c.dropout:.3g}" if c.dropout else None,
-                          feature=("dropout", {"dropout": 0.1}, "dropout 0.1"))
-    host_seed: bool = spec("bool", False, off=False, help="dropout's seed and offset are host values")
+                          feature=("dropout", {"dropout": 0.1}, "dropout 0.1"),
+                          cxx=Cxx("float", "0.0f", note="Dropout probability on the softmax; Philox seed and offset "
+                                  "are int64 device scalars given at execute (the same ones to backward: the same "
+                                  "mask)."))
+    host_seed: bool = spec("bool", False, off=False, help="dropout's seed and offset are host values",
+                           cxx=Cxx("bool", "false", note="Seed and offset are host int64 values passed by value "
+                                   "(read at each execute on the host, so fixed inside a captured CUDA graph) "
+                                   "instead of device scalars."))
     sinks: bool = spec("bool", False, off=False, help="attention sinks (a logit per head)", family=True,
                        describe=lambda c: "sinks" if c.sinks else None,
-                       feature=("sinks", {"sinks": True}, "attention sinks"))
+                       feature=("sinks", {"sinks": True}, "attention sinks"),
+                       cxx=Cxx("bool", "false", note="Attention sinks: a learnable float32 logit per query head, "
+                               "(1, heads_q, 1, 1), in every softmax denominator; backward also writes its gradient "
+                               "d_sink."))
     page_size: int = spec("int", 0, off=0, help="a paged KV cache of pages of this many tokens (forward only; "
                           "with --padding)", family=lambda c: c.page_size > 0,
                           describe=lambda c: f"paged{c.page_size}x{c.num_pages}" if c.page_size else None,
-                          feature=("paged", {"padding": True, "page_size": 64}, "paged KV, 64-token pages"))
+                          feature=("paged", {"padding": True, "page_size": 64}, "paged KV, 64-token pages"),
+                          cxx=Cxx("int64_t", "0", note="Paged KV cache (forward only): k and v are pools of "
+                                  "num_pages pages of page_size tokens, (num_pages, heads_kv, page_size, dim) at "
+                                  "k_stride / v_stride; int32 page tables (batch, 1, ceil(seqlen_kv / page_size), 1) "
+                                  "map each sequence's pages; needs padding. 0: k and v are dense."))
     num_pages: int | None = spec("int", None, help="with a paged KV cache: pages in each pool (default batch * "
-                                 "ceil(seqlen_kv / page_size))")
+                                 "ceil(seqlen_kv / page_size))", cxx=Cxx("int64_t", "0"))
     softcap: float | None = spec("positive", None, off=None, help="logit soft-capping: scores become softcap * "
                                  "tanh(score / softcap) after scaling, before masking (Gemma 2)",
                                  family=lambda c: c.softcap is not None,
                                  describe=lambda c: f"softcap{c.softcap:g}" if c.softcap else None,
-                                 feature=("softcap", {"softcap": 50.0}, "logit soft-capping at 50"))
+                                 feature=("softcap", {"softcap": 50.0}, "logit soft-capping at 50"),
+                                 cxx=Cxx("float", "0.0f", note="Logit soft-capping: scores become softcap * "
+                                         "tanh(score / softcap) after scaling, before any mask (Gemma 2, Grok); "
+                                         "0: none."))
 
     def __post_init__(self) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen)

@@ -164,7 +164,7 @@ def test_matrix_features_come_from_the_registry_and_are_valid():
 
 def test_a_field_kind_without_a_validator_is_refused_at_definition():
     with pytest.raises(ValueError, match="unknown field kind"):
-        _fields.spec("complex", help="x")
+        _fields.spec("complex", help="x", cxx=_fields.Cxx("int64_t", "0"))
 
 
 # -- property: generated values through every path -------------------------------------

@@ -19,7 +19,7 @@ from helpers.paths import ROOT
 
 CSRC = ROOT / "csrc"
 # Need no cudnn-frontend: compiled alone here, and their dependencies checked.
-FRONTEND_FREE = ["fastattn.h", "bench.h", "status.h", "device.h", "slots.h", "ragged.h", "ragged_ptx.h"]
+FRONTEND_FREE = ["fastattn.h", "config_gen.h", "bench.h", "status.h", "device.h", "slots.h", "ragged.h", "ragged_ptx.h"]
 FRONTEND_FREE_SOURCES = ["device.cpp", "slots.cpp", "ragged.cpp"]
 # Include cudnn-frontend: for attention.cpp alone. Not compiled alone here: each would
 # parse the frontend for ~20 s; every build of the extension compiles them.
