@@ -28,6 +28,9 @@ EXIT_CODES = (EXIT_OK, EXIT_UNSUPPORTED, EXIT_BAD_INPUT, EXIT_NO_GPU, EXIT_FAILE
 INT_MAX = 2**31 - 1  # the largest size cuDNN takes (its masks and windows are int32)
 
 
+_NEGATIVE_LOOKING = re.compile(r"-\.?[0-9]")
+
+
 class UsageError(Exception):
     """Bad flags, as argparse found them; `main` prints it as text or JSON."""
 
@@ -44,6 +47,10 @@ class Parser(argparse.ArgumentParser):
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
+        # A word of a dash and a digit (or a point and a digit) is a value, not a flag: no
+        # flag is spelled so, and argparse's own rule takes only plain numbers (-5, -.5),
+        # so `--max-age -5d` was "expected one argument" instead of naming -5d.
+        self._negative_number_matcher = _NEGATIVE_LOOKING
 
     def error(self, message: str):  # raise, not exit: main reports it (as JSON with --json) with exit code 2
         # argparse quotes values itself too (an invalid choice, unrecognized arguments):

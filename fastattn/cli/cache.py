@@ -6,8 +6,12 @@ exits 4), never a traceback. Whatever else is named like an entry (a FIFO, a lin
 folder, a misplaced file) is listed as not fastattn's and left alone (store.disk); a
 cache directory that is not a directory is bad input (exit 2), naming it. Import and
 pull fail with exit 4 and say so when the cache directory cannot be written, import
-when the directory does not keep what it imported (pruned at once), and pull
-when Redis held entries and every one was rejected. What needs this GPU's identity
+when the directory does not keep what it imported (pruned at once), pull when Redis
+held entries and every one was rejected, and clear and prune when entries could not be
+removed (how many, and why). Import, pull, clear and prune refuse a cache that is
+read-only or off by configuration (exit 2). An entry another process removed while a
+command walked the directory is gone, not damaged: not listed, or in verify "removed
+meanwhile". What needs this GPU's identity
 (export and push/pull without --all, import without --force, verify --load) is exit 3
 where there is no usable GPU, as everywhere.
 """
@@ -35,8 +39,10 @@ _EXITS = {
     "show": "Exit codes: 0 shown, 2 no entry, or several, match the key.",
     "verify": "Exit codes: 0 every entry is good, 3 --load without a usable GPU, 4 damaged entries (with --load, "
               "also entries that do not load).",
-    "prune": "Exit codes: 0 pruned, 2 neither --max-bytes nor --max-age, or the cache is off.",
-    "clear": "Exit codes: 0 cleared, 2 the cache is off.",
+    "prune": "Exit codes: 0 pruned, 2 neither --max-bytes nor --max-age, or a cache that is not writable by "
+             "configuration (read-only or off), 4 entries that could not be removed (each reason and how many).",
+    "clear": "Exit codes: 0 cleared, 2 a cache that is not writable by configuration (read-only or off), 4 entries "
+             "that could not be removed (each reason and how many).",
     "export": "Exit codes: 0 written, 2 a bad path or an existing file (without --force), 3 no usable GPU to "
               "choose this GPU's entries by (without --all).",
     "import": "Exit codes: 0 imported, 2 a refused bundle (also one that the trust policy refuses: without a "
@@ -193,6 +199,10 @@ def _verify(args, cache: PlanCache) -> tuple[int, dict[str, Any]]:
         row = {"key": info.key, "path": info.path, "status": "ok", "reason": ""}
         try:
             entry = decode(tier.read(info.path), expected_key=info.key)
+        except FileNotFoundError:  # listed, then removed by another process (a clear): gone, not damaged
+            row.update(status=_GONE)
+            rows.append(row)
+            continue
         except (OSError, store.EntryError) as e:
             row.update(status="damaged", reason=str(e))
             rows.append(row)
@@ -204,12 +214,17 @@ def _verify(args, cache: PlanCache) -> tuple[int, dict[str, Any]]:
                 row.update(_load(cache, entry))
         rows.append(row)
     bad = [r for r in rows if r["status"] in ("damaged", "does not load")]
+    gone = sum(1 for r in rows if r["status"] == _GONE)
     strays = _strays(cache.store.tiers)
     lines = [f"{r['key'][:16]} {r['status']:<14} {printable(r['reason'])}" for r in rows] + _stray_lines(strays)
-    lines.append(f"{len(rows)} entries: {len(rows) - len(bad)} good, {len(bad)} bad"
+    lines.append(f"{len(rows) - gone} entries: {len(rows) - gone - len(bad)} good, {len(bad)} bad"
+                 + (f"; {gone} removed meanwhile (by another process)" if gone else "")
                  + (f"; {len(strays)} other things named like entries, not fastattn's (not checked)" if strays else ""))
-    return (EXIT_FAILED if bad else EXIT_OK), {"entries": rows, "bad": len(bad), "not_ours": strays,
-                                               "_text": "\n".join(lines)}
+    return (EXIT_FAILED if bad else EXIT_OK), {"entries": rows, "bad": len(bad), "removed_meanwhile": gone,
+                                               "not_ours": strays, "_text": "\n".join(lines)}
+
+
+_GONE = "removed meanwhile"
 
 
 def _load(cache: PlanCache, entry) -> dict[str, str]:
@@ -221,29 +236,34 @@ def _load(cache: PlanCache, entry) -> dict[str, str]:
 
 
 def _prune(args, cache: PlanCache) -> tuple[int, dict[str, Any]]:
-    main = cache.store.main
-    if main is None:
-        raise InvalidArgumentError("the cache is off (FASTATTN_CACHE_MODE=off)")
     if args.max_bytes is None and args.max_age is None:
         raise InvalidArgumentError("cache prune needs --max-bytes or --max-age")
-    removed = main.prune(max_bytes=args.max_bytes, max_age=args.max_age)
-    return EXIT_OK, _removed(main, removed)
+    main = _writable_main(cache, "cache prune")
+    return _removed(main, main.prune(max_bytes=args.max_bytes, max_age=args.max_age))
 
 
-def _removed(main: store.DiskStore, removed: int) -> dict[str, Any]:
-    left = len(list(main.strays()))
-    return {"removed": removed, "left_alone": left,
-            "_text": f"removed {removed} entries from {_shown(main.root)}"
-                     + (f"; left alone {left} things named like entries that are not fastattn's (fastattn cache ls "
-                        "lists them)" if left else "")}
+def _removed(main: store.DiskStore, pruned: store.Pruned) -> tuple[int, dict[str, Any]]:
+    """What a clear or prune did; exit 4, saying how many entries stay and why, when
+    some could not be removed (a read-only mount, an immutable folder)."""
+    left = len(pruned.strays)
+    why = [{"reason": reason, "count": len(paths), "example": paths[0]} for reason, paths in pruned.failed.items()]
+    out = {"removed": pruned.removed, "not_removed": pruned.not_removed, "not_removed_because": why,
+           "left_alone": left,
+           "_text": f"removed {pruned.removed} entries from {_shown(main.root)}"
+                    + (f"; could not remove {pruned.not_removed}" if pruned.not_removed else "")
+                    + (f"; left alone {left} things named like entries that are not fastattn's (fastattn cache ls "
+                       "lists them)" if left else "")}
+    if not pruned.not_removed:
+        return EXIT_OK, out
+    message = (f"could not remove {pruned.not_removed} entries from {_shown(main.root)}: "
+               + "; ".join(f"{w['reason']} ({w['count']}, e.g. {_shown(w['example'])})" for w in why))
+    say(f"fastattn: {message}")
+    return EXIT_FAILED, {**out, "error": "NotRemoved", "message": message}
 
 
 def _clear(args, cache: PlanCache) -> tuple[int, dict[str, Any]]:
-    main = cache.store.main
-    if main is None:
-        raise InvalidArgumentError("the cache is off (FASTATTN_CACHE_MODE=off)")
-    removed = main.clear()
-    return EXIT_OK, _removed(main, removed)
+    main = _writable_main(cache, "cache clear")
+    return _removed(main, main.clear())
 
 
 def _export(args, cache: PlanCache) -> tuple[int, dict[str, Any]]:
@@ -263,10 +283,16 @@ def _export(args, cache: PlanCache) -> tuple[int, dict[str, Any]]:
                      "_text": f"exported {count} entries to {args.bundle} ({'signed' if signed else 'unsigned'})"}
 
 
-def _writable_main(cache: PlanCache) -> store.DiskStore:
+def _writable_main(cache: PlanCache, command: str) -> store.DiskStore:
+    """The main directory, for a command that writes to it or removes from it; a usage
+    error (exit 2) where the configuration makes the cache read-only or off, before
+    anything is touched."""
     main = cache.store.main
-    if main is None or cache.settings.mode != "read-write":
-        raise InvalidArgumentError(f"the cache is not writable (FASTATTN_CACHE_MODE={cache.settings.mode})")
+    mode = cache.settings.mode
+    if main is None or mode != "read-write":
+        state = "off" if mode == "off" else "read-only"
+        raise InvalidArgumentError(f"the cache is {state} (FASTATTN_CACHE_MODE={mode}): {command} changes it; "
+                                   "set FASTATTN_CACHE_MODE=read-write for it")
     return main
 
 
@@ -278,7 +304,7 @@ def _cannot_write(message: str, out: dict[str, Any]) -> tuple[int, dict[str, Any
 
 
 def _import(args, cache: PlanCache) -> tuple[int, dict[str, Any]]:
-    main = _writable_main(cache)
+    main = _writable_main(cache, "cache import")
     try:
         env = _this_environment() if args.force else gpu_environment(
             "cache import checks a bundle's entries against this GPU, and there is no usable GPU here "
@@ -337,6 +363,8 @@ def _push(args, cache: PlanCache) -> tuple[int, dict[str, Any]]:
             seen.add(info.key)
             try:
                 entry = decode(tier.read(info.path), expected_key=info.key)
+            except FileNotFoundError:
+                continue  # removed by another process since the listing: nothing to push
             except (OSError, store.EntryError):
                 skipped += 1  # damaged: `fastattn cache verify` reports it
                 continue
@@ -353,7 +381,7 @@ def _push(args, cache: PlanCache) -> tuple[int, dict[str, Any]]:
 
 def _pull(args, cache: PlanCache) -> tuple[int, dict[str, Any]]:
     remote = _remote(cache)
-    main = _writable_main(cache)
+    main = _writable_main(cache, "cache pull")
     keep = _keep_for(args)
     pulled, present, rejected = 0, 0, 0
     try:

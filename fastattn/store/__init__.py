@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterator, Mapping
 
 from .. import env as _env
-from .disk import DiskStore, EntryInfo, Stray
+from .disk import DiskStore, EntryInfo, Pruned, Stray
 from .entry import Entry, EntryError
 from .tier import Tier
 from .keys import FORMAT_VERSION, build_env_vars, canonical_json, describe, environment_of, key_of
@@ -52,6 +52,7 @@ __all__ = [
     "Entry",
     "EntryError",
     "EntryInfo",
+    "Pruned",
     "Stray",
     "Tier",
     "RemoteSettings",

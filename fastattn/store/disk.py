@@ -20,8 +20,10 @@ files in locks/. Entries are opened without following a link and without blockin
 named like an entry is never read, nor waited on. Anything else named like an entry
 (a FIFO, a link, a folder, a file in the wrong folder or under another name) is a
 stray: listed (strays()), never read, replaced or deleted. Pruning removes entries,
-temporary files left by killed writers, lock files nobody holds, and shard folders it
-emptied.
+temporary files left by killed writers, lock files nobody holds but those of the entries
+that stay, and shard folders it emptied; it says which entries it could not remove, and
+why. A file gone between a listing and its read (another process's clear) is gone, not
+damaged.
 """
 
 from __future__ import annotations
@@ -35,14 +37,14 @@ import stat
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator, Union
 
 from ..files import kind as _kind
 from . import entry as _entry
 from .entry import KEY_PATTERN, Entry, EntryError, decode, encode, read_header_from_file
 
-__all__ = ["DiskStore", "EntryInfo", "Stray"]
+__all__ = ["DiskStore", "EntryInfo", "Pruned", "Stray"]
 
 log = logging.getLogger("fastattn.store")
 
@@ -75,6 +77,21 @@ class Stray:
 
     path: str
     why: str
+
+
+@dataclass
+class Pruned:
+    """What prune() or clear() did: the entries it removed, those it could not remove
+    (their paths by reason: an OSError's text, such as "Read-only file system"), and
+    what it left alone as not fastattn's."""
+
+    removed: int = 0
+    failed: dict[str, list[str]] = field(default_factory=dict)
+    strays: list[Stray] = field(default_factory=list)
+
+    @property
+    def not_removed(self) -> int:
+        return sum(len(paths) for paths in self.failed.values())
 
 
 def _is_shard(name: str) -> bool:
@@ -349,7 +366,11 @@ class DiskStore:
             with self._lock:
                 self._total = total
         if total > self.max_bytes:
-            self.prune(max_bytes=self.max_bytes)
+            pruned = self.prune(max_bytes=self.max_bytes)
+            for reason, paths in pruned.failed.items():
+                self._warn_once("prune:" + reason, "fastattn cache: cannot remove %d entries over "
+                                "FASTATTN_CACHE_MAX_BYTES from %s (%s), e.g. %s", len(paths), self.root, reason,
+                                paths[0])
 
     # -- locks ------------------------------------------------------------------------
 
@@ -417,7 +438,8 @@ class DiskStore:
 
     def scan(self, with_headers: bool = True) -> Iterator[Union[EntryInfo, Stray]]:
         """Every entry file (valid or not), with its size and last use, and every stray
-        (see the module's doc): from lstat and listings alone, but for the headers."""
+        (see the module's doc): from lstat and listings alone, but for the headers. A
+        file removed after the listing (another process's clear) is not listed."""
         try:
             folders = sorted(os.listdir(self.root))
         except OSError:
@@ -442,13 +464,19 @@ class DiskStore:
                 continue
             for name in names:
                 if name.endswith(_SUFFIX):
-                    yield self._scan_one(sub, os.path.join(folder, name), name[: -len(_SUFFIX)], with_headers)
+                    item = self._scan_one(sub, os.path.join(folder, name), name[: -len(_SUFFIX)], with_headers)
+                    if item is not None:
+                        yield item
 
-    def _scan_one(self, sub: str, path: str, key: str, with_headers: bool) -> Union[EntryInfo, Stray]:
+    def _scan_one(self, sub: str, path: str, key: str, with_headers: bool) -> Union[EntryInfo, Stray, None]:
+        """What `path` is; None when it is gone: removed between the listing and here
+        (by a clear or a prune in another process), which is no damage."""
         try:
             st = os.lstat(path)
-        except OSError:
-            return Stray(path, "vanished while listed")
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            return Stray(path, f"cannot be examined ({e.strerror or e}): left alone")
         if not KEY_PATTERN.fullmatch(key) or key[:2] != sub:
             return Stray(path, f"{_kind(st.st_mode)} not named after a cache key of its folder: not fastattn's")
         if not stat.S_ISREG(st.st_mode):
@@ -464,6 +492,8 @@ class DiskStore:
                 if header["key"] != key:
                     raise EntryError(f"the header is for key {header['key'][:16]}..., the file's name "
                                      f"is {key[:16]}...")
+            except FileNotFoundError:
+                return None  # removed since its lstat
             except (OSError, EntryError) as e:
                 header, problem = None, str(e) or type(e).__name__
         created = float(header["created"]) if header else st.st_mtime
@@ -481,40 +511,78 @@ class DiskStore:
             if isinstance(item, Stray):
                 yield item
 
-    def prune(self, max_bytes: int | None = None, max_age: float | None = None, *, everything: bool = False) -> int:
-        """Removes least-recently-used entries until at most `max_bytes` remain, and
-        entries unused for more than `max_age` seconds; then what fastattn left behind:
-        temporary files of killed writers, lock files nobody holds, shard folders left
-        empty. Never a stray. everything: every entry (clear), empty ones too. Returns
-        how many entries went."""
-        infos = sorted(self.entries(with_headers=False), key=lambda i: i.last_used)
+    def prune(self, max_bytes: int | None = None, max_age: float | None = None, *,
+              everything: bool = False) -> Pruned:
+        """Removes entries unused for more than `max_age` seconds, then least-recently-used
+        ones until at most `max_bytes` remain; then what fastattn left behind: temporary
+        files of killed writers, lock files nobody holds (but those of the entries that
+        stay), shard folders left empty. Never a stray. everything: every entry (clear),
+        empty ones too.
+
+        One pass over the directory, one lstat an entry: an entry old enough (or every
+        one) is removed as it is listed; by size, the least recently used of the rest
+        after the listing, each looked at again first (a stray put there since is left
+        alone). An entry that cannot be removed (a read-only filesystem, an immutable
+        folder; every one on a store that is not writable) is counted in the result with
+        the reason; one that another process removed meanwhile is neither removed here
+        nor a failure."""
         now = time.time()
-        removed = 0
-        total = sum(i.size for i in infos)
-        for info in infos:
-            too_old = max_age is not None and now - info.last_used > max_age
-            too_big = max_bytes is not None and total > max_bytes
-            if not (too_old or too_big or everything):
+        result = Pruned()
+        candidates: list[EntryInfo] = []  # listed, kept so far: what the size limit may remove
+        staying: set[str] = set()  # the keys of the entries left: their lock files stay too
+        total = 0
+        for item in self.scan(with_headers=False):
+            if isinstance(item, Stray):
+                result.strays.append(item)
                 continue
-            try:
-                st = os.lstat(info.path)
-                if stat.S_ISREG(st.st_mode):  # still what was listed, not a stray put there since
-                    os.unlink(info.path)
-                else:
-                    continue
-            except OSError:
-                continue
-            removed += 1
-            total -= info.size
-        self._remove_debris(now)
+            if everything or (max_age is not None and now - item.last_used > max_age):
+                gone = self._remove(item.path, result, look_again=False)  # its lstat was just now
+                if gone is False:
+                    total += item.size
+                    staying.add(item.key)
+                continue  # (None: a stray put there since, not counted as an entry)
+            candidates.append(item)
+            staying.add(item.key)
+            total += item.size
+        if max_bytes is not None and total > max_bytes:
+            for info in sorted(candidates, key=lambda i: i.last_used):
+                if total <= max_bytes:
+                    break
+                if self._remove(info.path, result, look_again=True) is not False:
+                    total -= info.size
+                    staying.discard(info.key)
+        self._remove_debris(now, staying)
         with self._lock:
             self._total = total
-            self.counters["pruned"] += removed
-        return removed
+            self.counters["pruned"] += result.removed
+        return result
 
-    def _remove_debris(self, now: float) -> None:
+    def _remove(self, path: str, result: Pruned, *, look_again: bool) -> bool | None:
+        """Unlinks the entry file `path`, counting it in `result`: True when it is gone
+        (removed here, or by another process meanwhile), False when it could not be
+        removed (the reason counted), None when it is no longer a regular file (not
+        fastattn's: left alone, not counted as an entry)."""
+        try:
+            if look_again and not stat.S_ISREG(os.lstat(path).st_mode):
+                return None
+            if not self.writable:
+                raise OSError(errno.EROFS, "the cache is read-only (a store that is not writable)")
+            os.unlink(path)
+        except FileNotFoundError:
+            return True
+        except IsADirectoryError:
+            return None  # a folder put there since, named like the entry
+        except OSError as e:
+            result.failed.setdefault(e.strerror or str(e), []).append(path)
+            return False
+        result.removed += 1
+        return True
+
+    def _remove_debris(self, now: float, staying: set[str]) -> None:
         """Temporary files older than _STALE_TMP_SECONDS (a writer has them for
-        milliseconds), idle lock files, empty shard folders, an empty locks/."""
+        milliseconds), empty shard folders, idle lock files but those of the entries
+        `staying` (a build leaves one a key; a prune that keeps an entry does not
+        rewrite the directory for its lock file), an empty locks/."""
         try:
             folders = os.listdir(self.root)
         except OSError:
@@ -537,7 +605,8 @@ class DiskStore:
         if os.path.isdir(locks) and not os.path.islink(locks):
             with contextlib.suppress(OSError):
                 for name in os.listdir(locks):
-                    if name.endswith(_LOCK_SUFFIX) and KEY_PATTERN.fullmatch(name[: -len(_LOCK_SUFFIX)]):
+                    key = name[: -len(_LOCK_SUFFIX)]
+                    if name.endswith(_LOCK_SUFFIX) and key not in staying and KEY_PATTERN.fullmatch(key):
                         self._remove_idle_lock(os.path.join(locks, name))
             with contextlib.suppress(OSError):
                 os.rmdir(locks)
@@ -567,6 +636,6 @@ class DiskStore:
         finally:
             os.close(fd)
 
-    def clear(self) -> int:
-        """Removes every entry (and fastattn's debris, as prune does); returns how many."""
+    def clear(self) -> Pruned:
+        """Removes every entry (and fastattn's debris, as prune does): see prune()."""
         return self.prune(everything=True)

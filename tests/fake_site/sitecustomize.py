@@ -17,8 +17,9 @@ if "FASTATTN_TEST_FAKE_CORE" in _test_vars and _env.get("FASTATTN_TEST_FAKE_CORE
 
     fake_core.install(runtime)
 
-# FASTATTN_TEST_READONLY_FS=<dir>: writes under <dir> fail as on a read-only mount
-# (EROFS), which a test cannot otherwise make for a process running as root.
+# FASTATTN_TEST_READONLY_FS=<dir>: writes under <dir> (opening for writing, making a
+# folder, removing, renaming) fail as on a read-only mount (EROFS), which a test cannot
+# otherwise make for a process running as root.
 _readonly = _env.get("FASTATTN_TEST_READONLY_FS") if "FASTATTN_TEST_READONLY_FS" in _test_vars else None
 if _readonly:
     import errno
@@ -43,4 +44,17 @@ if _readonly:
             raise OSError(errno.EROFS, os.strerror(errno.EROFS), path)
         return _real_mkdir(path, mode, dir_fd=dir_fd)
 
+    def _refused(real):
+        """`real` (unlink, rmdir, rename...) refused for a path under the root: a
+        read-only mount removes and renames nothing either."""
+        def call(*paths, **kwargs):
+            for path in paths:
+                if _inside(path):
+                    raise OSError(errno.EROFS, os.strerror(errno.EROFS), path)
+            return real(*paths, **kwargs)
+
+        return call
+
     os.open, os.mkdir = _open, _mkdir
+    os.unlink, os.remove, os.rmdir = _refused(os.unlink), _refused(os.remove), _refused(os.rmdir)
+    os.rename, os.replace = _refused(os.rename), _refused(os.replace)

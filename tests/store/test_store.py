@@ -325,8 +325,8 @@ def test_prune_removes_least_recently_used_first(tmp_path):
         os.utime(s.path_for(key), (now - 1000 + i * 100, now))  # atime: keys[0] least recent
     s.get(keys[0])  # a hit makes it the most recent
     size = os.path.getsize(s.path_for(keys[0]))
-    removed = s.prune(max_bytes=3 * size)
-    assert removed == 2
+    pruned = s.prune(max_bytes=3 * size)
+    assert pruned.removed == 2 and pruned.not_removed == 0
     assert sorted(i.key for i in s.entries()) == sorted([keys[0], keys[3], keys[4]])
     assert s.counters["pruned"] == 2
 
@@ -338,8 +338,8 @@ def test_prune_by_age_and_clear(tmp_path):
     s.put(make_entry(key=b))
     old = time.time() - 10 * 86400
     os.utime(s.path_for(a), (old, old))
-    assert s.prune(max_age=86400) == 1 and [i.key for i in s.entries()] == [b]
-    assert s.clear() == 1 and list(s.entries()) == []
+    assert s.prune(max_age=86400).removed == 1 and [i.key for i in s.entries()] == [b]
+    assert s.clear().removed == 1 and list(s.entries()) == []
 
 
 def test_size_limit_prunes_on_write(tmp_path):
