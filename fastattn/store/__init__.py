@@ -19,7 +19,6 @@ published to Redis (mode read-write only).
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterator, Mapping
@@ -96,27 +95,9 @@ def settings_from_env(environ: Mapping[str, str] | None = None) -> CacheSettings
         from .signing import load_secret
 
         secret = load_secret(env)
-    if env.get(_RENAMED_TRUST) and not _env.is_set("FASTATTN_CACHE_TRUSTED", env):
-        _warn_renamed_trust()
     return CacheSettings(_env.get("FASTATTN_CACHE_DIR", env), _env.get("FASTATTN_CACHE_MODE", env),
                          _env.get("FASTATTN_CACHE_EXTRA_DIRS", env), _env.get("FASTATTN_CACHE_SHARED", env),
                          max_bytes or None, remote, secret, _env.get("FASTATTN_CACHE_TRUSTED", env))
-
-
-# The variable FASTATTN_CACHE_TRUSTED replaced when bundles came under the same policy as
-# Redis. It is not read (trust stated for Redis alone is not trust in bundles); a process
-# that sets it is told once, rather than finding its Redis tier off without a word.
-_RENAMED_TRUST = "FASTATTN_REMOTE_TRUSTED"
-_renamed_told = False
-
-
-def _warn_renamed_trust() -> None:
-    global _renamed_told
-    if not _renamed_told:
-        _renamed_told = True
-        logging.getLogger("fastattn").warning(
-            "fastattn: %s is no longer read: FASTATTN_CACHE_TRUSTED=1 states trust in unsigned plans, from the Redis "
-            "tier and from bundles alike (or set FASTATTN_CACHE_HMAC_KEY to sign and check them)", _RENAMED_TRUST)
 
 
 class TieredCache:

@@ -150,23 +150,3 @@ def test_import_into_a_cache_that_keeps_nothing_reports_it_exit_4(env, capsys, m
     new_process(env / "third", monkeypatch, FASTATTN_CACHE_TRUSTED="1")
     code, body = run_json(["cache", "import", "--force", path], capsys)
     assert code == 0 and body["imported"] == 3 and body["not_kept"] == 0
-
-
-def test_the_variable_the_trust_policy_replaced_is_named_once_when_set(monkeypatch, caplog):
-    # FASTATTN_REMOTE_TRUSTED (trust in Redis alone) is not read: a fleet that still sets it
-    # is told, once, what states trust now, instead of finding its Redis tier off unexplained.
-    import logging
-
-    from fastattn import store
-
-    monkeypatch.setattr(store, "_renamed_told", False)
-    with caplog.at_level(logging.WARNING, logger="fastattn"):
-        for _ in range(3):
-            s = store.settings_from_env({"FASTATTN_REMOTE_TRUSTED": "1", "FASTATTN_CACHE_DIR": "/tmp/x"})
-    assert not s.trusted and caplog.text.count("FASTATTN_REMOTE_TRUSTED is no longer read") == 1
-    caplog.clear()
-    monkeypatch.setattr(store, "_renamed_told", False)
-    with caplog.at_level(logging.WARNING, logger="fastattn"):
-        s = store.settings_from_env({"FASTATTN_REMOTE_TRUSTED": "1", "FASTATTN_CACHE_TRUSTED": "1",
-                                     "FASTATTN_CACHE_DIR": "/tmp/x"})
-    assert s.trusted and "no longer read" not in caplog.text
