@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from fastattn import errors
+from fastattn._slots import ARG, SLOTS
 
 from helpers.paths import ROOT
 
@@ -68,9 +69,12 @@ def test_stub_signatures_match_the_built_ones(method):
 
 
 def test_slot_names_are_the_one_slot_table():
-    # fastattn_abi.h's X-macro table is the only list of slots: C, C++ and _core read it.
+    # fastattn/_slots.py declares the slots; tools/gen_slots.py writes fastattn_abi.h's
+    # X-macro table from it, which C, C++ and _core read.
     header = (ROOT / "fastattn" / "include" / "fastattn_abi.h").read_text()
     assert tuple(re.findall(r'^\s*X\(\w+, \w+, "(\w+)", "', header, re.M)) == _core.SLOT_NAMES
+    assert tuple(s.name for s in sorted((s for s in SLOTS if s.index is not None), key=lambda s: s.index)) == (
+        _core.SLOT_NAMES)
     assert len(_core.SLOT_NAMES) == len(set(_core.SLOT_NAMES)) == 45
     for src in ("csrc/fastattn.h", "csrc/attention.cpp", "fastattn/include/fastattn_abi.h"):
         text = (ROOT / src).read_text()
@@ -140,3 +144,49 @@ def test_backward_needs_a_training_plan_before_anything_else():
 def test_an_address_out_of_range_is_an_overflow_error():
     with pytest.raises(OverflowError):
         _bare_plan().forward(1 << 70, 16, 16, 16)
+
+
+# The public signatures, as they were before the slots were generated: users call
+# plan.forward(q, k, v, o, stats=..., workspace=...) by these names, order and defaults.
+SIGNATURES = {
+    "forward": "(self, q, k, v, o, stats=0, workspace=0, stream=0, seq_len_q=0, seq_len_kv=0, *, ragged_q=0, "
+               "ragged_k=0, ragged_v=0, ragged_o=0, ragged_stats=0, bias=0, seed=0, offset=0, sink=0, page_table_k=0, "
+               "page_table_v=0, descale_q=0, descale_k=0, descale_v=0, descale_s=0, scale_s=0, scale_o=0, amax_s=0, "
+               "amax_o=0, cu_seqlens_q=0, cu_seqlens_kv=0)",
+    "backward": "(self, q, k, v, o, d_o, stats, d_q, d_k, d_v, workspace=0, stream=0, seq_len_q=0, seq_len_kv=0, *, "
+                "ragged_q=0, ragged_k=0, ragged_v=0, ragged_o=0, ragged_stats=0, bias=0, d_bias=0, seed=0, offset=0, "
+                "sink=0, d_sink=0, descale_q=0, descale_k=0, descale_v=0, descale_o=0, descale_d_o=0, descale_s=0, "
+                "descale_d_p=0, scale_s=0, scale_d_q=0, scale_d_k=0, scale_d_v=0, scale_d_p=0, amax_d_q=0, "
+                "amax_d_k=0, amax_d_v=0, amax_d_p=0, cu_seqlens_q=0, cu_seqlens_kv=0)",
+}
+
+
+@pytest.mark.parametrize("method", ["forward", "backward"])
+def test_the_public_signatures_are_unchanged(method):
+    assert str(inspect.signature(getattr(_core.Plan, method))) == SIGNATURES[method]
+
+
+@pytest.mark.parametrize("direction,slot", [(d, s) for s in SLOTS if s.index is not None
+                                            for d in ("forward", "backward") if getattr(s, d)],
+                         ids=lambda x: getattr(x, "name", x))
+def test_each_keyword_fills_its_own_slot(direction, slot):
+    # A value that is no address is named by the slot it was written into, with the
+    # core's name of that slot (SLOT_NAMES[slot], from C++): every slot the table gives a
+    # direction is its keyword, and lands in the C++ slot of its name.
+    args = {s.name: 16 for s in SLOTS if getattr(s, direction) == ARG}
+    args[slot.name] = 1.5
+    assert _core.SLOT_NAMES[slot.index] == slot.name
+    with pytest.raises(TypeError, match=rf"^{slot.name}= takes a device address"):
+        getattr(_core._graphless_plan(training=True), direction)(**args)
+
+
+@pytest.mark.parametrize("direction", ["forward", "backward"])
+def test_a_call_with_every_slot_an_address_reaches_the_core(direction):
+    args = {s.name: 16 for s in SLOTS if s.index is not None and getattr(s, direction)}
+    with pytest.raises(errors.InvalidArgumentError, match=f"not a {direction} graph"):
+        getattr(_core._graphless_plan(training=True), direction)(**args)
+
+
+def test_every_slot_is_a_keyword_of_a_direction():
+    taken = set(inspect.signature(_core.Plan.forward).parameters) | set(inspect.signature(_core.Plan.backward).parameters)
+    assert set(_core.SLOT_NAMES) <= taken
