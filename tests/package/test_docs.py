@@ -133,3 +133,12 @@ def test_no_run_labels_in_code():
                 if RUN_LABEL.search(line):
                     found.append(f"{rel}:{n}: {line.strip()}")
     assert found == [], "\n".join(found)
+
+
+@pytest.mark.parametrize("name", ["ARCHITECTURE.md", "MODULES.md", "DECISIONS.md", "API.md", "PYTORCH.md"])
+def test_every_path_the_design_pages_name_exists(name):
+    """Files and folders named in backticks (`csrc/graphs.h`, `fastattn/torch/`) exist: a
+    module renamed or removed fails here until its page follows."""
+    text = (DOCS / name).read_text()
+    named = set(re.findall(r"`((?:fastattn|csrc|tests|tools|benchmarks)/[\w./-]*)`", text))
+    assert named and [p for p in sorted(named) if not (ROOT / p).exists()] == []
