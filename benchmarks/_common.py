@@ -27,7 +27,8 @@ if TYPE_CHECKING:
 
 # Every benchmark imports this module: their output goes out line by line even into a pipe
 # or a file, so that a run cut short (a timeout, the device's time running out) keeps what
-# it printed (s13-5's three benchmarks under `timeout 60` left empty logs).
+# it printed (three benchmarks cut by `timeout 60` once left empty logs: Python buffers a
+# pipe's output).
 if hasattr(sys.stdout, "reconfigure"):  # (a test's captured stdout may not have it)
     sys.stdout.reconfigure(line_buffering=True)
 

@@ -266,7 +266,7 @@ def bench_build(args) -> dict:
     warm = AttentionConfig(batch=1, heads_q=32, seqlen_q=64, head_dim_qk=128, dtype="bf16", mask="causal",
                            layout="bhsd", training=True)
     # refresh=True: a build, never a load from a cache an earlier run on this machine
-    # left (s10-2 timed 1.9 ms "builds" that were loads).
+    # left (a run once timed 1.9 ms "builds" that were loads).
     t0 = time.perf_counter()
     fastattn.probe(warm, refresh=True)
     first = time.perf_counter() - t0

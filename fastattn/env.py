@@ -5,7 +5,7 @@ environment with check_all()).
 VARIABLES declares each variable once: its kind (how its text is read), its default,
 its help. Everything else comes from it: every read in fastattn goes through get(),
 so a variable means the same on every path (the API, the CLI, warm's workers, the
-torch entry points); the README's table is markdown() (tests/runtime/test_env.py checks that
+torch entry points); docs/ENVIRONMENT.md's table is markdown() (tests/runtime/test_env.py checks that
 the two agree; `python -c 'from fastattn import env; print(env.markdown())'` prints it).
 
 One rule per kind, the same for every variable of that kind:
@@ -56,7 +56,7 @@ _SECONDS = re.compile(r"[+-]?([0-9]+(\.[0-9]*)?|\.[0-9]+)([eE][+-]?[0-9]+)?")
 @dataclass(frozen=True)
 class Var:
     """One variable. kind: a key of _PARSERS. default: the value when unset (a
-    function: computed when needed). show_default: how the README writes it (None:
+    function: computed when needed). show_default: how docs/ENVIRONMENT.md writes it (None:
     the default itself). minimum (seconds): the least value; above: the minimum is
     excluded. scope: "runtime" (fastattn reads it), "tests" (its test suite),
     "build" (setup.py, before fastattn can be imported)."""
@@ -215,7 +215,7 @@ _PARSERS: dict[str, Callable[[Var, str], Any]] = {
     "bool": _bool, "choice": _choice, "seconds": _seconds, "size": _size, "path": _path, "paths": _paths,
     "text": _text, "secret": _secret, "url": _url, "classes": _classes,
 }
-# How the README names each kind's values.
+# How docs/ENVIRONMENT.md names each kind's values.
 _KIND_TEXT = {"bool": "boolean", "seconds": f"seconds (at most {MAX_SECONDS:.0f})", "size": "bytes (500M, 4G)",
               "path": "path", "paths": "paths, `:`-separated", "text": "text", "secret": "secret text", "url": "Redis URL",
               "classes": "`auto` / `off` / lengths, `,`-separated"}
@@ -350,7 +350,7 @@ def _show(var: Var) -> str:
 
 
 def markdown() -> str:
-    """The README's table of variables."""
+    """docs/ENVIRONMENT.md's table of variables."""
     lines = ["| variable | value | default | meaning |", "| --- | --- | --- | --- |"]
     for v in _TABLE:
         value = " / ".join(f"`{c}`" for c in v.choices) if v.kind == "choice" else _KIND_TEXT[v.kind]

@@ -476,7 +476,7 @@ def preload(configs: Iterable[ConfigLike] | None = None, *, device: int | None =
     if "fastattn.torch" in sys.modules and any(c.training for c in todo):
         # A user of the autograd path: its first backward will import sympy. Not for raw
         # plan users: measured, the import's GIL contention slowed a raw warm+preload
-        # start several times over (benchmarks/bench_coldstart.py, s6-4:
+        # start several times over (benchmarks/bench_coldstart.py on the H200;
         # docs/history/benchmarks-log.md, "Cold start with autograd (issue 17)").
         warm_torch_backward()
 

@@ -345,7 +345,7 @@ def compare(config: AttentionConfig, kind: str, inputs: dict[str, Any], ours: di
         floor = unit * ref["bound_" + name].float() if "bound_" + name in ref else zero
         if kind == "low_lse" and name == "d_q":
             # Finiteness only: its shared coordinate is ill-conditioned past any tolerance
-            # a float32 reference could justify. On the H200 (s13-3) cuDNN's correct
+            # a float32 reference could justify. Measured on the H200 (cuDNN 9.19), cuDNN's correct
             # plans and PyTorch's efficient kernel alike were 0.4-6.8x the scale beyond
             # the rounding floor there on causal plans; what this kind exists to catch,
             # cuDNN 9.19's NaN (issue 27), is the non-finite count, still judged.

@@ -148,8 +148,9 @@ class _Queue:
 
     # A family's first config costs as much as many later ones (see kernel_family), and
     # processes compiling at once slow each other: sharing families early made warm
-    # slower, not faster (docs/history/benchmarks-log.md, "The fastattn command (issue
-    # 4)": runs s2-6, s2-7).
+    # slower, not faster (measured on the H200 with 64 configs in 4 families: workers' CPU
+    # time grew from 12 s on 1 worker to 57 s on 16 when every worker took any config;
+    # docs/history/benchmarks-log.md, "The fastattn command (issue 4)").
     STEAL_AT = 16
 
     def __init__(self, items: list[WarmItem]):

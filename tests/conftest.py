@@ -156,7 +156,8 @@ def _cuda_state_problem():
 def _kept_lengths_problem():
     """fastattn's kept full-length tensors (each key's last word is the length every element
     holds) that no longer hold it, or None: a stray write into one changes only the calls
-    that read it (s14-1's intermittent paged-capture failure had this as a suspect)."""
+    that read it (an intermittent failure of a paged decode under CUDA-graph capture, seen once
+    on the H200 in a shuffled order, had this as a suspect)."""
     import sys
 
     found = []

@@ -8,7 +8,7 @@
 #       once it has ended: its output, and its logs.tgz copied into $OUT
 # The run's environment (FASTATTN_PREBUILT, BENCH, FASTATTN_TEST_ORDER, ...) is passed on.
 # Give the `wait` call the same carry as `start`: a call removes the carried paths it
-# does not name, under the running suite (s12-4 lost .redis so, and a Redis test failed).
+# does not name, under the running suite (a run lost .redis so, and a Redis test failed).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 BG=/tmp/fastattn-bg

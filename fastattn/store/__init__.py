@@ -8,8 +8,8 @@ store.Tier.
 
 Configuration: the FASTATTN_CACHE_* variables, read when the cache is first used or on
 configure(), and FASTATTN_REMOTE_* for the Redis tier behind the directories
-(store.remote); their kinds, defaults and meanings are fastattn.env's table (the
-README shows it).
+(store.remote); their kinds, defaults and meanings are fastattn.env's table (docs/ENVIRONMENT.md
+shows it).
 
 With a remote tier, lookups go memory, main directory, extra directories, then Redis;
 what Redis has is copied into the main directory, and what this process builds is

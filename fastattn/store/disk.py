@@ -10,7 +10,7 @@ Every path comes from a key that is 64 hex digits (entry.KEY_PATTERN), so no key
 a bundle or a remote store, can name a file outside the root.
 
 Directories are made private (0700), or 2775 when shared, whatever the umask: the
-README promises it, and a cache of native code readable by everyone is a leak.
+docs promise it (FASTATTN_CACHE_SHARED), and a cache of native code readable by everyone is a leak.
 
 What lies in the directory is untrusted, whoever put it there. fastattn's own is only:
 regular files named <key>.entry in the shard folder named after the key's first two

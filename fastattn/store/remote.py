@@ -10,7 +10,7 @@ Fleet single flight: before building a missing plan a process takes a Redis lock
 an expiry (SET NX PX); the others wait up to `wait` seconds for the builder's entry
 to appear, then build anyway. A builder that dies leaves the lock to expire.
 
-Configuration: the FASTATTN_REMOTE_* variables (fastattn.env's table, which the README
+Configuration: the FASTATTN_REMOTE_* variables (fastattn.env's table, which docs/ENVIRONMENT.md
 shows): FASTATTN_REMOTE_CACHE, a redis://, rediss:// or unix:// URL checked up front
 (scheme, host, port, database), turns the tier on.
 

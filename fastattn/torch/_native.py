@@ -16,7 +16,7 @@ serialized by a flock (the kernel drops it when its holder dies, so a crashed bu
 blocks no one) and published by an atomic rename. `fastattn warm` builds it beside the
 plans where torch is installed, so that a deployment pays nothing at its first call.
 Why first use and not setup.py: pip builds in an isolated environment without torch,
-so setup.py cannot see the torch the user has (docs/ARCHITECTURE.md).
+so setup.py cannot see the torch the user has (docs/DECISIONS.md).
 """
 
 from __future__ import annotations

@@ -268,7 +268,7 @@ def _bias_module():
     (1-4 s, most of fastattn.torch's import where it was imported with it), so it is
     read from sys.modules: a CausalBias can only exist once its caller imported it. Under
     dynamo (imported then) it is imported: dynamo cannot trace sys.modules (torch 2.11:
-    "dictionary changed size during iteration", on the H200 in s15-1)."""
+    "dictionary changed size during iteration", seen on the H200 under torch.compile)."""
     if torch.compiler.is_compiling():
         import torch.nn.attention.bias as bias
 

@@ -12,7 +12,7 @@ exactly runs PyTorch's own cuDNN kernels (`aten::_cudnn_attention_forward` /
 `_backward`, which PyTorch's cuDNN SDPA operators run themselves). Every other call,
 and every call while the mode is off, is PyTorch's.
 
-Why the dispatcher and these two operators (docs/ARCHITECTURE.md): torch.compile traces
+Why the dispatcher and these two operators (docs/DECISIONS.md): torch.compile traces
 SDPA down to this operator (its Meta kernel, PyTorch's, gives the shapes) and Inductor
 calls it at run time, so the kernel serves compiled graphs without a graph break, and
 CUDA-graph captures of them; a TorchFunctionMode would be per thread and cost host time

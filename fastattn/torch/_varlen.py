@@ -40,7 +40,7 @@ def bucket(n: int) -> int:
 # cu_seqlens_q still mask the rest: no copy). With one, cuDNN 9.19's ragged backward is
 # wrong whenever there are fewer key heads than query heads: d_q, d_k and d_v hundreds
 # of times off (with softcap 1e22) on the H200, while the same plan declared for two is
-# right (benchmarks/probe_decode.py, s16-1); and it refuses one query against one key
+# right (benchmarks/probe_decode.py shows both); and it refuses one query against one key
 # outright. The C entry (csrc/eager.cpp) declares the same.
 MIN_TRAINING_Q = 2
 

@@ -5,8 +5,8 @@ at run time. Checked against a reference computed on each sequence alone, with i
 lengths. Every padded query row, key and value, and output gradient row holds large
 finite garbage, so a kernel that lets one count changes the results where the test
 looks. (Not NaN: cuDNN reads the padded rows of its last tile and multiplies them by
-zero, so NaN there leaks into o and the gradients; measured on the H200 in run s3-2,
-see docs/BENCHMARKS.md. The padded rows must hold finite values, as documented.)
+zero, so NaN there leaks into o and the gradients; measured on the H200, see
+docs/API.md. The padded rows must hold finite values, as documented.)
 The outputs start as NaN, and cuDNN writes zero to their padded rows.
 
 ALiBi (config.alibi): slope[h] * (j - i) added to the scaled scores.

@@ -19,7 +19,7 @@ from fastattn import cli, runtime, sweep
 from fastattn.cli import _common
 from fastattn.warm import WarmItem, WarmReport
 from helpers.cli import run  # noqa: E402
-from helpers.paths import README
+from helpers.paths import DOCS, README
 
 PROBE = ["probe", "--batch", "1", "--heads-q", "8", "--seqlen-q", "128", "--head-dim-qk", "64"]
 
@@ -294,8 +294,11 @@ def test_exit_codes_are_distinct_and_documented():
     assert len(set(_common.EXIT_CODES)) == len(_common.EXIT_CODES)
     readme = README.read_text()
     table = readme[readme.index("| exit code |"):]
+    cli_page = (DOCS / "CLI.md").read_text()
+    cases = cli_page[cli_page.index("\n## Exit codes\n"):]
     for code in _common.EXIT_CODES:
-        assert f"\n| {code} |" in table
+        assert f"\n| {code} |" in table  # the README's short table
+        assert f"\n- **{code}**: " in cases  # each code's cases, in docs/CLI.md
 
 
 # -- --json on every path, --version ------------------------------------------------------

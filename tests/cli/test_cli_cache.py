@@ -326,7 +326,7 @@ def test_probe_prints_the_recorded_fp8_note(env, capsys, monkeypatch):
     code, text, _ = run(argv, capsys)
     assert code == 0 and "note:" not in text  # nothing recorded: nothing said
     monkeypatch.setattr(perf_notes, "PATH", shipped)
-    code, text, _ = run(argv, capsys)  # the notes the package ships (s5-2, benchmarks/bench_fp8.py on the H200)
+    code, text, _ = run(argv, capsys)  # the notes the package ships (benchmarks/bench_fp8.py on the H200)
     assert code == 0 and "note: FP8 backward ran at 0.67x bf16's speed for this shape on NVIDIA H200" in text
     cfg = fastattn.AttentionConfig(batch=4, heads_q=32, seqlen_q=4096, head_dim_qk=128, mask="causal",
                                    dtype="fp8_e4m3", training=True)

@@ -122,7 +122,7 @@ def test_a_bottom_right_window_applies_per_sequence_with_padding(dtype):
 @pytest.mark.parametrize("mask", ("none", "causal"))
 def test_one_row_bias_shapes_match_float64(shape, mask):
     """Forward against float64; a training plan is refused with the reason (cuDNN 9.19's
-    backward got d_q and d_k wrong for these shapes in s5-2, relative error 0.75-1.0)."""
+    backward got d_q and d_k wrong for these shapes on the H200, relative error 0.75-1.0)."""
     dtype = "fp16"
     cfg = AttentionConfig(batch=2, heads_q=4, heads_kv=2, seqlen_q=130, seqlen_kv=200, head_dim_qk=64, dtype=dtype,
                           mask=mask, bias=shape, training=True)

@@ -255,8 +255,8 @@ def test_one_query_and_one_key_train_as_a_padded_plan(sq, causal, grad, lse):
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("grad,lse", [(True, False), (False, True), (False, False)])
 def test_one_query_against_many_keys_trains_as_a_padded_plan(causal, grad, lse):
-    # A training plan of one query is not bitwise repeatable on cuDNN 9.19 (probe_decode,
-    # s16-1): two rows, the second padding, the keys' own lengths; inference as it is.
+    # A training plan of one query is not bitwise repeatable on cuDNN 9.19
+    # (benchmarks/probe_decode.py): two rows, the second padding, the keys' own lengths; inference as it is.
     q, k, v = dense(sq=1, sk=7, grad=grad, device="cpu")
     with pytest.MonkeyPatch.context() as mp:
         kw = _recorded(mp, "attention", flash.flash_attn_func, q, k, v, causal=causal, return_attn_probs=lse)

@@ -549,7 +549,7 @@ def test_kvcache_cache_batch_idx_and_int_cache_seqlens():
 def test_torch_attention_takes_a_key_padding_bias_with_its_gradient():
     """A (b, 1, 1, s_kv) key-padding bias: forward against float64; with gradients the call
     is refused with the reason (cuDNN 9.19's backward got d_q, d_k wrong for one-row biases
-    in s5-2; see test_alignment_bias_gpu.py)."""
+    on the H200; see test_alignment_bias_gpu.py)."""
     dtype = torch.float16
     q, k, v = (randn(2, 100, 4, 64, dtype=dtype, grad=True) for _ in range(3))
     bias = (torch.randn(2, 1, 1, 100, device=DEV) * 2).to(dtype)

@@ -128,7 +128,7 @@ def test_varlen_dropout_is_unbiased_and_refused_where_cudnn_refuses():
 def test_varlen_one_query_per_sequence_with_fewer_key_heads_trains_right(via, softcap, window):
     # cuDNN 9.19's ragged backward declared for one query with fewer key heads than query
     # heads gave d_q, d_k, d_v hundreds of times off (1e22 with softcap; FlashAttention's
-    # test_flash_attn_varlen_output, s15-1; probe_decode, s16-1): the plan declares two.
+    # test_flash_attn_varlen_output; benchmarks/probe_decode.py): the plan declares two.
     # Through fastattn.torch too (its native C entry and Python body share the rule).
     dtype = torch.bfloat16
     lens_k = (147, 131, 140, 127)
@@ -162,7 +162,7 @@ def test_varlen_one_query_per_sequence_with_fewer_key_heads_trains_right(via, so
 def test_one_query_training_calls_repeat_bitwise(d):
     # FlashAttention's test_flash_attn_race_condition (seqlen_q 1, seqlen_k 239, batch 60):
     # identical calls, identical bits, forward and backward (cuDNN 9.19's one-query
-    # training forward was not: fastattn.flash runs two rows, probe_decode, s16-1).
+    # training forward was not: fastattn.flash runs two rows; benchmarks/probe_decode.py).
     torch.manual_seed(0)
     q = G.randn(60, 1, 4, d, dtype=torch.float16, grad=True)
     k, v = (G.randn(60, 239, 4, d, dtype=torch.float16, grad=True) for _ in range(2))

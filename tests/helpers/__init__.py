@@ -9,5 +9,5 @@ tests/ (pyproject.toml puts tests/ on sys.path: [tool.pytest.ini_options] python
 
 tests/fake_core.py (cuDNN's stand-in) and tests/fake_site/ stay at the top of tests/:
 worker processes find them there through PYTHONPATH (conftest.py's fake_workers), and
-the README's table of FASTATTN_* variables names them there.
+the table of FASTATTN_* variables (docs/ENVIRONMENT.md) names them there.
 """

@@ -46,7 +46,7 @@ def test_the_childrens_stopwatch_marks_each_step_since_the_last():
 def test_the_warm_verify_benchmark_reports_medians_over_its_rounds(tmp_path, monkeypatch, capsys):
     # bench_warm_verify: each round times plain warm, warm --verify, --verify over a plain
     # cache and over a verified one, in fresh cache directories; the medians are the
-    # rounds' medians (s14-2 printed the upper one of two as "median").
+    # rounds' medians (an earlier version printed the upper one of two as "median").
     import types
 
     bench = benchmarks.load("bench_warm_verify")

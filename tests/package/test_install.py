@@ -13,7 +13,9 @@ import pytest
 
 from fastattn import _loader, cli, runtime
 
-from helpers.paths import README
+from helpers.paths import DOCS, README
+
+INSTALL = DOCS / "INSTALL.md"  # the install's details: no command there builds fastattn again either
 WHEEL_LIB = os.path.join("nvidia", "cudnn", "lib", "libcudnn.so.9")
 
 
@@ -77,10 +79,10 @@ def test_info_without_any_cudnn_wheel_says_where_it_would_look(fresh, capsys, mo
 # -- the README's install commands ------------------------------------------------------------
 
 
-def _shell_blocks() -> list[str]:
-    """The README's code blocks without a language (its shell commands), in order."""
+def _shell_blocks(page=README) -> list[str]:
+    """A page's code blocks without a language (its shell commands), in order."""
     blocks, current, lang = [], None, None
-    for line in README.read_text().splitlines():
+    for line in page.read_text().splitlines():
         if line.startswith("```"):
             if current is None:
                 current, lang = [], line[3:].strip()
@@ -108,14 +110,24 @@ def test_the_first_screen_keeps_its_two_commands():
 
 
 def test_no_readme_command_after_the_first_builds_fastattn_again():
-    commands = [line.strip() for block in _shell_blocks() for line in block.splitlines() if "pip install" in line]
+    """The README's first command installs fastattn; none after it, in the README or in
+    docs/INSTALL.md (read after it), builds it again."""
+    commands = [line.strip() for page in (README, INSTALL) for block in _shell_blocks(page)
+                for line in block.splitlines() if "pip install" in line]
     assert commands and _installs_the_source_tree(commands[0])
     again = [c for c in commands[1:] if _installs_the_source_tree(c)]
     assert again == [], again
 
 
+def _section(page, heading: str) -> str:
+    text = page.read_text()
+    start = text.index(f"\n{heading}\n")
+    end = text.find("\n## ", start + 1)
+    return text[start:] if end < 0 else text[start:end]
+
+
 def test_the_torch_step_says_which_cudnn_fastattn_then_runs_on():
-    text = README.read_text()
-    section = text[text.index("## PyTorch"):text.index("## FP8")]
-    assert "pip install torch" in section and "fastattn info" in section and "cudnn_library" in section
-    assert "not build fastattn again" in section
+    for page in (README, INSTALL):
+        section = _section(page, "## PyTorch")
+        assert "pip install torch" in section and "fastattn info" in section and "cudnn_library" in section, page
+        assert "not build fastattn again" in section, page

@@ -1,22 +1,25 @@
-"""The README's examples without a GPU: they compile and their arrays are checked (host
-arrays refused). test_readme_gpu.py runs them as written, where their framework is installed."""
+"""The README's examples and docs/API.md's (CuPy, JAX) without a GPU: they compile and their
+arrays are checked (host arrays refused). test_readme_gpu.py runs them as written, where their
+framework is installed."""
 
 import re
 from types import SimpleNamespace
 
 import pytest
 
-from helpers.paths import README
+from helpers.paths import DOCS, README
+
+API = DOCS / "API.md"  # the raw API's page: the examples for other frameworks
 
 
-def _python_blocks():
-    return re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+def _python_blocks(page=README):
+    return re.findall(r"```python\n(.*?)```", page.read_text(), flags=re.S)
 
 
 def _block(framework: str) -> str:
-    """The example whose first line is the comment `# <framework>`."""
-    found = [b for b in _python_blocks() if b.startswith(f"# {framework}\n")]
-    assert len(found) == 1, f"README has {len(found)} examples headed '# {framework}'"
+    """docs/API.md's example whose first line is the comment `# <framework>`."""
+    found = [b for b in _python_blocks(API) if b.startswith(f"# {framework}\n")]
+    assert len(found) == 1, f"docs/API.md has {len(found)} examples headed '# {framework}'"
     return found[0]
 
 
@@ -26,7 +29,12 @@ def test_readme_has_an_example():
 
 @pytest.mark.parametrize("framework", ["CuPy", "JAX"])
 def test_readme_framework_examples_compile(framework):
-    compile(_block(framework), f"{README}:{framework}", "exec")
+    compile(_block(framework), f"{API}:{framework}", "exec")
+
+
+def test_readme_examples_compile():
+    for i, block in enumerate(_python_blocks()):
+        compile(block, f"{README}:{i}", "exec")
 
 
 def test_cuda_core_reads_arrays_without_a_gpu():

@@ -1,12 +1,12 @@
-"""The README's examples run as written on a GPU, each where its framework is installed
-(test_readme.py compiles them and checks their arrays without a GPU)."""
+"""The README's first example and docs/API.md's run as written on a GPU, each where its
+framework is installed (test_readme.py compiles them and checks their arrays without a GPU)."""
 
 import os
 
 import pytest
 
 from helpers.paths import README
-from test_readme import _block, _python_blocks
+from test_readme import API, _block, _python_blocks
 
 
 def test_readme_example_runs(capsys):
@@ -16,7 +16,7 @@ def test_readme_example_runs(capsys):
 
 def test_readme_cupy_example_runs(capsys):
     pytest.importorskip("cupy", reason="cupy is not installed")
-    exec(compile(_block("CuPy"), f"{README}:CuPy", "exec"), {})
+    exec(compile(_block("CuPy"), f"{API}:CuPy", "exec"), {})
     assert capsys.readouterr().out == "True\n"
 
 
@@ -27,5 +27,5 @@ def test_readme_jax_example_runs(capsys, monkeypatch):
     jax = pytest.importorskip("jax", reason="jax is not installed")
     if not any(d.platform == "gpu" for d in jax.devices()):
         pytest.skip(f"jax sees no GPU (devices: {jax.devices()})")
-    exec(compile(_block("JAX"), f"{README}:JAX", "exec"), {})
+    exec(compile(_block("JAX"), f"{API}:JAX", "exec"), {})
     assert capsys.readouterr().out == "True\n"

@@ -157,7 +157,7 @@ def test_attention_varlen_names_a_bad_max_length(name, value):
                                                  (2, True, False, 2), (3, True, False, 4)])
 def test_a_training_plan_declares_at_least_two_queries(monkeypatch, max_q, grad, lse, want):
     # cuDNN 9.19's ragged backward of one query with fewer key heads than query heads is
-    # wrong (probe_decode, s16-1): a training plan declares two (the C entry likewise).
+    # wrong (benchmarks/probe_decode.py): a training plan declares two (the C entry likewise).
     seen = []
     monkeypatch.setattr(_varlen, "forward_op", lambda *a: seen.append(a[6:]) or (a[0], a[0].new_empty(a[0].shape[:2])))
     q, k, v, cu, _ = packed()

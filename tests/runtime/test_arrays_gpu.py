@@ -61,8 +61,8 @@ def test_device_tensors_and_stream_objects_match_ints(reference):
     assert ws.nbytes >= p.workspace_size
     # The whole device, not only the stream: the stream-ordered allocations must have run,
     # and a device-to-device cudaMemcpy returns before its copy lands, on the legacy
-    # stream, which a cuda.core stream (non-blocking) does not wait for (s16-2, shuffle
-    # order: the forward read q, k, v half copied).
+    # stream, which a cuda.core stream (non-blocking) does not wait for (seen on the H200 in a
+    # shuffled test order: the forward read q, k, v half copied).
     synchronize()
     p.forward(a["q"], a["k"], a["v"], a["o"], stats=a["stats"], workspace=ws, stream=stream)
     p.backward(a["q"], a["k"], a["v"], a["o"], a["d_o"], a["stats"], a["d_q"], a["d_k"], a["d_v"], workspace=ws,

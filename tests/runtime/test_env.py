@@ -1,6 +1,6 @@
 """Issue 26, 2.2: every FASTATTN_* variable is read through one parser (fastattn.env),
 so that a bad value is an InvalidArgumentError naming the variable and the value from
-the API and exit 2 from the CLI, the same on every path; the README's table is the
+the API and exit 2 from the CLI, the same on every path; docs/ENVIRONMENT.md's table is the
 parser's table. The generated values are below the regressions."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import fastattn
 from fastattn import cli, runtime, store
 from fastattn import env as _env
 
-from helpers.paths import ROOT
+from helpers.paths import ENVIRONMENT, ROOT
 
 WARM_FILE = '{"configs": [{"batch": 1, "heads_q": 8, "seqlen_q": 128, "head_dim_qk": 64}]}'
 
@@ -127,22 +127,22 @@ def test_sizes_take_units():
             store.settings_from_env({"FASTATTN_CACHE_MAX_BYTES": bad})
 
 
-# -- one table: the README's, and every read ------------------------------------------------------
+# -- one table: docs/ENVIRONMENT.md's, and every read ------------------------------------------------------
 
 
 REGENERATE = "python -c 'from fastattn import env; print(env.markdown())'"
 
 
-def _readme_table() -> str:
-    text = (ROOT / "README.md").read_text()
+def _page_table() -> str:
+    text = ENVIRONMENT.read_text()
     found = re.search(rf"<!-- generated: {re.escape(REGENERATE)} -->\n(.*?)\n<!-- end of generated table -->", text,
                       re.S)
-    assert found, "README.md lost its generated table of environment variables"
+    assert found, "docs/ENVIRONMENT.md lost its generated table of environment variables"
     return found.group(1)
 
 
-def test_the_readme_table_is_the_parsers_table():
-    assert _readme_table() == _env.markdown(), f"regenerate it: {REGENERATE}"
+def test_the_environment_page_table_is_the_parsers_table():
+    assert _page_table() == _env.markdown(), f"regenerate it: {REGENERATE}"
 
 
 def _quoted_names(path: pathlib.Path) -> set[str]:

@@ -21,7 +21,7 @@ from fastattn.store import bundle, signing
 from fastattn.store.remote import RemoteSettings, RemoteStore
 
 from helpers.cli import run
-from helpers.paths import README
+from helpers.paths import ENVIRONMENT
 from helpers.redis import FakeRedis
 
 BASE = dict(batch=1, heads_q=8, head_dim_qk=64, mask="causal")
@@ -67,7 +67,7 @@ def test_redis_and_bundles_take_the_same(tmp_path, signer, here, trusted):
 def test_one_variable_states_trust_for_both():
     assert signing.TRUST_VARIABLE in env_mod.VARIABLES
     assert [name for name in env_mod.VARIABLES if name.endswith("_TRUSTED")] == [signing.TRUST_VARIABLE]
-    assert env_mod.markdown() in README.read_text()
+    assert env_mod.markdown() in ENVIRONMENT.read_text()
 
 
 # -- through the command ---------------------------------------------------------------------

@@ -81,8 +81,8 @@ def _one_query(s_q: int, training: bool) -> bool:
     cudnn-frontend refuses the backward graph of one query and one key ("s_q = s_kv = 1
     is not supported", its documented check), and with one query against more keys the
     forward that cuDNN 9.19 runs on the H200 is not bitwise repeatable (a few rows an ulp
-    apart between identical calls at batch 60, 4 heads, 239 keys; benchmarks/
-    probe_decode.py, s16-1), where FlashAttention's is (its test_flash_attn_race_condition
+    apart between identical calls at batch 60, 4 heads, 239 keys, as
+    benchmarks/probe_decode.py shows), where FlashAttention's is (its test_flash_attn_race_condition
     asks it). A plan of two queries is repeatable there."""
     return training and s_q == 1
 

@@ -15,8 +15,8 @@
 // call_varlen: attention_varlen()'s 17 arguments, likewise. Its Python body
 // (_check_varlen, the option checks, bucketing, the op's argument parsing and the
 // dispatcher) cost about as much host time a call as the native op itself
-// (benchmarks/profile_varlen.py, s10-4: docs/history/benchmarks-log.md, "attention_varlen
-// per call"). It reads the same arguments, makes every check _check_varlen makes, and
+// (measured by benchmarks/profile_varlen.py; docs/history/benchmarks-log.md,
+// "attention_varlen per call"). It reads the same arguments, makes every check _check_varlen makes, and
 // runs the op's kernels (varlen.cpp: the same plan table, the same C++ autograd) when all
 // of them pass and every value is one that needs no conversion: plain bools, a None or
 // (left, right) window of ints, a None or positive float scale, int max lengths, the

@@ -176,8 +176,8 @@ struct ThreadWorkspaces {
         released.swap(kept);
         // The main thread's thread_locals die inside exit(), after Python has finalized:
         // PyTorch's caching allocator then throws from a free, inside a noexcept
-        // destructor, and the process aborts at exit (s13-4: 2 of 3 pytest processes,
-        // exit 134, "invalid device pointer"; pytorch/pytorch#185148 is the same failure
+        // destructor, and the process aborts at exit (seen on the H200: 2 of 3 pytest
+        // processes of one GPU run, exit 134, "invalid device pointer"; pytorch/pytorch#185148 is the same failure
         // from a global's destructor at exit). The process is ending: its buffers go
         // with it, unfreed.
         if (!Py_IsInitialized()) {
