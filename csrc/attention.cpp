@@ -190,8 +190,7 @@ Status build_graph(const Config &cfg, Direction dir, int device, GraphPtr *out, 
         return error(Code::kInvalidArgument, "a backward graph needs training=True");
     }
     FA_RETURN_IF_ERROR(check_full_lengths(cfg));
-    // Measured on the H200 with cuDNN 9.19 (tests/config/test_alignment_bias_gpu.py, session 5's run
-    // s5-2): with a bias of one row broadcast over the queries (shapes "..1s"), cuDNN builds and
+    // Measured on the H200 with cuDNN 9.19 (tests/config/test_alignment_bias_gpu.py): with a bias of one row broadcast over the queries (shapes "..1s"), cuDNN builds and
     // runs the backward graph and its d_q and d_k are wrong (relative error 0.75-1.0 against
     // float64) while the forward is right. Refused, so that the probe says so instead of a
     // silent wrong gradient. (Broadcasting that row with a stride of 0 is the next thing to try.)

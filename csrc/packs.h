@@ -13,7 +13,7 @@
 //
 // cudnnBackendExecute itself costs the host several times what the whole of fastattn's
 // execute replaying a graph costs (docs/BENCHMARKS.md, "C++ execute against
-// cudnn-frontend's"; first measured in s9-6, docs/history/benchmarks-log.md). So a
+// cudnn-frontend's"). So a
 // key's third run also captures the launch as a CUDA graph (on a stream of the thread's
 // own, cuDNN's handle bound to it for the capture), and its later runs replay that
 // graph on the caller's stream: the kernels, their arguments (the key's pointers, the
