@@ -18,6 +18,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # this tree's parser, not an installed fastattn's
 
+from tools import _generated  # noqa: E402
+
 from fastattn.cli._main import build_parser  # noqa: E402
 
 PAGE = ROOT / "docs" / "CLI.md"
@@ -79,18 +81,7 @@ def page_with(text: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--check", action="store_true", help="exit 1 if docs/CLI.md is stale; write nothing")
-    args = ap.parse_args(argv)
-    text = PAGE.read_text()
-    new = page_with(text)
-    if new == text:
-        return 0
-    if args.check:
-        print(f"{PAGE.relative_to(ROOT)} is stale: run python tools/cli_reference.py")
-        return 1
-    PAGE.write_text(new)
-    return 0
+    return _generated.main(lambda: {PAGE: page_with(PAGE.read_text())}, "tools/cli_reference.py", __doc__, argv)
 
 
 if __name__ == "__main__":

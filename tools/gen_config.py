@@ -14,13 +14,14 @@ itself, from no field (fastattn._core sets full_lengths from fastattn.defects' d
 
 from __future__ import annotations
 
-import argparse
 import re
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # this tree's registry, not an installed fastattn's
+
+from tools import _generated  # noqa: E402
 
 from fastattn.config import FIELDS  # noqa: E402
 
@@ -185,22 +186,7 @@ def outputs() -> dict[Path, str]:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true", help="exit 1 if a generated file is stale; write nothing")
-    args = parser.parse_args(argv)
-    stale = []
-    for path, text in outputs().items():
-        current = path.read_text() if path.exists() else None
-        if current != text:
-            stale.append(path.relative_to(ROOT))
-            if not args.check:
-                path.write_text(text)
-    if args.check and stale:
-        print(f"stale (regenerate: python tools/gen_config.py): {', '.join(map(str, stale))}", file=sys.stderr)
-        return 1
-    for path in stale:
-        print(f"wrote {path}")
-    return 0
+    return _generated.main(outputs, "tools/gen_config.py", __doc__, argv)
 
 
 if __name__ == "__main__":

@@ -22,13 +22,14 @@ per slot, in the parameters' order): no loop or table lookup per call.
 
 from __future__ import annotations
 
-import argparse
 import re
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # this tree's table, not an installed fastattn's
+
+from tools import _generated  # noqa: E402
 
 from fastattn._slots import ARG, KW, OPT, SLOTS  # noqa: E402
 
@@ -180,21 +181,7 @@ def outputs() -> dict[Path, str]:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true", help="exit 1 if a generated region is stale; write nothing")
-    args = parser.parse_args(argv)
-    stale = []
-    for path, text in outputs().items():
-        if path.read_text() != text:
-            stale.append(path.relative_to(ROOT))
-            if not args.check:
-                path.write_text(text)
-    if args.check and stale:
-        print(f"stale (regenerate: python tools/gen_slots.py): {', '.join(map(str, stale))}", file=sys.stderr)
-        return 1
-    for path in stale:
-        print(f"wrote {path}")
-    return 0
+    return _generated.main(outputs, "tools/gen_slots.py", __doc__, argv)
 
 
 if __name__ == "__main__":
