@@ -23,7 +23,7 @@ import re
 import sys
 from typing import Any, Mapping
 
-from . import _fields
+from . import _fields, files
 from .config import FIELDS, AttentionConfig
 from .errors import InvalidArgumentError
 
@@ -31,6 +31,10 @@ __all__ = ["load_configs", "read_entries", "entries_in_text", "expand_entry", "b
            "MAX_CONFIGS"]
 
 MAX_CONFIGS = 100_000  # a sweep that expands past this is almost certainly a typo
+# A config file is read whole, so its size is bounded before it is read: MAX_CONFIGS
+# configs as FASTATTN_RECORD writes them (~400 bytes a line) take ~40 MB; 256 MiB leaves
+# room for indented JSON and comments.
+MAX_FILE_BYTES = 256 << 20
 
 
 def _range(where: str, spec: Mapping[str, Any]) -> list[int]:
@@ -149,8 +153,7 @@ def _parse(path: str) -> tuple[Any, list[int | None] | None]:
     named .jsonl, else whichever of them it parses as (the error says JSON's and TOML's,
     when neither)."""
     try:
-        with open(path, "rb") as f:
-            raw = f.read()
+        raw = files.read_regular(path, MAX_FILE_BYTES)
     except OSError as e:
         raise InvalidArgumentError(f"{path}: {e.strerror}") from None
     except ValueError:  # a NUL in the name: from the API only (argv and the environment cannot hold one)

@@ -151,3 +151,30 @@ def test_a_worker_without_gpu_does_not_stop_a_warm_where_this_process_has_one(fa
     report = warm.warm(configs, workers=2)
     assert len(sent) == len(configs) and report.not_tried == 0
     assert report.counts["failed"] == len(configs)
+
+
+# -- the file itself: read with a bound, never waited on ----------------------------------------
+
+
+def _sparse(path, size):
+    with open(path, "wb") as f:
+        f.truncate(size)
+    return str(path)
+
+
+@pytest.mark.parametrize("kind", ["fifo", "device", "oversize"])
+def test_a_config_file_is_a_bounded_regular_file_whatever_the_caller(tmp_path, kind):
+    # Through the API too (the command checks its paths before it reads them): a FIFO is
+    # never waited on, a device never read, a file past MAX_FILE_BYTES refused unread (a
+    # sparse 8 GiB file: reading it would take 8 GiB of memory).
+    import os
+
+    if kind == "fifo":
+        path = str(tmp_path / "w.json")
+        os.mkfifo(path)
+    elif kind == "device":
+        path = "/dev/zero"
+    else:
+        path = _sparse(tmp_path / "w.json", 8 << 30)
+    with pytest.raises(InvalidArgumentError, match="not read"):
+        sweep.load_configs(path)
