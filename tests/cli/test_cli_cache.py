@@ -14,15 +14,7 @@ import fastattn
 from fastattn import cli, runtime, store
 
 import fake_core
-
-BASE = dict(batch=1, heads_q=8, head_dim_qk=64, mask="causal")
-
-
-def fill(n=3):
-    for s in range(n):
-        fastattn.plan({**BASE, "seqlen_q": 128 * (s + 1)})
-    fastattn.probe({**BASE, "seqlen_q": 128, "head_dim_qk": 1024})
-
+from helpers.cli import BASE, fill
 
 def run(argv, capsys):
     code = cli.main(argv)

@@ -22,18 +22,8 @@ import fastattn
 from fastattn import cli, runtime, store
 from fastattn.store import disk
 
-from helpers.cli import run
+from helpers.cli import BASE, fill, run
 from helpers.paths import TESTS
-
-BASE = dict(batch=1, heads_q=8, head_dim_qk=64, mask="causal")
-
-
-def fill(n=3):
-    """n plans and one refusal: n + 1 entries."""
-    for s in range(n):
-        fastattn.plan({**BASE, "seqlen_q": 128 * (s + 1)})
-    fastattn.probe({**BASE, "seqlen_q": 128, "head_dim_qk": 1024})
-
 
 def run_json(argv, capsys):
     code, out, err = run(argv + ["--json"], capsys)
