@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from fastattn import AttentionConfig, InvalidArgumentError, LibraryError, cli, runtime, sweep, warm
 from fastattn.cli._common import exit_code
@@ -178,3 +180,20 @@ def test_a_config_file_is_a_bounded_regular_file_whatever_the_caller(tmp_path, k
         path = _sparse(tmp_path / "w.json", 8 << 30)
     with pytest.raises(InvalidArgumentError, match="not read"):
         sweep.load_configs(path)
+
+
+@settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(extra=st.integers(-40, 40), text=st.text(max_size=40))
+def test_a_config_file_past_the_bound_is_refused_unread_and_within_it_parsed(tmp_path, monkeypatch, extra, text):
+    # The bound at a small size: a file of exactly the bound is read (and then parsed or
+    # refused for its content, as any file), one byte more is "not read".
+    monkeypatch.setattr(sweep, "MAX_FILE_BYTES", 64)
+    data = (text.encode() + b" " * 200)[: max(0, 64 + extra)]
+    path = tmp_path / "w.toml"
+    path.write_bytes(data)
+    try:
+        sweep.load_configs(str(path))
+    except InvalidArgumentError as e:
+        assert ("not read" in str(e)) == (len(data) > 64), (len(data), str(e))
+    else:
+        assert len(data) <= 64
