@@ -113,22 +113,16 @@ def class_of(n: int, classes: Classes) -> int | None:
 
 
 def class_config(*, batch: int, heads_q: int, heads_kv: int, head_dim_qk: int, head_dim_v: int, dtype: str,
-                 upper_q: int, upper_kv: int, mask: str = "none", alignment: str = "top_left",
-                 window: tuple[int, int] = (-1, -1), scale: float | None = None, training: bool = False,
-                 deterministic: bool = False, alibi: bool = False, dropout: float = 0.0,
-                 softcap: float | None = None):
+                 upper_q: int, upper_kv: int, **fields):
     """The one description of a class plan: the ragged (THD) bshd config declared for the
-    class's lengths. fastattn.torch's class-served calls (_classes.plan_for) and
-    `fastattn warm --seqlens` both make it here, so that warm builds the plans calls ask for."""
+    class's lengths, with the call's other AttentionConfig fields (mask, window, ...).
+    fastattn.torch's class-served calls (_classes.plan_for) and `fastattn warm --seqlens`
+    both make it here, so that warm builds the plans calls ask for."""
     from .config import AttentionConfig
 
-    return AttentionConfig(
-        batch=batch, heads_q=heads_q, heads_kv=heads_kv, seqlen_q=upper_q, seqlen_kv=upper_kv,
-        head_dim_qk=head_dim_qk, head_dim_v=head_dim_v, dtype=dtype, layout="bshd", padding=True, ragged=True,
-        mask=mask, window=window, alignment=alignment, scale=scale, training=training,
-        deterministic=deterministic and training,  # it selects the backward: none without one
-        alibi=alibi, dropout=dropout, softcap=softcap or None,
-    )
+    return AttentionConfig(batch=batch, heads_q=heads_q, heads_kv=heads_kv, seqlen_q=upper_q, seqlen_kv=upper_kv,
+                           head_dim_qk=head_dim_qk, head_dim_v=head_dim_v, dtype=dtype, layout="bshd", padding=True,
+                           ragged=True, **fields)
 
 
 # -- "auto": the measured file ---------------------------------------------------------------

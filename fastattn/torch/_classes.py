@@ -33,8 +33,8 @@ import torch
 from .. import env
 from ..errors import InvalidArgumentError, NotSupportedError
 from .. import shape_classes as sc
-from . import _autograd
-from ._plans import (DTYPES, Cached, alignment_name, capturing, check_qkv_tensors, check_shapes, mask_name, plans,
+from . import _autograd, _options
+from ._plans import (DTYPES, Cached, capturing, check_qkv_tensors, check_shapes, plans,
                      raw_stream, remember, workspace)
 
 # FASTATTN_SHAPE_CLASSES, read when fastattn.torch is imported (as FASTATTN_TORCH_PATH):
@@ -180,14 +180,10 @@ def plan_for(q, k, v, options: ClassOptions) -> Cached:
     hit = plans.get(key)
     if hit is not None:
         return hit
-    d = options.dense
     cfg = sc.class_config(
         batch=q.shape[0], heads_q=q.shape[2], heads_kv=k.shape[2], head_dim_qk=q.shape[3], head_dim_v=v.shape[3],
         dtype=DTYPES[q.dtype], upper_q=options.upper_q, upper_kv=options.upper_kv,
-        mask=mask_name(d.causal, d.bottom_right), alignment=alignment_name(d.bottom_right),
-        window=(d.window_left, d.window_right), scale=None if d.scale <= 0 else d.scale, training=d.training,
-        deterministic=d.deterministic, alibi=d.alibi, dropout=d.dropout, softcap=d.softcap,
-    )
+        **_options.config_fields(options.dense))
     return remember(key, cfg, q, k, v, None)
 
 

@@ -21,8 +21,7 @@ from ..errors import InvalidArgumentError
 from . import _autograd, _classes, _native, _options
 from ._plans import check_shapes
 from ._plans import options as check_options
-from ._plans import (AXES, DTYPES, Cached, alignment_name, bottom_right, check_qkv_tensors, config_shape, mask_name,
-                     out_shape, plans, raw_stream, remember, stats_shape, tensor_key, workspace)
+from ._plans import (AXES, DTYPES, Cached, bottom_right, check_qkv_tensors, config_shape, out_shape, plans, raw_stream, remember, stats_shape, tensor_key, workspace)
 
 
 # attention()'s scalar options (_options.OPS["dense"]): part of the plan key as they are,
@@ -60,16 +59,9 @@ def config_for(q, k, v, o, seq_len_q, seq_len_kv, bias, sink, options: DenseOpti
     _check(q, k, v, layout, seq_len_q, seq_len_kv)
     _check_extras(q, k, layout, bias, sink)
     return AttentionConfig(
-        **config_shape(q, k, v, o, layout), dtype=DTYPES[q.dtype],
-        mask=mask_name(options.causal, options.bottom_right), window=(options.window_left, options.window_right),
-        alignment=alignment_name(options.bottom_right), scale=None if options.scale <= 0 else options.scale,
-        training=options.training,
-        deterministic=options.deterministic and options.training,  # it selects the backward: none without one
-        padding=seq_len_q is not None,
-        alibi=options.alibi,
-        bias="none" if bias is None else _bias_shape(q, bias, layout), bias_grad=options.bias_grad,
-        dropout=options.dropout, sinks=sink is not None, softcap=options.softcap or None,
-    )
+        **config_shape(q, k, v, o, layout), dtype=DTYPES[q.dtype], **_options.config_fields(options),
+        padding=seq_len_q is not None, bias="none" if bias is None else _bias_shape(q, bias, layout),
+        sinks=sink is not None)
 
 
 def forward_impl(q, k, v, seq_len_q, seq_len_kv, bias, sink, rng, options: DenseOptions):

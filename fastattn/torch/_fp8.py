@@ -23,8 +23,9 @@ import torch
 
 from ..config import AttentionConfig
 from ..errors import InvalidArgumentError
-from ._plans import (AXES, Cached, check_shapes, config_shape, mask_name, out_shape, plans, raw_stream, remember,
-                     stats_shape, workspace)
+from ._options import config_fields
+from ._plans import (AXES, Cached, check_shapes, config_shape, out_shape, plans, raw_stream, remember, stats_shape,
+                     workspace)
 from ._plans import options as check_options
 
 FP8 = {torch.float8_e4m3fn: "fp8_e4m3", torch.float8_e5m2: "fp8_e5m2"}
@@ -86,11 +87,8 @@ def plan_for(q, k, v, o, scalars, names, seq_len_q, seq_len_kv, options: Fp8Opti
     check(q, k, v, layout, seq_len_q, seq_len_kv)
     for name, s in zip(names, scalars):
         check_scalar(name, s, q.device)
-    cfg = AttentionConfig(
-        **config_shape(q, k, v, o, layout), dtype=FP8[q.dtype], out_dtype=options.out_dtype,
-        grad_dtype=options.grad_dtype, mask=mask_name(options.causal, options.bottom_right),
-        window=(options.window_left, options.window_right), scale=None if options.scale <= 0 else options.scale,
-        training=options.training, deterministic=options.deterministic, padding=seq_len_q is not None)
+    cfg = AttentionConfig(**config_shape(q, k, v, o, layout), dtype=FP8[q.dtype], **config_fields(options),
+                          padding=seq_len_q is not None)
     return remember(key, cfg, q, k, v, layout)
 
 

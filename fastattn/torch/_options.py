@@ -64,6 +64,45 @@ OPS: dict[str, tuple[Option, ...]] = {
 }
 
 
+def mask_name(causal: bool, bottom_right: bool) -> str:
+    """The config's mask for an op's options: causal, a causal mask; bottom_right, the
+    diagonal (of the mask and the window) at the bottom right."""
+    return ("causal_bottom_right" if bottom_right else "causal") if causal else "none"
+
+
+def alignment_name(bottom_right: bool) -> str:
+    """The config's alignment for an op's bottom_right option."""
+    return "bottom_right" if bottom_right else "top_left"
+
+
+# What an option is in AttentionConfig when it is not the field of the same name: the
+# pairs that make one field, and the "none" values the ops spell as 0.
+_SCALE_AND_CAP = {"scale": lambda v: None if v <= 0 else v, "softcap": lambda v: v or None}
+
+
+def config_fields(options: tuple) -> dict:
+    """The AttentionConfig fields an op's options (any NamedTuple of named_tuple's, or
+    one with the same field names) give: the one place where an option becomes a
+    config field. The layout is the tensors' strides (_plans.config_shape); max_q and
+    max_kv are a packed plan's sequence lengths."""
+    o = options._asdict()
+    out = {}
+    if "causal" in o:
+        bottom = o.pop("bottom_right")
+        out["mask"], out["alignment"] = mask_name(o.pop("causal"), bottom), alignment_name(bottom)
+    if "window_left" in o:
+        out["window"] = (o.pop("window_left"), o.pop("window_right"))
+    if "max_q" in o:
+        out["seqlen_q"], out["seqlen_kv"] = o.pop("max_q"), o.pop("max_kv")
+    if "deterministic" in o:  # it selects the backward: none without one
+        out["deterministic"] = o.pop("deterministic") and o.get("training", False)
+    o.pop("layout", None)
+    for name, value in o.items():
+        convert = _SCALE_AND_CAP.get(name)
+        out[name] = value if convert is None else convert(value)
+    return out
+
+
 def softcap(value) -> float:
     """An entry point's softcap argument as its option: 0.0 (none) or a positive finite
     float32 value (FlashAttention's convention: 0.0 is none). Raises InvalidArgumentError

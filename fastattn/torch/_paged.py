@@ -13,8 +13,7 @@ from ..config import AttentionConfig
 from ..errors import InvalidArgumentError
 from . import _native, _options
 from ._autograd import functorch_active, plain_eager
-from ._plans import (DTYPES, Cached, alignment_name, bottom_right, capturing, check_qkv_tensors, logical, mask_name,
-                     out_shape, plans, raw_stream, remember, tensor_key, workspace)
+from ._plans import (DTYPES, Cached, bottom_right, capturing, check_qkv_tensors, logical, out_shape, plans, raw_stream, remember, tensor_key, workspace)
 from ._plans import options as check_options
 
 
@@ -48,10 +47,7 @@ def config_for(q, k_cache, v_cache, table, seq_lens_q, cache_seqlens, options: P
     return AttentionConfig(
         batch=b, heads_q=hq, heads_kv=hkv, seqlen_q=sq, seqlen_kv=table.shape[1] * page_size, head_dim_qk=dqk,
         head_dim_v=dv, dtype=DTYPES[q.dtype], layout={"q": q_st, "k": k_st, "v": v_st, "o": o_st},
-        mask=mask_name(options.causal, options.bottom_right), window=(options.window_left, options.window_right),
-        alignment=alignment_name(options.bottom_right), scale=None if options.scale <= 0 else options.scale,
-        padding=True, page_size=page_size, num_pages=pages, softcap=options.softcap or None,
-    )
+        padding=True, page_size=page_size, num_pages=pages, **_options.config_fields(options))
 
 
 # A batch's query lengths when the caller gives none (all seqlen_q): cuDNN's padding mask

@@ -168,17 +168,6 @@ def stats_shape(q: torch.Tensor, layout: str) -> list[int]:
     return [q.shape[axes[0]], q.shape[axes[1]], q.shape[axes[2]], 1]
 
 
-def mask_name(causal: bool, bottom_right: bool) -> str:
-    """The config's mask for an entry point's options: causal, a causal mask; bottom_right,
-    the diagonal (of the mask and the window) at the bottom right."""
-    return ("causal_bottom_right" if bottom_right else "causal") if causal else "none"
-
-
-def alignment_name(bottom_right: bool) -> str:
-    """The config's alignment for an entry point's bottom_right option."""
-    return "bottom_right" if bottom_right else "top_left"
-
-
 def bottom_right(alignment, causal_bottom_right=False) -> bool:
     """Whether a call's diagonal sits at the bottom right: alignment="bottom_right", or
     causal_bottom_right=True (a causal mask there). The common call ("top_left", False)

@@ -18,7 +18,7 @@ from ..config import AttentionConfig
 from ..errors import InvalidArgumentError
 from . import _autograd, _classes, _native, _options
 from .. import _fields
-from ._plans import (DTYPES, Cached, alignment_name, bottom_right, check_qkv_tensors, mask_name, plans, raw_stream,
+from ._plans import (DTYPES, Cached, bottom_right, check_qkv_tensors, plans, raw_stream,
                      remember, workspace)
 from ._plans import options as check_options
 
@@ -58,15 +58,8 @@ def config_for(q, k, v, batch: int, options: VarlenOptions) -> AttentionConfig:
     """The call's AttentionConfig: a miss's (plan_for) and a trace's (the forward op's
     fake kernel), so that a traced call refuses what an eager one does."""
     (_, hq, dqk), (_, hkv, _), (_, _, dv) = q.shape, k.shape, v.shape
-    return AttentionConfig(
-        batch=batch, heads_q=hq, heads_kv=hkv, seqlen_q=options.max_q, seqlen_kv=options.max_kv, head_dim_qk=dqk,
-        head_dim_v=dv, dtype=DTYPES[q.dtype], layout="bshd", padding=True, ragged=True,
-        mask=mask_name(options.causal, options.bottom_right), window=(options.window_left, options.window_right),
-        alignment=alignment_name(options.bottom_right), scale=None if options.scale <= 0 else options.scale,
-        training=options.training,
-        deterministic=options.deterministic and options.training,  # it selects the backward: none without one
-        alibi=options.alibi, dropout=options.dropout, softcap=options.softcap or None,
-    )
+    return AttentionConfig(batch=batch, heads_q=hq, heads_kv=hkv, head_dim_qk=dqk, head_dim_v=dv, dtype=DTYPES[q.dtype],
+                           layout="bshd", padding=True, ragged=True, **_options.config_fields(options))
 
 
 def _run_args(cu_q, cu_kv, rng) -> dict[str, int]:
