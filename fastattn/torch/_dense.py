@@ -215,6 +215,8 @@ def _grads_op(d_o, o, stats, tensors, options: DenseOptions):
 
 
 RULE = _autograd.Rule(forward_impl, _grads, _grads_op, DenseOptions)
+_native.PLAN_FOR["dense"] = lambda q, k, v, o, seq_len_q, seq_len_kv, bias, sink, options: plan_for(
+    q, k, v, o, seq_len_q, seq_len_kv, bias, sink, DenseOptions(*options))  # the op library's misses
 N_TENSORS = 8  # q, k, v, seq_len_q, seq_len_kv, bias, sink, rng
 _autograd.register(forward_op, RULE, N_TENSORS)
 

@@ -35,6 +35,7 @@ import warnings
 from pathlib import Path
 
 from .. import _opslib, env as _env
+from . import _options
 from .._opslib import INCLUDE, SOURCES, UNITS, build_root  # noqa: F401 - build_root, SOURCES: what tests and tools ask
 from ..errors import InvalidArgumentError
 
@@ -200,8 +201,6 @@ def write_unit(folder: Path, index: int, names: tuple[str, ...]) -> Path:
 def write_generated(folder: Path) -> Path:
     """The op library's generated headers (fastattn_options.h, from _options.py) in
     `folder`, which is returned."""
-    from . import _options
-
     folder.mkdir(parents=True, exist_ok=True, mode=0o700)
     (folder / "fastattn_options.h").write_text(_options.cpp_header())
     return folder
@@ -215,28 +214,24 @@ def _import(path: Path):
     return module
 
 
+# The op library's kinds of call (its Kind: _options.OPS's order) -> the entry point's own
+# plan_for, taking the miss handler's arguments: "dense" (attention: q, k, v, o or None,
+# seq_len_q, seq_len_kv, bias, sink, options), "varlen" (attention_varlen: q, k, v,
+# batch, options), "paged" (attention_paged: q, k_cache, v_cache, block_table, seq_lens_q,
+# cache_seqlens, options), options as a plain tuple. Each entry point's module registers
+# its own when imported, so that this module imports none of them.
+KINDS = tuple(_options.OPS)
+PLAN_FOR: dict = {}
+
+
 def _miss(kind, direction, *args):
     """The C++ table's miss handler (under the GIL): validates the call as the Python
     path does and gets the plan from the runtime through the entry point's own
-    plan_for; returns (plan, forward graph, backward graph, forward workspace bytes,
-    backward workspace bytes). kind 0: attention (q, k, v, o or None, seq_len_q,
-    seq_len_kv, bias, sink, options), 1: attention_varlen (q, k, v, batch, options),
-    2: attention_paged (q, k_cache, v_cache, block_table, seq_lens_q, cache_seqlens,
-    options)."""
+    plan_for (PLAN_FOR); returns (plan, forward graph, backward graph, forward
+    workspace bytes, backward workspace bytes)."""
     from .. import _core
-    from . import _dense, _varlen
 
-    if kind == 0:
-        q, k, v, o, seq_len_q, seq_len_kv, bias, sink, options = args
-        c = _dense.plan_for(q, k, v, o, seq_len_q, seq_len_kv, bias, sink, _dense.DenseOptions(*options))
-    elif kind == 1:
-        q, k, v, batch, options = args
-        c = _varlen.plan_for(q, k, v, batch, _varlen.VarlenOptions(*options))
-    else:
-        from . import _paged
-
-        q, k_cache, v_cache, table, seq_lens_q, cache_seqlens, options = args
-        c = _paged.plan_for(q, k_cache, v_cache, table, seq_lens_q, cache_seqlens, _paged.PagedOptions(*options))
+    c = PLAN_FOR[KINDS[kind]](*args)
     forward, backward = _core.abi_graphs(c.plan)
     return c.plan, forward, backward, c.forward_workspace, c.backward_workspace
 

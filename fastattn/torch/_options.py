@@ -155,7 +155,9 @@ def cpp_header() -> str:
     (ops.h) where they are expanded."""
     out = ["// Generated from fastattn/torch/_options.py by fastattn.torch._native at build time: do not edit.",
            "#pragma once", "", "#include <c10/util/string_view.h>", "", "#include <cstdint>", "",
-           "namespace fastattn::ops {", ""]
+           "namespace fastattn::ops {", "",
+           "// The kinds of call (OPS's order): the miss handler's first argument, a table key's first word.",
+           "enum Kind : int64_t { " + ", ".join(f"k{op.capitalize()} = {i}" for i, op in enumerate(OPS)) + " };", ""]
     for op, options in OPS.items():
         up, camel = op.upper(), op.capitalize()
         names = [o.name for o in options]

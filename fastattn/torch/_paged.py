@@ -92,6 +92,8 @@ def _forward(q, k_cache, v_cache, block_table, cache_seqlens, seq_lens_q, *optio
 
 
 forward_op = torch.library.custom_op("fastattn::paged_forward", _forward, mutates_args=(), schema=FORWARD_SCHEMA)
+_native.PLAN_FOR["paged"] = lambda q, k_cache, v_cache, table, seq_lens_q, cache_seqlens, options: plan_for(
+    q, k_cache, v_cache, table, seq_lens_q, cache_seqlens, PagedOptions(*options))  # the op library's misses
 
 
 @forward_op.register_fake

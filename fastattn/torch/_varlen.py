@@ -144,6 +144,8 @@ def _grads_op(d_o, o, stats, tensors, options: VarlenOptions):
 
 
 RULE = _autograd.Rule(forward_impl, _grads, _grads_op, VarlenOptions)
+_native.PLAN_FOR["varlen"] = lambda q, k, v, batch, options: plan_for(
+    q, k, v, batch, VarlenOptions(*options))  # the op library's misses
 N_TENSORS = 6  # q, k, v, cu_q, cu_kv, rng
 _autograd.register(forward_op, RULE, N_TENSORS)
 

@@ -298,11 +298,7 @@ def test_integrations_import_neither_the_store_nor_core():
 
 
 # Import cycles not fixed yet: each is a set of modules that may import each other.
-ALLOWED_CYCLES = [
-    # _dense, _varlen and _paged import _native for their ops; _native's miss handler
-    # imports them back for plan_for. Reshape in progress (fastattn/torch, issue 25 item 1).
-    {"fastattn.torch._dense", "fastattn.torch._native", "fastattn.torch._paged", "fastattn.torch._varlen"},
-]
+ALLOWED_CYCLES: list[set[str]] = []
 
 
 def _import_graph() -> dict[str, set[str]]:

@@ -98,7 +98,6 @@ inline OptTensor saved(const Tensor &t) { return t.defined() ? OptTensor(t) : st
 
 // ---- the plan table (table.cpp) ----------------------------------------------------------------
 
-enum Kind : int64_t { kDense = 0, kVarlen = 1, kPaged = 2 };  // the miss handler's first argument; a key's first word
 
 struct KeyHash {  // a table key's hash: FNV-1a over its words
     size_t operator()(const std::vector<int64_t> &k) const noexcept {
