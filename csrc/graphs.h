@@ -51,26 +51,39 @@ inline void set_output(const TensorPtr &t, Slot slot, std::vector<int64_t> dims,
     t->set_output(true).set_name(kSlots[slot].name).set_uid(uid(slot)).set_dim(dims).set_stride(stride);
 }
 
-// Masks and windows, shared by both directions. The frontend's left bound counts
-// the diagonal (it keeps keys j > i - left_bound), FlashAttention's does not. The
-// alignment is set only where a bound uses it, and top left (the frontend's default)
-// only where it was set before the alignment field existed, so that the graphs of
-// existing configs stay what they were.
+// The keys a query sees, as the causal mask and the window bound them (the config's
+// rule, AttentionConfig's docstring), in the frontend's convention: its left bound
+// counts the diagonal (it keeps keys j > i - left), the config's does not. The one
+// reading of that rule, for the attributes (apply_mask) and the softcap modifier.
+struct Band {
+    fe::DiagonalAlignment_t alignment;
+    std::optional<int64_t> left, right;  // unset: unbounded on that side
+};
+
+inline Band band(const Config &c) {
+    const bool bottom_right = c.bottom_right || c.mask == Mask::kCausalBottomRight;
+    Band b{bottom_right ? fe::DiagonalAlignment_t::BOTTOM_RIGHT : fe::DiagonalAlignment_t::TOP_LEFT, {}, {}};
+    if (c.mask != Mask::kNone) {
+        b.right = 0;
+    } else if (c.window_right >= 0) {
+        b.right = c.window_right;
+    }
+    if (c.window_left >= 0) b.left = c.window_left + 1;
+    return b;
+}
+
+// The band as the attributes' mask, shared by both directions. The alignment is set only
+// where a bound uses it, and top left (the frontend's default) only where it was set
+// before the alignment field existed, so that the graphs of existing configs stay what
+// they were.
 template <class Attributes>
 void apply_mask(const Config &c, Attributes &a) {
-    using Align = fe::DiagonalAlignment_t;
-    const bool bottom_right = c.bottom_right || c.mask == Mask::kCausalBottomRight;
-    const Align align       = bottom_right ? Align::BOTTOM_RIGHT : Align::TOP_LEFT;
-    if (c.mask != Mask::kNone) {
-        a.set_diagonal_alignment(align);
-        a.set_diagonal_band_right_bound(0);
-    } else if (c.window_right >= 0) {
-        a.set_diagonal_alignment(align);
-        a.set_diagonal_band_right_bound(static_cast<int>(c.window_right));
-    } else if (bottom_right && c.window_left >= 0) {
-        a.set_diagonal_alignment(align);  // a left bound alone, from the bottom-right diagonal
+    const Band b = band(c);
+    if (b.right || (b.left && b.alignment == fe::DiagonalAlignment_t::BOTTOM_RIGHT)) {
+        a.set_diagonal_alignment(b.alignment);
     }
-    if (c.window_left >= 0) a.set_diagonal_band_left_bound(static_cast<int>(c.window_left + 1));
+    if (b.right) a.set_diagonal_band_right_bound(static_cast<int>(*b.right));
+    if (b.left) a.set_diagonal_band_left_bound(static_cast<int>(*b.left));
 }
 
 // What both directions' graphs share: the io types, q, k, v, the shapes and the
@@ -181,6 +194,7 @@ void apply_softcap(const Config &c, const Common &m, Attributes &a) {
     auto tanh  = std::make_shared<TensorPtr>();  // shared by the two modifiers of one graph
     const float cap = c.softcap;
     const Config cfg = c;
+    const Band b = band(c);
     const TensorPtr seq_len_q = m.seq_len_q, seq_len_kv = m.seq_len_kv;
     a.set_score_mod([=](std::shared_ptr<fe::graph::Graph> g, TensorPtr score) {
         auto scalar = [&](float x) { return std::make_shared<fe::graph::Tensor_attributes>(x); };
@@ -190,16 +204,10 @@ void apply_softcap(const Config &c, const Common &m, Attributes &a) {
         if (cfg.padding || cfg.full_lengths) {
             out = fe::graph::attn::score_modifiers::padding_mask(g, out, seq_len_kv, seq_len_q);
         }
-        // apply_mask's bounds, in the frontend's convention (its left bound counts the diagonal).
-        const bool bottom_right = cfg.bottom_right || cfg.mask == Mask::kCausalBottomRight;
-        std::optional<int64_t> left, right;
-        if (cfg.mask != Mask::kNone) right = 0;
-        else if (cfg.window_right >= 0) right = cfg.window_right;
-        if (cfg.window_left >= 0) left = cfg.window_left + 1;
-        if (left || right) {
+        if (b.left || b.right) {
             out = fe::graph::attn::score_modifiers::sliding_window_mask(
-                g, out, bottom_right ? fe::DiagonalAlignment_t::BOTTOM_RIGHT : fe::DiagonalAlignment_t::TOP_LEFT,
-                left, right, cfg.seqlen_q, cfg.seqlen_kv, seq_len_q, seq_len_kv, nullptr, nullptr);
+                g, out, b.alignment, b.left, b.right, cfg.seqlen_q, cfg.seqlen_kv, seq_len_q, seq_len_kv, nullptr,
+                nullptr);
         }
         return out;
     });

@@ -26,8 +26,10 @@ UNITS = (("ops.cpp", "eager.cpp"), ("dense.cpp", "varlen.cpp", "table.cpp", "sdp
 SOURCES = tuple(_CSRC / name for unit in UNITS for name in unit)
 INCLUDE = Path(__file__).resolve().parent / "include"
 # The sources' included files: every header beside them, so that a new one is part of the
-# tag unasked, and the options' declaration the generated header comes from (_options.py).
-HEADERS = (INCLUDE / "fastattn_abi.h", *sorted(_CSRC.glob("*.h")), _TORCH_DIR / "_options.py")
+# tag unasked, and the declarations the generated headers come from (_options.py, and
+# config.py's layouts and alignments).
+HEADERS = (INCLUDE / "fastattn_abi.h", *sorted(_CSRC.glob("*.h")), _TORCH_DIR / "_options.py",
+           _TORCH_DIR.parent / "config.py")
 
 
 def tag(torch_version: str, cxx11_abi: int) -> str:

@@ -68,7 +68,7 @@ FP8_BACKWARD_SCALARS = ("descale_q", "descale_k", "descale_v", "descale_o", "des
 FP8_SCALARS = tuple(dict.fromkeys(FP8_FORWARD_SCALARS + FP8_BACKWARD_SCALARS))
 _ITEMSIZE = {"fp16": 2, "bf16": 2, "fp8_e4m3": 1, "fp8_e5m2": 1, "float32": 4, "int32": 4, "int64": 8}
 MASKS = ("none", "causal", "causal_bottom_right")
-LAYOUTS = ("bshd", "sbhd", "bhsd")
+LAYOUTS = ("bshd", "sbhd", "bhsd")  # each its memory order, outermost first: batch, seq, head, dim
 TENSORS = ("q", "k", "v", "o")
 ALIGNMENTS = ("top_left", "bottom_right")
 # (1 or batch, 1 or heads_q, 1 or seqlen_q, seqlen_kv), a letter each: "b", "h", "s" for
@@ -114,16 +114,21 @@ def _check_name(tensor: Any) -> str:
     return tensor
 
 
+def axes(layout: str) -> tuple[int, int, int, int]:
+    """Where (batch, head, seq, dim) sit in the shape of a tensor in a named layout (each
+    name spells its dimensions outermost first)."""
+    return tuple(layout.index(d) for d in "bhsd")
+
+
 def named_strides(layout: str, batch: int, heads: int, seqlen: int, head_dim: int) -> tuple[int, int, int, int]:
     """Element strides, in (batch, head, seq, dim) order, of a densely packed tensor
     whose memory order is the named layout."""
-    if layout == "bshd":
-        return (seqlen * heads * head_dim, head_dim, heads * head_dim, 1)
-    if layout == "sbhd":
-        return (heads * head_dim, head_dim, batch * heads * head_dim, 1)
-    if layout == "bhsd":
-        return (heads * seqlen * head_dim, seqlen * head_dim, head_dim, 1)
-    raise _bad("layout", layout, f"must be one of {LAYOUTS} or explicit strides")
+    if layout not in LAYOUTS:
+        raise _bad("layout", layout, f"must be one of {LAYOUTS} or explicit strides")
+    size, stride, step = {"b": batch, "h": heads, "s": seqlen, "d": head_dim}, {}, 1
+    for d in reversed(layout):  # innermost first
+        stride[d], step = step, step * size[d]
+    return tuple(stride[d] for d in "bhsd")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

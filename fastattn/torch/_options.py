@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 from typing import NamedTuple
 
-LAYOUTS = ("bshd", "sbhd", "bhsd")  # a layout's number is its index (the C++ key word)
+from ..config import ALIGNMENTS, LAYOUTS, axes
 
 
 class Option(NamedTuple):
@@ -103,6 +103,100 @@ def config_fields(options: tuple) -> dict:
     return out
 
 
+# -- the entry points' own arguments, as their C entries read them ------------------------------
+
+class Arg(NamedTuple):
+    """One parameter of an entry point, in its order, and how the op library's C entry
+    (eager.cpp) reads it. An argument whose name is one of the op's options becomes that
+    option; "window" fills window_left and window_right; causal, causal_bottom_right and
+    alignment together give the options causal and bottom_right (fa_diagonal, the rule of
+    _plans.options and _plans.bottom_right); tensors become the call's fields."""
+
+    name: str
+    read: str  # eager.cpp's reader: fa_read_<read>; "name" reads one of `choices`
+    choices: tuple[str, ...] = ()
+    option: str = ""  # the option it becomes, where its name differs
+
+
+_T, _BOOL, _OPT = "tensor", "bool", "optional"
+_DIAGONAL = ("causal", "causal_bottom_right", "alignment")
+_SCALARS = (Arg("window", "window"), Arg("scale", "positive_or_none"))
+
+# attention()'s and attention_varlen()'s parameters in their order (shape_classes, which
+# the Python body reads before its C entry, aside), which each passes to its C entry as
+# they are; a test holds the signatures to these. The readers take only values that
+# need no conversion (plain bools, ints, floats and names, no dropout, no return_lse):
+# anything else goes back to the Python body, which converts, checks and reports.
+CALLS: dict[str, tuple[str, tuple[Arg, ...]]] = {
+    "attention": ("dense", (
+        Arg("q", _T), Arg("k", _T), Arg("v", _T), Arg("causal", _BOOL), Arg("causal_bottom_right", _BOOL),
+        *_SCALARS, Arg("layout", "name", LAYOUTS), Arg("deterministic", _BOOL), Arg("seq_lens_q", _OPT),
+        Arg("seq_lens_kv", _OPT), Arg("alibi", _BOOL), Arg("bias", _OPT), Arg("dropout_p", "zero"),
+        Arg("sinks", _OPT), Arg("alignment", "name", ALIGNMENTS), Arg("return_lse", "false"),
+        Arg("softcap", "positive_or_zero"),
+    )),
+    "attention_varlen": ("varlen", (
+        Arg("q", _T), Arg("k", _T), Arg("v", _T), Arg("cu_seqlens_q", _T), Arg("cu_seqlens_kv", _T),
+        Arg("max_seqlen_q", "max_length", option="max_q"), Arg("max_seqlen_kv", "max_length", option="max_kv"),
+        Arg("causal", _BOOL), Arg("causal_bottom_right", _BOOL), *_SCALARS, Arg("deterministic", _BOOL),
+        Arg("alignment", "name", ALIGNMENTS), Arg("alibi", _BOOL), Arg("dropout_p", "zero"),
+        Arg("return_lse", "false"), Arg("softcap", "positive_or_zero"),
+    )),
+}
+
+
+def _camel(name: str) -> str:
+    return "".join(part.capitalize() for part in name.split("_"))
+
+
+def _names(values: tuple[str, ...]) -> str:
+    return "{" + ", ".join(json.dumps(v) for v in values) + "}"
+
+
+def calls_header() -> str:
+    """fastattn_calls.h, for eager.cpp alone (it needs Python.h, and the fa_read_*
+    readers and fa_diagonal that eager.cpp defines before including it): for each entry
+    of CALLS, the struct <Entry>Call (its tensors, its op's options), k<Entry>Args and
+    read_<entry>(args, call), true when every argument is one the C entry takes."""
+    out = ["// Generated from fastattn/torch/_options.py (CALLS) by fastattn.torch._native at build time: do not edit.",
+           "#pragma once", "", "namespace fastattn::ops {", ""]
+    choices = {a.name: a.choices for _, args in CALLS.values() for a in args if a.read == "name"}
+    out.extend(f"inline constexpr c10::string_view kNames{_camel(n)}[] = {_names(c)};" for n, c in choices.items())
+    for entry, (op, args) in CALLS.items():
+        camel, fields = _camel(entry), {o.name for o in OPS[op]}
+        reads = []
+        for i, a in enumerate(args):
+            if a.read in (_T, _OPT):
+                into = [f"c.{a.name}"]
+            elif a.name in _DIAGONAL:
+                into = [a.name]
+            elif a.read == "window":
+                into = ["c.options.window_left", "c.options.window_right"]
+            elif a.read in ("zero", "false"):
+                into = []
+            else:
+                assert (a.option or a.name) in fields, f"{entry}'s {a.name} is no option of {op}"
+                into = [f"c.options.{a.option or a.name}"]
+            if a.read == "name":
+                into.insert(0, f"kNames{_camel(a.name)}")
+            reads.append(f"fa_read_{a.read}({', '.join([f'args[{i}]', *into])})")
+        reads.append("fa_diagonal(causal, causal_bottom_right, alignment, c.options.causal, c.options.bottom_right)")
+        out += ["", f"// {entry}({', '.join(a.name for a in args)})",
+                f"struct {camel}Call {{",
+                *(f"    PyObject *{a.name} = nullptr;" for a in args if a.read == _T),
+                *(f"    OptTensor {a.name};" for a in args if a.read == _OPT),
+                f"    {op.capitalize()}Options options{{}};",
+                "};",
+                f"inline constexpr Py_ssize_t k{camel}Args = {len(args)};",
+                f"inline bool read_{entry}(PyObject *const *args, {camel}Call &c) {{",
+                "    bool causal = false, causal_bottom_right = false;",
+                "    c10::string_view alignment;",
+                "    return " + " &&\n           ".join(reads) + ";",
+                "}"]
+    out += ["", "}  // namespace fastattn::ops"]
+    return "\n".join(out) + "\n"
+
+
 def softcap(value) -> float:
     """An entry point's softcap argument as its option: 0.0 (none) or a positive finite
     float32 value (FlashAttention's convention: 0.0 is none). Raises InvalidArgumentError
@@ -154,8 +248,14 @@ def cpp_header() -> str:
     <Op>Options, in namespace fastattn::ops. The macros expect fa_choice and fa_bits
     (ops.h) where they are expanded."""
     out = ["// Generated from fastattn/torch/_options.py by fastattn.torch._native at build time: do not edit.",
-           "#pragma once", "", "#include <c10/util/string_view.h>", "", "#include <cstdint>", "",
+           "#pragma once", "", "#include <c10/util/string_view.h>", "", "#include <array>", "#include <cstdint>", "",
            "namespace fastattn::ops {", "",
+           "// The layouts (fastattn/config.py's LAYOUTS; a layout's number is its index) and where",
+           "// (batch, head, seq, dim) sit in a tensor's shape in each (config.axes).",
+           f"inline constexpr c10::string_view kLayouts[] = {_names(LAYOUTS)};",
+           "inline constexpr std::array<int, 4> kAxes[] = {"
+           + ", ".join("{" + ", ".join(map(str, axes(layout))) + "}" for layout in LAYOUTS) + "};",
+           f"inline constexpr const char *kLayoutChoices = {json.dumps(str(LAYOUTS))};", "",
            "// The kinds of call (OPS's order): the miss handler's first argument, a table key's first word.",
            "enum Kind : int64_t { " + ", ".join(f"k{op.capitalize()} = {i}" for i, op in enumerate(OPS)) + " };", ""]
     for op, options in OPS.items():

@@ -15,11 +15,11 @@ import threading
 import torch
 
 from .. import _fields
-from ..config import AttentionConfig
+from ..config import LAYOUTS, AttentionConfig, axes
 from ..errors import InvalidArgumentError
 
 # The dimension order of the tensors' shapes: layout name -> position of (batch, head, seq, dim).
-AXES = {"bshd": (0, 2, 1, 3), "sbhd": (1, 2, 0, 3), "bhsd": (0, 1, 2, 3)}
+AXES = {layout: axes(layout) for layout in LAYOUTS}
 DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 # key -> Cached. Read without the lock (a dict lookup is atomic under the GIL); written

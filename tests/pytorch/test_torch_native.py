@@ -288,11 +288,32 @@ def test_call_takes_only_values_the_python_body_takes_with_the_same_meaning(lib,
     got = lib.read_call(*call_args(q, k, v, **kw))
     if got is None:
         return
-    layout, causal, bottom_right, deterministic, alibi, left, right, scale, lens_kv, softcap = got
-    assert_softcap_means_the_same(kw["softcap"], softcap)
-    assert kw["layout"] in _plans.AXES and layout == _options.LAYOUTS.index(kw["layout"])
-    assert_options_mean_the_same(kw, causal, bottom_right, deterministic, alibi, left, right, scale)
+    options, lens_kv = got
+    o = _dense.DenseOptions(*options)
+    assert_softcap_means_the_same(kw["softcap"], o.softcap)
+    assert kw["layout"] in _plans.AXES and o.layout == kw["layout"]
+    assert_options_mean_the_same(kw, o.causal, o.bottom_right, o.deterministic, o.alibi, o.window_left,
+                                 o.window_right, o.scale)
+    assert (o.training, o.dropout, o.bias_grad) == (False, 0.0, False)  # the eager call decides gradients
     assert lens != "kv only" and lens_kv == (lens != "none")
+
+
+@pytest.mark.parametrize("entry", sorted(_options.CALLS))
+def test_the_c_entries_read_the_entry_points_own_arguments(entry):
+    # The C entry's reader is generated from _options.CALLS and reads its arguments by
+    # position: CALLS must be the entry point's signature, and the Python body must hand
+    # them over in that order.
+    import ast
+    import inspect
+
+    function = getattr(fastattn.torch, entry)
+    declared = [a.name for a in _options.CALLS[entry][1]]
+    assert [p for p in inspect.signature(function).parameters if p != "shape_classes"] == declared
+    source = inspect.getsource(inspect.getmodule(function))
+    calls = [node for node in ast.walk(ast.parse(source)) if isinstance(node, ast.Call)
+             and isinstance(node.func, ast.Name) and node.func.id == "call"]
+    # (each module's one call of its C entry, named call)
+    assert len(calls) == 1 and [ast.unparse(a) for a in calls[0].args] == declared
 
 
 @pytest.mark.parametrize("kw", [

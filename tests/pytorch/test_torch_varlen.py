@@ -54,13 +54,15 @@ def test_call_varlen_takes_only_values_the_python_body_takes_with_the_same_meani
     got = lib.read_varlen_call(*args(packed(), **kw))
     if got is None:
         return  # the Python body takes the call, and checks and reports
-    max_q, max_kv, causal, bottom_right, deterministic, alibi, left, right, scale, softcap = got
-    assert_softcap_means_the_same(kw["softcap"], softcap)
+    o = _varlen.VarlenOptions(*got)
+    assert_softcap_means_the_same(kw["softcap"], o.softcap)
     for name in ("max_seqlen_q", "max_seqlen_kv"):  # the body's own check
         n = kw[name]
         assert not isinstance(n, bool) and isinstance(n, int) and n >= 1
-    assert (max_q, max_kv) == (_varlen.bucket(kw["max_seqlen_q"]), _varlen.bucket(kw["max_seqlen_kv"]))
-    assert_options_mean_the_same(kw, causal, bottom_right, deterministic, alibi, left, right, scale)
+    assert (o.max_q, o.max_kv) == (_varlen.bucket(kw["max_seqlen_q"]), _varlen.bucket(kw["max_seqlen_kv"]))
+    assert_options_mean_the_same(kw, o.causal, o.bottom_right, o.deterministic, o.alibi, o.window_left,
+                                 o.window_right, o.scale)
+    assert (o.training, o.dropout) == (False, 0.0)  # the eager call decides training
 
 
 @pytest.mark.parametrize("kw", [

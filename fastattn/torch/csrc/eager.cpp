@@ -1,10 +1,11 @@
 // The eager entries (call, call_varlen, call_paged): from Python straight to the CUDA kernels,
 // past torch.ops and the dispatcher, and profile_eager, the dense entry taken apart.
 //
-// call: attention()'s own 18 arguments, as they are. fastattn.torch.attention() hands
-// them here first, outside torch.compile; NotImplemented hands the call back to its
-// Python body (read_call says which values it takes), which then runs the dispatcher's
-// ops. It runs plain eager calls only: plain CUDA tensors, outside torch.compile,
+// call: attention()'s own arguments, as they are, read by read_attention (generated from
+// fastattn/torch/_options.py's CALLS, which a test holds to attention()'s signature).
+// fastattn.torch.attention() hands them here first, outside torch.compile;
+// NotImplemented hands the call back to its Python body (read_call says which values it
+// takes), which then runs the dispatcher's ops. It runs plain eager calls only: plain CUDA tensors, outside torch.compile,
 // dispatch modes, torch.func transforms and torch.jit.trace (outside_modes). A call
 // through torch.ops parses its arguments against a 19-argument schema into a boxed
 // stack and crosses the dispatcher twice (Autograd, then CUDA); this reads positional
@@ -12,7 +13,7 @@
 // plan table and the same autograd node (DenseBackward, direct) as the ops do.
 // Gradients are decided here: the grad mode and requires_grad.
 //
-// call_varlen: attention_varlen()'s 17 arguments, likewise. Its Python body
+// call_varlen: attention_varlen()'s arguments, likewise (read_attention_varlen). Its Python body
 // (_check_varlen, the option checks, bucketing, the op's argument parsing and the
 // dispatcher) cost about as much host time a call as the native op itself
 // (measured by benchmarks/profile_varlen.py; docs/history/benchmarks-log.md,
@@ -96,7 +97,7 @@ bool outside_modes() {
 }
 
 // ---- attention()'s own arguments, read in C -------------------------------------------------
-// fastattn.torch.attention() hands its 18 arguments here first, as they are, outside
+// fastattn.torch.attention() hands its arguments here first, as they are, outside
 // torch.compile: its Python body (option checks, the dispatch-mode and functorch
 // checks, the flags) cost host time on every call, a fair fraction of a small call's
 // launch (benchmarks/profile_native_step.py: docs/history/benchmarks-log.md, sessions 6
@@ -109,175 +110,107 @@ bool outside_modes() {
 // same meaning (tests/pytorch/test_torch_native.py holds both to that).
 
 constexpr const char *kCallDoc =
-    "call(q, k, v, causal, causal_bottom_right, window, scale, layout, deterministic, seq_lens_q, seq_lens_kv, "
-    "alibi, bias, dropout_p, sinks, alignment, return_lse, softcap) -> o, or NotImplemented: attention()'s arguments in "
-    "its order; NotImplemented for anything attention()'s Python body must convert, check or report.";
+    "call(<attention()'s arguments in its order>) -> o, or NotImplemented: NotImplemented for anything "
+    "attention()'s Python body must convert, check or report.";
 
-// A bool argument: 0 or 1, or -1 when it is not a bool.
-int read_bool(PyObject *arg) { return arg == Py_True ? 1 : arg == Py_False ? 0 : -1; }
+// ---- the readers of the generated read_attention and read_attention_varlen -------------------
+// One per kind of argument (fastattn/torch/_options.py's Arg.read), each taking only the
+// values the Python body takes with the same meaning that need no conversion, else false.
 
-// A window bound: an int in [-1, 2**31) (_fields.check_int), else false.
-bool read_bound(PyObject *arg, long long &out) {
+// A tensor (whether a plain CUDA one is the entry's to check).
+bool fa_read_tensor(PyObject *arg, PyObject *&out) {
+    out = arg;
+    return THPVariable_Check(arg);
+}
+
+// None or a tensor.
+bool fa_read_optional(PyObject *arg, OptTensor &out) { return read_optional(arg, out); }
+
+// True or False.
+bool fa_read_bool(PyObject *arg, bool &out) {
+    out = arg == Py_True;
+    return arg == Py_True || arg == Py_False;
+}
+
+// A window bound: an int in [-1, 2**31) (_fields.check_int).
+bool read_bound(PyObject *arg, int64_t &out) {
     if (!PyLong_CheckExact(arg)) return false;
     int overflow = 0;
     out = PyLong_AsLongLongAndOverflow(arg, &overflow);
-    return overflow == 0 && out >= -1 && out < (1LL << 31);
-}
-
-// A name among `names`: its index, or -1.
-template <size_t N>
-int read_name(PyObject *arg, const char *const (&names)[N]) {
-    if (!PyUnicode_CheckExact(arg)) return -1;
-    for (size_t i = 0; i < N; ++i) {
-        if (PyUnicode_CompareWithASCIIString(arg, names[i]) == 0) return static_cast<int>(i);
-    }
-    return -1;
+    return overflow == 0 && out >= -1 && out < (int64_t{1} << 31);
 }
 
 // A window: None (unbounded) or a (left, right) tuple or list of bounds.
-bool read_window(PyObject *w, long long &left, long long &right) {
+bool fa_read_window(PyObject *w, int64_t &left, int64_t &right) {
     left = right = -1;
     if (w == Py_None) return true;
     return (PyTuple_CheckExact(w) || PyList_CheckExact(w)) && PySequence_Fast_GET_SIZE(w) == 2 &&
            read_bound(PySequence_Fast_GET_ITEM(w, 0), left) && read_bound(PySequence_Fast_GET_ITEM(w, 1), right);
 }
 
-// A scale: None (0.0 here: the default, 1 / sqrt(head_dim_qk)) or a positive finite
-// float that stays so in float32, what cuDNN gets (_fields' "positive" checks it too).
-bool read_scale(PyObject *s, double &scale) {
-    scale = 0.0;
-    if (s == Py_None) return true;
-    if (!PyFloat_CheckExact(s)) return false;
-    scale = PyFloat_AS_DOUBLE(s);
-    const float s32 = static_cast<float>(scale);
-    return std::isfinite(scale) && scale > 0.0 && s32 != 0.0f && !std::isinf(s32);
+// A float that is positive and finite, in float64 and in the float32 cuDNN gets
+// (_fields' "positive").
+bool positive_float32(double value) {
+    const float f = static_cast<float>(value);
+    return std::isfinite(value) && value > 0.0 && f != 0.0f && !std::isinf(f);
 }
 
-// A softcap: 0.0 or 0 (none), or a positive finite float that stays so in float32
-// (_options.softcap's values), else false.
-bool read_softcap(PyObject *s, double &softcap) {
-    softcap = 0.0;
+// None (0.0 here: the default) or a positive float (a scale).
+bool fa_read_positive_or_none(PyObject *s, double &out) {
+    out = 0.0;
+    if (s == Py_None) return true;
+    if (!PyFloat_CheckExact(s)) return false;
+    out = PyFloat_AS_DOUBLE(s);
+    return positive_float32(out);
+}
+
+// 0.0 or 0 (none, 0.0 here), or a positive float, as the float32 cuDNN gets (a softcap:
+// _options.softcap's values).
+bool fa_read_positive_or_zero(PyObject *s, double &out) {
+    out = 0.0;
     if (PyLong_CheckExact(s)) {
         int overflow = 0;
         return PyLong_AsLongLongAndOverflow(s, &overflow) == 0 && overflow == 0;
     }
     if (!PyFloat_CheckExact(s)) return false;
     const double value = PyFloat_AS_DOUBLE(s);
-    const float s32 = static_cast<float>(value);
-    softcap = value == 0.0 ? 0.0 : s32;  // the float32 cuDNN gets (-0.0: none), as _options.softcap gives it
-    return value == 0.0 || (std::isfinite(value) && value > 0.0 && s32 != 0.0f && !std::isinf(s32));
+    if (value == 0.0) return true;  // -0.0 too: none
+    out = static_cast<float>(value);
+    return positive_float32(value);
 }
 
-// No dropout: 0.0 or 0 (a dropout draws its seed in Python).
-bool read_no_dropout(PyObject *p) {
+// 0.0 or 0 (no dropout: a dropout draws its seed in Python).
+bool fa_read_zero(PyObject *p) {
     int overflow = 0;
     return (PyFloat_CheckExact(p) && PyFloat_AS_DOUBLE(p) == 0.0) ||
            (PyLong_CheckExact(p) && PyLong_AsLongLongAndOverflow(p, &overflow) == 0 && overflow == 0);
 }
 
-constexpr const char *kLayoutNames[] = {"bshd", "sbhd", "bhsd"};  // kLayouts' order
-constexpr const char *kAlignmentNames[] = {"top_left", "bottom_right"};
+// False (no return_lse: the Python body returns the stats).
+bool fa_read_false(PyObject *arg) { return arg == Py_False; }
 
-
-// attention()'s scalar arguments, read.
-struct CallArgs {
-    int layout;
-    bool causal, bottom_right, deterministic, alibi;
-    long long window_left, window_right;
-    double scale, softcap;
-};
-
-// attention()'s arguments (args[0..17], its order) as the eager call takes them: false
-// for anything its Python body must convert, check or report. The tensors are only
-// checked to be tensors or None; whether they are plain CUDA tensors is call's.
-bool read_call(PyObject *const *args, CallArgs &out, OptTensor &seq_len_q, OptTensor &seq_len_kv, OptTensor &bias,
-               OptTensor &sink) {
-    if (!THPVariable_Check(args[0]) || !THPVariable_Check(args[1]) || !THPVariable_Check(args[2]) ||
-        args[16] != Py_False) {
+// A name among `names` (string literals: the view outlives the argument).
+template <size_t N>
+bool fa_read_name(PyObject *arg, const c10::string_view (&names)[N], c10::string_view &out) {
+    if (!PyUnicode_CheckExact(arg)) return false;
+    Py_ssize_t size = 0;
+    const char *text = PyUnicode_AsUTF8AndSize(arg, &size);
+    if (text == nullptr) {
+        PyErr_Clear();  // (a lone surrogate: no name of ours)
         return false;
     }
-    const int causal = read_bool(args[3]), causal_br = read_bool(args[4]), deterministic = read_bool(args[8]),
-              alibi = read_bool(args[11]);
-    if (causal < 0 || causal_br < 0 || deterministic < 0 || alibi < 0 || (causal && causal_br)) return false;
-    long long left = -1, right = -1;
-    double scale = 0.0, softcap = 0.0;
-    if (!read_window(args[5], left, right) || !read_scale(args[6], scale) || !read_no_dropout(args[13]) ||
-        !read_softcap(args[17], softcap)) {
-        return false;
+    for (const c10::string_view name : names) {
+        if (name == c10::string_view(text, static_cast<size_t>(size))) {
+            out = name;
+            return true;
+        }
     }
-    const int layout = read_name(args[7], kLayoutNames), alignment = read_name(args[15], kAlignmentNames);
-    if (layout < 0 || alignment < 0) return false;
-    if (!read_optional(args[9], seq_len_q) || !read_optional(args[10], seq_len_kv) ||
-        !read_optional(args[12], bias) || !read_optional(args[14], sink) || (!seq_len_q && seq_len_kv)) {
-        return false;
-    }
-    if (!seq_len_kv) seq_len_kv = seq_len_q;  // seq_lens_kv defaults to seq_lens_q
-    // causal_bottom_right: a causal mask, at the bottom right.
-    out = {layout, causal == 1 || causal_br == 1, causal_br == 1 || alignment == 1, deterministic == 1,
-           alibi == 1, left, right, scale, softcap};
-    return true;
+    return false;
 }
 
-PyObject *call_attention(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
-    HANDLE_TH_ERRORS
-    if (nargs != 18) {
-        PyErr_Format(PyExc_TypeError, "call() takes 18 positional arguments (%zd given)", nargs);
-        return nullptr;
-    }
-    CallArgs a;
-    OptTensor seq_len_q, seq_len_kv, bias, sink;
-    // q a plain tensor (attention()'s Python body: q.__class__ is Tensor), on CUDA, outside modes.
-    if (Py_TYPE(args[0]) != reinterpret_cast<PyTypeObject *>(THPVariableClass) ||
-        !read_call(args, a, seq_len_q, seq_len_kv, bias, sink) || !THPVariable_Unpack(args[0]).is_cuda() ||
-        !outside_modes()) {
-        Py_RETURN_NOTIMPLEMENTED;
-    }
-    return run_eager(THPVariable_Unpack(args[0]), THPVariable_Unpack(args[1]), THPVariable_Unpack(args[2]), seq_len_q,
-                     seq_len_kv, bias, sink,
-                     DenseOptions{.layout = kLayouts[a.layout], .causal = a.causal, .bottom_right = a.bottom_right,
-                                  .window_left = a.window_left, .window_right = a.window_right, .scale = a.scale,
-                                  .deterministic = a.deterministic, .alibi = a.alibi, .training = false,
-                                  .dropout = 0.0, .bias_grad = false, .softcap = a.softcap});
-    END_HANDLE_TH_ERRORS
-}
-
-// read_call for the tests (tests/pytorch/test_torch_native.py): what the eager call would
-// run with, (layout, causal, bottom_right, deterministic, alibi, left, right, scale,
-// seq_lens_kv given, softcap), or None where attention()'s Python body takes the call.
-PyObject *read_call_for_tests(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
-    HANDLE_TH_ERRORS
-    if (nargs != 18) {
-        PyErr_Format(PyExc_TypeError, "read_call() takes 18 positional arguments (%zd given)", nargs);
-        return nullptr;
-    }
-    CallArgs a;
-    OptTensor seq_len_q, seq_len_kv, bias, sink;
-    if (!read_call(args, a, seq_len_q, seq_len_kv, bias, sink)) Py_RETURN_NONE;
-    return py::make_tuple(a.layout, a.causal, a.bottom_right, a.deterministic, a.alibi, a.window_left, a.window_right,
-                          a.scale, given(seq_len_kv), a.softcap)
-        .release()
-        .ptr();
-    END_HANDLE_TH_ERRORS
-}
-
-// ---- attention_varlen()'s arguments ------------------------------------------------------------
-
-constexpr const char *kVarlenCallDoc =
-    "call_varlen(q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, causal, causal_bottom_right, "
-    "window, scale, deterministic, alignment, alibi, dropout_p, return_lse, softcap) -> o, or NotImplemented: "
-    "attention_varlen()'s arguments in its order; NotImplemented for anything its Python body must convert, check "
-    "or report.";
-
-// attention_varlen()'s scalar arguments, read, max lengths bucketed (_varlen.bucket).
-struct VarlenArgs {
-    int64_t max_q, max_kv;
-    bool causal, bottom_right, deterministic, alibi;
-    long long window_left, window_right;
-    double scale, softcap;
-};
-
-// A max length: an int in [1, 2**31) (not a bool); its plan's bucket, the next power of two.
-bool read_max_length(PyObject *arg, int64_t &bucket) {
+// A max length: an int in [1, 2**31) (not a bool); its plan's bucket, the next power of
+// two (_varlen.bucket).
+bool fa_read_max_length(PyObject *arg, int64_t &bucket) {
     if (!PyLong_CheckExact(arg)) return false;
     int overflow = 0;
     const long long n = PyLong_AsLongLongAndOverflow(arg, &overflow);
@@ -287,26 +220,67 @@ bool read_max_length(PyObject *arg, int64_t &bucket) {
     return true;
 }
 
-// args[5..16] as the eager call takes them, or false.
-bool read_varlen_call(PyObject *const *args, VarlenArgs &out) {
-    const int causal = read_bool(args[7]), causal_br = read_bool(args[8]), deterministic = read_bool(args[11]),
-              alibi = read_bool(args[13]);
-    if (causal < 0 || causal_br < 0 || deterministic < 0 || alibi < 0 || (causal && causal_br)) return false;
-    if (args[15] != Py_False || !read_no_dropout(args[14])) return false;
-    VarlenArgs a{};
-    const int alignment = read_name(args[12], kAlignmentNames);
-    if (alignment < 0 || !read_max_length(args[5], a.max_q) || !read_max_length(args[6], a.max_kv) ||
-        !read_window(args[9], a.window_left, a.window_right) || !read_scale(args[10], a.scale) ||
-        !read_softcap(args[16], a.softcap)) {
-        return false;
-    }
-    a.causal        = causal == 1 || causal_br == 1;  // causal_bottom_right: a causal mask, at the bottom right
-    a.bottom_right  = causal_br == 1 || alignment == 1;
-    a.deterministic = deterministic == 1;
-    a.alibi         = alibi == 1;
-    out             = a;
-    return true;
+// The diagonal's rule (_plans.options and _plans.bottom_right): causal and
+// causal_bottom_right exclude each other; causal_bottom_right is a causal mask at the
+// bottom right; alignment="bottom_right" puts the diagonal there.
+bool fa_diagonal(bool causal, bool causal_bottom_right, c10::string_view alignment, bool &out_causal,
+                 bool &out_bottom_right) {
+    out_causal       = causal || causal_bottom_right;
+    out_bottom_right = causal_bottom_right || alignment == "bottom_right";
+    return !(causal && causal_bottom_right);
 }
+
+}  // namespace
+
+}  // namespace fastattn::ops
+
+// read_attention and read_attention_varlen: generated from fastattn/torch/_options.py's CALLS.
+#include "fastattn_calls.h"
+
+namespace fastattn::ops {
+
+namespace {
+
+PyObject *call_attention(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
+    HANDLE_TH_ERRORS
+    if (nargs != kAttentionArgs) {
+        PyErr_Format(PyExc_TypeError, "call() takes %zd positional arguments (%zd given)", kAttentionArgs, nargs);
+        return nullptr;
+    }
+    AttentionCall c;
+    // q a plain tensor (attention()'s Python body: q.__class__ is Tensor), on CUDA, outside
+    // modes; seq_lens_kv only with seq_lens_q, and seq_lens_q's by default.
+    if (Py_TYPE(args[0]) != reinterpret_cast<PyTypeObject *>(THPVariableClass) || !read_attention(args, c) ||
+        (!c.seq_lens_q && c.seq_lens_kv) || !THPVariable_Unpack(c.q).is_cuda() || !outside_modes()) {
+        Py_RETURN_NOTIMPLEMENTED;
+    }
+    if (!c.seq_lens_kv) c.seq_lens_kv = c.seq_lens_q;
+    return run_eager(THPVariable_Unpack(c.q), THPVariable_Unpack(c.k), THPVariable_Unpack(c.v), c.seq_lens_q,
+                     c.seq_lens_kv, c.bias, c.sinks, c.options);
+    END_HANDLE_TH_ERRORS
+}
+
+// read_attention for the tests (tests/pytorch/test_torch_native.py): (the options the
+// eager call would run with, as _dense.DenseOptions' fields, whether seq_lens_kv is
+// given), or None where attention()'s Python body takes the call.
+PyObject *read_call_for_tests(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
+    HANDLE_TH_ERRORS
+    if (nargs != kAttentionArgs) {
+        PyErr_Format(PyExc_TypeError, "read_call() takes %zd positional arguments (%zd given)", kAttentionArgs,
+                     nargs);
+        return nullptr;
+    }
+    AttentionCall c;
+    if (!read_attention(args, c) || (!c.seq_lens_q && c.seq_lens_kv)) Py_RETURN_NONE;
+    return py::make_tuple(FA_DENSE_TUPLE(c.options), given(c.seq_lens_kv)).release().ptr();
+    END_HANDLE_TH_ERRORS
+}
+
+// ---- attention_varlen()'s arguments ------------------------------------------------------------
+
+constexpr const char *kVarlenCallDoc =
+    "call_varlen(<attention_varlen()'s arguments in its order>) -> o, or NotImplemented: NotImplemented for "
+    "anything its Python body must convert, check or report.";
 
 // _varlen._check_varlen's checks, for tensors on one device type (the eager call
 // requires CUDA besides; the tests give meta tensors).
@@ -334,57 +308,48 @@ bool plain_tensor(PyObject *arg) { return Py_TYPE(arg) == reinterpret_cast<PyTyp
 
 PyObject *call_varlen(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
     HANDLE_TH_ERRORS
-    if (nargs != 17) {
-        PyErr_Format(PyExc_TypeError, "call_varlen() takes 17 positional arguments (%zd given)", nargs);
+    if (nargs != kAttentionVarlenArgs) {
+        PyErr_Format(PyExc_TypeError, "call_varlen() takes %zd positional arguments (%zd given)", kAttentionVarlenArgs,
+                     nargs);
         return nullptr;
     }
-    VarlenArgs a;
-    for (int i = 0; i < 5; ++i) {
-        if (!plain_tensor(args[i])) Py_RETURN_NOTIMPLEMENTED;
+    AttentionVarlenCall c;
+    if (!read_attention_varlen(args, c)) Py_RETURN_NOTIMPLEMENTED;
+    for (PyObject *t : {c.q, c.k, c.v, c.cu_seqlens_q, c.cu_seqlens_kv}) {
+        if (!plain_tensor(t)) Py_RETURN_NOTIMPLEMENTED;
     }
-    const Tensor &q = THPVariable_Unpack(args[0]), &k = THPVariable_Unpack(args[1]), &v = THPVariable_Unpack(args[2]);
-    const Tensor &cu_q = THPVariable_Unpack(args[3]), &cu_kv = THPVariable_Unpack(args[4]);
-    if (!read_varlen_call(args, a) || !q.is_cuda() || !varlen_tensors_ok(q, k, v, cu_q, cu_kv) || !outside_modes()) {
-        Py_RETURN_NOTIMPLEMENTED;
-    }
-    const bool training = at::GradMode::is_enabled() && (q.requires_grad() || k.requires_grad() || v.requires_grad());
+    const Tensor &q = THPVariable_Unpack(c.q), &k = THPVariable_Unpack(c.k), &v = THPVariable_Unpack(c.v);
+    const Tensor &cu_q = THPVariable_Unpack(c.cu_seqlens_q), &cu_kv = THPVariable_Unpack(c.cu_seqlens_kv);
+    if (!q.is_cuda() || !varlen_tensors_ok(q, k, v, cu_q, cu_kv) || !outside_modes()) Py_RETURN_NOTIMPLEMENTED;
+    VarlenOptions &o = c.options;
+    o.training = at::GradMode::is_enabled() && (q.requires_grad() || k.requires_grad() || v.requires_grad());
+    if (o.training) o.max_q = std::max<int64_t>(o.max_q, 2);  // at least two queries (_varlen.MIN_TRAINING_Q says why)
     const OptTensor no_dropout;
-    Tensor o;
+    Tensor o_out;
     {
         pybind11::gil_scoped_release no_gil;  // as run_eager: a miss takes the GIL back
         RECORD_FUNCTION("fastattn::attention_varlen", c10::ArrayRef<const c10::IValue>{});
-        if (training) {
-            // At least two queries declared (_varlen.MIN_TRAINING_Q says why).
-            o = std::get<0>(varlen_forward_autograd(q, k, v, cu_q, cu_kv, no_dropout, std::max<int64_t>(a.max_q, 2),
-                                                    a.max_kv, a.causal,
-                                                    a.bottom_right, a.window_left, a.window_right, a.scale,
-                                                    a.deterministic, true, a.alibi, 0.0, a.softcap));
-        } else {
-            o = std::get<0>(varlen_forward_cuda(q, k, v, cu_q, cu_kv, no_dropout, a.max_q, a.max_kv, a.causal,
-                                                a.bottom_right, a.window_left, a.window_right, a.scale,
-                                                a.deterministic, false, a.alibi, 0.0, a.softcap));
-        }
+        o_out = std::get<0>(o.training ? varlen_forward_autograd(q, k, v, cu_q, cu_kv, no_dropout, FA_VARLEN_OF(o))
+                                       : varlen_forward_cuda(q, k, v, cu_q, cu_kv, no_dropout, FA_VARLEN_OF(o)));
     }
-    return THPVariable_Wrap(std::move(o));
+    return THPVariable_Wrap(std::move(o_out));
     END_HANDLE_TH_ERRORS
 }
 
-// For the tests (tests/pytorch/test_torch_native.py): what call_varlen would run with,
-// (max_q bucket, max_kv bucket, causal, bottom_right, deterministic, alibi, left, right,
-// scale, softcap), or None where attention_varlen()'s Python body takes the call; the tensors
-// are not looked at (check_varlen_tensors does).
+// For the tests (tests/pytorch/test_torch_native.py): the options call_varlen would run
+// with (inference: max_q the bucket itself), as _varlen.VarlenOptions' fields, or None
+// where attention_varlen()'s Python body takes the call; the tensors are not looked at
+// (check_varlen_tensors does).
 PyObject *read_varlen_call_for_tests(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
     HANDLE_TH_ERRORS
-    if (nargs != 17) {
-        PyErr_Format(PyExc_TypeError, "read_varlen_call() takes 17 positional arguments (%zd given)", nargs);
+    if (nargs != kAttentionVarlenArgs) {
+        PyErr_Format(PyExc_TypeError, "read_varlen_call() takes %zd positional arguments (%zd given)",
+                     kAttentionVarlenArgs, nargs);
         return nullptr;
     }
-    VarlenArgs a;
-    if (!read_varlen_call(args, a)) Py_RETURN_NONE;
-    return py::make_tuple(a.max_q, a.max_kv, a.causal, a.bottom_right, a.deterministic, a.alibi, a.window_left,
-                          a.window_right, a.scale, a.softcap)
-        .release()
-        .ptr();
+    AttentionVarlenCall c;
+    if (!read_attention_varlen(args, c)) Py_RETURN_NONE;
+    return FA_VARLEN_TUPLE(c.options).release().ptr();
     END_HANDLE_TH_ERRORS
 }
 
@@ -502,10 +467,10 @@ void add_eager_entries(py::module_ &m) {
     static PyMethodDef fastcall_defs[] = {
         {"call", as_pycfunction(&call_attention), METH_FASTCALL, kCallDoc},
         {"read_call", as_pycfunction(&read_call_for_tests), METH_FASTCALL,
-         "read_call(<call's 18 arguments>) -> what call would run with, or None (tests)"},
+         "read_call(<call's arguments>) -> what call would run with, or None (tests)"},
         {"call_varlen", as_pycfunction(&call_varlen), METH_FASTCALL, kVarlenCallDoc},
         {"read_varlen_call", as_pycfunction(&read_varlen_call_for_tests), METH_FASTCALL,
-         "read_varlen_call(<call_varlen's 17 arguments>) -> what call_varlen would run with, or None (tests)"},
+         "read_varlen_call(<call_varlen's arguments>) -> what call_varlen would run with, or None (tests)"},
     };
     for (PyMethodDef &def : fastcall_defs) {
         m.add_object(def.ml_name, py::reinterpret_steal<py::object>(PyCFunction_NewEx(&def, nullptr, m.ptr())));

@@ -77,17 +77,16 @@ namespace fastattn::ops {
 
 extern const fastattn_abi *g_abi;  // set once by init() (ops.cpp), before any op can run
 
-// Positions of (batch, head, seq, dim) in the tensors' shapes, per layout (_plans.AXES).
-inline std::array<int, 4> axes(c10::string_view layout) {
-    if (layout == "bshd") return {0, 2, 1, 3};
-    if (layout == "sbhd") return {1, 2, 0, 3};
-    if (layout == "bhsd") return {0, 1, 2, 3};
-    TORCH_CHECK_VALUE(false, "fastattn: layout='", layout, "': must be one of ('bshd', 'sbhd', 'bhsd')");
+// A layout's number: its index in kLayouts (generated from fastattn/config.py's LAYOUTS).
+inline int64_t layout_id(c10::string_view layout) {
+    for (size_t i = 0; i < std::size(kLayouts); ++i) {
+        if (kLayouts[i] == layout) return static_cast<int64_t>(i);
+    }
+    TORCH_CHECK_VALUE(false, "fastattn: layout='", layout, "': must be one of ", kLayoutChoices);
 }
 
-inline int64_t layout_id(c10::string_view layout) { return layout == "bshd" ? 0 : layout == "sbhd" ? 1 : 2; }
-
-inline constexpr c10::string_view kLayouts[3] = {"bshd", "sbhd", "bhsd"};  // by layout_id
+// Positions of (batch, head, seq, dim) in the tensors' shapes in a layout (_plans.AXES).
+inline std::array<int, 4> axes(c10::string_view layout) { return kAxes[layout_id(layout)]; }
 
 inline bool given(const OptTensor &t) { return t.has_value() && t->defined(); }
 
