@@ -23,12 +23,11 @@ import torch
 
 from ..config import AttentionConfig
 from ..errors import InvalidArgumentError
-from ._plans import (AXES, Cached, check_shapes, config_shape, mask_name, out_shape, plans, raw_stream, remember,
-                     stats_shape, workspace)
+from ._plans import (AXES, DTYPES, FP8, Cached, check_shapes, config_shape, mask_name, out_shape, plans, raw_stream,
+                     remember, stats_shape, workspace)
 from ._plans import options as check_options
 
-FP8 = {torch.float8_e4m3fn: "fp8_e4m3", torch.float8_e5m2: "fp8_e5m2"}
-OUT = {**FP8, torch.float16: "fp16", torch.bfloat16: "bf16"}
+OUT = {**FP8, **DTYPES}
 TORCH = {name: dtype for dtype, name in OUT.items()}
 FORWARD_SCALARS = ("descale_q", "descale_k", "descale_v", "descale_s", "scale_s", "scale_o")
 BACKWARD_SCALARS = ("descale_q", "descale_k", "descale_v", "descale_o", "descale_d_o", "descale_s", "descale_d_p",
@@ -103,8 +102,8 @@ def check(q, k, v, layout: str, seq_len_q=None, seq_len_kv=None) -> None:
         if t.dim() != 4:
             raise InvalidArgumentError(f"{name} has shape {tuple(t.shape)}: expected 4 dimensions in {layout} order")
         if t.dtype not in FP8:
-            raise InvalidArgumentError(f"{name} has dtype {t.dtype}: FP8 attention takes torch.float8_e4m3fn or "
-                                       "torch.float8_e5m2 (attention_fp8_scaled quantizes 16-bit tensors)")
+            raise InvalidArgumentError(f"{name} has dtype {t.dtype}: FP8 attention takes {' or '.join(map(str, FP8))} "
+                                       "(attention_fp8_scaled quantizes 16-bit tensors)")
     check_shapes(q, k, v, layout, seq_len_q, seq_len_kv)
 
 
@@ -233,7 +232,7 @@ def _options(q, layout, causal, causal_bottom_right, window, scale, deterministi
     grad = dtype
     if training and grad_dtype is not None:
         if grad_dtype not in FP8:
-            raise InvalidArgumentError(f"grad_dtype={grad_dtype!r}: must be torch.float8_e4m3fn or torch.float8_e5m2")
+            raise InvalidArgumentError(f"grad_dtype={grad_dtype!r}: must be {' or '.join(map(str, FP8))}")
         grad = FP8[grad_dtype]
     # (causal, bottom_right) are (a causal mask, the diagonal's alignment), as in every
     # entry point's options: causal_bottom_right is a causal mask at the bottom right.
