@@ -27,19 +27,19 @@ import operator
 import sys
 from typing import Any, NamedTuple
 
+from . import dtypes
 from .config import AttentionConfig
 from .errors import InvalidArgumentError, LibraryError
 
-# AttentionConfig.tensor_dtype's names -> the names numpy (and cuda.core) use.
-_NUMPY_NAMES = {"fp16": "float16", "bf16": "bfloat16", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2",
-                "float32": "float32", "int32": "int32", "int64": "int64"}
-_ITEMSIZE = {"float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1, "float32": 4, "int32": 4, "int64": 8,
-             "uint8": 1}
+# AttentionConfig.tensor_dtype's names -> the names numpy (and cuda.core) use; item
+# sizes by numpy's name (fastattn.dtypes's table, a workspace's uint8 too).
+_NUMPY_NAMES = {d.name: d.numpy for d in dtypes.ROWS}
+_ITEMSIZE = {d.numpy: d.itemsize for d in dtypes.ROWS}
 # The types numpy has only through ml_dtypes, which fastattn does not need: cuda.core
 # refuses to name them, naming them in its error.
-_ML_DTYPES = ("bfloat16", "float8_e4m3fn", "float8_e5m2")
-# The CUDA Array Interface's type strings (bfloat16 has none).
-_TYPESTR = {"float16": "<f2", "float32": "<f4", "int32": "<i4", "int64": "<i8", "uint8": "|u1"}
+_ML_DTYPES = tuple(d.numpy for d in dtypes.ROWS if d.ml_dtypes)
+# The CUDA Array Interface's type strings (bfloat16 and FP8 have none).
+_TYPESTR = {d.numpy: d.typestr for d in dtypes.ROWS if d.typestr is not None}
 _SEEN_MAX = 8
 _RAGGED_PACKED = ("q", "k", "v", "o", "d_q", "d_k", "d_v", "d_o", "stats")
 

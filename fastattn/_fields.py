@@ -36,6 +36,7 @@ import sys
 from collections.abc import Mapping, Set
 from typing import Any, Callable
 
+from . import dtypes
 from .errors import InvalidArgumentError
 
 INT_LIMIT = 2**31  # cuDNN takes int64 dims, but its masks and windows are int32
@@ -264,12 +265,9 @@ def _choice(name: str, value: Any, meta: Mapping[str, Any]) -> str:
     return value
 
 
-_DTYPE_ALIASES = {"fp16": "fp16", "float16": "fp16", "half": "fp16", "torch.float16": "fp16", "torch.half": "fp16",
-                  "bf16": "bf16", "bfloat16": "bf16", "torch.bfloat16": "bf16",
-                  # FP8: OCP's names, and the torch / numpy (ml_dtypes) names of the same types.
-                  "fp8_e4m3": "fp8_e4m3", "e4m3": "fp8_e4m3", "float8_e4m3fn": "fp8_e4m3",
-                  "torch.float8_e4m3fn": "fp8_e4m3",
-                  "fp8_e5m2": "fp8_e5m2", "e5m2": "fp8_e5m2", "float8_e5m2": "fp8_e5m2", "torch.float8_e5m2": "fp8_e5m2"}
+# Every name taken for a dtype -> its name (fastattn.dtypes: the name, numpy's and
+# str() of the torch dtype, and the aliases of its row).
+_DTYPE_ALIASES = dtypes.ALIASES
 
 
 def _dtype(name: str, value: Any, meta: Mapping[str, Any]) -> str:

@@ -50,23 +50,25 @@ import json
 import math
 from typing import Any, Mapping
 
-from . import _fields
+from . import _fields, _slots, dtypes
 from ._fields import bad as _bad
 from ._fields import check_int as _int
 from ._fields import Cxx, spec
 
 __all__ = ["AttentionConfig", "LAYOUTS", "MASKS", "DTYPES", "FP8_DTYPES", "ALIGNMENTS", "BIAS_SHAPES"]
 
-DTYPES = ("fp16", "bf16", "fp8_e4m3", "fp8_e5m2")
-FP8_DTYPES = ("fp8_e4m3", "fp8_e5m2")
+# The dtypes' names and facts: fastattn.dtypes's one table.
+DTYPES = dtypes.DTYPES
+FP8_DTYPES = dtypes.FP8_DTYPES
 # The FP8 graphs' per-tensor float32 scalars, (1, 1, 1, 1) each: what forward and
-# backward take (descales, scales) and write (amaxes) with an FP8 dtype.
-FP8_FORWARD_SCALARS = ("descale_q", "descale_k", "descale_v", "descale_s", "scale_s", "scale_o", "amax_s", "amax_o")
-FP8_BACKWARD_SCALARS = ("descale_q", "descale_k", "descale_v", "descale_o", "descale_d_o", "descale_s",
-                        "descale_d_p", "scale_s", "scale_d_q", "scale_d_k", "scale_d_v", "scale_d_p", "amax_d_q",
-                        "amax_d_k", "amax_d_v", "amax_d_p")
+# backward take (descales, scales) and write (amaxes) with an FP8 dtype. The slots of
+# that name that each direction takes, in the slot table's order (fastattn/_slots.py).
+_FP8_PREFIXES = ("descale_", "scale_", "amax_")
+FP8_FORWARD_SCALARS = tuple(s.name for s in _slots.SLOTS if s.forward is not None and s.name.startswith(_FP8_PREFIXES))
+FP8_BACKWARD_SCALARS = tuple(s.name for s in _slots.SLOTS
+                             if s.backward is not None and s.name.startswith(_FP8_PREFIXES))
 FP8_SCALARS = tuple(dict.fromkeys(FP8_FORWARD_SCALARS + FP8_BACKWARD_SCALARS))
-_ITEMSIZE = {"fp16": 2, "bf16": 2, "fp8_e4m3": 1, "fp8_e5m2": 1, "float32": 4, "int32": 4, "int64": 8}
+_ITEMSIZE = dtypes.ITEMSIZE
 MASKS = ("none", "causal", "causal_bottom_right")
 LAYOUTS = ("bshd", "sbhd", "bhsd")  # each its memory order, outermost first: batch, seq, head, dim
 TENSORS = ("q", "k", "v", "o")

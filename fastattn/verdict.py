@@ -21,14 +21,13 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from . import dtypes
+
 __all__ = ["TOLERANCE", "Check", "Verdict", "VerdictError"]
 
-# Largest absolute error allowed, relative to max |reference| of each output. bf16 keeps
-# 8 bits of mantissa (a half ulp is 2^-9 of the value), fp16 11; the gradients add the
-# error of summing s_q or s_kv products. Measured against the efficient kernel on the
-# device by tests/attention/test_verify_gpu.py (which fails if a value here is stricter
-# than twice its error).
-TOLERANCE = {"bf16": 6.25e-2, "fp16": 1.5e-2}
+# Largest absolute error allowed, relative to max |reference| of each output, by dtype:
+# the tolerance column of fastattn.dtypes's table (why each value: there).
+TOLERANCE = {d.name: d.tolerance for d in dtypes.ROWS if d.tolerance is not None}
 STATUSES = ("passed", "failed", "skipped")
 OUTPUTS = ("o", "d_q", "d_k", "d_v", "d_bias")
 _TINY = 1e-30  # a scale of zero: only an exact zero passes

@@ -45,6 +45,7 @@ import math
 import time
 from typing import Any
 
+from . import dtypes
 from .config import AttentionConfig
 from .errors import InvalidArgumentError
 from .verdict import TOLERANCE, Check, Verdict
@@ -53,8 +54,8 @@ __all__ = ["verify_plan", "unverifiable", "data_kinds", "adversarial_inputs", "r
 
 CHUNK_ELEMENTS = 1 << 24  # scores held at once by the reference (64 MiB in float32; a few such tensors live at once)
 LOGIT = -120.0  # every score of the low_lse kind: each row's LSE ~ -120 + ln(s_kv) < -88.7
-_TORCH_DTYPES = ("fp16", "bf16")
-UNIT_ROUNDOFF = {"bf16": 2.0**-8, "fp16": 2.0**-11}
+_TORCH_DTYPES = dtypes.VERIFIED
+UNIT_ROUNDOFF = {d.name: d.unit_roundoff for d in dtypes.ROWS if d.unit_roundoff is not None}
 FLOOR = 2.0  # times the unit roundoff times an element's bound: rounding, not error
 
 
@@ -131,7 +132,7 @@ def make_inputs(config: AttentionConfig, kind: str, seed: int) -> dict[str, Any]
     dtype: q, k, v (and d_o with training; bias with one), and with padding the int32
     lengths seq_len_q, seq_len_kv."""
     torch = _torch()
-    dt = {"fp16": torch.float16, "bf16": torch.bfloat16}[config.dtype]
+    dt = getattr(torch, dtypes.BY_NAME[config.dtype].torch)
     g = torch.Generator(device="cuda").manual_seed(seed)
 
     def randn(name, factor=1.0):
@@ -166,7 +167,7 @@ def _placed(config: AttentionConfig, name: str, fill: Any = None):
     with NaN (an element the plan leaves unwritten shows) or holding `fill`."""
     torch = _torch()
     dtype_name = config.dtype_of(name)
-    dt = {"fp16": torch.float16, "bf16": torch.bfloat16, "float32": torch.float32}[dtype_name]
+    dt = getattr(torch, dtypes.BY_NAME[dtype_name].torch)
     storage = torch.full((max(config.storage_elements(name), 1),), float("nan"), device="cuda", dtype=dt)
     view = storage.as_strided(config.shape(name), config.strides(name))
     if fill is not None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .. import _fields
+from .. import _fields, dtypes
 from ..config import DTYPES, FIELDS, MASKS, AttentionConfig
 from ..errors import InvalidArgumentError
 from ..sweep import MAX_CONFIGS
@@ -30,8 +30,8 @@ def add_parser(sub) -> None:
     matrix.add_argument("--masks", type=choices(MASKS), default=list(MASKS), metavar="M,M,...",
                         help=f"masks, of {', '.join(MASKS)} (default: all)")
     # FP8 columns on request (--dtypes bf16,fp8_e4m3): the default grid stays the 16-bit one.
-    matrix.add_argument("--dtypes", type=choices(DTYPES), default=["fp16", "bf16"], metavar="T,T,...",
-                        help=f"q/k/v dtypes, of {', '.join(DTYPES)} (default fp16,bf16)")
+    matrix.add_argument("--dtypes", type=choices(DTYPES), default=list(dtypes.SIXTEEN_BIT), metavar="T,T,...",
+                        help=f"q/k/v dtypes, of {', '.join(DTYPES)} (default {','.join(dtypes.SIXTEEN_BIT)})")
     matrix.add_argument("--gqa", type=ints, default=[1, 4], metavar="R,R,...",
                         help="heads_q / heads_kv ratios (1: MHA); each must divide --heads")
     matrix.add_argument("--seqlens", type=ints, default=[1024], metavar="S,S,...",

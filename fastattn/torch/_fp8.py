@@ -21,19 +21,21 @@ from typing import NamedTuple
 
 import torch
 
-from ..config import AttentionConfig
+from ..config import FP8_BACKWARD_SCALARS, FP8_FORWARD_SCALARS, AttentionConfig
 from ..errors import InvalidArgumentError
 from ._options import config_fields
-from ._plans import (AXES, Cached, check_shapes, config_shape, out_shape, plans, raw_stream, remember, stats_shape,
-                     workspace)
+from ._plans import (AXES, DTYPES, FP8, Cached, check_shapes, config_shape, out_shape, plans, raw_stream, remember,
+                     stats_shape, workspace)
 from ._plans import options as check_options
 
-FP8 = {torch.float8_e4m3fn: "fp8_e4m3", torch.float8_e5m2: "fp8_e5m2"}
-OUT = {**FP8, torch.float16: "fp16", torch.bfloat16: "bf16"}
+OUT = {**FP8, **DTYPES}
 TORCH = {name: dtype for dtype, name in OUT.items()}
-FORWARD_SCALARS = ("descale_q", "descale_k", "descale_v", "descale_s", "scale_s", "scale_o")
-BACKWARD_SCALARS = ("descale_q", "descale_k", "descale_v", "descale_o", "descale_d_o", "descale_s", "descale_d_p",
-                    "scale_s", "scale_d_q", "scale_d_k", "scale_d_v", "scale_d_p")
+# The ops' scalar inputs, the descales and scales, in the slot table's order, which is the
+# order of the ops' (and attention_fp8's, attention_fp8_backward's) parameters: zipped with
+# them. The amaxes are outputs, allocated here.
+FORWARD_SCALARS = tuple(n for n in FP8_FORWARD_SCALARS if not n.startswith("amax_"))
+BACKWARD_SCALARS = tuple(n for n in FP8_BACKWARD_SCALARS if not n.startswith("amax_"))
+BACKWARD_AMAXES = tuple(n for n in FP8_BACKWARD_SCALARS if n.startswith("amax_"))  # Fp8Grads' order
 
 
 class Fp8Options(NamedTuple):
@@ -101,8 +103,8 @@ def check(q, k, v, layout: str, seq_len_q=None, seq_len_kv=None) -> None:
         if t.dim() != 4:
             raise InvalidArgumentError(f"{name} has shape {tuple(t.shape)}: expected 4 dimensions in {layout} order")
         if t.dtype not in FP8:
-            raise InvalidArgumentError(f"{name} has dtype {t.dtype}: FP8 attention takes torch.float8_e4m3fn or "
-                                       "torch.float8_e5m2 (attention_fp8_scaled quantizes 16-bit tensors)")
+            raise InvalidArgumentError(f"{name} has dtype {t.dtype}: FP8 attention takes {' or '.join(map(str, FP8))} "
+                                       "(attention_fp8_scaled quantizes 16-bit tensors)")
     check_shapes(q, k, v, layout, seq_len_q, seq_len_kv)
 
 
@@ -149,15 +151,14 @@ def backward_impl(d_o, o, stats, q, k, v, scalars, seq_len_q, seq_len_kv, option
     grad = TORCH[options.grad_dtype]
     padded = seq_len_q is not None
     d_q, d_k, d_v = ((torch.zeros_like if padded else torch.empty_like)(t, dtype=grad) for t in (q, k, v))
-    amaxes = [_amax(q) for _ in range(4)]
+    amaxes = [_amax(q) for _ in BACKWARD_AMAXES]
     stream = raw_stream(c.device)
     ws = workspace(q, c.backward_workspace, c.device, stream)
     c.plan.backward(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), d_o.data_ptr(), stats.data_ptr(),
                     d_q.data_ptr(), d_k.data_ptr(), d_v.data_ptr(), ws.data_ptr() if ws is not None else 0, stream,
                     seq_len_q.data_ptr() if padded else 0, seq_len_kv.data_ptr() if padded else 0,
                     **{name: s.data_ptr() for name, s in zip(BACKWARD_SCALARS, scalars)},
-                    **{name: a.data_ptr() for name, a in zip(("amax_d_q", "amax_d_k", "amax_d_v", "amax_d_p"),
-                                                              amaxes)})
+                    **{name: a.data_ptr() for name, a in zip(BACKWARD_AMAXES, amaxes)})
     return Fp8Grads(d_q, d_k, d_v, *amaxes)
 
 
@@ -231,7 +232,7 @@ def _options(q, layout, causal, causal_bottom_right, window, scale, deterministi
     grad = dtype
     if training and grad_dtype is not None:
         if grad_dtype not in FP8:
-            raise InvalidArgumentError(f"grad_dtype={grad_dtype!r}: must be torch.float8_e4m3fn or torch.float8_e5m2")
+            raise InvalidArgumentError(f"grad_dtype={grad_dtype!r}: must be {' or '.join(map(str, FP8))}")
         grad = FP8[grad_dtype]
     # (causal, bottom_right) are (a causal mask, the diagonal's alignment), as in every
     # entry point's options: causal_bottom_right is a causal mask at the bottom right.

@@ -26,11 +26,12 @@ import math
 
 import torch
 
+from .. import dtypes
 from ..errors import InvalidArgumentError
 from . import _fp8
-from ._plans import AXES
+from ._plans import AXES, DTYPES, FP8
 
-FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+FP8_MAX = {t: dtypes.BY_NAME[name].fp8_max for t, name in FP8.items()}
 _TINY = 2.0 ** -60  # an all-zero tensor gets a finite scale (its FP8 values are zero whatever the scale)
 
 
@@ -125,12 +126,12 @@ def attention_fp8_scaled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, c
     cuDNN's reason when it refuses the FP8 graph on this GPU.
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor) or t.dtype not in (torch.float16, torch.bfloat16):
-            raise InvalidArgumentError(f"{name}: attention_fp8_scaled takes torch.float16 or torch.bfloat16 tensors, "
+        if not isinstance(t, torch.Tensor) or t.dtype not in DTYPES:
+            raise InvalidArgumentError(f"{name}: attention_fp8_scaled takes {' or '.join(map(str, DTYPES))} tensors, "
                                        f"got {getattr(t, 'dtype', type(t).__name__)} (attention_fp8 takes FP8)")
     for name, t in (("fp8_dtype", fp8_dtype), ("grad_fp8_dtype", grad_fp8_dtype)):
         if t not in FP8_MAX:
-            raise InvalidArgumentError(f"{name}={t!r}: must be torch.float8_e4m3fn or torch.float8_e5m2")
+            raise InvalidArgumentError(f"{name}={t!r}: must be {' or '.join(map(str, FP8))}")
     if layout not in AXES:
         raise InvalidArgumentError(f"layout={layout!r}: must be one of {tuple(AXES)}")
     training = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)

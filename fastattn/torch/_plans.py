@@ -14,13 +14,16 @@ import threading
 
 import torch
 
-from .. import _fields
+from .. import _fields, dtypes
 from ..config import LAYOUTS, AttentionConfig, axes
 from ..errors import InvalidArgumentError
 
 # The dimension order of the tensors' shapes: layout name -> position of (batch, head, seq, dim).
 AXES = {layout: axes(layout) for layout in LAYOUTS}
-DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
+# torch dtype -> the config's name (fastattn.dtypes's table): what the 16-bit entry points
+# take, and FP8's (attention_fp8's).
+DTYPES = dtypes.torch_dtypes(torch, dtypes.SIXTEEN_BIT)
+FP8 = dtypes.torch_dtypes(torch, dtypes.FP8_DTYPES)
 
 # key -> Cached. Read without the lock (a dict lookup is atomic under the GIL); written
 # under it. Two threads missing on one key at once both ask the runtime, which builds a
@@ -194,8 +197,8 @@ def check_qkv_tensors(q, k, v, dims: int, expected: str) -> None:
         if t.dim() != dims:
             raise InvalidArgumentError(f"{name} has shape {tuple(t.shape)}: expected {expected}")
         if t.dtype not in DTYPES:
-            hint = " (FP8: fastattn.torch.attention_fp8)" if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else ""
-            raise InvalidArgumentError(f"{name} has dtype {t.dtype}: expected torch.float16 or torch.bfloat16{hint}")
+            hint = " (FP8: fastattn.torch.attention_fp8)" if t.dtype in FP8 else ""
+            raise InvalidArgumentError(f"{name} has dtype {t.dtype}: expected {' or '.join(map(str, DTYPES))}{hint}")
 
 
 

@@ -131,6 +131,20 @@ def test_probe_and_matrix_flags_take_fp8():
 
 # -- the core's slots ----------------------------------------------------------------------
 
+def test_fp8_scalar_lists_follow_the_slot_table():
+    # Derived from fastattn/_slots.py (each direction's descale_/scale_/amax_ slots, in the
+    # table's order). Pinned here: a change to the slot table that changes a list (or its
+    # order, which fastattn.torch's FP8 ops zip with their parameters) shows.
+    from fastattn.config import FP8_SCALARS
+
+    assert FP8_FORWARD_SCALARS == ("descale_q", "descale_k", "descale_v", "descale_s", "scale_s", "scale_o",
+                                   "amax_s", "amax_o")
+    assert FP8_BACKWARD_SCALARS == ("descale_q", "descale_k", "descale_v", "descale_o", "descale_d_o", "descale_s",
+                                    "descale_d_p", "scale_s", "scale_d_q", "scale_d_k", "scale_d_v", "scale_d_p",
+                                    "amax_d_q", "amax_d_k", "amax_d_v", "amax_d_p")
+    assert FP8_SCALARS == tuple(dict.fromkeys(FP8_FORWARD_SCALARS + FP8_BACKWARD_SCALARS))
+
+
 def test_fp8_slots_are_keywords_of_forward_and_backward():
     _core = pytest.importorskip("fastattn._core", reason="the extension is not built")
     import inspect

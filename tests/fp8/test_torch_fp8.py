@@ -3,6 +3,7 @@ dtypes, make_fx traces, the ops' schemas against Fp8Options, and a recording pla
 shows each scale, descale and amax reaching the plan under its own slot name."""
 
 import ctypes
+import inspect
 
 import pytest
 
@@ -87,6 +88,27 @@ def test_op_schemas_follow_the_options_fields():
     fwd = [a.name for a in torch.ops.fastattn.attention_fp8_forward.default._schema.arguments]
     assert fwd[3:9] == list(_fp8.FORWARD_SCALARS) and _fp8.FORWARD_SCALARS == FP8_FORWARD_SCALARS[:6]
     assert set(_fp8.BACKWARD_SCALARS) | {"amax_d_q", "amax_d_k", "amax_d_v", "amax_d_p"} == set(FP8_BACKWARD_SCALARS)
+
+
+def test_the_scalar_lists_are_in_the_parameters_order():
+    # _fp8 zips FORWARD_SCALARS / BACKWARD_SCALARS (derived from the slot table) with the
+    # scalars as each function and op takes them, positionally, and BACKWARD_AMAXES with
+    # Fp8Grads' amaxes: a slot table in another order must fail here, not pass each scale
+    # to another slot.
+    assert _fp8.FORWARD_SCALARS == ("descale_q", "descale_k", "descale_v", "descale_s", "scale_s", "scale_o")
+    assert _fp8.BACKWARD_SCALARS == ("descale_q", "descale_k", "descale_v", "descale_o", "descale_d_o", "descale_s",
+                                     "descale_d_p", "scale_s", "scale_d_q", "scale_d_k", "scale_d_v", "scale_d_p")
+    assert _fp8.BACKWARD_AMAXES == ("amax_d_q", "amax_d_k", "amax_d_v", "amax_d_p") == _fp8.Fp8Grads._fields[3:]
+    assert tuple(_fp8.Fp8Output._fields[2:]) == tuple(n for n in FP8_FORWARD_SCALARS if n.startswith("amax_"))
+
+    def params(f, start, n):
+        return tuple(inspect.signature(f).parameters)[start:start + n]
+
+    assert params(attention_fp8, 3, 6) == params(_fp8.forward_impl, 3, 6) == _fp8.FORWARD_SCALARS
+    assert params(attention_fp8_backward, 6, 12) == _fp8.BACKWARD_SCALARS
+    fwd = [a.name for a in torch.ops.fastattn.attention_fp8_forward.default._schema.arguments]
+    bwd = [a.name for a in torch.ops.fastattn.attention_fp8_backward.default._schema.arguments]
+    assert tuple(fwd[3:9]) == _fp8.FORWARD_SCALARS and tuple(bwd[6:18]) == _fp8.BACKWARD_SCALARS
 
 
 class RecordingPlan:
