@@ -23,7 +23,7 @@ import torch
 
 from ..config import FP8_BACKWARD_SCALARS, FP8_FORWARD_SCALARS, AttentionConfig
 from ..errors import InvalidArgumentError
-from ._options import config_fields
+from ._options import config_fields, named_tuple, schema
 from ._plans import (AXES, DTYPES, FP8, Cached, check_shapes, config_shape, out_shape, plans, raw_stream, remember,
                      stats_shape, workspace)
 from ._plans import options as check_options
@@ -38,20 +38,9 @@ BACKWARD_SCALARS = tuple(n for n in FP8_BACKWARD_SCALARS if not n.startswith("am
 BACKWARD_AMAXES = tuple(n for n in FP8_BACKWARD_SCALARS if n.startswith("amax_"))  # Fp8Grads' order
 
 
-class Fp8Options(NamedTuple):
-    """The FP8 ops' scalar options: part of the plan key, and the ops' arguments after
-    the tensors, in this order."""
-
-    layout: str
-    causal: bool
-    bottom_right: bool
-    window_left: int
-    window_right: int
-    scale: float  # 0.0: the default, 1 / sqrt(head_dim_qk)
-    deterministic: bool
-    training: bool
-    out_dtype: str  # the config's name of o's dtype
-    grad_dtype: str  # of d_o, d_q, d_k, d_v; the inputs' when not training
+# The FP8 ops' scalar options (_options.PYTHON_OPS["fp8"]): part of the plan key, and the
+# ops' arguments after the tensors, in this order.
+Fp8Options = named_tuple("fp8", "Fp8Options")
 
 
 class Fp8Output(NamedTuple):
@@ -162,21 +151,28 @@ def backward_impl(d_o, o, stats, q, k, v, scalars, seq_len_q, seq_len_kv, option
     return Fp8Grads(d_q, d_k, d_v, *amaxes)
 
 
-# -- the custom ops: tensors, then Fp8Options' fields in order ---------------------------------
+# -- the custom ops: tensors, then Fp8Options' fields in order (schemas from _options) ----------
 
-@torch.library.custom_op("fastattn::attention_fp8_forward", mutates_args=())
-def forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, descale_q: torch.Tensor, descale_k: torch.Tensor,
-               descale_v: torch.Tensor, descale_s: torch.Tensor, scale_s: torch.Tensor, scale_o: torch.Tensor,
-               seq_len_q: torch.Tensor | None, seq_len_kv: torch.Tensor | None, layout: str, causal: bool,
-               bottom_right: bool, window_left: int, window_right: int, scale: float, deterministic: bool,
-               training: bool, out_dtype: str, grad_dtype: str
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(o, stats, amax_s, amax_o); stats is empty when not training."""
-    options = Fp8Options(layout, causal, bottom_right, window_left, window_right, scale, deterministic, training,
-                         out_dtype, grad_dtype)
-    o, stats, amax_s, amax_o = forward_impl(q, k, v, descale_q, descale_k, descale_v, descale_s, scale_s, scale_o,
-                                            seq_len_q, seq_len_kv, options)
-    return o, stats if stats is not None else _stats_like(q, layout, False), amax_s, amax_o
+def _schema(tensors: tuple[str, ...], scalars: tuple[str, ...], returns: int) -> str:
+    listed = ", ".join(f"Tensor {n}" for n in (*tensors, *scalars))
+    return f"({listed}, Tensor? seq_len_q, Tensor? seq_len_kv, {schema('fp8')}) -> ({', '.join(['Tensor'] * returns)})"
+
+
+FORWARD_SCHEMA = _schema(("q", "k", "v"), FORWARD_SCALARS, 4)
+BACKWARD_SCHEMA = _schema(("d_o", "o", "stats", "q", "k", "v"), BACKWARD_SCALARS, 3 + len(BACKWARD_AMAXES))
+_N_FORWARD, _N_BACKWARD = len(FORWARD_SCALARS), len(BACKWARD_SCALARS)
+
+
+def _forward(q, k, v, *rest):
+    """(o, stats, amax_s, amax_o); stats is empty when not training. rest: FORWARD_SCALARS'
+    tensors, seq_len_q, seq_len_kv, then Fp8Options' fields."""
+    options = Fp8Options(*rest[_N_FORWARD + 2:])
+    o, stats, amax_s, amax_o = forward_impl(q, k, v, *rest[:_N_FORWARD + 2], options)
+    return o, stats if stats is not None else _stats_like(q, options.layout, False), amax_s, amax_o
+
+
+forward_op = torch.library.custom_op("fastattn::attention_fp8_forward", _forward, mutates_args=(),
+                                     schema=FORWARD_SCHEMA)
 
 
 def _stats_like(q, layout: str, training: bool) -> torch.Tensor:
@@ -184,31 +180,26 @@ def _stats_like(q, layout: str, training: bool) -> torch.Tensor:
 
 
 @forward_op.register_fake
-def _(q, k, v, descale_q, descale_k, descale_v, descale_s, scale_s, scale_o, seq_len_q, seq_len_kv, layout, causal,
-      bottom_right, window_left, window_right, scale, deterministic, training, out_dtype, grad_dtype):
-    check(q, k, v, layout, seq_len_q, seq_len_kv)  # a trace refuses what eager does
-    for name, t in zip(FORWARD_SCALARS, (descale_q, descale_k, descale_v, descale_s, scale_s, scale_o)):
+def _(q, k, v, *rest):
+    scalars, (seq_len_q, seq_len_kv), options = rest[:_N_FORWARD], rest[_N_FORWARD:_N_FORWARD + 2], \
+        Fp8Options(*rest[_N_FORWARD + 2:])
+    check(q, k, v, options.layout, seq_len_q, seq_len_kv)  # a trace refuses what eager does
+    for name, t in zip(FORWARD_SCALARS, scalars):
         check_scalar(name, t, q.device)
-    return (q.new_empty(out_shape(q, v, layout), dtype=TORCH[out_dtype]), _stats_like(q, layout, training),
-            _amax(q), _amax(q))
+    return (q.new_empty(out_shape(q, v, options.layout), dtype=TORCH[options.out_dtype]),
+            _stats_like(q, options.layout, options.training), _amax(q), _amax(q))
 
 
-@torch.library.custom_op("fastattn::attention_fp8_backward", mutates_args=())
-def backward_op(d_o: torch.Tensor, o: torch.Tensor, stats: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                v: torch.Tensor, descale_q: torch.Tensor, descale_k: torch.Tensor, descale_v: torch.Tensor,
-                descale_o: torch.Tensor, descale_d_o: torch.Tensor, descale_s: torch.Tensor,
-                descale_d_p: torch.Tensor, scale_s: torch.Tensor, scale_d_q: torch.Tensor, scale_d_k: torch.Tensor,
-                scale_d_v: torch.Tensor, scale_d_p: torch.Tensor, seq_len_q: torch.Tensor | None,
-                seq_len_kv: torch.Tensor | None, layout: str, causal: bool, bottom_right: bool, window_left: int,
-                window_right: int, scale: float, deterministic: bool, training: bool, out_dtype: str,
-                grad_dtype: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                                          torch.Tensor, torch.Tensor]:
-    """(d_q, d_k, d_v, amax_d_q, amax_d_k, amax_d_v, amax_d_p)."""
-    options = Fp8Options(layout, causal, bottom_right, window_left, window_right, scale, deterministic, training,
-                         out_dtype, grad_dtype)
-    scalars = (descale_q, descale_k, descale_v, descale_o, descale_d_o, descale_s, descale_d_p, scale_s, scale_d_q,
-               scale_d_k, scale_d_v, scale_d_p)
-    return tuple(backward_impl(d_o, o, stats, q, k, v, scalars, seq_len_q, seq_len_kv, options))
+def _backward(d_o, o, stats, q, k, v, *rest):
+    """(d_q, d_k, d_v, amax_d_q, amax_d_k, amax_d_v, amax_d_p). rest: BACKWARD_SCALARS'
+    tensors, seq_len_q, seq_len_kv, then Fp8Options' fields."""
+    scalars, (seq_len_q, seq_len_kv) = rest[:_N_BACKWARD], rest[_N_BACKWARD:_N_BACKWARD + 2]
+    return tuple(backward_impl(d_o, o, stats, q, k, v, scalars, seq_len_q, seq_len_kv,
+                               Fp8Options(*rest[_N_BACKWARD + 2:])))
+
+
+backward_op = torch.library.custom_op("fastattn::attention_fp8_backward", _backward, mutates_args=(),
+                                      schema=BACKWARD_SCHEMA)
 
 
 @backward_op.register_fake

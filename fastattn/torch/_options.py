@@ -27,6 +27,7 @@ class Option(NamedTuple):
     doc: str
     choices: tuple[str, ...] = ()
     default: object = None  # the NamedTuple's default (None: none); an option added later has its "off" value
+    off: object = None  # its value in a C++ struct made with {} (None: zero, false, an empty name)
 
 
 # The types of each kind: in a schema, in C++ parameters and in the C++ struct.
@@ -37,8 +38,8 @@ _PY = {"bool": bool, "int": int, "float": float, "str": str}
 _WINDOW_AND_SCALE = (
     Option("causal", "bool", "a causal mask"),
     Option("bottom_right", "bool", "the diagonal of the mask and of the window at the bottom right"),
-    Option("window_left", "int", "the window's left bound, -1 unbounded"),
-    Option("window_right", "int", "the window's right bound, -1 unbounded"),
+    Option("window_left", "int", "the window's left bound, -1 unbounded", off=-1),
+    Option("window_right", "int", "the window's right bound, -1 unbounded", off=-1),
     Option("scale", "float", "the softmax scale; 0.0: the default, 1 / sqrt(head_dim_qk)"),
 )
 _SOFTCAP = Option("softcap", "float", "logit soft-capping: softcap * tanh(score / softcap); 0.0: none", default=0.0)
@@ -48,9 +49,13 @@ _ALIBI = Option("alibi", "bool", "ALiBi position biases")
 _TRAINING = Option("training", "bool", "the forward writes softmax stats; a backward plan exists")
 _DROPOUT = Option("dropout", "float", "dropout probability on the attention weights")
 
+_LAYOUT = Option("layout", "str", "the tensors' memory order", LAYOUTS)
+
+# The op library's ops (its C++ kernels take these, fastattn_options.h), and their Python
+# twins'.
 OPS: dict[str, tuple[Option, ...]] = {
     "dense": (
-        Option("layout", "str", "the tensors' memory order", LAYOUTS),
+        _LAYOUT,
         *_WINDOW_AND_SCALE, _DETERMINISTIC, _ALIBI, _TRAINING, _DROPOUT,
         Option("bias_grad", "bool", "backward also writes the bias's gradient"),
         _SOFTCAP,
@@ -61,6 +66,15 @@ OPS: dict[str, tuple[Option, ...]] = {
         *_WINDOW_AND_SCALE, _DETERMINISTIC, _TRAINING, _ALIBI, _DROPOUT, _SOFTCAP,
     ),
     "paged": (*_WINDOW_AND_SCALE, _SOFTCAP),
+}
+# Ops that are Python only (no kernel of the op library takes them).
+PYTHON_OPS: dict[str, tuple[Option, ...]] = {
+    "fp8": (
+        _LAYOUT, *_WINDOW_AND_SCALE, _DETERMINISTIC, _TRAINING,
+        Option("out_dtype", "str", "the config's name of o's dtype"),
+        Option("grad_dtype", "str", "the config's name of d_o's, d_q's, d_k's and d_v's; the inputs' when not "
+               "training"),
+    ),
 }
 
 
@@ -208,9 +222,13 @@ def softcap(value) -> float:
     return check("positive", "softcap", value)
 
 
+def _of(op: str) -> tuple[Option, ...]:
+    return OPS[op] if op in OPS else PYTHON_OPS[op]
+
+
 def named_tuple(op: str, name: str) -> type:
     """The options of `op` as a NamedTuple class (its fields in declaration order)."""
-    options = OPS[op]
+    options = _of(op)
     cls = NamedTuple(name, [(o.name, _PY[o.kind]) for o in options])
     defaults = []  # the trailing options with defaults: code that names the older ones keeps working
     for o in reversed(options):
@@ -225,7 +243,7 @@ def named_tuple(op: str, name: str) -> type:
 def schema(op: str) -> str:
     """The options' part of the ops' schemas: "str layout, bool causal, ..."."""
     return ", ".join(f"{_SCHEMA[o.kind]} {o.name}" + ("" if o.default is None else f"={o.default!r}")
-                     for o in OPS[op])
+                     for o in _of(op))
 
 
 def _word(o: Option) -> str:
@@ -280,7 +298,8 @@ def cpp_header() -> str:
             out.append(f"#define FA_{up}_LOAD(map) {camel}Options{{" + ", ".join(
                 f'(map).at("{o.name}").{to[o.kind]}()' for o in options) + "}")
         out.append(f"struct {camel}Options {{")
-        out.extend(f"    {_CPP[o.kind]} {o.name};  // {o.doc}" for o in options)
+        out.extend(f"    {_CPP[o.kind]} {o.name}{'{}' if o.off is None else f' = {o.off}'};  // {o.doc}"
+                   for o in options)
         out.append("};")
         out.append("")
     out.append("}  // namespace fastattn::ops")

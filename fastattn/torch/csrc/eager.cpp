@@ -164,8 +164,8 @@ bool fa_read_positive_or_none(PyObject *s, double &out) {
     return positive_float32(out);
 }
 
-// 0.0 or 0 (none, 0.0 here), or a positive float, as the float32 cuDNN gets (a softcap:
-// _options.softcap's values).
+// 0.0 or 0 (none, 0.0 here), or a positive float, as the float32 cuDNN gets (the values
+// _options.softcap makes of the argument it reads).
 bool fa_read_positive_or_zero(PyObject *s, double &out) {
     out = 0.0;
     if (PyLong_CheckExact(s)) {
@@ -369,9 +369,7 @@ bool check_varlen_tensors_for_tests(const Tensor &q, const Tensor &k, const Tens
 py::dict profile_eager(const Tensor &q, const Tensor &k, const Tensor &v, int64_t iters) {
     TORCH_CHECK_VALUE(q.is_cuda() && iters > 0, "profile_eager: q on ", q.device(), ", iters=", iters,
                       ": needs CUDA tensors and iters > 0");
-    const DenseOptions opt{.layout = kLayouts[0], .causal = true, .bottom_right = false, .window_left = -1,
-                           .window_right = -1, .scale = 0.0, .deterministic = false, .alibi = false,
-                           .training = false, .dropout = 0.0, .bias_grad = false};
+    const DenseOptions opt{.layout = kLayouts[0], .causal = true};  // the rest off
     const OptTensor none;
     const auto ax = axes(opt.layout);
     std::vector<std::pair<const char *, double>> out;
