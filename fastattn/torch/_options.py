@@ -172,7 +172,7 @@ def calls_header() -> str:
     readers and fa_diagonal that eager.cpp defines before including it): for each entry
     of CALLS, the struct <Entry>Call (its tensors, its op's options), k<Entry>Args and
     read_<entry>(args, call), true when every argument is one the C entry takes."""
-    out = ["// Generated from fastattn/torch/_options.py (CALLS) by fastattn.torch._native at build time: do not edit.",
+    out = ["// Generated from fastattn/torch/_options.py (CALLS) by fastattn.torch._native at build time; change that file, not this one.",
            "#pragma once", "", "namespace fastattn::ops {", ""]
     choices = {a.name: a.choices for _, args in CALLS.values() for a in args if a.read == "name"}
     out.extend(f"inline constexpr c10::string_view kNames{_camel(n)}[] = {_names(c)};" for n, c in choices.items())
@@ -265,7 +265,7 @@ def cpp_header() -> str:
     _SAVE(map, o) and _LOAD(map) (an autograd Function's saved_data), and the struct
     <Op>Options, in namespace fastattn::ops. The macros expect fa_choice and fa_bits
     (ops.h) where they are expanded."""
-    out = ["// Generated from fastattn/torch/_options.py by fastattn.torch._native at build time: do not edit.",
+    out = ["// Generated from fastattn/torch/_options.py by fastattn.torch._native at build time; change that file, not this one.",
            "#pragma once", "", "#include <c10/util/string_view.h>", "", "#include <array>", "#include <cstdint>", "",
            "namespace fastattn::ops {", "",
            "// The layouts (fastattn/config.py's LAYOUTS; a layout's number is its index) and where",

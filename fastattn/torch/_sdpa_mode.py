@@ -35,6 +35,7 @@ from typing import NamedTuple
 
 import torch
 
+from ..config import LAYOUTS, axes
 from ..errors import InvalidArgumentError, NotSupportedError
 from . import _dense, _native
 from ._plans import DTYPES, capturing
@@ -168,7 +169,14 @@ def _check_schemas() -> None:
 
 # -- the route of a call ----------------------------------------------------------------------
 
-_LAYOUT_ORDERS = {(0, 1, 2, 3): "bhsd", (0, 2, 1, 3): "bshd", (2, 0, 1, 3): "sbhd"}  # bhsd dims, outermost first
+def _order(layout: str) -> tuple[int, ...]:
+    """A layout's dims in SDPA's (batch, heads, seq, dim) numbering, outermost first: the
+    permutation of a bhsd tensor that views it in the layout's order."""
+    return tuple("bhsd".index(d) for d in layout)
+
+
+# The layouts in the order layout_of tries them (SDPA's own first), by their orders.
+_LAYOUT_ORDERS = {_order(name): name for name in sorted(LAYOUTS, key=lambda name: name != "bhsd")}
 
 
 def layout_of(t: torch.Tensor) -> str | None:
@@ -184,16 +192,18 @@ def layout_of(t: torch.Tensor) -> str | None:
 
 def _views(layout: str, *tensors: torch.Tensor) -> list[torch.Tensor]:
     """bhsd tensors as views in the layout's order (what attention()'s plans read)."""
-    if layout == "bhsd":
+    perm = _order(layout)
+    if perm == _BHSD:
         return list(tensors)
-    perm = (0, 2, 1, 3) if layout == "bshd" else (2, 0, 1, 3)
     return [t.permute(perm) for t in tensors]
 
 
 def _to_bhsd(layout: str, t: torch.Tensor) -> torch.Tensor:
-    if layout == "bhsd":
-        return t
-    return t.permute((0, 2, 1, 3) if layout == "bshd" else (1, 2, 0, 3))
+    perm = axes(layout)
+    return t if perm == _BHSD else t.permute(perm)
+
+
+_BHSD = (0, 1, 2, 3)
 
 
 def _bias(attn_bias: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor, training: bool) -> torch.Tensor | None:

@@ -96,14 +96,20 @@ namespace {
 
 // bhsd tensors as views in the layout's order (what attention()'s plans read), and back
 // (_sdpa_mode._views, _to_bhsd).
+// (kAxes: where batch, head, seq, dim sit in a layout's shape; SDPA's own order is the identity.)
+constexpr std::array<int, 4> kBhsd = {0, 1, 2, 3};
+
 Tensor to_layout(c10::string_view layout, const Tensor &t) {
-    if (layout == "bhsd") return t;
-    return layout == "bshd" ? t.transpose(1, 2) : t.permute({2, 0, 1, 3});
+    const auto ax = axes(layout);
+    if (ax == kBhsd) return t;
+    std::array<int64_t, 4> order{};  // the inverse of ax: the layout's dims, outermost first
+    for (int64_t d = 0; d < 4; ++d) order[ax[d]] = d;
+    return t.permute(order);
 }
 
 Tensor to_bhsd(c10::string_view layout, const Tensor &t) {
-    if (layout == "bhsd") return t;
-    return layout == "bshd" ? t.transpose(1, 2) : t.permute({1, 2, 0, 3});
+    const auto ax = axes(layout);
+    return ax == kBhsd ? t : t.permute({ax[0], ax[1], ax[2], ax[3]});
 }
 
 // t with the strides PyTorch's Meta kernel gave: a view where they differ only on dims of
