@@ -116,6 +116,17 @@ def _check_name(tensor: Any) -> str:
     return tensor
 
 
+def bias_name(extents: tuple[int, int, int], sizes: tuple[int, int, int]) -> str:
+    """The BIAS_SHAPES name of a bias whose (batch, heads, rows) extents, each 1 or the
+    call's own, are `extents`, in a call whose (batch, heads_q, seqlen_q) are `sizes` (its
+    last extent is always seqlen_kv): the inverse of AttentionConfig.shape("bias"). Where
+    an extent is both 1 and the call's, one name stands for the one graph: "1" for the batch
+    and the heads, "s" for the rows (the one-row names came later)."""
+    (eb, eh, es), (b, h, s) = extents, sizes
+    return (("b" if eb == b and b > 1 else "1") + ("h" if eh == h and h > 1 else "1")
+            + ("1" if es == 1 and s > 1 else "s") + "s")
+
+
 def axes(layout: str) -> tuple[int, int, int, int]:
     """Where (batch, head, seq, dim) sit in the shape of a tensor in a named layout (each
     name spells its dimensions outermost first)."""

@@ -16,7 +16,7 @@ import torch
 
 from .. import _fields
 from .. import shape_classes as _shape_classes
-from ..config import AttentionConfig
+from ..config import AttentionConfig, bias_name
 from ..errors import InvalidArgumentError
 from . import _autograd, _classes, _native, _options
 from ._plans import check_shapes
@@ -240,12 +240,8 @@ def _check_tensors(q, k, v, layout: str, seq_len_q, seq_len_kv, bias, sink) -> N
 
 
 def _bias_shape(q: torch.Tensor, bias: torch.Tensor, layout: str) -> str:
-    """The config's name for a bias's broadcast shape: "11ss", "1hss", "b1ss", "bhss", or
-    with one row broadcast over the queries "111s", "1h1s", "b11s", "bh1s". An extent of
-    1 that is also the full extent takes the full extent's letter (one graph, one name)."""
-    b, h, s = (q.shape[a] for a in AXES[layout][:3])
-    return (("b" if bias.shape[0] == b and b > 1 else "1") + ("h" if bias.shape[1] == h and h > 1 else "1")
-            + ("1" if bias.shape[2] == 1 and s > 1 else "s") + "s")
+    """The config's name for a (checked) bias's broadcast shape (config.bias_name)."""
+    return bias_name(tuple(bias.shape[:3]), tuple(q.shape[a] for a in AXES[layout][:3]))
 
 
 def _check_extras(q: torch.Tensor, k: torch.Tensor, layout: str, bias, sink) -> None:

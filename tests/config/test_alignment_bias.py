@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fastattn import store
-from fastattn.config import ALIGNMENTS, BIAS_SHAPES, MASKS, AttentionConfig
+from fastattn.config import ALIGNMENTS, BIAS_SHAPES, MASKS, AttentionConfig, bias_name
 from fastattn.errors import InvalidArgumentError
 
 BASE = dict(batch=2, heads_q=8, heads_kv=2, seqlen_q=128, seqlen_kv=256, head_dim_qk=64)
@@ -131,6 +131,19 @@ def test_bias_shape_names_refuse_others():
     for bad in ("1111", "bhs1", "11s1", "b1hs", "BHSS"):
         with pytest.raises(InvalidArgumentError, match=r"^bias="):
             AttentionConfig(**BASE, bias=bad)
+
+
+@settings(max_examples=300, deadline=None)
+@given(sizes=st.tuples(st.integers(1, 4), st.sampled_from([1, 2, 8]), st.sampled_from([1, 2, 128])),
+       full=st.tuples(st.booleans(), st.booleans(), st.booleans()))
+def test_bias_name_is_the_inverse_of_the_bias_shape(sizes, full):
+    # Any bias of extents 1 or the call's own gets a name whose shape is those extents.
+    b, h, s = sizes
+    extents = tuple(n if f else 1 for n, f in zip(sizes, full))
+    name = bias_name(extents, sizes)
+    assert name in BIAS_SHAPES
+    c = AttentionConfig(batch=b, heads_q=h, heads_kv=h, seqlen_q=s, seqlen_kv=256, head_dim_qk=64, bias=name)
+    assert c.shape("bias") == (*extents, 256)
 
 
 def test_every_bias_shape_names_its_extents():
