@@ -21,7 +21,8 @@ from ..errors import InvalidArgumentError
 from . import _autograd, _classes, _native, _options
 from ._plans import check_shapes
 from ._plans import options as check_options
-from ._plans import (AXES, DTYPES, Cached, bottom_right, check_qkv_tensors, config_shape, out_shape, plans, raw_stream, remember, stats_shape, tensor_key, workspace)
+from ._plans import (AXES, DTYPES, Cached, bottom_right, check_qkv_tensors, config_shape, out_shape, plans, raw_stream,
+                     remember, stats_shape, tensor_key, workspace)
 
 
 # attention()'s scalar options (_options.OPS["dense"]): part of the plan key as they are,

@@ -181,8 +181,8 @@ def _stats_like(q, layout: str, training: bool) -> torch.Tensor:
 
 @forward_op.register_fake
 def _(q, k, v, *rest):
-    scalars, (seq_len_q, seq_len_kv), options = rest[:_N_FORWARD], rest[_N_FORWARD:_N_FORWARD + 2], \
-        Fp8Options(*rest[_N_FORWARD + 2:])
+    scalars, (seq_len_q, seq_len_kv) = rest[:_N_FORWARD], rest[_N_FORWARD:_N_FORWARD + 2]
+    options = Fp8Options(*rest[_N_FORWARD + 2:])
     check(q, k, v, options.layout, seq_len_q, seq_len_kv)  # a trace refuses what eager does
     for name, t in zip(FORWARD_SCALARS, scalars):
         check_scalar(name, t, q.device)

@@ -1,16 +1,20 @@
-"""The scalar options of fastattn.torch's ops, declared once.
+"""The scalar options of fastattn.torch's ops, and the entry points' own arguments,
+declared once.
 
-Each entry point (attention, attention_varlen, attention_paged) passes its tensors and
-then these options, in this order, to its custom ops and to the op library's. What is
-derived from this one declaration:
+Each entry point (attention, attention_varlen, attention_paged; attention_fp8) passes its
+tensors and then its op's options (OPS, PYTHON_OPS), in this order, to its custom ops and
+to the op library's. What is derived from these declarations:
 - Python: the options' NamedTuple (the plan key's options part, the miss handler's
-  tuple) and the custom ops' schemas (_dense, _varlen, _paged);
-- C++ (fastattn/torch/csrc): the header `fastattn_options.h`, generated when the op
-  library is built (_native.build) and part of its build tag (_opslib): each op's
-  parameter list, argument list, schema string, struct, key words and miss tuple.
-So an option is one line here (and its use in the entry point and the plan's config).
+  tuple), the custom ops' schemas, and the AttentionConfig fields the options give
+  (config_fields);
+- C++ (fastattn/torch/csrc), generated when the op library is built (_native.build) and
+  part of its build tag (_opslib): `fastattn_options.h` (each op's parameter list,
+  argument list, schema string, struct, key words and miss tuple; the layouts' table)
+  and, from CALLS, `fastattn_calls.h` (the C entries' readers of attention()'s and
+  attention_varlen()'s own arguments).
+So an option is a line here, its keyword in the entry point, and its use in the graph.
 
-Pure Python and no torch: _opslib hashes the generated header without importing torch.
+Pure Python and no torch: _opslib hashes this file without importing torch.
 """
 
 from __future__ import annotations
@@ -172,7 +176,8 @@ def calls_header() -> str:
     readers and fa_diagonal that eager.cpp defines before including it): for each entry
     of CALLS, the struct <Entry>Call (its tensors, its op's options), k<Entry>Args and
     read_<entry>(args, call), true when every argument is one the C entry takes."""
-    out = ["// Generated from fastattn/torch/_options.py (CALLS) by fastattn.torch._native at build time; change that file, not this one.",
+    out = ["// Generated from fastattn/torch/_options.py (CALLS) by fastattn.torch._native at build time; "
+           "change that file, not this one.",
            "#pragma once", "", "namespace fastattn::ops {", ""]
     choices = {a.name: a.choices for _, args in CALLS.values() for a in args if a.read == "name"}
     out.extend(f"inline constexpr c10::string_view kNames{_camel(n)}[] = {_names(c)};" for n, c in choices.items())
@@ -265,7 +270,8 @@ def cpp_header() -> str:
     _SAVE(map, o) and _LOAD(map) (an autograd Function's saved_data), and the struct
     <Op>Options, in namespace fastattn::ops. The macros expect fa_choice and fa_bits
     (ops.h) where they are expanded."""
-    out = ["// Generated from fastattn/torch/_options.py by fastattn.torch._native at build time; change that file, not this one.",
+    out = ["// Generated from fastattn/torch/_options.py by fastattn.torch._native at build time; "
+           "change that file, not this one.",
            "#pragma once", "", "#include <c10/util/string_view.h>", "", "#include <array>", "#include <cstdint>", "",
            "namespace fastattn::ops {", "",
            "// The layouts (fastattn/config.py's LAYOUTS; a layout's number is its index) and where",

@@ -13,7 +13,8 @@ from ..config import AttentionConfig
 from ..errors import InvalidArgumentError
 from . import _native, _options
 from ._autograd import functorch_active, plain_eager
-from ._plans import (DTYPES, Cached, bottom_right, capturing, check_qkv_tensors, logical, out_shape, plans, raw_stream, remember, tensor_key, workspace)
+from ._plans import (DTYPES, Cached, bottom_right, capturing, check_qkv_tensors, logical, out_shape, plans, raw_stream,
+                     remember, tensor_key, workspace)
 from ._plans import options as check_options
 
 

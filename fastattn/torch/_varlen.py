@@ -18,8 +18,7 @@ from ..config import AttentionConfig
 from ..errors import InvalidArgumentError
 from . import _autograd, _classes, _native, _options
 from .. import _fields
-from ._plans import (DTYPES, Cached, bottom_right, check_qkv_tensors, plans, raw_stream,
-                     remember, workspace)
+from ._plans import DTYPES, Cached, bottom_right, check_qkv_tensors, plans, raw_stream, remember, workspace
 from ._plans import options as check_options
 
 

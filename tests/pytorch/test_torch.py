@@ -33,6 +33,38 @@ def qkv(device="meta", dtype=torch.bfloat16, b=2, s=128, h=8, hkv=None, d=64, dv
                  for hh, dd in ((h, d), (hkv, d), (hkv, dv)))
 
 
+@pytest.mark.parametrize("op", ["dense", "varlen", "paged", "fp8"])
+def test_every_option_becomes_a_config_field(op):
+    # config_fields is the one place an option becomes AttentionConfig fields: each option
+    # of each op must land in one (an option added without its mapping fails here), and
+    # the "off" values must make a valid config.
+    import dataclasses
+
+    from fastattn import AttentionConfig
+    from fastattn.torch import _options
+
+    fields = {f.name for f in dataclasses.fields(AttentionConfig)}
+    cls = _options.named_tuple(op, "Options")
+    off = {"str": "bshd", "bool": False, "int": 0, "float": 0.0}
+    values = {o.name: o.off if o.off is not None else off[o.kind] for o in _options._of(op)}
+    values.update({"max_q": 64, "max_kv": 64, "out_dtype": "bf16", "grad_dtype": "fp8_e4m3"})
+    got = _options.config_fields(cls(**{n: values[n] for n in cls._fields}))
+    assert set(got) <= fields
+    # Each option is read: changing it changes the fields (layout aside: the tensors' strides).
+    for o in _options._of(op):
+        if o.name == "layout":
+            continue
+        other = {"bool": True, "int": 7, "float": 0.5, "str": "fp16"}[o.kind]
+        base = dict(values, training=o.name != "training")  # (deterministic is read while training)
+        changed = dict(base, **{o.name: other})
+        a = _options.config_fields(cls(**{n: base[n] for n in cls._fields}))
+        b = _options.config_fields(cls(**{n: changed[n] for n in cls._fields}))
+        assert a != b, o.name
+    dtype = "fp8_e4m3" if op == "fp8" else "bf16"
+    AttentionConfig(batch=1, heads_q=2, seqlen_q=64, seqlen_kv=64, head_dim_qk=64, dtype=dtype,
+                    **{k: v for k, v in got.items() if k not in ("seqlen_q", "seqlen_kv")})
+
+
 def test_cpu_tensors_are_refused_with_a_clear_error():
     q, k, v = qkv(device="cpu")
     with pytest.raises(fastattn.InvalidArgumentError, match=r"^q is on cpu: fastattn runs on CUDA tensors"):
