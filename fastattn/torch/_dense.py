@@ -401,7 +401,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     if return_lse.__class__ is not bool:
         _fields.check("bool", "return_lse", return_lse)
     if softcap.__class__ is not float or softcap != 0.0:  # (0.0, the common call, needs no check)
-        softcap = _options.softcap(softcap)
+        softcap = _options.positive_or_zero("softcap", softcap)
     plain = bias is None and sinks is None and not dropout_p  # the common call
     if plain:
         extras = _NO_EXTRAS

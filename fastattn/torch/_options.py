@@ -216,15 +216,16 @@ def calls_header() -> str:
     return "\n".join(out) + "\n"
 
 
-def softcap(value) -> float:
-    """An entry point's softcap argument as its option: 0.0 (none) or a positive finite
-    float32 value (FlashAttention's convention: 0.0 is none). Raises InvalidArgumentError
-    naming it otherwise."""
+def positive_or_zero(name: str, value) -> float:
+    """An argument read as eager.cpp's fa_read_positive_or_zero reads it (the
+    "positive_or_zero" Args, a softcap): 0.0 (none: 0, 0.0 and -0.0 alike, FlashAttention's
+    convention) or a positive finite float32 value. Raises InvalidArgumentError naming
+    `name` otherwise."""
     from .._fields import check, number
 
-    if number("softcap", value) == 0.0:  # 0, 0.0 and -0.0 alike: none
+    if number(name, value) == 0.0:
         return 0.0
-    return check("positive", "softcap", value)
+    return check("positive", name, value)
 
 
 def _of(op: str) -> tuple[Option, ...]:

@@ -187,7 +187,7 @@ def options_for(causal, causal_bottom_right, window, scale, alignment, softcap) 
     that makes many calls with the same arguments may keep: fastattn.flash's decode)."""
     left, right, scale = check_options(causal, causal_bottom_right, window, scale)
     if softcap.__class__ is not float or softcap != 0.0:
-        softcap = _options.softcap(softcap)
+        softcap = _options.positive_or_zero("softcap", softcap)
     if alignment is None:
         if (causal or (left, right) != (-1, -1)) and not causal_bottom_right:
             raise InvalidArgumentError(

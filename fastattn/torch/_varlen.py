@@ -276,7 +276,7 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     if return_lse.__class__ is not bool:
         _fields.check("bool", "return_lse", return_lse)
     if softcap.__class__ is not float or softcap != 0.0:
-        softcap = _options.softcap(softcap)
+        softcap = _options.positive_or_zero("softcap", softcap)
     grads = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     training = grads or bool(return_lse)
     max_q, max_kv = bucket(max_seqlen_q), bucket(max_seqlen_kv)

@@ -165,7 +165,7 @@ bool fa_read_positive_or_none(PyObject *s, double &out) {
 }
 
 // 0.0 or 0 (none, 0.0 here), or a positive float, as the float32 cuDNN gets (the values
-// _options.softcap makes of the argument it reads).
+// _options.positive_or_zero makes of it).
 bool fa_read_positive_or_zero(PyObject *s, double &out) {
     out = 0.0;
     if (PyLong_CheckExact(s)) {
