@@ -7,6 +7,7 @@ import sys
 import threading
 from typing import TYPE_CHECKING, Any
 
+from ..config import MASKS
 from ..dtypes import SIXTEEN_BIT
 from ..errors import InvalidArgumentError
 from ._common import (EXIT_FAILED, EXIT_NO_GPU, EXIT_OK, EXIT_UNSUPPORTED, add_json_flag, add_verify_flag,
@@ -54,7 +55,7 @@ def add_parser(sub) -> None:
     # told from one left out, so that each is refused alike without --seqlens
     # (_no_class_flags); class_configs applies the defaults, _CLASS_DEFAULTS.
     cls.add_argument("--dtype", choices=SIXTEEN_BIT, help="default bf16")  # fastattn.torch.attention's dtypes
-    cls.add_argument("--mask", choices=("none", "causal", "causal_bottom_right"),
+    cls.add_argument("--mask", choices=MASKS,
                      help="default causal_bottom_right (FlashAttention's causal, what decode needs)")
     cls.add_argument("--batch", type=integer(1), help="batch size (a class plan per batch; default 1)")
     cls.add_argument("--training", action="store_true", help="plans with their backward (training calls)")
