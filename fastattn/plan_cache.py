@@ -117,10 +117,11 @@ class PlanCache:
 
     # -- entries -> plans -----------------------------------------------------------------
 
-    def lookup(self, config: AttentionConfig, device: int, key: str):
+    def lookup(self, config: AttentionConfig, device: int, key: str, touch: bool = True):
         """(plan or None, ProbeResult) from the tiers, or None on a miss (or an entry
-        cuDNN will not load)."""
-        found = self.store.get(key)
+        cuDNN will not load). touch=False: a load ahead of use, which leaves the entry's
+        last use as it was."""
+        found = self.store.get(key, touch)
         if found is None:
             return None
         return self.load(config, device, key, *found)
@@ -181,18 +182,20 @@ class PlanCache:
 
     def configs(self, device: int | None = None) -> list[AttentionConfig]:
         """The configs of every entry in the directories stored for `device`'s GPU and
-        this process's versions, in listing order, each once."""
+        this process's versions, each once, most recently used first (the store keeps
+        an entry's last use as its access time): the order in which a process is
+        likeliest to ask for them, which preload follows. Ties keep the directories'
+        order (the main one first) and the listing's."""
         want = self.environment(device)
-        seen, out = set(), []
+        found = []
         for _, info in self.store.entries():
             desc = (info.header or {}).get("description")
             if desc is None or store.environment_of(desc) != want:
                 continue
             cfg = config_of(desc)
-            if cfg is not None and cfg not in seen:
-                seen.add(cfg)
-                out.append(cfg)
-        return out
+            if cfg is not None:
+                found.append((-info.last_used, len(found), cfg))
+        return list(dict.fromkeys(cfg for _, _, cfg in sorted(found, key=lambda f: f[:2])))
 
     # -- plans -> entries -----------------------------------------------------------------
 

@@ -49,6 +49,10 @@ class _Entry:
     result: ProbeResult | None = None
     error: BaseException | None = None
     verifying: threading.Lock = field(default_factory=threading.Lock)  # one verification at a time
+    # Loaded ahead of use (preload) and not asked for since: its first use is the one
+    # that goes into FASTATTN_RECORD and the entry's last use (_claim), so that loading
+    # everything ahead neither records it all nor makes it all look just used.
+    ahead: bool = False
 
 
 _lock = threading.Lock()
@@ -154,22 +158,23 @@ def plan_cache() -> PlanCache:
     return cache if cache is not None else configure()
 
 
-def _build(config: AttentionConfig, device: int, refresh: bool = False):
-    """(plan or None, result): from the cache, else built by this process and published."""
+def _build(config: AttentionConfig, device: int, refresh: bool = False, touch: bool = True):
+    """(plan or None, result): from the cache (touch=False: leaving the entry's last use
+    as it was), else built by this process and published."""
     cache = plan_cache()
     tiers = cache.store
     description = cache.describe(config, device) if tiers.tiers else None
     key = store.key_of(description) if description is not None else None
     seen = tiers.signature(key) if key is not None else None
     if key is not None and not refresh:
-        hit = cache.lookup(config, device, key)
+        hit = cache.lookup(config, device, key, touch)
         if hit is not None:
             return hit
     lock = tiers.lock(key) if key is not None else contextlib.nullcontext(False)
     with lock:
         # Another process may have published the entry while we waited for the lock.
         if key is not None and not refresh and tiers.signature(key) != seen:
-            hit = cache.lookup(config, device, key)
+            hit = cache.lookup(config, device, key, touch)
             if hit is not None:
                 return hit
         # Another machine may be building it: wait for its entry (fleet single flight).
@@ -200,9 +205,10 @@ def _build_now(config: AttentionConfig, device: int):
     return p, result_from_plan(config, device, p, elapsed, "built")
 
 
-def _lookup(config: Any, device: int | None, refresh: bool = False) -> tuple[_Entry, bool]:
+def _lookup(config: Any, device: int | None, refresh: bool = False, ahead: bool = False) -> tuple[_Entry, bool]:
     """The entry for (config, device), resolving it if this thread is the first to ask.
-    Returns (entry, came_from_memory)."""
+    Returns (entry, came_from_memory). ahead=True: a load ahead of use (preload), which
+    leaves the record and the entry's last use to the first call that uses it."""
     config = AttentionConfig.coerce(config)
     device = _resolve_device(device)
     key = (config, device)
@@ -216,9 +222,11 @@ def _lookup(config: Any, device: int | None, refresh: bool = False) -> tuple[_En
         else:
             _counters["memory_hits"] += 1
     if owner:
+        entry.ahead = ahead
         try:
-            _record.note(config)
-            entry.plan, entry.result = _build(config, device, refresh)
+            if not ahead:
+                _record.note(config)
+            entry.plan, entry.result = _build(config, device, refresh, touch=not ahead)
         except BaseException as e:
             # Not a verdict on the config (a CUDA error, a missing library, an interrupt):
             # forget the entry so that a later call tries again.
@@ -234,7 +242,22 @@ def _lookup(config: Any, device: int | None, refresh: bool = False) -> tuple[_En
     entry.done.wait()
     if entry.error is not None:
         raise entry.error
+    if entry.ahead and not ahead:
+        _claim(entry, config, device)
     return entry, True
+
+
+def _claim(entry: _Entry, config: AttentionConfig, device: int) -> None:
+    """The first use of a plan loaded ahead of use: what its load left undone (the
+    record, the entry's last use), once."""
+    with _lock:
+        first, entry.ahead = entry.ahead, False
+    if not first:
+        return
+    _record.note(config)
+    cache = plan_cache()
+    if cache.store.tiers:
+        cache.store.touch(store.key_of(cache.describe(config, device)))
 
 
 def _verifier():
@@ -245,12 +268,13 @@ def _verifier():
     return verify_plan
 
 
-def _answer(config: Any, device: int | None, refresh: bool = False, verify: bool = False) -> tuple[_Entry, bool]:
+def _answer(config: Any, device: int | None, refresh: bool = False, verify: bool = False,
+            ahead: bool = False) -> tuple[_Entry, bool]:
     """_lookup, then (verify=True) the plan verified unless its answer carries a
     verdict already (from this process, or stored with the cache entry)."""
     check("bool", "refresh", refresh)
     check("bool", "verify", verify)
-    entry, from_memory = _lookup(config, device, refresh)
+    entry, from_memory = _lookup(config, device, refresh, ahead)
     if verify and entry.plan is not None and entry.result.verdict is None:
         _ensure_verified(entry, AttentionConfig.coerce(config), _resolve_device(device))
     return entry, from_memory
@@ -347,6 +371,8 @@ def planned(config: ConfigLike, *, device: int | None = None) -> Plan | None:
         entry = _entries.get((config, _resolve_device(device)))
     if entry is None or not entry.done.is_set() or entry.error is not None:
         return None
+    if entry.ahead:
+        _claim(entry, config, _resolve_device(device))
     if entry.plan is None:
         raise _refusal(entry.result)
     return entry.plan
@@ -459,7 +485,8 @@ def preload(configs: Iterable[ConfigLike] | None = None, *, device: int | None =
     the process does at startup.
 
     configs: the configs to load; None means every entry in the cache directories that
-    was stored for this GPU, cuDNN, cudnn-frontend, fastattn and policy.
+    was stored for this GPU, cuDNN, cudnn-frontend, fastattn and policy, the most
+    recently used first.
     background: return a concurrent.futures.Future at once instead of the results.
     verify: verify each plan first, as probe(verify=True) does (a plan that fails is
       refused: its result says so, with the evidence).
@@ -480,9 +507,13 @@ def preload(configs: Iterable[ConfigLike] | None = None, *, device: int | None =
         # docs/history/benchmarks-log.md, "Cold start with autograd (issue 17)").
         warm_torch_backward()
 
+    def one(config: AttentionConfig) -> ProbeResult:  # probe(), as a load ahead of use
+        entry, from_memory = _answer(config, device, verify=verify, ahead=True)
+        return replace(entry.result, source="memory", build_seconds=0.0) if from_memory else entry.result
+
     def run() -> list[ProbeResult]:
         with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="fastattn-preload") as pool:
-            return list(pool.map(lambda c: probe(c, device=device, verify=verify), todo))
+            return list(pool.map(one, todo))
 
     if not background:
         return run()

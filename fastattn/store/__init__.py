@@ -122,11 +122,11 @@ class TieredCache:
         """The directories (the remote tier is self.remote)."""
         return ([self.main] if self.main else []) + self.extras
 
-    def get(self, key: str) -> tuple[Entry, Tier] | None:
+    def get(self, key: str, touch: bool = True) -> tuple[Entry, Tier] | None:
         """The entry for `key` and the tier it came from (tier.kind: "disk" or
-        "remote"), or None."""
+        "remote"), or None. touch=False leaves its last use as it was (DiskStore.get)."""
         for store in self.tiers:
-            entry = store.get(key)
+            entry = store.get(key, touch)
             if entry is not None:
                 return entry, store
         if self.remote is not None:
@@ -135,6 +135,13 @@ class TieredCache:
                 self._keep(entry)
                 return entry, self.remote
         return None
+
+    def touch(self, key: str) -> None:
+        """Records a use of `key`'s entry in the first directory that holds it (the one
+        get() reads it from)."""
+        for store in self.tiers:
+            if store.touch(key):
+                return
 
     def _keep(self, entry: Entry) -> None:
         """A copy of a remote entry in the main directory: the next process finds it

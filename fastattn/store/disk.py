@@ -55,6 +55,11 @@ _STALE_TMP_SECONDS = 3600.0
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 # An entry is read through these: never a link's target, never a wait on a FIFO.
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | _CLOEXEC
+# An entry's access time is its last use, set by _touch on a hit: a read must not set it
+# (relatime does for a file unused for a day, so a listing, `cache ls`, a prune's scan or
+# preload made every old entry look just used to LRU pruning). O_NOATIME is the owner's
+# (or CAP_FOWNER's) to ask: anyone else's read falls back to the plain flags (EPERM).
+_NOATIME = getattr(os, "O_NOATIME", 0)
 _FOLDER_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | _CLOEXEC
 _HEX = frozenset("0123456789abcdef")
 
@@ -110,7 +115,12 @@ def _open_regular(path: str) -> int:
             raise EntryError(f"{folder} is not a folder of fastattn's (a link or a file): not followed") from None
         raise
     try:
-        fd = os.open(name, _READ_FLAGS, dir_fd=dfd)
+        try:
+            fd = os.open(name, _READ_FLAGS | _NOATIME, dir_fd=dfd)
+        except PermissionError:
+            if not _NOATIME:
+                raise
+            fd = os.open(name, _READ_FLAGS, dir_fd=dfd)  # not the file's owner: O_NOATIME is refused
     except OSError as e:
         if e.errno == errno.ELOOP:
             raise EntryError("a symbolic link, not an entry: not followed") from None
@@ -209,8 +219,9 @@ class DiskStore:
 
     # -- read -------------------------------------------------------------------------
 
-    def get(self, key: str) -> Entry | None:
-        """The entry for `key`, or None (absent, unreadable or invalid: all misses)."""
+    def get(self, key: str, touch: bool = True) -> Entry | None:
+        """The entry for `key`, or None (absent, unreadable or invalid: all misses).
+        touch=False leaves its last use as it was (a load ahead of use: preload)."""
         try:
             path = self.path_for(key)
         except EntryError:
@@ -239,8 +250,21 @@ class DiskStore:
             self._warn_once("corrupt:" + path, "fastattn cache: ignoring %s: %s", path, e)
             return None
         self._count("hits")
-        self._touch(path)
+        if touch:
+            self._touch(path)
         return entry
+
+    def touch(self, key: str) -> bool:
+        """Records a use of `key`'s entry now (its access time) if this directory holds
+        it; whether it does."""
+        try:
+            path = self.path_for(key)
+        except EntryError:
+            return False
+        if not os.path.lexists(path):
+            return False
+        self._touch(path)
+        return True
 
     def signature(self, key: str) -> tuple[int, int, int] | None:
         """(inode, mtime, size) of the entry file, or None: tells whether another

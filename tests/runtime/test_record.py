@@ -43,6 +43,23 @@ def test_each_config_asked_for_is_recorded_once_in_order(env, monkeypatch):
     assert sweep.load_configs(str(path)) == [*configs, refused]
 
 
+def test_preloaded_plans_are_recorded_when_first_used_not_when_loaded(env, monkeypatch):
+    # preload loads ahead of use: recording what it loads would make the record the
+    # whole cache; a plan is recorded when a call first asks for it (plan, probe, or
+    # planned() inside a capture), however it got into memory.
+    configs = [AttentionConfig(**BASE, seqlen_q=s) for s in (128, 256, 512)]
+    fastattn.preload(configs)  # built (nothing stored yet): recorded by nobody
+    path = env / "asked.jsonl"
+    monkeypatch.setenv("FASTATTN_RECORD", str(path))
+    fastattn.runtime.clear()
+    assert [r.source for r in fastattn.preload(configs, threads=1)] == ["disk"] * 3
+    assert not path.exists()
+    fastattn.plan(configs[2])
+    assert fastattn.runtime.planned(configs[0]) is not None
+    fastattn.plan(configs[2])
+    assert [AttentionConfig.from_json(line) for line in path.read_text().splitlines()] == [configs[2], configs[0]]
+
+
 def test_unset_or_blank_records_nothing(env, monkeypatch):
     monkeypatch.setenv("FASTATTN_RECORD", "  ")
     fastattn.plan(AttentionConfig(**BASE, seqlen_q=128))

@@ -177,7 +177,7 @@ def fake_build(monkeypatch):
     calls = []
     lock = threading.Lock()
 
-    def build(config, device, refresh=False):
+    def build(config, device, refresh=False, touch=True):
         with lock:
             calls.append(config)
         time.sleep(0.05)

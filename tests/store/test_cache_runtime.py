@@ -188,6 +188,25 @@ def test_preload_loads_what_matches_this_gpu(cache_dir, monkeypatch):
         fastattn.preload([], threads=0)
 
 
+def test_preload_loads_the_most_recently_used_first(cache_dir):
+    # What a process is likeliest to ask for first: preload(None) goes by each entry's
+    # last use (a hit sets it), whatever the listing's order.
+    configs = [{**CFG, "seqlen_q": s} for s in (256, 512, 1024, 2048)]
+    for c in configs:
+        fastattn.plan(c)
+    cache = runtime.plan_cache()
+    now = time.time()
+    for age, c in zip((300, 100, 400, 200), configs):  # used 100 s ago: 512; then 2048, 256, 1024
+        path = cache.store.tiers[0].path_for(cache.key(fastattn.AttentionConfig(**c)))
+        os.utime(path, (now - age, now - 1000))
+    new_process()
+    assert [c.seqlen_q for c in runtime.plan_cache().configs()] == [512, 2048, 256, 1024]
+    assert [r.config.seqlen_q for r in fastattn.preload(threads=1)] == [512, 2048, 256, 1024]
+    new_process()
+    fastattn.plan(configs[3])  # a hit: 2048 is now the most recent
+    assert [c.seqlen_q for c in runtime.plan_cache().configs()] == [2048, 512, 256, 1024]
+
+
 _RACER = textwrap.dedent("""
     import sys, time
     sys.path.insert(0, {here!r})

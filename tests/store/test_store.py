@@ -331,6 +331,57 @@ def test_prune_removes_least_recently_used_first(tmp_path):
     assert s.counters["pruned"] == 2
 
 
+def _reads_set_atime(folder) -> bool:
+    """Whether a plain read sets the access time of a file unused for three days on this
+    file system (relatime does; noatime does not, and then nothing can be seen)."""
+    probe = os.path.join(folder, "atime-probe")
+    with open(probe, "wb") as f:
+        f.write(b"x")
+    os.utime(probe, (time.time() - 3 * 86400, time.time() - 4 * 86400))
+    with open(probe, "rb") as f:
+        f.read()
+    bumped = time.time() - os.stat(probe).st_atime < 3600
+    os.unlink(probe)
+    return bumped
+
+
+def test_listing_and_pruning_leave_each_entry_its_last_use(tmp_path):
+    # An entry's access time is its last use (set on a hit): reading its header for a
+    # listing, `cache ls`, a prune's scan or preload must not make an entry unused for
+    # days look just used, or LRU pruning keeps the stale ones (seen: relatime set it).
+    if not _reads_set_atime(str(tmp_path)):
+        pytest.skip("this file system does not set access times on reads (noatime): nothing to see")
+    s = DiskStore(str(tmp_path))
+    old, new = "aa" + "0" * 62, "bb" + "0" * 62
+    s.put(make_entry(key=old))
+    s.put(make_entry(key=new))
+    days_ago = time.time() - 3 * 86400
+    os.utime(s.path_for(old), (days_ago, days_ago - 86400))
+    for _ in range(2):
+        assert {i.key: round(i.last_used) for i in s.entries()}[old] == round(days_ago)
+    assert s.prune(max_age=86400).removed == 1 and [i.key for i in s.entries()] == [new]
+
+
+def test_an_entry_of_another_owner_is_read_without_o_noatime(tmp_path, monkeypatch):
+    # O_NOATIME is refused (EPERM) on a file the process does not own, as in a shared
+    # read-only directory: the read goes on without it.
+    from fastattn.store import disk
+
+    s = DiskStore(str(tmp_path))
+    s.put(make_entry())
+    real_open, refused = os.open, []
+
+    def not_the_owner(path, flags, *args, **kwargs):
+        if disk._NOATIME and flags & disk._NOATIME:
+            refused.append(path)
+            raise PermissionError(errno.EPERM, "Operation not permitted")
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(disk.os, "open", not_the_owner)
+    assert s.get(KEY) == make_entry() and [i.key for i in s.entries()] == [KEY]
+    assert refused or not disk._NOATIME
+
+
 def test_prune_by_age_and_clear(tmp_path):
     s = DiskStore(str(tmp_path))
     a, b = "aa" + "0" * 62, "bb" + "0" * 62
