@@ -9,6 +9,7 @@ goes on.
 
 from __future__ import annotations
 
+import heapq
 import json
 import math
 import os
@@ -158,25 +159,39 @@ class _Queue:
         for item in reversed(items):  # pop() from the end keeps the given order
             self.groups.setdefault(kernel_family(item.config), []).append(item)
         self.owners: dict[tuple, set[int]] = {g: set() for g in self.groups}
+        self.order = {g: i for i, g in enumerate(self.groups)}  # ties go to the family met first
+        # Families nobody works on, the largest first: a heap, so that a take costs a
+        # pop, not a scan of every family (a sweep of single-config families was
+        # quadratic). Entries go stale when a family is taken; take skips those.
+        self.fresh = [(-len(v), self.order[g], g) for g, v in self.groups.items()]
+        heapq.heapify(self.fresh)
+        self.current: dict[int, tuple] = {}  # worker -> the family it works on
 
     def __len__(self) -> int:
         return sum(len(v) for v in self.groups.values())
 
     def take(self, worker: int) -> WarmItem | None:
-        mine = [g for g, owners in self.owners.items() if worker in owners and self.groups[g]]
-        if not mine:
-            left = [g for g in self.groups if self.groups[g]]
-            fresh = [g for g in left if not self.owners[g]]
-            if fresh:
-                mine = [max(fresh, key=lambda g: len(self.groups[g]))]
-            elif left:
-                g = max(left, key=lambda g: len(self.groups[g]) / len(self.owners[g]))
-                if len(self.groups[g]) / len(self.owners[g]) >= self.STEAL_AT:
-                    mine = [g]
-            if not mine:
+        g = self.current.get(worker)
+        if g is None or not self.groups[g]:
+            g = self._family_for(worker)
+            if g is None:
                 return None
-            self.owners[mine[0]].add(worker)
-        return self.groups[mine[0]].pop()
+            self.owners[g].add(worker)
+            self.current[worker] = g
+        return self.groups[g].pop()
+
+    def _family_for(self, worker: int) -> tuple | None:
+        """A family for a worker whose own are done: the largest nobody has, else the
+        one with the most configs left per worker, if worth compiling again."""
+        while self.fresh:
+            size, _, g = heapq.heappop(self.fresh)
+            if not self.owners[g] and len(self.groups[g]) == -size:
+                return g
+        left = [g for g in self.groups if self.groups[g]]
+        if not left:
+            return None
+        g = max(left, key=lambda g: len(self.groups[g]) / len(self.owners[g]))
+        return g if len(self.groups[g]) / len(self.owners[g]) >= self.STEAL_AT else None
 
     def drain(self) -> list[WarmItem]:
         """Every config left, taken off the queue."""
@@ -187,8 +202,12 @@ class _Queue:
 
     def forget(self, worker: int) -> None:
         """A worker is gone: its families are free for others."""
-        for owners in self.owners.values():
-            owners.discard(worker)
+        self.current.pop(worker, None)
+        for g, owners in self.owners.items():
+            if worker in owners:
+                owners.discard(worker)
+                if not owners and self.groups[g]:
+                    heapq.heappush(self.fresh, (-len(self.groups[g]), self.order[g], g))
 
 
 def _apply(item: WarmItem, msg: dict, elapsed: float) -> None:

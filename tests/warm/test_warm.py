@@ -5,6 +5,8 @@ import json
 import time
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from fastattn import AttentionConfig, InvalidArgumentError, sweep, warm
 
@@ -205,6 +207,56 @@ def test_a_big_family_is_shared_and_a_lost_worker_frees_its_family():
     assert q.take(3) is None  # 2S-1 for 3: not worth another compile
     q.forget(0), q.forget(1), q.forget(2)
     assert q.take(3) is not None  # nobody has the family now
+
+
+class _ScanningQueue:
+    """_Queue's policy as it was written first, scanning every family on each take: the
+    reference the heap-based _Queue must agree with."""
+
+    def __init__(self, items, family):
+        self.groups, self.STEAL_AT = {}, warm._Queue.STEAL_AT
+        for item in reversed(items):
+            self.groups.setdefault(family(item.config), []).append(item)
+        self.owners = {g: set() for g in self.groups}
+
+    def take(self, worker):
+        mine = [g for g, owners in self.owners.items() if worker in owners and self.groups[g]]
+        if not mine:
+            left = [g for g in self.groups if self.groups[g]]
+            fresh = [g for g in left if not self.owners[g]]
+            if fresh:
+                mine = [max(fresh, key=lambda g: len(self.groups[g]))]
+            elif left:
+                g = max(left, key=lambda g: len(self.groups[g]) / len(self.owners[g]))
+                if len(self.groups[g]) / len(self.owners[g]) >= self.STEAL_AT:
+                    mine = [g]
+            if not mine:
+                return None
+            self.owners[mine[0]].add(worker)
+        return self.groups[mine[0]].pop()
+
+    def forget(self, worker):
+        for owners in self.owners.values():
+            owners.discard(worker)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(families=st.lists(st.integers(0, 5), min_size=0, max_size=80),
+       ops=st.lists(st.tuples(st.sampled_from(["take", "take", "take", "forget"]), st.integers(0, 4)), max_size=200))
+def test_the_queue_hands_out_what_the_scanning_policy_does(monkeypatch, families, ops):
+    # Each config's family is its listed number; any order of takes and lost workers.
+    configs = [AttentionConfig(batch=1, heads_q=8, head_dim_qk=64, seqlen_q=64 + i) for i in range(len(families))]
+    family = {c: (f,) for c, f in zip(configs, families)}
+    monkeypatch.setattr(warm, "kernel_family", lambda c: family[c])
+    q = warm._Queue([warm.WarmItem(c) for c in configs])
+    ref = _ScanningQueue([warm.WarmItem(c) for c in configs], family.__getitem__)
+    for op, worker in ops:
+        if op == "forget":
+            q.forget(worker), ref.forget(worker)
+            continue
+        got, want = q.take(worker), ref.take(worker)
+        assert (got and got.config) == (want and want.config)
+    assert len(q) == sum(len(v) for v in ref.groups.values())
 
 
 def test_warm_starts_no_more_workers_than_families(fake_workers):
