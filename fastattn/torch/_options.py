@@ -121,6 +121,15 @@ def config_fields(options: tuple) -> dict:
     return out
 
 
+# attention_varlen: a training plan is declared for at least two queries per sequence
+# (the lengths from cu_seqlens_q still mask the rest: no copy). With one, cuDNN 9.19's ragged backward is
+# wrong whenever there are fewer key heads than query heads: d_q, d_k and d_v hundreds
+# of times off (with softcap 1e22) on the H200, while the same plan declared for two is
+# right (benchmarks/probe_decode.py shows both); and it refuses one query against one key
+# outright. Both paths read it from here (the op library as kVarlenMinTrainingQ).
+VARLEN_MIN_TRAINING_Q = 2
+
+
 # -- the entry points' own arguments, as their C entries read them ------------------------------
 
 class Arg(NamedTuple):
@@ -280,7 +289,9 @@ def cpp_header() -> str:
            f"inline constexpr c10::string_view kLayouts[] = {_names(LAYOUTS)};",
            "inline constexpr std::array<int, 4> kAxes[] = {"
            + ", ".join("{" + ", ".join(map(str, axes(layout))) + "}" for layout in LAYOUTS) + "};",
-           f"inline constexpr const char *kLayoutChoices = {json.dumps(str(LAYOUTS))};", "",
+           f"inline constexpr const char *kLayoutChoices = {json.dumps(str(LAYOUTS))};",
+           "// attention_varlen's training plans are declared for at least this many queries (_options says why).",
+           f"inline constexpr int64_t kVarlenMinTrainingQ = {VARLEN_MIN_TRAINING_Q};", "",
            "// The kinds of call (OPS's order): the miss handler's first argument, a table key's first word.",
            "enum Kind : int64_t { " + ", ".join(f"k{op.capitalize()} = {i}" for i, op in enumerate(OPS)) + " };", ""]
     for op, options in OPS.items():

@@ -35,13 +35,7 @@ def bucket(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
-# A training plan is declared for at least two queries per sequence (the lengths from
-# cu_seqlens_q still mask the rest: no copy). With one, cuDNN 9.19's ragged backward is
-# wrong whenever there are fewer key heads than query heads: d_q, d_k and d_v hundreds
-# of times off (with softcap 1e22) on the H200, while the same plan declared for two is
-# right (benchmarks/probe_decode.py shows both); and it refuses one query against one key
-# outright. The C entry (csrc/eager.cpp) declares the same.
-MIN_TRAINING_Q = 2
+MIN_TRAINING_Q = _options.VARLEN_MIN_TRAINING_Q  # (why: _options)
 
 
 def plan_for(q, k, v, batch: int, options: VarlenOptions) -> Cached:

@@ -323,7 +323,7 @@ PyObject *call_varlen(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
     if (!q.is_cuda() || !varlen_tensors_ok(q, k, v, cu_q, cu_kv) || !outside_modes()) Py_RETURN_NOTIMPLEMENTED;
     VarlenOptions &o = c.options;
     o.training = at::GradMode::is_enabled() && (q.requires_grad() || k.requires_grad() || v.requires_grad());
-    if (o.training) o.max_q = std::max<int64_t>(o.max_q, 2);  // at least two queries (_varlen.MIN_TRAINING_Q says why)
+    if (o.training) o.max_q = std::max(o.max_q, kVarlenMinTrainingQ);  // (fastattn/torch/_options.py says why)
     const OptTensor no_dropout;
     Tensor o_out;
     {
