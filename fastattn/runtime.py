@@ -336,10 +336,12 @@ def probe(config: ConfigLike, *, device: int | None = None, refresh: bool = Fals
     without PyTorch), LibraryError when cuDNN, CUDA or the driver is missing,
     CudaError when the device is unusable.
     """
-    entry, from_memory = _answer(config, device, refresh, verify)
-    if from_memory:
-        return replace(entry.result, source="memory", build_seconds=0.0)
-    return entry.result
+    return _result(*_answer(config, device, refresh, verify))
+
+
+def _result(entry: _Entry, from_memory: bool) -> ProbeResult:
+    """probe's answer: the entry's, said to come from memory when it did."""
+    return replace(entry.result, source="memory", build_seconds=0.0) if from_memory else entry.result
 
 
 def plan(config: ConfigLike, *, device: int | None = None, verify: bool = False) -> Plan:
@@ -508,8 +510,7 @@ def preload(configs: Iterable[ConfigLike] | None = None, *, device: int | None =
         warm_torch_backward()
 
     def one(config: AttentionConfig) -> ProbeResult:  # probe(), as a load ahead of use
-        entry, from_memory = _answer(config, device, verify=verify, ahead=True)
-        return replace(entry.result, source="memory", build_seconds=0.0) if from_memory else entry.result
+        return _result(*_answer(config, device, verify=verify, ahead=True))
 
     def run() -> list[ProbeResult]:
         with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="fastattn-preload") as pool:
