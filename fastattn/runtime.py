@@ -500,19 +500,21 @@ def preload(configs: Iterable[ConfigLike] | None = None, *, device: int | None =
     check("bool", "background", background)
     check("bool", "verify", verify)
     given = check_configs(configs) if configs is not None else None  # all arguments before any library loads
-    device = _resolve_device(device)
-    todo = given if given is not None else plan_cache().configs(device)
-    if "fastattn.torch" in sys.modules and any(c.training for c in todo):
-        # A user of the autograd path: its first backward will import sympy. Not for raw
-        # plan users: measured, the import's GIL contention slowed a raw warm+preload
-        # start several times over (benchmarks/bench_coldstart.py on the H200;
-        # docs/history/benchmarks-log.md, "Cold start with autograd (issue 17)").
-        warm_torch_backward()
+    device = _resolve_device(device)  # the caller's current device (a thread's own)
+    cache = plan_cache() if given is None else None  # its settings read (and refused) here
 
     def one(config: AttentionConfig) -> ProbeResult:  # probe(), as a load ahead of use
         return _result(*_answer(config, device, verify=verify, ahead=True))
 
     def run() -> list[ProbeResult]:
+        # Listing the cache reads every entry's header: in the background, the worker's.
+        todo = given if cache is None else cache.configs(device)
+        if "fastattn.torch" in sys.modules and any(c.training for c in todo):
+            # A user of the autograd path: its first backward will import sympy. Not for raw
+            # plan users: measured, the import's GIL contention slowed a raw warm+preload
+            # start several times over (benchmarks/bench_coldstart.py on the H200;
+            # docs/history/benchmarks-log.md, "Cold start with autograd (issue 17)").
+            warm_torch_backward()
         with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="fastattn-preload") as pool:
             return list(pool.map(one, todo))
 

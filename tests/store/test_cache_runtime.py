@@ -207,6 +207,30 @@ def test_preload_loads_the_most_recently_used_first(cache_dir):
     assert [c.seqlen_q for c in runtime.plan_cache().configs()] == [2048, 512, 256, 1024]
 
 
+def test_background_preload_lists_the_cache_in_its_worker(cache_dir, monkeypatch):
+    # preload(background=True) returns before it reads the cache's headers (a listing
+    # reads every entry's): the caller's thread resolves the device and the settings only.
+    import threading
+
+    from fastattn.plan_cache import PlanCache
+
+    for s in (256, 512):
+        fastattn.plan({**CFG, "seqlen_q": s})
+    new_process()
+    listing, release, real = threading.Event(), threading.Event(), PlanCache.configs
+
+    def slow_listing(self, device=None):
+        listing.set()
+        assert release.wait(30)
+        return real(self, device)
+
+    monkeypatch.setattr(PlanCache, "configs", slow_listing)
+    future = fastattn.preload(background=True)
+    assert listing.wait(30) and not future.done()  # returned while its worker lists
+    release.set()
+    assert sorted(r.config.seqlen_q for r in future.result(timeout=30)) == [256, 512]
+
+
 _RACER = textwrap.dedent("""
     import sys, time
     sys.path.insert(0, {here!r})
