@@ -88,10 +88,12 @@ def add_parser(sub) -> None:
 
 
 def _age(seconds: float) -> str:
+    if seconds < 0:  # a time after now: another clock's, or set by hand (touch -d)
+        return "ahead"
     for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
         if seconds >= size:
             return f"{seconds / size:.0f}{unit}"
-    return f"{seconds:.0f}s"
+    return f"{seconds + 0.0:.0f}s"  # (+ 0.0: -0.0 reads 0s)
 
 
 def _summary(info: store.EntryInfo) -> str:

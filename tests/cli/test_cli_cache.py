@@ -9,6 +9,8 @@ import os
 import tarfile
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import fastattn
 from fastattn import cli, runtime, store
@@ -42,6 +44,25 @@ def test_ls_and_show(env, capsys):
     assert code == cli.EXIT_BAD_INPUT and "no entry" in err
     code, out, err = run(["cache", "show", ""], capsys)
     assert code == cli.EXIT_BAD_INPUT
+
+
+@settings(max_examples=200, deadline=None)
+@given(seconds=st.floats(min_value=-1e12, max_value=1e12))
+def test_an_age_is_never_negative(seconds):
+    # An entry's times come from its file (another machine's clock, a `touch -d`): a
+    # time after now reads "ahead", never a negative age.
+    from fastattn.cli.cache import _age
+
+    text = _age(seconds)
+    assert not text.startswith("-") and (text == "ahead") == (seconds < 0)
+
+
+def test_ls_says_ahead_for_a_last_use_after_now(env, capsys):
+    fill()
+    info = next(i for _, i in runtime.plan_cache().store.entries())
+    os.utime(info.path, (info.last_used + 10 * 365 * 86400, os.stat(info.path).st_mtime))
+    code, text, _ = run(["cache", "ls"], capsys)
+    assert code == 0 and " ahead " in text and " -" not in text
 
 
 def test_verify_finds_damage(env, capsys):
