@@ -54,14 +54,6 @@ namespace py = pybind11;
 
 namespace {
 
-// An optional tensor argument: false when it is neither None nor a tensor.
-bool read_optional(PyObject *arg, OptTensor &out) {
-    if (arg == Py_None) return true;
-    if (!THPVariable_Check(arg)) return false;
-    out = THPVariable_Unpack(arg);
-    return true;
-}
-
 bool wants_grad(const OptTensor &t) { return given(t) && t->requires_grad(); }
 
 // The eager call itself, shared by both entries: gradients are decided here, from the
@@ -124,7 +116,12 @@ bool fa_read_tensor(PyObject *arg, PyObject *&out) {
 }
 
 // None or a tensor.
-bool fa_read_optional(PyObject *arg, OptTensor &out) { return read_optional(arg, out); }
+bool fa_read_optional(PyObject *arg, OptTensor &out) {
+    if (arg == Py_None) return true;
+    if (!THPVariable_Check(arg)) return false;
+    out = THPVariable_Unpack(arg);
+    return true;
+}
 
 // True or False.
 bool fa_read_bool(PyObject *arg, bool &out) {
