@@ -24,9 +24,11 @@ itself run on fastattn where PyTorch would run its cuDNN backend (the SDPA mode,
 _sdpa_mode); FASTATTN_SDPA=1 enables it when this package is imported. Importing
 fastattn.torch changes nothing in PyTorch otherwise.
 
-The package: one module per entry point (_dense: attention, _varlen: attention_varlen,
-_paged: attention_paged, _fp8: the FP8 ops, _fp8_scaled: the scaling helper, _sdpa:
-scaled_dot_product_attention, on attention()), _plans for what they share (the tensor-signature -> plan
+The package: _api, the entry points attention, attention_varlen and attention_paged as users
+call them (signatures, checks, options); one module per op behind them (_dense, _varlen,
+_paged: plan keys, configs, custom ops, the Python path's work); _fp8: the FP8 ops,
+_fp8_scaled: the scaling helper, _sdpa: scaled_dot_product_attention, on attention();
+_plans for what they share (the tensor-signature -> plan
 table, workspaces per stream, the current stream), and _autograd, the one autograd
 definition that plain eager calls and the custom ops both use. `backend_info()` says
 which path the entry points take (the native C++ op library or the Python path) and why.
@@ -36,13 +38,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._dense import attention
+from ._api import attention, attention_paged, attention_varlen
 from ._fp8 import Fp8Grads, Fp8Output, attention_fp8, attention_fp8_backward
 from ._fp8_scaled import attention_fp8_scaled
-from ._paged import attention_paged
 from ._sdpa import scaled_dot_product_attention
 from ._sdpa_mode import disable_sdpa, enable_sdpa, sdpa_enabled
-from ._varlen import attention_varlen
 
 __all__ = ["attention", "attention_paged", "attention_varlen", "attention_fp8", "attention_fp8_backward",
            "attention_fp8_scaled", "Fp8Output", "Fp8Grads", "scaled_dot_product_attention", "enable_sdpa", "disable_sdpa", "sdpa_enabled", "backend_info"]

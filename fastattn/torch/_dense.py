@@ -1,5 +1,5 @@
-"""fastattn.torch.attention: dense (batch, head, seq, dim) tensors in any of three
-layouts, with padding masks, ALiBi, a bias, dropout and sinks; forward and backward.
+"""attention()'s op (the entry point is in _api): dense (batch, head, seq, dim) tensors in
+any of three layouts, with padding masks, ALiBi, a bias, dropout and sinks; forward and backward.
 
 Two custom ops, fastattn::attention_forward and fastattn::attention_backward, with fake
 (meta) implementations and the shared autograd rule (_autograd), so that
@@ -9,30 +9,19 @@ the same work under _autograd.Eager.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Literal, overload
-
 import torch
 
-from .. import _fields
-from .. import shape_classes as _shape_classes
 from ..config import AttentionConfig, bias_name
 from ..errors import InvalidArgumentError
-from . import _autograd, _classes, _native, _options
+from . import _autograd, _native, _options
 from ._plans import check_shapes
-from ._plans import options as check_options
-from ._plans import (AXES, DTYPES, Cached, bottom_right, check_qkv_tensors, config_shape, out_shape, plans, raw_stream,
+from ._plans import (AXES, DTYPES, Cached, check_qkv_tensors, config_shape, out_shape, plans, raw_stream,
                      remember, stats_shape, tensor_key, workspace)
 
 
 # attention()'s scalar options (_options.OPS["dense"]): part of the plan key as they are,
 # and the custom ops' arguments after the tensors, in this order.
 DenseOptions = _options.named_tuple("dense", "DenseOptions")
-
-
-# DenseOptions(...) without the Python __new__ a NamedTuple has: tuple.__new__ costs
-# less per call, so that named options cost little over a plain tuple.
-_new = tuple.__new__
 
 
 def plan_for(q, k, v, o, seq_len_q, seq_len_kv, bias, sink, options: DenseOptions) -> Cached:
@@ -267,200 +256,3 @@ def _check_extras(q: torch.Tensor, k: torch.Tensor, layout: str, bias, sink) -> 
         if sink.shape != (h,) or not sink.is_contiguous():
             raise InvalidArgumentError(f"sinks has shape {tuple(sink.shape)}: expected ({h},), one logit per query "
                                        "head, contiguous")
-
-
-_NO_EXTRAS = (None, None, None)  # bias, sinks, rng
-
-
-# The result's type follows return_lse (for type checkers).
-@overload
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = ...,
-              causal_bottom_right: bool = ..., window: tuple[int, int] | None = ..., scale: float | None = ...,
-              layout: str = ..., deterministic: bool = ..., seq_lens_q: torch.Tensor | None = ...,
-              seq_lens_kv: torch.Tensor | None = ..., alibi: bool = ..., bias: torch.Tensor | None = ...,
-              dropout_p: float = ..., sinks: torch.Tensor | None = ..., alignment: str = ...,
-              return_lse: Literal[False] = ..., softcap: float = ...,
-              shape_classes: str | Sequence[int] | None = ...) -> torch.Tensor: ...
-@overload
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = ...,
-              causal_bottom_right: bool = ..., window: tuple[int, int] | None = ..., scale: float | None = ...,
-              layout: str = ..., deterministic: bool = ..., seq_lens_q: torch.Tensor | None = ...,
-              seq_lens_kv: torch.Tensor | None = ..., alibi: bool = ..., bias: torch.Tensor | None = ...,
-              dropout_p: float = ..., sinks: torch.Tensor | None = ..., alignment: str = ...,
-              return_lse: Literal[True], softcap: float = ...,
-              shape_classes: str | Sequence[int] | None = ...) -> tuple[torch.Tensor, torch.Tensor]: ...
-@overload
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = ...,
-              causal_bottom_right: bool = ..., window: tuple[int, int] | None = ..., scale: float | None = ...,
-              layout: str = ..., deterministic: bool = ..., seq_lens_q: torch.Tensor | None = ...,
-              seq_lens_kv: torch.Tensor | None = ..., alibi: bool = ..., bias: torch.Tensor | None = ...,
-              dropout_p: float = ..., sinks: torch.Tensor | None = ..., alignment: str = ...,
-              return_lse: bool = ..., softcap: float = ...,
-              shape_classes: str | Sequence[int] | None = ...
-              ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
-
-
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
-              causal_bottom_right: bool = False, window: tuple[int, int] | None = None, scale: float | None = None,
-              layout: str = "bshd", deterministic: bool = False, seq_lens_q: torch.Tensor | None = None,
-              seq_lens_kv: torch.Tensor | None = None, alibi: bool = False, bias: torch.Tensor | None = None,
-              dropout_p: float = 0.0, sinks: torch.Tensor | None = None, alignment: str = "top_left",
-              return_lse: bool = False, softcap: float = 0.0, shape_classes: str | Sequence[int] | None = None
-              ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Scaled dot-product attention on cuDNN's fused kernels, with autograd.
-
-    q: (batch, seqlen_q, heads_q, head_dim_qk) for layout="bshd" (FlashAttention's order;
-      "bhsd" is scaled_dot_product_attention's, "sbhd" is sequence-first); k and v the
-      same with seqlen_kv and heads_kv (heads_q a multiple of it: GQA, MQA); v's head
-      dim may differ. float16 or bfloat16 CUDA tensors on one device, any strides cuDNN
-      accepts. Returns o with q's shape and v's head dim, in the same order.
-    causal: query i sees keys j <= i + shift, where shift is 0 at the default top-left
-      alignment (scaled_dot_product_attention's is_causal) and seqlen_kv - seqlen_q at
-      the bottom right (FlashAttention's causal; per sequence with seq_lens_q/kv).
-      causal_bottom_right=True is causal=True with alignment="bottom_right".
-    window: (left, right) sliding window: query i sees keys j with i + shift - left <= j
-      <= i + shift + right (-1 unbounded; a causal mask fixes right at 0). For
-      FlashAttention's windows pass alignment="bottom_right" (fastattn.flash does).
-    scale: softmax scale (default 1/sqrt(head_dim_qk)).
-    deterministic: a deterministic backward.
-    seq_lens_q, seq_lens_kv: padding masks: int32 CUDA tensors of shape (batch,), each
-      sequence's own query and key lengths (at most the tensors' sequence lengths; not
-      checked, as that would synchronize); seq_lens_kv defaults to seq_lens_q. Queries
-      and keys past them are masked out, and o (and in backward d_q, d_k, d_v) is zero
-      there. The masks apply within each sequence's lengths. The padded rows of q, k,
-      v and the output gradient must hold finite values (zeros, or anything finite):
-      cuDNN multiplies them by zero, so NaN or Inf there (torch.empty can hold them)
-      leaks into the results.
-    alibi: ALiBi position biases (slope[h] * (key - query) added after scaling, the
-      ALiBi paper's slopes); cuDNN needs a causal mask (or a window's right bound at 0)
-      with it.
-    bias: an additive bias after scaling, (1 or batch, 1 or heads_q, seqlen_q,
-      seqlen_kv), q's dtype, contiguous; it gets a gradient when it requires one.
-    dropout_p: dropout on the attention weights, as scaled_dot_product_attention's
-      (applied whenever > 0; pass 0 in evaluation). The mask comes from PyTorch's CUDA
-      generator (torch.manual_seed), and backward uses the same one.
-    sinks: attention sinks, a float32 logit per query head, (heads_q,), in every
-      softmax denominator; it gets a gradient when it requires one.
-    alignment: "top_left" (default) or "bottom_right": where the diagonal of the causal
-      mask and of the window sits (the shift above).
-    return_lse: also return the log-sum-exp of each row of scaled, masked scores (natural
-      log), float32 (batch, heads_q, seqlen_q), FlashAttention's softmax_lse: returns
-      (o, lse), lse without a gradient. It makes the call a training one (the plan with
-      its backward), whose forward writes these stats.
-    softcap: logit soft-capping (Gemma 2): scores become softcap * tanh(score / softcap)
-      after scaling, before masking, in cuDNN's graph (its score modifier); forward and
-      backward. 0.0 (default): none. cuDNN decides what it combines with: a refusal is a
-      NotSupportedError with its reason (cudnn-frontend 1.28 refuses it with ALiBi).
-    shape_classes: "off", "auto" or ascending class bounds, e.g. (256, 1024, 4096)
-      (fastattn.shape_classes); None (default): FASTATTN_SHAPE_CLASSES, read when
-      fastattn.torch was imported ("off" unless set). With classes, a plain eager bshd
-      call with packed tokens (token stride heads * dim), no bias and no sinks runs the
-      plan of its lengths' class, so a new length in a known class builds and loads
-      nothing; the same results (o's rows past seq_lens zero, gradients), o contiguous.
-      Such calls take the Python path (fastattn/torch/_classes.py says what that costs).
-
-    Raises InvalidArgumentError (a ValueError) for CPU tensors, mismatched devices,
-    dtypes or shapes, NotSupportedError when cuDNN refuses the config.
-    """
-    # Classes wanted: "auto" or bounds (SETTING OFF: the hot path as it was). Read as fields,
-    # not bool(SETTING): Classes.__bool__ is a Python call on every call of the hot path.
-    if shape_classes is None:
-        setting = _classes.SETTING
-        classes = setting.__class__ is str or setting.ranges != ()
-    else:  # parsed here, so that a bad choice is refused whatever the tensors (meta, traced, CPU)
-        shape_classes = _parse_classes(shape_classes, "shape_classes")
-        classes = shape_classes.__class__ is str or shape_classes.ranges != ()
-    if not dynamo_compiling():  # (dynamo traces the body below instead)
-        call = _native.CALL
-        if call is not None and not classes:
-            # The native path's C entry (eager.cpp's call): it takes these arguments as
-            # they are when they need no conversion; NotImplemented hands the call to
-            # the body below, which checks and reports.
-            o = call(q, k, v, causal, causal_bottom_right, window, scale, layout, deterministic, seq_lens_q,
-                     seq_lens_kv, alibi, bias, dropout_p, sinks, alignment, return_lse, softcap)
-            if o is not NotImplemented:
-                return o
-    else:  # dynamo's fake tensors look like plain CUDA ones, checked below only in plan_for: check them here
-        _check_tensors(q, k, v, layout, seq_lens_q, seq_lens_kv, bias, sinks)
-    if layout not in AXES:
-        raise InvalidArgumentError(f"layout={layout!r}: must be one of {tuple(AXES)}")
-    if seq_lens_kv is None:
-        seq_lens_kv = seq_lens_q
-    elif seq_lens_q is None:
-        raise InvalidArgumentError("seq_lens_kv given without seq_lens_q")
-    # Plain CUDA tensors are checked once per plan, in plan_for (on a miss); anything else
-    # on every call: meta and CPU tensors, subclasses and fake tensors (FakeTensorMode,
-    # make_fx, non-strict torch.export), which outside torch.compile and torch.export
-    # take the Python ops (the op library's Meta kernels check nothing).
-    cuda = q.__class__ is Tensor and q.is_cuda
-    if not cuda:
-        _check(q, k, v, layout, seq_lens_q, seq_lens_kv)
-    left, right, scale = check_options(causal, causal_bottom_right, window, scale, deterministic, alibi)
-    br = bottom_right(alignment, causal_bottom_right)
-    causal = bool(causal or causal_bottom_right)
-    if return_lse.__class__ is not bool:
-        _fields.check("bool", "return_lse", return_lse)
-    if softcap.__class__ is not float or softcap != 0.0:  # (0.0, the common call, needs no check)
-        softcap = _options.positive_or_zero("softcap", softcap)
-    plain = bias is None and sinks is None and not dropout_p  # the common call
-    if plain:
-        extras = _NO_EXTRAS
-    else:
-        _fields.check("probability", "dropout_p", dropout_p)
-        if not cuda:
-            _check_extras(q, k, layout, bias, sinks)
-        # Philox's seed at element 0 and offset at element 2, drawn from PyTorch's generator.
-        rng = torch.randint(0, 2**62, (4,), device=q.device, dtype=torch.int64) if dropout_p else None
-        extras = (bias, sinks, rng)
-    grads = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
-                                         or (bias is not None and bias.requires_grad)
-                                         or (sinks is not None and sinks.requires_grad))
-    training = grads or bool(return_lse)
-    if plain:
-        options = _new(DenseOptions, (layout, causal, br, left, right, scale, bool(deterministic), bool(alibi),
-                                      training, 0.0, False, softcap))
-    else:
-        options = DenseOptions(layout, causal, br, left, right, scale, bool(deterministic), bool(alibi), training,
-                               float(dropout_p), bool(grads and bias is not None and bias.requires_grad), softcap)
-    if classes and bias is None and sinks is None and cuda and plain_eager(q):
-        # A class plan where the call's lengths have one (_classes.serve; None: exact plans).
-        served = _classes.serve(q, k, v, seq_lens_q, seq_lens_kv, extras[2], options, shape_classes, grads,
-                                return_lse)
-        if served is not None:
-            return served
-    if return_lse:
-        if cuda and plain_eager(q):
-            o, stats = (EagerWithStats.apply(RULE, options, q, k, v, seq_lens_q, seq_lens_kv, *extras) if grads
-                        else forward_impl(q, k, v, seq_lens_q, seq_lens_kv, *extras, options))
-        else:
-            o, stats = forward_op(q, k, v, seq_lens_q, seq_lens_kv, *extras, *options)
-        return o, stats.squeeze(-1)  # (batch, heads_q, seqlen_q): FlashAttention's softmax_lse
-    native = _native.DENSE
-    if native is not None:
-        # The native path: the op library's C++ (plan table, allocation, autograd in C++).
-        # An eager CUDA call decides the path if undecided; a trace records the native
-        # op once decided, else the Python ops. torch.func transforms wrap tensors in
-        # ways a C++ autograd Function does not handle: they take the Python ops.
-        if compiling():
-            if native is not _native.UNDECIDED:
-                return native[1](q, k, v, seq_lens_q, seq_lens_kv, *extras, *options)[0]
-        elif cuda and not functorch_active():
-            if native is _native.UNDECIDED:
-                native = _native.decide()
-            if native is not None:
-                return native[0](q, k, v, seq_lens_q, seq_lens_kv, *extras, *options)[0]
-    if cuda and plain_eager(q):
-        if not training:  # no autograd either: straight to the plan
-            return forward_impl(q, k, v, seq_lens_q, seq_lens_kv, *extras, options)[0]
-        return Eager.apply(RULE, options, q, k, v, seq_lens_q, seq_lens_kv, *extras)
-    return forward_op(q, k, v, seq_lens_q, seq_lens_kv, *extras, *options)[0]
-
-
-# Module globals: one lookup less per call.
-_parse_classes = _shape_classes.parse
-plain_eager, Eager, EagerWithStats = _autograd.plain_eager, _autograd.Eager, _autograd.EagerWithStats
-compiling, functorch_active = torch.compiler.is_compiling, _autograd.functorch_active
-# Dynamo's own flag (one call, cheaper than is_compiling): other tracers
-# (make_fx, non-strict export) run the C entry, which sees their dispatch modes.
-dynamo_compiling = getattr(torch.compiler, "is_dynamo_compiling", compiling)
-Tensor = torch.Tensor

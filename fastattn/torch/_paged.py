@@ -1,4 +1,5 @@
-"""fastattn.torch.attention_paged: attention against a paged KV cache, forward only.
+"""attention_paged()'s op (the entry point is in _api): attention against a paged KV cache,
+forward only.
 
 FlashAttention's flash_attn_with_kvcache layout: k and v are pools of pages of
 page_size tokens, (num_pages, page_size, heads_kv, dim), and an int32 block table lists
@@ -13,17 +14,13 @@ from ..config import AttentionConfig
 from ..errors import InvalidArgumentError
 from . import _native, _options
 from ._autograd import functorch_active, plain_eager
-from ._plans import (DTYPES, Cached, bottom_right, capturing, check_qkv_tensors, logical, out_shape, plans, raw_stream,
+from ._plans import (DTYPES, Cached, capturing, check_qkv_tensors, logical, out_shape, plans, raw_stream,
                      remember, tensor_key, workspace)
-from ._plans import options as check_options
 
 
 # attention_paged()'s scalar options (_options.OPS["paged"]): part of the plan key as they
 # are, and the custom op's arguments after the tensors, in this order.
 PagedOptions = _options.named_tuple("paged", "PagedOptions")
-
-
-_new = tuple.__new__  # PagedOptions(...) without a NamedTuple's Python __new__ (see _dense)
 
 
 def plan_for(q, k_cache, v_cache, table, seq_lens_q, cache_seqlens, options: PagedOptions) -> Cached:
@@ -135,83 +132,16 @@ def _check_paged(q, k_cache, v_cache, table, seq_lens_q, cache_seqlens) -> None:
         _check_lengths("seq_lens_q", seq_lens_q, batch, q.device)
 
 
-def attention_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
-                    cache_seqlens: torch.Tensor, *, seq_lens_q: torch.Tensor | None = None, causal: bool = False,
-                    causal_bottom_right: bool = False, window: tuple[int, int] | None = None,
-                    scale: float | None = None, alignment: str | None = None, softcap: float = 0.0) -> torch.Tensor:
-    """Attention against a paged KV cache (FlashAttention's flash_attn_with_kvcache
-    layout), for decode and for prefill against a cache; forward only (cuDNN has no
-    paged backward).
-
-    q: (batch, seqlen_q, heads_q, head_dim_qk); seqlen_q 1 for decode.
-    k_cache, v_cache: page pools, (num_pages, page_size, heads_kv, head_dim): float16
-      or bfloat16 on q's device, heads_kv dividing heads_q.
-    block_table: int32 (batch, pages per sequence), contiguous: each sequence's pages
-      in order. The plan's longest KV sequence is pages per sequence * page_size.
-    cache_seqlens: int32 (batch,): each sequence's KV length (at most pages per
-      sequence * page_size; not checked, as that would synchronize). Rows of a page
-      past them may hold anything finite.
-    seq_lens_q: int32 (batch,): each sequence's query length (default: all seqlen_q);
-      o is zero past it.
-    alignment: where the diagonal of causal and window sits, with no default while
-      either is used: the layout is flash_attn_with_kvcache's, whose causal is at the
-      bottom right, while attention()'s is at the top left, so a port from either would
-      silently change its answer under a default. "bottom_right" puts the diagonal at
-      the end of each sequence, where the queries of a decode or a chunked prefill sit:
-      query i of a sequence sees keys j <= i + cache_seqlens - seq_lens_q (causal);
-      "top_left" at its start (j <= i). causal=True without an alignment raises
-      InvalidArgumentError, and so does a window. causal_bottom_right=True is
-      causal=True with alignment="bottom_right". (fastattn.flash.flash_attn_with_kvcache
-      is FlashAttention's function, bottom right.) window, scale and softcap as attention().
-      Returns o: (batch, seqlen_q, heads_q, head_dim_v).
-
-    Not bitwise repeatable: cuDNN's paged kernels may sum a row's keys in another order
-    from one call to the next (identical eager calls, and a CUDA-graph replay against
-    an eager call, were seen an element apart on the H200 with cuDNN 9.19). What is
-    promised is the output dtype's rounding: identical calls agree within one unit in
-    the last place of o's dtype, element by element.
-
-    Raises InvalidArgumentError for bad inputs (and for inputs that require
-    gradients), NotSupportedError when cuDNN refuses the config.
-    """
-    options = options_for(causal, causal_bottom_right, window, scale, alignment, softcap)
-    if torch.is_grad_enabled() and (getattr(q, "requires_grad", False) or getattr(k_cache, "requires_grad", False)
-                                    or getattr(v_cache, "requires_grad", False)):
-        raise InvalidArgumentError("attention_paged is forward only (cuDNN has no paged backward): call it under "
-                                   "torch.no_grad() or on tensors that do not require gradients")
-    return run(q, k_cache, v_cache, block_table, cache_seqlens, seq_lens_q, options)
-
-
-def options_for(causal, causal_bottom_right, window, scale, alignment, softcap) -> PagedOptions:
-    """attention_paged()'s scalar arguments, checked, as its plans' options (what a caller
-    that makes many calls with the same arguments may keep: fastattn.flash's decode)."""
-    left, right, scale = check_options(causal, causal_bottom_right, window, scale)
-    if softcap.__class__ is not float or softcap != 0.0:
-        softcap = _options.positive_or_zero("softcap", softcap)
-    if alignment is None:
-        if (causal or (left, right) != (-1, -1)) and not causal_bottom_right:
-            raise InvalidArgumentError(
-                f"attention_paged({'causal=True' if causal else f'window={window!r}'}) needs an explicit alignment: "
-                "'bottom_right' (FlashAttention's flash_attn_with_kvcache: the queries at the end of each sequence) "
-                "or 'top_left' (scaled_dot_product_attention's is_causal)")
-        br = bool(causal_bottom_right)
-    else:
-        br = bottom_right(alignment, causal_bottom_right)
-        if causal_bottom_right and alignment == "top_left":
-            raise InvalidArgumentError("causal_bottom_right=True and alignment='top_left' contradict each other")
-    return _new(PagedOptions, (bool(causal or causal_bottom_right), br, left, right, scale, softcap))
-
-
 def run(q, k_cache, v_cache, block_table, cache_seqlens, seq_lens_q, options: PagedOptions) -> torch.Tensor:
     """attention_paged() once its options are checked (options_for) and no input needs a
     gradient: the native op where fastattn.torch runs on it, else the Python one."""
     # Plain CUDA tensors: checked once per plan, in plan_for; anything else (fake tensors
-    # too) on every call (see _dense.attention).
+    # too) on every call (see _api.attention).
     cuda = q.__class__ is torch.Tensor and q.is_cuda
     if not cuda:
         _check_paged(q, k_cache, v_cache, block_table, seq_lens_q, cache_seqlens)
     native = _native.PAGED
-    if native is not None:  # the native path (see _dense.attention)
+    if native is not None:  # the native path (see _api.attention)
         if compiling():
             if native is not _native.UNDECIDED:
                 _check_paged(q, k_cache, v_cache, block_table, seq_lens_q, cache_seqlens)  # its Meta kernel does not

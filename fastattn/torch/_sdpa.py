@@ -19,7 +19,7 @@ from typing import NamedTuple
 import torch
 
 from ..errors import InvalidArgumentError, NotSupportedError
-from ._dense import attention
+from ._api import attention
 
 
 class _Form(NamedTuple):

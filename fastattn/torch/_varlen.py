@@ -1,5 +1,5 @@
-"""fastattn.torch.attention_varlen: packed variable-length sequences (FlashAttention's
-varlen layout), forward and backward.
+"""attention_varlen()'s op (the entry point is in _api): packed variable-length
+sequences (FlashAttention's varlen layout), forward and backward.
 
 The sequences of a batch one after another, (tokens, heads, dim), with cumulative
 lengths. cuDNN's graph fixes the number of sequences and the longest length, so a plan
@@ -9,17 +9,12 @@ share plans, and the persistent cache keeps each one), never by the token count.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Literal, overload
-
 import torch
 
 from ..config import AttentionConfig
 from ..errors import InvalidArgumentError
-from . import _autograd, _classes, _native, _options
-from .. import _fields
-from ._plans import DTYPES, Cached, bottom_right, check_qkv_tensors, plans, raw_stream, remember, workspace
-from ._plans import options as check_options
+from . import _autograd, _native, _options
+from ._plans import DTYPES, Cached, check_qkv_tensors, plans, raw_stream, remember, workspace
 
 
 # attention_varlen()'s scalar options (_options.OPS["varlen"]; max_q and max_kv are the
@@ -28,14 +23,8 @@ from ._plans import options as check_options
 VarlenOptions = _options.named_tuple("varlen", "VarlenOptions")
 
 
-_new = tuple.__new__  # VarlenOptions(...) without a NamedTuple's Python __new__ (see _dense)
-
-
 def bucket(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
-
-
-MIN_TRAINING_Q = _options.VARLEN_MIN_TRAINING_Q  # (why: _options)
 
 
 def plan_for(q, k, v, batch: int, options: VarlenOptions) -> Cached:
@@ -170,146 +159,3 @@ def _check_varlen(q, k, v, cu_q, cu_kv) -> None:
                           ("v", v, v.shape[1], v.shape[2])):
         if t.shape[0] * h * d >= 2**31:
             raise InvalidArgumentError(f"{name} holds {t.shape[0] * h * d} elements: cuDNN's offsets are int32")
-
-
-# The result's type follows return_lse (for type checkers).
-@overload
-def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                     cu_seqlens_kv: torch.Tensor, max_seqlen_q: int, max_seqlen_kv: int, *, causal: bool = ...,
-                     causal_bottom_right: bool = ..., window: tuple[int, int] | None = ...,
-                     scale: float | None = ..., deterministic: bool = ..., alignment: str = ...,
-                     alibi: bool = ..., dropout_p: float = ..., return_lse: Literal[False] = ...,
-                     softcap: float = ..., shape_classes: str | Sequence[int] | None = ...) -> torch.Tensor: ...
-@overload
-def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                     cu_seqlens_kv: torch.Tensor, max_seqlen_q: int, max_seqlen_kv: int, *, causal: bool = ...,
-                     causal_bottom_right: bool = ..., window: tuple[int, int] | None = ...,
-                     scale: float | None = ..., deterministic: bool = ..., alignment: str = ...,
-                     alibi: bool = ..., dropout_p: float = ..., return_lse: Literal[True],
-                     softcap: float = ..., shape_classes: str | Sequence[int] | None = ...) -> tuple[torch.Tensor, torch.Tensor]: ...
-@overload
-def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                     cu_seqlens_kv: torch.Tensor, max_seqlen_q: int, max_seqlen_kv: int, *, causal: bool = ...,
-                     causal_bottom_right: bool = ..., window: tuple[int, int] | None = ...,
-                     scale: float | None = ..., deterministic: bool = ..., alignment: str = ...,
-                     alibi: bool = ..., dropout_p: float = ..., return_lse: bool = ...,
-                     softcap: float = ..., shape_classes: str | Sequence[int] | None = ...) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
-
-
-def _as_int(n):
-    """A 0-d integer tensor (what transformers and FlashAttention's callers hand over) as
-    its int: one read of its value, a synchronization where it is on the GPU. Anything
-    else is left to the check that follows."""
-    if isinstance(n, torch.Tensor) and n.dim() == 0 and not n.is_floating_point() and n.dtype != torch.bool:
-        return int(n)
-    return n
-
-
-def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                     cu_seqlens_kv: torch.Tensor, max_seqlen_q: int, max_seqlen_kv: int, *, causal: bool = False,
-                     causal_bottom_right: bool = False, window: tuple[int, int] | None = None,
-                     scale: float | None = None, deterministic: bool = False, alignment: str = "top_left",
-                     alibi: bool = False, dropout_p: float = 0.0, return_lse: bool = False, softcap: float = 0.0,
-                     shape_classes: str | Sequence[int] | None = None
-                     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Attention over packed variable-length sequences (FlashAttention's varlen layout),
-    with autograd; cuDNN's THD kernels, one plan per batch size and length bucket.
-
-    q: (total_q, heads_q, head_dim_qk), k: (total_kv, heads_kv, head_dim_qk), v:
-      (total_kv, heads_kv, head_dim_v): each batch's sequences one after another,
-      contiguous, float16 or bfloat16, on one CUDA device.
-    cu_seqlens_q, cu_seqlens_kv: int32 (batch + 1,): 0, then cumulative lengths (the
-      sequences' starts in q and k); the last is at most total_q / total_kv.
-    max_seqlen_q, max_seqlen_kv: at least the longest sequence (not checked: that
-      would synchronize). Plans are built for them rounded up to a power of two. A 0-d
-      integer tensor is taken too (its value is read: a synchronization on a GPU).
-    causal, causal_bottom_right, window, scale, deterministic, alignment, alibi,
-      dropout_p: as attention(); the masks apply within each sequence, and the
-      bottom-right diagonal is each sequence's own (shift = its kv length - its q
-      length: FlashAttention's varlen convention). cuDNN takes ALiBi and dropout with a
-      top-left diagonal only (NotSupportedError names its reason otherwise). Returns o:
-      (total_q, heads_q, head_dim_v).
-    return_lse: also return each row's log-sum-exp (natural log), float32 (heads_q,
-      total_q), FlashAttention's varlen softmax_lse, without a gradient: returns (o, lse).
-      It makes the call a training one (see attention()).
-    softcap: logit soft-capping, as attention()'s (0.0: none).
-    shape_classes: as attention()'s (None: FASTATTN_SHAPE_CLASSES). Plans are keyed by
-      batch size and max lengths, never by token counts; with classes (eager calls), a
-      max length inside a class takes the class's bound instead of its power of two, so
-      that one plan serves the class (the native op too; the C entry is skipped).
-
-    Raises InvalidArgumentError for bad inputs, NotSupportedError when cuDNN refuses.
-    """
-    # Classes wanted (SETTING OFF is falsy: then the hot path is as it was). A choice given
-    # is parsed first, so that a bad one is refused whatever the tensors (meta, traced, CPU).
-    if shape_classes is None:
-        classes = _classes.SETTING
-    else:
-        shape_classes = _classes.sc.parse(shape_classes, "shape_classes")
-        classes = shape_classes.__class__ is str or shape_classes.ranges != ()
-    if not dynamo_compiling():  # (dynamo traces the body below instead)
-        call = _native.CALL_VARLEN
-        if call is not None and not classes:
-            # The native path's C entry (eager.cpp's call_varlen): it makes this body's
-            # checks and takes the call when they pass and no value needs converting;
-            # NotImplemented hands the call to the body, which checks and reports.
-            o = call(q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, causal, causal_bottom_right,
-                     window, scale, deterministic, alignment, alibi, dropout_p, return_lse, softcap)
-            if o is not NotImplemented:
-                return o
-    _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_kv)
-    left, right, scale = check_options(causal, causal_bottom_right, window, scale, deterministic, alibi)
-    if dropout_p:
-        _fields.check("probability", "dropout_p", dropout_p)
-    if max_seqlen_q.__class__ is not int or max_seqlen_kv.__class__ is not int:
-        max_seqlen_q, max_seqlen_kv = _as_int(max_seqlen_q), _as_int(max_seqlen_kv)
-    for name, n in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_kv", max_seqlen_kv)):
-        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n < 2**31:  # the ops' int is int64; cuDNN's int32
-            raise InvalidArgumentError(f"{name}={n!r}: must be an int >= 1 and < 2**31")
-    br = bottom_right(alignment, causal_bottom_right)
-    if return_lse.__class__ is not bool:
-        _fields.check("bool", "return_lse", return_lse)
-    if softcap.__class__ is not float or softcap != 0.0:
-        softcap = _options.positive_or_zero("softcap", softcap)
-    grads = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-    training = grads or bool(return_lse)
-    max_q, max_kv = bucket(max_seqlen_q), bucket(max_seqlen_kv)
-    if classes and not compiling() and q.is_cuda:  # (traces keep the power-of-two buckets)
-        c = _classes.resolve(shape_classes, q.get_device(), training)
-        max_q, max_kv = c.upper(max_seqlen_q) or max_q, c.upper(max_seqlen_kv) or max_kv
-    if training and max_q < MIN_TRAINING_Q:
-        max_q = MIN_TRAINING_Q
-    options = _new(VarlenOptions, (max_q, max_kv, bool(causal or causal_bottom_right),
-                                   br, left, right, scale, bool(deterministic), training, bool(alibi),
-                                   float(dropout_p), softcap))
-    # Philox's seed and offset for dropout, drawn from PyTorch's generator (see attention()).
-    rng = torch.randint(0, 2**62, (4,), device=q.device, dtype=torch.int64) if dropout_p else None
-    tensors = (q, k, v, cu_seqlens_q, cu_seqlens_kv, rng)
-    if return_lse:
-        if plain_eager(q):
-            o, stats = (EagerWithStats.apply(RULE, options, *tensors) if grads else forward_impl(*tensors, options))
-        else:
-            o, stats = forward_op(*tensors, *options)
-        return o, stats.t().contiguous()  # (tokens, heads) -> FlashAttention's (heads, total_q)
-    native = _native.VARLEN
-    if native is not None:  # the native path (see _dense.attention)
-        if compiling():
-            if native is not _native.UNDECIDED:
-                return native[1](*tensors, *options)[0]
-        elif q.is_cuda and not functorch_active():
-            if native is _native.UNDECIDED:
-                _native.decide()
-                native = _native.VARLEN
-            if native is not None:
-                return native[0](*tensors, *options)[0]
-    if plain_eager(q):  # skip the custom ops' wrappers (see _autograd)
-        if not training:
-            return forward_impl(*tensors, options)[0]
-        return Eager.apply(RULE, options, *tensors)
-    return forward_op(*tensors, *options)[0]
-
-
-# Module globals: one lookup less per call.
-plain_eager, Eager, EagerWithStats = _autograd.plain_eager, _autograd.Eager, _autograd.EagerWithStats
-compiling, functorch_active = torch.compiler.is_compiling, _autograd.functorch_active
-dynamo_compiling = getattr(torch.compiler, "is_dynamo_compiling", compiling)  # as _dense

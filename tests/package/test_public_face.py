@@ -245,18 +245,18 @@ ALLOWED_PRIVATE_IMPORTS = {
     ("fastattn.integrations.flash._kvcache", "fastattn._fields"): _FIELDS,
     ("fastattn.integrations.flash._common", "fastattn.torch._plans"): _CAPTURING,
     ("fastattn.integrations.flash._alibi", "fastattn.torch._plans"): _CAPTURING,
+    ("fastattn.integrations.flash._common", "fastattn.torch._api"): (
+        "options_for: flash_attn_with_kvcache's paged decode step keeps its checked options across calls "
+        "(issue 29's host time per step); public, this would be attention_paged taking options made once"),
     ("fastattn.integrations.flash._common", "fastattn.torch._paged"): (
-        "options_for and run: flash_attn_with_kvcache's paged decode step keeps its checked options "
-        "across calls (issue 29's host time per step); public, this would be attention_paged taking "
-        "options made once"),
+        "run: attention_paged's run with options made once (options_for, above)"),
     ("fastattn.cli.warm", "fastattn._opslib"): (
         "find_built(): a second `fastattn warm` finds the op library without importing torch "
         "(test_cli's test_a_second_warm_finds_the_op_library_without_importing_torch), and importing "
         "fastattn.torch imports torch, so backend_info() cannot answer it"),
-    ("fastattn.torch._dense", "fastattn._fields"): _RESHAPE,
+    ("fastattn.torch._api", "fastattn._fields"): _FIELDS,
     ("fastattn.torch._options", "fastattn._fields"): _FIELDS,
     ("fastattn.torch._plans", "fastattn._fields"): _RESHAPE,
-    ("fastattn.torch._varlen", "fastattn._fields"): _RESHAPE,
     ("fastattn.torch._native", "fastattn._opslib"): _RESHAPE,
     ("fastattn.torch._native", "fastattn._core"): _RESHAPE + "; the C ABI capsule has no public name",
 }

@@ -9,7 +9,7 @@ torch = pytest.importorskip("torch", reason="PyTorch is an optional extra (pip i
 
 import fastattn  # noqa: E402
 from fastattn import shape_classes as sc  # noqa: E402
-from fastattn.torch import _classes, _dense, _native, _plans  # noqa: E402
+from fastattn.torch import _api, _classes, _dense, _native, _plans  # noqa: E402
 from helpers import benchmarks  # noqa: E402
 
 
@@ -44,7 +44,7 @@ def fake(monkeypatch):
     monkeypatch.setattr(fastattn.runtime, "warm_torch_backward", lambda: None)
     _native.python_path(monkeypatch)
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))  # the eager branch, on meta tensors
-    monkeypatch.setattr(_dense, "plain_eager", lambda q: True)
+    monkeypatch.setattr(_api, "plain_eager", lambda q: True)
     monkeypatch.setattr(_dense, "_check", lambda *a: None)
     monkeypatch.setattr(_classes, "_check", lambda *a: None)
     monkeypatch.setattr(_classes, "SETTING", sc.OFF)
@@ -59,14 +59,14 @@ def test_a_second_length_in_a_class_asks_for_no_plan(fake):
     classes = (256, 1024)
     for s in (100, 200, 256, 2):
         q, k, v = meta(2, s, 8, 64), meta(2, s, 2, 64), meta(2, s, 2, 64)
-        o = _dense.attention(q, k, v, causal=True, shape_classes=classes)
+        o = _api.attention(q, k, v, causal=True, shape_classes=classes)
         assert o.shape == (2, s, 8, 64)
     assert len(fake) == 1
     cfg = fake[0]
     assert (cfg.ragged, cfg.padding, cfg.seqlen_q, cfg.seqlen_kv, cfg.batch, cfg.mask) == \
         (True, True, 256, 256, 2, "causal")
     q, k, v = meta(2, 300, 8, 64), meta(2, 300, 2, 64), meta(2, 300, 2, 64)
-    _dense.attention(q, k, v, causal=True, shape_classes=classes)
+    _api.attention(q, k, v, causal=True, shape_classes=classes)
     assert len(fake) == 2 and fake[1].seqlen_q == 1024
 
 
@@ -74,7 +74,7 @@ def test_decode_with_a_growing_kv_length_asks_for_one_plan(fake):
     cache_k, cache_v = meta(4, 2048, 2, 128), meta(4, 2048, 2, 128)
     for n in range(1025, 1060):
         q = meta(4, 1, 8, 128)
-        _dense.attention(q, cache_k[:, :n], cache_v[:, :n], causal_bottom_right=True, shape_classes=(1024, 2048))
+        _api.attention(q, cache_k[:, :n], cache_v[:, :n], causal_bottom_right=True, shape_classes=(1024, 2048))
     assert len(fake) == 1 and (fake[0].seqlen_q, fake[0].seqlen_kv) == (1, 2048)
     plan = _plans.plans[next(iter(_plans.plans))].plan
     _, _, kw = plan.calls[-1]
@@ -89,7 +89,7 @@ def test_decode_with_a_growing_kv_length_asks_for_one_plan(fake):
 def test_the_call_lengths_are_passed_when_given(fake):
     q, k, v = meta(3, 50, 4, 64), meta(3, 60, 4, 64), meta(3, 60, 4, 64)
     lq, lkv = meta(3, dtype=torch.int32), meta(3, dtype=torch.int32)
-    _dense.attention(q, k, v, seq_lens_q=lq, seq_lens_kv=lkv, shape_classes="64")
+    _api.attention(q, k, v, seq_lens_q=lq, seq_lens_kv=lkv, shape_classes="64")
     plan = _plans.plans[next(iter(_plans.plans))].plan
     _, _, kw = plan.calls[-1]
     assert kw["seq_len_q"] == lq.data_ptr() and kw["seq_len_kv"] == lkv.data_ptr()
@@ -97,7 +97,7 @@ def test_the_call_lengths_are_passed_when_given(fake):
 
 def test_training_saves_packed_stats_and_backward_runs_the_class_plan(fake):
     q, k, v = (meta(2, 40, 4, 64, grad=True) for _ in range(3))
-    o = _dense.attention(q, k, v, shape_classes=(64,))
+    o = _api.attention(q, k, v, shape_classes=(64,))
     assert o.grad_fn is not None
     o.backward(torch.ones_like(o))
     assert q.grad.shape == q.shape and k.grad.shape == k.shape
@@ -109,7 +109,7 @@ def test_training_saves_packed_stats_and_backward_runs_the_class_plan(fake):
 
 def test_return_lse_has_attentions_shape(fake):
     q, k, v = (meta(2, 40, 4, 64) for _ in range(3))
-    o, lse = _dense.attention(q, k, v, return_lse=True, shape_classes=(64,))
+    o, lse = _api.attention(q, k, v, return_lse=True, shape_classes=(64,))
     assert o.shape == (2, 40, 4, 64) and lse.shape == (2, 4, 40)
 
 
@@ -131,7 +131,7 @@ def test_what_a_class_does_not_serve_takes_an_exact_plan(fake, case, monkeypatch
         q, k, v = (meta(2, 65, 4, 64) for _ in range(3))
     else:
         kw["shape_classes"] = "off"
-    _dense.attention(q, k, v, **kw)
+    _api.attention(q, k, v, **kw)
     assert fake == [] and len(served) == 1
 
 
@@ -143,20 +143,20 @@ def test_inside_a_capture_a_call_takes_the_plan_held_for_it(fake, held, monkeypa
     monkeypatch.setattr(_dense, "forward_impl", lambda *a: served.append("exact") or (a[0], None))
     monkeypatch.setattr(_classes, "forward_impl", lambda *a: served.append("class") or (a[0], None))
     q, k, v = (meta(2, 40, 4, 64) for _ in range(3))
-    _dense.attention(q, k, v, shape_classes=(64,) if held == "class" else "off")
+    _api.attention(q, k, v, shape_classes=(64,) if held == "class" else "off")
     asked = list(fake)
     for mod in (_plans, _classes):
         monkeypatch.setattr(mod, "capturing", lambda: True)
     monkeypatch.setattr(fastattn.runtime, "planned", lambda cfg, device=None: None)  # (the fake's plans: in _plans)
-    _dense.attention(q, k, v, shape_classes=(64,))
+    _api.attention(q, k, v, shape_classes=(64,))
     assert fake == asked and served == [held, held]
 
 
 def test_the_setting_applies_when_no_keyword_is_given(fake, monkeypatch):
     monkeypatch.setattr(_classes, "SETTING", sc.parse("128"))
     q, k, v = (meta(1, 100, 4, 64) for _ in range(3))
-    _dense.attention(q, k, v)
-    _dense.attention(q[:, :90], k[:, :90], v[:, :90])
+    _api.attention(q, k, v)
+    _api.attention(q[:, :90], k[:, :90], v[:, :90])
     assert len(fake) == 1 and fake[0].seqlen_q == 128
 
 
@@ -171,7 +171,7 @@ def test_auto_without_a_measurement_is_off(fake, monkeypatch, tmp_path):
     served = []
     monkeypatch.setattr(_dense, "forward_impl", lambda *a: served.append(a) or (a[0], None))
     q, k, v = (meta(1, 100, 4, 64) for _ in range(3))
-    _dense.attention(q, k, v)
+    _api.attention(q, k, v)
     assert fake == [] and len(served) == 1
     assert _classes.SETTING == sc.OFF  # and the process's later calls take the native path again
 
@@ -179,7 +179,7 @@ def test_auto_without_a_measurement_is_off(fake, monkeypatch, tmp_path):
 def test_a_bad_keyword_is_named(fake):
     q, k, v = (meta(1, 100, 4, 64) for _ in range(3))
     with pytest.raises(fastattn.InvalidArgumentError, match=r"^shape_classes=\(64, 32\): .*ascending"):
-        _dense.attention(q, k, v, shape_classes=(64, 32))
+        _api.attention(q, k, v, shape_classes=(64, 32))
 
 
 def test_the_benchmark_writes_the_file_the_policy_reads(tmp_path):
@@ -212,13 +212,13 @@ def test_a_class_plan_cudnn_refuses_leaves_the_call_its_exact_plan(fake, monkeyp
     monkeypatch.setattr(_dense, "forward_impl", lambda *a: served.append(a) or (a[0], None))
     for s in (100, 120):
         q, k, v = (meta(1, s, 4, 64) for _ in range(3))
-        _dense.attention(q, k, v, shape_classes=(128,))
+        _api.attention(q, k, v, shape_classes=(128,))
     assert len(served) == 2 and len(asked) == 1  # the refusal is asked once
 
 
 def test_offsets_past_int32_are_not_made(fake):
     q, k, v = (meta(3, 40, 4, 64) for _ in range(3))
-    _dense.attention(q, k, v, shape_classes=(64,))
+    _api.attention(q, k, v, shape_classes=(64,))
     t = _classes._array(q, "off", 3, 2**31 // 3 - 1, 7)
     assert t.shape == (4,) and t.dtype == torch.int32
 
@@ -228,14 +228,14 @@ def test_varlen_max_lengths_take_their_class_bound(fake, monkeypatch):
 
     seen = []
     monkeypatch.setattr(_varlen, "forward_impl", lambda *a: seen.append(a[-1]) or (a[0], None))
-    monkeypatch.setattr(_varlen, "plain_eager", lambda q: True)
+    monkeypatch.setattr(_api, "plain_eager", lambda q: True)
     monkeypatch.setattr(_varlen, "_check_varlen", lambda *a: None)
     q, k, v = (meta(300, 4, 64) for _ in range(3))
     cu = meta(3, dtype=torch.int32)
     for max_q, max_kv in ((150, 150), (200, 260), (1, 140)):
-        _varlen.attention_varlen(q, k, v, cu, cu, max_q, max_kv, shape_classes=(128, 1024))
-    _varlen.attention_varlen(q, k, v, cu, cu, 150, 2000, shape_classes=(128, 1024))  # past the classes
-    _varlen.attention_varlen(q, k, v, cu, cu, 150, 150)  # classes off: powers of two
+        _api.attention_varlen(q, k, v, cu, cu, max_q, max_kv, shape_classes=(128, 1024))
+    _api.attention_varlen(q, k, v, cu, cu, 150, 2000, shape_classes=(128, 1024))  # past the classes
+    _api.attention_varlen(q, k, v, cu, cu, 150, 150)  # classes off: powers of two
     assert [(o.max_q, o.max_kv) for o in seen] == [(1024, 1024), (1024, 1024), (1, 1024), (1024, 2048),
                                                    (256, 256)]
 
@@ -264,7 +264,7 @@ def test_a_cache_slice_longer_than_its_class_gets_a_plan_whose_tokens_cover_its_
     cache_k, cache_v = meta(b, cache_len, 2, 64, grad=training), meta(b, cache_len, 2, 64, grad=training)
     q = meta(b, 1 if not training else n, 8, 64, grad=training)
     k, v = cache_k[:, :n], cache_v[:, :n]
-    _dense.attention(q, k, v, causal_bottom_right=True, shape_classes=classes)
+    _api.attention(q, k, v, causal_bottom_right=True, shape_classes=classes)
     assert len(fake) == 1
     assert not fake[0].ragged or _spans_fit(fake[0], (q, k, v)), (fake[0].max_tokens_q, fake[0].max_tokens_kv)
 
@@ -273,7 +273,7 @@ def test_a_cache_slice_takes_the_smallest_class_that_covers_its_offsets(fake):
     cache_k, cache_v = meta(3, 4096, 2, 64), meta(3, 4096, 2, 64)
     for n in (130, 131, 200):  # decode steps: one plan, declared for the class covering the cache
         q = meta(3, 1, 8, 64)
-        _dense.attention(q, cache_k[:, :n], cache_v[:, :n], causal_bottom_right=True,
+        _api.attention(q, cache_k[:, :n], cache_v[:, :n], causal_bottom_right=True,
                          shape_classes=(128, 512, 4096, 8192))
     assert len(fake) == 1 and (fake[0].seqlen_q, fake[0].seqlen_kv) == (1, 4096)
 
@@ -295,9 +295,9 @@ def test_the_server_benchmarks_stream_asks_only_for_plans_warm_builds(fake):
     k, v = meta(1, 8192, 8, 128), meta(1, 8192, 8, 128)
     classes = sc.parse(bounds)
     for s, kv in reqs[:60]:
-        _dense.attention(q[:, :s], k[:, :s], v[:, :s], causal_bottom_right=True, shape_classes=classes)
+        _api.attention(q[:, :s], k[:, :s], v[:, :s], causal_bottom_right=True, shape_classes=classes)
         for n in kv:
-            _dense.attention(q1, k[:, :n], v[:, :n], causal_bottom_right=True, shape_classes=classes)
+            _api.attention(q1, k[:, :n], v[:, :n], causal_bottom_right=True, shape_classes=classes)
     args = argparse.Namespace(file=None, heads=32, heads_kv=8, head_dim=128, head_dim_v=None, dtype="bf16",
                               mask="causal_bottom_right", batch=1, training=False, shape_classes=classes,
                               seqlens=(1, 8192))

@@ -9,7 +9,7 @@ torch = pytest.importorskip("torch", reason="PyTorch is an optional extra (pip i
 
 import fastattn  # noqa: E402
 import fastattn.torch  # noqa: E402,F401
-from fastattn.torch import _dense, _plans  # noqa: E402
+from fastattn.torch import _api, _dense, _plans  # noqa: E402
 
 FWD_TOL = {torch.float16: 4e-3, torch.bfloat16: 2e-2}
 BWD_TOL = {torch.float16: 1e-2, torch.bfloat16: 4e-2}
@@ -55,7 +55,7 @@ def test_one_class_plan_serves_several_lengths_forward_and_backward(dtype, causa
     for s_q, s_kv in ((129, 129), (200, 300), (512, 512), (140, 300)):
         q, k, v = rand(b, s_q, hq, d, dtype=dtype, grad=True), *(rand(b, s_kv, hkv, d, dtype=dtype, grad=True)
                                                                    for _ in range(2))
-        o = _dense.attention(q, k, v, causal=causal, alignment="bottom_right" if bottom_right else "top_left",
+        o = _api.attention(q, k, v, causal=causal, alignment="bottom_right" if bottom_right else "top_left",
                              shape_classes=CLASSES)
         ref = reference(q, k, v, causal, bottom_right)
         torch.testing.assert_close(o.double(), ref, atol=FWD_TOL[dtype], rtol=FWD_TOL[dtype])
@@ -77,7 +77,7 @@ def test_rows_past_the_lengths_are_zero_in_outputs_and_gradients():
     lens_q = torch.tensor([300, 17, 129], dtype=torch.int32, device="cuda")
     lens_kv = torch.tensor([250, 300, 40], dtype=torch.int32, device="cuda")
     # Top-left causal: every row sees key 0 (rows that see no key are another question).
-    o = _dense.attention(q, k, v, causal=True, seq_lens_q=lens_q, seq_lens_kv=lens_kv, shape_classes=CLASSES)
+    o = _api.attention(q, k, v, causal=True, seq_lens_q=lens_q, seq_lens_kv=lens_kv, shape_classes=CLASSES)
     ref = reference(q, k, v, True, False, lens_q, lens_kv)
     torch.testing.assert_close(o.double(), ref, atol=2e-2, rtol=2e-2)
     assert (o[1, 17:] == 0).all() and (o[2, 129:] == 0).all()
@@ -87,8 +87,8 @@ def test_rows_past_the_lengths_are_zero_in_outputs_and_gradients():
 
 def test_return_lse_matches_the_exact_plan():
     q, k, v = (rand(2, 200, 4, 64) for _ in range(3))
-    o, lse = _dense.attention(q, k, v, causal=True, return_lse=True, shape_classes=CLASSES)
-    o_exact, lse_exact = _dense.attention(q, k, v, causal=True, return_lse=True, shape_classes="off")
+    o, lse = _api.attention(q, k, v, causal=True, return_lse=True, shape_classes=CLASSES)
+    o_exact, lse_exact = _api.attention(q, k, v, causal=True, return_lse=True, shape_classes="off")
     assert lse.shape == lse_exact.shape == (2, 4, 200)
     torch.testing.assert_close(lse, lse_exact, atol=1e-3, rtol=1e-3)
     torch.testing.assert_close(o, o_exact, atol=2e-2, rtol=2e-2)
@@ -106,7 +106,7 @@ def test_decode_with_a_growing_kv_length_builds_nothing_after_its_first_step(cac
     with torch.no_grad():
         for n in range(130, 170):  # each step one key more, all in the (128, 512] class
             q = rand(b, 1, hq, d)
-            o = _dense.attention(q, cache_k[:, :n], cache_v[:, :n], causal=True, alignment="bottom_right",
+            o = _api.attention(q, cache_k[:, :n], cache_v[:, :n], causal=True, alignment="bottom_right",
                                  shape_classes=classes)
             if n % 13 == 0 or n == 130:
                 ref = reference(q, cache_k[:, :n], cache_v[:, :n], True, True)
@@ -149,7 +149,7 @@ def test_varlen_one_class_plan_serves_several_max_lengths():
         total = sum(lens)
         q, k, v = (rand(total, h, d, grad=True) for _ in range(3))
         cu = torch.tensor([0, lens[0], total], dtype=torch.int32, device="cuda")
-        o = _varlen.attention_varlen(q, k, v, cu, cu, max(lens), max(lens), causal=True, shape_classes=CLASSES)
+        o = _api.attention_varlen(q, k, v, cu, cu, max(lens), max(lens), causal=True, shape_classes=CLASSES)
         o.backward(torch.ones_like(o))
         for start, n in ((0, lens[0]), (lens[0], lens[1])):
             qi, ki, vi = (t[start:start + n].unsqueeze(0) for t in (q, k, v))
@@ -174,7 +174,7 @@ def test_repeated_calls_with_new_data_behind_the_same_pointers_stay_right(n):
         for step in range(6):
             for t in (q, k, v):
                 t.copy_(torch.randn_like(t))
-            o = _dense.attention(q, k, v, causal=True, alignment="bottom_right", shape_classes=SMALL)
+            o = _api.attention(q, k, v, causal=True, alignment="bottom_right", shape_classes=SMALL)
             ref = reference(q, k, v, True, True)
             torch.testing.assert_close(o.double(), ref, atol=2e-2, rtol=2e-2, msg=lambda m, step=step: f"step {step}: {m}")
 
@@ -187,12 +187,12 @@ def test_a_call_captured_in_a_cuda_graph_replays_right(n, held):
     # captured pointers, and nothing is planned inside the capture.
     q, k, v = rand(1, n, 32, 128), rand(1, n, 8, 128), rand(1, n, 8, 128)
     with torch.no_grad():
-        _dense.attention(q, k, v, causal=True, alignment="bottom_right", shape_classes=SMALL if held == "class" else "off")
+        _api.attention(q, k, v, causal=True, alignment="bottom_right", shape_classes=SMALL if held == "class" else "off")
         torch.cuda.synchronize()
         before = _counts()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            o = _dense.attention(q, k, v, causal=True, alignment="bottom_right", shape_classes=SMALL)
+            o = _api.attention(q, k, v, causal=True, alignment="bottom_right", shape_classes=SMALL)
         assert _counts() == before
         for _ in range(3):
             for t in (q, k, v):
@@ -215,12 +215,12 @@ def test_class_plans_captured_in_a_cuda_graph_replay_right(batch):
     tensors = [(rand(b, s, hq, dqk), rand(b, s, hkv, dqk), rand(b, s, hkv, dv)) for b, s, hq, dqk, hkv, dv in shapes]
     with torch.no_grad():
         for q, k, v in tensors:  # the class plan exists before the capture
-            _dense.attention(q, k, v, causal=True, shape_classes=CLASSES)
+            _api.attention(q, k, v, causal=True, shape_classes=CLASSES)
         torch.cuda.synchronize()
         builds = _counts()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            outs = [_dense.attention(q, k, v, causal=True, shape_classes=CLASSES) for q, k, v in tensors]
+            outs = [_api.attention(q, k, v, causal=True, shape_classes=CLASSES) for q, k, v in tensors]
         assert _counts() == builds  # served by the class plan: nothing new was planned
         for step in range(3):
             for t in (t for group in tensors for t in group):

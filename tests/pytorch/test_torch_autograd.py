@@ -14,7 +14,7 @@ torch = pytest.importorskip("torch", reason="PyTorch is an optional extra (pip i
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from fastattn.torch import _autograd, _dense, _native, _paged, _plans, _varlen  # noqa: E402
+from fastattn.torch import _api, _autograd, _dense, _native, _paged, _plans, _varlen  # noqa: E402
 
 # The first byte each output gets from RecordingPlan.
 MARK = {"o": 6, "d_q": 1, "d_k": 2, "d_v": 3, "d_bias": 4, "d_sink": 5}
@@ -140,7 +140,7 @@ def test_the_ops_take_the_options_fields_after_the_tensors(op, options, first):
 
 def test_the_eager_function_is_the_one_rule_of_both_entry_points():
     assert _dense.RULE.forward is _dense.forward_impl and _varlen.RULE.forward is _varlen.forward_impl
-    assert _dense.Eager is _varlen.Eager is _autograd.Eager
+    assert _api.Eager is _autograd.Eager
     assert len(_dense.RULE.options._fields) + _dense.N_TENSORS == len(_dense.forward_op._opoverload._schema.arguments)
 
 
@@ -154,7 +154,7 @@ def _recorded_options(monkeypatch, **kwargs):
 
     monkeypatch.setattr(_dense, "forward_op", op)
     q, k, v = (torch.empty(2, 64, h, 64, device="meta", dtype=torch.bfloat16) for h in (8, 2, 2))
-    _dense.attention(q, k, v, **kwargs)
+    _api.attention(q, k, v, **kwargs)
     return seen[0]
 
 
@@ -189,17 +189,17 @@ def test_the_hot_path_builds_options_of_the_named_type(monkeypatch):
     # NamedTuple, with its fields readable by name.
     seen = []
     monkeypatch.setattr(_dense, "forward_op", lambda *args: seen.append(args[8:]) or (args[0], None))
-    monkeypatch.setattr(_dense, "plain_eager", lambda q: False)
+    monkeypatch.setattr(_api, "plain_eager", lambda q: False)
     q, k, v = (torch.empty(2, 64, 4, 64, device="meta", dtype=torch.bfloat16) for _ in range(3))
-    _dense.attention(q, k, v, causal=True, window=(3, 0))
+    _api.attention(q, k, v, causal=True, window=(3, 0))
     assert _dense.DenseOptions(*seen[0]).window_left == 3
     captured = []
     monkeypatch.setattr(_dense, "forward_impl", lambda *args: captured.append(args[-1]) or (args[0], None))
-    monkeypatch.setattr(_dense, "plain_eager", lambda q: True)
+    monkeypatch.setattr(_api, "plain_eager", lambda q: True)
     _native.python_path(monkeypatch)  # the Python path's eager branch (the native one: test_torch_native)
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))  # the eager branch, on meta tensors
     monkeypatch.setattr(_dense, "_check", lambda *a: None)
-    _dense.attention(q, k, v, causal=True, window=(3, 0))
+    _api.attention(q, k, v, causal=True, window=(3, 0))
     options = captured[0]
     assert type(options) is _dense.DenseOptions and options.window_left == 3 and options.causal
     assert options == _dense.DenseOptions(*seen[0])
@@ -212,7 +212,7 @@ def test_torch_compile_traces_every_entry_point_without_a_graph_break():
         return torch.empty(*shape, device="meta", dtype=dtype, requires_grad=grad)
 
     def dense(q, k, v, bias, sinks):
-        return _dense.attention(q, k, v, causal=True, window=(8, 0), scale=0.5, bias=bias, sinks=sinks,
+        return _api.attention(q, k, v, causal=True, window=(8, 0), scale=0.5, bias=bias, sinks=sinks,
                                 dropout_p=0.1)
 
     q, k, v = (meta(2, 64, h, 64, grad=True) for h in (8, 2, 2))
@@ -222,12 +222,12 @@ def test_torch_compile_traces_every_entry_point_without_a_graph_break():
 
     q, k, v = (meta(201, h, 64, grad=True) for h in (8, 2, 2))
     cu = meta(4, dtype=torch.int32)
-    o = torch.compile(lambda *a: _varlen.attention_varlen(*a, 100, 100, causal=True), fullgraph=True,
+    o = torch.compile(lambda *a: _api.attention_varlen(*a, 100, 100, causal=True), fullgraph=True,
                       backend="aot_eager")(q, k, v, cu, cu)
     o.sum().backward()
     assert o.shape == (201, 8, 64) and k.grad.shape == k.shape
 
     q, (k, v) = meta(3, 1, 8, 64), (meta(12, 16, 2, 64) for _ in range(2))
-    o = torch.compile(lambda *a: _paged.attention_paged(*a, causal_bottom_right=True), fullgraph=True,
+    o = torch.compile(lambda *a: _api.attention_paged(*a, causal_bottom_right=True), fullgraph=True,
                       backend="aot_eager")(q, k, v, meta(3, 4, dtype=torch.int32), meta(3, dtype=torch.int32))
     assert o.shape == (3, 1, 8, 64)

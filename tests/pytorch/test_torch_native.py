@@ -305,14 +305,15 @@ def test_the_c_entries_read_the_entry_points_own_arguments(entry):
     # them over in that order.
     import ast
     import inspect
+    import textwrap
 
     function = getattr(fastattn.torch, entry)
     declared = [a.name for a in _options.CALLS[entry][1]]
     assert [p for p in inspect.signature(function).parameters if p != "shape_classes"] == declared
-    source = inspect.getsource(inspect.getmodule(function))
+    source = textwrap.dedent(inspect.getsource(function))
     calls = [node for node in ast.walk(ast.parse(source)) if isinstance(node, ast.Call)
              and isinstance(node.func, ast.Name) and node.func.id == "call"]
-    # (each module's one call of its C entry, named call)
+    # (each entry point's one call of its C entry, named call)
     assert len(calls) == 1 and [ast.unparse(a) for a in calls[0].args] == declared
 
 

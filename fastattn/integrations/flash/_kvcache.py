@@ -247,7 +247,7 @@ def _paged_decode(q, k_cache, v_cache, block_table, cache_seqlens, causal: bool,
     # Only what decides between this and the full body is looked at: the ranks and head
     # dims (a head dim not a multiple of 8 is padded there). The rest (dtypes, devices,
     # the table's and the lengths' shapes) enter the plan's key, so a tensor unlike the
-    # plan's misses, and the miss checks it and names what is wrong (_paged._check_paged).
+    # plan's misses, and the miss checks it and names what is wrong (fastattn.torch._paged._check_paged).
     if not (q.__class__ is Tensor and k_cache.__class__ is Tensor and v_cache.__class__ is Tensor
             and block_table.__class__ is Tensor):
         return _full_body(q, k_cache, v_cache, block_table, cache_seqlens, causal, scale)
