@@ -16,7 +16,7 @@ torch = pytest.importorskip("torch", reason="PyTorch is an optional extra (pip i
 
 import fastattn  # noqa: E402
 from fastattn import flash  # noqa: E402
-from fastattn.integrations.flash import _alibi, _common, _kvcache  # noqa: E402  (tests patch _common's entry points)
+from fastattn.integrations.flash import _alibi, _common, _interface  # noqa: E402  (tests patch _common's entry points)
 from fastattn.errors import InvalidArgumentError, NotSupportedError  # noqa: E402
 
 from helpers.gpu import fa_allowed  # noqa: E402  (FlashAttention's mask, from its documentation)
@@ -407,14 +407,14 @@ def test_append_writes_each_sequence_at_its_length_dense_and_paged():
     # dense, with cache_batch_idx picking rows 4, 0, 2 of a 5-row cache
     k_cache, v_cache = torch.zeros(5, 16, hk, d), torch.zeros(5, 16, hk, d)
     rows = torch.tensor([4, 0, 2], dtype=torch.int32)
-    _kvcache._append(k_cache, v_cache, k_new, v_new, lengths, None, rows)
+    _interface._append(k_cache, v_cache, k_new, v_new, lengths, None, rows)
     for i, (r, n) in enumerate(zip(rows.tolist(), lengths.tolist())):
         assert torch.equal(k_cache[r, n:n + s_new], k_new[i]) and torch.equal(v_cache[r, n:n + s_new], v_new[i])
     assert k_cache.count_nonzero() == k_new.count_nonzero()  # nothing else written
     # paged, with shuffled pages
     table = torch.randperm(12, dtype=torch.int64).reshape(b, 4).to(torch.int32)
     k_pool, v_pool = torch.zeros(12, page, hk, d), torch.zeros(12, page, hk, d)
-    _kvcache._append(k_pool, v_pool, k_new, v_new, lengths, table, None)
+    _interface._append(k_pool, v_pool, k_new, v_new, lengths, table, None)
     for i, n in enumerate(lengths.tolist()):
         seq_k = k_pool[table[i].long()].reshape(-1, hk, d)  # the sequence's pages in order
         seq_v = v_pool[table[i].long()].reshape(-1, hk, d)

@@ -13,7 +13,7 @@ torch = pytest.importorskip("torch", reason="PyTorch is an optional extra (pip i
 
 import fastattn  # noqa: E402
 from fastattn import flash  # noqa: E402
-from fastattn.integrations.flash import _alibi, _common, _kvcache  # noqa: E402  (tests patch _common's entry points)
+from fastattn.integrations.flash import _alibi, _common  # noqa: E402  (tests patch _common's entry points)
 from fastattn.errors import InvalidArgumentError  # noqa: E402
 
 from helpers.flash import M, calls_with as _calls_with, dense, kvcache, recorded as _recorded, varlen  # noqa: E402

@@ -13,7 +13,7 @@ torch = pytest.importorskip("torch", reason="PyTorch is an optional extra (pip i
 
 from fastattn import flash  # noqa: E402
 from fastattn.errors import InvalidArgumentError, NotSupportedError  # noqa: E402
-from fastattn.integrations.flash import _common, _paged, _rotary  # noqa: E402
+from fastattn.integrations.flash import _common, _interface, _rotary  # noqa: E402
 
 from helpers.torch import rotary_reference  # noqa: E402
 from test_flash import _recorded  # noqa: E402  (the keywords a call hands a fastattn.torch entry point)
@@ -95,7 +95,7 @@ def test_gather_keys_follows_the_block_table_and_its_gradient_reaches_only_used_
     q, k, v, cu_q, cu_k, table = paged_varlen()
     k.requires_grad_()
     lens = torch.tensor([20, 9, 1], **I32)
-    gk, gv, cu = _paged.gather_keys(k, v, cu_k, table, lens)
+    gk, gv, cu = _interface.gather_keys(k, v, cu_k, table, lens)
     assert cu.dtype == torch.int32 and cu.tolist() == [0, 20, 29, 30] and gk.shape == (96, 2, 16)
     for n, (a, m) in enumerate(zip(cu.tolist(), lens.tolist())):
         expected = k[table[n].long()].reshape(-1, 2, 16)[:m]
@@ -245,7 +245,7 @@ def test_kvcache_rotary_and_leftpad_arguments_are_named(call, match, error):
 @pytest.mark.parametrize("scale", [None, 0.125])
 @pytest.mark.parametrize("lengths", ["tensor", "int", "none"])
 def test_a_plain_paged_decode_step_runs_what_the_full_body_runs(monkeypatch, causal, scale, lengths):
-    # The decode step's fast path (_kvcache._paged_decode) hands fastattn.torch the same
+    # The decode step's fast path (_interface._paged_decode) hands fastattn.torch the same
     # tensors and options as the full body's attention_paged call (and so the same plan).
     from fastattn.torch import _paged as torch_paged
 

@@ -242,7 +242,7 @@ ALLOWED_PRIVATE_IMPORTS = {
     ("fastattn.cli.matrix", "fastattn._fields"): _FIELDS,
     ("fastattn.cli.probe", "fastattn._fields"): _FIELDS,
     ("fastattn.integrations.flash._common", "fastattn._fields"): _FIELDS,
-    ("fastattn.integrations.flash._kvcache", "fastattn._fields"): _FIELDS,
+    ("fastattn.integrations.flash._interface", "fastattn._fields"): _FIELDS,
     ("fastattn.integrations.flash._common", "fastattn.torch._plans"): _CAPTURING,
     ("fastattn.integrations.flash._alibi", "fastattn.torch._plans"): _CAPTURING,
     ("fastattn.integrations.flash._common", "fastattn.torch._api"): (

@@ -43,12 +43,13 @@ whose plans, caches and per-call costs they share. What differs from FlashAttent
     from the real head dim, out cut back (a view).
   - ALiBi with any slopes, causal or not (FlashAttention's -slope * |i + seqlen_k -
     seqlen_q - j|): cuDNN's own ALiBi where that is it (the paper's slopes, causal, as
-    many queries as keys, no softcap), else an additive bias built on the device from
-    the slopes ((1 or batch, heads, seqlen_q, seqlen_k) in q's dtype: memory and
-    bandwidth of that size), with a bottom-right mask folded into it (cuDNN refuses one
-    beside a bias; its tiles are then computed). varlen runs it as a zero-padded dense
-    call (copies of q, k, v, lengths rounded up to powers of two), a paged cache is
-    gathered into a dense one (a copy of the sequences' pages).
+    many queries as keys, and the other conditions flash_attn_func's alibi_slopes
+    lists), else an additive bias built on the device from the slopes ((1 or batch,
+    heads, seqlen_q, seqlen_k) in q's dtype: memory and bandwidth of that size), with a
+    bottom-right mask folded into it (cuDNN refuses one beside a bias; its tiles are
+    then computed). varlen runs it as a zero-padded dense call (copies of q, k, v,
+    lengths rounded up to powers of two), a paged cache is gathered into a dense one (a
+    copy of the sequences' pages).
   - flash_attn_varlen_func with a block table (paged K/V, FlashAttention's paged
     varlen) runs on cuDNN's paged plan, forward only: q unpacked into a padded batch (a
     copy of q), out packed back. Gradients, the LSE, dropout, ALiBi and head dims that
@@ -86,9 +87,8 @@ NotSupportedError (a NotImplementedError) as above.
 from __future__ import annotations
 
 from ._alibi import standard_alibi_slopes  # noqa: F401 - public: the slopes cuDNN computes (fastattn.flash names them)
-from ._dense import flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func
-from ._kvcache import flash_attn_with_kvcache
-from ._varlen import flash_attn_varlen_func, flash_attn_varlen_kvpacked_func, flash_attn_varlen_qkvpacked_func
+from ._interface import (flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func, flash_attn_varlen_func,
+                         flash_attn_varlen_kvpacked_func, flash_attn_varlen_qkvpacked_func, flash_attn_with_kvcache)
 
 __all__ = ["flash_attn_func", "flash_attn_kvpacked_func", "flash_attn_qkvpacked_func", "flash_attn_varlen_func",
            "flash_attn_varlen_kvpacked_func", "flash_attn_varlen_qkvpacked_func", "flash_attn_with_kvcache"]

@@ -15,7 +15,7 @@ from ...errors import InvalidArgumentError, NotSupportedError
 # replace them in one place with their model.
 from ...torch import attention, attention_paged, attention_varlen  # noqa: F401 - attention_paged, _varlen: see above
 # attention_paged's two halves, for a paged decode step's options kept across calls
-# (_kvcache._paged_decode): its option checks, and its run with checked options.
+# (_interface._paged_decode): its option checks, and its run with checked options.
 from ...torch._api import options_for as paged_options  # noqa: F401 - see above
 from ...torch._paged import run as paged_run  # noqa: F401 - see above
 from ...torch._plans import capturing
