@@ -149,13 +149,18 @@ inline Common make_common(const Config &c) {
     return m;
 }
 
-// What both directions' attributes share beyond the mask. With softcap the padding mask
-// is the score modifier's (apply_softcap); the lengths are the graph's either way. A
+// The option whose score modifier (the frontend's score_mod) this config's graphs need,
+// or nullptr: with one, the modifier applies the masks too (apply_scores), and a graph
+// that takes no modifier (the FP8 graphs) refuses the config, naming the option.
+inline const char *score_modifier(const Config &c) { return c.softcap > 0.0f ? "softcap" : nullptr; }
+
+// What both directions' attributes share beyond the mask. With a score modifier the
+// padding mask is the modifier's (apply_softcap); the lengths are the graph's either way. A
 // full_lengths graph (a defect's remedy) masks exactly as a padding graph does.
 template <class Attributes>
 void apply_features(const Config &c, const Common &m, Attributes &a) {
     if (c.padding || c.full_lengths) {
-        if (c.softcap <= 0.0f) a.set_padding_mask(true);
+        if (score_modifier(c) == nullptr) a.set_padding_mask(true);
         a.set_seq_len_q(m.seq_len_q).set_seq_len_kv(m.seq_len_kv);
     }
     if (c.ragged) a.set_max_total_seq_len_q(c.max_tokens_q).set_max_total_seq_len_kv(c.max_tokens_kv);
@@ -224,7 +229,7 @@ void apply_softcap(const Config &c, const Common &m, Attributes &a) {
 // The mask and window, or with softcap the score modifier that applies them.
 template <class Attributes>
 void apply_scores(const Config &c, const Common &m, Attributes &a) {
-    if (c.softcap > 0.0f) {
+    if (score_modifier(c) != nullptr) {
         apply_softcap(c, m, a);
     } else {
         apply_mask(c, a);

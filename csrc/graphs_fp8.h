@@ -39,8 +39,16 @@ inline void set_amax_output(const TensorPtr &t, Slot slot) {
 // Thrown inside make_graph, which build_graph guards as "not supported".
 [[noreturn]] inline void refuse(const std::string &why) { throw std::invalid_argument(why); }
 
+// sdpa_fp8 has no score modifier (graphs.h's score_modifier): an option that needs one
+// is refused by name, never built without it.
+inline void refuse_score_modifier(const Config &c) {
+    if (const char *option = score_modifier(c)) {
+        refuse(std::string(option) + ": fastattn's FP8 graphs (cudnn-frontend's sdpa_fp8) take no score modifier");
+    }
+}
+
 inline std::shared_ptr<fe::graph::Graph> make_fp8_forward_graph(const Config &c) {
-    if (c.softcap > 0.0f) refuse("softcap: fastattn's FP8 graphs (cudnn-frontend's sdpa_fp8) take no score modifier");
+    refuse_score_modifier(c);
     Common m = make_common(c);
     auto &g  = *m.g;
     auto a   = fe::graph::SDPA_fp8_attributes()
@@ -76,7 +84,7 @@ inline std::shared_ptr<fe::graph::Graph> make_fp8_forward_graph(const Config &c)
 }
 
 inline std::shared_ptr<fe::graph::Graph> make_fp8_backward_graph(const Config &c) {
-    if (c.softcap > 0.0f) refuse("softcap: fastattn's FP8 graphs (cudnn-frontend's sdpa_fp8) take no score modifier");
+    refuse_score_modifier(c);
     // SDPA_fp8_backward_attributes (1.28) has no ALiBi, no d_bias output and no
     // max_total_seq_len: a graph without them would be another function.
     if (c.alibi) refuse("sdpa_fp8_backward (cudnn-frontend 1.28) takes no ALiBi mask");

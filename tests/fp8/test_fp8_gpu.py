@@ -210,6 +210,10 @@ def test_plans_survive_serialize_and_load_bit_for_bit():
     # fastattn's own refusal (the frontend's FP8 backward has no ALiBi), unless cuDNN's
     # forward refuses ALiBi first, with its own reason.
     (dict(alibi=True, mask="causal", training=True), ("sdpa_fp8_backward", "alibi", "ALiBi")),
+    # fastattn's own refusal, by the option's name (graphs.h's score_modifier): sdpa_fp8
+    # has no score modifier, and a graph built without the cap would compute another function.
+    (dict(softcap=30.0), ("softcap: fastattn's FP8 graphs",)),
+    (dict(softcap=30.0, training=True), ("softcap: fastattn's FP8 graphs",)),
 ])
 def test_a_refused_combination_gives_the_reason(cfg_kw, words):
     cfg = AttentionConfig(**{**dict(batch=1, heads_q=4, seqlen_q=256, head_dim_qk=128, dtype="fp8_e4m3"), **cfg_kw})
