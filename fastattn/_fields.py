@@ -73,7 +73,8 @@ class Cxx:
 def spec(kind: str, default: Any = dataclasses.MISSING, *, help: str, cxx: Cxx, minimum: int = 0,
          choices: tuple = (), off: Any = _NO_OFF, follows: str | None = None,
          family: bool | Callable[[Any], Any] = False, describe: Callable[[Any], str | None] | None = None,
-         feature: tuple[str, dict[str, Any], str] | None = None) -> Any:
+         feature: tuple[str, dict[str, Any], str] | None = None, score: Callable[[Any, Any], tuple] | None = None
+         ) -> Any:
     """A dataclass field of AttentionConfig with its registry entry.
 
     kind: a key of VALIDATORS. default: none given means required; None means one
@@ -89,11 +90,16 @@ def spec(kind: str, default: Any = dataclasses.MISSING, *, help: str, cxx: Cxx, 
     describe: the config's short tag for this field in tables, or None to show none.
     feature: ("name", the fields that turn it on, "what it means"): a column of
       `fastattn matrix --features`.
+    score: for a field that modifies the attention scores (a score modifier in the
+      graph), what it computes, as the reference (fastattn.verify) runs it:
+      score(value, s) -> (the modified scores, their derivative in s), s the scaled
+      scores (a float tensor), applied before the bias and the masks.
     """
     if kind not in VALIDATORS:
         raise ValueError(f"unknown field kind {kind!r}")  # a mistake in config.py, caught at import
     meta = {"kind": kind, "help": help, "minimum": minimum, "choices": tuple(choices), "off": off,
-            "follows": follows, "family": family, "describe": describe, "feature": feature, "cxx": cxx}
+            "follows": follows, "family": family, "describe": describe, "feature": feature, "cxx": cxx,
+            "score": score}
     return dataclasses.field(default=default, metadata=meta)
 
 
@@ -423,6 +429,17 @@ def kernel_family(fields, config) -> tuple:
         elif family:
             out.append(family(config))
     return tuple(out)
+
+
+def score_modifiers(fields, config) -> list[tuple[Callable[[Any, Any], tuple], Any]]:
+    """(score, the field's value) for each field of the config that modifies the scores
+    and is on (not None and not its off value), in field order."""
+    out = []
+    for f in fields:
+        value = getattr(config, f.name)
+        if f.metadata["score"] is not None and value is not None and (not has_off(f) or value != f.metadata["off"]):
+            out.append((f.metadata["score"], value))
+    return out
 
 
 def features(fields) -> dict[str, tuple[dict[str, Any], str]]:

@@ -375,6 +375,7 @@ class AttentionConfig:
                                  family=lambda c: c.softcap is not None,
                                  describe=lambda c: f"softcap{c.softcap:g}" if c.softcap else None,
                                  feature=("softcap", {"softcap": 50.0}, "logit soft-capping at 50"),
+                                 score=lambda cap, s: _capped(cap, (s / cap).tanh()),
                                  cxx=Cxx("float", "0.0f", note="Logit soft-capping: scores become softcap * "
                                          "tanh(score / softcap) after scaling, before any mask (Gemma 2, Grok); "
                                          "0: none."))
@@ -683,3 +684,8 @@ FIELD_NAMES = tuple(f.name for f in FIELDS)
 # only when on, so that the configs (and cache keys) of everything else stay the same.
 # (max_tokens_* and num_pages default to values other fields imply: see _derived_defaults.)
 _OPTIONAL_FEATURES = _fields.optional_features(FIELDS)
+
+
+def _capped(cap: float, t):
+    """Soft-capped scores cap * t and their derivative 1 - t^2, from t = tanh(s / cap)."""
+    return cap * t, 1 - t * t

@@ -45,8 +45,8 @@ import math
 import time
 from typing import Any
 
-from . import dtypes
-from .config import AttentionConfig
+from . import _fields, dtypes
+from .config import FIELDS, AttentionConfig
 from .errors import InvalidArgumentError
 from .verdict import TOLERANCE, Check, Verdict
 
@@ -251,6 +251,7 @@ def reference(config: AttentionConfig, inputs: dict[str, Any]) -> dict[str, Any]
     lq_all = inputs["seq_len_q"].tolist() if config.padding else [config.seqlen_q] * b
     lkv_all = inputs["seq_len_kv"].tolist() if config.padding else [config.seqlen_kv] * b
     block = max(1, CHUNK_ELEMENTS // (group * max(config.seqlen_kv, 1)))
+    modifiers = _fields.score_modifiers(FIELDS, config)  # (what each field's `score` in the registry computes)
     for n in range(b):
         lq, lkv = int(lq_all[n]), int(lkv_all[n])
         for g in range(hkv):
@@ -261,9 +262,10 @@ def reference(config: AttentionConfig, inputs: dict[str, Any]) -> dict[str, Any]
                 rows = slice(i0, i1)
                 qs = q[n, heads, rows]
                 s = torch.matmul(qs, ks.T) * config.scale
-                if config.softcap is not None:
-                    t = torch.tanh(s / config.softcap)
-                    s = config.softcap * t
+                derivatives = []  # each score modifier's derivative, for the backward's chain rule
+                for score, value in modifiers:
+                    s, derivative = score(value, s)
+                    derivatives.append(derivative)
                 if bias is not None:
                     bb = bias[n if bias.shape[0] > 1 else 0]
                     bb = bb[heads] if bb.shape[0] > 1 else bb
@@ -285,8 +287,8 @@ def reference(config: AttentionConfig, inputs: dict[str, Any]) -> dict[str, Any]
                 ds = p * (torch.matmul(do, vs.T) - (do * o).sum(dim=-1, keepdim=True))  # d score (after the cap)
                 if config.bias_grad:
                     _add_bias_grad(out, n, heads, rows, lkv, ds)
-                if config.softcap is not None:
-                    ds = ds * (1 - t * t)
+                for derivative in reversed(derivatives):
+                    ds = ds * derivative
                 ads = ds.abs()
                 out["d_q"][n, heads, rows] = config.scale * torch.matmul(ds, ks)
                 out["bound_d_q"][n, heads, rows] = config.scale * torch.matmul(ads, ks.abs())

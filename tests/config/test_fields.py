@@ -237,3 +237,28 @@ def test_fastattn_torch_reaches_the_same_validators(options, match):
     q = torch.empty((2, 128, 8, 64), device="meta", dtype=torch.bfloat16)
     with pytest.raises(InvalidArgumentError, match=match):
         attention(q, q, q, **options)
+
+
+def test_a_score_modifier_is_on_only_when_its_field_is():
+    base = dict(batch=1, heads_q=2, seqlen_q=16, head_dim_qk=64)
+    assert _fields.score_modifiers(FIELDS, AttentionConfig(**base)) == []
+    [(score, value)] = _fields.score_modifiers(FIELDS, AttentionConfig(**base, softcap=30.0))
+    assert value == 30.0
+
+
+@settings(max_examples=50, deadline=None)
+@given(cap=st.floats(0.05, 1e4), s=st.lists(st.floats(-1e5, 1e5), min_size=1, max_size=8))
+def test_the_registrys_score_modifiers_are_what_their_help_says_with_their_derivative(cap, s):
+    # The reference (fastattn.verify) runs each field's `score`: softcap's must be
+    # cap * tanh(s / cap), and its second value the derivative in s (the backward's chain
+    # rule), checked against a central difference in float64.
+    import torch
+
+    [(score, _)] = _fields.score_modifiers(FIELDS, AttentionConfig(batch=1, heads_q=2, seqlen_q=16, head_dim_qk=64,
+                                                                   softcap=cap))
+    x = torch.tensor(s, dtype=torch.float64)
+    out, derivative = score(cap, x)
+    assert torch.allclose(out, cap * torch.tanh(x / cap), rtol=1e-12, atol=0)
+    h = 1e-6 * torch.clamp(x.abs(), min=1.0)
+    numeric = (score(cap, x + h)[0] - score(cap, x - h)[0]) / (2 * h)
+    assert torch.allclose(derivative, numeric, rtol=1e-5, atol=1e-9)
