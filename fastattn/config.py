@@ -180,7 +180,11 @@ class AttentionConfig:
         mask="causal_bottom_right" (which implies it; the same graph); where no bound
         uses the diagonal (no mask, window (-1, -1)) it is stored as "top_left".
         Default: not given (top_left, or what the mask implies); mask="causal_bottom_right"
-        with alignment="top_left" contradicts itself and is refused.
+        with alignment="top_left" contradicts itself and is refused. With a bias or
+        dropout and no padding, a bottom-right diagonal with a right bound is stored as
+        the top-left band it equals (window (left - shift, right + shift), mask "none"),
+        or without that right bound where it excludes no key (one query against its
+        whole cache): cuDNN takes a bottom-right one only without them.
       scale: softmax scale (default 1/sqrt(head_dim_qk)); stored as the float32 cuDNN uses.
       training: forward also writes softmax stats, and the plan has a backward graph.
       deterministic: backward uses cuDNN's deterministic algorithm (needs training).
@@ -408,6 +412,7 @@ class AttentionConfig:
                 raise _bad("window", given["window"], f"mask={self.mask!r} fixes the right bound at 0")
             right = -1  # the mask already bounds the right side at the diagonal
         set_("window", (left, right))
+        self._band_beside_a_bias(set_)
 
         scale = 1.0 / math.sqrt(self.head_dim_qk) if self.scale is None else self.scale
         set_("scale", _fields.float32(scale))
@@ -423,6 +428,38 @@ class AttentionConfig:
         strides = self._strides_for(self.layout) if isinstance(self.layout, str) else self.layout
         for t, s in [*zip(TENSORS, strides), *([("bias", None)] if self.bias != "none" else [])]:
             _fields.check_extent(t, self.shape(t), s)  # (stats, and packed tokens, lie within q's)
+
+    def _band_beside_a_bias(self, set_) -> None:
+        # cuDNN takes a bottom-right diagonal with a right bound (a causal mask's, a
+        # window's) only without a bias and dropout (cudnn-frontend: "Bottom right causal
+        # mask is only supported with is_bias=False, is_alibi=False, is_dropout=False"):
+        # a left-padded batch's decode step and chunked prefill ask for exactly that. With
+        # no padding every sequence has the shift seqlen_kv - seqlen_q, and the band is the
+        # top-left one shifted by it (or, where that right bound excludes no key, the band
+        # without it): stored so, the graph cuDNN is asked for computes the same attention.
+        # ALiBi needs its right bound at the diagonal: left as given (cuDNN says why not).
+        bottom = self.mask == "causal_bottom_right" or self.alignment == "bottom_right"
+        if not bottom or self.padding or self.alibi or (self.bias == "none" and not self.dropout):
+            return
+        shift = self.seqlen_kv - self.seqlen_q
+        left, right = self.window
+        if self.mask != "none":
+            right = 0
+        if right < 0 or shift < 0:
+            return  # no right bound (cuDNN takes a left one alone there), or one cuDNN refuses: its reason
+        right += shift
+        if right >= self.seqlen_kv - 1:  # it excludes no key (a decode step): the left bound alone stays
+            set_("mask", "none")
+            set_("window", (left, -1))
+            set_("alignment", "bottom_right" if left >= 0 else "top_left")
+            return
+        if left >= 0:
+            if left < shift:
+                return  # no top-left window has this band: as given, with cuDNN's reason
+            left -= shift
+        set_("mask", "none")
+        set_("window", (left, right))
+        set_("alignment", "top_left")
 
     def _check_dtypes(self, given) -> None:
         # Only the FP8 graphs take an output or gradient type of their own; which

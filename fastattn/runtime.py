@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import logging
 import sys
 import threading
 import time
@@ -74,6 +75,10 @@ _COUNTERS = {
     "load_seconds": 0.0,
 }
 _counters = dict(_COUNTERS)
+# Calls an integration ran outside fastattn's kernels (its PyTorch fallback), by integration
+# and reason: what stats() reports under "fallbacks".
+_fallbacks: dict[str, dict[str, int]] = {}
+_log = logging.getLogger("fastattn")
 _cache: PlanCache | None = None
 # What runs a plan against the reference: fastattn.verify.verify_plan(plan, config,
 # device) -> Verdict, looked up at each use (tests replace it, as they replace _core).
@@ -92,6 +97,20 @@ def _count(**deltas: float) -> None:
     with _lock:
         for k, v in deltas.items():
             _counters[k] += v
+
+
+def count_fallback(integration: str, reason: str) -> None:
+    """One call an integration (its name, e.g. "transformers") ran outside fastattn's
+    kernels, and why (cuDNN's reason, or the integration's). Counted in stats()'s
+    "fallbacks"; the first call of each reason is logged (a warning of the "fastattn"
+    logger), so that a fallback is never silent and never floods a log."""
+    with _lock:
+        reasons = _fallbacks.setdefault(integration, {})
+        first = reason not in reasons
+        reasons[reason] = reasons.get(reason, 0) + 1
+    if first:
+        _log.warning("fastattn.integrations.%s: a call runs outside fastattn's kernels (counted in "
+                     "fastattn.stats()['fallbacks']): %s", integration, reason)
 
 
 def check_device(device: Any) -> int | None:
@@ -543,10 +562,13 @@ def stats() -> dict[str, float]:
     """Counters of this process: memory_hits, disk_hits, negative_hits, misses,
     builds, deserializations, unsupported, build_errors, bad_entries, verifications,
     verification_failures, verify_seconds, build_seconds, load_seconds, plans (in memory), and the cache directories' own counters under
-    "cache" (hits, misses, corrupt, writes, write_failures, pruned)."""
+    "cache" (hits, misses, corrupt, writes, write_failures, pruned). "fallbacks": the calls
+    each integration ran outside fastattn's kernels, by reason ({"transformers": {reason:
+    calls}}; empty when none did)."""
     with _lock:
         out: dict[str, Any] = dict(_counters)
         out["plans"] = sum(1 for e in _entries.values() if e.plan is not None)
+        out["fallbacks"] = {name: dict(reasons) for name, reasons in _fallbacks.items()}
         cache = _cache
     out["cache"] = cache.store.counters() if cache is not None else {}
     return out
@@ -560,6 +582,7 @@ def clear() -> None:
         _entries.clear()
         _counters.clear()
         _counters.update(_COUNTERS)
+        _fallbacks.clear()
         _cache = None
 
 

@@ -47,19 +47,16 @@ computation in PyTorch instead (logged once per reason), never a wrong answer.
 from __future__ import annotations
 
 import inspect
-import logging
 from typing import NamedTuple
 
 import torch
 
 from fastattn import NotSupportedError
+from fastattn.runtime import count_fallback
 from fastattn.torch import attention, attention_varlen, scaled_dot_product_attention
 
 NAME = "fastattn"
 __all__ = ["NAME", "FastattnMask", "register", "attention_forward", "attention_mask"]
-
-_log = logging.getLogger(__name__)
-_logged: set[str] = set()
 
 
 class FastattnMask(NamedTuple):
@@ -269,10 +266,8 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
             return _varlen(q, k, v, form, cu_k, kwargs, scale, dropout, cap, sinks), None
         return _dense_call(q, k, v, form, scale, dropout, cap, sinks), None
     except NotSupportedError as e:
-        reason = str(e).split("\n")[0]
-        if reason not in _logged:
-            _logged.add(reason)
-            _log.warning("fastattn: this layer's call runs in PyTorch (float32) instead: %s", reason)
+        # Counted and, the first time for its reason, logged (fastattn.stats()["fallbacks"]).
+        count_fallback("transformers", str(e).split("\n")[0])
         return _eager(q, k, v, form, scale, dropout, cap, sinks, module), None
 
 

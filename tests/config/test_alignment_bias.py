@@ -179,6 +179,8 @@ def test_alignment_window_bias_configs_are_canonical(mask, alignment, left, righ
     again = AttentionConfig.from_json(text)
     assert again == c and again.to_json() == text and hash(again) == hash(c)
     d = c.to_dict()
+    if bias != "none" and not padding:
+        return  # a bottom-right band beside a bias has another spelling: the tests below
     # The diagonal's position is stated once: by the mask's name, or by the alignment
     # field where only a window uses it; never both, never where nothing uses it.
     bottom_right = mask == "causal_bottom_right" or (alignment == "bottom_right" and (
@@ -198,6 +200,71 @@ def test_alignment_window_bias_configs_are_canonical(mask, alignment, left, righ
         b, h, s, k = c.shape("bias")
         assert (b, h, s, k) == (2 if bias[0] == "b" else 1, 4 if bias[1] == "h" else 1,
                                 seqlen_q if bias[2] == "s" else 1, seqlen_kv)
+
+
+def _band(mask, alignment, window, seqlen_q, seqlen_kv):
+    """The (query, key) pairs a mask, alignment and window keep, read from
+    AttentionConfig's docstring alone: query i sees keys j with i + shift - left <= j <=
+    i + shift + right, shift 0 at the top left and seqlen_kv - seqlen_q at the bottom
+    right; a causal mask fixes right at 0; -1 is unbounded."""
+    left, right = window
+    bottom = mask == "causal_bottom_right" or alignment == "bottom_right"
+    shift = seqlen_kv - seqlen_q if bottom else 0
+    if mask != "none":
+        right = 0
+    return {(i, j) for i in range(seqlen_q) for j in range(seqlen_kv)
+            if (left < 0 or j >= i + shift - left) and (right < 0 or j <= i + shift + right)}
+
+
+_lengths = st.sampled_from([1, 2, 5, 16, 33])
+
+
+@settings(max_examples=400, deadline=None)
+@given(mask=st.sampled_from(MASKS), alignment=st.sampled_from([None, *ALIGNMENTS]),
+       left=st.sampled_from([-1, 0, 1, 3, 8, 40]), right=st.sampled_from([-1, 0, 1, 3, 8, 40]),
+       seqlen_q=_lengths, seqlen_kv=_lengths, bias=st.sampled_from(["none", "b11s", "1hss"]),
+       dropout=st.sampled_from([0.0, 0.1]), padding=st.booleans(), alibi=st.booleans())
+def test_a_band_is_stored_in_a_form_that_keeps_the_same_keys(mask, alignment, left, right, seqlen_q, seqlen_kv, bias,
+                                                            dropout, padding, alibi):
+    # Whatever spelling the config stores (the bottom-right causal mask's name, or the
+    # top-left band a bottom-right one beside a bias or dropout becomes), every query
+    # keeps exactly the keys the given mask, alignment and window keep.
+    fields = dict(batch=2, heads_q=4, seqlen_q=seqlen_q, seqlen_kv=seqlen_kv, head_dim_qk=64, mask=mask,
+                  alignment=alignment, window=(left, right), bias=bias, dropout=dropout, padding=padding,
+                  alibi=alibi)
+    try:
+        c = AttentionConfig(**fields)
+    except InvalidArgumentError:
+        return  # (contradictions: the test above)
+    assert _band(c.mask, c.alignment, c.window, seqlen_q, seqlen_kv) == _band(mask, alignment, (left, right),
+                                                                            seqlen_q, seqlen_kv)
+    assert AttentionConfig.from_json(c.to_json()) == c and c.replace() == c  # the stored form is a fixed point
+    # Beside a bias or dropout without padding (and without ALiBi, which needs its right
+    # bound at the diagonal), no bottom-right diagonal keeps a right bound where a top-left
+    # one can say the same: the one cuDNN refuses there.
+    if (bias != "none" or dropout) and not padding and not alibi:
+        bottom = c.mask == "causal_bottom_right" or c.alignment == "bottom_right"
+        right_bound = c.mask != "none" or c.window[1] >= 0
+        shift = seqlen_kv - seqlen_q
+        assert not (bottom and right_bound) or shift < 0 or 0 <= c.window[0] < shift, c
+
+
+def test_a_left_padded_decode_step_and_chunked_prefill_are_stored_as_cudnn_takes_them():
+    base = dict(batch=2, heads_q=8, heads_kv=2, head_dim_qk=64, bias="b11s")
+    decode = AttentionConfig(**base, seqlen_q=1, seqlen_kv=100, mask="causal_bottom_right")
+    assert (decode.mask, decode.window, decode.alignment) == ("none", (-1, -1), "top_left")
+    sliding = AttentionConfig(**base, seqlen_q=1, seqlen_kv=100, mask="causal_bottom_right", window=(23, 0))
+    assert (sliding.mask, sliding.window, sliding.alignment) == ("none", (23, -1), "bottom_right")
+    chunk = AttentionConfig(**base, seqlen_q=16, seqlen_kv=100, mask="causal_bottom_right")
+    assert (chunk.mask, chunk.window, chunk.alignment) == ("none", (-1, 84), "top_left")
+    # transformers' sliding layer: the cache keeps window - 1 keys before the chunk's 16
+    chunk = AttentionConfig(**base, seqlen_q=16, seqlen_kv=39, mask="causal_bottom_right", window=(23, 0))
+    assert (chunk.mask, chunk.window, chunk.alignment) == ("none", (0, 23), "top_left")
+    # Where it would change nothing cuDNN refuses (padding: each sequence its own shift;
+    # no bias or dropout: cuDNN takes the bottom-right mask), the spelling stays.
+    for kept in (dict(base, bias="none"), dict(base, padding=True)):
+        c = AttentionConfig(**kept, seqlen_q=16, seqlen_kv=100, mask="causal_bottom_right")
+        assert (c.mask, c.window) == ("causal_bottom_right", (-1, -1))
 
 
 # -- through the CLI flags, warm files and matrix features (all derived from the registry) ----

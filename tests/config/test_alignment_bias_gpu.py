@@ -146,6 +146,59 @@ def test_one_row_bias_shapes_match_float64(shape, mask):
     assert rel_error(t["o"].read(), ref["o"]) < FWD_TOL[dtype]
 
 
+# -- a bottom-right diagonal beside a bias (a left-padded batch's decode steps and chunks) -------
+
+# (seqlen_q, seqlen_kv, window): a decode step, a chunk against its cache, a sliding layer's
+# chunk (transformers keeps window - 1 keys before it), a sliding decode step.
+BANDS = ((1, 200, (-1, 0)), (16, 200, (-1, 0)), (16, 39, (23, 0)), (1, 200, (23, 0)), (64, 200, (-1, 0)))
+
+
+@pytest.mark.parametrize("seqlen_q,seqlen_kv,window", BANDS, ids=[f"{b[0]}x{b[1]}-{b[2][0]}" for b in BANDS])
+def test_a_bottom_right_diagonal_beside_a_bias_matches_float64(seqlen_q, seqlen_kv, window):
+    """The given spelling (mask="causal_bottom_right" beside a full bias, training) is
+    built in the form cuDNN takes (AttentionConfig's alignment: the top-left band it
+    equals); forward and backward against float64 with the mask of the spelling given,
+    from a reference config without the bias (which keeps that spelling)."""
+    dtype = "bf16"
+    fields = dict(batch=2, heads_q=4, heads_kv=2, seqlen_q=seqlen_q, seqlen_kv=seqlen_kv, head_dim_qk=64,
+                  dtype=dtype, mask="causal_bottom_right", window=window, training=True)
+    cfg = AttentionConfig(**fields, bias="bhss")
+    as_given = AttentionConfig(**fields)
+    assert as_given.mask == "causal_bottom_right" and cfg.mask == "none"
+    result = fastattn.probe(cfg)
+    assert result.supported, result.reason
+    rng = np.random.default_rng(seqlen_q * 1000 + seqlen_kv)
+    q, k, v, d_o = random_inputs(cfg, rng, backward=True)
+    bias = quantize(rng.standard_normal(cfg.shape("bias")), dtype)
+    out = run(cfg, q, k, v, d_o, bias=bias)
+    check(out, reference_full(as_given, q, k, v, d_o, bias=bias), dtype)
+
+
+@pytest.mark.parametrize("seqlen_q,seqlen_kv,window", BANDS, ids=[f"{b[0]}x{b[1]}-{b[2][0]}" for b in BANDS])
+def test_a_bottom_right_diagonal_beside_a_key_padding_bias_matches_float64(seqlen_q, seqlen_kv, window):
+    """transformers' left padding: a one-row key bias (0 or the dtype's lowest) of shape
+    b11s beside the bottom-right diagonal, forward (inference plans), against float64."""
+    dtype = "bf16"
+    fields = dict(batch=2, heads_q=4, heads_kv=2, seqlen_q=seqlen_q, seqlen_kv=seqlen_kv, head_dim_qk=64,
+                  dtype=dtype, mask="causal_bottom_right", window=window)
+    cfg = AttentionConfig(**fields, bias="b11s")
+    result = fastattn.probe(cfg)
+    assert result.supported, result.reason
+    rng = np.random.default_rng(7 + seqlen_q + seqlen_kv)
+    q, k, v, _ = random_inputs(cfg, rng, backward=False)
+    bias = np.zeros(cfg.shape("bias"))
+    bias[1, ..., :5] = -3.3895313892515355e38  # the second sequence's 5 leading keys are padding (bf16's lowest)
+    plan = fastattn.plan(cfg)
+    t = {n: Tensor(cfg, n) for n in ("q", "k", "v", "o", "bias")}
+    for n, x in (("q", q), ("k", k), ("v", v), ("bias", quantize(bias, dtype))):
+        t[n].write(x)
+    ws = DeviceBuffer(max(plan.workspace_size, 1))
+    plan.forward(t["q"].ptr, t["k"].ptr, t["v"].ptr, t["o"].ptr, workspace=ws.ptr, bias=t["bias"].ptr)
+    synchronize()
+    ref = reference_full(AttentionConfig(**fields), q, k, v, bias=quantize(bias, dtype))
+    assert rel_error(t["o"].read(), ref["o"]) < FWD_TOL[dtype]
+
+
 # -- old entries --------------------------------------------------------------------------------
 
 OLD = ('{"batch":2,"deterministic":false,"dtype":"bf16","head_dim_qk":64,"head_dim_v":64,"heads_kv":2,"heads_q":8,'

@@ -28,14 +28,28 @@ import test_flash_paged_gpu as P  # noqa: E402
 from helpers.gpu import alibi_slopes  # noqa: E402
 
 
-def refuse(q, k, v, *, training, s_q, s_kv, bottom, mask, alibi=False, bias=None, dropout_p=0.0, softcap=0.0):
+def _stored_bottom_right(s_q, s_kv, bottom, causal, window, bias, dropout_p, alibi, padded) -> bool:
+    """Whether the plan cuDNN is asked for keeps a bottom-right diagonal with a right bound:
+    the config's own stored form (AttentionConfig's alignment), not a copy of its rule."""
+    from fastattn import AttentionConfig
+
+    cfg = AttentionConfig(batch=1, heads_q=1, seqlen_q=s_q, seqlen_kv=s_kv, head_dim_qk=8,
+                          mask="causal" if causal else "none", alignment="bottom_right" if bottom else None,
+                          window=window or (-1, -1), bias="11ss" if bias is not None else "none", dropout=dropout_p,
+                          padding=padded, alibi=alibi)
+    return cfg.mask == "causal_bottom_right" or (cfg.alignment == "bottom_right" and cfg.window[1] >= 0)
+
+
+def refuse(q, k, v, *, training, s_q, s_kv, bottom, mask, alibi=False, bias=None, dropout_p=0.0, softcap=0.0,
+           causal=False, window=None, padded=True):
     """cuDNN's documented refusals (cudnn-frontend 1.28's validate() of its SDPA nodes) for
     a plan of s_q x s_kv, as NotSupportedError: fastattn.flash must compose around them."""
     if q.shape[-1] % 8 or v.shape[-1] % 8:
         raise NotSupportedError("model of cuDNN: hidden_dim should be multiple of 8")
     if training and s_q == 1 and s_kv == 1:  # a training plan builds its backward graph too
         raise NotSupportedError("model of cuDNN: s_q = s_kv = 1 is not supported.")
-    if bottom and mask and (alibi or bias is not None or dropout_p):
+    if bottom and mask and (alibi or bias is not None or dropout_p) and _stored_bottom_right(
+            s_q, s_kv, bottom, causal, window, bias, dropout_p, alibi, padded):
         raise NotSupportedError("model of cuDNN: Bottom right causal mask is only supported with is_bias=False, "
                                 "is_alibi=False, is_dropout=False")
     if alibi and mask != "causal":
@@ -102,7 +116,7 @@ def model_attention(q, k, v, *, causal=False, causal_bottom_right=False, window=
     bottom = alignment == "bottom_right" or causal_bottom_right
     refuse(q, k, v, training=grads or return_lse, s_q=sq, s_kv=sk, bottom=bottom,
            mask=_mask_kind(causal or causal_bottom_right, window), alibi=alibi, bias=bias, dropout_p=dropout_p,
-           softcap=softcap)
+           softcap=softcap, causal=causal or causal_bottom_right, window=window, padded=seq_lens_q is not None)
     if dropout_p:
         pytest.skip("dropout: the model has none (the GPU run checks it)")
     outs, lses = [], []

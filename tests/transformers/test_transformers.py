@@ -238,6 +238,25 @@ def test_softcap_runs_on_fastattn_and_beside_a_bias_falls_back_exactly(calls):
     torch.testing.assert_close(a[mask.bool()], b[mask.bool()], atol=1e-4, rtol=1e-4)
 
 
+def test_a_fallback_is_counted_by_reason_and_logged_once(calls, caplog, monkeypatch):
+    import fastattn
+    from fastattn import runtime
+
+    monkeypatch.setattr(runtime, "_fallbacks", {})
+    ours, theirs = _pair("gemma2", reference="eager")
+    ids, mask = _batch([9, 5], 9)
+    with caplog.at_level("WARNING", logger="fastattn"):
+        for _ in range(3):
+            ours(ids, attention_mask=mask)
+    [(reason, n)] = fastattn.stats()["fallbacks"]["transformers"].items()
+    assert reason == "Attention score mod enabled and hence other subgraphs are disabled"
+    assert n == 3 * ours.config.num_hidden_layers  # every layer of every forward
+    logged = [r for r in caplog.records if "outside fastattn's kernels" in r.getMessage()]
+    assert len(logged) == 1 and reason in logged[0].getMessage()
+    ours(ids)  # no padding: no bias, softcap runs on fastattn
+    assert fastattn.stats()["fallbacks"]["transformers"] == {reason: n}
+
+
 def test_sinks_in_prefill_and_in_decode_steps_of_one_query(calls):
     ours, theirs = _pair("gpt_oss", reference="eager")
     ids = torch.randint(3, 97, (2, 9))

@@ -117,14 +117,28 @@ def test_logits_and_a_training_step(kind):
 TIE = 2e-2  # top-two gap of the float32 reference's logits (~1.3 here) that bf16 may resolve either way
 
 
-@pytest.mark.parametrize("kind", ["llama-d64", "qwen2", "gemma3"])
-def test_greedy_generate_of_32_tokens_from_a_left_padded_batch(kind):
+def _fallbacks():
+    import fastattn
+
+    return sum(fastattn.stats()["fallbacks"].get("transformers", {}).values())
+
+
+# (kind, prefill_chunk_size): chunked prefill is a left-padded batch's queries against a cache
+# of its earlier chunks (a bottom-right diagonal beside the padding's key bias).
+@pytest.mark.parametrize("kind,chunk", [("llama-d64", None), ("qwen2", None), ("gemma3", None),
+                                        ("mistral", None), ("gpt_oss", None), ("llama-d64", 8), ("qwen2", 8)])
+def test_greedy_generate_of_32_tokens_from_a_left_padded_batch(kind, chunk):
     ours = _model(kind, "fastattn", torch.bfloat16)
     ref = _model(kind, "eager", torch.float32)
     ref.load_state_dict(ours.state_dict())
     ids, mask = _batch([20, 9, 31, 14], 31)
-    kw = dict(max_new_tokens=32, do_sample=False, pad_token_id=0)
+    kw = dict(max_new_tokens=32, do_sample=False, pad_token_id=0, prefill_chunk_size=chunk)
+    before = _fallbacks()
     a = ours.generate(ids, attention_mask=mask, **kw)
+    # Every call on fastattn's kernels: the prefill (top-left causal beside the padding's
+    # key bias), the chunks and the decode steps (a bottom-right diagonal beside it, which
+    # cuDNN takes in its top-left form: AttentionConfig's alignment).
+    assert _fallbacks() == before
     b = ref.generate(ids, attention_mask=mask, output_scores=True, return_dict_in_generate=True, **kw)
     assert a.shape == b.sequences.shape
     for row in range(a.shape[0]):
