@@ -28,12 +28,22 @@ Tiny random-weight models built from configs (no downloads), bf16, on one GPU.
     rounds (--steady-rounds) in a rotated order, medians. Baseline (issue 28, H200):
     prefill 3.41 ms against sdpa's 4.07, decode 4.15 ms per token against 4.79.
 
+(c) A left-padded batch's greedy generate (issue 40): 8 prompts of 16-512 tokens, padded at
+    the left (transformers' default for batched generate), N new tokens each (--padded-new-
+    tokens, default 128), on a 4-layer Llama (GQA) and the same Qwen2: tokens per second
+    (batch x N over the generate's wall time, synchronized), fastattn against sdpa
+    (PyTorch's own backend choice: the bool mask rules out its flash backend), same weights,
+    interleaved rounds (--padded-rounds), medians; and the attention calls fastattn's
+    integration ran on its PyTorch fallback (fastattn.stats()["fallbacks"]), by reason.
+    Target: tokens/s >= sdpa's, 0 fallback calls.
+
 A peer PyTorch cannot run (e.g. its cuDNN backend refusing a call: "No available kernel")
 is reported as an error, and the others still run. fastattn's path (native op library or
 Python) is recorded; children find the op library where this process would
 (FASTATTN_TORCH_OPS_DIR, else the default cache's torch-ops/).
 
     python benchmarks/bench_transformers.py [--json out.json] [--quick] [--rounds N] [--steady-rounds N]
+        [--padded-rounds N] [--padded-new-tokens N] [--skip-coldstart] [--skip-steady] [--skip-padded]
 
 Prints the JSON, then a `summary:` block last. Needs a CUDA GPU (exit status 2 without).
 """
@@ -72,17 +82,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--new-tokens", type=int, default=32, help="(b) tokens per timed generate")
     ap.add_argument("--kv-heads", type=int, default=SIZES["num_key_value_heads"],
                     help="key-value heads of both models (16: no GQA)")
-    ap.add_argument("--skip-coldstart", action="store_true", help="only (b)")
-    ap.add_argument("--skip-steady", action="store_true", help="only (a)")
+    ap.add_argument("--padded-rounds", type=int, default=3, help="(c) interleaved rounds")
+    ap.add_argument("--padded-new-tokens", type=int, default=128, help="(c) tokens each prompt generates")
+    ap.add_argument("--skip-coldstart", action="store_true", help="leave (a) out")
+    ap.add_argument("--skip-steady", action="store_true", help="leave (b) out")
+    ap.add_argument("--skip-padded", action="store_true", help="leave (c) out")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.quick:
-        args.rounds, args.steady_rounds, args.new_tokens = 1, 2, 8
+        args.rounds, args.steady_rounds, args.new_tokens, args.padded_rounds, args.padded_new_tokens = 1, 2, 8, 1, 8
     try:
         args.prompts = [int(p) for p in args.prompts.split(",")]
     except ValueError:
         ap.error(f"--prompts {args.prompts!r}: comma-separated token counts, e.g. 256,1024")
-    for name in ("rounds", "steady_rounds", "batch", "prompt", "kv_heads"):
+    for name in ("rounds", "steady_rounds", "batch", "prompt", "kv_heads", "padded_rounds", "padded_new_tokens"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be at least 1")
     if args.new_tokens < 2:
@@ -259,6 +272,68 @@ def steady(rounds: int, batch: int, prompt: int, new_tokens: int, kv_heads: int)
     return res
 
 
+# -- (c) a left-padded batch's generate, one process -----------------------------------------
+
+PADDED_LENGTHS = (512, 37, 300, 129, 64, 451, 200, 16)  # prompt lengths of the batch, padded at the left
+PADDED_PEERS = ("fastattn", "sdpa")
+
+
+def _fallback_calls() -> dict:
+    import fastattn
+
+    return dict(fastattn.stats()["fallbacks"].get("transformers", {}))
+
+
+def padded(rounds: int, new_tokens: int, kv_heads: int) -> dict:
+    import torch
+
+    import fastattn.integrations.transformers  # noqa: F401  (registers "fastattn")
+
+    total = max(PADDED_LENGTHS)
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(3, SIZES["vocab_size"], (len(PADDED_LENGTHS), total), generator=g)
+    mask = torch.zeros_like(ids)
+    for n, length in enumerate(PADDED_LENGTHS):
+        mask[n, total - length:] = 1
+    ids, mask = ids.to("cuda"), mask.to("cuda")
+    out: dict = {"lengths": PADDED_LENGTHS, "new_tokens": new_tokens, "path": _path()}
+    for kind in MODELS:
+        models = {peer: build(kind, peer, kv_heads) for peer in PADDED_PEERS}
+        models["sdpa"].load_state_dict(models["fastattn"].state_dict())
+
+        def generate(model):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                           do_sample=False, pad_token_id=SIZES["pad_token_id"])
+            torch.cuda.synchronize()
+            return time.perf_counter() - t0
+
+        before = _fallback_calls()
+        errors = {}
+        for peer, model in models.items():  # warm-up: every plan the timed calls need
+            try:
+                generate(model)
+            except RuntimeError as e:
+                errors[peer] = f"{type(e).__name__}: {str(e)[:500]}"
+        after = _fallback_calls()
+        fallbacks = {r: n - before.get(r, 0) for r, n in after.items() if n != before.get(r, 0)}
+        rows: dict = {peer: [] for peer in models if peer not in errors}
+        for order in rotated(rows, rounds):
+            for peer in order:
+                try:
+                    rows[peer].append({"tokens_per_s": len(PADDED_LENGTHS) * new_tokens / generate(models[peer])})
+                except RuntimeError as e:
+                    errors[peer] = f"{type(e).__name__}: {str(e)[:500]}"
+        res = {"errors": errors, "fallback_calls": sum(fallbacks.values()), "fallback_reasons": fallbacks}
+        if "fastattn" in rows:
+            res.update(medians(rows, "tokens_per_s", "fastattn", [p for p in rows if p != "fastattn"]))
+        out[kind] = res
+        del models
+        torch.cuda.empty_cache()
+    return out
+
+
 # -- output ------------------------------------------------------------------------------------
 
 def _fmt(x, spec=".2f") -> str:
@@ -295,6 +370,18 @@ def summary(res: dict) -> list[str]:
             lines.append("      fastattn / " + ", ".join(f"{p} {_fmt(m[f'ratio_fastattn_to_{p}'])} "
                                                        f"({_fmt(m[f'ratio_fastattn_to_{p}_paired'])})"
                                                        for p in peers if p != "fastattn"))
+    p = res.get("padded")
+    if p:
+        lines.append(f"  (c) left-padded generate, prompts {list(p['lengths'])}, {p['new_tokens']} new tokens, "
+                     f"fastattn {p['path']} path: tokens/s")
+        for kind in MODELS:
+            r = p[kind]
+            rates = ", ".join(f"{peer} {_fmt(r[peer]['tokens_per_s'], '.0f')}" for peer in PADDED_PEERS if peer in r)
+            lines.append(f"    {kind}: {rates}; fastattn / sdpa {_fmt(r.get('ratio_fastattn_to_sdpa'))} "
+                         f"({_fmt(r.get('ratio_fastattn_to_sdpa_paired'))}), target >= 1; fallback calls "
+                         f"{r['fallback_calls']} (target 0)" + (f" {r['fallback_reasons']}" if r["fallback_calls"]
+                                                               else "")
+                         + (f"; failed: {r['errors']}" if r["errors"] else ""))
     return lines
 
 
@@ -314,6 +401,8 @@ def main(argv=None) -> int:
         res["coldstart"] = coldstart(args.rounds, args.prompts, args.kv_heads)
     if not args.skip_steady:
         res["steady"] = steady(args.steady_rounds, args.batch, args.prompt, args.new_tokens, args.kv_heads)
+    if not args.skip_padded:
+        res["padded"] = padded(args.padded_rounds, args.padded_new_tokens, args.kv_heads)
     res["seconds"] = time.perf_counter() - t0
     emit(res, args.json, summary(res))
     return 0

@@ -357,3 +357,11 @@ def test_the_benchmarks_medians_ratios_and_summary():
     text = "\n".join(bench.summary({"coldstart": cold, "steady": steady}))
     assert "fastattn_warm / sdpa_cudnn: 0.43" in text and "claim < 1" in text
     assert "issue 28's baseline: 3.41 vs 4.07" in text and "sdpa_mode 1.00 (1.00)" in text
+    rows = {"fastattn": [{"tokens_per_s": 900.0}, {"tokens_per_s": 1100.0}], "sdpa": [{"tokens_per_s": 800.0}] * 2}
+    kinds = {kind: {"errors": {}, "fallback_calls": 0, "fallback_reasons": {},
+                    **bench.medians(rows, "tokens_per_s", "fastattn", ["sdpa"])} for kind in bench.MODELS}
+    kinds["qwen2"].update(fallback_calls=3, fallback_reasons={"cuDNN's reason": 3})
+    padded = {"lengths": bench.PADDED_LENGTHS, "new_tokens": 128, "path": "native", **kinds}
+    text = "\n".join(bench.summary({"padded": padded}))
+    assert "llama: fastattn 1000, sdpa 800; fastattn / sdpa 1.25 (1.25), target >= 1; fallback calls 0" in text
+    assert "fallback calls 3 (target 0) {\"cuDNN's reason\": 3}" in text
