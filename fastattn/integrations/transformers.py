@@ -39,9 +39,12 @@ sequences (transformers' `cu_seq_lens_q/k` and `max_length_q/k` keywords, as its
 path takes them, or the mask's), with `scaling`, `dropout`, `softcap` and `s_aux` sinks
 (cast to float32, fastattn's sinks dtype: a tiny copy whose gradient reaches the model's
 parameter). A decode step with sinks (one query) runs as two copies of the query, the
-second kept, since cuDNN refuses sinks with one query. Where cuDNN refuses a combination
+second kept, since cuDNN refuses sinks with one query. A left-padded batch's decode steps
+and chunked prefill (the key bias beside the cache's bottom-right diagonal) run on cuDNN in
+the form it takes (fastattn.AttentionConfig's alignment). Where cuDNN refuses a combination
 (softcap beside a bias, sinks with packed sequences) the layer runs an exact float32
-computation in PyTorch instead (logged once per reason), never a wrong answer.
+computation in PyTorch instead, never a wrong answer: counted by reason in
+fastattn.stats()["fallbacks"]["transformers"], and logged the first time for each reason.
 """
 
 from __future__ import annotations
