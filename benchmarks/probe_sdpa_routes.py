@@ -52,7 +52,7 @@ def main() -> int:
                         scale=scale, enable_gqa=enable_gqa)
 
     F.scaled_dot_product_attention = recording
-    out = {}
+    out, lines = {}, []
     fat.enable_sdpa()
     try:
         for kind in ("llama", "qwen2"):
@@ -79,11 +79,9 @@ def main() -> int:
                          "routes": [{"served": r.startswith("fastattn"), "route": r, "key": str(key)[:400]}
                                     for key, r in routes.items()]}
             served = sum(1 for r in routes.values() if r.startswith("fastattn"))
-            print(f"{kind}: {sum(seen.values())} SDPA calls, backend choices {dict(choices)}, "
-                  f"{served} of {len(routes)} route signatures served")
-            for r in out[kind]["routes"]:
-                if not r["served"]:
-                    print(f"  not served: {r['route'][:300]}")
+            lines.append(f"  {kind}: {sum(seen.values())} SDPA calls, PyTorch's backend choices {dict(choices)}, "
+                         f"{served} of {len(routes)} route signatures served")
+            lines.extend(f"    not served: {r['route'][:300]}" for r in out[kind]["routes"] if not r["served"])
     finally:
         F.scaled_dot_product_attention = original
         fat.disable_sdpa()
@@ -92,6 +90,7 @@ def main() -> int:
         with open(args.json, "w") as f:
             f.write(text)
     print(text[:6000])
+    print("summary:", *lines, sep="\n")
     return 0
 
 

@@ -8,7 +8,8 @@
 #     e.g. tests -m gpu (the GPU tests: tests/<area>/test_<topic>_gpu.py), tests/flash (one area), a file
 #   FASTATTN_PREBUILT=1: use the carried fastattn/_core.cpython-312-*.so (tools/build_cp312.sh) instead of building
 #   BENCH="core torch": the benchmarks to run after the tests (benchmarks/bench_core.py, ...; "" for none;
-#     also by name only: numerics, shape_classes, sdpa_mode, transformers)
+#     also by name only: numerics, shape_classes, sdpa_mode, transformers; NAME:--flag,--flag2 passes
+#     the script its own arguments)
 #   CRASH_BT=0: no second run under cuda-gdb after a crash (a whole-suite rerun costs minutes of device time)
 #   ORDERS="file reverse shuffle:7": one pytest process per order (FASTATTN_TEST_ORDER), all at once on
 #     the one GPU (each order is still one process: what issue 26 asks; three in turn cost ~3 x 560 s);
@@ -27,6 +28,7 @@ cd "$(dirname "$0")/.."
 {
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv
   python3 -c 'import sys, torch; print(sys.version); print("torch", torch.__version__)'
+  echo "kernel $(uname -r)"
 } > "$LOGS/env.log" 2>&1
 
 # The machine has no network: the frontend headers and platformdirs come as wheels.
@@ -139,9 +141,14 @@ python3 -m compileall -q fastattn > /dev/null
 # cold start), transformers (attn_implementation="fastattn": first logits, prefill, decode).
 default_bench="core coldstart torch warm features fp8 flash"
 [ -x .redis/redis-server ] && default_bench="$default_bench remote"
+# A NAME may carry the script's own arguments after a colon, comma-separated:
+# "transformers:--skip-coldstart,--skip-steady".
 for b in ${BENCH-$default_bench}; do
-  script=benchmarks/bench_$b.py; [ -f "$script" ] || script=benchmarks/$b.py
-  python3 "$script" --json "$LOGS/bench_$b.json" > "$LOGS/bench_$b.log" 2>&1 || echo "$script failed (see bench_$b.log)"
+  name=${b%%:*}; args=""; [ "$name" != "$b" ] && args=${b#*:}
+  script=benchmarks/bench_$name.py; [ -f "$script" ] || script=benchmarks/$name.py
+  # shellcheck disable=SC2086  # (the arguments, split on purpose)
+  python3 "$script" ${args//,/ } --json "$LOGS/bench_$name.json" > "$LOGS/bench_$name.log" 2>&1 \
+    || echo "$script failed (see bench_$name.log)"
 done
 
 echo "=== env"; cat "$LOGS/env.log" | head -20
