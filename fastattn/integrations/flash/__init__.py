@@ -21,9 +21,8 @@ whose plans, caches and per-call costs they share. What differs from FlashAttent
   ignored: return_attn_probs with dropout_p > 0 (FlashAttention then returns the dropout
   pattern, S_dmask, which cuDNN does not expose). What FlashAttention refuses is refused too (cache_batch_idx or cache_leftpad
   with a block table; rotary without new keys). cuDNN's own refusals (for example a causal mask at the
-  bottom right together with dropout when seqlen_q < seqlen_k, or in a varlen call whose
-  cu_seqlens_q and cu_seqlens_k are different tensors) are NotSupportedError too,
-  carrying cuDNN's reason.
+  bottom right beside dropout in a varlen call, whose sequences each have their own diagonal)
+  are NotSupportedError too, carrying cuDNN's reason.
 - Where cuDNN refuses what FlashAttention does, fastattn.flash composes it from what
   cuDNN takes (slower than a direct plan, the same answer):
   - Rows without keys: with more queries than keys the first rows see no key;
