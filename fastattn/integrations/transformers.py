@@ -42,7 +42,7 @@ parameter). A decode step with sinks (one query) runs as two copies of the query
 second kept, since cuDNN refuses sinks with one query. A left-padded batch's decode steps
 and chunked prefill (the key bias beside the cache's bottom-right diagonal) run on cuDNN in
 the form it takes (fastattn.AttentionConfig's alignment). Where cuDNN refuses a combination
-(softcap beside a bias, sinks with packed sequences) the layer runs an exact float32
+(for example sinks with packed sequences) the layer runs an exact float32
 computation in PyTorch instead, never a wrong answer: counted by reason in
 fastattn.stats()["fallbacks"]["transformers"], and logged the first time for each reason.
 """
