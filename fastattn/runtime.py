@@ -22,7 +22,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Iterable, Literal, Mapping, Union, overload
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Literal, Mapping, Union, overload
 
 from . import _record, store
 from ._version import __version__
@@ -97,6 +97,16 @@ def _count(**deltas: float) -> None:
     with _lock:
         for k, v in deltas.items():
             _counters[k] += v
+
+
+# Counters other parts of fastattn keep and stats() reports under their name (the SDPA
+# mode's "sdpa", registered when fastattn.torch is imported): name -> (read, reset).
+_sources: dict[str, tuple[Callable[[], Any], Callable[[], None]]] = {}
+
+
+def register_stats(name: str, read: Callable[[], Any], reset: Callable[[], None]) -> None:
+    """Report read() under `name` in stats(), and call reset() in clear()."""
+    _sources[name] = (read, reset)
 
 
 def count_fallback(integration: str, reason: str) -> None:
@@ -564,12 +574,16 @@ def stats() -> dict[str, float]:
     verification_failures, verify_seconds, build_seconds, load_seconds, plans (in memory), and the cache directories' own counters under
     "cache" (hits, misses, corrupt, writes, write_failures, pruned). "fallbacks": the calls
     each integration ran outside fastattn's kernels, by reason ({"transformers": {reason:
-    calls}}; empty when none did)."""
+    calls}}; empty when none did). "sdpa" (once fastattn.torch is imported): the SDPA mode's
+    calls, {"served": calls fastattn ran, "passed_on": {reason: calls PyTorch's kernels ran}}
+    (the calls PyTorch gave its cuDNN backend: the mode sees no other)."""
     with _lock:
         out: dict[str, Any] = dict(_counters)
         out["plans"] = sum(1 for e in _entries.values() if e.plan is not None)
         out["fallbacks"] = {name: dict(reasons) for name, reasons in _fallbacks.items()}
         cache = _cache
+    for name, (read, _) in list(_sources.items()):
+        out[name] = read()
     out["cache"] = cache.store.counters() if cache is not None else {}
     return out
 
@@ -584,6 +598,8 @@ def clear() -> None:
         _counters.update(_COUNTERS)
         _fallbacks.clear()
         _cache = None
+    for _, reset in list(_sources.values()):
+        reset()
 
 
 def device_info(device: int | None = None) -> dict[str, Any]:

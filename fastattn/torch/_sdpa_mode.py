@@ -35,6 +35,7 @@ from typing import NamedTuple
 
 import torch
 
+from .. import runtime
 from ..config import LAYOUTS, axes
 from ..errors import InvalidArgumentError, NotSupportedError
 from . import _dense, _native
@@ -76,6 +77,13 @@ _lock = threading.Lock()
 _state: _State | None = None
 # signature -> _Route, or the reason fastattn does not take it (a str)
 _routes: dict[tuple, _Route | str] = {}
+# The Python kernels' forward calls (fastattn.stats()["sdpa"]): None counts the served
+# ones, a reason the ones PyTorch's kernels ran; and the op library whose C++ kernels the
+# mode registered, which counts its own (csrc/sdpa.cpp).
+_calls: dict[str | None, int] = {}
+_calls_lock = threading.Lock()
+_native_kernels = None
+_DEBUG = "return_debug_mask: PyTorch's kernels give the dropout mask"
 
 
 def enable_sdpa() -> None:
@@ -114,6 +122,8 @@ def enable_sdpa() -> None:
             # route asked of _route once.
             native.sdpa_kernels(True, _route)
             library = native
+            global _native_kernels
+            _native_kernels = native
         else:
             library = torch.library.Library("aten", "IMPL")  # noqa: TOR901 (an override of aten's own kernels)
             with warnings.catch_warnings():
@@ -151,6 +161,37 @@ def sdpa_routes() -> dict[tuple, str]:
     """What the mode decided per call signature so far: "fastattn (<layout>)" or the
     reason PyTorch's kernels run it (for `fastattn info`-style introspection and tests)."""
     return {key: (f"fastattn ({r.layout})" if isinstance(r, _Route) else r) for key, r in list(_routes.items())}
+
+
+def sdpa_calls() -> dict:
+    """The mode's calls so far, one per SDPA call PyTorch gave its cuDNN backend while the
+    mode was on: {"served": calls fastattn ran, "passed_on": {reason: calls PyTorch's
+    kernels ran}} (fastattn.stats()["sdpa"])."""
+    with _calls_lock:
+        served = _calls.get(None, 0)
+        passed = {reason: n for reason, n in _calls.items() if reason is not None}
+    if _native_kernels is not None:
+        for ours, reason, n in _native_kernels.sdpa_calls():
+            if ours:
+                served += n
+            elif n:
+                passed[reason] = passed.get(reason, 0) + n
+    return {"served": served, "passed_on": passed}
+
+
+def _zero_calls() -> None:
+    with _calls_lock:
+        _calls.clear()
+    if _native_kernels is not None:
+        _native_kernels.zero_sdpa_calls()
+
+
+def _count(reason: str | None) -> None:
+    with _calls_lock:
+        _calls[reason] = _calls.get(reason, 0) + 1
+
+
+runtime.register_stats("sdpa", sdpa_calls, _zero_calls)
 
 
 def _check_schemas() -> None:
@@ -356,9 +397,11 @@ def _forward(query, key, value, attn_bias, compute_log_sumexp, dropout_p=0.0, is
     undefined, as PyTorch's Meta kernel returns them)."""
     route = _route(query, key, value, attn_bias, dropout_p, is_causal, scale, compute_log_sumexp)
     if not isinstance(route, _Route) or return_debug_mask:
+        _count(_DEBUG if isinstance(route, _Route) else route)
         return torch.ops.aten._cudnn_attention_forward(
             query, key, value, attn_bias, None, None, query.shape[2], key.shape[2], compute_log_sumexp, dropout_p,
             is_causal, return_debug_mask, scale=scale)
+    _count(None)
     layout, options, out_stride, lse_shape = route[:4]
     q, k, v = _views(layout, query, key, value)
     bias = _bias(attn_bias, query, key, compute_log_sumexp)

@@ -165,6 +165,27 @@ def test_a_call_fastattn_refuses_runs_pytorchs_own_kernel_and_its_backward_too(m
     assert ran == ["forward", "backward"]
 
 
+def test_served_and_passed_on_calls_are_counted_in_fastattns_stats(model, monkeypatch):
+    import fastattn
+
+    monkeypatch.setattr(_sdpa_mode, "_calls", {})
+    monkeypatch.setattr(_sdpa_mode, "_native_kernels", None)  # (the Python kernels here)
+    q, k, v = _qkv(1, 2, 2, 3, 3, 8)
+    for _ in range(3):
+        OP(q, k, v, None, False, 0.0, True, False, scale=None)  # served: the model's plan
+    assert fastattn.stats()["sdpa"] == {"served": 3, "passed_on": {}}
+    monkeypatch.setattr(torch.ops.aten, "_cudnn_attention_forward", lambda *a, **kw: ("pytorch's",), raising=False)
+    _sdpa_mode._forward(q, k, v, None, False, 0.0, True, True, scale=None)  # the debug mask: PyTorch's
+    fp32 = torch.randn(1, 2, 3, 8)
+    for _ in range(2):
+        _sdpa_mode._forward(fp32, fp32, fp32, None, False, 0.0, False, False, scale=None)  # refused: float32
+    got = fastattn.stats()["sdpa"]
+    [(reason, n)] = [(r, n) for r, n in got["passed_on"].items() if "float32" in r]
+    assert got["served"] == 3 and n == 2 and got["passed_on"][_sdpa_mode._DEBUG] == 1 and len(got["passed_on"]) == 2
+    fastattn.clear()
+    assert fastattn.stats()["sdpa"] == {"served": 0, "passed_on": {}}
+
+
 def test_dtypes_and_strides_fastattn_does_not_read_go_to_pytorch_without_asking_it(model):
     q, k, v = (torch.randn(1, 2, 3, 8) for _ in range(3))
     assert "float32" in _sdpa_mode._decide(q, k, v, None, 0.0, False, None, False)
@@ -298,6 +319,11 @@ def test_the_op_librarys_kernels_hand_a_refused_call_to_pytorchs_own_operators(l
                                                                         torch.empty(0), torch.empty(0), 8, 8, 0.0,
                                                                         False)
         assert lib.sdpa_route_count() == 2  # both refusals kept (an inference forward's key, the backward's)
+        # One forward call, passed on with _route's reason (a backward is not a call of its own).
+        counted = [(served, reason, n) for served, reason, n in lib.sdpa_calls() if n]
+        assert len(counted) == 1 and counted[0][0] is False and "float32" in counted[0][1] and counted[0][2] == 1
+        lib.zero_sdpa_calls()
+        assert not any(n for _, _, n in lib.sdpa_calls())
         with pytest.raises(ValueError, match="'CUDA' or 'CPU'"):
             lib.sdpa_kernels(True, _sdpa_mode._route, "Meta")
     finally:

@@ -69,7 +69,9 @@ def test_outputs_and_gradients_match_with_the_mode_on_and_off(mode, heads, kv_he
     model = Attn(heads, kv_heads).to(DEV, torch.bfloat16)
     x = torch.randn(2, 128, heads * 64, device=DEV, dtype=torch.bfloat16)
     mask = torch.randn(2, 1, 128, 128, device=DEV, dtype=torch.bfloat16) if masked else None
+    before = fastattn.stats()["sdpa"]["served"]
     on = _run(model, x, mask=mask)
+    assert fastattn.stats()["sdpa"]["served"] == before + 1, fastattn.stats()["sdpa"]  # one SDPA call, served
     routes = list(_sdpa_mode.sdpa_routes().values())
     if mode == "native":  # the C++ kernels ran the calls (each signature asked _route once)
         assert _native.library().sdpa_route_count() == len(routes), (routes, _native.library().sdpa_route_count())

@@ -108,7 +108,10 @@ SdpaRoute miss_sdpa(const Tensor &q, const Tensor &k, const Tensor &v, const Opt
     py::object got = py::reinterpret_borrow<py::object>(g_sdpa_route)(
         q, k, v, to_py(bias), dropout_p, is_causal, scale ? py::cast(*scale) : py::none(), training);
     SdpaRoute r;
-    if (py::isinstance<py::str>(got)) return r;
+    if (py::isinstance<py::str>(got)) {
+        r.reason = got.cast<std::string>();
+        return r;
+    }
     auto t = got.cast<py::tuple>();
     auto options = t[1].cast<py::tuple>();
     r.ours = true;
@@ -237,6 +240,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           "aten::_scaled_dot_product_cudnn_attention and its backward registered (route: "
           "fastattn.torch._sdpa_mode._route) or removed; key 'CPU' for tests");
     m.def("sdpa_route_count", &sdpa_route_count, "call signatures the SDPA mode's C++ kernels have a route for");
+    m.def("sdpa_calls", &sdpa_calls,
+          "the SDPA mode's C++ forward calls so far: [(served, reason where not, calls)], by route");
+    m.def("zero_sdpa_calls", &zero_sdpa_calls, "start the SDPA mode's call counts again");
     m.def(
         "sdpa_route",
         [](const Tensor &q, const Tensor &k, const Tensor &v, const OptTensor &bias, double dropout_p, bool is_causal,

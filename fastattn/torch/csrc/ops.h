@@ -22,9 +22,11 @@
 #include <c10/util/FunctionRef.h>
 
 #include <array>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <initializer_list>
+#include <memory>
 #include <optional>
 #include <string>
 #include <tuple>
@@ -238,11 +240,22 @@ std::tuple<Tensor, Tensor> forward_recorded(bool direct, const Tensor &q, const 
 // shapes the installed torch's Meta kernels give, or PyTorch's own kernels (ours false).
 struct SdpaRoute {
     bool ours = false;
+    std::string reason;  // why PyTorch's kernels run it (not ours): _route's answer
     DenseOptions opt{};
     std::array<int64_t, 4> out_stride{};
     std::vector<int64_t> lse_shape;
     std::array<std::array<int64_t, 4>, 3> grad_strides{};  // d_query's, d_key's, d_value's
+    // Forward calls of this signature (fastattn.stats()["sdpa"]): bumped by every call,
+    // without a lock; shared so that a route stays movable into the table.
+    std::shared_ptr<std::atomic<uint64_t>> calls = std::make_shared<std::atomic<uint64_t>>(0);
 };
+
+// The mode's forward calls so far, by route: (ours, the reason where not, calls) for each
+// kept route, and the calls no kept route counts (a refusal inside a capture, which is not
+// kept; PyTorch's kernels for return_debug_mask) with their reasons. zero_sdpa_calls()
+// starts them again (fastattn.clear()).
+std::vector<std::tuple<bool, std::string, uint64_t>> sdpa_calls();
+void zero_sdpa_calls();
 
 // The route of a signature seen for the first time: _sdpa_mode._route's answer (ops.cpp,
 // under the GIL). bias: attn_bias as the kernel got it; training: the forward's

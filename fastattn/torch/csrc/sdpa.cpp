@@ -23,9 +23,12 @@
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
+#include <atomic>
 #include <memory>
 #include <mutex>
 #include <shared_mutex>
+#include <string>
+#include <tuple>
 #include <unordered_map>
 #include <vector>
 
@@ -49,6 +52,12 @@ void put_scale(std::vector<int64_t> &key, const std::optional<double> &scale) {
     key.push_back(scale.has_value());
     key.push_back(scale.has_value() ? fa_bits(*scale) : 0);
 }
+
+// Forward calls no kept route counts (sdpa_calls).
+std::atomic<uint64_t> g_unkept_calls{0};  // a refusal inside a capture: its route is not kept
+std::atomic<uint64_t> g_debug_calls{0};   // return_debug_mask: PyTorch's kernels give the mask
+constexpr const char *kUnkept = "refused inside a CUDA-graph capture (a plan not loaded before it)";
+constexpr const char *kDebug = "return_debug_mask: PyTorch's kernels give the dropout mask";
 
 bool capturing(const Tensor &q) {
     const c10::Stream stream = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getStream(q.device());
@@ -84,6 +93,7 @@ const SdpaRoute &sdpa_route(const Tensor &q, const Tensor &k, const Tensor &v, c
         // its next such call: the kernel reads it before then.
         thread_local std::unique_ptr<SdpaRoute> once;
         once = std::make_unique<SdpaRoute>(std::move(r));
+        once->calls = nullptr;  // counted in g_unkept_calls
         return *once;
     }
     std::unique_lock<std::shared_mutex> lock(g_routes_lock);
@@ -165,6 +175,13 @@ void forward(const c10::OperatorHandle &, Stack *stack) {
     // replaces one): the route's capture check and Python's read the same device.
     const c10::DeviceGuard device(q.device());
     const SdpaRoute &r = sdpa_route(q, k, v, bias, dropout_p, is_causal, scale, lse);
+    if (r.ours && debug) {
+        g_debug_calls.fetch_add(1, std::memory_order_relaxed);
+    } else if (r.calls != nullptr) {
+        r.calls->fetch_add(1, std::memory_order_relaxed);
+    } else {
+        g_unkept_calls.fetch_add(1, std::memory_order_relaxed);
+    }
     if (!r.ours || debug) {
         // aten::_cudnn_attention_forward: the same arguments, with no cumulative lengths
         // after attn_bias and the maximal ones, the tensors' own.
@@ -264,6 +281,26 @@ size_t sdpa_route_count() {
 void clear_sdpa_routes() {
     std::unique_lock<std::shared_mutex> lock(g_routes_lock);
     g_routes.clear();
+    g_unkept_calls = 0;
+    g_debug_calls = 0;
+}
+
+std::vector<std::tuple<bool, std::string, uint64_t>> sdpa_calls() {
+    std::vector<std::tuple<bool, std::string, uint64_t>> out;
+    {
+        std::shared_lock<std::shared_mutex> lock(g_routes_lock);
+        for (const auto &kv : g_routes) out.emplace_back(kv.second.ours, kv.second.reason, kv.second.calls->load());
+    }
+    out.emplace_back(false, kUnkept, g_unkept_calls.load());
+    out.emplace_back(false, kDebug, g_debug_calls.load());
+    return out;
+}
+
+void zero_sdpa_calls() {
+    std::shared_lock<std::shared_mutex> lock(g_routes_lock);
+    for (const auto &kv : g_routes) kv.second.calls->store(0);
+    g_unkept_calls = 0;
+    g_debug_calls = 0;
 }
 
 }  // namespace fastattn::ops
