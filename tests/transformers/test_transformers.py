@@ -227,7 +227,7 @@ def test_a_cache_without_padding_decodes_at_the_bottom_right_without_a_mask(call
 
 def test_softcap_runs_on_fastattn_also_beside_a_bias(calls):
     # (cuDNN takes its score modifier beside a bias: the H200 ran Gemma 2's left-padded
-    # generate with no fallback call, docs/BENCHMARKS.md, s19-3.)
+    # generate with no fallback call: docs/BENCHMARKS.md, "left-padded generate".)
     ours, theirs = _pair("gemma2", reference="eager")
     ids = torch.randint(3, 97, (2, 9))
     torch.testing.assert_close(ours(ids).logits, theirs(ids).logits, atol=1e-4, rtol=1e-4)
