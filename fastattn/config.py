@@ -697,7 +697,10 @@ class AttentionConfig:
 
     def replace(self, **changes: Any) -> "AttentionConfig":
         """A copy with some fields changed (and validated again). Fields left at a
-        default that follows from others (max_tokens_*, num_pages) follow them again."""
+        default that follows from others (max_tokens_*, num_pages) follow them again. A
+        bottom-right band stored in its top-left form beside a bias or dropout (see
+        alignment) is a top-left band here: changing seqlen_q or seqlen_kv keeps its
+        bounds, so give the mask and window again with them."""
         for name, default in self._derived_defaults().items():
             if name not in changes and getattr(self, name) == default:
                 changes[name] = None
