@@ -36,7 +36,7 @@ def _alibi(alibi_slopes, q: Tensor, heads: int, batch: int) -> Tensor | None:
 def _cudnn_alibi(slopes: Tensor, heads: int) -> bool:
     """Whether cuDNN's own ALiBi computes these slopes: the ALiBi paper's for this many
     heads (cuDNN computes those and takes no others). Asked only where its ALiBi is
-    FlashAttention's otherwise (see _dense); where it is not, the slopes go into a bias."""
+    FlashAttention's otherwise (see _interface's _dense); where it is not, the slopes go into a bias."""
     return (_read_alibi_slopes_eagerly if _compiling() else _read_alibi_slopes)(slopes, heads)
 
 
