@@ -5,7 +5,8 @@
 #
 #   bash tools/gpu_bg.sh start [gpu_run.sh args...]   starts it, then waits as `wait` does
 #   bash tools/gpu_bg.sh wait                         waits up to WAIT s (default 570);
-#       once it has ended: its output, and its logs.tgz copied into $OUT
+#       once it has ended: its output, and its logs.tgz copied into $OUT; exit 75 while it
+#       still runs, 76 at once where no run was started on this machine
 # The run's environment (FASTATTN_PREBUILT, BENCH, FASTATTN_TEST_ORDER, ...) is passed on.
 # Give the `wait` call the same carry as `start`: a call removes the carried paths it
 # does not name, under the running suite (a run lost .redis so, and a Redis test failed).
@@ -18,6 +19,13 @@ if [ "$cmd" = start ]; then
   OUT="$BG/out" setsid bash -c 'bash tools/gpu_run.sh "$@" > '"$BG"'/run.log 2>&1; echo $? > '"$BG"'/rc' _ "$@" \
     < /dev/null > /dev/null 2>&1 &
   echo "started $(date +%T)"
+fi
+if [ ! -d "$BG" ]; then
+  # Nothing was started on this machine: a bare one (the last went back after its idle
+  # time, ~30 s) or `wait` without `start`. Waiting would spend device time on nothing
+  # (570 s, twice so far): say so at once.
+  echo "no run was started on this machine (a fresh one: the previous machine went back, or no start)"
+  exit 76
 fi
 deadline=$(( $(date +%s) + ${WAIT:-570} ))
 while [ ! -f "$BG/rc" ] && [ "$(date +%s)" -lt "$deadline" ]; do sleep 5; done
