@@ -5,7 +5,8 @@ random weights, attn_implementation="sdpa") with fastattn.torch.enable_sdpa(), i
 torch.nn.functional.scaled_dot_product_attention recorded with its arguments' shapes,
 strides, dtypes, mask kind, is_causal and enable_gqa, and PyTorch's backend choice for it
 (torch._fused_sdp_choice: 0 math, 1 flash, 2 efficient, 3 cudnn); then the mode's route
-table (fastattn.torch._sdpa_mode.sdpa_routes(): served by fastattn, or the reason not).
+table (fastattn.torch._sdpa_mode.sdpa_routes(): served by fastattn, or the reason not) and
+its per-call counts (fastattn.stats()["sdpa"]: served, passed on by reason).
 
     python benchmarks/probe_sdpa_routes.py [--json out.json]
 """
@@ -32,6 +33,7 @@ def main() -> int:
     args = ap.parse_args()
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    import fastattn
     import fastattn.torch as fat
     from fastattn.torch import _sdpa_mode
 
@@ -69,6 +71,7 @@ def main() -> int:
             seen.clear()
             choices.clear()
             _sdpa_mode._routes.clear()
+            fastattn.clear()  # (zeroes the mode's call counts: this model's calls alone below)
             with torch.no_grad():
                 model(ids)
                 model(ids, attention_mask=mask)
@@ -78,9 +81,12 @@ def main() -> int:
                          "pytorch_backend_choice": {str(k): n for k, n in choices.items()},
                          "routes": [{"served": r.startswith("fastattn"), "route": r, "key": str(key)[:400]}
                                     for key, r in routes.items()]}
-            served = sum(1 for r in routes.values() if r.startswith("fastattn"))
+            # The Python route table holds only the signatures new to the op library's own
+            # table: the calls are counted per call (fastattn.stats()["sdpa"]).
+            counted = fastattn.stats()["sdpa"]
+            out[kind]["sdpa_calls"] = counted
             lines.append(f"  {kind}: {sum(seen.values())} SDPA calls, PyTorch's backend choices {dict(choices)}, "
-                         f"{served} of {len(routes)} route signatures served")
+                         f"the mode served {counted['served']}, passed on {sum(counted['passed_on'].values())}")
             lines.extend(f"    not served: {r['route'][:300]}" for r in out[kind]["routes"] if not r["served"])
     finally:
         F.scaled_dot_product_attention = original
