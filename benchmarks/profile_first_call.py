@@ -8,11 +8,15 @@ median (ms):
   call          what a user's process does: import fastattn, import fastattn.torch, the
                 first attention() call (S = 256) to its synchronized output, a second
                 shape's first call (a load), the first shape again (a hit);
-                FASTATTN_WARM_LIBRARIES=0
-  call_warm     the same with the background library load that importing fastattn.torch
-                starts (fastattn.runtime.warm_libraries), the first call right away
+                FASTATTN_WARM_UP=off
+  call_warm     the same with the warm-up's first phase alone (FASTATTN_WARM_UP=libraries:
+                cuDNN, its sub-libraries and the op library loaded in the background from
+                the import on), the first call right away
   call_warm_idle  the same, the first call --idle-ms after the import (a server loading
                 its model meanwhile; that wait is not counted)
+  call_warm_up, call_warm_up_idle  the same two with the whole warm-up (FASTATTN_WARM_UP=
+                plans: the cache's most recently used plans loaded too, once the process
+                has a CUDA context, which here it has before the import)
   steps         the first call taken apart, each step alone and in the order the call
                 meets them: the extension (_core), the op library, cuDNN's
                 dependencies, libcuda, libcudnn, init_cudnn, cuDNN's graph sub-libraries
@@ -39,7 +43,10 @@ import time
 
 import _common
 
-MODES = ("call", "call_warm", "call_warm_idle", "steps", "steps_natural")
+MODES = ("call", "call_warm", "call_warm_idle", "call_warm_up", "call_warm_up_idle", "steps", "steps_natural")
+# What each mode sets FASTATTN_WARM_UP to.
+WARM_UP = {"call_warm": "libraries", "call_warm_idle": "libraries", "call_warm_up": "plans",
+           "call_warm_up_idle": "plans"}
 HEADS, HEAD_DIM = 32, 128
 FIRST, SECOND = 256, 512
 
@@ -63,7 +70,7 @@ def child(mode: str, idle_ms: float) -> dict:
 
     mark("import fastattn.torch")
     res: dict = {"mode": mode}
-    if mode == "call_warm_idle":
+    if mode.endswith("_idle"):
         time.sleep(idle_ms / 1e3)
         mark(f"idle {idle_ms:g} ms (not counted)")
     if mode.startswith("steps"):
@@ -77,7 +84,7 @@ def child(mode: str, idle_ms: float) -> dict:
         cudnn_path = _loader.ensure_loaded(on_step=mark).cudnn  # each loading step marked
         if mode == "steps":
             folder = os.path.dirname(cudnn_path)
-            for name in fastattn.runtime.CUDNN_SUBLIBRARIES:
+            for name in fastattn._warm_up.CUDNN_SUBLIBRARIES:
                 if os.path.exists(os.path.join(folder, name)):
                     ctypes.CDLL(os.path.join(folder, name))
                     mark(f"dlopen {name} ({os.path.getsize(os.path.join(folder, name)) >> 20} MiB)")
@@ -108,7 +115,7 @@ def child(mode: str, idle_ms: float) -> dict:
     res.update(steps=steps, total_ms=round(sum(counted), 3),
                wall_ms=round((time.perf_counter() - t_all) * 1e3, 3),
                stats={key: val for key, val in fastattn.stats().items() if isinstance(val, (int, float))},
-               path=_path())
+               path=_path(), warm_up=fastattn.stats().get("warm_up"))
     return res
 
 
@@ -164,7 +171,7 @@ def main(argv=None) -> int:
     for order in _common.rotated(modes, args.rounds):
         for mode in order:
             env = _common.fresh_cache_env(cache_dir)
-            env["FASTATTN_WARM_LIBRARIES"] = "1" if mode.startswith("call_warm") else "0"
+            env["FASTATTN_WARM_UP"] = WARM_UP.get(mode, "off")
             r = _common.fresh(os.path.abspath(__file__), ["--child", mode, "--idle-ms", str(args.idle_ms)], env)
             if "error" in r:
                 errors[mode] = _common.first_error([r])

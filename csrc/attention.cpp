@@ -202,6 +202,10 @@ Status build_graph(const Config &cfg, Direction dir, int device, GraphPtr *out, 
     }
     return guarded(Code::kNotSupported, "graph construction", [&]() -> Status {
         auto t0 = std::chrono::steady_clock::now();
+        // Builds and loads run on threads beside the user's work (the warm-up, preload in
+        // the background): a CUDA-graph capture in global mode on another thread is not
+        // theirs to invalidate. (fastattn.torch never builds or loads on a capturing thread.)
+        RelaxedCaptureMode relaxed;
         DeviceGuard guard(device);
         FA_RETURN_IF_ERROR(guard.status());
         cudnnHandle_t h;
@@ -242,6 +246,7 @@ Status deserialize_graph(const uint8_t *data, size_t size, const Config &cfg, Di
     FA_RETURN_IF_ERROR(check_full_lengths(cfg));
     return guarded(Code::kCorruptPlan, "deserialize", [&]() -> Status {
         auto t0 = std::chrono::steady_clock::now();
+        RelaxedCaptureMode relaxed;  // as in build_graph: another thread's capture is not ours to break
         DeviceGuard guard(device);
         FA_RETURN_IF_ERROR(guard.status());
         cudnnHandle_t h;

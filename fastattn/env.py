@@ -276,10 +276,14 @@ _TABLE = (
     _V("FASTATTN_SDPA", "bool", False, "serve torch.nn.functional.scaled_dot_product_attention's cuDNN calls on "
        "fastattn (`fastattn.torch.enable_sdpa()`) from the moment fastattn.torch is imported; unset, nothing is "
        "changed until enable_sdpa() is called"),
-    _V("FASTATTN_WARM_LIBRARIES", "bool", False, "`1`: when fastattn.torch is imported where PyTorch sees a CUDA "
-       "GPU, load cuDNN, its dependencies and its graph sub-libraries in a background thread "
-       "(`fastattn.runtime.warm_libraries`), so that the first call finds them loaded (opt-in until "
-       "benchmarks/profile_first_call.py has measured it); unset: the first call loads them"),
+    _V("FASTATTN_WARM_UP", "choice", "plans", "what a process that imports fastattn.torch (or an integration, "
+       "which imports it) loads in a background thread before its first call: `plans` (cuDNN, its sub-libraries "
+       "and the op library at once; then, once the process itself has made a CUDA context, the plans this GPU's "
+       "cache used most recently, up to FASTATTN_WARM_UP_MAX_BYTES: never a build, never a context of its own), "
+       "`libraries` (the first part alone) or `off`; read when fastattn.torch is imported",
+       choices=("plans", "libraries", "off")),
+    _V("FASTATTN_WARM_UP_MAX_BYTES", "size", 32 << 20, "the warm-up loads the most recently used cache entries "
+       "up to this many bytes of entry files (and 64 plans at most); read when fastattn.torch is imported", "`32M`"),
     _V("FASTATTN_SHAPE_CLASSES", "classes", lambda: _classes(VARIABLES["FASTATTN_SHAPE_CLASSES"], "off"), "fastattn.torch.attention()'s shape classes (its "
        "`shape_classes=` keyword overrides it per call): `off` (an exact plan per shape), `auto` (the classes "
        "`benchmarks/bench_shape_classes.py` measured on this GPU and cuDNN version in "

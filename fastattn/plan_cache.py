@@ -197,6 +197,37 @@ class PlanCache:
                 found.append((-info.last_used, len(found), cfg))
         return list(dict.fromkeys(cfg for _, _, cfg in sorted(found, key=lambda f: f[:2])))
 
+    def recent(self, device: int | None = None, max_bytes: int = 32 << 20,
+               max_plans: int = 64) -> list[tuple[AttentionConfig, str]]:
+        """(config, key) of the entries stored for `device`'s GPU and this process's
+        versions, most recently used first, as many as fit in max_bytes of entry files
+        and max_plans: what the warm-up loads. The directories are listed (sizes and last
+        uses, from lstat); headers are read only for the entries taken, and for at most
+        4 * max_plans in all, so that a large or foreign cache costs a listing, not a
+        read of every entry. Ties keep the directories' order (the main one first)."""
+        want = self.environment(device)
+        listed = [(-info.last_used, i, tier, info)
+                  for i, (tier, info) in enumerate((t, e) for t in self.store.tiers for e in t.entries(with_headers=False))]
+        listed.sort(key=lambda f: f[:2])
+        out: list[tuple[AttentionConfig, str]] = []
+        spent, reads, seen = 0, 0, set()
+        for _, _, tier, info in listed:
+            if len(out) >= max_plans or reads >= 4 * max_plans:
+                break
+            if info.key in seen or spent + info.size > max_bytes:
+                continue
+            reads += 1
+            read = tier.read_header(info)
+            desc = (read.header or {}).get("description") if read is not None else None
+            if desc is None or store.environment_of(desc) != want:
+                continue
+            cfg = config_of(desc)
+            if cfg is not None:
+                seen.add(info.key)
+                spent += info.size
+                out.append((cfg, info.key))
+        return out
+
     # -- plans -> entries -----------------------------------------------------------------
 
     def publish(self, key: str, description: dict[str, Any], p: Any, result: ProbeResult) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import logging
+import os
 import sys
 import threading
 import time
@@ -54,10 +55,15 @@ class _Entry:
     # that goes into FASTATTN_RECORD and the entry's last use (_claim), so that loading
     # everything ahead neither records it all nor makes it all look just used.
     ahead: bool = False
+    # A load ahead of use (load_ahead) that found nothing to load: never an answer. Whoever
+    # waited for it asks again, as the first asker (builds it, or finds it built meanwhile).
+    abandoned: bool = False
 
 
 _lock = threading.Lock()
 _entries: dict[tuple[AttentionConfig, int], _Entry] = {}
+# Bumped by clear(): a load ahead of use that began before it keeps nothing it loads.
+_generation = 0
 _COUNTERS = {
     "memory_hits": 0,  # answered from this process's memory
     "disk_hits": 0,  # plans loaded from the persistent cache
@@ -241,15 +247,16 @@ def _lookup(config: Any, device: int | None, refresh: bool = False, ahead: bool 
     config = AttentionConfig.coerce(config)
     device = _resolve_device(device)
     key = (config, device)
-    with _lock:
-        entry = _entries.get(key)
-        if entry is not None and refresh and entry.done.is_set():
-            entry = None  # a fresh answer was asked for: replace the settled one
-        owner = entry is None
-        if owner:
-            entry = _entries[key] = _Entry()
-        else:
-            _counters["memory_hits"] += 1
+    while True:
+        with _lock:
+            entry = _entries.get(key)
+            if entry is not None and refresh and entry.done.is_set():
+                entry = None  # a fresh answer was asked for: replace the settled one
+            owner = entry is None
+            if owner:
+                entry = _entries[key] = _Entry()
+        if owner or not _waited_in_vain(entry):
+            break
     if owner:
         entry.ahead = ahead
         try:
@@ -268,12 +275,49 @@ def _lookup(config: Any, device: int | None, refresh: bool = False, ahead: bool 
         finally:
             entry.done.set()
         return entry, False
-    entry.done.wait()
+    _count(memory_hits=1)
     if entry.error is not None:
         raise entry.error
     if entry.ahead and not ahead:
         _claim(entry, config, device)
     return entry, True
+
+
+def _waited_in_vain(entry: _Entry) -> bool:
+    """Waits for another thread's work on `entry`; True when that was a load ahead of
+    use that found nothing (the caller then asks again)."""
+    entry.done.wait()
+    return entry.abandoned
+
+
+def load_ahead(config: AttentionConfig, device: int, cache: PlanCache, key: str) -> bool:
+    """Loads the plan stored under `key` in `cache` into memory ahead of use (the
+    warm-up): never builds, never waits for a build, never touches the entry's last use
+    or FASTATTN_RECORD (the first call that uses it does: _claim). A call that asks for
+    the same plan meanwhile waits for this load alone; when it finds nothing (a miss, an
+    entry cuDNN will not load, an error), that call goes on as if it had asked first.
+    Returns whether a plan or a refusal is now held for it; False also where one was
+    already held or asked for, or clear() ran meanwhile."""
+    with _lock:
+        if (config, device) in _entries:
+            return False
+        entry = _entries[(config, device)] = _Entry(ahead=True)
+        generation = _generation
+    found = None
+    try:
+        found = cache.lookup(config, device, key, touch=False)
+    except Exception as e:  # an optimization: the call that needs it loads it and reports
+        _log.debug("fastattn warm-up: %s was not loaded (%s: %s)", key[:16], type(e).__name__, e)
+    with _lock:
+        kept = found is not None and _generation == generation and _entries.get((config, device)) is entry
+        if kept:
+            entry.plan, entry.result = found
+        else:
+            entry.abandoned = True
+            if _entries.get((config, device)) is entry:
+                del _entries[(config, device)]
+    entry.done.set()
+    return kept
 
 
 def _claim(entry: _Entry, config: AttentionConfig, device: int) -> None:
@@ -392,15 +436,20 @@ def plan(config: ConfigLike, *, device: int | None = None, verify: bool = False)
     return entry.plan
 
 
-def planned(config: ConfigLike, *, device: int | None = None) -> Plan | None:
+def planned(config: ConfigLike, *, device: int | None = None, wait: bool = False) -> Plan | None:
     """The plan for `config` on `device` if this process already holds it, else None:
-    never loads, builds or waits (what a caller that must not touch cuDNN now can ask,
-    inside a CUDA-graph capture say). Raises NotSupportedError with cuDNN's reason when
-    the answer held is a refusal."""
+    never loads or builds (what a caller that must not touch cuDNN now can ask, inside a
+    CUDA-graph capture say). wait=True: a plan another thread is loading or building is
+    waited for (a wait on the host, no CUDA call on this thread), else None is answered
+    at once. Raises NotSupportedError with cuDNN's reason when the answer held is a
+    refusal."""
+    check("bool", "wait", wait)
     config = AttentionConfig.coerce(config)
     with _lock:
         entry = _entries.get((config, _resolve_device(device)))
-    if entry is None or not entry.done.is_set() or entry.error is not None:
+    if entry is not None and wait:
+        entry.done.wait()
+    if entry is None or not entry.done.is_set() or entry.error is not None or entry.abandoned:
         return None
     if entry.ahead:
         _claim(entry, config, _resolve_device(device))
@@ -447,51 +496,6 @@ def warm_torch_backward() -> bool:
             pass
 
     threading.Thread(target=work, name="fastattn-torch-backward-import", daemon=True).start()
-    return True
-
-
-# cuDNN's sub-libraries that its graph API opens at a process's first handle and first
-# plan (the legacy cnn, ops and adv libraries are not needed by it).
-CUDNN_SUBLIBRARIES = ("libcudnn_graph.so.9", "libcudnn_heuristic.so.9", "libcudnn_engines_precompiled.so.9",
-                      "libcudnn_engines_runtime_compiled.so.9")
-_libraries_started: threading.Thread | None = None
-
-
-def _load_libraries() -> None:
-    import ctypes
-    import os
-
-    from . import _loader
-
-    # An optimization: whatever fails here, the first call loads it itself and reports.
-    try:
-        folder = os.path.dirname(_loader.ensure_loaded().cudnn)
-    except Exception:
-        return
-    for name in CUDNN_SUBLIBRARIES:
-        path = os.path.join(folder, name)
-        if os.path.exists(path):
-            try:
-                ctypes.CDLL(path)  # kept open: cuDNN's own dlopen of it later finds it loaded
-            except OSError:
-                pass
-
-
-def warm_libraries() -> bool:
-    """Starts loading what a process's first plan needs from disk, in a daemon thread,
-    once per process: cuDNN and its dependencies (fastattn._loader.ensure_loaded, under
-    its lock: a call that needs them meanwhile waits for that one load) and the cuDNN
-    sub-libraries its graph API opens (CUDNN_SUBLIBRARIES), so that the first call finds
-    them loaded. Only dlopen: no CUDA context and no cuDNN handle (a handle is per thread
-    and would make a context on whatever device is current there). Called when
-    fastattn.torch is imported where PyTorch sees a CUDA GPU, unless
-    FASTATTN_WARM_LIBRARIES=0. Returns whether it started one."""
-    global _libraries_started
-    with _lock:
-        if _libraries_started is not None:
-            return False
-        _libraries_started = threading.Thread(target=_load_libraries, name="fastattn-load-libraries", daemon=True)
-    _libraries_started.start()
     return True
 
 
@@ -576,7 +580,9 @@ def stats() -> dict[str, float]:
     each integration ran outside fastattn's kernels, by reason ({"transformers": {reason:
     calls}}; empty when none did). "sdpa" (once fastattn.torch is imported): the SDPA mode's
     calls, {"served": calls fastattn ran, "passed_on": {reason: calls PyTorch's kernels ran}}
-    (the calls PyTorch gave its cuDNN backend: the mode sees no other)."""
+    (the calls PyTorch gave its cuDNN backend: the mode sees no other). "warm_up" (once
+    fastattn.torch is imported): the background warm-up's state, devices, plans loaded
+    and seconds (fastattn/_warm_up.py)."""
     with _lock:
         out: dict[str, Any] = dict(_counters)
         out["plans"] = sum(1 for e in _entries.values() if e.plan is not None)
@@ -591,8 +597,9 @@ def stats() -> dict[str, float]:
 def clear() -> None:
     """Forgets every plan and verdict in memory (plans in use stay valid), zeroes the
     counters, and reads the cache settings again at the next use. The disk is untouched."""
-    global _cache
+    global _cache, _generation
     with _lock:
+        _generation += 1
         _entries.clear()
         _counters.clear()
         _counters.update(_COUNTERS)
@@ -600,6 +607,21 @@ def clear() -> None:
         _cache = None
     for _, reset in list(_sources.values()):
         reset()
+
+
+def _after_fork_in_child() -> None:
+    # The child has only the forking thread: a plan another thread was loading or building
+    # will never be finished here, and the lock may have been copied held. (CUDA itself is
+    # unusable in a child forked after the parent made a context: this keeps the rest sound.)
+    global _lock
+    _lock = threading.Lock()
+    for key in [k for k, e in _entries.items() if not e.done.is_set()]:
+        del _entries[key]
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(before=lambda: _lock.acquire(), after_in_parent=lambda: _lock.release(),
+                        after_in_child=_after_fork_in_child)
 
 
 def device_info(device: int | None = None) -> dict[str, Any]:

@@ -14,6 +14,11 @@ import os
 
 import pytest
 
+# The warm-up that importing fastattn.torch starts (fastattn/_warm_up.py) would load plans
+# into the runtime beside the tests' own calls and counters: off, for this process and the
+# processes the tests start; tests/runtime/test_warm_up.py turns it on where it is the subject.
+os.environ["FASTATTN_WARM_UP"] = "off"
+
 
 @pytest.fixture(autouse=True, scope="session")
 def _isolated_cache(tmp_path_factory):

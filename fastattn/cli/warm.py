@@ -300,14 +300,17 @@ def _build_torch_ops() -> dict[str, Any]:
     Python path runs there), not fatal: the plans are what warm is for."""
     import time
 
-    from .. import _opslib
+    from .. import _opslib, _warm_up
 
     built = _opslib.find_built()
     if built is not None:  # a second warm imports no torch (seconds) to find it built
         return {"ok": True, "path": str(built), "seconds": 0.0, "result": f"{built} (built before)"}
     t0 = time.perf_counter()
     try:
-        from ..torch import backend_info
+        # This process only compiles the library: importing fastattn.torch must not start
+        # the warm-up, whose first phase would decide the path before the build.
+        with _warm_up.suppressed():
+            from ..torch import backend_info
 
         info = backend_info(build=True)
     except ImportError as e:

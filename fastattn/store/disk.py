@@ -523,6 +523,12 @@ class DiskStore:
         created = float(header["created"]) if header else st.st_mtime
         return EntryInfo(key, path, st.st_size, created, st.st_atime, header, problem)
 
+    def read_header(self, info: EntryInfo) -> EntryInfo | None:
+        """`info` (listed without headers) with its header read, as scan() reads it;
+        None when the file is gone or is no longer an entry."""
+        item = self._scan_one(info.key[:2], info.path, info.key, True)
+        return item if isinstance(item, EntryInfo) else None
+
     def entries(self, with_headers: bool = True) -> Iterator[EntryInfo]:
         """Every entry file (valid or not) with its size and last use."""
         for item in self.scan(with_headers):

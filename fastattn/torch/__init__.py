@@ -24,6 +24,11 @@ itself run on fastattn where PyTorch would run its cuDNN backend (the SDPA mode,
 _sdpa_mode); FASTATTN_SDPA=1 enables it when this package is imported. Importing
 fastattn.torch changes nothing in PyTorch otherwise.
 
+Importing it starts the warm-up (fastattn/_warm_up.py; FASTATTN_WARM_UP=off turns it off):
+a background thread loads cuDNN and the op library, then, once the process has made a
+CUDA context, the plans this GPU's cache used most recently, so that the first calls find
+them in memory. It makes no CUDA call before the process does and builds nothing.
+
 The package: _api, the entry points attention, attention_varlen and attention_paged as users
 call them (signatures, checks, options); one module per op behind them (_dense, _varlen,
 _paged: plan keys, configs, custom ops, the Python path's work); _fp8: the FP8 ops,
@@ -95,16 +100,30 @@ def _enable_from_environment() -> None:
         enable_sdpa()
 
 
-def _warm_libraries() -> None:
-    # Where a CUDA GPU is visible (torch.cuda.is_available() makes no context): the
-    # libraries a first call would load from disk, loaded meanwhile (FASTATTN_WARM_LIBRARIES).
+def _cuda_contexts() -> list[int]:
+    # The devices on which this process has made a CUDA context (the warm-up's phase 2
+    # waits for one). Asked only once PyTorch has initialized CUDA itself: before that, even
+    # counting devices would initialize the driver (and break CUDA in children forked later).
     import torch
 
-    from .. import env, runtime
+    if not torch.cuda.is_initialized():
+        return []
+    return [i for i in range(torch.cuda.device_count()) if torch._C._cuda_hasPrimaryContext(i)]
 
-    if env.get("FASTATTN_WARM_LIBRARIES") and torch.cuda.is_available():
-        runtime.warm_libraries()
+
+def _warm_up() -> None:
+    # The warm-up (fastattn._warm_up), unless FASTATTN_WARM_UP=off or this torch has no
+    # CUDA. torch.cuda.is_available() is not asked: it would initialize the driver here.
+    import torch
+
+    from .. import _warm_up, env
+    from . import _native
+
+    setting = env.get("FASTATTN_WARM_UP")
+    if setting != "off" and torch.version.cuda is not None:
+        _warm_up.start(plans=setting == "plans", contexts=_cuda_contexts, libraries=_native.load_if_built,
+                       max_bytes=env.get("FASTATTN_WARM_UP_MAX_BYTES"))
 
 
 _enable_from_environment()
-_warm_libraries()
+_warm_up()  # last: its thread imports from this package

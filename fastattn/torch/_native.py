@@ -286,6 +286,15 @@ def library():
         return state["lib"]
 
 
+def load_if_built() -> None:
+    """Decides the path ahead of the first call (the warm-up), where that compiles
+    nothing: the op library is loaded if it is built (auto and native modes), the Python
+    path chosen where auto mode has none. Native mode without a library is left to the
+    first call, which builds it."""
+    if mode() != "native" or library_path().exists():
+        decide()
+
+
 def _publish_ops() -> None:
     global DENSE, VARLEN, PAGED, CALL, CALL_VARLEN
     import torch

@@ -75,8 +75,10 @@ def remember(key: tuple, cfg: AttentionConfig, q: torch.Tensor, k: torch.Tensor,
     if capturing():
         # A load or build inside the caller's capture would make cuDNN calls that
         # invalidate it (and leave PyTorch's generator in capture state): only a plan this
-        # process already holds is taken, else the call raises before touching the capture.
-        held = fastattn.runtime.planned(cfg, device=q.device.index)
+        # process already holds is taken (one that another thread, the warm-up say, is
+        # loading now is waited for, on the host), else the call raises before touching
+        # the capture.
+        held = fastattn.runtime.planned(cfg, device=q.device.index, wait=True)
         if held is None:
             raise InvalidArgumentError(
                 "a CUDA graph is being captured on the current stream and the plan for this call is not loaded "

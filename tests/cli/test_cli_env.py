@@ -44,7 +44,7 @@ def _refused(name: str, value: str) -> bool:
 
 def test_every_checked_kind_has_bad_values_here():
     kinds = {_env.VARIABLES[n].kind for n in CHECKED}
-    assert kinds <= set(_BAD) and {"FASTATTN_SDPA", "FASTATTN_WARM_LIBRARIES", "FASTATTN_SHAPE_CLASSES",
+    assert kinds <= set(_BAD) and {"FASTATTN_SDPA", "FASTATTN_WARM_UP", "FASTATTN_SHAPE_CLASSES",
                                    "FASTATTN_REMOTE_TIMEOUT"} <= set(CHECKED)
     # The test suite's and the build's variables are not the command's to check.
     assert not any(n.startswith("FASTATTN_TEST_") or n.endswith("_INCLUDE") for n in CHECKED)
@@ -76,7 +76,7 @@ def test_a_bad_value_is_exit_2_naming_the_variable_on_every_command(commands, ca
             assert err.startswith(f"fastattn: InvalidArgumentError: {name}"), (argv, err)
 
 
-@pytest.mark.parametrize("name", ["FASTATTN_SDPA", "FASTATTN_WARM_LIBRARIES", "FASTATTN_SHAPE_CLASSES",
+@pytest.mark.parametrize("name", ["FASTATTN_SDPA", "FASTATTN_WARM_UP", "FASTATTN_SHAPE_CLASSES",
                                   "FASTATTN_REMOTE_TIMEOUT"])
 def test_the_reported_variables_are_named_with_their_value_in_json_too(commands, capsys, monkeypatch, name):
     import json

@@ -254,6 +254,12 @@ ALLOWED_PRIVATE_IMPORTS = {
         "find_built(): a second `fastattn warm` finds the op library without importing torch "
         "(test_cli's test_a_second_warm_finds_the_op_library_without_importing_torch), and importing "
         "fastattn.torch imports torch, so backend_info() cannot answer it"),
+    ("fastattn.cli.warm", "fastattn._warm_up"): (
+        "suppressed(): warm imports fastattn.torch only to compile its op library, and that import must not "
+        "start the warm-up (whose first phase would decide fastattn.torch's path before the build)"),
+    ("fastattn.torch", "fastattn._warm_up"): (
+        "start(): importing fastattn.torch starts the warm-up with PyTorch's view of the CUDA contexts and the "
+        "op library's load; a user starts nothing (FASTATTN_WARM_UP says what it does), so it has no public name"),
     ("fastattn.torch._api", "fastattn._fields"): _FIELDS,
     ("fastattn.torch._options", "fastattn._fields"): _FIELDS,
     ("fastattn.torch._plans", "fastattn._fields"): _RESHAPE,

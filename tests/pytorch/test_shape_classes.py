@@ -147,7 +147,7 @@ def test_inside_a_capture_a_call_takes_the_plan_held_for_it(fake, held, monkeypa
     asked = list(fake)
     for mod in (_plans, _classes):
         monkeypatch.setattr(mod, "capturing", lambda: True)
-    monkeypatch.setattr(fastattn.runtime, "planned", lambda cfg, device=None: None)  # (the fake's plans: in _plans)
+    monkeypatch.setattr(fastattn.runtime, "planned", lambda cfg, device=None, wait=False: None)  # (the fake's plans: in _plans)
     _api.attention(q, k, v, shape_classes=(64,))
     assert fake == asked and served == [held, held]
 
@@ -324,7 +324,7 @@ def test_a_capture_without_a_held_plan_says_how_to_load_it(monkeypatch):
     from fastattn.errors import InvalidArgumentError
 
     monkeypatch.setattr(_plans, "capturing", lambda: True)
-    monkeypatch.setattr(fastattn.runtime, "planned", lambda cfg, device=None: None)
+    monkeypatch.setattr(fastattn.runtime, "planned", lambda cfg, device=None, wait=False: None)
     q = meta(1, 40, 4, 64)
     cfg = AttentionConfig(batch=1, heads_q=4, seqlen_q=40, seqlen_kv=40, head_dim_qk=64, dtype="bf16", layout="bshd")
     with pytest.raises(InvalidArgumentError, match="run the call once before capturing.*class plan if that was"):

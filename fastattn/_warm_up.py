@@ -1,0 +1,234 @@
+"""The warm-up (FASTATTN_WARM_UP): what a process's first fastattn calls would load from
+disk, loaded in a background thread before they come.
+
+fastattn.torch starts it when it is imported, and so does every integration (each imports
+fastattn.torch): a server loads its model for seconds before its first request, and
+nothing of this needs to wait for that request. One daemon thread, "fastattn-warm-up", in
+two phases:
+
+1. Libraries: cuDNN and its dependencies (fastattn._loader), cuDNN's graph sub-libraries
+   (CUDNN_SUBLIBRARIES: cuDNN opens them lazily inside a process's first plan
+   load, the largest part of a first call) and what the caller adds (fastattn.torch: its
+   op library, where it is built; never compiled here). No CUDA call.
+2. Plans (FASTATTN_WARM_UP=plans): once the process itself has made a CUDA context, for
+   each device that has one, the entries of the persistent cache stored for that GPU and
+   this process's versions, the most recently used first, up to FASTATTN_WARM_UP_MAX_BYTES
+   of entry files and MAX_PLANS (PlanCache.recent), loaded by LOADERS threads through
+   runtime.load_ahead: never a build, and never the entry's last use or FASTATTN_RECORD
+   (the first call that uses a plan does both). A call that asks for a plan being loaded
+   waits for that plan alone; a call for any other goes on as it would.
+
+It never makes a CUDA context: a context made by fastattn on device 0 would cost every
+rank of a one-process-per-GPU server memory on a GPU it does not use, and a thread's
+current device is its own (a new thread's is 0, not the caller's). So phase 2 waits,
+polling the caller's `contexts()` (fastattn.torch: the devices where PyTorch has made
+one), until the process makes one itself.
+
+Bounded: one thread, LOADERS loaders, at most MAX_PLANS plans and the byte budget. With
+an empty cache it loads nothing and writes nothing. In a child forked meanwhile it is
+not running (fork copies no thread), and the runtime drops the plans the parent was
+loading (fastattn.runtime's fork handler). Inside another thread's CUDA-graph capture,
+plan loads are made in relaxed capture mode (csrc/attention.cpp), so that they do not
+invalidate it. runtime.clear() stops it; so does the interpreter's exit (waiting up to
+EXIT_WAIT seconds for a load in progress). Its state is fastattn.stats()["warm_up"].
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Iterator
+
+from . import runtime
+
+LOADERS = 2  # loaders of phase 2: two paid for training plans, more did not (runtime.preload's doc)
+MAX_PLANS = 64
+EXIT_WAIT = 2.0
+_POLL_FIRST, _POLL_MAX = 0.005, 0.1  # seconds between looks for a CUDA context, doubling up to the max
+
+# cuDNN's sub-libraries that its graph API opens at a process's first handle and first
+# plan (the legacy cnn, ops and adv libraries are not needed by it).
+CUDNN_SUBLIBRARIES = ("libcudnn_graph.so.9", "libcudnn_heuristic.so.9", "libcudnn_engines_precompiled.so.9",
+                      "libcudnn_engines_runtime_compiled.so.9")
+
+_log = logging.getLogger("fastattn")
+_lock = threading.Lock()
+# What phase 1 holds, and a fork waits for: a child must not be forked in the middle of a
+# library load (the dynamic loader's state) or of the loader's own lock.
+_phase_lock = threading.Lock()
+_stop = threading.Event()
+_thread: threading.Thread | None = None
+_suppressed = 0  # suppressed() blocks open
+_STATUS: dict[str, Any] = {
+    "state": "off",  # off, libraries, waiting (for a CUDA context), loading, done, stopped, failed, forked
+    "devices": [],  # the devices phase 2 loaded for
+    "plans": 0,  # plans and refusals it loaded into memory
+    "libraries_seconds": 0.0,
+    "plans_seconds": 0.0,
+    "error": None,  # why it ended early, in one line
+}
+_status = dict(_STATUS)
+
+
+def status() -> dict[str, Any]:
+    """The warm-up's state (fastattn.stats()["warm_up"])."""
+    with _lock:
+        return {**_status, "devices": list(_status["devices"])}
+
+
+def _set(**values: Any) -> None:
+    with _lock:
+        _status.update(values)
+
+
+@contextlib.contextmanager
+def suppressed() -> Iterator[None]:
+    """Within the block, start() starts nothing (`fastattn warm`'s import of fastattn.torch,
+    which only compiles its op library)."""
+    global _suppressed
+    with _lock:
+        _suppressed += 1
+    try:
+        yield
+    finally:
+        with _lock:
+            _suppressed -= 1
+
+
+def start(*, plans: bool, contexts: Callable[[], list[int]], libraries: Callable[[], None] | None = None,
+          max_bytes: int = 32 << 20) -> bool:
+    """Starts the warm-up thread, once per process (until stop()). plans: run phase 2.
+    contexts(): the CUDA devices on which the process has made a context (polled by the
+    thread until it names one). libraries(): more of phase 1 (fastattn.torch's op
+    library). Returns whether it started one."""
+    global _thread
+    with _lock:
+        if _thread is not None or _suppressed:
+            return False
+        _stop.clear()
+        _status.clear()
+        _status.update(_STATUS, state="libraries")
+        _thread = threading.Thread(target=_run, args=(plans, contexts, libraries, max_bytes),
+                                   name="fastattn-warm-up", daemon=True)
+    _thread.start()
+    return True
+
+
+def stop(wait: float = 0.0) -> None:
+    """Stops the warm-up after the load in progress (waiting up to `wait` seconds for
+    it); a later start() starts it anew."""
+    global _thread
+    with _lock:
+        thread, _thread = _thread, None
+        if thread is not None and _status["state"] not in ("done", "failed"):
+            _status["state"] = "stopped"
+    _stop.set()
+    if thread is not None and wait > 0 and thread is not threading.current_thread():
+        thread.join(wait)
+
+
+def _run(plans: bool, contexts: Callable[[], list[int]], libraries: Callable[[], None] | None,
+         max_bytes: int) -> None:
+    try:
+        t0 = time.perf_counter()
+        with _phase_lock:
+            _load_libraries()  # raises LibraryError where the GPU stack is missing: nothing to warm
+            if libraries is not None and not _stop.is_set():
+                libraries()
+        _set(libraries_seconds=time.perf_counter() - t0)
+        if not plans or _stop.is_set():
+            _finish("done")
+            return
+        _set(state="waiting")
+        devices = _wait_for_context(contexts)
+        if not devices:
+            return  # stopped meanwhile
+        _set(state="loading", devices=devices)
+        t0 = time.perf_counter()
+        for device in devices:
+            _load_plans(device, max_bytes)
+        _set(plans_seconds=time.perf_counter() - t0)
+        _finish("done")
+    except Exception as e:  # an optimization: the first call does whatever this could not, and reports
+        _finish("failed", f"{type(e).__name__}: {e}")
+        _log.debug("fastattn warm-up: stopped early (%s: %s)", type(e).__name__, e)
+
+
+def _finish(state: str, error: str | None = None) -> None:
+    with _lock:
+        if _status["state"] != "stopped":
+            _status.update(state=state, error=error)
+
+
+def _load_libraries() -> None:
+    import ctypes
+
+    from . import _loader
+
+    folder = os.path.dirname(_loader.ensure_loaded().cudnn)
+    for name in CUDNN_SUBLIBRARIES:
+        path = os.path.join(folder, name)
+        if os.path.exists(path):
+            try:
+                ctypes.CDLL(path)  # kept open: cuDNN's own dlopen of it later finds it loaded
+            except OSError:
+                pass  # cuDNN's own load of it reports, at the call that needs it
+
+
+def _wait_for_context(contexts: Callable[[], list[int]]) -> list[int]:
+    pause = _POLL_FIRST
+    while not _stop.is_set():
+        devices = contexts()
+        if devices:
+            return devices
+        _stop.wait(pause)
+        pause = min(2 * pause, _POLL_MAX)
+    return []
+
+
+def _load_plans(device: int, max_bytes: int) -> None:
+    # A cache of the settings as they are now, not made the process's (runtime.plan_cache()
+    # would fix FASTATTN_CACHE_* for the process at whatever they are when this runs).
+    cache = runtime.open_plan_cache()
+    todo = cache.recent(device, max_bytes, MAX_PLANS)
+
+    def one(item) -> None:
+        if _stop.is_set():
+            return
+        if runtime.load_ahead(item[0], device, cache, item[1]):
+            with _lock:
+                _status["plans"] += 1
+
+    with ThreadPoolExecutor(max_workers=LOADERS, thread_name_prefix="fastattn-warm-up") as pool:
+        list(pool.map(one, todo))
+
+
+def _before_fork() -> None:
+    _phase_lock.acquire()
+    _lock.acquire()
+
+
+def _after_fork_in_parent() -> None:
+    _lock.release()
+    _phase_lock.release()
+
+
+def _after_fork_in_child() -> None:
+    global _lock, _phase_lock, _thread
+    _lock, _phase_lock = threading.Lock(), threading.Lock()
+    if _thread is not None:  # fork copies no thread: this process's warm-up is not running
+        _thread = None
+        if _status["state"] not in ("done", "failed", "stopped"):
+            _status["state"] = "forked"
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent,
+                        after_in_child=_after_fork_in_child)
+atexit.register(stop, EXIT_WAIT)
+runtime.register_stats("warm_up", status, stop)

@@ -1,0 +1,98 @@
+"""One process of the warm-up's GPU tests (tests/runtime/test_warm_up_gpu.py): runs
+fastattn.torch.attention() on SHAPES and prints one JSON line (a sha256 of each output,
+fastattn.stats()). worker() starts one on a cache directory, with the warm-up as asked.
+
+    python -m helpers.warm_up_worker MODE   (from tests/; MODE: calls, warm, capture)
+
+  calls    the calls alone (to fill a cache, or with the warm-up off: plans loaded lazily)
+  warm     make a CUDA context, wait for the warm-up to end, then the calls
+  capture  make a CUDA context, run the most recently used shape once, then capture and
+           replay CUDA graphs of it (global capture mode, PyTorch's default) again and
+           again while the warm-up loads the others; each replay is compared with eager
+"""
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import time
+
+from helpers.paths import TESTS
+
+SHAPES = [(1, 64 * i, 8, 64) for i in range(1, 25)]  # the last is the most recently used after a fill
+
+
+def worker(cache_dir, mode: str, warm_up: str):
+    env = {**os.environ, "FASTATTN_CACHE_DIR": str(cache_dir), "FASTATTN_WARM_UP": warm_up}
+    return subprocess.run([sys.executable, "-m", "helpers.warm_up_worker", mode], capture_output=True, text=True,
+                          env=env, cwd=TESTS, timeout=300)
+
+
+def result(done) -> dict:
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _inputs(torch, shape):
+    g = torch.Generator(device="cuda").manual_seed(shape[1])
+    return [torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3)]
+
+
+def _digest(torch, o) -> str:
+    return hashlib.sha256(o.contiguous().view(torch.int16).cpu().numpy().tobytes()).hexdigest()
+
+
+def _wait_done(fastattn, seconds=60.0) -> dict:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        status = fastattn.stats()["warm_up"]
+        if status["state"] in ("done", "failed", "stopped", "off"):
+            return status
+        time.sleep(0.005)
+    raise AssertionError(f"the warm-up did not end in {seconds} s: {fastattn.stats()['warm_up']}")
+
+
+def main() -> None:
+    mode = sys.argv[1]
+    import torch
+
+    import fastattn
+    from fastattn.torch import attention
+
+    out: dict = {"mode": mode}
+    torch.zeros(1, device="cuda")  # the process's CUDA context, as a model load makes it
+    if mode == "warm":
+        out["warm_up"] = _wait_done(fastattn)
+        out["before_calls"] = {k: fastattn.stats()[k] for k in ("builds", "deserializations")}
+    if mode == "capture":
+        shape = SHAPES[-1]
+        q, k, v = _inputs(torch, shape)
+        eager = attention(q, k, v, causal=True)
+        torch.cuda.synchronize()
+        captures = during = 0
+        while True:
+            loading = fastattn.stats()["warm_up"]["state"] in ("libraries", "waiting", "loading")
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):  # global capture mode: any thread's unsafe call would invalidate it
+                o = attention(q, k, v, causal=True)
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(o, eager), "a replay differs from the eager call"
+            captures += 1
+            during += loading
+            if not loading:
+                break
+        out.update(captures=captures, captures_while_loading=during, warm_up=_wait_done(fastattn))
+    else:
+        out["hashes"] = []
+        for shape in SHAPES:
+            q, k, v = _inputs(torch, shape)
+            out["hashes"].append(_digest(torch, attention(q, k, v, causal=True)))
+    torch.cuda.synchronize()
+    out["stats"] = {k: v for k, v in fastattn.stats().items() if isinstance(v, (int, float))}
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()

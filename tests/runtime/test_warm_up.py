@@ -1,0 +1,377 @@
+"""The warm-up (fastattn/_warm_up.py, FASTATTN_WARM_UP): the cache's most recently used plans
+loaded in a background thread once the process has a CUDA context, without a GPU: the
+runtime on tests/fake_core.py, the context and the libraries stood in for."""
+
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import fake_core
+import pytest
+
+from fastattn import AttentionConfig, _warm_up, runtime
+from fastattn.errors import CorruptPlanError
+
+_real_load_libraries = _warm_up._load_libraries  # before any fixture replaces it
+
+
+def _cfg(seqlen: int, training: bool = False) -> AttentionConfig:
+    return AttentionConfig(batch=1, heads_q=8, seqlen_q=seqlen, head_dim_qk=64, dtype="bf16", layout="bshd",
+                           mask="causal", training=training)
+
+
+@pytest.fixture
+def warm(env, monkeypatch):
+    """The fake runtime (env), no library loading, the warm-up stopped after the test;
+    `fill(configs)` builds and stores configs, then forgets them (a later process's view):
+    returns their entry files, in order."""
+    monkeypatch.setattr(_warm_up, "_load_libraries", lambda: None)
+
+    def fill(configs, base_time=1_000_000.0):
+        paths = []
+        for i, cfg in enumerate(configs):
+            runtime.plan(cfg, device=0)
+            cache = runtime.plan_cache()
+            path = cache.store.main.path_for(cache.key(cfg, 0))
+            os.utime(path, (base_time + i, base_time))  # last use: the later in the list, the more recent
+            paths.append(path)
+        runtime.clear()
+        return paths
+
+    yield fill
+    _warm_up.stop(wait=10)
+    runtime.clear()
+
+
+def _run(contexts=lambda: [0], max_bytes=32 << 20, plans=True, libraries=None) -> dict:
+    """Runs the warm-up to its end; its status."""
+    assert _warm_up.start(plans=plans, contexts=contexts, libraries=libraries, max_bytes=max_bytes)
+    thread = _warm_up._thread
+    thread.join(10)
+    assert not thread.is_alive()
+    return _warm_up.status()
+
+
+def _held() -> list:
+    with runtime._lock:
+        return [(cfg.seqlen_q, dev) for (cfg, dev), e in runtime._entries.items() if e.done.is_set()]
+
+
+def _builds(env) -> int:
+    log = env / "builds.log"
+    return len(log.read_text().splitlines()) if log.exists() else 0
+
+
+def test_it_loads_the_most_recently_used_plans_first_and_builds_nothing(warm, env, monkeypatch):
+    warm([_cfg(s) for s in (64, 128, 256, 512)])
+    order = []
+    real = fake_core.load_plan
+    monkeypatch.setattr(fake_core, "load_plan", lambda cfg, *a: order.append(cfg.seqlen_q) or real(cfg, *a))
+    monkeypatch.setattr(_warm_up, "LOADERS", 1)  # one loader: the order is the list's
+    monkeypatch.setenv("FAKE_BUILD_LOG", str(env / "builds.log"))
+    status = _run()
+    assert order == [512, 256, 128, 64]
+    assert status["state"] == "done" and status["plans"] == 4 and status["devices"] == [0]
+    assert sorted(_held()) == [(64, 0), (128, 0), (256, 0), (512, 0)]
+    assert _builds(env) == 0
+    stats = runtime.stats()
+    assert stats["deserializations"] == 4 and stats["builds"] == 0 and stats["warm_up"]["plans"] == 4
+    # The first call is a memory hit on the loaded plan.
+    runtime.plan(_cfg(256), device=0)
+    assert runtime.stats()["memory_hits"] == 1 and _builds(env) == 0
+
+
+def test_the_byte_budget_and_the_plan_cap_bound_it(warm, monkeypatch):
+    paths = warm([_cfg(64 * (i + 1)) for i in range(6)])
+    size = max(os.path.getsize(p) for p in paths)
+    status = _run(max_bytes=3 * size)
+    assert status["plans"] == 3 and sorted(s for s, _ in _held()) == [256, 320, 384]  # the 3 most recent
+    _warm_up.stop()
+    runtime.clear()
+    monkeypatch.setattr(_warm_up, "MAX_PLANS", 2)
+    assert _run()["plans"] == 2
+
+
+def test_at_most_LOADERS_plans_load_at_once(warm, monkeypatch):
+    warm([_cfg(64 * (i + 1)) for i in range(8)])
+    now, most, lock = [0], [0], threading.Lock()
+    real = fake_core.load_plan
+
+    def load(*a):
+        with lock:
+            now[0] += 1
+            most[0] = max(most[0], now[0])
+        time.sleep(0.02)
+        with lock:
+            now[0] -= 1
+        return real(*a)
+
+    monkeypatch.setattr(fake_core, "load_plan", load)
+    assert _run()["plans"] == 8
+    assert most[0] == _warm_up.LOADERS == 2
+
+
+def test_an_empty_cache_is_harmless(warm, env):
+    status = _run()
+    assert status["state"] == "done" and status["plans"] == 0
+    assert not (env / "cache").exists()  # nothing created on disk
+    assert _held() == []
+
+
+def test_it_waits_for_the_process_to_make_a_context_and_loads_on_that_device(warm):
+    warm([_cfg(64), _cfg(128)])
+    made = threading.Event()
+    asked = []
+
+    def contexts():
+        asked.append(1)
+        return [1] if made.is_set() else []
+
+    assert _warm_up.start(plans=True, contexts=contexts, max_bytes=32 << 20)
+    deadline = time.monotonic() + 10
+    while len(asked) < 3 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert _warm_up.status()["state"] == "waiting" and _held() == []  # no context: nothing touched
+    made.set()
+    _warm_up._thread.join(10)
+    assert sorted(_held()) == [(64, 1), (128, 1)]  # the device that has the context, not 0
+    assert _warm_up.status()["devices"] == [1]
+
+
+def test_libraries_alone_touch_no_plan(warm):
+    warm([_cfg(64)])
+    loaded = []
+    status = _run(plans=False, contexts=lambda: pytest.fail("asked for a context"), libraries=lambda: loaded.append(1))
+    assert status["state"] == "done" and status["plans"] == 0 and loaded == [1] and _held() == []
+
+
+def test_a_call_waits_for_its_own_plan_alone(warm, env, monkeypatch):
+    warm([_cfg(64), _cfg(128)])  # 128 most recent: loaded first
+    gate, entered = threading.Event(), threading.Event()
+    real = fake_core.load_plan
+
+    def load(cfg, *a):
+        if cfg.seqlen_q == 128:
+            entered.set()
+            assert gate.wait(10)
+        return real(cfg, *a)
+
+    monkeypatch.setattr(fake_core, "load_plan", load)
+    monkeypatch.setenv("FAKE_BUILD_LOG", str(env / "builds.log"))
+    assert _warm_up.start(plans=True, contexts=lambda: [0], max_bytes=32 << 20)
+    assert entered.wait(10)
+    runtime.plan(_cfg(64), device=0)  # another plan: not held up by the load in flight
+    got = []
+    waiter = threading.Thread(target=lambda: got.append(runtime.plan(_cfg(128), device=0)))
+    waiter.start()
+    time.sleep(0.05)
+    assert got == []  # waits for the load of its plan
+    gate.set()
+    waiter.join(10)
+    assert len(got) == 1 and got[0].config == _cfg(128)
+    assert _builds(env) == 0
+
+
+def test_a_plan_the_warm_up_cannot_load_is_built_once_by_the_call_that_waited(warm, env, monkeypatch):
+    warm([_cfg(64)])
+    gate, entered = threading.Event(), threading.Event()
+
+    def corrupt(cfg, *a):
+        if threading.current_thread().name.startswith("fastattn-warm-up"):
+            entered.set()
+            assert gate.wait(10)
+        raise CorruptPlanError("forward: fake cuDNN rejects this blob")
+
+    monkeypatch.setattr(fake_core, "load_plan", corrupt)
+    monkeypatch.setenv("FAKE_BUILD_LOG", str(env / "builds.log"))
+    assert _warm_up.start(plans=True, contexts=lambda: [0], max_bytes=32 << 20)
+    assert entered.wait(10)
+    got = []
+    waiter = threading.Thread(target=lambda: got.append(runtime.plan(_cfg(64), device=0)))
+    waiter.start()
+    time.sleep(0.05)
+    gate.set()
+    waiter.join(10)
+    assert len(got) == 1 and got[0].config == _cfg(64)
+    assert _builds(env) == 1  # the waiter's, once; the warm-up built nothing
+    assert _warm_up.status()["plans"] == 0
+
+
+def test_loading_ahead_leaves_the_record_and_the_last_use_to_the_first_call(warm, env, monkeypatch):
+    paths = warm([_cfg(64), _cfg(128)])
+    record = env / "record.jsonl"
+    monkeypatch.setenv("FASTATTN_RECORD", str(record))
+    before = [os.stat(p).st_atime for p in paths]
+    assert _run()["plans"] == 2
+    assert not record.exists() or record.read_text() == ""
+    assert [os.stat(p).st_atime for p in paths] == before
+    runtime.plan(_cfg(64), device=0)  # its first use
+    assert record.read_text().splitlines() == [_cfg(64).to_json()]
+    assert os.stat(paths[0]).st_atime > before[0] and os.stat(paths[1]).st_atime == before[1]
+
+
+def test_clear_stops_it_and_keeps_nothing_it_was_loading(warm, monkeypatch):
+    warm([_cfg(64), _cfg(128), _cfg(256)])
+    gate, entered = threading.Event(), threading.Event()
+    real = fake_core.load_plan
+
+    def load(cfg, *a):
+        entered.set()
+        assert gate.wait(10)
+        return real(cfg, *a)
+
+    monkeypatch.setattr(fake_core, "load_plan", load)
+    assert _warm_up.start(plans=True, contexts=lambda: [0], max_bytes=32 << 20)
+    thread = _warm_up._thread
+    assert entered.wait(10)
+    runtime.clear()
+    gate.set()
+    thread.join(10)
+    assert not thread.is_alive() and _held() == []
+    assert _warm_up.status()["state"] == "stopped"
+
+
+def test_a_capture_waits_for_a_plan_in_flight_and_never_starts_a_load(warm, monkeypatch):
+    warm([_cfg(64)])
+    gate, entered = threading.Event(), threading.Event()
+    real = fake_core.load_plan
+
+    def load(cfg, *a):
+        entered.set()
+        assert gate.wait(10)
+        return real(cfg, *a)
+
+    monkeypatch.setattr(fake_core, "load_plan", load)
+    assert _warm_up.start(plans=True, contexts=lambda: [0], max_bytes=32 << 20)
+    assert entered.wait(10)
+    assert runtime.planned(_cfg(64), device=0) is None  # wait=False: answered at once
+    threading.Timer(0.05, gate.set).start()
+    assert runtime.planned(_cfg(64), device=0, wait=True).config == _cfg(64)
+    assert runtime.planned(_cfg(128), device=0, wait=True) is None  # nothing held or in flight: no load
+    assert (_cfg(128), 0) not in runtime._entries
+
+
+def test_a_child_forked_during_a_load_plans_by_itself(fake_workers, tmp_path):
+    # A fresh interpreter on the fake core, so that the fork happens in a process with only
+    # the threads this script starts.
+    script = textwrap.dedent("""
+        import os, signal, sys, threading
+        import fake_core
+        from fastattn import AttentionConfig, _warm_up, runtime
+        cfg = AttentionConfig(batch=1, heads_q=8, seqlen_q=64, head_dim_qk=64, dtype="bf16", layout="bshd",
+                              mask="causal")
+        runtime.plan(cfg, device=0)
+        runtime.clear()
+        parent, gate, entered = os.getpid(), threading.Event(), threading.Event()
+        real = fake_core.load_plan
+        def load(c, *a):
+            if os.getpid() == parent:
+                entered.set()
+                gate.wait(10)
+            return real(c, *a)
+        fake_core.load_plan = load
+        _warm_up._load_libraries = lambda: None
+        _warm_up.start(plans=True, contexts=lambda: [0])
+        assert entered.wait(10)
+        pid = os.fork()
+        if pid == 0:
+            signal.alarm(10)  # a hang fails the test, not the suite
+            p = runtime.plan(cfg, device=0)
+            os._exit(0 if p.config == cfg and _warm_up.status()["state"] == "forked" else 3)
+        gate.set()
+        _, status = os.waitpid(pid, 0)
+        print("child", os.waitstatus_to_exitcode(status))
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "FASTATTN_WARM_UP": "plans"})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "child 0"
+
+
+@pytest.mark.parametrize("setting,cuda,started", [("plans", "13.0", "plans"), ("libraries", "13.0", "libraries"),
+                                                  ("off", "13.0", None), ("plans", None, None)])
+def test_importing_fastattn_torch_starts_it_as_set_without_initializing_cuda(monkeypatch, setting, cuda, started):
+    torch = pytest.importorskip("torch", reason="PyTorch is an optional extra (pip install torch)")
+    import fastattn.torch as fat
+
+    seen = []
+    monkeypatch.setattr(_warm_up, "start", lambda **kw: seen.append(kw))
+    monkeypatch.setattr(torch.version, "cuda", cuda)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: pytest.fail("is_available initializes the driver"))
+    monkeypatch.setenv("FASTATTN_WARM_UP", setting)
+    monkeypatch.setenv("FASTATTN_WARM_UP_MAX_BYTES", "5M")
+    fat._warm_up()
+    if started is None:
+        assert seen == []
+    else:
+        assert len(seen) == 1 and seen[0]["plans"] == (started == "plans") and seen[0]["max_bytes"] == 5 << 20
+        # Without a CUDA context made by PyTorch, no device is named (and none is asked about).
+        monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+        assert seen[0]["contexts"]() == []
+
+
+def test_the_op_library_is_loaded_ahead_only_where_nothing_is_compiled(monkeypatch, tmp_path):
+    pytest.importorskip("torch", reason="PyTorch is an optional extra (pip install torch)")
+    from fastattn.torch import _native
+
+    decided = []
+    monkeypatch.setattr(_native, "decide", lambda: decided.append(1))
+    monkeypatch.setattr(_native, "build", lambda *a: pytest.fail("the warm-up compiled the op library"))
+    missing = tmp_path / "none.so"
+    monkeypatch.setattr(_native, "library_path", lambda root=None: missing)
+    for mode, expected in (("native", 0), ("auto", 1), ("python", 1)):
+        decided.clear()
+        monkeypatch.setenv(_native.ENV, mode)
+        _native.load_if_built()
+        assert len(decided) == expected, mode
+    missing.write_bytes(b"")
+    decided.clear()
+    monkeypatch.setenv(_native.ENV, "native")
+    _native.load_if_built()
+    assert decided == [1]
+
+
+def test_a_machine_without_the_gpu_stack_ends_it_quietly(warm, monkeypatch):
+    from fastattn import _loader
+    from fastattn.errors import LibraryError
+
+    def missing():
+        raise LibraryError("fastattn cannot use the GPU: no libcuda")
+
+    monkeypatch.setattr(_warm_up, "_load_libraries", _real_load_libraries)  # the real one, on a missing stack
+    monkeypatch.setattr(_loader, "ensure_loaded", missing)
+    status = _run(contexts=lambda: pytest.fail("asked for a context"))
+    assert status["state"] == "failed" and "no libcuda" in status["error"]
+
+
+def test_it_loads_cudnns_graph_sub_libraries_that_exist(monkeypatch, tmp_path):
+    import ctypes
+
+    from fastattn import _loader
+
+    for name in ("libcudnn_graph.so.9", "libcudnn_engines_precompiled.so.9", "libcudnn_cnn.so.9"):
+        (tmp_path / name).write_bytes(b"")
+    libs = _loader.Libraries(cudnn=str(tmp_path / "libcudnn.so.9"), cudart="cudart", nvrtc="nvrtc",
+                             cublaslt="cublaslt", cudnn_version=91900)
+    opened = []
+    monkeypatch.setattr(_loader, "ensure_loaded", lambda: libs)
+
+    def cdll(path, *a, **kw):
+        opened.append(path)
+        if path.endswith("graph.so.9"):
+            raise OSError("bad ELF")  # one that will not load does not stop the others
+
+    monkeypatch.setattr(ctypes, "CDLL", cdll)
+    _real_load_libraries()
+    # The graph API's sub-libraries that exist, in order; not the legacy cnn.
+    assert opened == [str(tmp_path / "libcudnn_graph.so.9"), str(tmp_path / "libcudnn_engines_precompiled.so.9")]
+
+
+def test_start_is_once_until_stopped(warm):
+    assert _warm_up.start(plans=False, contexts=list)
+    assert not _warm_up.start(plans=False, contexts=list)
+    _warm_up.stop(wait=10)
+    assert _warm_up.start(plans=False, contexts=list)

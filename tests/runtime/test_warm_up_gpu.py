@@ -1,0 +1,24 @@
+"""GPU: the warm-up in real processes: what it loads is what a lazy load gives, bit for bit,
+and a CUDA-graph capture made meanwhile on another thread stays valid."""
+
+from helpers.warm_up_worker import SHAPES, result, worker
+
+
+def test_the_warm_up_loads_the_cache_and_the_calls_give_what_lazy_loads_give(tmp_path):
+    filled = result(worker(tmp_path, "calls", "off"))
+    assert filled["stats"]["builds"] == len(SHAPES)
+    lazy = result(worker(tmp_path, "calls", "off"))
+    assert lazy["stats"]["builds"] == 0 and lazy["stats"]["deserializations"] == len(SHAPES)
+    warm = result(worker(tmp_path, "warm", "plans"))
+    assert warm["warm_up"]["state"] == "done" and warm["warm_up"]["plans"] == len(SHAPES), warm["warm_up"]
+    assert warm["before_calls"] == {"builds": 0, "deserializations": len(SHAPES)}  # all loaded before any call
+    assert warm["stats"]["builds"] == 0 and warm["stats"]["deserializations"] == len(SHAPES)
+    assert warm["hashes"] == lazy["hashes"] == filled["hashes"]
+
+
+def test_a_capture_on_another_thread_stays_valid_while_plans_load(tmp_path):
+    result(worker(tmp_path, "calls", "off"))
+    run = result(worker(tmp_path, "capture", "plans"))
+    assert run["warm_up"]["state"] == "done" and run["warm_up"]["plans"] == len(SHAPES), run["warm_up"]
+    assert run["captures_while_loading"] >= 1, run  # the capture and the loads did overlap
+    assert run["stats"]["builds"] == 0
