@@ -41,7 +41,6 @@ import logging
 import os
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterator
 
 from . import runtime
@@ -195,17 +194,27 @@ def _load_plans(device: int, max_bytes: int) -> None:
     # A cache of the settings as they are now, not made the process's (runtime.plan_cache()
     # would fix FASTATTN_CACHE_* for the process at whatever they are when this runs).
     cache = runtime.open_plan_cache()
-    todo = cache.recent(device, max_bytes, MAX_PLANS)
+    todo = iter(cache.recent(device, max_bytes, MAX_PLANS))
+    taking = threading.Lock()
 
-    def one(item) -> None:
-        if _stop.is_set():
-            return
-        if runtime.load_ahead(item[0], device, cache, item[1]):
-            with _lock:
-                _status["plans"] += 1
+    def loader() -> None:
+        while not _stop.is_set():
+            with taking:
+                item = next(todo, None)
+            if item is None:
+                return
+            if runtime.load_ahead(item[0], device, cache, item[1]):
+                with _lock:
+                    _status["plans"] += 1
 
-    with ThreadPoolExecutor(max_workers=LOADERS, thread_name_prefix="fastattn-warm-up") as pool:
-        list(pool.map(one, todo))
+    # Daemon threads of its own, not a ThreadPoolExecutor: the interpreter's exit joins an
+    # executor's workers after they drain its queue (before atexit runs stop()), which would
+    # hold a process's exit for every plan still to load.
+    loaders = [threading.Thread(target=loader, name=f"fastattn-warm-up-{i}", daemon=True) for i in range(LOADERS)]
+    for t in loaders:
+        t.start()
+    for t in loaders:
+        t.join()
 
 
 def _before_fork() -> None:

@@ -291,6 +291,31 @@ def test_a_child_forked_during_a_load_plans_by_itself(fake_workers, tmp_path):
     assert done.stdout.strip() == "child 0"
 
 
+def test_a_process_exits_without_waiting_for_the_plans_still_to_load(fake_workers):
+    # 16 plans of 0.5 s each on two loaders: 4 s to load them all. The exit waits for the
+    # loads in progress alone (an executor's workers would drain the queue first).
+    script = textwrap.dedent("""
+        import time
+        import fake_core
+        from fastattn import AttentionConfig, _warm_up, runtime
+        configs = [AttentionConfig(batch=1, heads_q=8, seqlen_q=64 * (i + 1), head_dim_qk=64) for i in range(16)]
+        for cfg in configs:
+            runtime.plan(cfg, device=0)
+        runtime.clear()
+        real = fake_core.load_plan
+        fake_core.load_plan = lambda *a: time.sleep(0.5) or real(*a)
+        _warm_up._load_libraries = lambda: None
+        _warm_up.start(plans=True, contexts=lambda: [0])
+        while _warm_up.status()["plans"] < 1:
+            time.sleep(0.01)
+        print(time.time(), flush=True)
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    ended = time.time()
+    assert done.returncode == 0, done.stderr
+    assert ended - float(done.stdout.strip()) < 2.0
+
+
 @pytest.mark.parametrize("setting,cuda,started", [("plans", "13.0", "plans"), ("libraries", "13.0", "libraries"),
                                                   ("off", "13.0", None), ("plans", None, None)])
 def test_importing_fastattn_torch_starts_it_as_set_without_initializing_cuda(monkeypatch, setting, cuda, started):
