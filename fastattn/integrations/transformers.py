@@ -45,6 +45,9 @@ the form it takes (fastattn.AttentionConfig's alignment). Where cuDNN refuses a 
 (for example sinks with packed sequences) the layer runs an exact float32
 computation in PyTorch instead, never a wrong answer: counted by reason in
 fastattn.stats()["fallbacks"]["transformers"], and logged the first time for each reason.
+
+"paged|fastattn" (paged_attention_forward, registered beside it): transformers' continuous
+batching (generate_batch, transformers serve), which switches a "fastattn" model to it.
 """
 
 from __future__ import annotations
@@ -59,7 +62,7 @@ from fastattn.runtime import count_fallback
 from fastattn.torch import attention, attention_varlen, scaled_dot_product_attention
 
 NAME = "fastattn"
-__all__ = ["NAME", "FastattnMask", "register", "attention_forward", "attention_mask"]
+__all__ = ["NAME", "FastattnMask", "register", "attention_forward", "attention_mask", "paged_attention_forward"]
 
 
 class FastattnMask(NamedTuple):
@@ -98,6 +101,7 @@ def register(name: str = NAME) -> None:
 
     AttentionInterface.register(name, attention_forward)
     AttentionMaskInterface.register(name, attention_mask)
+    AttentionInterface.register(f"paged|{name}", paged_attention_forward)
 
 
 # -- the mask function ------------------------------------------------------------------------
@@ -272,6 +276,61 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         # Counted and, the first time for its reason, logged (fastattn.stats()["fallbacks"]).
         count_fallback("transformers", str(e).split("\n")[0])
         return _eager(q, k, v, form, scale, dropout, cap, sinks, module), None
+
+
+def paged_attention_forward(module: torch.nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                            attention_mask, cache, cu_seq_lens_q: torch.Tensor, cu_seq_lens_k, max_seqlen_q: int,
+                            max_seqlen_k, block_table: torch.Tensor | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers' continuous batching ("paged|fastattn": `generate_batch`, `transformers
+    serve`; a model loaded with attn_implementation="fastattn" is switched to it). q (1,
+    heads_q, total_q, dim), k / v (1, heads_kv, total_q, dim): the new tokens of every
+    sequence of the batch, packed. Their keys and values are written into the paged cache
+    and every sequence's keys read back packed (`cache.update`, as transformers' paged flash
+    path does), then fastattn.torch.attention_varlen runs each sequence's queries against
+    its keys, causal at the bottom right (the queries are the last of the keys), with the
+    layer's sliding window, scaling and softcap. attention_mask (the batch's additive mask,
+    which continuous batching builds for implementations without "flash" in their name) is
+    not read: the cumulative lengths say the same. Sinks (`s_aux`), which the varlen entry
+    does not take, run on the exact float32 fallback, counted as every fallback is. Returns
+    ((total_q, heads_q, dim_v), None)."""
+    if block_table is not None:  # transformers takes its decode fast path for flash_attention_2/3 names only
+        raise NotImplementedError("paged|fastattn: a block table (transformers' flash decode fast path) is not taken")
+    window = getattr(module, "sliding_window", None) or kwargs.get("sliding_window")
+    if isinstance(cu_seq_lens_k, dict):  # per layer type, in models with sliding and full layers
+        kind = "sliding_attention" if window else "full_attention"
+        cu_seq_lens_k, max_seqlen_k = cu_seq_lens_k[kind], max_seqlen_k[kind]
+    k, v = cache.update(key_states=k, value_states=v, layer_idx=module.layer_idx, read_index=kwargs["read_index"],
+                        write_index=kwargs["write_index"])  # (total_k, heads_kv, dim): the cache's keys, packed
+    q = q[0].transpose(0, 1)  # (total_q, heads_q, dim)
+    scale = kwargs.get("scaling", getattr(module, "scaling", None))
+    cap = float(kwargs.get("softcap") or 0.0)
+    sinks = kwargs.get("s_aux")
+    cu_q, cu_k = cu_seq_lens_q.to(torch.int32), cu_seq_lens_k.to(torch.int32)
+    left = window - 1 if window else -1
+    try:
+        if sinks is not None:
+            raise NotSupportedError("sinks with packed sequences: fastattn's varlen entry has no sinks")
+        o = attention_varlen(q, k, v, cu_q, cu_k, int(max_seqlen_q), int(max_seqlen_k), causal=True,
+                             alignment="bottom_right", window=None if left < 0 else (left, 0), scale=scale,
+                             softcap=cap)
+    except NotSupportedError as e:
+        count_fallback("transformers", str(e).split("\n")[0])
+        o = _eager_packed(q, k, v, cu_q, cu_k, left, scale, cap, None if sinks is None else sinks.float())
+    return o, None
+
+
+def _eager_packed(q, k, v, cu_q, cu_k, left: int, scale, cap: float, sinks) -> torch.Tensor:
+    """paged_attention_forward's attention in PyTorch, float32, sequence by sequence: each
+    sequence's queries are the last of its keys (causal at the bottom right)."""
+    out = torch.empty(q.shape[0], q.shape[1], v.shape[-1], dtype=q.dtype, device=q.device)
+    bounds_q, bounds_k = cu_q.tolist(), cu_k.tolist()
+    for n in range(len(bounds_q) - 1):
+        a, e, ak, ek = bounds_q[n], bounds_q[n + 1], bounds_k[n], bounds_k[n + 1]
+        if e == a:
+            continue
+        form = FastattnMask(causal=True, bottom_right=True, window_left=left)
+        out[a:e] = _eager(q[None, a:e], k[None, ak:ek], v[None, ak:ek], form, scale, 0.0, cap, sinks, None)[0]
+    return out
 
 
 def _grads(*tensors) -> bool:

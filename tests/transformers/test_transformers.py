@@ -103,7 +103,8 @@ def make_attention(calls):
     def attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, causal=False, alignment="top_left", window=None,
                          scale=None, dropout_p=0.0, softcap=0.0, **kw):
         assert cu_q.dtype == torch.int32 and isinstance(max_q, int) and max_q >= int((cu_q[1:] - cu_q[:-1]).max())
-        calls.append(dict(varlen=True, n=cu_q.numel() - 1, causal=causal, window=window))
+        calls.append(dict(varlen=True, n=cu_q.numel() - 1, causal=causal, window=window,
+                          sq=int((cu_q[1:] - cu_q[:-1]).max()), skv=int((cu_k[1:] - cu_k[:-1]).max())))
         out = torch.zeros(q.shape[0], q.shape[1], v.shape[-1], dtype=torch.float64)
         for n in range(cu_q.numel() - 1):
             a, e = int(cu_q[n]), int(cu_q[n + 1])
@@ -304,6 +305,45 @@ def test_a_training_step_has_sdpas_loss_and_gradients(calls):
     for (name, pa), pb in zip(ours.named_parameters(), theirs.parameters()):
         torch.testing.assert_close(pa.grad, pb.grad, atol=1e-4, rtol=1e-3, msg=name)
     assert all(c["bias"] == (2, 1, 8, 8) for c in calls)  # one row expanded over the queries for the backward
+
+
+def _fallback_counts() -> dict:
+    import fastattn
+
+    return dict(fastattn.stats()["fallbacks"].get("transformers", {}))
+
+
+@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2", "gemma2", "gemma3", "gpt_oss"])
+def test_continuous_batching_runs_paged_fastattn_with_paged_eagers_tokens(calls, monkeypatch, kind):
+    # transformers' continuous batching (generate_batch: a paged KV cache, requests of
+    # different lengths scheduled together) switches a "fastattn" model to "paged|fastattn".
+    # On the CPU it sizes its cache from a GPU memory reading of 0 bytes: given 1 GiB here.
+    from transformers import ContinuousBatchingConfig, GenerationConfig
+    from transformers.generation.continuous_batching import cache as cb_cache
+
+    monkeypatch.setattr(cb_cache.PagedAttentionMemoryHandler, "get_available_memory", lambda self: 1 << 30)
+    ours, theirs = _pair(kind, "eager")
+    gen = GenerationConfig(max_new_tokens=6, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    cb = ContinuousBatchingConfig(num_blocks=64, max_batch_tokens=64)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 97, (n,), generator=g).tolist() for n in (3, 9, 20, 33)]
+    before = _fallback_counts()
+    a = ours.generate_batch(prompts, generation_config=gen, continuous_batching_config=cb, warmup=False)
+    fallbacks = {r: n - before.get(r, 0) for r, n in _fallback_counts().items() if n != before.get(r, 0)}
+    b = theirs.generate_batch(prompts, generation_config=gen, continuous_batching_config=cb, warmup=False)
+    tokens = [a[r].generated_tokens for r in sorted(a)]
+    assert all(len(t) == 6 for t in tokens) and tokens == [b[r].generated_tokens for r in sorted(b)]
+    varlen = [c for c in calls if c.get("varlen")]
+    if kind == "gpt_oss":  # sinks: the varlen entry has none, every layer call runs the exact fallback
+        assert list(fallbacks) == ["sinks with packed sequences: fastattn's varlen entry has no sinks"]
+        return
+    assert fallbacks == {}
+    # Several requests in one call (continuous batching's packing), and decode steps (one
+    # query per request against its cache) among the calls.
+    assert max(c["n"] for c in varlen) > 1 and all(c["causal"] for c in varlen)
+    assert any(c["sq"] == 1 and c["skv"] > 1 for c in varlen)  # decode steps: one query against the cache
+    windowed = {"mistral": (4, 0), "qwen2": (3, 0), "gemma2": (3, 0), "gemma3": (3, 0)}
+    assert {c["window"] for c in varlen} >= ({windowed[kind]} if kind in windowed else {None})
 
 
 def test_a_mask_function_it_does_not_know_takes_transformers_own_mask():
