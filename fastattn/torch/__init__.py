@@ -119,10 +119,10 @@ def _warm_up() -> None:
     from .. import _warm_up, env
     from . import _native
 
-    setting = env.get("FASTATTN_WARM_UP")
+    setting, max_bytes = env.get("FASTATTN_WARM_UP"), env.get("FASTATTN_WARM_UP_MAX_BYTES")  # both checked here
     if setting != "off" and torch.version.cuda is not None:
         _warm_up.start(plans=setting == "plans", contexts=_cuda_contexts, libraries=_native.load_if_built,
-                       max_bytes=env.get("FASTATTN_WARM_UP_MAX_BYTES"))
+                       max_bytes=max_bytes)
 
 
 _enable_from_environment()

@@ -11,6 +11,8 @@ import time
 
 import fake_core
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from fastattn import AttentionConfig, _warm_up, runtime
 from fastattn.errors import CorruptPlanError
@@ -338,6 +340,21 @@ def test_importing_fastattn_torch_starts_it_as_set_without_initializing_cuda(mon
         assert seen[0]["contexts"]() == []
 
 
+@pytest.mark.parametrize("name,value", [("FASTATTN_WARM_UP", "sometimes"), ("FASTATTN_WARM_UP_MAX_BYTES", "-5"),
+                                        ("FASTATTN_WARM_UP_MAX_BYTES", "1e400")])
+def test_a_bad_setting_is_refused_by_name_whether_or_not_this_torch_has_cuda(monkeypatch, name, value):
+    torch = pytest.importorskip("torch", reason="PyTorch is an optional extra (pip install torch)")
+    import fastattn.torch as fat
+    from fastattn.errors import InvalidArgumentError
+
+    monkeypatch.setattr(_warm_up, "start", lambda **kw: pytest.fail("started with a bad setting"))
+    monkeypatch.setenv(name, value)
+    for cuda in (None, "13.0"):
+        monkeypatch.setattr(torch.version, "cuda", cuda)
+        with pytest.raises(InvalidArgumentError, match=f"^{name}="):
+            fat._warm_up()
+
+
 def test_the_op_library_is_loaded_ahead_only_where_nothing_is_compiled(monkeypatch, tmp_path):
     pytest.importorskip("torch", reason="PyTorch is an optional extra (pip install torch)")
     from fastattn.torch import _native
@@ -400,3 +417,50 @@ def test_start_is_once_until_stopped(warm):
     assert not _warm_up.start(plans=False, contexts=list)
     _warm_up.stop(wait=10)
     assert _warm_up.start(plans=False, contexts=list)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(entries=st.lists(st.tuples(st.integers(1, 40), st.booleans(), st.integers(0, 10**6)), min_size=0, max_size=12,
+                        unique_by=lambda e: e[0]),
+       garbage=st.lists(st.binary(max_size=300), max_size=3), budget=st.integers(0, 40_000),
+       cap=st.integers(1, 12))
+def test_recent_takes_this_gpus_entries_most_recent_first_within_its_bounds(warm, env, monkeypatch, entries, garbage,
+                                                                             budget, cap):
+    # Stored bytes: entries of this GPU and of another (a shared cache), files named like
+    # entries that are not (damage, another program), any last uses, any bounds.
+    import hashlib
+    import shutil
+
+    monkeypatch.setenv("FAKE_BUILD_SECONDS", "0")
+    shutil.rmtree(env / "cache", ignore_errors=True)
+    runtime.clear()
+    ours = {}
+    for seqlen, foreign, atime in entries:
+        fake_core.GPU_NAME[0] = "Another GPU" if foreign else "NVIDIA H200"  # (env's list, restored after)
+        cfg = _cfg(seqlen * 8)
+        runtime.plan(cfg, device=0)
+        cache = runtime.plan_cache()
+        key = cache.key(cfg, 0)
+        path = cache.store.main.path_for(key)
+        os.utime(path, (atime, atime))
+        if not foreign:
+            ours[key] = (cfg, atime, os.path.getsize(path))
+        runtime.clear()
+    fake_core.GPU_NAME[0] = "NVIDIA H200"
+    for i, data in enumerate(garbage):
+        key = hashlib.sha256(b"garbage%d" % i).hexdigest()
+        folder = env / "cache" / key[:2]
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / (key + ".entry")).write_bytes(data)
+    got = runtime.open_plan_cache().recent(0, budget, cap)
+    assert all(key in ours and ours[key][0] == cfg for cfg, key in got)
+    assert [ours[k][1] for _, k in got] == sorted((ours[k][1] for _, k in got), reverse=True)
+    assert len(got) <= cap and sum(ours[k][2] for _, k in got) <= budget
+    if len(entries) + len(garbage) <= 4 * cap:  # every header could be read: taken greedily, newest first
+        # (ties in the listing's order: by key, one directory)
+        want, spent = [], 0
+        for key, (_, _, size) in sorted(ours.items(), key=lambda kv: (-kv[1][1], kv[0])):  # ties: listing order
+            if len(want) < cap and spent + size <= budget:
+                want.append(key)
+                spent += size
+        assert sorted(k for _, k in got) == sorted(want)
