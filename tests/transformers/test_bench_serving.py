@@ -1,0 +1,63 @@
+"""benchmarks/bench_serving.py on the CPU: its requests, arguments, medians, ratios and summary,
+and one child's measurement with a tiny model on "paged|eager" (the GPU run itself is the
+benchmark)."""
+
+from __future__ import annotations
+
+import pytest
+
+from helpers import benchmarks
+
+torch = pytest.importorskip("torch", reason="PyTorch is an optional extra (pip install torch)")
+pytest.importorskip("transformers", reason="transformers is an optional extra")
+
+
+@pytest.fixture(scope="module")
+def bench():
+    return benchmarks.load("bench_serving")
+
+
+def test_the_requests_are_seeded_lengths_in_range(bench):
+    lengths = bench.requests(256)
+    assert len(lengths) == 256 and all(16 <= n <= 1500 for n in lengths) and len(set(lengths)) > 100
+    assert bench.requests(256) == lengths and bench.requests(32) == lengths[:32]
+
+
+def test_arguments(bench):
+    args = bench.parse_args([])
+    assert args.requests == [32, 256] and args.models == ["llama", "qwen2"] and args.rounds == 3
+    quick = bench.parse_args(["--quick"])
+    assert (quick.rounds, quick.requests, quick.new_tokens) == (1, [8], 8)
+    for bad in (["--rounds", "0"], ["--requests", "0"], ["--requests", "a,b"], ["--models", "gpt2"],
+                ["--new-tokens", "0"], ["--child", "flash"]):
+        with pytest.raises(SystemExit):
+            bench.parse_args(bad)
+
+
+def test_medians_the_best_pytorch_path_and_the_summary(bench):
+    def row(tps, ttft=50.0):
+        return {"tokens_per_s": tps, "ttft_ms_median": ttft, "ttft_ms_p90": 2 * ttft, "seconds": 1.0}
+
+    runs = {"fastattn": [row(1300.0), row(1500.0), {"error": "Traceback\nRuntimeError: boom"}],
+            "sdpa": [row(500.0)] * 3, "eager": [row(1000.0), row(1100.0), row(1200.0)]}
+    s = bench.summarize(runs)
+    assert s["best_pytorch"] == "eager" and s["fastattn"]["tokens_per_s"] == pytest.approx(1400.0)
+    assert s["speedup"] == pytest.approx(1400.0 / 1100.0) and s["fastattn"]["errors"] == 1
+    assert s["speedup_paired"] == pytest.approx((1300 / 1000 + 1500 / 1100) / 2)
+    s.update(peers=["fastattn", "sdpa", "eager"], fallback_calls=0)
+    text = "\n".join(bench.summary({"args": {"rounds": 3, "new_tokens": 48}, "cases": {"llama, 32 requests": s}}))
+    assert "fastattn / eager (the best PyTorch paged path): 1.27 (1.33); claim >= 1.3; fallback calls 0" in text
+    assert "1 of 3 failed: RuntimeError: boom" in text and "sdpa              500.0 tokens/s" in text
+
+
+def test_a_child_measures_a_paged_path(bench, monkeypatch):
+    # transformers sizes its paged cache from the GPU's free memory, which reads 0 on the CPU.
+    from transformers.generation.continuous_batching import cache as cb_cache
+
+    monkeypatch.setattr(cb_cache.PagedAttentionMemoryHandler, "get_available_memory", lambda self: 1 << 30)
+    tiny = dict(bench.MODELS["qwen2"], hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=97, sliding_window=8)
+    monkeypatch.setattr(bench, "LENGTHS", (3, 40))
+    r = bench.child("eager", "qwen2", 5, 3, device="cpu", model=tiny)
+    assert r["finished"] == 5 and r["tokens"] == 15 and r["tokens_per_s"] > 0
+    assert r["attn_implementation"] == "paged|eager" and 0 < r["ttft_ms_median"] <= r["ttft_ms_p90"]
