@@ -60,8 +60,6 @@ _lock = threading.Lock()
 # What phase 1 holds, and a fork waits for: a child must not be forked in the middle of a
 # library load (the dynamic loader's state) or of the loader's own lock.
 _phase_lock = threading.Lock()
-_stop = threading.Event()
-_thread: threading.Thread | None = None
 _suppressed = 0  # suppressed() blocks open
 _STATUS: dict[str, Any] = {
     "state": "off",  # off, libraries, waiting (for a CUDA context), loading, done, stopped, failed, forked
@@ -71,18 +69,96 @@ _STATUS: dict[str, Any] = {
     "plans_seconds": 0.0,
     "error": None,  # why it ended early, in one line
 }
-_status = dict(_STATUS)
+
+
+class _Run:
+    """One warm-up, from start() to its end or stop(): its thread, its stop event and its
+    status. A run that was stopped may still finish the load it was in; what it does then
+    goes to its own status, never to a later run's."""
+
+    def __init__(self, plans: bool, contexts: Callable[[], list[int]], libraries: Callable[[], None] | None,
+                 max_bytes: int):
+        self.plans, self.contexts, self.libraries, self.max_bytes = plans, contexts, libraries, max_bytes
+        self.stop = threading.Event()
+        self.status: dict[str, Any] = {**_STATUS, "devices": [], "state": "libraries"}
+        self.thread = threading.Thread(target=self.run, name="fastattn-warm-up", daemon=True)
+
+    def set(self, **values: Any) -> None:
+        with _lock:
+            if self.status["state"] != "stopped" or "state" not in values:
+                self.status.update(values)
+
+    def run(self) -> None:
+        try:
+            t0 = time.perf_counter()
+            with _phase_lock:
+                _load_libraries()  # raises LibraryError where the GPU stack is missing: nothing to warm
+                if self.libraries is not None and not self.stop.is_set():
+                    self.libraries()
+            self.set(libraries_seconds=time.perf_counter() - t0)
+            if not self.plans or self.stop.is_set():
+                self.set(state="done")
+                return
+            self.set(state="waiting")
+            devices = self.wait_for_context()
+            if not devices:
+                return  # stopped meanwhile
+            self.set(state="loading", devices=devices)
+            t0 = time.perf_counter()
+            for device in devices:
+                self.load_plans(device)
+            self.set(plans_seconds=time.perf_counter() - t0, state="done")
+        except Exception as e:  # an optimization: the first call does whatever this could not, and reports
+            self.set(state="failed", error=f"{type(e).__name__}: {e}")
+            _log.debug("fastattn warm-up: stopped early (%s: %s)", type(e).__name__, e)
+
+    def wait_for_context(self) -> list[int]:
+        pause = _POLL_FIRST
+        while not self.stop.is_set():
+            devices = self.contexts()
+            if devices:
+                return devices
+            self.stop.wait(pause)
+            pause = min(2 * pause, _POLL_MAX)
+        return []
+
+    def load_plans(self, device: int) -> None:
+        # A cache of the settings as they are now, not made the process's (runtime.plan_cache()
+        # would fix FASTATTN_CACHE_* for the process at whatever they are when this runs).
+        cache = runtime.open_plan_cache()
+        todo = iter(cache.recent(device, self.max_bytes, MAX_PLANS))
+        taking = threading.Lock()
+
+        def loader() -> None:
+            while not self.stop.is_set():
+                with taking:
+                    item = next(todo, None)
+                if item is None:
+                    return
+                if runtime.load_ahead(item[0], device, cache, item[1]):
+                    with _lock:
+                        self.status["plans"] += 1
+
+        # Daemon threads of its own, not a ThreadPoolExecutor: the interpreter's exit joins
+        # an executor's workers after they drain its queue (before atexit runs stop()), which
+        # would hold a process's exit for every plan still to load.
+        loaders = [threading.Thread(target=loader, name=f"fastattn-warm-up-{i}", daemon=True)
+                   for i in range(LOADERS)]
+        for t in loaders:
+            t.start()
+        for t in loaders:
+            t.join()
+
+
+_run: _Run | None = None  # the current run (None: none started, or stopped)
+_last: dict[str, Any] = dict(_STATUS)  # the status status() reports where no run is current
 
 
 def status() -> dict[str, Any]:
-    """The warm-up's state (fastattn.stats()["warm_up"])."""
+    """The warm-up's state (fastattn.stats()["warm_up"]): the current run's, else the last's."""
     with _lock:
-        return {**_status, "devices": list(_status["devices"])}
-
-
-def _set(**values: Any) -> None:
-    with _lock:
-        _status.update(values)
+        current = _run.status if _run is not None else _last
+        return {**current, "devices": list(current["devices"])}
 
 
 @contextlib.contextmanager
@@ -105,63 +181,29 @@ def start(*, plans: bool, contexts: Callable[[], list[int]], libraries: Callable
     contexts(): the CUDA devices on which the process has made a context (polled by the
     thread until it names one). libraries(): more of phase 1 (fastattn.torch's op
     library). Returns whether it started one."""
-    global _thread
+    global _run
     with _lock:
-        if _thread is not None or _suppressed:
+        if _run is not None or _suppressed:
             return False
-        _stop.clear()
-        _status.clear()
-        _status.update(_STATUS, state="libraries")
-        _thread = threading.Thread(target=_run, args=(plans, contexts, libraries, max_bytes),
-                                   name="fastattn-warm-up", daemon=True)
-    _thread.start()
+        run = _run = _Run(plans, contexts, libraries, max_bytes)
+    run.thread.start()
     return True
 
 
 def stop(wait: float = 0.0) -> None:
     """Stops the warm-up after the load in progress (waiting up to `wait` seconds for
     it); a later start() starts it anew."""
-    global _thread
+    global _run, _last
     with _lock:
-        thread, _thread = _thread, None
-        if thread is not None and _status["state"] not in ("done", "failed"):
-            _status["state"] = "stopped"
-    _stop.set()
-    if thread is not None and wait > 0 and thread is not threading.current_thread():
-        thread.join(wait)
-
-
-def _run(plans: bool, contexts: Callable[[], list[int]], libraries: Callable[[], None] | None,
-         max_bytes: int) -> None:
-    try:
-        t0 = time.perf_counter()
-        with _phase_lock:
-            _load_libraries()  # raises LibraryError where the GPU stack is missing: nothing to warm
-            if libraries is not None and not _stop.is_set():
-                libraries()
-        _set(libraries_seconds=time.perf_counter() - t0)
-        if not plans or _stop.is_set():
-            _finish("done")
+        run, _run = _run, None
+        if run is None:
             return
-        _set(state="waiting")
-        devices = _wait_for_context(contexts)
-        if not devices:
-            return  # stopped meanwhile
-        _set(state="loading", devices=devices)
-        t0 = time.perf_counter()
-        for device in devices:
-            _load_plans(device, max_bytes)
-        _set(plans_seconds=time.perf_counter() - t0)
-        _finish("done")
-    except Exception as e:  # an optimization: the first call does whatever this could not, and reports
-        _finish("failed", f"{type(e).__name__}: {e}")
-        _log.debug("fastattn warm-up: stopped early (%s: %s)", type(e).__name__, e)
-
-
-def _finish(state: str, error: str | None = None) -> None:
-    with _lock:
-        if _status["state"] != "stopped":
-            _status.update(state=state, error=error)
+        if run.status["state"] not in ("done", "failed"):
+            run.status["state"] = "stopped"
+        _last = run.status
+    run.stop.set()
+    if wait > 0 and run.thread is not threading.current_thread():
+        run.thread.join(wait)
 
 
 def _load_libraries() -> None:
@@ -179,44 +221,6 @@ def _load_libraries() -> None:
                 pass  # cuDNN's own load of it reports, at the call that needs it
 
 
-def _wait_for_context(contexts: Callable[[], list[int]]) -> list[int]:
-    pause = _POLL_FIRST
-    while not _stop.is_set():
-        devices = contexts()
-        if devices:
-            return devices
-        _stop.wait(pause)
-        pause = min(2 * pause, _POLL_MAX)
-    return []
-
-
-def _load_plans(device: int, max_bytes: int) -> None:
-    # A cache of the settings as they are now, not made the process's (runtime.plan_cache()
-    # would fix FASTATTN_CACHE_* for the process at whatever they are when this runs).
-    cache = runtime.open_plan_cache()
-    todo = iter(cache.recent(device, max_bytes, MAX_PLANS))
-    taking = threading.Lock()
-
-    def loader() -> None:
-        while not _stop.is_set():
-            with taking:
-                item = next(todo, None)
-            if item is None:
-                return
-            if runtime.load_ahead(item[0], device, cache, item[1]):
-                with _lock:
-                    _status["plans"] += 1
-
-    # Daemon threads of its own, not a ThreadPoolExecutor: the interpreter's exit joins an
-    # executor's workers after they drain its queue (before atexit runs stop()), which would
-    # hold a process's exit for every plan still to load.
-    loaders = [threading.Thread(target=loader, name=f"fastattn-warm-up-{i}", daemon=True) for i in range(LOADERS)]
-    for t in loaders:
-        t.start()
-    for t in loaders:
-        t.join()
-
-
 def _before_fork() -> None:
     _phase_lock.acquire()
     _lock.acquire()
@@ -228,12 +232,13 @@ def _after_fork_in_parent() -> None:
 
 
 def _after_fork_in_child() -> None:
-    global _lock, _phase_lock, _thread
+    global _lock, _phase_lock, _run, _last
     _lock, _phase_lock = threading.Lock(), threading.Lock()
-    if _thread is not None:  # fork copies no thread: this process's warm-up is not running
-        _thread = None
-        if _status["state"] not in ("done", "failed", "stopped"):
-            _status["state"] = "forked"
+    if _run is not None:  # fork copies no thread: this process's warm-up is not running
+        run, _run = _run, None
+        if run.status["state"] not in ("done", "failed", "stopped"):
+            run.status["state"] = "forked"
+        _last = run.status
 
 
 if hasattr(os, "register_at_fork"):

@@ -51,7 +51,7 @@ def warm(env, monkeypatch):
 def _run(contexts=lambda: [0], max_bytes=32 << 20, plans=True, libraries=None) -> dict:
     """Runs the warm-up to its end; its status."""
     assert _warm_up.start(plans=plans, contexts=contexts, libraries=libraries, max_bytes=max_bytes)
-    thread = _warm_up._thread
+    thread = _warm_up._run.thread
     thread.join(10)
     assert not thread.is_alive()
     return _warm_up.status()
@@ -138,7 +138,7 @@ def test_it_waits_for_the_process_to_make_a_context_and_loads_on_that_device(war
         time.sleep(0.005)
     assert _warm_up.status()["state"] == "waiting" and _held() == []  # no context: nothing touched
     made.set()
-    _warm_up._thread.join(10)
+    _warm_up._run.thread.join(10)
     assert sorted(_held()) == [(64, 1), (128, 1)]  # the device that has the context, not 0
     assert _warm_up.status()["devices"] == [1]
 
@@ -150,18 +150,25 @@ def test_libraries_alone_touch_no_plan(warm):
     assert status["state"] == "done" and status["plans"] == 0 and loaded == [1] and _held() == []
 
 
-def test_a_call_waits_for_its_own_plan_alone(warm, env, monkeypatch):
-    warm([_cfg(64), _cfg(128)])  # 128 most recent: loaded first
+def _gated(monkeypatch, which=lambda cfg: True):
+    """Makes the fake core's loads of the configs `which` picks wait for `gate`; `entered`
+    is set when the first of them starts. Returns (gate, entered)."""
     gate, entered = threading.Event(), threading.Event()
     real = fake_core.load_plan
 
     def load(cfg, *a):
-        if cfg.seqlen_q == 128:
+        if which(cfg):
             entered.set()
             assert gate.wait(10)
         return real(cfg, *a)
 
     monkeypatch.setattr(fake_core, "load_plan", load)
+    return gate, entered
+
+
+def test_a_call_waits_for_its_own_plan_alone(warm, env, monkeypatch):
+    warm([_cfg(64), _cfg(128)])  # 128 most recent: loaded first
+    gate, entered = _gated(monkeypatch, lambda cfg: cfg.seqlen_q == 128)
     monkeypatch.setenv("FAKE_BUILD_LOG", str(env / "builds.log"))
     assert _warm_up.start(plans=True, contexts=lambda: [0], max_bytes=32 << 20)
     assert entered.wait(10)
@@ -217,17 +224,9 @@ def test_loading_ahead_leaves_the_record_and_the_last_use_to_the_first_call(warm
 
 def test_clear_stops_it_and_keeps_nothing_it_was_loading(warm, monkeypatch):
     warm([_cfg(64), _cfg(128), _cfg(256)])
-    gate, entered = threading.Event(), threading.Event()
-    real = fake_core.load_plan
-
-    def load(cfg, *a):
-        entered.set()
-        assert gate.wait(10)
-        return real(cfg, *a)
-
-    monkeypatch.setattr(fake_core, "load_plan", load)
+    gate, entered = _gated(monkeypatch)
     assert _warm_up.start(plans=True, contexts=lambda: [0], max_bytes=32 << 20)
-    thread = _warm_up._thread
+    thread = _warm_up._run.thread
     assert entered.wait(10)
     runtime.clear()
     gate.set()
@@ -238,15 +237,7 @@ def test_clear_stops_it_and_keeps_nothing_it_was_loading(warm, monkeypatch):
 
 def test_a_capture_waits_for_a_plan_in_flight_and_never_starts_a_load(warm, monkeypatch):
     warm([_cfg(64)])
-    gate, entered = threading.Event(), threading.Event()
-    real = fake_core.load_plan
-
-    def load(cfg, *a):
-        entered.set()
-        assert gate.wait(10)
-        return real(cfg, *a)
-
-    monkeypatch.setattr(fake_core, "load_plan", load)
+    gate, entered = _gated(monkeypatch)
     assert _warm_up.start(plans=True, contexts=lambda: [0], max_bytes=32 << 20)
     assert entered.wait(10)
     assert runtime.planned(_cfg(64), device=0) is None  # wait=False: answered at once
@@ -464,3 +455,21 @@ def test_recent_takes_this_gpus_entries_most_recent_first_within_its_bounds(warm
                 want.append(key)
                 spent += size
         assert sorted(k for _, k in got) == sorted(want)
+
+
+def test_a_run_stopped_mid_load_leaves_a_new_run_alone(warm, monkeypatch):
+    warm([_cfg(64), _cfg(128)])
+    gate, entered = _gated(monkeypatch, lambda cfg: threading.current_thread().name != "MainThread" and not gate.is_set())
+    assert _warm_up.start(plans=True, contexts=lambda: [0], max_bytes=32 << 20)
+    old = _warm_up._run
+    assert entered.wait(10)
+    _warm_up.stop()  # the old run is inside a load: it ends after it
+    assert _warm_up.status()["state"] == "stopped"
+    runtime.clear()
+    assert _warm_up.start(plans=False, contexts=list)  # a new run, while the old one still loads
+    new = _warm_up._run
+    gate.set()
+    old.thread.join(10)
+    new.thread.join(10)
+    assert old.status["state"] == "stopped" and _warm_up.status()["state"] == "done"
+    assert _warm_up.status()["plans"] == 0  # the old run's load is not counted in the new run
