@@ -7,6 +7,10 @@
 #   bash tools/gpu_bg.sh wait                         waits up to WAIT s (default 570);
 #       once it has ended: its output, and its logs.tgz copied into $OUT; exit 75 while it
 #       still runs, 76 at once where no run was started on this machine
+#   bash tools/gpu_bg.sh stop                         ends the run (its whole process
+#       session), keeping what pytest logged so far in $OUT; exit 76 where none was started.
+#       (Not `pkill -f PATTERN` in a device call: the pattern matches that call's own
+#       command line, and the call ends at once; seen in session 20.)
 # The run's environment (FASTATTN_PREBUILT, BENCH, FASTATTN_TEST_ORDER, ...) is passed on.
 # Give the `wait` call the same carry as `start`: a call removes the carried paths it
 # does not name, under the running suite (a run lost .redis so, and a Redis test failed).
@@ -18,6 +22,7 @@ if [ "$cmd" = start ]; then
   rm -rf "$BG"; mkdir -p "$BG/out"
   OUT="$BG/out" setsid bash -c 'bash tools/gpu_run.sh "$@" > '"$BG"'/run.log 2>&1; echo $? > '"$BG"'/rc' _ "$@" \
     < /dev/null > /dev/null 2>&1 &
+  echo $! > "$BG/pid"  # setsid's process leads the run's session (a background job leads no group)
   echo "started $(date +%T)"
 fi
 if [ ! -d "$BG" ]; then
@@ -26,6 +31,12 @@ if [ ! -d "$BG" ]; then
   # (570 s, twice so far): say so at once.
   echo "no run was started on this machine (a fresh one: the previous machine went back, or no start)"
   exit 76
+fi
+if [ "$cmd" = stop ]; then
+  for f in /tmp/fastattn-logs.*/pytest*.log; do [ -f "$f" ] && cp "$f" "${OUT:-/tmp}/so-far-$(basename "$f")"; done
+  kill -TERM -- "-$(cat "$BG/pid")" 2>/dev/null && echo "stopped the run's session $(cat "$BG/pid")" \
+    || echo "the run had ended"
+  exit 0
 fi
 deadline=$(( $(date +%s) + ${WAIT:-570} ))
 while [ ! -f "$BG/rc" ] && [ "$(date +%s)" -lt "$deadline" ]; do sleep 5; done
