@@ -10,7 +10,8 @@ two phases:
    (CUDNN_SUBLIBRARIES: cuDNN opens them lazily inside a process's first plan
    load, the largest part of a first call) and what the caller adds (fastattn.torch: its
    op library, where it is built; never compiled here). No CUDA call.
-2. Plans (FASTATTN_WARM_UP=plans): once the process itself has made a CUDA context, for
+2. Plans (FASTATTN_WARM_UP=plans): once the process itself has made a CUDA context (polled,
+   or told at once by fastattn.torch's first miss: nudge()), for
    each device that has one, the entries of the persistent cache stored for that GPU and
    this process's versions, the most recently used first, up to FASTATTN_WARM_UP_MAX_BYTES
    of entry files and MAX_PLANS (PlanCache.recent), loaded by LOADERS threads through
@@ -80,6 +81,7 @@ class _Run:
                  max_bytes: int):
         self.plans, self.contexts, self.libraries, self.max_bytes = plans, contexts, libraries, max_bytes
         self.stop = threading.Event()
+        self.wake = threading.Event()  # nudge(): look for a CUDA context now
         self.status: dict[str, Any] = {**_STATUS, "devices": [], "state": "libraries"}
         self.thread = threading.Thread(target=self.run, name="fastattn-warm-up", daemon=True)
 
@@ -118,7 +120,8 @@ class _Run:
             devices = self.contexts()
             if devices:
                 return devices
-            self.stop.wait(pause)
+            self.wake.wait(pause)
+            self.wake.clear()
             pause = min(2 * pause, _POLL_MAX)
         return []
 
@@ -159,6 +162,15 @@ def status() -> dict[str, Any]:
     with _lock:
         current = _run.status if _run is not None else _last
         return {**current, "devices": list(current["devices"])}
+
+
+def nudge() -> None:
+    """A fastattn call is missing a plan, so the process has a CUDA context: the warm-up
+    looks for it now instead of at its next poll (up to _POLL_MAX later), and loads the
+    other plans beside that call."""
+    run = _run
+    if run is not None:
+        run.wake.set()
 
 
 @contextlib.contextmanager
@@ -202,6 +214,7 @@ def stop(wait: float = 0.0) -> None:
             run.status["state"] = "stopped"
         _last = run.status
     run.stop.set()
+    run.wake.set()
     if wait > 0 and run.thread is not threading.current_thread():
         run.thread.join(wait)
 

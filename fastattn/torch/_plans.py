@@ -72,6 +72,9 @@ def remember(key: tuple, cfg: AttentionConfig, q: torch.Tensor, k: torch.Tensor,
     Redis or a build), kept under key."""
     import fastattn
 
+    from .. import _warm_up
+
+    _warm_up.nudge()  # a miss on CUDA tensors: the warm-up may load the other plans beside this one now
     if capturing():
         # A load or build inside the caller's capture would make cuDNN calls that
         # invalidate it (and leave PyTorch's generator in capture state): only a plan this

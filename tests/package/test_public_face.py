@@ -260,6 +260,8 @@ ALLOWED_PRIVATE_IMPORTS = {
     ("fastattn.torch", "fastattn._warm_up"): (
         "start(): importing fastattn.torch starts the warm-up with PyTorch's view of the CUDA contexts and the "
         "op library's load; a user starts nothing (FASTATTN_WARM_UP says what it does), so it has no public name"),
+    ("fastattn.torch._plans", "fastattn._warm_up"): (
+        "nudge(): a fastattn.torch miss tells the warm-up that the process has a CUDA context; not a user's API"),
     ("fastattn.torch._api", "fastattn._fields"): _FIELDS,
     ("fastattn.torch._options", "fastattn._fields"): _FIELDS,
     ("fastattn.torch._plans", "fastattn._fields"): _RESHAPE,

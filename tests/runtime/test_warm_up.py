@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fastattn import AttentionConfig, _warm_up, runtime
-from fastattn.errors import CorruptPlanError
+from fastattn.errors import CorruptPlanError, InvalidArgumentError
 
 _real_load_libraries = _warm_up._load_libraries  # before any fixture replaces it
 
@@ -336,7 +336,6 @@ def test_importing_fastattn_torch_starts_it_as_set_without_initializing_cuda(mon
 def test_a_bad_setting_is_refused_by_name_whether_or_not_this_torch_has_cuda(monkeypatch, name, value):
     torch = pytest.importorskip("torch", reason="PyTorch is an optional extra (pip install torch)")
     import fastattn.torch as fat
-    from fastattn.errors import InvalidArgumentError
 
     monkeypatch.setattr(_warm_up, "start", lambda **kw: pytest.fail("started with a bad setting"))
     monkeypatch.setenv(name, value)
@@ -473,3 +472,39 @@ def test_a_run_stopped_mid_load_leaves_a_new_run_alone(warm, monkeypatch):
     new.thread.join(10)
     assert old.status["state"] == "stopped" and _warm_up.status()["state"] == "done"
     assert _warm_up.status()["plans"] == 0  # the old run's load is not counted in the new run
+
+
+def test_a_nudge_makes_it_look_for_the_context_at_once(warm, monkeypatch):
+    warm([_cfg(64)])
+    monkeypatch.setattr(_warm_up, "_POLL_FIRST", 30.0)  # its own next look: far away
+    monkeypatch.setattr(_warm_up, "_POLL_MAX", 30.0)
+    made, asked = threading.Event(), threading.Event()
+
+    def contexts():
+        asked.set()
+        return [0] if made.is_set() else []
+
+    assert _warm_up.start(plans=True, contexts=contexts, max_bytes=32 << 20)
+    assert asked.wait(10)
+    made.set()
+    t0 = time.monotonic()
+    _warm_up.nudge()  # what fastattn.torch's first miss does
+    _warm_up._run.thread.join(10)
+    assert time.monotonic() - t0 < 5 and _warm_up.status()["plans"] == 1
+
+
+def test_fastattn_torchs_miss_nudges_it(warm, monkeypatch):
+    pytest.importorskip("torch", reason="PyTorch is an optional extra (pip install torch)")
+    from fastattn.torch import _plans
+
+    nudged = []
+    monkeypatch.setattr(_warm_up, "nudge", lambda: nudged.append(1))
+    monkeypatch.setattr(_plans, "capturing", lambda: True)  # (then it asks planned(), which holds nothing)
+    with pytest.raises(InvalidArgumentError, match="not loaded yet"):
+        _plans.remember(("k",), _cfg(64), *[_Tensor()] * 3, "bshd")
+    assert nudged == [1]
+
+
+class _Tensor:
+    class device:
+        index = 0
