@@ -187,13 +187,21 @@ def attention_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, k
     if not _readable(padding):
         return form._replace(bias=_key_bias(padding, dtype), empty=_empty_rows(padding, form, q_length))
     lens = padding.sum(-1, dtype=torch.int32)
-    right = (padding == (torch.arange(kv_length, device=padding.device) < lens[:, None])).all()
-    all_kept, right = torch.stack([(lens == kv_length).all(), right]).tolist()  # the one synchronization
+    checks = [(lens == kv_length).all()]
+    prefill = q_length == kv_length and shift == 0
+    if prefill:  # right padding: each row's kept keys first
+        checks.append((padding == (torch.arange(kv_length, device=padding.device) < lens[:, None])).all())
+    elif q_length == 1 and shift == kv_length - 1:  # a decode step: its query sees the last key, window or not
+        checks.append(padding[:, -1].all())
+    all_kept, *flag = torch.stack(checks).tolist()  # the one synchronization
     if all_kept:
         return form
-    if right and q_length == kv_length and shift == 0:
+    if prefill and flag[0]:
         return form._replace(seq_lens=lens.contiguous())
-    return form._replace(bias=_key_bias(padding, dtype), empty=_empty_rows(padding, form, q_length))
+    # A decode step whose last key is kept everywhere has no row that sees no key: nothing to
+    # count (the left-padded batch's every step; its key bias is all that is built).
+    empty = None if flag and not prefill and flag[0] else _empty_rows(padding, form, q_length)
+    return form._replace(bias=_key_bias(padding, dtype), empty=empty)
 
 
 def _empty_rows(padding: torch.Tensor, form: FastattnMask, q_length: int) -> torch.Tensor:

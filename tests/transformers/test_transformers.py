@@ -357,6 +357,27 @@ def test_a_mask_function_it_does_not_know_takes_transformers_own_mask():
         {"causal": True, "window": 7, "packed": None}
 
 
+@pytest.mark.parametrize("window", [None, 3])
+def test_the_rows_that_see_no_key_are_found_in_every_form_of_one_query(window):
+    # A decode step (one query at the bottom right) sees its last key; a query at the top
+    # left sees the first only. The rows that see no key (zeroed after, as sdpa's) must be
+    # found where the mask hides that key, and only counted where it can.
+    from transformers import masking_utils as mu
+
+    fn = mu.causal_mask_function if window is None else mu.sliding_window_causal_mask_function(window)
+    left_padded = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]]).bool()  # as transformers hands it
+    form = fa_tf.attention_mask(2, 1, 6, q_offset=5, mask_function=fn, attention_mask=left_padded)
+    assert form.bias is not None and form.empty is None  # every step of a left-padded generate
+    # The last key hidden: the row sees no key where every key its window reaches is hidden.
+    reached = [1, 1, 1, 0, 0, 0] if window == 3 else [0] * 6
+    hidden = torch.tensor([reached, [1, 1, 1, 1, 1, 0]]).bool()
+    form = fa_tf.attention_mask(2, 1, 6, q_offset=5, mask_function=fn, attention_mask=hidden)
+    assert form.empty.tolist() == [[True], [False]]
+    first_hidden = torch.tensor([[0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]]).bool()
+    form = fa_tf.attention_mask(2, 1, 6, q_offset=0, kv_offset=0, mask_function=fn, attention_mask=first_hidden)
+    assert not form.bottom_right and form.empty.tolist() == [[True], [False]]  # top left: sees key 0 alone
+
+
 # -- benchmarks/bench_transformers.py -----------------------------------------------------------
 
 def test_the_benchmark_parses_its_arguments_and_refuses_to_run_without_cuda():
