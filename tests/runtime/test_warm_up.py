@@ -508,3 +508,16 @@ def test_fastattn_torchs_miss_nudges_it(warm, monkeypatch):
 class _Tensor:
     class device:
         index = 0
+
+
+def test_the_devices_named_are_those_where_pytorch_made_a_context(monkeypatch):
+    torch = pytest.importorskip("torch", reason="PyTorch is an optional extra (pip install torch)")
+    import fastattn.torch as fat
+
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: pytest.fail("counted devices before CUDA was initialized"))
+    assert fat._cuda_contexts() == []
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)
+    monkeypatch.setattr(torch._C, "_cuda_hasPrimaryContext", lambda i: i == 1, raising=False)
+    assert fat._cuda_contexts() == [1]
