@@ -186,25 +186,19 @@ class PlanCache:
         an entry's last use as its access time): the order in which a process is
         likeliest to ask for them, which preload follows. Ties keep the directories'
         order (the main one first) and the listing's."""
-        want = self.environment(device)
-        found = []
-        for _, info in self.store.entries():
-            desc = (info.header or {}).get("description")
-            if desc is None or store.environment_of(desc) != want:
-                continue
-            cfg = config_of(desc)
-            if cfg is not None:
-                found.append((-info.last_used, len(found), cfg))
-        return list(dict.fromkeys(cfg for _, _, cfg in sorted(found, key=lambda f: f[:2])))
+        return [cfg for cfg, _ in self.recent(device, max_bytes=None, max_plans=None)]
 
-    def recent(self, device: int | None = None, max_bytes: int = 32 << 20,
-               max_plans: int = 64) -> list[tuple[AttentionConfig, str]]:
+    def recent(self, device: int | None, max_bytes: int | None,
+               max_plans: int | None) -> list[tuple[AttentionConfig, str]]:
         """(config, key) of the entries stored for `device`'s GPU and this process's
-        versions, most recently used first, as many as fit in max_bytes of entry files
-        and max_plans: what the warm-up loads. The directories are listed (sizes and last
-        uses, from lstat); headers are read only for the entries taken, and for at most
-        4 * max_plans in all, so that a large or foreign cache costs a listing, not a
-        read of every entry. Ties keep the directories' order (the main one first)."""
+        versions, each once, most recently used first, as many as fit in max_bytes of
+        entry files and max_plans (None: no bound): what the warm-up loads. The
+        directories are listed (sizes and last uses, from lstat); headers are read only
+        for the entries taken, and for at most 4 * max_plans in all, so that a large or
+        foreign cache costs a listing, not a read of every entry. Ties keep the
+        directories' order (the main one first) and the listing's."""
+        max_bytes = float("inf") if max_bytes is None else max_bytes
+        max_plans = float("inf") if max_plans is None else max_plans
         want = self.environment(device)
         listed = [(-info.last_used, i, tier, info)
                   for i, (tier, info) in enumerate((t, e) for t in self.store.tiers for e in t.entries(with_headers=False))]

@@ -332,11 +332,11 @@ def _eager_packed(q, k, v, cu_q, cu_k, left: int, scale, cap: float, sinks) -> t
     sequence's queries are the last of its keys (causal at the bottom right)."""
     out = torch.empty(q.shape[0], q.shape[1], v.shape[-1], dtype=q.dtype, device=q.device)
     bounds_q, bounds_k = cu_q.tolist(), cu_k.tolist()
+    form = FastattnMask(causal=True, bottom_right=True, window_left=left)
     for n in range(len(bounds_q) - 1):
         a, e, ak, ek = bounds_q[n], bounds_q[n + 1], bounds_k[n], bounds_k[n + 1]
         if e == a:
             continue
-        form = FastattnMask(causal=True, bottom_right=True, window_left=left)
         out[a:e] = _eager(q[None, a:e], k[None, ak:ek], v[None, ak:ek], form, scale, 0.0, cap, sinks, None)[0]
     return out
 
