@@ -98,6 +98,11 @@ def child(peer: str, lengths: list[int]) -> dict:
     inputs = [torch.randint(3, MODEL["vocab_size"], (1, n), generator=g).to("cuda") for n in lengths]
     torch.cuda.synchronize()
     t_ready = time.time()
+    warm_up = None
+    if peer.startswith("fastattn") or peer == "sdpa_mode":
+        import fastattn
+
+        warm_up = fastattn.stats()["warm_up"]  # what the warm-up had done by the time the model was ready
     served = []
     with torch.no_grad():
         for ids in inputs:  # each request's first token, then each length again (steady)
@@ -121,6 +126,7 @@ def child(peer: str, lengths: list[int]) -> dict:
         res["stats"] = {k: v for k, v in stats.items() if isinstance(v, (int, float))}
         res["fallbacks"] = stats["fallbacks"]
         res["sdpa"] = stats.get("sdpa")
+        res["warm_up_at_ready"] = warm_up
     return res
 
 
