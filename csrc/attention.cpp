@@ -267,6 +267,35 @@ Status deserialize_graph(const uint8_t *data, size_t size, const Config &cfg, Di
     });
 }
 
+Status prime_graph(const Graph *graph, int device) {
+    if (graph == nullptr || !graph->g) return error(Code::kInvalidArgument, "prime: no graph");
+    return guarded(Code::kInternal, "prime", [&]() -> Status {
+        static auto *create  = cudart<StreamCreateFn>("cudaStreamCreateWithFlags");
+        static auto *destroy = cudart<StreamDestroyFn>("cudaStreamDestroy");
+        RelaxedCaptureMode relaxed;  // as in build_graph
+        DeviceGuard guard(device);
+        FA_RETURN_IF_ERROR(guard.status());
+        cudnnHandle_t h;
+        FA_RETURN_IF_ERROR(thread_handle(device, &h));
+        // The frontend captures on the handle's stream, or on a new blocking stream where
+        // it has none: while a blocking stream captures, any thread's launch on the legacy
+        // default stream (PyTorch's default) fails. So a non-blocking stream of our own.
+        cudaStream_t s = nullptr;
+        FA_RETURN_IF_ERROR(cuda_status(create(&s, cudaStreamNonBlocking), "cudaStreamCreateWithFlags"));
+        Status st = set_stream(device, h, reinterpret_cast<intptr_t>(s));
+        if (st.ok()) {
+            auto e = graph->g->warmup(h);
+            if (e.is_bad()) st = error(Code::kInternal, "prime: " + e.err_msg);
+            Status unbound = set_stream(device, h, 0);
+            if (st.ok()) st = unbound;
+        }
+        Status destroyed = cuda_status(destroy(s), "cudaStreamDestroy");
+        return st.ok() ? destroyed : st;
+    });
+}
+
+Status hand_on_thread_handle(int device) { return hand_on_handle(device); }
+
 Status execute(const Graph *g, Direction dir, int device, const intptr_t *slots, intptr_t workspace,
                intptr_t stream) {
     if (g == nullptr || g->dir != dir) {

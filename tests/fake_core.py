@@ -19,6 +19,8 @@ from fastattn import defects
 from fastattn.errors import CorruptPlanError, LibraryError, NotSupportedError
 
 CUDNN_VERSION = [91900]
+PRIMED = []  # the config of each FakePlan.prime() call, in order (the warm-up's priming)
+PASSED_ON = []  # the device of each pass_on_handle() call
 GPU_NAME = ["Fake GPU (tests/fake_core.py)"]  # never a real GPU's: fake entries must not match real ones
 
 
@@ -36,6 +38,9 @@ class FakePlan:
 
     def serialize(self):
         return self._blobs
+
+    def prime(self):
+        PRIMED.append(self.config)
 
     def output(self):
         """What running the plan would give: a function of the blobs alone."""
@@ -63,6 +68,10 @@ def load_plan(cfg, device, forward, backward=None, forward_engine="", backward_e
     if forward != _blob(cfg, "forward") or (cfg.training and backward != _blob(cfg, "backward")):
         raise CorruptPlanError("forward: fake cuDNN rejects this blob")
     return FakePlan(cfg, device, forward, backward, (forward_engine, backward_engine))
+
+
+def pass_on_handle(device):
+    PASSED_ON.append(device)
 
 
 def get_device_info(device):

@@ -9,6 +9,12 @@ fastattn.stats()). worker() starts one on a cache directory, with the warm-up as
   capture  make a CUDA context, run the most recently used shape once, then capture and
            replay CUDA graphs of it (global capture mode, PyTorch's default) again and
            again while the warm-up loads the others; each replay is compared with eager
+  legacy   make a CUDA context, then run PyTorch work on the legacy default stream (its
+           default) again and again while the warm-up loads and primes (its captures must
+           not be on a stream that the legacy stream synchronizes with); each result is
+           compared with the first
+  threads  wait for the warm-up to end (its loaders' handles passed on), then the calls
+           from two new threads at once, each on a stream of its own
 """
 
 import hashlib
@@ -84,6 +90,40 @@ def main() -> None:
             if not loading:
                 break
         out.update(captures=captures, captures_while_loading=during, warm_up=_wait_done(fastattn))
+    elif mode == "legacy":
+        x = torch.randn(1024, 1024, device="cuda")
+        first = (x @ x).sum(0)
+        rounds = during = 0
+        while True:
+            loading = fastattn.stats()["warm_up"]["state"] in ("libraries", "waiting", "loading")
+            for _ in range(20):
+                assert torch.equal((x @ x).sum(0), first), "work on the legacy stream went wrong"
+            torch.cuda.synchronize()
+            rounds += 1
+            during += loading
+            if not loading:
+                break
+        out.update(rounds=rounds, rounds_while_loading=during, warm_up=_wait_done(fastattn))
+    elif mode == "threads":
+        import threading
+
+        out["warm_up"] = _wait_done(fastattn)
+        hashes: dict[int, list] = {}
+
+        def calls(i: int) -> None:
+            with torch.cuda.stream(torch.cuda.Stream()):
+                got = []
+                for shape in SHAPES:
+                    q, k, v = _inputs(torch, shape)
+                    got.append(_digest(torch, attention(q, k, v, causal=True)))
+                hashes[i] = got
+
+        threads = [threading.Thread(target=calls, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        out["thread_hashes"] = [hashes.get(i) for i in range(2)]
     else:
         out["hashes"] = []
         for shape in SHAPES:

@@ -27,9 +27,9 @@ def test_arguments(bench):
 
 
 def _row(serving, first=(10.0, 30.0), steady=(10.0, 10.0)):
-    return {"serving_seconds": serving, "from_start_seconds": serving + 5, "import_seconds": 2.0,
-            "build_seconds": 3.0, "first_ms": list(first), "steady_ms": list(steady),
-            "first_over_steady": sorted(a / b for a, b in zip(first, steady))[len(first) // 2]}
+    row = {"serving_seconds": serving, "from_start_seconds": serving + 5, "import_seconds": 2.0,
+           "build_seconds": 3.0, "first_ms": list(first), "steady_ms": list(steady)}
+    return {**row, **benchmarks.load("bench_first_tokens").extras(row)}
 
 
 def test_medians_ratios_against_the_best_pytorch_peer_and_the_summary(bench):
@@ -50,4 +50,15 @@ def test_medians_ratios_against_the_best_pytorch_peer_and_the_summary(bench):
     assert "fastattn / sdpa_flash (the best PyTorch peer) serving: 0.50 (0.50); claim <= 0.6" in text
     assert "sdpa_mode_cold (its plans first built, once): serving n/a s (failed: no GPU)" in text
     assert "eager      serving n/a s" in text and "3 of 3 failed: x" in text
-    assert "fastattn first / steady: 3.00; claim <= 1.3" in text
+    assert "fastattn first / steady: 2.00; claim <= 1.3" in text  # the median of 10/10 and 30/10
+    assert "a new length's first token beyond its steady time, ms (median, requests 2 on): fastattn 20.0," in text
+
+
+def test_a_new_lengths_extra_time_leaves_out_the_processs_first_request(bench):
+    row = {"first_ms": [300.0, 20.0, 14.0, 30.0], "steady_ms": [10.0, 10.0, 10.0, 10.0],
+           "attention_first_ms": [90.0, 1.5, 1.0, 2.5], "attention_steady_ms": [0.5, 0.5, 0.5, 0.5]}
+    out = bench.extras(row)
+    assert out["new_length_extra_ms"] == 10.0  # median of 10, 4, 20: the 290 of the first request left out
+    assert out["attention_extra_ms"] == 1.0
+    assert out["first_over_steady"] == pytest.approx((2.0 + 3.0) / 2)  # median of 30, 2, 1.4, 3
+    assert "attention_extra_ms" not in bench.extras({"first_ms": [1.0, 2.0], "steady_ms": [1.0, 1.0]})

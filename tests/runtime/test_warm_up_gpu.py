@@ -1,5 +1,6 @@
-"""GPU: the warm-up in real processes: what it loads is what a lazy load gives, bit for bit,
-and a CUDA-graph capture made meanwhile on another thread stays valid."""
+"""GPU: the warm-up in real processes: what it loads (and primes) is what a lazy load gives,
+bit for bit; a CUDA-graph capture made meanwhile on another thread stays valid, and so does
+work on the legacy default stream; the handles its loaders pass on serve new threads."""
 
 from helpers.warm_up_worker import SHAPES, result, worker
 
@@ -11,6 +12,7 @@ def test_the_warm_up_loads_the_cache_and_the_calls_give_what_lazy_loads_give(tmp
     assert lazy["stats"]["builds"] == 0 and lazy["stats"]["deserializations"] == len(SHAPES)
     warm = result(worker(tmp_path, "warm", "plans"))
     assert warm["warm_up"]["state"] == "done" and warm["warm_up"]["plans"] == len(SHAPES), warm["warm_up"]
+    assert warm["warm_up"]["primed"] == len(SHAPES), warm["warm_up"]
     assert warm["before_calls"] == {"builds": 0, "deserializations": len(SHAPES)}  # all loaded before any call
     assert warm["stats"]["builds"] == 0 and warm["stats"]["deserializations"] == len(SHAPES)
     assert warm["hashes"] == lazy["hashes"] == filled["hashes"]
@@ -22,3 +24,17 @@ def test_a_capture_on_another_thread_stays_valid_while_plans_load(tmp_path):
     assert run["warm_up"]["state"] == "done" and run["warm_up"]["plans"] == len(SHAPES), run["warm_up"]
     assert run["captures_while_loading"] >= 1, run  # the capture and the loads did overlap
     assert run["stats"]["builds"] == 0
+
+
+def test_work_on_the_legacy_default_stream_goes_on_while_plans_load_and_prime(tmp_path):
+    result(worker(tmp_path, "calls", "off"))
+    run = result(worker(tmp_path, "legacy", "plans"))
+    assert run["warm_up"]["state"] == "done" and run["warm_up"]["primed"] == len(SHAPES), run["warm_up"]
+    assert run["rounds_while_loading"] >= 1, run  # the work and the loads did overlap
+
+
+def test_new_threads_first_calls_on_passed_on_handles_give_what_lazy_loads_give(tmp_path):
+    lazy = result(worker(tmp_path, "calls", "off"))
+    run = result(worker(tmp_path, "threads", "plans"))
+    assert run["warm_up"]["state"] == "done", run["warm_up"]
+    assert run["thread_hashes"] == [lazy["hashes"]] * 2
