@@ -328,6 +328,20 @@ def first_outputs(cache_dir: str, rounds: int = 3) -> dict:
     return out
 
 
+def first_outputs_summary(fo: dict) -> str:
+    ours, flash = fo.get("fastattn_torch_warm_ms"), fo.get("torch_flash_ms")
+    lines = [f"first outputs of the 8 shapes, median of {len(fo.get('torch_flash', []))} rounds: fastattn.torch "
+             f"(warm cache, no preload call) {ours if ours is None else round(ours, 1)} ms, SDPA flash "
+             f"{flash if flash is None else round(flash, 1)} ms"]
+    if ours and flash:
+        lines.append(f"fastattn.torch / SDPA flash: {ours / flash:.2f} (issue 41: <= 1.5)")
+    for name in ("fastattn_torch_warm", "torch_flash"):
+        for r in fo.get(name, []):
+            lines.append(f"  {name}: " + (f"fwd ms per shape {r['fwd_ms']}" if "fwd_ms" in r
+                                           else f"failed: {str(r.get('error'))[-200:]}"))
+    return "\n".join(lines)
+
+
 def measure() -> dict:
     results: dict = {"date": time.strftime("%Y-%m-%d"), "seqlens": SEQLENS, "heads": HEADS, "head_dim": HEAD_DIM}
     for backward in (False, True):
@@ -452,9 +466,24 @@ def main(argv=None) -> int:
     ap.add_argument("--json")
     ap.add_argument("--plot", help="draw the chart from this JSON instead of measuring")
     ap.add_argument("--png", default="docs/coldstart.png")
+    ap.add_argument("--first-outputs", action="store_true",
+                    help="only the 8 shapes' first outputs through fastattn.torch (warm cache, no preload call) "
+                         "beside SDPA flash, --rounds interleaved rounds (issue 41's criterion)")
+    ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args(argv)
+    if args.rounds < 1:
+        ap.error("--rounds must be at least 1")
     if args.child:
         print(json.dumps(child(args.child, args.backward)))
+        return 0
+    if args.first_outputs:
+        fo = first_outputs(tempfile.mkdtemp(prefix="fastattn-first-outputs-"), args.rounds)
+        results = {"date": time.strftime("%Y-%m-%d"), "seqlens": SEQLENS, "first_outputs": fo}
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(results, f, indent=2)
+        print(json.dumps(results, indent=2))
+        print("\nsummary:\n" + first_outputs_summary(fo))
         return 0
     if args.plot:
         with open(args.plot) as f:

@@ -79,8 +79,21 @@ def child(peer: str, lengths: list[int]) -> dict:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    attention_s = [0.0]  # host seconds inside the attention layers' calls (fastattn peers)
     if peer.startswith("fastattn"):
         import fastattn.integrations.transformers  # noqa: F401  (registers "fastattn")
+        from transformers import AttentionInterface
+
+        registered = AttentionInterface._global_mapping["fastattn"]
+
+        def timed(*args, **kwargs):  # ~1 us a call, 12 calls a request: not seen in the serving time
+            t = time.perf_counter()
+            try:
+                return registered(*args, **kwargs)
+            finally:
+                attention_s[0] += time.perf_counter() - t
+
+        AttentionInterface.register("fastattn", timed)
     if peer == "sdpa_mode":
         import fastattn.torch
 
@@ -103,18 +116,20 @@ def child(peer: str, lengths: list[int]) -> dict:
         import fastattn
 
         warm_up = fastattn.stats()["warm_up"]  # what the warm-up had done by the time the model was ready
-    served = []
+    served, in_attention = [], []
     with torch.no_grad():
         for ids in inputs:  # each request's first token, then each length again (steady)
-            t_a = time.perf_counter()
+            t_a, attention_s[0] = time.perf_counter(), 0.0
             model(ids).logits[:, -1].argmax(-1).item()  # .item(): the token on the host
             served.append((time.perf_counter() - t_a) * 1e3)
+            in_attention.append(attention_s[0] * 1e3)
             if len(served) == len(inputs):
                 t_last = time.time()
         for ids in inputs:
-            t_a = time.perf_counter()
+            t_a, attention_s[0] = time.perf_counter(), 0.0
             model(ids).logits[:, -1].argmax(-1).item()
             served.append((time.perf_counter() - t_a) * 1e3)
+            in_attention.append(attention_s[0] * 1e3)
     n = len(inputs)
     res = {"t_start": t_start, "t_ready": t_ready, "t_last": t_last, "import_seconds": t_import - t_start,
            "build_seconds": t_ready - t_import, "serving_seconds": t_last - t_ready,
@@ -127,6 +142,11 @@ def child(peer: str, lengths: list[int]) -> dict:
         res["fallbacks"] = stats["fallbacks"]
         res["sdpa"] = stats.get("sdpa")
         res["warm_up_at_ready"] = warm_up
+    if peer.startswith("fastattn"):
+        # Host ms inside the 12 attention calls of each request (the calls return once
+        # launched): what fastattn itself adds to a new length's first token.
+        res["attention_first_ms"] = [round(x, 3) for x in in_attention[:n]]
+        res["attention_steady_ms"] = [round(x, 3) for x in in_attention[n:]]
     return res
 
 
@@ -135,8 +155,21 @@ def _spawned(lengths: list[int], peer: str, env: dict) -> dict:
     r = fresh(__file__, ["--child", peer, "--requests", str(len(lengths))], env)
     if "error" not in r:
         r["from_start_seconds"] = r["t_last"] - t_spawn
-        r["first_over_steady"] = statistics.median(a / b for a, b in zip(r["first_ms"], r["steady_ms"]) if b > 0)
+        r.update(extras(r))
     return r
+
+
+def extras(r: dict) -> dict:
+    """A process's first / steady (the median over requests of each one's ratio) and what
+    a new length costs beyond its steady time, in ms: the median over the requests after
+    the first (whose first token also pays the process's own first CUDA work, every peer
+    alike) of first - steady, for the whole request and for its attention calls alone."""
+    out = {"first_over_steady": statistics.median(a / b for a, b in zip(r["first_ms"], r["steady_ms"]) if b > 0)}
+    for key, first, steady in (("new_length_extra_ms", "first_ms", "steady_ms"),
+                               ("attention_extra_ms", "attention_first_ms", "attention_steady_ms")):
+        if len(r.get(first) or ()) > 1:
+            out[key] = statistics.median(a - b for a, b in zip(r[first][1:], r[steady][1:]))
+    return out
 
 
 def summarize(runs: dict) -> dict:
@@ -146,8 +179,10 @@ def summarize(runs: dict) -> dict:
     for peer, rows in runs.items():
         ok = [r for r in rows if "error" not in r]
         out[peer] = {"rounds": len(rows), "errors": len(rows) - len(ok), "error": first_error(rows)}
-        for key in ("serving_seconds", "from_start_seconds", "import_seconds", "build_seconds", "first_over_steady"):
-            out[peer][key] = statistics.median(r[key] for r in ok) if ok else None
+        for key in ("serving_seconds", "from_start_seconds", "import_seconds", "build_seconds", "first_over_steady",
+                    "new_length_extra_ms", "attention_extra_ms"):
+            have = [r[key] for r in ok if r.get(key) is not None]
+            out[peer][key] = statistics.median(have) if have else None
     best = min((p for p in PYTORCH if out.get(p, {}).get("serving_seconds")), default=None,
                key=lambda p: out[p]["serving_seconds"])
     out["best_pytorch"] = best
@@ -184,6 +219,9 @@ def summary(res: dict) -> list[str]:
                          f" claim <= {CLAIMS['serving_ratio']}")
     lines.append(f"  fastattn first / steady: {_fmt(s['fastattn']['first_over_steady'], '.2f')}; "
                  f"claim <= {CLAIMS['first_over_steady']}")
+    lines.append("  a new length's first token beyond its steady time, ms (median, requests 2 on): "
+                 + ", ".join(f"{peer} {_fmt(s[peer].get('new_length_extra_ms'), '.1f')}" for peer in PEERS)
+                 + f"; of fastattn's, in its attention calls: {_fmt(s['fastattn'].get('attention_extra_ms'), '.2f')}")
     return lines
 
 

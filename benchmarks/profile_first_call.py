@@ -15,8 +15,11 @@ median (ms):
   call_warm_idle  the same, the first call --idle-ms after the import (a server loading
                 its model meanwhile; that wait is not counted)
   call_warm_up, call_warm_up_idle  the same two with the whole warm-up (FASTATTN_WARM_UP=
-                plans: the cache's most recently used plans loaded too, once the process
-                has a CUDA context, which here it has before the import)
+                plans: the cache's most recently used plans loaded and primed too, once the
+                process has a CUDA context, which here it has before the import); the _idle
+                modes also record the host RSS and GPU memory the import and the warm-up
+                added by the end of the idle (call_warm_up_idle less call_warm_idle: the
+                plans')
   steps         the first call taken apart, each step alone and in the order the call
                 meets them: the extension (_core), the op library, cuDNN's
                 dependencies, libcuda, libcudnn, init_cudnn, cuDNN's graph sub-libraries
@@ -61,6 +64,7 @@ def child(mode: str, idle_ms: float) -> dict:
     q, k, v = (torch.randn(1, FIRST, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     q2, k2, v2 = (torch.randn(1, SECOND, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     torch.cuda.synchronize()
+    before = _memory(torch)
     t_all = time.perf_counter()
     mark("torch import, CUDA context, inputs (not counted)")
     import fastattn
@@ -73,6 +77,10 @@ def child(mode: str, idle_ms: float) -> dict:
     if mode.endswith("_idle"):
         time.sleep(idle_ms / 1e3)
         mark(f"idle {idle_ms:g} ms (not counted)")
+        # What the import and the warm-up's work meanwhile hold (the libraries; the plans
+        # loaded), against the same process before the import: MB of host RSS and of GPU memory in use.
+        after = _memory(torch)
+        res["memory_after_idle_mb"] = {k: round(after[k] - before[k], 1) for k in after}
     if mode.startswith("steps"):
         from fastattn import _core, _loader  # noqa: F401 - the extension's load is the step
         from fastattn.torch import _native
@@ -117,6 +125,13 @@ def child(mode: str, idle_ms: float) -> dict:
                stats={key: val for key, val in fastattn.stats().items() if isinstance(val, (int, float))},
                path=_path(), warm_up=fastattn.stats().get("warm_up"))
     return res
+
+
+def _memory(torch) -> dict:
+    free, total = torch.cuda.mem_get_info()
+    with open("/proc/self/statm") as f:
+        rss_pages = int(f.read().split()[1])
+    return {"rss": rss_pages * os.sysconf("SC_PAGE_SIZE") / 2**20, "gpu": (total - free) / 2**20}
 
 
 def _path() -> str | None:
@@ -190,6 +205,12 @@ def main(argv=None) -> int:
         res[f"{mode}_first_call_ms"] = statistics.median(firsts)
         res[f"{mode}_plans"] = (f"builds {rows[0]['stats'].get('builds')}, loads "
                                 f"{rows[0]['stats'].get('deserializations')}, {rows[0].get('path')} path")
+        mems = [r["memory_after_idle_mb"] for r in rows if "memory_after_idle_mb" in r]
+        if mems:
+            res[f"{mode}_memory_after_idle_mb"] = {k: statistics.median(m[k] for m in mems) for k in mems[0]}
+        warm = rows[0].get("warm_up") or {}
+        if warm.get("state") not in (None, "off"):
+            res[f"{mode}_warm_up"] = f"plans {warm.get('plans')}, primed {warm.get('primed')}, state {warm.get('state')}"
     for mode, why in errors.items():
         res[f"{mode}_error"] = why
     return _common.report(res, args.json)
