@@ -289,6 +289,16 @@ Status prime_graph(const Graph *graph, int device) {
             Status unbound = set_stream(device, h, 0);
             if (st.ok()) st = unbound;
         }
+        // A warmup that failed between its capture's begin and end leaves it open: end it.
+        static auto *is_capturing  = cudart<IsCapturingFn>("cudaStreamIsCapturing");
+        static auto *end_capture   = cudart<EndCaptureFn>("cudaStreamEndCapture");
+        static auto *graph_destroy = cudart<GraphDestroyFn>("cudaGraphDestroy");
+        cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+        if (is_capturing(s, &capture) == cudaSuccess && capture != cudaStreamCaptureStatusNone) {
+            cudaGraph_t left = nullptr;
+            if (end_capture(s, &left) == cudaSuccess && left != nullptr) (void)graph_destroy(left);
+            (void)cudart<GetLastErrorFn>("cudaGetLastError")();
+        }
         Status destroyed = cuda_status(destroy(s), "cudaStreamDestroy");
         return st.ok() ? destroyed : st;
     });
