@@ -22,7 +22,7 @@ token, the import and build seconds, and per request first_ms and steady_ms. Cla
 sdpa_cudnn, eager) in the same run; a new length's first token within 1.3x of its steady
 time (the median over requests of first_ms / steady_ms).
 
-    python benchmarks/bench_first_tokens.py [--json out.json] [--rounds N] [--quick]
+    python benchmarks/bench_first_tokens.py [--json out.json] [--rounds N] [--quick] [--peers fastattn,eager]
 
 Prints the JSON, then a `summary:` block last. Needs a CUDA GPU (exit status 2 without).
 """
@@ -58,6 +58,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds of fresh processes")
     ap.add_argument("--requests", type=int, default=16, help="requests of distinct prompt lengths")
     ap.add_argument("--quick", action="store_true", help="a smoke run: --rounds 1 --requests 4")
+    ap.add_argument("--peers", nargs="+", default=[",".join(PEERS)],
+                    help="the peers to run, comma- or space-separated (default: all)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.quick:
@@ -66,6 +68,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error("--rounds must be at least 1 and --requests 1 ... 2905")
     if args.child is not None and args.child not in PEERS + ("fastattn_cold",):
         ap.error(f"--child {args.child!r}: one of {PEERS + ('fastattn_cold',)}")
+    args.peers = tuple(p for item in args.peers for p in item.split(",") if p)
+    if not args.peers or not set(args.peers) <= set(PEERS):
+        ap.error(f"--peers {','.join(args.peers)!r}: some of {','.join(PEERS)}")
     return args
 
 
@@ -239,9 +244,10 @@ def main(argv=None) -> int:
     res = {**header(), "transformers": transformers.__version__, "model": MODEL, "prompts": lengths,
            "args": {k: v for k, v in vars(args).items() if k != "child"},
            "fastattn_cold": _spawned(lengths, "fastattn_cold", env),
-           "sdpa_mode_cold": _spawned(lengths, "sdpa_mode", env)}
+           "sdpa_mode_cold": _spawned(lengths, "sdpa_mode", env) if "sdpa_mode" in args.peers
+           else {"error": "not run (--peers)"}}
     runs: dict = {peer: [] for peer in PEERS}
-    for order in rotated(PEERS, args.rounds):
+    for order in rotated(args.peers, args.rounds):
         for peer in order:
             runs[peer].append(_spawned(lengths, peer, env))
     res["runs"] = runs

@@ -15,7 +15,7 @@ median (ms):
   call_warm_idle  the same, the first call --idle-ms after the import (a server loading
                 its model meanwhile; that wait is not counted)
   call_warm_up, call_warm_up_idle  the same two with the whole warm-up (FASTATTN_WARM_UP=
-                plans: the cache's most recently used plans loaded and primed too, once the
+                plans: the cache's most recently used plans loaded too, once the
                 process has a CUDA context, which here it has before the import); the _idle
                 modes also record the host RSS and GPU memory the import and the warm-up
                 added by the end of the idle (call_warm_up_idle less call_warm_idle: the
@@ -168,19 +168,21 @@ def main(argv=None) -> int:
     ap.add_argument("--child", choices=MODES)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--idle-ms", type=float, default=300.0)
-    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--modes", nargs="+", default=[",".join(MODES)], help="comma- or space-separated")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     if args.child:
         print(json.dumps(child(args.child, args.idle_ms)))
         return 0
+    modes = [m for item in args.modes for m in item.split(",") if m]
+    if not modes or not set(modes) <= set(MODES):
+        ap.error(f"--modes {' '.join(args.modes)!r}: some of {','.join(MODES)}")
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import profile_coldstart
 
     cache_dir = tempfile.mkdtemp(prefix="fastattn-first-call-")
     t0 = time.perf_counter()
     profile_coldstart.fill(cache_dir)
-    modes = [m for m in args.modes.split(",") if m]
     results: dict[str, list[dict]] = {m: [] for m in modes}
     errors = {}
     for order in _common.rotated(modes, args.rounds):
@@ -210,7 +212,7 @@ def main(argv=None) -> int:
             res[f"{mode}_memory_after_idle_mb"] = {k: statistics.median(m[k] for m in mems) for k in mems[0]}
         warm = rows[0].get("warm_up") or {}
         if warm.get("state") not in (None, "off"):
-            res[f"{mode}_warm_up"] = f"plans {warm.get('plans')}, primed {warm.get('primed')}, state {warm.get('state')}"
+            res[f"{mode}_warm_up"] = f"plans {warm.get('plans')}, state {warm.get('state')}"
     for mode, why in errors.items():
         res[f"{mode}_error"] = why
     return _common.report(res, args.json)

@@ -258,49 +258,17 @@ Status deserialize_graph(const uint8_t *data, size_t size, const Config &cfg, Di
         set_layout(*graph, cfg, dir);
         FA_RETURN_IF_ERROR(own_lengths(*graph, cfg, device));
         graph->g        = std::make_shared<fe::graph::Graph>();
+        // run_warmup=false: the frontend's warmup captures one launch into a throwaway graph,
+        // and while that capture is open, every other thread's cudaDeviceSynchronize fails
+        // ("operation not permitted when stream is capturing"; seen on the H200 when the
+        // warm-up primed plans so, on a non-blocking stream of its own, beside a
+        // torch.cuda.synchronize() on the main thread). Loads run beside the user's work.
         auto e = graph->g->deserialize(h, blob, /*enforce_precompiled=*/false, /*run_warmup=*/false);
         if (e.is_bad()) return error(Code::kCorruptPlan, "deserialize: " + e.err_msg);
         FA_RETURN_IF_ERROR(finish(*graph, "deserialize", /*built=*/false, device, info));
         info->build_ms = ms_since(t0);
         *out           = std::move(graph);
         return {};
-    });
-}
-
-Status prime_graph(const Graph *graph, int device) {
-    if (graph == nullptr || !graph->g) return error(Code::kInvalidArgument, "prime: no graph");
-    return guarded(Code::kInternal, "prime", [&]() -> Status {
-        static auto *create  = cudart<StreamCreateFn>("cudaStreamCreateWithFlags");
-        static auto *destroy = cudart<StreamDestroyFn>("cudaStreamDestroy");
-        RelaxedCaptureMode relaxed;  // as in build_graph
-        DeviceGuard guard(device);
-        FA_RETURN_IF_ERROR(guard.status());
-        cudnnHandle_t h;
-        FA_RETURN_IF_ERROR(thread_handle(device, &h));
-        // The frontend captures on the handle's stream, or on a new blocking stream where
-        // it has none: while a blocking stream captures, any thread's launch on the legacy
-        // default stream (PyTorch's default) fails. So a non-blocking stream of our own.
-        cudaStream_t s = nullptr;
-        FA_RETURN_IF_ERROR(cuda_status(create(&s, cudaStreamNonBlocking), "cudaStreamCreateWithFlags"));
-        Status st = set_stream(device, h, reinterpret_cast<intptr_t>(s));
-        if (st.ok()) {
-            auto e = graph->g->warmup(h);
-            if (e.is_bad()) st = error(Code::kInternal, "prime: " + e.err_msg);
-            Status unbound = set_stream(device, h, 0);
-            if (st.ok()) st = unbound;
-        }
-        // A warmup that failed between its capture's begin and end leaves it open: end it.
-        static auto *is_capturing  = cudart<IsCapturingFn>("cudaStreamIsCapturing");
-        static auto *end_capture   = cudart<EndCaptureFn>("cudaStreamEndCapture");
-        static auto *graph_destroy = cudart<GraphDestroyFn>("cudaGraphDestroy");
-        cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-        if (is_capturing(s, &capture) == cudaSuccess && capture != cudaStreamCaptureStatusNone) {
-            cudaGraph_t left = nullptr;
-            if (end_capture(s, &left) == cudaSuccess && left != nullptr) (void)graph_destroy(left);
-            (void)cudart<GetLastErrorFn>("cudaGetLastError")();
-        }
-        Status destroyed = cuda_status(destroy(s), "cudaStreamDestroy");
-        return st.ok() ? destroyed : st;
     });
 }
 

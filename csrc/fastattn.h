@@ -106,13 +106,6 @@ Status serialize_graph(const Graph *g, std::vector<uint8_t> *blob);
 Status deserialize_graph(const uint8_t *data, size_t size, const Config &cfg, Direction dir, int device,
                          GraphPtr *out, GraphInfo *info);
 
-// Makes a loaded graph's first launch cheap ahead of it: cudnn-frontend's warmup (one
-// execute captured into a throwaway graph on a stream of this thread's own, in relaxed
-// capture mode, never run) loads the plan's kernels and prepares its variant pack. For a
-// thread beside the user's work (the warm-up): it allocates and frees 1 MiB, and its
-// cudaFree waits for the device. A failure leaves the graph as usable as before.
-Status prime_graph(const Graph *g, int device);
-
 // This thread's cuDNN handle for `device`, handed to the next thread that needs one (its
 // first launch then skips cudnnCreate): for a thread done with cuDNN on that device.
 Status hand_on_thread_handle(int device);

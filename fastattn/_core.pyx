@@ -82,7 +82,6 @@ cdef extern from "fastattn.h" namespace "fastattn" nogil:
                              GraphPtr* out, GraphInfo* info)
     Status execute(const Graph* g, Direction dir, int device, const intptr_t* slots, intptr_t workspace,
                    intptr_t stream)
-    Status prime_graph(const Graph* g, int device)
     Status hand_on_thread_handle(int device)
 
 
@@ -431,20 +430,6 @@ cdef class Plan:
         if not st.ok():
             raise _error(st)
         return fwd, (bytes(blob) if blob.size() else b"")
-
-    def prime(self):
-        """Loads the kernels of a plan loaded from the cache before its first launch
-        (csrc's prime_graph: one launch captured and thrown away, never run), for a thread
-        beside the caller's work: it waits for the device at its end. Raises on failure;
-        the plan stays as usable as it was."""
-        cdef Status st
-        with nogil:
-            st = prime_graph(self._fwd.get(), self.device)
-        if st.ok() and self._training:
-            with nogil:
-                st = prime_graph(self._bwd.get(), self.device)
-        if not st.ok():
-            raise _error(st)
 
 
 def pass_on_handle(int device):

@@ -17,10 +17,10 @@ two phases:
    of entry files and MAX_PLANS (PlanCache.recent), loaded by LOADERS threads through
    runtime.load_ahead: never a build, and never the entry's last use or FASTATTN_RECORD
    (the first call that uses a plan does both). A call that asks for a plan being loaded
-   waits for that plan alone; a call for any other goes on as it would. Each plan loaded
-   is then primed (Plan.prime: its kernels loaded, as its first launch would), and each
-   loader hands its cuDNN handle on when it is done (a caller's first launch then makes
-   none).
+   waits for that plan alone; a call for any other goes on as it would. Each loader hands
+   its cuDNN handle on when it is done (a caller's first launch then makes none). A plan's
+   first launch still loads its kernels: see csrc/attention.cpp (deserialize_graph) for
+   why nothing here makes that launch ahead of the caller.
 
 It never makes a CUDA context: a context made by fastattn on device 0 would cost every
 rank of a one-process-per-GPU server memory on a GPU it does not use, and a thread's
@@ -69,7 +69,6 @@ _STATUS: dict[str, Any] = {
     "state": "off",  # off, libraries, waiting (for a CUDA context), loading, done, stopped, failed, forked
     "devices": [],  # the devices phase 2 loaded for
     "plans": 0,  # plans and refusals it loaded into memory
-    "primed": 0,  # plans whose kernels it loaded too (Plan.prime)
     "libraries_seconds": 0.0,
     "plans_seconds": 0.0,
     "error": None,  # why it ended early, in one line
@@ -143,7 +142,7 @@ class _Run:
                         item = next(todo, None)
                     if item is None:
                         return
-                    if runtime.load_ahead(item[0], device, cache, item[1], then=self.prime):
+                    if runtime.load_ahead(item[0], device, cache, item[1]):
                         with _lock:
                             self.status["plans"] += 1
             finally:
@@ -159,20 +158,6 @@ class _Run:
         for t in loaders:
             t.join()
 
-
-    def prime(self, plan: Any) -> None:
-        """A loaded plan's first launch made cheap here, not on the caller's path: its
-        kernels loaded (1.8-2.4 ms per plan on the H200). Only where nothing was asked
-        to stop: it waits for the device."""
-        if self.stop.is_set():
-            return
-        try:
-            plan.prime()
-        except Exception as e:  # the plan runs as well unprimed: its first launch loads them
-            _log.debug("fastattn warm-up: a plan was not primed (%s: %s)", type(e).__name__, e)
-            return
-        with _lock:
-            self.status["primed"] += 1
 
     @staticmethod
     def pass_on_handle(device: int) -> None:

@@ -290,14 +290,12 @@ def _waited_in_vain(entry: _Entry) -> bool:
     return entry.abandoned
 
 
-def load_ahead(config: AttentionConfig, device: int, cache: PlanCache, key: str,
-               then: Callable[[Plan], None] | None = None) -> bool:
+def load_ahead(config: AttentionConfig, device: int, cache: PlanCache, key: str) -> bool:
     """Loads the plan stored under `key` in `cache` into memory ahead of use (the
     warm-up): never builds, never waits for a build, never touches the entry's last use
     or FASTATTN_RECORD (the first call that uses it does: _claim). A call that asks for
     the same plan meanwhile waits for this load alone; when it finds nothing (a miss, an
     entry cuDNN will not load, an error), that call goes on as if it had asked first.
-    then(plan): run on a plan it loaded once callers may use it (the warm-up's priming).
     Returns whether a plan or a refusal is now held for it; False also where one was
     already held or asked for, or clear() ran meanwhile."""
     with _lock:
@@ -319,8 +317,6 @@ def load_ahead(config: AttentionConfig, device: int, cache: PlanCache, key: str,
             if _entries.get((config, device)) is entry:
                 del _entries[(config, device)]
     entry.done.set()
-    if kept and then is not None and entry.plan is not None:
-        then(entry.plan)
     return kept
 
 

@@ -19,7 +19,6 @@ from fastattn import defects
 from fastattn.errors import CorruptPlanError, LibraryError, NotSupportedError
 
 CUDNN_VERSION = [91900]
-PRIMED = []  # the config of each FakePlan.prime() call, in order (the warm-up's priming)
 PASSED_ON = []  # the device of each pass_on_handle() call
 GPU_NAME = ["Fake GPU (tests/fake_core.py)"]  # never a real GPU's: fake entries must not match real ones
 
@@ -38,9 +37,6 @@ class FakePlan:
 
     def serialize(self):
         return self._blobs
-
-    def prime(self):
-        PRIMED.append(self.config)
 
     def output(self):
         """What running the plan would give: a function of the blobs alone."""

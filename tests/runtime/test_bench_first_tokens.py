@@ -21,7 +21,11 @@ def test_the_requests_are_distinct_lengths_in_range_the_same_in_every_process(be
 
 def test_arguments(bench):
     assert bench.parse_args(["--quick"]).requests == 4
-    for bad in (["--rounds", "0"], ["--requests", "0"], ["--child", "flash"]):
+    assert bench.parse_args(["--peers", "fastattn,eager"]).peers == ("fastattn", "eager")
+    assert bench.parse_args(["--peers", "fastattn", "eager"]).peers == ("fastattn", "eager")  # gpu_run.sh's BENCH
+    assert bench.parse_args([]).peers == bench.PEERS
+    for bad in (["--rounds", "0"], ["--requests", "0"], ["--child", "flash"], ["--peers", "fastattn,flash"],
+                ["--peers", ","]):
         with pytest.raises(SystemExit):
             bench.parse_args(bad)
 

@@ -86,48 +86,26 @@ def test_it_loads_the_most_recently_used_plans_first_and_builds_nothing(warm, en
     assert runtime.stats()["memory_hits"] == 1 and _builds(env) == 0
 
 
-def test_each_plan_it_loads_is_primed_after_callers_may_use_it_and_each_loader_passes_on_its_handle(
-        warm, monkeypatch):
+def test_each_loader_passes_on_its_handle_for_the_device_when_done(warm, monkeypatch):
     warm([_cfg(64), _cfg(128, training=True), _cfg(256)])
-    monkeypatch.setattr(fake_core, "PRIMED", [])
     monkeypatch.setattr(fake_core, "PASSED_ON", [])
-    usable = []  # at each prime: was the plan already usable by a caller?
-    real_prime = fake_core.FakePlan.prime
-    monkeypatch.setattr(fake_core.FakePlan, "prime", lambda plan: usable.append(
-        runtime.planned(plan.config, device=0) is plan) or real_prime(plan))
-    status = _run()
-    assert sorted(c.seqlen_q for c in fake_core.PRIMED) == [64, 128, 256]
-    assert usable == [True] * 3  # primed after the plan was held: a caller never waits for a prime
-    assert status["plans"] == status["primed"] == 3
-    assert fake_core.PASSED_ON == [0] * _warm_up.LOADERS  # every loader, at its end, on its device
+    status = _run(contexts=lambda: [1])
+    assert status["plans"] == 3
+    assert fake_core.PASSED_ON == [1] * _warm_up.LOADERS  # every loader, at its end, on its device
 
 
-def test_a_plan_that_fails_to_prime_is_held_and_runs_as_it_would(warm, env, monkeypatch):
+def test_a_handle_that_cannot_be_passed_on_changes_nothing(warm, env, monkeypatch):
     warm([_cfg(64), _cfg(128)])
 
-    def fail(plan):
-        raise RuntimeError("fake: cudnn-frontend's warmup failed")
+    def fail(device):
+        raise RuntimeError("fake: cudnnSetStream failed")
 
-    monkeypatch.setattr(fake_core.FakePlan, "prime", fail)
+    monkeypatch.setattr(fake_core, "pass_on_handle", fail)
     monkeypatch.setenv("FAKE_BUILD_LOG", str(env / "builds.log"))
     status = _run()
-    assert status["state"] == "done" and status["plans"] == 2 and status["primed"] == 0
-    assert sorted(_held()) == [(64, 0), (128, 0)]
+    assert status["state"] == "done" and status["plans"] == 2 and status["error"] is None
     runtime.plan(_cfg(64), device=0)
     assert runtime.stats()["memory_hits"] == 1 and _builds(env) == 0
-
-
-def test_a_stopped_run_primes_nothing_more(warm, monkeypatch):
-    warm([_cfg(64), _cfg(128)])
-    monkeypatch.setattr(fake_core, "PRIMED", [])
-    gate, entered = _gated(monkeypatch)
-    assert _warm_up.start(plans=True, contexts=lambda: [0], max_bytes=32 << 20)
-    thread = _warm_up._run.thread
-    assert entered.wait(10)
-    _warm_up.stop()
-    gate.set()
-    thread.join(10)
-    assert not thread.is_alive() and fake_core.PRIMED == []
 
 
 def test_the_byte_budget_and_the_plan_cap_bound_it(warm, monkeypatch):
