@@ -21,7 +21,7 @@ Figures: generated tokens/s over the measured call, the median and p90 of time t
 (from the call's start), the wall seconds; fastattn's fallback calls. Claim (issue 40): fastattn's
 tokens/s >= 1.3x the best PyTorch paged path's in the same run.
 
-    python benchmarks/bench_serving.py [--json out.json] [--rounds N] [--requests 32,256] [--quick]
+    python benchmarks/bench_serving.py [--json out.json] [--rounds N] [--requests 32,256] [--quick] [--cuda-graphs]
 
 Prints the JSON, then a `summary:` block last. Needs a CUDA GPU (exit status 2 without).
 """
@@ -68,6 +68,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--new-tokens", type=int, default=48)
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--quick", action="store_true", help="a smoke run: --rounds 1 --requests 8 --new-tokens 8")
+    ap.add_argument("--cuda-graphs", action="store_true",
+                    help="every peer with ContinuousBatchingConfig(use_cuda_graph=True) (transformers turns CUDA "
+                         "graphs on by default only for names with \"flash\" in them)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--device", default="cuda", help=argparse.SUPPRESS)  # the CPU tests run a child on the CPU
     args = ap.parse_args(argv)
@@ -93,7 +96,8 @@ def attn_implementation(peer: str) -> str:
     return "fastattn" if peer.startswith("fastattn") else f"paged|{peer}"
 
 
-def child(peer: str, kind: str, n: int, new_tokens: int, device: str = "cuda", model: dict | None = None) -> dict:
+def child(peer: str, kind: str, n: int, new_tokens: int, device: str = "cuda", model: dict | None = None,
+          cuda_graphs: bool = False) -> dict:
     """Runs in the fresh process: one peer's figures on one model and request count."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, ContinuousBatchingConfig, GenerationConfig
@@ -109,7 +113,7 @@ def child(peer: str, kind: str, n: int, new_tokens: int, device: str = "cuda", m
     prompts = [[rng.randrange(3, config.vocab_size) for _ in range(length)] for length in requests(n)]
     # eos -1: every request generates new_tokens (random weights would stop at random places).
     gen = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=-1, pad_token_id=0)
-    cb = ContinuousBatchingConfig()
+    cb = ContinuousBatchingConfig(use_cuda_graph=True) if cuda_graphs else ContinuousBatchingConfig()
     lm.generate_batch(prompts[:4], generation_config=gen, continuous_batching_config=cb, persistent_manager=True,
                       warmup=True)
     if device == "cuda":
@@ -125,7 +129,8 @@ def child(peer: str, kind: str, n: int, new_tokens: int, device: str = "cuda", m
     res = {"seconds": seconds, "requests": n, "finished": len(done), "tokens": sum(len(o.generated_tokens) for o in done),
            "ttft_ms_median": statistics.median(ttft) if ttft else None,
            "ttft_ms_p90": ttft[min(len(ttft) - 1, int(0.9 * len(ttft)))] if ttft else None,
-           "attn_implementation": lm.config._attn_implementation}
+           "attn_implementation": lm.config._attn_implementation,
+           "use_cuda_graph": _cuda_graphs_used(lm)}
     res["tokens_per_s"] = res["tokens"] / seconds
     if peer.startswith("fastattn"):
         import fastattn
@@ -134,9 +139,17 @@ def child(peer: str, kind: str, n: int, new_tokens: int, device: str = "cuda", m
     return res
 
 
-def _spawned(peer: str, kind: str, n: int, new_tokens: int, env: dict) -> dict:
-    return fresh(__file__, ["--child", peer, "--models", kind, "--requests", str(n), "--new-tokens", str(new_tokens)],
-                 env)
+def _cuda_graphs_used(lm) -> list | None:
+    """Whether transformers' manager used CUDA graphs for its (varlen, decode) paths, as it
+    resolved its configuration (a copy of the one passed)."""
+    manager = getattr(lm, "_cached_continuous_batching_manager", None)
+    used = getattr(getattr(manager, "continuous_batching_config", None), "use_cuda_graph", None)
+    return list(used) if isinstance(used, (tuple, list)) else used
+
+
+def _spawned(peer: str, kind: str, n: int, new_tokens: int, env: dict, cuda_graphs: bool = False) -> dict:
+    return fresh(__file__, ["--child", peer, "--models", kind, "--requests", str(n), "--new-tokens", str(new_tokens)]
+                 + (["--cuda-graphs"] if cuda_graphs else []), env)
 
 
 def summarize(runs: dict) -> dict:
@@ -149,6 +162,7 @@ def summarize(runs: dict) -> dict:
         for key in ("tokens_per_s", "ttft_ms_median", "ttft_ms_p90", "seconds"):
             values = [r[key] for r in ok if r.get(key) is not None]
             out[peer][key] = statistics.median(values) if values else None
+        out[peer]["use_cuda_graph"] = ok[0].get("use_cuda_graph") if ok else None
     best = max((p for p in PYTORCH if (out.get(p) or {}).get("tokens_per_s")), default=None,
                key=lambda p: out[p]["tokens_per_s"])
     out["best_pytorch"] = best
@@ -172,6 +186,7 @@ def summary(res: dict) -> list[str]:
             p = s[peer]
             lines.append(f"    {peer:<17} {_fmt(p['tokens_per_s'])} tokens/s, TTFT median {_fmt(p['ttft_ms_median'])} ms"
                          f" p90 {_fmt(p['ttft_ms_p90'])} ms"
+                         + (f", CUDA graphs (varlen, decode) {p['use_cuda_graph']}" if p.get("use_cuda_graph") else "")
                          + (f"; {p['errors']} of {p['rounds']} failed: {p['error']}" if p["errors"] else ""))
         if "speedup" in s:
             lines.append(f"    fastattn / {s['best_pytorch']} (the best PyTorch paged path): {_fmt(s['speedup'], '.2f')}"
@@ -183,7 +198,8 @@ def summary(res: dict) -> list[str]:
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.child:
-        print(json.dumps(child(args.child, args.models[0], args.requests[0], args.new_tokens, args.device)))
+        print(json.dumps(child(args.child, args.models[0], args.requests[0], args.new_tokens, args.device,
+                               cuda_graphs=args.cuda_graphs)))
         return 0
     require_cuda("bench_serving.py")
     import transformers
@@ -197,11 +213,11 @@ def main(argv=None) -> int:
     for kind in args.models:
         for n in args.requests:
             case = f"{kind}, {n} requests"
-            cold = _spawned("fastattn_cold", kind, n, args.new_tokens, env)
+            cold = _spawned("fastattn_cold", kind, n, args.new_tokens, env, args.cuda_graphs)
             runs: dict = {peer: [] for peer in peers}
             for order in rotated(peers, args.rounds):
                 for peer in order:
-                    runs[peer].append(_spawned(peer, kind, n, args.new_tokens, env))
+                    runs[peer].append(_spawned(peer, kind, n, args.new_tokens, env, args.cuda_graphs))
             s = summarize(runs)
             s["peers"] = peers
             s["fastattn_cold"] = cold

@@ -26,6 +26,7 @@ def test_the_requests_are_seeded_lengths_in_range(bench):
 def test_arguments(bench):
     args = bench.parse_args([])
     assert args.requests == [32, 256] and args.models == ["llama", "qwen2"] and args.rounds == 3
+    assert not args.cuda_graphs and bench.parse_args(["--cuda-graphs"]).cuda_graphs
     quick = bench.parse_args(["--quick"])
     assert (quick.rounds, quick.requests, quick.new_tokens) == (1, [8], 8)
     for bad in (["--rounds", "0"], ["--requests", "0"], ["--requests", "a,b"], ["--models", "gpt2"],
@@ -38,7 +39,8 @@ def test_medians_the_best_pytorch_path_and_the_summary(bench):
     def row(tps, ttft=50.0):
         return {"tokens_per_s": tps, "ttft_ms_median": ttft, "ttft_ms_p90": 2 * ttft, "seconds": 1.0}
 
-    runs = {"fastattn": [row(1300.0), row(1500.0), {"error": "Traceback\nRuntimeError: boom"}],
+    runs = {"fastattn": [{**row(1300.0), "use_cuda_graph": [True, True]}, row(1500.0),
+                         {"error": "Traceback\nRuntimeError: boom"}],
             "sdpa": [row(500.0)] * 3, "eager": [row(1000.0), row(1100.0), row(1200.0)]}
     s = bench.summarize(runs)
     assert s["best_pytorch"] == "eager" and s["fastattn"]["tokens_per_s"] == pytest.approx(1400.0)
@@ -48,6 +50,7 @@ def test_medians_the_best_pytorch_path_and_the_summary(bench):
     text = "\n".join(bench.summary({"args": {"rounds": 3, "new_tokens": 48}, "cases": {"llama, 32 requests": s}}))
     assert "fastattn / eager (the best PyTorch paged path): 1.27 (1.33); claim >= 1.3; fallback calls 0" in text
     assert "1 of 3 failed: RuntimeError: boom" in text and "sdpa              500.0 tokens/s" in text
+    assert "CUDA graphs (varlen, decode) [True, True]" in text
 
 
 def test_a_child_measures_a_paged_path(bench, monkeypatch):
@@ -61,3 +64,4 @@ def test_a_child_measures_a_paged_path(bench, monkeypatch):
     r = bench.child("eager", "qwen2", 5, 3, device="cpu", model=tiny)
     assert r["finished"] == 5 and r["tokens"] == 15 and r["tokens_per_s"] > 0
     assert r["attn_implementation"] == "paged|eager" and 0 < r["ttft_ms_median"] <= r["ttft_ms_p90"]
+    assert r["use_cuda_graph"] == [False, False]  # transformers' choice as made: no CUDA graphs without a GPU

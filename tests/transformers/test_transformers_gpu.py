@@ -154,11 +154,14 @@ def test_greedy_generate_of_32_tokens_from_a_left_padded_batch(kind, chunk):
         assert gap < TIE, f"row {row} differs at new token {step}, where the reference's top two are {gap:.4f} apart"
 
 
-@pytest.mark.parametrize("kind", ["llama-d64", "qwen2", "gemma2", "gemma3", "mistral"])
-def test_continuous_batching_on_paged_fastattn_gives_each_prompts_greedy_tokens(kind):
+@pytest.mark.parametrize(("kind", "graphs"), [(k, False) for k in ("llama-d64", "qwen2", "gemma2", "gemma3", "mistral")]
+                         + [("llama-d64", True), ("qwen2", True)])
+def test_continuous_batching_on_paged_fastattn_gives_each_prompts_greedy_tokens(kind, graphs):
     # generate_batch (transformers' continuous batching: a paged KV cache, requests of different
     # lengths scheduled together, prefill and decode packed in one call) on "paged|fastattn",
     # against float32 eager's greedy generate of each prompt alone, token for token up to ties.
+    # graphs: with transformers' CUDA graphs asked for (its warm-up, then each padded batch shape
+    # run once eagerly, captured, and replayed), which it leaves off by default for this name.
     from transformers import ContinuousBatchingConfig, GenerationConfig
 
     ours = _model(kind, "fastattn", torch.bfloat16)
@@ -168,8 +171,8 @@ def test_continuous_batching_on_paged_fastattn_gives_each_prompts_greedy_tokens(
     prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in (7, 30, 61, 90)]
     gen = GenerationConfig(max_new_tokens=16, do_sample=False, eos_token_id=-1, pad_token_id=0)
     before = _fallbacks()
-    out = ours.generate_batch(prompts, generation_config=gen, warmup=False,
-                              continuous_batching_config=ContinuousBatchingConfig(num_blocks=64, max_batch_tokens=256))
+    cb = ContinuousBatchingConfig(num_blocks=64, max_batch_tokens=256, use_cuda_graph=graphs or None)
+    out = ours.generate_batch(prompts, generation_config=gen, warmup=graphs, continuous_batching_config=cb)
     import fastattn
 
     assert _fallbacks() == before, fastattn.stats()["fallbacks"]
