@@ -327,9 +327,16 @@ def test_continuous_batching_runs_paged_fastattn_with_paged_eagers_tokens(calls,
     cb = ContinuousBatchingConfig(num_blocks=64, max_batch_tokens=64)
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 97, (n,), generator=g).tolist() for n in (3, 9, 20, 33)]
+    from transformers import AttentionInterface
+
+    registered, masks = AttentionInterface._global_mapping["paged|fastattn"], []
+    monkeypatch.setitem(AttentionInterface._global_mapping, "paged|fastattn",
+                        lambda module, q, k, v, mask, *a, **kw: masks.append(mask) or registered(module, q, k, v, mask,
+                                                                                                 *a, **kw))
     before = _fallback_counts()
     a = ours.generate_batch(prompts, generation_config=gen, continuous_batching_config=cb, warmup=False)
     fallbacks = {r: n - before.get(r, 0) for r, n in _fallback_counts().items() if n != before.get(r, 0)}
+    assert masks and all(m is None for m in masks)  # transformers builds no mask for this name
     b = theirs.generate_batch(prompts, generation_config=gen, continuous_batching_config=cb, warmup=False)
     tokens = [a[r].generated_tokens for r in sorted(a)]
     assert all(len(t) == 6 for t in tokens) and tokens == [b[r].generated_tokens for r in sorted(b)]
