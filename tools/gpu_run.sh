@@ -146,9 +146,11 @@ default_bench="core coldstart torch warm features fp8 flash"
 for b in ${BENCH-$default_bench}; do
   name=${b%%:*}; args=""; [ "$name" != "$b" ] && args=${b#*:}
   script=benchmarks/bench_$name.py; [ -f "$script" ] || script=benchmarks/$name.py
+  out=bench_$name; i=2  # a NAME given twice (other arguments) keeps both: bench_NAME-2.json, ...
+  while [ -e "$LOGS/$out.log" ]; do out=bench_$name-$i; i=$((i + 1)); done
   # shellcheck disable=SC2086  # (the arguments, split on purpose)
-  python3 "$script" ${args//,/ } --json "$LOGS/bench_$name.json" > "$LOGS/bench_$name.log" 2>&1 \
-    || echo "$script failed (see bench_$name.log)"
+  python3 "$script" ${args//,/ } --json "$LOGS/$out.json" > "$LOGS/$out.log" 2>&1 \
+    || echo "$script failed (see $out.log)"
 done
 
 echo "=== env"; cat "$LOGS/env.log" | head -20
