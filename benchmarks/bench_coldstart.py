@@ -38,6 +38,7 @@ import os
 import sys
 import tempfile
 import time
+from _common import require_cuda  # (benchmarks/ on sys.path)
 
 SEQLENS = (256, 512, 768, 1024, 1536, 2048, 3072, 4096)
 HEADS, HEAD_DIM = 32, 128
@@ -476,6 +477,7 @@ def main(argv=None) -> int:
     if args.child:
         print(json.dumps(child(args.child, args.backward)))
         return 0
+    require_cuda("bench_coldstart.py")
     if args.first_outputs:
         fo = first_outputs(tempfile.mkdtemp(prefix="fastattn-first-outputs-"), args.rounds)
         results = {"date": time.strftime("%Y-%m-%d"), "seqlens": SEQLENS, "first_outputs": fo}

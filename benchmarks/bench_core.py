@@ -29,6 +29,7 @@ import time
 
 import fastattn
 from fastattn import AttentionConfig, _core
+from _common import require_cuda  # (benchmarks/ on sys.path)
 
 
 def _cuda():
@@ -325,6 +326,7 @@ def main(argv=None) -> int:
     ap.add_argument("--build-seqlens", type=int, nargs="+", default=[192, 320, 448, 576, 704, 832, 960, 1088])
     ap.add_argument("--json", help="write the full results here")
     args = ap.parse_args(argv)
+    require_cuda("bench_core.py")
 
     results = {
         "date": time.strftime("%Y-%m-%d"),

@@ -32,7 +32,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import fastattn
 import fastattn.torch as fat
-from _common import gpu_ms
+from _common import gpu_ms, require_cuda
 
 HQ, HKV, D, PAGE = 32, 8, 128, 64
 DT = torch.bfloat16
@@ -233,6 +233,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json")
     args = ap.parse_args(argv)
+    require_cuda("bench_features.py")
     res = {"support": support(), "decode": decode(), "prefill": prefill(), "device": fastattn.device_info(), "versions": fastattn.versions(),
            "torch": torch.__version__}
     if args.json:

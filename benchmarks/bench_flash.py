@@ -38,7 +38,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import fastattn.torch as fat
 from fastattn import flash
-from _common import emit, fa2_varlen, header  # (benchmarks/ is on sys.path)
+from _common import emit, fa2_varlen, header, require_cuda  # (benchmarks/ is on sys.path)
 
 BF16 = torch.bfloat16
 
@@ -389,6 +389,7 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="3 rounds of 3 reps, 100 calls per host sample (a smoke run)")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
+    require_cuda("bench_flash.py")
     if args.quick:
         args.rounds, args.reps, args.iters = 3, 3, 100
     t0 = time.perf_counter()

@@ -33,7 +33,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from fastattn import AttentionConfig
 from fastattn.torch import attention, attention_fp8, attention_fp8_backward, attention_fp8_scaled
 
-from _common import header  # (benchmarks/ is on sys.path)
+from _common import header, require_cuda  # (benchmarks/ is on sys.path)
 
 E4M3 = torch.float8_e4m3fn
 SHAPES = [((2, 16, 8192, 128), c) for c in (False, True)] + [((4, 32, 4096, 128), c) for c in (False, True)] + [
@@ -315,6 +315,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json")
     ap.add_argument("--notes", help="also write fastattn probe's measured notes to this file")
     args = ap.parse_args(argv)
+    require_cuda("bench_fp8.py")
     res = header()
     try:
         import cudnn

@@ -23,14 +23,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 
 import torch
 
 import fastattn
 from fastattn import _core, defects
 
-from _common import gpu_ms, report
+from _common import gpu_ms, report, require_cuda
 
 # name: AttentionConfig fields. Affected by sm90-bwd-kv-tail (s_kv = 64 mod 128, non-causal
 # or with a bias) or sm90-bwd-single-query (s_q = 1, s_kv a multiple of 128).
@@ -92,9 +91,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if min(args.rounds, args.reps, args.samples) < 1:
         ap.error("--rounds, --reps and --samples must be at least 1")
-    if not torch.cuda.is_available():
-        print("bench_numerics: no CUDA device", file=sys.stderr)
-        return 1
+    require_cuda("bench_numerics.py")
     fastattn.probe(fastattn.AttentionConfig(batch=1, heads_q=1, seqlen_q=8, head_dim_qk=64))  # loads cuDNN
     res: dict = {"gpu": torch.cuda.get_device_name(), "cudnn": str(fastattn.versions()["cudnn_loaded"]),
                  "dtype": args.dtype}

@@ -294,6 +294,7 @@ def main(argv=None) -> int:
             args.classes = sc.parse(args.classes, "--classes")
         print(json.dumps(child_kernels(args) if args.child == "kernels" else child_stream(args.child, args)))
         return 0
+    _common.require_cuda("bench_server.py")
     if args.classes is None:
         args.classes = _default_classes()
     t0 = time.perf_counter()

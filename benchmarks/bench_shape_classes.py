@@ -36,7 +36,7 @@ import fastattn
 import fastattn.torch
 from fastattn import shape_classes as sc
 
-from _common import header  # (benchmarks/ is on sys.path)
+from _common import header, require_cuda  # (benchmarks/ is on sys.path)
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -171,6 +171,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json")
     ap.add_argument("--write", help="merge the policy's row into this file (fastattn/_measured/shape_classes.json)")
     args = ap.parse_args(argv)
+    require_cuda("bench_shape_classes.py")
     t0 = time.perf_counter()
     res = {**header(),
            "gpu": torch.cuda.get_device_name(),  # the name the policy compares (fastattn.torch._classes.resolve)

@@ -32,7 +32,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import fastattn.torch as fat
 from fastattn.torch import _native
-from _common import HELD_ITERS, emit, header, held_gpu_us, host_rounds  # (benchmarks/ is on sys.path)
+from _common import emit, header, held_gpu_us, HELD_ITERS, host_rounds, require_cuda  # (benchmarks/ is on sys.path)
 
 
 def _sdpa(q, k, v, causal):
@@ -211,6 +211,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=15, help="interleaved throughput rounds")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
+    require_cuda("bench_torch.py")
     shapes = [((2, 16, 8192, 128), c) for c in (False, True)] + [((4, 32, 4096, 128), c) for c in (False, True)]
     res = {**header(), "host_overhead": [host_overhead(args.iters, args.repeats, s) for s in SHAPES],
            "throughput": throughput(shapes, args.reps, args.rounds)}

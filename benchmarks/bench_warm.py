@@ -25,7 +25,7 @@ import tempfile
 import time
 
 from fastattn.warm import warm
-from _common import emit, warm_configs  # (benchmarks/ is on sys.path)
+from _common import emit, require_cuda, warm_configs  # (benchmarks/ is on sys.path)
 
 
 def _children_cpu() -> float:
@@ -54,6 +54,7 @@ def main(argv=None) -> int:
         print(json.dumps({"seconds": time.perf_counter() - t0, "builds": fastattn.stats()["builds"],
                           "build_seconds_sum": sum(r.build_seconds for r in results)}))
         return 0
+    require_cuda("bench_warm.py")
     todo = warm_configs(args.which)
     assert len(todo) == 64
     rows = []

@@ -45,6 +45,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--json")
     args = ap.parse_args(argv)
+    _common.require_cuda("bench_warm_verify.py")
     configs = sweep.builtin_configs()
     rounds = []
     for r in range(args.rounds):

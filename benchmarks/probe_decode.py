@@ -18,6 +18,7 @@ import torch
 
 from fastattn import flash
 from fastattn.torch import attention
+from _common import require_cuda  # (benchmarks/ on sys.path)
 
 DEV = "cuda"
 
@@ -118,6 +119,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json")
     args = ap.parse_args(argv)
+    require_cuda("probe_decode.py")
     out = {"repeats": [], "gradients": []}
     for d in (64, 111, 128, 256):
         for via, lse in (("flash", True), ("torch", True), ("torch", False)):

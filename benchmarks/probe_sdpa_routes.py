@@ -19,6 +19,7 @@ import json
 
 import torch
 import torch.nn.functional as F
+from _common import require_cuda  # (benchmarks/ on sys.path)
 
 
 def _describe(t):
@@ -31,6 +32,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json")
     args = ap.parse_args()
+    require_cuda("probe_sdpa_routes.py")
     from transformers import AutoConfig, AutoModelForCausalLM
 
     import fastattn

@@ -113,6 +113,7 @@ def main(argv=None) -> int:
     if args.child:
         print(json.dumps(child(args.child)))
         return 0
+    _common.require_cuda("profile_coldstart.py")
     cache_dir = tempfile.mkdtemp(prefix="fastattn-profile-")
     fill(cache_dir)
     results = []

@@ -29,8 +29,14 @@ median (ms):
                 attention()'s first and second call (synchronized)
   steps_natural the same without the sub-libraries' dlopen: cuDNN opens them itself at the
                 first cudnnCreate, so that step shows what they cost in the natural order
+  call_warm_up_idle_eager  call_warm_up_idle with CUDA_MODULE_LOADING=EAGER: whether a plan's
+                first launch (~2 ms after the warm-up loaded it) is the driver's lazy kernel
+                loading (not in the default --modes: every module loads at the process's
+                start, torch's included, before the clock)
 
-    python benchmarks/profile_first_call.py [--json out.json] [--rounds 3] [--idle-ms 300]
+    python benchmarks/profile_first_call.py [--json out.json] [--rounds 3] [--idle-ms 300] [--modes ...]
+
+Needs a CUDA GPU (exit status 2 without).
 """
 
 from __future__ import annotations
@@ -46,10 +52,11 @@ import time
 
 import _common
 
-MODES = ("call", "call_warm", "call_warm_idle", "call_warm_up", "call_warm_up_idle", "steps", "steps_natural")
+DEFAULT_MODES = ("call", "call_warm", "call_warm_idle", "call_warm_up", "call_warm_up_idle", "steps", "steps_natural")
+MODES = DEFAULT_MODES + ("call_warm_up_idle_eager",)
 # What each mode sets FASTATTN_WARM_UP to.
 WARM_UP = {"call_warm": "libraries", "call_warm_idle": "libraries", "call_warm_up": "plans",
-           "call_warm_up_idle": "plans"}
+           "call_warm_up_idle": "plans", "call_warm_up_idle_eager": "plans"}
 HEADS, HEAD_DIM = 32, 128
 FIRST, SECOND = 256, 512
 
@@ -74,7 +81,7 @@ def child(mode: str, idle_ms: float) -> dict:
 
     mark("import fastattn.torch")
     res: dict = {"mode": mode}
-    if mode.endswith("_idle"):
+    if "_idle" in mode:
         time.sleep(idle_ms / 1e3)
         mark(f"idle {idle_ms:g} ms (not counted)")
         # What the import and the warm-up's work meanwhile hold (the libraries; the plans
@@ -168,7 +175,8 @@ def main(argv=None) -> int:
     ap.add_argument("--child", choices=MODES)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--idle-ms", type=float, default=300.0)
-    ap.add_argument("--modes", nargs="+", default=[",".join(MODES)], help="comma- or space-separated")
+    ap.add_argument("--modes", nargs="+", default=[",".join(DEFAULT_MODES)],
+                    help=f"comma- or space-separated, of {','.join(MODES)}")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     if args.child:
@@ -177,6 +185,7 @@ def main(argv=None) -> int:
     modes = [m for item in args.modes for m in item.split(",") if m]
     if not modes or not set(modes) <= set(MODES):
         ap.error(f"--modes {' '.join(args.modes)!r}: some of {','.join(MODES)}")
+    _common.require_cuda("profile_first_call.py")
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import profile_coldstart
 
@@ -189,6 +198,8 @@ def main(argv=None) -> int:
         for mode in order:
             env = _common.fresh_cache_env(cache_dir)
             env["FASTATTN_WARM_UP"] = WARM_UP.get(mode, "off")
+            if mode.endswith("_eager"):
+                env["CUDA_MODULE_LOADING"] = "EAGER"
             r = _common.fresh(os.path.abspath(__file__), ["--child", mode, "--idle-ms", str(args.idle_ms)], env)
             if "error" in r:
                 errors[mode] = _common.first_error([r])

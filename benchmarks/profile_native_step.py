@@ -28,13 +28,14 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 import fastattn.torch as fat
 from fastattn import _core
 from fastattn.torch import _dense, _native, _plans
-from _common import interleaved, report, time_us as _us  # (benchmarks/ is on sys.path)
+from _common import interleaved, report, require_cuda, time_us as _us  # (benchmarks/ is on sys.path)
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json")
     args = ap.parse_args(argv)
+    require_cuda("profile_native_step.py")
     if _native.decide() is None:
         print(f"the native path is not available: {_native.status()}")
         return 1

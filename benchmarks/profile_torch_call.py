@@ -26,7 +26,7 @@ import fastattn
 import fastattn.torch as fat
 from fastattn.torch import _dense, _plans
 from fastattn import _core
-from _common import time_us as _us  # (benchmarks/ is on sys.path)
+from _common import require_cuda, time_us as _us  # (benchmarks/ is on sys.path)
 
 
 def _options(training: bool) -> _dense.DenseOptions:
@@ -86,6 +86,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json")
     args = ap.parse_args(argv)
+    require_cuda("profile_torch_call.py")
     q, k, v = (torch.randn(1, 128, 8, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     qt, kt, vt = (t.transpose(1, 2).contiguous() for t in (q, k, v))
     o = fat.attention(q, k, v, causal=True)

@@ -25,13 +25,14 @@ import torch
 import fastattn.torch as fat
 from fastattn import flash
 from fastattn.torch import _native, _varlen
-from _common import fa2_varlen, interleaved, report, time_us as _us  # (benchmarks/ is on sys.path)
+from _common import fa2_varlen, interleaved, report, require_cuda, time_us as _us  # (benchmarks/ is on sys.path)
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json")
     args = ap.parse_args(argv)
+    require_cuda("profile_varlen.py")
     path = "native" if _native.decide() is not None else "python"
     h, d, lens = 8, 64, [32] * 4
     cu = torch.tensor([0] + [sum(lens[:i + 1]) for i in range(len(lens))], dtype=torch.int32, device="cuda")

@@ -24,6 +24,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import fastattn.torch as fat
 from fastattn.torch import _plans
+from _common import require_cuda  # (benchmarks/ on sys.path)
 
 
 def _trace(fn, calls: int) -> dict:
@@ -49,6 +50,7 @@ def main(argv=None) -> int:
     ap.add_argument("--calls", type=int, default=500)
     ap.add_argument("--json")
     args = ap.parse_args(argv)
+    require_cuda("trace_execute.py")
     q, k, v = (torch.randn(1, 128, 8, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     qt, kt, vt = (t.transpose(1, 2).contiguous() for t in (q, k, v))
     o = fat.attention(q, k, v, causal=True)

@@ -1,6 +1,11 @@
 """benchmarks/_common.py's pieces that every benchmark's output goes through (CPU)."""
 
 import json
+import os
+import subprocess
+import sys
+
+import pytest
 
 from helpers import benchmarks
 
@@ -61,6 +66,7 @@ def test_the_warm_verify_benchmark_reports_medians_over_its_rounds(tmp_path, mon
     monkeypatch.setattr(bench.time, "perf_counter", lambda: clock.t)
     monkeypatch.setattr(bench.sweep, "builtin_configs", lambda: ["a", "b"])
     monkeypatch.setattr(bench._common, "header", lambda: {"date": "d", "uname": "u"})
+    monkeypatch.setattr(bench._common, "require_cuda", lambda script: None)  # the GPU stood in for too
     out = tmp_path / "out.json"
     assert bench.main(["--rounds", "3", "--workers", "2", "--json", str(out)]) == 0
     res = json.loads(out.read_text())
@@ -69,3 +75,24 @@ def test_the_warm_verify_benchmark_reports_medians_over_its_rounds(tmp_path, mon
     assert res["median_seconds"] == {"plain": 6.5, "verify": 16.0, "verify_after": 14.0, "verify_again": 2.0}
     assert res["date"] == "d" and res["configs"] == 2
     assert "verify_after    14.00 s" in capsys.readouterr().out
+
+
+# The benchmarks that measure nothing but the host (no GPU needed), and the module they share.
+CPU_BENCHMARKS = {"_common", "bench_cache_prune", "bench_checks", "bench_remote"}
+
+
+def test_every_gpu_benchmark_refuses_a_machine_without_cuda_in_one_line():
+    # Exit status 2 and require_cuda's message, never a traceback, from every script of
+    # benchmarks/ that needs a GPU (all at once: each imports torch).
+    pytest.importorskip("torch", reason="PyTorch is an optional extra (pip install torch)")
+    names = sorted(p.stem for p in benchmarks.BENCHMARKS.glob("*.py") if p.stem not in CPU_BENCHMARKS)
+    assert len(names) >= 20
+    env = {**os.environ, "PYTHONPATH": str(benchmarks.ROOT), "CUDA_VISIBLE_DEVICES": ""}
+    runs = {n: subprocess.Popen([sys.executable, str(benchmarks.BENCHMARKS / f"{n}.py")], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, env=env) for n in names}
+    failed = {}
+    for n, p in runs.items():
+        out, err = p.communicate(timeout=300)
+        if p.returncode != 2 or "needs a CUDA GPU" not in err or "Traceback" in out + err:
+            failed[n] = (p.returncode, (out + err)[-300:])
+    assert not failed, failed
