@@ -158,7 +158,6 @@ class _Run:
         for t in loaders:
             t.join()
 
-
     @staticmethod
     def pass_on_handle(device: int) -> None:
         """The loader's cuDNN handle, made for its loads, kept for the caller's first

@@ -297,9 +297,9 @@ def paged_attention_forward(module: torch.nn.Module, q: torch.Tensor, k: torch.T
     path does), then fastattn.torch.attention_varlen runs each sequence's queries against
     its keys, causal at the bottom right (the queries are the last of the keys), with the
     layer's sliding window, scaling and softcap. attention_mask is not read (transformers
-    5.17 builds one for paged|eager and paged|sdpa only): the cumulative lengths say it. Sinks (`s_aux`), which the varlen entry
-    does not take, run on the exact float32 fallback, counted as every fallback is. Returns
-    ((total_q, heads_q, dim_v), None)."""
+    5.17 builds one for paged|eager and paged|sdpa only): the cumulative lengths say it.
+    Sinks (`s_aux`), which the varlen entry does not take, run on the exact float32
+    fallback, counted as every fallback is. Returns ((total_q, heads_q, dim_v), None)."""
     if block_table is not None:  # transformers takes its decode fast path for flash_attention_2/3 names only
         raise NotImplementedError("paged|fastattn: a block table (transformers' flash decode fast path) is not taken")
     window = getattr(module, "sliding_window", None) or kwargs.get("sliding_window")
