@@ -38,7 +38,7 @@ import os
 import sys
 import tempfile
 import time
-from _common import require_cuda  # (benchmarks/ on sys.path)
+from _common import emit, require_cuda  # (benchmarks/ on sys.path)
 
 SEQLENS = (256, 512, 768, 1024, 1536, 2048, 3072, 4096)
 HEADS, HEAD_DIM = 32, 128
@@ -477,26 +477,18 @@ def main(argv=None) -> int:
     if args.child:
         print(json.dumps(child(args.child, args.backward)))
         return 0
-    require_cuda("bench_coldstart.py")
-    if args.first_outputs:
-        fo = first_outputs(tempfile.mkdtemp(prefix="fastattn-first-outputs-"), args.rounds)
-        results = {"date": time.strftime("%Y-%m-%d"), "seqlens": SEQLENS, "first_outputs": fo}
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(results, f, indent=2)
-        print(json.dumps(results, indent=2))
-        print("\nsummary:\n" + first_outputs_summary(fo))
-        return 0
-    if args.plot:
+    if args.plot:  # (anywhere: no GPU needed)
         with open(args.plot) as f:
             plot(json.load(f), args.png)
         return 0
+    require_cuda("bench_coldstart.py")
+    if args.first_outputs:
+        fo = first_outputs(tempfile.mkdtemp(prefix="fastattn-first-outputs-"), args.rounds)
+        emit({"date": time.strftime("%Y-%m-%d"), "seqlens": SEQLENS, "first_outputs": fo}, args.json,
+             first_outputs_summary(fo).splitlines())
+        return 0
     results = measure()
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
-    print(json.dumps(results, indent=2))
-    print("\nsummary:\n" + summary(results))
+    emit(results, args.json, summary(results).splitlines())
     return 0
 
 

@@ -60,6 +60,19 @@ def _wait_done(fastattn, seconds=60.0) -> dict:
     raise AssertionError(f"the warm-up did not end in {seconds} s: {fastattn.stats()['warm_up']}")
 
 
+def _while_loading(fastattn, step) -> tuple[int, int]:
+    """step() again and again until a round starts after the warm-up has stopped loading:
+    (rounds, rounds begun while it was still loading)."""
+    rounds = during = 0
+    while True:
+        loading = fastattn.stats()["warm_up"]["state"] in ("libraries", "waiting", "loading")
+        step()
+        rounds += 1
+        during += loading
+        if not loading:
+            return rounds, during
+
+
 def main() -> None:
     mode = sys.argv[1]
     import torch
@@ -82,31 +95,24 @@ def main() -> None:
         q, k, v = _inputs(torch, shape)
         eager = attention(q, k, v, causal=True)
         torch.cuda.synchronize()
-        captures = during = 0
-        while True:
-            loading = fastattn.stats()["warm_up"]["state"] in ("libraries", "waiting", "loading")
+
+        def capture():
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):  # global capture mode: any thread's unsafe call would invalidate it
                 o = attention(q, k, v, causal=True)
             graph.replay()
             torch.cuda.synchronize()
             assert torch.equal(o, eager), "a replay differs from the eager call"
-            captures += 1
-            during += loading
-            if not loading:
-                break
+
+        captures, during = _while_loading(fastattn, capture)
         out.update(captures=captures, captures_while_loading=during, warm_up=_wait_done(fastattn))
     elif mode == "legacy":
-        rounds = during = 0
-        while True:
-            loading = fastattn.stats()["warm_up"]["state"] in ("libraries", "waiting", "loading")
+        def work():
             for _ in range(20):
                 assert torch.equal((x @ x).sum(0), first), "work on the legacy stream went wrong"
             torch.cuda.synchronize()
-            rounds += 1
-            during += loading
-            if not loading:
-                break
+
+        rounds, during = _while_loading(fastattn, work)
         out.update(rounds=rounds, rounds_while_loading=during, warm_up=_wait_done(fastattn))
     elif mode == "threads":
         import threading
