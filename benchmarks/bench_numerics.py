@@ -1,7 +1,7 @@
 """Issue 27, item 2: what fastattn.defects' remedies cost. On the shapes a known cuDNN
 defect affects, the backward kernel time of the remedied graph (a padding mask over the
 full lengths, which the plan supplies) against the plain graph cuDNN would otherwise run
-(built with `_core.build_plan(..., registry=())`), on the same random data (not the
+(built with `fastattn._core.build_plan(..., registry=())`), on the same random data (not the
 adversarial data: the plain graph's NaN would not change its time, but finite data keeps
 the comparison about the same work).
 
@@ -27,7 +27,8 @@ import statistics
 import torch
 
 import fastattn
-from fastattn import _core, defects
+from fastattn import defects
+from fastattn._loader import import_core  # (at use: a checkout without its extension still says it needs a GPU)
 
 from _common import gpu_ms, report, require_cuda
 
@@ -51,8 +52,8 @@ class Case:
     def __init__(self, fields: dict, dtype: str):
         self.cfg = fastattn.AttentionConfig(**fields, dtype=dtype, training=True)
         dev = torch.cuda.current_device()
-        self.remedied = _core.build_plan(self.cfg, dev)
-        self.plain = _core.build_plan(self.cfg, dev, registry=())
+        self.remedied = import_core().build_plan(self.cfg, dev)
+        self.plain = import_core().build_plan(self.cfg, dev, registry=())
         if not self.remedied.defects or self.plain.defects:
             raise SystemExit(f"{self.cfg.to_json()}: no defect applies on this GPU and cuDNN "
                              f"({fastattn.versions()['cudnn_loaded']}); nothing to measure")

@@ -26,7 +26,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import fastattn.torch as fat
-from fastattn import _core
+from fastattn._loader import import_core  # (at use: a checkout without its extension still says it needs a GPU)
 from fastattn.torch import _dense, _native, _plans
 from _common import interleaved, report, require_cuda, time_us as _us  # (benchmarks/ is on sys.path)
 
@@ -89,7 +89,7 @@ def main(argv=None) -> int:
         res["backward_workspace_bytes"] = float(c.backward_workspace)
         res["plan_forward_ints"] = _us(lambda: c.plan.forward(*ptrs, 0, wp, stream))
         res["cpp_execute_floor"] = round(statistics.median(
-            _core.bench_raw_execute(c.plan, "forward", ptrs, wp, stream, 2000) / 2000 * 1e6 for _ in range(15)), 3)
+            import_core().bench_raw_execute(c.plan, "forward", ptrs, wp, stream, 2000) / 2000 * 1e6 for _ in range(15)), 3)
 
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
         leaves_t = [t.clone().requires_grad_() for t in (qt, kt, vt)]
