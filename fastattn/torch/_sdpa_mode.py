@@ -21,8 +21,8 @@ kernels for the *flash* backend's operators (one implementation at a time, FA3 o
 which PyTorch 2.11 does not choose on Hopper where it prefers cuDNN.
 
 What fastattn takes: float16 / bfloat16 CUDA tensors of 4 dims, heads_q a multiple of
-heads_kv, any additive attn_bias (copied into a contiguous bias of cuDNN's broadcast
-shapes where it is not one), dropout, is_causal (top left), scale. The verdict is kept
+heads_kv, any additive attn_bias in the query's dtype or float32 (copied into a contiguous
+bias of cuDNN's broadcast shapes in the query's dtype where it is not one), dropout, is_causal (top left), scale. The verdict is kept
 per call signature (shapes, strides, dtypes, options), so the forward and the backward
 of one call always take the same side.
 """
@@ -251,7 +251,10 @@ def _bias(attn_bias: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor, trai
     """attn_bias (broadcastable to (b, heads_q, seq_q, seq_kv)) as fastattn's bias: each
     broadcast dim of extent 1, contiguous (a copy only where it is not already); one row
     is expanded over the queries when training (fastattn has no correct backward for a
-    one-row bias)."""
+    one-row bias). A float32 bias beside float16 / bfloat16 queries (SDPA allows it) is
+    rounded to the query's dtype, in the same copy: PyTorch 2.11's own cuDNN kernel reads
+    its bytes as the query's dtype and returns NaN (s22-2, benchmarks/probe_sdpa_gates.py),
+    and its math kernel rounds the scores plus the mask to that dtype too."""
     if attn_bias is None:
         return None
     b, h, sq, skv = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
@@ -259,6 +262,8 @@ def _bias(attn_bias: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor, trai
     for dim in range(3):
         if m.stride(dim) == 0 and m.shape[dim] > 1 and not (dim == 2 and training):
             m = m.narrow(dim, 0, 1)
+    if m.dtype != q.dtype:
+        return m.to(q.dtype, memory_format=torch.contiguous_format)
     return m if m.is_contiguous() else m.contiguous()
 
 
@@ -290,7 +295,7 @@ def _decide(q, k, v, attn_bias, dropout_p, is_causal, scale, training) -> _Route
         return "fastattn takes 4-d (batch, heads, seq, dim) tensors here"
     if k.shape[1] != v.shape[1] or q.shape[1] % k.shape[1]:
         return f"heads: query {q.shape[1]}, key {k.shape[1]}, value {v.shape[1]}"
-    if attn_bias is not None and attn_bias.dtype != q.dtype:
+    if attn_bias is not None and attn_bias.dtype not in (q.dtype, torch.float32):
         return f"attn_bias is {attn_bias.dtype}, query {q.dtype}"
     if scale is not None and not scale > 0:
         return f"scale={scale}: fastattn takes a scale > 0"

@@ -144,6 +144,27 @@ def test_the_cudnn_operator_runs_fastattn_with_pytorchs_outputs_and_gradients(mo
         assert model.calls[1][2] is False
 
 
+def test_a_float32_bias_beside_bfloat16_queries_is_served_rounded_to_their_dtype(model):
+    # PyTorch 2.11's own cuDNN kernel returns NaN for this call (s22-2): the mode serves it,
+    # the bias rounded to bfloat16 (the Model asserts the dtype fastattn's plan gets).
+    q, k, v = _qkv(2, 4, 4, 5, 7, 16, "bshd")
+    bias = torch.randn(2, 1, 5, 7) * 4
+    assert bias.dtype == torch.float32
+    out = OP(q, k, v, bias, True, 0.0, False, False, scale=None)[0]
+    assert [c[0] for c in model.calls] == ["plan", "forward"]
+    ref, leaves = _sdpa_reference(q, k, v, bias)
+    torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=2e-2)
+    g = torch.randn_like(ref)
+    (out.double() * g).sum().backward()
+    (ref * g).sum().backward()
+    for ours, theirs in zip((q, k, v), leaves):
+        torch.testing.assert_close(ours.grad.double(), theirs.grad, atol=3e-2, rtol=3e-2)
+    assert [c[0] for c in model.calls] == ["plan", "forward", "backward"]
+    assert bias.dtype == torch.float32  # the caller's mask is left as it was
+    # Another dtype than the query's or float32 (which SDPA itself refuses) is not taken.
+    assert "float16" in _sdpa_mode._decide(q, k, v, bias.half(), 0.0, False, None, False)
+
+
 def test_a_call_fastattn_refuses_runs_pytorchs_own_kernel_and_its_backward_too(model, monkeypatch):
     ran = []
 
@@ -286,14 +307,15 @@ def test_the_op_librarys_kernels_keep_the_route_python_decides(lib, model, layou
     lib.clear()
     q, k, v = (t.detach() for t in _qkv(2, 8, 2, 16, 24, 64, layout))
     bias = torch.randn(1, 1, 16, 24, dtype=torch.bfloat16)
-    for args in ((q, k, v, None, 0.0, True, None, True), (q, k, v, bias, 0.25, False, 0.125, False)):
+    for args in ((q, k, v, None, 0.0, True, None, True), (q, k, v, bias, 0.25, False, 0.125, False),
+                 (q, k, v, bias.float(), 0.0, False, None, True)):
         want = _sdpa_mode._route(*args)
         got = lib.sdpa_route(*args)
         assert got == (True, tuple(want.options), list(want.out_stride), list(want.lse_shape),
                        [list(s) for s in want.grad_strides]), (got, want)
-    assert lib.sdpa_route_count() == 2
+    assert lib.sdpa_route_count() == 3
     lib.sdpa_route(q, k, v, None, 0.0, True, None, True)
-    assert lib.sdpa_route_count() == 2 and len(model.calls) == 2  # kept: no second miss
+    assert lib.sdpa_route_count() == 3 and len(model.calls) == 3  # kept: no second miss
     fp32 = q.float()
     assert lib.sdpa_route(fp32, fp32, fp32, None, 0.0, False, None, False) == (False,)
     assert isinstance(_sdpa_mode._route(fp32, fp32, fp32, None, 0.0, False, None, False), str)

@@ -178,3 +178,22 @@ def test_the_modes_first_call_in_a_fresh_process_imports_none_of_torchs_lazy_mod
                            env=env)
         assert r.returncode == 0, r.stderr
         assert r.stdout.strip().splitlines()[-1] == "[]", r.stdout
+
+
+def test_a_float32_mask_beside_bfloat16_queries_is_served_and_finite(mode):
+    # PyTorch 2.11 sends this call to its cuDNN kernel, which returns NaN for it (s22-2,
+    # benchmarks/probe_sdpa_gates.py): the mode serves it, the mask rounded to bfloat16.
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 8, 96, 64, device=DEV, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    mask = torch.randn(2, 1, 96, 96, device=DEV) * 4
+    before = fastattn.stats()["sdpa"]["served"]
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    g = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), g)
+    assert fastattn.stats()["sdpa"]["served"] == before + 1, fastattn.stats()["sdpa"]
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref = torch.ops.aten._scaled_dot_product_attention_math(*leaves, attn_mask=mask.double())[0]
+    want = torch.autograd.grad(ref, leaves, g.double())
+    for got, r in zip((out, *grads), (ref, *want)):
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got.double(), r, atol=TOL * r.abs().max().item(), rtol=TOL)

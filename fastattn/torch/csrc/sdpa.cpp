@@ -138,12 +138,16 @@ Tensor matched(const Tensor &t, const std::array<int64_t, 4> &stride) {
 
 // attn_bias as fastattn's bias (_sdpa_mode._bias): broadcast over (b, heads_q, seq_q,
 // seq_kv), each broadcast dim of extent 1 except the queries' when training (fastattn has
-// no correct backward for a one-row bias), contiguous.
+// no correct backward for a one-row bias), contiguous; a float32 bias rounded to q's dtype
+// in the same copy (_bias says why).
 OptTensor as_bias(const OptTensor &attn_bias, const Tensor &q, const Tensor &k, bool training) {
     if (!given(attn_bias)) return std::nullopt;
     Tensor m = attn_bias->expand({q.size(0), q.size(1), q.size(2), k.size(2)});
     for (int d = 0; d < 3; ++d) {
         if (m.stride(d) == 0 && m.size(d) > 1 && !(d == 2 && training)) m = m.narrow(d, 0, 1);
+    }
+    if (m.scalar_type() != q.scalar_type()) {
+        return m.to(q.scalar_type(), /*non_blocking=*/false, /*copy=*/false, at::MemoryFormat::Contiguous);
     }
     return m.is_contiguous() ? m : m.contiguous();
 }
