@@ -21,9 +21,12 @@ def test_the_warm_up_loads_the_cache_and_the_calls_give_what_lazy_loads_give(tmp
 def test_a_capture_on_another_thread_stays_valid_while_plans_load(tmp_path):
     result(worker(tmp_path, "calls", "off"))
     run = result(worker(tmp_path, "capture", "plans"))
-    assert run["warm_up"]["state"] == "done" and run["warm_up"]["plans"] == len(SHAPES), run["warm_up"]
+    # The worker's eager call of its shape races the warm-up for that one plan: whoever
+    # comes first loads it, the other waits for it (s22-3: the caller first, once in three
+    # processes). Either way every plan is loaded once, none built.
+    assert run["warm_up"]["state"] == "done" and run["warm_up"]["plans"] >= len(SHAPES) - 1, run["warm_up"]
+    assert run["stats"]["builds"] == 0 and run["stats"]["deserializations"] == len(SHAPES), run["stats"]
     assert run["captures_while_loading"] >= 1, run  # the capture and the loads did overlap
-    assert run["stats"]["builds"] == 0
 
 
 def test_work_and_synchronizations_on_the_legacy_default_stream_go_on_while_plans_load(tmp_path):
