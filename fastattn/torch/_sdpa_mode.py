@@ -253,8 +253,9 @@ def _bias(attn_bias: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor, trai
     is expanded over the queries when training (fastattn has no correct backward for a
     one-row bias). A float32 bias beside float16 / bfloat16 queries (SDPA allows it) is
     rounded to the query's dtype, in the same copy: PyTorch 2.11's own cuDNN kernel reads
-    its bytes as the query's dtype and returns NaN (s22-2, benchmarks/probe_sdpa_gates.py),
-    and its math kernel rounds the scores plus the mask to that dtype too."""
+    its bytes as the query's dtype and returns NaN (measured by
+    benchmarks/probe_sdpa_gates.py), and its math kernel rounds the scores plus the mask
+    to that dtype too."""
     if attn_bias is None:
         return None
     b, h, sq, skv = q.shape[0], q.shape[1], q.shape[2], k.shape[2]

@@ -9,7 +9,7 @@ import json
 import re
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from fastattn import cli
@@ -42,6 +42,8 @@ _VALUE_CHARS = "0123456789.-+eEsmhdwkgtbiKGT x"
 @given(flag=st.sampled_from(["--max-age", "--max-bytes"]),
        value=st.text(alphabet=_VALUE_CHARS, min_size=1, max_size=12).filter(lambda v: not v.startswith("--")),
        form=st.sampled_from(["space", "equals"]))
+@example(flag="--max-age", value="-h ", form="space")
+@example(flag="--max-bytes", value="-h 1", form="equals")
 def test_every_value_is_taken_or_named(env, capsys, flag, value, form):
     """Whatever follows --max-age or --max-bytes (but another flag), the prune runs on
     it or says which flag and which value it refuses (exit 2)."""
@@ -49,6 +51,13 @@ def test_every_value_is_taken_or_named(env, capsys, flag, value, form):
     if form == "space" and len(value) > 1 and value[0] == "-" and " " not in value and not re.match(r"-\.?[0-9]",
                                                                                                value):
         return  # `-x`, `-e5`: a flag, as argparse reads a word of one dash that is not a number
+    if form == "space" and value.startswith("-h"):
+        # `-h 5`: argparse reads a word that starts with a short flag as that flag with the
+        # rest attached (`-hX`), before its rule that a word with a space is a value, so
+        # the flag's value is missing, which it says (Hypothesis drew '-h ').
+        code, body = run_json(argv, capsys)
+        assert code == cli.EXIT_BAD_INPUT and body["message"] == f"argument {flag}: expected one argument", body
+        return
     code, body = run_json(argv, capsys)
     if code == cli.EXIT_OK:
         assert "removed" in body

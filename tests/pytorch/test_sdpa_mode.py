@@ -145,7 +145,7 @@ def test_the_cudnn_operator_runs_fastattn_with_pytorchs_outputs_and_gradients(mo
 
 
 def test_a_float32_bias_beside_bfloat16_queries_is_served_rounded_to_their_dtype(model):
-    # PyTorch 2.11's own cuDNN kernel returns NaN for this call (s22-2): the mode serves it,
+    # PyTorch 2.11's own cuDNN kernel returns NaN for this call (on the H200): the mode serves it,
     # the bias rounded to bfloat16 (the Model asserts the dtype fastattn's plan gets).
     q, k, v = _qkv(2, 4, 4, 5, 7, 16, "bshd")
     bias = torch.randn(2, 1, 5, 7) * 4

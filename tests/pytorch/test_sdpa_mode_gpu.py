@@ -181,7 +181,7 @@ def test_the_modes_first_call_in_a_fresh_process_imports_none_of_torchs_lazy_mod
 
 
 def test_a_float32_mask_beside_bfloat16_queries_is_served_and_finite(mode):
-    # PyTorch 2.11 sends this call to its cuDNN kernel, which returns NaN for it (s22-2,
+    # PyTorch 2.11 sends this call to its cuDNN kernel, which returns NaN for it (measured by
     # benchmarks/probe_sdpa_gates.py): the mode serves it, the mask rounded to bfloat16.
     torch.manual_seed(0)
     q, k, v = (torch.randn(2, 8, 96, 64, device=DEV, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))

@@ -22,7 +22,7 @@ def test_a_capture_on_another_thread_stays_valid_while_plans_load(tmp_path):
     result(worker(tmp_path, "calls", "off"))
     run = result(worker(tmp_path, "capture", "plans"))
     # The worker's eager call of its shape races the warm-up for that one plan: whoever
-    # comes first loads it, the other waits for it (s22-3: the caller first, once in three
+    # comes first loads it, the other waits for it (seen: the caller first, once in three
     # processes). Either way every plan is loaded once, none built.
     assert run["warm_up"]["state"] == "done" and run["warm_up"]["plans"] >= len(SHAPES) - 1, run["warm_up"]
     assert run["stats"]["builds"] == 0 and run["stats"]["deserializations"] == len(SHAPES), run["stats"]
