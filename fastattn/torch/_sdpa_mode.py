@@ -22,9 +22,9 @@ which PyTorch 2.11 does not choose on Hopper where it prefers cuDNN.
 
 What fastattn takes: float16 / bfloat16 CUDA tensors of 4 dims, heads_q a multiple of
 heads_kv, any additive attn_bias in the query's dtype or float32 (copied into a contiguous
-bias of cuDNN's broadcast shapes in the query's dtype where it is not one), dropout, is_causal (top left), scale. The verdict is kept
-per call signature (shapes, strides, dtypes, options), so the forward and the backward
-of one call always take the same side.
+bias of cuDNN's broadcast shapes in the query's dtype where it is not one), dropout,
+is_causal (top left), scale. The verdict is kept per call signature (shapes, strides,
+dtypes, options), so the forward and the backward of one call always take the same side.
 """
 
 from __future__ import annotations
