@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import os
 import random
 import statistics
@@ -270,15 +271,28 @@ def emit(res: dict, json_path: str | None, lines=()) -> None:
     """Writes `res` to json_path (if given), prints it, then the `summary:` line that
     tools/gpu_run.sh prints from and `lines` (a benchmark's summary; one that prints its
     own summary afterwards gives none), then res["seconds"] where it was timed."""
+    res = _strict(res)
     if json_path:
         with open(json_path, "w") as f:
-            json.dump(res, f, indent=2)
-    print(json.dumps(res, indent=2))
+            json.dump(res, f, indent=2, allow_nan=False)
+    print(json.dumps(res, indent=2, allow_nan=False))
     print("\nsummary:")
     for line in lines:
         print(line)
     if lines and "seconds" in res:
         print(f"  seconds: {res['seconds']:.1f}")
+
+
+def _strict(value):
+    """value with NaN and the infinities as null: Python writes them as NaN / Infinity,
+    which strict JSON readers refuse (a probe's error of a NaN output was one)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _strict(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_strict(v) for v in value]
+    return value
 
 
 def report(res: dict, json_path: str | None) -> int:

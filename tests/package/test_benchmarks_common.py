@@ -22,6 +22,18 @@ def test_the_benchmarks_common_ending_writes_the_json_and_the_summary_line(tmp_p
     assert json.loads(body) == {"ratio": 0.25, "rows": [1, 2]} and rest.strip() == ""
     common.emit({"a": 1}, None)  # no path: printed only
     assert not list(tmp_path.glob("*.json"))[1:]
+    # NaN and the infinities as null (strict JSON), wherever they are; the caller's dict untouched
+    res = {"error": float("nan"), "rows": [{"x": float("inf"), "y": (1.5, -float("inf"))}], "n": 3, "s": "NaN"}
+    capsys.readouterr()
+    common.emit(res, str(path))
+    printed = capsys.readouterr().out.partition("\nsummary:")[0]
+    want = {"error": None, "rows": [{"x": None, "y": [1.5, None]}], "n": 3, "s": "NaN"}
+
+    def strict(text):
+        return json.loads(text, parse_constant=lambda c: pytest.fail(f"{c} in the JSON"))
+
+    assert strict(path.read_text()) == want and strict(printed) == want
+    assert res["error"] != res["error"]  # (still NaN)
 
 
 def test_every_benchmarks_json_opens_with_the_machine_and_versions(monkeypatch):
