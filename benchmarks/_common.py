@@ -271,16 +271,22 @@ def emit(res: dict, json_path: str | None, lines=()) -> None:
     """Writes `res` to json_path (if given), prints it, then the `summary:` line that
     tools/gpu_run.sh prints from and `lines` (a benchmark's summary; one that prints its
     own summary afterwards gives none), then res["seconds"] where it was timed."""
-    res = _strict(res)
-    if json_path:
-        with open(json_path, "w") as f:
-            json.dump(res, f, indent=2, allow_nan=False)
+    res = _write(res, json_path)
     print(json.dumps(res, indent=2, allow_nan=False))
     print("\nsummary:")
     for line in lines:
         print(line)
     if lines and "seconds" in res:
         print(f"  seconds: {res['seconds']:.1f}")
+
+
+def _write(res: dict, json_path: str | None) -> dict:
+    """res as strict JSON (_strict), written to json_path where one is given."""
+    res = _strict(res)
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(res, f, indent=2, allow_nan=False)
+    return res
 
 
 def _strict(value):
@@ -301,9 +307,7 @@ def report(res: dict, json_path: str | None) -> int:
     import torch
 
     res["torch"] = torch.__version__
-    if json_path:
-        with open(json_path, "w") as f:
-            json.dump(res, f, indent=2)
+    _write(res, json_path)
     print("summary:")
     for key, value in res.items():
         if isinstance(value, float):
