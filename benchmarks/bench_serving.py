@@ -125,6 +125,13 @@ def child(peer: str, kind: str, n: int, new_tokens: int, device: str = "cuda", m
         torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
     done = [o for o in out.values() if not o.error]
+    if len(done) < n:
+        # A run that lost requests is no measurement: its tokens/s would count only the
+        # requests that finished (paged|eager with CUDA graphs returned 4 of 32 so).
+        errors = [str(o.error) for o in out.values() if o.error]
+        print(f"{n - len(done)} of {n} requests did not finish ({len(out)} results came back); the first "
+              f"request's error: {errors[0] if errors else '(none: missing from the results)'}", file=sys.stderr)
+        sys.exit(1)
     ttft = sorted((o.timestamps[0] - t0) * 1e3 for o in done if o.timestamps)
     res = {"seconds": seconds, "requests": n, "finished": len(done), "tokens": sum(len(o.generated_tokens) for o in done),
            "ttft_ms_median": statistics.median(ttft) if ttft else None,

@@ -65,3 +65,26 @@ def test_a_child_measures_a_paged_path(bench, monkeypatch):
     assert r["finished"] == 5 and r["tokens"] == 15 and r["tokens_per_s"] > 0
     assert r["attn_implementation"] == "paged|eager" and 0 < r["ttft_ms_median"] <= r["ttft_ms_p90"]
     assert r["use_cuda_graph"] == [False, False]  # transformers' choice as made: no CUDA graphs without a GPU
+
+
+def test_a_child_whose_requests_did_not_all_finish_fails_and_names_the_error(bench, monkeypatch, capsys):
+    # paged|eager with CUDA graphs returned 4 of 32 requests on the H200; a tokens/s over the
+    # 4 would have been reported as that path's figure.
+    from transformers.generation.continuous_batching import ContinuousMixin
+    from transformers.generation.continuous_batching.requests import GenerationOutput
+
+    def partial(self, prompts, warmup=False, **kw):
+        out = {"r0": GenerationOutput("r0", generated_tokens=[5, 6, 7], timestamps=[0.0])}
+        if not warmup:
+            out["r1"] = GenerationOutput("r1", error="CUDA out of memory")
+        return out
+
+    monkeypatch.setattr(ContinuousMixin, "generate_batch", partial)
+    tiny = dict(bench.MODELS["llama"], hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, vocab_size=97)
+    monkeypatch.setattr(bench, "LENGTHS", (3, 40))
+    with pytest.raises(SystemExit) as e:
+        bench.child("eager", "llama", 3, 3, device="cpu", model=tiny)
+    assert e.value.code == 1
+    err = capsys.readouterr().err
+    assert "2 of 3 requests did not finish (2 results came back)" in err and "CUDA out of memory" in err
