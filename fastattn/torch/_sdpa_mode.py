@@ -1,30 +1,33 @@
 """The SDPA mode: torch.nn.functional.scaled_dot_product_attention served by fastattn.
 
-`enable_sdpa()` registers CUDA kernels of fastattn's over PyTorch's cuDNN SDPA operators,
-`aten::_scaled_dot_product_cudnn_attention` and its backward, through the dispatcher (the
-op library's C++ kernels, csrc/sdpa.cpp, where fastattn.torch runs on its native path;
-else `_forward` and `_backward` below through `torch.library.Library("aten", "IMPL")`;
-both ask `_route` once per call signature), and puts PyTorch's cuDNN backend first in its
-SDPA priority order. PyTorch's own selection (its checks of dtypes, head dims, masks,
-its `sdpa_kernel` contexts) still decides which backend a call takes; a call it gives
-the cuDNN backend then runs fastattn's plan for it, and any call fastattn cannot take
-exactly runs PyTorch's own cuDNN kernels (`aten::_cudnn_attention_forward` /
-`_backward`, which PyTorch's cuDNN SDPA operators run themselves). Every other call,
-and every call while the mode is off, is PyTorch's.
+`enable_sdpa()` registers kernels of fastattn's through the dispatcher (the op library's
+C++ kernels, csrc/sdpa.cpp, where fastattn.torch runs on its native path; else the Python
+ones below through `torch.library.Library("aten", "IMPL")`) over three of PyTorch's
+operators:
+- `aten::scaled_dot_product_attention` itself, for CUDA and AutogradCUDA (`_composite`):
+  every SDPA call, whatever backend PyTorch would pick. A call fastattn takes (its route,
+  below) runs as a call of PyTorch's cuDNN operator through the dispatcher, so PyTorch's
+  autograd formula and Meta kernel hold for it; a boolean mask becomes the additive bias
+  that operator takes (`_composite_bias`). Any other call runs PyTorch's own composite
+  unchanged: its backend choice, its `sdpa_kernel` contexts, its errors.
+- `aten::_scaled_dot_product_cudnn_attention` and its backward (`_forward`, `_backward`):
+  what the composite's served calls run, and what PyTorch's composite, torch.compile's
+  graphs or a direct caller give the cuDNN operator. A call fastattn cannot take exactly
+  runs PyTorch's own cuDNN kernels (`aten::_cudnn_attention_forward` / `_backward`).
+Each asks `_route` once per call signature; every call while the mode is off is PyTorch's.
 
-Why the dispatcher and these two operators (docs/DECISIONS.md): torch.compile traces
-SDPA down to this operator (its Meta kernel, PyTorch's, gives the shapes) and Inductor
-calls it at run time, so the kernel serves compiled graphs without a graph break, and
-CUDA-graph captures of them; a TorchFunctionMode would be per thread and cost host time
-on every torch call. `torch.nn.attention.register_flash_attention_impl` activates
-kernels for the *flash* backend's operators (one implementation at a time, FA3 or FA4),
-which PyTorch 2.11 does not choose on Hopper where it prefers cuDNN.
+Why the dispatcher (docs/DECISIONS.md): torch.compile traces through these kernels (the
+composite's runs on fake tensors while AOTAutograd traces, and puts the cuDNN operator in
+the graph, whose Meta kernel, PyTorch's, gives the shapes), so compiled graphs and their
+CUDA-graph captures are served without a graph break; a TorchFunctionMode would be per
+thread and cost host time on every torch call.
 
 What fastattn takes: float16 / bfloat16 CUDA tensors of 4 dims, heads_q a multiple of
-heads_kv, any additive attn_bias in the query's dtype or float32 (copied into a contiguous
-bias of cuDNN's broadcast shapes in the query's dtype where it is not one), dropout,
-is_causal (top left), scale. The verdict is kept per call signature (shapes, strides,
-dtypes, options), so the forward and the backward of one call always take the same side.
+heads_kv (enable_gqa), a boolean mask or an additive one in the query's dtype or float32
+(copied into a contiguous bias of cuDNN's broadcast shapes in the query's dtype where it
+is not one), dropout, is_causal (top left), scale. The verdict is kept per call signature
+(shapes, strides, dtypes, options), so the forward and the backward of one call always
+take the same side.
 """
 
 from __future__ import annotations
@@ -41,10 +44,12 @@ from ..errors import InvalidArgumentError, NotSupportedError
 from . import _dense, _native
 from ._plans import DTYPES, capturing
 
+_COMPOSITE = "scaled_dot_product_attention"
 _FORWARD = "_scaled_dot_product_cudnn_attention"
 _BACKWARD = "_scaled_dot_product_cudnn_attention_backward"
 # The arguments the kernels below take, by name and in order, as PyTorch 2.5-2.13 declare
 # them; enable_sdpa() checks the installed torch's schemas against these.
+COMPOSITE_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 FORWARD_ARGS = ("query", "key", "value", "attn_bias", "compute_log_sumexp", "dropout_p", "is_causal",
                 "return_debug_mask", "scale")
 BACKWARD_ARGS = ("grad_out", "query", "key", "value", "out", "logsumexp", "philox_seed", "philox_offset",
@@ -52,7 +57,14 @@ BACKWARD_ARGS = ("grad_out", "query", "key", "value", "out", "logsumexp", "philo
 FALLBACK_FORWARD_ARGS = ("query", "key", "value", "attn_bias", "cum_seq_q", "cum_seq_k", "max_q", "max_k",
                          "compute_log_sumexp", "dropout_p", "is_causal", "return_debug_mask", "scale")
 
-_CUDNN_BACKEND = 3  # torch._C._SDPBackend.CUDNN_ATTENTION's value in PyTorch's priority list
+# Why the composite kernel hands a call to PyTorch's composite before a route is asked:
+# its tensors are not ones a route is kept for, or PyTorch raises its own error for them
+# (the op library's kernel is given these: csrc/sdpa.cpp early()).
+EARLY = ("query, key, value or attn_mask: not a plain strided tensor of static shape on the query's device, "
+         "or query, key, value not of 4 dims",
+         "attn_mask: requires grad, or is neither boolean nor floating, or does not broadcast to (batch, heads, "
+         "seq_q, seq_kv)",
+         "heads: key and value have fewer heads than query and enable_gqa is False (PyTorch's error)")
 
 
 class _Route(NamedTuple):
@@ -70,7 +82,6 @@ class _Route(NamedTuple):
 
 class _State(NamedTuple):
     library: object  # the op library (its C++ kernels), or the torch.library.Library holding the Python ones
-    priority: list   # PyTorch's SDPA priority order before enable_sdpa()
 
 
 _lock = threading.Lock()
@@ -82,29 +93,33 @@ _routes: dict[tuple, _Route | str] = {}
 # mode registered, which counts its own (csrc/sdpa.cpp).
 _calls: dict[str | None, int] = {}
 _calls_lock = threading.Lock()
+# .counted: the composite kernel counted the call the cuDNN operator's kernel runs below
+# it on this thread (csrc/sdpa.cpp t_counted)
+_local = threading.local()
 _native_kernels = None
 _DEBUG = "return_debug_mask: PyTorch's kernels give the dropout mask"
 
 
 def enable_sdpa() -> None:
     """Make torch.nn.functional.scaled_dot_product_attention run on fastattn wherever
-    PyTorch would run its cuDNN backend and fastattn supports the call (CUDA, float16 /
-    bfloat16), in this process and every thread; PyTorch's own kernels run everything
-    else, without an error. Also puts cuDNN first in PyTorch's SDPA priority order
-    (torch._C._set_sdp_priority_order), so that the calls cuDNN can take reach it; a
-    `torch.nn.attention.sdpa_kernel` context still chooses as it does. Works under
-    torch.compile (fullgraph: the kernels are below the traced operator) and CUDA-graph
-    capture (after one call of each shape outside the capture, as fastattn.torch's
-    entry points). Calling it again changes nothing; `disable_sdpa()` undoes it. Also
-    done when fastattn.torch is imported with FASTATTN_SDPA=1 (never otherwise).
+    fastattn supports the call (CUDA, float16 / bfloat16, GQA through enable_gqa, causal,
+    boolean and additive masks, inference and training), whatever backend PyTorch would
+    pick, in this process and every thread; PyTorch's own choice runs everything else,
+    without an error. A boolean mask's rows that keep no key give zeros, as PyTorch's math
+    kernel. Works under torch.compile (fullgraph: the cuDNN operator, not fastattn's
+    Python, is what the graph holds) and CUDA-graph capture (after one call of each shape
+    outside the capture, as fastattn.torch's entry points). Served and passed-on calls,
+    with the reasons, are counted in fastattn.stats()["sdpa"]. Calling it again changes
+    nothing; `disable_sdpa()` undoes it. Also done when fastattn.torch is imported with
+    FASTATTN_SDPA=1 (never otherwise).
 
     The kernels are the op library's C++ ones where fastattn.torch runs on its native
     path, else Python ones (FASTATTN_TORCH_PATH=python, or no op library built); with
     FASTATTN_TORCH_PATH=native and no usable op library, a RuntimeWarning says why and the
     Python ones serve (attention() itself raises then).
 
-    Raises NotSupportedError where the installed torch's cuDNN SDPA operators do not
-    have the arguments these kernels are written for (see FORWARD_ARGS)."""
+    Raises NotSupportedError where the installed torch's SDPA operators do not have the
+    arguments these kernels are written for (see COMPOSITE_ARGS, FORWARD_ARGS)."""
     global _state
     with _lock:
         if _state is not None:
@@ -120,25 +135,35 @@ def enable_sdpa() -> None:
         if native is not None:
             # The op library's kernels (csrc/sdpa.cpp): these below in C++, a new signature's
             # route asked of _route once.
-            native.sdpa_kernels(True, _route)
+            native.sdpa_kernels(True, _route, "CUDA", list(EARLY))
             library = native
             global _native_kernels
             _native_kernels = native
         else:
-            library = torch.library.Library("aten", "IMPL")  # noqa: TOR901 (an override of aten's own kernels)
-            with warnings.catch_warnings():
-                # PyTorch warns that a kernel replaces another for the same key: that is the point.
-                warnings.simplefilter("ignore", UserWarning)
-                library.impl(_FORWARD, _forward, "CUDA")
-                library.impl(_BACKWARD, _backward, "CUDA")
-        priority = list(torch._C._get_sdp_priority_order())
-        torch._C._set_sdp_priority_order([_CUDNN_BACKEND] + [b for b in priority if b != _CUDNN_BACKEND])
-        _state = _State(library, priority)
+            library = python_kernels("CUDA")
+        _state = _State(library)
+
+
+def python_kernels(key: str):
+    """The Python kernels registered for `key` ("CUDA"; "CPU" in tests) and its autograd
+    key: the torch.library.Library holding them (its _destroy() removes them). The
+    composite's kernel goes on both keys: the autograd key's alone would be passed over
+    in inference mode, and the device key's alone would leave the autograd key without a
+    kernel (PyTorch's composite fills it only where the device has none)."""
+    library = torch.library.Library("aten", "IMPL")  # noqa: TOR901 (an override of aten's own kernels)
+    with warnings.catch_warnings():
+        # PyTorch warns that a kernel replaces another for the same key: that is the point.
+        warnings.simplefilter("ignore", UserWarning)
+        library.impl(_FORWARD, _forward, key)
+        library.impl(_BACKWARD, _backward, key)
+        library.impl(_COMPOSITE, _composite, key)
+        library.impl(_COMPOSITE, _composite, "Autograd" + key)
+    return library
 
 
 def disable_sdpa() -> None:
-    """Undo enable_sdpa(): PyTorch's own cuDNN kernels and priority order again. Calling
-    it while the mode is off changes nothing."""
+    """Undo enable_sdpa(): PyTorch's own kernels again. Calling it while the mode is off
+    changes nothing."""
     global _state
     with _lock:
         if _state is None:
@@ -148,7 +173,6 @@ def disable_sdpa() -> None:
             _state.library._destroy()
         else:
             _state.library.sdpa_kernels(False)
-        torch._C._set_sdp_priority_order(_state.priority)
         _state = None
 
 
@@ -164,9 +188,9 @@ def sdpa_routes() -> dict[tuple, str]:
 
 
 def sdpa_calls() -> dict:
-    """The mode's calls so far, one per SDPA call PyTorch gave its cuDNN backend while the
-    mode was on: {"served": calls fastattn ran, "passed_on": {reason: calls PyTorch's
-    kernels ran}} (fastattn.stats()["sdpa"])."""
+    """The mode's calls so far, one per SDPA call while the mode was on (and per direct
+    call of PyTorch's cuDNN operator): {"served": calls fastattn ran, "passed_on":
+    {reason: calls PyTorch's kernels ran}} (fastattn.stats()["sdpa"])."""
     with _calls_lock:
         served = _calls.get(None, 0)
         passed = {reason: n for reason, n in _calls.items() if reason is not None}
@@ -195,7 +219,7 @@ runtime.register_stats("sdpa", sdpa_calls, _zero_calls)
 
 
 def _check_schemas() -> None:
-    for name, expected in ((_FORWARD, FORWARD_ARGS), (_BACKWARD, BACKWARD_ARGS),
+    for name, expected in ((_COMPOSITE, COMPOSITE_ARGS), (_FORWARD, FORWARD_ARGS), (_BACKWARD, BACKWARD_ARGS),
                            ("_cudnn_attention_forward", FALLBACK_FORWARD_ARGS),
                            ("_cudnn_attention_backward", BACKWARD_ARGS)):  # its stack is the backward's
         try:
@@ -402,12 +426,15 @@ def _forward(query, key, value, attn_bias, compute_log_sumexp, dropout_p=0.0, is
     lengths, Philox's seed and offset as 0-d int64 tensors; cum_seq and the debug mask
     undefined, as PyTorch's Meta kernel returns them)."""
     route = _route(query, key, value, attn_bias, dropout_p, is_causal, scale, compute_log_sumexp)
+    counted = getattr(_local, "counted", False)  # (the composite's call, counted there)
     if not isinstance(route, _Route) or return_debug_mask:
-        _count(_DEBUG if isinstance(route, _Route) else route)
+        if not counted:
+            _count(_DEBUG if isinstance(route, _Route) else route)
         return torch.ops.aten._cudnn_attention_forward(
             query, key, value, attn_bias, None, None, query.shape[2], key.shape[2], compute_log_sumexp, dropout_p,
             is_causal, return_debug_mask, scale=scale)
-    _count(None)
+    if not counted:
+        _count(None)
     layout, options, out_stride, lse_shape = route[:4]
     q, k, v = _views(layout, query, key, value)
     bias = _bias(attn_bias, query, key, compute_log_sumexp)
@@ -446,3 +473,76 @@ def _backward(grad_out, query, key, value, out, logsumexp, philox_seed, philox_o
                                                None, rng, options)
     return tuple(_matched(_to_bhsd(layout, g), stride) for g, stride in zip((d_q, d_k, d_v), route.grad_strides))
 
+
+
+# -- the composite ----------------------------------------------------------------------------
+
+def _plain(t: torch.Tensor, device) -> bool:
+    return (t.layout == torch.strided and not t.is_nested and t.device == device
+            and all(isinstance(n, int) for n in (*t.shape, *t.stride())))
+
+
+def _early(q, k, v, attn_mask, enable_gqa) -> str | None:
+    """Which of EARLY hands this call on before a route is asked, or None where the route
+    decides."""
+    if not all(_plain(t, q.device) for t in (q, k, v)) or not q.dim() == k.dim() == v.dim() == 4 or (
+            attn_mask is not None and not _plain(attn_mask, q.device)):
+        return EARLY[0]
+    if attn_mask is not None:
+        m = attn_mask
+        if ((m.requires_grad and torch.is_grad_enabled()) or m.dim() > 4
+                or not (m.dtype == torch.bool or m.dtype.is_floating_point)):
+            return EARLY[1]
+        out = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+        if any(m.shape[-d] not in (1, out[4 - d]) for d in range(1, m.dim() + 1)):
+            return EARLY[1]
+    return EARLY[2] if not enable_gqa and k.shape[1] != q.shape[1] else None
+
+
+def _composite_bias(attn_mask, q) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """attn_mask as the cuDNN operator's attn_bias, and `empty`: a view of 4 dims; a
+    boolean mask as SDPA reads one (0 where True, -inf where False), except that a row
+    keeping no key is 0 throughout, an ordinary row for the kernel, and empty (True on
+    such rows, else None) sets its output to zeros after, as PyTorch's math kernel gives
+    it (fastattn.torch.scaled_dot_product_attention's rule, _sdpa._as_bias)."""
+    if attn_mask is None:
+        return None, None
+    m = attn_mask
+    while m.dim() < 4:
+        m = m.unsqueeze(0)
+    if m.dtype != torch.bool:
+        return m, None
+    empty = m.any(-1, keepdim=True).logical_not_()
+    # (a 0-d CPU tensor beside a CUDA condition: no copy to the GPU, and the query's dtype)
+    return torch.where(m.logical_or(empty), torch.zeros((), dtype=q.dtype), float("-inf")), empty
+
+
+def _composite(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None, enable_gqa=False):
+    """aten::scaled_dot_product_attention, every backend's entry (registered for the
+    device's key and its autograd key): a call fastattn takes runs as the cuDNN
+    operator's call through the dispatcher (PyTorch's autograd formula for it; the
+    kernels above), any other as PyTorch's own composite (its backend choice, its
+    errors)."""
+    reason = _early(query, key, value, attn_mask, enable_gqa)
+    if reason is None:
+        # PyTorch's composite asks its kernels for the logsumexp only where autograd needs it.
+        lse = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
+        bias, empty = _composite_bias(attn_mask, query)
+        route = _route(query, key, value, bias, dropout_p, is_causal, scale, lse)
+        if isinstance(route, _Route):
+            _count(None)
+            _local.counted = True
+            try:
+                o = torch.ops.aten._scaled_dot_product_cudnn_attention(query, key, value, bias, lse, dropout_p,
+                                                                       is_causal, False, scale=scale)[0]
+            finally:
+                _local.counted = False
+            return o if empty is None else o.masked_fill(empty, 0.0)
+        reason = route
+    _count(reason)
+    _local.counted = True
+    try:
+        return torch.ops.aten.scaled_dot_product_attention.default.decompose(
+            query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+    finally:
+        _local.counted = False

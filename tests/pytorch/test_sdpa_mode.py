@@ -257,8 +257,8 @@ def test_enable_and_disable_register_undo_and_repeat_safely():
     try:
         fastattn.torch.enable_sdpa()  # a second call changes nothing
         assert fastattn.torch.sdpa_enabled()
-        assert torch._C._get_sdp_priority_order()[0] == 3  # cuDNN first
-        assert sorted(torch._C._get_sdp_priority_order()) == sorted(before)
+        # PyTorch's own choice for the calls fastattn does not take: its order as it was
+        assert list(torch._C._get_sdp_priority_order()) == before
         q = torch.randn(1, 2, 4, 8)
         torch.testing.assert_close(torch.nn.functional.scaled_dot_product_attention(q, q, q),
                                    torch.ops.aten._scaled_dot_product_attention_math(q, q, q)[0])  # CPU: PyTorch's
@@ -268,21 +268,31 @@ def test_enable_and_disable_register_undo_and_repeat_safely():
     assert not fastattn.torch.sdpa_enabled() and list(torch._C._get_sdp_priority_order()) == before
 
 
-def _cuda_kernels(name):
-    return [line for line in torch._C._dispatch_dump(f"aten::{name}").splitlines() if line.startswith("CUDA")]
+def _cuda_kernels(name, key="CUDA"):
+    return [line for line in torch._C._dispatch_dump(f"aten::{name}").splitlines() if line.startswith(key + ":")]
+
+
+# Each operator the mode takes over, with the keys it registers for: the composite's for the
+# autograd key too (its kernel there alone would be passed over in inference mode).
+_KEYS = {_sdpa_mode._COMPOSITE: ("CUDA", "AutogradCUDA"), _sdpa_mode._FORWARD: ("CUDA",),
+         _sdpa_mode._BACKWARD: ("CUDA",)}
+
+
+def _registered():
+    return {(name, key): _cuda_kernels(name, key) for name, keys in _KEYS.items() for key in keys}
 
 
 def test_on_the_native_path_the_mode_registers_the_op_librarys_kernels_and_removes_them(lib):
-    before = {name: _cuda_kernels(name) for name in (_sdpa_mode._FORWARD, _sdpa_mode._BACKWARD)}
+    before = _registered()
     assert all("sdpa.cpp" not in str(k) for k in before.values())
     fastattn.torch.enable_sdpa()
     try:
         assert _sdpa_mode._state.library is lib
-        for name in before:
-            assert len(_cuda_kernels(name)) == 1 and "fastattn/torch/csrc/sdpa.cpp" in _cuda_kernels(name)[0]
+        for where, kernels in _registered().items():
+            assert len(kernels) == 1 and "fastattn/torch/csrc/sdpa.cpp" in kernels[0], where
     finally:
         fastattn.torch.disable_sdpa()
-    assert {name: _cuda_kernels(name) for name in before} == before  # PyTorch's own again (none on a CPU torch)
+    assert _registered() == before  # PyTorch's own again (none on a CPU torch)
     fastattn.torch.enable_sdpa()  # and again
     fastattn.torch.disable_sdpa()
 
@@ -291,12 +301,15 @@ def test_on_the_python_path_the_mode_registers_python_kernels(lib, monkeypatch):
     from fastattn.torch import _native
 
     _native.python_path(monkeypatch)
+    before = _registered()
     fastattn.torch.enable_sdpa()
     try:
         assert isinstance(_sdpa_mode._state.library, torch.library.Library)
-        assert all("sdpa.cpp" not in line for line in _cuda_kernels(_sdpa_mode._FORWARD))
+        for where, kernels in _registered().items():
+            assert len(kernels) == 1 and "sdpa.cpp" not in kernels[0] and "registered at" in kernels[0], where
     finally:
         fastattn.torch.disable_sdpa()
+    assert _registered() == before
 
 
 @pytest.mark.parametrize("layout", ["bshd", "bhsd"])
@@ -330,7 +343,7 @@ def test_the_op_librarys_kernels_hand_a_refused_call_to_pytorchs_own_operators(l
     # says the hand-over arrived (a null operator handle crashed here before review).
     assert not fastattn.torch.sdpa_enabled()
     lib.clear()
-    lib.sdpa_kernels(True, _sdpa_mode._route, "CPU")
+    lib.sdpa_kernels(True, _sdpa_mode._route, "CPU", list(_sdpa_mode.EARLY))
     try:
         q = torch.randn(1, 2, 8, 16)
         with pytest.raises(NotImplementedError, match=r"aten::_cudnn_attention_forward' with arguments from the 'CPU'"):
@@ -485,3 +498,166 @@ def test_an_inference_call_returns_the_logsumexp_pytorchs_meta_kernel_gives(mode
                   None, training, 0.0, False, False)
         assert out.shape == meta[0].shape and out.stride() == meta[0].stride()
         assert lse.shape == meta[1].shape and lse.dtype == torch.float32 and lse.is_contiguous()
+
+
+# -- the composite: aten::scaled_dot_product_attention whatever backend PyTorch would pick ----
+
+SDPA = torch.nn.functional.scaled_dot_product_attention
+
+
+@pytest.fixture
+def composite(model, monkeypatch):
+    """The Python composite kernel on the CPU and AutogradCPU keys (the mode registers it for
+    CUDA), beside `model`'s cuDNN-operator kernels; counts from zero."""
+    monkeypatch.setattr(_sdpa_mode, "_calls", {})
+    monkeypatch.setattr(_sdpa_mode, "_native_kernels", None)
+    lib = torch.library.Library("aten", "IMPL")
+    lib.impl(_sdpa_mode._COMPOSITE, _sdpa_mode._composite, "CPU")
+    lib.impl(_sdpa_mode._COMPOSITE, _sdpa_mode._composite, "AutogradCPU")
+    yield model
+    lib._destroy()
+
+
+def _masks(b, h, sq, skv):
+    """The masks models pass, by name: (mask, its float64 form for the reference)."""
+    g = torch.Generator().manual_seed(7)
+    keep = torch.rand(b, 1, sq, skv, generator=g) > 0.3
+    keep[0, 0, 1] = False  # a row that keeps no key: zeros, as PyTorch's math kernel
+    additive = torch.randn(h, sq, skv, generator=g).bfloat16()
+    return {
+        "none": None,
+        "bool (b, 1, sq, skv) with a row keeping no key": keep,
+        "additive 3-d (h, sq, skv)": additive,
+        "float32 2-d (sq, skv)": torch.randn(sq, skv, generator=g) * 3,
+        "bool expanded along the keys": (torch.rand(b, 1, sq, 1, generator=g) > 0.2).expand(b, 1, sq, skv),
+    }
+
+
+def _mask64(mask):
+    """The reference's mask: a float mask as the kernel reads it (rounded to the queries'
+    bfloat16: what the mode promises for a float32 one), in float64."""
+    return mask if mask is None or mask.dtype == torch.bool else mask.bfloat16().double()
+
+
+@pytest.mark.parametrize("mask_name", list(_masks(2, 4, 5, 7)))
+@pytest.mark.parametrize("gqa", [False, True])
+def test_every_sdpa_call_fastattn_takes_is_served_with_gradients(composite, mask_name, gqa):
+    q, k, v = _qkv(2, 4, 2 if gqa else 4, 5, 7, 16, "bshd")
+    mask = _masks(2, 4, 5, 7)[mask_name]
+    out = SDPA(q, k, v, attn_mask=mask, enable_gqa=gqa)
+    assert _sdpa_mode.sdpa_calls() == {"served": 1, "passed_on": {}}
+    assert [c[0] for c in composite.calls] == ["plan", "forward"]
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref = SDPA(q64, k64, v64, attn_mask=_mask64(mask), enable_gqa=gqa)
+    # the reference itself (float64) is PyTorch's, counted as passed on with the dtype's reason
+    assert [r for r in _sdpa_mode.sdpa_calls()["passed_on"]] == ["dtype torch.float64: fastattn takes float16 "
+                                                                  "and bfloat16"]
+    torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=2e-2)
+    g = torch.randn_like(ref)
+    (out.double() * g).sum().backward()
+    (ref * g).sum().backward()
+    for ours, theirs in zip((q, k, v), (q64, k64, v64)):
+        torch.testing.assert_close(ours.grad.double(), theirs.grad, atol=3e-2, rtol=3e-2)
+    assert [c[0] for c in composite.calls] == ["plan", "forward", "backward"]
+    if mask is not None and mask.dtype == torch.bool:  # the rows that keep no key: zeros, and no gradient
+        empty = ~mask.expand(2, 4, 5, 7).any(-1)
+        assert empty.any()  # (both boolean masks have such rows)
+        assert (out[empty] == 0).all() and (q.grad[empty] == 0).all()  # (b, h, s, d) views
+
+
+def test_in_inference_mode_the_device_keys_kernel_serves(composite):
+    q, k, v = (t.detach() for t in _qkv(1, 4, 2, 3, 6, 16))
+    with torch.inference_mode():
+        out = SDPA(q, k, v, is_causal=True, enable_gqa=True)
+    assert _sdpa_mode.sdpa_calls()["served"] == 1 and composite.calls[-1] == ("forward", "bshd", True)
+    options = composite.calls[0][1]
+    assert options.causal and not options.training  # no logsumexp asked where nothing needs a gradient
+    ref = SDPA(q.double(), k.double(), v.double(), is_causal=True, enable_gqa=True)
+    torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=2e-2)
+
+
+def test_calls_fastattn_does_not_take_run_pytorchs_composite_with_its_answers_and_errors(composite):
+    early = _sdpa_mode.EARLY
+    q, k, v = (t.detach() for t in _qkv(1, 4, 2, 3, 6, 16, "bhsd"))
+    # float32: the route's reason; PyTorch's answer
+    f = [t.float() for t in (q, k, v)]
+    torch.testing.assert_close(SDPA(*f, enable_gqa=True),
+                               torch.ops.aten._scaled_dot_product_attention_math(*f, enable_gqa=True)[0])
+    # 3 dims: not a shape a route is kept for
+    q3 = q.flatten(0, 1)
+    torch.testing.assert_close(SDPA(q3, q3, q3), torch.ops.aten._scaled_dot_product_attention_math(q3, q3, q3)[0])
+    # a mask with a gradient of its own: PyTorch's, the gradient reaches it
+    m = torch.zeros(3, 6, dtype=torch.bfloat16, requires_grad=True)
+    SDPA(q, k, v, attn_mask=m, enable_gqa=True).float().sum().backward()
+    assert m.grad is not None and m.grad.shape == (3, 6)
+    # PyTorch's own errors, unchanged: fewer key heads without enable_gqa; an integer mask
+    with pytest.raises(RuntimeError):
+        SDPA(q, k, v)
+    with pytest.raises(RuntimeError):
+        SDPA(q, k, v, attn_mask=torch.zeros(3, 6, dtype=torch.int32), enable_gqa=True)
+    with pytest.raises(RuntimeError):
+        SDPA(q, k, v, attn_mask=torch.zeros(3, 5, dtype=torch.bool), enable_gqa=True)  # does not broadcast
+    calls = _sdpa_mode.sdpa_calls()
+    assert calls["served"] == 0 and composite.calls == []
+    assert calls["passed_on"] == {"dtype torch.float32: fastattn takes float16 and bfloat16": 1, early[0]: 1,
+                                  early[1]: 3, early[2]: 1}
+
+
+def test_compiled_with_fullgraph_sdpa_is_served(composite):
+    q, k, v = _qkv(2, 4, 2, 6, 6, 16, "bshd")
+    keep = torch.ones(2, 1, 6, 6, dtype=torch.bool).tril()
+
+    def f(q, k, v, keep):
+        return SDPA(q, k, v, attn_mask=keep, enable_gqa=True)
+
+    out = torch.compile(f, backend="aot_eager", fullgraph=True)(q, k, v, keep)
+    out.float().sum().backward()
+    assert "forward" in [c[0] for c in composite.calls] and "backward" in [c[0] for c in composite.calls]
+    ref, leaves = _sdpa_reference(q, k, v, causal=True)
+    ref.sum().backward()
+    torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(q.grad.double(), leaves[0].grad, atol=3e-2, rtol=3e-2)
+
+
+def test_the_op_librarys_composite_serves_and_hands_on_the_same_calls(lib, model, monkeypatch):
+    # The C++ composite (csrc/sdpa.cpp) on the CPU keys; the cuDNN operator's CPU kernels then
+    # replaced by the Python ones over `model` (the C++ ones run cuDNN, which the CPU has not).
+    import warnings
+
+    lib.clear()
+    monkeypatch.setattr(_sdpa_mode, "_calls", {})
+    with pytest.raises(RuntimeError, match="3 early reasons, got 1"):
+        lib.sdpa_kernels(True, _sdpa_mode._route, "CPU", ["one"])
+    lib.sdpa_kernels(True, _sdpa_mode._route, "CPU", list(_sdpa_mode.EARLY))
+    python = torch.library.Library("aten", "IMPL")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        python.impl(_sdpa_mode._FORWARD, _sdpa_mode._forward, "CPU")
+        python.impl(_sdpa_mode._BACKWARD, _sdpa_mode._backward, "CPU")
+    try:
+        for name, mask in _masks(2, 4, 5, 7).items():
+            for gqa in (False, True):
+                q, k, v = _qkv(2, 4, 2 if gqa else 4, 5, 7, 16, "bshd")
+                out = SDPA(q, k, v, attn_mask=mask, enable_gqa=gqa)
+                ref = SDPA(*(t.detach().double() for t in (q, k, v)), attn_mask=_mask64(mask), enable_gqa=gqa)
+                torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=2e-2, msg=name)
+                out.float().sum().backward()
+                assert q.grad is not None and torch.isfinite(q.grad.float()).all(), name
+        q, k, v = (t.detach() for t in _qkv(1, 4, 2, 3, 6, 16, "bhsd"))
+        with pytest.raises(RuntimeError):
+            SDPA(q, k, v)  # fewer key heads without enable_gqa: PyTorch's error
+        q3 = q.flatten(0, 1)
+        torch.testing.assert_close(SDPA(q3, q3, q3), torch.ops.aten._scaled_dot_product_attention_math(q3, q3, q3)[0])
+        counted: dict = {}
+        for served, reason, n in lib.sdpa_calls():
+            if n:
+                counted[None if served else reason] = counted.get(None if served else reason, 0) + n
+        f64 = "dtype torch.float64: fastattn takes float16 and bfloat16"
+        served = 2 * len(_masks(2, 4, 5, 7))
+        assert counted == {None: served, f64: served, _sdpa_mode.EARLY[0]: 1, _sdpa_mode.EARLY[2]: 1}, counted
+        # The Python kernels below counted their calls too (the C++ composite does not tell them it did).
+        assert _sdpa_mode._calls == {None: served}
+    finally:
+        python._destroy()
+        lib.sdpa_kernels(False)
+        lib.clear()

@@ -197,3 +197,71 @@ def test_a_float32_mask_beside_bfloat16_queries_is_served_and_finite(mode):
     for got, r in zip((out, *grads), (ref, *want)):
         assert torch.isfinite(got).all()
         torch.testing.assert_close(got.double(), r, atol=TOL * r.abs().max().item(), rtol=TOL)
+
+
+def _math64(q, k, v, mask, causal, gqa):
+    """PyTorch's math kernel in float64 (a boolean mask's rows that keep no key: zeros)."""
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    m = mask if mask is None or mask.dtype == torch.bool else mask.double()
+    return torch.ops.aten._scaled_dot_product_attention_math(*leaves, attn_mask=m, is_causal=causal,
+                                                             enable_gqa=gqa)[0], leaves
+
+
+_B = torch.nn.attention.SDPBackend
+
+
+def _case(name):
+    """(mask, is_causal, enable_gqa, the backends PyTorch may pick) of each call PyTorch 2.11
+    gives a backend other than cuDNN on the H200 (benchmarks/probe_sdpa_gates.py), or that a
+    user restricts to one."""
+    g = torch.Generator(device=DEV).manual_seed(3)
+    keep = torch.rand(2, 1, 96, 96, device=DEV, generator=g) > 0.2
+    keep[1, 0, 5] = False  # a row that keeps no key
+    return {
+        "3-d additive mask": (torch.randn(8, 96, 96, device=DEV, dtype=torch.bfloat16, generator=g), False, False,
+                              None),
+        "boolean mask expanded along the keys, GQA": (
+            (torch.rand(2, 1, 96, 1, device=DEV, generator=g) > 0.1).expand(2, 1, 96, 96), False, True, None),
+        "boolean mask with a row keeping no key, GQA": (keep, False, True, None),
+        "causal GQA in a flash-only context": (None, True, True, [_B.FLASH_ATTENTION]),
+        "boolean mask in a math-only context": (keep, False, False, [_B.MATH]),
+    }[name]
+
+
+@pytest.mark.parametrize("name", ["3-d additive mask", "boolean mask expanded along the keys, GQA",
+                                  "boolean mask with a row keeping no key, GQA", "causal GQA in a flash-only context",
+                                  "boolean mask in a math-only context"])
+def test_calls_pytorch_gives_other_backends_are_served_too(mode, name):
+    mask, causal, gqa, backends = _case(name)
+    torch.manual_seed(0)
+    q = torch.randn(2, 8, 96, 64, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(2, 2 if gqa else 8, 96, 64, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+            for _ in range(2))
+    before = fastattn.stats()["sdpa"]
+    if backends is None:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa)
+    else:
+        with torch.nn.attention.sdpa_kernel(backends):
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa)
+    g = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), g)
+    after = fastattn.stats()["sdpa"]
+    assert after["served"] == before["served"] + 1 and after["passed_on"] == before["passed_on"], after
+    ref, leaves = _math64(q, k, v, mask, causal, gqa)
+    want = torch.autograd.grad(ref, leaves, g.double())
+    for got, r in zip((out, *grads), (ref, *want)):
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got.double(), r, atol=TOL * r.abs().max().item(), rtol=TOL)
+    if mask is not None and mask.dtype == torch.bool:
+        assert (out[~mask.expand(2, 8, 96, 96).any(-1)] == 0).all()  # rows that keep no key: zeros
+
+
+def test_in_inference_mode_calls_are_served(mode):
+    q = torch.randn(2, 8, 1, 64, device=DEV, dtype=torch.bfloat16)
+    k, v = (torch.randn(2, 2, 200, 64, device=DEV, dtype=torch.bfloat16) for _ in range(2))
+    before = fastattn.stats()["sdpa"]["served"]
+    with torch.inference_mode():
+        out = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)  # a decode step
+    assert fastattn.stats()["sdpa"]["served"] == before + 1
+    ref = _math64(q, k, v, None, False, True)[0]
+    torch.testing.assert_close(out.double(), ref, atol=TOL * ref.abs().max().item(), rtol=TOL)

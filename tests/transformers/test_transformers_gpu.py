@@ -189,3 +189,39 @@ def test_continuous_batching_on_paged_fastattn_gives_each_prompts_greedy_tokens(
             assert gap < TIE, f"prompt {row} differs at new token {differ[0]}, where the top two are {gap:.4f} apart"
     del ours
     torch.cuda.empty_cache()
+
+
+@pytest.mark.parametrize("kind", ["llama-d64", "qwen2", "gemma3"])
+def test_the_sdpa_mode_serves_every_attention_call_of_an_sdpa_model(kind):
+    # Issue 40: with enable_sdpa(), transformers' "sdpa" path (GQA through enable_gqa, boolean
+    # masks of a left-padded batch, sliding windows) runs on fastattn, every call.
+    import fastattn
+    import fastattn.torch
+
+    ours = _model(kind, "sdpa", torch.bfloat16)
+    ref = _model(kind, "eager", torch.float32)
+    ref.load_state_dict(ours.state_dict())
+    ids, mask = _batch([20, 9, 31, 14], 31)
+    kw = dict(max_new_tokens=16, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        off = ours(ids, attention_mask=mask).logits
+    fastattn.torch.enable_sdpa()
+    try:
+        before = fastattn.stats()["sdpa"]
+        with torch.no_grad():
+            on = ours(ids, attention_mask=mask).logits
+        a = ours.generate(ids, attention_mask=mask, **kw)
+        after = fastattn.stats()["sdpa"]
+    finally:
+        fastattn.torch.disable_sdpa()
+    layers = ours.config.num_hidden_layers
+    assert after["passed_on"] == before["passed_on"], after["passed_on"]
+    assert after["served"] - before["served"] == layers * (1 + 16), after  # the forward, the prefill, 15 decode steps
+    _close(on[mask.bool()], off[mask.bool()], 3e-2)
+    b = ref.generate(ids, attention_mask=mask, output_scores=True, return_dict_in_generate=True, **kw)
+    for row in range(a.shape[0]):
+        differ = (a[row, ids.shape[1]:] != b.sequences[row, ids.shape[1]:]).nonzero()
+        if len(differ):
+            step = int(differ[0])
+            top = b.scores[step][row].float().topk(2).values
+            assert float(top[0] - top[1]) < TIE, (row, step)

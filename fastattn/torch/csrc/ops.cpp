@@ -161,13 +161,13 @@ void clear() {
 
 // The SDPA mode's kernels on (with the route function they ask for a new signature's
 // route) or off; for CUDA, or the CPU (tests: the kernels' fallback, on CPU tensors).
-void sdpa_kernels(bool on, py::object route, const std::string &key) {
+void sdpa_kernels(bool on, py::object route, const std::string &key, const std::vector<std::string> &early) {
     TORCH_CHECK_VALUE(key == "CUDA" || key == "CPU", "fastattn: sdpa_kernels(key='", key, "'): 'CUDA' or 'CPU'");
     if (on) {
         if (g_sdpa_route != nullptr) Py_DECREF(g_sdpa_route);
         g_sdpa_route = route.inc_ref().ptr();
     }
-    set_sdpa_kernels(on, key == "CUDA" ? c10::DispatchKey::CUDA : c10::DispatchKey::CPU);
+    set_sdpa_kernels(on, key == "CUDA" ? c10::DispatchKey::CUDA : c10::DispatchKey::CPU, early);
 }
 
 }  // namespace
@@ -236,9 +236,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("clear", &clear, "forget every plan and release the kept workspaces (only while no op runs)");
     m.def("kept_workspace_bytes", &kept_workspace_bytes, "bytes of workspace kept per thread and stream for reuse");
     m.def("sdpa_kernels", &sdpa_kernels, py::arg("on"), py::arg("route") = py::none(), py::arg("key") = "CUDA",
-          "sdpa_kernels(on, route, key='CUDA'): the SDPA mode's C++ kernels over "
-          "aten::_scaled_dot_product_cudnn_attention and its backward registered (route: "
-          "fastattn.torch._sdpa_mode._route) or removed; key 'CPU' for tests");
+          py::arg("early") = std::vector<std::string>{},
+          "sdpa_kernels(on, route, key='CUDA', early=()): the SDPA mode's C++ kernels over "
+          "aten::scaled_dot_product_attention, aten::_scaled_dot_product_cudnn_attention and its backward "
+          "registered (route: fastattn.torch._sdpa_mode._route; early: _sdpa_mode.EARLY) or removed; key 'CPU' "
+          "for tests");
     m.def("sdpa_route_count", &sdpa_route_count, "call signatures the SDPA mode's C++ kernels have a route for");
     m.def("sdpa_calls", &sdpa_calls,
           "the SDPA mode's C++ forward calls so far: [(served, reason where not, calls)], by route");

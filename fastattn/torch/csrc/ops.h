@@ -268,9 +268,11 @@ SdpaRoute miss_sdpa(const Tensor &q, const Tensor &k, const Tensor &v, const Opt
 const SdpaRoute &sdpa_route(const Tensor &q, const Tensor &k, const Tensor &v, const OptTensor &bias,
                             double dropout_p, bool is_causal, const std::optional<double> &scale, bool training);
 
-// Registers the mode's two kernels over PyTorch's for `key` (CUDA; the CPU for tests of
-// their fallback) (on) or removes them, PyTorch's serving again (off).
-void set_sdpa_kernels(bool on, c10::DispatchKey key);
+// Registers the mode's kernels over PyTorch's for `key` (CUDA; the CPU for tests of
+// their fallback): the cuDNN operator's two, and the composite's for the key and its
+// autograd key (on; early_reasons: _sdpa_mode.EARLY), or removes them, PyTorch's serving
+// again (off).
+void set_sdpa_kernels(bool on, c10::DispatchKey key, const std::vector<std::string> &early_reasons = {});
 size_t sdpa_route_count();
 void clear_sdpa_routes();  // only while no op runs
 

@@ -1,6 +1,7 @@
 // The SDPA mode's kernels (fastattn/torch/_sdpa_mode.py says what the mode is and why these
-// two operators): CUDA kernels over aten::_scaled_dot_product_cudnn_attention and its
-// backward, registered while the mode is on. With the Python kernels they replace, the
+// operators): CUDA kernels over aten::_scaled_dot_product_cudnn_attention and its backward,
+// and over aten::scaled_dot_product_attention itself (CUDA and AutogradCUDA: the composite,
+// which gives the cuDNN operator every call fastattn takes), registered while the mode is on. With the Python kernels they replace, the
 // mode's call cost more host time than PyTorch's own cuDNN kernels (docs/BENCHMARKS.md,
 // "The SDPA mode"): the dispatcher's call into Python, a signature tuple, the Python
 // path's forward. Here a
@@ -15,15 +16,20 @@
 // aten::_cudnn_attention_forward / _backward, which its cuDNN SDPA operators run.
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/grad_mode.h>
 #include <ATen/core/stack.h>
 #include <ATen/ops/randint.h>
+#include <ATen/ops/scalar_tensor.h>
+#include <ATen/ops/scaled_dot_product_attention_native.h>
 #include <ATen/ops/stack.h>
+#include <ATen/ops/where.h>
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
 #include <atomic>
+#include <limits>
 #include <memory>
 #include <mutex>
 #include <shared_mutex>
@@ -58,6 +64,31 @@ std::atomic<uint64_t> g_unkept_calls{0};  // a refusal inside a capture: its rou
 std::atomic<uint64_t> g_debug_calls{0};   // return_debug_mask: PyTorch's kernels give the mask
 constexpr const char *kUnkept = "refused inside a CUDA-graph capture (a plan not loaded before it)";
 constexpr const char *kDebug = "return_debug_mask: PyTorch's kernels give the dropout mask";
+
+// A forward call the composite kernel (below) counted itself, served or handed to
+// PyTorch's composite: the cuDNN operator's kernel under it on this thread does not
+// count it again.
+thread_local bool t_counted = false;
+
+struct Counted {  // t_counted for one call below, then as it was
+    const bool before = t_counted;
+    Counted() { t_counted = true; }
+    ~Counted() { t_counted = before; }
+};
+
+void count_call(const SdpaRoute &r) {
+    if (r.calls != nullptr) {
+        r.calls->fetch_add(1, std::memory_order_relaxed);
+    } else {
+        g_unkept_calls.fetch_add(1, std::memory_order_relaxed);
+    }
+}
+
+// The composite's calls handed on before a route is asked, by reason (_sdpa_mode.EARLY,
+// given with the kernels).
+constexpr size_t kEarly = 3;
+std::array<std::string, kEarly> g_early_reasons;
+std::array<std::atomic<uint64_t>, kEarly> g_early_calls{};
 
 bool capturing(const Tensor &q) {
     const c10::Stream stream = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getStream(q.device());
@@ -179,12 +210,12 @@ void forward(const c10::OperatorHandle &, Stack *stack) {
     // replaces one): the route's capture check and Python's read the same device.
     const c10::DeviceGuard device(q.device());
     const SdpaRoute &r = sdpa_route(q, k, v, bias, dropout_p, is_causal, scale, lse);
-    if (r.ours && debug) {
+    if (t_counted) {
+        // (the composite's call, counted there)
+    } else if (r.ours && debug) {
         g_debug_calls.fetch_add(1, std::memory_order_relaxed);
-    } else if (r.calls != nullptr) {
-        r.calls->fetch_add(1, std::memory_order_relaxed);
     } else {
-        g_unkept_calls.fetch_add(1, std::memory_order_relaxed);
+        count_call(r);
     }
     if (!r.ours || debug) {
         // aten::_cudnn_attention_forward: the same arguments, with no cumulative lengths
@@ -247,17 +278,110 @@ void backward(const c10::OperatorHandle &, Stack *stack) {
                      matched(to_bhsd(layout, std::get<2>(grads)), r.grad_strides[2]));
 }
 
+// ---- the composite: aten::scaled_dot_product_attention -----------------------------------------
+
+constexpr size_t kCompositeArgs = 8;  // _sdpa_mode.COMPOSITE_ARGS
+
+// Which of g_early_reasons hands this call on before a route is asked, or -1 where the
+// route decides (_sdpa_mode._early).
+int early(const Tensor &q, const Tensor &k, const Tensor &v, const OptTensor &mask, bool enable_gqa) {
+    // A route is kept for the shapes and strides of plain tensors (and a trace with
+    // symbolic shapes has none to read).
+    const auto plain = [&q](const Tensor &t) {
+        return t.layout() == c10::kStrided && !t.is_nested() && t.device() == q.device() &&
+               !t.unsafeGetTensorImpl()->has_symbolic_sizes_strides();
+    };
+    if (!plain(q) || !plain(k) || !plain(v) || q.dim() != 4 || k.dim() != 4 || v.dim() != 4 ||
+        (given(mask) && !plain(*mask))) {
+        return 0;
+    }
+    if (given(mask)) {
+        const Tensor &m = *mask;
+        if ((m.requires_grad() && at::GradMode::is_enabled()) || m.dim() > 4 ||
+            (m.scalar_type() != at::kBool && !at::isFloatingType(m.scalar_type()))) {
+            return 1;
+        }
+        const std::array<int64_t, 4> out = {q.size(0), q.size(1), q.size(2), k.size(2)};
+        for (int64_t d = 1; d <= m.dim(); ++d) {
+            if (m.size(-d) != 1 && m.size(-d) != out[4 - d]) return 1;
+        }
+    }
+    return !enable_gqa && k.size(1) != q.size(1) ? 2 : -1;
+}
+
+// attn_mask as the cuDNN operator's attn_bias: a view of 4 dims; a boolean mask as SDPA
+// reads one (0 where True, -inf where False), except that a row keeping no key is 0
+// throughout, an ordinary row for the kernel, and `empty` (True on such rows) sets its
+// output to zeros after, as PyTorch's math kernel gives it (_sdpa_mode._composite_bias;
+// fastattn.torch.scaled_dot_product_attention's rule, _sdpa._as_bias).
+OptTensor composite_bias(const OptTensor &mask, const Tensor &q, Tensor &empty) {
+    if (!given(mask)) return std::nullopt;
+    Tensor m = *mask;
+    while (m.dim() < 4) m = m.unsqueeze(0);
+    if (m.scalar_type() != at::kBool) return m;
+    empty = m.any(-1, /*keepdim=*/true).logical_not_();
+    // (a 0-d CPU tensor beside a CUDA condition: no copy to the GPU, and the query's dtype)
+    return at::where(m.logical_or(empty), at::scalar_tensor(0.0, at::TensorOptions().dtype(q.scalar_type())),
+                     -std::numeric_limits<double>::infinity());
+}
+
+// aten::scaled_dot_product_attention, every backend's entry (registered for the device's
+// key and its autograd key): a call fastattn takes runs as the cuDNN operator's call
+// through the dispatcher (PyTorch's autograd formula for it; the kernels above), any
+// other as PyTorch's own composite (its backend choice, its errors).
+void composite(const c10::OperatorHandle &, Stack *stack) {
+    const auto args = torch::jit::last(*stack, kCompositeArgs);
+    const Tensor q = args[0].toTensor(), k = args[1].toTensor(), v = args[2].toTensor();
+    const OptTensor mask = args[3].toOptional<Tensor>();
+    const double dropout_p = args[4].toDouble();
+    const bool is_causal = args[5].toBool(), enable_gqa = args[7].toBool();
+    const std::optional<double> scale = args[6].toOptional<double>();
+    const int e = early(q, k, v, mask, enable_gqa);
+    if (e >= 0) {
+        g_early_calls[e].fetch_add(1, std::memory_order_relaxed);
+    } else {
+        const c10::DeviceGuard device(q.device());  // (as the forward's)
+        // PyTorch's composite asks its kernels for the logsumexp only where autograd needs it.
+        const bool lse = at::GradMode::is_enabled() && (q.requires_grad() || k.requires_grad() || v.requires_grad());
+        Tensor empty;
+        const OptTensor bias = composite_bias(mask, q, empty);
+        const SdpaRoute &r = sdpa_route(q, k, v, bias, dropout_p, is_causal, scale, lse);
+        count_call(r);
+        if (r.ours) {
+            static const c10::OperatorHandle cudnn = op("aten::_scaled_dot_product_cudnn_attention");
+            Stack call{q, k, v, bias, lse, dropout_p, is_causal, false, scale};
+            {
+                const Counted counted;
+                cudnn.callBoxed(&call);
+            }
+            Tensor o = call[0].toTensor();
+            if (empty.defined()) o = o.masked_fill(empty, 0.0);
+            torch::jit::drop(*stack, kCompositeArgs);
+            torch::jit::push(*stack, std::move(o));
+            return;
+        }
+    }
+    const Counted counted;
+    Tensor o = at::native::scaled_dot_product_attention(q, k, v, mask, dropout_p, is_causal, scale, enable_gqa);
+    torch::jit::drop(*stack, kCompositeArgs);
+    torch::jit::push(*stack, std::move(o));
+}
+
 // Holds the two kernels while the mode is on. A plain pointer, not destroyed at exit: a
 // static's destructor would deregister from a dispatcher that static destruction may
 // already have taken apart (the mode on at exit is the usual case).
 torch::Library *g_library = nullptr;
+torch::Library *g_autograd_library = nullptr;  // the composite's kernel for the autograd key
 std::mutex g_library_lock;
 
 }  // namespace
 
-void set_sdpa_kernels(bool on, c10::DispatchKey key) {
+void set_sdpa_kernels(bool on, c10::DispatchKey key, const std::vector<std::string> &early_reasons) {
     std::lock_guard<std::mutex> guard(g_library_lock);
     if (on && g_library == nullptr) {
+        TORCH_CHECK(early_reasons.size() == kEarly, "fastattn: sdpa_kernels: ", kEarly, " early reasons, got ",
+                    early_reasons.size());
+        std::copy(early_reasons.begin(), early_reasons.end(), g_early_reasons.begin());
         // PyTorch warns that a kernel replaces another for the same key: that is the point.
         struct Quiet : c10::WarningHandler {
             void process(const c10::Warning &) override {}
@@ -267,11 +391,22 @@ void set_sdpa_kernels(bool on, c10::DispatchKey key) {
         library->impl("_scaled_dot_product_cudnn_attention", torch::CppFunction::makeFromBoxedFunction<&forward>());
         library->impl("_scaled_dot_product_cudnn_attention_backward",
                       torch::CppFunction::makeFromBoxedFunction<&backward>());
+        // The composite for both keys: the autograd key's alone would be passed over in
+        // inference mode, and the device key's alone would leave the autograd key without
+        // a kernel (the composite fills it only where the device has none).
+        library->impl("scaled_dot_product_attention", torch::CppFunction::makeFromBoxedFunction<&composite>());
+        const c10::DispatchKey autograd =
+            key == c10::DispatchKey::CUDA ? c10::DispatchKey::AutogradCUDA : c10::DispatchKey::AutogradCPU;
+        auto grad = std::make_unique<torch::Library>(torch::Library::IMPL, "aten", autograd, __FILE__, __LINE__);
+        grad->impl("scaled_dot_product_attention", torch::CppFunction::makeFromBoxedFunction<&composite>());
         g_library = library.release();
+        g_autograd_library = grad.release();
     } else if (!on) {
         // The dispatcher falls back to the kernels these replaced, PyTorch's. The routes
         // stay (a call may be running on one): what a signature's route is does not
         // depend on the mode.
+        delete g_autograd_library;
+        g_autograd_library = nullptr;
         delete g_library;
         g_library = nullptr;
     }
@@ -287,6 +422,7 @@ void clear_sdpa_routes() {
     g_routes.clear();
     g_unkept_calls = 0;
     g_debug_calls = 0;
+    for (auto &n : g_early_calls) n = 0;
 }
 
 std::vector<std::tuple<bool, std::string, uint64_t>> sdpa_calls() {
@@ -297,6 +433,7 @@ std::vector<std::tuple<bool, std::string, uint64_t>> sdpa_calls() {
     }
     out.emplace_back(false, kUnkept, g_unkept_calls.load());
     out.emplace_back(false, kDebug, g_debug_calls.load());
+    for (size_t i = 0; i < kEarly; ++i) out.emplace_back(false, g_early_reasons[i], g_early_calls[i].load());
     return out;
 }
 
@@ -305,6 +442,7 @@ void zero_sdpa_calls() {
     for (const auto &kv : g_routes) kv.second.calls->store(0);
     g_unkept_calls = 0;
     g_debug_calls = 0;
+    for (auto &n : g_early_calls) n = 0;
 }
 
 }  // namespace fastattn::ops
