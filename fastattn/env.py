@@ -273,7 +273,7 @@ _TABLE = (
        "`native` (built at the first call if missing; an error where it is unavailable) or `python`; read when "
        "fastattn.torch is imported and when its first CUDA call decides the path",
        choices=("auto", "native", "python")),
-    _V("FASTATTN_SDPA", "bool", False, "serve torch.nn.functional.scaled_dot_product_attention's cuDNN calls on "
+    _V("FASTATTN_SDPA", "bool", False, "serve torch.nn.functional.scaled_dot_product_attention's calls on "
        "fastattn (`fastattn.torch.enable_sdpa()`) from the moment fastattn.torch is imported; unset, nothing is "
        "changed until enable_sdpa() is called"),
     _V("FASTATTN_WARM_UP", "choice", "plans", "what a process that imports fastattn.torch (or an integration, "
