@@ -36,6 +36,20 @@ def test_the_benchmarks_common_ending_writes_the_json_and_the_summary_line(tmp_p
     assert res["error"] != res["error"]  # (still NaN)
 
 
+def test_every_recorded_result_is_strict_json():
+    # The benchmark notes link these files; a reader's JSON parser (jq, JavaScript's) refuses
+    # NaN and Infinity, which Python's json writes unless told not to (one did, session 16).
+    files = sorted((benchmarks.ROOT / "benchmarks" / "results").rglob("*.json"))
+    assert files
+    bad = []
+    for f in files:
+        try:
+            json.loads(f.read_text(), parse_constant=lambda c: (_ for _ in ()).throw(ValueError(c)))
+        except ValueError as e:
+            bad.append(f"{f.relative_to(benchmarks.ROOT)}: {e}")
+    assert not bad, bad
+
+
 def test_every_benchmarks_json_opens_with_the_machine_and_versions(monkeypatch):
     # header(): what the benchmark notes record beside every figure (date, GPU, versions,
     # kernel); the GPU's description stubbed (benchmarks run where there is one).
