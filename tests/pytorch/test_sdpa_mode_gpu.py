@@ -200,9 +200,13 @@ def test_a_float32_mask_beside_bfloat16_queries_is_served_and_finite(mode):
 
 
 def _math64(q, k, v, mask, causal, gqa):
-    """PyTorch's math kernel in float64 (a boolean mask's rows that keep no key: zeros)."""
+    """PyTorch's math kernel in float64 (a boolean mask's rows that keep no key: zeros). A
+    boolean mask is converted first, as SDPA's entry converts it (0 where True, -inf where
+    False): the math kernel called directly adds a boolean mask as 1 and 0."""
     leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
-    m = mask if mask is None or mask.dtype == torch.bool else mask.double()
+    m = None if mask is None else mask.double()
+    if mask is not None and mask.dtype == torch.bool:
+        m = torch.zeros(mask.shape, dtype=torch.float64, device=mask.device).masked_fill(~mask, float("-inf"))
     return torch.ops.aten._scaled_dot_product_attention_math(*leaves, attn_mask=m, is_causal=causal,
                                                              enable_gqa=gqa)[0], leaves
 
