@@ -25,7 +25,8 @@ Tiny random-weight models built from configs (no downloads), bf16, on one GPU.
     suppressed until then), after a warm-up generate that makes every plan the timed
     calls need. Peers: fastattn, sdpa_cudnn, sdpa_flash, and sdpa_mode (attn_implementation
     ="sdpa" with fastattn.torch.enable_sdpa(), the cuDNN backend selected); interleaved
-    rounds (--steady-rounds) in a rotated order, medians. Baseline (issue 28, H200):
+    rounds (--steady-rounds) in a rotated order, medians; and the SDPA calls the mode served
+    and passed on (with reasons) over sdpa_mode's calls. Baseline (issue 28, H200):
     prefill 3.41 ms against sdpa's 4.07, decode 4.15 ms per token against 4.79.
 
 (c) A left-padded batch's greedy generate (issue 40): 8 prompts of 16-512 tokens, padded at
@@ -220,8 +221,10 @@ def medians(runs: dict, key: str, ours: str, others) -> dict:
 def steady(rounds: int, batch: int, prompt: int, new_tokens: int, kv_heads: int) -> dict:
     import torch
 
+    import fastattn
     import fastattn.integrations.transformers  # noqa: F401  (registers "fastattn")
 
+    before = fastattn.stats()["sdpa"]  # the SDPA mode counts sdpa_mode's calls alone (off for the others)
     models, errors = {}, {}
     for peer in STEADY_PEERS:
         models[peer] = build("qwen2", "fastattn" if peer == "fastattn" else "sdpa", kv_heads)
@@ -266,10 +269,17 @@ def steady(rounds: int, batch: int, prompt: int, new_tokens: int, kv_heads: int)
                 continue
             rows[peer].append({"prefill_ms": p_ms, "generate_1_ms": t1 * 1e3, "generate_n_ms": tn * 1e3,
                                "decode_ms_per_token": (tn - t1) * 1e3 / (new_tokens - 1)})
-    res: dict = {"batch": batch, "prompt": prompt, "new_tokens": new_tokens, "errors": errors, "path": _path()}
+    res: dict = {"batch": batch, "prompt": prompt, "new_tokens": new_tokens, "errors": errors, "path": _path(),
+                 "sdpa_mode_calls": calls_since(before, fastattn.stats()["sdpa"])}
     for key in ("prefill_ms", "decode_ms_per_token"):
         res[key] = medians(rows, key, "fastattn", [p for p in rows if p != "fastattn"]) if "fastattn" in rows else {}
     return res
+
+
+def calls_since(before: dict, after: dict) -> dict:
+    """The SDPA mode's counts (fastattn.stats()["sdpa"]) between two readings."""
+    passed = {r: n - before["passed_on"].get(r, 0) for r, n in after["passed_on"].items()}
+    return {"served": after["served"] - before["served"], "passed_on": {r: n for r, n in passed.items() if n}}
 
 
 # -- (c) a left-padded batch's generate, one process -----------------------------------------
@@ -370,6 +380,11 @@ def summary(res: dict) -> list[str]:
             lines.append("      fastattn / " + ", ".join(f"{p} {_fmt(m[f'ratio_fastattn_to_{p}'])} "
                                                        f"({_fmt(m[f'ratio_fastattn_to_{p}_paired'])})"
                                                        for p in peers if p != "fastattn"))
+        calls = s.get("sdpa_mode_calls")
+        if calls is not None:
+            lines.append(f"    sdpa_mode's SDPA calls: served {calls['served']}, passed on "
+                         f"{sum(calls['passed_on'].values())} {calls['passed_on'] or ''}".rstrip()
+                         + " (target: every call fastattn supports)")
     p = res.get("padded")
     if p:
         lines.append(f"  (c) left-padded generate, prompts {list(p['lengths'])}, {p['new_tokens']} new tokens, "

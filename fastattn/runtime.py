@@ -585,8 +585,8 @@ def stats() -> dict[str, float]:
     "cache" (hits, misses, corrupt, writes, write_failures, pruned). "fallbacks": the calls
     each integration ran outside fastattn's kernels, by reason ({"transformers": {reason:
     calls}}; empty when none did). "sdpa" (once fastattn.torch is imported): the SDPA mode's
-    calls, {"served": calls fastattn ran, "passed_on": {reason: calls PyTorch's kernels ran}}
-    (the calls PyTorch gave its cuDNN backend: the mode sees no other). "warm_up" (once
+    calls on CUDA while it is on, {"served": calls fastattn ran, "passed_on": {reason: calls
+    PyTorch's kernels ran}}, whichever backend PyTorch would have picked. "warm_up" (once
     fastattn.torch is imported): the background warm-up's state, devices, plans loaded
     and seconds (fastattn/_warm_up.py)."""
     with _lock:

@@ -431,10 +431,14 @@ def test_the_benchmarks_medians_ratios_and_summary():
         cold[name].update(import_seconds=3.0, build_seconds=0.5)
     rows = {p: [{"prefill_ms": 3.0, "decode_ms_per_token": 4.0}] for p in bench.STEADY_PEERS}
     others = [p for p in bench.STEADY_PEERS if p != "fastattn"]
-    steady = {"batch": 4, "prompt": 256, "new_tokens": 32, "errors": {}, "path": "native",
+    calls = bench.calls_since({"served": 5, "passed_on": {"a": 1}},
+                              {"served": 71, "passed_on": {"a": 1, "dtype torch.float32: ...": 2}})
+    assert calls == {"served": 66, "passed_on": {"dtype torch.float32: ...": 2}}
+    steady = {"batch": 4, "prompt": 256, "new_tokens": 32, "errors": {}, "path": "native", "sdpa_mode_calls": calls,
               **{k: bench.medians(rows, k, "fastattn", others) for k in ("prefill_ms", "decode_ms_per_token")}}
     text = "\n".join(bench.summary({"coldstart": cold, "steady": steady}))
     assert "fastattn_warm / sdpa_cudnn: 0.43" in text and "claim < 1" in text
+    assert "sdpa_mode's SDPA calls: served 66, passed on 2 {'dtype torch.float32: ...': 2}" in text
     assert "issue 28's baseline: 3.41 vs 4.07" in text and "sdpa_mode 1.00 (1.00)" in text
     rows = {"fastattn": [{"tokens_per_s": 900.0}, {"tokens_per_s": 1100.0}], "sdpa": [{"tokens_per_s": 800.0}] * 2}
     kinds = {kind: {"errors": {}, "fallback_calls": 0, "fallback_reasons": {},
