@@ -1,9 +1,9 @@
 """What more than one benchmark uses: the host-time loops (`time_us` and the interleaved
 rounds of the profiles; `host_rounds`, bench_torch's and bench_sdpa_mode's per-call
-host time with the GPU held), their common ending (the JSON and the `summary:` block that
-tools/gpu_run.sh prints), FlashAttention 2's varlen kernels as PyTorch ships them, and
-bench_warm's 64 configs, and the fresh-process runs of the cold-start figures (`fresh`,
-`rotated`, `paired_ratio`, `require_cuda`).
+host time with the GPU held), their common ending (the JSON, written strictly by
+`write_json`, and the `summary:` block that tools/gpu_run.sh prints), FlashAttention 2's
+varlen kernels as PyTorch ships them, and bench_warm's 64 configs, and the fresh-process
+runs of the cold-start figures (`fresh`, `rotated`, `paired_ratio`, `require_cuda`).
 
 The scripts run as `python benchmarks/NAME.py`, so this folder is on sys.path and they
 import it as `_common`. torch and fastattn are imported by the functions that use
@@ -271,7 +271,7 @@ def emit(res: dict, json_path: str | None, lines=()) -> None:
     """Writes `res` to json_path (if given), prints it, then the `summary:` line that
     tools/gpu_run.sh prints from and `lines` (a benchmark's summary; one that prints its
     own summary afterwards gives none), then res["seconds"] where it was timed."""
-    res = _write(res, json_path)
+    res = write_json(res, json_path)
     print(json.dumps(res, indent=2, allow_nan=False))
     print("\nsummary:")
     for line in lines:
@@ -280,8 +280,10 @@ def emit(res: dict, json_path: str | None, lines=()) -> None:
         print(f"  seconds: {res['seconds']:.1f}")
 
 
-def _write(res: dict, json_path: str | None) -> dict:
-    """res as strict JSON (_strict), written to json_path where one is given."""
+def write_json(res: dict | list, json_path: str | None) -> dict | list:
+    """res as strict JSON (_strict), written to json_path where one is given, and returned:
+    the one writer of benchmark results (emit and report write through it; a benchmark
+    that prints only its own summary, not the JSON, calls it alone)."""
     res = _strict(res)
     if json_path:
         with open(json_path, "w") as f:
@@ -307,7 +309,7 @@ def report(res: dict, json_path: str | None) -> int:
     import torch
 
     res["torch"] = torch.__version__
-    _write(res, json_path)
+    write_json(res, json_path)
     print("summary:")
     for key, value in res.items():
         if isinstance(value, float):

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import os
 import random
 import shutil
@@ -22,6 +21,8 @@ import subprocess
 import sys
 import tempfile
 import time
+
+from _common import write_json  # (benchmarks/ is on sys.path)
 
 COMMANDS = {"prune --max-age 0s": ["cache", "prune", "--max-age", "0s"], "clear": ["cache", "clear"],
             "prune --max-bytes 0": ["cache", "prune", "--max-bytes", "0"],
@@ -86,9 +87,7 @@ def main() -> None:
                   f"runs {', '.join(f'{w:.2f}' for w in walls)})")
     finally:
         shutil.rmtree(template, ignore_errors=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"entries": args.n, "cold": args.cold, "results": results}, f, indent=2)
+    write_json({"entries": args.n, "cold": args.cold, "results": results}, args.json)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,6 @@ DLPack export of a CUDA tensor need not cost what a CPU tensor's does).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import timeit
 from pathlib import Path
@@ -34,6 +33,7 @@ from types import SimpleNamespace
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from fastattn import AttentionConfig, _arrays  # noqa: E402
+from _common import emit  # noqa: E402  (benchmarks/ is on sys.path)
 
 
 def _us(fn, number: int, repeat: int) -> float:
@@ -106,7 +106,7 @@ def main(argv=None) -> int:
         res["gpu_machine_scale"] = scale
         res["predicted_gpu_torch_extra_us"] = res["torch_5_args_us"] * scale
         res["predicted_gpu_device_tensors_extra_us"] = res["device_tensors_5_args_us"] * scale
-    print(json.dumps(res, indent=2))
+    emit(res, None)
     print(f"torch tensors, 5 args: {res['torch_5_args_us']:.2f} us (old path, 4 args: {res['old_torch_4_args_us']:.1f} us); "
           f"DeviceTensors, 5 args: {res['device_tensors_5_args_us']:.2f} us")
     if args.calibrate_us:

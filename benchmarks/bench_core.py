@@ -30,7 +30,7 @@ import time
 import fastattn
 from fastattn import AttentionConfig
 from fastattn._loader import import_core  # (at use: a checkout without its extension still says it needs a GPU)
-from _common import require_cuda  # (benchmarks/ on sys.path)
+from _common import emit, require_cuda  # (benchmarks/ on sys.path)
 
 
 def _cuda():
@@ -336,13 +336,8 @@ def main(argv=None) -> int:
         "build": bench_build(args),
         "host_overhead": bench_host_overhead(args),
     }
-    text = json.dumps(results, indent=2)
-    if args.json:
-        with open(args.json, "w") as f:
-            f.write(text)
-    print(text)
+    emit(results, args.json)
     h, b = results["host_overhead"], results["build"]
-    print("\nsummary:")
     print(f"  host us/call: fastattn {h['fastattn_plan_forward_us']:.2f},"
           f" C++ floor {h['cudnn_frontend_cpp_execute_us']:.2f}, ratio {h['ratio_fastattn_to_cpp_floor']:.3f}")
     for k in ("device_tensors", "torch_tensors"):

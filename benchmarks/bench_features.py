@@ -32,7 +32,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import fastattn
 import fastattn.torch as fat
-from _common import gpu_ms, require_cuda
+from _common import emit, gpu_ms, require_cuda
 
 HQ, HKV, D, PAGE = 32, 8, 128, 64
 DT = torch.bfloat16
@@ -236,12 +236,7 @@ def main(argv=None) -> int:
     require_cuda("bench_features.py")
     res = {"support": support(), "decode": decode(), "prefill": prefill(), "device": fastattn.device_info(), "versions": fastattn.versions(),
            "torch": torch.__version__}
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=2)
-    print(json.dumps(res, indent=2))
-    print("summary:")
-    print(summary(res))
+    emit(res, args.json, summary(res).splitlines())
     return 0
 
 

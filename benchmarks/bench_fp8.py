@@ -22,7 +22,6 @@ ratio of fastattn's own forward and backward, with the date, GPU and versions.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
 import sys
@@ -33,7 +32,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from fastattn import AttentionConfig
 from fastattn.torch import attention, attention_fp8, attention_fp8_backward, attention_fp8_scaled
 
-from _common import header, require_cuda  # (benchmarks/ is on sys.path)
+from _common import emit, header, require_cuda, write_json  # (benchmarks/ is on sys.path)
 
 E4M3 = torch.float8_e4m3fn
 SHAPES = [((2, 16, 8192, 128), c) for c in (False, True)] + [((4, 32, 4096, 128), c) for c in (False, True)] + [
@@ -326,15 +325,8 @@ def main(argv=None) -> int:
     res["throughput"] = throughput(args.reps, args.rounds)
     res["end_to_end"] = end_to_end(args.rounds, args.reps)
     res["notes"] = notes(res)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=2)
-    if args.notes:
-        with open(args.notes, "w") as f:
-            json.dump(res["notes"], f, indent=2)
-            f.write("\n")
-    print(json.dumps(res, indent=2))
-    print("\nsummary:")
+    write_json(res["notes"], args.notes)
+    emit(res, args.json)
     print(f"  {res['device'].get('name')}, cuDNN {res['versions'].get('cudnn_loaded')}, frontend (Python) "
           f"{res['cudnn_frontend_python']}; TFLOP/s, medians of {args.rounds} interleaved rounds")
     for r in res["throughput"]:

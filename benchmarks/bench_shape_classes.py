@@ -36,7 +36,7 @@ import fastattn
 import fastattn.torch
 from fastattn import shape_classes as sc
 
-from _common import header, require_cuda  # (benchmarks/ is on sys.path)
+from _common import header, require_cuda, write_json  # (benchmarks/ is on sys.path)
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -181,9 +181,7 @@ def main(argv=None) -> int:
     res.update(run(args))
     res["versions"] = fastattn.versions()  # cuDNN is loaded now
     res["seconds"] = round(time.perf_counter() - t0, 1)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=2)
+    write_json(res, args.json)
     if args.write:
         write(args.write, row(res))
     kept = sc.measured(res["gpu"], res["versions"].get("cudnn_loaded"), args.write,

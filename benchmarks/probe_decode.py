@@ -11,14 +11,13 @@ the defect is narrowed to the feature that brings it.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 
 import torch
 
 from fastattn import flash
 from fastattn.torch import attention
-from _common import require_cuda  # (benchmarks/ on sys.path)
+from _common import require_cuda, write_json  # (benchmarks/ on sys.path)
 
 DEV = "cuda"
 
@@ -141,9 +140,7 @@ def main(argv=None) -> int:
                                                      "varlen": varlen, "deterministic": det,
                                                      "error": f"{type(e).__name__}: {e}"[:300]})
     out["gradients"].append(gradients(50.0, 1, (40, 7), True, False, sq=2))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
+    write_json(out, args.json)
     print("summary:")
     for r in out["repeats"]:
         print(f"repeats d={r['d']} sq={r['sq']} b={r['b']} via={r['via']} lse={r['lse']}: "

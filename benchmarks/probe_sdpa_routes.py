@@ -19,7 +19,7 @@ import json
 
 import torch
 import torch.nn.functional as F
-from _common import require_cuda  # (benchmarks/ on sys.path)
+from _common import require_cuda, write_json  # (benchmarks/ on sys.path)
 
 
 def _describe(t):
@@ -93,11 +93,7 @@ def main() -> int:
     finally:
         F.scaled_dot_product_attention = original
         fat.disable_sdpa()
-    text = json.dumps(out, indent=1)
-    if args.json:
-        with open(args.json, "w") as f:
-            f.write(text)
-    print(text[:6000])
+    print(json.dumps(write_json(out, args.json), indent=1)[:6000])
     print("summary:", *lines, sep="\n")
     return 0
 

@@ -124,9 +124,7 @@ def main(argv=None) -> int:
             results.append({"mode": mode, "error": out.stderr[-2000:]})
             continue
         results.append(json.loads(out.stdout.strip().splitlines()[-1]))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
+    _common.write_json(results, args.json)
     print("summary:")
     for r in results:
         print(f"--- {r['mode']}: " + ("error: " + r["error"][-300:] if "error" in r else

@@ -15,7 +15,6 @@ never fills.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 
@@ -26,7 +25,7 @@ import fastattn
 import fastattn.torch as fat
 from fastattn.torch import _dense, _plans
 from fastattn._loader import import_core  # (at use: a checkout without its extension still says it needs a GPU)
-from _common import require_cuda, time_us as _us  # (benchmarks/ is on sys.path)
+from _common import emit, require_cuda, time_us as _us  # (benchmarks/ is on sys.path)
 
 
 def _options(training: bool) -> _dense.DenseOptions:
@@ -143,11 +142,7 @@ def main(argv=None) -> int:
     res["ratio_attention_to_sdpa_cudnn"] = res["attention_total"] / res["sdpa_cudnn_total"]
     res["device"] = fastattn.device_info()
     res["torch"] = torch.__version__
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=2)
-    print(json.dumps(res, indent=2))
-    print("summary:")
+    emit(res, args.json)
     for key, value in res.items():
         if isinstance(value, float):
             print(f"  {key:<30} {value:8.3f}" + ("" if key.startswith("ratio") else " us"))

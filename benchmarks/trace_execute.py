@@ -14,7 +14,6 @@ API calls' counts and relative costs, not the totals with bench_torch's.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 
@@ -24,7 +23,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import fastattn.torch as fat
 from fastattn.torch import _plans
-from _common import require_cuda  # (benchmarks/ on sys.path)
+from _common import require_cuda, write_json  # (benchmarks/ on sys.path)
 
 
 def _trace(fn, calls: int) -> dict:
@@ -63,9 +62,7 @@ def main(argv=None) -> int:
     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
         res["torch_sdpa_cudnn"] = _trace(
             lambda: torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=True), args.calls)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=2)
+    write_json(res, args.json)
     print("summary:")
     for name, r in res.items():
         print(f"  {name}: {r['wall_us_profiled']:.2f} us per call profiled, of it CUDA API calls "

@@ -36,6 +36,19 @@ def test_the_benchmarks_common_ending_writes_the_json_and_the_summary_line(tmp_p
     assert res["error"] != res["error"]  # (still NaN)
 
 
+def test_the_benchmarks_that_print_only_a_summary_write_their_json_strictly(tmp_path, capsys):
+    # _common.write_json: the writer emit and report end with, called alone by the scripts
+    # that print their own summary and not the JSON (a list, as profile_coldstart's, too).
+    common = benchmarks.load("_common")
+    path = tmp_path / "out.json"
+    res = [{"mode": "fwd", "ms": float("nan")}, {"mode": "exec", "ms": 1.5}]
+    want = [{"mode": "fwd", "ms": None}, {"mode": "exec", "ms": 1.5}]
+    assert common.write_json(res, str(path)) == want
+    assert json.loads(path.read_text(), parse_constant=lambda c: pytest.fail(f"{c} in the JSON")) == want
+    assert common.write_json({"a": 1}, None) == {"a": 1} and list(tmp_path.iterdir()) == [path]
+    assert capsys.readouterr().out == ""  # nothing printed: the script's summary is its own
+
+
 def test_every_recorded_result_is_strict_json():
     # The benchmark notes link these files; a reader's JSON parser (jq, JavaScript's) refuses
     # NaN and Infinity, which Python's json writes unless told not to (one did, session 16).
