@@ -15,6 +15,8 @@ import subprocess
 import sys
 
 import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch", reason="PyTorch is an optional extra (pip install torch)")
 
@@ -661,3 +663,136 @@ def test_the_op_librarys_composite_serves_and_hands_on_the_same_calls(lib, model
         python._destroy()
         lib.sdpa_kernels(False)
         lib.clear()
+
+
+# -- the composite on any call a user can make (Hypothesis) ----------------------------------
+
+@st.composite
+def _calls(draw):
+    """An SDPA call: shapes, layout, dtype, GQA, causal, and a mask of any rank, dtype,
+    broadcast and memory order SDPA takes (and some it refuses). Float masks keep at least
+    one finite entry a row (a row of -inf alone is left to the GPU tests: what the kernel
+    gives there is cuDNN's)."""
+    b, hk, rep = draw(st.integers(1, 2)), draw(st.integers(1, 2)), draw(st.sampled_from([1, 2]))
+    sq, skv, d = draw(st.integers(1, 5)), draw(st.integers(1, 6)), draw(st.sampled_from([8, 16]))
+    call = dict(b=b, hq=hk * rep, hk=hk, sq=sq, skv=skv, d=d, layout=draw(st.sampled_from(["bhsd", "bshd"])),
+                dtype=draw(st.sampled_from([torch.bfloat16, torch.bfloat16, torch.float16, torch.float32])),
+                gqa=rep > 1 or draw(st.booleans()), causal=False, mask=None)
+    kind = draw(st.sampled_from(["none", "causal", "bool", "bool", "same", "same", "float32", "other float", "int"]))
+    if kind == "causal":
+        call["causal"] = True
+    elif kind != "none":
+        full = (b, hk * rep, sq, skv)
+        rank = draw(st.integers(2, 4))
+        shape = [draw(st.sampled_from([1, n])) for n in full[4 - rank:]]
+        if draw(st.integers(0, 4)) == 0:
+            shape[-1] = draw(st.sampled_from([1, 2, skv + 1]))  # (often one SDPA refuses)
+        g = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
+        if kind == "bool":
+            m = torch.rand(shape, generator=g) < draw(st.sampled_from([0.0, 0.5, 0.9, 1.0]))
+        else:
+            m = torch.randn(shape, generator=g) * 2
+            m = m.masked_fill(torch.rand(shape, generator=g) < 0.3, float("-inf"))
+            m[..., 0] = torch.randn(shape[:-1], generator=g)  # a finite entry each row
+            m = m.to({"same": call["dtype"], "float32": torch.float32, "int": torch.int32,
+                      "other float": torch.float16 if call["dtype"] == torch.bfloat16 else torch.bfloat16}[kind]
+                     if kind != "int" else torch.int32)
+        how = draw(st.sampled_from(["as is", "expanded", "transposed"]))
+        if how == "expanded" and all(s in (1, n) for s, n in zip(shape, full[4 - rank:])):
+            m = m.expand(full[4 - rank:])  # stride 0 where it broadcast
+        elif how == "transposed" and rank >= 2:
+            m = m.transpose(-1, -2).contiguous().transpose(-1, -2)  # keys not the innermost dim
+        if m.is_floating_point() and draw(st.integers(0, 5)) == 0:
+            m = m.requires_grad_()  # a mask's own gradient: PyTorch's kernels
+        call["mask"] = m
+    return call
+
+
+def _theirs(q, k, v, c):
+    """PyTorch's own answer to the call (its composite, the mode bypassed), or its error."""
+    try:
+        return torch.ops.aten.scaled_dot_product_attention.default.decompose(
+            q, k, v, c["mask"], 0.0, c["causal"], scale=None, enable_gqa=c["gqa"])
+    except RuntimeError as e:
+        return e
+
+
+@pytest.fixture(params=["python", "native"])
+def either_composite(request, model, monkeypatch):
+    """The composite kernel on the CPU keys, _sdpa_mode's or the op library's (C++), over
+    `model`'s cuDNN-operator kernels; gives a function of the (served, handed on) calls
+    the composite counted so far."""
+    import warnings
+
+    monkeypatch.setattr(_sdpa_mode, "_calls", {})
+    if request.param == "python":
+        monkeypatch.setattr(_sdpa_mode, "_native_kernels", None)
+        python = torch.library.Library("aten", "IMPL")
+        python.impl(_sdpa_mode._COMPOSITE, _sdpa_mode._composite, "CPU")
+        python.impl(_sdpa_mode._COMPOSITE, _sdpa_mode._composite, "AutogradCPU")
+
+        def counts():
+            served = _sdpa_mode._calls.get(None, 0)
+            return served, sum(_sdpa_mode._calls.values()) - served
+        yield counts
+        python._destroy()
+        return
+    native = request.getfixturevalue("lib")
+    native.clear()
+    native.sdpa_kernels(True, _sdpa_mode._route, "CPU", list(_sdpa_mode.EARLY))
+    python = torch.library.Library("aten", "IMPL")  # the cuDNN operator's: model's again (C++ ones run cuDNN)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        python.impl(_sdpa_mode._FORWARD, _sdpa_mode._forward, "CPU")
+        python.impl(_sdpa_mode._BACKWARD, _sdpa_mode._backward, "CPU")
+
+    def counts():
+        calls = native.sdpa_calls()
+        served = sum(n for ours, _, n in calls if ours)
+        return served, sum(n for ours, _, n in calls if not ours)
+    try:
+        yield counts
+    finally:
+        python._destroy()
+        native.sdpa_kernels(False)
+        native.clear()
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(c=_calls())
+def test_the_composite_serves_or_hands_on_any_call_as_pytorch_would_answer_it(either_composite, c):
+    # Every call is counted once; PyTorch's errors are PyTorch's; a call handed on is
+    # PyTorch's own answer, bit for bit; a served one is PyTorch's answer in float64 within
+    # bfloat16's rounding (a float mask rounded to the queries' dtype), forward and backward,
+    # with a boolean mask's rows that keep no key zeros.
+    counts = either_composite
+    q, k, v = _qkv(c["b"], c["hq"], c["hk"], c["sq"], c["skv"], c["d"], c["layout"], c["dtype"])
+    want = _theirs(q.detach(), k.detach(), v.detach(), c)
+    served, handed_on = counts()
+    try:
+        out = SDPA(q, k, v, attn_mask=c["mask"], is_causal=c["causal"], enable_gqa=c["gqa"])
+    except RuntimeError as e:
+        assert isinstance(want, RuntimeError), f"PyTorch answers this call; the mode raised {e}"
+        event("PyTorch's error")
+        return
+    assert not isinstance(want, Exception), f"PyTorch raises {want!r}; the mode answered"
+    now = counts()
+    assert sum(now) == served + handed_on + 1
+    if now[0] == served:
+        event("handed on")
+        assert torch.equal(out, want)
+        return
+    event("served, " + ("no mask" if c["mask"] is None else f"{c['mask'].dtype} mask"))
+    m = c["mask"]
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    m64 = None if m is None else (m if m.dtype == torch.bool else m.to(c["dtype"]).double())
+    ref = SDPA(q64, k64, v64, attn_mask=m64, is_causal=c["causal"], enable_gqa=c["gqa"])
+    torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=2e-2)
+    g = torch.randn_like(ref)
+    (out.double() * g).sum().backward()
+    (ref * g).sum().backward()
+    for ours, theirs in zip((q, k, v), (q64, k64, v64)):
+        torch.testing.assert_close(ours.grad.double(), theirs.grad, atol=4e-2, rtol=4e-2)
+    if m is not None and m.dtype == torch.bool:
+        empty = ~m.expand(c["b"], c["hq"], c["sq"], c["skv"]).any(-1)
+        assert (out[empty] == 0).all() and (q.grad[empty] == 0).all()
