@@ -55,9 +55,10 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
       query's leading dims and dtype (fastattn does not broadcast batch dims:
       NotSupportedError). Returns (..., heads_q, seqlen_q, head_dim_v) in query's dtype.
     attn_mask: broadcastable to (..., heads_q, seqlen_q, seqlen_kv), on query's device:
-      boolean (True: the key takes part) or additive float in query's dtype (a float
-      mask of another dtype would be rounded: NotSupportedError; pass
-      attn_mask.to(query.dtype)). A float mask that requires a gradient gets one. Also
+      boolean (True: the key takes part) or additive float in query's dtype or float32
+      (as SDPA takes; a float32 mask is rounded to query's dtype, in which cuDNN adds
+      it: SDPA's math kernel rounds the scores plus the mask to that dtype too). A
+      float mask that requires a gradient gets one. Also
       torch.nn.attention.bias.causal_upper_left / causal_lower_right (CausalBias): a
       causal mask at that corner, never materialized.
     dropout_p: dropout on the attention weights, applied whenever > 0 as SDPA's (pass 0
@@ -116,13 +117,13 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
     Raises InvalidArgumentError (a ValueError) where SDPA raises: tensors of fewer than 2
     dims, mismatched dtypes, devices, head dims or key / value lengths, head counts that
     differ without enable_gqa (or that do not divide with it, or have no heads dim), a mask that does not
-    broadcast or is not boolean or floating, attn_mask with is_causal, a CausalBias of
+    broadcast or is not boolean, float32 or in query's dtype, attn_mask with is_causal, a CausalBias of
     other lengths, arguments of the wrong type, dropout_p outside [0, 1]; and what
     attention() raises (CPU tensors, dtypes other than float16 and bfloat16).
     NotSupportedError (a NotImplementedError) where SDPA computes something fastattn
     cannot exactly: key / value batch dims that differ from query's (broadcast), key and
-    value head counts that differ, an extent of 0, scale <= 0, dropout_p 1, a
-    float mask of another dtype than query's; and cuDNN's refusals (for example dropout
+    value head counts that differ, an extent of 0, scale <= 0, dropout_p 1; and
+    cuDNN's refusals (for example dropout
     with a causal mask at the bottom right, or a bias's gradient of a shape cuDNN does
     not build).
     """
@@ -243,10 +244,9 @@ def _mask_4d(attn_mask: torch.Tensor, query: torch.Tensor, key: torch.Tensor) ->
         raise InvalidArgumentError(f"attn_mask: expected a boolean or floating mask, got {attn_mask.dtype}")
     if attn_mask.device != query.device:
         raise InvalidArgumentError(f"attn_mask is on {attn_mask.device}, query on {query.device}")
-    if attn_mask.dtype.is_floating_point and attn_mask.dtype != query.dtype:
-        raise NotSupportedError(f"attn_mask: a {attn_mask.dtype} mask for {query.dtype} tensors: cuDNN adds the bias "
-                                "in query's dtype, and converting would round the mask; pass "
-                                "attn_mask.to(query.dtype)")
+    if attn_mask.dtype not in (torch.bool, torch.float32, query.dtype):
+        raise InvalidArgumentError(f"attn_mask: a {attn_mask.dtype} mask for {query.dtype} tensors: SDPA takes a "
+                                   "boolean mask, a float32 one or one in query's dtype")
     weights = (*query.shape[:-1], key.shape[-2])
     try:
         m = attn_mask.expand(weights)
@@ -256,6 +256,8 @@ def _mask_4d(attn_mask: torch.Tensor, query: torch.Tensor, key: torch.Tensor) ->
     for dim in range(m.dim()):
         if m.stride(dim) == 0 and m.shape[dim] > 1:
             m = m.narrow(dim, 0, 1)
+    if m.dtype not in (torch.bool, query.dtype):  # float32 (checked above), rounded once it is compact
+        m = m.to(query.dtype)
     if m.dim() < 4:  # (seqlen_q, seqlen_kv) or (heads_q, seqlen_q, seqlen_kv)
         return m.reshape((1,) * (4 - m.dim()) + tuple(m.shape))
     if all(n == 1 for n in m.shape[:-3]):

@@ -239,7 +239,9 @@ def calls_of_sdpa(draw):
             mask = mask.expand(weights).contiguous()
         elif how == "transposed":
             mask = mask.expand(weights).transpose(-1, -2).contiguous().transpose(-1, -2)
-        if mask.dtype == F64 and draw(st.booleans()):
+        if mask.dtype == F64 and draw(st.integers(0, 3)) == 0:
+            mask = mask.float()  # SDPA takes a float32 mask beside any query dtype
+        if mask.is_floating_point() and draw(st.booleans()):
             mask = mask.detach().clone().requires_grad_()
     grad_of = [t for t in (q, k, v) if t.requires_grad]
     if isinstance(mask, torch.Tensor) and mask.requires_grad:
@@ -379,6 +381,21 @@ def test_a_float_mask_that_fits_is_passed_as_it_is(calls):
     assert calls[1]["bias"].is_contiguous()
 
 
+def test_a_float32_mask_is_rounded_once_to_the_querys_dtype_in_its_broadcast_shape():
+    # SDPA takes a float32 mask beside bfloat16 / float16 queries (its math kernel rounds the
+    # scores plus the mask to the query's dtype); cuDNN adds the bias in that dtype. The
+    # copy is made of the compact mask, not of its expansion.
+    q = torch.randn(B, H, SQ, 8, dtype=torch.bfloat16)
+    k = torch.randn(B, H, SKV, 8, dtype=torch.bfloat16)
+    m = torch.randn(1, 1, SQ, SKV) * 3
+    got = _sdpa._mask_4d(m.expand(B, H, SQ, SKV), q, k)
+    assert got.dtype == torch.bfloat16 and got.shape == (1, 1, SQ, SKV)
+    assert torch.equal(got, m.to(torch.bfloat16))
+    m.requires_grad_()
+    _sdpa._mask_4d(m, q, k).float().sum().backward()  # the rounding passes the gradient on
+    assert m.grad.dtype == torch.float32 and torch.equal(m.grad, torch.ones_like(m))
+
+
 def test_rows_without_keys_are_zeros_with_zero_gradients(calls):
     q, k, v = qkv(grad=True)
     mask = torch.rand(B, H, SQ, SKV) < 0.5
@@ -490,8 +507,9 @@ ERRORS = [
      r"^attn_mask has shape \(1, 3, 2, 5, 7\)"),
     ("mask dtype", (_Q, _K, _K, torch.ones(SQ, SKV, dtype=torch.int32)), {}, InvalidArgumentError,
      r"^attn_mask: expected a boolean or floating mask, got torch.int32"),
-    ("mask float dtype", (_Q, _K, _K, torch.zeros(SQ, SKV)), {}, NotSupportedError,
-     r"^attn_mask: a torch.float32 mask for torch.float64 tensors: .* attn_mask.to\(query.dtype\)"),
+    ("mask float dtype", (_Q, _K, _K, torch.zeros(SQ, SKV, dtype=torch.float16)), {}, InvalidArgumentError,
+     r"^attn_mask: a torch.float16 mask for torch.float64 tensors: SDPA takes a boolean mask, a float32 one or one "
+     r"in query's dtype$"),
     ("mask no tensor", (_Q, _K, _K, [[True]]), {}, InvalidArgumentError, r"^attn_mask: expected a torch.Tensor or None"),
     ("mask device", (_Q, _K, _K, torch.ones(SQ, SKV, dtype=torch.bool, device="meta")), {}, InvalidArgumentError,
      r"^attn_mask is on meta, query on cpu"),
@@ -569,3 +587,8 @@ def test_gpu_cases_on_the_model(gpu_tests_on_the_model, monkeypatch, case):
     on the CPU: the forms they expect and their references, before a GPU runs them."""
     G = gpu_tests_on_the_model
     G.test_matches_sdpa_forward_and_backward(G.record_forms(monkeypatch), *case)
+
+
+def test_the_gpu_float32_mask_test_on_the_model(gpu_tests_on_the_model, monkeypatch):
+    G = gpu_tests_on_the_model
+    G.test_a_float32_mask_beside_bfloat16_tensors_is_the_mask_in_bfloat16(G.record_forms(monkeypatch))

@@ -148,6 +148,25 @@ def test_matches_sdpa_forward_and_backward(forms, name, dtype, sq, skv, make, re
         assert rel(g, rg) < BWD_TOL[dtype]
 
 
+def test_a_float32_mask_beside_bfloat16_tensors_is_the_mask_in_bfloat16(forms):
+    # SDPA takes a float32 mask beside bfloat16 queries; fastattn rounds it to bfloat16 (in
+    # which cuDNN adds it), and its gradient comes back in float32.
+    q = torch.randn(B, HQ, 96, D, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(B, HK, 160, D, device=DEV, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    mask = (torch.randn(B, 1, 96, 160, device=DEV) * 4).requires_grad_()
+    poison()
+    o = fastattn.torch.scaled_dot_product_attention(q, k, v, mask, enable_gqa=True)
+    rounded = mask.detach().to(torch.bfloat16).float().requires_grad_()
+    ref, leaves = reference(q, k, v, rounded, enable_gqa=True)
+    assert len(forms) == 1 and not forms[0]["causal"] and forms[0]["bias"] == (B, 1, 96, 160), forms
+    assert rel(o, ref) < FWD_TOL[torch.bfloat16]
+    d_o = torch.randn_like(o)
+    grads = torch.autograd.grad(o, (q, k, v, mask), d_o)
+    assert grads[3].dtype == torch.float32
+    for g, rg in zip(grads, torch.autograd.grad(ref, leaves, d_o.double())):
+        assert rel(g, rg) < BWD_TOL[torch.bfloat16]
+
+
 def test_dropout_draws_from_torchs_generator_and_keeps_the_expectation():
     q, k, v = (torch.randn(2, HQ, 128, D, device=DEV, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
     mask = key_padding([128, 50], 128)

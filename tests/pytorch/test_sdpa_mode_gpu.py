@@ -192,7 +192,8 @@ def test_a_float32_mask_beside_bfloat16_queries_is_served_and_finite(mode):
     grads = torch.autograd.grad(out, (q, k, v), g)
     assert fastattn.stats()["sdpa"]["served"] == before + 1, fastattn.stats()["sdpa"]
     leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
-    ref = torch.ops.aten._scaled_dot_product_attention_math(*leaves, attn_mask=mask.double())[0]
+    # (against the mask as the mode reads it, rounded to bfloat16: what it promises)
+    ref = torch.ops.aten._scaled_dot_product_attention_math(*leaves, attn_mask=mask.bfloat16().double())[0]
     want = torch.autograd.grad(ref, leaves, g.double())
     for got, r in zip((out, *grads), (ref, *want)):
         assert torch.isfinite(got).all()
