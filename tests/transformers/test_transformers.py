@@ -14,6 +14,8 @@ from __future__ import annotations
 import math
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch", reason="PyTorch is an optional extra (pip install torch)")
 transformers = pytest.importorskip("transformers", reason="transformers is an optional extra")
@@ -383,6 +385,61 @@ def test_the_rows_that_see_no_key_are_found_in_every_form_of_one_query(window):
     first_hidden = torch.tensor([[0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]]).bool()
     form = fa_tf.attention_mask(2, 1, 6, q_offset=0, kv_offset=0, mask_function=fn, attention_mask=first_hidden)
     assert not form.bottom_right and form.empty.tolist() == [[True], [False]]  # top left: sees key 0 alone
+
+
+@st.composite
+def _mask_calls(draw):
+    """One mask function call as transformers makes it in prefill, a chunk of prefill over a
+    cache, or a decode step, with any 2-D padding mask (left, right, holes, rows of none)."""
+    b, kv = draw(st.integers(1, 3)), draw(st.integers(1, 9))
+    step = draw(st.sampled_from(["prefill", "chunk", "decode"]))
+    q = {"prefill": kv, "decode": 1, "chunk": draw(st.integers(1, kv))}[step]
+    window = draw(st.sampled_from([None, None, 1, 2, 4]))
+    pattern = draw(st.sampled_from(["none", "ones", "left", "right", "holes"]))
+    rows = []
+    for _ in range(b):
+        n = draw(st.integers(0, kv))
+        if pattern == "left":
+            rows.append([0] * (kv - n) + [1] * n)
+        elif pattern == "right":
+            rows.append([1] * n + [0] * (kv - n))
+        elif pattern == "holes":
+            rows.append(draw(st.lists(st.integers(0, 1), min_size=kv, max_size=kv)))
+        else:
+            rows.append([1] * kv)
+    padding = None if pattern == "none" else torch.tensor(rows, dtype=torch.bool)  # (as transformers hands it)
+    return dict(b=b, q=q, kv=kv, q_offset=kv - q, window=window, padding=padding)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(c=_mask_calls())
+def test_any_padding_and_step_attends_to_what_transformers_own_mask_keeps(calls, c):
+    # The mask function's form, run by the attention function (the float64 model for
+    # fastattn's kernels), against attention over transformers' own boolean mask (sdpa_mask)
+    # in float64: equal on every row of a real token that keeps a key, zeros on every row
+    # that keeps none. A padding token's row that keeps keys (right padding) is finite: no
+    # output of a real token reads it; fastattn's lengths give it zeros, as transformers'
+    # flash path does, where its sdpa path attends over the real keys.
+    from types import SimpleNamespace
+
+    from transformers import masking_utils as mu
+
+    fn = mu.causal_mask_function if c["window"] is None else mu.sliding_window_causal_mask_function(c["window"])
+    b, sq, skv = c["b"], c["q"], c["kv"]
+    form = fa_tf.attention_mask(b, sq, skv, q_offset=c["q_offset"], mask_function=fn, attention_mask=c["padding"])
+    want = mu.sdpa_mask(batch_size=b, q_length=sq, kv_length=skv, q_offset=c["q_offset"], mask_function=fn,
+                        attention_mask=c["padding"], allow_is_causal_skip=False)
+    g = torch.Generator().manual_seed(sq * 100 + skv)
+    q = torch.randn(b, 4, sq, 16, generator=g)
+    k, v = (torch.randn(b, 2, skv, 16, generator=g) for _ in range(2))
+    out, _ = fa_tf.attention_forward(SimpleNamespace(is_causal=True), q, k, v, form, scaling=0.25)
+    keep = want.expand(b, 4, sq, skv)
+    ref = _core(q.double(), k.double(), v.double(), keep, 0.25, None, None, 0.0).transpose(1, 2)
+    seen = keep.any(-1).transpose(1, 2)  # (b, sq, heads)
+    real = torch.ones(b, sq, 1, dtype=torch.bool) if c["padding"] is None else c["padding"][:, -sq:, None]
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.double()[seen & real], ref[seen & real], atol=1e-5, rtol=1e-5)
+    assert (out.double()[~seen] == 0).all()  # rows that keep no key: zeros
 
 
 # -- benchmarks/bench_transformers.py -----------------------------------------------------------
