@@ -367,8 +367,9 @@ def _bias_for(form: FastattnMask, q: torch.Tensor, k: torch.Tensor, training: bo
         return None
     bias = form.bias.to(q.dtype)
     if training and q.shape[1] > 1:
-        bias = _open_empty_rows(bias.expand(bias.shape[0], 1, q.shape[1], bias.shape[3]), form, training)
-    return bias.contiguous()
+        bias = bias.expand(bias.shape[0], 1, q.shape[1], bias.shape[3])
+    # (also with one query: a sequence of padding alone has a row that sees no key)
+    return _open_empty_rows(bias, form, training).contiguous()
 
 
 def _open_empty_rows(bias: torch.Tensor, form: FastattnMask, training: bool) -> torch.Tensor:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch", reason="PyTorch is an optional extra (pip install torch)")
@@ -73,8 +73,8 @@ def make_attention(calls):
         if bias is not None:
             assert bias.dtype == q.dtype and bias.is_contiguous() and bias.dim() == 4
             assert bias.shape[2] in (1, sq) and bias.shape[3] == skv
-            if bias.shape[2] == 1 and torch.is_grad_enabled() and q.requires_grad:
-                raise AssertionError("a one-row bias with gradients")
+            if bias.shape[2] == 1 and sq > 1 and torch.is_grad_enabled() and q.requires_grad:
+                raise AssertionError("a one-row bias broadcast over the queries with gradients")  # (as the core)
             if torch.is_grad_enabled() and q.requires_grad:
                 # A row whose every key the bias masks has a log-sum-exp near finfo.min,
                 # where cuDNN 9.19's SM90 backward gives NaN (issue 27): the adapter must
@@ -408,11 +408,15 @@ def _mask_calls(draw):
         else:
             rows.append([1] * kv)
     padding = None if pattern == "none" else torch.tensor(rows, dtype=torch.bool)  # (as transformers hands it)
-    return dict(b=b, q=q, kv=kv, q_offset=kv - q, window=window, padding=padding)
+    return dict(b=b, q=q, kv=kv, q_offset=kv - q, window=window, padding=padding, grad=draw(st.booleans()))
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(c=_mask_calls())
+# Hypothesis's find: one query with gradients beside a sequence of padding alone (its row
+# kept every key's finfo.min bias into the backward, where cuDNN 9.19 gives NaN: issue 27).
+@example(c=dict(b=2, q=1, kv=2, q_offset=1, window=None, padding=torch.tensor([[False, False], [True, True]]),
+                grad=True))
 def test_any_padding_and_step_attends_to_what_transformers_own_mask_keeps(calls, c):
     # The mask function's form, run by the attention function (the float64 model for
     # fastattn's kernels), against attention over transformers' own boolean mask (sdpa_mask)
@@ -430,16 +434,23 @@ def test_any_padding_and_step_attends_to_what_transformers_own_mask_keeps(calls,
     want = mu.sdpa_mask(batch_size=b, q_length=sq, kv_length=skv, q_offset=c["q_offset"], mask_function=fn,
                         attention_mask=c["padding"], allow_is_causal_skip=False)
     g = torch.Generator().manual_seed(sq * 100 + skv)
-    q = torch.randn(b, 4, sq, 16, generator=g)
-    k, v = (torch.randn(b, 2, skv, 16, generator=g) for _ in range(2))
+    q = torch.randn(b, 4, sq, 16, generator=g).requires_grad_(c["grad"])
+    k, v = (torch.randn(b, 2, skv, 16, generator=g).requires_grad_(c["grad"]) for _ in range(2))
     out, _ = fa_tf.attention_forward(SimpleNamespace(is_causal=True), q, k, v, form, scaling=0.25)
     keep = want.expand(b, 4, sq, skv)
-    ref = _core(q.double(), k.double(), v.double(), keep, 0.25, None, None, 0.0).transpose(1, 2)
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref = _core(*leaves, keep, 0.25, None, None, 0.0).transpose(1, 2)
     seen = keep.any(-1).transpose(1, 2)  # (b, sq, heads)
     real = torch.ones(b, sq, 1, dtype=torch.bool) if c["padding"] is None else c["padding"][:, -sq:, None]
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out.double()[seen & real], ref[seen & real], atol=1e-5, rtol=1e-5)
     assert (out.double()[~seen] == 0).all()  # rows that keep no key: zeros
+    if c["grad"]:  # a loss over the real tokens' rows: the same gradients
+        weight = torch.randn(out.shape, generator=g, dtype=torch.float64) * (seen & real)[..., None]
+        grads = torch.autograd.grad((out.double() * weight).sum(), (q, k, v))
+        want_grads = torch.autograd.grad((ref * weight).sum(), leaves)
+        for ours, theirs in zip(grads, want_grads):
+            torch.testing.assert_close(ours.double(), theirs, atol=1e-5, rtol=1e-5)
 
 
 # -- benchmarks/bench_transformers.py -----------------------------------------------------------

@@ -225,3 +225,31 @@ def test_the_sdpa_mode_serves_every_attention_call_of_an_sdpa_model(kind):
             step = int(differ[0])
             top = b.scores[step][row].float().topk(2).values
             assert float(top[0] - top[1]) < TIE, (row, step)
+
+
+@pytest.mark.parametrize("sq", [1, 8])
+def test_a_sequence_of_padding_alone_leaves_every_gradient_finite(sq):
+    # A batch with one sequence that is all padding, with gradients: its rows see no key.
+    # A row whose every score is finfo.min makes cuDNN 9.19's SM90 backward give NaN in
+    # every gradient of the batch (issue 27); the adapter opens such rows for the backward
+    # and zeroes their outputs. With one query it once did not (found on the CPU model).
+    from types import SimpleNamespace
+
+    from transformers import masking_utils as mu
+
+    padding = torch.tensor([[False] * 64, [True] * 64], device=DEV)
+    form = fastattn.integrations.transformers.attention_mask(2, sq, 64, q_offset=64 - sq,
+                                                             mask_function=mu.causal_mask_function,
+                                                             attention_mask=padding)
+    g = torch.Generator(device=DEV).manual_seed(0)
+    q = torch.randn(2, 8, sq, 64, device=DEV, dtype=torch.bfloat16, generator=g).requires_grad_()
+    k, v = (torch.randn(2, 2, 64, 64, device=DEV, dtype=torch.bfloat16, generator=g).requires_grad_()
+            for _ in range(2))
+    out, _ = fastattn.integrations.transformers.attention_forward(SimpleNamespace(is_causal=True), q, k, v, form)
+    assert (out[0] == 0).all()  # the padding sequence's rows: zeros
+    grads = torch.autograd.grad(out.float().square().sum(), (q, k, v))
+    assert all(torch.isfinite(t).all() for t in grads)
+    below = torch.ones(sq, 64, dtype=torch.bool, device=DEV).tril(64 - sq)  # causal at the bottom right
+    ref = torch.nn.functional.scaled_dot_product_attention(*(t[1:].detach().double() for t in (q, k, v)),
+                                                           attn_mask=below, enable_gqa=True)
+    torch.testing.assert_close(out[1:].double(), ref.transpose(1, 2), atol=2e-2, rtol=2e-2)
