@@ -459,19 +459,21 @@ def _keep(form: FastattnMask, b, sq, skv, device) -> torch.Tensor:
         return form.full if form.full.dtype == torch.bool else form.full > torch.finfo(form.full.dtype).min
     i = torch.arange(sq, device=device)[:, None]
     j = torch.arange(skv, device=device)[None, :]
-    if form.cu_seqlens is not None:  # one packed row: the same sequence only, positions within it
-        seq = torch.zeros(sq, dtype=torch.long, device=device)
+    if form.cu_seqlens is not None:
+        # Packed rows: a query sees its own sequence only. cu_seqlens counts over the batch's
+        # rows laid end to end (each row starts a sequence), so sequence ids are taken over
+        # all b * sq tokens and then split back into rows.
+        seq = torch.zeros(b * sq, dtype=torch.long, device=device)
         seq[form.cu_seqlens[1:-1].long()] = 1
-        seq = seq.cumsum(0)
-        keep = seq[:, None] == seq[None, :]
+        seq = seq.cumsum(0).reshape(b, sq)
+        keep = (seq[:, :, None] == seq[:, None, :])[:, None]
     else:
-        keep = torch.ones(sq, skv, dtype=torch.bool, device=device)
+        keep = torch.ones(1, 1, sq, skv, dtype=torch.bool, device=device)
     shift = skv - sq if form.bottom_right else 0
     if form.causal:
-        keep &= j <= i + shift
+        keep = keep & (j <= i + shift)
     if form.window_left >= 0:
-        keep &= j >= i + shift - form.window_left
-    keep = keep[None, None]
+        keep = keep & (j >= i + shift - form.window_left)
     if form.seq_lens is not None:
         inside = (torch.arange(skv, device=device) < form.seq_lens[:, None])[:, None, None, :]
         keep = keep & inside

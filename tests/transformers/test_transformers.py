@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from hypothesis import HealthCheck, example, given, settings
+from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch", reason="PyTorch is an optional extra (pip install torch)")
@@ -390,12 +390,24 @@ def test_the_rows_that_see_no_key_are_found_in_every_form_of_one_query(window):
 @st.composite
 def _mask_calls(draw):
     """One mask function call as transformers makes it in prefill, a chunk of prefill over a
-    cache, or a decode step, with any 2-D padding mask (left, right, holes, rows of none)."""
+    cache, a decode step or a static cache's step, with any 2-D padding mask (left, right,
+    holes, rows of none) or sequences packed by their position ids."""
     b, kv = draw(st.integers(1, 3)), draw(st.integers(1, 9))
-    step = draw(st.sampled_from(["prefill", "chunk", "decode"]))
-    q = {"prefill": kv, "decode": 1, "chunk": draw(st.integers(1, kv))}[step]
+    step = draw(st.sampled_from(["prefill", "chunk", "decode", "static"]))
+    q = {"prefill": kv, "decode": 1, "chunk": draw(st.integers(1, kv)), "static": draw(st.integers(1, kv))}[step]
+    # a static cache: the queries sit before the end of the keys (its unwritten tail)
+    offset = draw(st.integers(0, kv - q)) if step == "static" else kv - q
     window = draw(st.sampled_from([None, None, 1, 2, 4]))
-    pattern = draw(st.sampled_from(["none", "ones", "left", "right", "holes"]))
+    pattern = draw(st.sampled_from(["none", "ones", "left", "right", "holes", "packed"]))
+    packed = None
+    if pattern == "packed":  # sequences packed into each row, from restarting position ids (prefill)
+        q = kv
+        rows = []
+        for _ in range(b):
+            cuts = sorted(draw(st.sets(st.integers(1, kv - 1), max_size=3))) if kv > 1 else []
+            rows.append(torch.cat([torch.arange(e - a) for a, e in zip([0, *cuts], [*cuts, kv])]))
+        packed = torch.stack(rows)
+        pattern = "none"
     rows = []
     for _ in range(b):
         n = draw(st.integers(0, kv))
@@ -408,7 +420,10 @@ def _mask_calls(draw):
         else:
             rows.append([1] * kv)
     padding = None if pattern == "none" else torch.tensor(rows, dtype=torch.bool)  # (as transformers hands it)
-    return dict(b=b, q=q, kv=kv, q_offset=kv - q, window=window, padding=padding, grad=draw(st.booleans()))
+    return dict(b=b, q=q, kv=kv, q_offset=offset if packed is None else 0, window=window, padding=padding,
+                position_ids=packed,
+                grad=draw(st.booleans()),
+                softcap=draw(st.sampled_from([0.0, 0.0, 2.0])), sinks=draw(st.booleans()))
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -416,7 +431,10 @@ def _mask_calls(draw):
 # Hypothesis's find: one query with gradients beside a sequence of padding alone (its row
 # kept every key's finfo.min bias into the backward, where cuDNN 9.19 gives NaN: issue 27).
 @example(c=dict(b=2, q=1, kv=2, q_offset=1, window=None, padding=torch.tensor([[False, False], [True, True]]),
-                grad=True))
+                position_ids=None, grad=True, softcap=0.0, sinks=False))
+# and: sinks (the exact fallback) with sequences packed into more than one row (an IndexError)
+@example(c=dict(b=2, q=3, kv=3, q_offset=0, window=None, padding=None, position_ids=torch.tensor([[0, 1, 0], [0, 0, 1]]),
+                grad=False, softcap=0.0, sinks=True))
 def test_any_padding_and_step_attends_to_what_transformers_own_mask_keeps(calls, c):
     # The mask function's form, run by the attention function (the float64 model for
     # fastattn's kernels), against attention over transformers' own boolean mask (sdpa_mask)
@@ -429,6 +447,10 @@ def test_any_padding_and_step_attends_to_what_transformers_own_mask_keeps(calls,
     from transformers import masking_utils as mu
 
     fn = mu.causal_mask_function if c["window"] is None else mu.sliding_window_causal_mask_function(c["window"])
+    if c.get("position_ids") is not None:  # as transformers' create_causal_mask does for packed sequences
+        found = mu.find_packed_sequence_indices(c["position_ids"])
+        if found is not None:
+            fn = mu.and_masks(fn, mu.packed_sequence_mask_function(found))
     b, sq, skv = c["b"], c["q"], c["kv"]
     form = fa_tf.attention_mask(b, sq, skv, q_offset=c["q_offset"], mask_function=fn, attention_mask=c["padding"])
     want = mu.sdpa_mask(batch_size=b, q_length=sq, kv_length=skv, q_offset=c["q_offset"], mask_function=fn,
@@ -436,10 +458,15 @@ def test_any_padding_and_step_attends_to_what_transformers_own_mask_keeps(calls,
     g = torch.Generator().manual_seed(sq * 100 + skv)
     q = torch.randn(b, 4, sq, 16, generator=g).requires_grad_(c["grad"])
     k, v = (torch.randn(b, 2, skv, 16, generator=g).requires_grad_(c["grad"]) for _ in range(2))
-    out, _ = fa_tf.attention_forward(SimpleNamespace(is_causal=True), q, k, v, form, scaling=0.25)
+    event("form: " + ("packed" if form.cu_seqlens is not None else "transformers' mask" if form.full is not None
+                      else "key bias" if form.bias is not None else "lengths" if form.seq_lens is not None
+                      else "no mask"))
+    sinks = torch.randn(4, generator=g) if c["sinks"] else None
+    out, _ = fa_tf.attention_forward(SimpleNamespace(is_causal=True), q, k, v, form, scaling=0.25,
+                                     softcap=c["softcap"], s_aux=sinks)
     keep = want.expand(b, 4, sq, skv)
     leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
-    ref = _core(*leaves, keep, 0.25, None, None, 0.0).transpose(1, 2)
+    ref = _core(*leaves, keep, 0.25, None, sinks, c["softcap"]).transpose(1, 2)
     seen = keep.any(-1).transpose(1, 2)  # (b, sq, heads)
     real = torch.ones(b, sq, 1, dtype=torch.bool) if c["padding"] is None else c["padding"][:, -sq:, None]
     assert torch.isfinite(out).all()
