@@ -480,6 +480,50 @@ def test_any_padding_and_step_attends_to_what_transformers_own_mask_keeps(calls,
             torch.testing.assert_close(ours.double(), theirs, atol=1e-5, rtol=1e-5)
 
 
+class _PackedCache:
+    """transformers' paged cache as paged_attention_forward meets it: update() returns every
+    sequence's keys and values, packed (here the ones the test made)."""
+
+    def __init__(self, k, v):
+        self.k, self.v = k, v
+
+    def update(self, key_states, value_states, layer_idx, read_index, write_index):
+        return self.k, self.v
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(lens=st.lists(st.tuples(st.integers(0, 5), st.integers(0, 4)), min_size=1, max_size=4),
+       window=st.sampled_from([None, None, 1, 3]), softcap=st.sampled_from([0.0, 3.0]), sinks=st.booleans())
+def test_continuous_batchings_packed_steps_attend_as_each_sequence_would(calls, lens, window, softcap, sinks):
+    # One continuous-batching step: each sequence's new queries (0 to 5, decode or a chunk of
+    # prefill) are the last of its keys (cached ones before them); against float64
+    # attention per sequence, causal at the bottom right, with the layer's window, softcap
+    # and sinks (which run on the exact fallback).
+    from types import SimpleNamespace
+
+    q_lens = [a for a, _ in lens]
+    k_lens = [a + cached for a, cached in lens]
+    cu_q = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()])
+    cu_k = torch.tensor([0, *torch.tensor(k_lens).cumsum(0).tolist()])
+    g = torch.Generator().manual_seed(sum(k_lens) * 7 + len(lens))
+    q = torch.randn(1, 4, int(cu_q[-1]), 16, generator=g)
+    k, v = (torch.randn(int(cu_k[-1]), 2, 16, generator=g) for _ in range(2))
+    s_aux = torch.randn(4, generator=g) if sinks else None
+    module = SimpleNamespace(layer_idx=0, sliding_window=window, scaling=0.25)
+    out, _ = fa_tf.paged_attention_forward(module, q, torch.empty(0), torch.empty(0), None, _PackedCache(k, v),
+                                           cu_q, cu_k, max(q_lens), max(k_lens), read_index=None, write_index=None,
+                                           softcap=softcap, s_aux=s_aux)
+    assert out.shape == (int(cu_q[-1]), 4, 16) and torch.isfinite(out).all()
+    for n, (lq, lk) in enumerate(zip(q_lens, k_lens)):
+        if lq == 0:
+            continue
+        keep = _keep(lq, lk, True, True, None if window is None else (window - 1, 0))
+        qs = q[:, :, int(cu_q[n]):int(cu_q[n + 1])].double()
+        ks, vs = (t[int(cu_k[n]):int(cu_k[n + 1])].transpose(0, 1)[None].double() for t in (k, v))
+        ref = _core(qs, ks, vs, keep, 0.25, None, s_aux, softcap)[0].transpose(0, 1)
+        torch.testing.assert_close(out[int(cu_q[n]):int(cu_q[n + 1])].double(), ref, atol=1e-5, rtol=1e-5)
+
+
 # -- benchmarks/bench_transformers.py -----------------------------------------------------------
 
 def test_the_benchmark_parses_its_arguments_and_refuses_to_run_without_cuda():
