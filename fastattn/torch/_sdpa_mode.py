@@ -32,6 +32,7 @@ take the same side.
 
 from __future__ import annotations
 
+import logging
 import threading
 import warnings
 from typing import NamedTuple
@@ -40,7 +41,7 @@ import torch
 
 from .. import runtime
 from ..config import LAYOUTS, axes
-from ..errors import InvalidArgumentError, NotSupportedError
+from ..errors import FastAttnError, InvalidArgumentError, NotSupportedError
 from . import _dense, _native
 from ._plans import DTYPES, capturing
 
@@ -92,6 +93,7 @@ _routes: dict[tuple, _Route | str] = {}
 # ones, a reason the ones PyTorch's kernels ran; and the op library whose C++ kernels the
 # mode registered, which counts its own (csrc/sdpa.cpp).
 _calls: dict[str | None, int] = {}
+_said: set[str] = set()  # the reasons _decide logged: fastattn failing here, not a refusal
 _calls_lock = threading.Lock()
 # .counted: the composite kernel counted the call the cuDNN operator's kernel runs below
 # it on this thread (csrc/sdpa.cpp t_counted)
@@ -109,7 +111,9 @@ def enable_sdpa() -> None:
     kernel. Works under torch.compile (fullgraph: the cuDNN operator, not fastattn's
     Python, is what the graph holds) and CUDA-graph capture (after one call of each shape
     outside the capture, as fastattn.torch's entry points). Served and passed-on calls,
-    with the reasons, are counted in fastattn.stats()["sdpa"]. Calling it again changes
+    with the reasons, are counted in fastattn.stats()["sdpa"]; where fastattn cannot run
+    at all (cuDNN not loadable, a CUDA failure) the calls are PyTorch's too, and the
+    reason is also logged once (the "fastattn" logger). Calling it again changes
     nothing; `disable_sdpa()` undoes it. Also done when fastattn.torch is imported with
     FASTATTN_SDPA=1 (never otherwise).
 
@@ -334,6 +338,15 @@ def _decide(q, k, v, attn_bias, dropout_p, is_causal, scale, training) -> _Route
         _dense.plan_for(ql, kl, vl, None, None, None, _bias(attn_bias, q, k, training), None, options)
     except (NotSupportedError, InvalidArgumentError) as e:  # cuDNN's refusal, or a plan not loadable now
         return f"{type(e).__name__}: {e}"
+    except FastAttnError as e:
+        # fastattn cannot run here (cuDNN not loadable, a CUDA or cuDNN failure): the mode
+        # stands aside, PyTorch's kernels answer; said once a reason, as it is not a refusal.
+        reason = f"{type(e).__name__}: {e}"
+        if reason not in _said:
+            _said.add(reason)
+            logging.getLogger("fastattn").warning("the SDPA mode hands calls to PyTorch's kernels (counted in "
+                                                  "fastattn.stats()['sdpa']): %s", reason)
+        return reason
     # The output's strides and logsumexp's shape PyTorch's Meta kernel gives (what
     # torch.compile's graphs were traced with), and the backward's (empty_like of each
     # input), by their rules below: asking the Meta kernel itself would import sympy and

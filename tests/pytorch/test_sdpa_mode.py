@@ -805,3 +805,25 @@ def test_the_composite_serves_or_hands_on_any_call_as_pytorch_would_answer_it(ei
     if m is not None and m.dtype == torch.bool:
         empty = ~m.expand(c["b"], c["hq"], c["sq"], c["skv"]).any(-1)
         assert (out[empty] == 0).all() and (q.grad[empty] == 0).all()
+
+
+def test_where_fastattn_cannot_run_the_mode_stands_aside_and_says_so_once(composite, monkeypatch, caplog):
+    # cuDNN not loadable (or a CUDA failure) is no refusal of one call: every call is then
+    # PyTorch's, counted with the reason, and the reason is logged once, not per call.
+    from fastattn import LibraryError
+
+    def unloadable(*args):
+        raise LibraryError("libcudnn.so.9 could not be loaded")
+
+    monkeypatch.setattr(_dense, "plan_for", unloadable)
+    monkeypatch.setattr(_sdpa_mode, "_said", set())
+    reason = "LibraryError: libcudnn.so.9 could not be loaded"
+    with caplog.at_level("WARNING", logger="fastattn"):
+        for s in (3, 5, 3):
+            q, k, v = (t.detach() for t in _qkv(1, 4, 4, s, s, 16))
+            out = SDPA(q, k, v, is_causal=True)
+            assert torch.equal(out, torch.ops.aten.scaled_dot_product_attention.default.decompose(
+                q, k, v, None, 0.0, True))  # PyTorch's own answer
+    assert _sdpa_mode.sdpa_calls() == {"served": 0, "passed_on": {reason: 3}}
+    assert [r.getMessage() for r in caplog.records] == [
+        f"the SDPA mode hands calls to PyTorch's kernels (counted in fastattn.stats()['sdpa']): {reason}"]
