@@ -63,8 +63,8 @@ FALLBACK_FORWARD_ARGS = ("query", "key", "value", "attn_bias", "cum_seq_q", "cum
 # (the op library's kernel is given these: csrc/sdpa.cpp early()).
 EARLY = ("query, key, value or attn_mask: not a plain strided tensor of static shape on the query's device, "
          "or query, key, value not of 4 dims",
-         "attn_mask: requires grad, or is neither boolean nor floating, or does not broadcast to (batch, heads, "
-         "seq_q, seq_kv)",
+         "attn_mask: requires grad, or is neither boolean nor floating, or has fewer than 2 dims (PyTorch 2.11's "
+         "SDPA raises an IndexError for it) or does not broadcast to (batch, heads, seq_q, seq_kv)",
          "heads: key and value have fewer heads than query and enable_gqa is False (PyTorch's error)")
 
 
@@ -503,7 +503,7 @@ def _early(q, k, v, attn_mask, enable_gqa) -> str | None:
         return EARLY[0]
     if attn_mask is not None:
         m = attn_mask
-        if ((m.requires_grad and torch.is_grad_enabled()) or m.dim() > 4
+        if ((m.requires_grad and torch.is_grad_enabled()) or not 2 <= m.dim() <= 4
                 or not (m.dtype == torch.bool or m.dtype.is_floating_point)):
             return EARLY[1]
         out = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])

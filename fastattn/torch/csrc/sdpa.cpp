@@ -297,7 +297,7 @@ int early(const Tensor &q, const Tensor &k, const Tensor &v, const OptTensor &ma
     }
     if (given(mask)) {
         const Tensor &m = *mask;
-        if ((m.requires_grad() && at::GradMode::is_enabled()) || m.dim() > 4 ||
+        if ((m.requires_grad() && at::GradMode::is_enabled()) || m.dim() < 2 || m.dim() > 4 ||
             (m.scalar_type() != at::kBool && !at::isFloatingType(m.scalar_type()))) {
             return 1;
         }
