@@ -540,10 +540,24 @@ def _masks(b, h, sq, skv):
     }
 
 
-def _mask64(mask):
+def _mask64(mask, dtype=torch.bfloat16):
     """The reference's mask: a float mask as the kernel reads it (rounded to the queries'
-    bfloat16: what the mode promises for a float32 one), in float64."""
-    return mask if mask is None or mask.dtype == torch.bool else mask.bfloat16().double()
+    dtype: what the mode promises for a float32 one), in float64."""
+    return mask if mask is None or mask.dtype == torch.bool else mask.to(dtype).double()
+
+
+def _assert_sdpas_in_float64(out, q, k, v, mask, grad_tol=3e-2, **kwargs):
+    """A served call's output, and the gradients it gives q, k and v (through a random
+    output gradient), against PyTorch's SDPA in float64 with the mask as the mode reads it
+    (_mask64)."""
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref = SDPA(q64, k64, v64, attn_mask=_mask64(mask, q.dtype), **kwargs)
+    torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=2e-2)
+    g = torch.randn_like(ref)
+    (out.double() * g).sum().backward()
+    (ref * g).sum().backward()
+    for ours, theirs in zip((q, k, v), (q64, k64, v64)):
+        torch.testing.assert_close(ours.grad.double(), theirs.grad, atol=grad_tol, rtol=grad_tol)
 
 
 @pytest.mark.parametrize("mask_name", list(_masks(2, 4, 5, 7)))
@@ -554,17 +568,10 @@ def test_every_sdpa_call_fastattn_takes_is_served_with_gradients(composite, mask
     out = SDPA(q, k, v, attn_mask=mask, enable_gqa=gqa)
     assert _sdpa_mode.sdpa_calls() == {"served": 1, "passed_on": {}}
     assert [c[0] for c in composite.calls] == ["plan", "forward"]
-    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
-    ref = SDPA(q64, k64, v64, attn_mask=_mask64(mask), enable_gqa=gqa)
+    _assert_sdpas_in_float64(out, q, k, v, mask, enable_gqa=gqa)
     # the reference itself (float64) is PyTorch's, counted as passed on with the dtype's reason
     assert [r for r in _sdpa_mode.sdpa_calls()["passed_on"]] == ["dtype torch.float64: fastattn takes float16 "
                                                                   "and bfloat16"]
-    torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=2e-2)
-    g = torch.randn_like(ref)
-    (out.double() * g).sum().backward()
-    (ref * g).sum().backward()
-    for ours, theirs in zip((q, k, v), (q64, k64, v64)):
-        torch.testing.assert_close(ours.grad.double(), theirs.grad, atol=3e-2, rtol=3e-2)
     assert [c[0] for c in composite.calls] == ["plan", "forward", "backward"]
     if mask is not None and mask.dtype == torch.bool:  # the rows that keep no key: zeros, and no gradient
         empty = ~mask.expand(2, 4, 5, 7).any(-1)
@@ -793,15 +800,8 @@ def test_the_composite_serves_or_hands_on_any_call_as_pytorch_would_answer_it(ei
         return
     event("served, " + ("no mask" if c["mask"] is None else f"{c['mask'].dtype} mask"))
     m = c["mask"]
-    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
-    m64 = None if m is None else (m if m.dtype == torch.bool else m.to(c["dtype"]).double())
-    ref = SDPA(q64, k64, v64, attn_mask=m64, is_causal=c["causal"], scale=c["scale"], enable_gqa=c["gqa"])
-    torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=2e-2)
-    g = torch.randn_like(ref)
-    (out.double() * g).sum().backward()
-    (ref * g).sum().backward()
-    for ours, theirs in zip((q, k, v), (q64, k64, v64)):
-        torch.testing.assert_close(ours.grad.double(), theirs.grad, atol=4e-2, rtol=4e-2)
+    _assert_sdpas_in_float64(out, q, k, v, m, grad_tol=4e-2, is_causal=c["causal"], scale=c["scale"],
+                             enable_gqa=c["gqa"])
     assert not c["rank3"] and c["sq"] > 0 and (c["scale"] is None or c["scale"] > 0)  # (those are handed on)
     if m is not None and m.dtype == torch.bool:
         empty = ~m.expand(c["b"], c["hq"], c["sq"], c["skv"]).any(-1)
