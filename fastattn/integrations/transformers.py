@@ -150,7 +150,12 @@ def _readable(t: torch.Tensor | None) -> bool:
         return True
     if torch.compiler.is_compiling() or t.__class__ is not torch.Tensor or t.is_meta:
         return False
-    return not (t.is_cuda and torch.cuda.is_current_stream_capturing())
+    return not _capturing(t)
+
+
+def _capturing(t: torch.Tensor) -> bool:
+    """Whether t's device is capturing a CUDA graph on this thread's stream."""
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 def attention_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset=0, mask_function=None,
@@ -299,7 +304,8 @@ def paged_attention_forward(module: torch.nn.Module, q: torch.Tensor, k: torch.T
     layer's sliding window, scaling and softcap. attention_mask is not read (transformers
     5.17 builds one for paged|eager and paged|sdpa only): the cumulative lengths say it.
     Sinks (`s_aux`), which the varlen entry does not take, run on the exact float32
-    fallback, counted as every fallback is. Returns ((total_q, heads_q, dim_v), None)."""
+    fallback, counted as every fallback is; inside a CUDA-graph capture, which that
+    fallback's host reads would break, NotSupportedError says so instead. Returns ((total_q, heads_q, dim_v), None)."""
     if block_table is not None:  # transformers takes its decode fast path for flash_attention_2/3 names only
         raise NotImplementedError("paged|fastattn: a block table (transformers' flash decode fast path) is not taken")
     window = getattr(module, "sliding_window", None) or kwargs.get("sliding_window")
@@ -321,6 +327,13 @@ def paged_attention_forward(module: torch.nn.Module, q: torch.Tensor, k: torch.T
                              alignment="bottom_right", window=None if left < 0 else (left, 0), scale=scale,
                              softcap=cap)
     except NotSupportedError as e:
+        if _capturing(q):
+            # The fallback reads each sequence's bounds on the host: a synchronization, which
+            # would invalidate transformers' capture with CUDA's own terse error.
+            raise NotSupportedError(f"paged|fastattn inside a CUDA-graph capture: {str(e).splitlines()[0]}; the exact "
+                                    "fallback that runs it reads the sequences' lengths on the host, which a capture "
+                                    "cannot hold. Turn transformers' graphs off for this model "
+                                    "(ContinuousBatchingConfig(use_cuda_graph=False))") from None
         count_fallback("transformers", str(e).split("\n")[0])
         o = _eager_packed(q, k, v, cu_q, cu_k, left, scale, cap, None if sinks is None else sinks.float())
     return o, None

@@ -524,6 +524,29 @@ def test_continuous_batchings_packed_steps_attend_as_each_sequence_would(calls, 
         torch.testing.assert_close(out[int(cu_q[n]):int(cu_q[n + 1])].double(), ref, atol=1e-5, rtol=1e-5)
 
 
+def test_sinks_in_a_continuous_batching_capture_are_refused_by_name_and_uncounted(calls, monkeypatch):
+    # Sinks run on the exact fallback, which reads the sequences' bounds on the host: inside
+    # transformers' CUDA-graph capture that synchronization would break the capture with
+    # CUDA's own error. The capture is simulated (there is none on the CPU); outside one the
+    # same step runs and is counted.
+    from types import SimpleNamespace
+
+    cu = torch.tensor([0, 1, 2], dtype=torch.int32)
+    q = torch.randn(1, 4, 2, 16)
+    k, v = torch.randn(2, 2, 16), torch.randn(2, 2, 16)
+    module = SimpleNamespace(layer_idx=0, sliding_window=None, scaling=0.25)
+    step = dict(read_index=None, write_index=None, s_aux=torch.randn(4))
+    before = _fallback_counts()
+    monkeypatch.setattr(fa_tf, "_capturing", lambda t: True)
+    with pytest.raises(NotSupportedError, match=r"inside a CUDA-graph capture: sinks .*use_cuda_graph=False"):
+        fa_tf.paged_attention_forward(module, q, k, v, None, _PackedCache(k, v), cu, cu, 1, 1, **step)
+    assert _fallback_counts() == before
+    monkeypatch.setattr(fa_tf, "_capturing", lambda t: False)
+    out, _ = fa_tf.paged_attention_forward(module, q, k, v, None, _PackedCache(k, v), cu, cu, 1, 1, **step)
+    assert out.shape == (2, 4, 16) and torch.isfinite(out).all()
+    assert sum(_fallback_counts().values()) == sum(before.values()) + 1
+
+
 # -- benchmarks/bench_transformers.py -----------------------------------------------------------
 
 def test_the_benchmark_parses_its_arguments_and_refuses_to_run_without_cuda():
