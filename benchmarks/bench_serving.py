@@ -37,7 +37,8 @@ import sys
 import tempfile
 import time
 
-from _common import emit, first_error, fresh, fresh_cache_env, header, paired_ratio, require_cuda, rotated  # (benchmarks/ on sys.path)
+from _common import (emit, first_error, fresh, fresh_cache_env, header, paired_ratio,  # (benchmarks/ on sys.path)
+                     require_cuda, rotated, write_json)
 
 COMMON = dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=4, num_attention_heads=16,
               num_key_value_heads=4, head_dim=64, max_position_embeddings=4096, bos_token_id=1, eos_token_id=2,
@@ -180,6 +181,19 @@ def summarize(runs: dict) -> dict:
     return out
 
 
+def _progress(res: dict, json_path: str | None, case: str, peer: str, row: dict) -> None:
+    """One process's result, said as it comes, and res (the runs so far) written: a run cut
+    short (a device call's time limit) keeps what it measured (a 256-request run without
+    CUDA graphs outlasted its session's device time with nothing written, s25-3)."""
+    if row.get("tokens_per_s") is not None:
+        said = f"{row['tokens_per_s']:.1f} tokens/s"
+    else:
+        lines = str(row.get("error") or "?").strip().splitlines() or ["?"]
+        said = f"failed: {lines[-1]}"
+    print(f"{case}: {peer} {said} ({_fmt(row.get('process_seconds'))} s)", flush=True)
+    write_json(res, json_path)
+
+
 def _fmt(x, spec=".1f") -> str:
     return "n/a" if x is None else format(x, spec)
 
@@ -221,17 +235,20 @@ def main(argv=None) -> int:
         for n in args.requests:
             case = f"{kind}, {n} requests"
             cold = _spawned("fastattn_cold", kind, n, args.new_tokens, env, args.cuda_graphs)
+            res["cases"][case] = {"fastattn_cold": cold}  # the case's summary replaces it below
+            _progress(res, args.json, case, "fastattn_cold", cold)
             runs: dict = {peer: [] for peer in peers}
+            res["runs"][case] = runs
             for order in rotated(peers, args.rounds):
                 for peer in order:
                     runs[peer].append(_spawned(peer, kind, n, args.new_tokens, env, args.cuda_graphs))
+                    _progress(res, args.json, case, peer, runs[peer][-1])
             s = summarize(runs)
             s["peers"] = peers
             s["fastattn_cold"] = cold
             s["fallback_calls"] = sum(sum(r.get("fallbacks", {}).get("transformers", {}).values())
                                       for r in runs["fastattn"] if "error" not in r)
             res["cases"][case] = s
-            res["runs"][case] = runs
     res["seconds"] = time.perf_counter() - t0
     emit(res, args.json, summary(res))
     return 0

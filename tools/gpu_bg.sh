@@ -43,8 +43,11 @@ while [ ! -f "$BG/rc" ] && [ "$(date +%s)" -lt "$deadline" ]; do sleep 5; done
 if [ ! -f "$BG/rc" ]; then
   echo "still running at $(date +%T); its output and pytest's progress end:"
   tail -n 3 "$BG/run.log"; for f in /tmp/fastattn-logs.*/pytest*.log; do [ -f "$f" ] && { echo "$f:"; tail -c 300 "$f"; echo; }; done
-  # What it has so far, in case the machine goes back before the next call.
-  for f in /tmp/fastattn-logs.*/pytest*.log; do [ -f "$f" ] && cp "$f" "${OUT:-/tmp}/so-far-$(basename "$f")"; done
+  # What it has so far, in case the machine goes back before the next call: pytest's logs,
+  # and the benchmarks' (bench_serving.py writes its JSON after each process).
+  for f in /tmp/fastattn-logs.*/pytest*.log /tmp/fastattn-logs.*/bench_*; do
+    [ -f "$f" ] && cp "$f" "${OUT:-/tmp}/so-far-$(basename "$f")"
+  done
   exit 75
 fi
 cp "$BG"/out/* "${OUT:-/tmp}/" 2>/dev/null

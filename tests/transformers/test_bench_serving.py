@@ -88,3 +88,37 @@ def test_a_child_whose_requests_did_not_all_finish_fails_and_names_the_error(ben
     assert e.value.code == 1
     err = capsys.readouterr().err
     assert "2 of 3 requests did not finish (2 results came back)" in err and "CUDA out of memory" in err
+
+
+def test_each_process_is_said_and_written_as_it_ends(bench, monkeypatch, tmp_path, capsys):
+    # A run cut short keeps what it measured: after each fresh process, its line on stdout
+    # and the JSON with every run so far (the processes stood in; the GPU run is the benchmark).
+    import json
+
+    out = tmp_path / "serving.json"
+    seen = []
+
+    def spawned(peer, kind, n, new_tokens, env, cuda_graphs=False):
+        if seen:  # the JSON already holds every process before this one
+            res = json.loads(out.read_text())
+            rows = sum(len(r) for case in res["runs"].values() for r in case.values())
+            assert "fastattn_cold" in res["cases"]["llama, 8 requests"] and rows == len(seen) - 1
+        seen.append(peer)
+        if peer == "eager":
+            return {"error": "Traceback (most recent call last):\nRuntimeError: CUDA out of memory"}
+        return {"tokens_per_s": 100.0 + len(seen), "ttft_ms_median": 5.0, "ttft_ms_p90": 9.0, "seconds": 1.0,
+                "process_seconds": 3.0}
+
+    monkeypatch.setattr(bench, "_spawned", spawned)
+    monkeypatch.setattr(bench, "require_cuda", lambda script: None)
+    monkeypatch.setattr(bench, "header", lambda: {"date": "today"})
+    assert bench.main(["--requests", "8", "--rounds", "2", "--models", "llama", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "llama, 8 requests: fastattn_cold 101.0 tokens/s (3.0 s)" in text
+    assert "llama, 8 requests: eager failed: RuntimeError: CUDA out of memory (n/a s)" in text
+    assert len(seen) == 1 + 2 * len(bench.PEERS if bench.importlib.util.find_spec("flash_attn") else
+                                    [p for p in bench.PEERS if p != "flash_attention_2"])
+    res = json.loads(out.read_text())
+    case = res["cases"]["llama, 8 requests"]
+    assert case["fastattn_cold"]["tokens_per_s"] == 101.0 and case["eager"]["errors"] == 2
+    assert [len(rows) for rows in res["runs"]["llama, 8 requests"].values()] == [2] * len(case["peers"])
