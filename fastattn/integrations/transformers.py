@@ -42,8 +42,8 @@ parameter). A decode step with sinks (one query) runs as two copies of the query
 second kept, since cuDNN refuses sinks with one query. A left-padded batch's decode steps
 and chunked prefill (the key bias beside the cache's bottom-right diagonal) run on cuDNN in
 the form it takes (fastattn.AttentionConfig's alignment). Where cuDNN refuses a combination
-(for example sinks with packed sequences) the layer runs an exact float32
-computation in PyTorch instead, never a wrong answer: counted by reason in
+(for example sinks with one query at the top left of several keys) the layer runs an exact
+float32 computation in PyTorch instead, never a wrong answer: counted by reason in
 fastattn.stats()["fallbacks"]["transformers"], and logged the first time for each reason.
 
 "paged|fastattn" (paged_attention_forward, registered beside it): transformers' continuous
@@ -303,9 +303,11 @@ def paged_attention_forward(module: torch.nn.Module, q: torch.Tensor, k: torch.T
     its keys, causal at the bottom right (the queries are the last of the keys), with the
     layer's sliding window, scaling and softcap. attention_mask is not read (transformers
     5.17 builds one for paged|eager and paged|sdpa only): the cumulative lengths say it.
-    Sinks (`s_aux`), which the varlen entry does not take, run on the exact float32
-    fallback, counted as every fallback is; inside a CUDA-graph capture, which that
-    fallback's host reads would break, NotSupportedError says so instead. Returns ((total_q, heads_q, dim_v), None)."""
+    Sinks (`s_aux`) too, as float32 (cuDNN takes them with packed sequences; a decode
+    step's plan is declared for two queries, see attention_varlen). What cuDNN refuses
+    runs on the exact float32 fallback, counted as every fallback is; inside a CUDA-graph
+    capture, which that fallback's host reads would break, NotSupportedError says so
+    instead. Returns ((total_q, heads_q, dim_v), None)."""
     if block_table is not None:  # transformers takes its decode fast path for flash_attention_2/3 names only
         raise NotImplementedError("paged|fastattn: a block table (transformers' flash decode fast path) is not taken")
     window = getattr(module, "sliding_window", None) or kwargs.get("sliding_window")
@@ -318,14 +320,13 @@ def paged_attention_forward(module: torch.nn.Module, q: torch.Tensor, k: torch.T
     scale = kwargs.get("scaling", getattr(module, "scaling", None))
     cap = float(kwargs.get("softcap") or 0.0)
     sinks = kwargs.get("s_aux")
+    sinks = None if sinks is None else sinks.float()  # fastattn's sinks dtype (see attention_forward)
     cu_q, cu_k = cu_seq_lens_q.to(torch.int32), cu_seq_lens_k.to(torch.int32)
     left = window - 1 if window else -1
     try:
-        if sinks is not None:
-            raise NotSupportedError("sinks with packed sequences: fastattn's varlen entry has no sinks")
         o = attention_varlen(q, k, v, cu_q, cu_k, int(max_seqlen_q), int(max_seqlen_k), causal=True,
                              alignment="bottom_right", window=None if left < 0 else (left, 0), scale=scale,
-                             softcap=cap)
+                             softcap=cap, sinks=sinks)
     except NotSupportedError as e:
         if _capturing(q):
             # The fallback reads each sequence's bounds on the host: a synchronization, which
@@ -335,7 +336,7 @@ def paged_attention_forward(module: torch.nn.Module, q: torch.Tensor, k: torch.T
                                     "cannot hold. Turn transformers' graphs off for this model "
                                     "(ContinuousBatchingConfig(use_cuda_graph=False))") from None
         count_fallback("transformers", str(e).split("\n")[0])
-        o = _eager_packed(q, k, v, cu_q, cu_k, left, scale, cap, None if sinks is None else sinks.float())
+        o = _eager_packed(q, k, v, cu_q, cu_k, left, scale, cap, sinks)
     return o, None
 
 
@@ -426,8 +427,6 @@ def _zero_empty(o: torch.Tensor, form: FastattnMask) -> torch.Tensor:
 
 
 def _varlen(q, k, v, form: FastattnMask, cu_k, kwargs, scale, dropout, cap, sinks) -> torch.Tensor:
-    if sinks is not None:
-        raise NotSupportedError("sinks with packed sequences: fastattn's varlen entry has no sinks")
     b, sq, h, d = q.shape
     cu_q = form.cu_seqlens.to(torch.int32)
     cu_k = cu_q if cu_k is None else cu_k.to(torch.int32)
@@ -439,7 +438,7 @@ def _varlen(q, k, v, form: FastattnMask, cu_k, kwargs, scale, dropout, cap, sink
     o = attention_varlen(q.reshape(b * sq, h, d), k.reshape(-1, k.shape[2], d), v.reshape(-1, v.shape[2], v.shape[3]),
                          cu_q, cu_k, max_q, max_k, causal=form.causal,
                          alignment="bottom_right" if form.bottom_right else "top_left", window=window, scale=scale,
-                         dropout_p=dropout, softcap=cap)
+                         dropout_p=dropout, softcap=cap, sinks=sinks)
     return o.reshape(b, sq, h, v.shape[3])
 
 

@@ -220,21 +220,24 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
                      causal_bottom_right: bool = ..., window: tuple[int, int] | None = ...,
                      scale: float | None = ..., deterministic: bool = ..., alignment: str = ...,
                      alibi: bool = ..., dropout_p: float = ..., return_lse: Literal[False] = ...,
-                     softcap: float = ..., shape_classes: str | Sequence[int] | None = ...) -> torch.Tensor: ...
+                     softcap: float = ..., sinks: torch.Tensor | None = ...,
+                     shape_classes: str | Sequence[int] | None = ...) -> torch.Tensor: ...
 @overload
 def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                      cu_seqlens_kv: torch.Tensor, max_seqlen_q: int, max_seqlen_kv: int, *, causal: bool = ...,
                      causal_bottom_right: bool = ..., window: tuple[int, int] | None = ...,
                      scale: float | None = ..., deterministic: bool = ..., alignment: str = ...,
                      alibi: bool = ..., dropout_p: float = ..., return_lse: Literal[True],
-                     softcap: float = ..., shape_classes: str | Sequence[int] | None = ...) -> tuple[torch.Tensor, torch.Tensor]: ...
+                     softcap: float = ..., sinks: torch.Tensor | None = ...,
+                     shape_classes: str | Sequence[int] | None = ...) -> tuple[torch.Tensor, torch.Tensor]: ...
 @overload
 def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                      cu_seqlens_kv: torch.Tensor, max_seqlen_q: int, max_seqlen_kv: int, *, causal: bool = ...,
                      causal_bottom_right: bool = ..., window: tuple[int, int] | None = ...,
                      scale: float | None = ..., deterministic: bool = ..., alignment: str = ...,
                      alibi: bool = ..., dropout_p: float = ..., return_lse: bool = ...,
-                     softcap: float = ..., shape_classes: str | Sequence[int] | None = ...) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
+                     softcap: float = ..., sinks: torch.Tensor | None = ...,
+                     shape_classes: str | Sequence[int] | None = ...) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
 
 
 def _as_int(n):
@@ -251,7 +254,7 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
                      causal_bottom_right: bool = False, window: tuple[int, int] | None = None,
                      scale: float | None = None, deterministic: bool = False, alignment: str = "top_left",
                      alibi: bool = False, dropout_p: float = 0.0, return_lse: bool = False, softcap: float = 0.0,
-                     shape_classes: str | Sequence[int] | None = None
+                     sinks: torch.Tensor | None = None, shape_classes: str | Sequence[int] | None = None
                      ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention over packed variable-length sequences (FlashAttention's varlen layout),
     with autograd; cuDNN's THD kernels, one plan per batch size and length _varlen.bucket.
@@ -274,6 +277,9 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
       total_q), FlashAttention's varlen softmax_lse, without a gradient: returns (o, lse).
       It makes the call a training one (see attention()).
     softcap: logit soft-capping, as attention()'s (0.0: none).
+    sinks: attention sinks, as attention()'s: float32 (heads_q,), a logit per query head
+      in every softmax denominator, with its gradient. cuDNN takes no sinks in a graph of
+      one query, so such a plan is declared for two (lengths of one run in it).
     shape_classes: as attention()'s (None: FASTATTN_SHAPE_CLASSES). Plans are keyed by
       batch size and max lengths, never by token counts; with classes (eager calls), a
       max length inside a class takes the class's bound instead of its power of two, so
@@ -295,7 +301,7 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
             # checks and takes the call when they pass and no value needs converting;
             # NotImplemented hands the call to the body, which checks and reports.
             o = call(q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, causal, causal_bottom_right,
-                     window, scale, deterministic, alignment, alibi, dropout_p, return_lse, softcap)
+                     window, scale, deterministic, alignment, alibi, dropout_p, return_lse, softcap, sinks)
             if o is not NotImplemented:
                 return o
     _varlen._check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_kv)
@@ -312,7 +318,10 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
         _fields.check("bool", "return_lse", return_lse)
     if softcap.__class__ is not float or softcap != 0.0:
         softcap = _options.positive_or_zero("softcap", softcap)
-    grads = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    if sinks is not None:
+        _dense.check_sink(sinks, q, q.shape[1])
+    grads = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                         or (sinks is not None and sinks.requires_grad))
     training = grads or bool(return_lse)
     max_q, max_kv = _varlen.bucket(max_seqlen_q), _varlen.bucket(max_seqlen_kv)
     if classes and not compiling() and q.is_cuda:  # (traces keep the power-of-two buckets)
@@ -320,12 +329,14 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
         max_q, max_kv = c.upper(max_seqlen_q) or max_q, c.upper(max_seqlen_kv) or max_kv
     if training and max_q < VARLEN_MIN_TRAINING_Q:
         max_q = VARLEN_MIN_TRAINING_Q
+    if sinks is not None and max_q < VARLEN_MIN_SINKS_Q:
+        max_q = VARLEN_MIN_SINKS_Q
     options = _new(_varlen.VarlenOptions, (max_q, max_kv, bool(causal or causal_bottom_right),
                                    br, left, right, scale, bool(deterministic), training, bool(alibi),
                                    float(dropout_p), softcap))
     # Philox's seed and offset for dropout, drawn from PyTorch's generator (see attention()).
     rng = torch.randint(0, 2**62, (4,), device=q.device, dtype=torch.int64) if dropout_p else None
-    tensors = (q, k, v, cu_seqlens_q, cu_seqlens_kv, rng)
+    tensors = (q, k, v, cu_seqlens_q, cu_seqlens_kv, sinks, rng)
     if return_lse:
         if plain_eager(q):
             o, stats = (EagerWithStats.apply(_varlen.RULE, options, *tensors) if grads else _varlen.forward_impl(*tensors, options))
@@ -426,3 +437,4 @@ compiling, functorch_active = torch.compiler.is_compiling, _autograd.functorch_a
 dynamo_compiling = getattr(torch.compiler, "is_dynamo_compiling", compiling)
 Tensor = torch.Tensor
 VARLEN_MIN_TRAINING_Q = _options.VARLEN_MIN_TRAINING_Q  # (why: _options)
+VARLEN_MIN_SINKS_Q = _options.VARLEN_MIN_SINKS_Q

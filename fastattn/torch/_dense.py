@@ -249,10 +249,15 @@ def _check_extras(q: torch.Tensor, k: torch.Tensor, layout: str, bias, sink) -> 
         if not bias.is_contiguous():
             raise InvalidArgumentError("bias must be contiguous")
     if sink is not None:
-        if not isinstance(sink, torch.Tensor) or sink.dtype != torch.float32 or sink.device != q.device:
-            raise InvalidArgumentError(f"sinks: expected a torch.float32 tensor on {q.device}, got "
-                                       f"{getattr(sink, 'dtype', type(sink).__name__)} on "
-                                       f"{getattr(sink, 'device', None)}")
-        if sink.shape != (h,) or not sink.is_contiguous():
-            raise InvalidArgumentError(f"sinks has shape {tuple(sink.shape)}: expected ({h},), one logit per query "
-                                       "head, contiguous")
+        check_sink(sink, q, h)
+
+
+def check_sink(sink, q: torch.Tensor, heads_q: int) -> None:
+    """sinks as attention() and attention_varlen() take them: float32 (heads_q,) on q's device."""
+    if not isinstance(sink, torch.Tensor) or sink.dtype != torch.float32 or sink.device != q.device:
+        raise InvalidArgumentError(f"sinks: expected a torch.float32 tensor on {q.device}, got "
+                                   f"{getattr(sink, 'dtype', type(sink).__name__)} on "
+                                   f"{getattr(sink, 'device', None)}")
+    if sink.shape != (heads_q,) or not sink.is_contiguous():
+        raise InvalidArgumentError(f"sinks has shape {tuple(sink.shape)}: expected ({heads_q},), one logit per query "
+                                   "head, contiguous")

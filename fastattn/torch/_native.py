@@ -56,7 +56,7 @@ UNDECIDED = object()
 DENSE = VARLEN = PAGED = UNDECIDED
 # attention()'s own 17 arguments, read in C (eager.cpp's call): the first thing a call
 # outside torch.compile tries. None until the native path is decided (the Python body
-# decides it), and on the Python path. CALL_VARLEN: attention_varlen()'s 16
+# decides it), and on the Python path. CALL_VARLEN: attention_varlen()'s 18
 # (eager.cpp's call_varlen), likewise.
 CALL = CALL_VARLEN = None
 
@@ -218,7 +218,7 @@ def _import(path: Path):
 # The op library's kinds of call (its Kind: _options.OPS's order) -> the entry point's own
 # plan_for, taking the miss handler's arguments: "dense" (attention: q, k, v, o or None,
 # seq_len_q, seq_len_kv, bias, sink, options), "varlen" (attention_varlen: q, k, v,
-# batch, options), "paged" (attention_paged: q, k_cache, v_cache, block_table, seq_lens_q,
+# batch, sink, options), "paged" (attention_paged: q, k_cache, v_cache, block_table, seq_lens_q,
 # cache_seqlens, options), options as a plain tuple. Each entry point's module registers
 # its own when imported, so that this module imports none of them.
 KINDS = tuple(_options.OPS)

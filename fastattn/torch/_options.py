@@ -128,6 +128,11 @@ def config_fields(options: tuple) -> dict:
 # right (benchmarks/probe_decode.py shows both); and it refuses one query against one key
 # outright. Both paths read it from here (the op library as kVarlenMinTrainingQ).
 VARLEN_MIN_TRAINING_Q = 2
+# attention_varlen with sinks: a plan is declared for at least two queries per sequence, as
+# above. cuDNN 9.19 refuses sinks in a graph of one query ("decode only mode, i.e. s_q ==
+# 1, not supported with sink_token") and builds the graph of two, whose lengths of one
+# serve decode steps (fastattn probe, s25-3 in docs/history/benchmarks-log.md).
+VARLEN_MIN_SINKS_Q = 2
 
 
 # -- the entry points' own arguments, as their C entries read them ------------------------------
@@ -167,7 +172,7 @@ CALLS: dict[str, tuple[str, tuple[Arg, ...]]] = {
         Arg("max_seqlen_q", "max_length", option="max_q"), Arg("max_seqlen_kv", "max_length", option="max_kv"),
         Arg("causal", _BOOL), Arg("causal_bottom_right", _BOOL), *_SCALARS, Arg("deterministic", _BOOL),
         Arg("alignment", "name", ALIGNMENTS), Arg("alibi", _BOOL), Arg("dropout_p", "zero"),
-        Arg("return_lse", "false"), Arg("softcap", "positive_or_zero"),
+        Arg("return_lse", "false"), Arg("softcap", "positive_or_zero"), Arg("sinks", _OPT),
     )),
 }
 
@@ -291,7 +296,9 @@ def cpp_header() -> str:
            + ", ".join("{" + ", ".join(map(str, axes(layout))) + "}" for layout in LAYOUTS) + "};",
            f"inline constexpr const char *kLayoutChoices = {json.dumps(str(LAYOUTS))};",
            "// attention_varlen's training plans are declared for at least this many queries (_options says why).",
-           f"inline constexpr int64_t kVarlenMinTrainingQ = {VARLEN_MIN_TRAINING_Q};", "",
+           f"inline constexpr int64_t kVarlenMinTrainingQ = {VARLEN_MIN_TRAINING_Q};",
+           "// attention_varlen's plans with sinks likewise (_options says why).",
+           f"inline constexpr int64_t kVarlenMinSinksQ = {VARLEN_MIN_SINKS_Q};", "",
            "// The kinds of call (OPS's order): the miss handler's first argument, a table key's first word.",
            "enum Kind : int64_t { " + ", ".join(f"k{op.capitalize()} = {i}" for i, op in enumerate(OPS)) + " };", ""]
     for op, options in OPS.items():

@@ -13,8 +13,8 @@ import torch
 
 from ..config import AttentionConfig
 from ..errors import InvalidArgumentError
-from . import _autograd, _native, _options
-from ._plans import DTYPES, Cached, check_qkv_tensors, plans, raw_stream, remember, workspace
+from . import _autograd, _dense, _native, _options
+from ._plans import DTYPES, Cached, check_qkv_tensors, plans, raw_stream, remember, tensor_key, workspace
 
 
 # attention_varlen()'s scalar options (_options.OPS["varlen"]; max_q and max_kv are the
@@ -27,108 +27,122 @@ def bucket(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
-def plan_for(q, k, v, batch: int, options: VarlenOptions) -> Cached:
+def plan_for(q, k, v, batch: int, sink, options: VarlenOptions) -> Cached:
     key = ("varlen", q.shape[1:], k.shape[1:], v.shape[1:], q.dtype, k.dtype, v.dtype, q.get_device(),
-           k.get_device(), v.get_device(), batch, options)
+           k.get_device(), v.get_device(), batch, options, None if sink is None else tensor_key(sink))
     hit = plans.get(key)
     if hit is not None:
         return hit
-    return remember(key, config_for(q, k, v, batch, options), q, k, v, None)
+    return remember(key, config_for(q, k, v, batch, sink, options), q, k, v, None)
 
 
-def config_for(q, k, v, batch: int, options: VarlenOptions) -> AttentionConfig:
+def config_for(q, k, v, batch: int, sink, options: VarlenOptions) -> AttentionConfig:
     """The call's AttentionConfig: a miss's (plan_for) and a trace's (the forward op's
     fake kernel), so that a traced call refuses what an eager one does."""
     (_, hq, dqk), (_, hkv, _), (_, _, dv) = q.shape, k.shape, v.shape
+    if sink is not None:
+        _dense.check_sink(sink, q, hq)
     return AttentionConfig(batch=batch, heads_q=hq, heads_kv=hkv, head_dim_qk=dqk, head_dim_v=dv, dtype=DTYPES[q.dtype],
-                           layout="bshd", padding=True, ragged=True, **_options.config_fields(options))
+                           layout="bshd", padding=True, ragged=True, sinks=sink is not None,
+                           **_options.config_fields(options))
 
 
-def _run_args(cu_q, cu_kv, rng) -> dict[str, int]:
+def _run_args(cu_q, cu_kv, sink, rng) -> dict[str, int]:
     """The launch's cumulative lengths (the plan derives cuDNN's lengths and offsets
-    from them in its own kernel, csrc/ragged.h) and dropout's seed and offset."""
+    from them in its own kernel, csrc/ragged.h), the sinks and dropout's seed and offset."""
     ptrs = {"cu_seqlens_q": cu_q.data_ptr(), "cu_seqlens_kv": cu_kv.data_ptr()}
+    if sink is not None:
+        ptrs["sink"] = sink.data_ptr()
     if rng is not None:  # Philox's seed at element 0, its offset at element 2 (see _dense)
         ptrs["seed"], ptrs["offset"] = rng.data_ptr(), rng.data_ptr() + 16
     return ptrs
 
 
-def forward_impl(q, k, v, cu_q, cu_kv, rng, options: VarlenOptions):
+def forward_impl(q, k, v, cu_q, cu_kv, sink, rng, options: VarlenOptions):
     """(o, stats); stats is empty when not training."""
     training = options.training
-    c = plan_for(q, k, v, cu_q.shape[0] - 1, options)
+    c = plan_for(q, k, v, cu_q.shape[0] - 1, sink, options)
     o = q.new_empty(q.shape[0], q.shape[1], v.shape[2])
     stats = q.new_empty((q.shape[0], q.shape[1]) if training else (0,), dtype=torch.float32)
     stream = raw_stream(c.device)
     ws = workspace(q, c.forward_workspace, c.device, stream)
     c.plan.forward(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), stats.data_ptr() if training else 0,
-                   ws.data_ptr() if ws is not None else 0, stream, **_run_args(cu_q, cu_kv, rng))
+                   ws.data_ptr() if ws is not None else 0, stream, **_run_args(cu_q, cu_kv, sink, rng))
     return o, stats
 
 
-def backward_impl(d_o, o, stats, q, k, v, cu_q, cu_kv, rng, options: VarlenOptions):
-    """(d_q, d_k, d_v); options.training is True."""
+def backward_impl(d_o, o, stats, q, k, v, cu_q, cu_kv, sink, rng, options: VarlenOptions):
+    """(d_q, d_k, d_v, d_sink or None); options.training is True."""
     d_o = d_o.contiguous()  # the plan reads d_o at o's (packed) strides
-    c = plan_for(q, k, v, cu_q.shape[0] - 1, options)
+    c = plan_for(q, k, v, cu_q.shape[0] - 1, sink, options)
     d_q, d_k, d_v = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    d_sink = torch.empty_like(sink) if sink is not None else None
     stream = raw_stream(c.device)
     ws = workspace(q, c.backward_workspace, c.device, stream)
+    ptrs = _run_args(cu_q, cu_kv, sink, rng)
+    if d_sink is not None:
+        ptrs["d_sink"] = d_sink.data_ptr()
     c.plan.backward(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), d_o.data_ptr(), stats.data_ptr(),
                     d_q.data_ptr(), d_k.data_ptr(), d_v.data_ptr(), ws.data_ptr() if ws is not None else 0,
-                    stream, **_run_args(cu_q, cu_kv, rng))
-    return d_q, d_k, d_v
+                    stream, **ptrs)
+    return d_q, d_k, d_v, d_sink
 
 
 # -- the custom ops: tensors, then VarlenOptions' fields in order (schemas from _options) ------
 
-FORWARD_SCHEMA = (f"(Tensor q, Tensor k, Tensor v, Tensor cu_q, Tensor cu_kv, Tensor? rng, {_options.schema('varlen')})"
-                  " -> (Tensor, Tensor)")
+FORWARD_SCHEMA = ("(Tensor q, Tensor k, Tensor v, Tensor cu_q, Tensor cu_kv, Tensor? sink, Tensor? rng, "
+                  f"{_options.schema('varlen')}) -> (Tensor, Tensor)")
 BACKWARD_SCHEMA = ("(Tensor d_o, Tensor o, Tensor stats, Tensor q, Tensor k, Tensor v, Tensor cu_q, Tensor cu_kv, "
-                   f"Tensor? rng, {_options.schema('varlen')}) -> (Tensor, Tensor, Tensor)")
+                   f"Tensor? sink, Tensor? rng, {_options.schema('varlen')}) -> (Tensor, Tensor, Tensor, Tensor)")
 
 
-def _forward(q, k, v, cu_q, cu_kv, rng, *options):
-    return forward_impl(q, k, v, cu_q, cu_kv, rng, VarlenOptions(*options))
+def _forward(q, k, v, cu_q, cu_kv, sink, rng, *options):
+    return forward_impl(q, k, v, cu_q, cu_kv, sink, rng, VarlenOptions(*options))
 
 
 forward_op = torch.library.custom_op("fastattn::varlen_forward", _forward, mutates_args=(), schema=FORWARD_SCHEMA)
 
 
 @forward_op.register_fake
-def _(q, k, v, cu_q, cu_kv, rng, *options):
+def _(q, k, v, cu_q, cu_kv, sink, rng, *options):
     _check_varlen(q, k, v, cu_q, cu_kv)  # a trace refuses what eager does
-    config_for(q, k, v, cu_q.shape[0] - 1, VarlenOptions(*options))
+    config_for(q, k, v, cu_q.shape[0] - 1, sink, VarlenOptions(*options))
     training = VarlenOptions(*options).training
     return (q.new_empty(q.shape[0], q.shape[1], v.shape[2]),
             q.new_empty((q.shape[0], q.shape[1]) if training else (0,), dtype=torch.float32))
 
 
-def _backward(d_o, o, stats, q, k, v, cu_q, cu_kv, rng, *options):
-    return backward_impl(d_o, o, stats, q, k, v, cu_q, cu_kv, rng, VarlenOptions(*options))
+def _backward(d_o, o, stats, q, k, v, cu_q, cu_kv, sink, rng, *options):
+    """(d_q, d_k, d_v, d_sink); d_sink is empty without sinks (a custom op returns tensors)."""
+    d_q, d_k, d_v, d_sink = backward_impl(d_o, o, stats, q, k, v, cu_q, cu_kv, sink, rng, VarlenOptions(*options))
+    return d_q, d_k, d_v, d_sink if d_sink is not None else q.new_empty(0, dtype=torch.float32)
 
 
 backward_op = torch.library.custom_op("fastattn::varlen_backward", _backward, mutates_args=(), schema=BACKWARD_SCHEMA)
 
 
 @backward_op.register_fake
-def _(d_o, o, stats, q, k, v, cu_q, cu_kv, rng, *options):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+def _(d_o, o, stats, q, k, v, cu_q, cu_kv, sink, rng, *options):
+    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
+            torch.empty_like(sink) if sink is not None else q.new_empty(0, dtype=torch.float32))
 
 
-# -- autograd: gradients for (q, k, v, cu_q, cu_kv, rng) ---------------------------------------
+# -- autograd: gradients for (q, k, v, cu_q, cu_kv, sink, rng) ---------------------------------
 
 def _grads(d_o, o, stats, tensors, options: VarlenOptions):
-    return (*backward_impl(d_o, o, stats, *tensors, options), None, None, None)
+    d_q, d_k, d_v, d_sink = backward_impl(d_o, o, stats, *tensors, options)
+    return d_q, d_k, d_v, None, None, d_sink, None
 
 
 def _grads_op(d_o, o, stats, tensors, options: VarlenOptions):
-    return (*backward_op(d_o, o, stats, *tensors, *options), None, None, None)
+    d_q, d_k, d_v, d_sink = backward_op(d_o, o, stats, *tensors, *options)
+    return d_q, d_k, d_v, None, None, d_sink if tensors[5] is not None else None, None
 
 
 RULE = _autograd.Rule(forward_impl, _grads, _grads_op, VarlenOptions)
-_native.PLAN_FOR["varlen"] = lambda q, k, v, batch, options: plan_for(
-    q, k, v, batch, VarlenOptions(*options))  # the op library's misses
-N_TENSORS = 6  # q, k, v, cu_q, cu_kv, rng
+_native.PLAN_FOR["varlen"] = lambda q, k, v, batch, sink, options: plan_for(
+    q, k, v, batch, sink, VarlenOptions(*options))  # the op library's misses
+N_TENSORS = 7  # q, k, v, cu_q, cu_kv, sink, rng
 _autograd.register(forward_op, RULE, N_TENSORS)
 
 

@@ -236,10 +236,42 @@ def test_varlen_traces_forward_and_backward_and_buckets_its_lengths():
     gm = make_fx(step, tracing_mode="fake")(q, k, v, cu)
     calls = [n for n in gm.graph.nodes if n.op == "call_function" and "fastattn" in str(n.target)]
     assert [str(n.target) for n in calls] == ["fastattn.varlen_forward.default", "fastattn.varlen_backward.default"]
-    assert calls[0].args[6:8] == (128, 128)  # the plan's lengths: 100 rounded up (after q, k, v, cu_q, cu_kv, rng)
+    assert calls[0].args[7:9] == (128, 128)  # the plan's lengths: 100 rounded up (after q, k, v, cu_q, cu_kv, sink, rng)
     o, grads = next(n for n in gm.graph.nodes if n.op == "output").args[0]
     assert [tuple(n.meta["val"].shape) for n in (o, *grads)] == [(201, 8, 64), (201, 8, 64), (201, 2, 64),
                                                                   (201, 2, 64)]
+
+
+def test_varlen_sinks_are_checked_traced_with_their_gradient_and_never_in_a_plan_of_one_query():
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from fastattn.torch import attention_varlen
+
+    q, k, v, cu = varlen_inputs()
+    for bad, says in ((torch.empty(8, device="meta", dtype=torch.float16), r"^sinks: expected a torch.float32"),
+                      (torch.empty(2, device="meta"), r"^sinks has shape \(2,\): expected \(8,\)"),
+                      (torch.empty(8, 2, device="meta")[:, 0], r"^sinks has shape \(8,\)"),
+                      ("0.5", r"^sinks: expected a torch.float32 tensor on meta, got str")):
+        with pytest.raises(fastattn.InvalidArgumentError, match=says):
+            attention_varlen(q, k, v, cu, cu, 100, 100, causal=True, sinks=bad)
+
+    def step(q, k, v, cu, sinks, max_q):
+        o = attention_varlen(q, k, v, cu, cu, max_q, 100, causal=True, alignment="bottom_right", sinks=sinks)
+        return o, torch.autograd.grad(o.sum(), (q, k, v, sinks)) if sinks.requires_grad else ()
+
+    q, k, v, cu = varlen_inputs(grad=True)
+    for grad, max_q, plan_q in ((True, 100, 128), (False, 1, 2), (False, 2, 2), (False, 3, 4)):
+        sinks = torch.empty(8, device="meta", requires_grad=grad)
+        with torch.set_grad_enabled(grad):
+            gm = make_fx(lambda *t, n=max_q: step(*t, n), tracing_mode="fake")(q if grad else q.detach(), k, v, cu,
+                                                                             sinks)
+        calls = [n for n in gm.graph.nodes if n.op == "call_function" and "fastattn" in str(n.target)]
+        assert [str(n.target) for n in calls] == ["fastattn.varlen_forward.default"] + (
+            ["fastattn.varlen_backward.default"] if grad else [])
+        assert calls[0].args[5] is not None and calls[0].args[7] == plan_q  # the sink, then the plan's max_q
+        if grad:  # the sinks' gradient: float32, one per query head
+            d_sinks = next(n for n in gm.graph.nodes if n.op == "output").args[0][1][3]
+            assert d_sinks.meta["val"].shape == (8,) and d_sinks.meta["val"].dtype == torch.float32
 
 
 def test_small_workspaces_are_kept_per_stream_and_never_while_capturing(monkeypatch):

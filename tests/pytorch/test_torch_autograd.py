@@ -110,11 +110,20 @@ def test_varlen_shares_the_rule(recording):
     options = _varlen.VarlenOptions(max_q=32, max_kv=32, causal=True, bottom_right=False, window_left=-1,
                                     window_right=-1, scale=0.0, deterministic=False, training=True, alibi=False,
                                     dropout=0.0)
-    for o in (_autograd.Eager.apply(_varlen.RULE, options, q, k, v, cu, cu, None),
-              _varlen.forward_op(q, k, v, cu, cu, None, *options)[0]):
+    for o in (_autograd.Eager.apply(_varlen.RULE, options, q, k, v, cu, cu, None, None),
+              _varlen.forward_op(q, k, v, cu, cu, None, None, *options)[0]):
         grads = torch.autograd.grad(o.sum(), (q, k, v))
         assert first_byte(o) == MARK["o"]
         assert [first_byte(g) for g in grads] == [MARK["d_q"], MARK["d_k"], MARK["d_v"]]
+    # With sinks: the sink's pointer in both directions, and its gradient where it belongs.
+    sink = torch.zeros(4, requires_grad=True)
+    for o in (_autograd.Eager.apply(_varlen.RULE, options, q, k, v, cu, cu, sink, None),
+              _varlen.forward_op(q, k, v, cu, cu, sink, None, *options)[0]):
+        recording.calls.clear()
+        grads = torch.autograd.grad(o.sum(), (q, k, v, sink))
+        assert [first_byte(g) for g in grads] == [MARK[n] for n in ("d_q", "d_k", "d_v", "d_sink")]
+        assert grads[3].shape == sink.shape and grads[3].dtype == torch.float32
+        assert recording.calls == [("backward", ["cu_seqlens_kv", "cu_seqlens_q", "d_sink", "sink"])]
 
 
 def test_backward_through_an_inference_call_is_refused(recording):
@@ -126,7 +135,7 @@ def test_backward_through_an_inference_call_is_refused(recording):
 
 @pytest.mark.parametrize("op,options,first", [
     (_dense.forward_op, _dense.DenseOptions, 8), (_dense.backward_op, _dense.DenseOptions, 11),
-    (_varlen.forward_op, _varlen.VarlenOptions, 6), (_varlen.backward_op, _varlen.VarlenOptions, 9),
+    (_varlen.forward_op, _varlen.VarlenOptions, 7), (_varlen.backward_op, _varlen.VarlenOptions, 10),
     (_paged.forward_op, _paged.PagedOptions, 6),
 ])
 def test_the_ops_take_the_options_fields_after_the_tensors(op, options, first):

@@ -265,7 +265,7 @@ def test_the_custom_ops_and_the_eager_path_agree_bitwise():
     o = fastattn.torch.attention_varlen(*flat, cu, cu, 150, 150, causal=True, deterministic=True)
     d_o = torch.randn_like(o)
     grads = torch.autograd.grad(o, flat, d_o)
-    o_op = _varlen.forward_op(*flat, cu, cu, None, 256, 256, True, False, -1, -1, 0.0, True, True, False, 0.0)[0]
+    o_op = _varlen.forward_op(*flat, cu, cu, None, None, 256, 256, True, False, -1, -1, 0.0, True, True, False, 0.0)[0]
     assert torch.equal(o, o_op)
     assert all(torch.equal(a, b) for a, b in zip(grads, torch.autograd.grad(o_op, flat, d_o)))
 
@@ -476,6 +476,55 @@ def test_varlen_matches_float64_per_sequence(dtype, causal):
         cu = torch.tensor([0, cut, 150], device="cuda", dtype=torch.int32)
         fastattn.torch.attention_varlen(q[:150], k[:150], v[:150], cu, cu, longest, longest, causal=causal)
     assert fastattn.stats()["builds"] == before
+
+
+def test_varlen_with_sinks_matches_float64_with_their_gradients():
+    # Packed sequences with sinks (gpt-oss under continuous batching): each sequence's queries
+    # the last of its keys (causal at the bottom right), two of them one query (decode steps);
+    # forward and every gradient, the sinks' included, against float64 per sequence. Then a
+    # batch of single queries alone (max_seqlen_q 1: cuDNN refuses sinks in a graph of one
+    # query, so the plan is declared for two).
+    probe_cfg = AttentionConfig(batch=1, heads_q=8, heads_kv=2, seqlen_q=64, head_dim_qk=64, mask="causal")
+    fastattn.probe(probe_cfg)  # loads cuDNN: its version is known from here on
+    if fastattn.versions()["cudnn_loaded"] < 91300:
+        pytest.skip("sinks need cuDNN 9.13 (test_features_gpu checks the refusal)")
+    dtype, hq, hkv, d = torch.bfloat16, 8, 2, 64
+    lengths_q, lengths_kv = [150, 1, 64, 1], [150, 90, 200, 33]
+    cu_q = torch.tensor([0] + lengths_q, device="cuda").cumsum(0).to(torch.int32)
+    cu_kv = torch.tensor([0] + lengths_kv, device="cuda").cumsum(0).to(torch.int32)
+    q = torch.randn(sum(lengths_q), hq, d, device="cuda", dtype=dtype, requires_grad=True)
+    k, v = (torch.randn(sum(lengths_kv), hkv, d, device="cuda", dtype=dtype, requires_grad=True) for _ in range(2))
+    sinks = torch.randn(hq, device="cuda", requires_grad=True)
+    o = fastattn.torch.attention_varlen(q, k, v, cu_q, cu_kv, max(lengths_q), max(lengths_kv), causal=True,
+                                        alignment="bottom_right", sinks=sinks)
+    d_o = torch.randn_like(o)
+    grads = torch.autograd.grad(o, (q, k, v, sinks), d_o)
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v, sinks)]
+    ref_o, loss = torch.zeros(o.shape, device="cuda", dtype=torch.float64), 0.0
+    for i, (lq, lk) in enumerate(zip(lengths_q, lengths_kv)):
+        a, b = cu_q[i].item(), cu_kv[i].item()
+        one = AttentionConfig(batch=1, heads_q=hq, heads_kv=hkv, seqlen_q=lq, seqlen_kv=lk, head_dim_qk=d,
+                              mask="causal_bottom_right")
+        ref = reference_with_extras(leaves[0][a:a + lq][None], leaves[1][b:b + lk][None], leaves[2][b:b + lk][None],
+                                    one, "bshd", sinks=leaves[3])  # (1, h, s, d)
+        ref_o[a:a + lq] = ref.detach()[0].transpose(0, 1)
+        loss = loss + (ref[0].transpose(0, 1) * d_o[a:a + lq].double()).sum()
+    ref_grads = torch.autograd.grad(loss, leaves)
+    assert rel(o, ref_o) < FWD_TOL[dtype]
+    for name, g, rg in zip(("d_q", "d_k", "d_v", "d_sinks"), grads, ref_grads):
+        assert rel(g, rg) < BWD_TOL[dtype], name
+    # A decode step: one query per sequence against its keys, inference.
+    cu_one = torch.arange(5, device="cuda", dtype=torch.int32)
+    with torch.no_grad():
+        o = fastattn.torch.attention_varlen(q[:4], k, v, cu_one, cu_kv, 1, max(lengths_kv), causal=True,
+                                            alignment="bottom_right", sinks=sinks)
+    for i, lk in enumerate(lengths_kv):
+        b = cu_kv[i].item()
+        one = AttentionConfig(batch=1, heads_q=hq, heads_kv=hkv, seqlen_q=1, seqlen_kv=lk, head_dim_qk=d,
+                              mask="causal_bottom_right")
+        ref = reference_with_extras(leaves[0][i:i + 1][None], leaves[1][b:b + lk][None], leaves[2][b:b + lk][None],
+                                    one, "bshd", sinks=leaves[3])
+        assert rel(o[i:i + 1], ref.detach()[0].transpose(0, 1)) < FWD_TOL[dtype], i
 
 
 def paged_case(dtype, q_lens, kv_lens, hq=8, hkv=2, d=128, page=64, num_pages=20):

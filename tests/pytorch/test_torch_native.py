@@ -167,7 +167,7 @@ def test_varlen_meta_and_cpp_autograd(lib, training):
     q, k, v = (torch.empty(t, h, d, device="meta", dtype=torch.float16, requires_grad=training)
                for t, h, d in ((40, 4, 8), (56, 2, 8), (56, 2, 16)))
     cu_q = torch.empty(4, dtype=torch.int32, device="meta")
-    o, stats = torch.ops.fastattn.native_varlen_forward(q, k, v, cu_q, cu_q, None, *varlen_options(training))
+    o, stats = torch.ops.fastattn.native_varlen_forward(q, k, v, cu_q, cu_q, None, None, *varlen_options(training))
     assert o.shape == (40, 4, 16) and o.dtype == q.dtype
     assert tuple(stats.shape) == ((40, 4) if training else (0,))
     if training:
@@ -188,7 +188,7 @@ def test_varlen_cpu_tensors_get_a_clear_error(lib):
     q = torch.empty(8, 2, 8, dtype=torch.float16)
     cu = torch.zeros(2, dtype=torch.int32)
     with pytest.raises(ValueError, match=r"fastattn: q is on cpu: fastattn runs on CUDA tensors"):
-        torch.ops.fastattn.native_varlen_forward(q, q, q, cu, cu, None, *varlen_options())
+        torch.ops.fastattn.native_varlen_forward(q, q, q, cu, cu, None, None, *varlen_options())
 
 
 def test_paged_meta_shape_and_cpu_error(lib):

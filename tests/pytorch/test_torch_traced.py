@@ -160,7 +160,7 @@ def test_the_custom_ops_fake_implementations_check():
         cu = torch.tensor([0, 20], dtype=torch.int32, device="cuda")
         options = _varlen.VarlenOptions(32, 32, False, False, -1, -1, 0.0, False, False, False, 0.0)
         with pytest.raises(InvalidArgumentError, match=r"^shapes do not fit"):
-            _varlen.forward_op(q, k, k, cu, cu, None, *options)
+            _varlen.forward_op(q, k, k, cu, cu, None, None, *options)
         q = torch.zeros(2, 1, 8, 64, dtype=torch.bfloat16, device="cuda")
         cache = torch.zeros(4, 16, 3, 64, dtype=torch.bfloat16, device="cuda")
         table = torch.zeros(2, 2, dtype=torch.int32, device="cuda")

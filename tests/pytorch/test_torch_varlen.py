@@ -16,9 +16,10 @@ from helpers.torch import SOFTCAPS, assert_options_mean_the_same, assert_softcap
 from fastattn.torch import _native, _varlen  # noqa: E402
 
 
-# attention_varlen()'s 16 arguments after the tensors' 5, in its order.
+# attention_varlen()'s 13 arguments after the tensors' 5, in its order.
 DEFAULTS = dict(max_seqlen_q=64, max_seqlen_kv=64, causal=False, causal_bottom_right=False, window=None, scale=None,
-                deterministic=False, alignment="top_left", alibi=False, dropout_p=0.0, return_lse=False, softcap=0.0)
+                deterministic=False, alignment="top_left", alibi=False, dropout_p=0.0, return_lse=False, softcap=0.0,
+                sinks=None)
 
 
 def packed(device="meta", tokens=(48, 48), hq=4, hkv=2, dqk=8, dv=8, dtype=torch.bfloat16, batch=3):
@@ -69,6 +70,7 @@ def test_call_varlen_takes_only_values_the_python_body_takes_with_the_same_meani
     {}, {"causal": True}, {"causal_bottom_right": True}, {"window": (128, 0)}, {"scale": 0.125},
     {"alignment": "bottom_right", "causal": True}, {"deterministic": True}, {"alibi": True, "causal": True},
     {"dropout_p": 0}, {"max_seqlen_q": 1, "max_seqlen_kv": 4097},
+    {"sinks": torch.empty(4, device="meta"), "causal": True, "alignment": "bottom_right"},
 ], ids=repr)
 def test_call_varlen_takes_the_common_calls(lib, kw):
     assert lib.read_varlen_call(*args(packed(), **kw)) is not None
@@ -126,9 +128,9 @@ def test_call_varlen_hands_back_what_it_does_not_run(lib):
     q, k, v, cu, _ = packed(device="cpu")
     assert lib.call_varlen(*args((q, "k", v, cu, cu))) is NotImplemented
     assert lib.call_varlen(*args(packed(device="cpu"), dropout_p=0.1)) is NotImplemented
-    with pytest.raises(TypeError, match=r"17 positional arguments \(3 given\)"):
+    with pytest.raises(TypeError, match=r"18 positional arguments \(3 given\)"):
         lib.call_varlen(q, k, v)
-    with pytest.raises(TypeError, match=r"17 positional arguments \(2 given\)"):
+    with pytest.raises(TypeError, match=r"18 positional arguments \(2 given\)"):
         lib.read_varlen_call(q, k)
 
 
@@ -155,14 +157,17 @@ def test_attention_varlen_names_a_bad_max_length(name, value):
         fastattn.torch.attention_varlen(q, k, v, cu, cu, lengths["max_seqlen_q"], lengths["max_seqlen_kv"])
 
 
-@pytest.mark.parametrize("max_q,grad,lse,want", [(1, True, False, 2), (1, False, True, 2), (1, False, False, 1),
-                                                 (2, True, False, 2), (3, True, False, 4)])
-def test_a_training_plan_declares_at_least_two_queries(monkeypatch, max_q, grad, lse, want):
+@pytest.mark.parametrize("max_q,grad,lse,sinks,want", [
+    (1, True, False, False, 2), (1, False, True, False, 2), (1, False, False, False, 1), (2, True, False, False, 2),
+    (3, True, False, False, 4), (1, False, False, True, 2), (3, False, False, True, 4)])
+def test_a_training_plan_and_one_with_sinks_declare_at_least_two_queries(monkeypatch, max_q, grad, lse, sinks, want):
     # cuDNN 9.19's ragged backward of one query with fewer key heads than query heads is
-    # wrong (benchmarks/probe_decode.py): a training plan declares two (the C entry likewise).
+    # wrong (benchmarks/probe_decode.py), and it refuses sinks in a graph of one query: such a
+    # plan declares two (the C entry likewise).
     seen = []
-    monkeypatch.setattr(_varlen, "forward_op", lambda *a: seen.append(a[6:]) or (a[0], a[0].new_empty(a[0].shape[:2])))
+    monkeypatch.setattr(_varlen, "forward_op", lambda *a: seen.append(a[5:]) or (a[0], a[0].new_empty(a[0].shape[:2])))
     q, k, v, cu, _ = packed()
     q.requires_grad_(grad)
-    fastattn.torch.attention_varlen(q, k, v, cu, cu, max_q, 64, return_lse=lse)
-    assert seen[0][0] == want and seen[0][1] == 64
+    fastattn.torch.attention_varlen(q, k, v, cu, cu, max_q, 64, return_lse=lse,
+                                    sinks=torch.empty(4, device="meta") if sinks else None)
+    assert (seen[0][0] is not None) == sinks and seen[0][2:4] == (want, 64)  # the sink, rng, then max_q, max_kv

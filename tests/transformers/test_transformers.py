@@ -103,9 +103,11 @@ def make_attention(calls):
         return out.transpose(1, 2).to(q.dtype)
 
     def attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, causal=False, alignment="top_left", window=None,
-                         scale=None, dropout_p=0.0, softcap=0.0, **kw):
+                         scale=None, dropout_p=0.0, softcap=0.0, sinks=None):
         assert cu_q.dtype == torch.int32 and isinstance(max_q, int) and max_q >= int((cu_q[1:] - cu_q[:-1]).max())
-        calls.append(dict(varlen=True, n=cu_q.numel() - 1, causal=causal, window=window,
+        if sinks is not None:  # (one query too: attention_varlen declares its plan for two)
+            assert sinks.dtype == torch.float32 and sinks.shape == (q.shape[1],)
+        calls.append(dict(varlen=True, n=cu_q.numel() - 1, causal=causal, window=window, sinks=sinks is not None,
                           sq=int((cu_q[1:] - cu_q[:-1]).max()), skv=int((cu_k[1:] - cu_k[:-1]).max())))
         out = torch.zeros(q.shape[0], q.shape[1], v.shape[-1], dtype=torch.float64)
         for n in range(cu_q.numel() - 1):
@@ -113,7 +115,7 @@ def make_attention(calls):
             ak, ek = int(cu_k[n]), int(cu_k[n + 1])
             keep = _keep(e - a, ek - ak, causal, alignment == "bottom_right", window)
             qs, ks, vs = (t.transpose(0, 1)[None].double() for t in (q[a:e], k[ak:ek], v[ak:ek]))
-            out[a:e] = _core(qs, ks, vs, keep, scale, None, None, softcap)[0].transpose(0, 1)
+            out[a:e] = _core(qs, ks, vs, keep, scale, None, sinks, softcap)[0].transpose(0, 1)
         return out.to(q.dtype)
 
     return attention, attention_varlen
@@ -343,10 +345,8 @@ def test_continuous_batching_runs_paged_fastattn_with_paged_eagers_tokens(calls,
     tokens = [a[r].generated_tokens for r in sorted(a)]
     assert all(len(t) == 6 for t in tokens) and tokens == [b[r].generated_tokens for r in sorted(b)]
     varlen = [c for c in calls if c.get("varlen")]
-    if kind == "gpt_oss":  # sinks: the varlen entry has none, every layer call runs the exact fallback
-        assert list(fallbacks) == ["sinks with packed sequences: fastattn's varlen entry has no sinks"]
-        return
     assert fallbacks == {}
+    assert all(c["sinks"] == (kind == "gpt_oss") for c in varlen)  # gpt-oss's sinks on attention_varlen
     # Several requests in one call (continuous batching's packing), and decode steps (one
     # query per request against its cache) among the calls.
     assert max(c["n"] for c in varlen) > 1 and all(c["causal"] for c in varlen)
@@ -498,7 +498,7 @@ def test_continuous_batchings_packed_steps_attend_as_each_sequence_would(calls, 
     # One continuous-batching step: each sequence's new queries (0 to 5, decode or a chunk of
     # prefill) are the last of its keys (cached ones before them); against float64
     # attention per sequence, causal at the bottom right, with the layer's window, softcap
-    # and sinks (which run on the exact fallback).
+    # and sinks.
     from types import SimpleNamespace
 
     q_lens = [a for a, _ in lens]
@@ -524,11 +524,11 @@ def test_continuous_batchings_packed_steps_attend_as_each_sequence_would(calls, 
         torch.testing.assert_close(out[int(cu_q[n]):int(cu_q[n + 1])].double(), ref, atol=1e-5, rtol=1e-5)
 
 
-def test_sinks_in_a_continuous_batching_capture_are_refused_by_name_and_uncounted(calls, monkeypatch):
-    # Sinks run on the exact fallback, which reads the sequences' bounds on the host: inside
-    # transformers' CUDA-graph capture that synchronization would break the capture with
-    # CUDA's own error. The capture is simulated (there is none on the CPU); outside one the
-    # same step runs and is counted.
+def test_a_refusal_in_a_continuous_batching_capture_is_named_and_uncounted(calls, monkeypatch):
+    # A step cuDNN refuses runs on the exact fallback, which reads the sequences' bounds on
+    # the host: inside transformers' CUDA-graph capture that synchronization would break the
+    # capture with CUDA's own error. The capture is simulated (there is none on the CPU);
+    # outside one the same step runs on the fallback and is counted.
     from types import SimpleNamespace
 
     cu = torch.tensor([0, 1, 2], dtype=torch.int32)
@@ -536,15 +536,20 @@ def test_sinks_in_a_continuous_batching_capture_are_refused_by_name_and_uncounte
     k, v = torch.randn(2, 2, 16), torch.randn(2, 2, 16)
     module = SimpleNamespace(layer_idx=0, sliding_window=None, scaling=0.25)
     step = dict(read_index=None, write_index=None, s_aux=torch.randn(4))
+    def refused(*args, **kwargs):
+        raise NotSupportedError("a reason cuDNN gives\nits details")
+
+    monkeypatch.setattr(fa_tf, "attention_varlen", refused)
     before = _fallback_counts()
     monkeypatch.setattr(fa_tf, "_capturing", lambda t: True)
-    with pytest.raises(NotSupportedError, match=r"inside a CUDA-graph capture: sinks .*use_cuda_graph=False"):
+    with pytest.raises(NotSupportedError, match=r"inside a CUDA-graph capture: a reason cuDNN gives; .*"
+                                                r"use_cuda_graph=False"):
         fa_tf.paged_attention_forward(module, q, k, v, None, _PackedCache(k, v), cu, cu, 1, 1, **step)
     assert _fallback_counts() == before
     monkeypatch.setattr(fa_tf, "_capturing", lambda t: False)
     out, _ = fa_tf.paged_attention_forward(module, q, k, v, None, _PackedCache(k, v), cu, cu, 1, 1, **step)
     assert out.shape == (2, 4, 16) and torch.isfinite(out).all()
-    assert sum(_fallback_counts().values()) == sum(before.values()) + 1
+    assert _fallback_counts().get("a reason cuDNN gives", 0) == before.get("a reason cuDNN gives", 0) + 1
 
 
 # -- benchmarks/bench_transformers.py -----------------------------------------------------------

@@ -154,14 +154,16 @@ def test_greedy_generate_of_32_tokens_from_a_left_padded_batch(kind, chunk):
         assert gap < TIE, f"row {row} differs at new token {step}, where the reference's top two are {gap:.4f} apart"
 
 
-@pytest.mark.parametrize(("kind", "graphs"), [(k, False) for k in ("llama-d64", "qwen2", "gemma2", "gemma3", "mistral")]
-                         + [("llama-d64", True), ("qwen2", True)])
+@pytest.mark.parametrize(("kind", "graphs"), [(k, False) for k in ("llama-d64", "qwen2", "gemma2", "gemma3", "mistral",
+                                                                    "gpt_oss")]
+                         + [("llama-d64", True), ("qwen2", True), ("gpt_oss", True)])
 def test_continuous_batching_on_paged_fastattn_gives_each_prompts_greedy_tokens(kind, graphs):
     # generate_batch (transformers' continuous batching: a paged KV cache, requests of different
     # lengths scheduled together, prefill and decode packed in one call) on "paged|fastattn",
     # against float32 eager's greedy generate of each prompt alone, token for token up to ties.
     # graphs: with transformers' CUDA graphs asked for (its warm-up, then each padded batch shape
     # run once eagerly, captured, and replayed), which it leaves off by default for this name.
+    # gpt_oss: sinks on attention_varlen, decode steps (one query) included.
     from transformers import ContinuousBatchingConfig, GenerationConfig
 
     ours = _model(kind, "fastattn", torch.bfloat16)

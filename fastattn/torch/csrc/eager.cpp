@@ -318,16 +318,24 @@ PyObject *call_varlen(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
     const Tensor &q = THPVariable_Unpack(c.q), &k = THPVariable_Unpack(c.k), &v = THPVariable_Unpack(c.v);
     const Tensor &cu_q = THPVariable_Unpack(c.cu_seqlens_q), &cu_kv = THPVariable_Unpack(c.cu_seqlens_kv);
     if (!q.is_cuda() || !varlen_tensors_ok(q, k, v, cu_q, cu_kv) || !outside_modes()) Py_RETURN_NOTIMPLEMENTED;
+    const OptTensor &sink = c.sinks;
+    if (given(sink) && !(sink->scalar_type() == at::kFloat && sink->dim() == 1 && sink->size(0) == q.size(1) &&
+                         sink->is_contiguous() && sink->device() == q.device())) {
+        Py_RETURN_NOTIMPLEMENTED;  // the Python body names what is wrong (_dense.check_sink)
+    }
     VarlenOptions &o = c.options;
-    o.training = at::GradMode::is_enabled() && (q.requires_grad() || k.requires_grad() || v.requires_grad());
+    o.training = at::GradMode::is_enabled() &&
+                 (q.requires_grad() || k.requires_grad() || v.requires_grad() || wants_grad(sink));
     if (o.training) o.max_q = std::max(o.max_q, kVarlenMinTrainingQ);  // (fastattn/torch/_options.py says why)
+    if (given(sink)) o.max_q = std::max(o.max_q, kVarlenMinSinksQ);     // likewise
     const OptTensor no_dropout;
     Tensor o_out;
     {
         pybind11::gil_scoped_release no_gil;  // as run_eager: a miss takes the GIL back
         RECORD_FUNCTION("fastattn::attention_varlen", c10::ArrayRef<const c10::IValue>{});
-        o_out = std::get<0>(o.training ? varlen_forward_autograd(q, k, v, cu_q, cu_kv, no_dropout, FA_VARLEN_OF(o))
-                                       : varlen_forward_cuda(q, k, v, cu_q, cu_kv, no_dropout, FA_VARLEN_OF(o)));
+        o_out = std::get<0>(o.training
+                                ? varlen_forward_autograd(q, k, v, cu_q, cu_kv, sink, no_dropout, FA_VARLEN_OF(o))
+                                : varlen_forward_cuda(q, k, v, cu_q, cu_kv, sink, no_dropout, FA_VARLEN_OF(o)));
     }
     return THPVariable_Wrap(std::move(o_out));
     END_HANDLE_TH_ERRORS

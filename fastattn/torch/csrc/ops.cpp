@@ -74,9 +74,10 @@ Entry miss_dense(int direction, const Tensor &q, const Tensor &k, const Tensor &
 }
 
 Entry miss_varlen(int direction, const Tensor &q, const Tensor &k, const Tensor &v, int64_t batch,
-                  const VarlenOptions &opt) {
+                  const OptTensor &sink, const VarlenOptions &opt) {
     py::gil_scoped_acquire gil;
-    return entry_of(handler()(static_cast<int64_t>(kVarlen), direction, q, k, v, batch, FA_VARLEN_TUPLE(opt)));
+    return entry_of(handler()(static_cast<int64_t>(kVarlen), direction, q, k, v, batch, to_py(sink),
+                              FA_VARLEN_TUPLE(opt)));
 }
 
 Entry miss_paged(const Tensor &q, const Tensor &k_cache, const Tensor &v_cache, const Tensor &table,
@@ -182,10 +183,10 @@ TORCH_LIBRARY_FRAGMENT(fastattn, m) {
     m.def("native_attention_backward(Tensor d_o, Tensor o, Tensor stats, Tensor q, Tensor k, Tensor v, "
           "Tensor? seq_len_q, Tensor? seq_len_kv, Tensor? bias, Tensor? sink, Tensor? rng, " FA_DENSE_SCHEMA
           ") -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
-    m.def("native_varlen_forward(Tensor q, Tensor k, Tensor v, Tensor cu_q, Tensor cu_kv, Tensor? rng, "
+    m.def("native_varlen_forward(Tensor q, Tensor k, Tensor v, Tensor cu_q, Tensor cu_kv, Tensor? sink, Tensor? rng, "
           FA_VARLEN_SCHEMA ") -> (Tensor, Tensor)");
     m.def("native_varlen_backward(Tensor d_o, Tensor o, Tensor stats, Tensor q, Tensor k, Tensor v, Tensor cu_q, "
-          "Tensor cu_kv, Tensor? rng, " FA_VARLEN_SCHEMA ") -> (Tensor, Tensor, Tensor)");
+          "Tensor cu_kv, Tensor? sink, Tensor? rng, " FA_VARLEN_SCHEMA ") -> (Tensor, Tensor, Tensor, Tensor)");
     m.def("native_paged_forward(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor cache_seqlens, "
           "Tensor? seq_lens_q, " FA_PAGED_SCHEMA ") -> Tensor");
 }

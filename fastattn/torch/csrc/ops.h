@@ -169,7 +169,7 @@ Entry miss_dense(int direction, const Tensor &q, const Tensor &k, const Tensor &
                  const OptTensor &seq_len_q, const OptTensor &seq_len_kv, const OptTensor &bias, const OptTensor &sink,
                  const DenseOptions &opt);
 Entry miss_varlen(int direction, const Tensor &q, const Tensor &k, const Tensor &v, int64_t batch,
-                  const VarlenOptions &opt);
+                  const OptTensor &sink, const VarlenOptions &opt);
 Entry miss_paged(const Tensor &q, const Tensor &k_cache, const Tensor &v_cache, const Tensor &table,
                  const OptTensor &seq_lens_q, const Tensor &cache_seqlens, const PagedOptions &opt);
 
@@ -279,25 +279,28 @@ void clear_sdpa_routes();  // only while no op runs
 // ---- attention_varlen() and attention_paged() (varlen.cpp) -------------------------------------
 
 std::tuple<Tensor, Tensor> varlen_forward_cuda(const Tensor &q, const Tensor &k, const Tensor &v, const Tensor &cu_q,
-                                               const Tensor &cu_kv, const OptTensor &rng, FA_VARLEN_PARAMS);
-std::tuple<Tensor, Tensor, Tensor> varlen_backward_cuda(const Tensor &d_o_in, const Tensor &o, const Tensor &stats,
-                                                        const Tensor &q, const Tensor &k, const Tensor &v,
-                                                        const Tensor &cu_q, const Tensor &cu_kv, const OptTensor &rng,
-                                                        FA_VARLEN_PARAMS);
+                                               const Tensor &cu_kv, const OptTensor &sink, const OptTensor &rng,
+                                               FA_VARLEN_PARAMS);
+std::tuple<Tensor, Tensor, Tensor, Tensor> varlen_backward_cuda(const Tensor &d_o_in, const Tensor &o,
+                                                                const Tensor &stats, const Tensor &q, const Tensor &k,
+                                                                const Tensor &v, const Tensor &cu_q,
+                                                                const Tensor &cu_kv, const OptTensor &sink,
+                                                                const OptTensor &rng, FA_VARLEN_PARAMS);
 std::tuple<Tensor, Tensor> varlen_forward_meta(const Tensor &q, const Tensor &, const Tensor &v, const Tensor &,
-                                               const Tensor &, const OptTensor &, FA_VARLEN_PARAMS);
-std::tuple<Tensor, Tensor, Tensor> varlen_backward_meta(const Tensor &, const Tensor &, const Tensor &,
-                                                        const Tensor &q, const Tensor &k, const Tensor &v,
-                                                        const Tensor &, const Tensor &, const OptTensor &,
-                                                        FA_VARLEN_PARAMS);
+                                               const Tensor &, const OptTensor &, const OptTensor &, FA_VARLEN_PARAMS);
+std::tuple<Tensor, Tensor, Tensor, Tensor> varlen_backward_meta(const Tensor &, const Tensor &, const Tensor &,
+                                                                const Tensor &q, const Tensor &k, const Tensor &v,
+                                                                const Tensor &, const Tensor &, const OptTensor &sink,
+                                                                const OptTensor &, FA_VARLEN_PARAMS);
 std::tuple<Tensor, Tensor> varlen_forward_cpu(const Tensor &q, const Tensor &, const Tensor &, const Tensor &,
-                                              const Tensor &, const OptTensor &, FA_VARLEN_PARAMS);
-std::tuple<Tensor, Tensor, Tensor> varlen_backward_cpu(const Tensor &, const Tensor &, const Tensor &, const Tensor &q,
-                                                       const Tensor &, const Tensor &, const Tensor &, const Tensor &,
-                                                       const OptTensor &, FA_VARLEN_PARAMS);
+                                              const Tensor &, const OptTensor &, const OptTensor &, FA_VARLEN_PARAMS);
+std::tuple<Tensor, Tensor, Tensor, Tensor> varlen_backward_cpu(const Tensor &, const Tensor &, const Tensor &,
+                                                               const Tensor &q, const Tensor &, const Tensor &,
+                                                               const Tensor &, const Tensor &, const OptTensor &,
+                                                               const OptTensor &, FA_VARLEN_PARAMS);
 std::tuple<Tensor, Tensor> varlen_forward_autograd(const Tensor &q, const Tensor &k, const Tensor &v,
-                                                   const Tensor &cu_q, const Tensor &cu_kv, const OptTensor &rng,
-                                                   FA_VARLEN_PARAMS);
+                                                   const Tensor &cu_q, const Tensor &cu_kv, const OptTensor &sink,
+                                                   const OptTensor &rng, FA_VARLEN_PARAMS);
 
 Tensor paged_forward_cuda(const Tensor &q, const Tensor &k_cache, const Tensor &v_cache, const Tensor &table,
                           const Tensor &cache_seqlens, const OptTensor &seq_lens_q, FA_PAGED_PARAMS);

@@ -39,7 +39,7 @@ void put_packed(std::vector<int64_t> &key, const Tensor &t) {
 }
 
 const Entry &find_varlen_plan(int direction, const Tensor &q, const Tensor &k, const Tensor &v, const Tensor &cu_q,
-                              const Tensor &cu_kv, const OptTensor &rng, FA_VARLEN_PARAMS) {
+                              const Tensor &cu_kv, const OptTensor &sink, const OptTensor &rng, FA_VARLEN_PARAMS) {
     thread_local std::vector<int64_t> key;
     key.clear();
     key.push_back(kVarlen);
@@ -49,10 +49,11 @@ const Entry &find_varlen_plan(int direction, const Tensor &q, const Tensor &k, c
     put_packed(key, v);
     put_tensor(key, cu_q);
     put_tensor(key, cu_kv);
+    put_optional(key, sink);
     key.push_back(given(rng));
     const VarlenOptions opt{FA_VARLEN_ARGS};
     FA_VARLEN_WORDS(key, opt);
-    return lookup(key, [&] { return miss_varlen(direction, q, k, v, cu_q.size(0) - 1, opt); });
+    return lookup(key, [&] { return miss_varlen(direction, q, k, v, cu_q.size(0) - 1, sink, opt); });
 }
 
 // The launch's cumulative lengths (the plan derives cuDNN's lengths and offsets from
@@ -66,13 +67,15 @@ void check_cumulative(const Tensor &cu, const char *name, const Tensor &q) {
                       cu.device());
 }
 
-void put_cumulative(intptr_t *slots, const Tensor &q, const Tensor &cu_q, const Tensor &cu_kv, const OptTensor &rng) {
+void put_cumulative(intptr_t *slots, const Tensor &q, const Tensor &cu_q, const Tensor &cu_kv, const OptTensor &sink,
+                    const OptTensor &rng) {
     check_cumulative(cu_q, "cu_seqlens_q", q);
     check_cumulative(cu_kv, "cu_seqlens_kv", q);
     TORCH_CHECK_VALUE(cu_q.size(0) == cu_kv.size(0), "fastattn: cu_seqlens_q has ", cu_q.size(0),
                       " entries, cu_seqlens_kv ", cu_kv.size(0));
     slots[FASTATTN_SLOT_CU_SEQLENS_Q]  = ptr(cu_q);
     slots[FASTATTN_SLOT_CU_SEQLENS_KV] = ptr(cu_kv);
+    slots[FASTATTN_SLOT_SINK] = ptr(sink);
     if (given(rng)) {  // Philox's seed at element 0, its offset at element 2 (16-byte aligned)
         slots[FASTATTN_SLOT_SEED]   = ptr(rng);
         slots[FASTATTN_SLOT_OFFSET] = ptr(rng) + 16;
@@ -82,8 +85,9 @@ void put_cumulative(intptr_t *slots, const Tensor &q, const Tensor &cu_q, const 
 }  // namespace
 
 std::tuple<Tensor, Tensor> varlen_forward_cuda(const Tensor &q, const Tensor &k, const Tensor &v, const Tensor &cu_q,
-                                               const Tensor &cu_kv, const OptTensor &rng, FA_VARLEN_PARAMS) {
-    const Entry &e = find_varlen_plan(FASTATTN_FORWARD, q, k, v, cu_q, cu_kv, rng, FA_VARLEN_ARGS);
+                                               const Tensor &cu_kv, const OptTensor &sink, const OptTensor &rng,
+                                               FA_VARLEN_PARAMS) {
+    const Entry &e = find_varlen_plan(FASTATTN_FORWARD, q, k, v, cu_q, cu_kv, sink, rng, FA_VARLEN_ARGS);
     Tensor o = at::empty({q.size(0), q.size(1), v.size(2)}, q.options());
     Tensor stats = at::empty(training ? std::vector<int64_t>{q.size(0), q.size(1)} : std::vector<int64_t>{0},
                              q.options().dtype(at::kFloat));
@@ -93,18 +97,21 @@ std::tuple<Tensor, Tensor> varlen_forward_cuda(const Tensor &q, const Tensor &k,
     slots[FASTATTN_SLOT_V] = ptr(v);
     slots[FASTATTN_SLOT_O] = ptr(o);
     slots[FASTATTN_SLOT_STATS] = training ? ptr(stats) : 0;
-    put_cumulative(slots, q, cu_q, cu_kv, rng);
+    put_cumulative(slots, q, cu_q, cu_kv, sink, rng);
     run(e, FASTATTN_FORWARD, q, slots);
     return {o, stats};
 }
 
-std::tuple<Tensor, Tensor, Tensor> varlen_backward_cuda(const Tensor &d_o_in, const Tensor &o, const Tensor &stats,
-                                                        const Tensor &q, const Tensor &k, const Tensor &v,
-                                                        const Tensor &cu_q, const Tensor &cu_kv, const OptTensor &rng,
-                                                        FA_VARLEN_PARAMS) {
+// d_sink is empty without sinks (an op returns tensors).
+std::tuple<Tensor, Tensor, Tensor, Tensor> varlen_backward_cuda(const Tensor &d_o_in, const Tensor &o,
+                                                                const Tensor &stats, const Tensor &q, const Tensor &k,
+                                                                const Tensor &v, const Tensor &cu_q,
+                                                                const Tensor &cu_kv, const OptTensor &sink,
+                                                                const OptTensor &rng, FA_VARLEN_PARAMS) {
     const Tensor d_o = d_o_in.contiguous();  // the plan reads d_o at o's (packed) strides
-    const Entry &e = find_varlen_plan(FASTATTN_BACKWARD, q, k, v, cu_q, cu_kv, rng, FA_VARLEN_ARGS);
+    const Entry &e = find_varlen_plan(FASTATTN_BACKWARD, q, k, v, cu_q, cu_kv, sink, rng, FA_VARLEN_ARGS);
     Tensor d_q = at::empty_like(q), d_k = at::empty_like(k), d_v = at::empty_like(v);
+    Tensor d_sink = given(sink) ? at::empty_like(*sink) : at::empty({0}, q.options().dtype(at::kFloat));
     intptr_t slots[FASTATTN_NUM_SLOTS] = {};
     slots[FASTATTN_SLOT_Q] = ptr(q);
     slots[FASTATTN_SLOT_K] = ptr(k);
@@ -115,49 +122,57 @@ std::tuple<Tensor, Tensor, Tensor> varlen_backward_cuda(const Tensor &d_o_in, co
     slots[FASTATTN_SLOT_DQ] = ptr(d_q);
     slots[FASTATTN_SLOT_DK] = ptr(d_k);
     slots[FASTATTN_SLOT_DV] = ptr(d_v);
-    put_cumulative(slots, q, cu_q, cu_kv, rng);
+    if (given(sink)) slots[FASTATTN_SLOT_DSINK] = ptr(d_sink);
+    put_cumulative(slots, q, cu_q, cu_kv, sink, rng);
     run(e, FASTATTN_BACKWARD, q, slots);
-    return {d_q, d_k, d_v};
+    return {d_q, d_k, d_v, d_sink};
 }
 
 std::tuple<Tensor, Tensor> varlen_forward_meta(const Tensor &q, const Tensor &, const Tensor &v, const Tensor &,
-                                               const Tensor &, const OptTensor &, FA_VARLEN_PARAMS) {
+                                               const Tensor &, const OptTensor &, const OptTensor &,
+                                               FA_VARLEN_PARAMS) {
     std::vector<c10::SymInt> stats{0};
     if (training) stats = {q.sym_size(0), q.sym_size(1)};
     return {at::empty_symint({q.sym_size(0), q.sym_size(1), v.sym_size(2)}, q.options()),
             at::empty_symint(stats, q.options().dtype(at::kFloat))};
 }
 
-std::tuple<Tensor, Tensor, Tensor> varlen_backward_meta(const Tensor &, const Tensor &, const Tensor &,
-                                                        const Tensor &q, const Tensor &k, const Tensor &v,
-                                                        const Tensor &, const Tensor &, const OptTensor &,
-                                                        FA_VARLEN_PARAMS) {
-    return {at::empty_like(q), at::empty_like(k), at::empty_like(v)};
+std::tuple<Tensor, Tensor, Tensor, Tensor> varlen_backward_meta(const Tensor &, const Tensor &, const Tensor &,
+                                                                const Tensor &q, const Tensor &k, const Tensor &v,
+                                                                const Tensor &, const Tensor &, const OptTensor &sink,
+                                                                const OptTensor &, FA_VARLEN_PARAMS) {
+    return {at::empty_like(q), at::empty_like(k), at::empty_like(v),
+            given(sink) ? at::empty_like(*sink) : at::empty({0}, q.options().dtype(at::kFloat))};
 }
 
 std::tuple<Tensor, Tensor> varlen_forward_cpu(const Tensor &q, const Tensor &, const Tensor &, const Tensor &,
-                                              const Tensor &, const OptTensor &, FA_VARLEN_PARAMS) {
+                                              const Tensor &, const OptTensor &, const OptTensor &, FA_VARLEN_PARAMS) {
     cpu_error(q);
 }
 
-std::tuple<Tensor, Tensor, Tensor> varlen_backward_cpu(const Tensor &, const Tensor &, const Tensor &, const Tensor &q,
-                                                       const Tensor &, const Tensor &, const Tensor &, const Tensor &,
-                                                       const OptTensor &, FA_VARLEN_PARAMS) {
+std::tuple<Tensor, Tensor, Tensor, Tensor> varlen_backward_cpu(const Tensor &, const Tensor &, const Tensor &,
+                                                               const Tensor &q, const Tensor &, const Tensor &,
+                                                               const Tensor &, const Tensor &, const OptTensor &,
+                                                               const OptTensor &, FA_VARLEN_PARAMS) {
     cpu_error(q);
 }
 
 namespace {
 
-// The C++ twin of _varlen.RULE: gradients for q, k, v; none for cu_q, cu_kv and the options.
+// The C++ twin of _varlen.RULE: gradients for q, k, v and the sinks; none for cu_q, cu_kv,
+// rng and the options.
 struct VarlenFunction : torch::autograd::Function<VarlenFunction> {
+    static constexpr size_t kTensors = 7;  // q, k, v, cu_q, cu_kv, sink, rng
+
     static variable_list forward(AutogradContext *ctx, const Tensor &q, const Tensor &k, const Tensor &v,
-                                 const Tensor &cu_q, const Tensor &cu_kv, const OptTensor &rng, FA_VARLEN_PARAMS) {
+                                 const Tensor &cu_q, const Tensor &cu_kv, const OptTensor &sink, const OptTensor &rng,
+                                 FA_VARLEN_PARAMS) {
         at::AutoDispatchBelowADInplaceOrView below;
         static const auto op = c10::Dispatcher::singleton()
                                    .findSchemaOrThrow("fastattn::native_varlen_forward", "")
                                    .typed<decltype(varlen_forward_cuda)>();
-        auto [o, stats] = op.call(q, k, v, cu_q, cu_kv, rng, FA_VARLEN_ARGS);
-        ctx->save_for_backward({q, k, v, o, stats, cu_q, cu_kv, rng.value_or(Tensor())});
+        auto [o, stats] = op.call(q, k, v, cu_q, cu_kv, sink, rng, FA_VARLEN_ARGS);
+        ctx->save_for_backward({q, k, v, o, stats, cu_q, cu_kv, rng.value_or(Tensor()), sink.value_or(Tensor())});
         const VarlenOptions opt{FA_VARLEN_ARGS};
         FA_VARLEN_SAVE(ctx->saved_data, opt);
         ctx->mark_non_differentiable({stats});
@@ -168,18 +183,20 @@ struct VarlenFunction : torch::autograd::Function<VarlenFunction> {
     static variable_list backward(AutogradContext *ctx, variable_list grads) {
         const VarlenOptions opt = FA_VARLEN_LOAD(ctx->saved_data);
         TORCH_CHECK(opt.training, "fastattn: backward through a call made without gradients enabled");
-        if (!grads[0].defined()) return variable_list(6 + FA_VARLEN_COUNT);
+        if (!grads[0].defined()) return variable_list(kTensors + FA_VARLEN_COUNT);
         const auto s = ctx->get_saved_variables();
         at::AutoDispatchBelowADInplaceOrView below;
         static const auto op = c10::Dispatcher::singleton()
                                    .findSchemaOrThrow("fastattn::native_varlen_backward", "")
                                    .typed<decltype(varlen_backward_cuda)>();
-        auto [d_q, d_k, d_v] = op.call(grads[0], s[3], s[4], s[0], s[1], s[2], s[5], s[6], saved(s[7]),
-                                       FA_VARLEN_OF(opt));
-        variable_list out(6 + FA_VARLEN_COUNT);  // 6 tensors, then the options
+        const OptTensor sink = saved(s[8]);
+        auto [d_q, d_k, d_v, d_sink] = op.call(grads[0], s[3], s[4], s[0], s[1], s[2], s[5], s[6], sink, saved(s[7]),
+                                               FA_VARLEN_OF(opt));
+        variable_list out(kTensors + FA_VARLEN_COUNT);  // the tensors, then the options
         out[0] = d_q;
         out[1] = d_k;
         out[2] = d_v;
+        if (given(sink)) out[5] = d_sink;
         return out;
     }
 };
@@ -187,16 +204,16 @@ struct VarlenFunction : torch::autograd::Function<VarlenFunction> {
 }  // namespace
 
 std::tuple<Tensor, Tensor> varlen_forward_autograd(const Tensor &q, const Tensor &k, const Tensor &v,
-                                                   const Tensor &cu_q, const Tensor &cu_kv, const OptTensor &rng,
-                                                   FA_VARLEN_PARAMS) {
+                                                   const Tensor &cu_q, const Tensor &cu_kv, const OptTensor &sink,
+                                                   const OptTensor &rng, FA_VARLEN_PARAMS) {
     if (!training) {
         at::AutoDispatchBelowADInplaceOrView below;
         static const auto op = c10::Dispatcher::singleton()
                                    .findSchemaOrThrow("fastattn::native_varlen_forward", "")
                                    .typed<decltype(varlen_forward_cuda)>();
-        return op.call(q, k, v, cu_q, cu_kv, rng, FA_VARLEN_ARGS);
+        return op.call(q, k, v, cu_q, cu_kv, sink, rng, FA_VARLEN_ARGS);
     }
-    auto out = VarlenFunction::apply(q, k, v, cu_q, cu_kv, rng, FA_VARLEN_ARGS);
+    auto out = VarlenFunction::apply(q, k, v, cu_q, cu_kv, sink, rng, FA_VARLEN_ARGS);
     return {out[0], out[1]};
 }
 
