@@ -184,7 +184,7 @@ def summarize(runs: dict) -> dict:
 def _progress(res: dict, json_path: str | None, case: str, peer: str, row: dict) -> None:
     """One process's result, said as it comes, and res (the runs so far) written: a run cut
     short (a device call's time limit) keeps what it measured (a 256-request run without
-    CUDA graphs outlasted its session's device time with nothing written, s25-3)."""
+    CUDA graphs once outlasted its session's device time with nothing written)."""
     if row.get("tokens_per_s") is not None:
         said = f"{row['tokens_per_s']:.1f} tokens/s"
     else:

@@ -131,7 +131,7 @@ VARLEN_MIN_TRAINING_Q = 2
 # attention_varlen with sinks: a plan is declared for at least two queries per sequence, as
 # above. cuDNN 9.19 refuses sinks in a graph of one query ("decode only mode, i.e. s_q ==
 # 1, not supported with sink_token") and builds the graph of two, whose lengths of one
-# serve decode steps (fastattn probe, s25-3 in docs/history/benchmarks-log.md).
+# serve decode steps (`fastattn probe` on the H200: docs/history/benchmarks-log.md, session 25).
 VARLEN_MIN_SINKS_Q = 2
 
 
