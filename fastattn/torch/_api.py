@@ -327,10 +327,8 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     if classes and not compiling() and q.is_cuda:  # (traces keep the power-of-two buckets)
         c = _classes.resolve(shape_classes, q.get_device(), training)
         max_q, max_kv = c.upper(max_seqlen_q) or max_q, c.upper(max_seqlen_kv) or max_kv
-    if training and max_q < VARLEN_MIN_TRAINING_Q:
-        max_q = VARLEN_MIN_TRAINING_Q
-    if sinks is not None and max_q < VARLEN_MIN_SINKS_Q:
-        max_q = VARLEN_MIN_SINKS_Q
+    if (training or sinks is not None) and max_q < VARLEN_MIN_Q:
+        max_q = VARLEN_MIN_Q
     options = _new(_varlen.VarlenOptions, (max_q, max_kv, bool(causal or causal_bottom_right),
                                    br, left, right, scale, bool(deterministic), training, bool(alibi),
                                    float(dropout_p), softcap))
@@ -436,5 +434,4 @@ compiling, functorch_active = torch.compiler.is_compiling, _autograd.functorch_a
 # (make_fx, non-strict export) run the C entry, which sees their dispatch modes.
 dynamo_compiling = getattr(torch.compiler, "is_dynamo_compiling", compiling)
 Tensor = torch.Tensor
-VARLEN_MIN_TRAINING_Q = _options.VARLEN_MIN_TRAINING_Q  # (why: _options)
-VARLEN_MIN_SINKS_Q = _options.VARLEN_MIN_SINKS_Q
+VARLEN_MIN_Q = _options.VARLEN_MIN_Q  # (why: _options)

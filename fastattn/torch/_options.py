@@ -121,18 +121,17 @@ def config_fields(options: tuple) -> dict:
     return out
 
 
-# attention_varlen: a training plan is declared for at least two queries per sequence
-# (the lengths from cu_seqlens_q still mask the rest: no copy). With one, cuDNN 9.19's ragged backward is
-# wrong whenever there are fewer key heads than query heads: d_q, d_k and d_v hundreds
-# of times off (with softcap 1e22) on the H200, while the same plan declared for two is
-# right (benchmarks/probe_decode.py shows both); and it refuses one query against one key
-# outright. Both paths read it from here (the op library as kVarlenMinTrainingQ).
-VARLEN_MIN_TRAINING_Q = 2
-# attention_varlen with sinks: a plan is declared for at least two queries per sequence, as
-# above. cuDNN 9.19 refuses sinks in a graph of one query ("decode only mode, i.e. s_q ==
-# 1, not supported with sink_token") and builds the graph of two, whose lengths of one
-# serve decode steps (`fastattn probe` on the H200: docs/history/benchmarks-log.md, session 25).
-VARLEN_MIN_SINKS_Q = 2
+# attention_varlen: a training plan, and a plan with sinks, is declared for at least two
+# queries per sequence (the lengths from cu_seqlens_q still mask the rest: no copy).
+# Training: with one, cuDNN 9.19's ragged backward is wrong whenever there are fewer key
+# heads than query heads: d_q, d_k and d_v hundreds of times off (with softcap 1e22) on the
+# H200, while the same plan declared for two is right (benchmarks/probe_decode.py shows
+# both); and it refuses one query against one key outright. Sinks: cuDNN 9.19 refuses them
+# in a graph of one query ("decode only mode, i.e. s_q == 1, not supported with
+# sink_token") and builds the graph of two, whose lengths of one serve decode steps
+# (`fastattn probe` on the H200: docs/history/benchmarks-log.md, session 25). Both paths
+# read it from here (the op library as kVarlenMinQ).
+VARLEN_MIN_Q = 2
 
 
 # -- the entry points' own arguments, as their C entries read them ------------------------------
@@ -295,10 +294,9 @@ def cpp_header() -> str:
            "inline constexpr std::array<int, 4> kAxes[] = {"
            + ", ".join("{" + ", ".join(map(str, axes(layout))) + "}" for layout in LAYOUTS) + "};",
            f"inline constexpr const char *kLayoutChoices = {json.dumps(str(LAYOUTS))};",
-           "// attention_varlen's training plans are declared for at least this many queries (_options says why).",
-           f"inline constexpr int64_t kVarlenMinTrainingQ = {VARLEN_MIN_TRAINING_Q};",
-           "// attention_varlen's plans with sinks likewise (_options says why).",
-           f"inline constexpr int64_t kVarlenMinSinksQ = {VARLEN_MIN_SINKS_Q};", "",
+           "// attention_varlen's training plans and plans with sinks are declared for at least this many "
+           "queries (_options says why).",
+           f"inline constexpr int64_t kVarlenMinQ = {VARLEN_MIN_Q};", "",
            "// The kinds of call (OPS's order): the miss handler's first argument, a table key's first word.",
            "enum Kind : int64_t { " + ", ".join(f"k{op.capitalize()} = {i}" for i, op in enumerate(OPS)) + " };", ""]
     for op, options in OPS.items():

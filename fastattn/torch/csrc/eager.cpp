@@ -326,8 +326,8 @@ PyObject *call_varlen(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
     VarlenOptions &o = c.options;
     o.training = at::GradMode::is_enabled() &&
                  (q.requires_grad() || k.requires_grad() || v.requires_grad() || wants_grad(sink));
-    if (o.training) o.max_q = std::max(o.max_q, kVarlenMinTrainingQ);  // (fastattn/torch/_options.py says why)
-    if (given(sink)) o.max_q = std::max(o.max_q, kVarlenMinSinksQ);     // likewise
+    // Training plans and plans with sinks declare at least kVarlenMinQ queries (_options.py says why).
+    if (o.training || given(sink)) o.max_q = std::max(o.max_q, kVarlenMinQ);
     const OptTensor no_dropout;
     Tensor o_out;
     {
