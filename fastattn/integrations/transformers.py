@@ -316,7 +316,11 @@ def paged_attention_forward(module: torch.nn.Module, q: torch.Tensor, k: torch.T
         cu_seq_lens_k, max_seqlen_k = cu_seq_lens_k[kind], max_seqlen_k[kind]
     k, v = cache.update(key_states=k, value_states=v, layer_idx=module.layer_idx, read_index=kwargs["read_index"],
                         write_index=kwargs["write_index"])  # (total_k, heads_kv, dim): the cache's keys, packed
-    q = q[0].transpose(0, 1)  # (total_q, heads_q, dim)
+    # (total_q, heads_q, dim). A view of transformers' (1, heads, total, dim) layout is
+    # contiguous for most models, but not where the rotary embedding builds q anew (gpt-oss):
+    # attention_varlen takes packed tensors contiguous, and .contiguous() copies only then.
+    q = q[0].transpose(0, 1).contiguous()
+    k, v = k.contiguous(), v.contiguous()
     scale = kwargs.get("scaling", getattr(module, "scaling", None))
     cap = float(kwargs.get("softcap") or 0.0)
     sinks = kwargs.get("s_aux")

@@ -105,6 +105,7 @@ def make_attention(calls):
     def attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, causal=False, alignment="top_left", window=None,
                          scale=None, dropout_p=0.0, softcap=0.0, sinks=None):
         assert cu_q.dtype == torch.int32 and isinstance(max_q, int) and max_q >= int((cu_q[1:] - cu_q[:-1]).max())
+        assert all(t.is_contiguous() for t in (q, k, v))  # as attention_varlen requires (gpt-oss's q is not, as given)
         if sinks is not None:  # (one query too: attention_varlen declares its plan for two)
             assert sinks.dtype == torch.float32 and sinks.shape == (q.shape[1],)
         calls.append(dict(varlen=True, n=cu_q.numel() - 1, causal=causal, window=window, sinks=sinks is not None,
