@@ -4,8 +4,13 @@ of mixed lengths scheduled together), tokens/s and time to first token.
 
 Models (random weights, bf16, built from configs on the GPU), each 4 layers, hidden 1024, 16
 query heads, 4 key-value heads, head dim 64, vocab 32000:
-  llama   a Llama-like GQA model
-  qwen2   a Qwen2-like one with sliding windows (512) on every other layer
+  llama    a Llama-like GQA model
+  qwen2    a Qwen2-like one with sliding windows (512) on every other layer
+  gpt_oss  (only when named) a gpt-oss-like one: sinks, sliding windows (128) on every other
+           layer, the top 2 of 4 experts of 1408 (the active MLP of the Llama-like one); no
+           sdpa path (transformers has none for it), and with --cuda-graphs its experts on
+           transformers' batched_mm kernel for every peer (the default, grouped_mm, cannot be
+           captured: a host copy in torch.histc)
 Requests: --requests (default 32 and 256) prompts of seeded lengths in 16 ... 1500, --new-tokens
 (48) greedy tokens each, all submitted at once. Peers, a fresh process each per round,
 interleaved (--rounds), medians:
@@ -14,6 +19,7 @@ interleaved (--rounds), medians:
   sdpa               "paged|sdpa"
   eager              "paged|eager"
   flash_attention_2  "paged|flash_attention_2", where flash_attn is installed
+(--peers leaves some out; fastattn is always measured.)
 In each process: the model built, then one generate_batch of 4 short requests with transformers'
 warm-up (its CUDA-graph captures; a server pays them at start), then the measured generate_batch
 (persistent manager, no second warm-up; record_timestamps for each request's first token).
@@ -22,6 +28,7 @@ Figures: generated tokens/s over the measured call, the median and p90 of time t
 tokens/s >= 1.3x the best PyTorch paged path's in the same run.
 
     python benchmarks/bench_serving.py [--json out.json] [--rounds N] [--requests 32,256] [--quick] [--cuda-graphs]
+                                       [--models llama,qwen2,gpt_oss] [--peers fastattn,eager,...]
 
 Prints the JSON, then a `summary:` block last. Needs a CUDA GPU (exit status 2 without).
 """
@@ -48,8 +55,12 @@ MODELS = {
     "qwen2": dict(model_type="qwen2", use_sliding_window=True, sliding_window=512, max_window_layers=0,
                   layer_types=["sliding_attention", "full_attention"] * 2,
                   **{k: v for k, v in COMMON.items() if k != "head_dim"}),
+    "gpt_oss": dict(model_type="gpt_oss", sliding_window=128, layer_types=["sliding_attention", "full_attention"] * 2,
+                    num_local_experts=4, num_experts_per_tok=2, **{**COMMON, "intermediate_size": 1408}),
 }
+DEFAULT_MODELS = ("llama", "qwen2")
 PEERS = ("fastattn", "sdpa", "eager", "flash_attention_2")
+UNSUPPORTED = {"gpt_oss": {"sdpa"}}  # peers transformers refuses to load a model with (it says so)
 PYTORCH = ("sdpa", "eager", "flash_attention_2")  # the paths fastattn's tokens/s is held against
 CLAIM = 1.3
 LENGTHS = (16, 1500)
@@ -67,7 +78,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds of fresh processes")
     ap.add_argument("--requests", default="32,256", help="request counts, comma-separated")
     ap.add_argument("--new-tokens", type=int, default=48)
-    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--models", default=",".join(DEFAULT_MODELS), help=f"some of {', '.join(MODELS)}")
+    ap.add_argument("--peers", default=",".join(PEERS),
+                    help="the paths measured, comma-separated (fastattn among them; flash_attention_2 only where "
+                         "flash_attn is installed)")
     ap.add_argument("--quick", action="store_true", help="a smoke run: --rounds 1 --requests 8 --new-tokens 8")
     ap.add_argument("--cuda-graphs", action="store_true",
                     help="every peer with ContinuousBatchingConfig(use_cuda_graph=True) (transformers turns CUDA "
@@ -88,6 +102,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error("--new-tokens must be 1 ... 1024")
     if not args.models or set(args.models) - set(MODELS):
         ap.error(f"--models: some of {', '.join(MODELS)}")
+    args.peers = [p for p in args.peers.split(",") if p]
+    if set(args.peers) - set(PEERS) or "fastattn" not in args.peers:
+        ap.error(f"--peers {','.join(args.peers)!r}: fastattn and any of {', '.join(PEERS[1:])}")
     if args.child is not None and args.child not in PEERS + ("fastattn_cold",):
         ap.error(f"--child {args.child!r}: one of {PEERS + ('fastattn_cold',)}")
     return args
@@ -110,6 +127,8 @@ def child(peer: str, kind: str, n: int, new_tokens: int, device: str = "cuda", m
     with torch.device(device):
         lm = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation(peer),
                                               dtype=torch.bfloat16 if device == "cuda" else torch.float32).eval()
+    if cuda_graphs and config.model_type == "gpt_oss":
+        lm.set_experts_implementation("batched_mm")  # capturable; grouped_mm's torch.histc copies from the host
     rng = random.Random(1)
     prompts = [[rng.randrange(3, config.vocab_size) for _ in range(length)] for length in requests(n)]
     # eos -1: every request generates new_tokens (random weights would stop at random places).
@@ -138,6 +157,7 @@ def child(peer: str, kind: str, n: int, new_tokens: int, device: str = "cuda", m
            "ttft_ms_median": statistics.median(ttft) if ttft else None,
            "ttft_ms_p90": ttft[min(len(ttft) - 1, int(0.9 * len(ttft)))] if ttft else None,
            "attn_implementation": lm.config._attn_implementation,
+           "experts_implementation": lm.config._experts_implementation if config.model_type == "gpt_oss" else None,
            "use_cuda_graph": _cuda_graphs_used(lm)}
     res["tokens_per_s"] = res["tokens"] / seconds
     if peer.startswith("fastattn"):
@@ -227,24 +247,25 @@ def main(argv=None) -> int:
 
     t0 = time.perf_counter()
     env = fresh_cache_env(tempfile.mkdtemp(prefix="fastattn-serving-"))
-    peers = [p for p in PEERS if p != "flash_attention_2" or importlib.util.find_spec("flash_attn") is not None]
+    peers = [p for p in args.peers if p != "flash_attention_2" or importlib.util.find_spec("flash_attn") is not None]
     res = {**header(), "transformers": transformers.__version__, "models": {m: MODELS[m] for m in args.models},
            "args": {k: v for k, v in vars(args).items() if k not in ("child", "device")}, "peers": peers, "cases": {},
            "runs": {}}
     for kind in args.models:
         for n in args.requests:
             case = f"{kind}, {n} requests"
+            case_peers = [p for p in peers if p not in UNSUPPORTED.get(kind, ())]
             cold = _spawned("fastattn_cold", kind, n, args.new_tokens, env, args.cuda_graphs)
             res["cases"][case] = {"fastattn_cold": cold}  # the case's summary replaces it below
             _progress(res, args.json, case, "fastattn_cold", cold)
-            runs: dict = {peer: [] for peer in peers}
+            runs: dict = {peer: [] for peer in case_peers}
             res["runs"][case] = runs
-            for order in rotated(peers, args.rounds):
+            for order in rotated(case_peers, args.rounds):
                 for peer in order:
                     runs[peer].append(_spawned(peer, kind, n, args.new_tokens, env, args.cuda_graphs))
                     _progress(res, args.json, case, peer, runs[peer][-1])
             s = summarize(runs)
-            s["peers"] = peers
+            s["peers"] = case_peers
             s["fastattn_cold"] = cold
             s["fallback_calls"] = sum(sum(r.get("fallbacks", {}).get("transformers", {}).values())
                                       for r in runs["fastattn"] if "error" not in r)

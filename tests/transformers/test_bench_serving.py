@@ -29,8 +29,11 @@ def test_arguments(bench):
     assert not args.cuda_graphs and bench.parse_args(["--cuda-graphs"]).cuda_graphs
     quick = bench.parse_args(["--quick"])
     assert (quick.rounds, quick.requests, quick.new_tokens) == (1, [8], 8)
+    assert args.peers == list(bench.PEERS) and "gpt_oss" in bench.MODELS  # gpt_oss only when named
+    assert bench.parse_args(["--peers", "fastattn,eager", "--models", "gpt_oss"]).peers == ["fastattn", "eager"]
     for bad in (["--rounds", "0"], ["--requests", "0"], ["--requests", "a,b"], ["--models", "gpt2"],
-                ["--new-tokens", "0"], ["--child", "flash"]):
+                ["--new-tokens", "0"], ["--child", "flash"], ["--peers", "eager"], ["--peers", "fastattn,flash"],
+                ["--peers", ""]):
         with pytest.raises(SystemExit):
             bench.parse_args(bad)
 
@@ -122,3 +125,36 @@ def test_each_process_is_said_and_written_as_it_ends(bench, monkeypatch, tmp_pat
     case = res["cases"]["llama, 8 requests"]
     assert case["fastattn_cold"]["tokens_per_s"] == 101.0 and case["eager"]["errors"] == 2
     assert [len(rows) for rows in res["runs"]["llama, 8 requests"].values()] == [2] * len(case["peers"])
+
+
+def test_a_model_runs_only_the_peers_transformers_loads_it_with(bench, monkeypatch, tmp_path):
+    # gpt-oss has no sdpa path in transformers: its case leaves paged|sdpa out rather than
+    # counting a refusal to load as a failed measurement; --peers leaves out what it is not given.
+    seen = []
+
+    def spawned(peer, kind, n, new_tokens, env, cuda_graphs=False):
+        seen.append((kind, peer))
+        return {"tokens_per_s": 100.0, "ttft_ms_median": 5.0, "ttft_ms_p90": 9.0, "seconds": 1.0}
+
+    monkeypatch.setattr(bench, "_spawned", spawned)
+    monkeypatch.setattr(bench, "require_cuda", lambda script: None)
+    monkeypatch.setattr(bench, "header", lambda: {"date": "today"})
+    assert bench.main(["--requests", "4", "--rounds", "1", "--models", "llama,gpt_oss", "--peers",
+                       "fastattn,sdpa,eager", "--json", str(tmp_path / "s.json")]) == 0
+    assert seen == [("llama", "fastattn_cold"), ("llama", "fastattn"), ("llama", "sdpa"), ("llama", "eager"),
+                    ("gpt_oss", "fastattn_cold"), ("gpt_oss", "fastattn"), ("gpt_oss", "eager")]
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_a_child_measures_the_gpt_oss_like_model(bench, monkeypatch, graphs):
+    # Sinks and experts on paged|eager, at a tiny size; with --cuda-graphs its experts on
+    # batched_mm (grouped_mm's torch.histc cannot be captured, as seen on the H200).
+    from transformers.generation.continuous_batching import cache as cb_cache
+
+    monkeypatch.setattr(cb_cache.PagedAttentionMemoryHandler, "get_available_memory", lambda self: 1 << 30)
+    tiny = dict(bench.MODELS["gpt_oss"], hidden_size=64, intermediate_size=32, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, vocab_size=97, sliding_window=8)
+    monkeypatch.setattr(bench, "LENGTHS", (3, 40))
+    r = bench.child("eager", "gpt_oss", 4, 3, device="cpu", model=tiny, cuda_graphs=graphs)
+    assert r["finished"] == 4 and r["tokens"] == 12 and r["attn_implementation"] == "paged|eager"
+    assert r["experts_implementation"] == ("batched_mm" if graphs else "grouped_mm")
