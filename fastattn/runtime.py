@@ -84,6 +84,7 @@ _counters = dict(_COUNTERS)
 # Calls an integration ran outside fastattn's kernels (its PyTorch fallback), by integration
 # and reason: what stats() reports under "fallbacks".
 _fallbacks: dict[str, dict[str, int]] = {}
+_warned: set[str] = set()  # the messages warn_once gave
 _log = logging.getLogger("fastattn")
 _cache: PlanCache | None = None
 # What runs a plan against the reference: fastattn.verify.verify_plan(plan, config,
@@ -115,18 +116,26 @@ def register_stats(name: str, read: Callable[[], Any], reset: Callable[[], None]
     _sources[name] = (read, reset)
 
 
+def warn_once(message: str) -> None:
+    """A warning of the "fastattn" logger, the first time this message is given (until
+    clear()): for what happens call after call (a fallback, a reason the SDPA mode stands
+    aside), which must never be silent and must never flood a log."""
+    with _lock:
+        first = message not in _warned
+        _warned.add(message)
+    if first:
+        _log.warning("%s", message)
+
+
 def count_fallback(integration: str, reason: str) -> None:
     """One call an integration (its name, e.g. "transformers") ran outside fastattn's
     kernels, and why (cuDNN's reason, or the integration's). Counted in stats()'s
-    "fallbacks"; the first call of each reason is logged (a warning of the "fastattn"
-    logger), so that a fallback is never silent and never floods a log."""
+    "fallbacks"; the first call of each reason is logged (warn_once)."""
     with _lock:
         reasons = _fallbacks.setdefault(integration, {})
-        first = reason not in reasons
         reasons[reason] = reasons.get(reason, 0) + 1
-    if first:
-        _log.warning("fastattn.integrations.%s: a call runs outside fastattn's kernels (counted in "
-                     "fastattn.stats()['fallbacks']): %s", integration, reason)
+    warn_once(f"fastattn.integrations.{integration}: a call runs outside fastattn's kernels (counted in "
+              f"fastattn.stats()['fallbacks']): {reason}")
 
 
 def check_device(device: Any) -> int | None:
@@ -610,6 +619,7 @@ def clear() -> None:
         _counters.clear()
         _counters.update(_COUNTERS)
         _fallbacks.clear()
+        _warned.clear()
         _cache = None
     for _, reset in list(_sources.values()):
         reset()

@@ -32,7 +32,6 @@ take the same side.
 
 from __future__ import annotations
 
-import logging
 import threading
 import warnings
 from typing import NamedTuple
@@ -93,7 +92,6 @@ _routes: dict[tuple, _Route | str] = {}
 # ones, a reason the ones PyTorch's kernels ran; and the op library whose C++ kernels the
 # mode registered, which counts its own (csrc/sdpa.cpp).
 _calls: dict[str | None, int] = {}
-_said: set[str] = set()  # the reasons _decide logged: fastattn failing here, not a refusal
 _calls_lock = threading.Lock()
 # .counted: the composite kernel counted the call the cuDNN operator's kernel runs below
 # it on this thread (csrc/sdpa.cpp t_counted)
@@ -342,10 +340,8 @@ def _decide(q, k, v, attn_bias, dropout_p, is_causal, scale, training) -> _Route
         # fastattn cannot run here (cuDNN not loadable, a CUDA or cuDNN failure): the mode
         # stands aside, PyTorch's kernels answer; said once a reason, as it is not a refusal.
         reason = f"{type(e).__name__}: {e}"
-        if reason not in _said:
-            _said.add(reason)
-            logging.getLogger("fastattn").warning("the SDPA mode hands calls to PyTorch's kernels (counted in "
-                                                  "fastattn.stats()['sdpa']): %s", reason)
+        runtime.warn_once(f"the SDPA mode hands calls to PyTorch's kernels (counted in fastattn.stats()['sdpa']): "
+                          f"{reason}")
         return reason
     # The output's strides and logsumexp's shape PyTorch's Meta kernel gives (what
     # torch.compile's graphs were traced with), and the backward's (empty_like of each

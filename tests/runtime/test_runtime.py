@@ -271,6 +271,25 @@ def test_clear_forgets_plans(fake_build):
     assert len(fake_build) == 2
 
 
+def test_fallbacks_are_counted_by_reason_and_each_message_logged_once_until_clear(monkeypatch, caplog):
+    monkeypatch.setattr(runtime, "_fallbacks", {})
+    monkeypatch.setattr(runtime, "_warned", set())
+    with caplog.at_level("WARNING", logger="fastattn"):
+        for reason in ("a", "b", "a", "a"):
+            runtime.count_fallback("transformers", reason)
+        runtime.warn_once("something else")
+        runtime.warn_once("something else")
+    assert fastattn.stats()["fallbacks"] == {"transformers": {"a": 3, "b": 1}}
+    said = [r.getMessage() for r in caplog.records]
+    assert said == ["fastattn.integrations.transformers: a call runs outside fastattn's kernels (counted in "
+                    "fastattn.stats()['fallbacks']): a", said[0][:-1] + "b", "something else"]
+    caplog.clear()
+    fastattn.clear()  # counts and what was said are forgotten together
+    with caplog.at_level("WARNING", logger="fastattn"):
+        runtime.count_fallback("transformers", "a")
+    assert fastattn.stats()["fallbacks"] == {"transformers": {"a": 1}} and len(caplog.records) == 1
+
+
 # PyTorch's first backward with a gradient tensor imports sympy (torch.autograd's
 # _make_grads): fastattn starts that import in the background when a training plan is
 # looked up or preloaded. A fresh process: other tests may have imported it already.

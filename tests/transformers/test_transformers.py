@@ -260,6 +260,7 @@ def test_a_refused_call_falls_back_exactly_counted_by_reason_and_logged_once(cal
 
     monkeypatch.setattr(fa_tf, "attention", refusing)
     monkeypatch.setattr(runtime, "_fallbacks", {})
+    monkeypatch.setattr(runtime, "_warned", set())
     ours, theirs = _pair("gemma2", reference="eager")
     ids, mask = _batch([9, 5], 9)
     with caplog.at_level("WARNING", logger="fastattn"):
