@@ -105,8 +105,8 @@ def enable_sdpa() -> None:
     fastattn supports the call (CUDA, float16 / bfloat16, GQA through enable_gqa, causal,
     boolean and additive masks, inference and training), whatever backend PyTorch would
     pick, in this process and every thread; PyTorch's own choice runs everything else,
-    without an error. A boolean mask's rows that keep no key give zeros, as PyTorch's math
-    kernel. Works under torch.compile (fullgraph: the cuDNN operator, not fastattn's
+    without an error. A mask's rows that keep no key (False, or -inf, throughout) give
+    zeros, as PyTorch's math kernel. Works under torch.compile (fullgraph: the cuDNN operator, not fastattn's
     Python, is what the graph holds) and CUDA-graph capture (after one call of each shape
     outside the capture, as fastattn.torch's entry points). Served and passed-on calls,
     with the reasons, are counted in fastattn.stats()["sdpa"]; where fastattn cannot run
@@ -508,19 +508,22 @@ def _early(q, k, v, attn_mask, enable_gqa) -> str | None:
     return EARLY[2] if not enable_gqa and k.shape[1] != q.shape[1] else None
 
 
-def _composite_bias(attn_mask, q) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+def _composite_bias(attn_mask, q, lse: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """attn_mask as the cuDNN operator's attn_bias, and `empty`: a view of 4 dims; a
     boolean mask as SDPA reads one (0 where True, -inf where False), except that a row
     keeping no key is 0 throughout, an ordinary row for the kernel, and empty (True on
     such rows, else None) sets its output to zeros after, as PyTorch's math kernel gives
-    it (fastattn.torch.scaled_dot_product_attention's rule, _sdpa._as_bias)."""
+    it (fastattn.torch.scaled_dot_product_attention's rule, _sdpa._as_bias). A float
+    mask's rows of -inf alike: zeros after, and 0 in the bias where the backward runs
+    (lse), which would read such a row's -inf logsumexp."""
     if attn_mask is None:
         return None, None
     m = attn_mask
     while m.dim() < 4:
         m = m.unsqueeze(0)
     if m.dtype != torch.bool:
-        return m, None
+        empty = (m != float("-inf")).any(-1, keepdim=True).logical_not_()
+        return (m.masked_fill(empty, 0.0) if lse else m), empty
     empty = m.any(-1, keepdim=True).logical_not_()
     # (a 0-d CPU tensor beside a CUDA condition: no copy to the GPU, and the query's dtype)
     return torch.where(m.logical_or(empty), torch.zeros((), dtype=q.dtype), float("-inf")), empty
@@ -536,7 +539,7 @@ def _composite(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False
     if reason is None:
         # PyTorch's composite asks its kernels for the logsumexp only where autograd needs it.
         lse = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
-        bias, empty = _composite_bias(attn_mask, query)
+        bias, empty = _composite_bias(attn_mask, query, lse)
         route = _route(query, key, value, bias, dropout_p, is_causal, scale, lse)
         if isinstance(route, _Route):
             _count(None)

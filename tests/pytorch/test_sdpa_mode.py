@@ -531,10 +531,13 @@ def _masks(b, h, sq, skv):
     keep = torch.rand(b, 1, sq, skv, generator=g) > 0.3
     keep[0, 0, 1] = False  # a row that keeps no key: zeros, as PyTorch's math kernel
     additive = torch.randn(h, sq, skv, generator=g).bfloat16()
+    minus_inf = additive.clone()
+    minus_inf[1, 2] = float("-inf")
     return {
         "none": None,
         "bool (b, 1, sq, skv) with a row keeping no key": keep,
         "additive 3-d (h, sq, skv)": additive,
+        "additive with a row of -inf": minus_inf,
         "float32 2-d (sq, skv)": torch.randn(sq, skv, generator=g) * 3,
         "bool expanded along the keys": (torch.rand(b, 1, sq, 1, generator=g) > 0.2).expand(b, 1, sq, skv),
     }
@@ -573,9 +576,9 @@ def test_every_sdpa_call_fastattn_takes_is_served_with_gradients(composite, mask
     assert [r for r in _sdpa_mode.sdpa_calls()["passed_on"]] == ["dtype torch.float64: fastattn takes float16 "
                                                                   "and bfloat16"]
     assert [c[0] for c in composite.calls] == ["plan", "forward", "backward"]
-    if mask is not None and mask.dtype == torch.bool:  # the rows that keep no key: zeros, and no gradient
-        empty = ~mask.expand(2, 4, 5, 7).any(-1)
-        assert empty.any()  # (both boolean masks have such rows)
+    if mask is not None:  # the rows that keep no key (False, or -inf, throughout): zeros, and no gradient
+        empty = ~(mask if mask.dtype == torch.bool else mask != float("-inf")).expand(2, 4, 5, 7).any(-1)
+        assert empty.any() or not ("keeping no key" in mask_name or "-inf" in mask_name)  # (those have such rows)
         assert (out[empty] == 0).all() and (q.grad[empty] == 0).all()  # (b, h, s, d) views
 
 
@@ -682,9 +685,9 @@ def test_the_op_librarys_composite_serves_and_hands_on_the_same_calls(lib, model
 @st.composite
 def _calls(draw):
     """An SDPA call: shapes, layout, dtype, GQA, causal, and a mask of any rank, dtype,
-    broadcast and memory order SDPA takes (and some it refuses). Float masks keep at least
-    one finite entry a row (a row of -inf alone is left to the GPU tests: what the kernel
-    gives there is cuDNN's)."""
+    broadcast and memory order SDPA takes (and some it refuses). Float masks keep a finite
+    entry in every row but, at times, the first (a row of -inf alone: zeros, as PyTorch's
+    math kernel gives)."""
     b, hk, rep = draw(st.integers(1, 2)), draw(st.integers(1, 2)), draw(st.sampled_from([1, 2]))
     sq, skv, d = draw(st.sampled_from([0, 1, 2, 3, 4, 5, 5])), draw(st.integers(1, 6)), draw(st.sampled_from([8, 16]))
     call = dict(b=b, hq=hk * rep, hk=hk, sq=sq, skv=skv, d=d, layout=draw(st.sampled_from(["bhsd", "bshd"])),
@@ -708,6 +711,8 @@ def _calls(draw):
             if rank:  # (-inf, with a finite entry each row)
                 m = m.masked_fill(torch.rand(shape, generator=g) < 0.3, float("-inf"))
                 m[..., 0] = torch.randn(shape[:-1], generator=g)
+                if rank >= 2 and shape[-2] and draw(st.integers(0, 3)) == 0:
+                    m[..., 0, :] = float("-inf")
             m = m.to({"same": call["dtype"], "float32": torch.float32, "int": torch.int32,
                       "other float": torch.float16 if call["dtype"] == torch.bfloat16 else torch.bfloat16}[kind]
                      if kind != "int" else torch.int32)
@@ -803,8 +808,11 @@ def test_the_composite_serves_or_hands_on_any_call_as_pytorch_would_answer_it(ei
     _assert_sdpas_in_float64(out, q, k, v, m, grad_tol=4e-2, is_causal=c["causal"], scale=c["scale"],
                              enable_gqa=c["gqa"])
     assert not c["rank3"] and c["sq"] > 0 and (c["scale"] is None or c["scale"] > 0)  # (those are handed on)
-    if m is not None and m.dtype == torch.bool:
-        empty = ~m.expand(c["b"], c["hq"], c["sq"], c["skv"]).any(-1)
+    if m is not None:  # rows that keep no key (False, or -inf, throughout): zeros, and no gradient
+        keep = m if m.dtype == torch.bool else m != float("-inf")
+        empty = ~keep.expand(c["b"], c["hq"], c["sq"], c["skv"]).any(-1)
+        if empty.any():
+            event("served, a row that keeps no key")
         assert (out[empty] == 0).all() and (q.grad[empty] == 0).all()
 
 

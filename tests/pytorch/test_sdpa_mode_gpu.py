@@ -201,7 +201,7 @@ def test_a_float32_mask_beside_bfloat16_queries_is_served_and_finite(mode):
 
 
 def _math64(q, k, v, mask, causal, gqa):
-    """PyTorch's math kernel in float64 (a boolean mask's rows that keep no key: zeros). A
+    """PyTorch's math kernel in float64 (a mask's rows that keep no key: zeros). A
     boolean mask is converted first, as SDPA's entry converts it (0 where True, -inf where
     False): the math kernel called directly adds a boolean mask as 1 and 0."""
     leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
@@ -218,23 +218,27 @@ _B = torch.nn.attention.SDPBackend
 def _case(name):
     """(mask, is_causal, enable_gqa, the backends PyTorch may pick) of each call PyTorch 2.11
     gives a backend other than cuDNN on the H200 (benchmarks/probe_sdpa_gates.py), or that a
-    user restricts to one."""
+    user restricts to one, or whose rows of -inf alone PyTorch's kernels need not answer alike."""
     g = torch.Generator(device=DEV).manual_seed(3)
     keep = torch.rand(2, 1, 96, 96, device=DEV, generator=g) > 0.2
     keep[1, 0, 5] = False  # a row that keeps no key
+    minus_inf = torch.randn(2, 1, 96, 96, device=DEV, dtype=torch.bfloat16, generator=g)
+    minus_inf[1, 0, 5] = float("-inf")  # the same in an additive mask
     return {
         "3-d additive mask": (torch.randn(8, 96, 96, device=DEV, dtype=torch.bfloat16, generator=g), False, False,
                               None),
         "boolean mask expanded along the keys, GQA": (
             (torch.rand(2, 1, 96, 1, device=DEV, generator=g) > 0.1).expand(2, 1, 96, 96), False, True, None),
         "boolean mask with a row keeping no key, GQA": (keep, False, True, None),
+        "additive mask with a row of -inf": (minus_inf, False, False, None),
         "causal GQA in a flash-only context": (None, True, True, [_B.FLASH_ATTENTION]),
         "boolean mask in a math-only context": (keep, False, False, [_B.MATH]),
     }[name]
 
 
 @pytest.mark.parametrize("name", ["3-d additive mask", "boolean mask expanded along the keys, GQA",
-                                  "boolean mask with a row keeping no key, GQA", "causal GQA in a flash-only context",
+                                  "boolean mask with a row keeping no key, GQA", "additive mask with a row of -inf",
+                                  "causal GQA in a flash-only context",
                                   "boolean mask in a math-only context"])
 def test_calls_pytorch_gives_other_backends_are_served_too(mode, name):
     mask, causal, gqa, backends = _case(name)
@@ -257,8 +261,9 @@ def test_calls_pytorch_gives_other_backends_are_served_too(mode, name):
     for got, r in zip((out, *grads), (ref, *want)):
         assert torch.isfinite(got).all()
         torch.testing.assert_close(got.double(), r, atol=TOL * r.abs().max().item(), rtol=TOL)
-    if mask is not None and mask.dtype == torch.bool:
-        assert (out[~mask.expand(2, 8, 96, 96).any(-1)] == 0).all()  # rows that keep no key: zeros
+    if mask is not None:  # rows that keep no key (False, or -inf, throughout): zeros
+        keep = mask if mask.dtype == torch.bool else mask != float("-inf")
+        assert (out[~keep.expand(2, 8, 96, 96).any(-1)] == 0).all()
 
 
 def test_in_inference_mode_calls_are_served(mode):

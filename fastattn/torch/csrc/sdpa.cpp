@@ -313,16 +313,21 @@ int early(const Tensor &q, const Tensor &k, const Tensor &v, const OptTensor &ma
 // reads one (0 where True, -inf where False), except that a row keeping no key is 0
 // throughout, an ordinary row for the kernel, and `empty` (True on such rows) sets its
 // output to zeros after, as PyTorch's math kernel gives it (_sdpa_mode._composite_bias;
-// fastattn.torch.scaled_dot_product_attention's rule, _sdpa._as_bias).
-OptTensor composite_bias(const OptTensor &mask, const Tensor &q, Tensor &empty) {
+// fastattn.torch.scaled_dot_product_attention's rule, _sdpa._as_bias). A float mask's
+// rows of -inf alike: zeros after, and 0 in the bias where the backward runs (lse), which
+// would read such a row's -inf logsumexp.
+OptTensor composite_bias(const OptTensor &mask, const Tensor &q, bool lse, Tensor &empty) {
     if (!given(mask)) return std::nullopt;
+    constexpr double kInf = std::numeric_limits<double>::infinity();
     Tensor m = *mask;
     while (m.dim() < 4) m = m.unsqueeze(0);
-    if (m.scalar_type() != at::kBool) return m;
+    if (m.scalar_type() != at::kBool) {
+        empty = m.ne(-kInf).any(-1, /*keepdim=*/true).logical_not_();
+        return lse ? m.masked_fill(empty, 0.0) : m;
+    }
     empty = m.any(-1, /*keepdim=*/true).logical_not_();
     // (a 0-d CPU tensor beside a CUDA condition: no copy to the GPU, and the query's dtype)
-    return at::where(m.logical_or(empty), at::scalar_tensor(0.0, at::TensorOptions().dtype(q.scalar_type())),
-                     -std::numeric_limits<double>::infinity());
+    return at::where(m.logical_or(empty), at::scalar_tensor(0.0, at::TensorOptions().dtype(q.scalar_type())), -kInf);
 }
 
 // aten::scaled_dot_product_attention, every backend's entry (registered for the device's
@@ -344,7 +349,7 @@ void composite(const c10::OperatorHandle &, Stack *stack) {
         // PyTorch's composite asks its kernels for the logsumexp only where autograd needs it.
         const bool lse = at::GradMode::is_enabled() && (q.requires_grad() || k.requires_grad() || v.requires_grad());
         Tensor empty;
-        const OptTensor bias = composite_bias(mask, q, empty);
+        const OptTensor bias = composite_bias(mask, q, lse, empty);
         const SdpaRoute &r = sdpa_route(q, k, v, bias, dropout_p, is_causal, scale, lse);
         count_call(r);
         if (r.ours) {
