@@ -106,14 +106,14 @@ def enable_sdpa() -> None:
     boolean and additive masks, inference and training), whatever backend PyTorch would
     pick, in this process and every thread; PyTorch's own choice runs everything else,
     without an error. A mask's rows that keep no key (False, or -inf, throughout) give
-    zeros, as PyTorch's math kernel. Works under torch.compile (fullgraph: the cuDNN operator, not fastattn's
-    Python, is what the graph holds) and CUDA-graph capture (after one call of each shape
-    outside the capture, as fastattn.torch's entry points). Served and passed-on calls,
-    with the reasons, are counted in fastattn.stats()["sdpa"]; where fastattn cannot run
-    at all (cuDNN not loadable, a CUDA failure) the calls are PyTorch's too, and the
-    reason is also logged once (the "fastattn" logger). Calling it again changes
-    nothing; `disable_sdpa()` undoes it. Also done when fastattn.torch is imported with
-    FASTATTN_SDPA=1 (never otherwise).
+    zeros, as PyTorch's math kernel. Works under torch.compile (fullgraph: the cuDNN
+    operator, not fastattn's Python, is what the graph holds) and CUDA-graph capture
+    (after one call of each shape outside the capture, as fastattn.torch's entry points).
+    Served and passed-on calls, with the reasons, are counted in fastattn.stats()["sdpa"];
+    where fastattn cannot run at all (cuDNN not loadable, a CUDA failure) the calls are
+    PyTorch's too, and the reason is also logged once (the "fastattn" logger). Calling
+    it again changes nothing; `disable_sdpa()` undoes it. Also done when fastattn.torch
+    is imported with FASTATTN_SDPA=1 (never otherwise).
 
     The kernels are the op library's C++ ones where fastattn.torch runs on its native
     path, else Python ones (FASTATTN_TORCH_PATH=python, or no op library built); with
