@@ -3,14 +3,20 @@ torch.nn.functional.scaled_dot_product_attention costs with the mode on.
 
 (a) Host time per call of F.scaled_dot_product_attention on (b, h, s, d) bf16 tensors,
     inference and a training step (forward and backward through autograd), on
-    1x8x128x64 causal and on a decode shape (one query against 4096 keys, 8 heads, no
-    mask), measured as bench_torch.py measures it (_common.host_rounds: the GPU held by
-    a sleep kernel for the inference loop, the wall time of the same loop with the GPU
-    free beside it, interleaved rounds in a new order each, medians, and the median of
-    each round's own ratio). Peers:
-      mode_on      enable_sdpa(), PyTorch's cuDNN backend selected: fastattn's plans
-      torch_cudnn  the mode off, the cuDNN backend selected: PyTorch's cuDNN kernels
-      torch_flash  the mode off, the flash backend (FlashAttention 2)
+    1x8x128x64 causal, on a decode shape (one query against 4096 keys, 8 heads, no
+    mask), and on a left-padded batch's prefill, 2x8x128x64 with the mask transformers'
+    sdpa path builds (causal and padding, the padding's query rows keeping no key), as a
+    boolean mask and as an additive bfloat16 one (0 / -inf); measured as bench_torch.py
+    measures it (_common.host_rounds: the GPU held by a sleep kernel for the inference
+    loop, the wall time of the same loop with the GPU free beside it, interleaved rounds
+    in a new order each, medians, and the median of each round's own ratio). Peers:
+      mode_on          enable_sdpa(), PyTorch's cuDNN backend selected: fastattn's plans
+      torch_cudnn      the mode off, the cuDNN backend selected: PyTorch's cuDNN kernels
+      torch_flash      the mode off, the flash backend (FlashAttention 2; no masks)
+      torch_efficient  the mode off, the memory-efficient backend (masked shapes only,
+                       in flash's place)
+    A peer whose first call raises (a backend refusing the call) is left out of that
+    shape, its error recorded.
     The backend (sdpa_kernel) and the mode are entered once around each loop, outside
     the clock. Target: mode_on's inference host time at most 0.6x torch_cudnn's. Which
     calls the mode served (its routes) is recorded: a call it handed back to PyTorch
@@ -48,12 +54,16 @@ from _common import HELD_ITERS, emit, first_error, fresh, fresh_cache_env, heade
 from bench_coldstart import HEAD_DIM, HEADS, SEQLENS
 
 PEERS = ("mode_on", "torch_cudnn", "torch_flash")
+MASKED_PEERS = ("mode_on", "torch_cudnn", "torch_efficient")  # (flash takes no mask)
 COLD_PEERS = ("mode_warm", "torch_cudnn", "torch_flash")  # interleaved; mode_cold runs once, first
-SHAPES = {  # name -> (q's (b, h, s, d) shape, k's and v's, is_causal)
-    "prefill_1x8x128x64_causal": ((1, 8, 128, 64), (1, 8, 128, 64), True),
-    "decode_1x8x1x4096x64": ((1, 8, 1, 64), (1, 8, 4096, 64), False),
+SHAPES = {  # name -> (q's (b, h, s, d) shape, k's and v's, is_causal, mask: None, "bool" or "float")
+    "prefill_1x8x128x64_causal": ((1, 8, 128, 64), (1, 8, 128, 64), True, None),
+    "decode_1x8x1x4096x64": ((1, 8, 1, 64), (1, 8, 4096, 64), False, None),
+    "padded_prefill_2x8x128x64_bool_mask": ((2, 8, 128, 64), (2, 8, 128, 64), False, "bool"),
+    "padded_prefill_2x8x128x64_float_mask": ((2, 8, 128, 64), (2, 8, 128, 64), False, "float"),
 }
-TARGET = 0.6  # issue 28: mode_on's inference host time at most this times torch_cudnn's
+LEFT_PADDING = 48  # the second sequence's padding tokens in the masked shapes
+TARGET = 0.6  # issue 28: mode_on's inference host time at most this times torch_cudnn's (unmasked calls)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -86,7 +96,8 @@ def peer(name: str):
     import fastattn.torch as fat
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    backend = SDPBackend.FLASH_ATTENTION if name == "torch_flash" else SDPBackend.CUDNN_ATTENTION
+    backend = {"torch_flash": SDPBackend.FLASH_ATTENTION,
+               "torch_efficient": SDPBackend.EFFICIENT_ATTENTION}.get(name, SDPBackend.CUDNN_ATTENTION)
     if name == "mode_on":
         fat.enable_sdpa()
     try:
@@ -97,29 +108,53 @@ def peer(name: str):
             fat.disable_sdpa()
 
 
+def padded_mask(b: int, s: int, kind: str, device: str = "cuda"):
+    """The mask transformers' sdpa path gives a left-padded batch's prefill: causal, and
+    the last sequence's first LEFT_PADDING keys masked (its padding queries keep no key),
+    (b, 1, s, s), boolean or additive bfloat16 (0 where kept, -inf elsewhere)."""
+    import torch
+
+    keep = torch.ones(s, s, dtype=torch.bool, device=device).tril().expand(b, 1, s, s).clone()
+    keep[-1, :, :, :LEFT_PADDING] = False
+    if kind == "bool":
+        return keep
+    return torch.zeros(keep.shape, dtype=torch.bfloat16, device=device).masked_fill(~keep, float("-inf"))
+
+
 def host_overhead(iters: int, repeats: int, shape: str) -> dict:
     import torch
 
     from fastattn.torch import _sdpa_mode
 
-    q_shape, kv_shape, causal = SHAPES[shape]
+    q_shape, kv_shape, causal, mask_kind = SHAPES[shape]
     base = [torch.randn(s, device="cuda", dtype=torch.bfloat16) for s in (q_shape, kv_shape, kv_shape)]
+    mask = None if mask_kind is None else padded_mask(q_shape[0], q_shape[2], mask_kind)
     sdpa = torch.nn.functional.scaled_dot_product_attention
 
     def train_step(q, k, v):
-        o = sdpa(q, k, v, is_causal=causal)
+        o = sdpa(q, k, v, attn_mask=mask, is_causal=causal)
         torch.autograd.grad(o, (q, k, v), o)  # o as its own gradient: no extra allocation in the loop
 
-    steps = {}
-    for name in PEERS:
+    steps, errors = {}, {}
+    for name in (PEERS if mask is None else MASKED_PEERS):
         ts = [t.clone() for t in base]
         gs = [t.clone().requires_grad_() for t in base]
         # partial, not a lambda: the loops call SDPA with no Python frame of their own in between
-        steps[name] = (functools.partial(peer, name), functools.partial(sdpa, *ts, is_causal=causal),
-                       functools.partial(train_step, *gs))
+        step = (functools.partial(peer, name), functools.partial(sdpa, *ts, attn_mask=mask, is_causal=causal),
+                functools.partial(train_step, *gs))
+        try:  # a backend that refuses the call is left out, its error said (host_rounds would stop at it)
+            with step[0]():
+                step[1]()
+                step[2]()
+            torch.cuda.synchronize()
+        except RuntimeError as e:
+            errors[name] = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            continue
+        steps[name] = step
     _sdpa_mode._routes.clear()  # (the routes this shape's calls take, recorded below)
     rounds = host_rounds(steps, iters, repeats)
-    res = {"shape": shape, "held_iters": min(iters, HELD_ITERS), "mode_routes": sorted(set(_sdpa_mode.sdpa_routes().values()))}
+    res = {"shape": shape, "mask": mask_kind, "peers": list(steps), "errors": errors, "held_iters": min(iters, HELD_ITERS),
+           "mode_routes": sorted(set(_sdpa_mode.sdpa_routes().values()))}
     for name, r in rounds.items():
         res[f"{name}_held_us"] = statistics.median(r["held"])
         res[f"{name}_us"] = statistics.median(r["wall"])
@@ -133,11 +168,11 @@ def host_overhead(iters: int, repeats: int, shape: str) -> dict:
 
 
 def host_ratios(rounds: dict) -> dict:
-    """mode_on's and torch_flash's host times over torch_cudnn's: ratios of the medians and
-    (paired) the median of each round's own ratio."""
+    """Every other peer's host times over torch_cudnn's: ratios of the medians and (paired)
+    the median of each round's own ratio (none where torch_cudnn did not run)."""
     out = {}
-    ref = rounds["torch_cudnn"]
-    for name in ("mode_on", "torch_flash"):
+    ref = rounds.get("torch_cudnn")
+    for name in [n for n in rounds if n != "torch_cudnn"] if ref else []:
         r = rounds[name]
         for key, label in (("held", "held"), ("wall", "wall"), ("train", "train")):
             out[f"ratio_{label}_{name}_to_torch_cudnn"] = statistics.median(r[key]) / statistics.median(ref[key])
@@ -225,16 +260,18 @@ def _fmt(x, spec=".2f") -> str:
 def summary(res: dict) -> list[str]:
     lines = ["  (medians of interleaved rounds; ratios to torch_cudnn: of medians, per round in parentheses)"]
     for h in res.get("host_overhead", []):
-        lines.append(f"  {h['shape']}: mode routes {h['mode_routes']}")
-        lines.append("    host us/call (GPU held): " + ", ".join(f"{p} {h[p + '_held_us']:.2f}" for p in PEERS)
-                     + f"; valid rounds {[h[p + '_held_valid_rounds'] for p in PEERS]}")
-        lines.append("    wall us/call (GPU free): " + ", ".join(f"{p} {h[p + '_us']:.2f}" for p in PEERS))
-        lines.append("    GPU us/call:             " + ", ".join(f"{p} {h[p + '_gpu_us']:.2f}" for p in PEERS))
-        lines.append("    host us/train step:      " + ", ".join(f"{p} {h[p + '_train_us']:.2f}" for p in PEERS))
-        for p in ("mode_on", "torch_flash"):
+        peers = h.get("peers", PEERS)
+        lines.append(f"  {h['shape']}: mode routes {h['mode_routes']}"
+                     + "".join(f"; {p} left out: {e}" for p, e in h.get("errors", {}).items()))
+        lines.append("    host us/call (GPU held): " + ", ".join(f"{p} {h[p + '_held_us']:.2f}" for p in peers)
+                     + f"; valid rounds {[h[p + '_held_valid_rounds'] for p in peers]}")
+        lines.append("    wall us/call (GPU free): " + ", ".join(f"{p} {h[p + '_us']:.2f}" for p in peers))
+        lines.append("    GPU us/call:             " + ", ".join(f"{p} {h[p + '_gpu_us']:.2f}" for p in peers))
+        lines.append("    host us/train step:      " + ", ".join(f"{p} {h[p + '_train_us']:.2f}" for p in peers))
+        for p in [p for p in peers if p != "torch_cudnn" and f"ratio_held_{p}_to_torch_cudnn" in h]:
             lines.append(f"    {p} / torch_cudnn: inference host {_fmt(h[f'ratio_held_{p}_to_torch_cudnn'])} "
                          f"({_fmt(h[f'ratio_held_{p}_to_torch_cudnn_paired'])})"
-                         + (f" target <= {TARGET}" if p == "mode_on" else "")
+                         + (f" target <= {TARGET}" if p == "mode_on" and not h.get("mask") else "")
                          + f", wall {_fmt(h[f'ratio_wall_{p}_to_torch_cudnn'])}, training step "
                          f"{_fmt(h[f'ratio_train_{p}_to_torch_cudnn'])} "
                          f"({_fmt(h[f'ratio_train_{p}_to_torch_cudnn_paired'])})")

@@ -452,6 +452,32 @@ def test_the_benchmarks_ratios_and_summary():
     assert "target <= 0.6" in text and "mode_cold error: boom" in text and "n/a" in text
 
 
+def test_the_benchmarks_masked_shapes_their_mask_and_a_refusing_peer():
+    from helpers import benchmarks
+
+    bench = benchmarks.load("bench_sdpa_mode")
+    keep = bench.padded_mask(2, 64, "bool", device="cpu")
+    assert keep.shape == (2, 1, 64, 64) and keep.dtype == torch.bool
+    assert torch.equal(keep[0, 0], torch.ones(64, 64, dtype=torch.bool).tril())  # the first sequence: causal
+    pad = bench.LEFT_PADDING
+    assert not keep[1, 0, :, :pad].any() and not keep[1, 0, :pad].any(-1).any()  # padding queries keep no key
+    assert torch.equal(keep[1, 0, pad:, pad:], torch.ones(64 - pad, 64 - pad, dtype=torch.bool).tril())
+    additive = bench.padded_mask(2, 64, "float", device="cpu")
+    assert additive.dtype == torch.bfloat16 and torch.equal(additive == 0, keep)
+    assert torch.isinf(additive[~keep]).all() and (additive[~keep] < 0).all()
+    assert {m for *_, m in bench.SHAPES.values()} == {None, "bool", "float"}
+    # torch_cudnn left out (a refusal): no ratios, the error said; the target only for unmasked calls
+    rounds = {p: {"held": [1.0], "wall": [1.0], "train": [1.0]} for p in ("mode_on", "torch_efficient")}
+    assert bench.host_ratios(rounds) == {}
+    host = {"shape": "padded", "mask": "bool", "mode_routes": [], "peers": ["mode_on", "torch_efficient"],
+            "errors": {"torch_cudnn": "No available kernel. Aborting execution."}}
+    for p in ("mode_on", "torch_efficient"):
+        host.update({f"{p}_{k}": 2.0 for k in ("held_us", "us", "gpu_us", "train_us")}, **{f"{p}_held_valid_rounds": 3})
+    text = "\n".join(bench.summary({"host_overhead": [host]}))
+    assert "torch_cudnn left out: No available kernel" in text and "torch_efficient 2.00" in text
+    assert "/ torch_cudnn" not in text and "target" not in text
+
+
 def test_host_rounds_interleaves_the_peers_and_times_each_loop(monkeypatch):
     from helpers import benchmarks
 
