@@ -320,7 +320,7 @@ def paged_attention_forward(module: torch.nn.Module, q: torch.Tensor, k: torch.T
     # contiguous for most models, but not where the rotary embedding builds q anew (gpt-oss):
     # attention_varlen takes packed tensors contiguous, and .contiguous() copies only then.
     q = q[0].transpose(0, 1).contiguous()
-    k, v = k.contiguous(), v.contiguous()
+    k, v = k.contiguous(), v.contiguous()  # (the cache's reads: not always contiguous either)
     scale = kwargs.get("scaling", getattr(module, "scaling", None))
     cap = float(kwargs.get("softcap") or 0.0)
     sinks = kwargs.get("s_aux")
@@ -440,7 +440,11 @@ def _varlen(q, k, v, form: FastattnMask, cu_k, kwargs, scale, dropout, cap, sink
     if not max_q:
         max_q = max_k = int((cu_q[1:] - cu_q[:-1]).max())
     window = None if form.window_left < 0 else (form.window_left, 0 if form.causal else -1)
-    o = attention_varlen(q.reshape(b * sq, h, d), k.reshape(-1, k.shape[2], d), v.reshape(-1, v.shape[2], v.shape[3]),
+    # Packed (tokens, heads, dim), contiguous as attention_varlen takes them: with one row
+    # (the usual packed batch) flattening a (batch, seq, heads, dim) view of a model's
+    # (batch, heads, seq, dim) tensor is a view, contiguous only where the model made q in
+    # the token-major order (gpt-oss's rotary embedding makes it anew, head-major).
+    o = attention_varlen(q.flatten(0, 1).contiguous(), k.flatten(0, 1).contiguous(), v.flatten(0, 1).contiguous(),
                          cu_q, cu_k, max_q, max_k, causal=form.causal,
                          alignment="bottom_right" if form.bottom_right else "top_left", window=window, scale=scale,
                          dropout_p=dropout, softcap=cap, sinks=sinks)

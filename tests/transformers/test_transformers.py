@@ -285,13 +285,22 @@ def test_sinks_in_prefill_and_in_decode_steps_of_one_query(calls):
     assert decode and all(c["sinks"] and c["sq"] == 2 for c in decode)  # two copies of the one query
 
 
-def test_packed_sequences_from_restarting_position_ids_run_as_varlen(calls):
-    ours, theirs = _pair("llama")
+@pytest.mark.parametrize("kind,how", [(k, "position_ids") for k in ("llama", "mistral", "qwen2", "gemma2", "gemma3")]
+                         + [(k, "flash_kwargs") for k in ("llama", "gemma2", "gpt_oss")])
+def test_packed_sequences_run_as_varlen_each_on_its_own(calls, kind, how):
+    # One row of packed sequences, as transformers recognizes them from restarting position
+    # ids (its mask functions, without a cache; gpt-oss 5.17 builds its masks without the
+    # position ids, so not there), or as DataCollatorWithFlattening(return_flash_attn_kwargs=True)
+    # hands them on (cu_seq_lens_*, max_length_*): each sequence as it would attend alone.
+    # gpt-oss's q is head-major: its packed view was not contiguous until the adapter made it so.
+    ours, theirs = _pair(kind, reference="eager" if kind in ("gemma2", "gpt_oss") else "sdpa")
     parts = [torch.randint(3, 97, (1, n)) for n in (5, 3, 6)]
     packed = torch.cat(parts, 1)
     position_ids = torch.cat([torch.arange(p.shape[1]) for p in parts])[None]
-    with torch.no_grad():  # (packing is recognized without a cache, as transformers does)
-        got = ours(packed, position_ids=position_ids, use_cache=False).logits
+    cu = torch.tensor([0, 5, 8, 14], dtype=torch.int32)
+    flash = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=6, max_length_k=6) if how == "flash_kwargs" else {}
+    with torch.no_grad():
+        got = ours(packed, position_ids=position_ids, use_cache=False, **flash).logits
         want = torch.cat([theirs(p).logits for p in parts], 1)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     assert calls and all(c.get("varlen") and c["n"] == 3 for c in calls)
@@ -437,6 +446,10 @@ def _mask_calls(draw):
 # and: sinks (the exact fallback) with sequences packed into more than one row (an IndexError)
 @example(c=dict(b=2, q=3, kv=3, q_offset=0, window=None, padding=None, position_ids=torch.tensor([[0, 1, 0], [0, 0, 1]]),
                 grad=False, softcap=0.0, sinks=True))
+# and: one row of packed sequences from head-major tensors, whose flattened (tokens, heads,
+# dim) view is not contiguous (attention_varlen refused it)
+@example(c=dict(b=1, q=5, kv=5, q_offset=0, window=None, padding=None, position_ids=torch.tensor([[0, 1, 2, 0, 1]]),
+                grad=True, softcap=0.0, sinks=False))
 def test_any_padding_and_step_attends_to_what_transformers_own_mask_keeps(calls, c):
     # The mask function's form, run by the attention function (the float64 model for
     # fastattn's kernels), against attention over transformers' own boolean mask (sdpa_mask)
