@@ -171,12 +171,16 @@ namespace {
 Tensor like_meta(const Tensor &t) { return at::empty_strided_symint(t.sym_sizes(), t.sym_strides(), t.options()); }
 }  // namespace
 
+Tensor d_sink_like(const OptTensor &sink, const Tensor &q) {
+    return given(sink) ? at::empty_like(*sink) : at::empty({0}, q.options().dtype(at::kFloat));
+}
+
 Grads backward_meta(const Tensor &, const Tensor &, const Tensor &, const Tensor &q, const Tensor &k, const Tensor &v,
                     const OptTensor &, const OptTensor &, const OptTensor &bias, const OptTensor &sink,
                     const OptTensor &, FA_DENSE_PARAMS) {
     return {like_meta(q), like_meta(k), like_meta(v),
             bias_grad ? at::empty_like(*bias, at::MemoryFormat::Contiguous) : at::empty({0}, q.options()),
-            given(sink) ? at::empty_like(*sink) : at::empty({0}, q.options().dtype(at::kFloat))};
+            d_sink_like(sink, q)};
 }
 
 

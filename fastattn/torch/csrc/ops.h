@@ -97,6 +97,10 @@ inline intptr_t ptr(const OptTensor &t) { return given(t) ? ptr(*t) : 0; }
 
 inline OptTensor saved(const Tensor &t) { return t.defined() ? OptTensor(t) : std::nullopt; }
 
+// A backward's d_sink: like the sinks, or empty without them (an op returns tensors).
+// (dense.cpp: this header keeps to ATen's core, which has no factory functions)
+Tensor d_sink_like(const OptTensor &sink, const Tensor &q);
+
 // ---- the plan table (table.cpp) ----------------------------------------------------------------
 
 

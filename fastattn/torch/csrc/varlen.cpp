@@ -102,7 +102,6 @@ std::tuple<Tensor, Tensor> varlen_forward_cuda(const Tensor &q, const Tensor &k,
     return {o, stats};
 }
 
-// d_sink is empty without sinks (an op returns tensors).
 std::tuple<Tensor, Tensor, Tensor, Tensor> varlen_backward_cuda(const Tensor &d_o_in, const Tensor &o,
                                                                 const Tensor &stats, const Tensor &q, const Tensor &k,
                                                                 const Tensor &v, const Tensor &cu_q,
@@ -111,7 +110,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> varlen_backward_cuda(const Tensor &d_
     const Tensor d_o = d_o_in.contiguous();  // the plan reads d_o at o's (packed) strides
     const Entry &e = find_varlen_plan(FASTATTN_BACKWARD, q, k, v, cu_q, cu_kv, sink, rng, FA_VARLEN_ARGS);
     Tensor d_q = at::empty_like(q), d_k = at::empty_like(k), d_v = at::empty_like(v);
-    Tensor d_sink = given(sink) ? at::empty_like(*sink) : at::empty({0}, q.options().dtype(at::kFloat));
+    Tensor d_sink = d_sink_like(sink, q);
     intptr_t slots[FASTATTN_NUM_SLOTS] = {};
     slots[FASTATTN_SLOT_Q] = ptr(q);
     slots[FASTATTN_SLOT_K] = ptr(k);
@@ -142,7 +141,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> varlen_backward_meta(const Tensor &, 
                                                                 const Tensor &, const Tensor &, const OptTensor &sink,
                                                                 const OptTensor &, FA_VARLEN_PARAMS) {
     return {at::empty_like(q), at::empty_like(k), at::empty_like(v),
-            given(sink) ? at::empty_like(*sink) : at::empty({0}, q.options().dtype(at::kFloat))};
+            d_sink_like(sink, q)};
 }
 
 std::tuple<Tensor, Tensor> varlen_forward_cpu(const Tensor &q, const Tensor &, const Tensor &, const Tensor &,
