@@ -165,11 +165,13 @@ def paired_ratio(a: list[float], b: list[float]) -> float | None:
 
 # The held host-time loop's length and the sleep kernel in front of it (~20 ms at the
 # H200's 1.98 GHz): the loop's launches (2-3 a call at most) stay within CUDA's launch queue.
+# A call of more launches needs a shorter loop (host_rounds' held_iters): once the queue is
+# full, each launch waits for the GPU, and the loop times the sleep.
 HELD_ITERS = 200
 HELD_SLEEP_CYCLES = 40_000_000
 
 
-def host_rounds(calls: dict, iters: int, repeats: int, seed: int = 17) -> dict:
+def host_rounds(calls: dict, iters: int, repeats: int, seed: int = 17, held_iters: int = HELD_ITERS) -> dict:
     """Per-call host time of each peer, in `repeats` interleaved rounds, each in a new
     seeded order (so that drift hits every peer alike and no peer always follows the same
     one). calls: name -> (enter, infer, train): enter() a context manager entered around
@@ -179,7 +181,7 @@ def host_rounds(calls: dict, iters: int, repeats: int, seed: int = 17) -> dict:
       held: inference with the GPU held by a sleep kernel, so that the calls queue and the
         loop never waits for the GPU (a small call's GPU time is near its host time, and a
         loop the GPU holds back times the GPU); held_valid counts the rounds where the
-        sleep still ran when the loop ended (min(iters, HELD_ITERS) calls);
+        sleep still ran when the loop ended (min(iters, held_iters) calls);
       wall: the same inference loop with the GPU free (iters calls);
       train: training steps (iters)."""
     import torch
@@ -191,7 +193,7 @@ def host_rounds(calls: dict, iters: int, repeats: int, seed: int = 17) -> dict:
                 train()
     torch.cuda.synchronize()
     out = {name: {"held": [], "held_valid": 0, "wall": [], "train": []} for name in calls}
-    held_iters = min(iters, HELD_ITERS)
+    held_iters = min(iters, held_iters)
     order, rng = list(calls), random.Random(seed)
     for _ in range(repeats):
         rng.shuffle(order)

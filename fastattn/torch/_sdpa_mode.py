@@ -515,18 +515,46 @@ def _composite_bias(attn_mask, q, lse: bool) -> tuple[torch.Tensor | None, torch
     such rows, else None) sets its output to zeros after, as PyTorch's math kernel gives
     it (fastattn.torch.scaled_dot_product_attention's rule, _sdpa._as_bias). A float
     mask's rows of -inf alike: zeros after, and 0 in the bias where the backward runs
-    (lse), which would read such a row's -inf logsumexp."""
+    (lse), which would read such a row's -inf logsumexp. Every step is a kernel on the
+    mask's device (_zero_and_minus_inf)."""
     if attn_mask is None:
         return None, None
     m = attn_mask
     while m.dim() < 4:
         m = m.unsqueeze(0)
     if m.dtype != torch.bool:
-        empty = (m != float("-inf")).any(-1, keepdim=True).logical_not_()
+        empty = m.amax(-1, keepdim=True) == float("-inf")
         return (m.masked_fill(empty, 0.0) if lse else m), empty
-    empty = m.any(-1, keepdim=True).logical_not_()
-    # (a 0-d CPU tensor beside a CUDA condition: no copy to the GPU, and the query's dtype)
-    return torch.where(m.logical_or(empty), torch.zeros((), dtype=q.dtype), float("-inf")), empty
+    kept = m.any(-1, keepdim=True)
+    zero, minus_inf = _zero_and_minus_inf(q)
+    # (the inner where over one column: the rows keeping no key 0 throughout)
+    return torch.where(m, zero, torch.where(kept, minus_inf, zero)), kept.logical_not()
+
+
+# (device, dtype) -> 0 and -inf, 0-d tensors there
+_constants: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _zero_and_minus_inf(like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """0 and -inf as 0-d tensors of like's dtype on its device, for torch.where (a
+    boolean mask's bias): where copies a scalar or CPU-tensor operand from the host on
+    every call (it moves each operand to the condition's device), a pageable copy that
+    waits for the stream, and that a CUDA-graph capture refuses. Kept per device and
+    dtype once made for a plain tensor outside a capture: not for the fake and
+    functional tensors torch.compile traces with (a real tensor among them is an error),
+    nor inside a capture (their fill would be the graph's, run at its replays only).
+    csrc/sdpa.cpp zero_and_minus_inf is the op library's twin."""
+    plain = type(like) is torch.Tensor
+    key = (like.device, like.dtype)
+    hit = _constants.get(key) if plain else None
+    if hit is not None:
+        return hit
+    with torch.inference_mode(False):  # (kept, so usable outside inference mode too)
+        made = (torch.zeros((), dtype=like.dtype, device=like.device),
+                torch.full((), float("-inf"), dtype=like.dtype, device=like.device))
+    if plain and not (like.is_cuda and capturing()):
+        _constants[key] = made
+    return made
 
 
 def _composite(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None, enable_gqa=False):

@@ -443,13 +443,14 @@ def test_the_benchmarks_ratios_and_summary():
     assert c["mode_warm"]["seconds"] == 0.2 and c["mode_warm"]["errors"] == 1
     assert c["ratio_mode_warm_to_torch_cudnn"] == 0.2 / 1.2
     assert c["ratio_mode_warm_to_torch_cudnn_paired"] == pytest.approx(0.15)  # rounds 1 and 3: 0.1, 0.2
-    host = {"shape": "s", "mode_routes": ["fastattn (bhsd)"], **r}
+    host = {"shape": "s", "mode_calls": {"served": 900, "passed_on": {}}, **r}
     for p in bench.PEERS:
         host.update({f"{p}_{k}": 1.0 for k in ("held_us", "us", "gpu_us", "train_us")}, **{f"{p}_held_valid_rounds": 3})
     c["mode_cold"] = {"error": "boom"}
     lines = bench.summary({"host_overhead": [host], "coldstart": {"fwd": c}})
     text = "\n".join(lines)
     assert "target <= 0.6" in text and "mode_cold error: boom" in text and "n/a" in text
+    assert "the mode served 900 calls, passed on {}" in text
 
 
 def test_the_benchmarks_masked_shapes_their_mask_and_a_refusing_peer():
@@ -469,12 +470,14 @@ def test_the_benchmarks_masked_shapes_their_mask_and_a_refusing_peer():
     # torch_cudnn left out (a refusal): no ratios, the error said; the target only for unmasked calls
     rounds = {p: {"held": [1.0], "wall": [1.0], "train": [1.0]} for p in ("mode_on", "torch_efficient")}
     assert bench.host_ratios(rounds) == {}
-    host = {"shape": "padded", "mask": "bool", "mode_routes": [], "peers": ["mode_on", "torch_efficient"],
+    host = {"shape": "padded", "mask": "bool", "mode_calls": {"served": 0, "passed_on": {"why": 3}},
+            "peers": ["mode_on", "torch_efficient"],
             "errors": {"torch_cudnn": "No available kernel. Aborting execution."}}
     for p in ("mode_on", "torch_efficient"):
         host.update({f"{p}_{k}": 2.0 for k in ("held_us", "us", "gpu_us", "train_us")}, **{f"{p}_held_valid_rounds": 3})
     text = "\n".join(bench.summary({"host_overhead": [host]}))
     assert "torch_cudnn left out: No available kernel" in text and "torch_efficient 2.00" in text
+    assert "the mode served 0 calls, passed on {'why': 3}" in text
     assert "/ torch_cudnn" not in text and "target" not in text
 
 
@@ -517,6 +520,9 @@ def test_host_rounds_interleaves_the_peers_and_times_each_loop(monkeypatch):
         assert len(r["held"]) == len(r["wall"]) == len(r["train"]) == 4 and r["held_valid"] == 4
     assert counts == {"a": 20 + 4 * (5 + 5), "b": 20 + 4 * (5 + 5)}  # warm-up, then held and wall loops
     assert seen[:2] == ["a", "b"] and len(seen) == 2 + 8  # entered once per warm-up and per round
+    counts.update(a=0, b=0)
+    common.host_rounds(calls, iters=5, repeats=1, held_iters=2)  # a shorter held loop
+    assert counts == {"a": 20 + 2 + 5, "b": 20 + 2 + 5}
     assert common.rotated("abc", 4) == [list("abc"), list("bca"), list("cab"), list("abc")]
     assert common.paired_ratio([1.0, None, 3.0], [2.0, 1.0, 0.0]) == 0.5
     assert common.paired_ratio([None], [1.0]) is None
@@ -862,3 +868,25 @@ def test_where_fastattn_cannot_run_the_mode_stands_aside_and_says_so_once(compos
     assert _sdpa_mode.sdpa_calls() == {"served": 0, "passed_on": {reason: 3}}
     assert [r.getMessage() for r in caplog.records] == [
         f"the SDPA mode hands calls to PyTorch's kernels (counted in fastattn.stats()['sdpa']): {reason}"]
+
+
+def test_a_boolean_masks_zero_and_minus_inf_are_kept_for_real_tensors_only(either_composite):
+    # The bias of a boolean mask comes from 0 and -inf kept on the device (no copy from the
+    # host each call); torch.compile traces with fake tensors, which must not meet the kept
+    # real ones, nor be kept themselves: an eager call, then a compiled one, then eager.
+    q, k, v = _qkv(2, 4, 2, 6, 6, 16, "bshd")
+    keep = torch.ones(2, 1, 6, 6, dtype=torch.bool).tril()
+    keep[1, 0, 2] = False  # a row that keeps no key
+
+    def f(q, k, v, keep):
+        return SDPA(q, k, v, attn_mask=keep, enable_gqa=True)
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        eager = f(q, k, v, keep)
+        compiled = torch.compile(f, backend="aot_eager", fullgraph=True)(q, k, v, keep)
+        again = f(q, k, v, keep)
+    torch.testing.assert_close(compiled, eager, atol=0, rtol=0)
+    torch.testing.assert_close(again, eager, atol=0, rtol=0)
+    assert (eager[1, :, 2] == 0).all() and (eager[1, :, 3] != 0).any()  # (b, h, s, d): the row keeping no key
+    assert either_composite()[0] >= 2  # the eager calls served (the compiled one may run below the composite)

@@ -275,3 +275,41 @@ def test_in_inference_mode_calls_are_served(mode):
     assert fastattn.stats()["sdpa"]["served"] == before + 1
     ref = _math64(q, k, v, None, False, True)[0]
     torch.testing.assert_close(out.double(), ref, atol=TOL * ref.abs().max().item(), rtol=TOL)
+
+
+@pytest.mark.parametrize("name", ["boolean mask with a row keeping no key, GQA", "additive mask with a row of -inf"])
+def test_masked_calls_are_captured_in_a_cuda_graph_and_replay_new_masks(mode, name):
+    # The mask's conversion runs on the device only: a copy from the host (at::where's
+    # scalar operands) would wait for the stream, which a capture refuses.
+    mask, _, gqa, _ = _case(name)
+    torch.manual_seed(0)
+    hk = 2 if gqa else 8
+    shapes = ((2, 8, 96, 64), (2, hk, 96, 64), (2, hk, 96, 64))
+    static = [torch.randn(s, device=DEV, dtype=torch.bfloat16) for s in shapes]
+    static_mask = mask.clone()
+
+    def call():
+        return F.scaled_dot_product_attention(*static, attn_mask=static_mask, enable_gqa=gqa)
+
+    with torch.no_grad():
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            call()  # the plan is loaded outside the capture
+        torch.cuda.current_stream().wait_stream(s)
+        before = fastattn.stats()["sdpa"]
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = call()
+        after = fastattn.stats()["sdpa"]
+        assert after["served"] == before["served"] + 1 and after["passed_on"] == before["passed_on"], after
+        for t in static:
+            t.copy_(torch.randn_like(t))
+        new_mask = mask.roll(7, dims=-1)  # other keys kept, and the empty row still empty
+        static_mask.copy_(new_mask)
+        graph.replay()
+        torch.testing.assert_close(out, call(), atol=0, rtol=0)
+    ref = _math64(*static, new_mask, False, gqa)[0]
+    torch.testing.assert_close(out.double(), ref, atol=TOL * ref.abs().max().item(), rtol=TOL)
+    keep = new_mask if new_mask.dtype == torch.bool else new_mask != float("-inf")
+    assert (out[~keep.expand(2, 8, 96, 96).any(-1)] == 0).all() and (~keep.any(-1)).any()

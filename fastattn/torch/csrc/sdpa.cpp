@@ -19,17 +19,20 @@
 #include <ATen/core/grad_mode.h>
 #include <ATen/core/stack.h>
 #include <ATen/ops/randint.h>
-#include <ATen/ops/scalar_tensor.h>
 #include <ATen/ops/scaled_dot_product_attention_native.h>
 #include <ATen/ops/stack.h>
 #include <ATen/ops/where.h>
+#include <ATen/ops/zeros.h>
+#include <ATen/ops/full.h>
 #include <c10/core/DeviceGuard.h>
+#include <c10/core/InferenceMode.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
 #include <atomic>
 #include <limits>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <shared_mutex>
@@ -309,25 +312,56 @@ int early(const Tensor &q, const Tensor &k, const Tensor &v, const OptTensor &ma
     return !enable_gqa && k.size(1) != q.size(1) ? 2 : -1;
 }
 
+// 0 and -inf as 0-d tensors of like's dtype on its device, for at::where (a boolean
+// mask's bias): where copies a scalar or CPU-tensor operand from the host on every call
+// (it moves each operand to the condition's device), a pageable copy that waits for the
+// stream, and that a CUDA-graph capture refuses. Kept per device and dtype once made for
+// a plain tensor outside a capture: not for the fake and functional tensors torch.compile
+// traces with (a real tensor among them is an error), nor inside a capture (their fill
+// would be the graph's, run at its replays only). Never destroyed: a static's destructor
+// would free CUDA memory after the runtime's teardown.
+std::pair<Tensor, Tensor> zero_and_minus_inf(const Tensor &like) {
+    constexpr double kInf = std::numeric_limits<double>::infinity();
+    static std::mutex lock;
+    static auto *kept = new std::map<std::pair<int64_t, int64_t>, std::pair<Tensor, Tensor>>();
+    const bool plain = !like.key_set().has_any(
+        c10::DispatchKeySet({c10::DispatchKey::Python, c10::DispatchKey::Functionalize}));
+    const std::pair<int64_t, int64_t> key{static_cast<int64_t>(like.device().type()) * 1024 + like.device().index(),
+                                          static_cast<int64_t>(like.scalar_type())};
+    if (plain) {
+        std::lock_guard<std::mutex> guard(lock);
+        auto it = kept->find(key);
+        if (it != kept->end()) return it->second;
+    }
+    const c10::InferenceMode normal(false);  // (kept, so usable outside inference mode too)
+    std::pair<Tensor, Tensor> made{at::zeros({}, like.options()), at::full({}, -kInf, like.options())};
+    if (!plain || (like.is_cuda() && capturing(like))) return made;
+    std::lock_guard<std::mutex> guard(lock);
+    return kept->emplace(key, std::move(made)).first->second;
+}
+
 // attn_mask as the cuDNN operator's attn_bias: a view of 4 dims; a boolean mask as SDPA
 // reads one (0 where True, -inf where False), except that a row keeping no key is 0
 // throughout, an ordinary row for the kernel, and `empty` (True on such rows) sets its
 // output to zeros after, as PyTorch's math kernel gives it (_sdpa_mode._composite_bias;
 // fastattn.torch.scaled_dot_product_attention's rule, _sdpa._as_bias). A float mask's
 // rows of -inf alike: zeros after, and 0 in the bias where the backward runs (lse), which
-// would read such a row's -inf logsumexp.
+// would read such a row's -inf logsumexp. Every step is a kernel on the mask's device: no
+// copy from the host, which would wait for the stream (and which a capture refuses).
 OptTensor composite_bias(const OptTensor &mask, const Tensor &q, bool lse, Tensor &empty) {
     if (!given(mask)) return std::nullopt;
     constexpr double kInf = std::numeric_limits<double>::infinity();
     Tensor m = *mask;
     while (m.dim() < 4) m = m.unsqueeze(0);
     if (m.scalar_type() != at::kBool) {
-        empty = m.ne(-kInf).any(-1, /*keepdim=*/true).logical_not_();
+        empty = m.amax(-1, /*keepdim=*/true).eq(-kInf);
         return lse ? m.masked_fill(empty, 0.0) : m;
     }
-    empty = m.any(-1, /*keepdim=*/true).logical_not_();
-    // (a 0-d CPU tensor beside a CUDA condition: no copy to the GPU, and the query's dtype)
-    return at::where(m.logical_or(empty), at::scalar_tensor(0.0, at::TensorOptions().dtype(q.scalar_type())), -kInf);
+    const Tensor kept = m.any(-1, /*keepdim=*/true);
+    empty = kept.logical_not();
+    const auto [zero, minus_inf] = zero_and_minus_inf(q);
+    // (the inner where over one column: the rows keeping no key 0 throughout)
+    return at::where(m, zero, at::where(kept, minus_inf, zero));
 }
 
 // aten::scaled_dot_product_attention, every backend's entry (registered for the device's
