@@ -142,7 +142,9 @@ python3 -m compileall -q fastattn > /dev/null
 default_bench="core coldstart torch warm features fp8 flash"
 [ -x .redis/redis-server ] && default_bench="$default_bench remote"
 # A NAME may carry the script's own arguments after a colon, comma-separated:
-# "transformers:--skip-coldstart,--skip-steady".
+# "transformers:--skip-coldstart,--skip-steady". Every comma splits, so an argument cannot
+# hold one (bench_serving.py's "--peers fastattn,eager" becomes two arguments): run
+# such a script by hand (PYTHONPATH=$PWD after this script's wheel install) or with ALSO.
 for b in ${BENCH-$default_bench}; do
   name=${b%%:*}; args=""; [ "$name" != "$b" ] && args=${b#*:}
   script=benchmarks/bench_$name.py; [ -f "$script" ] || script=benchmarks/$name.py
