@@ -33,7 +33,9 @@ if [ ! -d "$BG" ]; then
   exit 76
 fi
 if [ "$cmd" = stop ]; then
-  for f in /tmp/fastattn-logs.*/pytest*.log; do [ -f "$f" ] && cp "$f" "${OUT:-/tmp}/so-far-$(basename "$f")"; done
+  for f in /tmp/fastattn-logs.*/pytest*.log /tmp/fastattn-logs.*/also.log; do
+    [ -f "$f" ] && cp "$f" "${OUT:-/tmp}/so-far-$(basename "$f")"
+  done
   kill -TERM -- "-$(cat "$BG/pid")" 2>/dev/null && echo "stopped the run's session $(cat "$BG/pid")" \
     || echo "the run had ended"
   exit 0
@@ -44,8 +46,8 @@ if [ ! -f "$BG/rc" ]; then
   echo "still running at $(date +%T); its output and pytest's progress end:"
   tail -n 3 "$BG/run.log"; for f in /tmp/fastattn-logs.*/pytest*.log; do [ -f "$f" ] && { echo "$f:"; tail -c 300 "$f"; echo; }; done
   # What it has so far, in case the machine goes back before the next call: pytest's logs,
-  # and the benchmarks' (bench_serving.py writes its JSON after each process).
-  for f in /tmp/fastattn-logs.*/pytest*.log /tmp/fastattn-logs.*/bench_*; do
+  # ALSO's, and the benchmarks' (bench_serving.py writes its JSON after each process).
+  for f in /tmp/fastattn-logs.*/pytest*.log /tmp/fastattn-logs.*/also.log /tmp/fastattn-logs.*/bench_*; do
     [ -f "$f" ] && cp "$f" "${OUT:-/tmp}/so-far-$(basename "$f")"
   done
   exit 75
