@@ -313,3 +313,30 @@ def test_masked_calls_are_captured_in_a_cuda_graph_and_replay_new_masks(mode, na
     torch.testing.assert_close(out.double(), ref, atol=TOL * ref.abs().max().item(), rtol=TOL)
     keep = new_mask if new_mask.dtype == torch.bool else new_mask != float("-inf")
     assert (out[~keep.expand(2, 8, 96, 96).any(-1)] == 0).all() and (~keep.any(-1)).any()
+
+
+@pytest.mark.parametrize("name", ["boolean mask with a row keeping no key, GQA", "additive mask with a row of -inf"])
+def test_a_masked_call_and_its_backward_never_wait_for_the_gpu(mode, name):
+    # The host queues the call behind a ~100 ms sleep kernel and returns while the sleep
+    # still runs: a copy from the host, or any other synchronization, would wait it out.
+    mask, _, gqa, _ = _case(name)
+    q = torch.randn(2, 8, 96, 64, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(2, 2 if gqa else 8, 96, 64, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+            for _ in range(2))
+
+    def step():
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        out.backward(out)  # (out as its own gradient: nothing else to allocate)
+        with torch.no_grad():
+            F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+
+    step()  # plans loaded, constants made
+    torch.cuda.synchronize()
+    before = fastattn.stats()["sdpa"]["served"]
+    torch.cuda._sleep(200_000_000)
+    asleep = torch.cuda.Event()
+    asleep.record()
+    step()
+    assert not asleep.query(), "the masked calls waited for the GPU"
+    torch.cuda.synchronize()
+    assert fastattn.stats()["sdpa"]["served"] == before + 2
