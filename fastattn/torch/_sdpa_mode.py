@@ -537,9 +537,10 @@ _constants: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
 def _zero_and_minus_inf(like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """0 and -inf as 0-d tensors of like's dtype on its device, for torch.where (a
-    boolean mask's bias): where copies a scalar or CPU-tensor operand from the host on
-    every call (it moves each operand to the condition's device), a pageable copy that
-    waits for the stream, and that a CUDA-graph capture refuses. Kept per device and
+    boolean mask's bias): given a CPU 0-d tensor and a scalar beside a CUDA condition,
+    where copied both from the host on every call (two pageable host-to-device copies a
+    call, profiled), and PyTorch's copy from pageable memory synchronizes the stream,
+    which a CUDA-graph capture forbids. Kept per device and
     dtype once made for a plain tensor outside a capture: not for the fake and
     functional tensors torch.compile traces with (a real tensor among them is an error),
     nor inside a capture (their fill would be the graph's, run at its replays only).

@@ -313,9 +313,10 @@ int early(const Tensor &q, const Tensor &k, const Tensor &v, const OptTensor &ma
 }
 
 // 0 and -inf as 0-d tensors of like's dtype on its device, for at::where (a boolean
-// mask's bias): where copies a scalar or CPU-tensor operand from the host on every call
-// (it moves each operand to the condition's device), a pageable copy that waits for the
-// stream, and that a CUDA-graph capture refuses. Kept per device and dtype once made for
+// mask's bias): given a CPU 0-d tensor and a scalar beside a CUDA condition, where copied
+// both from the host on every call (two pageable host-to-device copies a call, profiled),
+// and PyTorch's copy from pageable memory synchronizes the stream, which a CUDA-graph
+// capture forbids. Kept per device and dtype once made for
 // a plain tensor outside a capture: not for the fake and functional tensors torch.compile
 // traces with (a real tensor among them is an error), nor inside a capture (their fill
 // would be the graph's, run at its replays only). Never destroyed: a static's destructor
