@@ -523,7 +523,9 @@ def _composite_bias(attn_mask, q, lse: bool) -> tuple[torch.Tensor | None, torch
     while m.dim() < 4:
         m = m.unsqueeze(0)
     if m.dtype != torch.bool:
-        empty = m.amax(-1, keepdim=True) == float("-inf")
+        # (amax: one pass over the mask; it refuses a dim of no keys, where every row keeps none)
+        empty = (m.amax(-1, keepdim=True) == float("-inf") if m.shape[-1] else
+                 (m != float("-inf")).any(-1, keepdim=True).logical_not_())
         return (m.masked_fill(empty, 0.0) if lse else m), empty
     kept = m.any(-1, keepdim=True)
     zero, minus_inf = _zero_and_minus_inf(q)

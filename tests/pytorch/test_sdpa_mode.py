@@ -716,12 +716,13 @@ def test_the_op_librarys_composite_serves_and_hands_on_the_same_calls(lib, model
 
 @st.composite
 def _calls(draw):
-    """An SDPA call: shapes, layout, dtype, GQA, causal, and a mask of any rank, dtype,
-    broadcast and memory order SDPA takes (and some it refuses). Float masks keep a finite
-    entry in every row but, at times, the first (a row of -inf alone: zeros, as PyTorch's
-    math kernel gives)."""
+    """An SDPA call: shapes (no queries or no keys among them), layout, dtype, GQA, causal,
+    and a mask of any rank, dtype, broadcast and memory order SDPA takes (and some it
+    refuses). Float masks keep a finite entry in every row but, at times, the first (a row
+    of -inf alone: zeros, as PyTorch's math kernel gives)."""
     b, hk, rep = draw(st.integers(1, 2)), draw(st.integers(1, 2)), draw(st.sampled_from([1, 2]))
-    sq, skv, d = draw(st.sampled_from([0, 1, 2, 3, 4, 5, 5])), draw(st.integers(1, 6)), draw(st.sampled_from([8, 16]))
+    sq, skv, d = (draw(st.sampled_from([0, 1, 2, 3, 4, 5, 5])), draw(st.sampled_from([0, 1, 2, 3, 4, 5, 6])),
+                  draw(st.sampled_from([8, 16])))
     call = dict(b=b, hq=hk * rep, hk=hk, sq=sq, skv=skv, d=d, layout=draw(st.sampled_from(["bhsd", "bshd"])),
                 dtype=draw(st.sampled_from([torch.bfloat16, torch.bfloat16, torch.float16, torch.float32])),
                 gqa=rep > 1 or draw(st.booleans()), causal=False, mask=None,
@@ -740,7 +741,7 @@ def _calls(draw):
             m = torch.rand(shape, generator=g) < draw(st.sampled_from([0.0, 0.5, 0.9, 1.0]))
         else:
             m = torch.randn(shape, generator=g) * 2
-            if rank:  # (-inf, with a finite entry each row)
+            if rank and shape[-1]:  # (-inf, with a finite entry each row)
                 m = m.masked_fill(torch.rand(shape, generator=g) < 0.3, float("-inf"))
                 m[..., 0] = torch.randn(shape[:-1], generator=g)
                 if rank >= 2 and shape[-2] and draw(st.integers(0, 3)) == 0:
@@ -890,3 +891,18 @@ def test_a_boolean_masks_zero_and_minus_inf_are_kept_for_real_tensors_only(eithe
     torch.testing.assert_close(again, eager, atol=0, rtol=0)
     assert (eager[1, :, 2] == 0).all() and (eager[1, :, 3] != 0).any()  # (b, h, s, d): the row keeping no key
     assert either_composite()[0] >= 2  # the eager calls served (the compiled one may run below the composite)
+
+
+@pytest.mark.parametrize("kind", ["float", "bool", "none"])
+def test_a_call_over_no_keys_gets_pytorchs_answer(either_composite, kind):
+    # Zero keys: every row keeps none. The mask's conversion must not refuse the empty dim
+    # (amax does), and the answer is PyTorch's own.
+    q = torch.randn(1, 2, 3, 8, dtype=torch.bfloat16)
+    k = torch.randn(1, 2, 0, 8, dtype=torch.bfloat16)
+    mask = {"float": torch.zeros(3, 0, dtype=torch.bfloat16), "bool": torch.ones(3, 0, dtype=torch.bool),
+            "none": None}[kind]
+    got = SDPA(q, k, k, attn_mask=mask)
+    want = torch.ops.aten._scaled_dot_product_attention_math(q, k, k, attn_mask=mask)[0]
+    assert got.shape == (1, 2, 3, 8)
+    torch.testing.assert_close(got, want, atol=0, rtol=0, equal_nan=True)
+    assert sum(either_composite()) == 1  # served or passed on: counted once

@@ -355,7 +355,9 @@ OptTensor composite_bias(const OptTensor &mask, const Tensor &q, bool lse, Tenso
     Tensor m = *mask;
     while (m.dim() < 4) m = m.unsqueeze(0);
     if (m.scalar_type() != at::kBool) {
-        empty = m.amax(-1, /*keepdim=*/true).eq(-kInf);
+        // (amax: one pass over the mask; it refuses a dim of no keys, where every row keeps none)
+        empty = m.size(-1) > 0 ? m.amax(-1, /*keepdim=*/true).eq(-kInf)
+                               : m.ne(-kInf).any(-1, /*keepdim=*/true).logical_not_();
         return lse ? m.masked_fill(empty, 0.0) : m;
     }
     const Tensor kept = m.any(-1, /*keepdim=*/true);
