@@ -542,22 +542,25 @@ def _zero_and_minus_inf(like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     boolean mask's bias): given a CPU 0-d tensor and a scalar beside a CUDA condition,
     where copied both from the host on every call (two pageable host-to-device copies a
     call, profiled), and PyTorch's copy from pageable memory synchronizes the stream,
-    which a CUDA-graph capture forbids. Kept per device and
-    dtype once made for a plain tensor outside a capture: not for the fake and
-    functional tensors torch.compile traces with (a real tensor among them is an error),
-    nor inside a capture (their fill would be the graph's, run at its replays only).
-    csrc/sdpa.cpp zero_and_minus_inf is the op library's twin."""
+    which a CUDA-graph capture forbids. Kept per device and dtype, made for a plain
+    tensor outside a capture, then read by every call on plain tensors, captured ones too
+    (the values never change); copied from the host once, with that wait: a kept pair is
+    read on any stream, so its values must be on the device before any stream reads
+    them. The fake and functional tensors torch.compile traces with (a real tensor among
+    them is an error), and a capture before any pair is kept, get a pair made for the
+    call, on its stream. csrc/sdpa.cpp zero_and_minus_inf is the op library's twin."""
     plain = type(like) is torch.Tensor
     key = (like.device, like.dtype)
     hit = _constants.get(key) if plain else None
     if hit is not None:
         return hit
-    with torch.inference_mode(False):  # (kept, so usable outside inference mode too)
-        made = (torch.zeros((), dtype=like.dtype, device=like.device),
+    if not plain or (like.is_cuda and capturing()):
+        return (torch.zeros((), dtype=like.dtype, device=like.device),
                 torch.full((), float("-inf"), dtype=like.dtype, device=like.device))
-    if plain and not (like.is_cuda and capturing()):
-        _constants[key] = made
-    return made
+    with torch.inference_mode(False):  # (kept, so usable outside inference mode too)
+        hit = _constants[key] = (torch.zeros((), dtype=like.dtype).to(like.device),
+                                 torch.full((), float("-inf"), dtype=like.dtype).to(like.device))
+    return hit
 
 
 def _composite(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None, enable_gqa=False):

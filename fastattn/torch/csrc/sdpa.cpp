@@ -316,11 +316,15 @@ int early(const Tensor &q, const Tensor &k, const Tensor &v, const OptTensor &ma
 // mask's bias): given a CPU 0-d tensor and a scalar beside a CUDA condition, where copied
 // both from the host on every call (two pageable host-to-device copies a call, profiled),
 // and PyTorch's copy from pageable memory synchronizes the stream, which a CUDA-graph
-// capture forbids. Kept per device and dtype once made for
-// a plain tensor outside a capture: not for the fake and functional tensors torch.compile
-// traces with (a real tensor among them is an error), nor inside a capture (their fill
-// would be the graph's, run at its replays only). Never destroyed: a static's destructor
-// would free CUDA memory after the runtime's teardown.
+// capture forbids. Kept per device and dtype, made for a plain tensor outside a capture,
+// then read by every call on plain tensors, captured ones too (the values never change):
+// - copied from the host once, with that wait: a kept pair is read on any stream, so its
+//   values must be on the device before any stream reads them (a fill queued on this
+//   stream would not be, for another);
+// - the fake and functional tensors torch.compile traces with (a real tensor among them is
+//   an error), and a capture before any pair is kept, get a pair made for the call, on its
+//   stream (a capture's fill runs at the graph's replays);
+// - never destroyed: a static's destructor would free CUDA memory after the runtime's teardown.
 std::pair<Tensor, Tensor> zero_and_minus_inf(const Tensor &like) {
     constexpr double kInf = std::numeric_limits<double>::infinity();
     static std::mutex lock;
@@ -334,9 +338,13 @@ std::pair<Tensor, Tensor> zero_and_minus_inf(const Tensor &like) {
         auto it = kept->find(key);
         if (it != kept->end()) return it->second;
     }
+    if (!plain || (like.is_cuda() && capturing(like))) {
+        return {at::zeros({}, like.options()), at::full({}, -kInf, like.options())};
+    }
     const c10::InferenceMode normal(false);  // (kept, so usable outside inference mode too)
-    std::pair<Tensor, Tensor> made{at::zeros({}, like.options()), at::full({}, -kInf, like.options())};
-    if (!plain || (like.is_cuda() && capturing(like))) return made;
+    const auto host = like.options().device(c10::kCPU);
+    std::pair<Tensor, Tensor> made{at::zeros({}, host).to(like.device()),
+                                   at::full({}, -kInf, host).to(like.device())};
     std::lock_guard<std::mutex> guard(lock);
     return kept->emplace(key, std::move(made)).first->second;
 }
