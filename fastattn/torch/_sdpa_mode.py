@@ -539,16 +539,11 @@ _constants: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
 def _zero_and_minus_inf(like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """0 and -inf as 0-d tensors of like's dtype on its device, for torch.where (a
-    boolean mask's bias): given a CPU 0-d tensor and a scalar beside a CUDA condition,
-    where copied both from the host on every call (two pageable host-to-device copies a
-    call, profiled), and PyTorch's copy from pageable memory synchronizes the stream,
-    which a CUDA-graph capture forbids. Kept per device and dtype, made for a plain
-    tensor outside a capture, then read by every call on plain tensors, captured ones too
-    (the values never change); copied from the host once, with that wait: a kept pair is
-    read on any stream, so its values must be on the device before any stream reads
-    them. The fake and functional tensors torch.compile traces with (a real tensor among
-    them is an error), and a capture before any pair is kept, get a pair made for the
-    call, on its stream. csrc/sdpa.cpp zero_and_minus_inf is the op library's twin."""
+    boolean mask's bias) without a copy from the host on each call: kept per device and
+    dtype, made once for a plain tensor outside a capture (copied with a wait, so that
+    any stream may read them); made for the call for torch.compile's fake and functional
+    tensors, and inside a capture before any is kept. Why each: csrc/sdpa.cpp
+    zero_and_minus_inf, the op library's twin."""
     plain = type(like) is torch.Tensor
     key = (like.device, like.dtype)
     hit = _constants.get(key) if plain else None

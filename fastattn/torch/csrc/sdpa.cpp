@@ -18,12 +18,12 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/grad_mode.h>
 #include <ATen/core/stack.h>
+#include <ATen/ops/full.h>
 #include <ATen/ops/randint.h>
 #include <ATen/ops/scaled_dot_product_attention_native.h>
 #include <ATen/ops/stack.h>
 #include <ATen/ops/where.h>
 #include <ATen/ops/zeros.h>
-#include <ATen/ops/full.h>
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/InferenceMode.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
@@ -328,11 +328,11 @@ int early(const Tensor &q, const Tensor &k, const Tensor &v, const OptTensor &ma
 std::pair<Tensor, Tensor> zero_and_minus_inf(const Tensor &like) {
     constexpr double kInf = std::numeric_limits<double>::infinity();
     static std::mutex lock;
-    static auto *kept = new std::map<std::pair<int64_t, int64_t>, std::pair<Tensor, Tensor>>();
+    using Key = std::tuple<c10::DeviceType, c10::DeviceIndex, c10::ScalarType>;
+    static auto *kept = new std::map<Key, std::pair<Tensor, Tensor>>();
     const bool plain = !like.key_set().has_any(
         c10::DispatchKeySet({c10::DispatchKey::Python, c10::DispatchKey::Functionalize}));
-    const std::pair<int64_t, int64_t> key{static_cast<int64_t>(like.device().type()) * 1024 + like.device().index(),
-                                          static_cast<int64_t>(like.scalar_type())};
+    const Key key{like.device().type(), like.device().index(), like.scalar_type()};
     if (plain) {
         std::lock_guard<std::mutex> guard(lock);
         auto it = kept->find(key);
