@@ -33,10 +33,12 @@ Tiny random-weight models built from configs (no downloads), bf16, on one GPU.
     the left (transformers' default for batched generate), N new tokens each (--padded-new-
     tokens, default 128), on a 4-layer Llama (GQA) and the same Qwen2: tokens per second
     (batch x N over the generate's wall time, synchronized), fastattn against sdpa
-    (PyTorch's own backend choice: the bool mask rules out its flash backend), same weights,
-    interleaved rounds (--padded-rounds), medians; and the attention calls fastattn's
-    integration ran on its PyTorch fallback (fastattn.stats()["fallbacks"]), by reason.
-    Target: tokens/s >= sdpa's, 0 fallback calls.
+    (PyTorch's own backend choice: the bool mask rules out its flash backend) and sdpa_mode
+    ("sdpa" with fastattn.torch.enable_sdpa(), no backend chosen: the mode's masked calls
+    against the mode off), same weights, interleaved rounds (--padded-rounds), medians; the
+    attention calls fastattn's integration ran on its PyTorch fallback
+    (fastattn.stats()["fallbacks"]), by reason, and the SDPA calls the mode served and passed
+    on. Target: tokens/s >= sdpa's, 0 fallback calls.
 
 A peer PyTorch cannot run (e.g. its cuDNN backend refusing a call: "No available kernel")
 is reported as an error, and the others still run. fastattn's path (native op library or
@@ -285,7 +287,19 @@ def calls_since(before: dict, after: dict) -> dict:
 # -- (c) a left-padded batch's generate, one process -----------------------------------------
 
 PADDED_LENGTHS = (512, 37, 300, 129, 64, 451, 200, 16)  # prompt lengths of the batch, padded at the left
-PADDED_PEERS = ("fastattn", "sdpa")
+PADDED_PEERS = ("fastattn", "sdpa", "sdpa_mode")  # sdpa_mode: "sdpa" with the SDPA mode on, no backend chosen
+
+
+def padded_mode(peer: str):
+    """The SDPA mode on for sdpa_mode's calls alone; PyTorch's own backend choice for every peer."""
+    if peer != "sdpa_mode":
+        return contextlib.nullcontext()
+    import fastattn.torch as fat
+
+    stack = contextlib.ExitStack()
+    fat.enable_sdpa()
+    stack.callback(fat.disable_sdpa)
+    return stack
 
 
 def _fallback_calls() -> dict:
@@ -294,9 +308,20 @@ def _fallback_calls() -> dict:
     return dict(fastattn.stats()["fallbacks"].get("transformers", {}))
 
 
+def padded_medians(rows: dict) -> dict:
+    """Each peer's median tokens/s, fastattn's ratio to the others, and sdpa_mode's to sdpa
+    (the SDPA mode on against off)."""
+    out = medians(rows, "tokens_per_s", "fastattn", [p for p in rows if p != "fastattn"]) if "fastattn" in rows else {}
+    if "sdpa_mode" in rows and "sdpa" in rows:
+        mode = medians({p: rows[p] for p in ("sdpa_mode", "sdpa")}, "tokens_per_s", "sdpa_mode", ["sdpa"])
+        out.update({k: v for k, v in mode.items() if k.startswith("ratio_")})
+    return out
+
+
 def padded(rounds: int, new_tokens: int, kv_heads: int) -> dict:
     import torch
 
+    import fastattn
     import fastattn.integrations.transformers  # noqa: F401  (registers "fastattn")
 
     total = max(PADDED_LENGTHS)
@@ -308,22 +333,24 @@ def padded(rounds: int, new_tokens: int, kv_heads: int) -> dict:
     ids, mask = ids.to("cuda"), mask.to("cuda")
     out: dict = {"lengths": PADDED_LENGTHS, "new_tokens": new_tokens, "path": _path()}
     for kind in MODELS:
-        models = {peer: build(kind, peer, kv_heads) for peer in PADDED_PEERS}
-        models["sdpa"].load_state_dict(models["fastattn"].state_dict())
+        models = {peer: build(kind, "fastattn" if peer == "fastattn" else "sdpa", kv_heads) for peer in PADDED_PEERS}
+        for peer in PADDED_PEERS[1:]:
+            models[peer].load_state_dict(models["fastattn"].state_dict())
 
-        def generate(model):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                           do_sample=False, pad_token_id=SIZES["pad_token_id"])
-            torch.cuda.synchronize()
-            return time.perf_counter() - t0
+        def generate(peer, model):
+            with padded_mode(peer):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens,
+                               min_new_tokens=new_tokens, do_sample=False, pad_token_id=SIZES["pad_token_id"])
+                torch.cuda.synchronize()
+                return time.perf_counter() - t0
 
-        before = _fallback_calls()
+        before, mode_before = _fallback_calls(), fastattn.stats()["sdpa"]
         errors = {}
         for peer, model in models.items():  # warm-up: every plan the timed calls need
             try:
-                generate(model)
+                generate(peer, model)
             except RuntimeError as e:
                 errors[peer] = f"{type(e).__name__}: {str(e)[:500]}"
         after = _fallback_calls()
@@ -332,13 +359,12 @@ def padded(rounds: int, new_tokens: int, kv_heads: int) -> dict:
         for order in rotated(rows, rounds):
             for peer in order:
                 try:
-                    rows[peer].append({"tokens_per_s": len(PADDED_LENGTHS) * new_tokens / generate(models[peer])})
+                    rows[peer].append({"tokens_per_s": len(PADDED_LENGTHS) * new_tokens / generate(peer, models[peer])})
                 except RuntimeError as e:
                     errors[peer] = f"{type(e).__name__}: {str(e)[:500]}"
-        res = {"errors": errors, "fallback_calls": sum(fallbacks.values()), "fallback_reasons": fallbacks}
-        if "fastattn" in rows:
-            res.update(medians(rows, "tokens_per_s", "fastattn", [p for p in rows if p != "fastattn"]))
-        out[kind] = res
+        res = {"errors": errors, "fallback_calls": sum(fallbacks.values()), "fallback_reasons": fallbacks,
+               "sdpa_mode_calls": calls_since(mode_before, fastattn.stats()["sdpa"])}
+        out[kind] = {**res, **padded_medians(rows)}
         del models
         torch.cuda.empty_cache()
     return out
@@ -397,6 +423,11 @@ def summary(res: dict) -> list[str]:
                          f"{r['fallback_calls']} (target 0)" + (f" {r['fallback_reasons']}" if r["fallback_calls"]
                                                                else "")
                          + (f"; failed: {r['errors']}" if r["errors"] else ""))
+            calls = r.get("sdpa_mode_calls")
+            if calls is not None:
+                lines.append(f"      sdpa_mode / sdpa {_fmt(r.get('ratio_sdpa_mode_to_sdpa'))} "
+                             f"({_fmt(r.get('ratio_sdpa_mode_to_sdpa_paired'))}); the mode served {calls['served']}, "
+                             f"passed on {sum(calls['passed_on'].values())} {calls['passed_on'] or ''}".rstrip())
     return lines
 
 

@@ -622,11 +622,15 @@ def test_the_benchmarks_medians_ratios_and_summary():
     assert "fastattn_warm / sdpa_cudnn: 0.43" in text and "claim < 1" in text
     assert "sdpa_mode's SDPA calls: served 66, passed on 2 {'dtype torch.float32: ...': 2}" in text
     assert "issue 28's baseline: 3.41 vs 4.07" in text and "sdpa_mode 1.00 (1.00)" in text
-    rows = {"fastattn": [{"tokens_per_s": 900.0}, {"tokens_per_s": 1100.0}], "sdpa": [{"tokens_per_s": 800.0}] * 2}
-    kinds = {kind: {"errors": {}, "fallback_calls": 0, "fallback_reasons": {},
-                    **bench.medians(rows, "tokens_per_s", "fastattn", ["sdpa"])} for kind in bench.MODELS}
+    rows = {"fastattn": [{"tokens_per_s": 900.0}, {"tokens_per_s": 1100.0}], "sdpa": [{"tokens_per_s": 800.0}] * 2,
+            "sdpa_mode": [{"tokens_per_s": 600.0}, {"tokens_per_s": 1000.0}]}
+    kinds = {kind: {"errors": {}, "fallback_calls": 0, "fallback_reasons": {}, "sdpa_mode_calls": calls,
+                    **bench.padded_medians(rows)} for kind in bench.MODELS}
     kinds["qwen2"].update(fallback_calls=3, fallback_reasons={"cuDNN's reason": 3})
     padded = {"lengths": bench.PADDED_LENGTHS, "new_tokens": 128, "path": "native", **kinds}
     text = "\n".join(bench.summary({"padded": padded}))
-    assert "llama: fastattn 1000, sdpa 800; fastattn / sdpa 1.25 (1.25), target >= 1; fallback calls 0" in text
+    assert ("llama: fastattn 1000, sdpa 800, sdpa_mode 800; fastattn / sdpa 1.25 (1.25), target >= 1; "
+            "fallback calls 0") in text
+    assert "sdpa_mode / sdpa 1.00 (1.00); the mode served 66, passed on 2" in text
+    assert bench.padded_medians({"sdpa": rows["sdpa"]}) == {}  # no fastattn, no sdpa_mode: no ratio
     assert "fallback calls 3 (target 0) {\"cuDNN's reason\": 3}" in text
