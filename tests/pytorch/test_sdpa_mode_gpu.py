@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -318,10 +319,42 @@ def test_masked_calls_are_captured_in_a_cuda_graph_and_replay_new_masks(mode, na
     assert (out[~keep.expand(2, 8, 96, 96).any(-1)] == 0).all() and (~keep.any(-1)).any()
 
 
+def _queued_behind_a_sleep(step) -> str | None:
+    """Runs step() with a ~0.5 s sleep kernel queued ahead of it, PyTorch's synchronizing calls
+    an error meanwhile (torch.cuda.set_sync_debug_mode: a pageable copy, .item(), a stream
+    synchronization); None where step() returned while the sleep still ran, else what the
+    step did that can wait: its host time, the caching allocator's counts over it (cudaMalloc,
+    cudaFree, retries, synchronizations) and the live threads."""
+    gc.disable()  # a full collection late in a long suite can take a good part of the sleep
+    prior = torch.cuda.get_sync_debug_mode()
+    try:
+        allocator = torch.cuda.memory_stats()
+        torch.cuda._sleep(1_000_000_000)
+        asleep = torch.cuda.Event()
+        asleep.record()
+        start = time.perf_counter()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode(prior)
+        host_s = time.perf_counter() - start
+        if not asleep.query():
+            return None
+        after = torch.cuda.memory_stats()
+        counts = {k: after.get(k, 0) - allocator.get(k, 0)
+                  for k in ("num_device_alloc", "num_device_free", "num_alloc_retries", "num_sync_all_streams")}
+        return (f"host time {host_s:.3f} s, allocator {counts}, "
+                f"threads {sorted(t.name for t in threading.enumerate())}")
+    finally:
+        gc.enable()
+        torch.cuda.synchronize()
+
+
 @pytest.mark.parametrize("name", ["boolean mask with a row keeping no key, GQA", "additive mask with a row of -inf"])
 def test_a_masked_call_and_its_backward_never_wait_for_the_gpu(mode, name):
-    # The host queues the calls behind a ~0.5 s sleep kernel and returns while the sleep still
-    # runs: a copy from the host, or any other synchronization, would wait it out.
+    # The host queues the calls behind a sleep kernel and returns while the sleep still runs: a
+    # copy from the host, or any other synchronization of the calls', waits it out every time.
     mask, _, gqa, _ = _case(name)
     q = torch.randn(2, 8, 96, 64, device=DEV, dtype=torch.bfloat16, requires_grad=True)
     k, v = (torch.randn(2, 2 if gqa else 8, 96, 64, device=DEV, dtype=torch.bfloat16, requires_grad=True)
@@ -334,29 +367,24 @@ def test_a_masked_call_and_its_backward_never_wait_for_the_gpu(mode, name):
             F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 
     # Two steps first: the first loads the plans and makes the constants, the second is the first
-    # to add into existing .grad. A kernel's first launch in a process can synchronize (CUDA's lazy
-    # module loading), which is not the calls' doing.
+    # to add into existing .grad.
     step()
     step()
     torch.cuda.synchronize()
     before = fastattn.stats()["sdpa"]["served"]
-    gc.disable()  # a full collection late in a long suite can take a good part of the sleep
-    try:
-        allocator = torch.cuda.memory_stats()
-        torch.cuda._sleep(1_000_000_000)
-        asleep = torch.cuda.Event()
-        asleep.record()
-        start = time.perf_counter()
-        step()
-        host_s = time.perf_counter() - start
-        if asleep.query():  # what else the step did that can wait: the caching allocator's calls, other threads
-            after = torch.cuda.memory_stats()
-            counts = {k: after.get(k, 0) - allocator.get(k, 0)
-                      for k in ("num_device_alloc", "num_device_free", "num_alloc_retries", "num_sync_all_streams")}
-            threads = sorted(t.name for t in threading.enumerate())
-            pytest.fail(f"the masked calls waited for the GPU: the step's host time {host_s:.3f} s; "
-                        f"allocator {counts}; threads {threads}")
-    finally:
-        gc.enable()
-    torch.cuda.synchronize()
-    assert fastattn.stats()["sdpa"]["served"] == before + 2
+    # Up to three tries: on the H200 one try in a few waited the whole sleep out, in suites of
+    # three processes sharing the GPU, with no PyTorch synchronization in the step; a first
+    # launch of a kernel (CUDA's lazy loading can synchronize the context) or a cudaMalloc the
+    # allocator makes once would do that, and the next try would not wait. A per-call wait
+    # waits every time. A try that waited is reported as a warning, with what it did.
+    waits = []
+    for _ in range(3):
+        waited = _queued_behind_a_sleep(step)
+        if waited is None:
+            break
+        waits.append(waited)
+    else:
+        pytest.fail(f"the masked calls waited for the GPU in each of 3 tries: {waits}")
+    for waited in waits:
+        warnings.warn(f"a try of the masked calls waited for the GPU, the next did not: {waited}", stacklevel=1)
+    assert fastattn.stats()["sdpa"]["served"] == before + 2 * (len(waits) + 1)
