@@ -578,7 +578,11 @@ def _composite(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False
                                                                        is_causal, False, scale=scale)[0]
             finally:
                 _local.counted = False
-            return o if empty is None else o.masked_fill(empty, 0.0)
+            if empty is None:
+                return o
+            # In place where autograd saves nothing (a copy kernel fewer); out of place where
+            # the cuDNN operator's backward saves o.
+            return o.masked_fill(empty, 0.0) if lse else o.masked_fill_(empty, 0.0)
         reason = route
     _count(reason)
     _local.counted = True

@@ -405,7 +405,9 @@ void composite(const c10::OperatorHandle &, Stack *stack) {
                 cudnn.callBoxed(&call);
             }
             Tensor o = call[0].toTensor();
-            if (empty.defined()) o = o.masked_fill(empty, 0.0);
+            // In place where autograd saves nothing (a copy kernel fewer); out of place where
+            // the cuDNN operator's backward saves o (_sdpa_mode._composite alike).
+            if (empty.defined()) o = lse ? o.masked_fill(empty, 0.0) : o.masked_fill_(empty, 0.0);
             torch::jit::drop(*stack, kCompositeArgs);
             torch::jit::push(*stack, std::move(o));
             return;
