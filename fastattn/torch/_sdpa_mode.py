@@ -510,13 +510,12 @@ def _early(q, k, v, attn_mask, enable_gqa) -> str | None:
 
 def _composite_bias(attn_mask, q, lse: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """attn_mask as the cuDNN operator's attn_bias, and `empty`: a view of 4 dims; a
-    boolean mask as SDPA reads one (0 where True, -inf where False), except that a row
-    keeping no key is 0 throughout, an ordinary row for the kernel, and empty (True on
-    such rows, else None) sets its output to zeros after, as PyTorch's math kernel gives
-    it (fastattn.torch.scaled_dot_product_attention's rule, _sdpa._as_bias). A float
-    mask's rows of -inf alike: zeros after, and 0 in the bias where the backward runs
-    (lse), which would read such a row's -inf logsumexp. Every step is a kernel on the
-    mask's device (_zero_and_minus_inf)."""
+    boolean mask as SDPA reads one (0 where True, -inf where False). empty (True on the
+    rows that keep no key, else None) sets their output to zeros after, as PyTorch's math
+    kernel gives it (fastattn.torch.scaled_dot_product_attention's rule, _sdpa._as_bias);
+    where the backward runs (lse), such a row is 0 throughout in the bias, an ordinary row
+    for the kernel, since the backward would read its -inf logsumexp. A float mask's rows
+    of -inf alike. Every step is a kernel on the mask's device (_zero_and_minus_inf)."""
     if attn_mask is None:
         return None, None
     m = attn_mask
@@ -530,7 +529,7 @@ def _composite_bias(attn_mask, q, lse: bool) -> tuple[torch.Tensor | None, torch
     kept = m.any(-1, keepdim=True)
     zero, minus_inf = _zero_and_minus_inf(q)
     # (the inner where over one column: the rows keeping no key 0 throughout)
-    return torch.where(m, zero, torch.where(kept, minus_inf, zero)), kept.logical_not()
+    return torch.where(m, zero, torch.where(kept, minus_inf, zero) if lse else minus_inf), kept.logical_not()
 
 
 # (device, dtype) -> 0 and -inf, 0-d tensors there

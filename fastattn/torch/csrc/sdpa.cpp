@@ -350,13 +350,13 @@ std::pair<Tensor, Tensor> zero_and_minus_inf(const Tensor &like) {
 }
 
 // attn_mask as the cuDNN operator's attn_bias: a view of 4 dims; a boolean mask as SDPA
-// reads one (0 where True, -inf where False), except that a row keeping no key is 0
-// throughout, an ordinary row for the kernel, and `empty` (True on such rows) sets its
-// output to zeros after, as PyTorch's math kernel gives it (_sdpa_mode._composite_bias;
-// fastattn.torch.scaled_dot_product_attention's rule, _sdpa._as_bias). A float mask's
-// rows of -inf alike: zeros after, and 0 in the bias where the backward runs (lse), which
-// would read such a row's -inf logsumexp. Every step is a kernel on the mask's device: no
-// copy from the host, which would wait for the stream (and which a capture refuses).
+// reads one (0 where True, -inf where False). `empty` (True on the rows that keep no key)
+// sets their output to zeros after, as PyTorch's math kernel gives it
+// (_sdpa_mode._composite_bias; fastattn.torch.scaled_dot_product_attention's rule,
+// _sdpa._as_bias); where the backward runs (lse), such a row is 0 throughout in the bias,
+// an ordinary row for the kernel, since the backward would read its -inf logsumexp. A
+// float mask's rows of -inf alike. Every step is a kernel on the mask's device: no copy
+// from the host, which would wait for the stream (and which a capture refuses).
 OptTensor composite_bias(const OptTensor &mask, const Tensor &q, bool lse, Tensor &empty) {
     if (!given(mask)) return std::nullopt;
     constexpr double kInf = std::numeric_limits<double>::infinity();
@@ -372,7 +372,7 @@ OptTensor composite_bias(const OptTensor &mask, const Tensor &q, bool lse, Tenso
     empty = kept.logical_not();
     const auto [zero, minus_inf] = zero_and_minus_inf(q);
     // (the inner where over one column: the rows keeping no key 0 throughout)
-    return at::where(m, zero, at::where(kept, minus_inf, zero));
+    return at::where(m, zero, lse ? at::where(kept, minus_inf, zero) : minus_inf);
 }
 
 // aten::scaled_dot_product_attention, every backend's entry (registered for the device's
