@@ -136,12 +136,18 @@ def selection(peer: str):
     backend = sdpa_kernel(SDPBackend.FLASH_ATTENTION if peer == "sdpa_flash" else SDPBackend.CUDNN_ATTENTION)
     if peer != "sdpa_mode":
         return backend
-    stack = contextlib.ExitStack()
+    stack = mode_on()
+    stack.enter_context(backend)
+    return stack
+
+
+def mode_on() -> contextlib.ExitStack:
+    """fastattn.torch.enable_sdpa() until the context's end."""
     import fastattn.torch as fat
 
+    stack = contextlib.ExitStack()
     fat.enable_sdpa()
     stack.callback(fat.disable_sdpa)
-    stack.enter_context(backend)
     return stack
 
 
@@ -292,14 +298,7 @@ PADDED_PEERS = ("fastattn", "sdpa", "sdpa_mode")  # sdpa_mode: "sdpa" with the S
 
 def padded_mode(peer: str):
     """The SDPA mode on for sdpa_mode's calls alone; PyTorch's own backend choice for every peer."""
-    if peer != "sdpa_mode":
-        return contextlib.nullcontext()
-    import fastattn.torch as fat
-
-    stack = contextlib.ExitStack()
-    fat.enable_sdpa()
-    stack.callback(fat.disable_sdpa)
-    return stack
+    return mode_on() if peer == "sdpa_mode" else contextlib.nullcontext()
 
 
 def _fallback_calls() -> dict:
