@@ -528,7 +528,7 @@ def _composite_bias(attn_mask, q, lse: bool) -> tuple[torch.Tensor | None, torch
         return (m.masked_fill(empty, 0.0) if lse else m), empty
     kept = m.any(-1, keepdim=True)
     zero, minus_inf = _zero_and_minus_inf(q)
-    # (the inner where over one column: the rows keeping no key 0 throughout)
+    # (for the backward, the inner where over one column: the rows keeping no key 0 throughout)
     return torch.where(m, zero, torch.where(kept, minus_inf, zero) if lse else minus_inf), kept.logical_not()
 
 

@@ -371,7 +371,7 @@ OptTensor composite_bias(const OptTensor &mask, const Tensor &q, bool lse, Tenso
     const Tensor kept = m.any(-1, /*keepdim=*/true);
     empty = kept.logical_not();
     const auto [zero, minus_inf] = zero_and_minus_inf(q);
-    // (the inner where over one column: the rows keeping no key 0 throughout)
+    // (for the backward, the inner where over one column: the rows keeping no key 0 throughout)
     return at::where(m, zero, lse ? at::where(kept, minus_inf, zero) : minus_inf);
 }
 
