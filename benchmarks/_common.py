@@ -163,6 +163,12 @@ def paired_ratio(a: list[float], b: list[float]) -> float | None:
     return statistics.median(pairs) if pairs else None
 
 
+def calls_since(before: dict, after: dict) -> dict:
+    """The SDPA mode's counts (fastattn.stats()["sdpa"]) between two readings."""
+    passed = {r: n - before["passed_on"].get(r, 0) for r, n in after["passed_on"].items()}
+    return {"served": after["served"] - before["served"], "passed_on": {r: n for r, n in passed.items() if n}}
+
+
 # The held host-time loop's length and the sleep kernel in front of it (~20 ms at the
 # H200's 1.98 GHz): the loop's launches (2-3 a call at most) stay within CUDA's launch queue.
 # A call of more launches needs a shorter loop (host_rounds' held_iters): once the queue is

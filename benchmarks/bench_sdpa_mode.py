@@ -51,7 +51,7 @@ import sys
 import tempfile
 import time
 
-from _common import HELD_ITERS, emit, first_error, fresh, fresh_cache_env, header, held_gpu_us, host_rounds, paired_ratio, require_cuda, rotated  # (benchmarks/ on sys.path)
+from _common import HELD_ITERS, calls_since, emit, first_error, fresh, fresh_cache_env, header, held_gpu_us, host_rounds, paired_ratio, require_cuda, rotated  # (benchmarks/ on sys.path)
 from bench_coldstart import HEAD_DIM, HEADS, SEQLENS
 
 PEERS = ("mode_on", "torch_cudnn", "torch_flash")
@@ -162,9 +162,7 @@ def host_overhead(iters: int, repeats: int, shape: str) -> dict:
     gpu = {f"{n}_gpu_us": held_gpu_us(enter, infer, held) for n, (enter, infer, _) in steps.items()}
     after = _sdpa_mode.sdpa_calls()
     res = {"shape": shape, "mask": mask_kind, "peers": list(steps), "errors": errors, "held_iters": held,
-           "mode_calls": {"served": after["served"] - before["served"],
-                          "passed_on": {r: n - before["passed_on"].get(r, 0) for r, n in after["passed_on"].items()
-                                        if n > before["passed_on"].get(r, 0)}}}
+           "mode_calls": calls_since(before, after)}
     for name, r in rounds.items():
         res[f"{name}_held_us"] = statistics.median(r["held"])
         res[f"{name}_us"] = statistics.median(r["wall"])

@@ -61,7 +61,7 @@ import sys
 import tempfile
 import time
 
-from _common import emit, first_error, fresh, fresh_cache_env, gpu_ms, header, paired_ratio, require_cuda, rotated  # (benchmarks/ on sys.path)
+from _common import calls_since, emit, first_error, fresh, fresh_cache_env, gpu_ms, header, paired_ratio, require_cuda, rotated  # (benchmarks/ on sys.path)
 
 SIZES = dict(vocab_size=4096, hidden_size=1024, intermediate_size=2816, num_hidden_layers=4, num_attention_heads=16,
              num_key_value_heads=4, head_dim=64, max_position_embeddings=4096, bos_token_id=1, eos_token_id=2,
@@ -282,12 +282,6 @@ def steady(rounds: int, batch: int, prompt: int, new_tokens: int, kv_heads: int)
     for key in ("prefill_ms", "decode_ms_per_token"):
         res[key] = medians(rows, key, "fastattn", [p for p in rows if p != "fastattn"]) if "fastattn" in rows else {}
     return res
-
-
-def calls_since(before: dict, after: dict) -> dict:
-    """The SDPA mode's counts (fastattn.stats()["sdpa"]) between two readings."""
-    passed = {r: n - before["passed_on"].get(r, 0) for r, n in after["passed_on"].items()}
-    return {"served": after["served"] - before["served"], "passed_on": {r: n for r, n in passed.items() if n}}
 
 
 # -- (c) a left-padded batch's generate, one process -----------------------------------------
