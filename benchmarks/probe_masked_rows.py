@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import argparse
 
-from _common import emit, header, require_cuda  # (benchmarks/ on sys.path)
+from _common import calls_since, emit, header, require_cuda  # (benchmarks/ on sys.path)
 
 B, H, SQ, SKV, D = 2, 8, 128, 160, 64
 EMPTY_ROWS = (0, 1, 63, 64, 127)
@@ -116,12 +116,10 @@ def main(argv=None) -> int:
             res["fastattn"].append(one(torch, lse))
     finally:
         fat.disable_sdpa()
-    after = fastattn.stats()["sdpa"]
-    res["fastattn_served"] = after["served"] - before["served"]  # (else PyTorch's kernel ran: the rows say nothing)
-    res["fastattn_passed_on"] = {r: n - before["passed_on"].get(r, 0) for r, n in after["passed_on"].items()
-                                 if n != before["passed_on"].get(r, 0)}
-    emit(res, args.json, summary(res) + [f"  fastattn served {res['fastattn_served']} calls, passed on "
-                                         f"{res['fastattn_passed_on'] or 'none'}"])
+    # (a call passed on ran PyTorch's kernel: its rows say nothing of fastattn's)
+    calls = res["fastattn_calls"] = calls_since(before, fastattn.stats()["sdpa"])
+    emit(res, args.json, summary(res) + [f"  fastattn served {calls['served']} calls, passed on "
+                                         f"{calls['passed_on'] or 'none'}"])
     return 0
 
 
