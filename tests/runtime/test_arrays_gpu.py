@@ -97,8 +97,15 @@ def test_torch_tensors_match_ints(reference):
     cfg, p, t = reference
     x = {n: _torch_copy(torch, cfg, t, n) for n in NAMES_FWD + NAMES_BWD}
     ws = torch.empty(p.workspace_size, dtype=torch.uint8, device="cuda")
+    x["o"].fill_(float("nan"))
+    x["stats"].fill_(float("nan"))
+    # The whole device before the calls on s: PyTorch's streams are non-blocking, so s waits
+    # neither for the input copies (cudaMemcpy on the legacy stream, which returns before a
+    # device-to-device copy lands) nor for the fills on the current stream (seen on the H200
+    # in a reversed test order: a fill landed after the forward, and o read back all zeros).
+    torch.cuda.synchronize()
     s = torch.cuda.Stream()
-    p.forward(x["q"], x["k"], x["v"], x["o"].fill_(0), stats=x["stats"].fill_(0), workspace=ws, stream=s)
+    p.forward(x["q"], x["k"], x["v"], x["o"], stats=x["stats"], workspace=ws, stream=s)
     p.backward(x["q"], x["k"], x["v"], x["o"], x["d_o"], x["stats"], x["d_q"], x["d_k"], x["d_v"], workspace=ws,
                stream=s)
     s.synchronize()
