@@ -139,6 +139,12 @@ def fresh_cache_env(cache_dir: str) -> dict:
     return {"FASTATTN_CACHE_DIR": cache_dir, "FASTATTN_TORCH_OPS_DIR": str(_opslib.build_root())}
 
 
+def error_line(e: BaseException, limit: int = 160) -> str:
+    """An exception as one line for a probe's row: its type and its message's first line
+    (none where the message is empty)."""
+    return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:limit]}"
+
+
 def first_error(rows) -> str | None:
     """The last line of the first failed row's error (a fresh process's stderr), for a summary."""
     for r in rows:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import argparse
 
-from _common import calls_since, emit, header, require_cuda  # (benchmarks/ on sys.path)
+from _common import calls_since, emit, error_line, header, require_cuda  # (benchmarks/ on sys.path)
 
 B, H, SQ, SKV, D = 2, 8, 128, 160, 64
 EMPTY_ROWS = (0, 1, 63, 64, 127)
@@ -63,7 +63,7 @@ def one(torch, lse: bool, dev: str = "cuda") -> dict:
         o, stats = got[0], got[1]
         torch.cuda.synchronize(dev)
     except Exception as e:
-        return {**row, "failed": f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"}
+        return {**row, "failed": error_line(e)}
     out = o.detach()
     row["empty_rows_out"] = describe(torch, out[:, :, rows])
     row["other_rows_error"] = float((out[:, :, others].double() - want[:, :, others]).abs().max() / want.abs().max())
@@ -77,7 +77,7 @@ def one(torch, lse: bool, dev: str = "cuda") -> dict:
             row["grads_finite"] = all(bool(torch.isfinite(t.grad).all()) for t in leaves)
             row["empty_rows_dq"] = describe(torch, leaves[0].grad[:, :, rows])
         except Exception as e:
-            row["backward_failed"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+            row["backward_failed"] = error_line(e)
     return row
 
 

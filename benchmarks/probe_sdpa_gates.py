@@ -21,7 +21,7 @@ from __future__ import annotations
 import argparse
 import warnings
 
-from _common import emit, header, require_cuda  # (benchmarks/ on sys.path)
+from _common import emit, error_line, header, require_cuda  # (benchmarks/ on sys.path)
 
 
 def patterns(torch, dev: str = "cuda"):
@@ -93,7 +93,7 @@ def one(torch, name, q, k, v, mask, dropout_p, is_causal, enable_gqa) -> dict:
     try:
         row["pytorch_choice"] = int(torch._fused_sdp_choice(q, k, v, mask, dropout_p, is_causal, enable_gqa=enable_gqa))
     except Exception as e:
-        row["pytorch_choice"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+        row["pytorch_choice"] = error_line(e, 120)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         row["cudnn_ok"] = bool(can_use_cudnn_attention(SDPAParams(q, k, v, mask, dropout_p, is_causal, enable_gqa),
@@ -110,7 +110,7 @@ def one(torch, name, q, k, v, mask, dropout_p, is_causal, enable_gqa) -> dict:
         row["error"] = float((o.double() - want).abs().max() / want.abs().max())
         row["finite"] = bool(torch.isfinite(o).all())
     except Exception as e:
-        row["failed"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+        row["failed"] = error_line(e)
     row["ops"] = sorted(ops.names)
     return row
 
