@@ -12,11 +12,13 @@
 #       (Not `pkill -f PATTERN` in a device call: the pattern matches that call's own
 #       command line, and the call ends at once; seen in session 20.)
 # The run's environment (FASTATTN_PREBUILT, BENCH, FASTATTN_TEST_ORDER, ...) is passed on.
+# BG=/tmp/fastattn-bg-NAME keeps a second run apart from the first (two at once on one machine:
+# e.g. a cuDNN whose parts arrive while the first run goes on, CUDNN=... in each).
 # Give the `wait` call the same carry as `start`: a call removes the carried paths it
 # does not name, under the running suite (a run lost .redis so, and a Redis test failed).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-BG=/tmp/fastattn-bg
+BG=${BG:-/tmp/fastattn-bg}
 cmd=${1:-wait}; shift || true
 if [ "$cmd" = start ]; then
   rm -rf "$BG"; mkdir -p "$BG/out"
