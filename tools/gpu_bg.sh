@@ -14,16 +14,18 @@
 # The run's environment (FASTATTN_PREBUILT, BENCH, FASTATTN_TEST_ORDER, ...) is passed on.
 # BG=/tmp/fastattn-bg-NAME keeps a second run apart from the first (two at once on one machine:
 # e.g. a cuDNN whose parts arrive while the first run goes on, CUDNN=... in each).
-# Give the `wait` call the same carry as `start`: a call removes the carried paths it
-# does not name, under the running suite (a run lost .redis so, and a Redis test failed).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 BG=${BG:-/tmp/fastattn-bg}
 cmd=${1:-wait}; shift || true
 if [ "$cmd" = start ]; then
-  rm -rf "$BG"; mkdir -p "$BG/out"
-  OUT="$BG/out" setsid bash -c 'bash tools/gpu_run.sh "$@" > '"$BG"'/run.log 2>&1; echo $? > '"$BG"'/rc' _ "$@" \
-    < /dev/null > /dev/null 2>&1 &
+  rm -rf "$BG"; mkdir -p "$BG/out" "$BG/src"
+  # The run works in a copy of the tree: a later call replaces the tree here and removes
+  # the carried paths it does not name (.whl, .redis, the extension), which a run in this
+  # tree lost under it; with the copy, later calls carry only what they need.
+  tar --exclude=./.cudnn -cf - . | tar -xf - -C "$BG/src"
+  OUT="$BG/out" setsid bash -c 'cd "$1" && shift && bash tools/gpu_run.sh "$@" > '"$BG"'/run.log 2>&1; echo $? > '"$BG"'/rc' \
+    _ "$BG/src" "$@" < /dev/null > /dev/null 2>&1 &
   echo $! > "$BG/pid"  # setsid's process leads the run's session (a background job leads no group)
   echo "started $(date +%T)"
 fi
