@@ -14,8 +14,15 @@ with no GPU, driver or cuDNN. The first call that needs the GPU comes here, whic
 
 Libraries come from the installed NVIDIA wheels first, then wherever cuda-pathfinder
 finds them (conda, CUDA_HOME, the system loader), unless a FASTATTN_*_PATH variable
-names a file. Every
-missing piece is reported in one LibraryError that says how to install it.
+names a file. Every missing piece is reported in one LibraryError that says how to
+install it.
+
+One process holds one cuDNN. A libcudnn.so.9 already loaded (PyTorch loads its own when
+it is imported) is the one fastattn takes, wherever the wheels are: a second copy loaded
+by path would give PyTorch and fastattn two cuDNN versions, with two sets of handles and
+defects, in one process. When fastattn loads first, the system loader hands the same file
+to PyTorch, which asks for it by its name (libcudnn.so.9). mapped_cudnn() lists every
+cuDNN file in the process, so that a report or a test can show there is one.
 """
 
 from __future__ import annotations
@@ -30,7 +37,8 @@ from dataclasses import dataclass
 from . import env as _env
 from .errors import LibraryError
 
-__all__ = ["Libraries", "ensure_loaded", "MIN_CUDNN", "check_cudnn_version", "cudnn_location", "import_core"]
+__all__ = ["Libraries", "ensure_loaded", "MIN_CUDNN", "check_cudnn_version", "cudnn_location", "import_core",
+           "mapped_cudnn"]
 
 # The oldest cuDNN fastattn supports: the oldest on which its whole GPU suite has run
 # (9.19.0, on the H200 machine). The extension is usually built against newer headers
@@ -47,6 +55,7 @@ _DEPENDENCIES = (
     ("cudart", "FASTATTN_CUDART_PATH", "pip install nvidia-cuda-runtime"),
 )
 _CUDNN = ("cudnn", "FASTATTN_CUDNN_PATH", "pip install nvidia-cudnn-cu13")
+_CUDNN_SONAME = "libcudnn.so.9"
 _DRIVER_HINT = "install the NVIDIA driver; fastattn needs an NVIDIA GPU (compute capability 8.0 or newer for most configs)"
 
 
@@ -105,6 +114,11 @@ def cudnn_location() -> dict[str, str | None]:
     override = os.environ.get(_CUDNN[1])
     if override:
         return {"path": override, "chosen_by": _CUDNN[1], "wheel": None, "wheel_version": None}
+    held = _already_loaded(_CUDNN_SONAME)
+    if held:
+        wheel, version = _wheel_in(_site_of(held)) if held.endswith(_WHEEL_PATHS["cudnn"]) else (None, None)
+        return {"path": held, "chosen_by": "already loaded in this process (by PyTorch or another library)",
+                "wheel": wheel, "wheel_version": version}
     for entry in sys.path:
         path = os.path.join(entry or ".", _WHEEL_PATHS["cudnn"])
         if os.path.isfile(path):
@@ -113,6 +127,60 @@ def cudnn_location() -> dict[str, str | None]:
                     "wheel_version": version}
     return {"path": None, "chosen_by": "cuda-pathfinder, at the first GPU call (conda, CUDA_HOME, the system "
                                        "loader): no cuDNN wheel is installed", "wheel": None, "wheel_version": None}
+
+
+def _site_of(path: str) -> str:
+    """The sys.path entry that holds a wheel's nvidia/cudnn/lib/libcudnn.so.9."""
+    return path[: -len(_WHEEL_PATHS["cudnn"])].rstrip(os.sep) or os.sep
+
+
+def _already_loaded(soname: str) -> str | None:
+    """The file of a library this process already holds under soname, resolved, or None.
+    Asks the system loader (RTLD_NOLOAD loads nothing), then where a symbol of it lives."""
+    try:
+        handle = ctypes.CDLL(soname, mode=os.RTLD_NOLOAD | ctypes.RTLD_GLOBAL)
+    except OSError:
+        return None
+    try:
+        symbol = ctypes.cast(handle.cudnnGetVersion, ctypes.c_void_p)
+        info = _DlInfo()
+        if ctypes.CDLL(None).dladdr(symbol, ctypes.byref(info)) and info.dli_fname:
+            return os.path.realpath(os.fsdecode(info.dli_fname))
+    except (AttributeError, OSError):  # no dladdr, or not cuDNN: the maps still say where it is
+        pass
+    return next((p for p in mapped_cudnn() if os.path.basename(p).startswith("libcudnn.so")), None)
+
+
+class _DlInfo(ctypes.Structure):
+    _fields_ = [("dli_fname", ctypes.c_char_p), ("dli_fbase", ctypes.c_void_p),
+                ("dli_sname", ctypes.c_char_p), ("dli_saddr", ctypes.c_void_p)]
+
+
+def mapped_cudnn(maps: str = "/proc/self/maps") -> list[str]:
+    """Every cuDNN library file mapped into this process (libcudnn.so.9 and the sub-libraries
+    it opens: graph, engines, heuristic, ...), resolved and sorted: one directory when the
+    process holds one cuDNN. [] where the maps cannot be read (not Linux)."""
+    try:
+        with open(maps) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return []
+    found = set()
+    for line in lines:
+        parts = line.split(None, 5)
+        if len(parts) == 6 and os.path.basename(parts[5]).startswith("libcudnn"):
+            found.add(os.path.realpath(parts[5].removesuffix(" (deleted)")))
+    return sorted(found)
+
+
+def cudnn_copies_problem(files: list[str]) -> str | None:
+    """Why the mapped cuDNN files are not one cuDNN (two directories, or one library twice),
+    or None."""
+    folders = sorted({os.path.dirname(p) for p in files})
+    names = [os.path.basename(p).split(".so")[0] for p in files]
+    if len(folders) > 1 or len(names) != len(set(names)):
+        return f"this process holds more than one cuDNN: {', '.join(files)}"
+    return None
 
 
 def _wheel_in(entry: str) -> tuple[str | None, str | None]:
@@ -131,6 +199,13 @@ def _wheel_in(entry: str) -> tuple[str | None, str | None]:
 def _load_one(name: str, env: str, hint: str) -> tuple[str | None, str | None]:
     """(path, None) when loaded, (None, why) when not."""
     override = _env.get(env)
+    held = _already_loaded(_CUDNN_SONAME) if name == _CUDNN[0] else None
+    if held:
+        if override and os.path.realpath(override) != held:
+            return None, (f"{env}={override!r}, but this process already holds cuDNN {held} (loaded by PyTorch or "
+                          f"another library before fastattn's first GPU call), and one process can use one cuDNN: "
+                          f"unset {env}, or make {held} the cuDNN that library loads")
+        return held, None
     if override:
         try:
             ctypes.CDLL(override, mode=ctypes.RTLD_GLOBAL)

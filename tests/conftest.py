@@ -120,6 +120,37 @@ def _gpu_unavailable_reason():
     return _gpu_state
 
 
+def pytest_sessionstart(session):
+    """Names the cuDNN this run tests, first thing in its output (also under -q, which hides
+    pytest's header): where the GPU is usable, the library fastattn loaded (after PyTorch,
+    where installed, loaded its own, as in a user's process), the one PyTorch reports, and
+    whether the process holds one cuDNN. A run meant for another cuDNN than the machine's
+    can never pass as a run of the machine's."""
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        for line in _cudnn_lines():
+            reporter.write_line(line)
+
+
+def _cudnn_lines() -> list[str]:
+    try:
+        import torch
+    except ImportError:
+        torch = None
+    reason = _gpu_unavailable_reason()
+    if reason:
+        return [f"fastattn: no usable GPU ({reason.splitlines()[-1].strip(' -')})"]
+    from fastattn import _loader, runtime
+
+    libs, v = _loader.ensure_loaded(), runtime.versions()
+    line = (f"fastattn: cuDNN {v['cudnn_loaded']} from {libs.cudnn} (built against cuDNN {v['cudnn_headers']} "
+            f"headers, cudnn-frontend {v['cudnn_frontend']})")
+    if torch is not None and torch.cuda.is_available():
+        line += f"; torch {torch.__version__} on cuDNN {_loader.version_text(int(torch.backends.cudnn.version()))}"
+    files = _loader.mapped_cudnn()
+    return [line, f"fastattn: {_loader.cudnn_copies_problem(files) or 'one cuDNN in this process: ' + ' '.join(files)}"]
+
+
 def pytest_runtest_setup(item):
     if item.get_closest_marker("gpu") is None:
         return

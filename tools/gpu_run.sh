@@ -14,6 +14,10 @@
 #   ORDERS="file reverse shuffle:7": one pytest process per order (FASTATTN_TEST_ORDER), all at once on
 #     the one GPU (each order is still one process: what issue 26 asks; three in turn cost ~3 x 560 s);
 #     logs pytest-<order>.log, a summary line each; exit 0 only if every order passed
+#   CUDNN="9.24.0.43 9.28.1.4": the cuDNN versions to test, each received on this machine beforehand
+#     (tools/other_cudnn.sh pack / receive); "machine" is the machine's own. Each (version, order)
+#     is one pytest process in a mount namespace that sees that cuDNN alone (other_cudnn.sh run),
+#     all at once; logs pytest-VERSION-ORDER.log. Default: "machine".
 #   ALSO="cmd": a command run alongside the tests, once the setup is done (e.g. "bash
 #     tools/run_flash_tests.sh": correctness runs only, never a timed one beside the tests);
 #     its output in also.log, its last lines and exit status in the summary
@@ -78,6 +82,16 @@ echo "fastattn warm: exit $?, $(( $(date +%s) - t0 )) s; $(grep 'torch op librar
 (cd /tmp && python3 -c 'from fastattn import _opslib; from fastattn.torch import _native; print("op library found:", _opslib.find_built(), "; built:", _native.build())') \
   >> "$LOGS/env.log" 2>&1 || echo "TORCH OP LIBRARY BUILD FAILED (see env.log)"
 
+# Each cuDNN brought for this run, proven the one a process sees (torch's and fastattn's alike).
+CUDNN=${CUDNN:-machine}
+for v in $CUDNN; do
+  [ "$v" = machine ] && continue
+  echo "cuDNN $v:" >> "$LOGS/env.log"
+  bash tools/other_cudnn.sh run "$v" -- bash tools/other_cudnn.sh check "$v" >> "$LOGS/env.log" 2>&1 \
+    && echo "cuDNN $v: $(grep '^check:' "$LOGS/env.log" | tail -n 1)" \
+    || { echo "cuDNN $v: not usable here (see env.log)"; tail -n 5 "$LOGS/env.log"; exit 1; }
+done
+
 export FASTATTN_REQUIRE_GPU=1
 # The machine has no redis-server: a carried one (.redis/, see docs/BENCHMARKS.md) makes
 # the Redis tier's tests run there too, and required.
@@ -95,28 +109,34 @@ fi
 # a rerun under cuda-gdb would cost the whole suite's time again.
 ulimit -c unlimited 2>/dev/null && echo "/tmp/fastattn-core.%p" > /proc/sys/kernel/core_pattern 2>/dev/null
 log_name() { local n=${1//:/-}; echo "${n//\//_}"; }  # an order as a file name: shuffle-7, list-tools_orders_a.txt
+# The runs: one per (cuDNN, order); named by the order alone where only the machine's cuDNN runs.
+runs=()
+for v in $CUDNN; do for order in ${ORDERS:-}; do runs+=("$v|$order"); done; done
+run_name() { local v=${1%%|*} o=${1#*|}; [ "$CUDNN" = machine ] && log_name "$o" || echo "$v-$(log_name "$o")"; }
 if [ -n "${ORDERS:-}" ]; then
   # Each its own basetemp: pytest prunes other sessions' numbered temp directories.
   pids=()
-  for order in $ORDERS; do
-    name=$(log_name "$order")
+  for r in "${runs[@]}"; do
+    v=${r%%|*}; order=${r#*|}; name=$(run_name "$r")
+    wrap=(); [ "$v" != machine ] && wrap=(bash tools/other_cudnn.sh run "$v" --)
     FASTATTN_TEST_ORDER=$([ "$order" = file ] && echo "" || echo "$order") \
-      python3 -m pytest -q -rfEs --durations=25 -p no:cacheprovider --basetemp="/tmp/pt-$name" "$@" \
+      "${wrap[@]}" python3 -m pytest -q -rfEs --durations=25 -p no:cacheprovider --basetemp="/tmp/pt-$name" "$@" \
       > "$LOGS/pytest-$name.log" 2>&1 &
     pids+=($!)
   done
   rc=0
   declare -A order_rc
   i=0
-  for order in $ORDERS; do
-    wait "${pids[$i]}"; r=$?
-    order_rc[$order]=$r
-    [ $r -gt $rc ] && rc=$r
+  for r in "${runs[@]}"; do
+    wait "${pids[$i]}"; x=$?
+    order_rc[$r]=$x
+    [ $x -gt $rc ] && rc=$x
     i=$((i + 1))
   done
   cat "$LOGS"/pytest-*.log > "$LOGS/pytest.log"
 else
-  python3 -m pytest -q -rfEs --durations=25 -p no:cacheprovider "$@" > "$LOGS/pytest.log" 2>&1
+  v=${CUDNN%% *}; wrap=(); [ "$v" != machine ] && wrap=(bash tools/other_cudnn.sh run "$v" --)
+  "${wrap[@]}" python3 -m pytest -q -rfEs --durations=25 -p no:cacheprovider "$@" > "$LOGS/pytest.log" 2>&1
   rc=$?
 fi
 for core in /tmp/fastattn-core.*; do
@@ -166,10 +186,13 @@ echo "=== bench"; for f in "$LOGS"/bench_*.log; do [ -f "$f" ] && sed -n '/^summ
 # pytest's exit status: 0 passed, 1 failed, >= 128 a signal (the process crashed).
 echo "=== pytest summary (exit $rc)"
 if [ -n "${ORDERS:-}" ]; then
-  for order in $ORDERS; do
-    echo "$order (exit ${order_rc[$order]}): $(grep -E "^=*.* (passed|failed|error|errors|skipped|deselected)" "$LOGS/pytest-$(log_name "$order").log" | tail -n 1)"
+  for r in "${runs[@]}"; do
+    name=$(run_name "$r")
+    grep -m 2 "^fastattn: " "$LOGS/pytest-$name.log" | sed "s/^/$name: /"
+    echo "$name (exit ${order_rc[$r]}): $(grep -E "^=*.* (passed|failed|error|errors|skipped|deselected)" "$LOGS/pytest-$name.log" | tail -n 1)"
   done
 else
+  grep -m 2 "^fastattn: " "$LOGS/pytest.log"
   grep -E "^=*.* (passed|failed|error|errors|skipped|deselected)" "$LOGS/pytest.log" | tail -n 1
 fi
 [ $rc -ge 128 ] && { echo "pytest was killed by signal $((rc - 128)); the log ends:"; tail -n 2 "$LOGS/pytest.log"; }

@@ -72,3 +72,58 @@ def test_a_load_that_succeeds_reports_cudnn_and_its_initialization(monkeypatch):
     assert libs.cudnn == "/x/cudnn.so" and libs.cudnn_version == 91900
     assert steps[-3:] == ["check libcuda", "load cudnn", "init_cudnn"]
     assert _loader.ensure_loaded(on_step=steps.append) is libs and len(steps) == len(_loader._DEPENDENCIES) + 3
+
+
+# -- one cuDNN per process ------------------------------------------------------------------
+
+
+def _maps(tmp_path, *paths):
+    lines = ["7f0000000000-7f0000001000 r--p 00000000 00:00 0 [heap]"]
+    lines += [f"7f{i:010x}-7f{i + 1:010x} r-xp 00000000 fd:01 {i} {p}" for i, p in enumerate(paths)]
+    f = tmp_path / "maps"
+    f.write_text("\n".join(lines) + "\n")
+    return str(f)
+
+
+def test_the_mapped_cudnn_files_are_read_from_the_process_maps(tmp_path):
+    maps = _maps(tmp_path, "/site/nvidia/cudnn/lib/libcudnn.so.9", "/site/nvidia/cudnn/lib/libcudnn_graph.so.9",
+                 "/site/nvidia/cudnn/lib/libcudnn.so.9", "/usr/lib/libc.so.6",
+                 "/site/nvidia/cudnn/lib/libcudnn_engines_precompiled.so.9 (deleted)")
+    files = _loader.mapped_cudnn(maps)
+    assert files == ["/site/nvidia/cudnn/lib/libcudnn.so.9", "/site/nvidia/cudnn/lib/libcudnn_engines_precompiled.so.9",
+                     "/site/nvidia/cudnn/lib/libcudnn_graph.so.9"]
+    assert _loader.cudnn_copies_problem(files) is None
+    assert _loader.mapped_cudnn(str(tmp_path / "absent")) == []
+
+
+@pytest.mark.parametrize("files", [
+    ["/a/libcudnn.so.9", "/b/libcudnn_graph.so.9"],           # sub-library from another cuDNN
+    ["/a/libcudnn.so.9", "/b/libcudnn.so.9"],                 # two shims
+    ["/a/libcudnn.so.9", "/a/libcudnn.so.9.19.0"],           # one library twice under two names
+])
+def test_two_cudnn_copies_in_one_process_are_named(files):
+    problem = _loader.cudnn_copies_problem(files)
+    assert problem and all(f in problem for f in files)
+
+
+def test_a_cudnn_already_in_the_process_is_the_one_taken(monkeypatch):
+    monkeypatch.setattr(_loader, "_already_loaded", lambda soname: "/torch/site/nvidia/cudnn/lib/libcudnn.so.9")
+    monkeypatch.delenv("FASTATTN_CUDNN_PATH", raising=False)
+    assert _loader._load_one(*_loader._CUDNN) == ("/torch/site/nvidia/cudnn/lib/libcudnn.so.9", None)
+    assert _loader.cudnn_location()["chosen_by"].startswith("already loaded in this process")
+    # Not for the other libraries: only cuDNN is asked about.
+    monkeypatch.setattr(_loader, "_from_wheels", lambda name: f"/w/{name}")
+    assert _loader._load_one(*_loader._DEPENDENCIES[0])[0] == "/w/cublasLt"
+
+
+def test_an_override_other_than_the_cudnn_already_loaded_is_refused(monkeypatch, tmp_path):
+    monkeypatch.setattr(_loader, "_already_loaded", lambda soname: "/torch/lib/libcudnn.so.9")
+    monkeypatch.setenv("FASTATTN_CUDNN_PATH", str(tmp_path / "libcudnn.so.9"))
+    path, why = _loader._load_one(*_loader._CUDNN)
+    assert path is None and "/torch/lib/libcudnn.so.9" in why and "one process can use one cuDNN" in why
+    monkeypatch.setenv("FASTATTN_CUDNN_PATH", "/torch/lib/libcudnn.so.9")
+    assert _loader._load_one(*_loader._CUDNN) == ("/torch/lib/libcudnn.so.9", None)
+
+
+def test_nothing_loaded_means_no_held_cudnn():
+    assert _loader._already_loaded("libfastattn-no-such-library.so.0") is None
