@@ -143,7 +143,7 @@ def _cudnn_lines() -> list[str]:
     from fastattn import _loader, runtime
 
     libs, v = _loader.ensure_loaded(), runtime.versions()
-    line = (f"fastattn: cuDNN {v['cudnn_loaded']} from {libs.cudnn} (built against cuDNN {v['cudnn_headers']} "
+    line = (f"fastattn: cuDNN {_loader.version_text(v['cudnn_loaded'])} from {libs.cudnn} (built against cuDNN {v['cudnn_headers']} "
             f"headers, cudnn-frontend {v['cudnn_frontend']})")
     if torch is not None and torch.cuda.is_available():
         line += f"; torch {torch.__version__} on cuDNN {_loader.version_text(int(torch.backends.cudnn.version()))}"

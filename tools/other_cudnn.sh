@@ -151,9 +151,15 @@ run)
   old_meta=$(ls -d "$site"/nvidia_cudnn_cu13-*.dist-info)
   # The metadata too: `fastattn info` names the wheel and its version from it. (The folder keeps
   # the machine's name; the version is read from the METADATA inside.)
+  # Every other cuDNN file on the machine (a system copy in /usr/lib: 9.14 on the GPU machine)
+  # is covered with /dev/null in the namespace: a loader that found one reads no library there.
+  others=$(find / \( -path /proc -o -path /sys -o -path /dev -o -path "$WORK" -o -path "$site/nvidia/cudnn" \) -prune \
+    -o -name 'libcudnn*.so*' -type f -print 2>/dev/null | tr '\n' ' ')
   exec unshare -m --propagation private bash -c \
-    'mount --bind "$1/nvidia/cudnn" "$2/nvidia/cudnn" && mount --bind "$3" "$4" && shift 4 && exec "$@"' \
-    _ "$WORK/$version/site" "$site" "$new_meta" "$old_meta" "$@"
+    'mount --bind "$1/nvidia/cudnn" "$2/nvidia/cudnn" && mount --bind "$3" "$4" || exit 1
+     for f in $5; do mount --bind /dev/null "$f" || exit 1; done
+     shift 5 && exec "$@"' \
+    _ "$WORK/$version/site" "$site" "$new_meta" "$old_meta" "$others" "$@"
   ;;
 check)
   "$PY" - "$version" <<'PY'

@@ -66,7 +66,8 @@ def _cudnn_in_process() -> dict[str, Any]:
     except Exception as e:  # noqa: BLE001 (a report: PyTorch's own failure is what it says)
         torch_version = f"unknown ({type(e).__name__}: {e})"
     files = mapped_cudnn()
-    return {"fastattn": versions()["cudnn_loaded"], "torch": torch_version, "files": files,
+    loaded = versions()["cudnn_loaded"]
+    return {"fastattn": version_text(loaded) if loaded else None, "torch": torch_version, "files": files,
             "problem": cudnn_copies_problem(files)}
 
 

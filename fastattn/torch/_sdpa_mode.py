@@ -47,8 +47,11 @@ from ._plans import DTYPES, capturing
 _COMPOSITE = "scaled_dot_product_attention"
 _FORWARD = "_scaled_dot_product_cudnn_attention"
 _BACKWARD = "_scaled_dot_product_cudnn_attention_backward"
-# The arguments the kernels below take, by name and in order, as PyTorch 2.5-2.13 declare
-# them; enable_sdpa() checks the installed torch's schemas against these.
+# The arguments the kernels below take, by name and in order, as PyTorch 2.5-2.14 declare
+# them; enable_sdpa() checks the installed torch's schemas against these. The operator a
+# call is passed on to (FALLBACK_FORWARD_ARGS) may have more after them, each with a
+# default, which a pass-on leaves at it (2.14 added seqused_k and block_table, for paged
+# KV caches, which the SDPA operators never give it).
 COMPOSITE_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 FORWARD_ARGS = ("query", "key", "value", "attn_bias", "compute_log_sumexp", "dropout_p", "is_causal",
                 "return_debug_mask", "scale")
@@ -228,10 +231,21 @@ def _check_schemas() -> None:
             schema = getattr(torch.ops.aten, name).default._schema
         except (AttributeError, RuntimeError):
             raise NotSupportedError(f"enable_sdpa: torch {torch.__version__} has no aten::{name}") from None
-        got = tuple(a.name for a in schema.arguments)
-        if got != expected:
+        if schema_problem(name, expected, schema.arguments):
+            got = tuple(a.name for a in schema.arguments)
             raise NotSupportedError(f"enable_sdpa: torch {torch.__version__}'s aten::{name} takes {got}; the SDPA "
                                     f"mode is written for {expected}")
+
+
+def schema_problem(name: str, expected: tuple[str, ...], arguments) -> bool:
+    """Whether an operator's declared arguments (objects with .name and
+    .has_default_value(), as torch's FunctionSchema gives them) differ from what the mode
+    is written for: `expected` exactly, or, for the operator a call is passed on to,
+    `expected` followed by arguments that each have a default."""
+    got = tuple(a.name for a in arguments)
+    extra = list(arguments)[len(expected):]
+    appended = name == "_cudnn_attention_forward" and all(a.has_default_value() for a in extra)
+    return got[:len(expected)] != expected or bool(extra and not appended)
 
 
 # -- the route of a call ----------------------------------------------------------------------

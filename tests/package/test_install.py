@@ -58,6 +58,8 @@ def test_info_names_the_wheel_the_loader_would_take_first(fresh, capsys, monkeyp
     meta.mkdir()
     (meta / "METADATA").write_text("Metadata-Version: 2.1\nName: nvidia-cudnn-cu13\nVersion: 9.24.0.43\n")
     monkeypatch.syspath_prepend(str(site))
+    # (A CUDA build of PyTorch, imported, holds its cuDNN already: that one would be taken.)
+    monkeypatch.setattr(_loader, "_already_loaded", lambda soname: None)
     body = _info(capsys)["cudnn_library"]
     assert body == {"path": str(site / WHEEL_LIB), "chosen_by": "the first NVIDIA cuDNN wheel on sys.path",
                     "wheel": "nvidia-cudnn-cu13", "wheel_version": "9.24.0.43"}, body
@@ -72,6 +74,7 @@ def test_info_names_an_override(fresh, capsys, monkeypatch):
 
 def test_info_without_any_cudnn_wheel_says_where_it_would_look(fresh, capsys, monkeypatch):
     monkeypatch.setattr(_loader.sys, "path", [str(fresh / "empty")])
+    monkeypatch.setattr(_loader, "_already_loaded", lambda soname: None)
     body = _loader.cudnn_location()
     assert body["path"] is None and body["wheel"] is None and "cuda-pathfinder" in body["chosen_by"]
 

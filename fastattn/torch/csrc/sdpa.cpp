@@ -226,6 +226,12 @@ void forward(const c10::OperatorHandle &, Stack *stack) {
         static const c10::OperatorHandle fallback = op("aten::_cudnn_attention_forward");
         const int64_t max_q = q.size(2), max_k = k.size(2);
         stack->insert(stack->end() - 5, {c10::IValue(), c10::IValue(), c10::IValue(max_q), c10::IValue(max_k)});
+        // Arguments a newer torch appends (2.14: seqused_k, block_table) at their defaults,
+        // which enable_sdpa() checked every one has: a boxed call takes them all.
+        const auto &declared = fallback.schema().arguments();
+        for (size_t i = kForwardArgs + 4; i < declared.size(); ++i) {
+            stack->push_back(*declared[i].default_value());
+        }
         fallback.callBoxed(stack);
         return;
     }
