@@ -112,6 +112,12 @@ def _single_query(c: AttentionConfig) -> bool:
     return _sixteen_bit(c) and not _lengths_given(c) and c.seqlen_q == 1 and c.seqlen_kv % 128 == 0
 
 
+def _one_row(c: AttentionConfig) -> bool:
+    # Seen crashing for every s_kv (64 to 1024), head dim (64, 128) and 16-bit dtype tried on
+    # cuDNN 9.28.1; one more batch, head or query row builds.
+    return _sixteen_bit(c) and c.batch == 1 and c.heads_q == 1 and c.seqlen_q == 1
+
+
 _SM90 = frozenset({(9, 0)})
 
 # The reports do not say in which release either defect began; every cuDNN 9 is assumed
@@ -143,6 +149,19 @@ DEFECTS: tuple[Defect, ...] = (
         predicate=_single_query,
         reports=("https://github.com/NVIDIA/cudnn-frontend/issues/1072",),
         remedy=FULL_LENGTHS,
+    ),
+    Defect(
+        name="sm90-bwd-one-row-crash",
+        summary=("cuDNN's SM90 backward plan for batch = heads = s_q = 1 crashes the process while it is created "
+                 "(a segmentation fault, no status), so it is never built"),
+        # Reported on 9.26.0; built fine on 9.19.0 and 9.24.0, crashed on 9.28.1 (H100).
+        first=92600,
+        fixed=None,
+        capabilities=_SM90,
+        direction="backward",
+        predicate=_one_row,
+        reports=("https://github.com/NVIDIA/cudnn-frontend/issues/1071",),
+        remedy=REFUSE,
     ),
 )
 

@@ -56,6 +56,25 @@ def test_the_single_query_defect(seqlen_q, seqlen_kv, hit):
     assert ("sm90-bwd-single-query" in names(cfg)) == hit
 
 
+@pytest.mark.parametrize("fields,version,hit", [
+    (dict(batch=1, heads_q=1, seqlen_q=1), 92801, True),
+    (dict(batch=1, heads_q=1, seqlen_q=1, seqlen_kv=64, dtype="fp16"), 92600, True),
+    (dict(batch=1, heads_q=1, seqlen_q=1), 92400, False),  # built on 9.24.0
+    (dict(batch=1, heads_q=1, seqlen_q=1), 91900, False),
+    (dict(batch=2, heads_q=1, seqlen_q=1), 92801, False),  # one more batch, head or row builds
+    (dict(batch=1, heads_q=2, seqlen_q=1), 92801, False),
+    (dict(batch=1, heads_q=1, seqlen_q=2), 92801, False),
+    (dict(batch=1, heads_q=1, seqlen_q=1, training=False), 92801, False),  # the forward builds
+])
+def test_the_one_row_backward_crash_is_refused_from_9_26(fields, version, hit):
+    cfg = AttentionConfig(**{**BASE, "seqlen_kv": 128, **fields})
+    decision = defects.decide(cfg, version, (9, 0))
+    assert ("sm90-bwd-one-row-crash" in [d.name for d in decision.avoided]) == hit
+    assert bool(decision.refusal) == hit
+    if hit:
+        assert decision.refusal.startswith("backward: known cuDNN defect sm90-bwd-one-row-crash")
+
+
 def test_s_q_1_with_s_kv_64_mod_128_avoids_both_through_one_remedy():
     d = defects.decide(AttentionConfig(**{**BASE, "seqlen_q": 1, "seqlen_kv": 64}), *H200)
     assert [x.name for x in d.avoided] == ["sm90-bwd-kv-tail"]  # 64 is not a multiple of 128

@@ -285,3 +285,24 @@ def test_the_plain_graph_still_shows_the_defect_the_registry_names():
     assert not bool(torch.isfinite(d_q).all()), (
         f"cuDNN {fastattn.versions()['cudnn_loaded']}'s plain backward is finite here: the defect "
         "sm90-bwd-kv-tail may be fixed in it; measure and set Defect.fixed in fastattn/defects.py")
+
+
+def test_a_one_row_training_config_is_refused_where_cudnn_crashes_building_it():
+    # cudnn-frontend#1071: on 9.28.1 (H100) the plain backward plan for batch = heads = s_q = 1
+    # crashed the process while it was created; 9.19.0 and 9.24.0 built it. Where the registry
+    # says so the probe refuses it, naming the defect, and this process lives; elsewhere the
+    # plan builds and trains (a range that is wrong either way fails here).
+    cfg = AttentionConfig(batch=1, heads_q=1, seqlen_q=1, seqlen_kv=128, head_dim_qk=64, dtype="bf16",
+                          layout="bhsd", training=True)
+    fastattn.probe(cfg.replace(training=False))  # loads cuDNN: versions() names it afterwards
+    major, minor = torch.cuda.get_device_capability()
+    affected = (major, minor) == (9, 0) and (fastattn.versions()["cudnn_loaded"] or 0) >= 92600
+    result = fastattn.probe(cfg)
+    assert result.supported != affected, result.reason
+    if affected:
+        assert "sm90-bwd-one-row-crash" in result.reason and "cudnn-frontend/issues/1071" in result.reason
+        assert fastattn.probe(cfg.replace(heads_q=2)).supported  # one more head builds
+    else:
+        q, k, v, d_o = adversarial(1, 1, 1, 128, 64, torch.bfloat16, seed=11)
+        ours = fastattn_torch(q, k, v, d_o, False, None)
+        check(ours, efficient(q, k, v, d_o, None), reference(q, k, v, d_o, None), "bf16", "one row")
