@@ -21,7 +21,8 @@ EXIT_UNSUPPORTED = 1  # cuDNN does not support the config (warm: some configs)
 EXIT_BAD_INPUT = 2    # bad flags, files or values; a refused bundle
 EXIT_NO_GPU = 3       # no usable GPU stack: driver, CUDA or cuDNN missing, a CUDA error
 EXIT_FAILED = 4       # some work failed: a crashed config, damaged entries, Redis unreachable, a plan
-                      # that failed verification (--verify: refused with the evidence, never served)
+                      # that failed verification (--verify: refused with the evidence, never served),
+                      # stdout not written (a full disk; a reader that went away is no failure)
 EXIT_BUG = 5          # an unexpected exception: a bug in fastattn (the traceback goes to a file)
 EXIT_INTERRUPTED = 130  # Ctrl-C, as shells report SIGINT
 EXIT_CODES = (EXIT_OK, EXIT_UNSUPPORTED, EXIT_BAD_INPUT, EXIT_NO_GPU, EXIT_FAILED, EXIT_BUG, EXIT_INTERRUPTED)

@@ -281,13 +281,16 @@ def test_expected_failures_keep_their_codes(capsys, monkeypatch):
         assert run_json(PROBE, capsys)[1]["error"] == type(error).__name__
 
 
-def test_a_closed_output_pipe_is_exit_4_quietly(capsys, monkeypatch):
+def test_a_broken_pipe_inside_the_work_is_a_failed_connection_in_fastattns_words(capsys, monkeypatch):
+    # Only stdout's reader leaving is quiet (tests/cli/test_cli_output.py); a pipe or
+    # socket the work itself writes to (Redis) that breaks is a failure, said in one line.
     def closed(*a, **k):
         raise BrokenPipeError(32, "Broken pipe")
 
     monkeypatch.setattr(runtime, "probe", closed)
     code, out, err = run(PROBE, capsys)
-    assert code == cli.EXIT_FAILED and not out and not err
+    assert code == cli.EXIT_FAILED and not out and err.count("\n") == 1, err
+    assert "Broken pipe" in err and "[Errno" not in err, err
 
 
 def test_exit_codes_are_distinct_and_documented():
