@@ -15,6 +15,8 @@ import sys
 import textwrap
 from typing import Any
 
+from .. import _parse
+
 # The exit codes, for every outcome (the README's table says the same).
 EXIT_OK = 0           # success (probe: supported; matrix: the grid was made)
 EXIT_UNSUPPORTED = 1  # cuDNN does not support the config (warm: some configs)
@@ -152,13 +154,17 @@ def integer(minimum: int | None = None, maximum: int | None = INT_MAX):
     return parse
 
 
+def _items(text: str) -> list[str]:
+    """A comma-separated list's items (fastattn._parse.items: an empty one is refused)."""
+    try:
+        return _parse.items(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{echo(text)}: {e}") from None
+
+
 def ints(text: str, minimum: int | None = 1, maximum: int | None = INT_MAX) -> list[int]:
-    """A comma-separated list of integers within [minimum, maximum] (empty items dropped)."""
-    values = [_integer(v, minimum, maximum, "a comma-separated list of integers") for v in text.split(",")
-              if v.strip(_SPACES)]
-    if not values:
-        raise argparse.ArgumentTypeError("an empty list")
-    return values
+    """A comma-separated list of integers within [minimum, maximum]."""
+    return [_integer(v, minimum, maximum, "a comma-separated list of integers") for v in _items(text)]
 
 
 def number(minimum: float | None = None, maximum: float | None = None, *, above: float | None = None,
@@ -189,10 +195,10 @@ def _check_range(text: str, value, minimum, maximum) -> None:
 
 def choices(allowed):
     def parse(text: str) -> list[str]:
-        values = [v.strip() for v in text.split(",") if v.strip()]
+        values = _items(text)
         bad = [v for v in values if v not in allowed]
-        if bad or not values:
-            raise argparse.ArgumentTypeError(f"{echo(bad[0] if bad else text)} is not one of {', '.join(allowed)}")
+        if bad:
+            raise argparse.ArgumentTypeError(f"{echo(bad[0])} is not one of {', '.join(allowed)}")
         return values
 
     return parse
