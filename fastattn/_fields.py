@@ -379,16 +379,31 @@ def check_mapping(data: Any, fields) -> None:
     `fields`, the required ones among them."""
     if not isinstance(data, Mapping):
         raise bad("config", data, "must be a mapping of field names to values")
-    names = [f.name for f in fields]
-    unknown = [k for k in data if k not in names]
-    if unknown:
-        name = unknown[0]
-        if not isinstance(name, str):
-            raise InvalidArgumentError(f"config key {show(name)}: field names are strings")
-        raise bad(name, data[name], f"is not a field of AttentionConfig (fields: {', '.join(names)})")
+    check_names(data, fields)
     missing = [f.name for f in fields if is_required(f) and f.name not in data]
     if missing:
         raise InvalidArgumentError(f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} required")
+
+
+def check_names(data: Mapping[str, Any], fields, also: tuple[str, ...] = ()) -> None:
+    """Every key of `data` names one of `fields` (or is one of `also`, a file's own
+    keys such as "configs"); the first that does not is an InvalidArgumentError naming
+    it, with the name it most resembles. Checked before what is missing: a misspelt
+    field ("bätch") is the cause, the required one it stands for ("batch") only its
+    effect."""
+    names = [f.name for f in fields]
+    for name in data:
+        if name in names or name in also:
+            continue
+        if not isinstance(name, str):
+            raise InvalidArgumentError(f"config key {show(name)}: field names are strings")
+        import difflib
+
+        close = difflib.get_close_matches(name, [*names, *also], n=1, cutoff=0.6)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        whose = "AttentionConfig" + (f" nor {', '.join(repr(a) for a in also)}" if also else "")
+        shown = name if name.isidentifier() else show(name)
+        raise bad(shown, data[name], f"is not a field of {whose} ({hint}fields: {', '.join(names)})")
 
 
 def validate(field: dataclasses.Field, value: Any) -> Any:

@@ -272,8 +272,12 @@ def _entries(data: Any, path: str) -> list[Any]:
                                    f"them, not {type(data).__name__}")
     if not data or set(data) & _FIELD_NAMES:
         return [data]  # one config's fields (unknown ones are named by expand_entry)
-    raise InvalidArgumentError(f"{path}: expected a top-level \"configs\" list (TOML: [[configs]] tables), or one "
-                               f"config's fields (not {_fields.show(sorted(data)[0])})")
+    try:  # no key is a field: the first is named, as a field of the config or the file's "configs"
+        _fields.check_names(data, FIELDS, also=("configs",))
+    except InvalidArgumentError as e:
+        raise InvalidArgumentError(f"{path}: {e}; a file holds a top-level \"configs\" list (TOML: [[configs]] "
+                                   "tables), or one config's fields") from None
+    raise AssertionError("unreachable: a key that is no field was found above")  # pragma: no cover
 
 
 def read_entries(path: str) -> tuple[list[Any], list[str]]:

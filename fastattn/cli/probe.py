@@ -56,6 +56,11 @@ def add_parser(sub) -> None:
 
 def config_from_args(args: argparse.Namespace) -> AttentionConfig:
     fields, where = _config_option(args.config) if args.config is not None else ({}, None)
+    if where is not None:  # a misspelt field of the file, not the field it stands for, is what to report
+        try:
+            _fields.check_names(fields, FIELDS)
+        except InvalidArgumentError as e:
+            raise InvalidArgumentError(f"{where}: {e}") from None
     for f in FIELDS:
         value = getattr(args, f.name)
         if value is not None:
