@@ -78,7 +78,7 @@ def test_the_integer_parsers_take_ascii_digits_only(text):
 def test_the_real_number_parsers_take_ascii_digits_only(text):
     import argparse
 
-    for parse in (_common.number(above=0), lambda t: _common.size(t + "M"), lambda t: _common.age(t + "d")):
+    for parse in (_common.number(above=0), lambda t: _common.size(t + "M"), lambda t: _common.duration(_common.MAX_AGE)(t + "d")):
         with pytest.raises(argparse.ArgumentTypeError):
             parse(text)
 
@@ -119,7 +119,7 @@ def test_the_integer_parsers_take_what_people_type():
     with pytest.raises(argparse.ArgumentTypeError, match="item 3 is empty"):  # (tests/cli/test_cli_lists.py)
         _common.ints("64, 128,")
     assert _common.number(above=0)("1.5e-3") == 1.5e-3 and _common.number(above=0)(".5") == 0.5
-    assert _common.size("1.5G") == int(1.5 * (1 << 30)) and _common.age("2.5h") == 9000.0
+    assert _common.size("1.5G") == int(1.5 * (1 << 30)) and _common.duration(_common.MAX_AGE)("2.5h") == 9000.0
     assert _common.length_range("1..32768") == (1, 32768)
 
 
