@@ -170,6 +170,18 @@ def show(value: Any) -> str:
     return text if len(text) <= SHOWN else text[:SHOWN - 3] + "..."
 
 
+def json_kind(value: Any) -> str:
+    """What a value parsed from JSON or TOML is, in those formats' words ("null", "a
+    list"), for a message about a file: Python's type names (NoneType) are not the user's."""
+    if value is None:
+        return "null"
+    for types, word in ((bool, "a boolean"), (int, "an integer"), (float, "a number"), (str, "a string"),
+                        (Mapping, "an object"), ((list, tuple), "a list")):
+        if isinstance(value, types):
+            return word
+    return f"a {type(value).__name__}"  # (not from a parser: a caller of the API passed it)
+
+
 def _int_limit() -> int:
     return sys.get_int_max_str_digits() if hasattr(sys, "get_int_max_str_digits") else 0
 
@@ -194,15 +206,32 @@ def long_integer(text: str | bytes) -> tuple[int | None, int | None, str]:
     return None, None, f"an integer of more than {limit} digits: {why}"
 
 
+# A byte order mark that editors (Notepad) put before UTF-8 text: not part of the text.
+BOM = "\ufeff"
+
+
+def utf8_problem(error: UnicodeDecodeError) -> str:
+    """Where bytes stop being UTF-8, said without the codec's wording."""
+    bad = error.object[error.start:error.start + 1]
+    return f"byte 0x{bad.hex()} at offset {error.start} is not UTF-8"
+
+
 def read_json(text: str | bytes, what: str = "config JSON") -> Any:
     """json.loads of a user's text (AttentionConfig.from_json); whatever it cannot read
     is an InvalidArgumentError that starts with `what`."""
+    if not isinstance(text, (str, bytes, bytearray)):
+        raise InvalidArgumentError(f"{what} must be text (a str, or UTF-8 bytes), not {show(text)}")
     try:
-        return json.loads(text)
+        if not isinstance(text, str):  # UTF-8 only (json.loads also guesses UTF-16 and UTF-32 from bytes)
+            text = bytes(text).decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise InvalidArgumentError(f"{what} is not UTF-8 text: {utf8_problem(e)}") from None
+    try:
+        return json.loads(text.removeprefix(BOM))
     except json.JSONDecodeError as e:
         raise InvalidArgumentError(f"{what} is not valid JSON: {e}") from None
-    except (TypeError, UnicodeDecodeError, RecursionError) as e:  # not text; nested past the parser's depth
-        raise InvalidArgumentError(f"{what} is not valid JSON: {type(e).__name__}: {e}") from None
+    except RecursionError:
+        raise InvalidArgumentError(f"{what} is not valid JSON: nested too deeply") from None
     except ValueError:  # json's bare ValueError: an integer past Python's digit limit
         line, column, why = long_integer(text)
         raise InvalidArgumentError(f"{what}: {why}" + (f": line {line} column {column}" if line else "")) from None

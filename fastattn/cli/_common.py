@@ -54,6 +54,22 @@ class Parser(argparse.ArgumentParser):
         # so `--max-age -5d` was "expected one argument" instead of naming -5d.
         self._negative_number_matcher = _NEGATIVE_LOOKING
 
+    def add_subparsers(self, **kwargs):
+        # A command group's command is checked here (parse_known_args), not by argparse,
+        # whose message names the group's internal dest ("required: cache_command").
+        # Its metavar is what argparse names it by in a refusal ("argument COMMAND: invalid
+        # choice"), not the dest.
+        kwargs["required"] = False
+        kwargs.setdefault("metavar", "COMMAND")
+        return super().add_subparsers(**kwargs)
+
+    def parse_known_args(self, args=None, namespace=None):
+        parsed, extras = super().parse_known_args(args, namespace)
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction) and getattr(parsed, action.dest, None) is None:
+                self.error(f"a command is needed: one of {', '.join(action.choices)} ({self.prog} --help)")
+        return parsed, extras
+
     def error(self, message: str):  # raise, not exit: main reports it (as JSON with --json) with exit code 2
         # argparse quotes values itself too (an invalid choice, unrecognized arguments):
         # shortened here, as echo() shortens ours.

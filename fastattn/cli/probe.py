@@ -100,7 +100,7 @@ def _config_option(option: str) -> tuple[dict[str, Any], str]:
                                    "(fastattn warm takes many)")
     if not isinstance(entries[0], dict):
         raise InvalidArgumentError(f"{where[0]}: must be an object (TOML: a table) of AttentionConfig fields, "
-                                   f"not {type(entries[0]).__name__}")
+                                   f"not {_fields.json_kind(entries[0])}")
     return dict(entries[0]), where[0]
 
 

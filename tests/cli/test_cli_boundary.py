@@ -213,7 +213,7 @@ def test_matrix_headers_are_whole_and_reasons_are_not_cut(capsys, monkeypatch):
 
 @pytest.mark.parametrize("config,message", [
     ("[1,2]", "holds 2 entries; probe takes one config"), ("[1]", "must be an object (TOML: a table) of "
-                                                                 "AttentionConfig fields, not int"),
+                                                                 "AttentionConfig fields, not an integer"),
     ('"text"', "must be an object of AttentionConfig fields"), ("42", "must be an object of AttentionConfig"),
     ("{nope", "--config '{nope':1:2: not valid JSON"), ("nope.json", "no such file, and not JSON text"),
     ('{"batch": 1, "window": {"left": 16, "right": 0}}', "window="),
