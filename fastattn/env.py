@@ -3,7 +3,7 @@ the CLI and fastattn.torch read their variables here, and a user can check an
 environment with check_all()).
 
 VARIABLES declares each variable once: its kind (how its text is read: the numbers by
-fastattn._parse, as the command's flags of the same kind are), its default,
+fastattn.parsing, as the command's flags of the same kind are), its default,
 its help. Everything else comes from it: every read in fastattn goes through get(),
 so a variable means the same on every path (the API, the CLI, warm's workers, the
 torch entry points); docs/ENVIRONMENT.md's table is markdown() (tests/runtime/test_env.py checks that
@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 from urllib.parse import parse_qs, urlsplit, urlunsplit
 
-from . import _parse
+from . import parsing
 from ._fields import show
 from .errors import InvalidArgumentError
 
@@ -103,16 +103,16 @@ def _choice(var: Var, raw: str) -> str:
 
 def _seconds(var: Var, raw: str) -> float:
     try:
-        return _parse.duration(raw, MAX_SECONDS, above=var.minimum if var.above else None)
+        return parsing.duration(raw, MAX_SECONDS, above=var.minimum if var.above else None)
     except ValueError as e:
         raise _bad(var, raw, str(e)) from None
 
 
 def _size(var: Var, raw: str) -> int | None:
-    if var.unlimited and raw.strip(_parse.SPACES).lower() == "none":
+    if var.unlimited and raw.strip(parsing.SPACES).lower() == "none":
         return None
     try:
-        value = _parse.size(raw)
+        value = parsing.size(raw)
     except ValueError as e:
         raise _bad(var, raw, str(e)) from None
     if value == 0 and var.zero:

@@ -27,7 +27,7 @@ import os
 import re
 from typing import Any, NamedTuple
 
-from . import _parse
+from . import parsing
 from ._fields import show
 from .errors import InvalidArgumentError
 
@@ -97,7 +97,7 @@ def parse(value, name: str = "shape_classes") -> str | Classes:
             return "auto" if text == "auto" else OFF
         expected = 'expected "auto", "off" or comma-separated lengths (e.g. "256,1024,4096")'
         try:
-            parts = _parse.items(value)
+            parts = parsing.items(value)
         except ValueError as e:
             raise _bad(name, value, f"{e}; {expected}") from None
         # ASCII digits: int() also takes other scripts' (١٢).

@@ -14,7 +14,7 @@ import sys
 import textwrap
 from typing import Any
 
-from .. import _parse
+from .. import parsing
 
 # The exit codes, for every outcome (the README's table says the same).
 EXIT_OK = 0           # success (probe: supported; matrix: the grid was made)
@@ -128,11 +128,11 @@ def echo(value: str) -> str:
 
 
 
-# What a flag takes as a number is read by fastattn._parse, one parser per kind, as the
+# What a flag takes as a number is read by fastattn.parsing, one parser per kind, as the
 # FASTATTN_* variables of the same kind are: a count (integer, ints), a real number
 # (number), a duration (duration: --timeout, --max-age), a size in bytes (size). Each
 # argparse type carries its kind (`number_kind`), so that tests find every numeric flag.
-_SPACES = _parse.SPACES
+_SPACES = parsing.SPACES
 MAX_AGE = 36500 * 86400.0  # 100 years: an entry unused for longer than that cannot exist
 
 
@@ -143,7 +143,7 @@ def _typed(parse, kind: str, name: str):
 
 
 def _read(read, text: str, *args, **kwargs):
-    """read(text, ...) of fastattn._parse, its ValueError said as a usage error quoting
+    """read(text, ...) of fastattn.parsing, its ValueError said as a usage error quoting
     the value (argparse adds the flag's name)."""
     try:
         return read(text, *args, **kwargs)
@@ -152,7 +152,7 @@ def _read(read, text: str, *args, **kwargs):
 
 
 def _integer(text: str, minimum: int | None, maximum: int | None) -> int:
-    return _read(_parse.integer, text, minimum, maximum)
+    return _read(parsing.integer, text, minimum, maximum)
 
 
 def integer(minimum: int | None = None, maximum: int | None = INT_MAX):
@@ -161,9 +161,9 @@ def integer(minimum: int | None = None, maximum: int | None = INT_MAX):
 
 
 def _items(text: str) -> list[str]:
-    """A comma-separated list's items (fastattn._parse.items: an empty one is refused)."""
+    """A comma-separated list's items (fastattn.parsing.items: an empty one is refused)."""
     try:
-        return _parse.items(text)
+        return parsing.items(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(f"{echo(text)}: {e}") from None
 
@@ -179,14 +179,14 @@ ints = _typed(_ints, "count", "ints")
 def number(minimum: float | None = None, maximum: float | None = None, *, above: float | None = None,
            below: float | None = None):
     """An argparse type: a finite real number within the bounds (above/below: exclusive)."""
-    return _typed(lambda text: _read(_parse.real, text, minimum, maximum, above=above, below=below), "real",
+    return _typed(lambda text: _read(parsing.real, text, minimum, maximum, above=above, below=below), "real",
                   "number")
 
 
 def duration(maximum: float, *, above: float | None = None):
     """An argparse type: a duration in seconds (90s, 12h, 30d; a bare number is seconds),
     at most `maximum` seconds (above: more than it)."""
-    return _typed(lambda text: _read(_parse.duration, text, maximum, above=above), "duration", "duration")
+    return _typed(lambda text: _read(parsing.duration, text, maximum, above=above), "duration", "duration")
 
 
 DURATION_HELP = "a number with s, m, h, d or w; a bare number is seconds"
@@ -194,7 +194,7 @@ DURATION_HELP = "a number with s, m, h, d or w; a bare number is seconds"
 
 def _size(text: str) -> int:
     """An argparse type: a size in bytes (500M, 1.5G), below 8 EiB."""
-    return _read(_parse.size, text)
+    return _read(parsing.size, text)
 
 
 size = _typed(_size, "bytes", "size")

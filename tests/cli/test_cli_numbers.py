@@ -1,5 +1,5 @@
 """Numbers a person writes, in a flag or a FASTATTN_* variable: one parser per kind
-(fastattn._parse: a count, a real number, a duration, a size in bytes), so that a
+(fastattn.parsing: a count, a real number, a duration, a size in bytes), so that a
 kind reads the same text as the same value wherever it is written; every numeric flag
 range-checked (a value past its bound is named, exit 2); 0 is zero everywhere, and where
 zero would empty the cache (--max-bytes, --max-age, FASTATTN_CACHE_MAX_BYTES) it is

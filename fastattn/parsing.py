@@ -6,6 +6,8 @@ Each parser raises ValueError with the rule the text broke ("must be a duration:
 "is negative", "must be <= 1000000 (seconds)"), without the text or the name it was
 given under: the caller says which flag or variable, and quotes the value in its own
 way (argparse's "argument --x: 'value' ...", env's "NAME='value': ...").
+
+Public, as fastattn.env is: the command (another package) reads its flags with it.
 """
 
 from __future__ import annotations
