@@ -170,6 +170,18 @@ def show(value: Any) -> str:
     return text if len(text) <= SHOWN else text[:SHOWN - 3] + "..."
 
 
+def json_kind(value: Any) -> str:
+    """What a value parsed from JSON or TOML is, in those formats' words ("null", "a
+    list"), for a message about a file: Python's type names (NoneType) are not the user's."""
+    if value is None:
+        return "null"
+    for types, word in ((bool, "a boolean"), (int, "an integer"), (float, "a number"), (str, "a string"),
+                        (Mapping, "an object"), ((list, tuple), "a list")):
+        if isinstance(value, types):
+            return word
+    return f"a {type(value).__name__}"  # (not from a parser: a caller of the API passed it)
+
+
 def _int_limit() -> int:
     return sys.get_int_max_str_digits() if hasattr(sys, "get_int_max_str_digits") else 0
 
@@ -194,15 +206,32 @@ def long_integer(text: str | bytes) -> tuple[int | None, int | None, str]:
     return None, None, f"an integer of more than {limit} digits: {why}"
 
 
+# A byte order mark that editors (Notepad) put before UTF-8 text: not part of the text.
+BOM = "\ufeff"
+
+
+def utf8_problem(error: UnicodeDecodeError) -> str:
+    """Where bytes stop being UTF-8, said without the codec's wording."""
+    bad = error.object[error.start:error.start + 1]
+    return f"byte 0x{bad.hex()} at offset {error.start} is not UTF-8"
+
+
 def read_json(text: str | bytes, what: str = "config JSON") -> Any:
     """json.loads of a user's text (AttentionConfig.from_json); whatever it cannot read
     is an InvalidArgumentError that starts with `what`."""
+    if not isinstance(text, (str, bytes, bytearray)):
+        raise InvalidArgumentError(f"{what} must be text (a str, or UTF-8 bytes), not {show(text)}")
     try:
-        return json.loads(text)
+        if not isinstance(text, str):  # UTF-8 only (json.loads also guesses UTF-16 and UTF-32 from bytes)
+            text = bytes(text).decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise InvalidArgumentError(f"{what} is not UTF-8 text: {utf8_problem(e)}") from None
+    try:
+        return json.loads(text.removeprefix(BOM))
     except json.JSONDecodeError as e:
         raise InvalidArgumentError(f"{what} is not valid JSON: {e}") from None
-    except (TypeError, UnicodeDecodeError, RecursionError) as e:  # not text; nested past the parser's depth
-        raise InvalidArgumentError(f"{what} is not valid JSON: {type(e).__name__}: {e}") from None
+    except RecursionError:
+        raise InvalidArgumentError(f"{what} is not valid JSON: nested too deeply") from None
     except ValueError:  # json's bare ValueError: an integer past Python's digit limit
         line, column, why = long_integer(text)
         raise InvalidArgumentError(f"{what}: {why}" + (f": line {line} column {column}" if line else "")) from None
@@ -379,16 +408,31 @@ def check_mapping(data: Any, fields) -> None:
     `fields`, the required ones among them."""
     if not isinstance(data, Mapping):
         raise bad("config", data, "must be a mapping of field names to values")
-    names = [f.name for f in fields]
-    unknown = [k for k in data if k not in names]
-    if unknown:
-        name = unknown[0]
-        if not isinstance(name, str):
-            raise InvalidArgumentError(f"config key {show(name)}: field names are strings")
-        raise bad(name, data[name], f"is not a field of AttentionConfig (fields: {', '.join(names)})")
+    check_names(data, fields)
     missing = [f.name for f in fields if is_required(f) and f.name not in data]
     if missing:
         raise InvalidArgumentError(f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} required")
+
+
+def check_names(data: Mapping[str, Any], fields, also: tuple[str, ...] = ()) -> None:
+    """Every key of `data` names one of `fields` (or is one of `also`, a file's own
+    keys such as "configs"); the first that does not is an InvalidArgumentError naming
+    it, with the name it most resembles. Checked before what is missing: a misspelt
+    field ("bätch") is the cause, the required one it stands for ("batch") only its
+    effect."""
+    names = [f.name for f in fields]
+    for name in data:
+        if name in names or name in also:
+            continue
+        if not isinstance(name, str):
+            raise InvalidArgumentError(f"config key {show(name)}: field names are strings")
+        import difflib
+
+        close = difflib.get_close_matches(name, [*names, *also], n=1, cutoff=0.6)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        whose = "AttentionConfig" + (f" nor {', '.join(repr(a) for a in also)}" if also else "")
+        shown = name if name.isidentifier() else show(name)
+        raise bad(shown, data[name], f"is not a field of {whose} ({hint}fields: {', '.join(names)})")
 
 
 def validate(field: dataclasses.Field, value: Any) -> Any:

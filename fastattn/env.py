@@ -2,7 +2,8 @@
 the CLI and fastattn.torch read their variables here, and a user can check an
 environment with check_all()).
 
-VARIABLES declares each variable once: its kind (how its text is read), its default,
+VARIABLES declares each variable once: its kind (how its text is read: the numbers by
+fastattn.parsing, as the command's flags of the same kind are), its default,
 its help. Everything else comes from it: every read in fastattn goes through get(),
 so a variable means the same on every path (the API, the CLI, warm's workers, the
 torch entry points); docs/ENVIRONMENT.md's table is markdown() (tests/runtime/test_env.py checks that
@@ -13,11 +14,15 @@ One rule per kind, the same for every variable of that kind:
 - unset or empty (only spaces) is the default; a secret that is set must not be empty;
 - bool: 1, true, yes, on / 0, false, no, off, in any case;
 - choice: one of the names, in any case;
-- seconds: a number (decimal, optionally with an exponent: 0.25, 1e3), at least the
-  minimum and at most MAX_SECONDS (1e6 s, 11.6 days: far larger ones overflow the
-  clients' and the OS's timers, redis-py's among them);
+- seconds: a duration, a number (decimal, optionally with an exponent: 0.25, 1e3) with
+  a unit s, m, h, d or w, or bare (seconds), at least the minimum and at most
+  MAX_SECONDS (1e6 s, 11.6 days: far larger ones overflow the clients' and the OS's
+  timers, redis-py's among them);
 - size: bytes, an integer, or a number with a K, M, G or T suffix (powers of 1024),
-  below 8 EiB;
+  below 8 EiB; `none` (no limit) where the variable says so;
+- 0 is zero in every numeric variable, never "no limit": where zero would make a
+  setting empty something (a cache that keeps nothing), it is refused, naming what to
+  write instead;
 - numbers (seconds, size, a URL's database, classes) are ASCII digits: Python's int()
   and float() also take other scripts' digits (١٢) and underscores (1_000), which no
   other program reading the same environment would;
@@ -31,7 +36,6 @@ from the CLI.
 
 from __future__ import annotations
 
-import math
 import os
 import re
 from collections.abc import Mapping
@@ -39,6 +43,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 from urllib.parse import parse_qs, urlsplit, urlunsplit
 
+from . import parsing
 from ._fields import show
 from .errors import InvalidArgumentError
 
@@ -46,11 +51,9 @@ __all__ = ["VARIABLES", "Var", "get", "is_set", "check_all", "markdown", "redact
 
 TRUE = ("1", "true", "yes", "on")
 FALSE = ("0", "false", "no", "off")
-_SIZE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 _PORTS = (1, 65535)
 _INT32 = 2**31
 MAX_SECONDS = 1e6  # every "seconds" variable's largest value (see the module's doc)
-_SECONDS = re.compile(r"[+-]?([0-9]+(\.[0-9]*)?|\.[0-9]+)([eE][+-]?[0-9]+)?")
 
 
 @dataclass(frozen=True)
@@ -70,6 +73,8 @@ class Var:
     minimum: float = 0.0
     above: bool = False
     scope: str = "runtime"
+    unlimited: bool = False  # size: `none` is taken, as no limit
+    zero: str = ""  # size: why 0 is refused here (what to write instead), where zero would empty something
 
 
 def _bad(var: Var, raw: str, why: str) -> InvalidArgumentError:
@@ -97,35 +102,21 @@ def _choice(var: Var, raw: str) -> str:
 
 
 def _seconds(var: Var, raw: str) -> float:
-    text = raw.strip()
-    if not _SECONDS.fullmatch(text):
-        try:
-            value = float(text)  # takes more: inf, nan, ١٢, 1_0
-        except ValueError:
-            raise _bad(var, raw, "must be a number of seconds") from None
-        if not math.isfinite(value):
-            raise _bad(var, raw, "must be a finite number of seconds")
-        raise _bad(var, raw, "must be a number of seconds in ASCII digits (e.g. 0.25, 10, 1e3)")
-    value = float(text)  # (inf for 400 digits: over the maximum)
-    if value < var.minimum or (var.above and value == var.minimum):
-        raise _bad(var, raw, f"must be {'>' if var.above else '>='} {var.minimum:g}")
-    if value > MAX_SECONDS:
-        raise _bad(var, raw, f"must be <= {MAX_SECONDS:.0f} (seconds)")
-    return value
+    try:
+        return parsing.duration(raw, MAX_SECONDS, above=var.minimum if var.above else None)
+    except ValueError as e:
+        raise _bad(var, raw, str(e)) from None
 
 
-def _size(var: Var, raw: str) -> int:
-    text = raw.strip().lower().removesuffix("b").removesuffix("i")
-    number, unit = (text[:-1], text[-1]) if text and text[-1] in _SIZE_UNITS else (text, "")
-    number = number.strip()
-    if not re.fullmatch(r"[0-9]+" if not unit else r"[0-9]+(\.[0-9]*)?|\.[0-9]+", number):
-        raise _bad(var, raw, "must be a size in bytes: an integer, or a number with K, M, G or T (e.g. 500M, 1.5G)")
-    # float() first: int() refuses 4300 digits or more (leading zeros too), and an infinite float.
-    if float(number) * _SIZE_UNITS[unit] >= 2**64:
-        raise _bad(var, raw, "must be below 8 EiB")
-    value = int(number.lstrip("0") or "0") if not unit else int(float(number) * _SIZE_UNITS[unit])
-    if value >= 2**63:
-        raise _bad(var, raw, "must be below 8 EiB")
+def _size(var: Var, raw: str) -> int | None:
+    if var.unlimited and raw.strip(parsing.SPACES).lower() == "none":
+        return None
+    try:
+        value = parsing.size(raw)
+    except ValueError as e:
+        raise _bad(var, raw, str(e)) from None
+    if value == 0 and var.zero:
+        raise _bad(var, raw, var.zero)
     return value
 
 
@@ -216,7 +207,9 @@ _PARSERS: dict[str, Callable[[Var, str], Any]] = {
     "text": _text, "secret": _secret, "url": _url, "classes": _classes,
 }
 # How docs/ENVIRONMENT.md names each kind's values.
-_KIND_TEXT = {"bool": "boolean", "seconds": f"seconds (at most {MAX_SECONDS:.0f})", "size": "bytes (500M, 4G)",
+_KIND_TEXT = {"bool": "boolean",
+              "seconds": f"a duration (90s, 5m; a bare number is seconds; at most {MAX_SECONDS:.0f} s)",
+              "size": "bytes (500M, 4G)",
               "path": "path", "paths": "paths, `:`-separated", "text": "text", "secret": "secret text", "url": "Redis URL",
               "classes": "`auto` / `off` / lengths, `,`-separated"}
 
@@ -244,8 +237,10 @@ _TABLE = (
        "baked into an image, a shared volume", "none"),
     _V("FASTATTN_CACHE_SHARED", "bool", False, "group-writable cache files and directories (0664/2775), for a "
        "directory shared between users; otherwise private (0600/0700)"),
-    _V("FASTATTN_CACHE_MAX_BYTES", "size", 4 << 30, "prune least-recently-used entries above this size; `0`: no "
-       "limit", "`4G`"),
+    _V("FASTATTN_CACHE_MAX_BYTES", "size", 4 << 30, "prune least-recently-used entries above this size; `none`: no "
+       "limit (0 is refused: a cache of 0 bytes keeps nothing; FASTATTN_CACHE_MODE=off turns the cache off)", "`4G`",
+       unlimited=True, zero="a cache of 0 bytes keeps nothing: write none for no limit, or set FASTATTN_CACHE_MODE=off "
+       "to turn the cache off"),
     _V("FASTATTN_CACHE_HMAC_KEY", "secret", None, "the shared secret that signs and checks entries in Redis and "
        "bundles; when set, it must not be empty", "none"),
     _V("FASTATTN_CACHE_HMAC_KEY_FILE", "path", None, "a file holding that secret as UTF-8 text (surrounding "
@@ -283,7 +278,8 @@ _TABLE = (
        "`libraries` (the first part alone) or `off`; read when fastattn.torch is imported",
        choices=("plans", "libraries", "off")),
     _V("FASTATTN_WARM_UP_MAX_BYTES", "size", 32 << 20, "the warm-up loads the most recently used cache entries "
-       "up to this many bytes of entry files (and 64 plans at most); read when fastattn.torch is imported", "`32M`"),
+       "up to this many bytes of entry files (and 64 plans at most; 0: none); read when fastattn.torch is imported",
+       "`32M`"),
     _V("FASTATTN_SHAPE_CLASSES", "classes", lambda: _classes(VARIABLES["FASTATTN_SHAPE_CLASSES"], "off"), "fastattn.torch.attention()'s shape classes (its "
        "`shape_classes=` keyword overrides it per call): `off` (an exact plan per shape), `auto` (the classes "
        "`benchmarks/bench_shape_classes.py` measured on this GPU and cuDNN version in "

@@ -27,6 +27,7 @@ import os
 import re
 from typing import Any, NamedTuple
 
+from . import parsing
 from ._fields import show
 from .errors import InvalidArgumentError
 
@@ -94,10 +95,15 @@ def parse(value, name: str = "shape_classes") -> str | Classes:
         text = value.strip().lower()
         if text in ("auto", "off"):
             return "auto" if text == "auto" else OFF
+        expected = 'expected "auto", "off" or comma-separated lengths (e.g. "256,1024,4096")'
+        try:
+            parts = parsing.items(value)
+        except ValueError as e:
+            raise _bad(name, value, f"{e}; {expected}") from None
         # ASCII digits: int() also takes other scripts' (١٢).
-        if not re.fullmatch(r"\s*[0-9]+\s*(,\s*[0-9]+\s*)*,?\s*", value):
-            raise _bad(name, value, 'expected "auto", "off" or comma-separated lengths (e.g. "256,1024,4096")')
-        parts = [p.strip().lstrip("0") or "0" for p in value.split(",") if p.strip()]
+        if not all(re.fullmatch(r"[0-9]+", p) for p in parts):
+            raise _bad(name, value, expected)
+        parts = [p.lstrip("0") or "0" for p in parts]
         for p in parts:
             if len(p) > 10:  # out of range, and int() raises past 4300 digits (so no leading zeros)
                 raise _bad(name, value, f"a boundary of {len(p)} digits is not an int in 2..{_MAX}")

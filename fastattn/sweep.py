@@ -44,7 +44,7 @@ def _range(where: str, spec: Mapping[str, Any]) -> list[int]:
     start, stop = spec["from"], spec["to"]
     step, times = spec.get("step"), spec.get("times")
     for name, v in (("from", start), ("to", stop), ("step", step), ("times", times)):
-        if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
+        if (v is not None or name in ("from", "to")) and (isinstance(v, bool) or not isinstance(v, int)):
             raise InvalidArgumentError(f"{where}.{name}={_fields.show(v)}: must be an integer")
     if start > stop:
         raise InvalidArgumentError(f"{where}: from={_fields.show(start)} is greater than to={_fields.show(stop)}")
@@ -159,9 +159,9 @@ def _parse(path: str) -> tuple[Any, list[int | None] | None]:
     except ValueError:  # a NUL in the name: from the API only (argv and the environment cannot hold one)
         raise InvalidArgumentError(f"{_fields.show(path)}: not a file name (it holds a NUL character)") from None
     try:
-        text = raw.decode("utf-8")
+        text = raw.decode("utf-8").removeprefix(_fields.BOM)  # (a mark editors put first, not text)
     except UnicodeDecodeError as e:
-        raise InvalidArgumentError(f"{path}: not UTF-8 text: {e}") from None
+        raise InvalidArgumentError(f"{path}: not UTF-8 text: {_fields.utf8_problem(e)}") from None
     if path.endswith(".toml"):
         return _toml(text, path), None
     if path.endswith(".jsonl"):
@@ -204,7 +204,7 @@ def _toml(text: str, path: str) -> Any:
 
 def _json(text: str, path: str) -> tuple[Any, list[int | None]]:
     try:
-        data = json.loads(text)
+        data = json.loads(text.removeprefix(_fields.BOM))
     except json.JSONDecodeError as e:
         raise InvalidArgumentError(f"{path}:{e.lineno}:{e.colno}: not valid JSON: {e.msg}") from None
     except ValueError:  # json's bare ValueError: an integer past Python's digit limit
@@ -246,7 +246,7 @@ def _json_lines(text: str, path: str) -> tuple[list[Any], list[int | None]]:
             raise InvalidArgumentError(f"{path}:{number}: not valid JSON: nested too deeply") from None
         if not isinstance(entry, dict):
             raise InvalidArgumentError(f"{path}:{number}: each line must be an object of AttentionConfig fields, "
-                                       f"not {type(entry).__name__}")
+                                       f"not {_fields.json_kind(entry)}")
         entries.append(entry)
         lines.append(number)
     return entries, lines
@@ -269,11 +269,15 @@ def _entries(data: Any, path: str) -> list[Any]:
         return data["configs"]
     if not isinstance(data, dict):
         raise InvalidArgumentError(f"{path}: must be an object of AttentionConfig fields, or a \"configs\" list of "
-                                   f"them, not {type(data).__name__}")
+                                   f"them, not {_fields.json_kind(data)}")
     if not data or set(data) & _FIELD_NAMES:
         return [data]  # one config's fields (unknown ones are named by expand_entry)
-    raise InvalidArgumentError(f"{path}: expected a top-level \"configs\" list (TOML: [[configs]] tables), or one "
-                               f"config's fields (not {_fields.show(sorted(data)[0])})")
+    try:  # no key is a field: the first is named, as a field of the config or the file's "configs"
+        _fields.check_names(data, FIELDS, also=("configs",))
+    except InvalidArgumentError as e:
+        raise InvalidArgumentError(f"{path}: {e}; a file holds a top-level \"configs\" list (TOML: [[configs]] "
+                                   "tables), or one config's fields") from None
+    raise AssertionError("unreachable: a key that is no field was found above")  # pragma: no cover
 
 
 def read_entries(path: str) -> tuple[list[Any], list[str]]:

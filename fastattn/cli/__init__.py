@@ -17,7 +17,7 @@ cuDNN (warm: some configs), 2 bad input (flags, files, FASTATTN_* values, a refu
 bundle), 3 no usable GPU stack (driver, CUDA or cuDNN missing, CUDA error; fastattn's own
 extension not importable: a source tree shadowing the installed package), 4 some work failed (warm: a
 config crashed or errored, or built answers not saved; verify: damaged entries; push, pull: Redis unreachable;
-any command: stdout could not be written),
+any command: stdout could not be written, a reader that went away excepted),
 5 a bug in fastattn (an unexpected exception: one line, the traceback in a file),
 130 interrupted.
 

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import math
 import os
 import re
 import sys
 import textwrap
 from typing import Any
+
+from .. import parsing
 
 # The exit codes, for every outcome (the README's table says the same).
 EXIT_OK = 0           # success (probe: supported; matrix: the grid was made)
@@ -21,7 +22,8 @@ EXIT_UNSUPPORTED = 1  # cuDNN does not support the config (warm: some configs)
 EXIT_BAD_INPUT = 2    # bad flags, files or values; a refused bundle
 EXIT_NO_GPU = 3       # no usable GPU stack: driver, CUDA or cuDNN missing, a CUDA error
 EXIT_FAILED = 4       # some work failed: a crashed config, damaged entries, Redis unreachable, a plan
-                      # that failed verification (--verify: refused with the evidence, never served)
+                      # that failed verification (--verify: refused with the evidence, never served),
+                      # stdout not written (a full disk; a reader that went away is no failure)
 EXIT_BUG = 5          # an unexpected exception: a bug in fastattn (the traceback goes to a file)
 EXIT_INTERRUPTED = 130  # Ctrl-C, as shells report SIGINT
 EXIT_CODES = (EXIT_OK, EXIT_UNSUPPORTED, EXIT_BAD_INPUT, EXIT_NO_GPU, EXIT_FAILED, EXIT_BUG, EXIT_INTERRUPTED)
@@ -51,6 +53,22 @@ class Parser(argparse.ArgumentParser):
         # flag is spelled so, and argparse's own rule takes only plain numbers (-5, -.5),
         # so `--max-age -5d` was "expected one argument" instead of naming -5d.
         self._negative_number_matcher = _NEGATIVE_LOOKING
+
+    def add_subparsers(self, **kwargs):
+        # A command group's command is checked here (parse_known_args), not by argparse,
+        # whose message names the group's internal dest ("required: cache_command").
+        # Its metavar is what argparse names it by in a refusal ("argument COMMAND: invalid
+        # choice"), not the dest.
+        kwargs["required"] = False
+        kwargs.setdefault("metavar", "COMMAND")
+        return super().add_subparsers(**kwargs)
+
+    def parse_known_args(self, args=None, namespace=None):
+        parsed, extras = super().parse_known_args(args, namespace)
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction) and getattr(parsed, action.dest, None) is None:
+                self.error(f"a command is needed: one of {', '.join(action.choices)} ({self.prog} --help)")
+        return parsed, extras
 
     def error(self, message: str):  # raise, not exit: main reports it (as JSON with --json) with exit code 2
         # argparse quotes values itself too (an invalid choice, unrecognized arguments):
@@ -110,90 +128,116 @@ def echo(value: str) -> str:
 
 
 
-# What a flag takes as a number: ASCII decimal digits, an optional sign (a range check
-# refuses a negative value where none is meaningful, saying so), and for a real number a
-# decimal point and an exponent. int() and float() take more than a person types as a
-# number (1_0, Arabic-Indic or fullwidth digits, Unicode spaces around it): not here.
-_SPACES = " \t\n\r\x0b\x0c"
-_INTEGER = re.compile(r"[+-]?[0-9]+")
-_REAL = re.compile(r"[+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?")
-_DIGITS = 1000  # more digits than any bound has: out of range without converting them
+# What a flag takes as a number is read by fastattn.parsing, one parser per kind, as the
+# FASTATTN_* variables of the same kind are: a count (integer, ints), a real number
+# (number), a duration (duration: --timeout, --max-age), a size in bytes (size). Each
+# argparse type carries its kind (`number_kind`), so that tests find every numeric flag.
+_SPACES = parsing.SPACES
+MAX_AGE = 36500 * 86400.0  # 100 years: an entry unused for longer than that cannot exist
 
 
-def _integer(text: str, minimum: int | None, maximum: int | None, what: str = "an integer") -> int:
-    t = text.strip(_SPACES)
-    if not _INTEGER.fullmatch(t):
-        raise argparse.ArgumentTypeError(f"{echo(text)} is not {what} (ASCII digits 0-9, an optional sign)")
-    value = int(t) if len(t) <= _DIGITS else (-1 if t[0] == "-" else 1) * 10**_DIGITS
-    _check_range(text, value, minimum, maximum)
-    if abs(value) >= 10**_DIGITS:
-        raise argparse.ArgumentTypeError(f"{echo(text)} is out of range")
-    return value
-
-
-def _real(text: str, what: str) -> float:
-    t = text.strip(_SPACES)
-    if t.lower().lstrip("+-") in ("inf", "infinity", "nan"):
-        raise argparse.ArgumentTypeError(f"{echo(text)} is not a finite {what}")
-    if len(t) > _DIGITS or not _REAL.fullmatch(t):
-        raise argparse.ArgumentTypeError(f"{echo(text)} is not a {what} (ASCII digits 0-9, a sign, a point, "
-                                         "an exponent)")
-    return float(t)
-
-
-def integer(minimum: int | None = None, maximum: int | None = INT_MAX):
-    """An argparse type: an integer within [minimum, maximum], in ASCII digits."""
-
-    def parse(text: str) -> int:
-        return _integer(text, minimum, maximum)
-
-    parse.__name__ = "integer"  # argparse names the type in some messages
+def _typed(parse, kind: str, name: str):
+    parse.number_kind = kind
+    parse.__name__ = name  # argparse names the type in some messages
     return parse
 
 
-def ints(text: str, minimum: int | None = 1, maximum: int | None = INT_MAX) -> list[int]:
-    """A comma-separated list of integers within [minimum, maximum] (empty items dropped)."""
-    values = [_integer(v, minimum, maximum, "a comma-separated list of integers") for v in text.split(",")
-              if v.strip(_SPACES)]
-    if not values:
-        raise argparse.ArgumentTypeError("an empty list")
-    return values
+def _read(read, text: str, *args, **kwargs):
+    """read(text, ...) of fastattn.parsing, its ValueError said as a usage error quoting
+    the value (argparse adds the flag's name)."""
+    try:
+        return read(text, *args, **kwargs)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{echo(text)} {e}") from None
+
+
+def _integer(text: str, minimum: int | None, maximum: int | None) -> int:
+    return _read(parsing.integer, text, minimum, maximum)
+
+
+def integer(minimum: int | None = None, maximum: int | None = INT_MAX):
+    """An argparse type: a count, an integer within [minimum, maximum], in ASCII digits."""
+    return _typed(lambda text: _integer(text, minimum, maximum), "count", "integer")
+
+
+def _items(text: str) -> list[str]:
+    """A comma-separated list's items (fastattn.parsing.items: an empty one is refused)."""
+    try:
+        return parsing.items(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{echo(text)}: {e}") from None
+
+
+def _ints(text: str, minimum: int | None = 1, maximum: int | None = INT_MAX) -> list[int]:
+    """A comma-separated list of integers within [minimum, maximum]."""
+    return [_integer(v, minimum, maximum) for v in _items(text)]
+
+
+ints = _typed(_ints, "count", "ints")
 
 
 def number(minimum: float | None = None, maximum: float | None = None, *, above: float | None = None,
            below: float | None = None):
-    """An argparse type: a finite number within the bounds (above/below: exclusive)."""
+    """An argparse type: a finite real number within the bounds (above/below: exclusive)."""
+    return _typed(lambda text: _read(parsing.real, text, minimum, maximum, above=above, below=below), "real",
+                  "number")
 
-    def parse(text: str) -> float:
-        value = _real(text, "number")
-        if not math.isfinite(value):  # 1e400
-            raise argparse.ArgumentTypeError(f"{echo(text)} is not a finite number")
-        _check_range(text, value, minimum, maximum)
-        if above is not None and not value > above:
-            raise argparse.ArgumentTypeError(f"{echo(text)} must be > {above:g}")
-        if below is not None and not value < below:
-            raise argparse.ArgumentTypeError(f"{echo(text)} must be < {below:g}")
+
+def duration(maximum: float, *, above: float | None = None):
+    """An argparse type: a duration in seconds (90s, 12h, 30d; a bare number is seconds),
+    at most `maximum` seconds (above: more than it)."""
+    return _typed(lambda text: _read(parsing.duration, text, maximum, above=above), "duration", "duration")
+
+
+DURATION_HELP = "a number with s, m, h, d or w; a bare number is seconds"
+
+
+def _size(text: str) -> int:
+    """An argparse type: a size in bytes (500M, 1.5G), below 8 EiB."""
+    return _read(parsing.size, text)
+
+
+size = _typed(_size, "bytes", "size")
+
+
+def checked_by(parse, check):
+    """`parse`, its value then passed through check(value) (a config field's own
+    validator): an InvalidArgumentError from it is a usage error with its reason, so a
+    flag's range is the field's, by construction."""
+    from ..errors import InvalidArgumentError
+
+    def parse_checked(text: str):
+        value = parse(text)
+        try:
+            return check(value)
+        except InvalidArgumentError as e:  # "scale=1e+300: is out of float32 range ...": the reason
+            raise argparse.ArgumentTypeError(f"{echo(text)} {str(e).split(': ', 1)[-1]}") from None
+
+    return _typed(parse_checked, parse.number_kind, parse.__name__)
+
+
+def not_zero(parse, why: str):
+    """`parse`, refusing a value of 0 with `why`: where zero would do what another
+    command does (a prune to 0 bytes is a clear), it is not read as "no limit" either."""
+
+    def parse_not_zero(text: str):
+        value = parse(text)
+        if value == 0:
+            raise argparse.ArgumentTypeError(f"{echo(text)} {why}")
         return value
 
-    parse.__name__ = "number"
-    return parse
-
-
-def _check_range(text: str, value, minimum, maximum) -> None:
-    if minimum is not None and value < minimum:
-        raise argparse.ArgumentTypeError(f"{echo(text)} must be >= {minimum}")
-    if maximum is not None and value > maximum:
-        raise argparse.ArgumentTypeError(f"{echo(text)} must be <= {maximum}")
+    return _typed(parse_not_zero, parse.number_kind, parse.__name__)
 
 
 def choices(allowed):
     def parse(text: str) -> list[str]:
-        values = [v.strip() for v in text.split(",") if v.strip()]
+        values = _items(text)
         bad = [v for v in values if v not in allowed]
-        if bad or not values:
-            raise argparse.ArgumentTypeError(f"{echo(bad[0] if bad else text)} is not one of {', '.join(allowed)}")
+        if bad:
+            raise argparse.ArgumentTypeError(f"{echo(bad[0])} is not one of {', '.join(allowed)}")
         return values
 
+    parse.__name__ = "choices"
     return parse
 
 
@@ -232,35 +276,6 @@ def shape_classes(text: str):
         return parse(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(f"{echo(text)}: {str(e).split(': ', 1)[-1]}") from None
-
-
-def size(text: str) -> int:
-    units = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-    t = text.strip().lower().removesuffix("b").removesuffix("i")
-    num, unit = (t[:-1], t[-1]) if t and t[-1] in units else (t, "")
-    try:
-        value = _real(num, "size") * units[unit]
-    except (argparse.ArgumentTypeError, KeyError):
-        raise argparse.ArgumentTypeError(f"{echo(text)} is not a size (e.g. 500M, 2G)") from None
-    if not math.isfinite(value) or value >= 2**63:
-        raise argparse.ArgumentTypeError(f"{echo(text)} is not a finite size below 8 EiB")
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{echo(text)} is negative")
-    return int(value)
-
-
-def age(text: str) -> float:
-    units = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
-    t = text.strip().lower()
-    try:
-        value = _real(t[:-1], "age") * units[t[-1]] if t and t[-1] in units else _real(t, "age")
-    except argparse.ArgumentTypeError:
-        raise argparse.ArgumentTypeError(f"{echo(text)} is not an age (e.g. 90s, 12h, 30d)") from None
-    if not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"{echo(text)} is not a finite age")
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{echo(text)} is negative")
-    return value
 
 
 def input_path(text: str) -> str:

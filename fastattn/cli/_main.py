@@ -86,8 +86,6 @@ def _main(argv: Sequence[str] | None) -> int:
         else:
             to_stderr(printable_lines(f"{e.usage}fastattn: error: {e}") + "\n")  # argparse echoes values raw
         return EXIT_BAD_INPUT
-    except BrokenPipeError as e:  # the reader of our output went away (`| head`)
-        return _output_failed(e)
     except KeyboardInterrupt:
         say("fastattn: interrupted")
         return EXIT_INTERRUPTED
@@ -99,8 +97,8 @@ def _main(argv: Sequence[str] | None) -> int:
 
 
 class _OutputFailed(Exception):
-    """A write to stdout failed (a full disk, a closed pipe or descriptor): raised by
-    _write, whatever path the command took, and turned into exit 4 by `main`."""
+    """A write to stdout failed (a full disk, a closed descriptor): raised by _write,
+    whatever path the command took, and turned into exit 4 by `main`."""
 
     def __init__(self, error: OSError):
         super().__init__(str(error))
@@ -110,12 +108,19 @@ class _OutputFailed(Exception):
 def _write(text: str) -> None:
     """Every byte `fastattn` prints on stdout goes through here, flushed at once, so
     that a failed write is known here and not lost (argparse ignores write errors) or
-    met at the interpreter's exit."""
+    met at the interpreter's exit.
+
+    A reader that went away (EPIPE: `| true`, `| head -1`) is no failure: the rest of
+    the output goes nowhere and the exit code stays the outcome's. Whether a reader
+    took all, part or none of the output depends on when it left (a pipe holds 64 KiB
+    before a write waits), so no other rule gives one exit code for one outcome."""
     if sys.stdout is None:  # started with descriptor 1 closed (`fastattn info >&-`)
         raise _OutputFailed(OSError(errno.EBADF, "it is closed"))
     try:
         sys.stdout.write(text)
         sys.stdout.flush()
+    except BrokenPipeError:
+        _discard_stdout()
     except OSError as e:
         raise _OutputFailed(e) from None
 
@@ -124,18 +129,27 @@ def _flush() -> None:
     if sys.stdout is not None:
         try:
             sys.stdout.flush()
+        except BrokenPipeError:
+            _discard_stdout()
         except OSError as e:
             raise _OutputFailed(e) from None
 
 
-def _output_failed(error: OSError) -> int:
-    """Exit 4 (the work was done, its outcome not delivered) and one line on stderr;
-    none when the reader went away (`| head`): nobody is left to tell."""
+def _discard_stdout() -> None:
+    """What is still buffered for stdout, and what is written after, goes to the null
+    device, so that no later write or the interpreter's flush at exit fails again."""
     with contextlib.suppress(OSError, ValueError, AttributeError):
-        # What is still buffered goes nowhere, so that exiting does not fail again.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-    if error.errno != errno.EPIPE:
-        say(f"fastattn: cannot write the output to stdout: {error.strerror or error}")
+        null = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(null, sys.stdout.fileno())
+        finally:
+            os.close(null)
+
+
+def _output_failed(error: OSError) -> int:
+    """Exit 4 (the work was done, its outcome not delivered) and one line on stderr."""
+    _discard_stdout()
+    say(f"fastattn: cannot write the output to stdout: {error.strerror or error}")
     return EXIT_FAILED
 
 
@@ -175,11 +189,22 @@ def _print_json(value: Any) -> None:
 
 
 def _fail(as_json: bool, code: int, error: BaseException) -> int:
+    message = _words(error)
     if as_json:
-        _print_json({"error": type(error).__name__, "message": str(error)})
+        _print_json({"error": type(error).__name__, "message": message})
     else:
-        say(f"fastattn: {type(error).__name__}: {error}")
+        say(f"fastattn: {type(error).__name__}: {message}")
     return code
+
+
+def _words(error: BaseException) -> str:
+    """An expected failure's message. An OSError made by the system (a connection's
+    ConnectionResetError, BrokenPipeError) prints as "[Errno 32] Broken pipe": said here
+    as the system's reason and the file it names, without Python's errno prefix."""
+    if isinstance(error, OSError) and error.strerror and str(error).startswith("[Errno"):
+        where = f": {error.filename}" if error.filename is not None else ""
+        return f"{error.strerror}{where}"
+    return str(error)
 
 
 def _bug(as_json: bool, error: BaseException, argv: list[str]) -> int:

@@ -28,8 +28,8 @@ from ..plan_cache import PlanCache, config_of
 from ..store import bundle
 from ..store.entry import decode
 from ..verdict import Verdict
-from ._common import (EXIT_FAILED, EXIT_OK, Parser, add_json_flag, age, echo, gpu_environment, input_path, output_file,
-                      printable, say, size)
+from ._common import (DURATION_HELP, EXIT_FAILED, EXIT_OK, MAX_AGE, Parser, add_json_flag, duration, echo,
+                      gpu_environment, input_path, not_zero, output_file, printable, say, size)
 from ._common import this_environment as _this_environment
 
 
@@ -57,6 +57,12 @@ _EXITS = {
 }
 
 
+# 0 is zero, here as in every FASTATTN_* variable: a prune to it is a clear, which is
+# refused rather than done, since "0 = no limit" is what some other tools mean by it.
+_ZERO_PRUNES_ALL = ("would remove every entry: fastattn cache clear does that (0 is zero, never \"no limit\": "
+                    "leave the flag out for no limit)")
+
+
 def add_parser(sub) -> None:
     cache = sub.add_parser("cache", help="inspect and manage the persistent plan cache")
     csub = cache.add_subparsers(dest="cache_command", required=True, parser_class=Parser)
@@ -73,8 +79,11 @@ def add_parser(sub) -> None:
         if name == "verify":
             c.add_argument("--load", action="store_true", help="also deserialize plans made for this GPU")
         if name == "prune":
-            c.add_argument("--max-bytes", type=size, help="keep at most this much (e.g. 500M, 2G)")
-            c.add_argument("--max-age", type=age, help="remove entries unused for this long (e.g. 12h, 30d)")
+            c.add_argument("--max-bytes", type=not_zero(size, _ZERO_PRUNES_ALL), metavar="SIZE",
+                           help="keep at most this much (e.g. 500M, 1.5G: bytes, or with K, M, G, T; not 0)")
+            c.add_argument("--max-age", type=not_zero(duration(MAX_AGE), _ZERO_PRUNES_ALL), metavar="AGE",
+                           help=f"remove entries unused for this long (e.g. 12h, 30d: {DURATION_HELP}; at most "
+                                f"{MAX_AGE / 86400:.0f}d; not 0)")
         if name == "export":
             c.add_argument("bundle", type=output_file, help="the bundle file to write (never `-`)")
             c.add_argument("--all", action="store_true", help="every entry, not only this GPU's and cuDNN's")

@@ -12,7 +12,7 @@ from .. import _fields, defects, perf_notes, sweep
 from ..config import FIELDS, AttentionConfig
 from ..errors import InvalidArgumentError
 from ._common import (EXIT_FAILED, EXIT_OK, EXIT_UNSUPPORTED, add_json_flag, add_verify_flag, check_verify_possible,
-                      echo, input_path, integer, number)
+                      checked_by, echo, input_path, integer, number)
 
 
 def flag(field: dataclasses.Field) -> str:
@@ -38,13 +38,16 @@ def add_parser(sub) -> None:
         if kind == "bool":
             group.add_argument(flag(f), dest=name, action="store_true", default=None, help=help_)
         elif kind == "int":
-            group.add_argument(flag(f), dest=name, type=integer(meta["minimum"]), metavar="N", help=help_)
+            group.add_argument(flag(f), dest=name, type=checked_by(integer(meta["minimum"]), _field_check(f)),
+                               metavar="N", help=help_)
         elif kind in ("choice", "dtype", "layout"):
             group.add_argument(flag(f), dest=name, choices=meta["choices"], help=help_)
         elif kind == "positive":
-            group.add_argument(flag(f), dest=name, type=number(above=0), metavar="X", help=help_)
+            group.add_argument(flag(f), dest=name, type=checked_by(number(above=0), _field_check(f)), metavar="X",
+                               help=help_)
         elif kind == "probability":
-            group.add_argument(flag(f), dest=name, type=number(minimum=0, below=1), metavar="P", help=help_)
+            group.add_argument(flag(f), dest=name, type=checked_by(number(minimum=0, below=1), _field_check(f)),
+                               metavar="P", help=help_)
         elif kind == "pair":
             group.add_argument(flag(f), dest=name, type=integer(-1), nargs=2, metavar=("LEFT", "RIGHT"), help=help_)
         else:  # pragma: no cover - a new kind needs its flag here
@@ -54,8 +57,18 @@ def add_parser(sub) -> None:
     add_json_flag(probe)
 
 
+def _field_check(field: dataclasses.Field):
+    """The field's own validator (its range: float32's for a scale, int32's for a size)."""
+    return lambda value: _fields.validate(field, value)
+
+
 def config_from_args(args: argparse.Namespace) -> AttentionConfig:
     fields, where = _config_option(args.config) if args.config is not None else ({}, None)
+    if where is not None:  # a misspelt field of the file, not the field it stands for, is what to report
+        try:
+            _fields.check_names(fields, FIELDS)
+        except InvalidArgumentError as e:
+            raise InvalidArgumentError(f"{where}: {e}") from None
     for f in FIELDS:
         value = getattr(args, f.name)
         if value is not None:
@@ -87,7 +100,7 @@ def _config_option(option: str) -> tuple[dict[str, Any], str]:
                                    "(fastattn warm takes many)")
     if not isinstance(entries[0], dict):
         raise InvalidArgumentError(f"{where[0]}: must be an object (TOML: a table) of AttentionConfig fields, "
-                                   f"not {type(entries[0]).__name__}")
+                                   f"not {_fields.json_kind(entries[0])}")
     return dict(entries[0]), where[0]
 
 

@@ -7,12 +7,13 @@ import sys
 import threading
 from typing import TYPE_CHECKING, Any
 
+from .. import env
 from ..config import MASKS
 from ..dtypes import SIXTEEN_BIT
 from ..errors import InvalidArgumentError
-from ._common import (EXIT_FAILED, EXIT_NO_GPU, EXIT_OK, EXIT_UNSUPPORTED, add_json_flag, add_verify_flag,
-                      check_verify_possible, echo, exit_code, input_path, integer, length_range, number, output_file,
-                      say, shape_classes, to_stderr, wrap)
+from ._common import (DURATION_HELP, EXIT_FAILED, EXIT_NO_GPU, EXIT_OK, EXIT_UNSUPPORTED, add_json_flag,
+                      add_verify_flag, check_verify_possible, duration, echo, exit_code, input_path, integer,
+                      length_range, output_file, say, shape_classes, to_stderr, wrap)
 
 if TYPE_CHECKING:
     from ..warm import WarmItem
@@ -39,8 +40,9 @@ def add_parser(sub) -> None:
                       help="build fastattn.torch's native op library for the installed torch, alongside the plans, "
                            "once per torch version (default: where PyTorch is installed, unless "
                            "FASTATTN_TORCH_PATH=python; without it fastattn.torch runs its Python path)")
-    warm.add_argument("--timeout", type=number(above=0), default=600.0,
-                      help="seconds one config may take before its worker is killed (default 600)")
+    warm.add_argument("--timeout", type=duration(env.MAX_SECONDS, above=0), default=600.0,
+                      help=f"how long one config may take before its worker is killed ({DURATION_HELP}; at most "
+                           f"{env.MAX_SECONDS:.0f} s; default 600)")
     add_verify_flag(warm)
     cls = warm.add_argument_group(
         "warm by shape class", "with --seqlens, instead of a file: the class plans (fastattn.shape_classes) that "

@@ -42,7 +42,7 @@ def _new_process(monkeypatch, **variables):
 
 # -- 2. read-only means read-only ----------------------------------------------------------------
 
-COMMANDS = [["cache", "clear"], ["cache", "prune", "--max-age", "0s"], ["cache", "prune", "--max-bytes", "0"]]
+COMMANDS = [["cache", "clear"], ["cache", "prune", "--max-age", "0.001s"], ["cache", "prune", "--max-bytes", "1"]]
 
 
 @pytest.mark.parametrize("mode", ["read-only", "off"])
@@ -293,8 +293,8 @@ def _counted(real, calls: list):
 
 
 @pytest.mark.parametrize("argv, looks, removed", [
-    (["cache", "clear"], 1, 300), (["cache", "prune", "--max-age", "0s"], 1, 300),
-    (["cache", "prune", "--max-age", "100d"], 1, 0), (["cache", "prune", "--max-bytes", "0"], 2, 300),
+    (["cache", "clear"], 1, 300), (["cache", "prune", "--max-age", "0.001s"], 1, 300),
+    (["cache", "prune", "--max-age", "100d"], 1, 0), (["cache", "prune", "--max-bytes", "1"], 2, 300),
     (["cache", "prune", "--max-bytes", "100M"], 1, 0)], ids=lambda a: " ".join(a[1:]) if isinstance(a, list) else "")
 def test_prune_looks_at_each_entry_once(env, capsys, monkeypatch, argv, looks, removed):
     """One lstat an entry (a second only for the entries the size limit removes, just

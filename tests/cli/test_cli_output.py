@@ -1,7 +1,8 @@
-"""A failed write to stdout (a full disk, a closed pipe, a closed descriptor) is exit 4
-and at most one line on stderr, for every command and every path through it (results,
-usage errors, --help, bugs), with or without --json; never a traceback, never a bug
-file (issue 26, section 2, item 3)."""
+"""A failed write to stdout (a full disk, a closed descriptor) is exit 4 and at most one
+line on stderr, for every command and every path through it (results, usage errors,
+--help, bugs), with or without --json; never a traceback, never a bug file. A reader
+that goes away (`| head -1`, `| true`) is no failure: the exit code is the command's
+own outcome, whether the reader took all, part or none of the output."""
 
 from __future__ import annotations
 
@@ -68,15 +69,48 @@ def test_a_failed_write_to_stdout_is_exit_4_and_one_line(isolated, monkeypatch, 
         code = cli.main(argv + (["--json"] if as_json else []))
     err = stderr.getvalue()
     assert "Traceback" not in err and not [p for p in os.listdir(isolated) if p.startswith("fastattn-bug")], err
-    if stdout.taken <= room:  # everything fit: the command's own outcome
-        assert code != cli.EXIT_BUG, err
+    lines = [line for line in err.splitlines() if line.startswith("fastattn: cannot write")]
+    if stdout.taken <= room or error == errno.EPIPE:  # everything fit, or the reader left: the own outcome
+        assert code == _own_outcome(argv, as_json, monkeypatch) and not lines, (argv, code, err)
         return
     assert code == cli.EXIT_FAILED, (argv, err)
-    lines = [line for line in err.splitlines() if line.startswith("fastattn: cannot write")]
-    if error == errno.EPIPE:  # the reader went away: nothing to tell it, nor anyone
-        assert not lines
-    else:
-        assert len(lines) == 1 and os.strerror(error) in lines[0], err
+    assert len(lines) == 1 and os.strerror(error) in lines[0], err
+
+
+def _own_outcome(argv, as_json, monkeypatch) -> int:
+    """The exit code of the command with a stdout that takes everything."""
+    with monkeypatch.context() as m:
+        m.setattr(sys, "stdout", io.StringIO())
+        m.setattr(sys, "stderr", io.StringIO())
+        return cli.main(argv + (["--json"] if as_json else []))
+
+
+def _fastattn(argv, tmp_path, **kwargs):
+    env = dict(os.environ, FASTATTN_CACHE_DIR=str(tmp_path / "cache"), TMPDIR=str(tmp_path))
+    return subprocess.run([sys.executable, "-m", "fastattn", *argv], env=env, cwd=str(tmp_path), timeout=120,
+                          **kwargs)
+
+
+@pytest.mark.parametrize("argv", [["cache", "ls"], ["cache", "ls", "--json"], ["info"], ["--help"],
+                                  ["probe", "--batch", "abc", "--json"], ["cache", "show", "ff", "--json"]])
+def test_a_reader_that_went_away_leaves_the_outcomes_exit_code(argv, tmp_path):
+    # `| true`: the pipe's reading end is closed before the command writes. The outcome
+    # is the one the same command has with a reader that takes everything (`| head -1`
+    # with output that fits the pipe: the write succeeds, then the reader leaves).
+    whole = _fastattn(argv, tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        gone = _fastattn(argv, tmp_path, stdout=write, stderr=subprocess.PIPE, text=True)
+    finally:
+        os.close(write)
+    assert whole.stdout and "Traceback" not in whole.stderr + gone.stderr
+    assert gone.returncode == whole.returncode, (argv, whole.returncode, gone.returncode, gone.stderr)
+    assert "cannot write" not in gone.stderr, gone.stderr
+    shell = subprocess.run(f"{sys.executable} -m fastattn {' '.join(argv)} | head -c 1 >/dev/null; "
+                           f"echo ${{PIPESTATUS[0]}}", shell=True, executable="/bin/bash", capture_output=True,
+                           text=True, env=dict(os.environ, FASTATTN_CACHE_DIR=str(tmp_path / "cache")), timeout=120)
+    assert shell.stdout.strip() == str(whole.returncode), shell
 
 
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="no /dev/full here")

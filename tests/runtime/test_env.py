@@ -121,8 +121,10 @@ def test_sizes_take_units():
     assert store.settings_from_env({"FASTATTN_CACHE_MAX_BYTES": "500M"}).max_bytes == 500 << 20
     assert store.settings_from_env({"FASTATTN_CACHE_MAX_BYTES": "4GiB"}).max_bytes == 4 << 30
     assert store.settings_from_env({"FASTATTN_CACHE_MAX_BYTES": "1.5K"}).max_bytes == 1536
-    assert store.settings_from_env({"FASTATTN_CACHE_MAX_BYTES": "0"}).max_bytes is None
-    for bad in ("1.5", "lots", "-1", "1e3", "5X"):
+    assert store.settings_from_env({"FASTATTN_CACHE_MAX_BYTES": "none"}).max_bytes is None
+    with pytest.raises(fastattn.InvalidArgumentError, match=r"^FASTATTN_CACHE_MAX_BYTES='-1': is negative"):
+        store.settings_from_env({"FASTATTN_CACHE_MAX_BYTES": "-1"})
+    for bad in ("1.5", "lots", "1e3", "5X"):
         with pytest.raises(fastattn.InvalidArgumentError, match=rf"^FASTATTN_CACHE_MAX_BYTES={bad!r}: must be a size"):
             store.settings_from_env({"FASTATTN_CACHE_MAX_BYTES": bad})
 

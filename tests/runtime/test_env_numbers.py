@@ -39,7 +39,7 @@ def test_every_seconds_variable_has_the_kinds_maximum():
         assert _env.get(name, {name: " 1000000.0 "}) == 1e6
         for value in ("1e10", "1000000.5", "1e300", "9" * 400):
             assert refused(name, value).endswith("': must be <= 1000000 (seconds)")
-    assert "seconds (at most 1000000)" in _env.markdown()
+    assert "at most 1000000 s" in _env.markdown()
 
 
 def test_a_huge_remote_timeout_is_refused_by_the_api_before_redis(env, monkeypatch):

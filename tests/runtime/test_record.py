@@ -123,7 +123,7 @@ def test_warm_builds_what_a_process_recorded(fake_workers, capsys, monkeypatch):
 
 
 @pytest.mark.parametrize("text, message", [
-    ('{"batch": 1}\n[1, 2]\n', "x.jsonl:2: each line must be an object of AttentionConfig fields, not list"),
+    ('{"batch": 1}\n[1, 2]\n', "x.jsonl:2: each line must be an object of AttentionConfig fields, not a list"),
     ('{"batch": 1}\n{"batch": \n', "x.jsonl:2:11: not valid JSON"),
     ('{"batch": 1, "heads_q": 8, "seqlen_q": 64, "head_dim_qk": 64, "mask": "diag"}\n', "x.jsonl:1: configs[0]: "
                                                                                           "mask='diag'"),

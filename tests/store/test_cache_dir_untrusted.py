@@ -142,7 +142,7 @@ def test_a_symlinked_entry_is_never_followed(env, capsys, tmp_path_factory):
     before = {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in outside.rglob("*") if p.is_file()}
     outputs = []
     for argv in (["cache", "ls"], ["cache", "verify"], ["cache", "export", "--all", str(env / "b.tar.gz")],
-                 ["cache", "show", k_secret[:8]], ["cache", "prune", "--max-bytes", "0"], ["cache", "clear"]):
+                 ["cache", "show", k_secret[:8]], ["cache", "prune", "--max-bytes", "1"], ["cache", "clear"]):
         code, body = run_json(argv, capsys)
         outputs.append(json.dumps(body))
         if argv[1] == "show":
@@ -175,7 +175,7 @@ def test_clear_and_prune_delete_only_fastattns_entries(env, capsys):
     folder = cache / key("dir")[:2] / (key("dir") + ".entry")  # a directory named like an entry
     mkdir(folder)
     (folder / "inside").write_bytes(b"mine")
-    for argv in (["cache", "prune", "--max-bytes", "0"], ["cache", "clear"]):
+    for argv in (["cache", "prune", "--max-bytes", "1"], ["cache", "clear"]):
         code, body = run_json(argv, capsys)
         assert code == cli.EXIT_OK, body
         assert all(p.exists() for p in strays) and (folder / "inside").read_bytes() == b"mine"
@@ -337,7 +337,7 @@ def test_generated_cache_contents_never_hang_follow_or_lose_what_is_not_ours(env
     assert "\nfake line" not in out
     assert not any("SECRET" in t for t in texts)
     if finish != "none":
-        argv = ["cache", "clear"] if finish == "clear" else ["cache", "prune", "--max-age", "0s"]
+        argv = ["cache", "clear"] if finish == "clear" else ["cache", "prune", "--max-age", "0.001s"]
         code, body = run_json(argv, capsys)
         assert code == cli.EXIT_OK and body["removed"] == len(ours), body
         for p, kind in made.items():

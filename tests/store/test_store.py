@@ -429,7 +429,7 @@ def test_modes(tmp_path):
 def test_settings_from_env(tmp_path):
     s = store.settings_from_env({"FASTATTN_CACHE_DIR": str(tmp_path), "FASTATTN_CACHE_MODE": "Read-Only",
                                  "FASTATTN_CACHE_EXTRA_DIRS": f"/a{os.pathsep}/b", "FASTATTN_CACHE_SHARED": "1",
-                                 "FASTATTN_CACHE_MAX_BYTES": "0"})
+                                 "FASTATTN_CACHE_MAX_BYTES": "none"})
     assert s == CacheSettings(str(tmp_path), "read-only", ("/a", "/b"), True, None)
     d = store.settings_from_env({})
     assert d.mode == "read-write" and d.max_bytes == store.DEFAULT_MAX_BYTES and "fastattn" in d.directory

@@ -97,7 +97,7 @@ def test_duplicates_are_dropped_in_order(tmp_path):
      r"configs\[0\]\.seqlen_q: from=9 is greater than to=1"),
     ('{"configs": [{"batch": 1, "heads_q": 8, "seqlen_q": {"start": 1}, "head_dim_qk": 64}]}', r"a range is"),
     ('{"configs": [{"batch": [], "heads_q": 8, "seqlen_q": 64, "head_dim_qk": 64}]}', r"configs\[0\]\.batch: an empty"),
-    ('{"config": []}', r'expected a top-level "configs" list'),
+    ('{"config": []}', r"config=\[\]: is not a field of AttentionConfig nor 'configs' \(did you mean 'configs'\?"),
     ('{"configs": [], "extra": 1}', r"unknown top-level key 'extra'"),
     ('{"configs": [{"batch": 1, "heads_q": 8, "seqlen": 64, "head_dim_qk": 64}]}', r"seqlen=64: is not a field"),
     ('{"configs": [{"batch": {"from": 1, "to": 1000}, "heads_q": 8, "seqlen_q": {"from": 1, "to": 1000},'
