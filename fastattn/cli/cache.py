@@ -249,12 +249,14 @@ def _removed(main: store.DiskStore, pruned: store.Pruned) -> tuple[int, dict[str
     some could not be removed (a read-only mount, an immutable folder)."""
     left = len(pruned.strays)
     why = [{"reason": reason, "count": len(paths), "example": paths[0]} for reason, paths in pruned.failed.items()]
+    also = [{"path": path, "what": what} for path, what in pruned.also_removed]
     out = {"removed": pruned.removed, "not_removed": pruned.not_removed, "not_removed_because": why,
-           "left_alone": left,
+           "left_alone": left, "also_removed": also,
            "_text": f"removed {pruned.removed} entries from {_shown(main.root)}"
                     + (f"; could not remove {pruned.not_removed}" if pruned.not_removed else "")
                     + (f"; left alone {left} things named like entries that are not fastattn's (fastattn cache ls "
-                       "lists them)" if left else "")}
+                       "lists them)" if left else "")
+                    + "".join(f"\nalso removed {_shown(a['path'])} ({a['what']})" for a in also)}
     if not pruned.not_removed:
         return EXIT_OK, out
     message = (f"could not remove {pruned.not_removed} entries from {_shown(main.root)}: "

@@ -89,12 +89,15 @@ def test_prune_and_clear(env, capsys):
     assert code == 0 and body["removed"] == 4
     runtime.clear()  # a new process: the plans are rebuilt and stored again
     fill()
-    nothing = {"removed": 0, "not_removed": 0, "not_removed_because": [], "left_alone": 0}
+    nothing = {"removed": 0, "not_removed": 0, "not_removed_because": [], "left_alone": 0, "also_removed": []}
     assert run_json(["cache", "prune", "--max-age", "1d"], capsys) == (0, nothing)
     assert run(["cache", "prune"], capsys)[0] == cli.EXIT_BAD_INPUT
     code, _, err = run(["cache", "prune", "--max-age", "soon"], capsys)
     assert code == cli.EXIT_BAD_INPUT and "not an age" in err
-    assert run_json(["cache", "clear"], capsys) == (0, {**nothing, "removed": 4})
+    code, body = run_json(["cache", "clear"], capsys)
+    assert code == 0 and {**body, "also_removed": []} == {**nothing, "removed": 4}
+    assert {a["what"] for a in body["also_removed"]} <= {"an idle lock file", "an empty shard folder",
+                                                          "an empty lock folder"}
     assert run_json(["cache", "ls"], capsys)[1]["entries"] == []
 
 
