@@ -20,10 +20,10 @@ import errno
 import os
 import secrets
 import stat
-from typing import BinaryIO
+from typing import BinaryIO, Iterator
 
 __all__ = ["FileTooLargeError", "NotRegularFileError", "kind", "not_readable", "not_replaceable", "open_regular",
-           "read_regular", "write_file"]
+           "read_regular", "replacing", "write_file"]
 
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 
@@ -117,11 +117,20 @@ def _refuse_unless_replaceable(path: str) -> None:
 
 
 def write_file(path: str, data: bytes, *, private: bool = False) -> None:
-    """Writes `data` to `path` atomically. private: mode 0600 whatever the umask (a
-    bundle: native code, and a credential's work when signed); else the mode open()
-    would give (0666 less the umask). Raises NotRegularFileError where the path names
-    anything but a regular file (before writing, and again before the rename), OSError
-    where it cannot be written; either way the path is left as it was and no
+    """Writes `data` to `path` atomically: see replacing()."""
+    with replacing(path, private=private) as f:
+        f.write(data)
+
+
+@contextlib.contextmanager
+def replacing(path: str, *, private: bool = False) -> Iterator[BinaryIO]:
+    """A file to write what `path` will hold, written as it is made (never whole in
+    memory); at the end of the block it is flushed, fsynced and renamed over `path`,
+    atomically. private: mode 0600 whatever the umask (a bundle: native code, and a
+    credential's work when signed); else the mode open() would give (0666 less the
+    umask). Raises NotRegularFileError where the path names anything but a regular file
+    (before writing, and again before the rename), OSError where it cannot be written;
+    on any failure, the block's own included, the path is left as it was and no
     temporary file remains."""
     _refuse_unless_replaceable(path)
     folder = os.path.dirname(os.path.abspath(path))
@@ -138,7 +147,7 @@ def write_file(path: str, data: bytes, *, private: bool = False) -> None:
         with os.fdopen(fd, "wb") as f:
             if private:
                 os.fchmod(f.fileno(), 0o600)  # the umask may have taken bits of 0600 away too
-            f.write(data)
+            yield f
             f.flush()
             os.fsync(f.fileno())
         _refuse_unless_replaceable(path)  # what was put there while the file was written

@@ -22,7 +22,7 @@ import os
 import time
 from typing import Any
 
-from .. import runtime, store, sweep
+from .. import files, runtime, store, sweep
 from ..errors import CorruptPlanError, InvalidArgumentError
 from ..plan_cache import PlanCache, config_of
 from ..store import bundle
@@ -43,8 +43,10 @@ _EXITS = {
              "configuration (read-only or off), 4 entries that could not be removed (each reason and how many).",
     "clear": "Exit codes: 0 cleared, 2 a cache that is not writable by configuration (read-only or off), 4 entries "
              "that could not be removed (each reason and how many).",
-    "export": "Exit codes: 0 written, 2 a bad path or an existing file (without --force), 3 no usable GPU to "
-              "choose this GPU's entries by (without --all).",
+    "export": "Exit codes: 0 written, 2 a bad path or an existing file (without --force), or entries that make a "
+              "bundle cache import refuses (over its limits), 3 no usable GPU to choose this GPU's entries by "
+              "(without --all), 4 the bundle cannot be written (a full disk, a file size limit) or the cache changed "
+              "while it was exported.",
     "import": "Exit codes: 0 imported, 2 a refused bundle (also one that the trust policy refuses: without a "
               "signing secret, only with FASTATTN_CACHE_TRUSTED=1) or a cache that is not writable by configuration, 3 "
               "no usable GPU to check the bundle against (without --force), 4 the cache directory cannot be written, "
@@ -280,11 +282,17 @@ def _export(args, cache: PlanCache) -> tuple[int, dict[str, Any]]:
         keep = lambda description: store.environment_of(description) == env  # noqa: E731
     try:
         count = bundle.export_bundle(cache.store.tiers, args.bundle, keep=keep, secret=cache.settings.secret)
-    except OSError as e:
-        raise InvalidArgumentError(f"{args.bundle}: {e.strerror}") from None
+    except files.NotRegularFileError as e:  # put there since the path was checked: the path is the problem
+        raise InvalidArgumentError(f"{_shown(args.bundle)}: {e.strerror}") from None
+    except bundle.CacheChangedError as e:
+        return _cannot_write(str(e), {"exported": None, "bundle": args.bundle}, "failed: no bundle written")
+    except OSError as e:  # the path was checked before the work: what fails now is the writing (ENOSPC, EFBIG, EIO)
+        return _cannot_write(f"cannot write the bundle {_shown(args.bundle)} ({e.strerror or e}); nothing was "
+                             "written", {"exported": None, "bundle": args.bundle}, "failed: no bundle written")
     signed = cache.settings.secret is not None
     return EXIT_OK, {"exported": count, "bundle": args.bundle, "signed": signed,
-                     "_text": f"exported {count} entries to {args.bundle} ({'signed' if signed else 'unsigned'})"}
+                     "_text": f"exported {count} entries to {_shown(args.bundle)} "
+                              f"({'signed' if signed else 'unsigned'})"}
 
 
 def _writable_main(cache: PlanCache, command: str) -> store.DiskStore:
@@ -300,11 +308,12 @@ def _writable_main(cache: PlanCache, command: str) -> store.DiskStore:
     return main
 
 
-def _cannot_write(message: str, out: dict[str, Any]) -> tuple[int, dict[str, Any]]:
-    """Exit 4 with the reason: the bundle (or the remote tier) was fine, the work was
-    not done. The message goes to stderr, as every failure's does."""
+def _cannot_write(message: str, out: dict[str, Any],
+                  text: str = "failed: the cache cannot be written") -> tuple[int, dict[str, Any]]:
+    """Exit 4 with the reason: the request was fine, the work was not done. The message
+    goes to stderr, as every failure's does."""
     say(f"fastattn: {message}")
-    return EXIT_FAILED, {**out, "error": "CannotWrite", "message": message, "_text": "failed: the cache cannot be written"}
+    return EXIT_FAILED, {**out, "error": "CannotWrite", "message": message, "_text": text}
 
 
 def _import(args, cache: PlanCache) -> tuple[int, dict[str, Any]]:
