@@ -98,10 +98,33 @@ def _age(seconds: float) -> str:
     return f"{seconds + 0.0:.0f}s"  # (+ 0.0: -0.0 reads 0s)
 
 
+def _header_problem(info: store.EntryInfo) -> str:
+    """What its header alone says is wrong with an entry ("" when nothing): what `ls`
+    can tell without reading the whole file."""
+    if info.header is None:
+        return info.problem or "unreadable header"
+    return store.entry.key_problem(info.key, info.header["description"])
+
+
+def _judge(tier, info: store.EntryInfo):
+    """(entry, "") for a good entry, (None, why) for a damaged one: the whole file read
+    and checked (checksum, sizes, that its header is its key's), the one judgement of
+    `verify` and `show`. FileNotFoundError when it went since it was listed."""
+    try:
+        entry = decode(tier.read(info.path), expected_key=info.key)
+    except FileNotFoundError:
+        raise
+    except (OSError, store.EntryError) as e:
+        return None, str(e) or type(e).__name__
+    problem = store.entry.key_problem(info.key, entry.description)
+    return (None, problem) if problem else (entry, "")
+
+
 def _summary(info: store.EntryInfo) -> str:
     header = info.header
-    if header is None:
-        return printable(f"DAMAGED     {info.problem or 'unreadable header'}")
+    problem = _header_problem(info)
+    if problem:
+        return printable(f"DAMAGED     {problem}")
     desc = header["description"]  # shapes checked by the entry decoder
     cfg = config_of(desc)
     gpu = desc.get("gpu", {}).get("name", "?")
@@ -159,7 +182,7 @@ def _ls(args, cache: PlanCache) -> tuple[int, dict[str, Any]]:
                      "config": header.get("description", {}).get("config"),
                      "defects": header.get("description", {}).get("defects", []),
                      "verdict": header.get("meta", {}).get("verdict"),
-                     "damaged": (info.problem or "unreadable header") if info.header is None else None,
+                     "damaged": _header_problem(info) or None,
                      "summary": _summary(info)})
     lines = [f"{'key':<16} {'size':>9} {'age':>5} {'used':>5}  kind        config"]
     for r in rows:
@@ -190,8 +213,11 @@ def _show(args, cache: PlanCache) -> tuple[int, dict[str, Any]]:
     tier, info = _find(cache, args.key)
     import json
 
-    out = {"key": info.key, "path": info.path, "size": info.size, "header": info.header,
-           "damaged": info.problem or None}
+    try:
+        damaged = _judge(tier, info)[1]
+    except FileNotFoundError:  # removed since it was listed (another process's clear)
+        raise InvalidArgumentError(f"key {echo(args.key)}: no entry matches (removed meanwhile)") from None
+    out = {"key": info.key, "path": info.path, "size": info.size, "header": info.header, "damaged": damaged or None}
     return EXIT_OK, {**out, "_text": json.dumps(out, indent=2, sort_keys=True)}
 
 
@@ -202,13 +228,13 @@ def _verify(args, cache: PlanCache) -> tuple[int, dict[str, Any]]:
     for tier, info in cache.store.entries():
         row = {"key": info.key, "path": info.path, "status": "ok", "reason": ""}
         try:
-            entry = decode(tier.read(info.path), expected_key=info.key)
+            entry, problem = _judge(tier, info)
         except FileNotFoundError:  # listed, then removed by another process (a clear): gone, not damaged
             row.update(status=_GONE)
             rows.append(row)
             continue
-        except (OSError, store.EntryError) as e:
-            row.update(status="damaged", reason=str(e))
+        if entry is None:
+            row.update(status="damaged", reason=problem)
             rows.append(row)
             continue
         if args.load and entry.kind == "plan":
