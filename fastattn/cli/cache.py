@@ -203,9 +203,12 @@ def _find(cache: PlanCache, prefix: str):
     prefix = prefix.lower()
     matches = [(t, i) for t, i in cache.store.entries() if i.key.startswith(prefix)]
     keys = {i.key for _, i in matches}
-    if not prefix or len(keys) != 1:
-        what = "no entry" if not keys else f"{len(keys)} entries"
-        raise InvalidArgumentError(f"key {echo(prefix)}: {what} match; give more of the key (fastattn cache ls)")
+    if not prefix:
+        raise InvalidArgumentError("an empty key: give an entry's key or a unique prefix of it (fastattn cache ls)")
+    if not keys:
+        raise InvalidArgumentError(f"key {echo(prefix)}: no entry matches (fastattn cache ls lists the keys)")
+    if len(keys) > 1:
+        raise InvalidArgumentError(f"key {echo(prefix)}: {len(keys)} entries match; give more of the key")
     return matches[0]
 
 

@@ -95,9 +95,9 @@ def test_no_secret_and_not_trusted_leaves_the_tier_off(server, caplog, monkeypat
     monkeypatch.setattr(remote_mod, "_warned_off", set())
     with caplog.at_level(logging.WARNING, logger="fastattn"):
         r = remote(server, secret=None)
-        remote(server, secret=None)
+        assert not r.put(entry()) and r.get(entry().key) is None
+        assert not remote(server, secret=None).put(entry())
     assert caplog.text.count("is off") == 1 and "FASTATTN_CACHE_TRUSTED" in caplog.text
-    assert not r.put(entry()) and r.get(entry().key) is None
     assert server.client().dbsize() == 0 and r.status()["state"].startswith("off:")
 
 
