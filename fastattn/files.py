@@ -23,7 +23,7 @@ import stat
 from typing import BinaryIO, Iterator
 
 __all__ = ["FileTooLargeError", "NotRegularFileError", "kind", "not_readable", "not_replaceable", "open_regular",
-           "read_regular", "replacing", "write_file"]
+           "printable", "read_regular", "replacing", "shown", "write_file"]
 
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 
@@ -36,6 +36,24 @@ class NotRegularFileError(OSError):
 class FileTooLargeError(OSError):
     """The file holds more than its reader takes (strerror says how much it takes): read
     no further than that."""
+
+
+def printable(text: str) -> str:
+    """`text` with each character that is not printable escaped as Python writes it
+    (an ANSI escape as \\x1b, a newline as \\n, a NUL as \\x00, a surrogate from an
+    undecodable file name as \\udcff); printable ones, accents and CJK included, as
+    they are. For what a message shows from elsewhere (a stored header's strings, a
+    file name, a flag's value): it cannot paint the terminal, move its cursor or forge
+    a line of the output."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)
+
+
+def shown(path: str | os.PathLike) -> str:
+    """A path as every message shows it: one line, whatever its name holds (a newline
+    in a file name would otherwise start a line of the message's choosing)."""
+    return printable(os.fsdecode(path))
 
 
 def kind(mode: int) -> str:

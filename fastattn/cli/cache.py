@@ -137,10 +137,7 @@ def _summary(info: store.EntryInfo) -> str:
                      + shown)
 
 
-def _shown(path: str) -> str:
-    """A path as one line of text: a name with a newline, a control character or bytes
-    that are not UTF-8 (a stray's, anyone's) is shown escaped, never printed raw."""
-    return printable(path)
+_shown = files.shown  # every path a message names: one line, whatever the name holds
 
 
 def _check_dirs(tiers) -> None:
@@ -303,7 +300,7 @@ def _clear(args, cache: PlanCache) -> tuple[int, dict[str, Any]]:
 
 def _export(args, cache: PlanCache) -> tuple[int, dict[str, Any]]:
     if os.path.lexists(args.bundle) and not args.force:
-        raise InvalidArgumentError(f"{args.bundle}: the file exists; --force replaces it")
+        raise InvalidArgumentError(f"{_shown(args.bundle)}: the file exists; --force replaces it")
     keep = None
     if not args.all:
         env = gpu_environment("cache export chooses this GPU's entries, and there is no usable GPU here "
@@ -440,13 +437,13 @@ def _pull(args, cache: PlanCache) -> tuple[int, dict[str, Any]]:
                 try:
                     written = main.publish(entry)
                 except OSError as e:
-                    return _cannot_write(f"cannot write to the cache directory {main.root} ({e.strerror or e}); "
+                    return _cannot_write(f"cannot write to the cache directory {_shown(main.root)} ({e.strerror or e}); "
                                          f"pulled {pulled} entries before that", {"pulled": pulled})
                 pulled += written
     except (OSError, *_redis_errors()) as e:
         raise ConnectionError(f"remote cache {remote.name}: {e}") from None
     out = {"pulled": pulled, "already_present": present, "rejected": rejected, "remote": remote.name,
-           "_text": f"pulled {pulled} entries from {remote.name} into {main.root}"
+           "_text": f"pulled {pulled} entries from {remote.name} into {_shown(main.root)}"
                     + (f" ({present} already here)" if present else "")
                     + (f"; {rejected} rejected (see the warnings)" if rejected else "")
                     + f"; entries taken: {remote.policy.applied()}", "policy": remote.policy.applied()}

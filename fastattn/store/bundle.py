@@ -56,6 +56,7 @@ from dataclasses import dataclass, field
 from typing import Any, BinaryIO, Callable, Iterable, Iterator
 
 from .. import files
+from ..files import shown
 from ..errors import InvalidArgumentError
 from .disk import DiskStore
 from .entry import KEY_PATTERN, MAX_ENTRY_BYTES, EntryError, decode
@@ -278,7 +279,7 @@ class _Archive:
         self.manifest_bytes = self._manifest()
 
     def refuse(self, why: str) -> InvalidArgumentError:
-        return InvalidArgumentError(f"{self.path}: refusing bundle: {why}")
+        return InvalidArgumentError(f"{shown(self.path)}: refusing bundle: {why}")
 
     def _manifest(self) -> bytes:
         first = self.tar.next()  # (tarfile read it at open, and gives it once more)
@@ -351,11 +352,11 @@ def _guard(path: str) -> Iterator[None]:
     except (InvalidArgumentError, BundleWriteError):
         raise
     except _TooMuch as e:
-        raise InvalidArgumentError(f"{path}: refusing bundle: it holds more than its manifest declares (read no "
+        raise InvalidArgumentError(f"{shown(path)}: refusing bundle: it holds more than its manifest declares (read no "
                                    f"further than {e.args[0]} bytes of its tar stream)") from None
     except _READ_ERRORS as e:
         why = str(e) or type(e).__name__
-        raise InvalidArgumentError(f"{path}: not a readable bundle ({why})") from None
+        raise InvalidArgumentError(f"{shown(path)}: not a readable bundle ({why})") from None
 
 
 def _open_regular(path: str) -> BinaryIO:
@@ -365,11 +366,11 @@ def _open_regular(path: str) -> BinaryIO:
     try:
         f = files.open_regular(path)
     except files.NotRegularFileError as e:
-        raise InvalidArgumentError(f"{path}: {e.strerror}") from None
+        raise InvalidArgumentError(f"{shown(path)}: {e.strerror}") from None
     size = os.fstat(f.fileno()).st_size
     if size > _MAX_BUNDLE:
         f.close()
-        raise InvalidArgumentError(f"{path}: refusing bundle: {size} bytes, over the {_MAX_BUNDLE >> 30} GiB "
+        raise InvalidArgumentError(f"{shown(path)}: refusing bundle: {size} bytes, over the {_MAX_BUNDLE >> 30} GiB "
                                    "a bundle may hold")
     return f
 
@@ -464,11 +465,11 @@ def import_bundle(path: str, store: DiskStore, *, environment: dict[str, Any] | 
         report.mismatched = [k for k, env in environments.items() if env != environment]
         if report.mismatched and not force:
             if environment is None:
-                raise InvalidArgumentError(f"{path}: no usable GPU here to check the bundle against; use --force to "
+                raise InvalidArgumentError(f"{shown(path)}: no usable GPU here to check the bundle against; use --force to "
                                            "import anyway")
             sample = environments[report.mismatched[0]]
             raise InvalidArgumentError(
-                f"{path}: refusing bundle: {len(report.mismatched)} of {len(listed)} entries were made for another GPU "
+                f"{shown(path)}: refusing bundle: {len(report.mismatched)} of {len(listed)} entries were made for another GPU "
                 f"or cuDNN (e.g. {sample.get('gpu')} with cuDNN {sample.get('cudnn')}; this machine: "
                 f"{environment.get('gpu')} with cuDNN {environment.get('cudnn')}); use --force to import anyway")
         # Second pass: the same open file again, through the same checks (a file changed
@@ -487,10 +488,10 @@ def import_bundle(path: str, store: DiskStore, *, environment: dict[str, Any] | 
             try:
                 written = store.publish(entry)
             except OSError as e:
-                raise BundleWriteError(f"cannot write to the cache directory {store.root} ({e.strerror or e}); "
+                raise BundleWriteError(f"cannot write to the cache directory {shown(store.root)} ({e.strerror or e}); "
                                        f"imported {report.imported} of {len(listed)} entries before that") from None
             if not written:
-                raise BundleWriteError(f"cannot write to the cache directory {store.root} (read-only, or an earlier "
+                raise BundleWriteError(f"cannot write to the cache directory {shown(store.root)} (read-only, or an earlier "
                                        f"write failed); imported "
                                        f"{report.imported} of {len(listed)} entries before that")
             report.imported += 1

@@ -43,6 +43,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Iterator, Union
 
+from .. import files as _files
 from ..files import kind as _kind
 from . import entry as _entry
 from . import ownership
@@ -119,7 +120,7 @@ def _open_regular(path: str) -> int:
         dfd = os.open(folder, _FOLDER_FLAGS)
     except OSError as e:
         if e.errno in (errno.ELOOP, errno.ENOTDIR):
-            raise EntryError(f"{folder} is not a folder of fastattn's (a link or a file): not followed") from None
+            raise EntryError(f"{_files.shown(folder)} is not a folder of fastattn's (a link or a file): not followed") from None
         raise
     try:
         try:
