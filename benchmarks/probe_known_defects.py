@@ -31,6 +31,8 @@ import math
 import subprocess
 import sys
 
+from _common import header, require_cuda, write_json  # (benchmarks/ on sys.path)
+
 CASES = {
     # name: (batch, heads_q, heads_kv, seqlen_q, seqlen_kv, head_dim, mask, training, adversarial)
     "kv-tail": (1, 2, 2, 192, 192, 64, "none", True, True),
@@ -76,12 +78,17 @@ def run_case(name: str, which: str) -> dict:
         for key, x in got.items():
             # Both errors: a gradient that is zero in exact arithmetic (one key: softmax's is)
             # makes a relative error meaningless.
+            # (None for a non-finite error: the results are strict JSON)
             row[key] = {"finite": bool(torch.isfinite(x).all()),
-                        "rel_error": float((x.double() - ref[key]).norm() / ref[key].norm().clamp_min(1e-30)),
-                        "max_abs_error": float((x.double() - ref[key]).abs().max()),
+                        "rel_error": _finite(float((x.double() - ref[key]).norm() / ref[key].norm().clamp_min(1e-30))),
+                        "max_abs_error": _finite(float((x.double() - ref[key]).abs().max())),
                         "max_abs_reference": float(ref[key].abs().max())}
         out[label] = row
     return out
+
+
+def _finite(x: float) -> float | None:
+    return x if math.isfinite(x) else None
 
 
 def _reference(q, k, v, d_o, mask, training):
@@ -133,14 +140,7 @@ def main() -> int:
     if args.case:
         print(json.dumps(run_case(args.case, args.graph)))
         return 0
-    try:
-        import torch
-
-        if not torch.cuda.is_available():
-            raise RuntimeError("no CUDA GPU")
-    except Exception as e:  # noqa: BLE001
-        print(f"probe_known_defects: needs a CUDA GPU and PyTorch ({e})")
-        return 2
+    require_cuda("probe_known_defects.py")
     results = []
     for name in CASES:
         row: dict = {"case": name}
@@ -158,9 +158,7 @@ def main() -> int:
     for r in results:
         line = {k: r[k] for k in r if k not in ("config",)}
         print(json.dumps(line))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
+    write_json({**header(), "results": results}, args.json)
     print("summary:", "; ".join(_summary(r) for r in results))
     return 0
 
@@ -179,8 +177,8 @@ def _summary(r: dict) -> str:
             continue
         keys = [k for k in ("o", "d_q", "d_k", "d_v") if k in x]
         bad = [k for k in keys if not x[k]["finite"]]
-        worst = max(x[k]["rel_error"] for k in keys)
-        worst_abs = max(x[k]["max_abs_error"] for k in keys)
+        worst = max(x[k]["rel_error"] if x[k]["rel_error"] is not None else math.inf for k in keys)
+        worst_abs = max(x[k]["max_abs_error"] if x[k]["max_abs_error"] is not None else math.inf for k in keys)
         parts.append(f"{label} {'NaN in ' + ','.join(bad) if bad else 'finite'} (max rel err {worst:.2g}, "
                      f"abs {worst_abs:.2g})")
     return f"{r['case']} (cuDNN {r.get('cudnn')}): " + ", ".join(parts)

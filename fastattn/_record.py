@@ -23,6 +23,7 @@ import warnings
 
 from . import env
 from .config import AttentionConfig
+from .files import shown
 
 _lock = threading.Lock()
 _seen: set[tuple[str, AttentionConfig]] = set()
@@ -72,7 +73,7 @@ def _stop(path: str, error: OSError, opened: bool = True) -> None:
             pass
     _files[path] = None
     reason = error.strerror or str(error)
-    warnings.warn(f"fastattn: FASTATTN_RECORD={path} cannot be written ({reason}); this process records nothing "
+    warnings.warn(f"fastattn: FASTATTN_RECORD={shown(path)} cannot be written ({reason}); this process records nothing "
                   "more into it", RuntimeWarning, stacklevel=4)
 
 

@@ -20,10 +20,10 @@ import errno
 import os
 import secrets
 import stat
-from typing import BinaryIO
+from typing import BinaryIO, Iterator
 
 __all__ = ["FileTooLargeError", "NotRegularFileError", "kind", "not_readable", "not_replaceable", "open_regular",
-           "read_regular", "write_file"]
+           "printable", "read_regular", "replacing", "shown", "write_file"]
 
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 
@@ -36,6 +36,24 @@ class NotRegularFileError(OSError):
 class FileTooLargeError(OSError):
     """The file holds more than its reader takes (strerror says how much it takes): read
     no further than that."""
+
+
+def printable(text: str) -> str:
+    """`text` with each character that is not printable escaped as Python writes it
+    (an ANSI escape as \\x1b, a newline as \\n, a NUL as \\x00, a surrogate from an
+    undecodable file name as \\udcff); printable ones, accents and CJK included, as
+    they are. For what a message shows from elsewhere (a stored header's strings, a
+    file name, a flag's value): it cannot paint the terminal, move its cursor or forge
+    a line of the output."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)
+
+
+def shown(path: str | os.PathLike) -> str:
+    """A path as every message shows it: one line, whatever its name holds (a newline
+    in a file name would otherwise start a line of the message's choosing)."""
+    return printable(os.fsdecode(path))
 
 
 def kind(mode: int) -> str:
@@ -117,11 +135,20 @@ def _refuse_unless_replaceable(path: str) -> None:
 
 
 def write_file(path: str, data: bytes, *, private: bool = False) -> None:
-    """Writes `data` to `path` atomically. private: mode 0600 whatever the umask (a
-    bundle: native code, and a credential's work when signed); else the mode open()
-    would give (0666 less the umask). Raises NotRegularFileError where the path names
-    anything but a regular file (before writing, and again before the rename), OSError
-    where it cannot be written; either way the path is left as it was and no
+    """Writes `data` to `path` atomically: see replacing()."""
+    with replacing(path, private=private) as f:
+        f.write(data)
+
+
+@contextlib.contextmanager
+def replacing(path: str, *, private: bool = False) -> Iterator[BinaryIO]:
+    """A file to write what `path` will hold, written as it is made (never whole in
+    memory); at the end of the block it is flushed, fsynced and renamed over `path`,
+    atomically. private: mode 0600 whatever the umask (a bundle: native code, and a
+    credential's work when signed); else the mode open() would give (0666 less the
+    umask). Raises NotRegularFileError where the path names anything but a regular file
+    (before writing, and again before the rename), OSError where it cannot be written;
+    on any failure, the block's own included, the path is left as it was and no
     temporary file remains."""
     _refuse_unless_replaceable(path)
     folder = os.path.dirname(os.path.abspath(path))
@@ -138,7 +165,7 @@ def write_file(path: str, data: bytes, *, private: bool = False) -> None:
         with os.fdopen(fd, "wb") as f:
             if private:
                 os.fchmod(f.fileno(), 0o600)  # the umask may have taken bits of 0600 away too
-            f.write(data)
+            yield f
             f.flush()
             os.fsync(f.fileno())
         _refuse_unless_replaceable(path)  # what was put there while the file was written

@@ -121,10 +121,25 @@ class PlanCache:
         """(plan or None, ProbeResult) from the tiers, or None on a miss (or an entry
         cuDNN will not load). touch=False: a load ahead of use, which leaves the entry's
         last use as it was."""
-        found = self.store.get(key, touch)
+        found = self._get(key, touch)
         if found is None:
             return None
         return self.load(config, device, key, *found)
+
+    def _get(self, key: str, touch: bool = True):
+        """(entry, tier) for `key` from the tiers, or None; an entry whose header
+        describes another plan than `key` (store.entry.key_problem) is a bad entry and a
+        miss, never handed to the core: its blobs are another config's plan. The
+        rebuild overwrites it."""
+        found = self.store.get(key, touch)
+        if found is None:
+            return None
+        problem = store.entry.key_problem(key, found[0].description)
+        if problem:
+            self._count(bad_entries=1)
+            log.warning("fastattn cache: entry %s in %s: %s; rebuilding", key[:16], found[1].name, problem)
+            return None
+        return found
 
     def load(self, config: AttentionConfig, device: int, key: str, entry: store.Entry, tier: store.Tier):
         """(plan or None, ProbeResult) from an entry of `tier`; None when cuDNN refuses
@@ -167,7 +182,7 @@ class PlanCache:
         device = self._device(device)
         if not self.store.tiers:
             return None
-        found = self.store.get(self.key(config, device))
+        found = self._get(self.key(config, device))
         if found is None:
             return None
         e, tier = found

@@ -664,6 +664,30 @@ def cudnn_location() -> dict[str, str | None]:
     return find()
 
 
+def cudnn_in_process() -> dict[str, Any]:
+    """The cuDNN files this process holds (once fastattn, and PyTorch where it is imported,
+    have loaded theirs) and the version each reports, as text: one cuDNN, or the problem
+    ("problem": None when one). `fastattn info` says it, so that a run on another cuDNN than
+    the machine's names the one it really tested. Loads cuDNN where no GPU call has yet."""
+    import sys
+
+    from ._loader import cudnn_copies_problem, mapped_cudnn, version_text
+
+    libraries()
+    loaded = versions()["cudnn_loaded"]
+    torch_version = None
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        try:
+            if torch.cuda.is_available() and torch.backends.cudnn.is_available():
+                torch_version = version_text(int(torch.backends.cudnn.version()))
+        except Exception as e:  # noqa: BLE001 (a report: PyTorch's own failure is what it says)
+            torch_version = f"unknown ({type(e).__name__}: {e})"
+    files = mapped_cudnn()
+    return {"fastattn": version_text(loaded), "torch": torch_version, "files": files,
+            "problem": cudnn_copies_problem(files)}
+
+
 def versions() -> dict[str, Any]:
     """fastattn's version, the cudnn-frontend and cuDNN headers it was built against,
     and the cuDNN loaded at run time (None before the first GPU call)."""

@@ -155,13 +155,13 @@ def _parse(path: str) -> tuple[Any, list[int | None] | None]:
     try:
         raw = files.read_regular(path, MAX_FILE_BYTES)
     except OSError as e:
-        raise InvalidArgumentError(f"{path}: {e.strerror}") from None
+        raise InvalidArgumentError(f"{files.shown(path)}: {e.strerror}") from None
     except ValueError:  # a NUL in the name: from the API only (argv and the environment cannot hold one)
         raise InvalidArgumentError(f"{_fields.show(path)}: not a file name (it holds a NUL character)") from None
     try:
         text = raw.decode("utf-8").removeprefix(_fields.BOM)  # (a mark editors put first, not text)
     except UnicodeDecodeError as e:
-        raise InvalidArgumentError(f"{path}: not UTF-8 text: {_fields.utf8_problem(e)}") from None
+        raise InvalidArgumentError(f"{files.shown(path)}: not UTF-8 text: {_fields.utf8_problem(e)}") from None
     if path.endswith(".toml"):
         return _toml(text, path), None
     if path.endswith(".jsonl"):
@@ -189,28 +189,28 @@ def _toml(text: str, path: str) -> Any:
     except tomllib.TOMLDecodeError as e:
         # "(at line 2, column 5)" or "(at end of document)" ends tomllib's message: put
         # the place where JSON's errors have it.
-        msg, where = str(e), path
+        msg, where = str(e), files.shown(path)
         m = re.search(r"\s*\(at line (\d+), column (\d+)\)$", msg)
         if m:
-            msg, where = msg[:m.start()], f"{path}:{m[1]}:{m[2]}"
+            msg, where = msg[:m.start()], f"{files.shown(path)}:{m[1]}:{m[2]}"
         elif msg.endswith("(at end of document)"):
-            msg, where = msg[:-len("(at end of document)")].rstrip(), f"{path}:{text.count(chr(10)) + 1}"
+            msg, where = msg[:-len("(at end of document)")].rstrip(), f"{files.shown(path)}:{text.count(chr(10)) + 1}"
         raise InvalidArgumentError(f"{where}: not valid TOML: {msg}") from None
     except ValueError:  # tomllib's bare ValueError: an integer past Python's digit limit
         raise _too_long(path, text, "TOML") from None
     except RecursionError:
-        raise InvalidArgumentError(f"{path}: not valid TOML: nested too deeply") from None
+        raise InvalidArgumentError(f"{files.shown(path)}: not valid TOML: nested too deeply") from None
 
 
 def _json(text: str, path: str) -> tuple[Any, list[int | None]]:
     try:
         data = json.loads(text.removeprefix(_fields.BOM))
     except json.JSONDecodeError as e:
-        raise InvalidArgumentError(f"{path}:{e.lineno}:{e.colno}: not valid JSON: {e.msg}") from None
+        raise InvalidArgumentError(f"{files.shown(path)}:{e.lineno}:{e.colno}: not valid JSON: {e.msg}") from None
     except ValueError:  # json's bare ValueError: an integer past Python's digit limit
         raise _too_long(path, text, "JSON") from None
     except RecursionError:
-        raise InvalidArgumentError(f"{path}: not valid JSON: nested too deeply") from None
+        raise InvalidArgumentError(f"{files.shown(path)}: not valid JSON: nested too deeply") from None
     count = len(data.get("configs", [])) if isinstance(data, dict) and isinstance(data.get("configs"), list) else 0
     return data, _json_entry_lines(text, count)
 
@@ -218,7 +218,7 @@ def _json(text: str, path: str) -> tuple[Any, list[int | None]]:
 def _too_long(path: str, text: str, what: str, first_line: int = 1) -> InvalidArgumentError:
     """The error for an integer literal past Python's digit limit, at its place."""
     line, column, why = _fields.long_integer(text)
-    where = f"{path}:{line + first_line - 1}:{column}" if line else path
+    where = f"{files.shown(path)}:{line + first_line - 1}:{column}" if line else files.shown(path)
     return InvalidArgumentError(f"{where}: not valid {what}: {why}")
 
 
@@ -239,13 +239,13 @@ def _json_lines(text: str, path: str) -> tuple[list[Any], list[int | None]]:
         try:
             entry = json.loads(line)
         except json.JSONDecodeError as e:
-            raise InvalidArgumentError(f"{path}:{number}:{e.colno}: not valid JSON: {e.msg}") from None
+            raise InvalidArgumentError(f"{files.shown(path)}:{number}:{e.colno}: not valid JSON: {e.msg}") from None
         except ValueError:  # an integer past Python's digit limit
             raise _too_long(path, line, "JSON", number) from None
         except RecursionError:
-            raise InvalidArgumentError(f"{path}:{number}: not valid JSON: nested too deeply") from None
+            raise InvalidArgumentError(f"{files.shown(path)}:{number}: not valid JSON: nested too deeply") from None
         if not isinstance(entry, dict):
-            raise InvalidArgumentError(f"{path}:{number}: each line must be an object of AttentionConfig fields, "
+            raise InvalidArgumentError(f"{files.shown(path)}:{number}: each line must be an object of AttentionConfig fields, "
                                        f"not {_fields.json_kind(entry)}")
         entries.append(entry)
         lines.append(number)
@@ -262,20 +262,20 @@ def _entries(data: Any, path: str) -> list[Any]:
         return data
     if isinstance(data, dict) and "configs" in data:
         if not isinstance(data["configs"], list):
-            raise InvalidArgumentError(f"{path}: \"configs\" must be a list (TOML: [[configs]] tables)")
+            raise InvalidArgumentError(f"{files.shown(path)}: \"configs\" must be a list (TOML: [[configs]] tables)")
         unknown = sorted(set(data) - {"configs"})
         if unknown:
-            raise InvalidArgumentError(f"{path}: unknown top-level key {_fields.show(unknown[0])}")
+            raise InvalidArgumentError(f"{files.shown(path)}: unknown top-level key {_fields.show(unknown[0])}")
         return data["configs"]
     if not isinstance(data, dict):
-        raise InvalidArgumentError(f"{path}: must be an object of AttentionConfig fields, or a \"configs\" list of "
+        raise InvalidArgumentError(f"{files.shown(path)}: must be an object of AttentionConfig fields, or a \"configs\" list of "
                                    f"them, not {_fields.json_kind(data)}")
     if not data or set(data) & _FIELD_NAMES:
         return [data]  # one config's fields (unknown ones are named by expand_entry)
     try:  # no key is a field: the first is named, as a field of the config or the file's "configs"
         _fields.check_names(data, FIELDS, also=("configs",))
     except InvalidArgumentError as e:
-        raise InvalidArgumentError(f"{path}: {e}; a file holds a top-level \"configs\" list (TOML: [[configs]] "
+        raise InvalidArgumentError(f"{files.shown(path)}: {e}; a file holds a top-level \"configs\" list (TOML: [[configs]] "
                                    "tables), or one config's fields") from None
     raise AssertionError("unreachable: a key that is no field was found above")  # pragma: no cover
 
@@ -286,11 +286,11 @@ def read_entries(path: str) -> tuple[list[Any], list[str]]:
     data, lines = _parse(path)
     entries = _entries(data, path)
     if isinstance(data, dict) and "configs" not in data:  # one config's fields: the file is the place
-        return entries, [path]
+        return entries, [files.shown(path)]
     where = []
     for i in range(len(entries)):
         line = lines[i] if lines and i < len(lines) else None
-        where.append(f"{path}:{line}: configs[{i}]" if line else f"{path}: configs[{i}]")
+        where.append(f"{files.shown(path)}:{line}: configs[{i}]" if line else f"{files.shown(path)}: configs[{i}]")
     return entries, where
 
 
@@ -314,7 +314,7 @@ def load_configs(path: str) -> list[AttentionConfig]:
         axes.append(_axes(entry, at))
         total += _count(axes[-1], at)
         if total > MAX_CONFIGS:
-            raise InvalidArgumentError(f"{path}: describes more than {MAX_CONFIGS} configs (counted up to {at}, "
+            raise InvalidArgumentError(f"{files.shown(path)}: describes more than {MAX_CONFIGS} configs (counted up to {at}, "
                                        "duplicates included): split it into files of fewer")
     out: dict[AttentionConfig, None] = {}
     for entry_axes, at in zip(axes, where):

@@ -492,4 +492,6 @@ def _check_saved(items: list[WarmItem], cache, warnings: list[str]) -> tuple[int
         return lost, writes[0]  # the workers' own words: the directory and the OS's error
     limit = (f"pruned at once by FASTATTN_CACHE_MAX_BYTES={settings.max_bytes}, or removed by another process"
              if settings.max_bytes is not None else "removed by another process")
-    return lost, f"written, but not in {settings.directory} at the end of the run ({limit})"
+    from .files import shown
+
+    return lost, f"written, but not in {shown(settings.directory)} at the end of the run ({limit})"

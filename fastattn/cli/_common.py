@@ -15,6 +15,7 @@ import textwrap
 from typing import Any
 
 from .. import parsing
+from ..files import printable  # noqa: F401  (the commands' one escape, re-exported)
 
 # The exit codes, for every outcome (the README's table says the same).
 EXIT_OK = 0           # success (probe: supported; matrix: the grid was made)
@@ -318,18 +319,6 @@ def output_file(text: str) -> str:
     if not os.access(parent, os.W_OK | os.X_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
         raise argparse.ArgumentTypeError(f"{echo(text)}: not writable here")
     return text
-
-
-def printable(text: str) -> str:
-    """`text` with each character that is not printable escaped as Python writes it
-    (an ANSI escape as \\x1b, a newline as \\n, a NUL as \\x00, a surrogate from an
-    undecodable file name as \\udcff); printable ones, accents and CJK included, as
-    they are. For what the command shows from elsewhere (a stored header's strings, a
-    file name, a flag's value): it cannot paint the terminal, move its cursor or forge
-    a line of a listing."""
-    if text.isprintable():
-        return text
-    return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)
 
 
 def printable_lines(text: str) -> str:

@@ -17,6 +17,7 @@ import traceback
 from typing import Any, Sequence
 
 from .. import env as _env
+from ..files import shown
 from ..errors import CudaError, CudnnError, InvalidArgumentError, LibraryError
 from . import cache, info, matrix, probe, warm
 from ._common import (EXIT_BAD_INPUT, EXIT_BUG, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_NO_GPU, Parser, UsageError,
@@ -217,7 +218,7 @@ def _bug(as_json: bool, error: BaseException, argv: list[str]) -> int:
             f.write(f"fastattn {' '.join(argv)}{' --json' if as_json else ''}\n\n{report}")
     except OSError:
         path = None
-    where = f"the traceback is in {path}" if path else "the traceback could not be written to a file"
+    where = f"the traceback is in {shown(path)}" if path else "the traceback could not be written to a file"
     message = f"{type(error).__name__}: {error}"
     if as_json:
         _print_json({"error": "Bug", "message": message, "traceback_file": path})

@@ -22,7 +22,7 @@ import os
 import time
 from typing import Any
 
-from .. import runtime, store, sweep
+from .. import files, runtime, store, sweep
 from ..errors import CorruptPlanError, InvalidArgumentError
 from ..plan_cache import PlanCache, config_of
 from ..store import bundle
@@ -43,8 +43,10 @@ _EXITS = {
              "configuration (read-only or off), 4 entries that could not be removed (each reason and how many).",
     "clear": "Exit codes: 0 cleared, 2 a cache that is not writable by configuration (read-only or off), 4 entries "
              "that could not be removed (each reason and how many).",
-    "export": "Exit codes: 0 written, 2 a bad path or an existing file (without --force), 3 no usable GPU to "
-              "choose this GPU's entries by (without --all).",
+    "export": "Exit codes: 0 written, 2 a bad path or an existing file (without --force), or entries that make a "
+              "bundle cache import refuses (over its limits), 3 no usable GPU to choose this GPU's entries by "
+              "(without --all), 4 the bundle cannot be written (a full disk, a file size limit) or the cache changed "
+              "while it was exported.",
     "import": "Exit codes: 0 imported, 2 a refused bundle (also one that the trust policy refuses: without a "
               "signing secret, only with FASTATTN_CACHE_TRUSTED=1) or a cache that is not writable by configuration, 3 "
               "no usable GPU to check the bundle against (without --force), 4 the cache directory cannot be written, "
@@ -105,10 +107,33 @@ def _age(seconds: float) -> str:
     return f"{seconds + 0.0:.0f}s"  # (+ 0.0: -0.0 reads 0s)
 
 
+def _header_problem(info: store.EntryInfo) -> str:
+    """What its header alone says is wrong with an entry ("" when nothing): what `ls`
+    can tell without reading the whole file."""
+    if info.header is None:
+        return info.problem or "unreadable header"
+    return store.entry.key_problem(info.key, info.header["description"])
+
+
+def _judge(tier, info: store.EntryInfo):
+    """(entry, "") for a good entry, (None, why) for a damaged one: the whole file read
+    and checked (checksum, sizes, that its header is its key's), the one judgement of
+    `verify` and `show`. FileNotFoundError when it went since it was listed."""
+    try:
+        entry = decode(tier.read(info.path), expected_key=info.key)
+    except FileNotFoundError:
+        raise
+    except (OSError, store.EntryError) as e:
+        return None, str(e) or type(e).__name__
+    problem = store.entry.key_problem(info.key, entry.description)
+    return (None, problem) if problem else (entry, "")
+
+
 def _summary(info: store.EntryInfo) -> str:
     header = info.header
-    if header is None:
-        return printable(f"DAMAGED     {info.problem or 'unreadable header'}")
+    problem = _header_problem(info)
+    if problem:
+        return printable(f"DAMAGED     {problem}")
     desc = header["description"]  # shapes checked by the entry decoder
     cfg = config_of(desc)
     gpu = desc.get("gpu", {}).get("name", "?")
@@ -121,10 +146,7 @@ def _summary(info: store.EntryInfo) -> str:
                      + shown)
 
 
-def _shown(path: str) -> str:
-    """A path as one line of text: a name with a newline, a control character or bytes
-    that are not UTF-8 (a stray's, anyone's) is shown escaped, never printed raw."""
-    return printable(path)
+_shown = files.shown  # every path a message names: one line, whatever the name holds
 
 
 def _check_dirs(tiers) -> None:
@@ -166,7 +188,7 @@ def _ls(args, cache: PlanCache) -> tuple[int, dict[str, Any]]:
                      "config": header.get("description", {}).get("config"),
                      "defects": header.get("description", {}).get("defects", []),
                      "verdict": header.get("meta", {}).get("verdict"),
-                     "damaged": (info.problem or "unreadable header") if info.header is None else None,
+                     "damaged": _header_problem(info) or None,
                      "summary": _summary(info)})
     lines = [f"{'key':<16} {'size':>9} {'age':>5} {'used':>5}  kind        config"]
     for r in rows:
@@ -187,9 +209,12 @@ def _find(cache: PlanCache, prefix: str):
     prefix = prefix.lower()
     matches = [(t, i) for t, i in cache.store.entries() if i.key.startswith(prefix)]
     keys = {i.key for _, i in matches}
-    if not prefix or len(keys) != 1:
-        what = "no entry" if not keys else f"{len(keys)} entries"
-        raise InvalidArgumentError(f"key {echo(prefix)}: {what} match; give more of the key (fastattn cache ls)")
+    if not prefix:
+        raise InvalidArgumentError("an empty key: give an entry's key or a unique prefix of it (fastattn cache ls)")
+    if not keys:
+        raise InvalidArgumentError(f"key {echo(prefix)}: no entry matches (fastattn cache ls lists the keys)")
+    if len(keys) > 1:
+        raise InvalidArgumentError(f"key {echo(prefix)}: {len(keys)} entries match; give more of the key")
     return matches[0]
 
 
@@ -197,8 +222,11 @@ def _show(args, cache: PlanCache) -> tuple[int, dict[str, Any]]:
     tier, info = _find(cache, args.key)
     import json
 
-    out = {"key": info.key, "path": info.path, "size": info.size, "header": info.header,
-           "damaged": info.problem or None}
+    try:
+        damaged = _judge(tier, info)[1]
+    except FileNotFoundError:  # removed since it was listed (another process's clear)
+        raise InvalidArgumentError(f"key {echo(args.key)}: no entry matches (removed meanwhile)") from None
+    out = {"key": info.key, "path": info.path, "size": info.size, "header": info.header, "damaged": damaged or None}
     return EXIT_OK, {**out, "_text": json.dumps(out, indent=2, sort_keys=True)}
 
 
@@ -209,13 +237,13 @@ def _verify(args, cache: PlanCache) -> tuple[int, dict[str, Any]]:
     for tier, info in cache.store.entries():
         row = {"key": info.key, "path": info.path, "status": "ok", "reason": ""}
         try:
-            entry = decode(tier.read(info.path), expected_key=info.key)
+            entry, problem = _judge(tier, info)
         except FileNotFoundError:  # listed, then removed by another process (a clear): gone, not damaged
             row.update(status=_GONE)
             rows.append(row)
             continue
-        except (OSError, store.EntryError) as e:
-            row.update(status="damaged", reason=str(e))
+        if entry is None:
+            row.update(status="damaged", reason=problem)
             rows.append(row)
             continue
         if args.load and entry.kind == "plan":
@@ -258,12 +286,14 @@ def _removed(main: store.DiskStore, pruned: store.Pruned) -> tuple[int, dict[str
     some could not be removed (a read-only mount, an immutable folder)."""
     left = len(pruned.strays)
     why = [{"reason": reason, "count": len(paths), "example": paths[0]} for reason, paths in pruned.failed.items()]
+    also = [{"path": path, "what": what} for path, what in pruned.also_removed]
     out = {"removed": pruned.removed, "not_removed": pruned.not_removed, "not_removed_because": why,
-           "left_alone": left,
+           "left_alone": left, "also_removed": also,
            "_text": f"removed {pruned.removed} entries from {_shown(main.root)}"
                     + (f"; could not remove {pruned.not_removed}" if pruned.not_removed else "")
                     + (f"; left alone {left} things named like entries that are not fastattn's (fastattn cache ls "
-                       "lists them)" if left else "")}
+                       "lists them)" if left else "")
+                    + "".join(f"\nalso removed {_shown(a['path'])} ({a['what']})" for a in also)}
     if not pruned.not_removed:
         return EXIT_OK, out
     message = (f"could not remove {pruned.not_removed} entries from {_shown(main.root)}: "
@@ -279,7 +309,7 @@ def _clear(args, cache: PlanCache) -> tuple[int, dict[str, Any]]:
 
 def _export(args, cache: PlanCache) -> tuple[int, dict[str, Any]]:
     if os.path.lexists(args.bundle) and not args.force:
-        raise InvalidArgumentError(f"{args.bundle}: the file exists; --force replaces it")
+        raise InvalidArgumentError(f"{_shown(args.bundle)}: the file exists; --force replaces it")
     keep = None
     if not args.all:
         env = gpu_environment("cache export chooses this GPU's entries, and there is no usable GPU here "
@@ -287,11 +317,17 @@ def _export(args, cache: PlanCache) -> tuple[int, dict[str, Any]]:
         keep = lambda description: store.environment_of(description) == env  # noqa: E731
     try:
         count = bundle.export_bundle(cache.store.tiers, args.bundle, keep=keep, secret=cache.settings.secret)
-    except OSError as e:
-        raise InvalidArgumentError(f"{args.bundle}: {e.strerror}") from None
+    except files.NotRegularFileError as e:  # put there since the path was checked: the path is the problem
+        raise InvalidArgumentError(f"{_shown(args.bundle)}: {e.strerror}") from None
+    except bundle.CacheChangedError as e:
+        return _cannot_write(str(e), {"exported": None, "bundle": args.bundle}, "failed: no bundle written")
+    except OSError as e:  # the path was checked before the work: what fails now is the writing (ENOSPC, EFBIG, EIO)
+        return _cannot_write(f"cannot write the bundle {_shown(args.bundle)} ({e.strerror or e}); nothing was "
+                             "written", {"exported": None, "bundle": args.bundle}, "failed: no bundle written")
     signed = cache.settings.secret is not None
     return EXIT_OK, {"exported": count, "bundle": args.bundle, "signed": signed,
-                     "_text": f"exported {count} entries to {args.bundle} ({'signed' if signed else 'unsigned'})"}
+                     "_text": f"exported {count} entries to {_shown(args.bundle)} "
+                              f"({'signed' if signed else 'unsigned'})"}
 
 
 def _writable_main(cache: PlanCache, command: str) -> store.DiskStore:
@@ -307,11 +343,12 @@ def _writable_main(cache: PlanCache, command: str) -> store.DiskStore:
     return main
 
 
-def _cannot_write(message: str, out: dict[str, Any]) -> tuple[int, dict[str, Any]]:
-    """Exit 4 with the reason: the bundle (or the remote tier) was fine, the work was
-    not done. The message goes to stderr, as every failure's does."""
+def _cannot_write(message: str, out: dict[str, Any],
+                  text: str = "failed: the cache cannot be written") -> tuple[int, dict[str, Any]]:
+    """Exit 4 with the reason: the request was fine, the work was not done. The message
+    goes to stderr, as every failure's does."""
     say(f"fastattn: {message}")
-    return EXIT_FAILED, {**out, "error": "CannotWrite", "message": message, "_text": "failed: the cache cannot be written"}
+    return EXIT_FAILED, {**out, "error": "CannotWrite", "message": message, "_text": text}
 
 
 def _import(args, cache: PlanCache) -> tuple[int, dict[str, Any]]:
@@ -409,13 +446,13 @@ def _pull(args, cache: PlanCache) -> tuple[int, dict[str, Any]]:
                 try:
                     written = main.publish(entry)
                 except OSError as e:
-                    return _cannot_write(f"cannot write to the cache directory {main.root} ({e.strerror or e}); "
+                    return _cannot_write(f"cannot write to the cache directory {_shown(main.root)} ({e.strerror or e}); "
                                          f"pulled {pulled} entries before that", {"pulled": pulled})
                 pulled += written
     except (OSError, *_redis_errors()) as e:
         raise ConnectionError(f"remote cache {remote.name}: {e}") from None
     out = {"pulled": pulled, "already_present": present, "rejected": rejected, "remote": remote.name,
-           "_text": f"pulled {pulled} entries from {remote.name} into {main.root}"
+           "_text": f"pulled {pulled} entries from {remote.name} into {_shown(main.root)}"
                     + (f" ({present} already here)" if present else "")
                     + (f"; {rejected} rejected (see the warnings)" if rejected else "")
                     + f"; entries taken: {remote.policy.applied()}", "policy": remote.policy.applied()}

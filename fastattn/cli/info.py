@@ -46,29 +46,8 @@ def run(args) -> tuple[int, dict[str, Any]]:
     out["stats"] = runtime.stats()
     out["torch"] = _torch_path()
     if out["device"] is not None:
-        out["cudnn_in_process"] = _cudnn_in_process()
+        out["cudnn_in_process"] = runtime.cudnn_in_process()
     return EXIT_OK, out
-
-
-def _cudnn_in_process() -> dict[str, Any]:
-    """The cuDNN files this process holds once fastattn and PyTorch (where installed) have
-    both loaded theirs, and the version each reports: one cuDNN, or the problem. A run on
-    another cuDNN than the machine's names the one it really tested here."""
-    from .._loader import cudnn_copies_problem, mapped_cudnn, version_text
-    from ..runtime import versions
-
-    torch_version = None
-    try:
-        import torch
-
-        if torch.cuda.is_available() and torch.backends.cudnn.is_available():
-            torch_version = version_text(int(torch.backends.cudnn.version()))
-    except Exception as e:  # noqa: BLE001 (a report: PyTorch's own failure is what it says)
-        torch_version = f"unknown ({type(e).__name__}: {e})"
-    files = mapped_cudnn()
-    loaded = versions()["cudnn_loaded"]
-    return {"fastattn": version_text(loaded) if loaded else None, "torch": torch_version, "files": files,
-            "problem": cudnn_copies_problem(files)}
 
 
 def _torch_path() -> dict[str, Any]:

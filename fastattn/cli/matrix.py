@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .. import _fields, dtypes
+from .. import _fields, dtypes, files
 from ..config import DTYPES, FIELDS, MASKS, AttentionConfig
 from ..errors import InvalidArgumentError
 from ..sweep import MAX_CONFIGS
@@ -97,7 +97,7 @@ def run(args) -> tuple[int, dict[str, Any]]:
         for r in reasons:
             lines.extend(wrap(r))
         if args.png:
-            lines.append(f"no heatmap written to {args.png}: no usable GPU")
+            lines.append(f"no heatmap written to {files.shown(args.png)}: no usable GPU")
     else:
         if reasons:
             lines.append("reasons:")
@@ -105,7 +105,7 @@ def run(args) -> tuple[int, dict[str, Any]]:
                 lines.extend(wrap(r))
         if args.png:
             _heatmap(_pyplot(), args.png, list(dict.fromkeys(args.head_dims)), cols, mark)
-            lines.append(f"heatmap written to {args.png}")
+            lines.append(f"heatmap written to {files.shown(args.png)}")
     out = {"configs": rows, "counts": report.counts, "_text": "\n".join(lines)}
     return (EXIT_OK if code == EXIT_UNSUPPORTED else code), out  # refusals are the grid's answer, not a failure
 

@@ -302,7 +302,7 @@ def _build_torch_ops() -> dict[str, Any]:
     Python path runs there), not fatal: the plans are what warm is for."""
     import time
 
-    from .. import _opslib, _warm_up
+    from .. import _opslib, _warm_up, files
 
     built = _opslib.find_built()
     if built is not None:  # a second warm imports no torch (seconds) to find it built
@@ -323,4 +323,4 @@ def _build_torch_ops() -> dict[str, Any]:
         return {"ok": False, "result": f"not built ({info['build_error']})"}
     path = info["library"]
     return {"ok": True, "path": str(path), "seconds": round(time.perf_counter() - t0, 1),
-            "result": f"{path} ({time.perf_counter() - t0:.1f} s)"}
+            "result": f"{files.shown(path)} ({time.perf_counter() - t0:.1f} s)"}

@@ -11,7 +11,11 @@ whole.
 Export writes the bundle as entries are written: 0600, atomically, and only where no
 file or a regular one is (fastattn.files: a FIFO or a device node there is refused,
 not replaced). With a signing secret (store.signing), export signs the manifest
-(which holds every entry's sha256).
+(which holds every entry's sha256). It refuses, before writing anything, a bundle that
+import would refuse (a manifest, entries or a file over import's limits), and holds at
+most one entry in memory: a first pass reads and checks the entries and makes the
+manifest, a second streams the archive into the bundle file, each entry read again and
+checked against the manifest.
 
 What import takes is store.signing's Policy, the Redis tier's too: with a secret, a
 bundle signed with it; without one, any bundle when FASTATTN_CACHE_TRUSTED=1; else
@@ -46,20 +50,20 @@ import lzma
 import os
 import re
 import tarfile
-import tempfile
 import time
 import zlib
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO, Callable, Iterable, Iterator
 
 from .. import files
+from ..files import shown
 from ..errors import InvalidArgumentError
 from .disk import DiskStore
 from .entry import KEY_PATTERN, MAX_ENTRY_BYTES, EntryError, decode
 from .keys import canonical_json, environment_of
 from .signing import Policy, sign
 
-__all__ = ["BUNDLE_FORMAT", "BundleWriteError", "export_bundle", "import_bundle", "ImportReport"]
+__all__ = ["BUNDLE_FORMAT", "BundleWriteError", "CacheChangedError", "export_bundle", "import_bundle", "ImportReport"]
 
 BUNDLE_FORMAT = 1
 MANIFEST = "manifest.json"
@@ -86,6 +90,11 @@ class BundleWriteError(OSError):
     directory and why); the entries before the failure were imported."""
 
 
+class CacheChangedError(OSError):
+    """An entry changed or went between export's two passes (another process rebuilt or
+    removed it): the bundle is not written."""
+
+
 def _manifest_mac(secret: bytes, manifest: dict[str, Any]) -> str:
     body = {k: v for k, v in manifest.items() if k != "signature"}
     return sign(secret, "bundle", canonical_json(body).encode()).hex()
@@ -96,48 +105,79 @@ def export_bundle(stores: Iterable[DiskStore], path: str, *,
     """Writes the valid entries of `stores` (those `keep(description)` accepts) to a
     bundle at `path`, signed when `secret` is given; returns how many. Damaged entries
     are left out, and so is anything in the directories that is not an entry (a FIFO,
-    a link: DiskStore.scan)."""
+    a link: DiskStore.scan). Raises InvalidArgumentError, writing nothing, when import
+    would refuse the bundle (its limits); CacheChangedError when an entry changes while
+    it is exported; OSError when the bundle cannot be written (no file is left)."""
     manifest: dict[str, Any] = {"format": BUNDLE_FORMAT, "created": time.time(), "entries": []}
     seen: set[str] = set()
-    buf = io.BytesIO()
-    # The manifest goes first (import reads it before anything else) and is known only
-    # once every entry has been read: the entries wait in an unnamed temporary file,
-    # not in memory.
-    with tempfile.TemporaryFile() as spool:
-        for store in stores:
-            for info in store.entries(with_headers=False):
-                if info.key in seen:
-                    continue
-                try:
-                    data = store.read(info.path)  # never a link's target, never a wait on a FIFO
-                    entry = decode(data, expected_key=info.key)
-                except (OSError, EntryError):
-                    continue
-                if keep is not None and not keep(entry.description):
-                    continue
-                seen.add(info.key)
-                spool.write(data)
-                manifest["entries"].append({
-                    "key": info.key,
-                    "sha256": hashlib.sha256(data).hexdigest(),
-                    "size": len(data),
-                    "kind": entry.kind,
-                    "environment": environment_of(entry.description),
-                    "config": entry.description.get("config"),
-                })
-        if secret is not None:
-            manifest["signature"] = _manifest_mac(secret, manifest)
-        spool.seek(0)
-        with tarfile.open(fileobj=buf, mode="w:gz") as tar:
-            text = json.dumps(manifest, indent=1, sort_keys=True).encode()
-            _add(tar, MANIFEST, len(text), io.BytesIO(text))
-            for item in manifest["entries"]:
-                _add(tar, f"entries/{item['key']}.entry", item["size"], spool)
+    sources: list[tuple[DiskStore, str]] = []
+    total = 0
+    for store in stores:
+        for info in store.entries(with_headers=False):
+            if info.key in seen:
+                continue
+            try:
+                data = store.read(info.path)  # never a link's target, never a wait on a FIFO
+                entry = decode(data, expected_key=info.key)
+            except (OSError, EntryError):
+                continue
+            if keep is not None and not keep(entry.description):
+                continue
+            seen.add(info.key)
+            total += len(data)
+            if total > _MAX_TOTAL:  # known before the rest is read, and before anything is written
+                raise _refused(f"the entries to export hold more than the {_MAX_TOTAL >> 30} GiB of entries")
+            sources.append((store, info.path))
+            manifest["entries"].append({
+                "key": info.key,
+                "sha256": hashlib.sha256(data).hexdigest(),
+                "size": len(data),
+                "kind": entry.kind,
+                "environment": environment_of(entry.description),
+                "config": entry.description.get("config"),
+            })
+            del data, entry
+    if secret is not None:
+        manifest["signature"] = _manifest_mac(secret, manifest)
+    text = json.dumps(manifest, indent=1, sort_keys=True).encode()
+    if len(text) > _MAX_MANIFEST:
+        raise _refused(f"its manifest would be {len(text)} bytes ({len(sources)} entries), over the {_MAX_MANIFEST} "
+                       "bytes a manifest may hold")
+    largest = _largest_file([len(text)] + [item["size"] for item in manifest["entries"]])
+    if largest > _MAX_BUNDLE:
+        raise _refused(f"the bundle file could take up to {largest} bytes, over the {_MAX_BUNDLE >> 30} GiB a "
+                       "bundle may hold")
     # 0600, as entries are (native code, and a credential's work when signed), and
     # atomically: a reader, or a bundle being replaced, sees the old file or the new one.
     # Only over a regular file: files.NotRegularFileError (an OSError) for anything else.
-    files.write_file(path, buf.getvalue(), private=True)
+    with files.replacing(path, private=True) as f, tarfile.open(fileobj=f, mode="w:gz") as tar:
+        _add(tar, MANIFEST, len(text), io.BytesIO(text))
+        for (store, source), item in zip(sources, manifest["entries"]):
+            try:
+                data = store.read(source)
+            except (FileNotFoundError, EntryError):
+                data = b""
+            if hashlib.sha256(data).hexdigest() != item["sha256"]:
+                raise CacheChangedError(f"entry {item['key'][:16]}... changed or was removed while it was exported "
+                                        "(another process at work on the cache); nothing was written")
+            _add(tar, f"entries/{item['key']}.entry", item["size"], io.BytesIO(data))
+            del data
     return len(manifest["entries"])
+
+
+def _refused(why: str) -> InvalidArgumentError:
+    return InvalidArgumentError(f"cache export: {why}, and cache import refuses such a bundle; export fewer "
+                                "entries (without --all, this GPU's only), or prune the cache first")
+
+
+def _largest_file(sizes: list[int]) -> int:
+    """The most bytes export's gzipped tar of members of `sizes` can take: each member's
+    header and its padding to a block, the end blocks and tarfile's record padding, and
+    deflate's worst case (stored blocks: 5 bytes per 16 KiB) with gzip's header and
+    trailer."""
+    tar = sum(_BLOCK + -(-size // _BLOCK) * _BLOCK for size in sizes) + 2 * _BLOCK
+    tar = -(-tar // tarfile.RECORDSIZE) * tarfile.RECORDSIZE
+    return tar + 5 * (tar // 16384 + 1) + 64
 
 
 def _add(tar: tarfile.TarFile, name: str, size: int, source: BinaryIO) -> None:
@@ -239,7 +279,7 @@ class _Archive:
         self.manifest_bytes = self._manifest()
 
     def refuse(self, why: str) -> InvalidArgumentError:
-        return InvalidArgumentError(f"{self.path}: refusing bundle: {why}")
+        return InvalidArgumentError(f"{shown(self.path)}: refusing bundle: {why}")
 
     def _manifest(self) -> bytes:
         first = self.tar.next()  # (tarfile read it at open, and gives it once more)
@@ -312,11 +352,11 @@ def _guard(path: str) -> Iterator[None]:
     except (InvalidArgumentError, BundleWriteError):
         raise
     except _TooMuch as e:
-        raise InvalidArgumentError(f"{path}: refusing bundle: it holds more than its manifest declares (read no "
+        raise InvalidArgumentError(f"{shown(path)}: refusing bundle: it holds more than its manifest declares (read no "
                                    f"further than {e.args[0]} bytes of its tar stream)") from None
     except _READ_ERRORS as e:
         why = str(e) or type(e).__name__
-        raise InvalidArgumentError(f"{path}: not a readable bundle ({why})") from None
+        raise InvalidArgumentError(f"{shown(path)}: not a readable bundle ({why})") from None
 
 
 def _open_regular(path: str) -> BinaryIO:
@@ -326,11 +366,11 @@ def _open_regular(path: str) -> BinaryIO:
     try:
         f = files.open_regular(path)
     except files.NotRegularFileError as e:
-        raise InvalidArgumentError(f"{path}: {e.strerror}") from None
+        raise InvalidArgumentError(f"{shown(path)}: {e.strerror}") from None
     size = os.fstat(f.fileno()).st_size
     if size > _MAX_BUNDLE:
         f.close()
-        raise InvalidArgumentError(f"{path}: refusing bundle: {size} bytes, over the {_MAX_BUNDLE >> 30} GiB "
+        raise InvalidArgumentError(f"{shown(path)}: refusing bundle: {size} bytes, over the {_MAX_BUNDLE >> 30} GiB "
                                    "a bundle may hold")
     return f
 
@@ -425,11 +465,11 @@ def import_bundle(path: str, store: DiskStore, *, environment: dict[str, Any] | 
         report.mismatched = [k for k, env in environments.items() if env != environment]
         if report.mismatched and not force:
             if environment is None:
-                raise InvalidArgumentError(f"{path}: no usable GPU here to check the bundle against; use --force to "
+                raise InvalidArgumentError(f"{shown(path)}: no usable GPU here to check the bundle against; use --force to "
                                            "import anyway")
             sample = environments[report.mismatched[0]]
             raise InvalidArgumentError(
-                f"{path}: refusing bundle: {len(report.mismatched)} of {len(listed)} entries were made for another GPU "
+                f"{shown(path)}: refusing bundle: {len(report.mismatched)} of {len(listed)} entries were made for another GPU "
                 f"or cuDNN (e.g. {sample.get('gpu')} with cuDNN {sample.get('cudnn')}; this machine: "
                 f"{environment.get('gpu')} with cuDNN {environment.get('cudnn')}); use --force to import anyway")
         # Second pass: the same open file again, through the same checks (a file changed
@@ -448,10 +488,10 @@ def import_bundle(path: str, store: DiskStore, *, environment: dict[str, Any] | 
             try:
                 written = store.publish(entry)
             except OSError as e:
-                raise BundleWriteError(f"cannot write to the cache directory {store.root} ({e.strerror or e}); "
+                raise BundleWriteError(f"cannot write to the cache directory {shown(store.root)} ({e.strerror or e}); "
                                        f"imported {report.imported} of {len(listed)} entries before that") from None
             if not written:
-                raise BundleWriteError(f"cannot write to the cache directory {store.root} (read-only, or an earlier "
+                raise BundleWriteError(f"cannot write to the cache directory {shown(store.root)} (read-only, or an earlier "
                                        f"write failed); imported "
                                        f"{report.imported} of {len(listed)} entries before that")
             report.imported += 1

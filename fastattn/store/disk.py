@@ -12,18 +12,21 @@ a bundle or a remote store, can name a file outside the root.
 Directories are made private (0700), or 2775 when shared, whatever the umask: the
 docs promise it (FASTATTN_CACHE_SHARED), and a cache of native code readable by everyone is a leak.
 
-What lies in the directory is untrusted, whoever put it there. fastattn's own is only:
-regular files named <key>.entry in the shard folder named after the key's first two
-hex digits (a real folder, not a link), .tmp-* files there, and regular <key>.lock
-files in locks/. Entries are opened without following a link and without blocking
+What lies in the directory is untrusted, whoever put it there. fastattn's own is only
+(store.ownership, which checks each file before it is removed or replaced): regular
+files named <key>.entry in the shard folder named after the key's first two hex digits
+(a real folder, not a link) that begin with the entry magic, temporary files there named
+and filled as publish makes them, empty <key>.lock files in locks/, and the directory's
+CACHEDIR.TAG. Entries are opened without following a link and without blocking
 (O_NOFOLLOW | O_NONBLOCK, then fstat: a regular file or nothing), so a FIFO or a link
 named like an entry is never read, nor waited on. Anything else named like an entry
-(a FIFO, a link, a folder, a file in the wrong folder or under another name) is a
-stray: listed (strays()), never read, replaced or deleted. Pruning removes entries,
-temporary files left by killed writers, lock files nobody holds but those of the entries
-that stay, and shard folders it emptied; it says which entries it could not remove, and
-why. A file gone between a listing and its read (another process's clear) is gone, not
-damaged.
+(a FIFO, a link, a folder, a file in the wrong folder, under another name or without
+the magic) is a stray: listed (strays()), never read, replaced or deleted. Pruning
+removes entries, temporary files left by killed writers, lock files nobody holds but
+those of the entries that stay, and, in a directory that is fastattn's (tagged, or an
+older fastattn's: store.ownership), empty shard folders; it names what it removed
+besides entries, and says which entries it could not remove, and why. A file gone
+between a listing and its read (another process's clear) is gone, not damaged.
 """
 
 from __future__ import annotations
@@ -40,8 +43,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Iterator, Union
 
+from .. import files as _files
 from ..files import kind as _kind
 from . import entry as _entry
+from . import ownership
 from .entry import KEY_PATTERN, Entry, EntryError, decode, encode, read_header_from_file
 
 __all__ = ["DiskStore", "EntryInfo", "Pruned", "Stray"]
@@ -62,6 +67,7 @@ _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | _CLOEXEC
 _NOATIME = getattr(os, "O_NOATIME", 0)
 _FOLDER_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | _CLOEXEC
 _HEX = frozenset("0123456789abcdef")
+_NO_MAGIC = "a file named like an entry, without fastattn's format: not fastattn's"
 
 
 @dataclass(frozen=True)
@@ -87,12 +93,14 @@ class Stray:
 @dataclass
 class Pruned:
     """What prune() or clear() did: the entries it removed, those it could not remove
-    (their paths by reason: an OSError's text, such as "Read-only file system"), and
-    what it left alone as not fastattn's."""
+    (their paths by reason: an OSError's text, such as "Read-only file system"), what it
+    left alone as not fastattn's, and what else it removed, (path, what it was) each: a
+    killed writer's temporary file, an idle lock file, an empty folder."""
 
     removed: int = 0
     failed: dict[str, list[str]] = field(default_factory=dict)
     strays: list[Stray] = field(default_factory=list)
+    also_removed: list[tuple[str, str]] = field(default_factory=list)
 
     @property
     def not_removed(self) -> int:
@@ -112,7 +120,7 @@ def _open_regular(path: str) -> int:
         dfd = os.open(folder, _FOLDER_FLAGS)
     except OSError as e:
         if e.errno in (errno.ELOOP, errno.ENOTDIR):
-            raise EntryError(f"{folder} is not a folder of fastattn's (a link or a file): not followed") from None
+            raise EntryError(f"{_files.shown(folder)} is not a folder of fastattn's (a link or a file): not followed") from None
         raise
     try:
         try:
@@ -142,9 +150,14 @@ def read_regular(path: str) -> bytes:
     """The bytes of the regular file `path` (see _open_regular); _TooLarge (an
     EntryError) when it holds more than an entry may, read no further than that."""
     with os.fdopen(_open_regular(path), "rb") as f:
-        error = _entry.too_large(os.fstat(f.fileno()).st_size)
-        # A file that grows after fstat is still read no further than the cap allows.
-        data = f.read(_entry.MAX_ENTRY_BYTES + 1) if error is None else b""
+        size = os.fstat(f.fileno()).st_size
+        error = _entry.too_large(size)
+        # A read asks for what fstat says, and one byte to see growth: a read of the cap
+        # itself would allocate the cap for every entry. A file that grows after fstat is
+        # still read no further than the cap allows.
+        data = f.read(size + 1) if error is None else b""
+        if len(data) > size:
+            data += f.read(_entry.MAX_ENTRY_BYTES + 1 - len(data))
         error = error or _entry.too_large(len(data))
         if error is not None:
             raise _TooLarge(f"{error}: not read")
@@ -169,6 +182,7 @@ class DiskStore:
         self._lock = threading.Lock()
         self._warned: set[str] = set()
         self._total: int | None = None  # bytes in entries, known after the first scan
+        self._fastattns: bool | None = None  # whether the root is a fastattn cache directory, once known
         self.counters = {"hits": 0, "misses": 0, "corrupt": 0, "writes": 0, "write_failures": 0, "pruned": 0}
 
     @property
@@ -205,6 +219,32 @@ class DiskStore:
             except FileExistsError:
                 continue  # another process made it: it chose the mode
             os.chmod(folder, mode)
+            if folder == self.root:  # made here: fastattn's, and tagged so that it stays known as such
+                self._tag()
+
+    def _tag(self) -> None:
+        ownership.write_tag(self.root, 0o664 if self.shared else 0o644)
+        self._fastattns = True
+
+    def _entry_is_ours(self, path: str) -> bool:
+        """Whether the file named like an entry at `path` is fastattn's (store.ownership)."""
+        return self.is_fastattns() or ownership.begins_as_entry(path, empty_ok=False)
+
+    def is_fastattns(self) -> bool:
+        """Whether the root is a fastattn cache directory (store.ownership): tagged, or
+        made by an older fastattn, which is tagged here when the store is writable."""
+        if self._fastattns:
+            return True
+        if ownership.is_tagged(self.root):
+            self._fastattns = True
+        elif ownership.old_cache_shape(self.root):
+            self._fastattns = True
+            if self.writable:
+                with contextlib.suppress(OSError):
+                    self._tag()
+        else:
+            self._fastattns = False
+        return self._fastattns
 
     def _count(self, name: str, n: int = 1) -> None:
         with self._lock:
@@ -339,6 +379,8 @@ class DiskStore:
             finally:
                 os.close(fd)
             old = self._check_ours(path, stat.S_ISREG, "an entry")
+            if old is not None and not self._entry_is_ours(path):
+                raise ownership.not_ours(path, "a file where an entry would be")
             os.replace(tmp, path)  # atomic within one directory
             tmp = None
         except OSError as e:
@@ -351,17 +393,20 @@ class DiskStore:
                 with contextlib.suppress(OSError):
                     os.unlink(tmp)
         self._count("writes")
-        self._after_write(len(data) - old)
+        if not self._fastattns:  # an empty folder made for the cache becomes fastattn's with its first entry
+            self._fastattns = None
+            self.is_fastattns()
+        self._after_write(len(data) - (old or 0))
         return True
 
     @staticmethod
-    def _check_ours(path: str, is_kind, what: str) -> int:
-        """The size of `path` where it is missing (0) or of the kind fastattn makes there;
-        an OSError naming it where something else is there (left alone)."""
+    def _check_ours(path: str, is_kind, what: str) -> int | None:
+        """The size of `path` where it is of the kind fastattn makes there, None where
+        nothing is there; an OSError naming it where something else is (left alone)."""
         try:
             st = os.lstat(path)
         except FileNotFoundError:
-            return 0
+            return None
         if not is_kind(st.st_mode):
             raise OSError(errno.EEXIST, f"{_kind(st.st_mode)} where {what} would be, not fastattn's: left alone",
                           path)
@@ -519,6 +564,8 @@ class DiskStore:
             except FileNotFoundError:
                 return None  # removed since its lstat
             except (OSError, EntryError) as e:
+                if not self._entry_is_ours(path):
+                    return Stray(path, _NO_MAGIC)
                 header, problem = None, str(e) or type(e).__name__
         created = float(header["created"]) if header else st.st_mtime
         return EntryInfo(key, path, st.st_size, created, st.st_atime, header, problem)
@@ -536,18 +583,23 @@ class DiskStore:
                 yield item
 
     def strays(self) -> Iterator[Stray]:
-        """What is named like fastattn's and is not (never read or deleted)."""
+        """What is named like fastattn's and is not (never read or deleted): as scan()
+        finds them, and files named like entries without the entry magic (a prune
+        leaves them too)."""
         for item in self.scan(with_headers=False):
             if isinstance(item, Stray):
                 yield item
+            elif not self._entry_is_ours(item.path) and os.path.lexists(item.path):
+                yield Stray(item.path, _NO_MAGIC)
 
     def prune(self, max_bytes: int | None = None, max_age: float | None = None, *,
               everything: bool = False) -> Pruned:
         """Removes entries unused for more than `max_age` seconds, then least-recently-used
         ones until at most `max_bytes` remain; then what fastattn left behind: temporary
         files of killed writers, lock files nobody holds (but those of the entries that
-        stay), shard folders left empty. Never a stray. everything: every entry (clear),
-        empty ones too.
+        stay), and in a directory that is fastattn's, shard folders left empty. Never a
+        stray, nor a file fastattn did not write (store.ownership checks each before it
+        goes). everything: every entry (clear).
 
         One pass over the directory, one lstat an entry: an entry old enough (or every
         one) is removed as it is listed; by size, the least recently used of the rest
@@ -558,6 +610,8 @@ class DiskStore:
         nor a failure."""
         now = time.time()
         result = Pruned()
+        if self.writable:
+            self.is_fastattns()  # known before anything goes: an older fastattn's directory is known by its entries
         candidates: list[EntryInfo] = []  # listed, kept so far: what the size limit may remove
         staying: set[str] = set()  # the keys of the entries left: their lock files stay too
         total = 0
@@ -581,7 +635,7 @@ class DiskStore:
                 if self._remove(info.path, result, look_again=True) is not False:
                     total -= info.size
                     staying.discard(info.key)
-        self._remove_debris(now, staying)
+        self._remove_debris(now, staying, result)
         with self._lock:
             self._total = total
             self.counters["pruned"] += result.removed
@@ -590,13 +644,18 @@ class DiskStore:
     def _remove(self, path: str, result: Pruned, *, look_again: bool) -> bool | None:
         """Unlinks the entry file `path`, counting it in `result`: True when it is gone
         (removed here, or by another process meanwhile), False when it could not be
-        removed (the reason counted), None when it is no longer a regular file (not
-        fastattn's: left alone, not counted as an entry)."""
+        removed (the reason counted), None when it is no longer a regular file or lacks
+        the entry magic (not fastattn's: left alone, listed in result.strays)."""
         try:
             if look_again and not stat.S_ISREG(os.lstat(path).st_mode):
                 return None
             if not self.writable:
                 raise OSError(errno.EROFS, "the cache is read-only (a store that is not writable)")
+            if not self._entry_is_ours(path):
+                if not os.path.lexists(path):
+                    return True
+                result.strays.append(Stray(path, _NO_MAGIC))
+                return None
             os.unlink(path)
         except FileNotFoundError:
             return True
@@ -608,63 +667,85 @@ class DiskStore:
         result.removed += 1
         return True
 
-    def _remove_debris(self, now: float, staying: set[str]) -> None:
+    def _remove_debris(self, now: float, staying: set[str], result: Pruned) -> None:
         """Temporary files older than _STALE_TMP_SECONDS (a writer has them for
-        milliseconds), empty shard folders, idle lock files but those of the entries
-        `staying` (a build leaves one a key; a prune that keeps an entry does not
-        rewrite the directory for its lock file), an empty locks/."""
+        milliseconds), idle lock files but those of the entries `staying` (a build
+        leaves one a key; a prune that keeps an entry does not rewrite the directory for
+        its lock file), each checked as fastattn's (store.ownership); and, in a
+        directory that is fastattn's, empty shard folders and an empty locks/: in a
+        user's folder that also holds a cache, an empty folder may be the user's.
+        Each one removed is named in `result`."""
+        if not self.writable:
+            return
         try:
             folders = os.listdir(self.root)
         except OSError:
             return
-        for sub in folders:
+        fastattns = self.is_fastattns()
+        for sub in sorted(folders):
             folder = os.path.join(self.root, sub)
             if not _is_shard(sub) or not os.path.isdir(folder) or os.path.islink(folder):
                 continue
             with contextlib.suppress(OSError):
-                for name in os.listdir(folder):
-                    if name.startswith(_TMP_PREFIX):
-                        path = os.path.join(folder, name)
-                        with contextlib.suppress(OSError):
-                            st = os.lstat(path)
-                            if stat.S_ISREG(st.st_mode) and now - st.st_mtime > _STALE_TMP_SECONDS:
-                                os.unlink(path)
-            with contextlib.suppress(OSError):
-                os.rmdir(folder)  # only when empty; a writer that finds it gone makes it again
+                for name in sorted(os.listdir(folder)):
+                    if ownership.is_temp_name(name):
+                        self._remove_temp(os.path.join(folder, name), now, result)
+            if fastattns:
+                self._remove_folder(folder, "an empty shard folder", result)
         locks = os.path.join(self.root, "locks")
         if os.path.isdir(locks) and not os.path.islink(locks):
             with contextlib.suppress(OSError):
-                for name in os.listdir(locks):
+                for name in sorted(os.listdir(locks)):
                     key = name[: -len(_LOCK_SUFFIX)]
                     if name.endswith(_LOCK_SUFFIX) and key not in staying and KEY_PATTERN.fullmatch(key):
-                        self._remove_idle_lock(os.path.join(locks, name))
-            with contextlib.suppress(OSError):
-                os.rmdir(locks)
+                        if self._remove_idle_lock(os.path.join(locks, name)):
+                            result.also_removed.append((os.path.join(locks, name), "an idle lock file"))
+            if fastattns:
+                self._remove_folder(locks, "an empty lock folder", result)
 
     @staticmethod
-    def _remove_idle_lock(path: str) -> None:
-        """Unlinks a lock file that nobody holds, holding it meanwhile. A process that
-        opened it just before gets its lock on the unlinked file: at worst one plan is
-        built twice, which is all a lock here prevents."""
+    def _remove_temp(path: str, now: float, result: Pruned) -> None:
+        with contextlib.suppress(OSError):
+            st = os.lstat(path)
+            if (stat.S_ISREG(st.st_mode) and now - st.st_mtime > _STALE_TMP_SECONDS
+                    and ownership.begins_as_entry(path, empty_ok=True)):
+                os.unlink(path)
+                result.also_removed.append((path, "a temporary file left by a killed writer"))
+
+    @staticmethod
+    def _remove_folder(folder: str, what: str, result: Pruned) -> None:
+        try:
+            os.rmdir(folder)  # only when empty; a writer that finds it gone makes it again
+        except OSError:
+            return
+        result.also_removed.append((folder, what))
+
+    @staticmethod
+    def _remove_idle_lock(path: str) -> bool:
+        """Unlinks a lock file that nobody holds, holding it meanwhile; whether it did.
+        A process that opened it just before gets its lock on the unlinked file: at
+        worst one plan is built twice, which is all a lock here prevents."""
         try:
             fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | _CLOEXEC)
         except OSError:
-            return
+            return False
         try:
             st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                return
+            if not ownership.is_idle_lock_file(st):
+                return False
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError:
-                return  # held: a build is under way
+                return False  # held: a build is under way
             now = os.lstat(path)
             if (now.st_ino, now.st_dev) == (st.st_ino, st.st_dev):
                 os.unlink(path)
+                return True
         except OSError:
             pass
         finally:
             os.close(fd)
+        return False
 
     def clear(self) -> Pruned:
         """Removes every entry (and fastattn's debris, as prune does): see prune()."""

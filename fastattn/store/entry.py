@@ -33,10 +33,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import verdict as _verdict
-from .keys import FORMAT_VERSION
+from .keys import FORMAT_VERSION, key_of
 
-__all__ = ["MAGIC", "KEY_PATTERN", "MAX_ENTRY_BYTES", "Entry", "EntryError", "encode", "decode", "read_header",
-           "read_header_from_file"]
+__all__ = ["MAGIC", "KEY_PATTERN", "MAX_ENTRY_BYTES", "Entry", "EntryError", "encode", "decode", "key_problem",
+           "read_header", "read_header_from_file"]
 
 MAGIC = b"FASTATTN"
 _FIXED = struct.Struct("<8sII")
@@ -228,6 +228,22 @@ def _check_header(header: dict[str, Any]) -> None:
     status = (header["meta"].get("verdict") or {}).get("status")
     if (header["kind"] == "plan" and status == "failed") or (header["kind"] == "unsupported" and status == "passed"):
         raise bad("meta.verdict.status", status)
+
+
+def key_problem(key: str, description: Any) -> str:
+    """Why an entry stored under `key` with `description` in its header is not that
+    key's ("" when it is): a key is the hash of its description (keys.key_of), so a
+    header that describes another plan (another config, GPU or version) under a valid
+    checksum is an entry for another key. Readers that serve or judge an entry (the
+    runtime, `cache verify`, `show`, `ls`) ask; the decoder does not, so that a test can
+    store an entry under any key."""
+    try:
+        described = key_of(description)
+    except (TypeError, ValueError, RecursionError):
+        return "its header's description cannot be hashed"
+    if described == key:
+        return ""
+    return f"its header describes another plan than its key (that plan's key is {described[:16]}...)"
 
 
 def read_header(data: bytes) -> dict[str, Any]:

@@ -93,12 +93,10 @@ class RemoteStore:
         self.name = redact(settings.url)  # how messages name this tier: never with its password
         self.counters = dict.fromkeys(COUNTERS, 0)
         self.state = "not connected yet"
-        self.disabled = ""
+        # Said at the first use (_conn), not here: a command that refuses an off tier
+        # (`cache push`) says it once, in its own error, and a process that never asks
+        # the tier is not warned about it.
         self.disabled = self.policy.refusal()
-        if self.disabled:
-            if self.name not in _warned_off:  # once per process and URL, however many caches are made
-                _warned_off.add(self.name)
-                log.warning("fastattn remote cache %s is off: %s", self.name, self.disabled)
         self._client = None
         self._errors: tuple = ()
         self._down_until = 0.0
@@ -109,7 +107,12 @@ class RemoteStore:
 
     def _conn(self):
         """The client, or None while the tier is off or resting after a failure."""
-        if self.disabled or time.monotonic() < self._down_until:
+        if self.disabled:
+            if self.name not in _warned_off:  # once per process and URL, however many caches are made
+                _warned_off.add(self.name)
+                log.warning("fastattn remote cache %s is off: %s", self.name, self.disabled)
+            return None
+        if time.monotonic() < self._down_until:
             return None
         if self._client is None:
             with self._lock:
@@ -118,8 +121,7 @@ class RemoteStore:
                         import redis
                     except ImportError:
                         self.disabled = "the redis client is not installed (pip install 'fastattn[redis]')"
-                        log.warning("fastattn remote cache %s is off: %s", self.name, self.disabled)
-                        return None
+                        return self._conn()  # (warns, once)
                     t = self.settings.timeout
                     # OverflowError: what the socket raises for a timeout past the OS's
                     # clock (fastattn.env caps FASTATTN_REMOTE_TIMEOUT well below it).
@@ -132,8 +134,7 @@ class RemoteStore:
                         # The URL is checked up front (fastattn.env); a client that still
                         # refuses it turns the tier off: the cache never makes real work fail.
                         self.disabled = f"the redis client refuses the URL ({type(e).__name__}: {e})"
-                        log.warning("fastattn remote cache %s is off: %s", self.name, self.disabled)
-                        return None
+                        return self._conn()  # (warns, once)
         return self._client
 
     def _failed(self, e: BaseException) -> None:

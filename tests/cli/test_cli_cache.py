@@ -89,12 +89,15 @@ def test_prune_and_clear(env, capsys):
     assert code == 0 and body["removed"] == 4
     runtime.clear()  # a new process: the plans are rebuilt and stored again
     fill()
-    nothing = {"removed": 0, "not_removed": 0, "not_removed_because": [], "left_alone": 0}
+    nothing = {"removed": 0, "not_removed": 0, "not_removed_because": [], "left_alone": 0, "also_removed": []}
     assert run_json(["cache", "prune", "--max-age", "1d"], capsys) == (0, nothing)
     assert run(["cache", "prune"], capsys)[0] == cli.EXIT_BAD_INPUT
     code, _, err = run(["cache", "prune", "--max-age", "soon"], capsys)
     assert code == cli.EXIT_BAD_INPUT and "must be a duration" in err
-    assert run_json(["cache", "clear"], capsys) == (0, {**nothing, "removed": 4})
+    code, body = run_json(["cache", "clear"], capsys)
+    assert code == 0 and {**body, "also_removed": []} == {**nothing, "removed": 4}
+    assert {a["what"] for a in body["also_removed"]} <= {"an idle lock file", "an empty shard folder",
+                                                          "an empty lock folder"}
     assert run_json(["cache", "ls"], capsys)[1]["entries"] == []
 
 
@@ -351,3 +354,34 @@ def test_probe_prints_the_recorded_fp8_note(env, capsys, monkeypatch):
     assert code == 0 and "note: FP8 backward ran at 0.70x bf16's speed" in text
     code, body = run_json(argv, capsys)
     assert len(body["notes"]) == 1
+
+
+def test_show_with_no_match_does_not_ask_for_more_of_the_key(env, capsys):
+    fill()
+    code, out, err = run(["cache", "show", "abc" if not any(
+        i.key.startswith("abc") for _, i in runtime.plan_cache().store.entries()) else "fff0"], capsys)
+    assert code == cli.EXIT_BAD_INPUT and "no entry matches" in err and "give more" not in err, err
+    keys = sorted(i.key for _, i in runtime.plan_cache().store.entries())
+    common = os.path.commonprefix(keys[:2])
+    if common:  # several match: then more of the key is the advice
+        code, out, err = run(["cache", "show", common], capsys)
+        assert code == cli.EXIT_BAD_INPUT and "give more of the key" in err
+
+
+@pytest.mark.parametrize("command", ["push", "pull"])
+@pytest.mark.parametrize("as_json", [False, True])
+def test_push_and_pull_without_a_secret_say_their_refusal_once(tmp_path, command, as_json):
+    # In a process of its own: pytest's log capture would hide a warning printed beside the error.
+    import subprocess
+    import sys
+
+    from helpers.paths import ROOT
+
+    environ = {k: v for k, v in os.environ.items() if k not in ("FASTATTN_CACHE_HMAC_KEY", "FASTATTN_CACHE_TRUSTED",
+                                                                 "FASTATTN_CACHE_HMAC_KEY_FILE")}
+    environ.update(FASTATTN_REMOTE_CACHE="redis://127.0.0.1:1/0", FASTATTN_CACHE_DIR=str(tmp_path / "cache"),
+                   PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, "-m", "fastattn", "cache", command, "--all"]
+                          + (["--json"] if as_json else []), capture_output=True, text=True, env=environ, timeout=120)
+    assert proc.returncode == cli.EXIT_BAD_INPUT
+    assert (proc.stdout + proc.stderr).count("no signing secret") == 1, (proc.stdout, proc.stderr)

@@ -231,14 +231,14 @@ def test_prune_of_an_entry_removed_meanwhile_is_no_failure(env, capsys, monkeypa
 
 _CLEARER = """
 import os, sys, time
-from fastattn.store import DiskStore, Entry
+from fastattn.store import DiskStore, Entry, key_of
 root, stop, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
 s = DiskStore(root)
-keys = ["%064x" % (i * 7919 + 1) for i in range(n)]
+descriptions = [{"config": {"i": i}} for i in range(n)]
 print("ready", flush=True)
 while not os.path.exists(stop):
-    for k in keys:
-        s.put(Entry(k, "unsupported", {"config": {"i": k[-4:]}}, created=1.0))
+    for d in descriptions:
+        s.put(Entry(key_of(d), "unsupported", d, created=1.0))
     s.clear()
 """
 

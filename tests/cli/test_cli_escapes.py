@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -25,9 +26,10 @@ BASE = dict(batch=1, heads_q=8, head_dim_qk=64, mask="causal", seqlen_q=128)
 NASTY = "\x1b[31mRED\x1b[0m\nforged line\r\x00\x07\u2028\x9b"
 
 
-def _write(root, key: str, *, gpu: str = "NVIDIA H200", defects=(), reason: str | None = None,
-           kind: str = "plan") -> None:
+def _write(root, *, gpu: str = "NVIDIA H200", defects=(), reason: str | None = None, kind: str = "plan") -> str:
+    """Writes an entry whose header holds the strings given; its key (its description's)."""
     description = {"config": BASE, "gpu": {"name": gpu}, "defects": list(defects)}
+    key = store.key_of(description)
     meta = {}
     if reason is not None:
         meta["verdict"] = Verdict("skipped", 91900, 6.25e-2, (), reason, 0.0).to_dict()
@@ -36,6 +38,7 @@ def _write(root, key: str, *, gpu: str = "NVIDIA H200", defects=(), reason: str 
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "wb") as f:
         f.write(entry_mod.encode(entry))
+    return key
 
 
 def _all_printable(text: str) -> None:
@@ -53,16 +56,14 @@ def cache(tmp_path, monkeypatch):
 
 
 def test_stored_strings_are_shown_escaped(cache, capsys):
-    _write(cache, "a1" * 32, gpu=NASTY)
-    _write(cache, "a2" * 32, defects=["fine", NASTY])
-    _write(cache, "a3" * 32, reason=NASTY)
+    keys = [_write(cache, gpu=NASTY), _write(cache, defects=["fine", NASTY]), _write(cache, reason=NASTY)]
     code, out, err = run(["cache", "ls"], capsys)
     assert code == cli.EXIT_OK
     _all_printable(out + err)
     assert len(out.splitlines()) == 1 + 3 + 1  # the heading, a line per entry, the total: none forged
     assert "\\x1b[31mRED\\x1b[0m\\nforged line\\r\\x00\\x07\\u2028\\x9b" in out  # escaped, not dropped
-    for key in ("a1", "a2", "a3"):
-        code, out, err = run(["cache", "show", key], capsys)
+    for key in keys:
+        code, out, err = run(["cache", "show", key[:12]], capsys)
         assert code == cli.EXIT_OK
         _all_printable(out + err)
     code, out, err = run(["cache", "verify"], capsys)
@@ -105,8 +106,9 @@ def test_printable_escapes_only_what_is_not():
 @given(gpu=st.text(max_size=20), defect=st.text(max_size=20), reason=st.text(min_size=1, max_size=20))
 def test_any_stored_string_is_shown_printable(cache, capsys, gpu, defect, reason):
     runtime.clear()
-    _write(cache, "c1" * 32, gpu=gpu, defects=[defect], reason=reason)
-    for argv in (["cache", "ls"], ["cache", "show", "c1"], ["cache", "verify"]):
+    shutil.rmtree(cache, ignore_errors=True)  # one entry an example: its key is its strings'
+    key = _write(cache, gpu=gpu, defects=[defect], reason=reason)
+    for argv in (["cache", "ls"], ["cache", "show", key], ["cache", "verify"]):
         code, out, err = run(argv, capsys)
         assert code == cli.EXIT_OK, err
         _all_printable(out + err)

@@ -127,3 +127,14 @@ def test_an_override_other_than_the_cudnn_already_loaded_is_refused(monkeypatch,
 
 def test_nothing_loaded_means_no_held_cudnn():
     assert _loader._already_loaded("libfastattn-no-such-library.so.0") is None
+
+
+def test_the_cudnn_in_process_report_names_versions_and_a_second_copy(monkeypatch):
+    from fastattn import runtime
+
+    monkeypatch.setattr(runtime, "libraries", lambda: {})
+    monkeypatch.setattr(runtime, "versions", lambda: {"cudnn_loaded": 92400})
+    monkeypatch.setattr(_loader, "mapped_cudnn", lambda: ["/a/libcudnn.so.9", "/b/libcudnn_graph.so.9"])
+    body = runtime.cudnn_in_process()
+    assert body["fastattn"] == "9.24.0" and body["files"] == ["/a/libcudnn.so.9", "/b/libcudnn_graph.so.9"]
+    assert "more than one cuDNN" in body["problem"]

@@ -93,7 +93,7 @@ class Sandbox:
 
     def write_entry(self, key: str, data: bytes) -> str:
         path = os.path.join(self.cache, key[:2], key + ".entry")
-        os.makedirs(os.path.dirname(path), exist_ok=True)
+        store.DiskStore(self.cache)._mkdir(os.path.dirname(path))  # made by fastattn: its damaged entries are its own
         with open(path, "wb") as f:
             f.write(data)
         return path
