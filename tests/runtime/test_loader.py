@@ -132,7 +132,7 @@ def test_nothing_loaded_means_no_held_cudnn():
 def test_the_cudnn_in_process_report_names_versions_and_a_second_copy(monkeypatch):
     from fastattn import runtime
 
-    monkeypatch.setattr(runtime, "libraries", lambda: {})
+    monkeypatch.setattr(runtime, "libraries", dict)
     monkeypatch.setattr(runtime, "versions", lambda: {"cudnn_loaded": 92400})
     monkeypatch.setattr(_loader, "mapped_cudnn", lambda: ["/a/libcudnn.so.9", "/b/libcudnn_graph.so.9"])
     body = runtime.cudnn_in_process()
