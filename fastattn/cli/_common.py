@@ -1,7 +1,9 @@
 """What every `fastattn` subcommand shares: the exit codes, the parser class and flag
 parsers, the exit code of a warm report, and how results and failures are printed.
 
-Handlers return (exit code, result dict); "_text" in the dict is the human form.
+Handlers return (exit code, result dict); "_text" in the dict is the human form of the
+result (stdout), "_stderr" the words on why the command could not do its work (stderr:
+stdout holds results only, on every command).
 """
 
 from __future__ import annotations

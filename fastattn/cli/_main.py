@@ -161,13 +161,19 @@ def _parse(argv: list[str], as_json: bool):
 
 
 def _emit(out: dict[str, Any], as_json: bool) -> None:
-    text = out.pop("_text", None)  # the human form, when a handler made one
+    text = out.pop("_text", None)  # the human form, when a handler made one ("": nothing for stdout)
+    # Why the command could not do its work, in words: stderr, as every failure's message
+    # is, so that stdout holds results only. With --json the document says it.
+    diagnostics = out.pop("_stderr", None)
     if as_json:
         _print_json(out)
-    else:
-        # Whatever the text holds (a stored header's strings, a path, cuDNN's reason), no
-        # terminal control reaches the terminal; JSON escapes them itself.
+        return
+    # Whatever the text holds (a stored header's strings, a path, cuDNN's reason), no
+    # terminal control reaches the terminal; JSON escapes them itself.
+    if text is None or text:
         _write(printable_lines(plain_text(out) if text is None else text) + "\n")
+    if diagnostics:
+        say(diagnostics)
 
 
 def _print_json(value: Any) -> None:

@@ -302,7 +302,7 @@ def _cannot_write(message: str, out: dict[str, Any]) -> tuple[int, dict[str, Any
     """Exit 4 with the reason: the bundle (or the remote tier) was fine, the work was
     not done. The message goes to stderr, as every failure's does."""
     say(f"fastattn: {message}")
-    return EXIT_FAILED, {**out, "error": "CannotWrite", "message": message, "_text": "failed: the cache cannot be written"}
+    return EXIT_FAILED, {**out, "error": "CannotWrite", "message": message, "_text": ""}  # stdout: results only
 
 
 def _import(args, cache: PlanCache) -> tuple[int, dict[str, Any]]:

@@ -104,6 +104,8 @@ def run(args) -> tuple[int, dict[str, Any]]:
         # A compiler process beside the plans' workers, where fastattn.torch can run at
         # all: without a usable GPU warm fails (exit 3) and must not leave a compiler behind.
         problem = _gpu_problem(args.device)
+        problem = problem and " ".join(part.strip().lstrip("- ") for part in problem.split(": ", 1)[1].splitlines()
+                                       if part.strip())
         torch_ops = _TorchOpsBuild() if problem is None else _TorchOpsBuild(f"not built: no usable GPU ({problem})")
     report = warm(configs, workers=args.workers, device=args.device, timeout=args.timeout,
                   progress=None if args.no_progress or args.json else _progress_bar(),
@@ -125,12 +127,16 @@ def run(args) -> tuple[int, dict[str, Any]]:
     code = exit_code(report)
     if report.not_saved and code in (EXIT_OK, EXIT_UNSUPPORTED):
         code = EXIT_FAILED  # a pre-warm that left the cache without its answers did not do its work
+    out["no_gpu"] = _no_gpu_reason(report, code, args.device)
+    if out["no_gpu"] is not None:
+        code = EXIT_NO_GPU
     for warning in report.warnings:  # the workers' own, which would otherwise end in their logs
         say(f"fastattn: warning: {warning}")
     if torch_ops is not None:
         out["torch_ops"] = torch_ops.result()
-    if code == EXIT_NO_GPU:  # one reason for every config: said once, not once per config
-        out["_text"] = "\n".join(_no_gpu_text(report))
+    if code == EXIT_NO_GPU:  # one reason for every config: said once (stderr), not once per config
+        out["_text"] = ""
+        out["_stderr"] = "\n".join(_no_gpu_text(report, out["no_gpu"]))
     else:
         out["_text"] = "\n".join(_table(report) + ([f"torch op library: {out['torch_ops']['result']}"]
                                                    if torch_ops is not None else [])
@@ -238,13 +244,22 @@ def _table(report) -> list[str]:
     return lines
 
 
-def _no_gpu_text(report) -> list[str]:
-    """Every config failed for want of a GPU stack: each distinct reason once (a
-    LibraryError lists what is missing, a line each), and a closing line that says so."""
+def _no_gpu_reason(report, code: int, device: int | None) -> str | None:
+    """Why no config can be built here ("LibraryError: ..."), or None. Every config
+    failed so (exit_code: EXIT_NO_GPU), each distinct reason once; or there was no
+    config, so no worker was asked: this process asks the GPU stack itself, so that a
+    warm without a GPU is exit 3 whatever its file holds."""
+    if code == EXIT_NO_GPU:
+        return "\n".join(dict.fromkeys(f"{i.error_type}: {i.reason}" for i in report.items))
+    return None if report.items else _gpu_problem(device)
+
+
+def _no_gpu_text(report, reason: str) -> list[str]:
+    """No config could be built for want of a GPU stack: the reason (a LibraryError lists
+    what is missing, a line each), and a closing line that says so."""
     lines = ["fastattn warm: no usable GPU here, so no config was loaded or built:"]
-    for why in dict.fromkeys(f"{i.error_type}: {i.reason}" for i in report.items):
-        lines.extend(wrap(why))
-    lines.append(f"{_summary(report)}: no usable GPU, all {len(report.items)} failed"
+    lines.extend(wrap(reason))
+    lines.append(f"{_summary(report)}: no usable GPU" + (f", all {len(report.items)} failed" if report.items else "")
                  + (f" ({report.not_tried} not sent to a worker: the first answer said so)"
                     if report.not_tried else ""))
     return lines
@@ -263,15 +278,15 @@ def _wants_torch_ops(flag: bool | None) -> bool:
 
 
 def _gpu_problem(device: int | None) -> str | None:
-    """Why this machine cannot run fastattn on `device`, or None."""
+    """Why this machine has no usable GPU stack for `device` ("LibraryError: ..."), or
+    None. A device it does not have is bad input (InvalidArgumentError, raised)."""
     from ..errors import CudaError, CudnnError, LibraryError
     from ..runtime import device_info
 
     try:
         device_info(device)
-    except (LibraryError, CudaError, CudnnError, InvalidArgumentError) as e:
-        # One line: a LibraryError lists its problems on lines of their own.
-        return " ".join(part.strip().lstrip("- ") for part in str(e).splitlines() if part.strip())
+    except (LibraryError, CudaError, CudnnError) as e:
+        return f"{type(e).__name__}: {e}"
     return None
 
 

@@ -207,9 +207,9 @@ def test_warm_without_a_gpu_starts_no_compiler(capsys, monkeypatch, tmp_path):
         code, _, _ = run(["warm", "--json"], capsys)
         assert code == cli.EXIT_NO_GPU and started == []
     _fake_warm(monkeypatch, tmp_path)  # a warm that runs, on a machine whose GPU is unusable
-    monkeypatch.setattr(warm_cli, "_gpu_problem", lambda device: "simulated: no driver")
+    monkeypatch.setattr(warm_cli, "_gpu_problem", lambda device: "LibraryError: simulated: no driver")
     code, out, _ = run(["warm", "--json"], capsys)
-    assert code == cli.EXIT_OK and started == []
+    assert code == cli.EXIT_NO_GPU and started == []
     assert json.loads(out)["torch_ops"] == {"ok": False, "result": "not built: no usable GPU (simulated: no driver)"}
 
 
