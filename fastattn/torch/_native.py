@@ -83,7 +83,7 @@ def compile_command(source: Path, output: Path, name: str, generated: Path) -> l
     # torch's and Python's headers as system headers (their warnings are theirs); ours with
     # the warnings that are bugs as errors (a reference to a temporary returned: s14's
     # sdpa.cpp, found by review, would have crashed at its first fallback).
-    system = [*cpp_extension.include_paths(), sysconfig.get_paths()["include"]]
+    system = [*cpp_extension.include_paths(), _python_include()]
     return [*cxx, "-c", "-fPIC", "-O2", "-std=c++20", "-fvisibility=hidden", *_bug_warnings(tuple(cxx)),
             f"-D_GLIBCXX_USE_CXX11_ABI={int(_torch()._C._GLIBCXX_USE_CXX11_ABI)}",
             "-DTORCH_API_INCLUDE_EXTENSION_H", f"-DTORCH_EXTENSION_NAME={name}",
@@ -103,6 +103,27 @@ def _bug_warnings(cxx: tuple[str, ...]) -> tuple[str, ...]:
     if "clang" in version.lower():
         return ("-Werror=return-stack-address",)
     return ("-Werror=return-local-addr",)
+
+
+def _python_include() -> str:
+    """The folder of this Python's headers (Python.h), which the units include."""
+    return sysconfig.get_paths()["include"]
+
+
+def build_problem() -> str | None:
+    """Why the library cannot be built here, with what would fix it, or None: what a
+    build needs (a C++ compiler, Python's headers; torch's come with its wheel), looked
+    for without running anything. No GPU is needed."""
+    import shutil
+
+    cxx = shlex.split(os.environ.get("CXX", "c++"))[:1]
+    if not cxx or shutil.which(cxx[0]) is None:
+        return f"there is no C++ compiler (CXX={os.environ.get('CXX', 'c++')!r}): install one, or set CXX"
+    include = _python_include()
+    if not os.path.isfile(os.path.join(include, "Python.h")):
+        return (f"Python's headers (Python.h) are not in {include}: install them (Debian and Ubuntu: "
+                f"python{sys.version_info.major}.{sys.version_info.minor}-dev)")
+    return None
 
 
 def link_command(objects: list[Path], output: Path) -> list[str]:
@@ -356,16 +377,20 @@ def describe() -> dict:
                 "reason": f"{ENV}={m}; the op library's directory {target.parent} {problem}"}
     if target.exists():
         return {"path": "native", "reason": f"{ENV}={m}; built for this torch: {target}"}
+    # The advice is what works on this machine: warm builds the library where a compiler
+    # and Python's headers are (with or without a GPU); elsewhere, what is missing, or a
+    # library built for this torch on another machine, copied in.
+    problem = build_problem()
+    if problem is not None:
+        return {"path": "python" if m == "auto" else "none",
+                "reason": f"{ENV}={m}; the native op library is not built for this torch yet, and cannot be built "
+                          f"here: {problem}; then run `fastattn warm`. Or copy a library built for this torch "
+                          f"({target.parent.name}) into {target.parent.parent} (or the folder "
+                          "FASTATTN_TORCH_OPS_DIR names)"}
     if m == "auto":  # never compiled at a call (library())
         return {"path": "python", "reason": f"{ENV}=auto; the native op library is not built for this torch yet: "
-                                            f"`fastattn warm` builds it into {target}"}
-    cxx = shlex.split(os.environ.get("CXX", "c++"))[:1]
-    import shutil
-
-    if not cxx or shutil.which(cxx[0]) is None:
-        return {"path": "python" if m == "auto" else "none",
-                "reason": f"{ENV}={m}; the op library is not built for this torch and there is no C++ compiler "
-                          f"(CXX={os.environ.get('CXX', 'c++')!r})"}
+                                            f"`fastattn warm` builds it (a C++ compiler is here; no GPU is needed) "
+                                            f"into {target}"}
     return {"path": "native", "reason": f"{ENV}={m}; built at the first call (or by `fastattn warm`) "
                                         f"into {target}"}
 

@@ -93,3 +93,95 @@ def test_a_command_that_could_not_do_its_work_prints_nothing_on_stdout(cache_dir
     path.write_bytes(b"")
     code, out, err = run(["cache", "import", str(path), "--force"], capsys)
     assert code == cli.EXIT_FAILED and out == "" and "cannot be written" in err, (out, err)
+
+
+# -- what needs no GPU is built without one: fastattn.torch's op library ------------------------------
+
+
+def _op_library_build(monkeypatch, result):
+    """warm's op library step answering `result`; the calls it got."""
+    from fastattn.cli import warm as warm_cli
+
+    started = []
+    monkeypatch.setattr(warm_cli, "_build_torch_ops", lambda: started.append(1) or dict(result))
+    return started
+
+
+def test_warm_without_a_gpu_builds_the_op_library_and_says_plans_need_the_gpu(no_gpu_here, capsys, monkeypatch):
+    # It was "torch op library: not built: no usable GPU": the library needs a compiler
+    # and torch's headers, no GPU, and a deploy's image is built on a machine without one.
+    started = _op_library_build(monkeypatch, {"ok": True, "path": "/x/ops.so", "result": "/x/ops.so (1.0 s)"})
+    code, out, err = run(["warm", _file(no_gpu_here, [ENTRY]), "--torch-ops"], capsys)
+    assert code == cli.EXIT_NO_GPU and started == [1], (out, err)
+    assert out.strip() == "torch op library: /x/ops.so (1.0 s)", out  # the result: stdout
+    assert "plans need the GPU" in err and "no usable GPU" in err, err
+    code, out, _ = run(["warm", _file(no_gpu_here, []), "--torch-ops", "--json"], capsys)
+    assert code == cli.EXIT_NO_GPU and started == [1, 1] and json.loads(out)["torch_ops"]["ok"] is True
+
+
+def test_warm_without_a_gpu_whose_op_library_fails_is_exit_4(no_gpu_here, capsys, monkeypatch):
+    # Without a GPU the op library is all warm can build: exit 3 says it is built (or not
+    # asked for), so that a Dockerfile can rely on it; its failure is exit 4.
+    _op_library_build(monkeypatch, {"ok": False, "result": "not built (RuntimeError: no C++ compiler)"})
+    code, out, err = run(["warm", _file(no_gpu_here, [ENTRY]), "--torch-ops"], capsys)
+    assert code == cli.EXIT_FAILED, (out, err)
+    assert "torch op library: not built (RuntimeError: no C++ compiler)" in out and "no usable GPU" in err
+    code, _, _ = run(["warm", _file(no_gpu_here, [ENTRY]), "--no-torch-ops"], capsys)
+    assert code == cli.EXIT_NO_GPU
+
+
+def test_warm_builds_the_op_library_that_a_process_of_this_environment_then_loads_without_compiling(
+        op_library, tmp_path):
+    # The real build (tests/conftest.py's op_library: `fastattn warm` of no config in a
+    # process of its own), on this machine: in CI one without a GPU. The suite builds the
+    # library once, there; the native path's CPU tests (the `lib` fixture) load that build.
+    import os
+    import subprocess
+    import sys
+
+    from conftest import _gpu_unavailable_reason
+
+    code, body, folder, fresh = op_library
+    assert body.get("torch_ops", {}).get("ok") is True, body
+    assert code == (cli.EXIT_NO_GPU if _gpu_unavailable_reason() else cli.EXIT_OK), (code, body)
+    if fresh:
+        assert "built before" not in body["torch_ops"]["result"], body
+    # A process of the same environment (on a GPU machine, the deployment) takes the
+    # native path with nothing to compile: there is no compiler at all in it.
+    script = ("from fastattn.torch import _native\n"
+              "assert _native.library() is not None, _native._state\n"
+              "print(_native._state['reason'])\n")
+    env = {**os.environ, "FASTATTN_TORCH_OPS_DIR": folder, "FASTATTN_TORCH_PATH": "auto", "CXX": "/nonexistent/c++"}
+    r = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0 and r.stdout.startswith(f"native: {folder}"), (r.stdout, r.stderr[-2000:])
+
+
+# -- `fastattn info`'s advice works on the machine it runs on -------------------------------------------
+
+
+@pytest.mark.parametrize("missing", ["compiler", "python headers", None])
+def test_info_advises_what_works_here_to_get_the_op_library(capsys, monkeypatch, tmp_path, missing):
+    # It advised `fastattn warm` to build the library where that could not (no GPU:
+    # warm skipped it; no compiler: warm fails to build it).
+    pytest.importorskip("torch", reason="PyTorch is an optional extra")
+    from fastattn.torch import _native
+
+    monkeypatch.setattr(_native, "_state", {})  # undecided in this process, whatever ran before
+    monkeypatch.setenv("FASTATTN_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("FASTATTN_TORCH_OPS_DIR", raising=False)
+    monkeypatch.setenv("FASTATTN_TORCH_PATH", "auto")
+    if missing == "compiler":
+        monkeypatch.setenv("CXX", "/nonexistent/c++")
+    elif missing == "python headers":
+        monkeypatch.setattr(_native, "_python_include", lambda: str(tmp_path / "no-headers"))
+    code, out, _ = run(["info", "--json"], capsys)
+    reason = json.loads(out)["torch"]["reason"]
+    assert code == cli.EXIT_OK and "not built for this torch yet" in reason, reason
+    if missing is None:  # a compiler and the headers: warm builds it, here, with or without a GPU
+        assert "`fastattn warm` builds it" in reason and "no GPU" in reason, reason
+    else:
+        assert "`fastattn warm` builds it" not in reason and "cannot be built here" in reason, reason
+        assert {"compiler": "no C++ compiler (CXX='/nonexistent/c++')",
+                "python headers": "Python's headers"}[missing] in reason, reason
+        assert "FASTATTN_TORCH_OPS_DIR" in reason, reason  # or a library built elsewhere, copied in
