@@ -6,10 +6,13 @@ loads it; both name it through this module.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.machinery
 import os
+import subprocess
 import sys
+import threading
 from pathlib import Path
 
 from ._version import __version__
@@ -134,3 +137,61 @@ def find_built() -> Path | None:
         if path.exists():
             return path
     return None
+
+
+# The op library's compiler processes running in this process, and whether its builds
+# are cancelled: here, not in fastattn.torch._native, so that an interrupted `fastattn
+# warm` stops a build without importing torch (seconds) on its way out.
+_compilers: set[subprocess.Popen] = set()
+_compilers_lock = threading.Lock()
+_cancelled = threading.Event()
+
+
+class BuildCancelled(RuntimeError):
+    """cancel_builds() stopped the build."""
+
+
+def start_compiler(cmd: list[str]) -> subprocess.Popen:
+    """A compiler process (stdout and stderr piped, as text), counted among the running
+    ones until finish_compiler(); BuildCancelled once builds are cancelled (none starts
+    after), FileNotFoundError where there is no such program."""
+    with _compilers_lock:
+        if _cancelled.is_set():
+            raise BuildCancelled("the build was cancelled")
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        _compilers.add(proc)
+    return proc
+
+
+def finish_compiler(proc: subprocess.Popen) -> tuple[str, str]:
+    """Waits for a compiler start_compiler() started: its (stdout, stderr).
+    BuildCancelled where builds were cancelled meanwhile (it was killed)."""
+    try:
+        out, err = proc.communicate()
+    finally:
+        with _compilers_lock:
+            _compilers.discard(proc)
+    if _cancelled.is_set():
+        raise BuildCancelled("the build was cancelled")
+    return out, err
+
+
+def cancel_builds() -> None:
+    """Stops this process's op library builds at once (an interrupted `fastattn warm`):
+    the running compilers are killed and none starts until resume_builds(); each build
+    then removes what it wrote (fastattn.torch._native.build)."""
+    with _compilers_lock:
+        _cancelled.set()
+        for proc in _compilers:
+            with contextlib.suppress(OSError):
+                proc.kill()
+
+
+def resume_builds() -> None:
+    """Builds may run again, once every cancelled one has ended (`fastattn warm` run in
+    a process that goes on: tests, a caller of cli.main)."""
+    _cancelled.clear()
+
+
+def cancelled() -> bool:
+    return _cancelled.is_set()

@@ -26,7 +26,9 @@ EXIT_FAILED = 4       # some work failed: a crashed config, damaged entries, Red
                       # that failed verification (--verify: refused with the evidence, never served)
 EXIT_BUG = 5          # an unexpected exception: a bug in fastattn (the traceback goes to a file)
 EXIT_INTERRUPTED = 130  # Ctrl-C, as shells report SIGINT
-EXIT_CODES = (EXIT_OK, EXIT_UNSUPPORTED, EXIT_BAD_INPUT, EXIT_NO_GPU, EXIT_FAILED, EXIT_BUG, EXIT_INTERRUPTED)
+EXIT_TERMINATED = 143  # SIGTERM (a supervisor's stop), as shells report it: after cleaning up, as for SIGINT
+EXIT_CODES = (EXIT_OK, EXIT_UNSUPPORTED, EXIT_BAD_INPUT, EXIT_NO_GPU, EXIT_FAILED, EXIT_BUG, EXIT_INTERRUPTED,
+              EXIT_TERMINATED)
 INT_MAX = 2**31 - 1  # the largest size cuDNN takes (its masks and windows are int32)
 
 

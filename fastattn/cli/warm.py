@@ -95,7 +95,6 @@ def _progress_bar():
 
 def run(args) -> tuple[int, dict[str, Any]]:
     from .. import sweep
-    from ..warm import warm
 
     verify = getattr(args, "verify", False)
     if verify:
@@ -109,6 +108,17 @@ def run(args) -> tuple[int, dict[str, Any]]:
     # plans' workers, also where there is no GPU (a deploy's image is built on such a
     # machine, and a GPU process of that environment then loads it without compiling).
     torch_ops = _TorchOpsBuild() if _wants_torch_ops(args.torch_ops) else None
+    try:
+        return _run(args, configs, skipped, torch_ops, verify)
+    except BaseException:  # interrupted (SIGINT, SIGTERM), or failed: no compiler is left running
+        if torch_ops is not None:
+            torch_ops.cancel()
+        raise
+
+
+def _run(args, configs, skipped, torch_ops: _TorchOpsBuild | None, verify: bool) -> tuple[int, dict[str, Any]]:
+    from ..warm import warm
+
     report = warm(configs, workers=args.workers, device=args.device, timeout=args.timeout,
                   progress=None if args.no_progress or args.json else _progress_bar(),
                   **({"verify": True} if verify else {}))
@@ -298,19 +308,41 @@ def _gpu_problem(device: int | None) -> str | None:
 
 
 class _TorchOpsBuild:
-    """_build_torch_ops() in a thread, started at once; result() waits for it. A daemon:
-    an interrupted warm does not wait for the compiler (build() publishes only a whole
-    library, so nothing half-built is ever loaded)."""
+    """_build_torch_ops() in a thread, started at once; result() waits for it; cancel()
+    stops it. A daemon: a warm that ends otherwise than through result() or cancel() (a
+    bug) does not wait for the compiler (build() publishes only a whole library, so
+    nothing half-built is ever loaded)."""
+
+    # How long an interrupted warm waits for the build to remove what it wrote, once its
+    # compilers are killed (a build still importing torch may take that long to get there;
+    # what it has not removed by then, the next build removes).
+    CANCEL_WAIT = 5.0
 
     def __init__(self):
         self._out: dict[str, Any] = {}
-        self._thread = threading.Thread(target=lambda: self._out.update(_build_torch_ops()),
-                                        name="fastattn-torch-ops", daemon=True)
+        # Waited on instead of Thread.join: a join that SIGINT interrupted can report the
+        # thread ended while it still runs (CPython before 3.13).
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._build, name="fastattn-torch-ops", daemon=True)
         self._thread.start()
 
+    def _build(self) -> None:
+        try:
+            self._out.update(_build_torch_ops())
+        finally:
+            self._done.set()
+
     def result(self) -> dict[str, Any]:
-        self._thread.join()
+        self._done.wait()
         return self._out or {"ok": False, "result": "not built (the build thread ended without a result)"}
+
+    def cancel(self) -> None:
+        """Kills the compilers now, and waits a moment for the build to remove its files."""
+        from .. import _opslib
+
+        _opslib.cancel_builds()
+        if self._done.wait(self.CANCEL_WAIT):  # (a build still running must find builds cancelled)
+            _opslib.resume_builds()
 
 
 def _build_torch_ops() -> dict[str, Any]:

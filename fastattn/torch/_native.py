@@ -21,6 +21,7 @@ so setup.py cannot see the torch the user has (docs/DECISIONS.md).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import os
@@ -151,12 +152,34 @@ def _workers() -> int:
 
 
 def _run(cmd: list[str]) -> tuple[subprocess.CompletedProcess, float]:
+    """One compiler or linker run, which _opslib.cancel_builds() can stop."""
     t0 = time.perf_counter()
     try:
-        done = subprocess.run(cmd, capture_output=True, text=True)
+        proc = _opslib.start_compiler(cmd)
     except FileNotFoundError:
         raise RuntimeError(f"no C++ compiler: CXX={cmd[0]!r} not found") from None
-    return done, time.perf_counter() - t0
+    out, err = _opslib.finish_compiler(proc)
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err), time.perf_counter() - t0
+
+
+# What a build writes beside the library while it runs: its objects' folder and the
+# library before its rename (tempfile's names, with these affixes).
+_OBJECTS_PREFIX, _LIBRARY_TMP_SUFFIX = "objects.", ".so.tmp"
+
+
+def _remove_leftovers(folder: Path) -> None:
+    """What builds that were killed (SIGKILL, a crash: no `finally` ran) left in the
+    build folder. Called under the build lock: every build that writes them holds it,
+    so what is there then is no running build's."""
+    import shutil
+
+    for path in folder.iterdir():
+        name = path.name
+        if name.startswith(_OBJECTS_PREFIX) and path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        elif name.endswith(_LIBRARY_TMP_SUFFIX) and path.is_file() and not path.is_symlink():
+            with contextlib.suppress(OSError):
+                path.unlink()
 
 
 def _failure(what: str, done: subprocess.CompletedProcess) -> RuntimeError:
@@ -181,9 +204,12 @@ def build(root: Path | None = None) -> Path:
         fcntl.flock(lock, fcntl.LOCK_EX)  # one build at a time; a second waits, then finds it built
         if target.exists():
             return target
-        fd, tmp = tempfile.mkstemp(dir=folder, suffix=".so.tmp")
+        _remove_leftovers(folder)
+        if _opslib.cancelled():
+            raise _opslib.BuildCancelled("the build was cancelled")
+        fd, tmp = tempfile.mkstemp(dir=folder, suffix=_LIBRARY_TMP_SUFFIX)
         os.close(fd)
-        objects = Path(tempfile.mkdtemp(dir=folder, prefix="objects."))
+        objects = Path(tempfile.mkdtemp(dir=folder, prefix=_OBJECTS_PREFIX))
         try:
             generated = write_generated(folder / "generated")
             units = [write_unit(objects, i, names) for i, names in enumerate(UNITS)]
