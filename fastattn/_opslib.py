@@ -20,13 +20,23 @@ from ._version import __version__
 _TORCH_DIR = Path(__file__).resolve().parent / "torch"
 _CSRC = _TORCH_DIR / "csrc"
 # The library's sources (fastattn/torch/csrc/ops.h says what each holds), each with its
-# own includes, and how they are batched into translation units, which compile in
-# parallel and are then linked. Two units, because torch's headers dominate: a unit that
-# includes them costs 5-10 s before its first line, so on two cores the sources
-# batched by the headers they share (Python's and pybind11's; autograd's) build faster
-# than one unit or five (docs/history/benchmarks-log.md, "Session 12: build times").
-UNITS = (("ops.cpp", "eager.cpp"), ("dense.cpp", "varlen.cpp", "table.cpp", "sdpa.cpp"))
-SOURCES = tuple(_CSRC / name for unit in UNITS for name in unit)
+# own includes, in link order (the order of their static initializers), and how they are
+# batched into translation units where there are fewer cores than sources (units()).
+BATCHES = (("ops.cpp", "eager.cpp"), ("dense.cpp", "varlen.cpp", "table.cpp", "sdpa.cpp"))
+SOURCES = tuple(_CSRC / name for unit in BATCHES for name in unit)
+
+
+def units(cores: int) -> tuple[tuple[str, ...], ...]:
+    """The translation units for a machine with `cores` cores, which compile in
+    parallel (one per core) and are then linked. torch's headers dominate: parsing them
+    costs a source more than its own lines. With a core per source, each is a unit of
+    its own, and the build takes as long as the slowest one; with fewer,
+    BATCHES, the sources batched by the headers they share (Python's and pybind11's;
+    autograd's), which parses them once per batch: on two cores two batches beat one
+    unit and six (docs/history/benchmarks-log.md, "The op library's build")."""
+    if cores >= len(SOURCES):
+        return tuple((path.name,) for path in SOURCES)
+    return BATCHES
 INCLUDE = Path(__file__).resolve().parent / "include"
 # The sources' included files: every header beside them, so that a new one is part of the
 # tag unasked, and the declarations the generated headers come from (_options.py, and

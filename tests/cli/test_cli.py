@@ -147,7 +147,7 @@ def test_info_says_which_torch_path_runs_and_why(capsys, monkeypatch, tmp_path, 
     assert not (tmp_path / "torch-ops").exists()  # info builds nothing
 
 
-@pytest.mark.parametrize("cxx,ok,result", [("false", False, "compiling ops.cpp + eager.cpp failed (exit 1)"),
+@pytest.mark.parametrize("cxx,ok,result", [("false", False, "compiling ops.cpp"),
                                            ("/nonexistent/c++", False, "no C++ compiler")])
 def test_warm_torch_ops_reports_a_failed_build_without_failing(capsys, monkeypatch, tmp_path, cxx, ok, result):
     # The plans are what warm is for: a library that cannot be built is reported (the
@@ -194,7 +194,7 @@ def test_warm_builds_the_torch_op_library_by_default(capsys, monkeypatch, tmp_pa
     assert code == cli.EXIT_OK
     assert ("torch_ops" in body) is builds, body.get("torch_ops")
     if builds:
-        assert "compiling ops.cpp + eager.cpp failed" in body["torch_ops"]["result"]
+        assert "compiling ops.cpp" in body["torch_ops"]["result"]  # (+ eager.cpp, where it shares ops.cpp's unit)
 
 
 _FIND_BUILT = """

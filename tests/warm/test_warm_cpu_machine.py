@@ -185,3 +185,21 @@ def test_info_advises_what_works_here_to_get_the_op_library(capsys, monkeypatch,
         assert {"compiler": "no C++ compiler (CXX='/nonexistent/c++')",
                 "python headers": "Python's headers"}[missing] in reason, reason
         assert "FASTATTN_TORCH_OPS_DIR" in reason, reason  # or a library built elsewhere, copied in
+
+
+# -- the op library's build: a unit per core ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cores", [1, 2, 3, 5, 6, 16, 128])
+def test_the_op_librarys_sources_compile_in_as_many_units_as_help_on_the_cores_there_are(cores):
+    # Two units whatever the machine: a 16-core one waited for the slower batch where its
+    # slowest source alone takes less (docs/history/benchmarks-log.md, "The op library's build").
+    from fastattn import _opslib
+
+    units = _opslib.units(cores)
+    assert sorted(n for unit in units for n in unit) == sorted(p.name for p in _opslib.SOURCES)
+    assert [n for unit in units for n in unit] == [p.name for p in _opslib.SOURCES]  # the link order stays
+    if cores >= len(_opslib.SOURCES):
+        assert len(units) == len(_opslib.SOURCES)
+    else:  # sources batched by the headers they share: parsed once per unit
+        assert units == _opslib.BATCHES and len(units) <= max(2, cores)
