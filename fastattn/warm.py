@@ -489,9 +489,12 @@ def _log_folder():
     _remove_stale_log_folders()
     folder = tempfile.mkdtemp(prefix=_LOG_PREFIX)
     try:
-        fd = os.open(os.path.join(folder, _OWNER), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        # Locked before it has its name: another run never sees an owner.lock nobody holds.
+        fresh = os.path.join(folder, "." + _OWNER)
+        fd = os.open(fresh, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
+            os.rename(fresh, os.path.join(folder, _OWNER))
             yield folder
         finally:
             os.close(fd)
