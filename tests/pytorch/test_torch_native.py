@@ -515,15 +515,14 @@ def test_the_build_tag_names_what_the_library_depends_on():
     assert f"py{sys.version_info.major}{sys.version_info.minor}" in tag
 
 
-def test_a_built_library_is_reused_not_rebuilt(lib, tmp_path):
-    # The module fixture built it into the session's cache directory: a second build()
-    # finds it (a compiler that fails proves nothing was compiled).
-    before = _native.build()
-    os.environ["CXX"] = "false"
-    try:
-        assert _native.build() == before
-    finally:
-        del os.environ["CXX"]
+def test_a_built_library_is_reused_not_rebuilt(lib, op_library, monkeypatch):
+    # The op_library fixture built it (`fastattn warm`, into its own directory): build()
+    # there finds it (a compiler that fails proves nothing was compiled).
+    from pathlib import Path
+
+    root = Path(op_library[2])
+    monkeypatch.setenv("CXX", "false")
+    assert _native.build(root) == _native.library_path(root) and _native.library_path(root).exists()
 
 
 @pytest.mark.parametrize("code", range(1, 9))
