@@ -39,7 +39,9 @@ def op_library(tmp_path_factory):
     import sys
 
     pytest.importorskip("torch", reason="PyTorch is an optional extra (pip install torch)")
-    given = os.environ.get("FASTATTN_TORCH_OPS_DIR")
+    from fastattn import env as _env
+
+    given = _env.get("FASTATTN_TORCH_OPS_DIR")
     folder = given or str(tmp_path_factory.mktemp("torch-ops"))
     work = tmp_path_factory.mktemp("op-library-warm")
     (work / "none.json").write_text('{"configs": []}')
