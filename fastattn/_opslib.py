@@ -6,10 +6,13 @@ loads it; both name it through this module.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.machinery
 import os
+import subprocess
 import sys
+import threading
 from pathlib import Path
 
 from ._version import __version__
@@ -17,13 +20,23 @@ from ._version import __version__
 _TORCH_DIR = Path(__file__).resolve().parent / "torch"
 _CSRC = _TORCH_DIR / "csrc"
 # The library's sources (fastattn/torch/csrc/ops.h says what each holds), each with its
-# own includes, and how they are batched into translation units, which compile in
-# parallel and are then linked. Two units, because torch's headers dominate: a unit that
-# includes them costs 5-10 s before its first line, so on two cores the sources
-# batched by the headers they share (Python's and pybind11's; autograd's) build faster
-# than one unit or five (docs/history/benchmarks-log.md, "Session 12: build times").
-UNITS = (("ops.cpp", "eager.cpp"), ("dense.cpp", "varlen.cpp", "table.cpp", "sdpa.cpp"))
-SOURCES = tuple(_CSRC / name for unit in UNITS for name in unit)
+# own includes, in link order (the order of their static initializers), and how they are
+# batched into translation units where there are fewer cores than sources (units()).
+BATCHES = (("ops.cpp", "eager.cpp"), ("dense.cpp", "varlen.cpp", "table.cpp", "sdpa.cpp"))
+SOURCES = tuple(_CSRC / name for unit in BATCHES for name in unit)
+
+
+def units(cores: int) -> tuple[tuple[str, ...], ...]:
+    """The translation units for a machine with `cores` cores, which compile in
+    parallel (one per core) and are then linked. torch's headers dominate: parsing them
+    costs a source more than its own lines. With a core per source, each is a unit of
+    its own, and the build takes as long as the slowest one; with fewer,
+    BATCHES, the sources batched by the headers they share (Python's and pybind11's;
+    autograd's), which parses them once per batch: on two cores two batches beat one
+    unit and six (docs/history/benchmarks-log.md, "The op library's build")."""
+    if cores >= len(SOURCES):
+        return tuple((path.name,) for path in SOURCES)
+    return BATCHES
 INCLUDE = Path(__file__).resolve().parent / "include"
 # The sources' included files: every header beside them, so that a new one is part of the
 # tag unasked, and the declarations the generated headers come from (_options.py, and
@@ -134,3 +147,61 @@ def find_built() -> Path | None:
         if path.exists():
             return path
     return None
+
+
+# The op library's compiler processes running in this process, and whether its builds
+# are cancelled: here, not in fastattn.torch._native, so that an interrupted `fastattn
+# warm` stops a build without importing torch (seconds) on its way out.
+_compilers: set[subprocess.Popen] = set()
+_compilers_lock = threading.Lock()
+_cancelled = threading.Event()
+
+
+class BuildCancelled(RuntimeError):
+    """cancel_builds() stopped the build."""
+
+
+def start_compiler(cmd: list[str]) -> subprocess.Popen:
+    """A compiler process (stdout and stderr piped, as text), counted among the running
+    ones until finish_compiler(); BuildCancelled once builds are cancelled (none starts
+    after), FileNotFoundError where there is no such program."""
+    with _compilers_lock:
+        if _cancelled.is_set():
+            raise BuildCancelled("the build was cancelled")
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        _compilers.add(proc)
+    return proc
+
+
+def finish_compiler(proc: subprocess.Popen) -> tuple[str, str]:
+    """Waits for a compiler start_compiler() started: its (stdout, stderr).
+    BuildCancelled where builds were cancelled meanwhile (it was killed)."""
+    try:
+        out, err = proc.communicate()
+    finally:
+        with _compilers_lock:
+            _compilers.discard(proc)
+    if _cancelled.is_set():
+        raise BuildCancelled("the build was cancelled")
+    return out, err
+
+
+def cancel_builds() -> None:
+    """Stops this process's op library builds at once (an interrupted `fastattn warm`):
+    the running compilers are killed and none starts until resume_builds(); each build
+    then removes what it wrote (fastattn.torch._native.build)."""
+    with _compilers_lock:
+        _cancelled.set()
+        for proc in _compilers:
+            with contextlib.suppress(OSError):
+                proc.kill()
+
+
+def resume_builds() -> None:
+    """Builds may run again, once every cancelled one has ended (`fastattn warm` run in
+    a process that goes on: tests, a caller of cli.main)."""
+    _cancelled.clear()
+
+
+def cancelled() -> bool:
+    return _cancelled.is_set()

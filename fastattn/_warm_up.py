@@ -34,7 +34,8 @@ not running (fork copies no thread), and the runtime drops the plans the parent 
 loading (fastattn.runtime's fork handler). Inside another thread's CUDA-graph capture,
 plan loads are made in relaxed capture mode (csrc/attention.cpp), so that they do not
 invalidate it. runtime.clear() stops it; so does the interpreter's exit (waiting up to
-EXIT_WAIT seconds for a load in progress). Its state is fastattn.stats()["warm_up"].
+EXIT_WAIT seconds for a load in progress). Its state is fastattn.stats()["warm_up"]; where
+it is off, its "reason" says why (FASTATTN_WARM_UP=off, a torch built without CUDA).
 """
 
 from __future__ import annotations
@@ -72,6 +73,7 @@ _STATUS: dict[str, Any] = {
     "libraries_seconds": 0.0,
     "plans_seconds": 0.0,
     "error": None,  # why it ended early, in one line
+    "reason": None,  # why it is off (state "off"), in one line
 }
 
 
@@ -169,7 +171,8 @@ class _Run:
 
 
 _run: _Run | None = None  # the current run (None: none started, or stopped)
-_last: dict[str, Any] = dict(_STATUS)  # the status status() reports where no run is current
+# The status status() reports where no run is current.
+_last: dict[str, Any] = {**_STATUS, "reason": "not started: importing fastattn.torch (or an integration) starts it"}
 
 
 def status() -> dict[str, Any]:
@@ -202,6 +205,15 @@ def suppressed() -> Iterator[None]:
             _suppressed -= 1
 
 
+def off(reason: str) -> None:
+    """The warm-up is not started in this process, for `reason` (FASTATTN_WARM_UP=off, a
+    torch without CUDA): what status() says while no run is current."""
+    global _last
+    with _lock:
+        if _run is None:
+            _last = {**_STATUS, "devices": [], "reason": reason}
+
+
 def start(*, plans: bool, contexts: Callable[[], list[int]], libraries: Callable[[], None] | None = None,
           max_bytes: int = 32 << 20) -> bool:
     """Starts the warm-up thread, once per process (until stop()). plans: run phase 2.
@@ -209,8 +221,13 @@ def start(*, plans: bool, contexts: Callable[[], list[int]], libraries: Callable
     thread until it names one). libraries(): more of phase 1 (fastattn.torch's op
     library). Returns whether it started one."""
     global _run
+    global _last
     with _lock:
-        if _run is not None or _suppressed:
+        if _run is not None:
+            return False
+        if _suppressed:
+            _last = {**_STATUS, "devices": [], "reason": "not started: this process only builds fastattn.torch's "
+                                                        "op library (fastattn warm)"}
             return False
         run = _run = _Run(plans, contexts, libraries, max_bytes)
     run.thread.start()

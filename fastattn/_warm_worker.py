@@ -15,6 +15,7 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
 
 
@@ -36,7 +37,17 @@ class _Collect(logging.Handler):
         return out
 
 
+def _on_sigterm(signum, frame):
+    raise SystemExit(128 + signum)
+
+
 def main() -> int:
+    # The parent decides when a run stops: on its interrupt it sends SIGTERM, which ends
+    # this process between two Python steps (so that `finally` removes an entry being
+    # written), and SIGKILL soon after where it is inside cuDNN. A Ctrl-C at a terminal,
+    # which reaches the whole process group, is the parent's to handle.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _on_sigterm)
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", type=int, default=None)
     ap.add_argument("--verify", action="store_true")  # fastattn.warm's verify: probe(verify=True)

@@ -597,7 +597,7 @@ def stats() -> dict[str, float]:
     calls on CUDA while it is on, {"served": calls fastattn ran, "passed_on": {reason: calls
     PyTorch's kernels ran}}, whichever backend PyTorch would have picked. "warm_up" (once
     fastattn.torch is imported): the background warm-up's state, devices, plans loaded
-    and seconds (fastattn/_warm_up.py)."""
+    and seconds, and where it is off, the reason (fastattn/_warm_up.py)."""
     with _lock:
         out: dict[str, Any] = dict(_counters)
         out["plans"] = sum(1 for e in _entries.values() if e.plan is not None)

@@ -9,12 +9,14 @@ goes on.
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import json
 import math
 import os
 import selectors
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -291,14 +293,40 @@ class _Pool:
         self.sel = selectors.DefaultSelector()
         self.warnings: dict[str, None] = {}  # what the workers logged, each message once, in order
 
+    # How long an interrupted run gives its workers to end on SIGTERM (between two Python
+    # steps: an entry being written is removed) before SIGKILL (one inside a cuDNN build
+    # runs no Python until the build returns).
+    STOP_GRACE = 0.5
+
     def run(self) -> None:
         with self.sel:
-            self._start_workers()
-            while self.workers:
-                self._kill_overdue()
-                for key, _ in self.sel.select(timeout=self._until_next_deadline()):
-                    self._read(key.data)
-                self._start_workers()  # a retired worker may have left a family for a new one
+            try:
+                self._start_workers()
+                while self.workers:
+                    self._kill_overdue()
+                    for key, _ in self.sel.select(timeout=self._until_next_deadline()):
+                        self._read(key.data)
+                    self._start_workers()  # a retired worker may have left a family for a new one
+            except BaseException:  # interrupted (SIGINT, SIGTERM), or a bug: no worker goes on building
+                self._stop_all()
+                raise
+
+    def _stop_all(self) -> None:
+        for w in self.workers:
+            with contextlib.suppress(OSError):
+                w.proc.terminate()
+        deadline = time.monotonic() + self.STOP_GRACE
+        for w in self.workers:
+            try:
+                w.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                w.proc.kill()
+                w.proc.wait()
+            for stream in (w.proc.stdin, w.proc.stdout):
+                with contextlib.suppress(OSError):
+                    stream.close()
+            w.log.close()
+        self.workers.clear()
 
     def _give_up(self, answer: WarmItem) -> None:
         """No config can run here (`answer` says why): each one left fails with the same
@@ -430,7 +458,7 @@ def warm(
     for item in _answer_from_cache(items, device, cache, verify):
         settle(item)
     queue = _Queue([i for i in items if i.status == "pending"])
-    with tempfile.TemporaryDirectory(prefix="fastattn-warm-") as log_dir:
+    with _log_folder() as log_dir:
         pool = _Pool(queue, workers, device, seconds, log_dir, settle, verify, _NoGpu(device))
         pool.run()
     counts = {s: sum(1 for i in items if i.status == s) for s in STATUSES}
@@ -441,6 +469,78 @@ def warm(
     not_saved, why = _check_saved(items, cache, warnings)
     return WarmReport(items, time.perf_counter() - t0, workers, counts, pool.spawned, not_saved, why, warnings,
                       verify, pool.not_tried)
+
+
+# The workers' log folder, in the temporary directory: fastattn-warm-<random>/, with an
+# owner.lock that its run holds (flock) while it lives.
+_LOG_PREFIX, _OWNER = "fastattn-warm-", "owner.lock"
+# A folder without its owner.lock (a run killed between making the folder and the lock),
+# older than this, is no running warm's either.
+_STALE_SECONDS = 3600.0
+
+
+@contextlib.contextmanager
+def _log_folder():
+    """A private folder for the workers' logs, removed at the end of the run, however it
+    ends but SIGKILL; what a killed run left, another removes (_remove_stale_log_folders)."""
+    import fcntl
+    import shutil
+
+    _remove_stale_log_folders()
+    folder = tempfile.mkdtemp(prefix=_LOG_PREFIX)
+    try:
+        # Locked before it has its name: another run never sees an owner.lock nobody holds.
+        fresh = os.path.join(folder, "." + _OWNER)
+        fd = os.open(fresh, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            os.rename(fresh, os.path.join(folder, _OWNER))
+            yield folder
+        finally:
+            os.close(fd)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _remove_stale_log_folders() -> None:
+    """Removes the log folders that warm runs killed by SIGKILL (or a crash) left in the
+    temporary directory: folders of this user named as _log_folder names them whose
+    owner.lock nobody holds (the kernel drops a flock with its holder), or that have
+    none and are old. Anything else is left alone: a running warm's folder, a file or a
+    link of that name, another user's folder."""
+    import fcntl
+    import shutil
+
+    root = tempfile.gettempdir()
+    try:
+        names = [n for n in os.listdir(root) if n.startswith(_LOG_PREFIX)]
+    except OSError:
+        return
+    for name in names:
+        folder = os.path.join(root, name)
+        try:
+            st = os.lstat(folder)
+        except OSError:
+            continue
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+            continue
+        try:
+            fd = os.open(os.path.join(folder, _OWNER), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:
+            if time.time() - st.st_mtime > _STALE_SECONDS:
+                shutil.rmtree(folder, ignore_errors=True)
+            continue
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # held: a running warm's
+            os.close(fd)
+            continue
+        try:
+            shutil.rmtree(folder, ignore_errors=True)
+        finally:
+            os.close(fd)
 
 
 class _NoGpu:

@@ -27,19 +27,53 @@ def _isolated_cache(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def lib():
-    """fastattn.torch's op library, built against this torch and loaded (once: a process
-    registers its operators once), for the CPU tests of the native path."""
+def op_library(tmp_path_factory):
+    """fastattn.torch's op library as a deploy's image build makes it: `fastattn warm` of
+    no config, in a process of its own, on this machine (with or without a GPU). Returns
+    (its exit code, its --json report, the library's directory, whether that directory
+    was fresh). The directory: FASTATTN_TORCH_OPS_DIR where it is set (a library kept
+    for test sessions, tools/gpu_run.sh), else a new one, so that the suite builds the
+    library once, here, and the `lib` fixture loads that build."""
+    import json
+    import subprocess
+    import sys
+
     pytest.importorskip("torch", reason="PyTorch is an optional extra (pip install torch)")
+    from fastattn import env as _env
+
+    given = _env.get("FASTATTN_TORCH_OPS_DIR")
+    folder = given or str(tmp_path_factory.mktemp("torch-ops"))
+    work = tmp_path_factory.mktemp("op-library-warm")
+    (work / "none.json").write_text('{"configs": []}')
+    r = subprocess.run([sys.executable, "-m", "fastattn", "warm", "none.json", "--torch-ops", "--json"],
+                       cwd=work, env={**os.environ, "FASTATTN_TORCH_OPS_DIR": folder}, capture_output=True,
+                       text=True, timeout=1200)
+    try:
+        body = json.loads(r.stdout)
+    except ValueError:
+        body = {"stdout": r.stdout, "stderr": r.stderr[-4000:]}
+    return r.returncode, body, folder, not given
+
+
+@pytest.fixture(scope="session")
+def lib(op_library):
+    """fastattn.torch's op library, built against this torch (by `fastattn warm`: the
+    op_library fixture) and loaded (once: a process registers its operators once), for
+    the CPU tests of the native path."""
     from fastattn.torch import _native
 
     if _native._state.get("lib", False) is None:
         _native.reset()  # an earlier test decided on the Python path (auto mode, not built): nothing is loaded
-    os.environ[_native.ENV] = "native"
+    saved = {name: os.environ.get(name) for name in (_native.ENV, "FASTATTN_TORCH_OPS_DIR")}
+    os.environ.update({_native.ENV: "native", "FASTATTN_TORCH_OPS_DIR": op_library[2]})
     try:
         loaded = _native.library()
     finally:
-        del os.environ[_native.ENV]
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
     assert loaded is not None
     return loaded
 

@@ -19,15 +19,15 @@ extension not importable: a source tree shadowing the installed package), 4 some
 config crashed or errored, or built answers not saved; verify: damaged entries; push, pull: Redis unreachable;
 any command: stdout could not be written, a reader that went away excepted),
 5 a bug in fastattn (an unexpected exception: one line, the traceback in a file),
-130 interrupted.
+130 interrupted (SIGINT), 143 terminated (SIGTERM).
 
 One module per command group (info, probe, warm, matrix, cache); what they share (exit
 codes, flag parsers, output) is in _common; the parser and `main` are in _main.
 """
 
 from ._common import (EXIT_BAD_INPUT, EXIT_BUG, EXIT_CODES, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_NO_GPU, EXIT_OK,
-                      EXIT_UNSUPPORTED)
+                      EXIT_TERMINATED, EXIT_UNSUPPORTED)
 from ._main import main
 
 __all__ = ["main", "EXIT_OK", "EXIT_UNSUPPORTED", "EXIT_BAD_INPUT", "EXIT_NO_GPU", "EXIT_FAILED", "EXIT_BUG",
-           "EXIT_INTERRUPTED", "EXIT_CODES"]
+           "EXIT_INTERRUPTED", "EXIT_TERMINATED", "EXIT_CODES"]

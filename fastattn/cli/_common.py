@@ -1,7 +1,9 @@
 """What every `fastattn` subcommand shares: the exit codes, the parser class and flag
 parsers, the exit code of a warm report, and how results and failures are printed.
 
-Handlers return (exit code, result dict); "_text" in the dict is the human form.
+Handlers return (exit code, result dict); "_text" in the dict is the human form of the
+result (stdout), "_stderr" the words on why the command could not do its work (stderr:
+stdout holds results only, on every command).
 """
 
 from __future__ import annotations
@@ -27,7 +29,9 @@ EXIT_FAILED = 4       # some work failed: a crashed config, damaged entries, Red
                       # stdout not written (a full disk; a reader that went away is no failure)
 EXIT_BUG = 5          # an unexpected exception: a bug in fastattn (the traceback goes to a file)
 EXIT_INTERRUPTED = 130  # Ctrl-C, as shells report SIGINT
-EXIT_CODES = (EXIT_OK, EXIT_UNSUPPORTED, EXIT_BAD_INPUT, EXIT_NO_GPU, EXIT_FAILED, EXIT_BUG, EXIT_INTERRUPTED)
+EXIT_TERMINATED = 143  # SIGTERM (a supervisor's stop), as shells report it: after cleaning up, as for SIGINT
+EXIT_CODES = (EXIT_OK, EXIT_UNSUPPORTED, EXIT_BAD_INPUT, EXIT_NO_GPU, EXIT_FAILED, EXIT_BUG, EXIT_INTERRUPTED,
+              EXIT_TERMINATED)
 INT_MAX = 2**31 - 1  # the largest size cuDNN takes (its masks and windows are int32)
 
 

@@ -20,8 +20,8 @@ from .. import env as _env
 from ..files import shown
 from ..errors import CudaError, CudnnError, InvalidArgumentError, LibraryError
 from . import cache, info, matrix, probe, warm
-from ._common import (EXIT_BAD_INPUT, EXIT_BUG, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_NO_GPU, Parser, UsageError,
-                      plain_text, printable_lines, say, settle_stderr, to_stderr)
+from ._common import (EXIT_BAD_INPUT, EXIT_BUG, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_NO_GPU, EXIT_TERMINATED, Parser,
+                      UsageError, plain_text, printable_lines, say, settle_stderr, to_stderr)
 
 # One module per command group; each adds its parser and runs its command.
 _COMMANDS = {"info": info, "probe": probe, "warm": warm, "matrix": matrix, "cache": cache}
@@ -40,7 +40,7 @@ def build_parser() -> Parser:
     p = Parser(prog="fastattn", description="cuDNN fused attention with plans built once. Exit codes: 0 success, "
                "1 not supported by cuDNN, 2 bad input (flags, files, FASTATTN_* values), 3 no usable GPU stack (or "
                "fastattn's compiled extension does not import), 4 some work failed, 5 a bug in "
-               "fastattn (the traceback is written to a file), 130 interrupted.")
+               "fastattn (the traceback is written to a file), 130 interrupted (SIGINT), 143 terminated (SIGTERM).")
     p.add_argument("--version", action="version", version=f"fastattn {__version__}")
     sub = p.add_subparsers(dest="command", required=True, parser_class=Parser)
     for module in _COMMANDS.values():
@@ -51,13 +51,43 @@ def build_parser() -> Parser:
 def main(argv: Sequence[str] | None = None) -> int:
     """The command; its exit code. Whatever stderr is (closed, full), the code is the
     outcome's: every line for stderr goes through _common.to_stderr, which never raises."""
-    try:
-        code = _main(argv)
-        _flush()  # what is still buffered fails here, not at the interpreter's exit
-    except _OutputFailed as e:
-        code = _output_failed(e.error)
+    with _terminate_cleanly():
+        try:
+            code = _main(argv)
+            _flush()  # what is still buffered fails here, not at the interpreter's exit
+        except _OutputFailed as e:
+            code = _output_failed(e.error)
     settle_stderr()
     return code
+
+
+class _Terminated(BaseException):
+    """SIGTERM arrived: raised in the main thread, as SIGINT raises KeyboardInterrupt, so
+    that what the command started is stopped and cleaned up on the way out (warm's
+    workers and compilers, temporary files and folders) instead of left behind by the
+    default action, which ends the process on the spot. A BaseException: no `except
+    Exception` on the way swallows it."""
+
+
+def _on_sigterm(signum, frame):
+    raise _Terminated()
+
+
+@contextlib.contextmanager
+def _terminate_cleanly():
+    """SIGTERM raises _Terminated while the command runs (in the main thread only, where
+    Python runs signal handlers); the handler before it is put back after."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _main(argv: Sequence[str] | None) -> int:
@@ -90,6 +120,9 @@ def _main(argv: Sequence[str] | None) -> int:
     except KeyboardInterrupt:
         say("fastattn: interrupted")
         return EXIT_INTERRUPTED
+    except _Terminated:
+        say("fastattn: terminated (SIGTERM)")
+        return EXIT_TERMINATED
     except Exception as e:  # the boundary: every exception ends here, as an exit code and one line
         for classes, code in _EXPECTED:
             if isinstance(e, classes):
@@ -176,13 +209,19 @@ def _parse(argv: list[str], as_json: bool):
 
 
 def _emit(out: dict[str, Any], as_json: bool) -> None:
-    text = out.pop("_text", None)  # the human form, when a handler made one
+    text = out.pop("_text", None)  # the human form, when a handler made one ("": nothing for stdout)
+    # Why the command could not do its work, in words: stderr, as every failure's message
+    # is, so that stdout holds results only. With --json the document says it.
+    diagnostics = out.pop("_stderr", None)
     if as_json:
         _print_json(out)
-    else:
-        # Whatever the text holds (a stored header's strings, a path, cuDNN's reason), no
-        # terminal control reaches the terminal; JSON escapes them itself.
+        return
+    # Whatever the text holds (a stored header's strings, a path, cuDNN's reason), no
+    # terminal control reaches the terminal; JSON escapes them itself.
+    if text is None or text:
         _write(printable_lines(plain_text(out) if text is None else text) + "\n")
+    if diagnostics:
+        say(diagnostics)
 
 
 def _print_json(value: Any) -> None:

@@ -320,10 +320,10 @@ def _export(args, cache: PlanCache) -> tuple[int, dict[str, Any]]:
     except files.NotRegularFileError as e:  # put there since the path was checked: the path is the problem
         raise InvalidArgumentError(f"{_shown(args.bundle)}: {e.strerror}") from None
     except bundle.CacheChangedError as e:
-        return _cannot_write(str(e), {"exported": None, "bundle": args.bundle}, "failed: no bundle written")
+        return _cannot_write(str(e), {"exported": None, "bundle": args.bundle})
     except OSError as e:  # the path was checked before the work: what fails now is the writing (ENOSPC, EFBIG, EIO)
         return _cannot_write(f"cannot write the bundle {_shown(args.bundle)} ({e.strerror or e}); nothing was "
-                             "written", {"exported": None, "bundle": args.bundle}, "failed: no bundle written")
+                             "written", {"exported": None, "bundle": args.bundle})
     signed = cache.settings.secret is not None
     return EXIT_OK, {"exported": count, "bundle": args.bundle, "signed": signed,
                      "_text": f"exported {count} entries to {_shown(args.bundle)} "
@@ -343,12 +343,11 @@ def _writable_main(cache: PlanCache, command: str) -> store.DiskStore:
     return main
 
 
-def _cannot_write(message: str, out: dict[str, Any],
-                  text: str = "failed: the cache cannot be written") -> tuple[int, dict[str, Any]]:
+def _cannot_write(message: str, out: dict[str, Any]) -> tuple[int, dict[str, Any]]:
     """Exit 4 with the reason: the request was fine, the work was not done. The message
-    goes to stderr, as every failure's does."""
+    goes to stderr, as every failure's does; stdout holds results only."""
     say(f"fastattn: {message}")
-    return EXIT_FAILED, {**out, "error": "CannotWrite", "message": message, "_text": text}
+    return EXIT_FAILED, {**out, "error": "CannotWrite", "message": message, "_text": ""}  # stdout: results only
 
 
 def _import(args, cache: PlanCache) -> tuple[int, dict[str, Any]]:

@@ -92,20 +92,20 @@ def run(args) -> tuple[int, dict[str, Any]]:
     for d in dict.fromkeys(args.head_dims):
         lines.append(f"{d:>8} " + " ".join(mark[(d, *c)].rjust(width) for c in cols))
     reasons = sorted({r["reason"] for r in rows if r["status"] not in ok})
-    if code == EXIT_NO_GPU:  # a grid of FAIL cells answers nothing: the reason, once, and no heatmap
+    if code == EXIT_NO_GPU:  # a grid of FAIL cells answers nothing: the reason, once (stderr), and no heatmap
         lines = ["fastattn matrix: no usable GPU here, so nothing was probed:"]
         for r in reasons:
             lines.extend(wrap(r))
         if args.png:
             lines.append(f"no heatmap written to {files.shown(args.png)}: no usable GPU")
-    else:
-        if reasons:
-            lines.append("reasons:")
-            for r in reasons:
-                lines.extend(wrap(r))
-        if args.png:
-            _heatmap(_pyplot(), args.png, list(dict.fromkeys(args.head_dims)), cols, mark)
-            lines.append(f"heatmap written to {files.shown(args.png)}")
+        return code, {"configs": rows, "counts": report.counts, "_text": "", "_stderr": "\n".join(lines)}
+    if reasons:
+        lines.append("reasons:")
+        for r in reasons:
+            lines.extend(wrap(r))
+    if args.png:
+        _heatmap(_pyplot(), args.png, list(dict.fromkeys(args.head_dims)), cols, mark)
+        lines.append(f"heatmap written to {files.shown(args.png)}")
     out = {"configs": rows, "counts": report.counts, "_text": "\n".join(lines)}
     return (EXIT_OK if code == EXIT_UNSUPPORTED else code), out  # refusals are the grid's answer, not a failure
 

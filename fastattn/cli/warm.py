@@ -24,10 +24,14 @@ def add_parser(sub) -> None:
                           description="Load or build every config a file describes (default: built-in model "
                           "shapes) in parallel worker processes, and store them in the persistent cache. Exit codes: "
                           "0 every config stored, 1 some not supported by cuDNN (their refusals stored), 2 bad input, "
-                          "3 no usable GPU (the configs left are not sent to workers once one answers so), 4 some "
+                          "3 no usable GPU: plans need one, so none was built (the configs left are not sent to "
+                          "workers once one answers so), and what needs no GPU is done: fastattn.torch's op library "
+                          "is built where asked for (see --torch-ops), 4 some "
                           "configs failed, or failed verification (--verify: status rejected, refused with the "
                           "evidence), or answers built now are not in the cache at the end (it cannot be written, or "
-                          "keeps nothing: counted as not saved, with the reason).")
+                          "keeps nothing: counted as not saved, with the reason), or, without a GPU, the op library "
+                          "asked for could not be built (with a GPU that is reported, and the exit code is the "
+                          "plans').")
     warm.add_argument("file", nargs="?", type=input_path,
                       help="JSON or TOML config file with sweeps, or the JSON Lines FASTATTN_RECORD writes "
                            "(default: built-in model shapes)")
@@ -38,8 +42,10 @@ def add_parser(sub) -> None:
     warm.add_argument("--no-progress", action="store_true", help="no progress bar")
     warm.add_argument("--torch-ops", action=argparse.BooleanOptionalAction, default=None,
                       help="build fastattn.torch's native op library for the installed torch, alongside the plans, "
-                           "once per torch version (default: where PyTorch is installed, unless "
-                           "FASTATTN_TORCH_PATH=python; without it fastattn.torch runs its Python path)")
+                           "once per torch version; it needs a C++ compiler and torch's headers, not a GPU, so it is "
+                           "built without one too, where a GPU process of the same environment loads it (default: "
+                           "where PyTorch is installed, unless FASTATTN_TORCH_PATH=python; without it fastattn.torch "
+                           "runs its Python path)")
     warm.add_argument("--timeout", type=duration(env.MAX_SECONDS, above=0), default=600.0,
                       help=f"how long one config may take before its worker is killed ({DURATION_HELP}; at most "
                            f"{env.MAX_SECONDS:.0f} s; default 600)")
@@ -91,7 +97,6 @@ def _progress_bar():
 
 def run(args) -> tuple[int, dict[str, Any]]:
     from .. import sweep
-    from ..warm import warm
 
     verify = getattr(args, "verify", False)
     if verify:
@@ -101,12 +106,21 @@ def run(args) -> tuple[int, dict[str, Any]]:
     else:
         _no_class_flags(args)
         configs, skipped = (sweep.load_configs(args.file) if args.file is not None else sweep.builtin_configs()), None
-    torch_ops = None
-    if _wants_torch_ops(args.torch_ops):
-        # A compiler process beside the plans' workers, where fastattn.torch can run at
-        # all: without a usable GPU warm fails (exit 3) and must not leave a compiler behind.
-        problem = _gpu_problem(args.device)
-        torch_ops = _TorchOpsBuild() if problem is None else _TorchOpsBuild(f"not built: no usable GPU ({problem})")
+    # The op library needs a compiler and torch's headers, no GPU: it builds beside the
+    # plans' workers, also where there is no GPU (a deploy's image is built on such a
+    # machine, and a GPU process of that environment then loads it without compiling).
+    torch_ops = _TorchOpsBuild() if _wants_torch_ops(args.torch_ops) else None
+    try:
+        return _run(args, configs, skipped, torch_ops, verify)
+    except BaseException:  # interrupted (SIGINT, SIGTERM), or failed: no compiler is left running
+        if torch_ops is not None:
+            torch_ops.cancel()
+        raise
+
+
+def _run(args, configs, skipped, torch_ops: _TorchOpsBuild | None, verify: bool) -> tuple[int, dict[str, Any]]:
+    from ..warm import warm
+
     report = warm(configs, workers=args.workers, device=args.device, timeout=args.timeout,
                   progress=None if args.no_progress or args.json else _progress_bar(),
                   **({"verify": True} if verify else {}))
@@ -127,15 +141,24 @@ def run(args) -> tuple[int, dict[str, Any]]:
     code = exit_code(report)
     if report.not_saved and code in (EXIT_OK, EXIT_UNSUPPORTED):
         code = EXIT_FAILED  # a pre-warm that left the cache without its answers did not do its work
+    out["no_gpu"] = _no_gpu_reason(report, code, args.device)
+    if out["no_gpu"] is not None:
+        code = EXIT_NO_GPU
     for warning in report.warnings:  # the workers' own, which would otherwise end in their logs
         say(f"fastattn: warning: {warning}")
+    library = []
     if torch_ops is not None:
         out["torch_ops"] = torch_ops.result()
-    if code == EXIT_NO_GPU:  # one reason for every config: said once, not once per config
-        out["_text"] = "\n".join(_no_gpu_text(report))
+        library = [f"torch op library: {out['torch_ops']['result']}"]
+    if code == EXIT_NO_GPU:  # one reason for every config: said once (stderr), not once per config
+        out["_text"] = "\n".join(library)
+        out["_stderr"] = "\n".join(_no_gpu_text(report, out["no_gpu"]))
+        if torch_ops is not None and not out["torch_ops"]["ok"]:
+            # Without a GPU the op library is all that warm can build: exit 3 says it is
+            # built (or not asked for), which a Dockerfile can rely on.
+            code = EXIT_FAILED
     else:
-        out["_text"] = "\n".join(_table(report) + ([f"torch op library: {out['torch_ops']['result']}"]
-                                                   if torch_ops is not None else [])
+        out["_text"] = "\n".join(_table(report) + library
                                   + ([f"lengths no class covers (exact plans at their first call): {skipped}"]
                                      if skipped else []))
     return code, out
@@ -240,13 +263,22 @@ def _table(report) -> list[str]:
     return lines
 
 
-def _no_gpu_text(report) -> list[str]:
-    """Every config failed for want of a GPU stack: each distinct reason once (a
-    LibraryError lists what is missing, a line each), and a closing line that says so."""
-    lines = ["fastattn warm: no usable GPU here, so no config was loaded or built:"]
-    for why in dict.fromkeys(f"{i.error_type}: {i.reason}" for i in report.items):
-        lines.extend(wrap(why))
-    lines.append(f"{_summary(report)}: no usable GPU, all {len(report.items)} failed"
+def _no_gpu_reason(report, code: int, device: int | None) -> str | None:
+    """Why no config can be built here ("LibraryError: ..."), or None. Every config
+    failed so (exit_code: EXIT_NO_GPU), each distinct reason once; or there was no
+    config, so no worker was asked: this process asks the GPU stack itself, so that a
+    warm without a GPU is exit 3 whatever its file holds."""
+    if code == EXIT_NO_GPU:
+        return "\n".join(dict.fromkeys(f"{i.error_type}: {i.reason}" for i in report.items))
+    return None if report.items else _gpu_problem(device)
+
+
+def _no_gpu_text(report, reason: str) -> list[str]:
+    """No config could be built for want of a GPU stack: the reason (a LibraryError lists
+    what is missing, a line each), and a closing line that says so."""
+    lines = ["fastattn warm: no usable GPU here, and plans need the GPU, so no config was loaded or built:"]
+    lines.extend(wrap(reason))
+    lines.append(f"{_summary(report)}: no usable GPU" + (f", all {len(report.items)} failed" if report.items else "")
                  + (f" ({report.not_tried} not sent to a worker: the first answer said so)"
                     if report.not_tried else ""))
     return lines
@@ -265,36 +297,54 @@ def _wants_torch_ops(flag: bool | None) -> bool:
 
 
 def _gpu_problem(device: int | None) -> str | None:
-    """Why this machine cannot run fastattn on `device`, or None."""
+    """Why this machine has no usable GPU stack for `device` ("LibraryError: ..."), or
+    None. A device it does not have is bad input (InvalidArgumentError, raised)."""
     from ..errors import CudaError, CudnnError, LibraryError
     from ..runtime import device_info
 
     try:
         device_info(device)
-    except (LibraryError, CudaError, CudnnError, InvalidArgumentError) as e:
-        # One line: a LibraryError lists its problems on lines of their own.
-        return " ".join(part.strip().lstrip("- ") for part in str(e).splitlines() if part.strip())
+    except (LibraryError, CudaError, CudnnError) as e:
+        return f"{type(e).__name__}: {e}"
     return None
 
 
 class _TorchOpsBuild:
-    """_build_torch_ops() in a thread, started at once (or, given `skipped`, that reason
-    as the result); result() waits for it. A daemon: an interrupted warm does not wait
-    for the compiler (build() publishes only a whole library, so nothing half-built is
-    ever loaded)."""
+    """_build_torch_ops() in a thread, started at once; result() waits for it; cancel()
+    stops it. A daemon: a warm that ends otherwise than through result() or cancel() (a
+    bug) does not wait for the compiler (build() publishes only a whole library, so
+    nothing half-built is ever loaded)."""
 
-    def __init__(self, skipped: str | None = None):
-        self._out: dict[str, Any] = {"ok": False, "result": skipped} if skipped else {}
-        self._thread = None
-        if not skipped:
-            self._thread = threading.Thread(target=lambda: self._out.update(_build_torch_ops()),
-                                            name="fastattn-torch-ops", daemon=True)
-            self._thread.start()
+    # How long an interrupted warm waits for the build to remove what it wrote, once its
+    # compilers are killed (a build still importing torch may take that long to get there;
+    # what it has not removed by then, the next build removes).
+    CANCEL_WAIT = 5.0
+
+    def __init__(self):
+        self._out: dict[str, Any] = {}
+        # Waited on instead of Thread.join: a join that SIGINT interrupted can report the
+        # thread ended while it still runs (CPython before 3.13).
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._build, name="fastattn-torch-ops", daemon=True)
+        self._thread.start()
+
+    def _build(self) -> None:
+        try:
+            self._out.update(_build_torch_ops())
+        finally:
+            self._done.set()
 
     def result(self) -> dict[str, Any]:
-        if self._thread is not None:
-            self._thread.join()
+        self._done.wait()
         return self._out or {"ok": False, "result": "not built (the build thread ended without a result)"}
+
+    def cancel(self) -> None:
+        """Kills the compilers now, and waits a moment for the build to remove its files."""
+        from .. import _opslib
+
+        _opslib.cancel_builds()
+        if self._done.wait(self.CANCEL_WAIT):  # (a build still running must find builds cancelled)
+            _opslib.resume_builds()
 
 
 def _build_torch_ops() -> dict[str, Any]:

@@ -120,7 +120,12 @@ def _warm_up() -> None:
     from . import _native
 
     setting, max_bytes = env.get("FASTATTN_WARM_UP"), env.get("FASTATTN_WARM_UP_MAX_BYTES")  # both checked here
-    if setting != "off" and torch.version.cuda is not None:
+    if setting == "off":
+        _warm_up.off("FASTATTN_WARM_UP=off")
+    elif torch.version.cuda is None:
+        _warm_up.off(f"this torch ({torch.__version__}) is built without CUDA: fastattn.torch runs nothing on it "
+                     "to warm up for (a CUDA build of torch runs it)")
+    else:
         _warm_up.start(plans=setting == "plans", contexts=_cuda_contexts, libraries=_native.load_if_built,
                        max_bytes=max_bytes)
 

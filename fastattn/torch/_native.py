@@ -21,6 +21,7 @@ so setup.py cannot see the torch the user has (docs/DECISIONS.md).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import os
@@ -36,7 +37,7 @@ from pathlib import Path
 
 from .. import _opslib, env as _env
 from . import _options
-from .._opslib import INCLUDE, SOURCES, UNITS, build_root  # noqa: F401 - build_root, SOURCES: what tests and tools ask
+from .._opslib import INCLUDE, SOURCES, build_root  # noqa: F401 - build_root, SOURCES: what tests and tools ask
 from ..errors import InvalidArgumentError
 
 ENV = "FASTATTN_TORCH_PATH"
@@ -83,7 +84,7 @@ def compile_command(source: Path, output: Path, name: str, generated: Path) -> l
     # torch's and Python's headers as system headers (their warnings are theirs); ours with
     # the warnings that are bugs as errors (a reference to a temporary returned: s14's
     # sdpa.cpp, found by review, would have crashed at its first fallback).
-    system = [*cpp_extension.include_paths(), sysconfig.get_paths()["include"]]
+    system = [*cpp_extension.include_paths(), _python_include()]
     return [*cxx, "-c", "-fPIC", "-O2", "-std=c++20", "-fvisibility=hidden", *_bug_warnings(tuple(cxx)),
             f"-D_GLIBCXX_USE_CXX11_ABI={int(_torch()._C._GLIBCXX_USE_CXX11_ABI)}",
             "-DTORCH_API_INCLUDE_EXTENSION_H", f"-DTORCH_EXTENSION_NAME={name}",
@@ -103,6 +104,27 @@ def _bug_warnings(cxx: tuple[str, ...]) -> tuple[str, ...]:
     if "clang" in version.lower():
         return ("-Werror=return-stack-address",)
     return ("-Werror=return-local-addr",)
+
+
+def _python_include() -> str:
+    """The folder of this Python's headers (Python.h), which the units include."""
+    return sysconfig.get_paths()["include"]
+
+
+def build_problem() -> str | None:
+    """Why the library cannot be built here, with what would fix it, or None: what a
+    build needs (a C++ compiler, Python's headers; torch's come with its wheel), looked
+    for without running anything. No GPU is needed."""
+    import shutil
+
+    cxx = shlex.split(os.environ.get("CXX", "c++"))[:1]
+    if not cxx or shutil.which(cxx[0]) is None:
+        return f"there is no C++ compiler (CXX={os.environ.get('CXX', 'c++')!r}): install one, or set CXX"
+    include = _python_include()
+    if not os.path.isfile(os.path.join(include, "Python.h")):
+        return (f"Python's headers (Python.h) are not in {include}: install them (Debian and Ubuntu: "
+                f"python{sys.version_info.major}.{sys.version_info.minor}-dev)")
+    return None
 
 
 def link_command(objects: list[Path], output: Path) -> list[str]:
@@ -130,12 +152,34 @@ def _workers() -> int:
 
 
 def _run(cmd: list[str]) -> tuple[subprocess.CompletedProcess, float]:
+    """One compiler or linker run, which _opslib.cancel_builds() can stop."""
     t0 = time.perf_counter()
     try:
-        done = subprocess.run(cmd, capture_output=True, text=True)
+        proc = _opslib.start_compiler(cmd)
     except FileNotFoundError:
         raise RuntimeError(f"no C++ compiler: CXX={cmd[0]!r} not found") from None
-    return done, time.perf_counter() - t0
+    out, err = _opslib.finish_compiler(proc)
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err), time.perf_counter() - t0
+
+
+# What a build writes beside the library while it runs: its objects' folder and the
+# library before its rename (tempfile's names, with these affixes).
+_OBJECTS_PREFIX, _LIBRARY_TMP_SUFFIX = "objects.", ".so.tmp"
+
+
+def _remove_leftovers(folder: Path) -> None:
+    """What builds that were killed (SIGKILL, a crash: no `finally` ran) left in the
+    build folder. Called under the build lock: every build that writes them holds it,
+    so what is there then is no running build's."""
+    import shutil
+
+    for path in folder.iterdir():
+        name = path.name
+        if name.startswith(_OBJECTS_PREFIX) and path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        elif name.endswith(_LIBRARY_TMP_SUFFIX) and path.is_file() and not path.is_symlink():
+            with contextlib.suppress(OSError):
+                path.unlink()
 
 
 def _failure(what: str, done: subprocess.CompletedProcess) -> RuntimeError:
@@ -145,7 +189,7 @@ def _failure(what: str, done: subprocess.CompletedProcess) -> RuntimeError:
 
 def build(root: Path | None = None) -> Path:
     """The library for this torch, built into root (default: the cache directory) unless
-    it is there already: its translation units (UNITS) compiled in parallel, then linked. Raises
+    it is there already: its translation units (_opslib.units) compiled in parallel, then linked. Raises
     RuntimeError with the compiler's output when it fails."""
     import fcntl
     import shutil
@@ -160,17 +204,22 @@ def build(root: Path | None = None) -> Path:
         fcntl.flock(lock, fcntl.LOCK_EX)  # one build at a time; a second waits, then finds it built
         if target.exists():
             return target
-        fd, tmp = tempfile.mkstemp(dir=folder, suffix=".so.tmp")
+        _remove_leftovers(folder)
+        if _opslib.cancelled():
+            raise _opslib.BuildCancelled("the build was cancelled")
+        fd, tmp = tempfile.mkstemp(dir=folder, suffix=_LIBRARY_TMP_SUFFIX)
         os.close(fd)
-        objects = Path(tempfile.mkdtemp(dir=folder, prefix="objects."))
+        objects = Path(tempfile.mkdtemp(dir=folder, prefix=_OBJECTS_PREFIX))
         try:
             generated = write_generated(folder / "generated")
-            units = [write_unit(objects, i, names) for i, names in enumerate(UNITS)]
+            cores = _workers()
+            groups = _opslib.units(cores)
+            units = [write_unit(objects, i, names) for i, names in enumerate(groups)]
             commands = [compile_command(unit, unit.with_suffix(".o"), name, generated) for unit in units]
             t0 = time.perf_counter()
-            with ThreadPoolExecutor(max_workers=max(1, min(len(units), _workers()))) as pool:
+            with ThreadPoolExecutor(max_workers=max(1, min(len(units), cores))) as pool:
                 results = list(pool.map(_run, commands))
-            for names, (done, _) in zip(UNITS, results):
+            for names, (done, _) in zip(groups, results):
                 if done.returncode != 0:
                     raise _failure(f"compiling {' + '.join(names)}", done)
             link = link_command([unit.with_suffix(".o") for unit in units], Path(tmp))
@@ -179,7 +228,7 @@ def build(root: Path | None = None) -> Path:
                 raise _failure(f"linking {target.name}", done)
             log = [f"{shlex.join(cmd)}\n{took:.1f} s" for cmd, (_, took) in zip(commands, results)]
             log.append(f"{shlex.join(link)}\n{link_s:.1f} s")
-            log.append(f"total {time.perf_counter() - t0:.1f} s")
+            log.append(f"total {time.perf_counter() - t0:.1f} s: {len(units)} units on {cores} cores")
             (folder / "build.log").write_text("\n".join(log) + "\n")
             os.replace(tmp, target)  # atomic: a reader sees no library or a whole one
         finally:
@@ -190,7 +239,7 @@ def build(root: Path | None = None) -> Path:
 
 
 def write_unit(folder: Path, index: int, names: tuple[str, ...]) -> Path:
-    """Translation unit `index`: its sources (UNITS[index]) included one after the other,
+    """Translation unit `index`: its sources (`names`) included one after the other,
     as CMake's unity builds batch them."""
     path = folder / f"unit{index}.cpp"
     path.write_text("// Generated by fastattn.torch._native: one translation unit of the op library.\n"
@@ -356,16 +405,20 @@ def describe() -> dict:
                 "reason": f"{ENV}={m}; the op library's directory {target.parent} {problem}"}
     if target.exists():
         return {"path": "native", "reason": f"{ENV}={m}; built for this torch: {target}"}
+    # The advice is what works on this machine: warm builds the library where a compiler
+    # and Python's headers are (with or without a GPU); elsewhere, what is missing, or a
+    # library built for this torch on another machine, copied in.
+    problem = build_problem()
+    if problem is not None:
+        return {"path": "python" if m == "auto" else "none",
+                "reason": f"{ENV}={m}; the native op library is not built for this torch yet, and cannot be built "
+                          f"here: {problem}; then run `fastattn warm`. Or copy a library built for this torch "
+                          f"({target.parent.name}) into {target.parent.parent} (or the folder "
+                          "FASTATTN_TORCH_OPS_DIR names)"}
     if m == "auto":  # never compiled at a call (library())
         return {"path": "python", "reason": f"{ENV}=auto; the native op library is not built for this torch yet: "
-                                            f"`fastattn warm` builds it into {target}"}
-    cxx = shlex.split(os.environ.get("CXX", "c++"))[:1]
-    import shutil
-
-    if not cxx or shutil.which(cxx[0]) is None:
-        return {"path": "python" if m == "auto" else "none",
-                "reason": f"{ENV}={m}; the op library is not built for this torch and there is no C++ compiler "
-                          f"(CXX={os.environ.get('CXX', 'c++')!r})"}
+                                            f"`fastattn warm` builds it (a C++ compiler is here; no GPU is needed) "
+                                            f"into {target}"}
     return {"path": "native", "reason": f"{ENV}={m}; built at the first call (or by `fastattn warm`) "
                                         f"into {target}"}
 

@@ -47,16 +47,16 @@ def _assert_no_gpu_text(text: str, total: int) -> None:
 
 def test_warm_without_a_gpu_says_it_once(cache_dir, capsys, monkeypatch):
     monkeypatch.setattr(fastattn.warm, "warm", _no_gpu_warm)
-    code, text, _ = run(["warm", "--no-torch-ops"], capsys)
-    assert code == cli.EXIT_NO_GPU
+    code, out, text = run(["warm", "--no-torch-ops"], capsys)
+    assert code == cli.EXIT_NO_GPU and out == ""  # the reason is a diagnostic: stderr
     _assert_no_gpu_text(text, len(sweep.builtin_configs()))
 
 
 @pytest.mark.skipif(not _gpu_unavailable_reason(), reason="this machine has a usable GPU")
 def test_the_readme_first_run_without_a_gpu(cache_dir, capsys):
     # The real workers (fastattn as installed, or as PYTHONPATH says), on this machine.
-    code, text, _ = run(["warm", "--no-torch-ops"], capsys)
-    assert code == cli.EXIT_NO_GPU, text
+    code, out, text = run(["warm", "--no-torch-ops"], capsys)
+    assert code == cli.EXIT_NO_GPU and out == "", text
     lines = text.splitlines()
     assert "(the same as above)" not in text and len(lines) < 12, text
     assert "no usable GPU" in lines[-1] and f"{len(sweep.builtin_configs())} configs" in lines[-1]

@@ -543,3 +543,28 @@ def test_the_devices_named_are_those_where_pytorch_made_a_context(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)
     monkeypatch.setattr(torch._C, "_cuda_hasPrimaryContext", lambda i: i == 1, raising=False)
     assert fat._cuda_contexts() == [1]
+
+
+@pytest.mark.parametrize("setting,cuda,reason", [
+    ("off", "13.0", "FASTATTN_WARM_UP=off"),
+    ("plans", None, "built without CUDA"),
+    ("libraries", None, "built without CUDA"),
+])
+def test_a_warm_up_that_is_off_says_why(monkeypatch, setting, cuda, reason):
+    # stats()["warm_up"] said {"state": "off"} and nothing else on a CPU-only torch.
+    torch = pytest.importorskip("torch", reason="PyTorch is an optional extra (pip install torch)")
+    import fastattn
+    import fastattn.torch as fat
+
+    monkeypatch.setattr(_warm_up, "_run", None)
+    monkeypatch.setattr(_warm_up, "_last", dict(_warm_up._STATUS))
+    monkeypatch.setattr(_warm_up, "start", lambda **kw: pytest.fail("started"))
+    monkeypatch.setattr(torch.version, "cuda", cuda)
+    monkeypatch.setenv("FASTATTN_WARM_UP", setting)
+    fat._warm_up()
+    status = fastattn.stats()["warm_up"]
+    assert status["state"] == "off" and reason in (status["reason"] or ""), status
+
+
+def test_a_warm_up_that_runs_has_no_reason_to_give(warm):
+    assert _run()["reason"] is None

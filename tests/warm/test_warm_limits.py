@@ -136,7 +136,7 @@ def test_warm_from_the_command_stops_at_no_gpu_with_exit_3(fake_workers, monkeyp
     code, out, err = run(["warm", str(path), "--workers", "2", "--no-torch-ops"], capsys)
     assert code == cli.EXIT_NO_GPU, (out, err)
     assert 1 <= len(sent) <= 2, sent
-    assert "no usable GPU" in out and "FAKE_NO_GPU" in out and f"{200 - len(sent)} not sent to a worker" in out, out
+    assert "no usable GPU" in err and "FAKE_NO_GPU" in err and f"{200 - len(sent)} not sent to a worker" in err, err
 
 
 def test_a_worker_without_gpu_does_not_stop_a_warm_where_this_process_has_one(fake_workers, monkeypatch):
