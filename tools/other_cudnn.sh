@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Another cuDNN on the GPU machine, which has no network and takes at most 64 MiB of files a
 # call: a nvidia-cudnn-cu13 wheel travels in parts, in consecutive calls to one warm machine,
-# and then becomes the only cuDNN there, for PyTorch and fastattn alike.
+# and then a command runs with it as the only cuDNN it can see, for PyTorch and fastattn alike.
 #
 # Here, on a machine that reaches PyPI:
 #   bash tools/other_cudnn.sh pack VERSION
@@ -13,15 +13,10 @@
 #   bash tools/other_cudnn.sh receive VERSION
 #       keeps the carried parts in /tmp/fastattn-cudnn/VERSION (a warm machine keeps /tmp between
 #       calls, and goes back ~30 s after one: make the next call at once) and says which are missing.
-#   bash tools/other_cudnn.sh use VERSION
-#       reassembles the wheel, checks its sha256, and makes it the machine's one cuDNN: the
-#       installed nvidia-cudnn-cu13 (its files and its metadata) moves aside to
-#       /tmp/fastattn-cudnn/original, the wheel installs in its place with pip, and every other
-#       libcudnn*.so* on the machine moves aside too. Nothing can then load the machine's own
-#       cuDNN, whatever the search order (RPATH, LD_LIBRARY_PATH, sys.path). Then `check`.
 #   bash tools/other_cudnn.sh run VERSION -- COMMAND...
 #       COMMAND in a private mount namespace in which VERSION is bound over the machine's
-#       nvidia/cudnn (files and metadata): that process and its children see one cuDNN, VERSION,
+#       nvidia/cudnn (files and metadata) and every other libcudnn* file on the machine (a system
+#       copy) is covered with /dev/null: that process and its children see one cuDNN, VERSION,
 #       while other processes beside it see the machine's own or another VERSION. So one call
 #       tests several cuDNN versions at once (tools/gpu_run.sh's CUDNN="9.24.0.43 9.28.1.4").
 #       The wheel is reassembled, checked and unpacked under /tmp/fastattn-cudnn once.
@@ -30,9 +25,8 @@
 #       fastattn's run, then every cuDNN file mapped in the process lies in one folder, PyTorch and
 #       fastattn report the same version (VERSION's, where given), and `fastattn info` names it.
 #       Needs fastattn importable (tools/gpu_run.sh sets PYTHONPATH). Exit 1 on any difference.
-#   bash tools/other_cudnn.sh restore
-#       puts the machine's own cuDNN back.
-# tools/gpu_run.sh runs `use` itself when CUDNN=VERSION is set.
+# tools/gpu_run.sh runs each pytest process through `run` when CUDNN="VERSION ..." is set. Nothing
+# on the machine changes: the cover exists in the namespace of the command alone.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cmd=${1:-}; version=${2:-}
@@ -101,46 +95,6 @@ receive)
   done
   echo "cuDNN $version: $(ls "$WORK/$version"/part-* | wc -l) of $n parts here${missing:+; missing:$missing}"
   ;;
-use)
-  need_version
-  [ -f "$WORK/$version/MANIFEST" ] || { echo "no parts of $version were received on this machine" >&2; exit 2; }
-  cp "$WORK/$version/MANIFEST" ".cudnn/$version/MANIFEST" 2>/dev/null || { mkdir -p ".cudnn/$version"; cp "$WORK/$version/MANIFEST" ".cudnn/$version/"; }
-  wheel="$WORK/$(manifest wheel)"
-  if [ ! -f "$wheel" ]; then
-    cat "$WORK/$version"/part-* > "$wheel.partial"
-    [ "$(sha256sum "$wheel.partial" | cut -d' ' -f1)" = "$(manifest sha256)" ] \
-      || { echo "the reassembled wheel's sha256 differs from the MANIFEST's: a part is missing or damaged" >&2; rm -f "$wheel.partial"; exit 1; }
-    mv "$wheel.partial" "$wheel"
-  fi
-  site=$(site_packages)
-  echo "the installed nvidia-cudnn-cu13: $("$PY" -m pip show nvidia-cudnn-cu13 | sed -n 's/^Version: //p') in $site"
-  # How this torch finds its cuDNN: its libraries' search paths, and what the loader resolves.
-  torch_lib=$("$PY" -c 'import os, torch; print(os.path.join(os.path.dirname(torch.__file__), "lib"))' 2>/dev/null || true)
-  if [ -n "$torch_lib" ] && [ -f "$torch_lib/libtorch_cuda.so" ]; then
-    echo "libtorch_cuda.so: $(readelf -d "$torch_lib/libtorch_cuda.so" | grep -E 'RPATH|RUNPATH|NEEDED.*cudnn' | tr -s ' ' | tr '\n' ';')"
-    echo "  resolves libcudnn.so.9 to: $(ldd "$torch_lib/libtorch_cuda.so" | grep -o 'libcudnn.so.9 => [^ ]*' || echo none)"
-  fi
-  echo "LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}"
-  # The machine's own cuDNN moves aside, once: restore puts it back.
-  if [ ! -d "$WORK/original" ]; then
-    mkdir -p "$WORK/original"
-    { echo "$site"; } > "$WORK/original/SITE"
-    mv "$site/nvidia/cudnn" "$WORK/original/cudnn"
-    mv "$site"/nvidia_cudnn_cu13-*.dist-info "$WORK/original/"
-  else
-    "$PY" -m pip uninstall -q -y nvidia-cudnn-cu13 2>/dev/null || true
-  fi
-  "$PY" -m pip install -q --no-deps --no-index --no-compile --disable-pip-version-check "$wheel"
-  # Any other cuDNN on the machine (a system copy, another package's) moves aside as well.
-  mkdir -p "$WORK/hidden"
-  find / \( -path /proc -o -path /sys -o -path /dev -o -path "$WORK" -o -path "$site/nvidia/cudnn" \) -prune \
-    -o -name 'libcudnn*.so*' \( -type f -o -type l \) -print 2>/dev/null | while read -r f; do
-      dest="$WORK/hidden/$(echo "$f" | tr / %)"
-      mv "$f" "$dest" && echo "moved aside: $f" && echo "$f" >> "$WORK/hidden/LIST"
-    done
-  echo "cuDNN $version installed in $site/nvidia/cudnn; the machine's own in $WORK/original"
-  "$0" check "$version"
-  ;;
 run)
   need_version
   shift 2; [ "${1:-}" = "--" ] && shift
@@ -197,22 +151,8 @@ print("check:", "; ".join(problems) or "one cuDNN, " + ours + ", in torch and fa
 sys.exit(1 if problems else 0)
 PY
   ;;
-restore)
-  [ -d "$WORK/original" ] || { echo "the machine's own cuDNN is in place"; exit 0; }
-  site=$(cat "$WORK/original/SITE")
-  "$PY" -m pip uninstall -q -y nvidia-cudnn-cu13 2>/dev/null || true
-  rm -rf "$site/nvidia/cudnn"
-  mv "$WORK/original/cudnn" "$site/nvidia/cudnn"
-  mv "$WORK/original"/nvidia_cudnn_cu13-*.dist-info "$site/"
-  if [ -f "$WORK/hidden/LIST" ]; then
-    while read -r f; do mv "$WORK/hidden/$(echo "$f" | tr / %)" "$f"; done < "$WORK/hidden/LIST"
-    rm -f "$WORK/hidden/LIST"
-  fi
-  rm -rf "$WORK/original"
-  echo "the machine's own cuDNN is back: $("$PY" -m pip show nvidia-cudnn-cu13 | sed -n 's/^Version: //p')"
-  ;;
 *)
-  sed -n '2,34p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '2,29p' "$0" | sed 's/^# \{0,1\}//'
   exit 2
   ;;
 esac
