@@ -1,0 +1,140 @@
+#!/usr/bin/env bash
+# What cuDNN allows without the GPU: builds tools/deviceless_probe.cpp (fastattn's kind of SDPA
+# graph, built with no cuDNN handle for a GPU given by its DeviceProperties JSON, then
+# serialized) and runs it against a chosen cuDNN and a chosen libcuda. The evidence it gave is
+# in docs/DECISIONS.md ("Plans built without the GPU: what cuDNN allows").
+#
+#   bash tools/deviceless_probe.sh build
+#       compiles the probe into $BUILD (default /tmp/fastattn-deviceless), with cudnn-frontend's,
+#       cuDNN's, CUDA's and NVRTC's headers found in $PYTHON's site-packages (default python3)
+#       or given as FE_INC, CUDNN_INC, CUDA_INC, NVRTC_INC.
+#   bash tools/deviceless_probe.sh run DRIVER [probe arguments...]
+#       runs it with $CUDNN_LIB (default: $PYTHON's nvidia/cudnn/lib) and $EXTRA_LIB (default:
+#       $PYTHON's nvidia/cu13/lib, whose libcublasLt cuDNN 9.19 needs) first on LD_LIBRARY_PATH,
+#       then the libcuda that DRIVER names:
+#         system  whatever the machine has (none on a CPU machine; the real one on a GPU machine)
+#         stub    a stand-in for the CUDA toolkit's stub libcuda.so: every entry point cuda.h
+#                 declares returns CUDA_ERROR_STUB_LIBRARY (34), as the toolkit's does
+#         fake    the stub, except cuInit, cuDeviceGetCount (1 device), cuDriverGetVersion
+#                 (13000), cuLibraryLoadData, cuLibraryGetKernel, cuLibraryUnload (opaque
+#                 handles) and cuGetErrorString/Name, which succeed: what cuDNN's plan finalize
+#                 calls. Not a driver: it loads and runs nothing.
+#       A stub or fake placed first on LD_LIBRARY_PATH also hides a real driver, so on the GPU
+#       machine "stub" and "fake" are processes that cannot see it. Both log every driver call
+#       they receive ("STUB name"). cuDNN's own log (CUDNN_LOGLEVEL_DBG=3) and the frontend's
+#       go to $BUILD/logs/<tag>.err; the probe's STEP lines to stdout and <tag>.out.
+#   bash tools/deviceless_probe.sh matrix
+#       the table's runs, for each cuDNN library folder in $CUDNN_LIBS (colon-separated; default
+#       $CUDNN_LIB): drivers system, stub and fake, forward and backward, plus
+#       CUDNN_LIB_CONFIG=GRAPH_JIT_ONLY, the frontend's own compute-capability query
+#       (--no-sm-version) and properties from the device (--props-from-device).
+#
+# On the GPU machine, the verification DECISIONS.md describes starts with
+#   bash tools/deviceless_probe.sh run system --export-props /tmp/h100.json
+#   bash tools/deviceless_probe.sh run fake --props /tmp/h100.json --dir fwd --out /tmp/fwd.plan
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+BUILD="${BUILD:-/tmp/fastattn-deviceless}"
+PYTHON="${PYTHON:-python3}"
+
+site() { "$PYTHON" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'; }
+first_dir_with() {  # first_dir_with FILE DIR...: the first DIR holding FILE
+    local f="$1"; shift
+    for d in "$@"; do [ -n "$d" ] && [ -e "$d/$f" ] && { echo "$d"; return 0; }; done
+    echo "deviceless_probe: $f not found in: $* (set the matching *_INC; cudnn-frontend's headers are the include/ folder of the nvidia-cudnn-frontend==1.28.0 wheel)" >&2; return 1
+}
+
+build() {
+    local sp; sp="$(site)"
+    local fe cudnn cuda nvrtc
+    fe="${FE_INC:-$(first_dir_with cudnn_frontend.h "$sp/include" "$sp/cudnn_frontend/include")}"
+    cudnn="${CUDNN_INC:-$(first_dir_with cudnn.h "$sp/nvidia/cudnn/include" /usr/include)}"
+    cuda="${CUDA_INC:-$(first_dir_with cuda_runtime.h "$sp/nvidia/cu13/include" /usr/local/cuda/include)}"
+    nvrtc="${NVRTC_INC:-$(first_dir_with nvrtc.h "$sp/nvidia/cu13/include" /usr/local/cuda/include)}"
+    mkdir -p "$BUILD"
+    # -I order: cuda_fp16.h needs <nv/target> and the crt headers, which the cu13 folder has.
+    g++ -std=c++17 -O1 -DNV_CUDNN_FRONTEND_USE_DYNAMIC_LOADING -I "$fe" -I "$cudnn" -I "$cuda" \
+        -I "$nvrtc" -I /usr/local/cuda/include "$ROOT/tools/deviceless_probe.cpp" -o "$BUILD/deviceless_probe" -ldl
+    echo "built $BUILD/deviceless_probe"
+}
+
+libcuda() {  # libcuda stub|fake: writes $BUILD/$1/libcuda.so.1 from cuda.h's declarations
+    local kind="$1" inc
+    inc="${CUDA_INC:-$(first_dir_with cuda.h "$(site)/nvidia/cu13/include" /usr/local/cuda/include)}"
+    mkdir -p "$BUILD/$kind"
+    "$PYTHON" - "$inc" "$kind" "$BUILD/$kind/libcuda.c" <<'EOF'
+import re, subprocess, sys
+inc, kind, out = sys.argv[1:]
+names = set(re.findall(r"\b(cu[A-Z]\w*)\s*\(", open(f"{inc}/cuda.h").read()))
+for extra in ([], ["-DCUDA_API_PER_THREAD_DEFAULT_STREAM=1"]):  # the _v2 and _ptds/_ptsz names
+    pre = subprocess.run(["gcc", "-E", "-I", inc, *extra, "-"], input="#include <cuda.h>\n",
+                         capture_output=True, text=True, check=True).stdout
+    names |= set(re.findall(r"\bCUresult (?:CUDAAPI )?(cu[A-Z]\w*) ?\(", re.sub(r"\s+", " ", pre)))
+succeed = {
+    "cuInit": "int cuInit(unsigned f) { say(\"cuInit (ok)\"); return 0; }",
+    "cuDeviceGetCount": "int cuDeviceGetCount(int *n) { say(\"cuDeviceGetCount (ok: 1)\"); *n = 1; return 0; }",
+    "cuDriverGetVersion": "int cuDriverGetVersion(int *v) { say(\"cuDriverGetVersion (ok: 13000)\"); *v = 13000; return 0; }",
+    "cuLibraryLoadData": "int cuLibraryLoadData(void **l, const void *c, void *a, void *b, unsigned n, void *d, void *e, unsigned m) { static long k; say(\"cuLibraryLoadData (ok)\"); *l = (void *)(0x1000 + ++k); return 0; }",
+    "cuLibraryGetKernel": "int cuLibraryGetKernel(void **k, void *l, const char *name) { say(\"cuLibraryGetKernel (ok)\"); say(name); *k = (void *)0x2000; return 0; }",
+    "cuLibraryUnload": "int cuLibraryUnload(void *l) { say(\"cuLibraryUnload (ok)\"); return 0; }",
+    "cuGetErrorString": "int cuGetErrorString(int e, const char **s) { say(\"cuGetErrorString\"); *s = \"stand-in libcuda: not a driver\"; return 0; }",
+    "cuGetErrorName": "int cuGetErrorName(int e, const char **s) { say(\"cuGetErrorName\"); *s = \"CUDA_ERROR_STUB_LIBRARY\"; return 0; }",
+} if kind == "fake" else {}
+with open(out, "w") as f:
+    f.write("#include <stdio.h>\nstatic int say(const char *n) { fprintf(stderr, \"STUB %s\\n\", n); return 34; }\n")
+    for n in sorted(names):
+        f.write(succeed.get(n, f"int {n}(void) {{ return say(\"{n}\"); }}") + "\n")
+EOF
+    gcc -shared -fPIC -Wl,-soname,libcuda.so.1 -o "$BUILD/$kind/libcuda.so.1" "$BUILD/$kind/libcuda.c"
+}
+
+run() {  # run [TAG=...] DRIVER ARGS...
+    local driver="$1"; shift
+    [ -x "$BUILD/deviceless_probe" ] || build >&2
+    local sp; sp="$(site)"
+    local path="${CUDNN_LIB:-$sp/nvidia/cudnn/lib}:${EXTRA_LIB:-$sp/nvidia/cu13/lib}"
+    case "$driver" in
+        system) ;;
+        stub|fake) [ -e "$BUILD/$driver/libcuda.so.1" ] || libcuda "$driver"; path="$path:$BUILD/$driver" ;;
+        *) echo "deviceless_probe: DRIVER is system, stub or fake" >&2; return 2 ;;
+    esac
+    local tag="${TAG:-$driver}"
+    mkdir -p "$BUILD/logs"
+    local rc=0
+    env LD_LIBRARY_PATH="$path${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" CUDNN_LOGLEVEL_DBG=3 CUDNN_LOGDEST_DBG=stderr \
+        CUDNN_FRONTEND_LOG_INFO=1 CUDNN_FRONTEND_LOG_FILE=stderr \
+        "$BUILD/deviceless_probe" "$@" >"$BUILD/logs/$tag.out" 2>"$BUILD/logs/$tag.err" || rc=$?
+    echo "=== $tag (driver $driver, exit $rc): $*"
+    grep -E '^(cudnn_backend_version|STEP .*FAIL|candidate|plan_name|serialized_bytes|wrote)' "$BUILD/logs/$tag.out" || true
+    grep -E '^e! .*Reason|^Unable to load' "$BUILD/logs/$tag.err" | sort -u | head -8 || true
+    echo "driver calls: $(grep '^STUB' "$BUILD/logs/$tag.err" | sort | uniq -c | tr -s ' ' | tr '\n' ';')"
+    return $rc
+}
+
+matrix() {
+    local sp; sp="$(site)"
+    local libs="${CUDNN_LIBS:-${CUDNN_LIB:-$sp/nvidia/cudnn/lib}}" lib v i=0
+    IFS=: read -ra dirs <<<"$libs"
+    for lib in "${dirs[@]}"; do
+        v="cudnn$((++i))"  # a label; each run prints the version it loaded
+        echo "##### $v: $lib"
+        for driver in system stub fake; do
+            for dir in fwd bwd; do
+                CUDNN_LIB="$lib" TAG="$v-$driver-$dir" run "$driver" --dir "$dir" --out "$BUILD/logs/$v-$driver-$dir.plan" || true
+            done
+        done
+        CUDNN_LIB="$lib" TAG="$v-jit-only-system" CUDNN_LIB_CONFIG=GRAPH_JIT_ONLY run system --dir fwd || true
+        CUDNN_LIB="$lib" TAG="$v-jit-only-stub" CUDNN_LIB_CONFIG=GRAPH_JIT_ONLY run stub --dir fwd || true
+        CUDNN_LIB="$lib" TAG="$v-no-sm-version-fake" run fake --dir fwd --no-sm-version || true
+        for driver in system stub fake; do
+            CUDNN_LIB="$lib" TAG="$v-props-from-device-$driver" run "$driver" --dir fwd --props-from-device || true
+        done
+    done
+}
+
+case "${1:-}" in
+    build) build ;;
+    run) shift; run "$@" ;;
+    matrix) matrix ;;
+    *) sed -n '2,35p' "${BASH_SOURCE[0]}"; exit 2 ;;
+esac
