@@ -21,7 +21,7 @@ _CSRC = _TORCH_DIR / "csrc"
 # parallel and are then linked. Two units, because torch's headers dominate: a unit that
 # includes them costs 5-10 s before its first line, so on two cores the sources
 # batched by the headers they share (Python's and pybind11's; autograd's) build faster
-# than one unit or five (docs/history/benchmarks-log.md, "Session 12: build times").
+# than one unit or five (docs/history/benchmarks-log.md, "build times").
 UNITS = (("ops.cpp", "eager.cpp"), ("dense.cpp", "varlen.cpp", "table.cpp", "sdpa.cpp"))
 SOURCES = tuple(_CSRC / name for unit in UNITS for name in unit)
 INCLUDE = Path(__file__).resolve().parent / "include"

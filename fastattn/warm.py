@@ -136,7 +136,7 @@ def kernel_family(config: AttentionConfig) -> tuple:
     selecting kernel variants (`family` in fastattn.config). cuDNN compiles each kernel
     variant once per process and reuses it for other shapes, so the first config of a
     head dim takes far longer to build than later sequence lengths, batch sizes and head
-    counts (measured: docs/history/benchmarks-log.md, "The fastattn command (issue 4)").
+    counts (measured: docs/history/benchmarks-log.md, "The fastattn command").
     A guess used only to schedule: a wrong one costs time, never correctness."""
     return _fields.kernel_family(FIELDS, config)
 
@@ -151,7 +151,7 @@ class _Queue:
     # processes compiling at once slow each other: sharing families early made warm
     # slower, not faster (measured on the H200 with 64 configs in 4 families: workers' CPU
     # time grew from 12 s on 1 worker to 57 s on 16 when every worker took any config;
-    # docs/history/benchmarks-log.md, "The fastattn command (issue 4)").
+    # docs/history/benchmarks-log.md, "The fastattn command").
     STEAL_AT = 16
 
     def __init__(self, items: list[WarmItem]):
