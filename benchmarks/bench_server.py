@@ -1,4 +1,4 @@
-"""A server's stream of requests on shape classes (issue 30's acceptance benchmark).
+"""A server's stream of requests on shape classes (shape classes' acceptance benchmark).
 
 The model shape is bench_shape_classes.py's default: batch 1, 32 query heads, 8 key/value
 heads (GQA), head dim 128, bf16, causal (bottom right: a decode step's one query sees the
