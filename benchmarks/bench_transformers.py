@@ -16,8 +16,8 @@ Tiny random-weight models built from configs (no downloads), bf16, on one GPU.
       sdpa_cudnn      attn_implementation="sdpa", sdpa_kernel(CUDNN_ATTENTION)
       sdpa_flash      attn_implementation="sdpa", sdpa_kernel(FLASH_ATTENTION)
     Interleaved: each round runs every peer but fastattn_cold once, in a rotated order
-    (--rounds); medians, and the median of each round's own ratio. Claim checked (issue
-    28): fastattn_warm sooner than sdpa_cudnn, and no later than sdpa_flash.
+    (--rounds); medians, and the median of each round's own ratio. Claim checked:
+    fastattn_warm sooner than sdpa_cudnn, and no later than sdpa_flash.
 (b) Steady prefill and decode on a 4-layer Qwen2 (the same sizes, full attention), one
     process, the same weights for every peer: prefill ms (a no_grad forward of 4 prompts of
     256 tokens, CUDA events over back-to-back forwards) and decode ms per token (greedy

@@ -161,8 +161,8 @@ class _Queue:
         self.owners: dict[tuple, set[int]] = {g: set() for g in self.groups}
         self.order = {g: i for i, g in enumerate(self.groups)}  # ties go to the family met first
         # Families nobody works on, the largest first: a heap, so that a take costs a
-        # pop, not a scan of every family (a sweep of single-config families was
-        # quadratic). Entries go stale when a family is taken; take skips those.
+        # pop, not a scan of every family (a scan per take makes a run of
+        # single-config families quadratic). Entries go stale when a family is taken; take skips those.
         self.fresh = [(-len(v), self.order[g], g) for g, v in self.groups.items()]
         heapq.heapify(self.fresh)
         self.current: dict[int, tuple] = {}  # worker -> the family it works on
@@ -403,7 +403,7 @@ def warm(
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise InvalidArgumentError(f"workers={_fields.show(workers)}: must be an integer >= 1")
     # Every argument here, before a worker starts: a worker would report a bad one as a
-    # failure of each config (timeout=-1 "killed" them all; device="x" was its usage error).
+    # failure of each config (timeout=-1 would "kill" them all; device="x" would be each one's usage error).
     seconds = _fields.number("timeout", timeout)
     if not (math.isfinite(seconds) and seconds > 0):
         raise InvalidArgumentError(f"timeout={_fields.show(timeout)}: must be a finite number of seconds > 0")

@@ -59,8 +59,9 @@ class Cached:
         self.forward_workspace = plan.forward_workspace_size
         self.backward_workspace = plan.backward_workspace_size
         # torch.empty_like costs less than new_empty(shape) or empty_strided (it parses no
-        # sizes; docs/history/benchmarks-log.md, "PyTorch host time per call"): use it wherever it gives the strides the plan was built for. The key
-        # fixes the inputs' shapes and strides, so this holds for every call of the plan.
+        # sizes; docs/history/benchmarks-log.md, "PyTorch host time per call"): use it
+        # wherever it gives the strides the plan was built for. The key fixes the inputs'
+        # shapes and strides, so this holds for every call of the plan.
         self.out_like_q = layout is not None and like(q, self.out_shape)
         self.grads_like = tuple(layout is not None and like(t, list(t.shape), t.stride()) for t in (q, k, v))
 
