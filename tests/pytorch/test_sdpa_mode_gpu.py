@@ -165,8 +165,8 @@ def test_dropout_is_seeded_unbiased_and_its_backward_drops_what_the_forward_drop
 
 def test_the_modes_first_call_in_a_fresh_process_imports_none_of_torchs_lazy_modules(tmp_path):
     # A server's first SDPA call with the mode on: fastattn's, on a warm cache, without
-    # sympy or torch.fx's symbolic shapes (session 15: its Meta kernel call brought them,
-    # ~3 s of that first call on the H200).
+    # sympy or torch.fx's symbolic shapes (a Meta kernel call brings them: seconds of that
+    # first call on the H200).
     code = ("import sys, torch, torch.nn.functional as F, fastattn.torch; fastattn.torch.enable_sdpa(); "
             "from fastattn.torch import _sdpa_mode; "
             "q = torch.randn(1, 128, 8, 64, device='cuda', dtype=torch.bfloat16).transpose(1, 2); "

@@ -1,4 +1,4 @@
-"""Tracing sees what eager sees (issue 26, 2.5): under FakeTensorMode with CUDA fake
+"""Tracing sees what eager sees: under FakeTensorMode with CUDA fake
 tensors (what torch.compile's and torch.export's tracing give the entry points), every
 entry point of fastattn.torch and fastattn.flash refuses what an eager call refuses,
 with the same exception and message, and accepts what it accepts, with the same output

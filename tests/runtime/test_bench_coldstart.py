@@ -1,4 +1,4 @@
-"""benchmarks/bench_coldstart.py on the CPU: issue 41's first-outputs summary (the run itself
+"""benchmarks/bench_coldstart.py on the CPU: its first-outputs summary (the run itself
 needs a GPU; its chart, --plot, does not ask for one)."""
 
 from __future__ import annotations
