@@ -85,9 +85,10 @@ def test_a_failed_launch_raises_fastattns_class_on_both_paths(path, monkeypatch)
     # op library's bare ValueError ("fastattn: ...").
     import fastattn
     from fastattn.torch import _native
+    from helpers.torch import take_python_path
 
     if path == "python":
-        _native.python_path(monkeypatch)
+        take_python_path(monkeypatch)
     else:
         assert _native.library() is not None, _native.status()
     q, k, v = _inputs(7)

@@ -21,6 +21,7 @@ import torch.nn.functional as F  # noqa: E402
 
 import fastattn.torch  # noqa: E402
 from fastattn.torch import _native, _sdpa_mode  # noqa: E402
+from helpers.torch import take_python_path  # noqa: E402
 
 DEV = "cuda"
 TOL = 3e-2  # bfloat16
@@ -33,7 +34,7 @@ def mode(request, monkeypatch):
     lib = _native.library()
     assert lib is not None, _native.status()
     if request.param == "python":
-        _native.python_path(monkeypatch)
+        take_python_path(monkeypatch)
     else:
         _native._publish_ops()
     lib.clear()

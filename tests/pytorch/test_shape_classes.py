@@ -11,6 +11,7 @@ import fastattn  # noqa: E402
 from fastattn import shape_classes as sc  # noqa: E402
 from fastattn.torch import _api, _classes, _dense, _native, _plans  # noqa: E402
 from helpers import benchmarks  # noqa: E402
+from helpers.torch import take_python_path  # noqa: E402
 
 
 class RecordingPlan:
@@ -42,7 +43,7 @@ def fake(monkeypatch):
     for mod in (_plans, _classes):
         monkeypatch.setattr(mod, "capturing", lambda: False)
     monkeypatch.setattr(fastattn.runtime, "warm_torch_backward", lambda: None)
-    _native.python_path(monkeypatch)
+    take_python_path(monkeypatch)
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))  # the eager branch, on meta tensors
     monkeypatch.setattr(_api, "plain_eager", lambda q: True)
     monkeypatch.setattr(_dense, "_check", lambda *a: None)
