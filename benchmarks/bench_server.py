@@ -171,11 +171,11 @@ def child_kernels(args) -> dict:
     import fastattn
     import fastattn.torch as fat
     from fastattn import shape_classes as sc
-    from fastattn.torch import _classes
+    from fastattn.torch import _shape_classes
 
     torch.cuda.init()
     q, q1, k, v = _inputs(torch)
-    classes = _classes.resolve(args.classes, torch.cuda.current_device(), False)
+    classes = _shape_classes.resolve(args.classes, torch.cuda.current_device(), False)
     reqs = requests(args.requests, args.decode_steps, args.seed)[:args.kernel_requests]
     rows = []
     with torch.no_grad():
