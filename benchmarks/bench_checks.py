@@ -1,4 +1,4 @@
-"""Host cost of checking array arguments (issue 16), on any machine, no GPU needed.
+"""Host cost of checking array arguments, on any machine, no GPU needed.
 
     python benchmarks/bench_checks.py [--calibrate-us 40.84]
 

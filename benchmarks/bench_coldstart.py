@@ -335,7 +335,7 @@ def first_outputs_summary(fo: dict) -> str:
              f"(warm cache, no preload call) {ours if ours is None else round(ours, 1)} ms, SDPA flash "
              f"{flash if flash is None else round(flash, 1)} ms"]
     if ours and flash:
-        lines.append(f"fastattn.torch / SDPA flash: {ours / flash:.2f} (issue 41: <= 1.5)")
+        lines.append(f"fastattn.torch / SDPA flash: {ours / flash:.2f} (target: <= 1.5)")
     for name in ("fastattn_torch_warm", "torch_flash"):
         for r in fo.get(name, []):
             lines.append(f"  {name}: " + (f"fwd ms per shape {r['fwd_ms']}" if "fwd_ms" in r
@@ -469,7 +469,7 @@ def main(argv=None) -> int:
     ap.add_argument("--png", default="docs/coldstart.png")
     ap.add_argument("--first-outputs", action="store_true",
                     help="only the 8 shapes' first outputs through fastattn.torch (warm cache, no preload call) "
-                         "beside SDPA flash, --rounds interleaved rounds (issue 41's criterion)")
+                         "beside SDPA flash, --rounds interleaved rounds (the cold-start target)")
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args(argv)
     if args.rounds < 1:

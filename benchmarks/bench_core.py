@@ -2,7 +2,7 @@
 
 (a) Host time per forward call on a small shape (default 1x8x128x64 bf16 causal):
     fastattn plan.forward on ints, on plan.allocate's DeviceTensors and on torch
-    tensors (the checked path, issue 16), and PyTorch scaled_dot_product_attention with its cuDNN
+    tensors (the checked path), and PyTorch scaled_dot_product_attention with its cuDNN
     and flash backends (when torch is installed). Then the C++ floor, forward and
     backward, each looped in C++ on the same plan (fastattn._core.bench_execute): fastattn's
     C++ execute (checks, device, stream, launch: a CUDA graph replay once a launch
@@ -130,7 +130,7 @@ def bench_host_overhead(args) -> dict:
             return us
         return run
 
-    # The checked path (issue 16): the same call on plan.allocate's DeviceTensors.
+    # The checked path: the same call on plan.allocate's DeviceTensors.
     arr = {n: p.allocate(n) for n in ("q", "k", "v", "o")}
     arr_ws = p.allocate("workspace")
     variants = {
@@ -203,7 +203,7 @@ def bench_host_overhead(args) -> dict:
         res[name.replace("_us", "_spread_us")] = [min(vals), max(vals)]
     floor_us = res["cudnn_frontend_cpp_execute_us"]
     res["ratio_fastattn_to_cpp_floor"] = res["fastattn_plan_forward_us"] / floor_us
-    # Issue 17's bar: the C++ execute at most 1.0x cudnn-frontend's own on the same plan.
+    # The bar: the C++ execute at most 1.0x cudnn-frontend's own on the same plan.
     for sfx in ("", "_bwd"):
         ours = res[f"fastattn_cpp_execute{sfx}_us"]
         res[f"ratio_cpp_execute_to_frontend_sorted{sfx}"] = ours / res[f"cudnn_frontend_cpp_execute{sfx}_us"]
@@ -221,7 +221,7 @@ def bench_host_overhead(args) -> dict:
             for mode in ("fastattn_packs_only", "frontend_sorted", "frontend_sorted_preamble"):
                 res[f"ratio_held_{direction}_{LAYERS}layers_fastattn_to_{mode}"] = (
                     ours / res[f"held_{mode}_{direction}_{LAYERS}layers_us"])
-    # Issue 16's bar: the checked path at most a few microseconds over the int path.
+    # The bar: the checked path at most a few microseconds over the int path.
     for k in ("device_tensors", "torch_tensors"):
         if f"fastattn_plan_forward_{k}_us" in res:
             res[f"checked_{k}_extra_us"] = res[f"fastattn_plan_forward_{k}_us"] - res["fastattn_plan_forward_us"]

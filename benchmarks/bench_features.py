@@ -1,4 +1,4 @@
-"""Issue 6, measured: decode with a paged KV cache, prefill of packed variable-length
+"""Measured: decode with a paged KV cache, prefill of packed variable-length
 sequences, each against PyTorch SDPA on the same data where PyTorch can express it.
 
 (a) Decode: 64 sequences, one query token each, KV lengths drawn from 512 ... 8192,

@@ -1,4 +1,4 @@
-"""A server's first tokens (issue 41's acceptance benchmark): fresh processes, each building
+"""A server's first tokens (the cold-start acceptance benchmark): fresh processes, each building
 a model from a config on the GPU (random weights, bf16: the load a server does) and then
 serving the first token of 16 requests of distinct prompt lengths (97 ... 3001, seeded),
 one after another, batch 1, no_grad, each synchronized on its token (`.item()` of the last
@@ -17,8 +17,8 @@ sdpa_mode_cold (once after it: the SDPA mode's own plans) are reported apart.
 
 Figures per process: serving seconds (model ready, i.e. built on the GPU and synchronized,
 to the last first token), seconds from the process's start (its spawn) to the last first
-token, the import and build seconds, and per request first_ms and steady_ms. Claims
-(issue 41): fastattn's serving time <= 0.6x the best PyTorch peer's (sdpa_flash,
+token, the import and build seconds, and per request first_ms and steady_ms. Claims:
+fastattn's serving time <= 0.6x the best PyTorch peer's (sdpa_flash,
 sdpa_cudnn, eager) in the same run; a new length's first token within 1.3x of its steady
 time (the median over requests of first_ms / steady_ms).
 

@@ -1,6 +1,6 @@
 """fastattn.flash against FlashAttention 2 as PyTorch ships it (the flash backend of
 scaled_dot_product_attention, and its varlen kernel through aten._flash_attention_*), in
-one process on one GPU (issue 14: target at least 1.6x FA2's TFLOP/s).
+one process on one GPU (target: at least 1.6x FA2's TFLOP/s).
 
 (a) Forward and forward+backward TFLOP/s on 2x16x8192x128 causal and not, 4x32x2048x64
     causal and not, and a varlen batch (16 sequences of 256-4096 tokens, 16 heads, dim
@@ -12,7 +12,7 @@ one process on one GPU (issue 14: target at least 1.6x FA2's TFLOP/s).
     cached tokens, beside FA2 on the same KV laid out densely): fastattn.flash, fastattn.torch (what
     fastattn.flash adds on top) and FA2, interleaved rounds, medians.
 
-(c) Issue 29's paths, TFLOP/s beside FA2 on the same shapes and beside fastattn's own
+(c) The composed paths (block tables, sinks, ...), TFLOP/s beside FA2 on the same shapes and beside fastattn's own
     call without the feature (what the composition costs): flash_attn_varlen_func with a
     block table (FA2 through PyTorch's varlen kernel with that block table where this
     PyTorch takes one, and on the same K/V packed), flash_attn_with_kvcache appending a
@@ -132,7 +132,7 @@ def throughput(rounds: int, reps: int) -> list[dict]:
     return rows
 
 
-# -- issue 29's new paths, each beside FA2 on the same shapes and beside fastattn's own call
+# -- the composed paths, each beside FA2 on the same shapes and beside fastattn's own call
 # without the new feature ("direct": what the composition costs) -----------------------------
 
 def _aten_fa2(q, k, v, cu_q, cu_k, max_q, max_k, causal, **kw):
@@ -283,7 +283,7 @@ def _padded_head_dim(b=2, h=16, s=4096, d=111):
 
 
 def new_paths(rounds: int, reps: int) -> list[dict]:
-    """TFLOP/s of each path issue 29 adds, interleaved rounds, medians; the ratios are
+    """TFLOP/s of each composed path, interleaved rounds, medians; the ratios are
     medians of the rounds' ratios: to FA2 and to fastattn's direct call."""
     rows = []
     for build in (_paged_varlen, lambda: _kvcache_chunk(True, False), lambda: _kvcache_chunk(False, True), _alibi,
@@ -406,7 +406,7 @@ def main(argv=None) -> int:
                          f"(ratio {ratio or float('nan'):.2f}, target >= 1.6)")
         errs = [f"{k}: {v}" for k, v in r.items() if k.endswith("_error")]
         print(f"  {r['shape']} causal={r['causal']}: " + "; ".join(parts) + (f" [{'; '.join(errs)}]" if errs else ""))
-    print("  issue 29's paths (TFLOP/s; x FA2 and x fastattn without the feature, medians of round ratios):")
+    print("  composed paths (TFLOP/s; x FA2 and x fastattn without the feature, medians of round ratios):")
     for r in res["new_paths"]:
         parts = []
         for mode in ("fwd", "bwd"):

@@ -1,11 +1,11 @@
 """FP8 attention on the GPU: fastattn's FP8 plans against cudnn-frontend's own Python FP8
 graphs (the same cuDNN kernels, the frontend's own plumbing), beside fastattn bf16 and
-PyTorch SDPA's cuDNN and flash backends in bf16, on issue 15's shapes, in both memory
+PyTorch SDPA's cuDNN and flash backends in bf16, on SHAPES (below), in both memory
 layouts (bshd, and (b, h, s, d) contiguous as SDPA takes it).
 
 (a) Forward and backward TFLOP/s (backward timed alone, from a saved forward), with
     CUDA events over rotating inputs, in interleaved rounds (every peer once per round,
-    so drift hits all alike); medians of the rounds. Target (issue 15): fastattn FP8 at
+    so drift hits all alike); medians of the rounds. Target: fastattn FP8 at
     least 0.97x cudnn-frontend's FP8 graphs.
 (b) End to end through fastattn.torch: attention_fp8_scaled (bf16 in and out, current
     scaling) against attention in bf16: time per inference call and per training step.

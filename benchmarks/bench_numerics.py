@@ -1,4 +1,4 @@
-"""Issue 27, item 2: what fastattn.defects' remedies cost. On the shapes a known cuDNN
+"""What fastattn.defects' remedies cost. On the shapes a known cuDNN
 defect affects, the backward kernel time of the remedied graph (a padding mask over the
 full lengths, which the plan supplies) against the plain graph cuDNN would otherwise run
 (built with `fastattn._core.build_plan(..., registry=())`), on the same random data (not the

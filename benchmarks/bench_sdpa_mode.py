@@ -68,7 +68,7 @@ LEFT_PADDING = 48  # the second sequence's padding tokens in the masked shapes
 # and copies (its mask's conversion, the attention, the output's fill), and 200 of them
 # overflow CUDA's launch queue behind the sleep (_common.HELD_ITERS).
 MASKED_HELD_ITERS = 64
-TARGET = 0.6  # issue 28: mode_on's inference host time at most this times torch_cudnn's (unmasked calls)
+TARGET = 0.6  # mode_on's inference host time at most this times torch_cudnn's (unmasked calls)
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -1,4 +1,4 @@
-"""A server's stream of requests on shape classes (issue 30's acceptance benchmark).
+"""A server's stream of requests on shape classes (shape classes' acceptance benchmark).
 
 The model shape is bench_shape_classes.py's default: batch 1, 32 query heads, 8 key/value
 heads (GQA), head dim 128, bf16, causal (bottom right: a decode step's one query sees the
@@ -171,11 +171,11 @@ def child_kernels(args) -> dict:
     import fastattn
     import fastattn.torch as fat
     from fastattn import shape_classes as sc
-    from fastattn.torch import _classes
+    from fastattn.torch import _shape_classes
 
     torch.cuda.init()
     q, q1, k, v = _inputs(torch)
-    classes = _classes.resolve(args.classes, torch.cuda.current_device(), False)
+    classes = _shape_classes.resolve(args.classes, torch.cuda.current_device(), False)
     reqs = requests(args.requests, args.decode_steps, args.seed)[:args.kernel_requests]
     rows = []
     with torch.no_grad():

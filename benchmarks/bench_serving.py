@@ -1,4 +1,4 @@
-"""transformers' continuous batching on each paged attention path (issue 40's serving benchmark):
+"""transformers' continuous batching on each paged attention path (the serving benchmark):
 `model.generate_batch(...)`, the engine behind `transformers serve` (a paged KV cache, requests
 of mixed lengths scheduled together), tokens/s and time to first token.
 
@@ -24,7 +24,7 @@ In each process: the model built, then one generate_batch of 4 short requests wi
 warm-up (its CUDA-graph captures; a server pays them at start), then the measured generate_batch
 (persistent manager, no second warm-up; record_timestamps for each request's first token).
 Figures: generated tokens/s over the measured call, the median and p90 of time to first token
-(from the call's start), the wall seconds; fastattn's fallback calls. Claim (issue 40): fastattn's
+(from the call's start), the wall seconds; fastattn's fallback calls. Claim: fastattn's
 tokens/s >= 1.3x the best PyTorch paged path's in the same run.
 
     python benchmarks/bench_serving.py [--json out.json] [--rounds N] [--requests 32,256] [--quick] [--cuda-graphs]

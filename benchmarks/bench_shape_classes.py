@@ -45,7 +45,7 @@ def _queued_time_us(fn, reps: int) -> callable:
     """A timer of reps eager calls of fn queued behind a GPU sleep (after one call, so that
     its plan is held): the host enqueues them while the GPU waits, so the events time the
     kernels back to back, not the host. Not a CUDA graph: a call inside a capture takes its
-    exact plan (fastattn/torch/_classes.py), so a graph would time the exact plan twice."""
+    exact plan (fastattn/torch/_shape_classes.py), so a graph would time the exact plan twice."""
     fn()
     torch.cuda.synchronize()
     gap, start, end = (torch.cuda.Event(enable_timing=True) for _ in range(3))
@@ -174,7 +174,7 @@ def main(argv=None) -> int:
     require_cuda("bench_shape_classes.py")
     t0 = time.perf_counter()
     res = {**header(),
-           "gpu": torch.cuda.get_device_name(),  # the name the policy compares (fastattn.torch._classes.resolve)
+           "gpu": torch.cuda.get_device_name(),  # the name the policy compares (fastattn.torch._shape_classes.resolve)
            "shape": {"batch": args.batch, "heads_q": args.heads, "heads_kv": args.heads_kv or args.heads,
                      "head_dim": args.head_dim, "dtype": args.dtype, "mask": "causal_bottom_right",
                      "training": args.training, "reps": args.reps, "rounds": args.rounds}}

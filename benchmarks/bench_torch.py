@@ -45,15 +45,22 @@ def _sdpa_bhsd(q, k, v, causal):
     return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
 
+# What the op library publishes to the entry points (fastattn/torch/_native.py; tests/helpers/
+# torch.py's NATIVE_ENTRIES): with all of them None, every call takes the Python body.
+NATIVE_ENTRIES = ("DENSE", "VARLEN", "PAGED", "CALL", "CALL_VARLEN")
+
+
 @contextlib.contextmanager
 def _python_path():
-    """fastattn.torch's Python path for the block (the native path's ops unpublished)."""
-    saved = _native.DENSE, _native.VARLEN, _native.PAGED, _native.CALL
-    _native.python_path()
+    """fastattn.torch's Python path for the block (the native path's entries unpublished)."""
+    saved = {name: getattr(_native, name) for name in NATIVE_ENTRIES}  # AttributeError: the list is stale
+    for name in NATIVE_ENTRIES:
+        setattr(_native, name, None)
     try:
         yield
     finally:
-        _native.DENSE, _native.VARLEN, _native.PAGED, _native.CALL = saved
+        for name, value in saved.items():
+            setattr(_native, name, value)
 
 
 def _fastattn(q, k, v, causal):

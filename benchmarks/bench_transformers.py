@@ -16,8 +16,8 @@ Tiny random-weight models built from configs (no downloads), bf16, on one GPU.
       sdpa_cudnn      attn_implementation="sdpa", sdpa_kernel(CUDNN_ATTENTION)
       sdpa_flash      attn_implementation="sdpa", sdpa_kernel(FLASH_ATTENTION)
     Interleaved: each round runs every peer but fastattn_cold once, in a rotated order
-    (--rounds); medians, and the median of each round's own ratio. Claim checked (issue
-    28): fastattn_warm sooner than sdpa_cudnn, and no later than sdpa_flash.
+    (--rounds); medians, and the median of each round's own ratio. Claim checked:
+    fastattn_warm sooner than sdpa_cudnn, and no later than sdpa_flash.
 (b) Steady prefill and decode on a 4-layer Qwen2 (the same sizes, full attention), one
     process, the same weights for every peer: prefill ms (a no_grad forward of 4 prompts of
     256 tokens, CUDA events over back-to-back forwards) and decode ms per token (greedy
@@ -26,10 +26,10 @@ Tiny random-weight models built from configs (no downloads), bf16, on one GPU.
     calls need. Peers: fastattn, sdpa_cudnn, sdpa_flash, and sdpa_mode (attn_implementation
     ="sdpa" with fastattn.torch.enable_sdpa(), the cuDNN backend selected); interleaved
     rounds (--steady-rounds) in a rotated order, medians; and the SDPA calls the mode served
-    and passed on (with reasons) over sdpa_mode's calls. Baseline (issue 28, H200):
+    and passed on (with reasons) over sdpa_mode's calls. Baseline (H200, BASELINE below):
     prefill 3.41 ms against sdpa's 4.07, decode 4.15 ms per token against 4.79.
 
-(c) A left-padded batch's greedy generate (issue 40): 8 prompts of 16-512 tokens, padded at
+(c) A left-padded batch's greedy generate: 8 prompts of 16-512 tokens, padded at
     the left (transformers' default for batched generate), N new tokens each (--padded-new-
     tokens, default 128), on a 4-layer Llama (GQA) and the same Qwen2: tokens per second
     (batch x N over the generate's wall time, synchronized), fastattn against sdpa
@@ -69,7 +69,7 @@ SIZES = dict(vocab_size=4096, hidden_size=1024, intermediate_size=2816, num_hidd
 MODELS = {"llama": dict(model_type="llama"), "qwen2": dict(model_type="qwen2", use_sliding_window=False)}
 COLD_PEERS = ("fastattn_warm", "sdpa_cudnn", "sdpa_flash")  # interleaved; fastattn_cold runs once, first
 STEADY_PEERS = ("fastattn", "sdpa_cudnn", "sdpa_flash", "sdpa_mode")
-BASELINE = {"prefill_ms": (3.41, 4.07), "decode_ms_per_token": (4.15, 4.79)}  # issue 28: (fastattn, sdpa)
+BASELINE = {"prefill_ms": (3.41, 4.07), "decode_ms_per_token": (4.15, 4.79)}  # (fastattn, sdpa) ms on the H200, the SDPA mode's target
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -395,7 +395,7 @@ def summary(res: dict) -> list[str]:
             peers = [p for p in STEADY_PEERS if p in m]
             ours, base = BASELINE[key]
             lines.append(f"    {label}: " + ", ".join(f"{p} {_fmt(m[p][key], '.3f')}" for p in peers)
-                         + f"  (issue 28's baseline: {ours} vs {base})")
+                         + f"  (baseline: {ours} vs {base})")
             lines.append("      fastattn / " + ", ".join(f"{p} {_fmt(m[f'ratio_fastattn_to_{p}'])} "
                                                        f"({_fmt(m[f'ratio_fastattn_to_{p}_paired'])})"
                                                        for p in peers if p != "fastattn"))

@@ -1,4 +1,4 @@
-"""What `fastattn warm --verify` costs beside plain `fastattn warm` (issue 27, item 3).
+"""What `fastattn warm --verify` costs beside plain `fastattn warm`.
 
 The built-in model shapes (fastattn.sweep.builtin_configs(), what `fastattn warm` warms
 without a file), each row in a fresh empty cache directory, rounds interleaved:

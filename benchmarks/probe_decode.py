@@ -1,5 +1,5 @@
-"""Probes of one query against many keys (seqlen_q = 1), where FlashAttention's own tests
-failed on fastattn.flash (issue 29): are repeated calls bitwise equal (their
+"""Probes of one query against many keys (seqlen_q = 1), on the cases of FlashAttention's own
+tests that catch one-query defects in fastattn.flash: are repeated calls bitwise equal (their
 test_flash_attn_race_condition: seqlen_k 239, head dims 111 and 256), and are the
 gradients right with softcap, MQA and a window in a varlen call (their
 test_flash_attn_varlen_output: dq off by 7e19)? Each variant against float64, so that

@@ -1,6 +1,6 @@
 """Which SDPA call patterns PyTorch routes to its cuDNN backend, what ran, and whether the
-answer is right, with the SDPA mode off and on (issue 40 item 2; the patterns and the gates
-they meet: docs/history/research-issue-40.md, "PyTorch 2.11's gates").
+answer is right, with the SDPA mode off and on (the patterns and the gates they meet:
+docs/history/research-issue-40.md, "PyTorch 2.11's gates").
 
 For each pattern (bf16 unless named, batch 2, fresh random inputs): PyTorch's backend choice
 (torch._fused_sdp_choice: 0 math, 1 flash, 2 efficient, 3 cudnn), the reasons
@@ -9,7 +9,7 @@ ran (a TorchDispatchMode), and the output's largest error against a float64 refe
 relative to the reference's largest magnitude; then the same call under
 fastattn.torch.enable_sdpa(), with the mode's route for it (served, or its reason) and the
 same error. A float32 additive mask with bf16 queries is among them: PyTorch sends it to
-cuDNN, whose 2.11 kernel is said to read it as bf16 (PR #191612).
+cuDNN, whose 2.11 kernel is said to read it as bf16 (pytorch/pytorch#191612).
 
     python benchmarks/probe_sdpa_gates.py [--json out.json]
 

@@ -1,5 +1,5 @@
-"""Which of a transformers model's SDPA calls the SDPA mode serves, and why not the others
-(issue 40 item 2): a 2-layer GQA Llama and Qwen2 (16 query heads, 4 key-value heads, bf16,
+"""Which of a transformers model's SDPA calls the SDPA mode serves, and why not the others:
+a 2-layer GQA Llama and Qwen2 (16 query heads, 4 key-value heads, bf16,
 random weights, attn_implementation="sdpa") with fastattn.torch.enable_sdpa(), in prefill
 (unpadded and left-padded) and greedy generate (left-padded), each call of
 torch.nn.functional.scaled_dot_product_attention recorded with its arguments' shapes,

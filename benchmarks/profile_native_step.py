@@ -1,5 +1,5 @@
-"""Where the host time of fastattn.torch's native path goes, beside SDPA's cuDNN backend
-(issue 17): the pieces of an inference call and of a training step, each timed on its
+"""Where the host time of fastattn.torch's native path goes, beside SDPA's cuDNN backend:
+the pieces of an inference call and of a training step, each timed on its
 own in one process (median of 15 samples; the GPU queue is drained between samples).
 
 Inference: attention() whole; its C entry (call) called directly (no Python wrapper), and

@@ -1,4 +1,4 @@
-"""Where the host time of one fastattn.torch.attention call goes (issue 5).
+"""Where the host time of one fastattn.torch.attention call goes.
 
 On the small shape of bench_torch (1x8x128x64 bf16 causal, bshd, inference), times
 each piece of the eager path on its own, in one process, as the median of 15 samples

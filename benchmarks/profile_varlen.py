@@ -7,7 +7,7 @@ samples; the GPU queue is drained between samples).
 Inference: attention_varlen() whole; its C entry (call_varlen) called directly; the
 native op called directly (torch.ops, the dispatcher); the Python body's checks alone
 (_check_varlen); what deriving cuDNN's lengths and offsets from cu_seqlens with
-PyTorch kernels costs (the path before session 10's index kernel); fastattn.flash's
+PyTorch kernels costs (what the ragged index kernel replaces); fastattn.flash's
 varlen entry; FA2.
 Training: a whole step (forward, then torch.autograd.grad) for fastattn and FA2, in
 interleaved rounds.

@@ -1,4 +1,4 @@
-"""Which CUDA calls one forward makes on the host, and what they cost (issue 5).
+"""Which CUDA calls one forward makes on the host, and what they cost.
 
 Runs fastattn's plan.forward, fastattn.torch.attention and PyTorch SDPA's cuDNN backend
 on the small shape of bench_torch (1x8x128x64 bf16 causal, inference) under PyTorch's

@@ -486,7 +486,7 @@ def stored_answer(config: ConfigLike, *, device: int | None = None, cache: PlanC
 # benchmarks/bench_coldstart.py under cProfile: nearly all of a first backward, for
 # every peer alike, most of it compiling sympy's .py files where pip installed them
 # without .pyc, much less where the .pyc files exist (docs/BENCHMARKS.md, "Cold start";
-# the profile: docs/history/benchmarks-log.md, "Cold start with autograd (issue 17)").
+# the profile: docs/history/benchmarks-log.md, "Cold start with autograd").
 TORCH_BACKWARD_IMPORT = "torch.fx.experimental.symbolic_shapes"
 _torch_import_started = False
 
@@ -531,7 +531,7 @@ def preload(configs: Iterable[ConfigLike] | None = None, *, device: int | None =
     """Loads (or builds) plans ahead of first use, in `threads` parallel threads, each
     with its own cuDNN handle. Threads pay for training plans (forward and backward
     graphs) and not for inference ones (docs/history/benchmarks-log.md, "Persistent
-    cache (issue 3)"). In the background (background=True) it overlaps whatever else
+    cache"). In the background (background=True) it overlaps whatever else
     the process does at startup.
 
     configs: the configs to load; None means every entry in the cache directories that
@@ -561,7 +561,7 @@ def preload(configs: Iterable[ConfigLike] | None = None, *, device: int | None =
             # A user of the autograd path: its first backward will import sympy. Not for raw
             # plan users: measured, the import's GIL contention slowed a raw warm+preload
             # start several times over (benchmarks/bench_coldstart.py on the H200;
-            # docs/history/benchmarks-log.md, "Cold start with autograd (issue 17)").
+            # docs/history/benchmarks-log.md, "Cold start with autograd").
             warm_torch_backward()
         with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="fastattn-preload") as pool:
             return list(pool.map(one, todo))

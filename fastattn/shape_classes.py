@@ -122,7 +122,7 @@ def class_config(*, batch: int, heads_q: int, heads_kv: int, head_dim_qk: int, h
                  upper_q: int, upper_kv: int, **fields):
     """The one description of a class plan: the ragged (THD) bshd config declared for the
     class's lengths, with the call's other AttentionConfig fields (mask, window, ...).
-    fastattn.torch's class-served calls (_classes.plan_for) and `fastattn warm --seqlens`
+    fastattn.torch's class-served calls (_shape_classes.plan_for) and `fastattn warm --seqlens`
     both make it here, so that warm builds the plans calls ask for."""
     from .config import AttentionConfig
 

@@ -10,8 +10,8 @@ about are those of the shapes being verified):
   random   q, k, v, d_o ~ N(0, 1) (a bias ~ N(0, 0.5^2)); full lengths with padding.
   low_lse  every query anti-aligned with every key (one coordinate of q is 1, the same
            coordinate of every key -120 / scale), so each row's log-sum-exp is far below
-           -ln(FLT_MAX) ~ -88.7: the rows where cuDNN 9.19's SM90 backward gave NaN
-           (issue 27; huggingface/trl#7181's construction, as tests/attention/
+           -ln(FLT_MAX) ~ -88.7: the rows where cuDNN 9.19's SM90 backward gives NaN
+           (huggingface/trl#7181's construction, as tests/attention/
            test_numerics_gpu.py's `adversarial`).
   lengths  with padding: random per-sequence lengths in [1, s]; with a bottom-right
            diagonal, sequences whose s_q exceeds their s_kv have rows that see no key
@@ -351,7 +351,7 @@ def compare(config: AttentionConfig, kind: str, inputs: dict[str, Any], ours: di
             # a float32 reference could justify. Measured on the H200 (cuDNN 9.19), cuDNN's correct
             # plans and PyTorch's efficient kernel alike were 0.4-6.8x the scale beyond
             # the rounding floor there on causal plans; what this kind exists to catch,
-            # cuDNN 9.19's NaN (issue 27), is the non-finite count, still judged.
+            # cuDNN 9.19's NaN in such rows, is the non-finite count, still judged.
             floor = torch.full_like(r, math.inf)
         numbers = [float(t.max()) if r.numel() else 0.0
                    for t in (diff, (diff - floor).clamp_min(0), torch.where(keep, r.abs(), zero))]

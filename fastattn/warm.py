@@ -138,7 +138,7 @@ def kernel_family(config: AttentionConfig) -> tuple:
     selecting kernel variants (`family` in fastattn.config). cuDNN compiles each kernel
     variant once per process and reuses it for other shapes, so the first config of a
     head dim takes far longer to build than later sequence lengths, batch sizes and head
-    counts (measured: docs/history/benchmarks-log.md, "The fastattn command (issue 4)").
+    counts (measured: docs/history/benchmarks-log.md, "The fastattn command").
     A guess used only to schedule: a wrong one costs time, never correctness."""
     return _fields.kernel_family(FIELDS, config)
 
@@ -153,7 +153,7 @@ class _Queue:
     # processes compiling at once slow each other: sharing families early made warm
     # slower, not faster (measured on the H200 with 64 configs in 4 families: workers' CPU
     # time grew from 12 s on 1 worker to 57 s on 16 when every worker took any config;
-    # docs/history/benchmarks-log.md, "The fastattn command (issue 4)").
+    # docs/history/benchmarks-log.md, "The fastattn command").
     STEAL_AT = 16
 
     def __init__(self, items: list[WarmItem]):
@@ -163,8 +163,8 @@ class _Queue:
         self.owners: dict[tuple, set[int]] = {g: set() for g in self.groups}
         self.order = {g: i for i, g in enumerate(self.groups)}  # ties go to the family met first
         # Families nobody works on, the largest first: a heap, so that a take costs a
-        # pop, not a scan of every family (a sweep of single-config families was
-        # quadratic). Entries go stale when a family is taken; take skips those.
+        # pop, not a scan of every family (a scan per take makes a run of
+        # single-config families quadratic). Entries go stale when a family is taken; take skips those.
         self.fresh = [(-len(v), self.order[g], g) for g, v in self.groups.items()]
         heapq.heapify(self.fresh)
         self.current: dict[int, tuple] = {}  # worker -> the family it works on
@@ -431,7 +431,7 @@ def warm(
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise InvalidArgumentError(f"workers={_fields.show(workers)}: must be an integer >= 1")
     # Every argument here, before a worker starts: a worker would report a bad one as a
-    # failure of each config (timeout=-1 "killed" them all; device="x" was its usage error).
+    # failure of each config (timeout=-1 would "kill" them all; device="x" would be each one's usage error).
     seconds = _fields.number("timeout", timeout)
     if not (math.isfinite(seconds) and seconds > 0):
         raise InvalidArgumentError(f"timeout={_fields.show(timeout)}: must be a finite number of seconds > 0")

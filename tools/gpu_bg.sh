@@ -10,7 +10,7 @@
 #   bash tools/gpu_bg.sh stop                         ends the run (its whole process
 #       session), keeping what pytest logged so far in $OUT; exit 76 where none was started.
 #       (Not `pkill -f PATTERN` in a device call: the pattern matches that call's own
-#       command line, and the call ends at once; seen in session 20.)
+#       command line, and the call ends at once.)
 # The run's environment (FASTATTN_PREBUILT, BENCH, FASTATTN_TEST_ORDER, ...) is passed on.
 # BG=/tmp/fastattn-bg-NAME keeps a second run apart from the first (two at once on one machine:
 # e.g. a cuDNN whose parts arrive while the first run goes on, CUDNN=... in each).

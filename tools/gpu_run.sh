@@ -12,7 +12,7 @@
 #     the script its own arguments)
 #   CRASH_BT=0: no second run under cuda-gdb after a crash (a whole-suite rerun costs minutes of device time)
 #   ORDERS="file reverse shuffle:7": one pytest process per order (FASTATTN_TEST_ORDER), all at once on
-#     the one GPU (each order is still one process: what issue 26 asks; three in turn cost ~3 x 560 s);
+#     the one GPU (each order is still one process, so what one test leaves behind reaches the next; three in turn cost ~3 x 560 s);
 #     logs pytest-<order>.log, a summary line each; exit 0 only if every order passed
 #   CUDNN="9.24.0.43 9.28.1.4": the cuDNN versions to test, each received on this machine beforehand
 #     (tools/other_cudnn.sh pack / receive); "machine" is the machine's own. Each (version, order)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# FlashAttention 2.8.3's own tests/test_flash_attn.py against fastattn.flash (issue 29,
-# "Tests"), on the GPU machine, after tools/gpu_run.sh has built the extension and the op
+# FlashAttention 2.8.3's own tests/test_flash_attn.py against fastattn.flash, on
+# the GPU machine, after tools/gpu_run.sh has built the extension and the op
 # library there (same machine, same checkout). Their file is not ours and is never
 # committed: it lives in the git-ignored .peer/ (carry it), from
 #   git -C <flash-attention mirror> show v2.8.3:tests/test_flash_attn.py

@@ -56,7 +56,7 @@ class Parser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
         # A word of a dash and a digit (or a point and a digit) is a value, not a flag: no
         # flag is spelled so, and argparse's own rule takes only plain numbers (-5, -.5),
-        # so `--max-age -5d` was "expected one argument" instead of naming -5d.
+        # so `--max-age -5d` would be "expected one argument" instead of naming -5d.
         self._negative_number_matcher = _NEGATIVE_LOOKING
 
     def add_subparsers(self, **kwargs):

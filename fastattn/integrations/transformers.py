@@ -371,8 +371,8 @@ def _bias_for(form: FastattnMask, q: torch.Tensor, k: torch.Tensor, training: bo
     every key instead: their outputs are zeroed after (_zero_empty), so their output
     gradient is zero and what they attend to changes no other row's gradient, while a
     row whose every score is finfo.min has a log-sum-exp far below -88.7, where cuDNN
-    9.19's SM90 backward turns zero-filled tail keys into NaN (s_kv = 64 mod 128; issue
-    27, cudnn-frontend#628): every gradient of the batch was NaN on the H200."""
+    9.19's SM90 backward turns zero-filled tail keys into NaN (s_kv = 64 mod 128;
+    cudnn-frontend#628): every gradient of the batch is NaN on the H200."""
     if form.full is not None:
         m = form.full
         if m.dtype == torch.bool:

@@ -14,9 +14,9 @@ from typing import Literal, overload
 import torch
 
 from .. import _fields
-from .. import shape_classes as _shape_classes
+from .. import shape_classes as _class_bounds
 from ..errors import InvalidArgumentError
-from . import _autograd, _classes, _dense, _native, _options, _paged, _varlen
+from . import _autograd, _dense, _native, _options, _paged, _shape_classes, _varlen
 from ._plans import AXES, bottom_right
 from ._plans import options as check_options
 
@@ -114,7 +114,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
       call with packed tokens (token stride heads * dim), no bias and no sinks runs the
       plan of its lengths' class, so a new length in a known class builds and loads
       nothing; the same results (o's rows past seq_lens zero, gradients), o contiguous.
-      Such calls take the Python path (fastattn/torch/_classes.py says what that costs).
+      Such calls take the Python path (fastattn/torch/_shape_classes.py says what that costs).
 
     Raises InvalidArgumentError (a ValueError) for CPU tensors, mismatched devices,
     dtypes or shapes, NotSupportedError when cuDNN refuses the config.
@@ -122,7 +122,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     # Classes wanted: "auto" or bounds (SETTING OFF: the hot path as it was). Read as fields,
     # not bool(SETTING): Classes.__bool__ is a Python call on every call of the hot path.
     if shape_classes is None:
-        setting = _classes.SETTING
+        setting = _shape_classes.SETTING
         classes = setting.__class__ is str or setting.ranges != ()
     else:  # parsed here, so that a bad choice is refused whatever the tensors (meta, traced, CPU)
         shape_classes = _parse_classes(shape_classes, "shape_classes")
@@ -180,8 +180,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
         options = _dense.DenseOptions(layout, causal, br, left, right, scale, bool(deterministic), bool(alibi), training,
                                float(dropout_p), bool(grads and bias is not None and bias.requires_grad), softcap)
     if classes and bias is None and sinks is None and cuda and plain_eager(q):
-        # A class plan where the call's lengths have one (_classes.serve; None: exact plans).
-        served = _classes.serve(q, k, v, seq_lens_q, seq_lens_kv, extras[2], options, shape_classes, grads,
+        # A class plan where the call's lengths have one (_shape_classes.serve; None: exact plans).
+        served = _shape_classes.serve(q, k, v, seq_lens_q, seq_lens_kv, extras[2], options, shape_classes, grads,
                                 return_lse)
         if served is not None:
             return served
@@ -290,9 +290,9 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     # Classes wanted (SETTING OFF is falsy: then the hot path is as it was). A choice given
     # is parsed first, so that a bad one is refused whatever the tensors (meta, traced, CPU).
     if shape_classes is None:
-        classes = _classes.SETTING
+        classes = _shape_classes.SETTING
     else:
-        shape_classes = _classes.sc.parse(shape_classes, "shape_classes")
+        shape_classes = _shape_classes.sc.parse(shape_classes, "shape_classes")
         classes = shape_classes.__class__ is str or shape_classes.ranges != ()
     if not dynamo_compiling():  # (dynamo traces the body below instead)
         call = _native.CALL_VARLEN
@@ -325,7 +325,7 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     training = grads or bool(return_lse)
     max_q, max_kv = _varlen.bucket(max_seqlen_q), _varlen.bucket(max_seqlen_kv)
     if classes and not compiling() and q.is_cuda:  # (traces keep the power-of-two buckets)
-        c = _classes.resolve(shape_classes, q.get_device(), training)
+        c = _shape_classes.resolve(shape_classes, q.get_device(), training)
         max_q, max_kv = c.upper(max_seqlen_q) or max_q, c.upper(max_seqlen_kv) or max_kv
     if (training or sinks is not None) and max_q < VARLEN_MIN_Q:
         max_q = VARLEN_MIN_Q
@@ -427,7 +427,7 @@ def options_for(causal, causal_bottom_right, window, scale, alignment, softcap) 
 
 
 # Module globals: one lookup less per call.
-_parse_classes = _shape_classes.parse
+_parse_classes = _class_bounds.parse
 plain_eager, Eager, EagerWithStats = _autograd.plain_eager, _autograd.Eager, _autograd.EagerWithStats
 compiling, functorch_active = torch.compiler.is_compiling, _autograd.functorch_active
 # Dynamo's own flag (one call, cheaper than is_compiling): other tracers

@@ -5,8 +5,8 @@ A call takes one of two paths to the same work. Plain eager calls run the entry 
 Python directly under `Eager`, an autograd.Function: in PyTorch 2.11-2.13 a custom op's
 autograd wrapper made a training step cost several times PyTorch's own SDPA step in host
 time (torch._library.utils.fill_defaults rebuilds the schema's argument list once per
-argument; docs/history/benchmarks-log.md, session 4, "PyTorch host time per call (issue
-5)"). torch.compile, tracing and torch.func go through the custom ops, whose autograd
+argument; docs/history/benchmarks-log.md, "PyTorch host time per
+call"). torch.compile, tracing and torch.func go through the custom ops, whose autograd
 `register` wires from the same `Rule`. Both save the same tensors the same way (`_save`)
 and differentiate through the same function (`_saved`, then the rule's backward), so
 that the two paths cannot drift.

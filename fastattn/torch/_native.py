@@ -366,17 +366,6 @@ def decide():
     return DENSE
 
 
-def python_path(monkeypatch=None):
-    """Makes this process's entry points take the Python path (tests, benchmarks): with a
-    pytest monkeypatch, until the test ends."""
-    global DENSE, VARLEN, PAGED, CALL, CALL_VARLEN
-    if monkeypatch is not None:
-        for name in ("DENSE", "VARLEN", "PAGED", "CALL", "CALL_VARLEN"):
-            monkeypatch.setattr(sys.modules[__name__], name, None)
-    else:
-        DENSE = VARLEN = PAGED = CALL = CALL_VARLEN = None
-
-
 def status() -> dict:
     """Which path fastattn.torch takes and why (for `fastattn info`); decides it if not yet."""
     try:

@@ -129,8 +129,8 @@ def config_fields(options: tuple) -> dict:
 # both); and it refuses one query against one key outright. Sinks: cuDNN 9.19 refuses them
 # in a graph of one query ("decode only mode, i.e. s_q == 1, not supported with
 # sink_token") and builds the graph of two, whose lengths of one serve decode steps
-# (`fastattn probe` on the H200: docs/history/benchmarks-log.md, session 25). Both paths
-# read it from here (the op library as kVarlenMinQ).
+# (`fastattn probe ... --sinks` on the H200: docs/history/benchmarks-log.md, "verdicts on
+# sinks"). Both paths read it from here (the op library as kVarlenMinQ).
 VARLEN_MIN_Q = 2
 
 

@@ -59,9 +59,9 @@ class Cached:
         self.forward_workspace = plan.forward_workspace_size
         self.backward_workspace = plan.backward_workspace_size
         # torch.empty_like costs less than new_empty(shape) or empty_strided (it parses no
-        # sizes; docs/history/benchmarks-log.md, session 4, "PyTorch host time per call
-        # (issue 5)"): use it wherever it gives the strides the plan was built for. The key
-        # fixes the inputs' shapes and strides, so this holds for every call of the plan.
+        # sizes; docs/history/benchmarks-log.md, "PyTorch host time per call"): use it
+        # wherever it gives the strides the plan was built for. The key fixes the inputs'
+        # shapes and strides, so this holds for every call of the plan.
         self.out_like_q = layout is not None and like(q, self.out_shape)
         self.grads_like = tuple(layout is not None and like(t, list(t.shape), t.stride()) for t in (q, k, v))
 
@@ -110,7 +110,7 @@ def like(t: torch.Tensor, shape: list[int], stride: tuple[int, ...] | None = Non
 # and reused by that thread's calls on that stream: the stream orders them on the GPU, so
 # one buffer serves them all, and a call saves an allocation, a good part of a small
 # call's host time (benchmarks/profile_torch_call.py; docs/history/benchmarks-log.md,
-# session 4, "PyTorch host time per call (issue 5)"). Per thread, not only per stream: a
+# "PyTorch host time per call"). Per thread, not only per stream: a
 # call's launches into its workspace are several (cudnn-frontend copies the plan's
 # constants into it, then cuDNN's kernels run), and two threads' launches on one stream
 # interleave, so one thread's constants would land under the other's kernels (seen on

@@ -360,8 +360,8 @@ def _decide(q, k, v, attn_bias, dropout_p, is_causal, scale, training) -> _Route
     # The output's strides and logsumexp's shape PyTorch's Meta kernel gives (what
     # torch.compile's graphs were traced with), and the backward's (empty_like of each
     # input), by their rules below: asking the Meta kernel itself would import sympy and
-    # torch.fx's symbolic shapes in the first call (any meta op does; ~3 s on the H200,
-    # session 15). CPU tests hold these rules to the installed torch's Meta kernels.
+    # torch.fx's symbolic shapes in the first call (any meta op does; seconds on the
+    # H200). CPU tests hold these rules to the installed torch's Meta kernels.
     b, h, s_q, d_v = q.shape[0], q.shape[1], q.shape[2], v.shape[3]
     out_shape = (b, h, s_q, d_v)
     if tuple(q.shape) == out_shape:

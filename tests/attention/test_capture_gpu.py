@@ -80,14 +80,15 @@ def test_capture_on_a_thread_whose_handle_is_new():
 
 @pytest.mark.parametrize("path", ["native", "python"])
 def test_a_failed_launch_raises_fastattns_class_on_both_paths(path, monkeypatch):
-    # q two bytes past a 16-byte boundary: the core refuses the address at execute. The
-    # native path used to raise a bare ValueError ("fastattn: ..."), the Python path
-    # InvalidArgumentError; both must raise the class errors.py's code table names.
+    # q two bytes past a 16-byte boundary: the core refuses the address at execute. Both
+    # paths raise the class errors.py's code table names (InvalidArgumentError), not the
+    # op library's bare ValueError ("fastattn: ...").
     import fastattn
     from fastattn.torch import _native
+    from helpers.torch import take_python_path
 
     if path == "python":
-        _native.python_path(monkeypatch)
+        take_python_path(monkeypatch)
     else:
         assert _native.library() is not None, _native.status()
     q, k, v = _inputs(7)
@@ -122,12 +123,12 @@ FREED = {
 
 @pytest.mark.parametrize("freed", sorted(FREED))
 def test_capture_that_evicts_every_pack_of_a_freed_plan(freed):
-    # The whole suite's collapse (issue 26): a plan freed by an earlier test left its graph
-    # alive only in this thread's pack table; a miss inside torch.cuda.graph evicted it,
-    # its destruction invalidated the capture, and the next launch failed with
-    # CUDNN_STATUS_EXECUTION_FAILED_CUDART. Here the table is made to evict inside the
-    # capture on purpose: thousands of distinct pointer sets (it holds 256). Seen failing
-    # so (the bias case) before csrc/packs.h deferred what a capture evicts.
+    # A plan freed by an earlier test leaves its graph alive only in this thread's pack
+    # table; a miss inside torch.cuda.graph that evicted it would destroy the graph, which
+    # invalidates the capture, and the next launch fails with
+    # CUDNN_STATUS_EXECUTION_FAILED_CUDART (the whole GPU suite, one test after another).
+    # Here the table is made to evict inside the capture on purpose: thousands of distinct
+    # pointer sets (it holds 256). csrc/packs.h defers what a capture evicts.
     import gc
 
     import fastattn

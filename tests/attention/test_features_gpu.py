@@ -1,4 +1,4 @@
-"""GPU: the features beyond the dense case (issue 6), against float64 references.
+"""GPU: the features beyond the dense case, against float64 references.
 
 Padding masks (config.padding): each sequence of the batch has its own lengths, given
 at run time. Checked against a reference computed on each sequence alone, with its own

@@ -1,7 +1,6 @@
 """The CLI's one error boundary and its flag parsers: every outcome has its documented
 exit code, no traceback reaches the user, --json output is JSON on every path, and
-every numeric flag is range-checked with the flag's name (issue 13's defects 2, 3, 7,
-8, 10, 13 and 14)."""
+every numeric flag is range-checked with the flag's name."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """`fastattn cache clear | prune` and the commands that walk the directory, where the
-directory does not do what is asked (issue 38): a cache that is read-only or off by
+directory does not do what is asked: a cache that is read-only or off by
 configuration is refused, as import and pull refuse it (exit 2); entries that cannot be
 removed (a read-only mount, an immutable folder) are counted with the reason (exit 4),
 never reported as removed; an entry another process removed meanwhile is gone, not

@@ -1,4 +1,4 @@
-"""One meaning per exit code and per flag (issue 26, section 2, item 6): one config-file
+"""One meaning per exit code and per flag: one config-file
 reader for probe and warm; a matrix value that gives no valid config is a usage error
 before any GPU is looked for; "no usable GPU" is exit 3 on every command; a pull that
 gets nothing but rejected entries fails; no abbreviated flags; paths are never empty

@@ -1,6 +1,6 @@
 """A flag's value that starts with a dash and a digit (`--max-age -5d`, `--max-bytes
 -1G`) is its value, as after `=`: a bad one is named with the flag (exit 2), never
-"expected one argument" (issue 38). argparse alone takes only plain numbers (-5, -.5)
+"expected one argument". argparse alone takes only plain numbers (-5, -.5)
 as values."""
 
 from __future__ import annotations

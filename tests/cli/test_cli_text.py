@@ -1,4 +1,4 @@
-"""What the commands print says what happened (issue 26, section 2, item 8): a warm
+"""What the commands print says what happened: a warm
 without a GPU says so once, lists keep their lines, a timeout is the one asked for,
 matrix draws no heatmap without a GPU, bundles are private, every option has help."""
 

@@ -1,4 +1,4 @@
-"""The alignment field and the one-row bias shapes (issue 14), on the CPU: canonical
+"""The alignment field and the one-row bias shapes, on the CPU: canonical
 forms, unchanged keys for every config that existed before them, and properties over
 mask / window / alignment / bias combinations."""
 

@@ -1,4 +1,4 @@
-"""GPU: the alignment field and the one-row bias shapes (issue 14) through the plain
+"""GPU: the alignment field and the one-row bias shapes through the plain
 config API (probe, plan, forward, backward on raw pointers), against float64
 references (helpers.gpu.reference_full, whose mask follows the config's alignment), on
 fresh random inputs, outputs poisoned (helpers.gpu.Tensor starts every buffer as NaN),

@@ -1,4 +1,4 @@
-"""Issue 26, 2.7: AttentionConfig refuses what its documentation calls invalid, with an
+"""AttentionConfig refuses what its documentation calls invalid, with an
 error naming the field and the value; choice fields follow one rule; a feature's
 tensor is asked only of a config that has the feature. Valid configs keep their exact
 canonical form (the golden keys: tests/store/test_store.py, tests/config/test_alignment_bias.py).

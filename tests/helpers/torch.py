@@ -7,6 +7,21 @@ import torch
 from hypothesis import strategies as st
 
 import fastattn.torch
+from fastattn.torch import _native
+
+
+# What the op library publishes to the entry points (fastattn/torch/_native.py): with all of
+# them None, every call takes the Python body, as on a machine without the op library.
+NATIVE_ENTRIES = ("DENSE", "VARLEN", "PAGED", "CALL", "CALL_VARLEN")
+# The same for a child process's script (a subprocess has no monkeypatch).
+PYTHON_PATH_CODE = f"from fastattn.torch import _native; [setattr(_native, n, None) for n in {NATIVE_ENTRIES!r}]"
+
+
+def take_python_path(monkeypatch) -> None:
+    """Makes this process's entry points take the Python path until the test ends. An
+    entry _native no longer has fails here (monkeypatch.setattr raises), not silently."""
+    for name in NATIVE_ENTRIES:
+        monkeypatch.setattr(_native, name, None)
 
 
 class Block(torch.nn.Module):

@@ -51,7 +51,7 @@ def test_the_benchmarks_that_print_only_a_summary_write_their_json_strictly(tmp_
 
 def test_every_recorded_result_is_strict_json():
     # The benchmark notes link these files; a reader's JSON parser (jq, JavaScript's) refuses
-    # NaN and Infinity, which Python's json writes unless told not to (one did, session 16).
+    # NaN and Infinity, which Python's json writes unless told not to.
     files = sorted((benchmarks.ROOT / "benchmarks" / "results").rglob("*.json"))
     assert files
     bad = []

@@ -1,4 +1,4 @@
-"""The install as the README tells it (issue 26, section 2, item 9): no command after
+"""The install as the README tells it: no command after
 the first builds fastattn again, and `fastattn info` names the cuDNN wheel the first GPU
 call would load, its version and its path, on any machine (no GPU, nothing loaded)."""
 

@@ -232,10 +232,10 @@ def _private_uses(name: str, tree: ast.Module, package: bool = False):
 
 
 _FIELDS = ("the field registry has no public face yet; _fields.py and config.py are being reshaped "
-           "(issue 25 item 1: options declared once)")
+           "(options declared once)")
 _CAPTURING = ("capturing(): fastattn.torch has no public capture check, and fastattn.flash's content is kept "
-              "as it was moved while softcap is written into it (issue 25 item 6)")
-_RESHAPE = "reshape in progress (fastattn/torch, issue 25 item 1)"
+              "as it was moved while softcap is written into it")
+_RESHAPE = "reshape in progress (fastattn/torch: options declared once)"
 # (module, the private module it imports from another package) -> why, for now. Each
 # entry is a debt: remove it with the import; add one only with a reason that holds.
 ALLOWED_PRIVATE_IMPORTS = {
@@ -247,7 +247,7 @@ ALLOWED_PRIVATE_IMPORTS = {
     ("fastattn.integrations.flash._alibi", "fastattn.torch._plans"): _CAPTURING,
     ("fastattn.integrations.flash._common", "fastattn.torch._api"): (
         "options_for: flash_attn_with_kvcache's paged decode step keeps its checked options across calls "
-        "(issue 29's host time per step); public, this would be attention_paged taking options made once"),
+        "(its host time per step); public, this would be attention_paged taking options made once"),
     ("fastattn.integrations.flash._common", "fastattn.torch._paged"): (
         "run: attention_paged's run with options made once (options_for, above)"),
     ("fastattn.cli.warm", "fastattn._opslib"): (

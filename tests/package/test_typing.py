@@ -1,4 +1,4 @@
-"""A user's calls of the public API type-check under `mypy --strict` (issue 26, 2.8): each
+"""A user's calls of the public API type-check under `mypy --strict`: each
 call's result has its precise type (assert_type fails on Any), and fastattn.flash's
 functions are annotated with FlashAttention's signatures. One mypy run, its cache under
 tmp_path; skipped where mypy (tests/requirements.txt) or torch is not installed."""

@@ -25,7 +25,7 @@ def test_importing_fastattn_torch_and_flash_imports_none_of_torchs_lazy_modules(
 
 
 def test_the_sdpa_modes_first_route_imports_none_of_torchs_lazy_modules():
-    # (session 15: its Meta kernel call imported sympy, ~3 s of the mode's first call on the H200)
+    # (a Meta kernel call imports sympy: seconds of the mode's first call on the H200)
     code = ("import sys, torch, fastattn.torch; from fastattn.torch import _sdpa_mode; "
             "_sdpa_mode._dense.plan_for = lambda *a: None; before = set(sys.modules); "
             "q = torch.empty(1, 8, 16, 64, dtype=torch.bfloat16).transpose(1, 2); "

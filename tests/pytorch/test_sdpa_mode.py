@@ -305,9 +305,9 @@ def test_on_the_native_path_the_mode_registers_the_op_librarys_kernels_and_remov
 
 
 def test_on_the_python_path_the_mode_registers_python_kernels(lib, monkeypatch):
-    from fastattn.torch import _native
+    from helpers.torch import take_python_path
 
-    _native.python_path(monkeypatch)
+    take_python_path(monkeypatch)
     before = _registered()
     fastattn.torch.enable_sdpa()
     try:

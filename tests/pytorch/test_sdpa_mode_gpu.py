@@ -21,6 +21,7 @@ import torch.nn.functional as F  # noqa: E402
 
 import fastattn.torch  # noqa: E402
 from fastattn.torch import _native, _sdpa_mode  # noqa: E402
+from helpers.torch import take_python_path  # noqa: E402
 
 DEV = "cuda"
 TOL = 3e-2  # bfloat16
@@ -33,7 +34,7 @@ def mode(request, monkeypatch):
     lib = _native.library()
     assert lib is not None, _native.status()
     if request.param == "python":
-        _native.python_path(monkeypatch)
+        take_python_path(monkeypatch)
     else:
         _native._publish_ops()
     lib.clear()
@@ -165,8 +166,8 @@ def test_dropout_is_seeded_unbiased_and_its_backward_drops_what_the_forward_drop
 
 def test_the_modes_first_call_in_a_fresh_process_imports_none_of_torchs_lazy_modules(tmp_path):
     # A server's first SDPA call with the mode on: fastattn's, on a warm cache, without
-    # sympy or torch.fx's symbolic shapes (session 15: its Meta kernel call brought them,
-    # ~3 s of that first call on the H200).
+    # sympy or torch.fx's symbolic shapes (a Meta kernel call brings them: seconds of that
+    # first call on the H200).
     code = ("import sys, torch, torch.nn.functional as F, fastattn.torch; fastattn.torch.enable_sdpa(); "
             "from fastattn.torch import _sdpa_mode; "
             "q = torch.randn(1, 128, 8, 64, device='cuda', dtype=torch.bfloat16).transpose(1, 2); "

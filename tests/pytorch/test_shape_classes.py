@@ -9,8 +9,9 @@ torch = pytest.importorskip("torch", reason="PyTorch is an optional extra (pip i
 
 import fastattn  # noqa: E402
 from fastattn import shape_classes as sc  # noqa: E402
-from fastattn.torch import _api, _classes, _dense, _native, _plans  # noqa: E402
+from fastattn.torch import _api, _dense, _native, _plans, _shape_classes  # noqa: E402
 from helpers import benchmarks  # noqa: E402
+from helpers.torch import take_python_path  # noqa: E402
 
 
 class RecordingPlan:
@@ -36,18 +37,18 @@ def fake(monkeypatch):
 
     monkeypatch.setattr(fastattn, "plan", plan)
     monkeypatch.setattr(_plans, "plans", {})
-    monkeypatch.setattr(_classes, "plans", _plans.plans)
-    monkeypatch.setattr(_classes, "_arrays", {})
-    monkeypatch.setattr(_classes, "raw_stream", lambda device: 7)
-    for mod in (_plans, _classes):
+    monkeypatch.setattr(_shape_classes, "plans", _plans.plans)
+    monkeypatch.setattr(_shape_classes, "_arrays", {})
+    monkeypatch.setattr(_shape_classes, "raw_stream", lambda device: 7)
+    for mod in (_plans, _shape_classes):
         monkeypatch.setattr(mod, "capturing", lambda: False)
     monkeypatch.setattr(fastattn.runtime, "warm_torch_backward", lambda: None)
-    _native.python_path(monkeypatch)
+    take_python_path(monkeypatch)
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))  # the eager branch, on meta tensors
     monkeypatch.setattr(_api, "plain_eager", lambda q: True)
     monkeypatch.setattr(_dense, "_check", lambda *a: None)
-    monkeypatch.setattr(_classes, "_check", lambda *a: None)
-    monkeypatch.setattr(_classes, "SETTING", sc.OFF)
+    monkeypatch.setattr(_shape_classes, "_check", lambda *a: None)
+    monkeypatch.setattr(_shape_classes, "SETTING", sc.OFF)
     return asked
 
 
@@ -81,7 +82,7 @@ def test_decode_with_a_growing_kv_length_asks_for_one_plan(fake):
     # The offsets are the call's batch strides: the cache's for k and v, q's and o's own.
     assert set(kw) >= {"ragged_q", "ragged_k", "ragged_v", "ragged_o", "seq_len_q", "seq_len_kv"}
     assert "ragged_stats" not in kw
-    keys = {key for key in _classes._arrays}
+    keys = {key for key in _shape_classes._arrays}
     assert ("off", -1, 7, 4, 2048 * 2 * 128) in keys and ("off", -1, 7, 4, 8 * 128) in keys
     assert ("len", -1, 7, 4, 1) in keys and ("len", -1, 7, 4, 1059) in keys
 
@@ -141,11 +142,11 @@ def test_inside_a_capture_a_call_takes_the_plan_held_for_it(fake, held, monkeypa
     # that was); nothing is planned inside the capture.
     served = []
     monkeypatch.setattr(_dense, "forward_impl", lambda *a: served.append("exact") or (a[0], None))
-    monkeypatch.setattr(_classes, "forward_impl", lambda *a: served.append("class") or (a[0], None))
+    monkeypatch.setattr(_shape_classes, "forward_impl", lambda *a: served.append("class") or (a[0], None))
     q, k, v = (meta(2, 40, 4, 64) for _ in range(3))
     _api.attention(q, k, v, shape_classes=(64,) if held == "class" else "off")
     asked = list(fake)
-    for mod in (_plans, _classes):
+    for mod in (_plans, _shape_classes):
         monkeypatch.setattr(mod, "capturing", lambda: True)
     monkeypatch.setattr(fastattn.runtime, "planned", lambda cfg, device=None, wait=False: None)  # (the fake's plans: in _plans)
     _api.attention(q, k, v, shape_classes=(64,))
@@ -153,7 +154,7 @@ def test_inside_a_capture_a_call_takes_the_plan_held_for_it(fake, held, monkeypa
 
 
 def test_the_setting_applies_when_no_keyword_is_given(fake, monkeypatch):
-    monkeypatch.setattr(_classes, "SETTING", sc.parse("128"))
+    monkeypatch.setattr(_shape_classes, "SETTING", sc.parse("128"))
     q, k, v = (meta(1, 100, 4, 64) for _ in range(3))
     _api.attention(q, k, v)
     _api.attention(q[:, :90], k[:, :90], v[:, :90])
@@ -162,18 +163,18 @@ def test_the_setting_applies_when_no_keyword_is_given(fake, monkeypatch):
 
 def test_auto_without_a_measurement_is_off(fake, monkeypatch, tmp_path):
     monkeypatch.setattr(sc, "PATH", str(tmp_path / "absent.json"))
-    monkeypatch.setattr(_classes, "_auto", {})
+    monkeypatch.setattr(_shape_classes, "_auto", {})
     monkeypatch.setattr(fastattn.runtime, "libraries", dict)
     monkeypatch.setattr(fastattn.runtime, "versions", lambda: {"cudnn_loaded": 91900})
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    monkeypatch.setattr(_classes, "SETTING", "auto")
+    monkeypatch.setattr(_shape_classes, "SETTING", "auto")
     served = []
     monkeypatch.setattr(_dense, "forward_impl", lambda *a: served.append(a) or (a[0], None))
     q, k, v = (meta(1, 100, 4, 64) for _ in range(3))
     _api.attention(q, k, v)
     assert fake == [] and len(served) == 1
-    assert _classes.SETTING == sc.OFF  # and the process's later calls take the native path again
+    assert _shape_classes.SETTING == sc.OFF  # and the process's later calls take the native path again
 
 
 def test_a_bad_keyword_is_named(fake):
@@ -208,7 +209,7 @@ def test_a_class_plan_cudnn_refuses_leaves_the_call_its_exact_plan(fake, monkeyp
         raise fastattn.NotSupportedError("ragged: not with this")
 
     monkeypatch.setattr(fastattn, "plan", refuse)
-    monkeypatch.setattr(_classes, "_refused", set())
+    monkeypatch.setattr(_shape_classes, "_refused", set())
     monkeypatch.setattr(_dense, "forward_impl", lambda *a: served.append(a) or (a[0], None))
     for s in (100, 120):
         q, k, v = (meta(1, s, 4, 64) for _ in range(3))
@@ -219,7 +220,7 @@ def test_a_class_plan_cudnn_refuses_leaves_the_call_its_exact_plan(fake, monkeyp
 def test_offsets_past_int32_are_not_made(fake):
     q, k, v = (meta(3, 40, 4, 64) for _ in range(3))
     _api.attention(q, k, v, shape_classes=(64,))
-    t = _classes._array(q, "off", 3, 2**31 // 3 - 1, 7)
+    t = _shape_classes._array(q, "off", 3, 2**31 // 3 - 1, 7)
     assert t.shape == (4,) and t.dtype == torch.int32
 
 
@@ -337,13 +338,13 @@ def test_arrays_made_inside_a_capture_are_distinct_and_held(monkeypatch):
     # one launch's four offset arrays become one (the last). Here on the CPU, where the
     # allocator reuses freed memory the same way often enough; the check is on what is
     # held, not on addresses.
-    monkeypatch.setattr(_classes, "_arrays", {})
-    monkeypatch.setattr(_classes, "_held_by_captures", [])
-    monkeypatch.setattr(_classes, "capturing", lambda: True)
+    monkeypatch.setattr(_shape_classes, "_arrays", {})
+    monkeypatch.setattr(_shape_classes, "_held_by_captures", [])
+    monkeypatch.setattr(_shape_classes, "capturing", lambda: True)
     q = torch.zeros(3, 5, 2, 8)
-    ptrs = _classes._pointers(q, q[:, :, :1], q[:, :, :1], 5 * 2 * 4, None, None, None, True, stream=0)
-    assert _classes._arrays == {}  # nothing kept for eager calls: the fills run only at replay
-    held = _classes._held_by_captures
+    ptrs = _shape_classes._pointers(q, q[:, :, :1], q[:, :, :1], 5 * 2 * 4, None, None, None, True, stream=0)
+    assert _shape_classes._arrays == {}  # nothing kept for eager calls: the fills run only at replay
+    held = _shape_classes._held_by_captures
     assert len(held) == 7  # ragged q, k, v, o, stats; the two lengths
     assert len({t.data_ptr() for t in held}) == 7 and set(ptrs.values()) == {t.data_ptr() for t in held}
     assert held[0].tolist() == [0, 80, 160, 240] and held[1].tolist() == [0, 80, 160, 240]

@@ -1,4 +1,4 @@
-"""GPU: attention() served by shape classes (fastattn/torch/_classes.py) against float64,
+"""GPU: attention() served by shape classes (fastattn/torch/_shape_classes.py) against float64,
 forward and backward, for several lengths in one class; rows past the lengths; a decode
 loop whose KV length grows every step building and loading nothing after its first step.
 A modest number of cases: each class plan is one build."""
@@ -205,9 +205,9 @@ def test_a_call_captured_in_a_cuda_graph_replays_right(n, held):
 
 @pytest.mark.parametrize("batch", [1, 3])
 def test_class_plans_captured_in_a_cuda_graph_replay_right(batch):
-    # Session 13 saw captured class-plan calls replay wrong outputs or fault ("misaligned
-    # address"): the offset arrays made in a capture were temporaries, so the allocator gave
-    # one launch's four arrays one block (_classes._held_by_captures holds them since).
+    # Captured class-plan calls replay wrong outputs or fault ("misaligned address") where
+    # the offset arrays made in a capture are temporaries: the allocator gives one launch's
+    # four arrays one block (_shape_classes._held_by_captures holds them).
     # GQA and a head dim of v unlike q's, so that q's, k's and o's batch strides (and their
     # offsets) all differ; two calls of different lengths in one capture; new data each
     # replay, against float64.

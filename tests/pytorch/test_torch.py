@@ -416,8 +416,8 @@ def test_config_shape_reads_sizes_and_strides_in_the_layout(layout):
 
 
 def test_a_miss_inside_a_capture_raises_before_any_cudnn_work(env, monkeypatch):
-    # A plan load or build inside the caller's CUDA-graph capture would invalidate it
-    # (issue 26.1): remember() takes only a plan the process holds, else raises, and
+    # A plan load or build inside the caller's CUDA-graph capture would invalidate it:
+    # remember() takes only a plan the process holds, else raises, and
     # builds nothing. fake_core's plans stand in for cuDNN's.
     from fastattn import runtime
     from fastattn.torch import _plans

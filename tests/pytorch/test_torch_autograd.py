@@ -15,6 +15,7 @@ from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from fastattn.torch import _api, _autograd, _dense, _native, _paged, _plans, _varlen  # noqa: E402
+from helpers.torch import take_python_path  # noqa: E402
 
 # The first byte each output gets from RecordingPlan.
 MARK = {"o": 6, "d_q": 1, "d_k": 2, "d_v": 3, "d_bias": 4, "d_sink": 5}
@@ -205,7 +206,7 @@ def test_the_hot_path_builds_options_of_the_named_type(monkeypatch):
     captured = []
     monkeypatch.setattr(_dense, "forward_impl", lambda *args: captured.append(args[-1]) or (args[0], None))
     monkeypatch.setattr(_api, "plain_eager", lambda q: True)
-    _native.python_path(monkeypatch)  # the Python path's eager branch (the native one: test_torch_native)
+    take_python_path(monkeypatch)  # the Python path's eager branch (the native one: test_torch_native)
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))  # the eager branch, on meta tensors
     monkeypatch.setattr(_dense, "_check", lambda *a: None)
     _api.attention(q, k, v, causal=True, window=(3, 0))

@@ -12,7 +12,7 @@ from fastattn.torch import _autograd, _dense, _native, _paged, _plans, _varlen  
 from fastattn import AttentionConfig  # noqa: E402
 
 from helpers.gpu import alibi_slopes, allowed  # noqa: E402
-from helpers.torch import Block, in_threads, ulps_apart  # noqa: E402
+from helpers.torch import PYTHON_PATH_CODE, Block, in_threads, take_python_path, ulps_apart  # noqa: E402
 
 FWD_TOL = {torch.float16: 4e-3, torch.bfloat16: 2e-2}
 BWD_TOL = {torch.float16: 1e-2, torch.bfloat16: 4e-2}
@@ -25,7 +25,7 @@ def torch_path(request, monkeypatch):
     attention_varlen(), attention_paged()) and the Python path. On the GPU machine the
     native path must load: no silent fallback."""
     if request.param == "python":
-        _native.python_path(monkeypatch)
+        take_python_path(monkeypatch)
     else:
         assert _native.library() is not None, _native.status()
         _native._publish_ops()
@@ -202,9 +202,8 @@ def test_cuda_graph_capture_and_replay():
 
 _ALIBI_CAPTURE = """
 import sys, torch, fastattn.torch
-from fastattn.torch import _native
 if sys.argv[1] == "python":
-    _native.python_path()
+    TAKE_PYTHON_PATH
 shape = (1, 256, 8, 64)
 static = [torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
 stream = torch.cuda.Stream()
@@ -227,7 +226,7 @@ for _ in range(4):
     if not torch.equal(out, expected):
         sys.exit(f"a replay differs from eager by up to {(out.float() - expected.float()).abs().max().item():.3g}")
 print("ok")
-"""
+""".replace("TAKE_PYTHON_PATH", PYTHON_PATH_CODE)
 
 
 def test_alibi_captured_in_a_cuda_graph_replays_what_eager_computes(torch_path, tmp_path):

@@ -23,7 +23,7 @@ import fastattn  # noqa: E402
 import fastattn.torch  # noqa: E402,F401
 from fastattn import AttentionConfig, runtime  # noqa: E402
 from fastattn.torch import _dense, _native  # noqa: E402  (_varlen's ops come with the library)
-from helpers.torch import Block, in_threads  # noqa: E402
+from helpers.torch import Block, in_threads, take_python_path  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +45,7 @@ def run(path, monkeypatch, q, k, v, d_o, **kw):
     """(o, gradients of the leaves among q, k, v, bias, sinks) on `path`."""
     with monkeypatch.context() as m:
         if path == "python":
-            _native.python_path(m)
+            take_python_path(m)
         poison_allocator()
         o = fastattn.torch.attention(q, k, v, **kw)
         leaves = [t for t in (q, k, v, kw.get("bias"), kw.get("sinks")) if t is not None and t.requires_grad]
@@ -134,7 +134,7 @@ def test_varlen_native_and_python_paths_agree_bitwise(lib, monkeypatch, training
     for path in ("native", "python"):
         with monkeypatch.context() as m:
             if path == "python":
-                _native.python_path(m)
+                take_python_path(m)
             poison_allocator()
             o = fastattn.torch.attention_varlen(q, k, v, cu, cu, 150, 150, causal=True, deterministic=True)
             grads = torch.autograd.grad(o, (q, k, v), d_o) if training else ()
@@ -160,7 +160,7 @@ def test_paged_native_and_python_paths_agree_bitwise(lib, monkeypatch, q_lens, b
     for path in ("native", "python"):
         with monkeypatch.context() as m:
             if path == "python":
-                _native.python_path(m)
+                take_python_path(m)
             poison_allocator()
             results[path] = fastattn.torch.attention_paged(q, k_cache, v_cache, table, cache_seqlens,
                                                            seq_lens_q=seq_lens_q, causal_bottom_right=bottom_right)

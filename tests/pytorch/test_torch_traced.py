@@ -1,4 +1,4 @@
-"""Tracing sees what eager sees (issue 26, 2.5): under FakeTensorMode with CUDA fake
+"""Tracing sees what eager sees: under FakeTensorMode with CUDA fake
 tensors (what torch.compile's and torch.export's tracing give the entry points), every
 entry point of fastattn.torch and fastattn.flash refuses what an eager call refuses,
 with the same exception and message, and accepts what it accepts, with the same output
@@ -22,6 +22,7 @@ import fastattn.torch  # noqa: E402
 from fastattn import flash  # noqa: E402
 from fastattn.errors import InvalidArgumentError, NotSupportedError  # noqa: E402
 from fastattn.torch import _dense, _native, _paged, _varlen  # noqa: E402
+from helpers.torch import take_python_path  # noqa: E402
 
 SETTINGS = settings(max_examples=60, deadline=None, derandomize=True,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
@@ -33,7 +34,7 @@ LAYOUTS = {"bshd": lambda b, s, h, d: (b, s, h, d), "bhsd": lambda b, s, h, d: (
 @pytest.fixture(autouse=True)
 def python_path(monkeypatch):
     """The Python path (the native path's tracing is in test_torch_native.py)."""
-    _native.python_path(monkeypatch)
+    take_python_path(monkeypatch)
 
 
 @st.composite

@@ -150,7 +150,7 @@ def test_attention_varlen_reports_through_its_python_body_with_the_c_entry_publi
        value=st.one_of(st.integers(max_value=0), st.integers(min_value=2**31), st.sampled_from([True, 1.0, "8", None])))
 def test_attention_varlen_names_a_bad_max_length(name, value):
     # Every value outside [1, 2**31) is an InvalidArgumentError naming the argument, on
-    # the Python path too (2**80 used to reach torch.ops as a RuntimeError).
+    # the Python path too (2**80 must not reach torch.ops, which raises a RuntimeError).
     q, k, v, cu, _ = packed()
     lengths = {"max_seqlen_q": 16, "max_seqlen_kv": 16, name: value}
     with pytest.raises(fastattn.InvalidArgumentError, match=f"^{name}="):

@@ -1,4 +1,4 @@
-"""GPU: plan.forward / plan.backward on array objects (issue 16): ints, plan.allocate's
+"""GPU: plan.forward / plan.backward on array objects: ints, plan.allocate's
 DeviceTensors, cuda.core streams, PyTorch tensors, CuPy and JAX arrays (each where it is
 installed) give bitwise-identical results; every mismatch is an error that names the
 tensor. Outputs are poisoned (NaN) before each run, so an unwritten element differs."""
@@ -188,7 +188,7 @@ def test_feature_tensors_are_checked_on_the_gpu():
         p.forward(t["q"], t["k"], t["v"], t["o"], **dict(base, seq_len_q=0))
     with pytest.raises(fastattn.InvalidArgumentError, match="^seq_len_q: device memory needed.*never copy"):
         p.forward(t["q"], t["k"], t["v"], t["o"], **dict(base, seq_len_q=np.full(2, 100, np.int32)))
-    # A transposed bias of the same (square) shape: before issue 16's fix, taken silently.
+    # A transposed bias of the same (square) shape differs only in its strides: refused, not read as it lies.
     with pytest.raises(fastattn.InvalidArgumentError, match="^bias: shape"):
         p.forward(t["q"], t["k"], t["v"], t["o"], **dict(base, bias=bias.transpose(2, 3)))
 

@@ -1,4 +1,4 @@
-"""benchmarks/bench_coldstart.py on the CPU: issue 41's first-outputs summary (the run itself
+"""benchmarks/bench_coldstart.py on the CPU: its first-outputs summary (the run itself
 needs a GPU; its chart, --plot, does not ask for one)."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ def test_the_first_outputs_summary_gives_the_ratio_and_every_rounds_calls():
           "fastattn_torch_warm_ms": 110.0, "torch_flash_ms": 500.0}
     text = bench.first_outputs_summary(fo)
     assert "median of 2 rounds: fastattn.torch (warm cache, no preload call) 110.0 ms, SDPA flash 500.0 ms" in text
-    assert "fastattn.torch / SDPA flash: 0.22 (issue 41: <= 1.5)" in text
+    assert "fastattn.torch / SDPA flash: 0.22 (target: <= 1.5)" in text
     assert "fastattn_torch_warm: fwd ms per shape [40.0, 2.0]" in text and "failed: Traceback\nRuntimeError: boom" in text
     assert "fastattn.torch / SDPA flash:" not in bench.first_outputs_summary({"torch_flash": [], "torch_flash_ms": None})
 

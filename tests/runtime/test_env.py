@@ -1,4 +1,4 @@
-"""Issue 26, 2.2: every FASTATTN_* variable is read through one parser (fastattn.env),
+"""Every FASTATTN_* variable is read through one parser (fastattn.env),
 so that a bad value is an InvalidArgumentError naming the variable and the value from
 the API and exit 2 from the CLI, the same on every path; docs/ENVIRONMENT.md's table is the
 parser's table. The generated values are below the regressions."""

@@ -1,4 +1,4 @@
-"""Verified plans (issue 27, item 3), without a GPU: the verdict's rule and its storage in
+"""Verified plans, without a GPU: the verdict's rule and its storage in
 the cache entry (a tampered or garbled verdict is a damaged entry, a miss, never a crash
 nor a forged pass), the runtime's verify= (a verified entry needs no second run; a plan
 that fails is refused with the evidence and remembered), and the CLI's --verify (exit

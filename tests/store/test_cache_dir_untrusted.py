@@ -1,4 +1,4 @@
-"""Issue 26, 2.4: what lies in the cache directory is untrusted. A FIFO, a symlink, a
+"""What lies in the cache directory is untrusted. A FIFO, a symlink, a
 directory or a file named like an entry is not fastattn's: listed as such, never
 opened in a way that blocks or follows a link, never deleted; fastattn cleans what it
 made itself (its entries, lock files, temporary files, empty shard folders). A cache

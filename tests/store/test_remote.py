@@ -355,7 +355,7 @@ def test_warm_answers_what_redis_holds_without_workers(fleet, tmp_path, monkeypa
         runtime.plan_cache().key(fastattn.AttentionConfig.coerce(CFG), 0)) is not None  # kept on b's disk
 
 
-# -- untrusted values, the tier protocol (issue 13) ----------------------------------------
+# -- untrusted values, the tier protocol ---------------------------------------------------
 
 
 def test_both_tiers_have_the_tier_protocol(server, tmp_path):

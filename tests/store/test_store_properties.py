@@ -1,4 +1,4 @@
-"""Property-based tests (issue 13): cache entries, their headers, remote values, bundles
+"""Property-based tests: cache entries, their headers, remote values, bundles
 and manifests, mutated byte by byte, truncated at every length class, with generated
 JSON in every field. Each asserts that the reader gives its documented error or a
 well-formed result; that `fastattn cache ls | verify | import` exit with a documented

@@ -1,4 +1,4 @@
-"""Issue 13, part B: readers of untrusted bytes (bundles, cache entries, their headers)
+"""Readers of untrusted bytes (bundles, cache entries, their headers)
 give their documented error or succeed; `cache ls | verify | import` report damage
 with a documented exit code and no traceback; the cache's directories are private.
 

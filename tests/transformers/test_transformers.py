@@ -77,14 +77,14 @@ def make_attention(calls):
                 raise AssertionError("a one-row bias broadcast over the queries with gradients")  # (as the core)
             if torch.is_grad_enabled() and q.requires_grad:
                 # A row whose every key the bias masks has a log-sum-exp near finfo.min,
-                # where cuDNN 9.19's SM90 backward gives NaN (issue 27): the adapter must
+                # where cuDNN 9.19's SM90 backward gives NaN: the adapter must
                 # not hand one to a backward. (Causal masks leave key 0 to every row.)
                 low = torch.finfo(bias.dtype).min
                 seen = bias > low / 2
                 if causal and alignment == "top_left":
                     seen = seen & torch.ones(sq, skv, dtype=torch.bool).tril()
                 if not seen.any(-1).all():
-                    raise AssertionError("a row that sees no key in a backward (cuDNN's NaN, issue 27)")
+                    raise AssertionError("a row that sees no key in a backward (cuDNN 9.19's NaN)")
         if sinks is not None:
             assert sinks.dtype == torch.float32 and sinks.shape == (hq,)
             if sq == 1:
@@ -440,7 +440,7 @@ def _mask_calls(draw):
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(c=_mask_calls())
 # Hypothesis's find: one query with gradients beside a sequence of padding alone (its row
-# kept every key's finfo.min bias into the backward, where cuDNN 9.19 gives NaN: issue 27).
+# kept every key's finfo.min bias into the backward, where cuDNN 9.19 gives NaN).
 @example(c=dict(b=2, q=1, kv=2, q_offset=1, window=None, padding=torch.tensor([[False, False], [True, True]]),
                 position_ids=None, grad=True, softcap=0.0, sinks=False))
 # and: sinks (the exact fallback) with sequences packed into more than one row (an IndexError)
@@ -621,7 +621,7 @@ def test_the_benchmarks_medians_ratios_and_summary():
     text = "\n".join(bench.summary({"coldstart": cold, "steady": steady}))
     assert "fastattn_warm / sdpa_cudnn: 0.43" in text and "claim < 1" in text
     assert "sdpa_mode's SDPA calls: served 66, passed on 2 {'dtype torch.float32: ...': 2}" in text
-    assert "issue 28's baseline: 3.41 vs 4.07" in text and "sdpa_mode 1.00 (1.00)" in text
+    assert "baseline: 3.41 vs 4.07" in text and "sdpa_mode 1.00 (1.00)" in text
     rows = {"fastattn": [{"tokens_per_s": 900.0}, {"tokens_per_s": 1100.0}], "sdpa": [{"tokens_per_s": 800.0}] * 2,
             "sdpa_mode": [{"tokens_per_s": 600.0}, {"tokens_per_s": 1000.0}]}
     kinds = {kind: {"errors": {}, "fallback_calls": 0, "fallback_reasons": {}, "sdpa_mode_calls": calls,

@@ -4,7 +4,7 @@ in float32 where sdpa lacks the feature (Gemma 2's softcap, gpt-oss's sinks): lo
 left-padded batch, a training step's loss and gradients, and greedy generate of 32 tokens
 from a left-padded batch of 4 prompts of different lengths, token for token.
 
-What the references are, and why (measured on the H200, session 13):
+What the references are, and why (measured on the H200):
 - Gradients against float32 eager, not bf16 sdpa: PyTorch 2.11's SDPA (its cuDNN
   backend) gives NaN in every gradient of a left-padded training step, and bf16 eager
   is within 0.8-1.5% of float32 eager, so float32 eager is the reference that can fail
@@ -225,7 +225,7 @@ def test_continuous_batching_on_paged_fastattn_gives_each_prompts_greedy_tokens(
 
 @pytest.mark.parametrize("kind", ["llama-d64", "qwen2", "gemma3"])
 def test_the_sdpa_mode_serves_every_attention_call_of_an_sdpa_model(kind):
-    # Issue 40: with enable_sdpa(), transformers' "sdpa" path (GQA through enable_gqa, boolean
+    # With enable_sdpa(), transformers' "sdpa" path (GQA through enable_gqa, boolean
     # masks of a left-padded batch, sliding windows) runs on fastattn, every call.
     import fastattn
     import fastattn.torch
@@ -263,8 +263,8 @@ def test_the_sdpa_mode_serves_every_attention_call_of_an_sdpa_model(kind):
 def test_a_sequence_of_padding_alone_leaves_every_gradient_finite(sq):
     # A batch with one sequence that is all padding, with gradients: its rows see no key.
     # A row whose every score is finfo.min makes cuDNN 9.19's SM90 backward give NaN in
-    # every gradient of the batch (issue 27); the adapter opens such rows for the backward
-    # and zeroes their outputs. With one query it once did not (found on the CPU model).
+    # every gradient of the batch; the adapter opens such rows for the backward
+    # and zeroes their outputs, with one query too.
     from types import SimpleNamespace
 
     from transformers import masking_utils as mu

@@ -1,4 +1,4 @@
-"""A warm that persists nothing says so (issue 26, section 2, item 1): where the cache
+"""A warm that persists nothing says so: where the cache
 directory cannot be written (a read-only filesystem, /proc, a regular file) or keeps
 nothing (FASTATTN_CACHE_MAX_BYTES=1, FASTATTN_CACHE_MODE=off), `fastattn warm` counts
 the entries not saved in its table and its JSON, passes on the workers' warnings, and

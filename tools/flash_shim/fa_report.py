@@ -101,8 +101,8 @@ def markdown(s: dict, top: int = 15) -> str:
     rows = list(s["table"].items()) + [("**total**", s["total"])]
     for func, r in rows:
         lines.append("| " + " | ".join([func] + [str(r[c]) for c in head[1:]]) + " |")
-    lines += ["", "refused (S_dmask): return_attn_probs=True with dropout_p > 0, fastattn.flash's one refusal "
-              f"left (issue 29 item 7): {s['total']['refused']} cases", ""]
+    lines += ["", "refused (S_dmask): return_attn_probs=True with dropout_p > 0, fastattn.flash's one refusal: "
+              f"{s['total']['refused']} cases", ""]
     if s["failure_reasons"]:
         lines += [f"## Top failure reasons ({len(s['failure_reasons'])} distinct; cases whose reasons differ only in "
                   "numbers count as one, shown by its first case's)", "",

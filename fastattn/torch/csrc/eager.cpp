@@ -92,8 +92,8 @@ bool outside_modes() {
 // fastattn.torch.attention() hands its arguments here first, as they are, outside
 // torch.compile: its Python body (option checks, the dispatch-mode and functorch
 // checks, the flags) cost host time on every call, a fair fraction of a small call's
-// launch (benchmarks/profile_native_step.py: docs/history/benchmarks-log.md, sessions 6
-// and 7, "attention()'s Python"). This takes the values that need no conversion: bools
+// launch (benchmarks/profile_native_step.py: docs/history/benchmarks-log.md, "Numbers
+// moved out of code comments"). This takes the values that need no conversion: bools
 // that are bools, a None or (left, right) window of ints, a None or positive finite
 // float scale, the layout and alignment names, no dropout, no return_lse, plain CUDA
 // tensors outside dispatch modes and torch.func transforms. Anything else returns

@@ -11,7 +11,7 @@
 //   eager.cpp   the eager entries past torch.ops (call, call_varlen) and profile_eager;
 //   sdpa.cpp    the SDPA mode's kernels over PyTorch's cuDNN SDPA operators.
 // Each includes only the torch headers it needs: torch/extension.h alone takes longer to
-// parse than most units take to compile (docs/history/benchmarks-log.md, "Session 12").
+// parse than most units take to compile (docs/history/benchmarks-log.md, "build times").
 //
 // Never includes cudnn-frontend: its statics live once, in _core.
 #pragma once

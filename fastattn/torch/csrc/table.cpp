@@ -100,9 +100,9 @@ namespace {
 // From the caching allocator directly, as at::empty's CUDA kernel allocates them, but
 // not through the dispatcher: its empty (the dispatch, TensorOptions unpacking, a
 // device guard) costs host time that shows beside a small call's launch (profile_eager,
-// the rows "output allocation, direct / through at::empty" in
-// docs/history/benchmarks-log.md, sessions 8 and 9). The allocator is the one at::empty
-// gave the process's first output (a configured backend, cudaMallocAsync or a pluggable
+// the rows "output allocation, direct / through at::empty" in docs/history/
+// benchmarks-log.md; "Numbers moved out of code comments" there). The allocator is the
+// one at::empty gave the process's first output (a configured backend, cudaMallocAsync or a pluggable
 // one, stays in use), and allocates on the current device: used only while the tensor's
 // device is current, which it is in any program on one GPU; else at::empty, which makes
 // it current for the call.

@@ -93,11 +93,10 @@ _arrays: dict[tuple, torch.Tensor] = {}
 KEPT_ARRAYS = 512  # then the table starts afresh (decode makes a length array per step)
 # Arrays made inside a caller's CUDA graph capture: its graph fills and reads them at every
 # replay, for as long as it lives, which nothing here can see; so they are never freed (a
-# few hundred bytes per captured call). Freed at once (they were temporaries until session
-# 15), the caching allocator handed the next array of the same call the same block: in a
-# capture the four offset arrays of one launch were one array, the last one's, which is
-# what session 13 saw as wrong replays and "misaligned address" faults (found by reading;
-# tests/pytorch/test_shape_classes_gpu.py's captures replay right since).
+# few hundred bytes per captured call). Freed at once, the caching allocator hands the next
+# array of the same call the same block: in a capture the four offset arrays of one launch
+# become one array, the last one's, and the replays give wrong outputs or fault with
+# "misaligned address" (tests/pytorch/test_shape_classes_gpu.py's captures check it).
 _held_by_captures: list[torch.Tensor] = []
 
 
