@@ -140,10 +140,12 @@ def _gpu_unavailable_reason():
     global _gpu_state
     if _gpu_state is None:
         import fastattn
-        from fastattn import _core
-        from fastattn._loader import ensure_loaded
+        from fastattn._loader import ensure_loaded, import_core
 
         try:
+            # (import_core: a source tree without its extension, as a checkout run with
+            # `python -m pytest` imports, is a LibraryError that says so, not an ImportError)
+            _core = import_core()
             ensure_loaded()
             if _core.get_device_count() < 1:
                 _gpu_state = "no CUDA device"

@@ -109,7 +109,8 @@ def test_a_reader_that_went_away_leaves_the_outcomes_exit_code(argv, tmp_path):
     assert "cannot write" not in gone.stderr, gone.stderr
     shell = subprocess.run(f"{sys.executable} -m fastattn {' '.join(argv)} | head -c 1 >/dev/null; "
                            f"echo ${{PIPESTATUS[0]}}", shell=True, executable="/bin/bash", capture_output=True,
-                           text=True, env=dict(os.environ, FASTATTN_CACHE_DIR=str(tmp_path / "cache")), timeout=120)
+                           text=True, env=dict(os.environ, FASTATTN_CACHE_DIR=str(tmp_path / "cache")),
+                           cwd=str(tmp_path), timeout=120)  # (not the checkout: its source tree would shadow fastattn)
     assert shell.stdout.strip() == str(whole.returncode), shell
 
 

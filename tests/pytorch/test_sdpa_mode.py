@@ -697,8 +697,9 @@ def test_the_op_librarys_composite_serves_and_hands_on_the_same_calls(lib, model
         q, k, v = (t.detach() for t in _qkv(1, 4, 2, 3, 6, 16, "bhsd"))
         with pytest.raises(RuntimeError):
             SDPA(q, k, v)  # fewer key heads without enable_gqa: PyTorch's error
-        q3 = q.flatten(0, 1)
-        torch.testing.assert_close(SDPA(q3, q3, q3), torch.ops.aten._scaled_dot_product_attention_math(q3, q3, q3)[0])
+        q3 = q.flatten(0, 1)  # (bf16: PyTorch's own CPU kernel, which may round otherwise than math)
+        torch.testing.assert_close(SDPA(q3, q3, q3), torch.ops.aten._scaled_dot_product_attention_math(q3, q3, q3)[0],
+                                   atol=1e-2, rtol=2e-2)
         counted: dict = {}
         for served, reason, n in lib.sdpa_calls():
             if n:
