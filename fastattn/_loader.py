@@ -38,7 +38,7 @@ from . import env as _env
 from .errors import LibraryError
 
 __all__ = ["Libraries", "ensure_loaded", "MIN_CUDNN", "check_cudnn_version", "cudnn_location", "import_core",
-           "mapped_cudnn"]
+           "mapped_cudnn", "cudnn_copies_problem"]
 
 # The oldest cuDNN fastattn supports: the oldest on which its whole GPU suite has run
 # (9.19.0, on the H200 machine). The extension is usually built against newer headers
