@@ -30,7 +30,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cmd=${1:-}; version=${2:-}
-WORK=/tmp/fastattn-cudnn
+WORK=${OTHER_CUDNN_WORK:-/tmp/fastattn-cudnn}  # (a test points it elsewhere)
 PY=${PYTHON:-python3}
 
 need_version() {
