@@ -415,6 +415,9 @@ def _push(args, cache: PlanCache) -> tuple[int, dict[str, Any]]:
             except (OSError, store.EntryError):
                 skipped += 1  # damaged: `fastattn cache verify` reports it
                 continue
+            if store.entry.key_problem(info.key, entry.description):
+                skipped += 1  # damaged too (verify says so): another machine would reject it
+                continue
             if not keep(entry.description):
                 continue
             remote.publish(entry)

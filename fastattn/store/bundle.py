@@ -59,7 +59,7 @@ from .. import files
 from ..files import shown
 from ..errors import InvalidArgumentError
 from .disk import DiskStore
-from .entry import KEY_PATTERN, MAX_ENTRY_BYTES, EntryError, decode
+from .entry import KEY_PATTERN, MAX_ENTRY_BYTES, EntryError, decode, key_problem
 from .keys import canonical_json, environment_of
 from .signing import Policy, sign
 
@@ -120,6 +120,8 @@ def export_bundle(stores: Iterable[DiskStore], path: str, *,
                 data = store.read(info.path)  # never a link's target, never a wait on a FIFO
                 entry = decode(data, expected_key=info.key)
             except (OSError, EntryError):
+                continue
+            if key_problem(info.key, entry.description):  # damaged, as verify says: import would refuse it
                 continue
             if keep is not None and not keep(entry.description):
                 continue
@@ -461,6 +463,9 @@ def import_bundle(path: str, store: DiskStore, *, environment: dict[str, Any] | 
                 entry = decode(data, expected_key=key)
             except EntryError as e:
                 raise archive.refuse(f"entries/{key}.entry: {e}") from None
+            problem = key_problem(key, entry.description)  # a header for another plan, under a valid checksum
+            if problem:
+                raise archive.refuse(f"entries/{key}.entry: {problem}")
             environments[key] = environment_of(entry.description)
         report.mismatched = [k for k, env in environments.items() if env != environment]
         if report.mismatched and not force:

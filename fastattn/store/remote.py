@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from .. import env as _env
 from ..env import redact
 from .disk import EntryInfo
-from .entry import KEY_PATTERN, MAX_ENTRY_BYTES, Entry, EntryError, decode, encode, read_header
+from .entry import KEY_PATTERN, MAX_ENTRY_BYTES, Entry, EntryError, decode, encode, key_problem, read_header
 from .signing import SIGNED_MAGIC, Policy, unwrap, wrap
 
 __all__ = ["RemoteSettings", "RemoteStore", "remote_settings_from_env"]
@@ -194,9 +194,13 @@ class RemoteStore:
             data, why = unwrap(self.policy, key, value)
         if data is not None:
             try:
-                return self._hit(decode(data, expected_key=key))
+                entry = decode(data, expected_key=key)
             except EntryError as e:
                 why = str(e)
+            else:  # (a header for another plan under a valid checksum: damaged, as verify says)
+                why = key_problem(key, entry.description)
+                if not why:
+                    return self._hit(entry)
         self.counters["remote_rejected"] += 1
         self._warn_once("rejected:" + key, "fastattn remote cache %s: ignoring entry %s: %s", self.name, key[:16],
                         why)

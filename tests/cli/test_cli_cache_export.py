@@ -18,6 +18,7 @@ import pytest
 
 from fastattn import cli, runtime, store
 from fastattn.store import bundle
+from fastattn.store.keys import key_of
 
 from helpers.cli import fill, run
 from helpers.paths import ROOT
@@ -102,9 +103,9 @@ def test_an_exported_bundle_near_the_limits_imports(env, capsys, monkeypatch):
 def test_export_holds_one_entry_at_a_time(tmp_path):
     s = store.DiskStore(str(tmp_path / "cache"))
     blob = 4 << 20
-    for i in range(6):  # 24 MiB of entries that gzip cannot shrink
-        s.put(store.Entry("%064x" % (i + 1), "plan", {"config": {"i": i}}, {"forward": os.urandom(blob)},
-                          created=1.0))
+    for i in range(6):  # 24 MiB of entries that gzip cannot shrink, each under its own key
+        described = {"config": {"i": i}}
+        s.put(store.Entry(key_of(described), "plan", described, {"forward": os.urandom(blob)}, created=1.0))
     tracemalloc.start()
     try:
         count = bundle.export_bundle([s], str(tmp_path / "b.tar.gz"))

@@ -24,6 +24,7 @@ import fastattn
 from fastattn import store
 from fastattn.store import bundle as bundle_mod
 from fastattn.store import entry as entry_mod
+from fastattn.store.keys import key_of
 
 MiB = 1 << 20
 BOMB = 64 * MiB  # each bomb member, decompressed
@@ -45,13 +46,17 @@ class Zeros(io.RawIOBase):
         return k
 
 
+def description(i: int) -> dict:
+    return {"config": {"batch": 1, "seqlen_q": i}}
+
+
 def key(i: int) -> str:
-    return f"{i:064x}"
+    """Entry i's key: its description's hash, as every entry's is (import refuses another)."""
+    return key_of(description(i))
 
 
 def entry_data(i: int) -> bytes:
-    e = store.Entry(key(i), "plan", {"config": {"batch": 1, "seqlen_q": i}}, {"forward": b"plan" * (i + 1)},
-                    {"forward_engine": "e"}, 1.0)
+    e = store.Entry(key(i), "plan", description(i), {"forward": b"plan" * (i + 1)}, {"forward_engine": "e"}, 1.0)
     return entry_mod.encode(e)
 
 
@@ -169,6 +174,31 @@ def test_export_writes_the_manifest_first_and_import_takes_it(tmp_path):
     report = bundle_mod.import_bundle(path, store.DiskStore(str(tmp_path / "dst")), environment=None, force=True,
                                       trusted=True)
     assert report.imported == 3 and report.not_kept == [] and report.policy.startswith("unsigned")
+
+
+def test_an_entry_whose_header_describes_another_plan_than_its_key_refuses_the_bundle(tmp_path):
+    # A valid checksum over another plan's header (entry 1's description under entry 0's key):
+    # the importing machine's runtime would never serve it, and verify calls it damaged.
+    swapped = entry_mod.encode(store.Entry(key(0), "plan", description(1), {"forward": b"plan"},
+                                           {"forward_engine": "e"}, 1.0))
+    good = entry_data(2)
+    listed = manifest([(key(2), len(good), hashlib.sha256(good).hexdigest()),
+                       (key(0), len(swapped), hashlib.sha256(swapped).hexdigest())])
+    path = write_tar(tmp_path / "b.tgz", [("manifest.json", len(listed), listed),
+                                          (f"entries/{key(2)}.entry", len(good), good),
+                                          (f"entries/{key(0)}.entry", len(swapped), swapped)])
+    dst = store.DiskStore(str(tmp_path / "dst"))
+    with pytest.raises(fastattn.InvalidArgumentError, match=f"entries/{key(0)}.entry: its header describes another "
+                                                            "plan than its key"):
+        bundle_mod.import_bundle(path, dst, environment=None, force=True, trusted=True)
+    assert not dst.holds(key(2))  # refused whole: nothing imported
+    # Export leaves such an entry out, as it leaves out a damaged one: what it writes imports.
+    src = store.DiskStore(str(tmp_path / "src"))
+    src.publish(entry_mod.decode(swapped, expected_key=key(0)))
+    src.publish(entry_mod.decode(good, expected_key=key(2)))
+    assert bundle_mod.export_bundle([src], str(tmp_path / "out.tgz")) == 1
+    assert bundle_mod.import_bundle(str(tmp_path / "out.tgz"), dst, environment=None, force=True,
+                                    trusted=True).imported == 1 and dst.holds(key(2))
 
 
 # -- the structure of a bundle, generated --------------------------------------------------------

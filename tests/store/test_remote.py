@@ -42,8 +42,13 @@ def remote(server, secret=SECRET, **kw) -> RemoteStore:
     return RemoteStore(RemoteSettings(url=server.url, **{"timeout": 0.3, "retry_after": 0.3, **kw}), secret)
 
 
-def entry(key="ab" * 32, blob=b"plan-bytes" * 100) -> store.Entry:
-    return store.Entry(key, "plan", {"config": {"batch": 1}}, {"forward": blob}, {"forward_engine": "e"}, 1.0)
+def entry(name="ab", blob=b"plan-bytes" * 100) -> store.Entry:
+    """An entry under its own key (its description's hash: a reader rejects any other), one
+    per name."""
+    from fastattn.store.keys import key_of
+
+    described = {"config": {"batch": 1}, "name": name}
+    return store.Entry(key_of(described), "plan", described, {"forward": blob}, {"forward_engine": "e"}, 1.0)
 
 
 # -- the store ---------------------------------------------------------------------
@@ -64,19 +69,31 @@ def test_signed_entries_round_trip(server):
 def test_unsigned_tampered_and_wrongly_signed_entries_are_ignored(server, caplog):
     r = remote(server)
     c = server.client()
-    good = store.entry.encode(entry("01" * 32))
-    c.set("fastattn:" + "01" * 32, good)  # unsigned
-    c.set("fastattn:" + "02" * 32, signing.wrap(b"another secret", "02" * 32, store.entry.encode(entry("02" * 32))))
-    signed = bytearray(signing.wrap(SECRET, "03" * 32, store.entry.encode(entry("03" * 32))))
+    k = {n: entry(n).key for n in ("01", "02", "03", "04", "05")}
+    c.set("fastattn:" + k["01"], store.entry.encode(entry("01")))  # unsigned
+    c.set("fastattn:" + k["02"], signing.wrap(b"another secret", k["02"], store.entry.encode(entry("02"))))
+    signed = bytearray(signing.wrap(SECRET, k["03"], store.entry.encode(entry("03"))))
     signed[-1] ^= 1  # one flipped bit in the blob
-    c.set("fastattn:" + "03" * 32, bytes(signed))
+    c.set("fastattn:" + k["03"], bytes(signed))
     # A valid signed entry, replayed under another key.
-    c.set("fastattn:" + "04" * 32, signing.wrap(SECRET, "05" * 32, store.entry.encode(entry("05" * 32))))
+    c.set("fastattn:" + k["04"], signing.wrap(SECRET, k["05"], store.entry.encode(entry("05"))))
     with caplog.at_level(logging.WARNING, logger="fastattn"):
-        assert all(r.get(k * 32) is None for k in ("01", "02", "03", "04"))
+        assert all(r.get(k[n]) is None for n in ("01", "02", "03", "04"))
     assert r.counters["remote_rejected"] == 4 and r.counters["remote_hits"] == 0
     text = caplog.text
     assert "unsigned" in text and text.count("bad signature") == 3
+
+
+def test_an_entry_whose_header_describes_another_plan_is_rejected(server, caplog):
+    # Signed by the fleet's secret, under a valid checksum, but its header is another plan's:
+    # pull would store what this machine's runtime never serves and verify calls damaged.
+    r = remote(server)
+    other, key = entry("06"), entry("07").key
+    swapped = store.Entry(key, other.kind, other.description, other.blobs, other.meta, other.created)
+    server.client().set("fastattn:" + key, signing.wrap(SECRET, key, store.entry.encode(swapped)))
+    with caplog.at_level(logging.WARNING, logger="fastattn"):
+        assert r.get(key) is None and r.fetch(key) is None
+    assert r.counters["remote_rejected"] >= 1 and "describes another plan than its key" in caplog.text
 
 
 def test_a_trusted_store_without_a_secret_reads_plain_entries(server):
@@ -107,7 +124,7 @@ def test_a_value_over_the_size_cap_is_rejected_without_being_read_whole(server, 
     monkeypatch.setattr(remote_mod, "MAX_VALUE_BYTES", 4000)
     r = remote(server)
     c = server.client()
-    small = entry("0a" * 32, blob=b"x" * 100)
+    small = entry("0a", blob=b"x" * 100)
     assert r.put(small)
     c.set("fastattn:" + "0b" * 32, b"y" * 50_000)
     c.set("fastattn:" + "0c" * 32, b"")  # an empty value: no entry
@@ -115,7 +132,7 @@ def test_a_value_over_the_size_cap_is_rejected_without_being_read_whole(server, 
     real = r._read
     monkeypatch.setattr(r, "_read", lambda conn, key: read.append(real(conn, key)) or read[-1])
     with caplog.at_level(logging.WARNING, logger="fastattn"):
-        assert r.get("0a" * 32).blobs == small.blobs
+        assert r.get(small.key).blobs == small.blobs
         assert r.get("0b" * 32) is None and r.get("0c" * 32) is None
     assert len(read[1]) == 4001  # one byte past the cap, of 50,000
     assert r.counters["remote_rejected"] == 1 and r.counters["remote_misses"] == 1
@@ -300,6 +317,18 @@ def test_push_then_pull_into_an_empty_cache(fleet, tmp_path, monkeypatch, capsys
     assert "correct horse" not in json.dumps(out)
 
 
+def test_push_leaves_out_an_entry_whose_header_is_another_plans(fleet, tmp_path, monkeypatch, capsys):
+    # Damaged as verify says, and rejected by every reader: counted as damaged, not pushed.
+    fresh_process(tmp_path / "a", monkeypatch)
+    fastattn.plan(CFG)
+    main = runtime.plan_cache().store.main
+    other = entry("08")
+    main.publish(store.Entry(entry("09").key, other.kind, other.description, other.blobs, other.meta, other.created))
+    fleet.client().flushall()
+    code, out = run(["cache", "push", "--all"], capsys)
+    assert code == 0 and out["pushed"] == 1 and out["damaged"] == 1 and fleet.client().dbsize() == 1
+
+
 def test_push_with_redis_down_is_exit_4(fleet, tmp_path, monkeypatch, capsys):
     fresh_process(tmp_path / "a", monkeypatch)
     fastattn.plan(CFG)
@@ -366,14 +395,14 @@ def test_both_tiers_have_the_tier_protocol(server, tmp_path):
 
 def test_remote_entries_skip_what_is_not_a_valid_entry(server):
     r = remote(server)
-    good = [entry("ab" * 32), entry("cd" * 32)]
+    good = [entry("ab"), entry("cd")]
     for e in good:
         r.put(e)
     c = server.client()
     c.set("fastattn:" + "ef" * 32, b"garbage")  # a key, but not an entry
-    c.set("fastattn:../../etc/passwd", r._client.get("fastattn:" + "ab" * 32))  # an entry under a non-key
+    c.set("fastattn:../../etc/passwd", r._client.get("fastattn:" + good[0].key))  # an entry under a non-key
     c.set("fastattn:caf\xe9", b"x")  # not ASCII: once a UnicodeEncodeError in the signature check
-    assert sorted(r.keys()) == sorted(["ab" * 32, "cd" * 32, "ef" * 32])
+    assert sorted(r.keys()) == sorted([good[0].key, good[1].key, "ef" * 32])
     infos = list(r.entries())
     assert sorted(i.key for i in infos) == sorted(e.key for e in good)
     assert all(i.header["key"] == i.key and i.size > 0 for i in infos)

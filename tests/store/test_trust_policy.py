@@ -18,6 +18,7 @@ import pytest
 import fastattn
 from fastattn import cli, env as env_mod, runtime, store
 from fastattn.store import bundle, signing
+from fastattn.store.keys import key_of
 from fastattn.store.remote import RemoteSettings, RemoteStore
 
 from helpers.cli import run
@@ -29,8 +30,8 @@ SECRETS = {None: None, "A": b"secret A", "B": b"secret B"}
 
 
 def entry() -> store.Entry:
-    return store.Entry("ab" * 32, "plan", {"config": {"batch": 1}}, {"forward": b"plan" * 50}, {"forward_engine": "e"},
-                       1.0)
+    described = {"config": {"batch": 1}}
+    return store.Entry(key_of(described), "plan", described, {"forward": b"plan" * 50}, {"forward_engine": "e"}, 1.0)
 
 
 def redis_takes(signer, here, trusted) -> bool:
