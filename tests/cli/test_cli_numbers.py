@@ -17,29 +17,16 @@ from hypothesis import strategies as st
 import fastattn
 from fastattn import cli, runtime
 from fastattn import env as _env
-from fastattn.cli._main import build_parser
-from helpers.cli import run
+from helpers.cli import parser_actions, run
 
 KINDS = ("count", "real", "duration", "bytes")
 
 
 def _numeric_flags():
-    """(command, flag, kind) of every flag whose value is a number or a list of numbers,
-    from the parser itself: a flag added later is swept too."""
-    out = []
-
-    def walk(parser, path):
-        for action in parser._actions:
-            if isinstance(action, argparse._SubParsersAction):
-                for name, sub in action.choices.items():
-                    walk(sub, path + [name])
-            elif action.option_strings and action.type is not None:
-                kind = getattr(action.type, "number_kind", None)
-                if kind is not None:
-                    out.append((tuple(path), action.option_strings[0], kind, action))
-
-    walk(build_parser(), [])
-    return out
+    """(command, flag, kind, action) of every flag whose value is a number or a list of
+    numbers (a flag added later is swept too)."""
+    return [(path, a.option_strings[0], a.type.number_kind, a) for path, a in parser_actions()
+            if a.option_strings and getattr(a.type, "number_kind", None) is not None]
 
 
 NUMERIC = _numeric_flags()
@@ -54,24 +41,9 @@ def test_every_numeric_flag_has_a_kind_and_the_known_ones_are_found():
     # Every flag that takes a typed value and is not a path, a choice or a list of
     # names is numeric (so that none escapes the sweep below).
     names = {"input_path", "output_file", "choices", "length range", "shape_classes"}
-    for parser_path, action in _typed_actions():
+    for parser_path, action in ((p, a) for p, a in parser_actions() if a.type is not None):
         if getattr(action.type, "number_kind", None) is None:
             assert action.type.__name__ in names, (parser_path, action.option_strings, action.type)
-
-
-def _typed_actions():
-    out = []
-
-    def walk(parser, path):
-        for action in parser._actions:
-            if isinstance(action, argparse._SubParsersAction):
-                for name, sub in action.choices.items():
-                    walk(sub, path + [name])
-            elif action.type is not None:
-                out.append((tuple(path), action))
-
-    walk(build_parser(), [])
-    return out
 
 
 # Values past any bound a flag of the kind has, in the forms the kind takes.

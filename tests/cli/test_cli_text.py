@@ -16,11 +16,10 @@ from hypothesis import strategies as st
 import fastattn.warm
 from fastattn import AttentionConfig, cli, runtime, sweep, warm
 from fastattn.cli import _common
-from fastattn.cli._main import build_parser
 from fastattn.warm import WarmItem, WarmReport
 
 from conftest import _gpu_unavailable_reason
-from helpers.cli import run  # noqa: E402
+from helpers.cli import parser_actions, run  # noqa: E402
 
 NO_GPU = ("fastattn cannot use the GPU:\n  - libcublasLt was not found (DynamicLibNotFoundError: no such library); "
           "pip install nvidia-cublas (a dependency of nvidia-cudnn-cu13), or set FASTATTN_CUBLASLT_PATH\n  - the "
@@ -143,18 +142,7 @@ def test_bundles_are_written_0600(cache_dir, capsys):
 
 
 def _actions():
-    out = []
-
-    def walk(parser, path):
-        for action in parser._actions:
-            if isinstance(action, argparse._SubParsersAction):
-                for name, sub in action.choices.items():
-                    walk(sub, path + [name])
-                continue
-            out.append((" ".join(path), action.option_strings or [action.dest], action.help))
-
-    walk(build_parser(), [])
-    return out
+    return [(" ".join(path), a.option_strings or [a.dest], a.help) for path, a in parser_actions()]
 
 
 def test_every_option_has_help():

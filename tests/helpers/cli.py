@@ -22,3 +22,25 @@ def fill(n=3):
     for s in range(n):
         fastattn.plan({**BASE, "seqlen_q": 128 * (s + 1)})
     fastattn.probe({**BASE, "seqlen_q": 128, "head_dim_qk": 1024})
+
+
+def parser_actions():
+    """(command path, action) for every option and argument of every command, from the
+    parser itself: a test that sweeps flags sweeps one added later too."""
+    import argparse
+
+    from fastattn.cli._main import build_parser
+
+    out = []
+
+    def walk(parser, path):
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    walk(sub, path + (name,))
+            else:
+                out.append((path, action))
+
+    walk(build_parser(), ())
+    return out
+
