@@ -17,7 +17,8 @@
 #   CUDNN="9.24.0.43 9.28.1.4": the cuDNN versions to test, each received on this machine beforehand
 #     (tools/other_cudnn.sh pack / receive); "machine" is the machine's own. Each (version, order)
 #     is one pytest process in a mount namespace that sees that cuDNN alone (other_cudnn.sh run),
-#     all at once; logs pytest-VERSION-ORDER.log. Default: "machine".
+#     all at once; logs pytest-VERSION-ORDER.log. Without ORDERS, the one pytest process runs on the
+#     first version named. Default: "machine".
 #   ALSO="cmd": a command run alongside the tests, once the setup is done (e.g. "bash
 #     tools/run_flash_tests.sh": correctness runs only, never a timed one beside the tests);
 #     its output in also.log, its last lines and exit status in the summary
