@@ -1,10 +1,14 @@
-"""Which softcap graphs the loaded cuDNN builds on this GPU, mask by mask: cuDNN's verdict
-(fastattn.probe builds the very graphs) for softcap beside each diagonal and window fastattn
-sends it, forward alone and with the backward, bf16, a few shapes. cuDNN 9.24 and 9.28 on
-SM90 were seen refusing softcap with a bottom-right causal mask or a window that 9.19 builds
-(docs/INSTALL.md, "Tested versions"): this maps where, on each cuDNN
-(`tools/other_cudnn.sh run VERSION -- python3 benchmarks/probe_softcap_masks.py`), and the
-same graphs without softcap, so that a refusal is known to be softcap's.
+"""Which softcap graphs the loaded cuDNN builds on this GPU: cuDNN's verdict (fastattn.probe
+builds the very graphs) for softcap beside each mask and window fastattn sends it, dense,
+padded and packed, forward alone and with the backward, bf16, a few shapes; the same
+graphs without softcap, so that a refusal is known to be softcap's. cuDNN 9.24 and 9.28
+on SM90 were seen refusing softcap graphs that 9.19 builds (docs/INSTALL.md, "Tested
+versions"): this maps which, on each cuDNN
+(`tools/other_cudnn.sh run VERSION -- python3 benchmarks/probe_softcap_masks.py`).
+
+Each bottom-right mask also goes in as the top-left band it equals on a dense batch
+(window (left - shift, right + shift), shift = seqlen_kv - seqlen_q), the rewrite
+AttentionConfig already makes beside a bias: where cuDNN builds that one, it is a remedy.
 
 Needs a CUDA GPU; exits 2 with one line where there is none.
 
@@ -25,9 +29,25 @@ MASKS = {
     "causal_bottom_right": {"mask": "causal_bottom_right"},
     "window_left": {"window": (64, 0), "mask": "causal"},
     "window_both": {"window": (64, 64)},
-    "window_bottom_right": {"window": (64, 0), "mask": "causal", "alignment": "bottom_right"},
+    "window_left_bottom_right": {"window": (64, 0), "mask": "causal", "alignment": "bottom_right"},
+    "window_both_bottom_right": {"window": (64, 16), "alignment": "bottom_right"},
 }
-SHAPES = ((1, 8, 512, 512, 128), (2, 8, 128, 640, 64), (1, 4, 1, 256, 128))  # (b, h, s_q, s_kv, d)
+# (b, h_q, h_kv, s_q, s_kv, d): square, more keys than queries, more queries than keys, decode
+SHAPES = ((1, 8, 8, 512, 512, 128), (2, 8, 2, 128, 640, 64), (2, 8, 2, 186, 170, 64), (4, 4, 1, 2, 256, 64))
+BATCHES = {"dense": {}, "padded": {"padding": True}, "packed": {"padding": True, "ragged": True}}
+
+
+def top_left_equivalent(fields: dict, s_q: int, s_kv: int) -> dict | None:
+    """The top-left band a bottom-right mask equals on a dense batch; None where there is none."""
+    if fields.get("mask") != "causal_bottom_right" and fields.get("alignment") != "bottom_right":
+        return None
+    shift = s_kv - s_q
+    left, right = fields.get("window", (-1, -1))
+    if fields.get("mask") in ("causal", "causal_bottom_right"):
+        right = 0
+    if right + shift < 0 or 0 <= left < shift:
+        return None  # rows that see no key, or a left bound no top-left band has
+    return {"window": (left - shift if left >= 0 else -1, right + shift), "alignment": "top_left"}
 
 
 def main() -> int:
@@ -39,27 +59,42 @@ def main() -> int:
     from fastattn import AttentionConfig
 
     rows = []
-    for (b, h, sq, skv, d), (mask, fields), softcap, training in itertools.product(
-            SHAPES, MASKS.items(), (None, 30.0), (False, True)):
+
+    def probe(shape, batch, mask, fields, softcap, training):
+        b, hq, hkv, sq, skv, d = shape
+        row = {"shape": list(shape), "batch": batch, "mask": mask, "softcap": softcap, "training": training}
         try:
-            cfg = AttentionConfig(batch=b, heads_q=h, seqlen_q=sq, seqlen_kv=skv, head_dim_qk=d, dtype="bf16",
-                                  layout="bhsd", softcap=softcap, training=training, **fields)
+            cfg = AttentionConfig(batch=b, heads_q=hq, heads_kv=hkv, seqlen_q=sq, seqlen_kv=skv, head_dim_qk=d,
+                                  dtype="bf16", softcap=softcap, training=training, **BATCHES[batch], **fields)
         except fastattn.InvalidArgumentError as e:  # a mask this shape cannot have: fastattn's own refusal
-            rows.append({"shape": [b, h, sq, skv, d], "mask": mask, "softcap": softcap, "training": training,
-                         "supported": None, "reason": f"config: {e}"})
-            continue
+            rows.append({**row, "supported": None, "reason": f"config: {str(e).splitlines()[0][:160]}"})
+            return
         r = fastattn.probe(cfg)
-        rows.append({"shape": [b, h, sq, skv, d], "mask": mask, "softcap": softcap, "training": training,
+        rows.append({**row, "stored_as": {"mask": cfg.mask, "window": list(cfg.window), "alignment": cfg.alignment},
                      "supported": r.supported, "forward_engine": r.forward_engine,
-                     "reason": (r.reason or "").splitlines()[0][:200] if not r.supported else None})
+                     "reason": None if r.supported else " | ".join(
+                         ln.strip() for ln in (r.reason or "").splitlines() if "Reason" in ln or ln.startswith(
+                             ("forward", "backward")))[:300]})
+
+    for shape, batch, (mask, fields), softcap, training in itertools.product(
+            SHAPES, BATCHES, MASKS.items(), (None, 30.0), (False, True)):
+        probe(shape, batch, mask, fields, softcap, training)
+        tl = top_left_equivalent(fields, shape[3], shape[4])
+        if tl is not None and batch == "dense":
+            probe(shape, batch, mask + "=top_left_band", {**fields, **tl, "mask": "none"}, softcap, training)
     res = {**header(), "rows": rows}
     refused = [x for x in rows if x["supported"] is False]
     print(f"cuDNN {fastattn.versions()['cudnn_loaded']}: {len(refused)} of {len(rows)} graphs refused")
+    key = lambda x: (tuple(x["shape"]), x["batch"], x["mask"], x["training"])  # noqa: E731
+    refused_plain = {key(x) for x in refused if not x["softcap"]}
     for x in refused:
-        print(f"  refused: {x['shape']} {x['mask']} softcap={x['softcap']} training={x['training']}: {x['reason']}")
-    only_softcap = {(tuple(x["shape"]), x["mask"], x["training"]) for x in refused if x["softcap"]} - {
-        (tuple(x["shape"]), x["mask"], x["training"]) for x in refused if not x["softcap"]}
-    print(f"summary: refused with softcap and built without it: {sorted(only_softcap)}")
+        if x["softcap"] and key(x) not in refused_plain:
+            print(f"  softcap only: {x['shape']} {x['batch']} {x['mask']} training={x['training']} "
+                  f"(stored {x['stored_as']}): {x['reason']}")
+    for x in refused:
+        if key(x) in refused_plain and x["softcap"] is None:
+            print(f"  refused without softcap too: {x['shape']} {x['batch']} {x['mask']} training={x['training']}: "
+                  f"{x['reason']}")
     write_json(res, args.json)
     return 0
 
