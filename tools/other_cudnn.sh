@@ -49,6 +49,12 @@ PY
 # The received wheel, reassembled and checked, then unpacked into $WORK/$version/site (once).
 unpack() {
   [ -f "$WORK/$version/MANIFEST" ] || { echo "no parts of $version were received on this machine" >&2; exit 2; }
+  # Two runs of one version started together (a background run beside a foreground one)
+  # both found no wheel and both reassembled it into one .partial; the first mv left the
+  # second with nothing to move (seen on the GPU machine). One unpack at a time: the second
+  # waits, then finds the wheel and the site there.
+  exec 9> "$WORK/$version/.unpack.lock"
+  flock 9
   wheel="$WORK/$(manifest wheel)"
   if [ ! -f "$wheel" ]; then
     cat "$WORK/$version"/part-* > "$wheel.partial"
@@ -59,6 +65,8 @@ unpack() {
   if [ ! -d "$WORK/$version/site/nvidia/cudnn/lib" ]; then
     "$PY" -m pip install -q --no-deps --no-index --no-compile --disable-pip-version-check --target "$WORK/$version/site" "$wheel" >&2
   fi
+  flock -u 9
+  exec 9>&-
 }
 
 case "$cmd" in

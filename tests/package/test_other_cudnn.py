@@ -76,3 +76,29 @@ def test_bad_arguments_are_refused_with_usage(tree, args):
     root, _ = tree
     r = tool(root, *args)
     assert r.returncode == 2 and ("usage" in r.stderr or "no parts" in r.stderr), r.stderr
+
+
+def test_runs_started_together_unpack_the_wheel_once(tree):
+    # A background run beside a foreground one, both before the wheel was reassembled: each
+    # reassembled it and one lost its .partial to the other's mv (seen on the GPU machine).
+    # A stand-in python records each pip install (slow, as a real one is) and fails the
+    # question that follows (where torch's cuDNN is installed), which needs that machine.
+    root, digest = tree
+    assert tool(root, "pack", VERSION).returncode == 0
+    assert tool(root, "receive", VERSION).returncode == 0
+    fake = root / "python"
+    fake.write_text('#!/usr/bin/env bash\n'
+                    'if [ "$1 $2 $3" = "-m pip install" ]; then\n'
+                    '  for a in "$@"; do [ "$prev" = --target ] && t=$a; prev=$a; done\n'
+                    f'  echo install >> "{root}/installs"; sleep 0.5; mkdir -p "$t/nvidia/cudnn/lib"; exit 0\n'
+                    'fi\n'
+                    'echo "stand-in python: no nvidia-cudnn-cu13 here" >&2; exit 1\n')
+    fake.chmod(0o755)
+    env = dict(os.environ, PART_MIB="1", OTHER_CUDNN_WORK=str(root / "work"), PYTHON=str(fake))
+    runs = [subprocess.Popen(["bash", str(root / "tools" / "other_cudnn.sh"), "run", VERSION, "--", "true"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for _ in range(4)]
+    errors = [r.communicate(timeout=60)[1] for r in runs]
+    assert not [e for e in errors if "cannot stat" in e or "sha256 differs" in e], errors
+    assert (root / "installs").read_text() == "install\n"
+    wheel = root / "work" / WHEEL
+    assert hashlib.sha256(wheel.read_bytes()).hexdigest() == digest
