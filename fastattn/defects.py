@@ -1,4 +1,5 @@
-"""Known cuDNN defects: graphs cuDNN builds that compute the wrong answer, and their remedies.
+"""Known cuDNN defects: graphs cuDNN builds that compute the wrong answer, and their remedies;
+and known gaps: graphs a cuDNN release refuses that another builds.
 
 A graph cuDNN accepts can still be wrong. Each entry here names the cuDNN versions (the
 library loaded at run time, not the headers) and compute capabilities it was seen on, a
@@ -14,6 +15,10 @@ empty decision, and then exactly the graph and the key it had before this module
 A version range is [first, fixed): `fixed` stays None (open-ended) until a release that
 fixes the defect has been measured with fastattn's tests (tests/attention/
 test_numerics_gpu.py); a release note alone does not move it.
+
+A gap (`GAPS`) changes no graph and no key: the refusal stays cuDNN's, since the probe
+builds the very graph that would run, and `refusal_notes` adds to cuDNN's reason what is
+known about it (the versions seen refusing and building that graph, and what to do).
 """
 
 from __future__ import annotations
@@ -24,7 +29,8 @@ from typing import Any, Callable
 from .config import FP8_DTYPES, AttentionConfig
 from .errors import InvalidArgumentError
 
-__all__ = ["Defect", "Decision", "DEFECTS", "FULL_LENGTHS", "REFUSE", "decide", "explain", "version_text"]
+__all__ = ["Defect", "Decision", "DEFECTS", "FULL_LENGTHS", "GAPS", "Gap", "REFUSE", "decide", "explain",
+           "refusal_notes", "version_text"]
 
 # Remedies. FULL_LENGTHS: the affected direction's graph is built with a padding mask, and
 # the plan gives it each sequence's full lengths itself (csrc: Config.full_lengths), so
@@ -238,3 +244,69 @@ def explain(avoided: list[str] | tuple[str, ...]) -> list[dict[str, Any]]:
         else:
             out.append(Decision((d,)).to_dict()[0])
     return out
+
+
+@dataclass(frozen=True)
+class Gap:
+    """A graph some cuDNN releases refuse though another builds it. Nothing is decided
+    from it: cuDNN's refusal is the verdict, and the gap's note goes beside its reason.
+    `seen_refusing` and `seen_building` are the releases fastattn's own runs saw (never
+    guessed: a release between them is unknown, and the note says only what was seen)."""
+
+    name: str
+    summary: str  # which graphs are refused, in one sentence
+    seen_refusing: tuple[int, ...]
+    seen_building: tuple[int, ...]
+    capabilities: frozenset[tuple[int, int]]
+    predicate: Callable[[AttentionConfig, bool], bool]  # (config, whether its graphs take per-sequence lengths)
+    advice: str  # what a user can do instead
+    evidence: str  # where the runs are recorded
+
+    def __post_init__(self) -> None:
+        if not self.seen_refusing:
+            raise InvalidArgumentError(f"Gap {self.name!r}: seen_refusing is empty (a gap is what a run saw)")
+
+    def matches(self, config: AttentionConfig, cudnn_version: int, capability: tuple[int, int],
+                lengths_in_graph: bool) -> bool:
+        # From the oldest release seen refusing on, up to the next one seen building (if any).
+        first = min(self.seen_refusing)
+        newer_built = [v for v in self.seen_building if v > first]
+        in_range = first <= cudnn_version and (not newer_built or cudnn_version < min(newer_built))
+        return in_range and tuple(capability) in self.capabilities and bool(self.predicate(config, lengths_in_graph))
+
+    def note(self) -> str:
+        refusing = ", ".join(version_text(v) for v in sorted(self.seen_refusing))
+        building = ", ".join(version_text(v) for v in sorted(self.seen_building)) or "none"
+        return (f"known cuDNN gap {self.name}: {self.summary} (seen refusing: cuDNN {refusing}; seen building: "
+                f"cuDNN {building}; {self.evidence}); {self.advice}")
+
+
+def _softcap_with_lengths(c: AttentionConfig, lengths_in_graph: bool) -> bool:
+    return c.softcap is not None and lengths_in_graph
+
+
+GAPS: tuple[Gap, ...] = (
+    Gap(
+        name="sm90-softcap-with-lengths",
+        summary=("on SM90, no softcap graph whose masks take per-sequence lengths (padding, packed sequences, a "
+                 "paged cache, or a defect's full-length remedy) is built, whatever the mask (\"KERNEL_CFG knob must "
+                 "be set\"); softcap without per-sequence lengths is built with every mask"),
+        seen_refusing=(92400, 92801),
+        seen_building=(91900,),
+        capabilities=_SM90,
+        predicate=_softcap_with_lengths,
+        advice=("run softcap with per-sequence lengths on cuDNN 9.19, or give the batch without them (equal "
+                "lengths, no padding)"),
+        evidence="docs/VERIFICATION.md",
+    ),
+)
+
+
+def refusal_notes(config: AttentionConfig, cudnn_version: int, capability: tuple[int, int] | list[int],
+                  gaps: tuple[Gap, ...] = GAPS) -> list[str]:
+    """The notes of the known gaps that explain cuDNN's refusal of `config`'s graphs with
+    this cuDNN on this GPU (empty where none does). A graph takes per-sequence lengths
+    where the config has padding or a defect's FULL_LENGTHS remedy applies."""
+    cap = tuple(capability)
+    lengths = config.padding or bool(decide(config, cudnn_version, cap).full_lengths)
+    return [g.note() for g in gaps if g.matches(config, cudnn_version, cap, lengths)]

@@ -25,7 +25,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Literal, Mapping, Union, overload
 
-from . import _record, store
+from . import _record, defects, store
 from ._version import __version__
 from ._fields import check, show
 from .config import AttentionConfig
@@ -129,8 +129,14 @@ def warn_once(message: str) -> None:
 
 def count_fallback(integration: str, reason: str) -> None:
     """One call an integration (its name, e.g. "transformers") ran outside fastattn's
-    kernels, and why (cuDNN's reason, or the integration's). Counted in stats()'s
-    "fallbacks"; the first call of each reason is logged (warn_once)."""
+    kernels, and why (cuDNN's reason, or the integration's; a refusal's whole message).
+    Counted in stats()'s "fallbacks" under the reason's first line, with the names of
+    the known cuDNN gaps it notes (fastattn.defects.GAPS); the first call of each
+    reason is logged (warn_once)."""
+    lines = reason.split("\n")
+    gaps = [ln.split(":", 1)[0].removeprefix("known cuDNN gap ") for ln in lines[1:]
+            if ln.startswith("known cuDNN gap ")]
+    reason = lines[0].rstrip() + "".join(f" (known cuDNN gap {g})" for g in gaps)
     with _lock:
         reasons = _fallbacks.setdefault(integration, {})
         reasons[reason] = reasons.get(reason, 0) + 1
@@ -243,10 +249,18 @@ def _build_now(config: AttentionConfig, device: int):
     except NotSupportedError as e:
         elapsed = time.perf_counter() - t0
         _count(builds=1, build_seconds=elapsed, unsupported=1)
-        return None, ProbeResult(config, device, False, str(e), build_seconds=elapsed)
+        return None, ProbeResult(config, device, False, _with_gap_notes(str(e), config, device), build_seconds=elapsed)
     elapsed = time.perf_counter() - t0
     _count(builds=1, build_seconds=elapsed)
     return p, result_from_plan(config, device, p, elapsed, "built")
+
+
+def _with_gap_notes(reason: str, config: AttentionConfig, device: int) -> str:
+    """cuDNN's reason, with the notes of the known gaps (fastattn.defects.GAPS) that
+    explain it on this cuDNN and GPU: the verdict stays cuDNN's."""
+    core = _core()
+    notes = defects.refusal_notes(config, core.versions()[0], tuple(core.get_device_info(device)["compute_capability"]))
+    return "\n".join([reason, *notes])
 
 
 def _lookup(config: Any, device: int | None, refresh: bool = False, ahead: bool = False) -> tuple[_Entry, bool]:

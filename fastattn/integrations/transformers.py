@@ -287,7 +287,7 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         return _dense_call(q, k, v, form, scale, dropout, cap, sinks), None
     except NotSupportedError as e:
         # Counted and, the first time for its reason, logged (fastattn.stats()["fallbacks"]).
-        count_fallback("transformers", str(e).split("\n")[0])
+        count_fallback("transformers", str(e))
         return _eager(q, k, v, form, scale, dropout, cap, sinks, module), None
 
 
@@ -332,15 +332,15 @@ def paged_attention_forward(module: torch.nn.Module, q: torch.Tensor, k: torch.T
                              alignment="bottom_right", window=None if left < 0 else (left, 0), scale=scale,
                              softcap=cap, sinks=sinks)
     except NotSupportedError as e:
-        reason = str(e).split("\n")[0]
         if _capturing(q):
+            reason = str(e).split("\n")[0]
             # The fallback reads each sequence's bounds on the host: a synchronization, which
             # would invalidate transformers' capture with CUDA's own terse error.
             raise NotSupportedError(f"paged|fastattn inside a CUDA-graph capture: {reason}; the exact fallback that "
                                     "runs it reads the sequences' lengths on the host, which a capture cannot hold. "
                                     "Turn transformers' graphs off for this model "
                                     "(ContinuousBatchingConfig(use_cuda_graph=False))") from None
-        count_fallback("transformers", reason)
+        count_fallback("transformers", str(e))
         o = _eager_packed(q, k, v, cu_q, cu_k, left, scale, cap, sinks)
     return o, None
 

@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import fastattn
 from fastattn import defects, runtime, store
 from fastattn.config import AttentionConfig
 from fastattn.errors import InvalidArgumentError
@@ -300,3 +301,65 @@ def test_cache_ls_shows_the_remedy_an_entry_carries(env, capsys):
     assert main(["cache", "ls", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)["entries"]
     assert sorted(r["defects"] for r in rows) == [[], ["sm90-bwd-kv-tail:full_lengths"]]
+
+
+# -- known gaps: refusals explained, never decided ---------------------------------------
+
+SOFTCAP = dict(batch=2, heads_q=4, seqlen_q=128, seqlen_kv=128, head_dim_qk=64, dtype="bf16", softcap=30.0)
+
+
+def gap_names(config, cudnn, capability=(9, 0)):
+    return [n.split(":", 1)[0] for n in defects.refusal_notes(config, cudnn, capability)]
+
+
+@pytest.mark.parametrize("cudnn,hit", [(91900, False), (92300, False), (92400, True), (92801, True), (93000, True)])
+def test_the_softcap_gap_covers_the_releases_seen_refusing_and_what_follows(cudnn, hit):
+    cfg = AttentionConfig(**SOFTCAP, padding=True)
+    assert gap_names(cfg, cudnn) == (["known cuDNN gap sm90-softcap-with-lengths"] if hit else [])
+
+
+@pytest.mark.parametrize("fields,hit", [
+    ({}, False),                                          # softcap without lengths: built with every mask
+    ({"padding": True}, True),
+    ({"padding": True, "mask": "causal"}, True),
+    ({"padding": True, "ragged": True}, True),
+    ({"softcap": None, "padding": True}, False),          # lengths without softcap: built
+    ({"seqlen_kv": 192, "training": True}, True),         # the kv-tail remedy's full lengths are lengths too
+    ({"seqlen_kv": 192, "training": False}, False),       # (forward alone: no remedy)
+])
+def test_the_softcap_gap_is_softcap_with_lengths_in_the_graph(fields, hit):
+    cfg = AttentionConfig(**{**SOFTCAP, **fields})
+    assert bool(gap_names(cfg, 92400)) == hit
+
+
+def test_a_gap_is_sm90s_alone():
+    assert gap_names(AttentionConfig(**SOFTCAP, padding=True), 92400, (10, 0)) == []
+
+
+def test_a_gap_between_two_releases_seen_building_ends_at_the_newer():
+    gap = defects.Gap(name="t", summary="s", seen_refusing=(92400,), seen_building=(91900, 93000),
+                      capabilities=frozenset({(9, 0)}), predicate=lambda c, lengths: True, advice="a", evidence="e")
+    cfg = AttentionConfig(**SOFTCAP)
+    assert [gap.matches(cfg, v, (9, 0), False) for v in (91900, 92400, 92900, 93000)] == [False, True, True, False]
+    with pytest.raises(InvalidArgumentError, match="seen_refusing"):
+        defects.Gap(name="t", summary="s", seen_refusing=(), seen_building=(), capabilities=frozenset(),
+                    predicate=lambda c, lengths: True, advice="a", evidence="e")
+
+
+def test_a_refusal_carries_the_gaps_note_and_the_fallback_count_names_it(env, monkeypatch):
+    # cuDNN's reason stays first (the verdict is cuDNN's); the note follows it, in the probe,
+    # in the error a call raises, and in an integration's fallback count.
+    monkeypatch.setattr(fake_core, "CUDNN_VERSION", [92400])
+    cfg = AttentionConfig(**{**SOFTCAP, "head_dim_qk": 1024}, padding=True)  # the fake core refuses it
+    r = runtime.probe(cfg)
+    lines = r.reason.split("\n")
+    assert not r.supported and lines[0] == "forward: fake cuDNN refuses head_dim_qk=1024"
+    assert lines[1].startswith("known cuDNN gap sm90-softcap-with-lengths: ") and "9.19.0" in lines[1]
+    with pytest.raises(fastattn.NotSupportedError, match="known cuDNN gap sm90-softcap-with-lengths"):
+        fastattn.plan(cfg)
+    runtime.count_fallback("transformers", r.reason)
+    assert fastattn.stats()["fallbacks"] == {"transformers": {
+        "forward: fake cuDNN refuses head_dim_qk=1024 (known cuDNN gap sm90-softcap-with-lengths)": 1}}
+    monkeypatch.setattr(fake_core, "CUDNN_VERSION", [91900])
+    runtime.clear()
+    assert runtime.probe(cfg).reason == "forward: fake cuDNN refuses head_dim_qk=1024"  # no gap on 9.19

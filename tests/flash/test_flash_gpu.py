@@ -8,6 +8,7 @@ Tolerances (relative Frobenius error, as test_torch_gpu.py): out fp16 4e-3 / bf1
 gradients 1e-2 / 4e-2, softmax_lse 1e-3 on rows that see a key (float32 stats of the same
 rounded inputs)."""
 
+import functools
 import itertools
 
 import numpy as np
@@ -19,7 +20,7 @@ import fastattn  # noqa: E402
 import fastattn.torch  # noqa: E402,F401
 from fastattn import flash  # noqa: E402
 
-from helpers.gpu import fa_allowed  # noqa: E402
+from helpers.gpu import fa_allowed, softcap_with_lengths_refused  # noqa: E402
 
 FWD_TOL = {torch.float16: 4e-3, torch.bfloat16: 2e-2}
 BWD_TOL = {torch.float16: 1e-2, torch.bfloat16: 4e-2}
@@ -146,8 +147,17 @@ def test_softcap_forward_lse_and_backward(dtype, causal, window):
     # from the uncapped one by far more than the tolerance, and matches float64's.
     q = (randn(2, 200, 8, 64, dtype=torch.float32) * 6).to(dtype).requires_grad_()
     k, v = (randn(2, 170, 2, 64, dtype=dtype, grad=True) for _ in range(2))
-    out, lse, _ = flash.flash_attn_func(q, k, v, causal=causal, window_size=window, softcap=5.0,
-                                        return_attn_probs=True)
+    call = functools.partial(flash.flash_attn_func, q, k, v, causal=causal, window_size=window, softcap=5.0,
+                             return_attn_probs=True)
+    gap = softcap_with_lengths_refused() if window != (-1, -1) else None
+    if gap:
+        # More queries than keys with a bottom-right window: the adapter gives the plan full
+        # per-sequence lengths (cuDNN takes that diagonal only with them), which this
+        # release refuses beside softcap, saying so.
+        with pytest.raises(fastattn.NotSupportedError, match=f"known cuDNN gap {gap}"):
+            call()
+        return
+    out, lse, _ = call()
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
     ref, ref_lse = reference(q64, k64, v64, causal, window, softcap=5.0)
     assert rel(out, ref) < FWD_TOL[dtype]
@@ -162,6 +172,16 @@ def test_softcap_in_varlen_and_kvcache():
     cu = torch.tensor([0, *itertools.accumulate(lens)], device=DEV, dtype=torch.int32)
     q = (randn(sum(lens), 4, 64, dtype=torch.float32) * 6).to(dtype)
     k, v = (randn(sum(lens), 2, 64, dtype=dtype) for _ in range(2))
+    gap = softcap_with_lengths_refused()
+    if gap:  # packed sequences and a cache's lengths are per-sequence lengths: refused, saying so
+        with pytest.raises(fastattn.NotSupportedError, match=f"known cuDNN gap {gap}"):
+            flash.flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens), causal=True, softcap=4.0)
+        qd, kc = randn(2, 1, 4, 64, dtype=dtype), randn(2, 96, 2, 64, dtype=dtype)
+        with pytest.raises(fastattn.NotSupportedError, match=f"known cuDNN gap {gap}"):
+            flash.flash_attn_with_kvcache(qd, kc, kc, cache_seqlens=torch.tensor([96, 50], device=DEV,
+                                                                               dtype=torch.int32),
+                                          causal=True, softcap=4.0)
+        return
     out = flash.flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens), causal=True, softcap=4.0)
     for a, n in zip(cu.tolist(), lens):
         ref, _ = reference(*(t[None, a:a + n] for t in (q, k, v)), True, (-1, -1), softcap=4.0)

@@ -254,3 +254,15 @@ def random_inputs(cfg: AttentionConfig, rng: np.random.Generator, backward: bool
     v = quantize(rng.standard_normal(cfg.shape("v")), cfg.dtype)
     d_o = quantize(rng.standard_normal(cfg.shape("o")), cfg.dtype) if backward else None
     return q, k, v, d_o
+
+
+def softcap_with_lengths_refused(device: int = 0) -> str | None:
+    """The known cuDNN gap (fastattn.defects.GAPS) that refuses softcap with per-sequence
+    lengths on the loaded cuDNN and this GPU, by name, or None where those graphs build:
+    a test of such a call asserts the refusal that names it there, its numbers elsewhere."""
+    from fastattn import _core, _loader, defects
+
+    _loader.ensure_loaded()
+    probe = AttentionConfig(batch=1, heads_q=1, seqlen_q=2, head_dim_qk=64, softcap=1.0, padding=True)
+    notes = defects.refusal_notes(probe, _core.versions()[0], tuple(_core.get_device_info(device)["compute_capability"]))
+    return notes[0].split(":", 1)[0].removeprefix("known cuDNN gap ") if notes else None

@@ -1,5 +1,6 @@
 """GPU: fastattn.torch against PyTorch's math in float64, torch.compile, CUDA graphs."""
 
+import functools
 import itertools
 
 import pytest
@@ -11,7 +12,7 @@ import fastattn.torch  # noqa: E402,F401
 from fastattn.torch import _autograd, _dense, _native, _paged, _plans, _varlen  # noqa: E402
 from fastattn import AttentionConfig  # noqa: E402
 
-from helpers.gpu import alibi_slopes, allowed  # noqa: E402
+from helpers.gpu import alibi_slopes, allowed, softcap_with_lengths_refused  # noqa: E402
 from helpers.torch import PYTHON_PATH_CODE, Block, in_threads, take_python_path, ulps_apart  # noqa: E402
 
 FWD_TOL = {torch.float16: 4e-3, torch.bfloat16: 2e-2}
@@ -111,8 +112,15 @@ def test_softcap_forward_and_gradients_match_float64(mask, layout, padded):
             for _ in range(2))
     lens = torch.full((2,), sq, device="cuda", dtype=torch.int32) if padded else None
     lens_kv = torch.full((2,), skv, device="cuda", dtype=torch.int32) if padded else None
-    o = fastattn.torch.attention(q, k, v, causal=mask == "causal", causal_bottom_right=mask == "causal_bottom_right",
-                                 layout=layout, softcap=3.0, seq_lens_q=lens, seq_lens_kv=lens_kv)
+    call = functools.partial(fastattn.torch.attention, q, k, v, causal=mask == "causal",
+                             causal_bottom_right=mask == "causal_bottom_right", layout=layout, softcap=3.0,
+                             seq_lens_q=lens, seq_lens_kv=lens_kv)
+    gap = softcap_with_lengths_refused() if padded else None
+    if gap:  # cuDNN's refusal on this release, with the known gap's note beside its reason
+        with pytest.raises(fastattn.NotSupportedError, match=f"known cuDNN gap {gap}"):
+            call()
+        return
+    o = call()
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
     ref = reference(q64, k64, v64, cfg, layout)
     assert rel(to_bhsd(o, layout), ref) < FWD_TOL[dtype]
