@@ -51,7 +51,7 @@ def run_case(name: str) -> dict:
     def launch(out, stream):
         plan.forward(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), 0, ws.data_ptr(), stream)
 
-    out: dict = {"case": name}
+    out: dict = {"case": name, "cudnn": fastattn.versions()["cudnn_loaded"]}
     sync_errors: list[str] = []
     if name == "launched-once-first":
         launch(torch.empty_like(q), torch.cuda.current_stream().cuda_stream)
@@ -110,8 +110,6 @@ def main() -> int:
     if args.case:
         print(json.dumps(run_case(args.case)))
         return 0
-    import fastattn
-
     rows = []
     for name in CASES:
         p = subprocess.run([sys.executable, __file__, "--case", name], capture_output=True, text=True, timeout=300)
@@ -122,7 +120,7 @@ def main() -> int:
             row = {"case": name, "capture": f"child exit {p.returncode}: {p.stderr.strip()[-300:]}"}
         rows.append(row)
         print(f"{name}: {row}")
-    print(f"cuDNN {fastattn.versions()['cudnn_loaded']}")
+    print(f"cuDNN {sorted({r.get('cudnn') for r in rows}, key=str)} (each case's child process)")
     write_json({**header(), "rows": rows}, args.json)
     return 0
 
