@@ -117,7 +117,11 @@ def _dense(q, k, v, causal, window, scale, deterministic, slopes, dropout_p, lse
             if bottom:
                 causal, window, bottom = False, None, False
     lens_q = lens_k = None
-    if bottom and sq > sk:  # cuDNN takes it only with per-sequence lengths
+    if bottom and sq > sk and not softcap:
+        # cudnn-frontend takes that diagonal only with per-sequence lengths. Beside softcap
+        # its own masks are off and the score modifier applies the diagonal, which needs
+        # none; lengths there would ask for a graph that cuDNN 9.24 and newer refuse on
+        # SM90 (fastattn.defects' gap sm90-softcap-with-lengths).
         lens_q, lens_k = _full(q, q.shape[0], sq), _full(q, q.shape[0], sk)
     out = _attend(q, k, v, causal=causal, window=window, scale=scale, deterministic=deterministic,
                   seq_lens_q=lens_q, seq_lens_kv=lens_k, alibi=alibi, bias=None if bias is None else bias.bias,
