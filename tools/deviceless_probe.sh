@@ -29,9 +29,11 @@
 #       CUDNN_LIB_CONFIG=GRAPH_JIT_ONLY, the frontend's own compute-capability query
 #       (--no-sm-version) and properties from the device (--props-from-device).
 #
-# On the GPU machine, the verification DECISIONS.md describes starts with
-#   bash tools/deviceless_probe.sh run system --export-props /tmp/h100.json
-#   bash tools/deviceless_probe.sh run fake --props /tmp/h100.json --dir fwd --out /tmp/fwd.plan
+#   bash tools/deviceless_probe.sh gpu-check
+#       on the GPU machine, DECISIONS.md's verification, steps 1 to 3: the GPU's own properties
+#       (--export-props), each direction built from them with the stand-in libcuda and with the
+#       real driver (the same plan, rawData left out?), and the stand-in's plan loaded with a
+#       handle and run against the plan built there on the same inputs (--check: bitwise?).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 BUILD="${BUILD:-/tmp/fastattn-deviceless}"
@@ -51,10 +53,14 @@ build() {
     cudnn="${CUDNN_INC:-$(first_dir_with cudnn.h "$sp/nvidia/cudnn/include" /usr/include)}"
     cuda="${CUDA_INC:-$(first_dir_with cuda_runtime.h "$sp/nvidia/cu13/include" /usr/local/cuda/include)}"
     nvrtc="${NVRTC_INC:-$(first_dir_with nvrtc.h "$sp/nvidia/cu13/include" /usr/local/cuda/include)}"
+    # cudart for --check's buffers; the CUDA toolkit's libcudart stub is enough to link, and a
+    # machine without the driver never calls it (only --check does, on the GPU machine).
+    local cudart; cudart="$(first_dir_with libcudart.so.13 "$cuda/../lib" /usr/local/cuda/lib64 /usr/local/cuda/lib)"
     mkdir -p "$BUILD"
     # -I order: cuda_fp16.h needs <nv/target> and the crt headers, which the cu13 folder has.
     g++ -std=c++17 -O1 -DNV_CUDNN_FRONTEND_USE_DYNAMIC_LOADING -I "$fe" -I "$cudnn" -I "$cuda" \
-        -I "$nvrtc" -I /usr/local/cuda/include "$ROOT/tools/deviceless_probe.cpp" -o "$BUILD/deviceless_probe" -ldl
+        -I "$nvrtc" -I /usr/local/cuda/include "$ROOT/tools/deviceless_probe.cpp" -o "$BUILD/deviceless_probe" \
+        -L "$cudart" -l:libcudart.so.13 -ldl
     echo "built $BUILD/deviceless_probe"
 }
 
@@ -132,9 +138,36 @@ matrix() {
     done
 }
 
+same_plan() {  # same_plan A.json B.json: equal once kernelParams' rawData (host bytes) is left out
+    "$PYTHON" - "$1" "$2" <<'EOF'
+import json, sys
+def strip(x):
+    if isinstance(x, dict):
+        return {k: strip(v) for k, v in x.items() if k != "rawData"}
+    return [strip(v) for v in x] if isinstance(x, list) else x
+a, b = (strip(json.load(open(p))) for p in sys.argv[1:])
+print(f"same plan (rawData left out): {a == b}: {sys.argv[1]} {sys.argv[2]}")
+sys.exit(0 if a == b else 1)
+EOF
+}
+
+gpu_check() {  # DECISIONS.md's steps 1 to 3, on the GPU machine
+    local rc=0
+    TAG=export-props run system --export-props "$BUILD/gpu.json" || return 1
+    for dir in fwd bwd; do
+        TAG="fake-$dir" run fake --props "$BUILD/gpu.json" --dir "$dir" --out "$BUILD/$dir-fake.plan" || rc=1
+        TAG="system-$dir" run system --props "$BUILD/gpu.json" --dir "$dir" --out "$BUILD/$dir-system.plan" || rc=1
+        same_plan "$BUILD/$dir-fake.plan.json" "$BUILD/$dir-system.plan.json" || rc=1
+        TAG="check-$dir" run system --dir "$dir" --check "$BUILD/$dir-fake.plan" || rc=1
+        grep -h '^CHECK\|^plan built here' "$BUILD/logs/check-$dir.out" || true
+    done
+    return $rc
+}
+
 case "${1:-}" in
     build) build ;;
     run) shift; run "$@" ;;
     matrix) matrix ;;
-    *) sed -n '2,35p' "${BASH_SOURCE[0]}"; exit 2 ;;
+    gpu-check) gpu_check ;;
+    *) sed -n '2,36p' "${BASH_SOURCE[0]}"; exit 2 ;;
 esac
