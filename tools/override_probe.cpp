@@ -1,4 +1,4 @@
-// cuDNN's shape override for SDPA (cuDNN >= 9.21; issue 55, item 4): one forward plan declared
+// cuDNN's shape override for SDPA (cuDNN >= 9.21): one forward plan declared
 // for a class's longest length, run at shorter lengths by overriding q, k, v, o (and the
 // stats) at execute, against a plan built for each length exactly. Answers, on the GPU machine
 // and the cuDNN that LD_LIBRARY_PATH (or tools/other_cudnn.sh run) gives it:
