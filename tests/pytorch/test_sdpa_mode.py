@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 torch = pytest.importorskip("torch", reason="PyTorch is an optional extra (pip install torch)")
 
 import fastattn.torch  # noqa: E402
-from fastattn import InvalidArgumentError, NotSupportedError, runtime  # noqa: E402
+from fastattn import InvalidArgumentError, NotSupportedError, _bounded, runtime  # noqa: E402
 from fastattn.torch import _dense, _sdpa_mode  # noqa: E402
 
 OP = torch.ops.aten._scaled_dot_product_cudnn_attention.default
@@ -861,7 +861,7 @@ def test_where_fastattn_cannot_run_the_mode_stands_aside_and_says_so_once(compos
         raise LibraryError("libcudnn.so.9 could not be loaded")
 
     monkeypatch.setattr(_dense, "plan_for", unloadable)
-    monkeypatch.setattr(runtime, "_warned", set())
+    monkeypatch.setattr(runtime, "_warned", _bounded.Table("warnings"))
     reason = "LibraryError: libcudnn.so.9 could not be loaded"
     with caplog.at_level("WARNING", logger="fastattn"):
         for s in (3, 5, 3):
