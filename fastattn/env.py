@@ -300,9 +300,9 @@ _TABLE = (
        "is imported", "`off`"),
     _V("FASTATTN_TORCH_OPS_DIR", "path", None, "where fastattn.torch's op library is built and found",
        "`torch-ops/` in the cache directory"),
-    # The in-memory tables (fastattn._bounded).
+    # The in-memory tables (fastattn.bounded).
     _V("FASTATTN_MEMORY_MAX_ENTRIES", "count", 4096, "the most entries each in-memory table keyed by shape holds "
-       "(fastattn/_bounded.py lists them): the runtime's plans per config, fastattn.torch's plans per call signature "
+       "(fastattn/bounded.py lists them): the runtime's plans per config, fastattn.torch's plans per call signature "
        "(its Python table and the op library's C++ one), the SDPA mode's routes, kept length arrays; past it a table "
        "drops an eighth of its entries, the least recently used first, counted in `fastattn.stats()['evictions']`. "
        "A dropped plan is loaded again (memory, cache) at its next call; one in use, or captured in a CUDA graph, stays "

@@ -25,7 +25,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Literal, Mapping, Union, overload
 
-from . import _bounded, _record, store
+from . import _record, bounded, store
 from ._version import __version__
 from ._fields import check, show
 from .config import AttentionConfig
@@ -62,7 +62,7 @@ class _Entry:
 
 
 _lock = threading.Lock()
-# At most FASTATTN_MEMORY_MAX_ENTRIES (fastattn._bounded): _keep adds an entry and trims.
+# At most FASTATTN_MEMORY_MAX_ENTRIES (fastattn.bounded): _keep adds an entry and trims.
 _entries: dict[tuple[AttentionConfig, int], _Entry] = {}
 _clock = 0  # advanced by every entry _keep adds; a use stamps its entry with it
 # Bumped by clear(): a load ahead of use that began before it keeps nothing it loads.
@@ -87,7 +87,7 @@ _counters = dict(_COUNTERS)
 # Calls an integration ran outside fastattn's kernels (its PyTorch fallback), by integration
 # and reason: what stats() reports under "fallbacks".
 _fallbacks: dict[str, dict[str, int]] = {}
-_warned = _bounded.Table("warnings")  # the messages warn_once gave
+_warned = bounded.Table("warnings")  # the messages warn_once gave
 _log = logging.getLogger("fastattn")
 _cache: PlanCache | None = None
 # What runs a plan against the reference: fastattn.verify.verify_plan(plan, config,
@@ -123,7 +123,7 @@ def warn_once(message: str) -> None:
     """A warning of the "fastattn" logger, the first time this message is given (until
     clear()): for what happens call after call (a fallback, a reason the SDPA mode stands
     aside), which must never be silent and must never flood a log."""
-    _bounded.max_entries()  # (read outside the lock: a bad value raises before anything changes)
+    bounded.max_entries()  # (read outside the lock: a bad value raises before anything changes)
     with _lock:
         first = message not in _warned
         if first:
@@ -136,9 +136,9 @@ def count_fallback(integration: str, reason: str) -> None:
     """One call an integration (its name, e.g. "transformers") ran outside fastattn's
     kernels, and why (cuDNN's reason, or the integration's). Counted in stats()'s
     "fallbacks"; the first call of each reason is logged (warn_once)."""
-    _bounded.max_entries()  # (as warn_once)
+    bounded.max_entries()  # (as warn_once)
     with _lock:
-        _bounded.count_reason(_fallbacks.setdefault(integration, {}), reason)
+        bounded.count_reason(_fallbacks.setdefault(integration, {}), reason)
     warn_once(f"fastattn.integrations.{integration}: a call runs outside fastattn's kernels (counted in "
               f"fastattn.stats()['fallbacks']): {reason}")
 
@@ -259,7 +259,7 @@ def _lookup(config: Any, device: int | None, refresh: bool = False, ahead: bool 
     Returns (entry, came_from_memory). ahead=True: a load ahead of use (preload), which
     leaves the record and the entry's last use to the first call that uses it."""
     config = AttentionConfig.coerce(config)
-    _bounded.max_entries()  # (read first: a bad value raises before any library loads or anything changes)
+    bounded.max_entries()  # (read first: a bad value raises before any library loads or anything changes)
     device = _resolve_device(device)
     key = (config, device)
     dropped: list[_Entry] = []
@@ -304,7 +304,7 @@ def _lookup(config: Any, device: int | None, refresh: bool = False, ahead: bool 
 
 
 def _keep(key: tuple[AttentionConfig, int], entry: _Entry) -> list[_Entry]:
-    """Under _lock: entry kept under key, used now; past the cap (fastattn._bounded) the
+    """Under _lock: entry kept under key, used now; past the cap (fastattn.bounded) the
     least recently used settled entries are dropped (one in flight is some thread's work,
     which others may be waiting for) and returned, for the caller to release after the
     lock. A dropped plan stays valid where it is held (a thread, fastattn.torch's
@@ -313,11 +313,11 @@ def _keep(key: tuple[AttentionConfig, int], entry: _Entry) -> list[_Entry]:
     _clock += 1
     entry.used = _clock
     _entries[key] = entry
-    drop = _bounded.trim_to(len(_entries))
+    drop = bounded.trim_to(len(_entries))
     if not drop:
         return []
-    victims = _bounded.least_used(((k, e.used) for k, e in _entries.items() if e.done.is_set()), drop)
-    _bounded.evicted("plans", len(victims))
+    victims = bounded.least_used(((k, e.used) for k, e in _entries.items() if e.done.is_set()), drop)
+    bounded.evicted("plans", len(victims))
     return [_entries.pop(k) for k in victims]
 
 
@@ -336,7 +336,7 @@ def load_ahead(config: AttentionConfig, device: int, cache: PlanCache, key: str)
     entry cuDNN will not load, an error), that call goes on as if it had asked first.
     Returns whether a plan or a refusal is now held for it; False also where one was
     already held or asked for, or clear() ran meanwhile."""
-    _bounded.max_entries()  # (as _lookup)
+    bounded.max_entries()  # (as _lookup)
     with _lock:
         if (config, device) in _entries:
             return False
@@ -631,11 +631,11 @@ def stats() -> dict[str, float]:
     calls on CUDA while it is on, {"served": calls fastattn ran, "passed_on": {reason: calls
     PyTorch's kernels ran}}, whichever backend PyTorch would have picked. (Reasons may
     quote shapes: past FASTATTN_MEMORY_MAX_ENTRIES of them, each further one is counted
-    under fastattn._bounded.OTHER_REASONS.) "warm_up" (once
+    under fastattn.bounded.OTHER_REASONS.) "warm_up" (once
     fastattn.torch is imported): the background warm-up's state, devices, plans loaded
     and seconds, and where it is off, the reason (fastattn/_warm_up.py). "evictions": the
     entries each in-memory table keyed by shape dropped past FASTATTN_MEMORY_MAX_ENTRIES
-    (fastattn._bounded): {"plans": this registry's plans and refusals, "torch_calls":
+    (fastattn.bounded): {"plans": this registry's plans and refusals, "torch_calls":
     fastattn.torch's Python table of plans per call signature, "native_calls": the op
     library's C++ one, "sdpa_routes": the SDPA mode's routes per call signature, "arrays":
     length and offset arrays kept per shape, "class_refusals": shape-class plans cuDNN
@@ -649,7 +649,7 @@ def stats() -> dict[str, float]:
     for name, (read, _) in list(_sources.items()):
         out[name] = read()
     out["cache"] = cache.store.counters() if cache is not None else {}
-    out["evictions"] = _bounded.evictions()
+    out["evictions"] = bounded.evictions()
     return out
 
 
@@ -667,7 +667,7 @@ def clear() -> None:
         _cache = None
     for _, reset in list(_sources.values()):
         reset()
-    _bounded.reset()
+    bounded.reset()
 
 
 def _after_fork_in_child() -> None:

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 torch = pytest.importorskip("torch", reason="PyTorch is an optional extra (pip install torch)")
 
 import fastattn.torch  # noqa: E402
-from fastattn import InvalidArgumentError, NotSupportedError, _bounded, runtime  # noqa: E402
+from fastattn import InvalidArgumentError, NotSupportedError, bounded, runtime  # noqa: E402
 from fastattn.torch import _dense, _sdpa_mode  # noqa: E402
 
 OP = torch.ops.aten._scaled_dot_product_cudnn_attention.default
@@ -184,7 +184,7 @@ def test_a_call_fastattn_refuses_runs_pytorchs_own_kernel_and_its_backward_too(m
     q, k, v = _qkv(1, 2, 2, 3, 3, 8)
     got = _sdpa_mode._forward(q, k, v, None, True, 0.0, False, False, scale=None)
     assert got[0] == "pytorch's" and ran == ["forward"]
-    route = _sdpa_mode._routes[next(iter(_sdpa_mode._routes))]
+    route = _sdpa_mode._routes[next(iter(_sdpa_mode._routes))][0]
     assert "cuDNN refuses this graph" in route
     monkeypatch.setattr(torch.ops.aten, "_cudnn_attention_backward",
                         lambda *a, **kw: ran.append("backward") or "pytorch's backward", raising=False)
@@ -861,7 +861,7 @@ def test_where_fastattn_cannot_run_the_mode_stands_aside_and_says_so_once(compos
         raise LibraryError("libcudnn.so.9 could not be loaded")
 
     monkeypatch.setattr(_dense, "plan_for", unloadable)
-    monkeypatch.setattr(runtime, "_warned", _bounded.Table("warnings"))
+    monkeypatch.setattr(runtime, "_warned", bounded.Table("warnings"))
     reason = "LibraryError: libcudnn.so.9 could not be loaded"
     with caplog.at_level("WARNING", logger="fastattn"):
         for s in (3, 5, 3):

@@ -1,4 +1,4 @@
-"""The in-memory tables keyed by shape are bounded (fastattn/_bounded.py,
+"""The in-memory tables keyed by shape are bounded (fastattn/bounded.py,
 FASTATTN_MEMORY_MAX_ENTRIES): the runtime's plans, FASTATTN_RECORD's configs, the
 warnings given and the reasons counted. Each holds at most the cap, drops the least
 recently used first, counts what it drops in stats()["evictions"], and an evicted plan
@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fastattn
-from fastattn import AttentionConfig, _bounded, _record, runtime, sweep
+from fastattn import AttentionConfig, bounded, _record, runtime, sweep
 
 BASE = dict(batch=1, heads_q=4, head_dim_qk=64)
 
@@ -29,7 +29,7 @@ def cfg(seqlen: int, **extra) -> AttentionConfig:
 def cap(monkeypatch):
     """Sets the cap (as FASTATTN_MEMORY_MAX_ENTRIES read at first use would): cap(n)."""
     def set_cap(n: int) -> None:
-        monkeypatch.setattr(_bounded, "_max", n)
+        monkeypatch.setattr(bounded, "_max", n)
     return set_cap
 
 
@@ -54,7 +54,7 @@ def test_the_cap_holds_and_every_dropped_entry_is_counted(fast, cap):
     s = fastattn.stats()
     assert s["evictions"]["plans"] == 40 - len(runtime._entries) > 0
     assert s["builds"] == 40 and s["plans"] == len(runtime._entries)
-    assert set(s["evictions"]) == set(_bounded.NAMES)
+    assert set(s["evictions"]) == set(bounded.NAMES)
 
 
 def test_the_least_recently_used_go_first(fast, cap):
@@ -171,18 +171,18 @@ def test_clear_zeroes_the_evictions(fast, cap):
     fastattn.plan(cfg(2))
     assert fastattn.stats()["evictions"]["plans"] == 1
     fastattn.clear()
-    assert fastattn.stats()["evictions"] == dict.fromkeys(_bounded.NAMES, 0)
+    assert fastattn.stats()["evictions"] == dict.fromkeys(bounded.NAMES, 0)
 
 
 @settings(max_examples=60, deadline=None, derandomize=True)
 @given(cap_=st.integers(1, 12), asks=st.lists(st.integers(1, 30), min_size=1, max_size=80))
 def test_any_sequence_of_requests_stays_within_the_cap_and_keeps_the_last_one(cap_, asks):
     # A stand-in build (no cache, no sleep): only the registry's bookkeeping is exercised.
-    saved = (runtime._build, runtime._resolve_device, _bounded._max)
+    saved = (runtime._build, runtime._resolve_device, bounded._max)
     runtime._build = lambda config, device, refresh=False, touch=True: (
         object(), runtime.ProbeResult(config, device, True, "", 0, 0, "e", "", 0.0, "built"))
     runtime._resolve_device = lambda d: 0
-    _bounded._max = cap_
+    bounded._max = cap_
     runtime.clear()
     try:
         for s in asks:
@@ -193,7 +193,7 @@ def test_any_sequence_of_requests_stays_within_the_cap_and_keeps_the_last_one(ca
             >= len(set(asks))
         assert st_["evictions"]["plans"] == len(asks) - st_["memory_hits"] - len(runtime._entries)
     finally:
-        runtime._build, runtime._resolve_device, _bounded._max = saved
+        runtime._build, runtime._resolve_device, bounded._max = saved
         runtime.clear()
 
 
@@ -203,21 +203,21 @@ def test_any_sequence_of_requests_stays_within_the_cap_and_keeps_the_last_one(ca
 @settings(max_examples=100, deadline=None, derandomize=True)
 @given(cap_=st.integers(1, 20), keys=st.lists(st.integers(0, 40), max_size=120))
 def test_a_table_keeps_at_most_the_cap_the_newest_added_and_counts_the_rest(cap_, keys):
-    saved = _bounded._max
-    _bounded._max = cap_
-    _bounded.reset()
+    saved = bounded._max
+    bounded._max = cap_
+    bounded.reset()
     try:
-        t = _bounded.Table("arrays")
+        t = bounded.Table("arrays")
         for k in keys:
             if t.get(k) is None:
                 t.keep(k, str(k))
             assert len(t) <= cap_ and t[k] == str(k)
         held, adds = _fifo_model(keys, cap_)
         assert list(t) == held
-        assert _bounded.evictions()["arrays"] == adds - len(t)
+        assert bounded.evictions()["arrays"] == adds - len(t)
     finally:
-        _bounded._max = saved
-        _bounded.reset()
+        bounded._max = saved
+        bounded.reset()
 
 
 def _fifo_model(keys: list[int], cap_: int) -> tuple[list[int], int]:
@@ -258,22 +258,22 @@ def test_warnings_are_bounded_and_reasons_past_the_cap_share_one_row(env, cap, c
             runtime.count_fallback("transformers", f"reason {i}")
             runtime.count_fallback("transformers", f"reason {i}")
     fallbacks = fastattn.stats()["fallbacks"]["transformers"]
-    assert fallbacks == {"reason 0": 2, "reason 1": 2, "reason 2": 2, _bounded.OTHER_REASONS: 14}
+    assert fallbacks == {"reason 0": 2, "reason 1": 2, "reason 2": 2, bounded.OTHER_REASONS: 14}
     assert len(runtime._warned) <= 3 and fastattn.stats()["evictions"]["warnings"] > 0
     assert caplog.text.count("reason 9") == 1  # each still logged once while it is remembered
 
 
 def test_the_cap_is_read_once_through_the_settings_parser(monkeypatch):
-    monkeypatch.setattr(_bounded, "_max", None)
+    monkeypatch.setattr(bounded, "_max", None)
     monkeypatch.setenv("FASTATTN_MEMORY_MAX_ENTRIES", "0")
     with pytest.raises(fastattn.InvalidArgumentError, match=r"^FASTATTN_MEMORY_MAX_ENTRIES='0': a table of 0"):
-        _bounded.max_entries()
+        bounded.max_entries()
     with pytest.raises(fastattn.InvalidArgumentError, match=r"^FASTATTN_MEMORY_MAX_ENTRIES='0'"):
         fastattn.probe(cfg(64))  # before any library or table is touched
     monkeypatch.setenv("FASTATTN_MEMORY_MAX_ENTRIES", "12")
-    assert _bounded.max_entries() == 12
+    assert bounded.max_entries() == 12
     monkeypatch.setenv("FASTATTN_MEMORY_MAX_ENTRIES", "99")
-    assert _bounded.max_entries() == 12  # once per process
-    monkeypatch.setattr(_bounded, "_max", None)
+    assert bounded.max_entries() == 12  # once per process
+    monkeypatch.setattr(bounded, "_max", None)
     monkeypatch.delenv("FASTATTN_MEMORY_MAX_ENTRIES")
-    assert _bounded.max_entries() == 4096
+    assert bounded.max_entries() == 4096

@@ -28,6 +28,9 @@ recorded configs, warnings) drop the oldest-added eighth: an entry of theirs is 
 at its next use for the cost of one small tensor fill or one line, so their hits stay
 plain dict lookups. Counters keyed by a reason (which may quote a shape) are bounded as
 well: past the cap, a new reason is counted under OTHER_REASONS.
+
+Public, as fastattn.env is: fastattn.torch and the integrations (other packages) bound
+their tables with it.
 """
 
 from __future__ import annotations
@@ -38,8 +41,8 @@ from typing import Any, Callable, Hashable, Iterable
 
 from . import env
 
-__all__ = ["NAMES", "OTHER_REASONS", "max_entries", "evicted", "evictions", "add_source", "reset", "least_used",
-           "Table", "count_reason"]
+__all__ = ["NAMES", "OTHER_REASONS", "max_entries", "trim_to", "evicted", "evictions", "add_source", "reset",
+           "least_used", "Table", "count_reason"]
 
 NAMES = ("plans", "torch_calls", "native_calls", "sdpa_routes", "arrays", "class_refusals", "recorded", "warnings")
 OTHER_REASONS = ("other reasons (more distinct reasons than FASTATTN_MEMORY_MAX_ENTRIES: each further one is "
@@ -48,8 +51,9 @@ OTHER_REASONS = ("other reasons (more distinct reasons than FASTATTN_MEMORY_MAX_
 _lock = threading.Lock()
 _max: int | None = None  # FASTATTN_MEMORY_MAX_ENTRIES, once read
 _counts = dict.fromkeys(NAMES, 0)
-# Counts kept elsewhere (the op library's C++ tables): name -> (read, reset).
-_sources: dict[str, tuple[Callable[[], int], Callable[[], None]]] = {}
+# Counts kept elsewhere: who keeps them (the op library, for its C++ tables) -> (read:
+# {name: count}, reset).
+_sources: dict[str, tuple[Callable[[], dict[str, int]], Callable[[], None]]] = {}
 
 
 def max_entries() -> int:
@@ -75,17 +79,19 @@ def evicted(name: str, n: int) -> None:
             _counts[name] += n
 
 
-def add_source(name: str, read: Callable[[], int], reset: Callable[[], None]) -> None:
-    """Adds read() to table `name`'s count in evictions(); reset() zeroes it (reset())."""
-    _sources[name] = (read, reset)
+def add_source(keeper: str, read: Callable[[], dict[str, int]], reset: Callable[[], None]) -> None:
+    """Adds read()'s counts ({name: count}, names of NAMES) to evictions(); reset() zeroes
+    them (reset()). One source per keeper: a second replaces the first."""
+    _sources[keeper] = (read, reset)
 
 
 def evictions() -> dict[str, int]:
     """Entries each table has dropped since the process started or clear() (fastattn.stats()["evictions"])."""
     with _lock:
         out = dict(_counts)
-    for name, (read, _) in list(_sources.items()):
-        out[name] += read()
+    for read, _ in list(_sources.values()):
+        for name, n in read().items():
+            out[name] += n
     return out
 
 
@@ -106,23 +112,28 @@ def least_used(stamps: Iterable[tuple[Hashable, Any]], n: int) -> list[Hashable]
 class Table(dict):
     """A dict whose keep() drops the oldest-added eighth past the cap, counted under
     `name`: for values remade cheaply at their next use (see the module's doc). Read it
-    as a dict (get); write it through keep(), under the owner's lock where threads share it."""
+    as a dict (get, in), without a lock; write it only through keep() (or clear())."""
 
-    __slots__ = ("name",)
+    __slots__ = ("_lock", "name")
 
     def __init__(self, name: str):
         super().__init__()
         self.name = name
+        self._lock = threading.Lock()  # (keeps are serialized: a trim iterates the dict)
 
     def keep(self, key: Hashable, value: Any) -> Any:
         """Sets key to value, first dropping the oldest-added entries past the cap; returns value."""
-        drop = trim_to(len(self) + (key not in self))
-        if drop:
-            # (the oldest first: a dict keeps its insertion order)
-            for old in [k for k, _ in zip(self, range(drop))]:
-                self.pop(old, None)
-            evicted(self.name, drop)
-        self[key] = value
+        max_entries()  # (read before the lock: a bad value raises before anything changes)
+        with self._lock:
+            drop = trim_to(len(self) + (key not in self))
+            if drop:
+                # (the oldest first: a dict keeps its insertion order)
+                dropped = [(k, self.pop(k)) for k in [k for k, _ in zip(self, range(drop))]]
+                evicted(self.name, drop)
+            else:
+                dropped = None
+            self[key] = value
+        del dropped  # (released after the lock)
         return value
 
 
