@@ -17,10 +17,10 @@ The tables, by their names in fastattn.stats()["evictions"]:
 
 Plans, calls and routes are dropped least recently used first, in batches of an eighth of
 the cap, so that a table past its cap is trimmed once per cap / 8 new entries. A hit
-stamps its entry with the table's clock, which the table's inserts advance (a hit stores
-an int it reads: no lock, no hashing beyond the lookup's own), and a trim drops the
-entries of the oldest stamps: entries not used since any of the newer inserts go first,
-and a shape used between every two inserts (a hot shape) is never among them. Dropping
+stamps its entry with the table's clock, which only the table's inserts advance (tick: a
+hit stores an int it reads, no lock, no hashing beyond the lookup's own), and a trim
+drops the entries of the oldest stamps: entries not used since any of the newer inserts
+go first, and a shape used between every two inserts (a hot shape) is never among them. Dropping
 only drops the table's reference: a plan in use (by a thread, a kept Cached, a captured
 CUDA graph) stays valid, and a dropped one is asked of the runtime again at its next
 call (memory, the persistent cache, a build). The other tables (arrays, refusals,
@@ -41,8 +41,8 @@ from typing import Any, Callable, Hashable, Iterable
 
 from . import env
 
-__all__ = ["NAMES", "OTHER_REASONS", "max_entries", "trim_to", "evicted", "evictions", "add_source", "reset",
-           "least_used", "Table", "count_reason"]
+__all__ = ["NAMES", "OTHER_REASONS", "max_entries", "trim_to", "tick", "evicted", "evictions", "add_source",
+           "reset", "least_used", "Table", "count_reason"]
 
 NAMES = ("plans", "torch_calls", "native_calls", "sdpa_routes", "arrays", "class_refusals", "recorded", "warnings")
 OTHER_REASONS = ("other reasons (more distinct reasons than FASTATTN_MEMORY_MAX_ENTRIES: each further one is "
@@ -70,6 +70,14 @@ def trim_to(size: int) -> int:
     down to the cap less an eighth (at least one)."""
     cap = max_entries()
     return 0 if size <= cap else size - (cap - cap // 8)
+
+
+def tick(clock: list[int]) -> int:
+    """An insert's stamp, the table's clock (clock[0]) advanced: by two, the stamp between,
+    so that an entry hit after this insert (stamped clock[0]) is later than the entry
+    inserted, and one hit before it earlier. Call under the table's write lock."""
+    clock[0] += 2
+    return clock[0] - 1
 
 
 def evicted(name: str, n: int) -> None:

@@ -64,7 +64,7 @@ class _Entry:
 _lock = threading.Lock()
 # At most FASTATTN_MEMORY_MAX_ENTRIES (fastattn.bounded): _keep adds an entry and trims.
 _entries: dict[tuple[AttentionConfig, int], _Entry] = {}
-_clock = 0  # advanced by every entry _keep adds; a use stamps its entry with it
+_clock = [0]  # advanced by every entry _keep adds (bounded.tick); a use stamps its entry with _clock[0]
 # Bumped by clear(): a load ahead of use that began before it keeps nothing it loads.
 _generation = 0
 _COUNTERS = {
@@ -273,7 +273,7 @@ def _lookup(config: Any, device: int | None, refresh: bool = False, ahead: bool 
                 entry = _Entry()
                 dropped = _keep(key, entry)
             else:
-                entry.used = _clock
+                entry.used = _clock[0]
         if owner or not _waited_in_vain(entry):
             break
     del dropped  # (their plans released outside the lock)
@@ -309,9 +309,7 @@ def _keep(key: tuple[AttentionConfig, int], entry: _Entry) -> list[_Entry]:
     which others may be waiting for) and returned, for the caller to release after the
     lock. A dropped plan stays valid where it is held (a thread, fastattn.torch's
     tables, a captured CUDA graph); its next request loads it again."""
-    global _clock
-    _clock += 1
-    entry.used = _clock
+    entry.used = bounded.tick(_clock)
     _entries[key] = entry
     drop = bounded.trim_to(len(_entries))
     if not drop:
@@ -495,7 +493,7 @@ def planned(config: ConfigLike, *, device: int | None = None, wait: bool = False
     with _lock:
         entry = _entries.get((config, _resolve_device(device)))
         if entry is not None:
-            entry.used = _clock
+            entry.used = _clock[0]
     if entry is not None and wait:
         entry.done.wait()
     if entry is None or not entry.done.is_set() or entry.error is not None or entry.abandoned:

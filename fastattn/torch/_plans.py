@@ -30,8 +30,8 @@ FP8 = dtypes.torch_dtypes(torch, dtypes.FP8_DTYPES)
 # (config, device) once while the other waits; the second insert replaces an equal entry.
 # At most FASTATTN_MEMORY_MAX_ENTRIES (fastattn.bounded): past it remember() drops the
 # least recently used eighth. A hit stamps its Cached with CLOCK[0], which each insert
-# advances: the dropped are the entries unused since the oldest inserts, never one used
-# between every two (a hot shape). Dropping only drops the table's reference: a Cached a
+# advances (bounded.tick): the dropped are the entries unused since the oldest inserts,
+# never one used between every two (a hot shape). Dropping only drops the table's reference: a Cached a
 # call holds, and the plan in it, stay valid (and a CUDA graph that captured the plan
 # replays without it).
 plans: dict[tuple, Cached] = {}
@@ -111,8 +111,7 @@ def keep(key: tuple, hit: Cached) -> None:
     (counted: stats()["evictions"]["torch_calls"]). Inside a CUDA-graph capture too: a
     drop makes no CUDA call."""
     with _plans_lock:
-        CLOCK[0] += 1
-        hit.used = CLOCK[0]
+        hit.used = bounded.tick(CLOCK)
         plans[key] = hit
         drop = bounded.trim_to(len(plans))
         if drop:

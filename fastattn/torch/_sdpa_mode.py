@@ -94,7 +94,7 @@ _state: _State | None = None
 # it (fastattn.bounded). Read without a lock, written under _routes_lock.
 _routes: dict[tuple, list] = {}
 _routes_lock = threading.Lock()
-_clock = [0]  # advanced by each route kept; a hit stamps its route with it
+_clock = [0]  # advanced by each route kept (bounded.tick); a hit stamps its route with _clock[0]
 # The Python kernels' forward calls (fastattn.stats()["sdpa"]): None counts the served
 # ones, a reason the ones PyTorch's kernels ran; and the op library whose C++ kernels the
 # mode registered, which counts its own (csrc/sdpa.cpp).
@@ -345,8 +345,7 @@ def _keep(key: tuple, route: _Route | str) -> None:
     as well, past the cap's worth of other shapes since."""
     bounded.max_entries()  # (read before the lock: a bad value raises before anything changes)
     with _routes_lock:
-        _clock[0] += 1
-        _routes[key] = [route, _clock[0]]
+        _routes[key] = [route, bounded.tick(_clock)]
         drop = bounded.trim_to(len(_routes))
         if drop:
             for old in bounded.least_used(((k, kept[1]) for k, kept in _routes.items()), drop):
