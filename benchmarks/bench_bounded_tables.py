@@ -10,8 +10,8 @@ shape (1, --hot-len, 2, 64) is called between every two new shapes, as a server'
 shape is. On the path fastattn.torch takes (--path; the native op library where `fastattn
 warm` built it).
 
-Plans (--plans). A distinct shape is a distinct plan: cuDNN builds one in ~80 ms, so
-100,000 builds would take about 2 hours, and the cache would hold 100,000 entries.
+Plans (--plans). A distinct shape is a distinct plan: cuDNN builds one in tens of
+milliseconds, so 100,000 builds would take hours, and the cache would hold 100,000 entries.
 - stand-in (default): the runtime's build step is replaced, in this process, by a fresh
   deserialization of one real plan, built once for the smallest shape (1 x 1 where cuDNN
   takes it). Everything else runs as for a real new shape: fastattn.torch's key and
@@ -22,9 +22,12 @@ Plans (--plans). A distinct shape is a distinct plan: cuDNN builds one in ~80 ms
   1: memory-safe), so those outputs are not their shapes' attention; nothing reads them.
   The hot shape's plan is its own, built for real. (That the outputs are right past the
   cap, with real plans: tests/pytorch/test_torch_bounded_gpu.py.)
-- real: every shape built by cuDNN, into a fresh cache directory (~80 ms a shape: use
-  --shapes 2000 or so).
-Either way the process stops adding shapes after --max-seconds (default 480, within a
+  A deserialization takes ~3-5 ms (docs/history/benchmarks-log.md), most of a new shape's
+  time here.
+- shared: the same, but every new config's entry holds the one stand-in plan itself (no
+  deserialization): the tables' own memory and time alone, ~100,000 shapes in minutes.
+- real: every shape built by cuDNN, into a fresh cache directory (use --shapes 2000 or so).
+Each way the process stops adding shapes after --max-seconds (default 480, within a
 device command's 10 minutes) and reports how many it saw.
 
 Recorded: the host's resident memory (VmRSS of /proc/self/status) and the tables' sizes
@@ -37,7 +40,8 @@ of the run (bounded: about 0 MB), and the hot call's host time end / start (stea
 For the unbounded picture, run it with --max-entries 2147483647 (and fewer --shapes: the
 tables then keep every plan).
 
-    python benchmarks/bench_bounded_tables.py [--json out.json] [--shapes N] [--max-entries N] [--plans stand-in|real]
+    python benchmarks/bench_bounded_tables.py [--json out.json] [--shapes N] [--max-entries N]
+                                              [--plans stand-in|shared|real]
 """
 
 from __future__ import annotations
@@ -96,7 +100,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--shapes", type=int, default=100_000, help="distinct shapes (default 100000)")
     ap.add_argument("--max-entries", type=int, default=4096, help="FASTATTN_MEMORY_MAX_ENTRIES (default 4096)")
-    ap.add_argument("--plans", choices=("stand-in", "real"), default="stand-in", help="see the doc (default stand-in)")
+    ap.add_argument("--plans", choices=("stand-in", "shared", "real"), default="stand-in",
+                    help="see the doc (default stand-in)")
     ap.add_argument("--path", choices=("auto", "native", "python"), default="auto", help="FASTATTN_TORCH_PATH")
     ap.add_argument("--hot-len", type=int, default=128, help="the hot shape's length (default 128)")
     ap.add_argument("--every", type=int, default=1000, help="record RSS every this many shapes (default 1000)")
@@ -163,7 +168,7 @@ def main(argv=None) -> int:
     hot_config = config(args.hot_len, args.hot_len)
     smallest = SMALLEST[0]
     loads = [0]
-    if args.plans == "stand-in":
+    if args.plans in ("stand-in", "shared"):
         smallest = next((s for s in SMALLEST if fastattn.probe(config(s, s)).supported), None)
         if smallest is None:
             print(f"bench_bounded_tables.py: cuDNN takes none of the lengths {SMALLEST} for the stand-in plan",
@@ -176,6 +181,8 @@ def main(argv=None) -> int:
         def build(cfg, device, refresh=False, touch=True):
             if cfg.layout == hot_config.layout and cfg.seqlen_q == cfg.seqlen_kv == args.hot_len:
                 return real_build(cfg, device, refresh, touch)  # the hot shape's own plan
+            if args.plans == "shared":
+                return stand_in, runtime.result_from_plan(cfg, device, stand_in, 0.0, "built")
             loads[0] += 1
             p = core.load_plan(stand_in.config, device, blobs[0], blobs[1])
             return p, runtime.result_from_plan(cfg, device, p, 0.0, "built")
