@@ -36,7 +36,9 @@ their tables with it.
 from __future__ import annotations
 
 import heapq
+import os
 import threading
+import weakref
 from typing import Any, Callable, Hashable, Iterable
 
 from . import env
@@ -122,12 +124,13 @@ class Table(dict):
     `name`: for values remade cheaply at their next use (see the module's doc). Read it
     as a dict (get, in), without a lock; write it only through keep() (or clear())."""
 
-    __slots__ = ("_lock", "name")
+    __slots__ = ("__weakref__", "_lock", "name")
 
     def __init__(self, name: str):
         super().__init__()
         self.name = name
         self._lock = threading.Lock()  # (keeps are serialized: a trim iterates the dict)
+        _tables[id(self)] = self
 
     def keep(self, key: Hashable, value: Any) -> Any:
         """Sets key to value, first dropping the oldest-added entries past the cap; returns value."""
@@ -143,6 +146,23 @@ class Table(dict):
             self[key] = value
         del dropped  # (released after the lock)
         return value
+
+
+# Every Table (by id: a dict is not hashable), for the fork handler below.
+_tables: weakref.WeakValueDictionary[int, Table] = weakref.WeakValueDictionary()
+
+
+def _after_fork_in_child() -> None:
+    # The child has only the forking thread: a lock another thread held at the fork would
+    # never be released there.
+    global _lock
+    _lock = threading.Lock()
+    for table in list(_tables.values()):
+        table._lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def count_reason(counts: dict[str, int], reason: str, n: int = 1) -> None:

@@ -278,3 +278,53 @@ def test_the_cap_is_read_once_through_the_settings_parser(monkeypatch):
     monkeypatch.setattr(bounded, "_max", None)
     monkeypatch.delenv("FASTATTN_MEMORY_MAX_ENTRIES")
     assert bounded.max_entries() == 4096
+
+
+def test_a_bad_cap_fails_fastattn_torch_at_import_and_the_command_with_exit_2(tmp_path, capsys, monkeypatch):
+    import os
+    import subprocess
+    import sys
+
+    from fastattn import cli
+    from helpers.paths import ROOT
+
+    pytest.importorskip("torch", reason="PyTorch is an optional extra")
+    code = "try:\n    import fastattn.torch\nexcept ValueError as e:\n    print(type(e).__name__, e)\n"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                       env={**os.environ, "FASTATTN_MEMORY_MAX_ENTRIES": "lots",
+                            "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("InvalidArgumentError FASTATTN_MEMORY_MAX_ENTRIES='lots': must be an integer"), r.stdout
+    monkeypatch.setenv("FASTATTN_MEMORY_MAX_ENTRIES", "-3")
+    assert cli.main(["info", "--json"]) == cli.EXIT_BAD_INPUT
+    assert "FASTATTN_MEMORY_MAX_ENTRIES='-3': is negative" in capsys.readouterr().out
+
+
+def test_info_says_the_cap(monkeypatch, capsys):
+    import json
+
+    from fastattn import cli
+
+    monkeypatch.setattr(bounded, "_max", 77)
+    assert cli.main(["info", "--json"]) == cli.EXIT_OK
+    body = json.loads(capsys.readouterr().out)
+    assert body["memory"] == {"max_entries": 77} and set(body["stats"]["evictions"]) == set(bounded.NAMES)
+
+
+def test_a_table_whose_lock_another_thread_held_keeps_in_a_forked_child():
+    import os
+
+    t = bounded.Table("arrays")
+    t._lock.acquire()  # (as another thread's keep at the moment of the fork)
+    try:
+        pid = os.fork()
+        if pid == 0:
+            try:
+                t.keep("k", 1)
+                os._exit(0 if t == {"k": 1} else 1)
+            finally:
+                os._exit(2)
+        _, status = os.waitpid(pid, 0)
+    finally:
+        t._lock.release()
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
