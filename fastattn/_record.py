@@ -11,8 +11,8 @@ The file is JSON Lines: each distinct config this process asked for (runtime's f
 request for it: a build, a load or a refusal, memory hits never), as its canonical
 JSON, one a line. The configs written are remembered up to FASTATTN_MEMORY_MAX_ENTRIES
 (fastattn.bounded): one asked for again after it was forgotten is written again, which
-`fastattn warm FILE` reads as one. Appended with one write(2) each on a descriptor opened O_APPEND, so
-processes recording into one file interleave whole lines. Recording never fails a
+`fastattn warm FILE` reads as one. Appended with one write(2) each on a descriptor
+opened O_APPEND, so processes recording into one file interleave whole lines. Recording never fails a
 call: a file that cannot be written warns once (RuntimeWarning) and this process
 records nothing more into it.
 """

@@ -305,8 +305,8 @@ _TABLE = (
        "(fastattn/bounded.py lists them): the runtime's plans per config, fastattn.torch's plans per call signature "
        "(its Python table and the op library's C++ one), the SDPA mode's routes, kept length arrays; past it a table "
        "drops an eighth of its entries, the least recently used first, counted in `fastattn.stats()['evictions']`. "
-       "A dropped plan is loaded again (memory, cache) at its next call; one in use, or captured in a CUDA graph, stays "
-       "valid. Read once per process, at its first use (0 is refused: a table of 0 entries keeps nothing)",
+       "A dropped plan is loaded again (memory, cache) at its next call; one in use, or captured in a CUDA graph, "
+       "stays valid. Read once per process, at its first use (0 is refused: a table of 0 entries keeps nothing)",
        zero="a table of 0 entries keeps nothing, so every call would load its plan again: write a number >= 1"),
     # The test suite.
     _V("FASTATTN_REQUIRE_GPU", "bool", False, "GPU tests fail instead of skipping when no GPU is usable (set by "

@@ -31,9 +31,9 @@ FP8 = dtypes.torch_dtypes(torch, dtypes.FP8_DTYPES)
 # At most FASTATTN_MEMORY_MAX_ENTRIES (fastattn.bounded): past it remember() drops the
 # least recently used eighth. A hit stamps its Cached with CLOCK[0], which each insert
 # advances (bounded.tick): the dropped are the entries unused since the oldest inserts,
-# never one used between every two (a hot shape). Dropping only drops the table's reference: a Cached a
-# call holds, and the plan in it, stay valid (and a CUDA graph that captured the plan
-# replays without it).
+# never one used between every two (a hot shape). Dropping only drops the table's
+# reference: a Cached a call holds, and the plan in it, stay valid (and a CUDA graph that
+# captured the plan replays without it).
 plans: dict[tuple, Cached] = {}
 CLOCK = [0]
 _plans_lock = threading.Lock()

@@ -193,7 +193,8 @@ def sdpa_enabled() -> bool:
 def sdpa_routes() -> dict[tuple, str]:
     """What the mode decided per call signature so far: "fastattn (<layout>)" or the
     reason PyTorch's kernels run it (for `fastattn info`-style introspection and tests)."""
-    return {key: (f"fastattn ({r.layout})" if isinstance(r, _Route) else r) for key, (r, _) in list(_routes.items())}
+    return {key: (f"fastattn ({r.layout})" if isinstance(r, _Route) else r)
+            for key, (r, _) in list(_routes.items())}
 
 
 def sdpa_calls() -> dict:
