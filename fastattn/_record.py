@@ -9,8 +9,10 @@ workload once with FASTATTN_RECORD=FILE (in staging, or a test suite), then
 
 The file is JSON Lines: each distinct config this process asked for (runtime's first
 request for it: a build, a load or a refusal, memory hits never), as its canonical
-JSON, one a line. Appended with one write(2) each on a descriptor opened O_APPEND, so
-processes recording into one file interleave whole lines. Recording never fails a
+JSON, one a line. The configs written are remembered up to FASTATTN_MEMORY_MAX_ENTRIES
+(fastattn.bounded): one asked for again after it was forgotten is written again, which
+`fastattn warm FILE` reads as one. Appended with one write(2) each on a descriptor
+opened O_APPEND, so processes recording into one file interleave whole lines. Recording never fails a
 call: a file that cannot be written warns once (RuntimeWarning) and this process
 records nothing more into it.
 """
@@ -21,12 +23,12 @@ import os
 import threading
 import warnings
 
-from . import env
+from . import bounded, env
 from .config import AttentionConfig
 from .files import shown
 
 _lock = threading.Lock()
-_seen: set[tuple[str, AttentionConfig]] = set()
+_seen = bounded.Table("recorded")  # (path, config) -> True: written already
 _files: dict[str, int | None] = {}  # path -> its descriptor; None: it failed, recording into it stopped
 
 
@@ -36,6 +38,7 @@ def note(config: AttentionConfig) -> None:
     path = env.get("FASTATTN_RECORD")
     if not path:
         return
+    bounded.max_entries()  # (read before the lock: a bad value raises before anything changes)
     with _lock:
         if (path, config) in _seen:
             return
@@ -44,7 +47,7 @@ def note(config: AttentionConfig) -> None:
             fd = _files[path] = _open(path)
         if fd is None:
             return
-        _seen.add((path, config))
+        _seen.keep((path, config), True)
         line = (config.to_json() + "\n").encode()
         try:
             written = os.write(fd, line)

@@ -20,10 +20,11 @@ One rule per kind, the same for every variable of that kind:
   timers, redis-py's among them);
 - size: bytes, an integer, or a number with a K, M, G or T suffix (powers of 1024),
   below 8 EiB; `none` (no limit) where the variable says so;
+- count: an integer, at most MAX_COUNT;
 - 0 is zero in every numeric variable, never "no limit": where zero would make a
-  setting empty something (a cache that keeps nothing), it is refused, naming what to
-  write instead;
-- numbers (seconds, size, a URL's database, classes) are ASCII digits: Python's int()
+  setting empty something (a cache or a table that keeps nothing), it is refused,
+  naming what to write instead;
+- numbers (seconds, size, count, a URL's database, classes) are ASCII digits: Python's int()
   and float() also take other scripts' digits (١٢) and underscores (1_000), which no
   other program reading the same environment would;
 - url: a Redis URL, checked up front (scheme, host, port, database);
@@ -54,6 +55,7 @@ FALSE = ("0", "false", "no", "off")
 _PORTS = (1, 65535)
 _INT32 = 2**31
 MAX_SECONDS = 1e6  # every "seconds" variable's largest value (see the module's doc)
+MAX_COUNT = 2**31 - 1  # every "count" variable's largest value, as the command's count flags (cli._common.INT_MAX)
 
 
 @dataclass(frozen=True)
@@ -74,7 +76,7 @@ class Var:
     above: bool = False
     scope: str = "runtime"
     unlimited: bool = False  # size: `none` is taken, as no limit
-    zero: str = ""  # size: why 0 is refused here (what to write instead), where zero would empty something
+    zero: str = ""  # size, count: why 0 is refused here (what to write instead), where zero would empty something
 
 
 def _bad(var: Var, raw: str, why: str) -> InvalidArgumentError:
@@ -113,6 +115,16 @@ def _size(var: Var, raw: str) -> int | None:
         return None
     try:
         value = parsing.size(raw)
+    except ValueError as e:
+        raise _bad(var, raw, str(e)) from None
+    if value == 0 and var.zero:
+        raise _bad(var, raw, var.zero)
+    return value
+
+
+def _count(var: Var, raw: str) -> int:
+    try:
+        value = parsing.integer(raw, 0, MAX_COUNT)
     except ValueError as e:
         raise _bad(var, raw, str(e)) from None
     if value == 0 and var.zero:
@@ -203,13 +215,13 @@ def _url(var: Var, raw: str) -> str:
 
 
 _PARSERS: dict[str, Callable[[Var, str], Any]] = {
-    "bool": _bool, "choice": _choice, "seconds": _seconds, "size": _size, "path": _path, "paths": _paths,
-    "text": _text, "secret": _secret, "url": _url, "classes": _classes,
+    "bool": _bool, "choice": _choice, "seconds": _seconds, "size": _size, "count": _count, "path": _path,
+    "paths": _paths, "text": _text, "secret": _secret, "url": _url, "classes": _classes,
 }
 # How docs/ENVIRONMENT.md names each kind's values.
 _KIND_TEXT = {"bool": "boolean",
               "seconds": f"a duration (90s, 5m; a bare number is seconds; at most {MAX_SECONDS:.0f} s)",
-              "size": "bytes (500M, 4G)",
+              "size": "bytes (500M, 4G)", "count": f"an integer (at most {MAX_COUNT})",
               "path": "path", "paths": "paths, `:`-separated", "text": "text", "secret": "secret text", "url": "Redis URL",
               "classes": "`auto` / `off` / lengths, `,`-separated"}
 
@@ -288,6 +300,14 @@ _TABLE = (
        "is imported", "`off`"),
     _V("FASTATTN_TORCH_OPS_DIR", "path", None, "where fastattn.torch's op library is built and found",
        "`torch-ops/` in the cache directory"),
+    # The in-memory tables (fastattn.bounded).
+    _V("FASTATTN_MEMORY_MAX_ENTRIES", "count", 4096, "the most entries each in-memory table keyed by shape holds "
+       "(fastattn/bounded.py lists them): the runtime's plans per config, fastattn.torch's plans per call signature "
+       "(its Python table and the op library's C++ one), the SDPA mode's routes, kept length arrays; past it a table "
+       "drops an eighth of its entries, the least recently used first, counted in `fastattn.stats()['evictions']`. "
+       "A dropped plan is loaded again (memory, cache) at its next call; one in use, or captured in a CUDA graph, "
+       "stays valid. Read once per process, at its first use (0 is refused: a table of 0 entries keeps nothing)",
+       zero="a table of 0 entries keeps nothing, so every call would load its plan again: write a number >= 1"),
     # The test suite.
     _V("FASTATTN_REQUIRE_GPU", "bool", False, "GPU tests fail instead of skipping when no GPU is usable (set by "
        "`tools/gpu_run.sh`)", scope="tests"),

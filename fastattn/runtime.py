@@ -25,7 +25,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Literal, Mapping, Union, overload
 
-from . import _record, defects, store
+from . import _record, bounded, defects, store
 from ._version import __version__
 from ._fields import check, show
 from .config import AttentionConfig
@@ -58,10 +58,13 @@ class _Entry:
     # A load ahead of use (load_ahead) that found nothing to load: never an answer. Whoever
     # waited for it asks again, as the first asker (builds it, or finds it built meanwhile).
     abandoned: bool = False
+    used: int = 0  # _clock at its last use: the least used go first past the cap (_keep)
 
 
 _lock = threading.Lock()
+# At most FASTATTN_MEMORY_MAX_ENTRIES (fastattn.bounded): _keep adds an entry and trims.
 _entries: dict[tuple[AttentionConfig, int], _Entry] = {}
+_clock = [0]  # advanced by every entry _keep adds (bounded.tick); a use stamps its entry with _clock[0]
 # Bumped by clear(): a load ahead of use that began before it keeps nothing it loads.
 _generation = 0
 _COUNTERS = {
@@ -84,7 +87,7 @@ _counters = dict(_COUNTERS)
 # Calls an integration ran outside fastattn's kernels (its PyTorch fallback), by integration
 # and reason: what stats() reports under "fallbacks".
 _fallbacks: dict[str, dict[str, int]] = {}
-_warned: set[str] = set()  # the messages warn_once gave
+_warned = bounded.Table("warnings")  # the messages warn_once gave
 _log = logging.getLogger("fastattn")
 _cache: PlanCache | None = None
 # What runs a plan against the reference: fastattn.verify.verify_plan(plan, config,
@@ -120,9 +123,11 @@ def warn_once(message: str) -> None:
     """A warning of the "fastattn" logger, the first time this message is given (until
     clear()): for what happens call after call (a fallback, a reason the SDPA mode stands
     aside), which must never be silent and must never flood a log."""
+    bounded.max_entries()  # (read outside the lock: a bad value raises before anything changes)
     with _lock:
         first = message not in _warned
-        _warned.add(message)
+        if first:
+            _warned.keep(message, True)
     if first:
         _log.warning("%s", message)
 
@@ -133,13 +138,13 @@ def count_fallback(integration: str, reason: str) -> None:
     Counted in stats()'s "fallbacks" under the reason's first line, with the names of
     the known cuDNN gaps it notes (fastattn.defects.GAPS); the first call of each
     reason is logged (warn_once)."""
+    bounded.max_entries()  # (as warn_once)
     lines = reason.split("\n")
     gaps = [ln.split(":", 1)[0].removeprefix("known cuDNN gap ") for ln in lines[1:]
             if ln.startswith("known cuDNN gap ")]
     reason = lines[0].rstrip() + "".join(f" (known cuDNN gap {g})" for g in gaps)
     with _lock:
-        reasons = _fallbacks.setdefault(integration, {})
-        reasons[reason] = reasons.get(reason, 0) + 1
+        bounded.count_reason(_fallbacks.setdefault(integration, {}), reason)
     warn_once(f"fastattn.integrations.{integration}: a call runs outside fastattn's kernels (counted in "
               f"fastattn.stats()['fallbacks']): {reason}")
 
@@ -268,8 +273,10 @@ def _lookup(config: Any, device: int | None, refresh: bool = False, ahead: bool 
     Returns (entry, came_from_memory). ahead=True: a load ahead of use (preload), which
     leaves the record and the entry's last use to the first call that uses it."""
     config = AttentionConfig.coerce(config)
+    bounded.max_entries()  # (read first: a bad value raises before any library loads or anything changes)
     device = _resolve_device(device)
     key = (config, device)
+    dropped: list[_Entry] = []
     while True:
         with _lock:
             entry = _entries.get(key)
@@ -277,9 +284,13 @@ def _lookup(config: Any, device: int | None, refresh: bool = False, ahead: bool 
                 entry = None  # a fresh answer was asked for: replace the settled one
             owner = entry is None
             if owner:
-                entry = _entries[key] = _Entry()
+                entry = _Entry()
+                dropped = _keep(key, entry)
+            else:
+                entry.used = _clock[0]
         if owner or not _waited_in_vain(entry):
             break
+    del dropped  # (their plans released outside the lock)
     if owner:
         entry.ahead = ahead
         try:
@@ -306,6 +317,22 @@ def _lookup(config: Any, device: int | None, refresh: bool = False, ahead: bool 
     return entry, True
 
 
+def _keep(key: tuple[AttentionConfig, int], entry: _Entry) -> list[_Entry]:
+    """Under _lock: entry kept under key, used now; past the cap (fastattn.bounded) the
+    least recently used settled entries are dropped (one in flight is some thread's work,
+    which others may be waiting for) and returned, for the caller to release after the
+    lock. A dropped plan stays valid where it is held (a thread, fastattn.torch's
+    tables, a captured CUDA graph); its next request loads it again."""
+    entry.used = bounded.tick(_clock)
+    _entries[key] = entry
+    drop = bounded.trim_to(len(_entries))
+    if not drop:
+        return []
+    victims = bounded.least_used(((k, e.used) for k, e in _entries.items() if e.done.is_set()), drop)
+    bounded.evicted("plans", len(victims))
+    return [_entries.pop(k) for k in victims]
+
+
 def _waited_in_vain(entry: _Entry) -> bool:
     """Waits for another thread's work on `entry`; True when that was a load ahead of
     use that found nothing (the caller then asks again)."""
@@ -321,11 +348,14 @@ def load_ahead(config: AttentionConfig, device: int, cache: PlanCache, key: str)
     entry cuDNN will not load, an error), that call goes on as if it had asked first.
     Returns whether a plan or a refusal is now held for it; False also where one was
     already held or asked for, or clear() ran meanwhile."""
+    bounded.max_entries()  # (as _lookup)
     with _lock:
         if (config, device) in _entries:
             return False
-        entry = _entries[(config, device)] = _Entry(ahead=True)
+        entry = _Entry(ahead=True)
+        dropped = _keep((config, device), entry)
         generation = _generation
+    del dropped
     found = None
     try:
         found = cache.lookup(config, device, key, touch=False)
@@ -476,6 +506,8 @@ def planned(config: ConfigLike, *, device: int | None = None, wait: bool = False
     config = AttentionConfig.coerce(config)
     with _lock:
         entry = _entries.get((config, _resolve_device(device)))
+        if entry is not None:
+            entry.used = _clock[0]
     if entry is not None and wait:
         entry.done.wait()
     if entry is None or not entry.done.is_set() or entry.error is not None or entry.abandoned:
@@ -609,9 +641,18 @@ def stats() -> dict[str, float]:
     each integration ran outside fastattn's kernels, by reason ({"transformers": {reason:
     calls}}; empty when none did). "sdpa" (once fastattn.torch is imported): the SDPA mode's
     calls on CUDA while it is on, {"served": calls fastattn ran, "passed_on": {reason: calls
-    PyTorch's kernels ran}}, whichever backend PyTorch would have picked. "warm_up" (once
+    PyTorch's kernels ran}}, whichever backend PyTorch would have picked. (Reasons may
+    quote shapes: past FASTATTN_MEMORY_MAX_ENTRIES of them, each further one is counted
+    under fastattn.bounded.OTHER_REASONS.) "warm_up" (once
     fastattn.torch is imported): the background warm-up's state, devices, plans loaded
-    and seconds, and where it is off, the reason (fastattn/_warm_up.py)."""
+    and seconds, and where it is off, the reason (fastattn/_warm_up.py). "evictions": the
+    entries each in-memory table keyed by shape dropped past FASTATTN_MEMORY_MAX_ENTRIES
+    (fastattn.bounded): {"plans": this registry's plans and refusals, "torch_calls":
+    fastattn.torch's Python table of plans per call signature, "native_calls": the op
+    library's C++ one, "sdpa_routes": the SDPA mode's routes per call signature, "arrays":
+    length and offset arrays kept per shape, "class_refusals": shape-class plans cuDNN
+    refused, "recorded": configs FASTATTN_RECORD wrote, "warnings": messages warn_once
+    gave}; a dropped plan is loaded again when asked for."""
     with _lock:
         out: dict[str, Any] = dict(_counters)
         out["plans"] = sum(1 for e in _entries.values() if e.plan is not None)
@@ -620,6 +661,7 @@ def stats() -> dict[str, float]:
     for name, (read, _) in list(_sources.items()):
         out[name] = read()
     out["cache"] = cache.store.counters() if cache is not None else {}
+    out["evictions"] = bounded.evictions()
     return out
 
 
@@ -637,6 +679,7 @@ def clear() -> None:
         _cache = None
     for _, reset in list(_sources.values()):
         reset()
+    bounded.reset()
 
 
 def _after_fork_in_child() -> None:

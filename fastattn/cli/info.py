@@ -10,7 +10,8 @@ from ._common import EXIT_OK, add_json_flag, integer
 def add_parser(sub) -> None:
     info = sub.add_parser("info", help="GPU, driver, cuDNN, cudnn-frontend and fastattn versions",
                           description="Report fastattn's versions, the cuDNN the first GPU call takes (also without a "
-                          "GPU), the libraries loaded, the GPU, the cache directories and this process's counters. "
+                          "GPU), the libraries loaded, the GPU, the cache directories, the cap of the in-memory tables "
+                          "(FASTATTN_MEMORY_MAX_ENTRIES) and this process's counters (their evictions included). "
                           "Exit codes: 0 reported (without a usable GPU too: the report says why there is none), "
                           "2 bad flags or FASTATTN_* values, 3 fastattn's compiled extension does not load (a source "
                           "tree shadowing the installed package, an unbuilt checkout).")
@@ -19,7 +20,7 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> tuple[int, dict[str, Any]]:
-    from .. import runtime
+    from .. import bounded, runtime
     from ..errors import CudaError, LibraryError
 
     out: dict[str, Any] = {"versions": runtime.versions()}
@@ -43,6 +44,7 @@ def run(args) -> tuple[int, dict[str, Any]]:
     except (LibraryError, CudaError) as e:  # a report of this machine: no GPU is what it says, not a failure
         out["device"] = None
         out["gpu_error"] = str(e)
+    out["memory"] = {"max_entries": bounded.max_entries()}  # (each table keyed by shape; stats' "evictions")
     out["stats"] = runtime.stats()
     out["torch"] = _torch_path()
     if out["device"] is not None:

@@ -15,8 +15,8 @@ from ..config import AttentionConfig, bias_name
 from ..errors import InvalidArgumentError
 from . import _autograd, _native, _options
 from ._plans import check_shapes
-from ._plans import (AXES, DTYPES, Cached, check_qkv_tensors, config_shape, out_shape, plans, raw_stream,
-                     remember, stats_shape, tensor_key, workspace)
+from ._plans import (AXES, CLOCK, DTYPES, Cached, check_qkv_tensors, config_shape, out_shape, plans,
+                     raw_stream, remember, stats_shape, tensor_key, workspace)
 
 
 # attention()'s scalar options (_options.OPS["dense"]): part of the plan key as they are,
@@ -37,6 +37,7 @@ def plan_for(q, k, v, o, seq_len_q, seq_len_kv, bias, sink, options: DenseOption
            None if bias is None and sink is None else (tensor_key(bias), tensor_key(sink)))
     hit = plans.get(key)
     if hit is not None:
+        hit.used = CLOCK[0]
         return hit
     return remember(key, config_for(q, k, v, o, seq_len_q, seq_len_kv, bias, sink, options), q, k, v, options.layout)
 

@@ -24,8 +24,8 @@ import torch
 from ..config import FP8_BACKWARD_SCALARS, FP8_FORWARD_SCALARS, AttentionConfig
 from ..errors import InvalidArgumentError
 from ._options import config_fields, named_tuple, schema
-from ._plans import (AXES, DTYPES, FP8, Cached, check_shapes, config_shape, out_shape, plans, raw_stream, remember,
-                     stats_shape, workspace)
+from ._plans import (AXES, CLOCK, DTYPES, FP8, Cached, check_shapes, config_shape, out_shape, plans, raw_stream,
+                     remember, stats_shape, workspace)
 from ._plans import options as check_options
 
 OUT = {**FP8, **DTYPES}
@@ -73,6 +73,7 @@ def plan_for(q, k, v, o, scalars, names, seq_len_q, seq_len_kv, options: Fp8Opti
     key = _key(q, k, v, o, scalars, seq_len_q, seq_len_kv, options)
     hit = plans.get(key)
     if hit is not None:
+        hit.used = CLOCK[0]
         return hit
     layout = options.layout
     check(q, k, v, layout, seq_len_q, seq_len_kv)

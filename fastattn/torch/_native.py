@@ -35,7 +35,7 @@ import time
 import warnings
 from pathlib import Path
 
-from .. import _opslib, env as _env
+from .. import _opslib, bounded, env as _env
 from . import _options
 from .._opslib import INCLUDE, SOURCES, build_root  # noqa: F401 - build_root, SOURCES: what tests and tools ask
 from ..errors import InvalidArgumentError
@@ -295,7 +295,8 @@ def _load():
     path = build()
     lib = _import(path)
     # cuDNN is loaded by the first miss (the runtime's plan()), before any execute.
-    lib.init(_core.abi_capsule(), _miss, error_for_code)
+    lib.init(_core.abi_capsule(), _miss, error_for_code, bounded.max_entries())
+    bounded.add_source("op library", lib.evictions, lib.zero_evictions)
     return lib, f"native: {path}"
 
 

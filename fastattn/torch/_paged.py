@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import torch
 
+from .. import bounded
 from ..config import AttentionConfig
 from ..errors import InvalidArgumentError
 from . import _native, _options
 from ._autograd import functorch_active, plain_eager
-from ._plans import (DTYPES, Cached, capturing, check_qkv_tensors, logical, out_shape, plans, raw_stream,
-                     remember, tensor_key, workspace)
+from ._plans import (CLOCK, DTYPES, Cached, capturing, check_qkv_tensors, logical, out_shape, plans,
+                     raw_stream, remember, tensor_key, workspace)
 
 
 # attention_paged()'s scalar options (_options.OPS["paged"]): part of the plan key as they
@@ -29,6 +30,7 @@ def plan_for(q, k_cache, v_cache, table, seq_lens_q, cache_seqlens, options: Pag
            tensor_key(table), tensor_key(cache_seqlens), tensor_key(seq_lens_q), options)
     hit = plans.get(key)
     if hit is not None:
+        hit.used = CLOCK[0]
         return hit
     cfg = config_for(q, k_cache, v_cache, table, seq_lens_q, cache_seqlens, options)
     return remember(key, cfg, q, k_cache, v_cache, "bshd")
@@ -49,29 +51,33 @@ def config_for(q, k_cache, v_cache, table, seq_lens_q, cache_seqlens, options: P
 
 
 # A batch's query lengths when the caller gives none (all seqlen_q): cuDNN's padding mask
-# needs a tensor of them. Kept per (device, batch, seqlen_q), except while a CUDA graph
-# is captured: a tensor made then is only filled when the graph replays.
-_full_lengths: dict[tuple[int, int, int], torch.Tensor] = {}
+# needs a tensor of them. Kept per (device, stream, batch, seqlen_q), at most
+# FASTATTN_MEMORY_MAX_ENTRIES (fastattn.bounded), except while a CUDA graph is captured:
+# a tensor made then is only filled when the graph replays. Per stream: one is made on the
+# stream that reads it, and when one is dropped, the caching allocator reuses its memory
+# on that stream only after the reads queued there.
+_full_lengths = bounded.Table("arrays")
 
 
-def _query_lengths(q: torch.Tensor, device: int) -> torch.Tensor:
+def _query_lengths(q: torch.Tensor, device: int, stream: int) -> torch.Tensor:
     b, sq = q.shape[0], q.shape[1]
     if capturing():
         return torch.full((b,), sq, dtype=torch.int32, device=q.device)
-    lengths = _full_lengths.get((device, b, sq))
+    lengths = _full_lengths.get((device, stream, b, sq))
     if lengths is None:
-        lengths = _full_lengths[(device, b, sq)] = torch.full((b,), sq, dtype=torch.int32, device=q.device)
+        lengths = _full_lengths.keep((device, stream, b, sq),
+                                     torch.full((b,), sq, dtype=torch.int32, device=q.device))
     return lengths
 
 
 def forward_impl(q, k_cache, v_cache, table, cache_seqlens, seq_lens_q, options: PagedOptions) -> torch.Tensor:
     c = plan_for(q, k_cache, v_cache, table, seq_lens_q, cache_seqlens, options)
+    stream = raw_stream(c.device)
     if seq_lens_q is None:
-        seq_lens_q = _query_lengths(q, c.device)
+        seq_lens_q = _query_lengths(q, c.device, stream)
         o = torch.empty_like(q) if c.out_like_q else q.new_empty(c.out_shape)
     else:
         o = q.new_zeros(c.out_shape)  # rows past a query length are zero (see _dense.forward_impl)
-    stream = raw_stream(c.device)
     ws = workspace(q, c.forward_workspace, c.device, stream)
     c.plan.forward(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), o.data_ptr(), 0,
                    ws.data_ptr() if ws is not None else 0, stream, seq_lens_q.data_ptr(), cache_seqlens.data_ptr(),

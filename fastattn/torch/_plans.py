@@ -3,9 +3,9 @@ signature to its plan (`Cached`), the kept workspaces per (device, stream), the
 current stream, and the tensor checks and layout arithmetic a plan is built from.
 
 Each entry point builds its own key (a tuple of shapes, strides, dtypes, devices and
-its options) and looks it up in `plans` itself, inline: a hit costs one dict lookup,
-and the key holds everything the entry point's checks look at, so only a miss
-validates and builds (`remember`).
+its options) and looks it up in `plans` itself, inline: a hit costs one dict lookup and
+an int stored (`hit.used = CLOCK[0]`, its last use), and the key holds everything the
+entry point's checks look at, so only a miss validates and builds (`remember`).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import threading
 
 import torch
 
-from .. import _fields, dtypes
+from .. import _fields, bounded, dtypes
 from ..config import LAYOUTS, AttentionConfig, axes
 from ..errors import InvalidArgumentError
 
@@ -28,8 +28,16 @@ FP8 = dtypes.torch_dtypes(torch, dtypes.FP8_DTYPES)
 # key -> Cached. Read without the lock (a dict lookup is atomic under the GIL); written
 # under it. Two threads missing on one key at once both ask the runtime, which builds a
 # (config, device) once while the other waits; the second insert replaces an equal entry.
+# At most FASTATTN_MEMORY_MAX_ENTRIES (fastattn.bounded): past it remember() drops the
+# least recently used eighth. A hit stamps its Cached with CLOCK[0], which each insert
+# advances (bounded.tick): the dropped are the entries unused since the oldest inserts,
+# never one used between every two (a hot shape). Dropping only drops the table's
+# reference: a Cached a call holds, and the plan in it, stay valid (and a CUDA graph that
+# captured the plan replays without it).
 plans: dict[tuple, Cached] = {}
+CLOCK = [0]
 _plans_lock = threading.Lock()
+bounded.max_entries()  # checked at import: a bad value fails every path, not a first miss
 
 try:  # the raw stream handle without a torch.cuda.Stream object (less host time per call)
     from torch._C import _cuda_getCurrentRawStream as raw_stream
@@ -48,7 +56,7 @@ class Cached:
     """A plan and what each call needs from it, computed once."""
 
     __slots__ = ("backward_workspace", "device", "forward_workspace", "grads_like", "out_like_q", "out_shape",
-                 "plan", "stats_shape")
+                 "plan", "stats_shape", "used")
 
     def __init__(self, plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str | None):
         """layout None: packed sequences, whose token count, so shapes, each call's tensors give."""
@@ -64,12 +72,13 @@ class Cached:
         # shapes and strides, so this holds for every call of the plan.
         self.out_like_q = layout is not None and like(q, self.out_shape)
         self.grads_like = tuple(layout is not None and like(t, list(t.shape), t.stride()) for t in (q, k, v))
+        self.used = 0  # CLOCK[0] at its last use (see plans)
 
 
 def remember(key: tuple, cfg: AttentionConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              layout: str | None) -> Cached:
     """On a miss: the plan for cfg on q's device (from the runtime: memory, disk,
-    Redis or a build), kept under key."""
+    Redis or a build), kept under key (the least recently used dropped past the cap)."""
     import fastattn
 
     from .. import _warm_up
@@ -91,11 +100,26 @@ def remember(key: tuple, cfg: AttentionConfig, q: torch.Tensor, k: torch.Tensor,
         hit = Cached(held, q, k, v, layout)
     else:
         hit = Cached(fastattn.plan(cfg, device=q.device.index), q, k, v, layout)
-    with _plans_lock:
-        plans[key] = hit
+    keep(key, hit)
     if cfg.training and torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         fastattn.runtime.warm_torch_backward()  # a backward is coming: PyTorch's own first-backward import, now
     return hit
+
+
+def keep(key: tuple, hit: Cached) -> None:
+    """plans[key] = hit, used now; past the cap the least recently used eighth dropped
+    (counted: stats()["evictions"]["torch_calls"]). Inside a CUDA-graph capture too: a
+    drop makes no CUDA call."""
+    with _plans_lock:
+        hit.used = bounded.tick(CLOCK)
+        plans[key] = hit
+        drop = bounded.trim_to(len(plans))
+        if drop:
+            dropped = [plans.pop(k) for k in bounded.least_used(((k, c.used) for k, c in plans.items()), drop)]
+            bounded.evicted("torch_calls", drop)
+        else:
+            dropped = None
+    del dropped  # (released after the lock: a plan's last reference frees it)
 
 
 def like(t: torch.Tensor, shape: list[int], stride: tuple[int, ...] | None = None) -> bool:

@@ -38,7 +38,7 @@ from typing import NamedTuple
 
 import torch
 
-from .. import runtime
+from .. import bounded, runtime
 from ..config import LAYOUTS, axes
 from ..errors import FastAttnError, InvalidArgumentError, NotSupportedError
 from . import _dense, _native
@@ -89,8 +89,12 @@ class _State(NamedTuple):
 
 _lock = threading.Lock()
 _state: _State | None = None
-# signature -> _Route, or the reason fastattn does not take it (a str)
-_routes: dict[tuple, _Route | str] = {}
+# signature -> [_Route, or the reason fastattn does not take it (a str); _clock at its last
+# use]: at most FASTATTN_MEMORY_MAX_ENTRIES, the least recently used eighth dropped past
+# it (fastattn.bounded). Read without a lock, written under _routes_lock.
+_routes: dict[tuple, list] = {}
+_routes_lock = threading.Lock()
+_clock = [0]  # advanced by each route kept (bounded.tick); a hit stamps its route with _clock[0]
 # The Python kernels' forward calls (fastattn.stats()["sdpa"]): None counts the served
 # ones, a reason the ones PyTorch's kernels ran; and the op library whose C++ kernels the
 # mode registered, which counts its own (csrc/sdpa.cpp).
@@ -189,7 +193,8 @@ def sdpa_enabled() -> bool:
 def sdpa_routes() -> dict[tuple, str]:
     """What the mode decided per call signature so far: "fastattn (<layout>)" or the
     reason PyTorch's kernels run it (for `fastattn info`-style introspection and tests)."""
-    return {key: (f"fastattn ({r.layout})" if isinstance(r, _Route) else r) for key, r in list(_routes.items())}
+    return {key: (f"fastattn ({r.layout})" if isinstance(r, _Route) else r)
+            for key, (r, _) in list(_routes.items())}
 
 
 def sdpa_calls() -> dict:
@@ -203,8 +208,8 @@ def sdpa_calls() -> dict:
         for ours, reason, n in _native_kernels.sdpa_calls():
             if ours:
                 served += n
-            elif n:
-                passed[reason] = passed.get(reason, 0) + n
+            elif n:  # ("": the calls of dropped routes whose reasons were past the cap)
+                bounded.count_reason(passed, reason or bounded.OTHER_REASONS, n)
     return {"served": served, "passed_on": passed}
 
 
@@ -217,7 +222,10 @@ def _zero_calls() -> None:
 
 def _count(reason: str | None) -> None:
     with _calls_lock:
-        _calls[reason] = _calls.get(reason, 0) + 1
+        if reason is None:
+            _calls[None] = _calls.get(None, 0) + 1
+        else:  # (a reason may quote shapes: bounded)
+            bounded.count_reason(_calls, reason)
 
 
 runtime.register_stats("sdpa", sdpa_calls, _zero_calls)
@@ -320,13 +328,30 @@ def _route(q, k, v, attn_bias, dropout_p, is_causal, scale, training) -> _Route 
     key = _signature(q, k, v, attn_bias, dropout_p, is_causal, scale, training)
     hit = _routes.get(key)
     if hit is not None:
-        return hit
+        hit[1] = _clock[0]
+        return hit[0]
     route = _decide(q, k, v, attn_bias, dropout_p, is_causal, scale, training)
     if isinstance(route, _Route) or not (q.is_cuda and capturing()):
         # (a refusal inside a capture, for a plan not loaded yet, is not kept: the same call
         # outside a capture can load it)
-        _routes[key] = route
+        _keep(key, route)
     return route
+
+
+def _keep(key: tuple, route: _Route | str) -> None:
+    """Keeps a signature's route; past the cap, the least recently used eighth is dropped.
+    A dropped signature is decided again at its next call, with the same answer: a
+    backward whose route was dropped after its forward finds the forward's plan in
+    fastattn.torch's table or the runtime (inside a capture too), unless both dropped it
+    as well, past the cap's worth of other shapes since."""
+    bounded.max_entries()  # (read before the lock: a bad value raises before anything changes)
+    with _routes_lock:
+        _routes[key] = [route, bounded.tick(_clock)]
+        drop = bounded.trim_to(len(_routes))
+        if drop:
+            for old in bounded.least_used(((k, kept[1]) for k, kept in _routes.items()), drop):
+                del _routes[old]
+            bounded.evicted("sdpa_routes", drop)
 
 
 def _decide(q, k, v, attn_bias, dropout_p, is_causal, scale, training) -> _Route | str:

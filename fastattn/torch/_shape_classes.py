@@ -30,11 +30,11 @@ from typing import NamedTuple
 
 import torch
 
-from .. import env
+from .. import bounded, env
 from ..errors import InvalidArgumentError, NotSupportedError
 from .. import shape_classes as sc
 from . import _autograd, _options
-from ._plans import (DTYPES, Cached, capturing, check_qkv_tensors, check_shapes, plans,
+from ._plans import (CLOCK, DTYPES, Cached, capturing, check_qkv_tensors, check_shapes, plans,
                      raw_stream, remember, workspace)
 
 # FASTATTN_SHAPE_CLASSES, read when fastattn.torch is imported (as FASTATTN_TORCH_PATH):
@@ -89,8 +89,8 @@ def resolve(choice, device: int, training: bool) -> sc.Classes:
 
 # -- the run-time arrays: lengths and offsets, made once per (device, stream, value) ----------
 
-_arrays: dict[tuple, torch.Tensor] = {}
-KEPT_ARRAYS = 512  # then the table starts afresh (decode makes a length array per step)
+# (at most FASTATTN_MEMORY_MAX_ENTRIES: decode makes a length array per step)
+_arrays = bounded.Table("arrays")
 # Arrays made inside a caller's CUDA graph capture: its graph fills and reads them at every
 # replay, for as long as it lives, which nothing here can see; so they are never freed (a
 # few hundred bytes per captured call). Freed at once, the caching allocator hands the next
@@ -118,9 +118,7 @@ def _array(q: torch.Tensor, kind: str, b: int, value: int, stream: int) -> torch
     if capturing():
         _held_by_captures.append(t)
     else:
-        if len(_arrays) >= KEPT_ARRAYS:
-            _arrays.clear()
-        _arrays[key] = t
+        _arrays.keep(key, t)
     return t
 
 
@@ -171,13 +169,16 @@ def _key(q, k, v, options: ClassOptions) -> tuple:
             k.get_device(), v.get_device(), options)
 
 
-_refused: set[tuple] = set()  # class plans' keys cuDNN refused: those calls take exact plans
+# Class plans' keys cuDNN refused: those calls take exact plans (one dropped past the cap
+# is refused again at its next call, from the runtime's memory or the cache).
+_refused = bounded.Table("class_refusals")
 
 
 def plan_for(q, k, v, options: ClassOptions) -> Cached:
     key = _key(q, k, v, options)
     hit = plans.get(key)
     if hit is not None:
+        hit.used = CLOCK[0]
         return hit
     cfg = sc.class_config(
         batch=q.shape[0], heads_q=q.shape[2], heads_kv=k.shape[2], head_dim_qk=q.shape[3], head_dim_v=v.shape[3],
@@ -273,7 +274,7 @@ def serve(q, k, v, seq_len_q, seq_len_kv, rng, options, choice, grads: bool, ret
         # cuDNN refuses the ragged graph for what it builds densely (a feature it does not
         # combine with packed sequences): the call takes its exact plan, as with classes off,
         # and so do later calls of this key, for a set lookup.
-        _refused.add(_key(q, k, v, copts))
+        _refused.keep(_key(q, k, v, copts), True)
         return None
     except InvalidArgumentError:
         if not capturing():

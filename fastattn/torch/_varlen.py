@@ -14,7 +14,8 @@ import torch
 from ..config import AttentionConfig
 from ..errors import InvalidArgumentError
 from . import _autograd, _dense, _native, _options
-from ._plans import DTYPES, Cached, check_qkv_tensors, plans, raw_stream, remember, tensor_key, workspace
+from ._plans import (CLOCK, DTYPES, Cached, check_qkv_tensors, plans, raw_stream, remember, tensor_key,
+                     workspace)
 
 
 # attention_varlen()'s scalar options (_options.OPS["varlen"]; max_q and max_kv are the
@@ -32,6 +33,7 @@ def plan_for(q, k, v, batch: int, sink, options: VarlenOptions) -> Cached:
            k.get_device(), v.get_device(), batch, options, None if sink is None else tensor_key(sink))
     hit = plans.get(key)
     if hit is not None:
+        hit.used = CLOCK[0]
         return hit
     return remember(key, config_for(q, k, v, batch, sink, options), q, k, v, None)
 

@@ -22,7 +22,8 @@ CHECKED = sorted(v.name for v in _env.VARIABLES.values() if v.scope == "runtime"
 _chars = st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00")
 _BAD = {  # values each kind refuses, to mix with generated text
     "bool": ["garbage", "2", "y", "1.0"], "choice": ["garbage", "read_write"], "seconds": ["garbage", "-1", "1e999",
-    "nan", "1_0", "0x10"], "size": ["garbage", "-1", "1Q", "9E"], "url": ["garbage", "redis://h:99999/0", "http://h"],
+    "nan", "1_0", "0x10"], "size": ["garbage", "-1", "1Q", "9E"], "count": ["garbage", "0", "-1", "1.5", "1_0",
+    "99999999999"], "url": ["garbage", "redis://h:99999/0", "http://h"],
     "classes": ["garbage", "4096,256", "0", "auto,256"], "secret": [""],
 }
 

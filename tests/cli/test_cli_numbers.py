@@ -113,6 +113,17 @@ def test_a_size_reads_alike_in_a_flag_and_a_variable(text):
     assert flag == var or (var == 0 and flag is None), (text, flag, var)
 
 
+@settings(max_examples=400, deadline=None, derandomize=True)
+@given(text=_number_text)
+def test_a_count_reads_alike_in_a_flag_and_a_variable(text):
+    """--workers (an integer >= 1) and FASTATTN_MEMORY_MAX_ENTRIES (0 refused: a table that
+    keeps nothing) take the same texts, as the same number."""
+    if not text.strip():
+        return
+    flag, var = _flag_value(("warm",), "--workers", text), _env_value("FASTATTN_MEMORY_MAX_ENTRIES", text)
+    assert flag == var, (text, flag, var)
+
+
 def test_a_bare_number_is_seconds_and_the_help_says_so():
     assert _flag_value(("cache", "prune"), "--max-age", "90") == 90.0 == _env.get("FASTATTN_REMOTE_WAIT",
                                                                                 {"FASTATTN_REMOTE_WAIT": "90"})

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 torch = pytest.importorskip("torch", reason="PyTorch is an optional extra (pip install torch)")
 
 import fastattn.torch  # noqa: E402
-from fastattn import InvalidArgumentError, NotSupportedError, runtime  # noqa: E402
+from fastattn import InvalidArgumentError, NotSupportedError, bounded, runtime  # noqa: E402
 from fastattn.torch import _dense, _sdpa_mode  # noqa: E402
 
 OP = torch.ops.aten._scaled_dot_product_cudnn_attention.default
@@ -184,7 +184,7 @@ def test_a_call_fastattn_refuses_runs_pytorchs_own_kernel_and_its_backward_too(m
     q, k, v = _qkv(1, 2, 2, 3, 3, 8)
     got = _sdpa_mode._forward(q, k, v, None, True, 0.0, False, False, scale=None)
     assert got[0] == "pytorch's" and ran == ["forward"]
-    route = _sdpa_mode._routes[next(iter(_sdpa_mode._routes))]
+    route = _sdpa_mode._routes[next(iter(_sdpa_mode._routes))][0]
     assert "cuDNN refuses this graph" in route
     monkeypatch.setattr(torch.ops.aten, "_cudnn_attention_backward",
                         lambda *a, **kw: ran.append("backward") or "pytorch's backward", raising=False)
@@ -341,6 +341,60 @@ def test_the_op_librarys_kernels_keep_the_route_python_decides(lib, model, layou
     assert isinstance(_sdpa_mode._route(fp32, fp32, fp32, None, 0.0, False, None, False), str)
     lib.clear()
     assert lib.sdpa_route_count() == 0
+
+
+def test_the_op_librarys_routes_are_bounded_least_recently_used_first_and_their_calls_still_counted(lib, model,
+                                                                                                    monkeypatch):
+    # csrc/sdpa.cpp's route map past its cap (FASTATTN_MEMORY_MAX_ENTRIES; set_max_entries
+    # here): it drops the least recently used, counts the drops, and the calls of a dropped
+    # route stay counted (folded when the route goes).
+    lib.clear()
+    lib.zero_evictions()
+    monkeypatch.setattr(_sdpa_mode, "_native_kernels", lib)  # (what enable_sdpa() sets on the native path)
+    monkeypatch.setattr(_sdpa_mode, "_calls", {})
+    asked = []
+
+    def route(q, *rest):
+        asked.append(q.shape[2])
+        return _sdpa_mode._route(q, *rest)
+
+    cap = lib.max_entries()
+    lib.sdpa_kernels(True, route, "CPU", list(_sdpa_mode.EARLY))
+    lib.set_max_entries(4)
+    try:
+        def signature(s, dtype=torch.bfloat16):
+            q = torch.randn(1, 2, s, 16, dtype=dtype)
+            return (q, q, q, None, 0.0, False, None, False)
+
+        for s in (1, 2, 3, 4):
+            assert lib.sdpa_route(*signature(s))[0] is True
+        lib.sdpa_route(*signature(1))  # a hit: now more recent than 2, 3 and 4
+        lib.sdpa_route(*signature(5))  # past the cap: 2 dropped (the least recently used)
+        assert lib.sdpa_route_count() == 4 and asked == [1, 2, 3, 4, 5]
+        for s in (1, 3, 4, 5):
+            lib.sdpa_route(*signature(s))
+        assert asked == [1, 2, 3, 4, 5]  # all kept: no miss
+        lib.sdpa_route(*signature(2))
+        assert asked == [1, 2, 3, 4, 5, 2] and lib.evictions() == {"native_calls": 0, "sdpa_routes": 2}
+        assert fastattn.stats()["evictions"]["sdpa_routes"] >= 2  # (the Python routes' count beside)
+
+        # Calls through the kernels, refused (float32) and handed to PyTorch's operator (which
+        # has no CPU kernel): each counted, whichever routes are dropped meanwhile.
+        lib.zero_sdpa_calls()
+        for _ in range(2):
+            for s in range(1, 9):
+                q = torch.randn(1, 2, s, 16)
+                with pytest.raises(NotImplementedError):
+                    torch.ops.aten._scaled_dot_product_cudnn_attention(q, q, q, None, False)
+        assert lib.sdpa_route_count() <= 4
+        passed = sum(n for served, _, n in lib.sdpa_calls() if not served)
+        assert passed == 16 and _sdpa_mode.sdpa_calls()["passed_on"] == {
+            "dtype torch.float32: fastattn takes float16 and bfloat16": 16}
+    finally:
+        lib.set_max_entries(cap)
+        lib.sdpa_kernels(False)
+        lib.clear()
+        lib.zero_evictions()
 
 
 def test_the_op_librarys_kernels_hand_a_refused_call_to_pytorchs_own_operators(lib):
@@ -861,7 +915,7 @@ def test_where_fastattn_cannot_run_the_mode_stands_aside_and_says_so_once(compos
         raise LibraryError("libcudnn.so.9 could not be loaded")
 
     monkeypatch.setattr(_dense, "plan_for", unloadable)
-    monkeypatch.setattr(runtime, "_warned", set())
+    monkeypatch.setattr(runtime, "_warned", bounded.Table("warnings"))
     reason = "LibraryError: libcudnn.so.9 could not be loaded"
     with caplog.at_level("WARNING", logger="fastattn"):
         for s in (3, 5, 3):

@@ -8,7 +8,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="PyTorch is an optional extra (pip install torch)")
 
 import fastattn  # noqa: E402
-from fastattn import shape_classes as sc  # noqa: E402
+from fastattn import bounded, shape_classes as sc  # noqa: E402
 from fastattn.torch import _api, _dense, _native, _plans, _shape_classes  # noqa: E402
 from helpers import benchmarks  # noqa: E402
 from helpers.torch import take_python_path  # noqa: E402
@@ -38,7 +38,7 @@ def fake(monkeypatch):
     monkeypatch.setattr(fastattn, "plan", plan)
     monkeypatch.setattr(_plans, "plans", {})
     monkeypatch.setattr(_shape_classes, "plans", _plans.plans)
-    monkeypatch.setattr(_shape_classes, "_arrays", {})
+    monkeypatch.setattr(_shape_classes, "_arrays", bounded.Table("arrays"))
     monkeypatch.setattr(_shape_classes, "raw_stream", lambda device: 7)
     for mod in (_plans, _shape_classes):
         monkeypatch.setattr(mod, "capturing", lambda: False)
@@ -209,7 +209,7 @@ def test_a_class_plan_cudnn_refuses_leaves_the_call_its_exact_plan(fake, monkeyp
         raise fastattn.NotSupportedError("ragged: not with this")
 
     monkeypatch.setattr(fastattn, "plan", refuse)
-    monkeypatch.setattr(_shape_classes, "_refused", set())
+    monkeypatch.setattr(_shape_classes, "_refused", bounded.Table("class_refusals"))
     monkeypatch.setattr(_dense, "forward_impl", lambda *a: served.append(a) or (a[0], None))
     for s in (100, 120):
         q, k, v = (meta(1, s, 4, 64) for _ in range(3))
@@ -338,7 +338,7 @@ def test_arrays_made_inside_a_capture_are_distinct_and_held(monkeypatch):
     # one launch's four offset arrays become one (the last). Here on the CPU, where the
     # allocator reuses freed memory the same way often enough; the check is on what is
     # held, not on addresses.
-    monkeypatch.setattr(_shape_classes, "_arrays", {})
+    monkeypatch.setattr(_shape_classes, "_arrays", bounded.Table("arrays"))
     monkeypatch.setattr(_shape_classes, "_held_by_captures", [])
     monkeypatch.setattr(_shape_classes, "capturing", lambda: True)
     q = torch.zeros(3, 5, 2, 8)

@@ -221,8 +221,8 @@ def test_any_value_of_any_variable_parses_or_is_named(name, value):
             assert str(e).startswith(f"{name}={value!r}: ") or str(e) == f"{name} is set but empty", str(e)
         return
     kind = _env.VARIABLES[name].kind
-    types = {"bool": bool, "choice": str, "seconds": float, "size": int, "path": (str, type(None)), "text": str,
-             "paths": tuple, "secret": (bytes, type(None)), "url": (str, type(None)),
+    types = {"bool": bool, "choice": str, "seconds": float, "size": int, "count": int, "path": (str, type(None)),
+             "text": str, "paths": tuple, "secret": (bytes, type(None)), "url": (str, type(None)),
              "classes": (str, tuple)}  # "auto", or shape_classes.Classes (a NamedTuple)
     assert isinstance(got, types[kind]), (name, value, got)
 

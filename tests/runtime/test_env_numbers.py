@@ -1,4 +1,4 @@
-"""The numeric kinds of fastattn.env (seconds, size, classes, a URL's database): ASCII
+"""The numeric kinds of fastattn.env (seconds, size, count, classes, a URL's database): ASCII
 digits only, and bounds that every variable of the kind shares: a "seconds" value is
 at most MAX_SECONDS (1e10 passed, and then overflowed redis-py's socket timeout: exit
 5 from `fastattn info`), a size below 8 EiB however many digits it is written with. And
@@ -62,6 +62,8 @@ def test_numbers_are_ascii_digits_in_every_numeric_kind(digits):
     for name in OF_KIND["size"]:  # FASTATTN_CACHE_MAX_BYTES=١٢ was 12 bytes
         refused(name, digits, "must be a size in bytes")
         refused(name, digits + "M", "must be a size in bytes")
+    for name in OF_KIND["count"]:
+        refused(name, digits, "must be an integer")
     for name in OF_KIND["classes"]:
         refused(name, f"256,{digits}", "comma-separated lengths")
     for name in OF_KIND["url"]:
@@ -98,9 +100,28 @@ def test_classes_of_any_length_are_refused_not_a_crash():
     assert shape_classes.parse("0" * 5000 + "256, 1024") == shape_classes.parse("256,1024")
 
 
+# -- count: an integer of ASCII digits, 0 refused where it would empty a table ------------------------
+
+
+def test_every_count_variable_reads_integers_within_its_bounds():
+    assert OF_KIND["count"] == ["FASTATTN_MEMORY_MAX_ENTRIES"]
+    for name in OF_KIND["count"]:
+        assert _env.get(name, {}) == _env.VARIABLES[name].default == 4096
+        assert _env.get(name, {name: "  "}) == 4096  # (empty: the default)
+        for text, value in (("1", 1), (" 64 ", 64), ("+8", 8), ("0" * 50 + "12", 12), ("2147483647", 2**31 - 1)):
+            assert _env.get(name, {name: text}) == value
+        assert refused(name, "0", "a table of 0 entries keeps nothing").endswith("write a number >= 1")
+        refused(name, "-0", "a table of 0 entries")
+        refused(name, "-5", "is negative")
+        for value in ("2147483648", "9" * 30, "1" + "0" * 5000):
+            assert refused(name, value).endswith("must be <= 2147483647")
+        for value in ("1.5", "1e3", "4K", "1_000", "0x10", "lots", "none"):
+            refused(name, value, "must be an integer")
+
+
 # -- any text ---------------------------------------------------------------------------------------
 
-_NUMERIC = ("seconds", "size", "classes")
+_NUMERIC = ("seconds", "size", "count", "classes")
 _digitish = st.text(alphabet=st.sampled_from("0123456789.eE+-_ ,KMGTib" + "".join(OTHER_DIGITS) + "٠"), max_size=12)
 
 
@@ -121,6 +142,8 @@ def test_any_text_for_any_kind_is_a_value_or_names_the_variable(kind, data):
         assert value <= _env.MAX_SECONDS
     if kind == "size":
         assert 0 <= value < 2**63
+    if kind == "count":
+        assert isinstance(value, int) and 1 <= value <= _env.MAX_COUNT
 
 
 # -- the Redis tier: an OverflowError is a Redis failure -------------------------------------------

@@ -15,7 +15,7 @@ import time
 import pytest
 
 import fastattn
-from fastattn import AttentionConfig, errors, runtime
+from fastattn import AttentionConfig, bounded, errors, runtime
 
 from helpers.paths import ROOT, TESTS
 
@@ -273,7 +273,7 @@ def test_clear_forgets_plans(fake_build):
 
 def test_fallbacks_are_counted_by_reason_and_each_message_logged_once_until_clear(monkeypatch, caplog):
     monkeypatch.setattr(runtime, "_fallbacks", {})
-    monkeypatch.setattr(runtime, "_warned", set())
+    monkeypatch.setattr(runtime, "_warned", bounded.Table("warnings"))
     with caplog.at_level("WARNING", logger="fastattn"):
         for reason in ("a", "b", "a", "a"):
             runtime.count_fallback("transformers", reason)

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 torch = pytest.importorskip("torch", reason="PyTorch is an optional extra (pip install torch)")
 transformers = pytest.importorskip("transformers", reason="transformers is an optional extra")
 
-from fastattn import NotSupportedError  # noqa: E402
+from fastattn import NotSupportedError, bounded  # noqa: E402
 from fastattn.integrations import transformers as fa_tf  # noqa: E402
 
 
@@ -260,7 +260,7 @@ def test_a_refused_call_falls_back_exactly_counted_by_reason_and_logged_once(cal
 
     monkeypatch.setattr(fa_tf, "attention", refusing)
     monkeypatch.setattr(runtime, "_fallbacks", {})
-    monkeypatch.setattr(runtime, "_warned", set())
+    monkeypatch.setattr(runtime, "_warned", bounded.Table("warnings"))
     ours, theirs = _pair("gemma2", reference="eager")
     ids, mask = _batch([9, 5], 9)
     with caplog.at_level("WARNING", logger="fastattn"):

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ... import _fields
+from ... import _fields, bounded
 from ...errors import InvalidArgumentError, NotSupportedError
 # fastattn.torch's entry points, which every module of the package calls through this
 # one (`_common.attention_varlen(...)`, looked up at each call), so that the CPU tests
@@ -18,7 +18,7 @@ from ...torch import attention, attention_paged, attention_varlen  # noqa: F401 
 # (_interface._paged_decode): its option checks, and its run with checked options.
 from ...torch._api import options_for as paged_options  # noqa: F401 - see above
 from ...torch._paged import run as paged_run  # noqa: F401 - see above
-from ...torch._plans import capturing
+from ...torch._plans import capturing, raw_stream
 
 _UNBOUNDED = (-1, -1)
 
@@ -111,18 +111,20 @@ def _attend(q, k, v, *, return_lse: bool, seq_lens_q=None, seq_lens_kv=None, bia
 
 # Full-length tensors for a padding mask that masks nothing: cuDNN takes a bottom-right
 # diagonal with seqlen_q > seqlen_k only with per-sequence lengths. Kept per (device,
-# batch, length), except while a CUDA graph is captured (a tensor made then is only
-# filled when the graph replays).
-_full_lengths: dict[tuple, torch.Tensor] = {}
+# stream, batch, length), at most FASTATTN_MEMORY_MAX_ENTRIES (fastattn.bounded), except
+# while a CUDA graph is captured (a tensor made then is only filled when the graph
+# replays). Per stream: one is made on the stream that reads it, and when one is dropped,
+# the caching allocator reuses its memory on that stream only after the reads queued there.
+_full_lengths = bounded.Table("arrays")
 
 
 def _full(q: torch.Tensor, batch: int, n: int) -> torch.Tensor:
     if not q.is_cuda or type(q) is not torch.Tensor or capturing():  # meta, fake tensors, or a capture
         return torch.full((batch,), n, dtype=torch.int32, device=q.device)
-    key = (q.device, batch, n)
+    key = (q.device, raw_stream(q.get_device()), batch, n)
     t = _full_lengths.get(key)
     if t is None:
-        t = _full_lengths[key] = torch.full((batch,), n, dtype=torch.int32, device=q.device)
+        t = _full_lengths.keep(key, torch.full((batch,), n, dtype=torch.int32, device=q.device))
     return t
 
 

@@ -26,6 +26,7 @@
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <array>
 #include <string>
 
@@ -138,13 +139,14 @@ namespace {
 
 // ---- Python: initialization and introspection -------------------------------------------------
 
-void init(py::capsule abi, py::object miss, py::object error_for_code) {
+void init(py::capsule abi, py::object miss, py::object error_for_code, int64_t max_entries) {
     auto *table = static_cast<const fastattn_abi *>(PyCapsule_GetPointer(abi.ptr(), FASTATTN_ABI_CAPSULE));
     if (table == nullptr) throw py::error_already_set();
     TORCH_CHECK(table->version == FASTATTN_ABI_VERSION && table->num_slots == FASTATTN_NUM_SLOTS,
                 "fastattn: _core's C ABI is version ", table->version, " with ", table->num_slots,
                 " slots; this op library was built for version ", FASTATTN_ABI_VERSION, " with ",
                 FASTATTN_NUM_SLOTS, ": rebuild it");
+    set_max_entries(static_cast<size_t>(std::max<int64_t>(max_entries, 0)));
     g_abi = table;
     if (g_miss != nullptr) Py_DECREF(g_miss);
     g_miss = miss.inc_ref().ptr();
@@ -152,8 +154,8 @@ void init(py::capsule abi, py::object miss, py::object error_for_code) {
     g_error_for_code = error_for_code.inc_ref().ptr();
 }
 
-// Forgets every plan and releases the kept workspaces (tests, and memory back to the
-// caching allocator): only while no op runs, since a hit holds its Entry unlocked.
+// Forgets every plan and route and releases the kept workspaces (tests, and memory back
+// to the caching allocator): only while no op runs, since a running op holds its workspace.
 void clear() {
     clear_table();
     clear_workspaces();
@@ -229,11 +231,33 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.doc() = "fastattn's PyTorch op library (fastattn/torch/csrc/ops.cpp); loaded by fastattn.torch._native";
     m.attr("abi_version") = FASTATTN_ABI_VERSION;
     m.def("init", &init,
-          "init(abi_capsule, miss_handler, error_for_code): the _core C ABI, the Python miss handler and "
-          "fastattn.errors.error_for_code");
+          "init(abi_capsule, miss_handler, error_for_code, max_entries): the _core C ABI, the Python miss handler, "
+          "fastattn.errors.error_for_code and the most entries the plan table and the SDPA routes each hold "
+          "(FASTATTN_MEMORY_MAX_ENTRIES)");
     m.def("raise_status", [](int code, const std::string &message) { raise_status(code, message.c_str()); },
           "raise_status(code, message): raises what a failed execute with this status raises (tests)");
     m.def("table_size", &table_size, "plans in the C++ table");
+    m.def("max_entries", &max_entries, "the most entries the plan table and the SDPA routes each hold");
+    m.def(
+        "set_max_entries", [](int64_t n) { set_max_entries(static_cast<size_t>(std::max<int64_t>(n, 0))); },
+        "set_max_entries(n): the most entries the plan table and the SDPA routes each hold, from their next insert "
+        "(init sets it from FASTATTN_MEMORY_MAX_ENTRIES)");
+    m.def(
+        "evictions",
+        [] {
+            py::dict out;
+            out["native_calls"] = table_evictions();
+            out["sdpa_routes"] = sdpa_route_evictions();
+            return out;
+        },
+        "entries dropped past the cap: {'native_calls': the plan table's, 'sdpa_routes': the SDPA routes'}");
+    m.def(
+        "zero_evictions",
+        [] {
+            zero_table_evictions();
+            zero_sdpa_route_evictions();
+        },
+        "start the eviction counts again");
     m.def("clear", &clear, "forget every plan and release the kept workspaces (only while no op runs)");
     m.def("kept_workspace_bytes", &kept_workspace_bytes, "bytes of workspace kept per thread and stream for reuse");
     m.def("sdpa_kernels", &sdpa_kernels, py::arg("on"), py::arg("route") = py::none(), py::arg("key") = "CUDA",
@@ -250,7 +274,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "sdpa_route",
         [](const Tensor &q, const Tensor &k, const Tensor &v, const OptTensor &bias, double dropout_p, bool is_causal,
            std::optional<double> scale, bool training) -> py::tuple {
-            const SdpaRoute &r = sdpa_route(q, k, v, bias, dropout_p, is_causal, scale, training);
+            const auto route = sdpa_route(q, k, v, bias, dropout_p, is_causal, scale, training);
+            const SdpaRoute &r = *route;
             if (!r.ours) return py::make_tuple(false);
             return py::make_tuple(true, FA_DENSE_TUPLE(r.opt), r.out_stride, r.lse_shape, r.grad_strides);
         },

@@ -113,7 +113,7 @@ struct KeyHash {  // a table key's hash: FNV-1a over its words
 };
 
 struct Entry {
-    void *plan;            // the fastattn.Plan, a PyObject (a reference held by the table): keeps the graphs alive
+    void *plan;            // the fastattn.Plan, a PyObject (a reference the table's entry owns): keeps the graphs alive
     const void *graph[2];  // forward, backward (fastattn_abi_execute's graphs)
     int64_t workspace[2];
 };
@@ -139,10 +139,20 @@ inline void put_optional(std::vector<int64_t> &key, const OptTensor &t) {
 // taken, a new reference to the plan), and the table keeps what it returns. A Python
 // exception of the miss handler (InvalidArgumentError, NotSupportedError, ...) propagates
 // as pybind11::error_already_set, which PyTorch turns back into the same exception.
+// The entry stays valid until this thread's next lookup of the same kind and direction
+// (this thread's last hit owns it), whether or not the table drops it meanwhile: past
+// its cap (set_max_entries) the table drops its least recently used eighth.
 const Entry &lookup(const std::vector<int64_t> &key, c10::function_ref<Entry()> miss);
 
 size_t table_size();
-// Forgets every plan (only while no op runs, since a hit holds its Entry unlocked).
+// The most entries the plan table and the SDPA mode's route map each hold
+// (FASTATTN_MEMORY_MAX_ENTRIES: init() sets it; at least 1).
+void set_max_entries(size_t n);
+size_t max_entries();
+// Entries the plan table has dropped past the cap (fastattn.stats()["evictions"]["native_calls"]).
+uint64_t table_evictions();
+void zero_table_evictions();
+// Forgets every plan: entries a thread is running stay valid until its next lookup.
 void clear_table();
 
 // A failed execute as the exception the Python path raises for it (ops.cpp: fastattn.errors'
@@ -255,9 +265,10 @@ struct SdpaRoute {
 };
 
 // The mode's forward calls so far, by route: (ours, the reason where not, calls) for each
-// kept route, and the calls no kept route counts (a refusal inside a capture, which is not
-// kept; PyTorch's kernels for return_debug_mask) with their reasons. zero_sdpa_calls()
-// starts them again (fastattn.clear()).
+// kept route, those of dropped routes (served, and by reason; the reason "" for those past
+// the cap's worth of reasons), and the calls no kept route counts (a refusal inside a
+// capture, which is not kept; PyTorch's kernels for return_debug_mask) with their reasons.
+// zero_sdpa_calls() starts them again (fastattn.clear()).
 std::vector<std::tuple<bool, std::string, uint64_t>> sdpa_calls();
 void zero_sdpa_calls();
 
@@ -267,10 +278,12 @@ void zero_sdpa_calls();
 SdpaRoute miss_sdpa(const Tensor &q, const Tensor &k, const Tensor &v, const OptTensor &bias, double dropout_p,
                     bool is_causal, std::optional<double> scale, bool training);
 
-// A call signature's route: from the table, else miss_sdpa's (kept, but for a refusal
-// inside a CUDA-graph capture).
-const SdpaRoute &sdpa_route(const Tensor &q, const Tensor &k, const Tensor &v, const OptTensor &bias,
-                            double dropout_p, bool is_causal, const std::optional<double> &scale, bool training);
+// A call signature's route: from the map, else miss_sdpa's (kept, but for a refusal
+// inside a CUDA-graph capture). Shared: valid for as long as the caller holds it, whether
+// or not the map drops it meanwhile.
+std::shared_ptr<const SdpaRoute> sdpa_route(const Tensor &q, const Tensor &k, const Tensor &v, const OptTensor &bias,
+                                            double dropout_p, bool is_causal, const std::optional<double> &scale,
+                                            bool training);
 
 // Registers the mode's kernels over PyTorch's for `key` (CUDA; the CPU for tests of
 // their fallback): the cuDNN operator's two, and the composite's for the key and its
@@ -278,7 +291,10 @@ const SdpaRoute &sdpa_route(const Tensor &q, const Tensor &k, const Tensor &v, c
 // again (off).
 void set_sdpa_kernels(bool on, c10::DispatchKey key, const std::vector<std::string> &early_reasons = {});
 size_t sdpa_route_count();
-void clear_sdpa_routes();  // only while no op runs
+void clear_sdpa_routes();  // a route a call holds stays valid until the call is done
+// Routes the map has dropped past the cap (fastattn.stats()["evictions"]["sdpa_routes"]).
+uint64_t sdpa_route_evictions();
+void zero_sdpa_route_evictions();
 
 // ---- attention_varlen() and attention_paged() (varlen.cpp) -------------------------------------
 

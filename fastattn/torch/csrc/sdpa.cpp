@@ -30,6 +30,7 @@
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <atomic>
 #include <limits>
 #include <map>
@@ -38,7 +39,9 @@
 #include <shared_mutex>
 #include <string>
 #include <tuple>
+#include <type_traits>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "ops.h"
@@ -52,10 +55,70 @@ using torch::jit::Stack;
 // ---- routes -----------------------------------------------------------------------------------
 
 // Written under the unique lock after a miss (which took the GIL and released it), read
-// under the shared one; entries are removed only by clear_sdpa_routes() (tests, while no
-// op runs), so a hit's route stays valid after the lock is dropped.
+// under the shared one. At most max_entries() routes (the plan table's cap,
+// FASTATTN_MEMORY_MAX_ENTRIES): past it an insert drops the least recently used eighth,
+// as table.cpp's trim. Shared: a route dropped (or cleared) while a call runs on it stays
+// valid until the call is done, and its calls are folded into the dropped counts when it
+// goes (~KeptRoute), so sdpa_calls() misses none.
+struct KeptRoute {
+    SdpaRoute route;
+    mutable std::atomic<uint64_t> used;  // g_route_clock at its last use (as table.cpp's Kept)
+    KeptRoute(SdpaRoute r, uint64_t now) : route(std::move(r)), used(now) {}
+    KeptRoute(const KeptRoute &) = delete;
+    KeptRoute &operator=(const KeptRoute &) = delete;
+    ~KeptRoute();
+};
 std::shared_mutex g_routes_lock;
-std::unordered_map<std::vector<int64_t>, SdpaRoute, KeyHash> g_routes;
+// Never destroyed: at exit its routes would fold their counts into what static
+// destruction may have taken apart already.
+auto &g_routes = *new std::unordered_map<std::vector<int64_t>, std::shared_ptr<const KeptRoute>, KeyHash>();
+std::atomic<uint64_t> g_route_clock{0};  // advanced by each insert; a hit stamps its route with it
+std::atomic<uint64_t> g_route_evictions{0};
+
+// The calls of routes no longer kept: served ones, and the others by reason (at most
+// max_entries() reasons; "" counts those past it, which _sdpa_mode names
+// fastattn.bounded.OTHER_REASONS).
+std::mutex g_dropped_lock;
+uint64_t g_dropped_served = 0;
+std::map<std::string, uint64_t> g_dropped_passed;
+
+KeptRoute::~KeptRoute() {
+    const uint64_t n = route.calls != nullptr ? route.calls->load(std::memory_order_relaxed) : 0;
+    if (n == 0) return;
+    std::lock_guard<std::mutex> guard(g_dropped_lock);
+    if (route.ours) {
+        g_dropped_served += n;
+        return;
+    }
+    const bool room = g_dropped_passed.count(route.reason) != 0 || g_dropped_passed.size() < max_entries();
+    g_dropped_passed[room ? route.reason : std::string()] += n;
+}
+
+using Routes = std::vector<std::shared_ptr<const KeptRoute>>;
+
+// Under the unique lock: past the cap, the least recently used routes moved into `dropped`
+// (released by the caller after the lock).
+void trim_routes(Routes &dropped) {
+    const size_t cap = max_entries(), size = g_routes.size();
+    if (size <= cap) return;
+    const size_t n = size - (cap - cap / 8);  // < size: the cap is at least 1
+    std::vector<std::pair<uint64_t, std::remove_reference_t<decltype(g_routes)>::iterator>> order;
+    order.reserve(size);
+    for (auto it = g_routes.begin(); it != g_routes.end(); ++it) {
+        order.emplace_back(it->second->used.load(std::memory_order_relaxed), it);
+    }
+    std::nth_element(order.begin(), order.begin() + static_cast<std::ptrdiff_t>(n - 1), order.end(),
+                     [](const auto &a, const auto &b) { return a.first < b.first; });
+    for (size_t i = 0; i < n; ++i) {
+        dropped.push_back(std::move(order[i].second->second));
+        g_routes.erase(order[i].second);
+    }
+    g_route_evictions.fetch_add(n, std::memory_order_relaxed);
+}
+
+std::shared_ptr<const SdpaRoute> route_of(const std::shared_ptr<const KeptRoute> &kept) {
+    return std::shared_ptr<const SdpaRoute>(kept, &kept->route);  // (shares kept's ownership)
+}
 
 void put_scale(std::vector<int64_t> &key, const std::optional<double> &scale) {
     key.push_back(scale.has_value());
@@ -100,8 +163,9 @@ bool capturing(const Tensor &q) {
 
 }  // namespace
 
-const SdpaRoute &sdpa_route(const Tensor &q, const Tensor &k, const Tensor &v, const OptTensor &bias,
-                            double dropout_p, bool is_causal, const std::optional<double> &scale, bool training) {
+std::shared_ptr<const SdpaRoute> sdpa_route(const Tensor &q, const Tensor &k, const Tensor &v, const OptTensor &bias,
+                                            double dropout_p, bool is_causal, const std::optional<double> &scale,
+                                            bool training) {
     thread_local std::vector<int64_t> key;
     key.clear();
     put_tensor(key, q);
@@ -113,25 +177,36 @@ const SdpaRoute &sdpa_route(const Tensor &q, const Tensor &k, const Tensor &v, c
     put_scale(key, scale);
     key.push_back(training);
     {
+        const uint64_t now = g_route_clock.load(std::memory_order_relaxed);
         std::shared_lock<std::shared_mutex> lock(g_routes_lock);
         auto it = g_routes.find(key);
-        if (it != g_routes.end()) return it->second;
+        if (it != g_routes.end()) {
+            const KeptRoute &kept = *it->second;
+            if (kept.used.load(std::memory_order_relaxed) != now) kept.used.store(now, std::memory_order_relaxed);
+            return route_of(it->second);
+        }
     }
     // The miss runs Python, which may run another call on this thread (a finalizer): this
-    // key is copied first, and a route not kept is this call's own.
+    // key is copied first.
     std::vector<int64_t> mine = key;
     SdpaRoute r = miss_sdpa(q, k, v, bias, dropout_p, is_causal, scale, training);
     if (!r.ours && q.is_cuda() && capturing(q)) {
         // Not kept: a refusal inside a capture may be a plan not loadable there, which the
-        // same call outside a capture loads (as _sdpa_mode._route). Kept per thread until
-        // its next such call: the kernel reads it before then.
-        thread_local std::unique_ptr<SdpaRoute> once;
-        once = std::make_unique<SdpaRoute>(std::move(r));
-        once->calls = nullptr;  // counted in g_unkept_calls
-        return *once;
+        // same call outside a capture loads (as _sdpa_mode._route). This call's own.
+        r.calls = nullptr;  // counted in g_unkept_calls
+        return std::make_shared<const SdpaRoute>(std::move(r));
     }
+    Routes dropped;  // released after the lock (declared before it)
     std::unique_lock<std::shared_mutex> lock(g_routes_lock);
-    return g_routes.emplace(std::move(mine), std::move(r)).first->second;
+    const uint64_t now = g_route_clock.fetch_add(2, std::memory_order_relaxed) + 1;  // (as table.cpp's g_clock)
+    auto fresh = std::make_shared<const KeptRoute>(std::move(r), now);
+    auto [it, inserted] = g_routes.try_emplace(std::move(mine), fresh);
+    if (inserted) {
+        trim_routes(dropped);
+    } else {
+        dropped.push_back(std::move(fresh));  // the other thread's route stays (the same answer)
+    }
+    return route_of(it->second);
 }
 
 namespace {
@@ -212,7 +287,8 @@ void forward(const c10::OperatorHandle &, Stack *stack) {
     // q's device current, as PyTorch's generated CUDA wrappers make it (this kernel
     // replaces one): the route's capture check and Python's read the same device.
     const c10::DeviceGuard device(q.device());
-    const SdpaRoute &r = sdpa_route(q, k, v, bias, dropout_p, is_causal, scale, lse);
+    const auto route = sdpa_route(q, k, v, bias, dropout_p, is_causal, scale, lse);
+    const SdpaRoute &r = *route;
     if (t_counted) {
         // (the composite's call, counted there)
     } else if (r.ours && debug) {
@@ -264,7 +340,8 @@ void backward(const c10::OperatorHandle &, Stack *stack) {
     const bool is_causal = args[14].toBool();
     const std::optional<double> scale = args[15].toOptional<double>();
     const c10::DeviceGuard device(q.device());  // (as the forward's)
-    const SdpaRoute &r = sdpa_route(q, k, v, bias, dropout_p, is_causal, scale, true);
+    const auto route = sdpa_route(q, k, v, bias, dropout_p, is_causal, scale, true);
+    const SdpaRoute &r = *route;
     if (!r.ours) {
         static const c10::OperatorHandle fallback = op("aten::_cudnn_attention_backward");  // the same arguments
         fallback.callBoxed(stack);
@@ -401,9 +478,9 @@ void composite(const c10::OperatorHandle &, Stack *stack) {
         const bool lse = at::GradMode::is_enabled() && (q.requires_grad() || k.requires_grad() || v.requires_grad());
         Tensor empty;
         const OptTensor bias = composite_bias(mask, q, lse, empty);
-        const SdpaRoute &r = sdpa_route(q, k, v, bias, dropout_p, is_causal, scale, lse);
-        count_call(r);
-        if (r.ours) {
+        const auto route = sdpa_route(q, k, v, bias, dropout_p, is_causal, scale, lse);
+        count_call(*route);
+        if (route->ours) {
             static const c10::OperatorHandle cudnn = op("aten::_scaled_dot_product_cudnn_attention");
             Stack call{q, k, v, bias, lse, dropout_p, is_causal, false, scale};
             {
@@ -475,19 +552,52 @@ size_t sdpa_route_count() {
     return g_routes.size();
 }
 
-void clear_sdpa_routes() {
-    std::unique_lock<std::shared_mutex> lock(g_routes_lock);
-    g_routes.clear();
+uint64_t sdpa_route_evictions() { return g_route_evictions.load(std::memory_order_relaxed); }
+
+void zero_sdpa_route_evictions() { g_route_evictions.store(0, std::memory_order_relaxed); }
+
+namespace {
+
+void zero_dropped_and_unkept() {
+    {
+        std::lock_guard<std::mutex> guard(g_dropped_lock);
+        g_dropped_served = 0;
+        g_dropped_passed.clear();
+    }
     g_unkept_calls = 0;
     g_debug_calls = 0;
     for (auto &n : g_early_calls) n = 0;
+}
+
+}  // namespace
+
+void clear_sdpa_routes() {
+    Routes dropped;  // released after the lock (declared before it)
+    {
+        std::unique_lock<std::shared_mutex> lock(g_routes_lock);
+        for (auto &kv : g_routes) {
+            kv.second->route.calls->store(0);  // (a call still holding one counts from here)
+            dropped.push_back(std::move(kv.second));
+        }
+        g_routes.clear();
+    }
+    dropped.clear();
+    zero_dropped_and_unkept();
 }
 
 std::vector<std::tuple<bool, std::string, uint64_t>> sdpa_calls() {
     std::vector<std::tuple<bool, std::string, uint64_t>> out;
     {
         std::shared_lock<std::shared_mutex> lock(g_routes_lock);
-        for (const auto &kv : g_routes) out.emplace_back(kv.second.ours, kv.second.reason, kv.second.calls->load());
+        for (const auto &kv : g_routes) {
+            const SdpaRoute &r = kv.second->route;
+            out.emplace_back(r.ours, r.reason, r.calls->load());
+        }
+    }
+    {
+        std::lock_guard<std::mutex> guard(g_dropped_lock);
+        out.emplace_back(true, std::string(), g_dropped_served);
+        for (const auto &[reason, n] : g_dropped_passed) out.emplace_back(false, reason, n);
     }
     out.emplace_back(false, kUnkept, g_unkept_calls.load());
     out.emplace_back(false, kDebug, g_debug_calls.load());
@@ -496,11 +606,11 @@ std::vector<std::tuple<bool, std::string, uint64_t>> sdpa_calls() {
 }
 
 void zero_sdpa_calls() {
-    std::shared_lock<std::shared_mutex> lock(g_routes_lock);
-    for (const auto &kv : g_routes) kv.second.calls->store(0);
-    g_unkept_calls = 0;
-    g_debug_calls = 0;
-    for (auto &n : g_early_calls) n = 0;
+    {
+        std::shared_lock<std::shared_mutex> lock(g_routes_lock);
+        for (const auto &kv : g_routes) kv.second->route.calls->store(0);
+    }
+    zero_dropped_and_unkept();
 }
 
 }  // namespace fastattn::ops

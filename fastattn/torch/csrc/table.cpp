@@ -1,6 +1,6 @@
 // The plan table, outputs and workspaces, and the launch through _core's C ABI: what
 // every op's kernel shares (ops.h). Needs no autograd and no Python beyond Python.h (a
-// plan's reference dropped): a unit that compiles in seconds.
+// plan's reference dropped under the GIL): a unit that compiles in seconds.
 #include <Python.h>
 
 #include <ATen/EmptyTensor.h>
@@ -11,8 +11,10 @@
 
 #include <algorithm>
 #include <atomic>
+#include <memory>
 #include <mutex>
 #include <shared_mutex>
+#include <type_traits>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -23,59 +25,160 @@ namespace fastattn::ops {
 
 namespace {
 
-// Read under a shared lock on every call; written under the unique lock after a miss
-// (which took and released the GIL: a hit never takes the GIL, so a hit waiting for the
-// lock never holds it). Entries are never removed while ops can run (clear_table() is
-// for tests), so a hit's Entry stays valid after the lock is dropped.
+// ---- the plan table -----------------------------------------------------------------------------
+// At most g_max_entries entries (FASTATTN_MEMORY_MAX_ENTRIES, fastattn/bounded.py): past
+// it an insert drops the least recently used eighth. Each entry is shared: the table
+// holds one owner and each thread's last hit another, so an entry dropped (or cleared)
+// while a thread still runs it stays valid until that thread's next lookup of its kind
+// and direction; its Python plan reference goes with its last owner.
+
+// Whether Py_DECREF may run: not once Python is finalizing or gone (a thread's
+// thread_locals die at its exit, the main thread's inside exit(), after finalization):
+// the process is ending, and the plan goes with it.
+bool python_alive() {
+#if PY_VERSION_HEX >= 0x030D0000
+    return Py_IsInitialized() && !Py_IsFinalizing();
+#else
+    return Py_IsInitialized() && !_Py_IsFinalizing();
+#endif
+}
+
+struct Kept {
+    Entry entry;  // its plan: a reference this Kept owns
+    // g_clock at its last use, stored by every hit without a lock (relaxed: an
+    // approximate order is all a trim needs).
+    mutable std::atomic<uint64_t> used;
+    Kept(const Entry &e, uint64_t now) : entry(e), used(now) {}
+    Kept(const Kept &) = delete;
+    Kept &operator=(const Kept &) = delete;
+    ~Kept() {
+        if (entry.plan == nullptr || !python_alive()) return;
+        PyGILState_STATE gil = PyGILState_Ensure();
+        Py_DECREF(static_cast<PyObject *>(entry.plan));
+        PyGILState_Release(gil);
+    }
+};
+using Owned = std::shared_ptr<const Kept>;
+
+// Read under a shared lock on a thread's first call of a key; written under the unique
+// lock after a miss (which took and released the GIL: a hit never takes the GIL, so a
+// hit waiting for the lock never holds it). Owners are released after the lock is: the
+// last one takes the GIL.
 std::shared_mutex g_table_lock;
-std::unordered_map<std::vector<int64_t>, Entry, KeyHash> g_table;
+// Never destroyed: at exit Python is finalized and the plans go with the process.
+auto &g_table = *new std::unordered_map<std::vector<int64_t>, Owned, KeyHash>();
+// Advanced by each insert; a hit stamps its entry with it, so a trim drops the entries
+// unused since the oldest inserts, never one used between every two (a hot shape). An
+// insert, not a hit, advances it: a hit stores what it loads, it adds nothing. By two, the
+// insert's stamp between (fastattn.bounded.tick): an entry hit after an insert is later
+// than the entry inserted.
+std::atomic<uint64_t> g_clock{0};
+std::atomic<size_t> g_max_entries{1};  // set by init() (ops.cpp) before any op can run
+std::atomic<uint64_t> g_evictions{0};
 
 // A thread's last hits, one per kind and direction: a model's attention layers share
 // a shape, so a call's key is usually the one before it, and comparing it costs less
-// than hashing it, locking and searching. clear_table() bumps g_generation, which empties
-// every thread's.
+// than hashing it, locking and searching. clear_table() bumps g_generation, which makes
+// every thread's stale.
 std::atomic<uint64_t> g_generation{0};
 struct LastHit {
     uint64_t generation = ~uint64_t{0};
     std::vector<int64_t> key;
-    const Entry *entry = nullptr;
+    Owned kept;  // an owner: the entry outlives its eviction while this thread may run it
 };
 thread_local LastHit t_last_hit[3][2];  // [Kind][direction]: every kind's key starts with (kind, direction)
 static_assert(kPaged < 3, "t_last_hit has a row per Kind");
+
+void mark_used(const Kept &k, uint64_t now) {
+    if (k.used.load(std::memory_order_relaxed) != now) k.used.store(now, std::memory_order_relaxed);
+}
+
+// Under the unique lock: past the cap, the least recently used entries moved into
+// `dropped` (released by the caller after the lock), down to the cap less an eighth.
+void trim(std::vector<Owned> &dropped) {
+    const size_t cap = g_max_entries.load(std::memory_order_relaxed), size = g_table.size();
+    if (size <= cap) return;
+    const size_t n = size - (cap - cap / 8);  // < size: the cap is at least 1
+    std::vector<std::pair<uint64_t, std::remove_reference_t<decltype(g_table)>::iterator>> order;
+    order.reserve(size);
+    for (auto it = g_table.begin(); it != g_table.end(); ++it) {
+        order.emplace_back(it->second->used.load(std::memory_order_relaxed), it);
+    }
+    std::nth_element(order.begin(), order.begin() + static_cast<std::ptrdiff_t>(n - 1), order.end(),
+                     [](const auto &a, const auto &b) { return a.first < b.first; });
+    for (size_t i = 0; i < n; ++i) {
+        dropped.push_back(std::move(order[i].second->second));
+        g_table.erase(order[i].second);
+    }
+    g_evictions.fetch_add(n, std::memory_order_relaxed);
+}
+
+// Releases owners, perhaps the last of their plans, with the GIL taken once for all of
+// them (each ~Kept would take it alone; see python_alive for when none is).
+void release(std::vector<Owned> &owners) {
+    if (owners.empty() || !python_alive()) {
+        owners.clear();
+        return;
+    }
+    PyGILState_STATE gil = PyGILState_Ensure();
+    owners.clear();
+    PyGILState_Release(gil);
+}
+
+// A miss: the Python runtime validates and finds or builds the plan; kept under `key`.
+// Two threads missing on one key both ask (the runtime builds a (config, device) once);
+// the first insert stays.
+Owned insert(std::vector<int64_t> key, c10::function_ref<Entry()> miss) {
+    const Entry e = miss();
+    std::vector<Owned> dropped;
+    Owned kept;
+    {
+        std::unique_lock<std::shared_mutex> lock(g_table_lock);
+        const uint64_t now = g_clock.fetch_add(2, std::memory_order_relaxed) + 1;
+        auto fresh = std::make_shared<const Kept>(e, now);
+        auto [it, inserted] = g_table.try_emplace(std::move(key), fresh);
+        kept = it->second;
+        if (inserted) {
+            trim(dropped);
+        } else {
+            mark_used(*kept, now);
+            dropped.push_back(std::move(fresh));  // the other thread's entry stays
+        }
+    }
+    release(dropped);
+    return kept;
+}
 
 }  // namespace
 
 const Entry &lookup(const std::vector<int64_t> &key, c10::function_ref<Entry()> miss) {
     LastHit &last = t_last_hit[key[0]][key[1]];
     const uint64_t generation = g_generation.load(std::memory_order_acquire);
-    if (last.generation == generation && last.key == key) return *last.entry;
+    const uint64_t now = g_clock.load(std::memory_order_relaxed);
+    if (last.generation == generation && last.key == key) {
+        mark_used(*last.kept, now);
+        return last.kept->entry;
+    }
+    Owned found;
     {
         std::shared_lock<std::shared_mutex> lock(g_table_lock);
         auto it = g_table.find(key);
-        if (it != g_table.end()) {
-            last.key.assign(key.begin(), key.end());  // into the capacity it has: no allocation once grown
-            last.entry = &it->second;
-            last.generation = generation;
-            return it->second;
-        }
+        if (it != g_table.end()) found = it->second;
     }
-    // A miss: the Python runtime validates and finds or builds the plan. Two threads
-    // missing on one key both ask; the runtime builds a (config, device) once.
-    const Entry e = miss();
-    void *unused = nullptr;
-    const Entry *kept = nullptr;
-    {
-        std::unique_lock<std::shared_mutex> lock(g_table_lock);
-        auto [it, inserted] = g_table.emplace(key, e);
-        if (!inserted) unused = e.plan;  // the other thread's entry stays
-        kept = &it->second;
+    if (found != nullptr) {
+        mark_used(*found, now);
+        last.key.assign(key.begin(), key.end());  // into the capacity it has: no allocation once grown
+    } else {
+        // The miss runs Python, which may run another call on this thread (a finalizer)
+        // and so overwrite the caller's key and this thread's last hit: the key is copied first.
+        std::vector<int64_t> mine(key);
+        found = insert(mine, miss);
+        last.key = std::move(mine);
     }
-    if (unused != nullptr) {
-        PyGILState_STATE gil = PyGILState_Ensure();
-        Py_DECREF(static_cast<PyObject *>(unused));
-        PyGILState_Release(gil);
-    }
-    return *kept;
+    last.generation = generation;
+    // Released at the return, outside every lock: perhaps a dropped entry's last owner (~Kept takes the GIL).
+    const Owned previous = std::exchange(last.kept, std::move(found));
+    return last.kept->entry;
 }
 
 size_t table_size() {
@@ -83,15 +186,27 @@ size_t table_size() {
     return g_table.size();
 }
 
+void set_max_entries(size_t n) {
+    TORCH_CHECK_VALUE(n >= 1, "fastattn: the op library's tables hold at least 1 entry, got ", n);
+    g_max_entries.store(n, std::memory_order_relaxed);
+}
+
+size_t max_entries() { return g_max_entries.load(std::memory_order_relaxed); }
+
+uint64_t table_evictions() { return g_evictions.load(std::memory_order_relaxed); }
+
+void zero_table_evictions() { g_evictions.store(0, std::memory_order_relaxed); }
+
 void clear_table() {
-    std::vector<void *> plans;
+    std::vector<Owned> dropped;
     {
         std::unique_lock<std::shared_mutex> lock(g_table_lock);
-        for (auto &kv : g_table) plans.push_back(kv.second.plan);
+        dropped.reserve(g_table.size());
+        for (auto &kv : g_table) dropped.push_back(std::move(kv.second));
         g_table.clear();
         g_generation.fetch_add(1, std::memory_order_release);  // every thread's last hits are stale
     }
-    for (void *plan : plans) Py_XDECREF(static_cast<PyObject *>(plan));  // clear() holds the GIL
+    release(dropped);  // (those a thread's last hit holds go at that thread's next lookup)
 }
 
 namespace {
