@@ -157,10 +157,12 @@ static int check(const std::string &plan, const std::string &dir, int64_t b, int
     std::vector<uint8_t> blob(blob_text.begin(), blob_text.end());
     auto loaded = std::make_shared<fe::graph::Graph>();
     if (!step("deserialize(handle)", loaded->deserialize(handle, blob))) return 1;
-    std::string n1, n2;
+    // (A deserialized graph's plan name is not asked: s31-1's --check crashed right after
+    // deserialize on 9.19, where asking it is the next call.)
+    std::string n1;
     (void)normal->get_plan_name(n1);
-    (void)loaded->get_plan_name(n2);
-    std::printf("plan built here %s; loaded %s\n", n1.c_str(), n2.c_str());
+    std::printf("plan built here %s\n", n1.c_str());
+    std::fflush(stdout);
 
     const size_t n = static_cast<size_t>(b * h * s * d), ns = static_cast<size_t>(b * h * s);
     std::mt19937 rng(11);

@@ -145,8 +145,23 @@ def strip(x):
     if isinstance(x, dict):
         return {k: strip(v) for k, v in x.items() if k != "rawData"}
     return [strip(v) for v in x] if isinstance(x, list) else x
+def diff(x, y, at="$"):
+    if type(x) is not type(y) or not isinstance(x, (dict, list)):
+        if x != y:
+            yield f"{at}: {str(x)[:80]!r} vs {str(y)[:80]!r}"
+        return
+    keys = sorted(set(x) | set(y)) if isinstance(x, dict) else range(max(len(x), len(y)))
+    for k in keys:
+        if isinstance(x, dict) and (k not in x or k not in y):
+            yield f"{at}.{k}: only in {'the second' if k not in x else 'the first'}"
+        elif isinstance(x, list) and k >= min(len(x), len(y)):
+            yield f"{at}[{k}]: only in one"
+        else:
+            yield from diff(x[k], y[k], f"{at}.{k}" if isinstance(x, dict) else f"{at}[{k}]")
 a, b = (strip(json.load(open(p))) for p in sys.argv[1:])
 print(f"same plan (rawData left out): {a == b}: {sys.argv[1]} {sys.argv[2]}")
+for line in list(diff(a, b))[:20]:
+    print(f"  differs at {line}")
 sys.exit(0 if a == b else 1)
 EOF
 }
