@@ -26,7 +26,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from .config import FP8_DTYPES, AttentionConfig
+from . import _fields
+from .config import FIELDS, FP8_DTYPES, AttentionConfig
 from .errors import InvalidArgumentError
 
 __all__ = ["Defect", "Decision", "DEFECTS", "FULL_LENGTHS", "GAPS", "Gap", "REFUSE", "decide", "explain",
@@ -281,21 +282,24 @@ class Gap:
                 f"cuDNN {building}; {self.evidence}); {self.advice}")
 
 
-def _softcap_with_lengths(c: AttentionConfig, lengths_in_graph: bool) -> bool:
-    return c.softcap is not None and lengths_in_graph
+def _modifier_with_lengths(c: AttentionConfig, lengths_in_graph: bool) -> bool:
+    # Beside a score modifier the graph applies its masks inside the modifier (csrc/graphs.h,
+    # as cudnn-frontend requires): the lengths' comparisons are what cuDNN finds no kernel for.
+    return lengths_in_graph and bool(_fields.score_modifiers(FIELDS, c))
 
 
 GAPS: tuple[Gap, ...] = (
     Gap(
-        name="sm90-softcap-with-lengths",
-        summary=("on SM90, no softcap graph whose masks take per-sequence lengths (padding, packed sequences, a "
-                 "paged cache, or a defect's full-length remedy) is built, whatever the mask (\"KERNEL_CFG knob must "
-                 "be set\"); softcap without per-sequence lengths is built with every mask"),
+        name="sm90-score-modifier-with-lengths",
+        summary=("on SM90, no graph with a score modifier (logit soft-capping) whose masks take per-sequence "
+                 "lengths (padding, packed sequences, a paged cache, or a defect's full-length remedy) is built, "
+                 "whatever the mask (\"KERNEL_CFG knob must be set\"); without per-sequence lengths it is built "
+                 "with every mask"),
         seen_refusing=(92400, 92801),
         seen_building=(91900,),
         capabilities=_SM90,
-        predicate=_softcap_with_lengths,
-        advice=("run softcap with per-sequence lengths on cuDNN 9.19, or give the batch without them (equal "
+        predicate=_modifier_with_lengths,
+        advice=("run soft-capping with per-sequence lengths on cuDNN 9.19, or give the batch without them (equal "
                 "lengths, no padding)"),
         evidence="docs/VERIFICATION.md",
     ),

@@ -157,8 +157,8 @@ static int check(const std::string &plan, const std::string &dir, int64_t b, int
     std::vector<uint8_t> blob(blob_text.begin(), blob_text.end());
     auto loaded = std::make_shared<fe::graph::Graph>();
     if (!step("deserialize(handle)", loaded->deserialize(handle, blob))) return 1;
-    // (A deserialized graph's plan name is not asked: s31-1's --check crashed right after
-    // deserialize on 9.19, where asking it is the next call.)
+    // A deserialized graph's plan name is not asked: on cuDNN 9.19 that query crashes the
+    // process (docs/DECISIONS.md, "Plans built without the GPU").
     std::string n1;
     (void)normal->get_plan_name(n1);
     std::printf("plan built here %s\n", n1.c_str());

@@ -315,7 +315,7 @@ def gap_names(config, cudnn, capability=(9, 0)):
 @pytest.mark.parametrize("cudnn,hit", [(91900, False), (92300, False), (92400, True), (92801, True), (93000, True)])
 def test_the_softcap_gap_covers_the_releases_seen_refusing_and_what_follows(cudnn, hit):
     cfg = AttentionConfig(**SOFTCAP, padding=True)
-    assert gap_names(cfg, cudnn) == (["known cuDNN gap sm90-softcap-with-lengths"] if hit else [])
+    assert gap_names(cfg, cudnn) == (["known cuDNN gap sm90-score-modifier-with-lengths"] if hit else [])
 
 
 @pytest.mark.parametrize("fields,hit", [
@@ -354,12 +354,12 @@ def test_a_refusal_carries_the_gaps_note_and_the_fallback_count_names_it(env, mo
     r = runtime.probe(cfg)
     lines = r.reason.split("\n")
     assert not r.supported and lines[0] == "forward: fake cuDNN refuses head_dim_qk=1024"
-    assert lines[1].startswith("known cuDNN gap sm90-softcap-with-lengths: ") and "9.19.0" in lines[1]
-    with pytest.raises(fastattn.NotSupportedError, match="known cuDNN gap sm90-softcap-with-lengths"):
+    assert lines[1].startswith("known cuDNN gap sm90-score-modifier-with-lengths: ") and "9.19.0" in lines[1]
+    with pytest.raises(fastattn.NotSupportedError, match="known cuDNN gap sm90-score-modifier-with-lengths"):
         fastattn.plan(cfg)
     runtime.count_fallback("transformers", r.reason)
     assert fastattn.stats()["fallbacks"] == {"transformers": {
-        "forward: fake cuDNN refuses head_dim_qk=1024 (known cuDNN gap sm90-softcap-with-lengths)": 1}}
+        "forward: fake cuDNN refuses head_dim_qk=1024 (known cuDNN gap sm90-score-modifier-with-lengths)": 1}}
     monkeypatch.setattr(fake_core, "CUDNN_VERSION", [91900])
     runtime.clear()
     assert runtime.probe(cfg).reason == "forward: fake cuDNN refuses head_dim_qk=1024"  # no gap on 9.19

@@ -121,7 +121,7 @@ def _dense(q, k, v, causal, window, scale, deterministic, slopes, dropout_p, lse
         # cudnn-frontend takes that diagonal only with per-sequence lengths. Beside softcap
         # its own masks are off and the score modifier applies the diagonal, which needs
         # none; lengths there would ask for a graph that cuDNN 9.24 and newer refuse on
-        # SM90 (fastattn.defects' gap sm90-softcap-with-lengths).
+        # SM90 (fastattn.defects' gap sm90-score-modifier-with-lengths).
         lens_q, lens_k = _full(q, q.shape[0], sq), _full(q, q.shape[0], sk)
     out = _attend(q, k, v, causal=causal, window=window, scale=scale, deterministic=deterministic,
                   seq_lens_q=lens_q, seq_lens_kv=lens_k, alibi=alibi, bias=None if bias is None else bias.bias,
