@@ -39,12 +39,8 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 BUILD="${BUILD:-/tmp/fastattn-deviceless}"
 PYTHON="${PYTHON:-python3}"
 
-site() { "$PYTHON" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'; }
-first_dir_with() {  # first_dir_with FILE DIR...: the first DIR holding FILE
-    local f="$1"; shift
-    for d in "$@"; do [ -n "$d" ] && [ -e "$d/$f" ] && { echo "$d"; return 0; }; done
-    echo "deviceless_probe: $f not found in: $* (set the matching *_INC; cudnn-frontend's headers are the include/ folder of the nvidia-cudnn-frontend==1.28.0 wheel)" >&2; return 1
-}
+PROBE=deviceless_probe
+. "$ROOT/tools/probe_paths.sh"
 
 build() {
     local sp; sp="$(site)"

@@ -13,12 +13,8 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PYTHON="${PYTHON:-python3}"
-site() { "$PYTHON" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'; }
-first_dir_with() {  # first_dir_with FILE DIR...: the first DIR holding FILE
-    local f="$1"; shift
-    for d in "$@"; do [ -n "$d" ] && [ -e "$d/$f" ] && { echo "$d"; return 0; }; done
-    echo "override_probe: $f not found in: $* (set the matching *_INC)" >&2; return 1
-}
+PROBE=override_probe
+. "$ROOT/tools/probe_paths.sh"
 case "${1:-}" in
 build)
     sp="$(site)"
