@@ -21,6 +21,7 @@
 #include <c10/util/Exception.h>
 #include <c10/util/FunctionRef.h>
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <cstdint>
@@ -30,6 +31,7 @@
 #include <optional>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "fastattn_abi.h"
@@ -149,6 +151,29 @@ size_t table_size();
 // (FASTATTN_MEMORY_MAX_ENTRIES: init() sets it; at least 1).
 void set_max_entries(size_t n);
 size_t max_entries();
+// Under the caller's unique lock on `table` (the plan table, the route map: values are
+// shared_ptrs to something with an atomic `used` stamp): past `cap`, the least recently
+// used entries are moved into `dropped`, down to the cap less an eighth, for the caller
+// to release after the lock (a last owner may take the GIL). Returns how many.
+template <class Map, class Owners>
+size_t trim_least_recent(Map &table, size_t cap, Owners &dropped) {
+    const size_t size = table.size();
+    if (size <= cap) return 0;
+    const size_t n = size - (cap - cap / 8);  // < size: the cap is at least 1
+    std::vector<std::pair<uint64_t, typename Map::iterator>> order;
+    order.reserve(size);
+    for (auto it = table.begin(); it != table.end(); ++it) {
+        order.emplace_back(it->second->used.load(std::memory_order_relaxed), it);
+    }
+    std::nth_element(order.begin(), order.begin() + static_cast<std::ptrdiff_t>(n - 1), order.end(),
+                     [](const auto &a, const auto &b) { return a.first < b.first; });
+    for (size_t i = 0; i < n; ++i) {
+        dropped.push_back(std::move(order[i].second->second));
+        table.erase(order[i].second);
+    }
+    return n;
+}
+
 // Entries the plan table has dropped past the cap (fastattn.stats()["evictions"]["native_calls"]).
 uint64_t table_evictions();
 void zero_table_evictions();

@@ -39,7 +39,6 @@
 #include <shared_mutex>
 #include <string>
 #include <tuple>
-#include <type_traits>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -99,21 +98,7 @@ using Routes = std::vector<std::shared_ptr<const KeptRoute>>;
 // Under the unique lock: past the cap, the least recently used routes moved into `dropped`
 // (released by the caller after the lock).
 void trim_routes(Routes &dropped) {
-    const size_t cap = max_entries(), size = g_routes.size();
-    if (size <= cap) return;
-    const size_t n = size - (cap - cap / 8);  // < size: the cap is at least 1
-    std::vector<std::pair<uint64_t, std::remove_reference_t<decltype(g_routes)>::iterator>> order;
-    order.reserve(size);
-    for (auto it = g_routes.begin(); it != g_routes.end(); ++it) {
-        order.emplace_back(it->second->used.load(std::memory_order_relaxed), it);
-    }
-    std::nth_element(order.begin(), order.begin() + static_cast<std::ptrdiff_t>(n - 1), order.end(),
-                     [](const auto &a, const auto &b) { return a.first < b.first; });
-    for (size_t i = 0; i < n; ++i) {
-        dropped.push_back(std::move(order[i].second->second));
-        g_routes.erase(order[i].second);
-    }
-    g_route_evictions.fetch_add(n, std::memory_order_relaxed);
+    g_route_evictions.fetch_add(trim_least_recent(g_routes, max_entries(), dropped), std::memory_order_relaxed);
 }
 
 std::shared_ptr<const SdpaRoute> route_of(const std::shared_ptr<const KeptRoute> &kept) {

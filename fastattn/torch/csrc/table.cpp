@@ -14,7 +14,6 @@
 #include <memory>
 #include <mutex>
 #include <shared_mutex>
-#include <type_traits>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -94,22 +93,9 @@ void mark_used(const Kept &k, uint64_t now) {
 }
 
 // Under the unique lock: past the cap, the least recently used entries moved into
-// `dropped` (released by the caller after the lock), down to the cap less an eighth.
+// `dropped` (released by the caller after the lock).
 void trim(std::vector<Owned> &dropped) {
-    const size_t cap = g_max_entries.load(std::memory_order_relaxed), size = g_table.size();
-    if (size <= cap) return;
-    const size_t n = size - (cap - cap / 8);  // < size: the cap is at least 1
-    std::vector<std::pair<uint64_t, std::remove_reference_t<decltype(g_table)>::iterator>> order;
-    order.reserve(size);
-    for (auto it = g_table.begin(); it != g_table.end(); ++it) {
-        order.emplace_back(it->second->used.load(std::memory_order_relaxed), it);
-    }
-    std::nth_element(order.begin(), order.begin() + static_cast<std::ptrdiff_t>(n - 1), order.end(),
-                     [](const auto &a, const auto &b) { return a.first < b.first; });
-    for (size_t i = 0; i < n; ++i) {
-        dropped.push_back(std::move(order[i].second->second));
-        g_table.erase(order[i].second);
-    }
+    const size_t n = trim_least_recent(g_table, g_max_entries.load(std::memory_order_relaxed), dropped);
     g_evictions.fetch_add(n, std::memory_order_relaxed);
 }
 
