@@ -1,6 +1,6 @@
 """What `fastattn warm --verify` costs beside plain `fastattn warm`.
 
-The built-in model shapes (fastattn.sweep.builtin_configs(), what `fastattn warm` warms
+The built-in model shapes (fastattn.config_files.builtin_configs(), what `fastattn warm` warms
 without a file), each row in a fresh empty cache directory, rounds interleaved:
   plain          warm into an empty cache
   verify         warm --verify into an empty cache (build + verify)
@@ -23,7 +23,7 @@ import time
 
 import _common
 
-from fastattn import sweep
+from fastattn import config_files
 from fastattn.warm import warm
 
 
@@ -46,7 +46,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     _common.require_cuda("bench_warm_verify.py")
-    configs = sweep.builtin_configs()
+    configs = config_files.builtin_configs()
     rounds = []
     for r in range(args.rounds):
         row = {}

@@ -22,7 +22,7 @@ import os
 import time
 from typing import Any
 
-from .. import files, runtime, store, sweep
+from .. import files, runtime, store, config_files
 from ..errors import CorruptPlanError, InvalidArgumentError
 from ..plan_cache import PlanCache, config_of
 from ..store import bundle
@@ -141,7 +141,7 @@ def _summary(info: store.EntryInfo) -> str:
     verdict = header["meta"].get("verdict")  # its shape checked by the entry decoder
     shown = f" verified {Verdict.from_dict(verdict).summary()}" if verdict is not None else ""
     # One line of the listing whatever the header's strings hold (a newline, an escape).
-    return printable(f"{header['kind']:<11} {sweep.describe_config(cfg) if cfg else '(unknown config)'}  "
+    return printable(f"{header['kind']:<11} {config_files.describe_config(cfg) if cfg else '(unknown config)'}  "
                      f"[{gpu}, cuDNN {desc.get('cudnn', '?')}]" + (f" avoids {', '.join(avoided)}" if avoided else "")
                      + shown)
 

@@ -7,7 +7,7 @@ from typing import Any
 from .. import _fields, dtypes, files
 from ..config import DTYPES, FIELDS, MASKS, AttentionConfig
 from ..errors import InvalidArgumentError
-from ..sweep import MAX_CONFIGS
+from ..config_files import MAX_CONFIGS
 from ._common import (EXIT_NO_GPU, EXIT_OK, EXIT_UNSUPPORTED, add_json_flag, choices, echo, exit_code, integer, ints,
                       output_file, wrap)
 
@@ -129,9 +129,9 @@ def _refuse_values_without_configs(args, valid: list[dict[str, Any]], invalid: l
 
 
 def _check_grid_size(args) -> None:
-    """A grid of more cells than a warm file may describe (fastattn.sweep.MAX_CONFIGS)
+    """A grid of more cells than a warm file may describe (fastattn.config_files.MAX_CONFIGS)
     is refused before any cell is made: a usage error naming its size and the cap."""
-    from .. import sweep
+    from .. import config_files
 
     sizes = [(len(getattr(args, dest)), flag) for dest, flag in (
         ("head_dims", "--head-dims"), ("masks", "--masks"), ("dtypes", "--dtypes"), ("gqa", "--gqa"),
@@ -139,9 +139,9 @@ def _check_grid_size(args) -> None:
     cells = 1
     for n, _ in sizes:
         cells *= n
-    if cells > sweep.MAX_CONFIGS:
+    if cells > config_files.MAX_CONFIGS:
         product = " x ".join(f"{n} {flag}" for n, flag in sizes)
-        raise InvalidArgumentError(f"the grid has {cells} cells ({product}), more than {sweep.MAX_CONFIGS}: "
+        raise InvalidArgumentError(f"the grid has {cells} cells ({product}), more than {config_files.MAX_CONFIGS}: "
                                    "give fewer values")
 
 

@@ -8,7 +8,7 @@ import json
 import os
 from typing import Any
 
-from .. import _fields, defects, perf_notes, sweep
+from .. import _fields, defects, perf_notes, config_files
 from ..config import FIELDS, AttentionConfig
 from ..errors import InvalidArgumentError
 from ._common import (EXIT_FAILED, EXIT_OK, EXIT_UNSUPPORTED, add_json_flag, add_verify_flag, check_verify_possible,
@@ -78,7 +78,7 @@ def config_from_args(args: argparse.Namespace) -> AttentionConfig:
         raise InvalidArgumentError(f"missing {', '.join(missing)} (required, unless --config gives them)")
     if where is None:  # flags alone: nothing sweeps
         return AttentionConfig.from_dict(fields)
-    configs = sweep.expand_entry(fields, where)
+    configs = config_files.expand_entry(fields, where)
     if len(configs) != 1:
         raise InvalidArgumentError(f"--config {echo(args.config)}: sweeps {len(configs)} configs; probe takes one "
                                    "(fastattn warm takes sweeps)")
@@ -90,9 +90,9 @@ def _config_option(option: str) -> tuple[dict[str, Any], str]:
     fields, or a "configs" list of one), else JSON text; the fields of its one entry,
     and where they came from (for messages)."""
     if os.path.exists(option):
-        entries, where = sweep.read_entries(option)
+        entries, where = config_files.read_entries(option)
     elif option.lstrip().startswith(("{", "[", '"')) or _looks_like_json(option):
-        entries, where = sweep.entries_in_text(option, f"--config {echo(option)}")
+        entries, where = config_files.entries_in_text(option, f"--config {echo(option)}")
     else:
         raise InvalidArgumentError(f"--config {echo(option)}: no such file, and not JSON text")
     if len(entries) != 1:

@@ -96,7 +96,7 @@ def _progress_bar():
 
 
 def run(args) -> tuple[int, dict[str, Any]]:
-    from .. import sweep
+    from .. import config_files
 
     verify = getattr(args, "verify", False)
     if verify:
@@ -105,7 +105,7 @@ def run(args) -> tuple[int, dict[str, Any]]:
         configs, skipped = class_configs(args)
     else:
         _no_class_flags(args)
-        configs, skipped = (sweep.load_configs(args.file) if args.file is not None else sweep.builtin_configs()), None
+        configs, skipped = (config_files.load_configs(args.file) if args.file is not None else config_files.builtin_configs()), None
     # The op library needs a compiler and torch's headers, no GPU: it builds beside the
     # plans' workers, also where there is no GPU (a deploy's image is built on such a
     # machine, and a GPU process of that environment then loads it without compiling).
@@ -232,7 +232,7 @@ def _summary(report) -> str:
 
 
 def _table(report) -> list[str]:
-    from .. import sweep
+    from .. import config_files
 
     c = report.counts
     verified = report.verify or any(i.verdict is not None for i in report.items)
@@ -242,7 +242,7 @@ def _table(report) -> list[str]:
     for item in report.items:
         status = "not saved" if item.saved is False else item.status  # built, and lost: not "built"
         mark = f"{(item.verdict or {}).get('status', '-'):<9} " if verified else ""
-        lines.append(f"{status:<12} {item.seconds:8.3f}  {mark}{sweep.describe_config(item.config)}")
+        lines.append(f"{status:<12} {item.seconds:8.3f}  {mark}{config_files.describe_config(item.config)}")
         if item.verdict is not None and item.verdict["status"] == "skipped":
             lines.extend(wrap(f"not verified: {item.verdict['reason']}", indent=" " * 22))
         if item.status in ("unsupported", "failed", "rejected"):

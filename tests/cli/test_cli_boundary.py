@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import fastattn
-from fastattn import cli, runtime, sweep
+from fastattn import cli, runtime, config_files
 from fastattn.cli import _common
 from fastattn.warm import WarmItem, WarmReport
 from helpers.cli import run  # noqa: E402
@@ -146,7 +146,7 @@ def test_a_grid_past_the_cap_is_a_usage_error_before_any_cell_is_made(capsys, mo
     from fastattn.config import DTYPES, MASKS
     from fastattn.cli import matrix
 
-    monkeypatch.setattr(sweep, "MAX_CONFIGS", cap)
+    monkeypatch.setattr(config_files, "MAX_CONFIGS", cap)
     made = []
 
     def cell(**fields):  # each cell made is counted, and refused (as fastattn's rules refuse paged backward)
@@ -354,10 +354,10 @@ def test_warm_files_by_content_when_not_named_toml_or_json(tmp_path):
     for name, text in (("w.conf", TOML), ("w", TOML), ("w.txt", json.dumps({"configs": [
             {"batch": 1, "heads_q": 8, "seqlen_q": 128, "head_dim_qk": 64}]}))):
         (tmp_path / name).write_text(text)
-        assert len(sweep.load_configs(str(tmp_path / name))) == 1
+        assert len(config_files.load_configs(str(tmp_path / name))) == 1
     (tmp_path / "bad.conf").write_text("batch = \n")
     with pytest.raises(fastattn.InvalidArgumentError) as e:
-        sweep.load_configs(str(tmp_path / "bad.conf"))
+        config_files.load_configs(str(tmp_path / "bad.conf"))
     assert "bad.conf:1:1: not valid JSON" in str(e.value) and "bad.conf:1:9: not valid TOML" in str(e.value)
 
 

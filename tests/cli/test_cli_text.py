@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fastattn.warm
-from fastattn import AttentionConfig, cli, runtime, sweep, warm
+from fastattn import AttentionConfig, cli, runtime, config_files, warm
 from fastattn.cli import _common
 from fastattn.warm import WarmItem, WarmReport
 
@@ -48,7 +48,7 @@ def test_warm_without_a_gpu_says_it_once(cache_dir, capsys, monkeypatch):
     monkeypatch.setattr(fastattn.warm, "warm", _no_gpu_warm)
     code, out, text = run(["warm", "--no-torch-ops"], capsys)
     assert code == cli.EXIT_NO_GPU and out == ""  # the reason is a diagnostic: stderr
-    _assert_no_gpu_text(text, len(sweep.builtin_configs()))
+    _assert_no_gpu_text(text, len(config_files.builtin_configs()))
 
 
 @pytest.mark.skipif(not _gpu_unavailable_reason(), reason="this machine has a usable GPU")
@@ -58,7 +58,7 @@ def test_the_readme_first_run_without_a_gpu(cache_dir, capsys):
     assert code == cli.EXIT_NO_GPU and out == "", text
     lines = text.splitlines()
     assert "(the same as above)" not in text and len(lines) < 12, text
-    assert "no usable GPU" in lines[-1] and f"{len(sweep.builtin_configs())} configs" in lines[-1]
+    assert "no usable GPU" in lines[-1] and f"{len(config_files.builtin_configs())} configs" in lines[-1]
 
 
 _word = st.text(alphabet="abcxyz0123(),;:'=/.", min_size=1, max_size=14)

@@ -290,7 +290,7 @@ def test_probe_flags_take_alignment_and_one_row_biases(capsys, monkeypatch):
 
 
 def test_warm_files_take_the_new_fields(tmp_path):
-    from fastattn.sweep import describe_config, load_configs
+    from fastattn.config_files import describe_config, load_configs
 
     f = tmp_path / "warm.json"
     f.write_text(json.dumps({"configs": [

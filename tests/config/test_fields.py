@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fastattn import _fields, sweep
+from fastattn import _fields, config_files
 from fastattn.cli.matrix import MATRIX_FEATURES
 from fastattn.config import _OPTIONAL_FEATURES, FIELDS, AttentionConfig
 from fastattn.errors import InvalidArgumentError
@@ -29,7 +29,7 @@ def every_path(field: str, value):
         return  # not JSON-able: only Python callers can pass it
     yield lambda: AttentionConfig.from_json(text)
     if not isinstance(value, (list, dict)):  # in a warm file, those are sweeps
-        yield lambda: sweep.expand_entry({**BASE, field: value}, "w.json: configs[0]")
+        yield lambda: config_files.expand_entry({**BASE, field: value}, "w.json: configs[0]")
 
 
 # -- defect 1: a window as an object ---------------------------------------------------
@@ -137,12 +137,12 @@ def test_kernel_family_groups_as_the_hand_written_one_did():
 
 
 def test_describe_shows_each_feature_once():
-    text = sweep.describe_config(AttentionConfig(**BASE, mask="causal", window=(16, 0), training=True,
+    text = config_files.describe_config(AttentionConfig(**BASE, mask="causal", window=(16, 0), training=True,
                                                  deterministic=True, padding=True, ragged=True, alibi=True,
                                                  bias="1hss", bias_grad=True, dropout=0.25, sinks=True))
     assert text == "b1 8h s128 d64 bf16 causal win16,-1 train/det padded alibi packed bias1hss/grad drop0.25 sinks"
-    assert sweep.describe_config(AttentionConfig(**BASE, padding=True, page_size=64)).endswith("padded paged64x2")
-    assert sweep.describe_config(AttentionConfig(**BASE, layout="bhsd")) == "b1 8h s128 d64 bf16 bhsd none"
+    assert config_files.describe_config(AttentionConfig(**BASE, padding=True, page_size=64)).endswith("padded paged64x2")
+    assert config_files.describe_config(AttentionConfig(**BASE, layout="bhsd")) == "b1 8h s128 d64 bf16 bhsd none"
 
 
 def test_every_field_has_a_probe_flag_and_help():

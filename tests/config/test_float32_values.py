@@ -13,7 +13,7 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from fastattn import _fields, sweep
+from fastattn import _fields, config_files
 from fastattn.config import FIELDS, AttentionConfig
 from fastattn.errors import InvalidArgumentError
 
@@ -29,7 +29,7 @@ def test_the_float_fields():
 def every_path(field, value):
     yield lambda: AttentionConfig(**{**BASE, field: value})
     yield lambda: AttentionConfig.from_json(json.dumps({**BASE, field: value}))
-    yield lambda: sweep.expand_entry({**BASE, field: value}, "w.json: configs[0]")
+    yield lambda: config_files.expand_entry({**BASE, field: value}, "w.json: configs[0]")
 
 
 @pytest.mark.parametrize("field", FLOAT_FIELDS)

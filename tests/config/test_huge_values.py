@@ -17,7 +17,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fastattn import _fields, shape_classes, sweep
+from fastattn import _fields, shape_classes, config_files
 from fastattn.config import FIELDS, AttentionConfig
 from fastattn.errors import InvalidArgumentError
 
@@ -52,7 +52,7 @@ def test_a_huge_integer_from_python_is_invalid_argument_naming_the_field(field, 
     for make in (lambda: AttentionConfig(**{**BASE, field: value}),
                  lambda: AttentionConfig.from_dict({**BASE, field: value}),
                  lambda: AttentionConfig.coerce({**BASE, field: value}),
-                 lambda: sweep.expand_entry({**BASE, field: value}, "w.json: configs[0]")):
+                 lambda: config_files.expand_entry({**BASE, field: value}, "w.json: configs[0]")):
         with pytest.raises(InvalidArgumentError, match=rf"^(w\.json: configs\[0\]: )?{field}") as e:
             make()
         assert "integer of 5001 digits" in str(e.value) or field in ("dropout", "layout")
@@ -86,7 +86,7 @@ def test_the_place_skips_digits_inside_strings():
 def test_a_huge_integer_in_a_file_is_invalid_argument_with_the_file_and_place(tmp_path, name, text, place):
     path = tmp_path / name
     path.write_text(text.replace("%s", "1" + "0" * 5000))
-    for read in (sweep.load_configs, sweep.read_entries):
+    for read in (config_files.load_configs, config_files.read_entries):
         with pytest.raises(InvalidArgumentError) as e:
             read(str(path))
         assert place in str(e.value) and "integer of 500" in str(e.value), str(e.value)
@@ -95,16 +95,16 @@ def test_a_huge_integer_in_a_file_is_invalid_argument_with_the_file_and_place(tm
 
 def test_a_huge_integer_in_config_text_is_invalid_argument():
     with pytest.raises(InvalidArgumentError, match=r"^--config:1:11: not valid JSON: an integer of 5001 digits"):
-        sweep.entries_in_text('{"batch": %s}' % ("1" + "0" * 5000), "--config")
+        config_files.entries_in_text('{"batch": %s}' % ("1" + "0" * 5000), "--config")
 
 
 def test_a_huge_range_bound_names_the_range():
     with pytest.raises(InvalidArgumentError, match=r"^w: configs\[0\]\.batch\.from=\[an integer of 5001 digits\]"):
-        sweep.expand_entry({**BASE, "batch": {"from": [HUGE], "to": 2}}, "w: configs[0]")
+        config_files.expand_entry({**BASE, "batch": {"from": [HUGE], "to": 2}}, "w: configs[0]")
     with pytest.raises(InvalidArgumentError, match=r"from=an integer of 5001 digits is greater than to=2$"):
-        sweep.expand_entry({**BASE, "batch": {"from": HUGE, "to": 2}}, "w: configs[0]")
+        config_files.expand_entry({**BASE, "batch": {"from": HUGE, "to": 2}}, "w: configs[0]")
     with pytest.raises(InvalidArgumentError, match=r"more than 100000 values"):
-        sweep.expand_entry({**BASE, "batch": {"from": 1, "to": HUGE}}, "w: configs[0]")
+        config_files.expand_entry({**BASE, "batch": {"from": 1, "to": HUGE}}, "w: configs[0]")
 
 
 def test_shape_classes_show_what_they_refuse():
@@ -188,7 +188,7 @@ def test_any_json_text_is_a_config_or_invalid_argument(tmp_path_factory, values,
         text = "\n".join(f"{k} = {dumps(v)}" for k, v in values.items() if isinstance(v, (int, str)))
     path.write_text(text)
     try:
-        sweep.load_configs(str(path))
+        config_files.load_configs(str(path))
     except InvalidArgumentError as e:
         assert len(str(e)) < 2000
 
@@ -200,8 +200,8 @@ def test_any_text_with_a_huge_integer_is_invalid_argument(text, huge):
         doctored = text.replace("9", str(huge), 1)
     _config_or_invalid(lambda: AttentionConfig.from_json(doctored))
     try:
-        for entry, where in zip(*sweep.entries_in_text(doctored, "--config")):
-            sweep.expand_entry(entry, where)
+        for entry, where in zip(*config_files.entries_in_text(doctored, "--config")):
+            config_files.expand_entry(entry, where)
     except InvalidArgumentError as e:
         assert len(str(e)) < 2000
 

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fastattn import _arrays, sweep, warm
+from fastattn import _arrays, config_files, warm
 from fastattn.config import FP8_BACKWARD_SCALARS, FP8_FORWARD_SCALARS, AttentionConfig
 from fastattn.errors import InvalidArgumentError
 
@@ -105,11 +105,11 @@ def test_an_fp8_array_of_the_wrong_dtype_is_named():
 def test_kernel_family_and_description():
     bf16, fp8 = cfg(mask="causal"), cfg(mask="causal", dtype="fp8_e4m3", out_dtype="bf16")
     assert "bf16" in warm.kernel_family(bf16) and ("fp8_e4m3", "bf16", "fp8_e4m3") in warm.kernel_family(fp8)
-    assert "fp8_e4m3>bf16" in sweep.describe_config(fp8) and "fp8" not in sweep.describe_config(bf16)
+    assert "fp8_e4m3>bf16" in config_files.describe_config(fp8) and "fp8" not in config_files.describe_config(bf16)
 
 
 def test_builtin_warm_set_has_fp8_rows():
-    configs = sweep.builtin_configs()
+    configs = config_files.builtin_configs()
     fp8 = [c for c in configs if c.fp8]
     assert len(fp8) == 20 and len(configs) == 100 and len(set(configs)) == 100
     assert {c.training for c in fp8} == {False, True} and {c.head_dim_qk for c in fp8} == {128}

@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fastattn
-from fastattn import AttentionConfig, bounded, _record, runtime, sweep
+from fastattn import AttentionConfig, bounded, _record, runtime, config_files
 
 BASE = dict(batch=1, heads_q=4, head_dim_qk=64)
 
@@ -249,7 +249,7 @@ def test_recorded_configs_are_bounded_and_one_forgotten_is_written_again(env, mo
         _record.reset()
     assert [AttentionConfig.from_json(line).seqlen_q for line in path.read_text().splitlines()] == [1, 2, 3, 1]
     assert fastattn.stats()["evictions"]["recorded"] == 2
-    assert sweep.load_configs(str(path)) == [cfg(1), cfg(2), cfg(3)]  # what warm builds: each once
+    assert config_files.load_configs(str(path)) == [cfg(1), cfg(2), cfg(3)]  # what warm builds: each once
 
 
 def test_warnings_are_bounded_and_reasons_past_the_cap_share_one_row(env, cap, caplog):

@@ -1,5 +1,5 @@
 """FASTATTN_RECORD (fastattn/_record.py): the configs a process asks plans for, one JSON
-object a line, which `fastattn warm FILE` reads back (fastattn/sweep.py's JSON Lines)."""
+object a line, which `fastattn warm FILE` reads back (fastattn/config_files.py's JSON Lines)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import fastattn
-from fastattn import AttentionConfig, _record, cli, sweep
+from fastattn import AttentionConfig, _record, cli, config_files
 from fastattn.errors import InvalidArgumentError
 
 BASE = dict(batch=1, heads_q=8, head_dim_qk=64, mask="causal")
@@ -40,7 +40,7 @@ def test_each_config_asked_for_is_recorded_once_in_order(env, monkeypatch):
     fastattn.plan(configs[1])  # asked again after clear(): this process recorded it already
     lines = path.read_text().splitlines()
     assert [AttentionConfig.from_json(line) for line in lines] == [*configs, refused]
-    assert sweep.load_configs(str(path)) == [*configs, refused]
+    assert config_files.load_configs(str(path)) == [*configs, refused]
 
 
 def test_preloaded_plans_are_recorded_when_first_used_not_when_loaded(env, monkeypatch):
@@ -132,7 +132,7 @@ def test_a_bad_line_is_named(tmp_path, text, message):
     path = tmp_path / "x.jsonl"
     path.write_text(text)
     with pytest.raises(InvalidArgumentError) as e:
-        sweep.load_configs(str(path))
+        config_files.load_configs(str(path))
     assert message in str(e.value)
 
 
@@ -142,7 +142,7 @@ def test_any_text_in_a_jsonl_file_is_configs_or_a_clear_error(tmp_path, text):
     path = tmp_path / "any.jsonl"
     path.write_text(text)
     try:
-        configs = sweep.load_configs(str(path))
+        configs = config_files.load_configs(str(path))
     except InvalidArgumentError as e:
         assert str(e).startswith(str(path))
     else:
@@ -166,4 +166,4 @@ def test_what_is_recorded_reads_back_as_the_same_configs(configs):
             del os.environ["FASTATTN_RECORD"]
             _record.reset()
         expected = list(dict.fromkeys(configs))
-        assert (sweep.load_configs(path) if os.path.exists(path) else []) == expected
+        assert (config_files.load_configs(path) if os.path.exists(path) else []) == expected

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from fastattn import _opslib, sweep
+from fastattn import _opslib, config_files
 from fastattn.errors import InvalidArgumentError
 
 LONG = "y" * 300  # one component past NAME_MAX
@@ -80,4 +80,4 @@ def test_a_config_file_name_that_cannot_be_opened_is_invalid_argument(tmp_path):
     for path, why in ((tmp_path / LONG / "w.json", "File name too long"), (tmp_path / LONG, "File name too long"),
                       ("w\0.json", r"not a file name \(it holds a NUL character\)")):
         with pytest.raises(InvalidArgumentError, match=why):
-            sweep.load_configs(str(path))
+            config_files.load_configs(str(path))

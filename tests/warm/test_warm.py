@@ -8,7 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fastattn import AttentionConfig, InvalidArgumentError, sweep, warm
+from fastattn import AttentionConfig, InvalidArgumentError, config_files, warm
 
 
 def write(tmp_path, name, text):
@@ -42,7 +42,7 @@ window = [[16, 0], [32, 0]]
 mask = "causal"
 layout = ["bshd", "bhsd"]
 """)
-    a, b = sweep.load_configs(j), sweep.load_configs(t)
+    a, b = config_files.load_configs(j), config_files.load_configs(t)
     assert a == b and len(a) == 2 * 3 * 2 + 3 * 2 * 2
     assert {c.seqlen_q for c in a[:12]} == {512, 1024, 2048}
     assert {c.window for c in a[12:]} == {(16, -1), (32, -1)} and {c.layout for c in a[12:]} == {"bshd", "bhsd"}
@@ -60,11 +60,11 @@ bias = ["none", "1hss"]
 dropout = [0.0, 0.1]
 sinks = [false, true]
 """)
-    configs = sweep.load_configs(t)
+    configs = config_files.load_configs(t)
     assert len(configs) == 8 and {(c.bias, c.dropout > 0, c.sinks) for c in configs} == {
         (b, d, s) for b in ("none", "1hss") for d in (False, True) for s in (False, True)}
     with pytest.raises(InvalidArgumentError, match="bias_grad=True: needs a bias"):
-        sweep.load_configs(write(tmp_path, "g.json", json.dumps({"configs": [
+        config_files.load_configs(write(tmp_path, "g.json", json.dumps({"configs": [
             {"batch": 1, "heads_q": 8, "seqlen_q": 64, "head_dim_qk": 64, "training": True, "bias_grad": True}]})))
 
 
@@ -86,7 +86,7 @@ def test_duplicates_are_dropped_in_order(tmp_path):
         {"batch": 1, "heads_q": 8, "seqlen_q": 64, "head_dim_qk": 64},
         {"batch": [2, 1], "heads_q": 8, "seqlen_q": 64, "head_dim_qk": 64, "dtype": "bfloat16"},
     ]))
-    assert [c.batch for c in sweep.load_configs(p)] == [1, 2]
+    assert [c.batch for c in config_files.load_configs(p)] == [1, 2]
 
 
 @pytest.mark.parametrize("text,match", [
@@ -105,18 +105,18 @@ def test_duplicates_are_dropped_in_order(tmp_path):
 ])
 def test_file_errors_point_at_file_line_and_field(tmp_path, text, match):
     with pytest.raises(InvalidArgumentError, match=match):
-        sweep.load_configs(write(tmp_path, "d.json", text))
+        config_files.load_configs(write(tmp_path, "d.json", text))
 
 
 def test_toml_syntax_error_names_the_file(tmp_path):
     with pytest.raises(InvalidArgumentError, match=r"t\.toml:2:9: not valid TOML"):
-        sweep.load_configs(write(tmp_path, "t.toml", "[[configs]]\nbatch = \n"))
+        config_files.load_configs(write(tmp_path, "t.toml", "[[configs]]\nbatch = \n"))
     with pytest.raises(InvalidArgumentError, match=r"nope\.json: No such file"):
-        sweep.load_configs(str(tmp_path / "nope.json"))
+        config_files.load_configs(str(tmp_path / "nope.json"))
 
 
 def test_builtin_set_is_valid_and_varied():
-    configs = sweep.builtin_configs()
+    configs = config_files.builtin_configs()
     assert len(configs) == len(set(configs)) >= 64
     assert {c.head_dim_qk for c in configs} >= {64, 128, 256}
     assert any(c.heads_kv < c.heads_q for c in configs) and any(c.heads_kv == c.heads_q for c in configs)

@@ -10,7 +10,7 @@ import tempfile
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fastattn import sweep
+from fastattn import config_files
 from fastattn.config import FIELDS, AttentionConfig
 from fastattn.errors import InvalidArgumentError
 
@@ -57,7 +57,7 @@ def _load(name: str, data: bytes):
         with open(path, "wb") as f:
             f.write(data)
         try:
-            configs = sweep.load_configs(path)
+            configs = config_files.load_configs(path)
         except InvalidArgumentError as e:
             assert name in str(e)
             return None

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fastattn import AttentionConfig, InvalidArgumentError, LibraryError, cli, runtime, sweep, warm
+from fastattn import AttentionConfig, InvalidArgumentError, LibraryError, cli, runtime, config_files, warm
 from fastattn.cli._common import exit_code
 
 ENTRY = {"batch": 1, "heads_q": 8, "seqlen_q": 64, "head_dim_qk": 64}
@@ -46,7 +46,7 @@ def test_the_lines_of_a_json_files_entries_are_found_in_one_pass(entries):
     # n**2 / 2 characters of work (100,001 configs: 208 s before the cap refused them).
     text = '{"configs": [\n' + ",\n".join(json.dumps({**ENTRY, "seqlen_q": 64 + i}) for i in range(entries)) + "\n]}"
     _Scanned.spanned = 0
-    lines = sweep._json_entry_lines(_Scanned(text), entries)
+    lines = config_files._json_entry_lines(_Scanned(text), entries)
     assert lines == list(range(2, entries + 2))
     assert _Scanned.spanned <= 2 * len(text), (_Scanned.spanned, len(text))
 
@@ -72,17 +72,17 @@ def _made(monkeypatch) -> list[int]:
 def test_a_file_past_the_cap_is_refused_before_any_config_is_made(tmp_path, monkeypatch, name, render):
     # The cap was checked after each entry was expanded and validated: the 100,001st
     # config was refused after 100,000 had been made.
-    monkeypatch.setattr(sweep, "MAX_CONFIGS", 50)
+    monkeypatch.setattr(config_files, "MAX_CONFIGS", 50)
     made = _made(monkeypatch)
     entries = [{**ENTRY, "seqlen_q": 64 + i} for i in range(40)] + [{**ENTRY, "batch": [1, 2, 3, 4, 5, 6]}] * 3
     path = tmp_path / name
     path.write_text(render(entries))
     with pytest.raises(InvalidArgumentError, match=r"describes more than 50 configs \(counted up to .*configs\[41\]"):
-        sweep.load_configs(str(path))
+        config_files.load_configs(str(path))
     assert made[0] == 0
     # At the cap, every config is made once and the file is read.
     path.write_text(render(entries[:40] + [{**ENTRY, "batch": list(range(2, 12))}]))
-    assert len(sweep.load_configs(str(path))) == 50 and made[0] == 50
+    assert len(config_files.load_configs(str(path))) == 50 and made[0] == 50
 
 
 def _no_gpu_here(monkeypatch):
@@ -179,7 +179,7 @@ def test_a_config_file_is_a_bounded_regular_file_whatever_the_caller(tmp_path, k
     else:
         path = _sparse(tmp_path / "w.json", 8 << 30)
     with pytest.raises(InvalidArgumentError, match="not read"):
-        sweep.load_configs(path)
+        config_files.load_configs(path)
 
 
 @settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -187,12 +187,12 @@ def test_a_config_file_is_a_bounded_regular_file_whatever_the_caller(tmp_path, k
 def test_a_config_file_past_the_bound_is_refused_unread_and_within_it_parsed(tmp_path, monkeypatch, extra, text):
     # The bound at a small size: a file of exactly the bound is read (and then parsed or
     # refused for its content, as any file), one byte more is "not read".
-    monkeypatch.setattr(sweep, "MAX_FILE_BYTES", 64)
+    monkeypatch.setattr(config_files, "MAX_FILE_BYTES", 64)
     data = (text.encode() + b" " * 200)[: max(0, 64 + extra)]
     path = tmp_path / "w.toml"
     path.write_bytes(data)
     try:
-        sweep.load_configs(str(path))
+        config_files.load_configs(str(path))
     except InvalidArgumentError as e:
         assert ("not read" in str(e)) == (len(data) > 64), (len(data), str(e))
     else:
