@@ -3,7 +3,7 @@ attention_paged(), their signatures, documentation and argument checks, and the 
 each call's plan is keyed by. What runs a call once its options are made is its op's
 module (_dense, _varlen, _paged: the plan key and config, the custom ops, the Python
 path's execution) or the op library's C entry (eager.cpp), which reads these same
-arguments (_options.CALLS).
+arguments (_specs.CALLS).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 from .. import _fields
 from .. import shape_classes as _class_bounds
 from ..errors import InvalidArgumentError
-from . import _autograd, _dense, _native, _options, _paged, _shape_classes, _varlen
+from . import _autograd, _dense, _native, _options, _paged, _shape_classes, _specs, _varlen
 from ._plans import AXES, bottom_right
 from ._plans import options as check_options
 
@@ -434,4 +434,4 @@ compiling, functorch_active = torch.compiler.is_compiling, _autograd.functorch_a
 # (make_fx, non-strict export) run the C entry, which sees their dispatch modes.
 dynamo_compiling = getattr(torch.compiler, "is_dynamo_compiling", compiling)
 Tensor = torch.Tensor
-VARLEN_MIN_Q = _options.VARLEN_MIN_Q  # (why: _options)
+VARLEN_MIN_Q = _specs.VARLEN_MIN_Q  # (why: _specs)

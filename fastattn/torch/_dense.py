@@ -13,15 +13,15 @@ import torch
 
 from ..config import AttentionConfig, bias_name
 from ..errors import InvalidArgumentError
-from . import _autograd, _native, _options
+from . import _autograd, _native, _specs
 from ._plans import check_shapes
 from ._plans import (AXES, DTYPES, Cached, check_qkv_tensors, config_shape, out_shape, plans, raw_stream,
                      remember, stats_shape, tensor_key, workspace)
 
 
-# attention()'s scalar options (_options.OPS["dense"]): part of the plan key as they are,
+# attention()'s scalar options (_specs.DENSE.options): part of the plan key as they are,
 # and the custom ops' arguments after the tensors, in this order.
-DenseOptions = _options.named_tuple("dense", "DenseOptions")
+DenseOptions = _specs.named_tuple("dense", "DenseOptions")
 
 
 def plan_for(q, k, v, o, seq_len_q, seq_len_kv, bias, sink, options: DenseOptions) -> Cached:
@@ -49,7 +49,7 @@ def config_for(q, k, v, o, seq_len_q, seq_len_kv, bias, sink, options: DenseOpti
     _check(q, k, v, layout, seq_len_q, seq_len_kv)
     _check_extras(q, k, layout, bias, sink)
     return AttentionConfig(
-        **config_shape(q, k, v, o, layout), dtype=DTYPES[q.dtype], **_options.config_fields(options),
+        **config_shape(q, k, v, o, layout), dtype=DTYPES[q.dtype], **_specs.config_fields(options),
         padding=seq_len_q is not None, bias="none" if bias is None else _bias_shape(q, bias, layout),
         sinks=sink is not None)
 
@@ -135,12 +135,12 @@ def _extra_grads_like(q, bias, sink, bias_grad: bool):
     return d_bias, d_sink
 
 
-# -- the custom ops: tensors, then DenseOptions' fields in order (schemas from _options) ------
+# -- the custom ops: tensors, then DenseOptions' fields in order (schemas from _specs) --------
 
 FORWARD_SCHEMA = ("(Tensor q, Tensor k, Tensor v, Tensor? seq_len_q, Tensor? seq_len_kv, Tensor? bias, Tensor? sink, "
-                  f"Tensor? rng, {_options.schema('dense')}) -> (Tensor, Tensor)")
+                  f"Tensor? rng, {_specs.options_schema('dense')}) -> (Tensor, Tensor)")
 BACKWARD_SCHEMA = ("(Tensor d_o, Tensor o, Tensor stats, Tensor q, Tensor k, Tensor v, Tensor? seq_len_q, "
-                   f"Tensor? seq_len_kv, Tensor? bias, Tensor? sink, Tensor? rng, {_options.schema('dense')}) "
+                   f"Tensor? seq_len_kv, Tensor? bias, Tensor? sink, Tensor? rng, {_specs.options_schema('dense')}) "
                    "-> (Tensor, Tensor, Tensor, Tensor, Tensor)")
 
 

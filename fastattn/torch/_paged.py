@@ -12,15 +12,15 @@ import torch
 
 from ..config import AttentionConfig
 from ..errors import InvalidArgumentError
-from . import _native, _options
+from . import _native, _specs
 from ._autograd import functorch_active, plain_eager
 from ._plans import (DTYPES, Cached, capturing, check_qkv_tensors, logical, out_shape, plans, raw_stream,
                      remember, tensor_key, workspace)
 
 
-# attention_paged()'s scalar options (_options.OPS["paged"]): part of the plan key as they
+# attention_paged()'s scalar options (_specs.PAGED.options): part of the plan key as they
 # are, and the custom op's arguments after the tensors, in this order.
-PagedOptions = _options.named_tuple("paged", "PagedOptions")
+PagedOptions = _specs.named_tuple("paged", "PagedOptions")
 
 
 def plan_for(q, k_cache, v_cache, table, seq_lens_q, cache_seqlens, options: PagedOptions) -> Cached:
@@ -45,7 +45,7 @@ def config_for(q, k_cache, v_cache, table, seq_lens_q, cache_seqlens, options: P
     return AttentionConfig(
         batch=b, heads_q=hq, heads_kv=hkv, seqlen_q=sq, seqlen_kv=table.shape[1] * page_size, head_dim_qk=dqk,
         head_dim_v=dv, dtype=DTYPES[q.dtype], layout={"q": q_st, "k": k_st, "v": v_st, "o": o_st},
-        padding=True, page_size=page_size, num_pages=pages, **_options.config_fields(options))
+        padding=True, page_size=page_size, num_pages=pages, **_specs.config_fields(options))
 
 
 # A batch's query lengths when the caller gives none (all seqlen_q): cuDNN's padding mask
@@ -79,10 +79,10 @@ def forward_impl(q, k_cache, v_cache, table, cache_seqlens, seq_lens_q, options:
     return o
 
 
-# -- the custom op: tensors, then PagedOptions' fields in order (its schema from _options) ----
+# -- the custom op: tensors, then PagedOptions' fields in order (its schema from _specs) ----
 
 FORWARD_SCHEMA = ("(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor cache_seqlens, "
-                  f"Tensor? seq_lens_q, {_options.schema('paged')}) -> Tensor")
+                  f"Tensor? seq_lens_q, {_specs.options_schema('paged')}) -> Tensor")
 
 
 def _forward(q, k_cache, v_cache, block_table, cache_seqlens, seq_lens_q, *options):

@@ -33,7 +33,7 @@ import torch
 from .. import env
 from ..errors import InvalidArgumentError, NotSupportedError
 from .. import shape_classes as sc
-from . import _autograd, _options
+from . import _autograd, _specs
 from ._plans import (DTYPES, Cached, capturing, check_qkv_tensors, check_shapes, plans,
                      raw_stream, remember, workspace)
 
@@ -182,7 +182,7 @@ def plan_for(q, k, v, options: ClassOptions) -> Cached:
     cfg = sc.class_config(
         batch=q.shape[0], heads_q=q.shape[2], heads_kv=k.shape[2], head_dim_qk=q.shape[3], head_dim_v=v.shape[3],
         dtype=DTYPES[q.dtype], upper_q=options.upper_q, upper_kv=options.upper_kv,
-        **_options.config_fields(options.dense))
+        **_specs.config_fields(options.dense))
     return remember(key, cfg, q, k, v, None)
 
 

@@ -13,14 +13,14 @@ import torch
 
 from ..config import AttentionConfig
 from ..errors import InvalidArgumentError
-from . import _autograd, _dense, _native, _options
+from . import _autograd, _dense, _native, _specs
 from ._plans import DTYPES, Cached, check_qkv_tensors, plans, raw_stream, remember, tensor_key, workspace
 
 
-# attention_varlen()'s scalar options (_options.OPS["varlen"]; max_q and max_kv are the
+# attention_varlen()'s scalar options (_specs.VARLEN.options; max_q and max_kv are the
 # plan's longest sequences, max_seqlen_*'s buckets): part of the plan key as they are,
 # and the custom ops' arguments after the tensors, in this order.
-VarlenOptions = _options.named_tuple("varlen", "VarlenOptions")
+VarlenOptions = _specs.named_tuple("varlen", "VarlenOptions")
 
 
 def bucket(n: int) -> int:
@@ -44,7 +44,7 @@ def config_for(q, k, v, batch: int, sink, options: VarlenOptions) -> AttentionCo
         _dense.check_sink(sink, q, hq)
     return AttentionConfig(batch=batch, heads_q=hq, heads_kv=hkv, head_dim_qk=dqk, head_dim_v=dv, dtype=DTYPES[q.dtype],
                            layout="bshd", padding=True, ragged=True, sinks=sink is not None,
-                           **_options.config_fields(options))
+                           **_specs.config_fields(options))
 
 
 def _run_args(cu_q, cu_kv, sink, rng) -> dict[str, int]:
@@ -88,12 +88,12 @@ def backward_impl(d_o, o, stats, q, k, v, cu_q, cu_kv, sink, rng, options: Varle
     return d_q, d_k, d_v, d_sink
 
 
-# -- the custom ops: tensors, then VarlenOptions' fields in order (schemas from _options) ------
+# -- the custom ops: tensors, then VarlenOptions' fields in order (schemas from _specs) --------
 
 FORWARD_SCHEMA = ("(Tensor q, Tensor k, Tensor v, Tensor cu_q, Tensor cu_kv, Tensor? sink, Tensor? rng, "
-                  f"{_options.schema('varlen')}) -> (Tensor, Tensor)")
+                  f"{_specs.options_schema('varlen')}) -> (Tensor, Tensor)")
 BACKWARD_SCHEMA = ("(Tensor d_o, Tensor o, Tensor stats, Tensor q, Tensor k, Tensor v, Tensor cu_q, Tensor cu_kv, "
-                   f"Tensor? sink, Tensor? rng, {_options.schema('varlen')}) -> (Tensor, Tensor, Tensor, Tensor)")
+                   f"Tensor? sink, Tensor? rng, {_specs.options_schema('varlen')}) -> (Tensor, Tensor, Tensor, Tensor)")
 
 
 def _forward(q, k, v, cu_q, cu_kv, sink, rng, *options):
