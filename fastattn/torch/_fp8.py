@@ -232,7 +232,7 @@ def _options(q, layout, causal, causal_bottom_right, window, scale, deterministi
 
 
 def _eager(q) -> bool:
-    from ._autograd import plain_eager
+    from ._executor import plain_eager
 
     return plain_eager(q)
 

@@ -12,8 +12,10 @@ attention_paged()'s op; the SDPA mode's kernels run the dense op):
 And CALLS: the arguments attention() and attention_varlen() hand the op library's C
 entries as they are, in their order, and how each is read there.
 
-What is made from a spec: the options' NamedTuple and the custom ops' schemas (here)
-and the op library's option headers (_options.cpp_header).
+What is made from a spec: the options' NamedTuple and the custom ops' schemas (here);
+the executor, the fake kernels and the autograd (_executor); the op library's option
+headers (_options.cpp_header). The op modules (_dense, _varlen, _paged) keep their plan
+lookup and their checks.
 
 "Off": an option's value is the C++ core's Config member it becomes (the window's
 window_left and window_right, an int each; softcap a float), and a field whose value

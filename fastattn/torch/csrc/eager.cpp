@@ -80,7 +80,7 @@ PyObject *run_eager(const Tensor &q, const Tensor &k, const Tensor &v, const Opt
 // Outside dispatch modes (FakeTensorMode, make_fx's proxy mode) and torch.func
 // transforms, whose tensors the eager kernels do not handle, and outside
 // torch.jit.trace, whose tracer records only calls that reach the dispatcher (it
-// includes the Tracer key while tracing): _autograd.plain_eager's test.
+// includes the Tracer key while tracing): _executor.plain_eager's test.
 bool outside_modes() {
     if (c10::impl::TorchDispatchModeTLS::stack_len() != 0) return false;
     const auto included = c10::impl::tls_local_dispatch_key_set().included_;
