@@ -130,7 +130,8 @@ class Spec(NamedTuple):
     axes: str | tuple[str, ...]  # the option giving the layout (config.axes), or the inputs' axis names in order
     forward_op: str  # the Python custom op (fastattn::...); the op library's is native_<name>
     backward_op: str = ""  # "": no backward (cuDNN has none)
-    padded_by: str = ""  # the optional input whose presence zeroes o and the gradients first (rows past a length)
+    padded_by: str = ""  # the optional input whose presence zeroes first o and the gradients written always
+    #                      (q's, k's, v's): their rows past a sequence's length
     packed: bool = False  # the plan serves any token count: shapes come from each call's tensors, never the plan's
     native: bool = True  # the op library has this op (fastattn_options.h declares its options)
 

@@ -383,3 +383,26 @@ def test_a_pointer_given_lands_in_its_slot(recording):
     options = _dense.DenseOptions("bshd", False, False, -1, -1, 0.0, False, False, False, 0.1, False)
     _dense.forward_impl(q, q, q, None, None, None, None, rng, options)
     assert seen["seed"] == rng.data_ptr() and seen["offset"] == rng.data_ptr() + 16
+
+
+def test_the_op_librarys_misses_reach_each_plan_lookup_with_the_specs_order(monkeypatch):
+    # The C++ table's miss handler passes its own argument order (ops.cpp's miss_*);
+    # _native.PLAN_FOR turns it into plan_for(*inputs, o, options) (varlen: plan, by batch).
+    from fastattn.torch import _native
+
+    seen = []
+    monkeypatch.setattr(_dense, "plan_for", lambda *a: seen.append(("dense", a)))
+    monkeypatch.setattr(_varlen, "plan", lambda *a: seen.append(("varlen", a)))
+    monkeypatch.setattr(_paged, "plan_for", lambda *a: seen.append(("paged", a)))
+    q, k, v, o, lq, lkv, bias, sink = (object() for _ in range(8))
+    dense = _dense.DenseOptions("bshd", True, False, -1, -1, 0.0, False, False, True, 0.0, False)
+    _native.PLAN_FOR["dense"](q, k, v, o, lq, lkv, bias, sink, tuple(dense))
+    assert seen.pop() == ("dense", (q, k, v, lq, lkv, bias, sink, None, o, dense))
+    varlen = _varlen.VarlenOptions(64, 64, True, False, -1, -1, 0.0, False, True, False, 0.0)
+    _native.PLAN_FOR["varlen"](q, k, v, 3, sink, tuple(varlen))
+    assert seen.pop() == ("varlen", (q, k, v, 3, sink, varlen))
+    paged = _paged.PagedOptions(True, True, -1, -1, 0.0)
+    table, lens_q, cache_lens = object(), object(), object()
+    _native.PLAN_FOR["paged"](q, k, v, table, lens_q, cache_lens, tuple(paged))
+    assert seen.pop() == ("paged", (q, k, v, table, cache_lens, lens_q, None, paged))
+    assert not seen
