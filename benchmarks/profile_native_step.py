@@ -78,7 +78,7 @@ def main(argv=None) -> int:
         res["eager_piece_wrap_o"] = res["eager_piece_allocate_and_wrap_o"] - res["eager_piece_allocate_o"]
         # The floors under the eager entry: plan.forward with ints (Cython), and
         # cudnn-frontend's execute looped in C++ on the same plan and pointers.
-        c = _dense.plan_for(q, k, v, None, None, None, None, None,
+        c = _dense.plan_for(q, k, v, None, None, None, None, None, None,
                             _dense.DenseOptions("bshd", True, False, -1, -1, 0.0, False, False, False, 0.0, False))
         o = torch.empty_like(q)
         stream = _plans.raw_stream(0)

@@ -59,7 +59,7 @@ def _training(q, k, v, qt, kt, vt) -> dict:
     d_o = torch.randn_like(o)
     bwd_args = (d_o, o, stats, q, k, v, None, None, None, None, None, options)  # backward_impl's
     res["backward_impl"] = _us(lambda: _dense.backward_impl(*bwd_args), iters=300)
-    hit = _dense.plan_for(q, k, v, o, None, None, None, None, options)
+    hit = _dense.plan_for(q, k, v, None, None, None, None, None, o, options)
     plan = hit.plan
 
     class Stub:
@@ -96,7 +96,7 @@ def main(argv=None) -> int:
     ptrs = (q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr())
     options = _options(training=False)  # as attention(q, k, v, causal=True) makes them
     fwd_args = (q, k, v, None, None, None, None, None, options)  # forward_impl(q, k, v, lengths, extras, options)
-    key_args = (q, k, v, None, None, None, None, None, options)  # plan_for(q, k, v, o, lengths, bias, sink, options)
+    key_args = (q, k, v, None, None, None, None, None, None, options)  # plan_for(q, k, v, lengths, extras, o, options)
     res = {}
     res["attention_total"] = _us(lambda: fat.attention(q, k, v, causal=True))
     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):

@@ -39,10 +39,10 @@ def units(cores: int) -> tuple[tuple[str, ...], ...]:
     return BATCHES
 INCLUDE = Path(__file__).resolve().parent / "include"
 # The sources' included files: every header beside them, so that a new one is part of the
-# tag unasked, and the declarations the generated headers come from (_options.py, and
-# config.py's layouts and alignments).
+# tag unasked, and the declarations the generated headers come from (_options.py, the
+# ops' specs, and the field registry their options take kinds, docs and off values from).
 HEADERS = (INCLUDE / "fastattn_abi.h", *sorted(_CSRC.glob("*.h")), _TORCH_DIR / "_options.py",
-           _TORCH_DIR.parent / "config.py")
+           _TORCH_DIR / "_specs.py", _TORCH_DIR.parent / "config.py", _TORCH_DIR.parent / "_fields.py")
 
 
 def tag(torch_version: str, cxx11_abi: int) -> str:

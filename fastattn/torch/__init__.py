@@ -30,12 +30,14 @@ CUDA context, the plans this GPU's cache used most recently, so that the first c
 them in memory. It makes no CUDA call before the process does and builds nothing.
 
 The package: _api, the entry points attention, attention_varlen and attention_paged as users
-call them (signatures, checks, options); one module per op behind them (_dense, _varlen,
-_paged: plan keys, configs, custom ops, the Python path's work); _fp8: the FP8 ops,
-_fp8_scaled: the scaling helper, _sdpa: scaled_dot_product_attention, on attention();
-_plans for what they share (the tensor-signature -> plan
-table, workspaces per stream, the current stream), and _autograd, the one autograd
-definition that plain eager calls and the custom ops both use. `backend_info()` says
+call them (signatures, checks, options); _specs, one spec per op (its tensors and the plan
+slots they fill, its outputs, what backward returns, its options by config field);
+_executor, the one executor made from a spec (the Python path's work, the custom ops and
+their fake kernels, the one autograd definition that plain eager calls and the custom ops
+both use); one module per op (_dense, _varlen, _paged: plan keys, configs, checks);
+_fp8: the FP8 ops, _fp8_scaled: the scaling helper, _sdpa: scaled_dot_product_attention,
+on attention(); _plans for what they share (the tensor-signature -> plan table,
+workspaces per stream, the current stream). `backend_info()` says
 which path the entry points take (the native C++ op library or the Python path) and why.
 """
 

@@ -1,9 +1,9 @@
 """fastattn.torch's entry points as users call them: attention(), attention_varlen() and
 attention_paged(), their signatures, documentation and argument checks, and the options
 each call's plan is keyed by. What runs a call once its options are made is its op's
-module (_dense, _varlen, _paged: the plan key and config, the custom ops, the Python
-path's execution) or the op library's C entry (eager.cpp), which reads these same
-arguments (_options.CALLS).
+module (_dense, _varlen, _paged: the plan key and config; the custom ops and the Python
+path's execution, made from the op's spec by _executor) or the op library's C entry
+(eager.cpp), which reads these same arguments (_specs.CALLS).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 from .. import _fields
 from .. import shape_classes as _class_bounds
 from ..errors import InvalidArgumentError
-from . import _autograd, _dense, _native, _options, _paged, _shape_classes, _varlen
+from . import _dense, _executor, _native, _options, _paged, _shape_classes, _specs, _varlen
 from ._plans import AXES, bottom_right
 from ._plans import options as check_options
 
@@ -187,7 +187,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
             return served
     if return_lse:
         if cuda and plain_eager(q):
-            o, stats = (EagerWithStats.apply(_dense.RULE, options, q, k, v, seq_lens_q, seq_lens_kv, *extras) if grads
+            o, stats = (Train.apply(_dense, options, True, q, k, v, seq_lens_q, seq_lens_kv, *extras) if grads
                         else _dense.forward_impl(q, k, v, seq_lens_q, seq_lens_kv, *extras, options))
         else:
             o, stats = _dense.forward_op(q, k, v, seq_lens_q, seq_lens_kv, *extras, *options)
@@ -209,7 +209,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     if cuda and plain_eager(q):
         if not training:  # no autograd either: straight to the plan
             return _dense.forward_impl(q, k, v, seq_lens_q, seq_lens_kv, *extras, options)[0]
-        return Eager.apply(_dense.RULE, options, q, k, v, seq_lens_q, seq_lens_kv, *extras)
+        return Train.apply(_dense, options, False, q, k, v, seq_lens_q, seq_lens_kv, *extras)
     return _dense.forward_op(q, k, v, seq_lens_q, seq_lens_kv, *extras, *options)[0]
 
 
@@ -337,7 +337,7 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     tensors = (q, k, v, cu_seqlens_q, cu_seqlens_kv, sinks, rng)
     if return_lse:
         if plain_eager(q):
-            o, stats = (EagerWithStats.apply(_varlen.RULE, options, *tensors) if grads else _varlen.forward_impl(*tensors, options))
+            o, stats = (Train.apply(_varlen, options, True, *tensors) if grads else _varlen.forward_impl(*tensors, options))
         else:
             o, stats = _varlen.forward_op(*tensors, *options)
         return o, stats.t().contiguous()  # (tokens, heads) -> FlashAttention's (heads, total_q)
@@ -352,10 +352,10 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
                 native = _native.VARLEN
             if native is not None:
                 return native[0](*tensors, *options)[0]
-    if plain_eager(q):  # skip the custom ops' wrappers (see _autograd)
+    if plain_eager(q):  # skip the custom ops' wrappers (see _executor)
         if not training:
             return _varlen.forward_impl(*tensors, options)[0]
-        return Eager.apply(_varlen.RULE, options, *tensors)
+        return Train.apply(_varlen, options, False, *tensors)
     return _varlen.forward_op(*tensors, *options)[0]
 
 
@@ -428,10 +428,10 @@ def options_for(causal, causal_bottom_right, window, scale, alignment, softcap) 
 
 # Module globals: one lookup less per call.
 _parse_classes = _class_bounds.parse
-plain_eager, Eager, EagerWithStats = _autograd.plain_eager, _autograd.Eager, _autograd.EagerWithStats
-compiling, functorch_active = torch.compiler.is_compiling, _autograd.functorch_active
+plain_eager, Train = _executor.plain_eager, _executor.Train
+compiling, functorch_active = torch.compiler.is_compiling, _executor.functorch_active
 # Dynamo's own flag (one call, cheaper than is_compiling): other tracers
 # (make_fx, non-strict export) run the C entry, which sees their dispatch modes.
 dynamo_compiling = getattr(torch.compiler, "is_dynamo_compiling", compiling)
 Tensor = torch.Tensor
-VARLEN_MIN_Q = _options.VARLEN_MIN_Q  # (why: _options)
+VARLEN_MIN_Q = _specs.VARLEN_MIN_Q  # (why: _specs)

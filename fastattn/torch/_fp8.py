@@ -23,9 +23,9 @@ import torch
 
 from ..config import FP8_BACKWARD_SCALARS, FP8_FORWARD_SCALARS, AttentionConfig
 from ..errors import InvalidArgumentError
-from ._options import config_fields, named_tuple, schema
-from ._plans import (AXES, CLOCK, DTYPES, FP8, Cached, check_shapes, config_shape, out_shape, plans, raw_stream,
-                     remember, stats_shape, workspace)
+from ._specs import config_fields, named_tuple, options_schema
+from ._plans import (AXES, CLOCK, DTYPES, FP8, Cached, check_shapes, config_shape, out_shape, plans, raw_stream, remember,
+                     stats_shape, workspace)
 from ._plans import options as check_options
 
 OUT = {**FP8, **DTYPES}
@@ -38,7 +38,7 @@ BACKWARD_SCALARS = tuple(n for n in FP8_BACKWARD_SCALARS if not n.startswith("am
 BACKWARD_AMAXES = tuple(n for n in FP8_BACKWARD_SCALARS if n.startswith("amax_"))  # Fp8Grads' order
 
 
-# The FP8 ops' scalar options (_options.PYTHON_OPS["fp8"]): part of the plan key, and the
+# The FP8 ops' scalar options (_specs.FP8_OPTIONS): part of the plan key, and the
 # ops' arguments after the tensors, in this order.
 Fp8Options = named_tuple("fp8", "Fp8Options")
 
@@ -152,11 +152,11 @@ def backward_impl(d_o, o, stats, q, k, v, scalars, seq_len_q, seq_len_kv, option
     return Fp8Grads(d_q, d_k, d_v, *amaxes)
 
 
-# -- the custom ops: tensors, then Fp8Options' fields in order (schemas from _options) ----------
+# -- the custom ops: tensors, then Fp8Options' fields in order (schemas from _specs) ----------
 
 def _schema(tensors: tuple[str, ...], scalars: tuple[str, ...], returns: int) -> str:
     listed = ", ".join(f"Tensor {n}" for n in (*tensors, *scalars))
-    return f"({listed}, Tensor? seq_len_q, Tensor? seq_len_kv, {schema('fp8')}) -> ({', '.join(['Tensor'] * returns)})"
+    return f"({listed}, Tensor? seq_len_q, Tensor? seq_len_kv, {options_schema('fp8')}) -> ({', '.join(['Tensor'] * returns)})"
 
 
 FORWARD_SCHEMA = _schema(("q", "k", "v"), FORWARD_SCALARS, 4)
@@ -233,7 +233,7 @@ def _options(q, layout, causal, causal_bottom_right, window, scale, deterministi
 
 
 def _eager(q) -> bool:
-    from ._autograd import plain_eager
+    from ._executor import plain_eager
 
     return plain_eager(q)
 

@@ -249,7 +249,7 @@ def write_unit(folder: Path, index: int, names: tuple[str, ...]) -> Path:
 
 def write_generated(folder: Path) -> Path:
     """The op library's generated headers (fastattn_options.h and fastattn_calls.h, from
-    _options.py) in `folder`, which is returned."""
+    the ops' specs, _specs.py, by _options.py) in `folder`, which is returned."""
     folder.mkdir(parents=True, exist_ok=True, mode=0o700)
     (folder / "fastattn_options.h").write_text(_options.cpp_header())
     (folder / "fastattn_calls.h").write_text(_options.calls_header())

@@ -4,27 +4,34 @@ forward only.
 FlashAttention's flash_attn_with_kvcache layout: k and v are pools of pages of
 page_size tokens, (num_pages, page_size, heads_kv, dim), and an int32 block table lists
 each sequence's pages. cuDNN has no paged backward, so there is no autograd here.
+
+What a call is, is _specs.PAGED; its execution and its custom op fastattn::paged_forward
+(with its fake kernel) are made from it (_executor.install). This module keeps the plan
+lookup, the checks and the query lengths a call without seq_lens_q runs with.
 """
 
 from __future__ import annotations
+
+import sys
 
 import torch
 
 from .. import bounded
 from ..config import AttentionConfig
 from ..errors import InvalidArgumentError
-from . import _native, _options
-from ._autograd import functorch_active, plain_eager
-from ._plans import (CLOCK, DTYPES, Cached, capturing, check_qkv_tensors, logical, out_shape, plans,
-                     raw_stream, remember, tensor_key, workspace)
+from . import _executor, _native, _specs
+from ._executor import functorch_active, plain_eager
+# (raw_stream and workspace: the executor's, which runs in this module's namespace)
+from ._plans import (CLOCK, DTYPES, Cached, capturing, check_qkv_tensors, logical, out_shape, plans, raw_stream,  # noqa: F401
+                     remember, tensor_key, workspace)
+
+SPEC = _specs.PAGED
+# attention_paged()'s scalar options (SPEC.options): part of the plan key as they are,
+# and the custom op's arguments after the tensors, in this order.
+PagedOptions = _specs.named_tuple("paged", "PagedOptions")
 
 
-# attention_paged()'s scalar options (_options.OPS["paged"]): part of the plan key as they
-# are, and the custom op's arguments after the tensors, in this order.
-PagedOptions = _options.named_tuple("paged", "PagedOptions")
-
-
-def plan_for(q, k_cache, v_cache, table, seq_lens_q, cache_seqlens, options: PagedOptions) -> Cached:
+def plan_for(q, k_cache, v_cache, table, cache_seqlens, seq_lens_q, o, options: PagedOptions) -> Cached:
     key = ("paged", q.shape, q.stride(), k_cache.shape, k_cache.stride(), v_cache.shape, v_cache.stride(),
            q.dtype, k_cache.dtype, v_cache.dtype, q.get_device(), k_cache.get_device(), v_cache.get_device(),
            tensor_key(table), tensor_key(cache_seqlens), tensor_key(seq_lens_q), options)
@@ -47,7 +54,12 @@ def config_for(q, k_cache, v_cache, table, seq_lens_q, cache_seqlens, options: P
     return AttentionConfig(
         batch=b, heads_q=hq, heads_kv=hkv, seqlen_q=sq, seqlen_kv=table.shape[1] * page_size, head_dim_qk=dqk,
         head_dim_v=dv, dtype=DTYPES[q.dtype], layout={"q": q_st, "k": k_st, "v": v_st, "o": o_st},
-        padding=True, page_size=page_size, num_pages=pages, **_options.config_fields(options))
+        padding=True, page_size=page_size, num_pages=pages, **_specs.config_fields(options))
+
+
+def check_traced(q, k_cache, v_cache, block_table, cache_seqlens, seq_lens_q, options: PagedOptions) -> None:
+    """The forward op's fake kernel's checks: a miss's."""
+    config_for(q, k_cache, v_cache, block_table, seq_lens_q, cache_seqlens, options)
 
 
 # A batch's query lengths when the caller gives none (all seqlen_q): cuDNN's padding mask
@@ -59,10 +71,12 @@ def config_for(q, k_cache, v_cache, table, seq_lens_q, cache_seqlens, options: P
 _full_lengths = bounded.Table("arrays")
 
 
-def _query_lengths(q: torch.Tensor, device: int, stream: int) -> torch.Tensor:
+def query_lengths(q: torch.Tensor, device: int) -> torch.Tensor:
+    """seq_lens_q's slot when the call passes none (SPEC's `absent`)."""
     b, sq = q.shape[0], q.shape[1]
     if capturing():
         return torch.full((b,), sq, dtype=torch.int32, device=q.device)
+    stream = raw_stream(device)
     lengths = _full_lengths.get((device, stream, b, sq))
     if lengths is None:
         lengths = _full_lengths.keep((device, stream, b, sq),
@@ -70,41 +84,10 @@ def _query_lengths(q: torch.Tensor, device: int, stream: int) -> torch.Tensor:
     return lengths
 
 
-def forward_impl(q, k_cache, v_cache, table, cache_seqlens, seq_lens_q, options: PagedOptions) -> torch.Tensor:
-    c = plan_for(q, k_cache, v_cache, table, seq_lens_q, cache_seqlens, options)
-    stream = raw_stream(c.device)
-    if seq_lens_q is None:
-        seq_lens_q = _query_lengths(q, c.device, stream)
-        o = torch.empty_like(q) if c.out_like_q else q.new_empty(c.out_shape)
-    else:
-        o = q.new_zeros(c.out_shape)  # rows past a query length are zero (see _dense.forward_impl)
-    ws = workspace(q, c.forward_workspace, c.device, stream)
-    c.plan.forward(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), o.data_ptr(), 0,
-                   ws.data_ptr() if ws is not None else 0, stream, seq_lens_q.data_ptr(), cache_seqlens.data_ptr(),
-                   page_table_k=table.data_ptr(), page_table_v=table.data_ptr())
-    return o
-
-
-# -- the custom op: tensors, then PagedOptions' fields in order (its schema from _options) ----
-
-FORWARD_SCHEMA = ("(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor cache_seqlens, "
-                  f"Tensor? seq_lens_q, {_options.schema('paged')}) -> Tensor")
-
-
-def _forward(q, k_cache, v_cache, block_table, cache_seqlens, seq_lens_q, *options):
-    return forward_impl(q, k_cache, v_cache, block_table, cache_seqlens, seq_lens_q, PagedOptions(*options))
-
-
-forward_op = torch.library.custom_op("fastattn::paged_forward", _forward, mutates_args=(), schema=FORWARD_SCHEMA)
+# The work and the custom op (with its fake kernel): made from SPEC (no backward: cuDNN has none).
+forward_impl, backward_impl, forward_op, backward_op = _executor.install(SPEC, sys.modules[__name__], PagedOptions)
 _native.PLAN_FOR["paged"] = lambda q, k_cache, v_cache, table, seq_lens_q, cache_seqlens, options: plan_for(
-    q, k_cache, v_cache, table, seq_lens_q, cache_seqlens, PagedOptions(*options))  # the op library's misses
-
-
-@forward_op.register_fake
-def _(q, k_cache, v_cache, block_table, cache_seqlens, seq_lens_q, *options):
-    # A trace refuses what eager does.
-    config_for(q, k_cache, v_cache, block_table, seq_lens_q, cache_seqlens, PagedOptions(*options))
-    return q.new_empty(out_shape(q, v_cache, "bshd"))
+    q, k_cache, v_cache, table, cache_seqlens, seq_lens_q, None, PagedOptions(*options))  # the op library's misses
 
 
 def _check_lengths(name: str, t, batch: int, device) -> None:

@@ -372,7 +372,7 @@ def _decide(q, k, v, attn_bias, dropout_p, is_causal, scale, training) -> _Route
                                   False, False, bool(training), float(dropout_p), False, 0.0)
     ql, kl, vl = _views(layout, q, k, v)
     try:
-        _dense.plan_for(ql, kl, vl, None, None, None, _bias(attn_bias, q, k, training), None, options)
+        _dense.plan_for(ql, kl, vl, None, None, _bias(attn_bias, q, k, training), None, None, None, options)
     except (NotSupportedError, InvalidArgumentError) as e:  # cuDNN's refusal, or a plan not loadable now
         return f"{type(e).__name__}: {e}"
     except FastAttnError as e:
@@ -517,9 +517,9 @@ def _backward(grad_out, query, key, value, out, logsumexp, philox_seed, philox_o
     rng = None
     if dropout_p:
         rng = torch.stack([philox_seed, philox_seed, philox_offset, philox_offset]).reshape(4)
-    d_q, d_k, d_v, _, _ = _dense.backward_impl(d_o, o, stats, q, k, v, None, None, _bias(bias, query, key, True),
-                                               None, rng, options)
-    return tuple(_matched(_to_bhsd(layout, g), stride) for g, stride in zip((d_q, d_k, d_v), route.grad_strides))
+    grads = _dense.backward_impl(d_o, o, stats, q, k, v, None, None, _bias(bias, query, key, True), None, rng,
+                                 options)[:3]  # (d_q, d_k, d_v: what the operator returns)
+    return tuple(_matched(_to_bhsd(layout, g), stride) for g, stride in zip(grads, route.grad_strides))
 
 
 

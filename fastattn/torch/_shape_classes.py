@@ -26,6 +26,7 @@ arrays' lookups, several microseconds more than a native hit.
 
 from __future__ import annotations
 
+import sys
 from typing import NamedTuple
 
 import torch
@@ -33,7 +34,7 @@ import torch
 from .. import bounded, env
 from ..errors import InvalidArgumentError, NotSupportedError
 from .. import shape_classes as sc
-from . import _autograd, _options
+from . import _executor, _specs
 from ._plans import (CLOCK, DTYPES, Cached, capturing, check_qkv_tensors, check_shapes, plans,
                      raw_stream, remember, workspace)
 
@@ -52,7 +53,7 @@ class ClassOptions(NamedTuple):
     upper_kv: int
 
     @property
-    def training(self) -> bool:  # what _autograd reads
+    def training(self) -> bool:  # what _executor's autograd reads
         return self.dense.training
 
 
@@ -183,7 +184,7 @@ def plan_for(q, k, v, options: ClassOptions) -> Cached:
     cfg = sc.class_config(
         batch=q.shape[0], heads_q=q.shape[2], heads_kv=k.shape[2], head_dim_qk=q.shape[3], head_dim_v=v.shape[3],
         dtype=DTYPES[q.dtype], upper_q=options.upper_q, upper_kv=options.upper_kv,
-        **_options.config_fields(options.dense))
+        **_specs.config_fields(options.dense))
     return remember(key, cfg, q, k, v, None)
 
 
@@ -222,7 +223,8 @@ def forward_impl(q, k, v, seq_len_q, seq_len_kv, rng, options: ClassOptions):
 
 
 def backward_impl(d_o, o, stats, q, k, v, seq_len_q, seq_len_kv, rng, options: ClassOptions):
-    """(d_q, d_k, d_v) at q's, k's and v's strides (the plan's offsets are shared)."""
+    """A gradient or None per input (_executor.Train's backward): d_q, d_k, d_v at q's,
+    k's and v's strides (the plan's offsets are shared)."""
     d_o = d_o.contiguous()  # the plan reads d_o at o's (contiguous) offsets
     c = plan_for(q, k, v, options)
     d_q, d_k, d_v = (torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device) for t in (q, k, v))
@@ -234,18 +236,7 @@ def backward_impl(d_o, o, stats, q, k, v, seq_len_q, seq_len_kv, rng, options: C
     c.plan.backward(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), d_o.data_ptr(), stats.data_ptr(),
                     d_q.data_ptr(), d_k.data_ptr(), d_v.data_ptr(), ws.data_ptr() if ws is not None else 0, stream,
                     **_pointers(q, k, v, o.stride(0), seq_len_q, seq_len_kv, rng, True, stream))
-    return d_q, d_k, d_v
-
-
-def _grads(d_o, o, stats, tensors, options: ClassOptions):
-    return (*backward_impl(d_o, o, stats, *tensors, options), None, None, None)
-
-
-def _no_op(*args):  # class plans run only in plain eager calls: there is no op to trace
-    raise RuntimeError("fastattn: class plans have no custom op")
-
-
-RULE = _autograd.Rule(forward_impl, _grads, _no_op, ClassOptions)
+    return d_q, d_k, d_v, None, None, None
 
 
 def serve(q, k, v, seq_len_q, seq_len_kv, rng, options, choice, grads: bool, return_lse: bool):
@@ -283,10 +274,15 @@ def serve(q, k, v, seq_len_q, seq_len_kv, rng, options, choice, grads: bool, ret
     tensors = (q, k, v, seq_len_q, seq_len_kv, rng)
     if return_lse:
         if grads:
-            o, stats = _autograd.EagerWithStats.apply(RULE, copts, *tensors)
+            o, stats = _executor.Train.apply(_module, copts, True, *tensors)
         else:
             o, stats = forward_impl(*tensors, copts)
         return o, stats.permute(0, 2, 1).contiguous()  # (b, s_q, hq) -> attention()'s (b, hq, s_q)
     if not options.training:
         return forward_impl(*tensors, copts)[0]
-    return _autograd.Eager.apply(RULE, copts, *tensors)
+    return _executor.Train.apply(_module, copts, False, *tensors)
+
+
+# What _executor.Train runs: this module's forward_impl and backward_impl (class plans run
+# only in plain eager calls: there is no custom op to trace).
+_module = sys.modules[__name__]

@@ -5,30 +5,42 @@ The sequences of a batch one after another, (tokens, heads, dim), with cumulativ
 lengths. cuDNN's graph fixes the number of sequences and the longest length, so a plan
 is keyed by those (the longest rounded up to a power of two: batches of varying lengths
 share plans, and the persistent cache keeps each one), never by the token count.
+
+What a call is, is _specs.VARLEN; its execution, custom ops (fastattn::varlen_forward,
+fastattn::varlen_backward), fake kernels and autograd are made from it
+(_executor.install). This module keeps the plan lookup and the checks.
 """
 
 from __future__ import annotations
+
+import sys
 
 import torch
 
 from ..config import AttentionConfig
 from ..errors import InvalidArgumentError
-from . import _autograd, _dense, _native, _options
-from ._plans import (CLOCK, DTYPES, Cached, check_qkv_tensors, plans, raw_stream, remember, tensor_key,
-                     workspace)
+from . import _dense, _executor, _native, _specs
+# (raw_stream and workspace: the executor's, which runs in this module's namespace)
+from ._plans import CLOCK, DTYPES, Cached, check_qkv_tensors, plans, raw_stream, remember, tensor_key, workspace  # noqa: F401
 
-
-# attention_varlen()'s scalar options (_options.OPS["varlen"]; max_q and max_kv are the
-# plan's longest sequences, max_seqlen_*'s buckets): part of the plan key as they are,
-# and the custom ops' arguments after the tensors, in this order.
-VarlenOptions = _options.named_tuple("varlen", "VarlenOptions")
+SPEC = _specs.VARLEN
+# attention_varlen()'s scalar options (SPEC.options; max_q and max_kv are the plan's
+# longest sequences, max_seqlen_*'s buckets): part of the plan key as they are, and the
+# custom ops' arguments after the tensors, in this order.
+VarlenOptions = _specs.named_tuple("varlen", "VarlenOptions")
 
 
 def bucket(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
-def plan_for(q, k, v, batch: int, sink, options: VarlenOptions) -> Cached:
+def plan_for(q, k, v, cu_q, cu_kv, sink, rng, o, options: VarlenOptions) -> Cached:
+    """The plan for these tensors (the executor's lookup): keyed by the batch size, not
+    by the token counts."""
+    return plan(q, k, v, cu_q.shape[0] - 1, sink, options)
+
+
+def plan(q, k, v, batch: int, sink, options: VarlenOptions) -> Cached:
     key = ("varlen", q.shape[1:], k.shape[1:], v.shape[1:], q.dtype, k.dtype, v.dtype, q.get_device(),
            k.get_device(), v.get_device(), batch, options, None if sink is None else tensor_key(sink))
     hit = plans.get(key)
@@ -46,106 +58,21 @@ def config_for(q, k, v, batch: int, sink, options: VarlenOptions) -> AttentionCo
         _dense.check_sink(sink, q, hq)
     return AttentionConfig(batch=batch, heads_q=hq, heads_kv=hkv, head_dim_qk=dqk, head_dim_v=dv, dtype=DTYPES[q.dtype],
                            layout="bshd", padding=True, ragged=True, sinks=sink is not None,
-                           **_options.config_fields(options))
+                           **_specs.config_fields(options))
 
 
-def _run_args(cu_q, cu_kv, sink, rng) -> dict[str, int]:
-    """The launch's cumulative lengths (the plan derives cuDNN's lengths and offsets
-    from them in its own kernel, csrc/ragged.h), the sinks and dropout's seed and offset."""
-    ptrs = {"cu_seqlens_q": cu_q.data_ptr(), "cu_seqlens_kv": cu_kv.data_ptr()}
-    if sink is not None:
-        ptrs["sink"] = sink.data_ptr()
-    if rng is not None:  # Philox's seed at element 0, its offset at element 2 (see _dense)
-        ptrs["seed"], ptrs["offset"] = rng.data_ptr(), rng.data_ptr() + 16
-    return ptrs
+def check_traced(q, k, v, cu_q, cu_kv, sink, rng, options: VarlenOptions) -> None:
+    """The forward op's fake kernel's checks: attention_varlen()'s and a miss's."""
+    _check_varlen(q, k, v, cu_q, cu_kv)
+    config_for(q, k, v, cu_q.shape[0] - 1, sink, options)
 
 
-def forward_impl(q, k, v, cu_q, cu_kv, sink, rng, options: VarlenOptions):
-    """(o, stats); stats is empty when not training."""
-    training = options.training
-    c = plan_for(q, k, v, cu_q.shape[0] - 1, sink, options)
-    o = q.new_empty(q.shape[0], q.shape[1], v.shape[2])
-    stats = q.new_empty((q.shape[0], q.shape[1]) if training else (0,), dtype=torch.float32)
-    stream = raw_stream(c.device)
-    ws = workspace(q, c.forward_workspace, c.device, stream)
-    c.plan.forward(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), stats.data_ptr() if training else 0,
-                   ws.data_ptr() if ws is not None else 0, stream, **_run_args(cu_q, cu_kv, sink, rng))
-    return o, stats
-
-
-def backward_impl(d_o, o, stats, q, k, v, cu_q, cu_kv, sink, rng, options: VarlenOptions):
-    """(d_q, d_k, d_v, d_sink or None); options.training is True."""
-    d_o = d_o.contiguous()  # the plan reads d_o at o's (packed) strides
-    c = plan_for(q, k, v, cu_q.shape[0] - 1, sink, options)
-    d_q, d_k, d_v = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    d_sink = torch.empty_like(sink) if sink is not None else None
-    stream = raw_stream(c.device)
-    ws = workspace(q, c.backward_workspace, c.device, stream)
-    ptrs = _run_args(cu_q, cu_kv, sink, rng)
-    if d_sink is not None:
-        ptrs["d_sink"] = d_sink.data_ptr()
-    c.plan.backward(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), d_o.data_ptr(), stats.data_ptr(),
-                    d_q.data_ptr(), d_k.data_ptr(), d_v.data_ptr(), ws.data_ptr() if ws is not None else 0,
-                    stream, **ptrs)
-    return d_q, d_k, d_v, d_sink
-
-
-# -- the custom ops: tensors, then VarlenOptions' fields in order (schemas from _options) ------
-
-FORWARD_SCHEMA = ("(Tensor q, Tensor k, Tensor v, Tensor cu_q, Tensor cu_kv, Tensor? sink, Tensor? rng, "
-                  f"{_options.schema('varlen')}) -> (Tensor, Tensor)")
-BACKWARD_SCHEMA = ("(Tensor d_o, Tensor o, Tensor stats, Tensor q, Tensor k, Tensor v, Tensor cu_q, Tensor cu_kv, "
-                   f"Tensor? sink, Tensor? rng, {_options.schema('varlen')}) -> (Tensor, Tensor, Tensor, Tensor)")
-
-
-def _forward(q, k, v, cu_q, cu_kv, sink, rng, *options):
-    return forward_impl(q, k, v, cu_q, cu_kv, sink, rng, VarlenOptions(*options))
-
-
-forward_op = torch.library.custom_op("fastattn::varlen_forward", _forward, mutates_args=(), schema=FORWARD_SCHEMA)
-
-
-@forward_op.register_fake
-def _(q, k, v, cu_q, cu_kv, sink, rng, *options):
-    _check_varlen(q, k, v, cu_q, cu_kv)  # a trace refuses what eager does
-    config_for(q, k, v, cu_q.shape[0] - 1, sink, VarlenOptions(*options))
-    training = VarlenOptions(*options).training
-    return (q.new_empty(q.shape[0], q.shape[1], v.shape[2]),
-            q.new_empty((q.shape[0], q.shape[1]) if training else (0,), dtype=torch.float32))
-
-
-def _backward(d_o, o, stats, q, k, v, cu_q, cu_kv, sink, rng, *options):
-    """(d_q, d_k, d_v, d_sink); d_sink is empty without sinks (a custom op returns tensors)."""
-    d_q, d_k, d_v, d_sink = backward_impl(d_o, o, stats, q, k, v, cu_q, cu_kv, sink, rng, VarlenOptions(*options))
-    return d_q, d_k, d_v, d_sink if d_sink is not None else q.new_empty(0, dtype=torch.float32)
-
-
-backward_op = torch.library.custom_op("fastattn::varlen_backward", _backward, mutates_args=(), schema=BACKWARD_SCHEMA)
-
-
-@backward_op.register_fake
-def _(d_o, o, stats, q, k, v, cu_q, cu_kv, sink, rng, *options):
-    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
-            torch.empty_like(sink) if sink is not None else q.new_empty(0, dtype=torch.float32))
-
-
-# -- autograd: gradients for (q, k, v, cu_q, cu_kv, sink, rng) ---------------------------------
-
-def _grads(d_o, o, stats, tensors, options: VarlenOptions):
-    d_q, d_k, d_v, d_sink = backward_impl(d_o, o, stats, *tensors, options)
-    return d_q, d_k, d_v, None, None, d_sink, None
-
-
-def _grads_op(d_o, o, stats, tensors, options: VarlenOptions):
-    d_q, d_k, d_v, d_sink = backward_op(d_o, o, stats, *tensors, *options)
-    return d_q, d_k, d_v, None, None, d_sink if tensors[5] is not None else None, None
-
-
-RULE = _autograd.Rule(forward_impl, _grads, _grads_op, VarlenOptions)
-_native.PLAN_FOR["varlen"] = lambda q, k, v, batch, sink, options: plan_for(
+# The work, the custom ops (with fake kernels and autograd): made from SPEC. The plan reads
+# cu_q and cu_kv itself: it derives cuDNN's lengths and offsets from them in its own kernel
+# (csrc/ragged.h).
+forward_impl, backward_impl, forward_op, backward_op = _executor.install(SPEC, sys.modules[__name__], VarlenOptions)
+_native.PLAN_FOR["varlen"] = lambda q, k, v, batch, sink, options: plan(
     q, k, v, batch, sink, VarlenOptions(*options))  # the op library's misses
-N_TENSORS = 7  # q, k, v, cu_q, cu_kv, sink, rng
-_autograd.register(forward_op, RULE, N_TENSORS)
 
 
 def _check_varlen(q, k, v, cu_q, cu_kv) -> None:

@@ -103,7 +103,7 @@ def test_the_warm_verify_benchmark_reports_medians_over_its_rounds(tmp_path, mon
 
     monkeypatch.setattr(bench, "warm", fake_warm)
     monkeypatch.setattr(bench.time, "perf_counter", lambda: clock.t)
-    monkeypatch.setattr(bench.sweep, "builtin_configs", lambda: ["a", "b"])
+    monkeypatch.setattr(bench.config_files, "builtin_configs", lambda: ["a", "b"])
     monkeypatch.setattr(bench._common, "header", lambda: {"date": "d", "uname": "u"})
     monkeypatch.setattr(bench._common, "require_cuda", lambda script: None)  # the GPU stood in for too
     out = tmp_path / "out.json"
@@ -117,7 +117,7 @@ def test_the_warm_verify_benchmark_reports_medians_over_its_rounds(tmp_path, mon
 
 
 # The benchmarks that measure nothing but the host (no GPU needed), and the module they share.
-CPU_BENCHMARKS = {"_common", "bench_cache_prune", "bench_checks", "bench_remote"}
+CPU_BENCHMARKS = {"_common", "bench_cache_prune", "bench_checks", "bench_executor", "bench_remote"}
 
 
 def test_every_gpu_benchmark_refuses_a_machine_without_cuda_in_one_line():

@@ -264,6 +264,10 @@ ALLOWED_PRIVATE_IMPORTS = {
         "nudge(): a fastattn.torch miss tells the warm-up that the process has a CUDA context; not a user's API"),
     ("fastattn.torch._api", "fastattn._fields"): _FIELDS,
     ("fastattn.torch._options", "fastattn._fields"): _FIELDS,
+    ("fastattn.torch._specs", "fastattn._fields"): _FIELDS,
+    ("fastattn.torch._executor", "fastattn._slots"): (
+        "SLOTS: the one slot table, which says which slots Plan.forward and Plan.backward take and how "
+        "(positional or by keyword); the executor's source is made from it, and it has no public face"),
     ("fastattn.torch._plans", "fastattn._fields"): _RESHAPE,
     ("fastattn.torch._native", "fastattn._opslib"): _RESHAPE,
     ("fastattn.torch._native", "fastattn._core"): _RESHAPE + "; the C ABI capsule has no public name",

@@ -56,7 +56,7 @@ class Model:
     def __init__(self):
         self.calls = []
 
-    def plan_for(self, q, k, v, o, seq_len_q, seq_len_kv, bias, sink, options):
+    def plan_for(self, q, k, v, seq_len_q, seq_len_kv, bias, sink, rng, o, options):
         assert o is None and seq_len_q is None and sink is None
         if 0 in (*q.shape, *k.shape):  # as fastattn's config refuses it
             raise InvalidArgumentError("an extent of 0: must be >= 1")
@@ -91,7 +91,7 @@ class Model:
         dk = (ds.transpose(-1, -2) @ ql * scale).unflatten(1, (kl.shape[1], rep)).sum(2)
         dv = (p.transpose(-1, -2) @ do).unflatten(1, (kl.shape[1], rep)).sum(2)
         self.calls.append(("backward", layout))
-        return (*(_from_logical(g, layout).to(q.dtype).contiguous() for g in (dq, dk, dv)), None, None)
+        return (*(_from_logical(g, layout).to(q.dtype).contiguous() for g in (dq, dk, dv)), None, None, None, None, None)
 
 
 @pytest.fixture

@@ -41,24 +41,23 @@ def test_every_option_becomes_a_config_field(op):
     import dataclasses
 
     from fastattn import AttentionConfig
-    from fastattn.torch import _options
+    from fastattn.torch import _specs
 
     fields = {f.name for f in dataclasses.fields(AttentionConfig)}
-    cls = _options.named_tuple(op, "Options")
-    off = {"str": "bshd", "bool": False, "int": 0, "float": 0.0}
-    values = {o.name: o.off if o.off is not None else off[o.kind] for o in _options._of(op)}
-    values.update({"max_q": 64, "max_kv": 64, "out_dtype": "bf16", "grad_dtype": "fp8_e4m3"})
-    got = _options.config_fields(cls(**{n: values[n] for n in cls._fields}))
+    cls = _specs.named_tuple(op, "Options")
+    values = {o.name: o.off for o in _specs.options_of(op)}
+    values.update({"layout": "bshd", "max_q": 64, "max_kv": 64, "out_dtype": "bf16", "grad_dtype": "fp8_e4m3"})
+    got = _specs.config_fields(cls(**{n: values[n] for n in cls._fields}))
     assert set(got) <= fields
     # Each option is read: changing it changes the fields (layout aside: the tensors' strides).
-    for o in _options._of(op):
+    for o in _specs.options_of(op):
         if o.name == "layout":
             continue
         other = {"bool": True, "int": 7, "float": 0.5, "str": "fp16"}[o.kind]
         base = dict(values, training=o.name != "training")  # (deterministic is read while training)
         changed = dict(base, **{o.name: other})
-        a = _options.config_fields(cls(**{n: base[n] for n in cls._fields}))
-        b = _options.config_fields(cls(**{n: changed[n] for n in cls._fields}))
+        a = _specs.config_fields(cls(**{n: base[n] for n in cls._fields}))
+        b = _specs.config_fields(cls(**{n: changed[n] for n in cls._fields}))
         assert a != b, o.name
     dtype = "fp8_e4m3" if op == "fp8" else "bf16"
     AttentionConfig(batch=1, heads_q=2, seqlen_q=64, seqlen_kv=64, head_dim_qk=64, dtype=dtype,
@@ -322,7 +321,7 @@ def test_empty_like_is_used_only_where_it_gives_the_plans_strides(layout):
 
 
 def test_only_plain_eager_calls_skip_the_custom_ops():
-    from fastattn.torch import _autograd as fat
+    from fastattn.torch import _executor as fat
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     q = torch.empty(2, 4, device="meta")

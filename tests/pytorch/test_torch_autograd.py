@@ -1,5 +1,5 @@
 """fastattn.torch's package shape, without a GPU: the one autograd definition that the
-plain eager path (an autograd.Function) and the custom ops share, the custom ops'
+plain eager path (_executor.Train) and the custom ops share, the custom ops'
 schemas against the options' named fields, and the options as plan-key parts.
 
 The eager path and the ops run here on CPU tensors against a recording plan that
@@ -14,7 +14,7 @@ torch = pytest.importorskip("torch", reason="PyTorch is an optional extra (pip i
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from fastattn.torch import _api, _autograd, _dense, _native, _paged, _plans, _varlen  # noqa: E402
+from fastattn.torch import _api, _dense, _executor, _native, _paged, _plans, _varlen  # noqa: E402
 from helpers.torch import take_python_path  # noqa: E402
 
 # The first byte each output gets from RecordingPlan.
@@ -22,8 +22,9 @@ MARK = {"o": 6, "d_q": 1, "d_k": 2, "d_v": 3, "d_bias": 4, "d_sink": 5}
 
 
 class RecordingPlan:
-    """A plan's interface on host memory: records each call's pointer arguments by name and
-    writes MARK's byte at the start of each output."""
+    """A plan's interface on host memory: records the keyword pointers each call gives (0:
+    none, as Plan.forward reads it) by name and writes MARK's byte at the start of each
+    output."""
 
     forward_workspace_size = backward_workspace_size = 64
 
@@ -31,12 +32,12 @@ class RecordingPlan:
         self.calls = []
 
     def forward(self, q, k, v, o, stats, workspace, stream, seq_len_q=0, seq_len_kv=0, **extra):
-        self.calls.append(("forward", sorted(extra)))
+        self.calls.append(("forward", sorted(n for n, p in extra.items() if p)))
         ctypes.memset(o, MARK["o"], 1)
 
     def backward(self, q, k, v, o, d_o, stats, d_q, d_k, d_v, workspace, stream, seq_len_q=0, seq_len_kv=0,
                  **extra):
-        self.calls.append(("backward", sorted(extra)))
+        self.calls.append(("backward", sorted(n for n, p in extra.items() if p)))
         for name, ptr in (("d_q", d_q), ("d_k", d_k), ("d_v", d_v), ("d_bias", extra.get("d_bias")),
                           ("d_sink", extra.get("d_sink"))):
             if ptr:
@@ -78,7 +79,7 @@ def test_the_eager_function_and_the_custom_ops_give_the_same_gradients_in_the_sa
     q, k, v, bias, sink = dense_inputs()
     options = dense_options()
     leaves = (q, k, v, bias, sink)
-    o_eager = _autograd.Eager.apply(_dense.RULE, options, q, k, v, None, None, bias, sink, None)
+    o_eager = _executor.Train.apply(_dense, options, False, q, k, v, None, None, bias, sink, None)
     grads_eager = torch.autograd.grad(o_eager.sum(), leaves)
     eager_calls = list(recording.calls)
     recording.calls.clear()
@@ -97,7 +98,7 @@ def test_no_bias_gradient_unless_asked(recording):
     q, k, v, bias, sink = dense_inputs()
     bias = bias.detach()
     options = dense_options(bias_grad=False)
-    for o in (_autograd.Eager.apply(_dense.RULE, options, q, k, v, None, None, bias, None, None),
+    for o in (_executor.Train.apply(_dense, options, False, q, k, v, None, None, bias, None, None),
               _dense.forward_op(q, k, v, None, None, bias, None, None, *options)[0]):
         recording.calls.clear()
         grads = torch.autograd.grad(o.sum(), (q, k, v))
@@ -111,14 +112,14 @@ def test_varlen_shares_the_rule(recording):
     options = _varlen.VarlenOptions(max_q=32, max_kv=32, causal=True, bottom_right=False, window_left=-1,
                                     window_right=-1, scale=0.0, deterministic=False, training=True, alibi=False,
                                     dropout=0.0)
-    for o in (_autograd.Eager.apply(_varlen.RULE, options, q, k, v, cu, cu, None, None),
+    for o in (_executor.Train.apply(_varlen, options, False, q, k, v, cu, cu, None, None),
               _varlen.forward_op(q, k, v, cu, cu, None, None, *options)[0]):
         grads = torch.autograd.grad(o.sum(), (q, k, v))
         assert first_byte(o) == MARK["o"]
         assert [first_byte(g) for g in grads] == [MARK["d_q"], MARK["d_k"], MARK["d_v"]]
     # With sinks: the sink's pointer in both directions, and its gradient where it belongs.
     sink = torch.zeros(4, requires_grad=True)
-    for o in (_autograd.Eager.apply(_varlen.RULE, options, q, k, v, cu, cu, sink, None),
+    for o in (_executor.Train.apply(_varlen, options, False, q, k, v, cu, cu, sink, None),
               _varlen.forward_op(q, k, v, cu, cu, sink, None, *options)[0]):
         recording.calls.clear()
         grads = torch.autograd.grad(o.sum(), (q, k, v, sink))
@@ -148,10 +149,12 @@ def test_the_ops_take_the_options_fields_after_the_tensors(op, options, first):
     assert tuple(a.name for a in args[first:]) == options._fields
 
 
-def test_the_eager_function_is_the_one_rule_of_both_entry_points():
-    assert _dense.RULE.forward is _dense.forward_impl and _varlen.RULE.forward is _varlen.forward_impl
-    assert _api.Eager is _autograd.Eager
-    assert len(_dense.RULE.options._fields) + _dense.N_TENSORS == len(_dense.forward_op._opoverload._schema.arguments)
+def test_the_eager_function_is_the_one_autograd_of_both_entry_points():
+    assert _api.Train is _executor.Train
+    for module, options in ((_dense, _dense.DenseOptions), (_varlen, _varlen.VarlenOptions),
+                            (_paged, _paged.PagedOptions)):
+        args = module.forward_op._opoverload._schema.arguments
+        assert len(options._fields) + len(module.SPEC.inputs) == len(args)
 
 
 def _recorded_options(monkeypatch, **kwargs):

@@ -47,7 +47,7 @@ def qkv(seqlen: int):
 
 def call(seqlen: int) -> _plans.Cached:
     """What attention() on (1, seqlen, 2, 64) tensors looks up: its plan, through the table."""
-    return _dense.plan_for(*qkv(seqlen), None, None, None, None, None, OPTIONS)
+    return _dense.plan_for(*qkv(seqlen), None, None, None, None, None, None, OPTIONS)
 
 
 def held() -> set[int]:
@@ -194,13 +194,17 @@ def test_kept_length_arrays_are_per_stream_and_bounded(monkeypatch):
     monkeypatch.setattr(bounded, "_max", 4)
     monkeypatch.setattr(_paged, "_full_lengths", bounded.Table("arrays"))
     monkeypatch.setattr(_paged, "capturing", lambda: False)
+    stream = [7]
+    monkeypatch.setattr(_paged, "raw_stream", lambda device: stream[0])  # (the current stream's handle)
     runtime.clear()
     q = torch.empty(2, 3, 4, 8)
-    a = _paged._query_lengths(q, 0, stream=7)
-    assert _paged._query_lengths(q, 0, stream=7) is a  # kept
-    assert _paged._query_lengths(q, 0, stream=8) is not a  # another stream's own
+    a = _paged.query_lengths(q, 0)
+    assert _paged.query_lengths(q, 0) is a  # kept
+    stream[0] = 8
+    assert _paged.query_lengths(q, 0) is not a  # another stream's own
+    stream[0] = 7
     assert a.tolist() == [3, 3]
     for s in range(1, 10):
-        _paged._query_lengths(torch.empty(2, s, 4, 8), 0, stream=7)
+        _paged.query_lengths(torch.empty(2, s, 4, 8), 0)
     assert len(_paged._full_lengths) <= 4 and fastattn.stats()["evictions"]["arrays"] > 0
     runtime.clear()

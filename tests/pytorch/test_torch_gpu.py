@@ -9,7 +9,7 @@ torch = pytest.importorskip("torch", reason="PyTorch is an optional extra (pip i
 
 import fastattn  # noqa: E402
 import fastattn.torch  # noqa: E402,F401
-from fastattn.torch import _autograd, _dense, _native, _paged, _plans, _varlen  # noqa: E402
+from fastattn.torch import _dense, _executor, _native, _paged, _plans, _varlen  # noqa: E402
 from fastattn import AttentionConfig  # noqa: E402
 
 from helpers.gpu import alibi_slopes, allowed, softcap_with_lengths_refused  # noqa: E402
@@ -257,7 +257,7 @@ def test_alibi_captured_in_a_cuda_graph_replays_what_eager_computes(torch_path, 
 
 
 def test_the_custom_ops_and_the_eager_path_agree_bitwise():
-    # Plain eager calls skip the custom ops' wrappers (_autograd.Eager); torch.compile and
+    # Plain eager calls skip the custom ops' wrappers (_executor.Train); torch.compile and
     # tracing go through the ops. Both must compute the same thing.
     q, k, v = (torch.randn(2, 192, h, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for h in (8, 2, 2))
     d_o = torch.randn(2, 192, 8, 64, device="cuda", dtype=torch.bfloat16)
@@ -280,8 +280,8 @@ def test_the_custom_ops_and_the_eager_path_agree_bitwise():
 
 @pytest.mark.parametrize("feature", ("bias_sinks", "dropout", "padding"))
 def test_the_custom_ops_and_the_eager_path_agree_with_every_feature(feature):
-    # The tensors and options that travel by name (DenseOptions, _autograd.Rule): the same
-    # inputs through _autograd.Eager and through the custom ops give the same output and
+    # The tensors and options that travel by name (DenseOptions, _specs.DENSE): the same
+    # inputs through _executor.Train and through the custom ops give the same output and
     # gradients, each on its own input. Backward is not deterministic here (cuDNN's
     # deterministic mode does not cover every feature): gradients agree to rounding.
     b, s, hq, hkv, d, dtype = 2, 160, 8, 2, 64, torch.float16
@@ -303,7 +303,7 @@ def test_the_custom_ops_and_the_eager_path_agree_with_every_feature(feature):
                                   dropout=0.2 if rng is not None else 0.0, bias_grad=bias is not None)
     tensors = (q, k, v, lengths, lengths, bias, sinks, rng)
     leaves = [t for t in (q, k, v, bias, sinks) if t is not None]
-    o = _autograd.Eager.apply(_dense.RULE, options, *tensors)
+    o = _executor.Train.apply(_dense, options, False, *tensors)
     d_o = torch.randn_like(o)
     grads = torch.autograd.grad(o, leaves, d_o)
     o_op = _dense.forward_op(*tensors, *options)[0]

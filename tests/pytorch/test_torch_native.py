@@ -21,7 +21,7 @@ torch = pytest.importorskip("torch", reason="PyTorch is an optional extra (pip i
 import fastattn  # noqa: E402
 import fastattn.torch  # noqa: E402
 from helpers.torch import SOFTCAPS, assert_options_mean_the_same, assert_softcap_means_the_same  # noqa: E402
-from fastattn.torch import _dense, _native, _options, _paged, _plans, _varlen  # noqa: E402
+from fastattn.torch import _dense, _native, _paged, _plans, _specs, _varlen  # noqa: E402
 
 
 def options(training=False, bias_grad=False, layout="bshd", dropout=0.0):
@@ -298,9 +298,9 @@ def test_call_takes_only_values_the_python_body_takes_with_the_same_meaning(lib,
     assert lens != "kv only" and lens_kv == (lens != "none")
 
 
-@pytest.mark.parametrize("entry", sorted(_options.CALLS))
+@pytest.mark.parametrize("entry", sorted(_specs.CALLS))
 def test_the_c_entries_read_the_entry_points_own_arguments(entry):
-    # The C entry's reader is generated from _options.CALLS and reads its arguments by
+    # The C entry's reader is generated from _specs.CALLS and reads its arguments by
     # position: CALLS must be the entry point's signature, and the Python body must hand
     # them over in that order.
     import ast
@@ -308,7 +308,7 @@ def test_the_c_entries_read_the_entry_points_own_arguments(entry):
     import textwrap
 
     function = getattr(fastattn.torch, entry)
-    declared = [a.name for a in _options.CALLS[entry][1]]
+    declared = [a.name for a in _specs.CALLS[entry][1]]
     assert [p for p in inspect.signature(function).parameters if p != "shape_classes"] == declared
     source = textwrap.dedent(inspect.getsource(function))
     calls = [node for node in ast.walk(ast.parse(source)) if isinstance(node, ast.Call)

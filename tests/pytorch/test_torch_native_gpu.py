@@ -343,7 +343,7 @@ def test_the_workspace_is_kept_per_stream_and_reused(lib):
     options = _dense.DenseOptions(layout="bshd", causal=True, bottom_right=False, window_left=-1, window_right=-1,
                                   scale=0.0, deterministic=True, alibi=False, training=True, dropout=0.0,
                                   bias_grad=False)
-    c = _dense.plan_for(q, k, v, None, None, None, None, None, options)
+    c = _dense.plan_for(q, k, v, None, None, None, None, None, None, options)
     need = max(c.forward_workspace, c.backward_workspace)
     assert 0 < need <= 16 << 20, need  # this shape's backward has one, small enough to keep
 

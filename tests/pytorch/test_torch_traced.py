@@ -21,7 +21,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
 import fastattn.torch  # noqa: E402
 from fastattn import flash  # noqa: E402
 from fastattn.errors import InvalidArgumentError, NotSupportedError  # noqa: E402
-from fastattn.torch import _dense, _native, _paged, _varlen  # noqa: E402
+from fastattn.torch import _dense, _native, _paged, _specs, _varlen  # noqa: E402
 from helpers.torch import take_python_path  # noqa: E402
 
 SETTINGS = settings(max_examples=60, deadline=None, derandomize=True,
@@ -146,7 +146,7 @@ def test_the_examples_of_the_issue():
         q, k, v = qkv(k_device="cuda:1")
         options = _dense.DenseOptions("bshd", False, False, -1, -1, 0.0, False, False, False, 0.0, False)
         with pytest.raises(InvalidArgumentError, match=r"^q, k, v are on different devices: cuda:0, cuda:1"):
-            _dense.plan_for(q, k, v, None, None, None, None, None, options)
+            _dense.plan_for(q, k, v, None, None, None, None, None, None, options)
 
 
 def test_the_custom_ops_fake_implementations_check():
@@ -220,9 +220,9 @@ def test_the_native_path_under_tracing_checks_before_its_op(monkeypatch):
     """With the native path decided, a trace records the op library's ops, whose Meta
     kernels check nothing: the entry points check before them."""
     if not _NATIVE:
-        _NATIVE["dense"] = _unchecked("dense", _dense.FORWARD_SCHEMA, lambda q, k, v, *rest: (
+        _NATIVE["dense"] = _unchecked("dense", _specs.forward_schema(_dense.SPEC), lambda q, k, v, *rest: (
             q.new_empty(q.shape), q.new_empty(0, dtype=torch.float32)))
-        _NATIVE["paged"] = _unchecked("paged", _paged.FORWARD_SCHEMA, lambda q, *rest: q.new_empty(q.shape))
+        _NATIVE["paged"] = _unchecked("paged", _specs.forward_schema(_paged.SPEC), lambda q, *rest: q.new_empty(q.shape))
     monkeypatch.setattr(_native, "DENSE", _NATIVE["dense"])
     monkeypatch.setattr(_native, "PAGED", _NATIVE["paged"])
     calls = _heads_8_against_3()

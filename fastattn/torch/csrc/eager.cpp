@@ -2,7 +2,7 @@
 // past torch.ops and the dispatcher, and profile_eager, the dense entry taken apart.
 //
 // call: attention()'s own arguments, as they are, read by read_attention (generated from
-// fastattn/torch/_options.py's CALLS, which a test holds to attention()'s signature).
+// fastattn/torch/_specs.py's CALLS, which a test holds to attention()'s signature).
 // fastattn.torch.attention() hands them here first, outside torch.compile;
 // NotImplemented hands the call back to its Python body (read_call says which values it
 // takes), which then runs the dispatcher's ops. It runs plain eager calls only: plain CUDA tensors, outside torch.compile,
@@ -80,7 +80,7 @@ PyObject *run_eager(const Tensor &q, const Tensor &k, const Tensor &v, const Opt
 // Outside dispatch modes (FakeTensorMode, make_fx's proxy mode) and torch.func
 // transforms, whose tensors the eager kernels do not handle, and outside
 // torch.jit.trace, whose tracer records only calls that reach the dispatcher (it
-// includes the Tracer key while tracing): _autograd.plain_eager's test.
+// includes the Tracer key while tracing): _executor.plain_eager's test.
 bool outside_modes() {
     if (c10::impl::TorchDispatchModeTLS::stack_len() != 0) return false;
     const auto included = c10::impl::tls_local_dispatch_key_set().included_;
@@ -106,7 +106,7 @@ constexpr const char *kCallDoc =
     "attention()'s Python body must convert, check or report.";
 
 // ---- the readers of the generated read_attention and read_attention_varlen -------------------
-// One per kind of argument (fastattn/torch/_options.py's Arg.read), each taking only the
+// One per kind of argument (fastattn/torch/_specs.py's Arg.read), each taking only the
 // values the Python body takes with the same meaning that need no conversion, else false.
 
 // A tensor (whether a plain CUDA one is the entry's to check).
@@ -231,7 +231,7 @@ bool fa_diagonal(bool causal, bool causal_bottom_right, c10::string_view alignme
 
 }  // namespace fastattn::ops
 
-// read_attention and read_attention_varlen: generated from fastattn/torch/_options.py's CALLS.
+// read_attention and read_attention_varlen: generated from fastattn/torch/_specs.py's CALLS.
 #include "fastattn_calls.h"
 
 namespace fastattn::ops {
@@ -326,7 +326,7 @@ PyObject *call_varlen(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
     VarlenOptions &o = c.options;
     o.training = at::GradMode::is_enabled() &&
                  (q.requires_grad() || k.requires_grad() || v.requires_grad() || wants_grad(sink));
-    // Training plans and plans with sinks declare at least kVarlenMinQ queries (_options.py says why).
+    // Training plans and plans with sinks declare at least kVarlenMinQ queries (_specs.py says why).
     if (o.training || given(sink)) o.max_q = std::max(o.max_q, kVarlenMinQ);
     const OptTensor no_dropout;
     Tensor o_out;

@@ -74,7 +74,8 @@ inline int64_t fa_choice(c10::string_view value, std::initializer_list<c10::stri
 }  // namespace fastattn::ops
 
 // Each op's options (FA_DENSE_PARAMS, FA_DENSE_SCHEMA, DenseOptions, ...): generated from
-// fastattn/torch/_options.py when this library is built (fastattn.torch._native).
+// the ops' specs (fastattn/torch/_specs.py, by _options.py) when this library is built
+// (fastattn.torch._native).
 #include "fastattn_options.h"
 
 namespace fastattn::ops {

@@ -1,6 +1,6 @@
 // attention_varlen's ops: packed sequences (tokens, heads, dim) with cumulative
-// lengths, the C++ twin of fastattn/torch/_varlen.py; and attention_paged's op: forward
-// against a paged KV cache, the twin of fastattn/torch/_paged.py. The same plan table,
+// lengths, the C++ twin of the Python executor of fastattn/torch/_specs.py's VARLEN; and
+// attention_paged's op: forward against a paged KV cache, the twin of PAGED's. The same plan table,
 // run and conventions as attention()'s (dense.cpp). A varlen plan is keyed by the
 // tensors' shapes past the token count, their strides, the batch size and the options
 // (whose max_q and max_kv are already bucketed by attention_varlen), never by the token
