@@ -5,7 +5,7 @@ when the library is built (_native.build), part of its build tag (_opslib):
 `fastattn_options.h` (each op's parameter list, argument list, schema string, struct,
 key words and miss tuple; the layouts' table) and `fastattn_calls.h` (the C entries'
 readers of attention()'s and attention_varlen()'s own arguments). And the reader of a
-softcap argument that the C entries' fa_read_positive_or_zero mirrors.
+positive-or-zero argument that the C entries' fa_read_positive_or_zero mirrors.
 
 Pure Python and no torch: _opslib hashes this file without importing torch.
 """
@@ -79,7 +79,7 @@ def calls_header() -> str:
 
 def positive_or_zero(name: str, value) -> float:
     """An argument read as eager.cpp's fa_read_positive_or_zero reads it (the
-    "positive_or_zero" Args, a softcap): 0.0 (none: 0, 0.0 and -0.0 alike, FlashAttention's
+    "positive_or_zero" Args, a logit cap): 0.0 (none: 0, 0.0 and -0.0 alike, FlashAttention's
     convention) or a positive finite float32 value. Raises InvalidArgumentError naming
     `name` otherwise."""
     from .._fields import check, number
