@@ -45,7 +45,7 @@ def _setup(root: str | None) -> dict:
     for m in (_dense, _varlen, _paged):
         m.raw_stream = lambda device: 0
         m.remember = lambda key, cfg, q, k, v, layout: _plans.plans.setdefault(
-            key, _plans.Cached(Stub(), q, k, v, layout))
+            key, _plans.CachedPlan(Stub(), q, k, v, layout))
         m.config_for = lambda *args: None
 
     bf = torch.bfloat16

@@ -21,7 +21,7 @@ stamps its entry with the table's clock, which only the table's inserts advance 
 hit stores an int it reads, no lock, no hashing beyond the lookup's own), and a trim
 drops the entries of the oldest stamps: entries not used since any of the newer inserts
 go first, and a shape used between every two inserts (a hot shape) is never among them.
-Dropping only drops the table's reference: a plan in use (by a thread, a kept Cached, a
+Dropping only drops the table's reference: a plan in use (by a thread, a kept CachedPlan, a
 captured CUDA graph) stays valid, and a dropped one is asked of the runtime again at its
 next call (memory, the persistent cache, a build). The other tables (arrays, refusals,
 recorded configs, warnings) drop the oldest-added eighth: an entry of theirs is remade

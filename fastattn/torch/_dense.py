@@ -20,7 +20,7 @@ from ..errors import InvalidArgumentError
 from . import _executor, _native, _specs
 from ._plans import check_shapes
 # (raw_stream and workspace: the executor's, which runs in this module's namespace)
-from ._plans import (AXES, CLOCK, DTYPES, Cached, check_qkv_tensors, config_shape, plans, raw_stream, remember,  # noqa: F401
+from ._plans import (AXES, CLOCK, DTYPES, CachedPlan, check_qkv_tensors, config_shape, plans, raw_stream, remember,  # noqa: F401
                      tensor_key, workspace)
 
 SPEC = _specs.DENSE
@@ -29,7 +29,7 @@ SPEC = _specs.DENSE
 DenseOptions = _specs.named_tuple("dense", "DenseOptions")
 
 
-def plan_for(q, k, v, seq_len_q, seq_len_kv, bias, sink, rng, o, options: DenseOptions) -> Cached:
+def plan_for(q, k, v, seq_len_q, seq_len_kv, bias, sink, rng, o, options: DenseOptions) -> CachedPlan:
     """The plan for these tensors; o=None means the forward's own fresh output. What a
     call costs once its plan exists: one dict lookup on a tuple of shapes, strides and
     options. The key holds everything _check and _check_extras look at, so only a miss

@@ -124,7 +124,7 @@ def _forward_source(spec: _specs.Spec) -> str:
         name = out.name
         if spec.packed:
             alloc = f"{q}.new_empty({_shape_expr(spec, out)}{_dtype(out.dtype)})"
-        else:  # the plan key fixes the shapes: the plan's entry holds them (_plans.Cached)
+        else:  # the plan key fixes the shapes: the plan's entry holds them (_plans.CachedPlan)
             assert name in ("o", "stats"), f"{spec.name}: the plan's entry holds o's and stats' shapes only"
             shape = f"c.{'out' if name == 'o' else 'stats'}_shape"
             alloc = f"{q}.new_empty({shape}{_dtype(out.dtype)})"

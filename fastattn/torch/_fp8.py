@@ -24,7 +24,7 @@ import torch
 from ..config import FP8_BACKWARD_SCALARS, FP8_FORWARD_SCALARS, AttentionConfig
 from ..errors import InvalidArgumentError
 from ._specs import config_fields, named_tuple, options_schema
-from ._plans import (AXES, CLOCK, DTYPES, FP8, Cached, check_shapes, config_shape, out_shape, plans, raw_stream, remember,
+from ._plans import (AXES, CLOCK, DTYPES, FP8, CachedPlan, check_shapes, config_shape, out_shape, plans, raw_stream, remember,
                      stats_shape, workspace)
 from ._plans import options as check_options
 
@@ -67,7 +67,7 @@ def _key(q, k, v, o, scalars, seq_len_q, seq_len_kv, options) -> tuple:
             None if seq_len_q is None else (seq_len_q.dtype, seq_len_q.shape, seq_len_kv.dtype, seq_len_kv.shape))
 
 
-def plan_for(q, k, v, o, scalars, names, seq_len_q, seq_len_kv, options: Fp8Options) -> Cached:
+def plan_for(q, k, v, o, scalars, names, seq_len_q, seq_len_kv, options: Fp8Options) -> CachedPlan:
     """The plan for these tensors (o None: the forward's own output). A hit is one dict
     lookup; a miss checks the tensors and asks the runtime."""
     key = _key(q, k, v, o, scalars, seq_len_q, seq_len_kv, options)

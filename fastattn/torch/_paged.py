@@ -22,7 +22,7 @@ from ..errors import InvalidArgumentError
 from . import _executor, _native, _specs
 from ._executor import functorch_active, plain_eager
 # (raw_stream and workspace: the executor's, which runs in this module's namespace)
-from ._plans import (CLOCK, DTYPES, Cached, capturing, check_qkv_tensors, logical, out_shape, plans, raw_stream,  # noqa: F401
+from ._plans import (CLOCK, DTYPES, CachedPlan, capturing, check_qkv_tensors, logical, out_shape, plans, raw_stream,  # noqa: F401
                      remember, tensor_key, workspace)
 
 SPEC = _specs.PAGED
@@ -31,7 +31,7 @@ SPEC = _specs.PAGED
 PagedOptions = _specs.named_tuple("paged", "PagedOptions")
 
 
-def plan_for(q, k_cache, v_cache, table, cache_seqlens, seq_lens_q, o, options: PagedOptions) -> Cached:
+def plan_for(q, k_cache, v_cache, table, cache_seqlens, seq_lens_q, o, options: PagedOptions) -> CachedPlan:
     key = ("paged", q.shape, q.stride(), k_cache.shape, k_cache.stride(), v_cache.shape, v_cache.stride(),
            q.dtype, k_cache.dtype, v_cache.dtype, q.get_device(), k_cache.get_device(), v_cache.get_device(),
            tensor_key(table), tensor_key(cache_seqlens), tensor_key(seq_lens_q), options)

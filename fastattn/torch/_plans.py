@@ -1,5 +1,5 @@
 """What every fastattn.torch entry point shares: the table from a call's tensor
-signature to its plan (`Cached`), the kept workspaces per (device, stream), the
+signature to its plan (`CachedPlan`), the kept workspaces per (device, stream), the
 current stream, and the tensor checks and layout arithmetic a plan is built from.
 
 Each entry point builds its own key (a tuple of shapes, strides, dtypes, devices and
@@ -25,16 +25,16 @@ AXES = {layout: axes(layout) for layout in LAYOUTS}
 DTYPES = dtypes.torch_dtypes(torch, dtypes.SIXTEEN_BIT)
 FP8 = dtypes.torch_dtypes(torch, dtypes.FP8_DTYPES)
 
-# key -> Cached. Read without the lock (a dict lookup is atomic under the GIL); written
+# key -> CachedPlan. Read without the lock (a dict lookup is atomic under the GIL); written
 # under it. Two threads missing on one key at once both ask the runtime, which builds a
 # (config, device) once while the other waits; the second insert replaces an equal entry.
 # At most FASTATTN_MEMORY_MAX_ENTRIES (fastattn.bounded): past it remember() drops the
-# least recently used eighth. A hit stamps its Cached with CLOCK[0], which each insert
+# least recently used eighth. A hit stamps its CachedPlan with CLOCK[0], which each insert
 # advances (bounded.tick): the dropped are the entries unused since the oldest inserts,
 # never one used between every two (a hot shape). Dropping only drops the table's
-# reference: a Cached a call holds, and the plan in it, stay valid (and a CUDA graph that
+# reference: a CachedPlan a call holds, and the plan in it, stay valid (and a CUDA graph that
 # captured the plan replays without it).
-plans: dict[tuple, Cached] = {}
+plans: dict[tuple, CachedPlan] = {}
 CLOCK = [0]
 _plans_lock = threading.Lock()
 bounded.max_entries()  # checked at import: a bad value fails every path, not a first miss
@@ -52,7 +52,7 @@ except ImportError:  # pragma: no cover - CPU-only builds
         return torch.cuda.is_current_stream_capturing()
 
 
-class Cached:
+class CachedPlan:
     """A plan and what each call needs from it, computed once."""
 
     __slots__ = ("backward_workspace", "device", "forward_workspace", "grads_like", "out_like_q", "out_shape",
@@ -76,7 +76,7 @@ class Cached:
 
 
 def remember(key: tuple, cfg: AttentionConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             layout: str | None) -> Cached:
+             layout: str | None) -> CachedPlan:
     """On a miss: the plan for cfg on q's device (from the runtime: memory, disk,
     Redis or a build), kept under key (the least recently used dropped past the cap)."""
     import fastattn
@@ -97,16 +97,16 @@ def remember(key: tuple, cfg: AttentionConfig, q: torch.Tensor, k: torch.Tensor,
                 "yet: run the call once before capturing (a plan load or build inside a capture would invalidate "
                 "it; with shape classes, a captured call takes its class plan if that was loaded, else its exact "
                 f"plan); config: {cfg.to_json()}")
-        hit = Cached(held, q, k, v, layout)
+        hit = CachedPlan(held, q, k, v, layout)
     else:
-        hit = Cached(fastattn.plan(cfg, device=q.device.index), q, k, v, layout)
+        hit = CachedPlan(fastattn.plan(cfg, device=q.device.index), q, k, v, layout)
     keep(key, hit)
     if cfg.training and torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         fastattn.runtime.warm_torch_backward()  # a backward is coming: PyTorch's own first-backward import, now
     return hit
 
 
-def keep(key: tuple, hit: Cached) -> None:
+def keep(key: tuple, hit: CachedPlan) -> None:
     """plans[key] = hit, used now; past the cap the least recently used eighth dropped
     (counted: stats()["evictions"]["torch_calls"]). Inside a CUDA-graph capture too: a
     drop makes no CUDA call."""

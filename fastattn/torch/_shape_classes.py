@@ -35,7 +35,7 @@ from .. import bounded, env
 from ..errors import InvalidArgumentError, NotSupportedError
 from .. import shape_classes as sc
 from . import _executor, _specs
-from ._plans import (CLOCK, DTYPES, Cached, capturing, check_qkv_tensors, check_shapes, plans,
+from ._plans import (CLOCK, DTYPES, CachedPlan, capturing, check_qkv_tensors, check_shapes, plans,
                      raw_stream, remember, workspace)
 
 # FASTATTN_SHAPE_CLASSES, read when fastattn.torch is imported (as FASTATTN_TORCH_PATH):
@@ -175,7 +175,7 @@ def _key(q, k, v, options: ClassOptions) -> tuple:
 _refused = bounded.Table("class_refusals")
 
 
-def plan_for(q, k, v, options: ClassOptions) -> Cached:
+def plan_for(q, k, v, options: ClassOptions) -> CachedPlan:
     key = _key(q, k, v, options)
     hit = plans.get(key)
     if hit is not None:

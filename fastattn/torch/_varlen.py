@@ -21,7 +21,7 @@ from ..config import AttentionConfig
 from ..errors import InvalidArgumentError
 from . import _dense, _executor, _native, _specs
 # (raw_stream and workspace: the executor's, which runs in this module's namespace)
-from ._plans import CLOCK, DTYPES, Cached, check_qkv_tensors, plans, raw_stream, remember, tensor_key, workspace  # noqa: F401
+from ._plans import CLOCK, DTYPES, CachedPlan, check_qkv_tensors, plans, raw_stream, remember, tensor_key, workspace  # noqa: F401
 
 SPEC = _specs.VARLEN
 # attention_varlen()'s scalar options (SPEC.options; max_q and max_kv are the plan's
@@ -34,13 +34,13 @@ def bucket(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
-def plan_for(q, k, v, cu_q, cu_kv, sink, rng, o, options: VarlenOptions) -> Cached:
+def plan_for(q, k, v, cu_q, cu_kv, sink, rng, o, options: VarlenOptions) -> CachedPlan:
     """The plan for these tensors (the executor's lookup): keyed by the batch size, not
     by the token counts."""
     return plan(q, k, v, cu_q.shape[0] - 1, sink, options)
 
 
-def plan(q, k, v, batch: int, sink, options: VarlenOptions) -> Cached:
+def plan(q, k, v, batch: int, sink, options: VarlenOptions) -> CachedPlan:
     key = ("varlen", q.shape[1:], k.shape[1:], v.shape[1:], q.dtype, k.dtype, v.dtype, q.get_device(),
            k.get_device(), v.get_device(), batch, options, None if sink is None else tensor_key(sink))
     hit = plans.get(key)

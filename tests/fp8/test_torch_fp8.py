@@ -134,7 +134,7 @@ class RecordingPlan:
 @pytest.fixture
 def recording(monkeypatch):
     plan = RecordingPlan()
-    monkeypatch.setattr(_fp8, "plan_for", lambda q, k, v, o, scalars, names, sq, skv, options: _plans.Cached(
+    monkeypatch.setattr(_fp8, "plan_for", lambda q, k, v, o, scalars, names, sq, skv, options: _plans.CachedPlan(
         plan, q, k, v, options.layout))
     monkeypatch.setattr(_fp8, "raw_stream", lambda device: 0)
     # CPU tensors stand in for CUDA ones here: the checks that refuse them are tested above.

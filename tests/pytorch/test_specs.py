@@ -272,7 +272,7 @@ def test_the_executor_hands_the_plan_exactly_the_slots_the_spec_fills(op, record
 @pytest.mark.parametrize("layout", ["bshd", "bhsd", "sbhd"])
 def test_a_plan_entrys_shapes_are_the_specs_shape_rules(layout):
     # The executor of a spec whose plan key fixes the shapes reads o's and stats' shapes
-    # from the plan's entry (_plans.Cached, computed once per plan): they must be the
+    # from the plan's entry (_plans.CachedPlan, computed once per plan): they must be the
     # rules the fake kernels apply.
     at = dict(zip(("batch", "head", "seq", "dim"), _plans.AXES[layout]))
     shapes = {"q": (2, 8, 64, 32), "k": (2, 2, 96, 32), "v": (2, 2, 96, 48)}  # logical (b, h, s, d)
@@ -284,14 +284,14 @@ def test_a_plan_entrys_shapes_are_the_specs_shape_rules(layout):
         return torch.empty(shape, device="meta", dtype=BF16)
 
     q, k, v = (tensor(shapes[n]) for n in "qkv")
-    entry = _plans.Cached(RecordingPlan(), q, k, v, layout)
+    entry = _plans.CachedPlan(RecordingPlan(), q, k, v, layout)
     options = _dense.DenseOptions(layout, False, False, -1, -1, 0.0, False, False, True, 0.0, False)
     tensors = {"q": q, "k": k, "v": v}
     o, stats = _dense.SPEC.outputs
     assert _specs.output_shape(_dense.SPEC, o, tensors, options) == list(entry.out_shape)
     assert _specs.output_shape(_dense.SPEC, stats, tensors, options) == list(entry.stats_shape)
     q, cache = torch.empty(2, 3, 8, 32, device="meta"), torch.empty(12, 16, 2, 48, device="meta")
-    entry = _plans.Cached(RecordingPlan(), q, cache, cache, "bshd")
+    entry = _plans.CachedPlan(RecordingPlan(), q, cache, cache, "bshd")
     assert _specs.output_shape(_paged.SPEC, _paged.SPEC.outputs[0], {"q": q, "v_cache": cache}, None) == \
         list(entry.out_shape) == [2, 3, 8, 48]
 
@@ -342,7 +342,7 @@ def recording(monkeypatch):
     plan = RecordingPlan()
     for module in MODULES.values():
         layout = None if module.SPEC.packed else "bshd"
-        monkeypatch.setattr(module, "plan_for", lambda *a, layout=layout: _plans.Cached(plan, a[0], a[1], a[2], layout))
+        monkeypatch.setattr(module, "plan_for", lambda *a, layout=layout: _plans.CachedPlan(plan, a[0], a[1], a[2], layout))
         monkeypatch.setattr(module, "raw_stream", lambda device: 0)
     monkeypatch.setattr(_plans, "capturing", lambda: False)
     monkeypatch.setattr(_paged, "capturing", lambda: False)

@@ -50,7 +50,7 @@ def recording(monkeypatch):
     tensors need no stream and no capture check."""
     plan = RecordingPlan()
     for module in (_dense, _varlen):
-        monkeypatch.setattr(module, "plan_for", lambda q, k, v, *rest: _plans.Cached(
+        monkeypatch.setattr(module, "plan_for", lambda q, k, v, *rest: _plans.CachedPlan(
             plan, q, k, v, rest[-1].layout if isinstance(rest[-1], _dense.DenseOptions) else None))
         monkeypatch.setattr(module, "raw_stream", lambda device: 0)
     monkeypatch.setattr(_plans, "capturing", lambda: False)

@@ -45,7 +45,7 @@ def qkv(seqlen: int):
     return q, q, q
 
 
-def call(seqlen: int) -> _plans.Cached:
+def call(seqlen: int) -> _plans.CachedPlan:
     """What attention() on (1, seqlen, 2, 64) tensors looks up: its plan, through the table."""
     return _dense.plan_for(*qkv(seqlen), None, None, None, None, None, None, OPTIONS)
 
@@ -78,7 +78,7 @@ def test_a_shape_used_between_every_two_new_ones_stays_hot(table, n):
     table(n)
     hot = call(4096)
     for s in range(1, 2 * n + 40):
-        assert call(4096) is hot  # a hit every time: the same Cached, never asked of the runtime again
+        assert call(4096) is hot  # a hit every time: the same CachedPlan, never asked of the runtime again
         call(s)
     assert fastattn.stats()["evictions"]["torch_calls"] > 40
 

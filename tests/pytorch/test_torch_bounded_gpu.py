@@ -105,7 +105,7 @@ def test_an_entry_dropped_while_another_thread_runs_it_stays_valid(small):
     # inserts (a cap of 1) again and again while the runner calls it: it runs from its last
     # hit, whose shared entry outlives the drop, and its outputs stay right. Then the runner
     # exits: its last hit, perhaps the entry's last owner, releases the plan (under the
-    # GIL, at thread exit). (On the Python path the runner holds its Cached alike.)
+    # GIL, at thread exit). (On the Python path the runner holds its CachedPlan alike.)
     others = range(64, 64 + 8 * 16, 16)
     for s in others:
         check(s)  # built before: the dropper's calls below are quick misses of the C++ table
