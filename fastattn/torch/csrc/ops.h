@@ -219,7 +219,7 @@ Entry miss_paged(const Tensor &q, const Tensor &k_cache, const Tensor &v_cache, 
 // profile_eager and the tests' read_call, read_varlen_call, check_varlen_tensors.
 void add_eager_entries(pybind11::module_ &m);
 
-// ---- attention() (dense.cpp, dense_autograd.h) -------------------------------------------------
+// ---- attention() (dense.cpp) -----------------------------------------------------------------
 
 using Grads = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor>;
 
