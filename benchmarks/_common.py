@@ -183,6 +183,23 @@ HELD_ITERS = 200
 HELD_SLEEP_CYCLES = 40_000_000
 
 
+def held_us(call, iters: int) -> tuple[float, bool]:
+    """Host microseconds per call of `call` over `iters` calls queued behind a sleep
+    kernel, so that the loop never waits for the GPU; and whether the sleep still ran
+    when the loop ended (the sample is valid: the GPU held the calls all along)."""
+    import torch
+
+    torch.cuda.synchronize()
+    torch.cuda._sleep(HELD_SLEEP_CYCLES)
+    asleep = torch.cuda.Event()
+    asleep.record()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        call()
+    us = (time.perf_counter() - t0) / iters * 1e6
+    return us, not asleep.query()
+
+
 def host_rounds(calls: dict, iters: int, repeats: int, seed: int = 17, held_iters: int = HELD_ITERS) -> dict:
     """Per-call host time of each peer, in `repeats` interleaved rounds, each in a new
     seeded order (so that drift hits every peer alike and no peer always follows the same
@@ -213,15 +230,9 @@ def host_rounds(calls: dict, iters: int, repeats: int, seed: int = 17, held_iter
             enter, infer, train = calls[name]
             r = out[name]
             with enter():
-                torch.cuda.synchronize()
-                torch.cuda._sleep(HELD_SLEEP_CYCLES)
-                asleep = torch.cuda.Event()
-                asleep.record()
-                t0 = time.perf_counter()
-                for _ in range(held_iters):
-                    infer()
-                r["held"].append((time.perf_counter() - t0) / held_iters * 1e6)
-                r["held_valid"] += not asleep.query()
+                us, valid = held_us(infer, held_iters)
+                r["held"].append(us)
+                r["held_valid"] += valid
                 for key, step in (("wall", infer), ("train", train)):
                     torch.cuda.synchronize()
                     t0 = time.perf_counter()

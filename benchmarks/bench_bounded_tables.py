@@ -54,7 +54,7 @@ import sys
 import tempfile
 import time
 
-from _common import HELD_SLEEP_CYCLES, emit, header, require_cuda  # (benchmarks/ is on sys.path)
+from _common import emit, header, held_us, require_cuda  # (benchmarks/ is on sys.path)
 
 HEADS, DIM = 2, 64
 SMALLEST = (1, 8, 16, 64)  # the stand-in plan's length: the first cuDNN takes
@@ -119,15 +119,9 @@ def hot_host_us(call, samples: int = 15, iters: int = 200) -> tuple[float, int]:
         call()
     out, valid = [], 0
     for _ in range(samples):
-        torch.cuda.synchronize()
-        torch.cuda._sleep(HELD_SLEEP_CYCLES)
-        asleep = torch.cuda.Event()
-        asleep.record()
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            call()
-        out.append((time.perf_counter() - t0) / iters * 1e6)
-        valid += not asleep.query()
+        us, held = held_us(call, iters)
+        out.append(us)
+        valid += held
     torch.cuda.synchronize()
     return statistics.median(out), valid
 

@@ -106,6 +106,14 @@ def _input_slots(spec: _specs.Spec, direction: str, skip=()) -> dict[str, str]:
     return out
 
 
+def _lookup(spec: _specs.Spec, o: str) -> list[str]:
+    """What both directions' bodies open with, after the docstring: whether the call is
+    padded, its plan (`o`: the plan_for argument for the output), an absent input made."""
+    lines = [f"    padded = {spec.padded_by} is not None"] if spec.padded_by else []
+    lines.append(f"    c = plan_for({', '.join(i.name for i in spec.inputs)}, {o}, options)")
+    return lines + _absent(spec, "    ")
+
+
 def _forward_source(spec: _specs.Spec) -> str:
     names = [i.name for i in spec.inputs]
     q = names[0]
@@ -113,10 +121,7 @@ def _forward_source(spec: _specs.Spec) -> str:
     lines = [f"def forward_impl({args}, options):",
              f'    """fastattn::{spec.forward_op}\'s work (made from _specs.{spec.name.upper()}): '
              f'{", ".join(o.name for o in spec.outputs)}."""']
-    if spec.padded_by:
-        lines.append(f"    padded = {spec.padded_by} is not None")
-    lines.append(f"    c = plan_for({args}, None, options)")
-    lines += _absent(spec, "    ")
+    lines += _lookup(spec, "None")
     if any(o.training_only for o in spec.outputs):
         lines.append("    training = options.training")
     slots = {}
@@ -193,10 +198,7 @@ def _backward_source(spec: _specs.Spec) -> str:
              'or None per input, in their order."""',
              "    if d_o.stride() != o.stride():  # the backward graph reads d_o at o's strides (the plan's)",
              "        d_o = torch.empty_strided(o.shape, o.stride(), dtype=o.dtype, device=o.device).copy_(d_o)"]
-    if spec.padded_by:
-        lines.append(f"    padded = {spec.padded_by} is not None")
-    lines.append(f"    c = plan_for({args}, o, options)")
-    lines += _absent(spec, "    ")
+    lines += _lookup(spec, "o")
     grads = _Grads()
     rows = [i for i in spec.inputs if i.grad and not i.grad_if]
     for n, i in enumerate(rows):
