@@ -14,6 +14,7 @@
 // the arguments' names against the installed torch before registering), and a call
 // fastattn does not take is handed, stack and all, to PyTorch's own kernels:
 // aten::_cudnn_attention_forward / _backward, which its cuDNN SDPA operators run.
+#include <ATen/Context.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/grad_mode.h>
@@ -136,8 +137,9 @@ void count_call(const SdpaRoute &r) {
 }
 
 // The composite's calls handed on before a route is asked, by reason (_sdpa_mode.EARLY,
-// given with the kernels).
-constexpr size_t kEarly = 3;
+// given with the kernels; kCudnnOff: PyTorch's cuDNN backend disabled).
+constexpr size_t kEarly = 4;
+constexpr int kCudnnOff = 3;
 std::array<std::string, kEarly> g_early_reasons;
 std::array<std::atomic<uint64_t>, kEarly> g_early_calls{};
 
@@ -454,7 +456,10 @@ void composite(const c10::OperatorHandle &, Stack *stack) {
     const double dropout_p = args[4].toDouble();
     const bool is_causal = args[5].toBool(), enable_gqa = args[7].toBool();
     const std::optional<double> scale = args[6].toOptional<double>();
-    const int e = early(q, k, v, mask, enable_gqa);
+    // PyTorch's cuDNN backend disabled (an sdpa_kernel context without CUDNN_ATTENTION,
+    // enable_cudnn_sdp(False)): the backends the user enabled run the call, as PyTorch's
+    // composite would choose among them. First: one read of the process-wide flag.
+    const int e = at::globalContext().userEnabledCuDNNSDP() ? early(q, k, v, mask, enable_gqa) : kCudnnOff;
     if (e >= 0) {
         g_early_calls[e].fetch_add(1, std::memory_order_relaxed);
     } else {
