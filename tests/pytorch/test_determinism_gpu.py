@@ -1,9 +1,12 @@
 """GPU: torch.use_deterministic_algorithms(True) and fastattn's cuDNN backward. A backward
 without cuDNN's deterministic algorithm raises (a RuntimeError, before any work) or, with
 warn_only=True, warns and runs, as PyTorch's own non-deterministic kernels do, on both
-paths: fastattn.torch.attention, attention_varlen and fastattn.flash's functions;
-deterministic=True gives a backward that neither warns nor raises, and repeats bit for
-bit."""
+paths: fastattn.torch.attention, attention_varlen, fastattn.flash's functions and the SDPA
+mode's backward; deterministic=True gives a backward that neither warns nor raises, and
+repeats bit for bit. The SDPA mode hands a call with a backward to PyTorch while
+determinism is required (PyTorch's flash kernel then, or its error where only cuDNN is
+enabled, as PyTorch's test_fused_backwards_throws_determinism_warning asks), and serves
+it with warn_only, its backward warning in PyTorch's cuDNN backward's words."""
 
 import warnings
 
@@ -16,12 +19,13 @@ import torch.nn.functional as F  # noqa: E402
 import fastattn  # noqa: E402
 import fastattn.torch  # noqa: E402
 from fastattn.flash import flash_attn_func  # noqa: E402
-from fastattn.torch import _native  # noqa: E402
+from fastattn.torch import _native, _sdpa_mode  # noqa: E402
 from helpers.torch import deterministic, take_python_path  # noqa: E402
 
 DEV = "cuda"
 TOL = 3e-2  # bfloat16
 WORDS = "cuDNN Attention defaults to a non-deterministic algorithm."  # PyTorch's cuDNN backward's
+_B = torch.nn.attention.SDPBackend
 
 
 @pytest.fixture(params=("native", "python"))
@@ -124,3 +128,79 @@ def test_attention_varlen_alerts_unless_deterministic(path):
         got = step(False)
     for a, b in zip(got, first):
         torch.testing.assert_close(a, b, atol=TOL * b.abs().max().item(), rtol=TOL)
+
+
+# -- the SDPA mode ------------------------------------------------------------------------------
+
+@pytest.fixture(params=("native", "python"))
+def mode(request, monkeypatch):
+    """The mode on, with the op library's C++ kernels or the Python ones (as test_sdpa_mode_gpu.py)."""
+    lib = _native.library()
+    assert lib is not None, _native.status()
+    if request.param == "python":
+        take_python_path(monkeypatch)
+    else:
+        _native._publish_ops()
+    lib.clear()
+    _sdpa_mode._routes.clear()
+    fastattn.torch.enable_sdpa()
+    assert (_sdpa_mode._state.library is lib) == (request.param == "native")
+    yield request.param
+    fastattn.torch.disable_sdpa()
+
+
+def _bhsd():
+    torch.manual_seed(2)
+    q, k, v = (torch.randn(2, 8, 96, 64, device=DEV, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    return q, k, v, torch.randn(2, 8, 96, 64, device=DEV, dtype=torch.bfloat16)
+
+
+def test_the_mode_hands_a_call_with_a_backward_to_pytorch_while_determinism_is_required(mode):
+    q, k, v, g = _bhsd()
+    reason = _sdpa_mode.EARLY[4]
+    before = fastattn.stats()["sdpa"]
+    with deterministic(warn_only=False):
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        grads = torch.autograd.grad(o, (q, k, v), g)
+        with torch.no_grad():  # no backward: fastattn's deterministic forward serves it
+            served = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    after = fastattn.stats()["sdpa"]
+    assert after["served"] == before["served"] + 1, after
+    assert after["passed_on"].get(reason, 0) == before["passed_on"].get(reason, 0) + 1, after
+    fastattn.torch.disable_sdpa()
+    try:
+        with deterministic(warn_only=False):  # PyTorch's own choice, the mode off
+            want = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            want_grads = torch.autograd.grad(want, (q, k, v), g)
+    finally:
+        fastattn.torch.enable_sdpa()
+    assert torch.equal(o, want)
+    assert all(torch.equal(a, b) for a, b in zip(grads, want_grads))  # a deterministic backward, PyTorch's
+    torch.testing.assert_close(served, o, atol=TOL * o.abs().max().item(), rtol=TOL)
+
+
+@pytest.mark.parametrize("warn_only", [True, False])
+def test_pytorchs_determinism_test_holds_with_the_mode_on(mode, warn_only):
+    # PyTorch's test_fused_backwards_throws_determinism_warning, its cuDNN case: warn_only,
+    # its words; otherwise a RuntimeError (PyTorch's: with only cuDNN enabled, no kernel).
+    q, k, v = (torch.randn(1, 8, 64, 64, device=DEV, dtype=torch.float16, requires_grad=True) for _ in range(3))
+    before = fastattn.stats()["sdpa"]["served"]
+    with deterministic(warn_only), torch.nn.attention.sdpa_kernel([_B.CUDNN_ATTENTION]):
+        if warn_only:
+            with pytest.warns(UserWarning, match=WORDS):
+                F.scaled_dot_product_attention(q, k, v).sum().backward()
+        else:
+            with pytest.raises(RuntimeError):
+                F.scaled_dot_product_attention(q, k, v).sum().backward()
+    assert fastattn.stats()["sdpa"]["served"] == before + warn_only  # warn_only: fastattn's, warning
+
+
+def test_a_served_forward_whose_backward_runs_under_determinism_raises(mode):
+    # The forward ran before determinism was required (so fastattn served it); its backward,
+    # fastattn's (the forward's route), is not deterministic.
+    q, k, v, g = _bhsd()
+    before = fastattn.stats()["sdpa"]["served"]
+    o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert fastattn.stats()["sdpa"]["served"] == before + 1
+    with deterministic(warn_only=False), pytest.raises(RuntimeError, match=WORDS):
+        torch.autograd.grad(o, (q, k, v), g)

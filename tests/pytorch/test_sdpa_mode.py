@@ -1054,6 +1054,28 @@ def test_the_priority_order_is_not_read_where_cudnn_is_enabled(either_composite)
     assert (served, handed) == (1, {})
 
 
+@pytest.mark.parametrize("warn_only", [False, True])
+def test_while_deterministic_algorithms_are_required_a_call_with_a_backward_is_pytorchs(either_composite, warn_only):
+    # torch.use_deterministic_algorithms(True): PyTorch's choice leaves its cuDNN backend
+    # out (it has no deterministic backward) and so does the mode for a call with a backward,
+    # fastattn's being none either: PyTorch's answer, bit for bit. A call without one, and
+    # every call with warn_only, is served (its backward warns: test_determinism*.py).
+    from helpers.torch import deterministic
+
+    served, handed, out, want, _ = _the_call_under(either_composite, lambda: deterministic(warn_only))
+    if warn_only:
+        assert (served, handed) == (1, {})
+    else:
+        assert (served, handed) == (0, {_sdpa_mode.EARLY[4]: 1}) and torch.equal(out, want)
+    q, k, v = (t.detach() for t in _qkv(1, 4, 4, 5, 7, 16, "bhsd"))
+    served = either_composite()[0]
+    with deterministic(warn_only):
+        SDPA(q, k, v, is_causal=True)
+        with torch.no_grad():
+            SDPA(*(t.requires_grad_() for t in (q, k, v)), is_causal=True)
+    assert either_composite()[0] == served + 2
+
+
 def test_a_compiled_call_traced_under_a_math_only_context_holds_pytorchs_math(either_composite):
     # torch.compile's trace runs the composite's kernel on fake tensors: the flag it reads
     # there decides what the graph holds, as for PyTorch's own composite.
