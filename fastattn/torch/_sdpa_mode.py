@@ -143,10 +143,11 @@ def enable_sdpa() -> None:
     PyTorch's, on the backends enabled; so is every call with a backward while
     torch.use_deterministic_algorithms(True) is set without warn_only (fastattn's backward
     is not deterministic; with warn_only the mode serves it and its backward warns, as
-    PyTorch's cuDNN backward does). A mask's rows that keep no key (False, or -inf, throughout) give
-    zeros, as PyTorch's math kernel. Works under torch.compile (fullgraph: the cuDNN
-    operator, not fastattn's Python, is what the graph holds) and CUDA-graph capture
-    (after one call of each shape outside the capture, as fastattn.torch's entry points).
+    PyTorch's cuDNN backward does). A mask's rows that keep no key (False, or -inf,
+    throughout) give zeros, as PyTorch's math kernel. Works under torch.compile
+    (fullgraph: the cuDNN operator, not fastattn's Python, is what the graph holds) and
+    CUDA-graph capture (after one call of each shape outside the capture, as
+    fastattn.torch's entry points).
     Served and passed-on calls, with the reasons, are counted in fastattn.stats()["sdpa"];
     where fastattn cannot run at all (cuDNN not loadable, a CUDA failure) the calls are
     PyTorch's too, and the reason is also logged once (the "fastattn" logger). Calling
