@@ -280,6 +280,8 @@ def forward_impl(q, k, v, seq_len_q, seq_len_kv, rng, options: ClassOptions):
 def backward_impl(d_o, o, stats, q, k, v, seq_len_q, seq_len_kv, rng, options: ClassOptions):
     """A gradient or None per input (_executor.Train's backward): d_q, d_k, d_v at q's,
     k's and v's strides (the plan's offsets are shared)."""
+    if _executor.deterministic_algorithms() and not options.dense.deterministic:  # (as _executor's backward_impl)
+        _executor.alert_not_deterministic()
     d_o = d_o.contiguous()  # the plan reads d_o at o's (contiguous) offsets
     c = plan_for(q, k, v, options)
     d_q, d_k, d_v = (torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device) for t in (q, k, v))
