@@ -305,7 +305,10 @@ def serve(q, k, v, seq_len_q, seq_len_kv, rng, options, choice, grads: bool, ret
     if not classes:
         return None
     copts = None
-    if sc.KIND == OVERRIDE and seq_len_q is None and not options.training and _override_available():
+    # (a stride of 0, an expanded tensor's, is not one cuDNN's override takes: such calls take
+    # the ragged plan's checks, which refuse it, and so their exact plan)
+    if sc.KIND == OVERRIDE and seq_len_q is None and not options.training and _override_available() \
+            and min(*q.stride(), *k.stride(), *v.stride()) > 0:
         upper_q, upper_kv = classes.upper(q.shape[1]), classes.upper(k.shape[1])
         if upper_q is not None and upper_kv is not None:
             _check(q, k, v, seq_len_q, seq_len_kv)

@@ -431,3 +431,12 @@ def test_with_ragged_preferred_an_override_cudnn_still_takes_the_ragged_plan(fak
     monkeypatch.setattr(_shape_classes, "_override_ok", [True])
     _api.attention(*(meta(2, 40, 4, 64) for _ in range(3)), shape_classes=(64,))
     assert [(c.ragged, c.shape_override) for c in fake] == [(True, False)]
+
+
+def test_an_expanded_tensor_is_not_given_to_an_override_plan(override, monkeypatch):
+    served = []
+    monkeypatch.setattr(_dense, "forward_impl", lambda *a: served.append(a) or (a[0], None))
+    q = meta(2, 40, 4, 64)
+    k, v = (meta(2, 40, 1, 64).expand(2, 40, 4, 64) for _ in range(2))  # a stride of 0
+    _api.attention(q, k, v, shape_classes=(64,))
+    assert override == [] and len(served) == 1
