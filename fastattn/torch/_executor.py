@@ -28,8 +28,9 @@ same function; only the backward's target differs: the backward op where the for
 went through the forward op (what tracing records), backward_impl where it ran directly.
 
 An op's custom ops take its tensors first, then its options in their order; the
-backward op takes (d_o, o, stats, tensors..., options...). The op library (_native)
-registers the same schemas under native_<name>.
+backward op takes (d_o, o, stats, tensors..., options...). The op library's kernels
+are written from the same specs (_kernels, at its build) and registered with the same
+schemas under native_<name>.
 """
 
 from __future__ import annotations
