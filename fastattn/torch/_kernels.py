@@ -31,7 +31,8 @@ Pure Python and no torch: _opslib hashes this file without importing torch.
 from __future__ import annotations
 
 from .._slots import NO, SLOTS, upper
-from ._specs import SPECS, Input, Output, Spec, forward_schema, backward_schema
+from ._options import kind, struct
+from ._specs import SPECS, Input, Output, Spec, backward_schema, forward_schema
 
 # The op library's ops: their Kind order (fastattn_options.h's enum Kind).
 NATIVE = tuple(s for s in SPECS.values() if s.native)
@@ -98,12 +99,8 @@ def _literal(text: str, indent: str, width: int = 120) -> list[str]:
     return [f'{indent}"{piece}"' for piece in out + [current]]
 
 
-def _camel(name: str) -> str:
-    return "".join(part.capitalize() for part in name.split("_"))
-
-
 def _opts(spec: Spec) -> str:
-    return f"{_camel(spec.name)}Options"
+    return struct(spec.name)
 
 
 def _macro(spec: Spec) -> str:
@@ -221,7 +218,7 @@ def _plan(spec: Spec) -> list[str]:
         f"const Entry &{spec.name}_plan(int direction, {_params(spec)}, const Tensor *o, const {_opts(spec)} &opt) {{",
         "    thread_local std::vector<int64_t> key;  // reused: no allocation per call once grown",
         "    key.clear();",
-        f"    key.push_back(k{_camel(spec.name)});",
+        f"    key.push_back({kind(spec.name)});",
         "    key.push_back(direction);",
         *(f"    {line}" for line in keyed),
         f"    {_macro(spec)}_WORDS(key, opt);",
@@ -403,7 +400,7 @@ def _cpu_kernels(spec: Spec) -> list[str]:
 
 def _node(spec: Spec) -> list[str]:
     assert [o.name for o in spec.outputs] == ["o", "stats"], f"{spec.name}: a backward reads o and stats"
-    node, o = f"{_camel(spec.name)}Backward", _opts(spec)
+    node, o = f"{spec.name.capitalize()}Backward", _opts(spec)
     grads = spec.differentiable()
     saved = [i.name for i in spec.inputs] + ["o", "stats"]
     unpack = [f"const {'OptTensor' if i.optional else 'Tensor'} {i.name}_ = "

@@ -43,6 +43,7 @@
 #include <chrono>
 #include <cmath>
 #include <tuple>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -431,21 +432,31 @@ py::dict profile_eager(const Tensor &q, const Tensor &k, const Tensor &v, int64_
 // subclasses with a __torch_dispatch__ (all of which must see the op) and for tensors not
 // on CUDA, it runs the op. No autograd either way:
 // attention_paged is forward only.
-Tensor call_paged(const Tensor &q, const Tensor &k_cache, const Tensor &v_cache, const Tensor &table,
-                  const Tensor &cache_seqlens, const OptTensor &seq_lens_q, FA_PAGED_PARAMS) {
+// Whether any of the tensors (a Tensor or an OptTensor each) has `key` in its key set.
+template <class... Tensors>
+bool any_has(c10::DispatchKey key, const Tensors &...tensors) {
+    const auto keys = [](const auto &t) {
+        if constexpr (std::is_same_v<std::decay_t<decltype(t)>, OptTensor>) {
+            return given(t) ? t->key_set() : c10::DispatchKeySet();
+        } else {
+            return t.key_set();
+        }
+    };
+    return (keys(tensors) | ...).has(key);
+}
+
+// Its parameters are the op's, in its spec's order (FA_PAGED_TENSORS, FA_PAGED_PARAMS).
+Tensor call_paged(FA_PAGED_TENSORS, FA_PAGED_PARAMS) {
     py::gil_scoped_release no_gil;
     // A tensor subclass with its own __torch_dispatch__ (the Python key) must see the op too.
-    const bool plain = !(q.key_set() | k_cache.key_set() | v_cache.key_set() | table.key_set() |
-                         cache_seqlens.key_set() | (given(seq_lens_q) ? seq_lens_q->key_set() : c10::DispatchKeySet()))
-                            .has(c10::DispatchKey::Python);
-    if (!plain || !outside_modes() || !q.is_cuda()) {
+    if (any_has(c10::DispatchKey::Python, FA_PAGED_TENSOR_ARGS) || !outside_modes() || !q.is_cuda()) {
         static const auto op = c10::Dispatcher::singleton()
                                    .findSchemaOrThrow("fastattn::native_paged_forward", "")
                                    .typed<decltype(paged_forward_cuda)>();
-        return op.call(q, k_cache, v_cache, table, cache_seqlens, seq_lens_q, FA_PAGED_ARGS);
+        return op.call(FA_PAGED_TENSOR_ARGS, FA_PAGED_ARGS);
     }
     RECORD_FUNCTION("fastattn::attention_paged", c10::ArrayRef<const c10::IValue>{});
-    return paged_forward(q, k_cache, v_cache, table, cache_seqlens, seq_lens_q, PagedOptions{FA_PAGED_ARGS});
+    return paged_forward(FA_PAGED_TENSOR_ARGS, PagedOptions{FA_PAGED_ARGS});
 }
 
 // A METH_FASTCALL function as the PyCFunction that PyMethodDef holds (CPython casts it back).
@@ -457,9 +468,8 @@ PyCFunction as_pycfunction(FastCall f) { return reinterpret_cast<PyCFunction>(re
 void add_eager_entries(py::module_ &m) {
     m.def("profile_eager", &profile_eager, "the eager entry's pieces timed in C++ (benchmarks/profile_native_step.py)");
     m.def("call_paged", &call_paged,
-          "call_paged(q, k_cache, v_cache, block_table, cache_seqlens, seq_lens_q, <the paged options>) -> o: "
-          "attention_paged()'s eager callable (fastattn::native_paged_forward's arguments), past torch.ops "
-          "outside dispatch modes and torch.jit.trace");
+          "call_paged(<fastattn::native_paged_forward's arguments>) -> o: attention_paged()'s eager callable, "
+          "past torch.ops outside dispatch modes and torch.jit.trace");
     m.def("check_varlen_tensors", &check_varlen_tensors_for_tests,
           "check_varlen_tensors(q, k, v, cu_seqlens_q, cu_seqlens_kv): call_varlen's tensor checks (tests)");
     // The eager entries take Python's vectorcall convention (METH_FASTCALL), which
