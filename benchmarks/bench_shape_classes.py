@@ -1,6 +1,9 @@
-"""Shape classes on the GPU: a class plan's kernel time (cuDNN's ragged graph declared for
-the class's longest length, serving a shorter call) against the exact plan's, across
-lengths, for the measured policy of `shape_classes="auto"` (fastattn/shape_classes.py).
+"""Shape classes on the GPU: a class plan's kernel time (a graph declared for the class's
+longest length, serving a shorter call) against the exact plan's, across lengths, for the
+measured policy of `shape_classes="auto"` (fastattn/shape_classes.py). Each kind of class
+plan that the loaded cuDNN has is timed beside the exact plan in the same rounds (--kinds):
+the shape-override graph (cuDNN >= 9.21) and the ragged graph (every cuDNN); the first kind
+is the one that serves, which the policy's row records as the class plan's time.
 
 For each candidate class (lo, hi] of fastattn.shape_classes.CANDIDATES up to --max, at
 the lengths lo + 1 (the worst case: the most rows the plan declares and the call lacks),
@@ -35,6 +38,7 @@ import torch
 import fastattn
 import fastattn.torch
 from fastattn import shape_classes as sc
+from fastattn.torch import _plans, _shape_classes as _classes
 
 from _common import header, require_cuda, write_json  # (benchmarks/ is on sys.path)
 
@@ -69,20 +73,49 @@ def _queued_time_us(fn, reps: int) -> callable:
     return timed
 
 
-def measure(make, classes: sc.Classes, reps: int, rounds: int) -> tuple[float, float]:
-    """(class plan us, exact plan us) per call of make(shape_classes) -> a callable."""
-    timers = {name: _queued_time_us(make(choice), reps) for name, choice in (("class", classes), ("exact", "off"))}
-    samples = {"class": [], "exact": []}
+def _as(kind: str | None, fn):
+    """fn with the class plans of `kind` preferred (None: exact plans, classes off)."""
+    if kind is None:
+        return fn
+
+    def call():
+        sc.KIND = kind
+        return fn()
+    return call
+
+
+def measure(make, classes: sc.Classes, kinds: tuple[str, ...], reps: int, rounds: int) -> dict[str, float]:
+    """{kind: us per call, ..., "exact": us} of make(shape_classes) -> a callable, each
+    kind's class plan (fastattn/torch/_shape_classes.py: RAGGED, OVERRIDE) beside the exact
+    plan, in interleaved rounds."""
+    variants = {**{kind: (kind, classes) for kind in kinds}, "exact": (None, "off")}
+    timers = {name: _queued_time_us(_as(kind, make(choice)), reps) for name, (kind, choice) in variants.items()}
+    samples = {name: [] for name in timers}
     for name in timers:  # one warm run each
         timers[name]()
     for _ in range(rounds):
-        for name in ("class", "exact"):
+        for name in timers:
             samples[name].append(timers[name]())
-    return statistics.median(samples["class"]), statistics.median(samples["exact"])
+    return {name: statistics.median(v) for name, v in samples.items()}
+
+
+def _served_by(kind: str, upper_q: int) -> bool:
+    """Whether calls ran a class plan of `kind` declared for upper_q query rows (one cuDNN
+    refused serves its calls by another kind or exact plans, which its timing then is)."""
+    return any(key[0] == "class" and key[-1].kind == kind and key[-1].upper_q == upper_q for key in list(_plans.plans))
+
+
+def _named(call: str, times: dict[str, float], upper_q: int) -> dict[str, float]:
+    """measure()'s times as the result's keys ({call}_{kind}_us), leaving out a kind
+    whose class plan did not serve (cuDNN refused it)."""
+    return {f"{call}_{name}_us": t for name, t in times.items() if name == "exact" or _served_by(name, upper_q)}
 
 
 def run(args) -> dict:
     dtype = DTYPES[args.dtype]
+    # The kinds this cuDNN has, the one that serves first (shape_classes.KIND while timing it).
+    kinds = tuple(k for k in args.kinds if k != _classes.OVERRIDE or _classes._override_available())
+    args.kinds = kinds
     b, hq, hkv, d = args.batch, args.heads, args.heads_kv or args.heads, args.head_dim
     classes_out = []
     lo = 1
@@ -97,7 +130,7 @@ def run(args) -> dict:
                 return lambda: fastattn.torch.attention(q, k, v, causal_bottom_right=True, shape_classes=choice)
 
             with torch.no_grad():
-                m["forward_class_us"], m["forward_exact_us"] = measure(prefill, classes, args.reps, args.rounds)
+                m.update(_named("prefill", measure(prefill, classes, kinds, args.reps, args.rounds), hi))
                 cache_k, cache_v = (torch.randn(b, 2 * hi, hkv, d, device="cuda", dtype=dtype) for _ in range(2))
                 q1 = torch.randn(b, 1, hq, d, device="cuda", dtype=dtype)
 
@@ -105,7 +138,7 @@ def run(args) -> dict:
                     return lambda: fastattn.torch.attention(q1, ck[:, :n], cv[:, :n], causal_bottom_right=True,
                                                             shape_classes=choice)
 
-                m["decode_class_us"], m["decode_exact_us"] = measure(decode, classes, args.reps, args.rounds)
+                m.update(_named("decode", measure(decode, classes, kinds, args.reps, args.rounds), 1))
             if args.training:
                 qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
 
@@ -116,13 +149,21 @@ def run(args) -> dict:
                     return fn
 
                 # A training step less its forward: the backward's time.
-                c_step, e_step = measure(step, classes, max(1, args.reps // 4), args.rounds)
-                m["backward_class_us"] = max(c_step - m["forward_class_us"], 1e-3)
-                m["backward_exact_us"] = max(e_step - m["forward_exact_us"], 1e-3)
-            # The policy reads forward_* (and backward_*): the worse of prefill and decode.
-            if m["decode_class_us"] / m["decode_exact_us"] > m["forward_class_us"] / m["forward_exact_us"]:
-                m["prefill_class_us"], m["prefill_exact_us"] = m["forward_class_us"], m["forward_exact_us"]
-                m["forward_class_us"], m["forward_exact_us"] = m["decode_class_us"], m["decode_exact_us"]
+                steps = _named("step", measure(step, classes, kinds, max(1, args.reps // 4), args.rounds), hi)
+                for name in (*kinds, "exact"):
+                    if f"step_{name}_us" in steps:
+                        m[f"backward_{name}_us"] = max(steps[f"step_{name}_us"] - m[f"prefill_{name}_us"], 1e-3)
+            # The policy reads forward_class_us and forward_exact_us (and backward_*): the worse
+            # of prefill and decode, for the kind of class plan that serves on this cuDNN.
+            served = args.kinds[0]
+            for direction in ("forward", "backward") if args.training else ("forward",):
+                first = "prefill" if direction == "forward" else "backward"
+                pairs = [(m.get(f"{first}_{served}_us"), m.get(f"{first}_exact_us"))]
+                if direction == "forward":
+                    pairs.append((m.get(f"decode_{served}_us"), m.get("decode_exact_us")))
+                pairs = [p for p in pairs if p[0] is not None]
+                if pairs:
+                    m[f"{direction}_class_us"], m[f"{direction}_exact_us"] = max(pairs, key=lambda p: p[0] / p[1])
             lengths.append({key: round(val, 3) if isinstance(val, float) else val for key, val in m.items()})
             print(f"  ({lo}, {hi}] n={n}: " + ", ".join(f"{key} {val}" for key, val in lengths[-1].items()
                                                         if key != "n"), flush=True)
@@ -168,6 +209,8 @@ def main(argv=None) -> int:
     ap.add_argument("--training", action="store_true", help="also the backward (training calls' classes)")
     ap.add_argument("--reps", type=int, default=20, help="calls per timed sample")
     ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds (the median is recorded)")
+    ap.add_argument("--kinds", type=lambda t: tuple(t.split(",")), default=("override", "ragged"),
+                    help="the kinds of class plan to time, the one that serves first (override: cuDNN >= 9.21)")
     ap.add_argument("--json")
     ap.add_argument("--write", help="merge the policy's row into this file (fastattn/_measured/shape_classes.json)")
     args = ap.parse_args(argv)
@@ -179,6 +222,7 @@ def main(argv=None) -> int:
                      "head_dim": args.head_dim, "dtype": args.dtype, "mask": "causal_bottom_right",
                      "training": args.training, "reps": args.reps, "rounds": args.rounds}}
     res.update(run(args))
+    res["shape"]["kinds"] = list(args.kinds)
     res["versions"] = fastattn.versions()  # cuDNN is loaded now
     res["seconds"] = round(time.perf_counter() - t0, 1)
     write_json(res, args.json)
@@ -188,9 +232,13 @@ def main(argv=None) -> int:
                        training=args.training) if args.write else None
     print("summary:")
     print(f"  {res['gpu']}, cuDNN {res['versions'].get('cudnn_loaded')}, {res['seconds']} s")
+    print(f"  kinds timed: {', '.join(res['shape']['kinds']) or 'none'} (the first serves)")
     for c in res["classes"]:
-        worst = max(m["forward_class_us"] / m["forward_exact_us"] for m in c["lengths"])
-        print(f"  class ({c['lo']}, {c['hi']}]: worst class/exact forward {worst:.3f}")
+        for kind in res["shape"]["kinds"]:
+            ratios = [m[f"{call}_{kind}_us"] / m[f"{call}_exact_us"] for m in c["lengths"]
+                      for call in ("prefill", "decode") if f"{call}_{kind}_us" in m]
+            worst = f"{max(ratios):.3f}" if ratios else "refused"
+            print(f"  class ({c['lo']}, {c['hi']}] {kind}: worst class/exact forward {worst}")
     if args.write:
         print(f"  auto keeps: {kept.ranges if kept else 'nothing'} (tolerance {sc.TOLERANCE})")
     return 0

@@ -108,9 +108,9 @@ Status own_lengths(Graph &graph, const Config &c, int device) {
 // The remedy replaces lengths a graph does not have; a graph with lengths of its own
 // (or FP8's, which no defect names) has no use for it. Python never asks for the pair.
 Status check_full_lengths(const Config &c) {
-    if (c.full_lengths && (c.padding || c.ragged || c.page_size > 0 || is_fp8(c.dtype))) {
-        return error(Code::kInvalidArgument,
-                     "full_lengths is for 16-bit graphs without lengths of their own (not padding, ragged, paged)");
+    if (c.full_lengths && (c.padding || c.ragged || c.page_size > 0 || is_fp8(c.dtype) || c.shape_override)) {
+        return error(Code::kInvalidArgument, "full_lengths is for 16-bit graphs without lengths of their own (not "
+                                             "padding, ragged, paged) and of one shape (not shape_override)");
     }
     return {};
 }
@@ -126,10 +126,18 @@ enum class Via { kCachedPack, kFrontend };
 // and search an unordered_map. It still makes a variant pack per call.
 // `index`: the launch's cumulative lengths, when it was given them (the index kernel
 // runs first, on the same stream).
+// `shapes`: a shape-override call's tensors (execute_at), which only the frontend's
+// execute takes.
+struct Overrides {
+    std::vector<int64_t> uids;
+    std::vector<std::vector<int64_t>> shapes, strides;
+};
+
 Status run(const Graph &g, int device, void **ptrs, int n, intptr_t workspace, intptr_t stream, Via via,
-           const IndexLaunch *index = nullptr) {
+           const IndexLaunch *index = nullptr, const Overrides *shapes = nullptr) {
     return guarded(Code::kCudnnError, "execute", [&]() -> Status {
-        const bool direct = via == Via::kCachedPack && g.direct.usable && !fe::isLoggingTensorDumpEnabled();
+        const bool direct = via == Via::kCachedPack && g.direct.usable && !fe::isLoggingTensorDumpEnabled() &&
+                            shapes == nullptr;
         if (!direct && g.direct.copies_from_host) {
             // The frontend's execute would record a copy from freed host memory into the
             // caller's capture (packs.h, capture_direct): refused before touching it.
@@ -150,6 +158,14 @@ Status run(const Graph &g, int device, void **ptrs, int n, intptr_t workspace, i
             return launch_cached(g, scope.handle(), device, stream, ptrs, reinterpret_cast<void *>(workspace), index);
         }
         if (index != nullptr) FA_RETURN_IF_ERROR(launch_index(*index, reinterpret_cast<cudaStream_t>(stream)));
+        if (shapes != nullptr) {
+            std::unordered_map<int64_t, void *> by_uid;
+            for (int i = 0; i < n; ++i) by_uid[uid(static_cast<Slot>(g.order[i]))] = ptrs[i];
+            auto e = g.g->execute(scope.handle(), by_uid, reinterpret_cast<void *>(workspace), shapes->uids,
+                                  shapes->shapes, shapes->strides);
+            if (e.is_bad()) return error(Code::kCudnnError, "execute: " + e.err_msg);
+            return {};
+        }
         auto e = g.g->execute(scope.handle(), ptrs, n, reinterpret_cast<void *>(workspace));
         if (e.is_bad()) return error(Code::kCudnnError, "execute: " + e.err_msg);
         return {};
@@ -297,6 +313,69 @@ Status execute(const Graph *g, Direction dir, int device, const intptr_t *slots,
     void *pack[kNumSlots];
     for (int i = 0; i < g->n; ++i) pack[i] = reinterpret_cast<void *>(slots[g->order[i]]);
     return run(*g, device, pack, g->n, workspace, stream, Via::kCachedPack, derived ? &index : nullptr);
+}
+
+namespace {
+
+Status bad_shape(const Config &c, const CallShape &at, const std::string &why, Code code = Code::kInvalidArgument) {
+    return error(code, "execute_at(seqlen_q=" + std::to_string(at.seqlen_q) + ", seqlen_kv=" +
+                           std::to_string(at.seqlen_kv) + ") of a plan declared for seqlen_q=" +
+                           std::to_string(c.seqlen_q) + ", seqlen_kv=" + std::to_string(c.seqlen_kv) + ": " + why);
+}
+
+std::vector<int64_t> four(const int64_t s[4]) { return {s[0], s[1], s[2], s[3]}; }
+
+}  // namespace
+
+Status execute_at(const Graph *g, Direction dir, int device, const intptr_t *slots, intptr_t workspace,
+                  intptr_t stream, const CallShape &at) {
+    if (g == nullptr || g->dir != dir) {
+        return error(Code::kInvalidArgument,
+                     dir == Direction::kForward ? "not a forward graph" : "not a backward graph");
+    }
+    const Config &c = g->declared;
+    if (dir != Direction::kForward) {
+        // (config.py refuses shape_override with training: the backward graph's workspace
+        // tensors are declared at the plan's lengths, and no override reaches them)
+        return error(Code::kInvalidArgument, "a shape-override plan is forward only");
+    }
+    if (!g->shape_override) {
+        return error(Code::kInvalidArgument,
+                     "this plan was built without shape_override: it runs at its config's lengths (execute)");
+    }
+    if (at.seqlen_q < 1 || at.seqlen_q > c.seqlen_q || at.seqlen_kv < 1 || at.seqlen_kv > c.seqlen_kv) {
+        return bad_shape(c, at, "each length must be 1 to the declared one");
+    }
+    if ((at.seqlen_q == 1) != (c.seqlen_q == 1)) {
+        return bad_shape(c, at, "cuDNN's shape override does not cross seqlen_q == 1 (a one-row query runs a plan "
+                                "declared for one row)", Code::kNotSupported);
+    }
+    for (const int64_t *s : {at.q_stride, at.k_stride, at.v_stride, at.o_stride}) {
+        for (int i = 0; i < 4; ++i) {
+            if (s[i] < 1) return bad_shape(c, at, "every stride must be positive");
+        }
+    }
+    bool derived = false;
+    if (!slots_fit(*g, slots, workspace, &derived)) return slot_error(*g, slots, workspace);
+    Overrides o;
+    auto put = [&](Slot s, std::vector<int64_t> dims, std::vector<int64_t> strides) {
+        if ((g->slots & bit(s)) == 0) return;
+        o.uids.push_back(uid(s));
+        o.shapes.push_back(std::move(dims));
+        o.strides.push_back(std::move(strides));
+    };
+    const int64_t b = c.batch, hq = c.heads_q, sq = at.seqlen_q;
+    // cuDNN's forward graph holds K as K^T, (b, h, d, s) (cudnn-frontend's SDPA node swaps
+    // its last two dims and strides when it builds the graph): an override speaks cuDNN's view.
+    const std::vector<int64_t> kt{b, c.heads_kv, c.head_dim_qk, at.seqlen_kv},
+        kt_stride{at.k_stride[0], at.k_stride[1], at.k_stride[3], at.k_stride[2]};
+    put(kSlotQ, {b, hq, sq, c.head_dim_qk}, four(at.q_stride));
+    put(kSlotK, kt, kt_stride);
+    put(kSlotV, {b, c.heads_kv, at.seqlen_kv, c.head_dim_v}, four(at.v_stride));
+    put(kSlotO, {b, hq, sq, c.head_dim_v}, four(at.o_stride));
+    void *pack[kNumSlots];
+    for (int i = 0; i < g->n; ++i) pack[i] = reinterpret_cast<void *>(slots[g->order[i]]);
+    return run(*g, device, pack, g->n, workspace, stream, Via::kFrontend, nullptr, &o);
 }
 
 // ---- the benchmark hooks of bench.h, beside the execute they time (execute, run) and

@@ -69,6 +69,10 @@ struct Config {
     int64_t max_tokens_q = 0;
     // max_tokens_kv: with ragged, bounds the packed tokens of k and v
     int64_t max_tokens_kv = 0;
+    // shape_override: cuDNN's shape override, forward only: seqlen_q and seqlen_kv are the most a call may have;
+    // execute_at takes the call's own lengths and strides of q, k, v, o. No lengths, offsets, pages, bias, FP8 or
+    // backward.
+    bool shape_override = false;
     // bias: Additive bias after scaling, (bias_batch, bias_heads, bias_seq_q, seqlen_kv): the shape's extents,
     // contiguous, in dtype; bias_batch is 1 or batch, bias_heads 1 or heads_q, bias_seq_q 1 (one row broadcast over
     // the queries: a key-padding bias) or seqlen_q; 0: none.

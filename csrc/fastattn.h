@@ -116,4 +116,18 @@ Status hand_on_thread_handle(int device);
 Status execute(const Graph *g, Direction dir, int device, const intptr_t *slots, intptr_t workspace,
                intptr_t stream);
 
+// A call of a shape-override plan (Config::shape_override, forward only) at lengths of its
+// own: at most the config's seqlen_q and seqlen_kv, and on the same side of seqlen_q == 1
+// (cuDNN's override does not cross it). Strides in (batch, head, seq, dim) order.
+struct CallShape {
+    int64_t seqlen_q = 0, seqlen_kv = 0;
+    int64_t q_stride[4] = {}, k_stride[4] = {}, v_stride[4] = {}, o_stride[4] = {};
+};
+
+// execute at `shape`: the same checks, then cuDNN's execute with the shapes and strides
+// overridden (through the frontend's execute, which builds a map per call: a shape-
+// override launch costs about a microsecond more than execute's).
+Status execute_at(const Graph *g, Direction dir, int device, const intptr_t *slots, intptr_t workspace,
+                  intptr_t stream, const CallShape &shape);
+
 }  // namespace fastattn

@@ -102,6 +102,8 @@ inline Common make_common(const Config &c) {
     g.set_io_data_type(fe_type(c.dtype))
         .set_intermediate_data_type(fe::DataType_t::FLOAT)
         .set_compute_data_type(fe::DataType_t::FLOAT);
+    // (cudnn-frontend refuses it below cuDNN 9.21 with its reason: the probe's answer there)
+    if (c.shape_override) g.set_override_shape_enabled(true);
 
     // A paged k or v is a pool of pages; the page tables say which hold a sequence.
     const int64_t kv_batch = c.page_size > 0 ? c.num_pages : c.batch;

@@ -53,6 +53,8 @@ void set_layout(Layout &layout, const Config &c, Direction dir) {
         if (pack & bit(static_cast<Slot>(s))) layout.order[layout.n++] = static_cast<int8_t>(s);
     }
     layout.ragged = ragged_index(c, layout.slots);
+    layout.shape_override = c.shape_override;
+    if (c.shape_override) layout.declared = c;
 }
 
 std::vector<int64_t> mask_uids(uint64_t mask) {

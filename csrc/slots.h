@@ -53,6 +53,10 @@ struct Layout {
     int8_t order[kNumSlots] = {};
     int n                   = 0;
     RaggedIndex ragged;
+    // A shape-override graph's config (Config::shape_override): the declared shapes that
+    // execute_at overrides with a call's.
+    bool shape_override = false;
+    Config declared;
 };
 
 // Sets every field but the workspace, which cuDNN gives once the graph is built.

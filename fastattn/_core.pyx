@@ -13,7 +13,8 @@ from libcpp cimport bool as cbool
 from libcpp.string cimport string
 from libcpp.vector cimport vector
 
-from fastattn import _arrays, defects as _defects
+from fastattn import _arrays, _fields, defects as _defects
+from fastattn.config import named_strides
 from fastattn.errors import CorruptPlanError, InvalidArgumentError, NotSupportedError, error_for_code
 
 # The core's Config and its enums (csrc/config_gen.h) and the conversion _c_config, generated
@@ -82,6 +83,15 @@ cdef extern from "fastattn.h" namespace "fastattn" nogil:
                              GraphPtr* out, GraphInfo* info)
     Status execute(const Graph* g, Direction dir, int device, const intptr_t* slots, intptr_t workspace,
                    intptr_t stream)
+    cdef struct CallShape:
+        int64_t seqlen_q
+        int64_t seqlen_kv
+        int64_t q_stride[4]
+        int64_t k_stride[4]
+        int64_t v_stride[4]
+        int64_t o_stride[4]
+    Status execute_at(const Graph* g, Direction dir, int device, const intptr_t* slots, intptr_t workspace,
+                      intptr_t stream, const CallShape& shape)
     Status hand_on_thread_handle(int device)
 
 
@@ -235,7 +245,7 @@ cdef class Plan:
     def forward(self, q, k, v, o, stats=0, workspace=0, stream=0, seq_len_q=0, seq_len_kv=0, *, ragged_q=0, ragged_k=0,
                 ragged_v=0, ragged_o=0, ragged_stats=0, bias=0, seed=0, offset=0, sink=0, page_table_k=0, page_table_v=0,
                 descale_q=0, descale_k=0, descale_v=0, descale_s=0, scale_s=0, scale_o=0, amax_s=0, amax_o=0,
-                cu_seqlens_q=0, cu_seqlens_kv=0):
+                cu_seqlens_q=0, cu_seqlens_kv=0, at=None):
     # <<< forward signature
         """Runs attention forward: o = softmax(scale * q @ k^T, masked) @ v.
 
@@ -275,6 +285,15 @@ cdef class Plan:
         scale_s (the softmax probabilities' FP8 round trip inside the kernel), scale_o
         (o is stored as its real values times scale_o); it writes amax_s and amax_o,
         the largest |value| of the probabilities and of o before scaling.
+
+        A plan built with config.shape_override runs at its config's lengths, or at a
+        call's own with at=(seqlen_q, seqlen_kv): each at most the config's, and one
+        query row only where the config has one (cuDNN's override does not cross it).
+        The tensors are then laid out as the config's named layout at those lengths, or
+        as at=(seqlen_q, seqlen_kv, q_stride, k_stride, v_stride, o_stride) gives them
+        (4 strides each, in (batch, head, seq, dim) order; stats contiguous at
+        seqlen_q); give them as device addresses (ints): a device array is checked
+        against the config's own shapes.
 
         Asynchronous on `stream`: nothing is allocated, copied or synchronized.
         Raises InvalidArgumentError for a null, misaligned or unexpected pointer or an
@@ -318,7 +337,7 @@ cdef class Plan:
         _put(self, t, kSlotCuSeqlensKV, cu_seqlens_kv)
         # <<< forward slots
         ws = <intptr_t>workspace if type(workspace) is int else _workspace(self, False, workspace)
-        st = _launch(self, Direction.kForward, t, host, ws, _stream(stream))
+        st = _launch(self, Direction.kForward, t, host, ws, _stream(stream), at)
         if not st.ok():
             raise _error(st)
 
@@ -327,7 +346,7 @@ cdef class Plan:
                  ragged_q=0, ragged_k=0, ragged_v=0, ragged_o=0, ragged_stats=0, bias=0, d_bias=0, seed=0, offset=0, sink=0,
                  d_sink=0, descale_q=0, descale_k=0, descale_v=0, descale_o=0, descale_d_o=0, descale_s=0, descale_d_p=0,
                  scale_s=0, scale_d_q=0, scale_d_k=0, scale_d_v=0, scale_d_p=0, amax_d_q=0, amax_d_k=0, amax_d_v=0,
-                 amax_d_p=0, cu_seqlens_q=0, cu_seqlens_kv=0):
+                 amax_d_p=0, cu_seqlens_q=0, cu_seqlens_kv=0, at=None):
     # <<< backward signature
         """Runs attention backward: writes d_q, d_k, d_v from q, k, v, the forward's o and
         stats, and the output gradient d_o.
@@ -343,6 +362,7 @@ cdef class Plan:
         and backward takes the float32 (1, 1, 1, 1) descales of q, k, v, o, d_o, s (the
         forward's) and d_p (the probabilities' gradient inside the kernel), the scales
         of s, d_q, d_k, d_v and d_p, and writes amax_d_q, amax_d_k, amax_d_v, amax_d_p.
+        at: a shape-override plan's call shape, as forward takes it.
         Needs a plan built with training=True. Asynchronous on `stream`; with GQA the
         kernels accumulate d_k and d_v internally, so nothing needs zeroing first.
 
@@ -400,7 +420,7 @@ cdef class Plan:
         _put(self, t, kSlotCuSeqlensKV, cu_seqlens_kv)
         # <<< backward slots
         ws = <intptr_t>workspace if type(workspace) is int else _workspace(self, True, workspace)
-        st = _launch(self, Direction.kBackward, t, host, ws, _stream(stream))
+        st = _launch(self, Direction.kBackward, t, host, ws, _stream(stream), at)
         if not st.ok():
             raise _error(st)
 
@@ -442,11 +462,12 @@ def pass_on_handle(int device):
         raise _error(st)
 
 
-def _graphless_plan(bint training=False):
+def _graphless_plan(bint training=False, config=None):
     """A Plan with no graphs, for tests on machines without a GPU: forward and backward
     handle their arguments as for any plan, then the core refuses it ("not a ... graph")."""
     cdef Plan p = Plan.__new__(Plan)
     p._training = training
+    p.config = config
     return p
 
 
@@ -483,19 +504,79 @@ cdef intptr_t _workspace(Plan p, bint backward, object workspace) except? 0:
     return <intptr_t>_arrays.workspace_address(p, backward, workspace)
 
 
-cdef inline Status _launch(Plan p, Direction d, intptr_t* t, int64_t* host, intptr_t ws, intptr_t s):
-    """Launches the filled slots. Returns the status, so that an error is raised (and
-    its traceback entry made) once, in forward or backward."""
+cdef inline Status _launch(Plan p, Direction d, intptr_t* t, int64_t* host, intptr_t ws, intptr_t s,
+                           object at) except *:
+    """Launches the filled slots (at `at`'s shape, when given). Returns the status, so
+    that an error is raised (and its traceback entry made) once, in forward or backward."""
     cdef Status st
+    cdef CallShape shape
     cdef const Graph* g = p._fwd.get() if d == Direction.kForward else p._bwd.get()
     if p._c.host_seed:  # passed by value: cuDNN reads them from `host` during the call
         host[0] = t[kSlotSeed]
         host[1] = t[kSlotOffset]
         t[kSlotSeed] = <intptr_t>&host[0]
         t[kSlotOffset] = <intptr_t>&host[1]
+    if at is None:
+        with nogil:
+            st = execute(g, d, p.device, t, ws, s)
+        return st
+    _call_shape(p, at, &shape)
     with nogil:
-        st = execute(g, d, p.device, t, ws, s)
+        st = execute_at(g, d, p.device, t, ws, s, shape)
     return st
+
+
+def _at_int(str name, x):
+    """One of `at`'s ints: a Python int (numpy's and torch's integer scalars too), not a bool."""
+    if isinstance(x, bool) or not hasattr(x, "__index__"):
+        raise InvalidArgumentError(f"{name}={_fields.show(x)}: expected an int")
+    n = x.__index__()
+    if not 1 <= n < 2**62:
+        raise InvalidArgumentError(f"{name}={_fields.show(x)}: expected a positive int")
+    return n
+
+
+def _at_strides(Plan p, at):
+    """(seqlen_q, seqlen_kv, [q, k, v, o strides]) from a call's `at` (_call_shape)."""
+    if not p.config.shape_override:
+        raise InvalidArgumentError("at: this plan was built without shape_override: it runs at its config's "
+                                   "lengths (leave at out)")
+    if isinstance(at, (str, bytes)) or not hasattr(at, "__len__") or len(at) not in (2, 6):
+        raise InvalidArgumentError(f"at={_fields.show(at)}: expected (seqlen_q, seqlen_kv) or (seqlen_q, "
+                                   "seqlen_kv, q_stride, k_stride, v_stride, o_stride)")
+    sq, skv = _at_int("at[0] (seqlen_q)", at[0]), _at_int("at[1] (seqlen_kv)", at[1])
+    cfg = p.config
+    if len(at) == 6:
+        strides = []
+        for i in range(2, 6):
+            s = at[i]
+            if isinstance(s, (str, bytes)) or not hasattr(s, "__len__") or len(s) != 4:
+                raise InvalidArgumentError(f"at[{i}]={_fields.show(s)}: expected 4 strides in (batch, head, seq, "
+                                           "dim) order")
+            strides.append([_at_int(f"at[{i}]", x) for x in s])
+        return sq, skv, strides
+    if not isinstance(cfg.layout, str):
+        raise InvalidArgumentError("at: this plan's layout is explicit strides: give the call's own, (seqlen_q, "
+                                   "seqlen_kv, q_stride, k_stride, v_stride, o_stride)")
+    dims = {"q": (cfg.heads_q, sq, cfg.head_dim_qk), "k": (cfg.heads_kv, skv, cfg.head_dim_qk),
+            "v": (cfg.heads_kv, skv, cfg.head_dim_v), "o": (cfg.heads_q, sq, cfg.head_dim_v)}
+    return sq, skv, [named_strides(cfg.layout, cfg.batch, *dims[t]) for t in "qkvo"]
+
+
+cdef int _call_shape(Plan p, object at, CallShape* out) except -1:
+    """`at` as the core's CallShape: (seqlen_q, seqlen_kv), the tensors laid out as the
+    config's named layout at those lengths, or (seqlen_q, seqlen_kv, q_stride, k_stride,
+    v_stride, o_stride), each stride 4 ints in (batch, head, seq, dim) order. The core
+    checks them against the plan (lengths within its config's, strides positive)."""
+    sq, skv, strides = _at_strides(p, at)
+    out.seqlen_q = sq
+    out.seqlen_kv = skv
+    for i in range(4):
+        out.q_stride[i] = strides[0][i]
+        out.k_stride[i] = strides[1][i]
+        out.v_stride[i] = strides[2][i]
+        out.o_stride[i] = strides[3][i]
+    return 0
 
 
 cdef dict _capabilities = {}  # device -> (major, minor): asked once per device, not per plan

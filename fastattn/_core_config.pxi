@@ -39,6 +39,7 @@ cdef extern from "config_gen.h" namespace "fastattn" nogil:
         cbool ragged
         int64_t max_tokens_q
         int64_t max_tokens_kv
+        cbool shape_override
         int64_t bias_batch
         int64_t bias_heads
         int64_t bias_seq_q
@@ -120,6 +121,7 @@ cdef Config _c_config(cfg) except *:
     c.ragged = cfg.ragged
     c.max_tokens_q = cfg.max_tokens_q
     c.max_tokens_kv = cfg.max_tokens_kv
+    c.shape_override = cfg.shape_override
     bias = cfg.shape('bias')[:3] if cfg.bias != 'none' else (0, 0, 0)
     c.bias_batch = bias[0]
     c.bias_heads = bias[1]
@@ -165,6 +167,7 @@ def _config_fields(cfg):
         'ragged': c.ragged,
         'max_tokens_q': c.max_tokens_q,
         'max_tokens_kv': c.max_tokens_kv,
+        'shape_override': c.shape_override,
         'bias_batch': c.bias_batch,
         'bias_heads': c.bias_heads,
         'bias_seq_q': c.bias_seq_q,

@@ -332,6 +332,13 @@ class AttentionConfig:
     max_tokens_kv: int | None = spec("int", None, help="with ragged: tokens the packed k, v hold (default batch "
                                      "* seqlen_kv)", cxx=Cxx("int64_t", "0", note="with ragged, bounds the packed "
                                                              "tokens of k and v"))
+    shape_override: bool = spec(
+        "bool", False, off=False, help="one plan serves every length up to seqlen_q and seqlen_kv, each call giving "
+        "its own at execute (cuDNN's shape override, cuDNN >= 9.21)", family=True,
+        describe=lambda c: "override" if c.shape_override else None,
+        cxx=Cxx("bool", "false", note="cuDNN's shape override, forward only: seqlen_q and seqlen_kv are the most "
+                "a call may have; execute_at takes the call's own lengths and strides of q, k, v, o. No lengths, "
+                "offsets, pages, bias, FP8 or backward."))
     # Bias and dropout: their sizes (bias batch, rate) select no other kernel than their presence.
     bias: str = spec("choice", "none", off="none", choices=BIAS_SHAPES, help="additive bias of this broadcast "
                      "shape", family=lambda c: c.bias.replace("b", "1", 1),
@@ -441,6 +448,8 @@ class AttentionConfig:
         bottom = self.mask == "causal_bottom_right" or self.alignment == "bottom_right"
         if not bottom or self.padding or self.alibi or (self.bias == "none" and not self.dropout):
             return
+        if self.shape_override:
+            return  # the shift is each call's own: the diagonal stays cuDNN's to place (or refuse)
         shift = self.seqlen_kv - self.seqlen_q
         left, right = self.window
         if self.mask != "none":
@@ -492,6 +501,19 @@ class AttentionConfig:
                 raise _bad(name, value, f"exceeds batch * seqlen = {most}: no sequence is longer than seqlen")
             set_(name, value)
 
+        if self.shape_override:
+            for what, on in (("padding (per-sequence lengths)", self.padding), ("a paged KV cache", self.page_size),
+                             ("a bias", self.bias != "none"), (f"dtype={self.dtype!r}", self.fp8)):
+                if on:
+                    raise _bad("shape_override", True, f"cannot be combined with {what}: each call gives its own "
+                               "lengths at execute, and those tensors are declared at seqlen_q and seqlen_kv")
+            if self.training:
+                # The backward graph keeps tensors of its own in the workspace (softmax sums,
+                # d_q's float32 accumulator), declared at the plan's lengths; cudnn-frontend's
+                # execute overrides only the caller's tensors.
+                raise _bad("shape_override", True, "is forward only (training=False): the backward graph's "
+                           "workspace tensors are declared at seqlen_q and seqlen_kv, and the override does not "
+                           "reach them")
         if self.bias_grad and (self.bias == "none" or not self.training):
             raise _bad("bias_grad", True, "needs a bias and training=True")
         if self.host_seed and not self.dropout:

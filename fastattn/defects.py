@@ -126,6 +126,15 @@ def _one_row(c: AttentionConfig) -> bool:
 
 
 _SM90 = frozenset({(9, 0)})
+_GRID = 65535  # CUDA's largest grid dimension in y and z
+
+
+def _batch_past_the_grid(c: AttentionConfig) -> bool:
+    return c.batch > _GRID
+
+
+def _heads_past_the_grid(c: AttentionConfig) -> bool:
+    return c.heads_q > _GRID
 
 # The reports do not say in which release either defect began; every cuDNN 9 is assumed
 # affected (the remedy is exact, so a false match costs time, never correctness).
@@ -168,6 +177,35 @@ DEFECTS: tuple[Defect, ...] = (
         direction="backward",
         predicate=_one_row,
         reports=("https://github.com/NVIDIA/cudnn-frontend/issues/1071",),
+        remedy=REFUSE,
+    ),
+    # Plans cuDNN builds whose kernels cannot launch (benchmarks/probe_launch_limits.py, the
+    # same on 9.19 and 9.24): the probe must not call them supported.
+    Defect(
+        name="sm90-bwd-batch-past-grid",
+        summary=("cuDNN builds the SM90 backward of a batch above 65535 but its kernel cannot launch (a grid "
+                 "dimension past CUDA's 65535: CUDNN_STATUS_EXECUTION_FAILED_CUDA_DRIVER at execute); the forward "
+                 "runs, so split the batch into parts of at most 65535 sequences for training; PyTorch's "
+                 "test_mem_eff_attention_fail_with_batch_size_geq_65536 found it"),
+        first=90000,
+        fixed=None,
+        capabilities=_SM90,
+        direction="backward",
+        predicate=_batch_past_the_grid,
+        reports=("https://github.com/pytorch/pytorch/blob/main/test/test_transformers.py",),
+        remedy=REFUSE,
+    ),
+    Defect(
+        name="sm90-fwd-heads-past-grid",
+        summary=("cuDNN builds the SM90 forward of more than 65535 query heads but its kernel cannot launch (a grid "
+                 "dimension past CUDA's 65535: CUDA's 'invalid argument' at launch); split the heads into parts of "
+                 "at most 65535"),
+        first=90000,
+        fixed=None,
+        capabilities=_SM90,
+        direction="forward",
+        predicate=_heads_past_the_grid,
+        reports=("https://docs.nvidia.com/cuda/cuda-c-programming-guide/#features-and-technical-specifications",),
         remedy=REFUSE,
     ),
 )

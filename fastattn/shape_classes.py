@@ -1,9 +1,10 @@
 """Shape classes: one plan per class of sequence lengths, so that a new length inside a
 known class builds and loads nothing.
 
-A class is a range of lengths (lo, hi]; its plan is cuDNN's ragged (THD) graph declared
-for hi, whose batch offsets and sequence lengths are read from device arrays at run time
-(cuDNN 9.19 has no execute-time shape override; 9.21+ does, unused here yet). Length 1
+A class is a range of lengths (lo, hi]; its plan is declared for hi and takes each call's
+lengths at run time: cuDNN's shape override where the loaded cuDNN has it (>= 9.21), else
+its ragged (THD) graph with lengths and offsets from device arrays (fastattn.torch's
+_shape_classes says which serves what). Length 1
 (a decode step's query) is always a class of its own: a q = 1 call never runs a graph
 declared for more rows.
 
@@ -32,7 +33,7 @@ from ._fields import show
 from .errors import InvalidArgumentError
 
 __all__ = ["Classes", "parse", "class_of", "measured", "parse_range", "classes_in_range", "class_config",
-           "CANDIDATES", "TOLERANCE", "PATH", "FORMAT"]
+           "CANDIDATES", "TOLERANCE", "PATH", "FORMAT", "KIND"]
 
 PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_measured", "shape_classes.json")
 FORMAT = 1
@@ -43,6 +44,12 @@ CANDIDATES = tuple(1 << i for i in range(6, 16))  # 64 ... 32768
 # plan's, at every measured length in it (the issue's "a few percent").
 TOLERANCE = 0.05
 _MAX = 2**31 - 1  # cuDNN's lengths and offsets are int32
+# The kind of class plan an inference call without per-sequence lengths takes where the
+# loaded cuDNN has the shape override (9.21 or newer): "override" or "ragged" (every other
+# call, and a class whose override plan cuDNN refuses, takes "ragged"). "ragged" until
+# benchmarks/bench_shape_classes.py has timed the override plans beside it and
+# tests/attention/test_shape_override_gpu.py has passed on such a cuDNN.
+KIND = "ragged"
 
 
 class Classes(NamedTuple):
@@ -119,16 +126,18 @@ def class_of(n: int, classes: Classes) -> int | None:
 
 
 def class_config(*, batch: int, heads_q: int, heads_kv: int, head_dim_qk: int, head_dim_v: int, dtype: str,
-                 upper_q: int, upper_kv: int, **fields):
-    """The one description of a class plan: the ragged (THD) bshd config declared for the
-    class's lengths, with the call's other AttentionConfig fields (mask, window, ...).
+                 upper_q: int, upper_kv: int, override: bool = False, **fields):
+    """The one description of a class plan, declared for the class's lengths, with the
+    call's other AttentionConfig fields (mask, window, ...): the ragged (THD) bshd config,
+    or with override the dense bshd one built with cuDNN's shape override (cuDNN >= 9.21).
     fastattn.torch's class-served calls (_shape_classes.plan_for) and `fastattn warm --seqlens`
     both make it here, so that warm builds the plans calls ask for."""
     from .config import AttentionConfig
 
+    kind = dict(shape_override=True) if override else dict(padding=True, ragged=True)
     return AttentionConfig(batch=batch, heads_q=heads_q, heads_kv=heads_kv, seqlen_q=upper_q, seqlen_kv=upper_kv,
-                           head_dim_qk=head_dim_qk, head_dim_v=head_dim_v, dtype=dtype, layout="bshd", padding=True,
-                           ragged=True, **fields)
+                           head_dim_qk=head_dim_qk, head_dim_v=head_dim_v, dtype=dtype, layout="bshd", **kind,
+                           **fields)
 
 
 # -- "auto": the measured file ---------------------------------------------------------------

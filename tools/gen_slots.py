@@ -76,7 +76,7 @@ def params(direction: str) -> list[str]:
         if kind == KW and "*" not in out:
             out.append("*")
         out.append(s.name if kind == ARG else f"{s.name}=0")
-    return out
+    return out + ["at=None"]  # a shape-override plan's call shape (Plan.forward's docstring)
 
 
 def _wrap(head: str, items: list[str], tail: str, indent: str) -> list[str]:
@@ -115,7 +115,7 @@ def pyi_stub(direction: str) -> list[str]:
     out = [f"def {direction}(", "    self,"]
     for p in params(direction):
         name, _, default = p.partition("=")
-        kind = "StreamLike" if name == "stream" else "Address"
+        kind = {"stream": "StreamLike", "at": "CallShape | None"}.get(name, "Address")
         out.append("    *," if p == "*" else f"    {name}: {kind}{' = ' + default if default else ''},")
     return out + [") -> None: ..."]
 

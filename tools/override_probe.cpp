@@ -213,10 +213,13 @@ int main(int argc, char **argv) {
         std::unordered_map<int64_t, void *> pack_cls{{kQ, dq}, {kK, dk}, {kV, dv}, {kO, o_cls}};
         std::unordered_map<int64_t, void *> pack_exact{{kQ, dq}, {kK, dk}, {kV, dv}, {kO, o_exact}};
         std::vector<int64_t> uids{kQ, kK, kV, kO};
-        std::vector<std::vector<int64_t>> shapes{{x.b, x.h, s, x.d}, {x.b, x.hk, s, x.d}, {x.b, x.hk, s, x.d},
+        // K as cuDNN's graph holds it, K^T (b, h, d, s): cudnn-frontend's SDPA node swaps K's
+        // last two dims and strides when it builds the graph, and an override is in cuDNN's view.
+        auto kt = bshd(s, x.hk, x.d);
+        std::swap(kt[2], kt[3]);
+        std::vector<std::vector<int64_t>> shapes{{x.b, x.h, s, x.d}, {x.b, x.hk, x.d, s}, {x.b, x.hk, s, x.d},
                                                  {x.b, x.h, s, x.d}};
-        std::vector<std::vector<int64_t>> strides{bshd(s, x.h, x.d), bshd(s, x.hk, x.d), bshd(s, x.hk, x.d),
-                                                  bshd(s, x.h, x.d)};
+        std::vector<std::vector<int64_t>> strides{bshd(s, x.h, x.d), kt, bshd(s, x.hk, x.d), bshd(s, x.h, x.d)};
         if (x.training) {
             pack_cls[kStats] = stats;
             pack_exact[kStats] = stats;

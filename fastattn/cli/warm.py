@@ -216,14 +216,33 @@ def class_configs(args) -> tuple[list, list[list[int]]]:
                   head_dim_v=args.head_dim_v or args.head_dim, dtype=dtype, training=args.training,
                   mask=mask, alignment="bottom_right" if mask == "causal_bottom_right" else "top_left")
     configs = []
+    # Both kinds of class plan where override plans serve (shape_classes.KIND) and the loaded
+    # cuDNN has the shape override (forward only):
+    # inference calls without per-sequence lengths may take the override plan, the others
+    # (and every call of a class whose override plan cuDNN refuses) the ragged one
+    # (fastattn.torch's _shape_classes).
+    kinds = (True, False) if sc.KIND == "override" and not args.training and _shape_override_loaded() else (False,)
     for u in uppers:
         # Prefill; and decode (one query, the class's keys), which is inference only.
         pairs = [(u, u)] + ([(1, u)] if u > 1 and not args.training else [])
         for u_q, u_kv in pairs:
-            cfg = sc.class_config(upper_q=u_q, upper_kv=u_kv, **common)
-            if cfg not in configs:
-                configs.append(cfg)
+            for override in kinds:
+                cfg = sc.class_config(upper_q=u_q, upper_kv=u_kv, override=override, **common)
+                if cfg not in configs:
+                    configs.append(cfg)
     return configs, [list(r) for r in uncovered]
+
+
+def _shape_override_loaded() -> bool:
+    """Whether the cuDNN this process loads has the shape override (9.21 or newer); False
+    where none loads (the workers then say why)."""
+    from ..runtime import libraries, versions
+
+    try:
+        libraries()
+    except OSError:  # no cuDNN here (LibraryError): the plans' workers report it, config by config
+        return False
+    return int(versions()["cudnn_loaded"] or 0) >= 92100
 
 
 def _summary(report) -> str:

@@ -18,6 +18,7 @@ import torch
 from ..config import AttentionConfig, bias_name
 from ..errors import InvalidArgumentError
 from . import _executor, _native, _specs
+from ._executor import alert_not_deterministic, deterministic_algorithms  # noqa: F401 (the backward's, as below)
 from ._plans import check_shapes
 # (raw_stream and workspace: the executor's, which runs in this module's namespace)
 from ._plans import (AXES, CLOCK, DTYPES, CachedPlan, check_qkv_tensors, config_shape, plans, raw_stream, remember,  # noqa: F401

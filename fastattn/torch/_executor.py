@@ -27,6 +27,13 @@ rebuilds the schema's argument list once per argument; docs/history/benchmarks-l
 same function; only the backward's target differs: the backward op where the forward
 went through the forward op (what tracing records), backward_impl where it ran directly.
 
+Determinism: backward_impl opens with the check every launch of a cuDNN backward in
+fastattn.torch makes (alert_not_deterministic): while torch.use_deterministic_algorithms(True)
+is set, a backward whose plan lacks cuDNN's deterministic algorithm (options.deterministic
+False) warns or raises as PyTorch's own non-deterministic kernels do. It sits in the
+launch, not in the autograd definition, so that it runs when the backward runs, whichever
+way it is reached: eager, the backward op of a compiled graph, the SDPA mode's kernel.
+
 An op's custom ops take its tensors first, then its options in their order; the
 backward op takes (d_o, o, stats, tensors..., options...). The op library's kernels
 are written from the same specs (_kernels, at its build) and registered with the same
@@ -36,6 +43,7 @@ schemas under native_<name>.
 from __future__ import annotations
 
 import linecache
+import warnings
 from typing import Callable, NamedTuple
 
 import torch
@@ -194,9 +202,12 @@ def _backward_source(spec: _specs.Spec) -> str:
     names = [i.name for i in spec.inputs]
     q = names[0]
     args = ", ".join(names)
+    chosen = " and not options.deterministic" if any(o.name == "deterministic" for o in spec.options) else ""
     lines = [f"def backward_impl(d_o, o, stats, {args}, options):",
              f'    """fastattn::{spec.backward_op}\'s work (made from _specs.{spec.name.upper()}): a gradient '
              'or None per input, in their order."""',
+             f"    if deterministic_algorithms(){chosen}:  # torch.use_deterministic_algorithms(True): before any work",
+             "        alert_not_deterministic()",
              "    if d_o.stride() != o.stride():  # the backward graph reads d_o at o's strides (the plan's)",
              "        d_o = torch.empty_strided(o.shape, o.stride(), dtype=o.dtype, device=o.device).copy_(d_o)"]
     lines += _lookup(spec, "o")
@@ -266,8 +277,9 @@ def install(spec: _specs.Spec, module, options: type) -> Installed:
     None without a backward), for the module to bind by name. `options` is the NamedTuple
     of spec's options. The module defines, before it calls this: plan_for(*inputs, o,
     options) (o None for the forward's own output), raw_stream, workspace,
-    check_traced(*inputs, options) (a fake kernel's checks: what a miss checks) and each
-    absent input's function."""
+    check_traced(*inputs, options) (a fake kernel's checks: what a miss checks), each
+    absent input's function and, where spec has a backward, deterministic_algorithms and
+    alert_not_deterministic (this module's)."""
     namespace = vars(module)
     _compile(spec, namespace)
     n = len(spec.inputs)
@@ -384,6 +396,44 @@ class Train(torch.autograd.Function):
     @staticmethod
     def backward(ctx, d_o, d_stats=None):
         return (None, None, None, *_grads(ctx, d_o))
+
+
+# -- determinism ---------------------------------------------------------------------------------
+
+# torch.are_deterministic_algorithms_enabled() and is_deterministic_algorithms_warn_only_enabled()
+# without their Python wrappers: the process-wide flags torch.use_deterministic_algorithms sets.
+deterministic_algorithms = torch._C._get_deterministic_algorithms
+deterministic_warn_only = torch._C._get_deterministic_algorithms_warn_only
+
+# The start of what alert_not_deterministic says: PyTorch's cuDNN SDPA backward's own words
+# (which PyTorch's tests match), then what fastattn ran and how to get a deterministic backward.
+NOT_DETERMINISTIC = "cuDNN Attention defaults to a non-deterministic algorithm."
+_HOW = ("fastattn.torch.attention and attention_varlen, and fastattn.flash's functions, take deterministic=True for "
+        "cuDNN's deterministic backward where cuDNN has one for the call; the SDPA mode gives each call that needs a "
+        "backward to PyTorch's kernels while torch.use_deterministic_algorithms(True) without warn_only is set at its "
+        "forward.")
+
+
+def alert_not_deterministic() -> None:
+    """What a backward that runs cuDNN without its deterministic algorithm does while
+    torch.use_deterministic_algorithms(True) is set, as PyTorch's kernels that have no
+    deterministic implementation do (at::Context::alertNotDeterministic): with
+    warn_only=True a UserWarning, else RuntimeError, worded as PyTorch's cuDNN SDPA
+    backward words it (NOT_DETERMINISTIC). Nothing while the flag is not set. Called by
+    every launch of such a backward before its work: the Python path's (the executor's
+    backward_impl, the shape classes' and FP8's), and the op library's (csrc/table.cpp
+    run, through ops.cpp), where the plan's config has deterministic=False."""
+    if not deterministic_algorithms():
+        return
+    if deterministic_warn_only():
+        warnings.warn(f"{NOT_DETERMINISTIC} fastattn ran a backward without cuDNN's deterministic algorithm, but you "
+                      f"set 'torch.use_deterministic_algorithms(True, warn_only=True)'. {_HOW}", UserWarning,
+                      stacklevel=2)
+        return
+    raise RuntimeError(f"{NOT_DETERMINISTIC} fastattn has no deterministic algorithm for this backward (its forward "
+                       f"was made without deterministic=True), but you set 'torch.use_deterministic_algorithms(True)'. "
+                       f"{_HOW} You can also use the 'warn_only=True' option, if that's acceptable for your "
+                       "application.")
 
 
 # -- the path a call takes -----------------------------------------------------------------------

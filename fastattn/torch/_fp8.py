@@ -23,6 +23,7 @@ import torch
 
 from ..config import FP8_BACKWARD_SCALARS, FP8_FORWARD_SCALARS, AttentionConfig
 from ..errors import InvalidArgumentError
+from ._executor import alert_not_deterministic, deterministic_algorithms
 from ._specs import config_fields, named_tuple, options_schema
 from ._plans import (AXES, CLOCK, DTYPES, FP8, CachedPlan, check_shapes, config_shape, out_shape, plans, raw_stream, remember,
                      stats_shape, workspace)
@@ -135,6 +136,8 @@ def forward_impl(q, k, v, descale_q, descale_k, descale_v, descale_s, scale_s, s
 
 def backward_impl(d_o, o, stats, q, k, v, scalars, seq_len_q, seq_len_kv, options: Fp8Options):
     """Fp8Grads; `scalars` in BACKWARD_SCALARS order."""
+    if deterministic_algorithms() and not options.deterministic:  # (as _executor's backward_impl)
+        alert_not_deterministic()
     if d_o.stride() != o.stride():  # the plan reads d_o at o's strides
         d_o = torch.empty_strided(o.shape, o.stride(), dtype=d_o.dtype, device=d_o.device).copy_(d_o)
     c = plan_for(q, k, v, o, scalars, BACKWARD_SCALARS, seq_len_q, seq_len_kv, options)

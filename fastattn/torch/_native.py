@@ -284,13 +284,15 @@ def _miss(kind, direction, *args):
     """The C++ table's miss handler (under the GIL), with (the op's inputs, o or None, its
     options as a plain tuple): validates the call as the Python path does and gets the
     plan from the runtime through the op's own plan_for (PLAN_FOR); returns (plan,
-    forward graph, backward graph, forward workspace bytes, backward workspace bytes)."""
+    forward graph, backward graph, forward workspace bytes, backward workspace bytes,
+    whether its backward runs cuDNN's deterministic algorithm: a backward without it
+    alerts under torch.use_deterministic_algorithms(True))."""
     from .. import _core
 
     plan_for, options = PLAN_FOR[KINDS[kind]]
     c = plan_for(*args[:-1], options._make(args[-1]))
     forward, backward = _core.abi_graphs(c.plan)
-    return c.plan, forward, backward, c.forward_workspace, c.backward_workspace
+    return c.plan, forward, backward, c.forward_workspace, c.backward_workspace, c.plan.config.deterministic
 
 
 def _load():

@@ -5,11 +5,18 @@ C++ kernels, csrc/sdpa.cpp, where fastattn.torch runs on its native path; else t
 ones below through `torch.library.Library("aten", "IMPL")`) over three of PyTorch's
 operators:
 - `aten::scaled_dot_product_attention` itself, for CUDA and AutogradCUDA (`_composite`):
-  every SDPA call, whatever backend PyTorch would pick. A call fastattn takes (its route,
-  below) runs as a call of PyTorch's cuDNN operator through the dispatcher, so PyTorch's
-  autograd formula and Meta kernel hold for it; a boolean mask becomes the additive bias
-  that operator takes (`_composite_bias`). Any other call runs PyTorch's own composite
-  unchanged: its backend choice, its `sdpa_kernel` contexts, its errors.
+  every SDPA call while PyTorch's cuDNN backend is enabled, whichever backend PyTorch
+  would pick among those enabled. A call fastattn takes (its route, below) runs as a call
+  of PyTorch's cuDNN operator through the dispatcher, so PyTorch's autograd formula and
+  Meta kernel hold for it; a boolean mask becomes the additive bias that operator takes
+  (`_composite_bias`). Any other call runs PyTorch's own composite unchanged: its backend
+  choice, its errors. So does every call while the cuDNN backend is disabled
+  (torch.backends.cuda.cudnn_sdp_enabled() False: an `sdpa_kernel` context without
+  CUDNN_ATTENTION, or `enable_cudnn_sdp(False)`), as PyTorch would not run cuDNN for it:
+  a user who restricts the backends gets those backends' kernels and numerics. And so
+  does a call with a backward while torch.use_deterministic_algorithms(True) is set
+  without warn_only: PyTorch's choice then leaves its cuDNN backend out too, and gives the
+  call a backend with a deterministic backward, or its error where none is enabled.
 - `aten::_scaled_dot_product_cudnn_attention` and its backward (`_forward`, `_backward`):
   what the composite's served calls run, and what PyTorch's composite, torch.compile's
   graphs or a direct caller give the cuDNN operator. A call fastattn cannot take exactly
@@ -21,6 +28,11 @@ composite's runs on fake tensors while AOTAutograd traces, and puts the cuDNN op
 the graph, whose Meta kernel, PyTorch's, gives the shapes), so compiled graphs and their
 CUDA-graph captures are served without a graph break; a TorchFunctionMode would be per
 thread and cost host time on every torch call.
+
+Determinism: the mode's backward is fastattn's dense backward without cuDNN's
+deterministic algorithm; where it runs while torch.use_deterministic_algorithms(True) is
+set (warn_only, or a forward served before the flag was set), it warns or raises as
+PyTorch's cuDNN backward does (fastattn.torch._executor.alert_not_deterministic).
 
 What fastattn takes: float16 / bfloat16 CUDA tensors of 4 dims, heads_q a multiple of
 heads_kv (enable_gqa), a boolean mask or an additive one in the query's dtype or float32
@@ -42,6 +54,7 @@ from .. import bounded, runtime
 from ..config import LAYOUTS, axes
 from ..errors import FastAttnError, InvalidArgumentError, NotSupportedError
 from . import _dense, _native
+from ._executor import deterministic_algorithms, deterministic_warn_only
 from ._plans import DTYPES, capturing
 
 _COMPOSITE = "scaled_dot_product_attention"
@@ -61,13 +74,24 @@ FALLBACK_FORWARD_ARGS = ("query", "key", "value", "attn_bias", "cum_seq_q", "cum
                          "compute_log_sumexp", "dropout_p", "is_causal", "return_debug_mask", "scale")
 
 # Why the composite kernel hands a call to PyTorch's composite before a route is asked:
-# its tensors are not ones a route is kept for, or PyTorch raises its own error for them
-# (the op library's kernel is given these: csrc/sdpa.cpp early()).
+# its tensors are not ones a route is kept for, or PyTorch raises its own error for them,
+# or the user's choice of backends leaves cuDNN out, or the user requires deterministic
+# algorithms (without warn_only) of a call with a backward, which PyTorch's own choice then
+# gives a backend with a deterministic backward (or, with none enabled, its error) (the op
+# library's kernel is given these, by index: csrc/sdpa.cpp early() and composite()).
 EARLY = ("query, key, value or attn_mask: not a plain strided tensor of static shape on the query's device, "
          "or query, key, value not of 4 dims",
          "attn_mask: requires grad, or is neither boolean nor floating, or has fewer than 2 dims (PyTorch 2.11's "
          "SDPA raises an IndexError for it) or does not broadcast to (batch, heads, seq_q, seq_kv)",
-         "heads: key and value have fewer heads than query and enable_gqa is False (PyTorch's error)")
+         "heads: key and value have fewer heads than query and enable_gqa is False (PyTorch's error)",
+         "PyTorch's cuDNN SDPA backend is disabled (torch.backends.cuda.cudnn_sdp_enabled() is False: an "
+         "sdpa_kernel context without CUDNN_ATTENTION, or enable_cudnn_sdp(False)): the backends enabled run it",
+         "torch.use_deterministic_algorithms(True) and a call with a backward: fastattn's cuDNN backward is not "
+         "deterministic; PyTorch's deterministic backends run it (its cuDNN backend stands aside too)")
+# torch.backends.cuda.cudnn_sdp_enabled() without its Python wrapper: the process-wide flag
+# that sdpa_kernel(...), torch.backends.cuda.enable_cudnn_sdp(...) and the deprecated
+# sdp_kernel(enable_cudnn=...) set, and PyTorch's own backend choice reads per call.
+_cudnn_sdp_enabled = torch._C._get_cudnn_sdp_enabled
 
 
 class _Route(NamedTuple):
@@ -110,12 +134,20 @@ _DEBUG = "return_debug_mask: PyTorch's kernels give the dropout mask"
 def enable_sdpa() -> None:
     """Make torch.nn.functional.scaled_dot_product_attention run on fastattn wherever
     fastattn supports the call (CUDA, float16 / bfloat16, GQA through enable_gqa, causal,
-    boolean and additive masks, inference and training), whatever backend PyTorch would
-    pick, in this process and every thread; PyTorch's own choice runs everything else,
-    without an error. A mask's rows that keep no key (False, or -inf, throughout) give
-    zeros, as PyTorch's math kernel. Works under torch.compile (fullgraph: the cuDNN
-    operator, not fastattn's Python, is what the graph holds) and CUDA-graph capture
-    (after one call of each shape outside the capture, as fastattn.torch's entry points).
+    boolean and additive masks, inference and training), whichever of its enabled backends
+    PyTorch would pick, while PyTorch's cuDNN backend is enabled, in this process and every
+    thread; PyTorch's own choice runs everything else, without an error. While the cuDNN
+    backend is disabled (torch.backends.cuda.cudnn_sdp_enabled() False: inside
+    `sdpa_kernel(...)` without SDPBackend.CUDNN_ATTENTION, or after
+    `enable_cudnn_sdp(False)`, which a library may call process-wide), every call is
+    PyTorch's, on the backends enabled; so is every call with a backward while
+    torch.use_deterministic_algorithms(True) is set without warn_only (fastattn's backward
+    is not deterministic; with warn_only the mode serves it and its backward warns, as
+    PyTorch's cuDNN backward does). A mask's rows that keep no key (False, or -inf,
+    throughout) give zeros, as PyTorch's math kernel. Works under torch.compile
+    (fullgraph: the cuDNN operator, not fastattn's Python, is what the graph holds) and
+    CUDA-graph capture (after one call of each shape outside the capture, as
+    fastattn.torch's entry points).
     Served and passed-on calls, with the reasons, are counted in fastattn.stats()["sdpa"];
     where fastattn cannot run at all (cuDNN not loadable, a CUDA failure) the calls are
     PyTorch's too, and the reason is also logged once (the "fastattn" logger). Calling
@@ -533,6 +565,8 @@ def _plain(t: torch.Tensor, device) -> bool:
 def _early(q, k, v, attn_mask, enable_gqa) -> str | None:
     """Which of EARLY hands this call on before a route is asked, or None where the route
     decides."""
+    if not _cudnn_sdp_enabled():  # (first: one flag read, and the user's choice outranks the rest)
+        return EARLY[3]
     if not all(_plain(t, q.device) for t in (q, k, v)) or not q.dim() == k.dim() == v.dim() == 4 or (
             attn_mask is not None and not _plain(attn_mask, q.device)):
         return EARLY[0]
@@ -603,9 +637,12 @@ def _composite(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False
     kernels above), any other as PyTorch's own composite (its backend choice, its
     errors)."""
     reason = _early(query, key, value, attn_mask, enable_gqa)
+    # PyTorch's composite asks its kernels for the logsumexp only where autograd needs it.
+    lse = reason is None and torch.is_grad_enabled() and (query.requires_grad or key.requires_grad
+                                                          or value.requires_grad)
+    if lse and deterministic_algorithms() and not deterministic_warn_only():
+        reason = EARLY[4]
     if reason is None:
-        # PyTorch's composite asks its kernels for the logsumexp only where autograd needs it.
-        lse = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
         bias, empty = _composite_bias(attn_mask, query, lse)
         route = _route(query, key, value, bias, dropout_p, is_causal, scale, lse)
         if isinstance(route, _Route):

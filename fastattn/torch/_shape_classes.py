@@ -1,9 +1,17 @@
 """attention() served by shape classes (fastattn/shape_classes.py): a call whose lengths
-fall in a class runs the class's plan, cuDNN's ragged (THD) graph declared for the
-class's longest lengths, with the call's own batch offsets and lengths passed at run time.
-A new length inside a known class builds and loads nothing.
+fall in a class runs the class's plan, declared for the class's longest lengths, with the
+call's own lengths given at run time. A new length inside a known class builds and loads
+nothing. A class plan is one of two kinds:
 
-Why ragged: cuDNN 9.19 fixes a graph's dimensions when it is built; its ragged tensors
+- OVERRIDE (cuDNN >= 9.21): the dense bshd graph built with cuDNN's shape override; each
+  call gives its lengths and its tensors' strides at execute (Plan.forward's at=), so any
+  bshd strides are served and no device arrays are made. Inference only (the override is
+  forward only), not for calls with per-sequence lengths (seq_len_q), and not where cuDNN
+  refuses the override graph: those take the RAGGED plan.
+- RAGGED (every cuDNN): cuDNN's ragged (THD) graph, lengths and offsets read from device
+  arrays, as follows.
+
+Why ragged: cuDNN before 9.21 fixes a graph's dimensions when it is built; its ragged tensors
 take each sequence's element offset from a device array at execute time (so the batch
 stride is the call's, not the graph's), and the padding mask takes each sequence's
 length from another. A bshd tensor whose tokens are packed (token stride heads * dim, head
@@ -14,11 +22,11 @@ cache's) whose offsets stay within the plan's batch * class tokens; a slice of a
 cache (batch > 1) takes the smallest class that covers its offsets, else its exact plan
 (_upper).
 
-What is served: layout "bshd" with packed tokens, no bias, no sinks, plain eager calls
+What is served: layout "bshd" (with packed tokens, for RAGGED), no bias, no sinks, plain eager calls
 (torch.compile, tracing and torch.func take exact plans: their ops are exact-shape), and
 calls inside a caller's CUDA graph capture, with the class plan loaded beforehand (its
 offset and length arrays held for the graph's life: _held_by_captures below).
-The batch is exact (a class plan per batch size): cuDNN's ragged graph fixes it. These
+The batch is exact (a class plan per batch size): both kinds of graph fix it. These
 calls take the Python path, not the op library's C++ (whose table is keyed by exact
 shapes): a call costs the Python body, the per-call checks (_dense._check) and the
 arrays' lookups, several microseconds more than a native hit.
@@ -46,11 +54,13 @@ _INT32 = 2**31
 
 
 class ClassOptions(NamedTuple):
-    """A class plan's options: the call's DenseOptions and the class's declared lengths."""
+    """A class plan's options: the call's DenseOptions, the class's declared lengths, and
+    which kind of class plan serves it (OVERRIDE or RAGGED)."""
 
     dense: tuple
     upper_q: int
     upper_kv: int
+    kind: str = "ragged"
 
     @property
     def training(self) -> bool:  # what _executor's autograd reads
@@ -170,6 +180,24 @@ def _key(q, k, v, options: ClassOptions) -> tuple:
             k.get_device(), v.get_device(), options)
 
 
+# The two kinds of class plan. RAGGED: cuDNN's ragged graph with lengths and offsets from
+# device arrays (every cuDNN; packed tokens only). OVERRIDE: a dense graph built with
+# cuDNN's shape override, each call giving its lengths and strides at execute (cuDNN >=
+# 9.21; any bshd strides, no arrays; no per-sequence lengths).
+RAGGED, OVERRIDE = "ragged", "override"
+_OVERRIDE_CUDNN = 92100
+_override_ok: list[bool] = []  # [whether the loaded cuDNN has the shape override], once known
+
+
+def _override_available() -> bool:
+    if not _override_ok:
+        import fastattn
+
+        fastattn.runtime.libraries()
+        _override_ok.append((fastattn.runtime.versions()["cudnn_loaded"] or 0) >= _OVERRIDE_CUDNN)
+    return _override_ok[0]
+
+
 # Class plans' keys cuDNN refused: those calls take exact plans (one dropped past the cap
 # is refused again at its next call, from the runtime's memory or the cache).
 _refused = bounded.Table("class_refusals")
@@ -183,9 +211,36 @@ def plan_for(q, k, v, options: ClassOptions) -> CachedPlan:
         return hit
     cfg = sc.class_config(
         batch=q.shape[0], heads_q=q.shape[2], heads_kv=k.shape[2], head_dim_qk=q.shape[3], head_dim_v=v.shape[3],
-        dtype=DTYPES[q.dtype], upper_q=options.upper_q, upper_kv=options.upper_kv,
+        dtype=DTYPES[q.dtype], upper_q=options.upper_q, upper_kv=options.upper_kv, override=options.kind == OVERRIDE,
         **_specs.config_fields(options.dense))
     return remember(key, cfg, q, k, v, None)
+
+
+def _bhsd(t: torch.Tensor) -> tuple:
+    """A bshd tensor's strides in (batch, head, seq, dim) order (the core's)."""
+    st = t.stride()
+    return (st[0], st[2], st[1], st[3])
+
+
+def _at(q, k, v, o) -> tuple:
+    """An override plan's call shape (Plan.forward's at=): the call's lengths, and every
+    tensor at its own strides (the stats contiguous, (b, hq, s_q))."""
+    return (q.shape[1], k.shape[1], _bhsd(q), _bhsd(k), _bhsd(v), _bhsd(o))
+
+
+def _dropout(rng) -> dict:
+    """Philox's seed at element 0, its offset at element 2 (see _dense)."""
+    return {} if rng is None else {"seed": rng.data_ptr(), "offset": rng.data_ptr() + 16}
+
+
+def _forward_override(c: CachedPlan, q, k, v, rng):
+    """An inference call of an OVERRIDE plan (forward only): (o, None)."""
+    o = q.new_empty((*q.shape[:3], v.shape[3]))
+    stream = raw_stream(c.device)
+    ws = workspace(q, c.forward_workspace, c.device, stream)
+    c.plan.forward(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), 0, ws.data_ptr() if ws is not None else 0,
+                   stream, at=_at(q, k, v, o), **_dropout(rng))
+    return o, None
 
 
 def _pointers(q, k, v, o_stride0: int, seq_len_q, seq_len_kv, rng, training: bool, stream: int) -> dict:
@@ -200,15 +255,15 @@ def _pointers(q, k, v, o_stride0: int, seq_len_q, seq_len_kv, rng, training: boo
         seq_len_q = _array(q, "len", b, s_q, stream)
         seq_len_kv = _array(q, "len", b, k.shape[1], stream)
     ptrs["seq_len_q"], ptrs["seq_len_kv"] = seq_len_q.data_ptr(), seq_len_kv.data_ptr()
-    if rng is not None:  # Philox's seed at element 0, its offset at element 2 (see _dense)
-        ptrs["seed"], ptrs["offset"] = rng.data_ptr(), rng.data_ptr() + 16
-    return ptrs
+    return {**ptrs, **_dropout(rng)}
 
 
 def forward_impl(q, k, v, seq_len_q, seq_len_kv, rng, options: ClassOptions):
     """(o, stats): o (b, s_q, hq, dv) contiguous; stats float32 (b, s_q, hq), None when
     not training. With lengths, rows past them are zero (as _dense.forward_impl)."""
     c = plan_for(q, k, v, options)
+    if options.kind == OVERRIDE:
+        return _forward_override(c, q, k, v, rng)
     b, s_q, hq, _ = q.shape
     shape = (b, s_q, hq, v.shape[3])
     o = q.new_zeros(shape) if seq_len_q is not None else q.new_empty(shape)
@@ -225,6 +280,8 @@ def forward_impl(q, k, v, seq_len_q, seq_len_kv, rng, options: ClassOptions):
 def backward_impl(d_o, o, stats, q, k, v, seq_len_q, seq_len_kv, rng, options: ClassOptions):
     """A gradient or None per input (_executor.Train's backward): d_q, d_k, d_v at q's,
     k's and v's strides (the plan's offsets are shared)."""
+    if _executor.deterministic_algorithms() and not options.dense.deterministic:  # (as _executor's backward_impl)
+        _executor.alert_not_deterministic()
     d_o = d_o.contiguous()  # the plan reads d_o at o's (contiguous) offsets
     c = plan_for(q, k, v, options)
     d_q, d_k, d_v = (torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device) for t in (q, k, v))
@@ -247,30 +304,25 @@ def serve(q, k, v, seq_len_q, seq_len_kv, rng, options, choice, grads: bool, ret
     classes = resolve(choice, q.get_device(), options.training)
     if not classes:
         return None
-    if not (_packed(q) and _packed(k) and _packed(v)):
-        return None
-    upper_q, upper_kv = _upper(classes, q), _upper(classes, k)
-    if upper_q is None or upper_kv is None or not _within(v, upper_kv):
-        return None
-    if q.shape[0] * q.shape[1] * q.shape[2] * v.shape[3] >= _INT32:  # o's offsets, int32 too
-        return None
-    # The plan's key leaves out the lengths and batch strides, so the checks run on every call.
-    _check(q, k, v, seq_len_q, seq_len_kv)
-    copts = ClassOptions(options, upper_q, upper_kv)
-    if _refused and _key(q, k, v, copts) in _refused:
-        return None
-    try:
-        plan_for(q, k, v, copts)
-    except NotSupportedError:
-        # cuDNN refuses the ragged graph for what it builds densely (a feature it does not
-        # combine with packed sequences): the call takes its exact plan, as with classes off,
-        # and so do later calls of this key, for a set lookup.
-        _refused.keep(_key(q, k, v, copts), True)
-        return None
-    except InvalidArgumentError:
-        if not capturing():
-            raise
-        return None  # inside a capture, a class plan not loaded beforehand: the exact plan, if that was
+    copts = None
+    if sc.KIND == OVERRIDE and seq_len_q is None and not options.training and _override_available():
+        upper_q, upper_kv = classes.upper(q.shape[1]), classes.upper(k.shape[1])
+        if upper_q is not None and upper_kv is not None:
+            _check(q, k, v, seq_len_q, seq_len_kv)
+            copts = _class_plan(q, k, v, ClassOptions(options, upper_q, upper_kv, OVERRIDE))
+    if copts is None:
+        if not (_packed(q) and _packed(k) and _packed(v)):
+            return None
+        upper_q, upper_kv = _upper(classes, q), _upper(classes, k)
+        if upper_q is None or upper_kv is None or not _within(v, upper_kv):
+            return None
+        if q.shape[0] * q.shape[1] * q.shape[2] * v.shape[3] >= _INT32:  # o's offsets, int32 too
+            return None
+        # The plan's key leaves out the lengths and batch strides, so the checks run on every call.
+        _check(q, k, v, seq_len_q, seq_len_kv)
+        copts = _class_plan(q, k, v, ClassOptions(options, upper_q, upper_kv, RAGGED))
+        if copts is None:
+            return None
     tensors = (q, k, v, seq_len_q, seq_len_kv, rng)
     if return_lse:
         if grads:
@@ -281,6 +333,26 @@ def serve(q, k, v, seq_len_q, seq_len_kv, rng, options, choice, grads: bool, ret
     if not options.training:
         return forward_impl(*tensors, copts)[0]
     return _executor.Train.apply(_module, copts, False, *tensors)
+
+
+def _class_plan(q, k, v, copts: ClassOptions) -> ClassOptions | None:
+    """copts where its class plan is held or loads now; None where cuDNN refused it (the
+    call then takes another kind, or its exact plan)."""
+    if _refused and _key(q, k, v, copts) in _refused:
+        return None
+    try:
+        plan_for(q, k, v, copts)
+    except NotSupportedError:
+        # cuDNN refuses the class graph for what it builds for the exact shape (a feature it
+        # does not combine with packed sequences or the shape override, or a known defect
+        # whose remedy needs fixed lengths): later calls of this key skip it, for a set lookup.
+        _refused.keep(_key(q, k, v, copts), True)
+        return None
+    except InvalidArgumentError:
+        if not capturing():
+            raise
+        return None  # inside a capture, a class plan not loaded beforehand: the exact plan, if that was
+    return copts
 
 
 # What _executor.Train runs: this module's forward_impl and backward_impl (class plans run

@@ -20,6 +20,7 @@ import torch
 from ..config import AttentionConfig
 from ..errors import InvalidArgumentError
 from . import _dense, _executor, _native, _specs
+from ._executor import alert_not_deterministic, deterministic_algorithms  # noqa: F401 (the backward's, as below)
 # (raw_stream and workspace: the executor's, which runs in this module's namespace)
 from ._plans import CLOCK, DTYPES, CachedPlan, check_qkv_tensors, plans, raw_stream, remember, tensor_key, workspace  # noqa: F401
 

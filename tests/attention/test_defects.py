@@ -57,6 +57,20 @@ def test_the_single_query_defect(seqlen_q, seqlen_kv, hit):
     assert ("sm90-bwd-single-query" in names(cfg)) == hit
 
 
+@pytest.mark.parametrize("fields,name,hit", [
+    (dict(batch=65536, training=True), "sm90-bwd-batch-past-grid", True),
+    (dict(batch=65535, training=True), "sm90-bwd-batch-past-grid", False),
+    (dict(batch=131072, training=False), "sm90-bwd-batch-past-grid", False),  # the forward launches
+    (dict(batch=1, heads_q=65536, heads_kv=1, training=False), "sm90-fwd-heads-past-grid", True),
+    (dict(batch=1, heads_q=65535, heads_kv=1, training=False), "sm90-fwd-heads-past-grid", False),
+])
+def test_a_plan_whose_kernel_cannot_launch_is_refused_naming_the_limit(fields, name, hit):
+    decision = defects.decide(AttentionConfig(**{**BASE, "seqlen_q": 8, "seqlen_kv": 8, **fields}), *H200)
+    assert (name in [d.name for d in decision.avoided]) == hit
+    if hit:
+        assert name in decision.refusal and "65535" in decision.refusal and "split" in decision.refusal
+
+
 @pytest.mark.parametrize("fields,version,hit", [
     (dict(batch=1, heads_q=1, seqlen_q=1), 92801, True),
     (dict(batch=1, heads_q=1, seqlen_q=1, seqlen_kv=64, dtype="fp16"), 92600, True),
@@ -137,7 +151,8 @@ def test_every_entry_is_well_formed():
     for d in defects.DEFECTS:
         assert d.name not in seen and ":" not in d.name
         seen.add(d.name)
-        assert all(r.startswith("https://github.com/") for r in d.reports)
+        # A public report: an issue, a test, or the CUDA documentation of the limit a plan hits.
+        assert all(r.startswith(("https://github.com/", "https://docs.nvidia.com/")) for r in d.reports)
         assert d.fixed is None  # no fix measured yet: see the module's docstring before closing one
 
 

@@ -306,3 +306,21 @@ def test_a_one_row_training_config_is_refused_where_cudnn_crashes_building_it():
         q, k, v, d_o = adversarial(1, 1, 1, 128, 64, torch.bfloat16, seed=11)
         ours = fastattn_torch(q, k, v, d_o, False, None)
         check(ours, efficient(q, k, v, d_o, None), reference(q, k, v, d_o, None), "bf16", "one row")
+
+
+def test_a_training_batch_past_the_grid_is_refused_and_the_largest_that_launches_trains():
+    # benchmarks/probe_launch_limits.py: on SM90 (cuDNN 9.19, 9.24) the backward of batch 65536
+    # builds and fails at execute; 65535 runs. The probe refuses the first naming the limit, the
+    # second trains, and its last sequence's gradients are right (the grid's far end).
+    major, minor = torch.cuda.get_device_capability()
+    if (major, minor) != (9, 0):
+        pytest.skip("the limit was measured on SM90 only (fastattn.defects: sm90-bwd-batch-past-grid)")
+    cfg = AttentionConfig(batch=65536, heads_q=1, seqlen_q=8, head_dim_qk=64, dtype="bf16", training=True)
+    result = fastattn.probe(cfg)
+    assert not result.supported and "sm90-bwd-batch-past-grid" in result.reason and "65535" in result.reason
+    assert fastattn.probe(cfg.replace(training=False)).supported  # the forward launches
+    q, k, v, d_o = adversarial(65535, 1, 8, 8, 64, torch.bfloat16, seed=5)
+    ours = fastattn_torch(q, k, v, d_o, False, None)
+    last = [t[-1:] for t in (q, k, v, d_o)]
+    mine = {name: t[-1:] for name, t in ours.items()}
+    check(mine, efficient(*last, None), reference(*last, None), "bf16", "the last of 65535 sequences")

@@ -52,6 +52,22 @@ def test_the_configs_are_the_ones_attention_asks_for(warmed, capsys):
     assert warmed == [want]
 
 
+def test_with_the_shape_override_both_kinds_of_class_plan_are_warmed(warmed, capsys, monkeypatch):
+    from fastattn.cli import warm as warm_cli
+
+    monkeypatch.setattr(warm_cli, "_shape_override_loaded", lambda: True)  # a cuDNN of 9.21 or newer
+    monkeypatch.setattr(sc, "KIND", "override")
+    run(["warm", "--seqlens", "300", "--shape-classes", "512", *MODEL], capsys)
+    common = dict(batch=1, heads_q=32, heads_kv=8, head_dim_qk=128, head_dim_v=128, dtype="bf16",
+                  mask="causal_bottom_right", alignment="bottom_right")
+    assert warmed == [sc.class_config(upper_q=q, upper_kv=512, override=o, **common)
+                      for q in (512, 1) for o in (True, False)]
+    assert [(c.shape_override, c.ragged) for c in warmed[:2]] == [(True, False), (False, True)]
+    warmed.clear()
+    run(["warm", "--seqlens", "300", "--shape-classes", "512", "--training", *MODEL], capsys)
+    assert [c.shape_override for c in warmed] == [False]  # the override is forward only
+
+
 def test_lengths_past_the_classes_are_reported_not_warmed(warmed, capsys):
     code, out, _ = run(["warm", "--seqlens", "100..9000", "--shape-classes", "4096", *MODEL], capsys)
     assert code == 0 and json.loads(out)["lengths_without_a_class"] == [[4097, 9000]]

@@ -156,3 +156,40 @@ def test_generated_configs_construct_and_round_trip_or_name_a_field(fields, case
             assert str(e).startswith(f"tensor={tensor!r}: "), str(e)
             continue
         assert all(isinstance(n, int) and n >= 1 for n in shape) and len(c.strides(tensor)) == len(shape)
+
+
+# -- shape_override ---------------------------------------------------------------------
+
+_OVR = dict(batch=2, heads_q=4, seqlen_q=256, head_dim_qk=64, dtype="bf16", shape_override=True)
+
+
+@pytest.mark.parametrize("fields,word", [
+    (dict(padding=True), "padding"),
+    (dict(padding=True, ragged=True), "padding"),
+    (dict(padding=True, page_size=64), "padding"),
+    (dict(bias="1hss"), "a bias"),
+    (dict(dtype="fp8_e4m3", head_dim_qk=128), "fp8_e4m3"),
+])
+def test_shape_override_refuses_what_is_declared_at_the_plans_lengths(fields, word):
+    with pytest.raises(InvalidArgumentError, match=rf"^shape_override=True: cannot be combined with .*{word}"):
+        AttentionConfig(**{**_OVR, **fields})
+
+
+def test_shape_override_is_forward_only():
+    with pytest.raises(InvalidArgumentError, match=r"^shape_override=True: is forward only \(training=False\)"):
+        AttentionConfig(**{**_OVR, "training": True})
+
+
+def test_shape_override_is_in_the_key_only_when_on():
+    on = AttentionConfig(**_OVR)
+    off = AttentionConfig(**{**_OVR, "shape_override": False})
+    assert '"shape_override":true' in on.to_json() and "shape_override" not in off.to_json()
+
+
+def test_shape_override_leaves_a_bottom_right_band_beside_dropout_as_given():
+    # Without an override the band is rewritten top-left, shifted by the declared lengths;
+    # a shape-override plan's shift is each call's, so it stays cuDNN's to place (or refuse).
+    c = AttentionConfig(**{**_OVR, "seqlen_kv": 512, "mask": "causal_bottom_right", "dropout": 0.1})
+    assert c.mask == "causal_bottom_right"
+    assert AttentionConfig(**{**_OVR, "shape_override": False, "seqlen_kv": 512, "mask": "causal_bottom_right",
+                              "dropout": 0.1}).mask == "none"

@@ -112,7 +112,8 @@ def test_from_json_refuses_anything_but_json_text_of_an_object(text):
 def test_optional_features_are_the_fields_marked_off():
     assert _OPTIONAL_FEATURES == {"padding": False, "alibi": False, "ragged": False, "bias": "none",
                                   "bias_grad": False, "dropout": 0.0, "host_seed": False, "sinks": False,
-                                  "page_size": 0, "alignment": "top_left", "softcap": None}
+                                  "page_size": 0, "alignment": "top_left", "softcap": None,
+                                  "shape_override": False}
 
 
 def _old_kernel_family(config):  # fastattn.warm's hand-written tuple before the registry, as a reference

@@ -1,5 +1,6 @@
 """What the fastattn.torch GPU tests share (helpers.gpu stays free of PyTorch)."""
 
+import contextlib
 import threading
 
 import numpy as np
@@ -15,6 +16,17 @@ from fastattn.torch import _native
 NATIVE_ENTRIES = ("DENSE", "VARLEN", "PAGED", "CALL", "CALL_VARLEN")
 # The same for a child process's script (a subprocess has no monkeypatch).
 PYTHON_PATH_CODE = f"from fastattn.torch import _native; [setattr(_native, n, None) for n in {NATIVE_ENTRIES!r}]"
+
+
+@contextlib.contextmanager
+def deterministic(warn_only: bool):
+    """torch.use_deterministic_algorithms(True, warn_only=...) inside, as it was after."""
+    before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
+    torch.use_deterministic_algorithms(True, warn_only=warn_only)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
 
 
 def take_python_path(monkeypatch) -> None:

@@ -56,9 +56,9 @@ def test_the_table_says_what_each_direction_takes_once():
     slots = gen.check_table()
     assert [s.index for s in slots] == list(range(45))
     # Every slot is a parameter of forward or backward; the parameters without a slot
-    # are the workspace and the stream.
+    # are the workspace, the stream and, last, a shape-override plan's call shape.
     assert all(s.forward or s.backward for s in slots)
     assert [s.name for s in SLOTS if s.index is None] == ["workspace", "stream"]
     assert all(s.forward == s.backward == OPT for s in SLOTS if s.index is None)
     assert gen.params("forward")[gen.params("forward").index("*") + 1:] == [
-        f"{s.name}=0" for s in SLOTS if s.forward == KW]
+        f"{s.name}=0" for s in SLOTS if s.forward == KW] + ["at=None"]

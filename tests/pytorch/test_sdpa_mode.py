@@ -9,6 +9,8 @@ of its cuDNN backend on a GPU, CUDA graphs (test_sdpa_mode_gpu.py)."""
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import math
 import os
 import subprocess
@@ -731,7 +733,7 @@ def test_the_op_librarys_composite_serves_and_hands_on_the_same_calls(lib, model
 
     lib.clear()
     monkeypatch.setattr(_sdpa_mode, "_calls", {})
-    with pytest.raises(RuntimeError, match="3 early reasons, got 1"):
+    with pytest.raises(RuntimeError, match=f"{len(_sdpa_mode.EARLY)} early reasons, got 1"):
         lib.sdpa_kernels(True, _sdpa_mode._route, "CPU", ["one"])
     lib.sdpa_kernels(True, _sdpa_mode._route, "CPU", list(_sdpa_mode.EARLY))
     python = torch.library.Library("aten", "IMPL")
@@ -830,7 +832,7 @@ def _theirs(q, k, v, c):
 def either_composite(request, model, monkeypatch):
     """The composite kernel on the CPU keys, _sdpa_mode's or the op library's (C++), over
     `model`'s cuDNN-operator kernels; gives a function of the (served, handed on) calls
-    the composite counted so far."""
+    the composite counted so far, whose .handed_on() gives the handed-on ones by reason."""
     import warnings
 
     monkeypatch.setattr(_sdpa_mode, "_calls", {})
@@ -843,6 +845,7 @@ def either_composite(request, model, monkeypatch):
         def counts():
             served = _sdpa_mode._calls.get(None, 0)
             return served, sum(_sdpa_mode._calls.values()) - served
+        counts.handed_on = lambda: {r: n for r, n in _sdpa_mode._calls.items() if r is not None}
         yield counts
         python._destroy()
         return
@@ -859,6 +862,14 @@ def either_composite(request, model, monkeypatch):
         calls = native.sdpa_calls()
         served = sum(n for ours, _, n in calls if ours)
         return served, sum(n for ours, _, n in calls if not ours)
+
+    def handed_on():
+        out: dict = {}
+        for ours, reason, n in native.sdpa_calls():
+            if n and not ours:
+                out[reason] = out.get(reason, 0) + n
+        return out
+    counts.handed_on = handed_on
     try:
         yield counts
     finally:
@@ -963,6 +974,123 @@ def test_a_call_over_no_keys_gets_pytorchs_answer(either_composite, kind):
     assert got.shape == (1, 2, 3, 8)
     torch.testing.assert_close(got, want, atol=0, rtol=0, equal_nan=True)
     assert sum(either_composite()) == 1  # served or passed on: counted once
+
+
+# -- the backends the user enables ---------------------------------------------------------
+
+_B = torch.nn.attention.SDPBackend
+_FOUR = (_B.FLASH_ATTENTION, _B.EFFICIENT_ATTENTION, _B.MATH, _B.CUDNN_ATTENTION)
+_OFF = _sdpa_mode.EARLY[3]  # PyTorch's cuDNN backend disabled
+
+
+def _the_call_under(counts, enter):
+    """An SDPA call (bfloat16, causal, a gradient) inside the context `enter()` gives,
+    beside PyTorch's own answer to it there (the mode bypassed): (served, reasons handed on
+    by this call, the output or PyTorch's error, PyTorch's answer or error, q, k, v)."""
+    q, k, v = _qkv(1, 4, 4, 5, 7, 16, "bhsd")
+    served, _ = counts()
+    before = counts.handed_on()
+    with enter():
+        want = _theirs(q.detach(), k.detach(), v.detach(), dict(mask=None, causal=True, scale=None, gqa=False))
+        try:
+            out = SDPA(q, k, v, is_causal=True)
+        except RuntimeError as e:
+            out = e
+    handed = {r: n - before.get(r, 0) for r, n in counts.handed_on().items() if n != before.get(r, 0)}
+    return counts()[0] - served, handed, out, want, (q, k, v)
+
+
+@pytest.mark.parametrize("backends", [c for n in range(1, 5) for c in itertools.combinations(_FOUR, n)],
+                         ids=lambda c: "+".join(b.name for b in c))
+def test_under_sdpa_kernel_the_mode_serves_only_where_pytorchs_cudnn_backend_is_enabled(either_composite, backends):
+    # sdpa_kernel sets PyTorch's process-wide flags (torch._C._set_sdp_use_*) for its context;
+    # the mode reads the cuDNN one per call. Without it the call is PyTorch's own, on the
+    # backends enabled: its output bit for bit, or its error (on the CPU, PyTorch has no
+    # kernel for efficient or cuDNN alone).
+    served, handed, out, want, (q, k, v) = _the_call_under(
+        either_composite, lambda: torch.nn.attention.sdpa_kernel(list(backends)))
+    assert torch.backends.cuda.cudnn_sdp_enabled()  # (restored after the context)
+    if _B.CUDNN_ATTENTION in backends:
+        assert (served, handed) == (1, {}), handed
+        _assert_sdpas_in_float64(out, q, k, v, None, is_causal=True)
+        return
+    assert (served, handed) == (0, {_OFF: 1}), handed
+    if isinstance(want, Exception):
+        assert type(out) is type(want) and str(out) == str(want)
+    else:
+        assert torch.equal(out, want)
+        out.float().sum().backward()  # PyTorch's own autograd: gradients reach q, k, v
+        assert all(t.grad is not None for t in (q, k, v))
+
+
+@pytest.mark.parametrize("flag", ["flash", "mem_efficient", "math", "cudnn"])
+def test_each_enable_sdp_flag_off_process_wide_leaves_the_mode_serving_but_the_cudnn_one(either_composite, flag):
+    # torch.backends.cuda.enable_<flag>_sdp(False), as a library may call at import: with
+    # cuDNN's off every call is PyTorch's (counted with the reason) until it is on again.
+    set_flag = getattr(torch.backends.cuda, f"enable_{flag}_sdp")
+
+    @contextlib.contextmanager
+    def off():
+        set_flag(False)
+        try:
+            yield
+        finally:
+            set_flag(True)
+
+    served, handed, out, want, _ = _the_call_under(either_composite, off)
+    if flag == "cudnn":
+        assert (served, handed) == (0, {_OFF: 1}) and torch.equal(out, want)
+    else:
+        assert (served, handed) == (1, {})
+    served, handed, *_ = _the_call_under(either_composite, contextlib.nullcontext)
+    assert (served, handed) == (1, {})  # on again: served
+
+
+def test_the_priority_order_is_not_read_where_cudnn_is_enabled(either_composite):
+    # PyTorch's own priority order puts cuDNN after math on some GPUs and versions: the mode
+    # serves wherever cuDNN is enabled, whatever order the backends are listed in.
+    served, handed, *_ = _the_call_under(either_composite, lambda: torch.nn.attention.sdpa_kernel(
+        [_B.MATH, _B.CUDNN_ATTENTION], set_priority=True))
+    assert (served, handed) == (1, {})
+
+
+@pytest.mark.parametrize("warn_only", [False, True])
+def test_while_deterministic_algorithms_are_required_a_call_with_a_backward_is_pytorchs(either_composite, warn_only):
+    # torch.use_deterministic_algorithms(True): PyTorch's choice leaves its cuDNN backend
+    # out (it has no deterministic backward) and so does the mode for a call with a backward,
+    # fastattn's being none either: PyTorch's answer, bit for bit. A call without one, and
+    # every call with warn_only, is served (its backward warns: test_determinism*.py).
+    from helpers.torch import deterministic
+
+    served, handed, out, want, _ = _the_call_under(either_composite, lambda: deterministic(warn_only))
+    if warn_only:
+        assert (served, handed) == (1, {})
+    else:
+        assert (served, handed) == (0, {_sdpa_mode.EARLY[4]: 1}) and torch.equal(out, want)
+    q, k, v = (t.detach() for t in _qkv(1, 4, 4, 5, 7, 16, "bhsd"))
+    served = either_composite()[0]
+    with deterministic(warn_only):
+        SDPA(q, k, v, is_causal=True)
+        with torch.no_grad():
+            SDPA(*(t.requires_grad_() for t in (q, k, v)), is_causal=True)
+    assert either_composite()[0] == served + 2
+
+
+def test_a_compiled_call_traced_under_a_math_only_context_holds_pytorchs_math(either_composite):
+    # torch.compile's trace runs the composite's kernel on fake tensors: the flag it reads
+    # there decides what the graph holds, as for PyTorch's own composite.
+    q, k, v = (t.detach() for t in _qkv(1, 4, 4, 5, 7, 16, "bhsd"))
+
+    def f(q, k, v):
+        return SDPA(q, k, v, is_causal=True)
+
+    torch._dynamo.reset()
+    with torch.nn.attention.sdpa_kernel(_B.MATH):
+        want = torch.ops.aten.scaled_dot_product_attention.default.decompose(q, k, v, None, 0.0, True)
+        got = torch.compile(f, backend="aot_eager", fullgraph=True)(q, k, v)
+    torch._dynamo.reset()
+    assert torch.equal(got, want)
+    assert either_composite()[0] == 0 and set(either_composite.handed_on()) == {_OFF}
 
 
 class _Arg:

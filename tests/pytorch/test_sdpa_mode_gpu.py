@@ -1,9 +1,12 @@
 """GPU: the SDPA mode. A module calling torch.nn.functional.scaled_dot_product_attention gives
 the same outputs and gradients with the mode on (fastattn's kernels, which the routes
 record) and off (PyTorch's cuDNN backend), and both agree with PyTorch's math in float64;
-under torch.compile(fullgraph=True) and in a CUDA graph capture; and a call fastattn
-cannot read (a query in no layout it takes) runs PyTorch's kernel without an error."""
+under torch.compile(fullgraph=True) and in a CUDA graph capture; a call fastattn
+cannot read (a query in no layout it takes) runs PyTorch's kernel without an error; and
+the backends a user enables hold: without cuDNN's (sdpa_kernel, enable_cudnn_sdp) every
+call is PyTorch's own."""
 
+import contextlib
 import gc
 import os
 import subprocess
@@ -21,7 +24,7 @@ import torch.nn.functional as F  # noqa: E402
 
 import fastattn.torch  # noqa: E402
 from fastattn.torch import _native, _sdpa_mode  # noqa: E402
-from helpers.torch import take_python_path  # noqa: E402
+from helpers.torch import in_threads, take_python_path  # noqa: E402
 
 DEV = "cuda"
 TOL = 3e-2  # bfloat16
@@ -223,7 +226,8 @@ _B = torch.nn.attention.SDPBackend
 def _case(name):
     """(mask, is_causal, enable_gqa, the backends PyTorch may pick) of each call PyTorch 2.11
     gives a backend other than cuDNN on the H200 (benchmarks/probe_sdpa_gates.py), or that a
-    user restricts to one, or whose rows of -inf alone PyTorch's kernels need not answer alike."""
+    user restricts to cuDNN and others, or whose rows of -inf alone PyTorch's kernels need not
+    answer alike."""
     g = torch.Generator(device=DEV).manual_seed(3)
     keep = torch.rand(2, 1, 96, 96, device=DEV, generator=g) > 0.2
     keep[1, 0, 5] = False  # a row that keeps no key
@@ -236,15 +240,15 @@ def _case(name):
             (torch.rand(2, 1, 96, 1, device=DEV, generator=g) > 0.1).expand(2, 1, 96, 96), False, True, None),
         "boolean mask with a row keeping no key, GQA": (keep, False, True, None),
         "additive mask with a row of -inf": (minus_inf, False, False, None),
-        "causal GQA in a flash-only context": (None, True, True, [_B.FLASH_ATTENTION]),
-        "boolean mask in a math-only context": (keep, False, False, [_B.MATH]),
+        "causal GQA with flash and cuDNN enabled": (None, True, True, [_B.FLASH_ATTENTION, _B.CUDNN_ATTENTION]),
+        "boolean mask with math and cuDNN enabled": (keep, False, False, [_B.MATH, _B.CUDNN_ATTENTION]),
     }[name]
 
 
 @pytest.mark.parametrize("name", ["3-d additive mask", "boolean mask expanded along the keys, GQA",
                                   "boolean mask with a row keeping no key, GQA", "additive mask with a row of -inf",
-                                  "causal GQA in a flash-only context",
-                                  "boolean mask in a math-only context"])
+                                  "causal GQA with flash and cuDNN enabled",
+                                  "boolean mask with math and cuDNN enabled"])
 def test_calls_pytorch_gives_other_backends_are_served_too(mode, name):
     mask, causal, gqa, backends = _case(name)
     torch.manual_seed(0)
@@ -269,6 +273,86 @@ def test_calls_pytorch_gives_other_backends_are_served_too(mode, name):
     if mask is not None:  # rows that keep no key (False, or -inf, throughout): zeros
         keep = mask if mask.dtype == torch.bool else mask != float("-inf")
         assert (out[~keep.expand(2, 8, 96, 96).any(-1)] == 0).all()
+
+
+def _step(q, k, v, g, backends=None):
+    """(output, d_q, d_k, d_v) of one causal SDPA training call, in an sdpa_kernel context
+    of `backends` where given."""
+    with torch.nn.attention.sdpa_kernel(backends) if backends else contextlib.nullcontext():
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return (out, *torch.autograd.grad(out, (q, k, v), g))
+
+
+def _inputs():
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 8, 96, 64, device=DEV, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    return q, k, v, torch.randn(2, 8, 96, 64, device=DEV, dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("backends", [[_B.MATH], [_B.FLASH_ATTENTION], [_B.EFFICIENT_ATTENTION],
+                                      [_B.FLASH_ATTENTION, _B.EFFICIENT_ATTENTION, _B.MATH]],
+                         ids=lambda b: "+".join(x.name for x in b))
+def test_under_sdpa_kernel_without_cudnn_the_call_is_pytorchs_own(mode, backends):
+    # A user who restricts the backends gets their kernels: fastattn serves nothing, each
+    # call is counted as handed on with the reason, and the output is the one the mode off
+    # gives (bit for bit: these forward kernels are deterministic; the math backward too).
+    q, k, v, g = _inputs()
+    before = fastattn.stats()["sdpa"]
+    on = _step(q, k, v, g, backends)
+    after = fastattn.stats()["sdpa"]
+    off_reason = _sdpa_mode.EARLY[3]
+    assert after["served"] == before["served"], after
+    assert after["passed_on"].get(off_reason, 0) == before["passed_on"].get(off_reason, 0) + 1, after
+    fastattn.torch.disable_sdpa()
+    try:
+        off = _step(q, k, v, g, backends)
+    finally:
+        fastattn.torch.enable_sdpa()
+    assert torch.equal(on[0], off[0])
+    for a, b in zip(on[1:], off[1:]):
+        if backends == [_B.MATH]:
+            assert torch.equal(a, b)
+        else:  # (flash's and efficient's backwards accumulate in whatever order their blocks finish)
+            torch.testing.assert_close(a, b, atol=TOL * b.abs().max().item(), rtol=TOL)
+
+
+def test_under_sdpa_kernel_cudnn_attention_fastattn_serves(mode):
+    q, k, v, g = _inputs()
+    before = fastattn.stats()["sdpa"]
+    got = _step(q, k, v, g, [_B.CUDNN_ATTENTION])
+    after = fastattn.stats()["sdpa"]
+    assert after["served"] == before["served"] + 1 and after["passed_on"] == before["passed_on"], after
+    ref, leaves = _math64(q, k, v, None, True, False)
+    want = (ref, *torch.autograd.grad(ref, leaves, g.double()))
+    for a, r in zip(got, want):
+        torch.testing.assert_close(a.double(), r, atol=TOL * r.abs().max().item(), rtol=TOL)
+    assert any(r.startswith("fastattn") for r in _sdpa_mode.sdpa_routes().values())
+
+
+def test_enable_cudnn_sdp_false_process_wide_hands_every_call_to_pytorch_until_it_is_on_again(mode):
+    # What a library turning cuDNN SDPA off at import does: every call, in every thread, is
+    # PyTorch's, on its other backends, counted with the reason.
+    q, k, v, g = _inputs()
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    try:
+        before = fastattn.stats()["sdpa"]
+        results = in_threads(2, lambda i: _step(q, k, v, g)[0])
+        after = fastattn.stats()["sdpa"]
+        fastattn.torch.disable_sdpa()
+        try:
+            want = _step(q, k, v, g)[0]
+        finally:
+            fastattn.torch.enable_sdpa()
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(True)
+    off_reason = _sdpa_mode.EARLY[3]
+    assert after["served"] == before["served"], after
+    assert after["passed_on"].get(off_reason, 0) == before["passed_on"].get(off_reason, 0) + 2, after
+    for got in results.values():
+        assert torch.equal(got, want)
+    before = fastattn.stats()["sdpa"]["served"]
+    _step(q, k, v, g)
+    assert fastattn.stats()["sdpa"]["served"] == before + 1  # on again: served
 
 
 def test_in_inference_mode_calls_are_served(mode):

@@ -49,7 +49,17 @@ def fake(monkeypatch):
     monkeypatch.setattr(_dense, "_check", lambda *a: None)
     monkeypatch.setattr(_shape_classes, "_check", lambda *a: None)
     monkeypatch.setattr(_shape_classes, "SETTING", sc.OFF)
+    monkeypatch.setattr(_shape_classes, "_override_ok", [False])  # a cuDNN before 9.21: ragged class plans
+    monkeypatch.setattr(_shape_classes, "_refused", bounded.Table("class_refusals"))
     return asked
+
+
+@pytest.fixture
+def override(fake, monkeypatch):
+    """fake, with a cuDNN that has the shape override (9.21 or newer), OVERRIDE preferred."""
+    monkeypatch.setattr(_shape_classes, "_override_ok", [True])
+    monkeypatch.setattr(sc, "KIND", "override")
+    return fake
 
 
 def meta(*shape, grad=False, dtype=torch.bfloat16):
@@ -349,3 +359,75 @@ def test_arrays_made_inside_a_capture_are_distinct_and_held(monkeypatch):
     assert len({t.data_ptr() for t in held}) == 7 and set(ptrs.values()) == {t.data_ptr() for t in held}
     assert held[0].tolist() == [0, 80, 160, 240] and held[1].tolist() == [0, 80, 160, 240]
     assert held[3].tolist() == [0, 40, 80, 120] and held[4].tolist() == [0, 10, 20, 30]
+
+
+# -- shape-override class plans (cuDNN >= 9.21) ----------------------------------------------
+
+def test_an_override_class_plan_serves_each_length_at_its_own_shape(override):
+    for s in (100, 200, 256, 2):
+        q, k, v = meta(2, s, 8, 64), meta(2, s, 2, 64), meta(2, s, 2, 64)
+        o = _api.attention(q, k, v, causal=True, shape_classes=(256, 1024))
+        assert o.shape == (2, s, 8, 64)
+        plan = _plans.plans[next(iter(_plans.plans))].plan
+        _, args, kw = plan.calls[-1]
+        # The call's lengths, and each tensor's strides in (b, h, s, d) order; no arrays.
+        assert kw == {"at": (s, s, (s * 512, 64, 512, 1), (s * 128, 64, 128, 1), (s * 128, 64, 128, 1),
+                             (s * 512, 64, 512, 1))}
+    assert len(override) == 1
+    cfg = override[0]
+    assert (cfg.shape_override, cfg.ragged, cfg.padding, cfg.seqlen_q, cfg.seqlen_kv, cfg.layout, cfg.mask) == \
+        (True, False, False, 256, 256, "bshd", "causal")
+
+
+def test_an_override_plan_takes_a_cache_slice_at_the_caches_strides(override):
+    cache_k, cache_v = meta(4, 4096, 2, 128), meta(4, 4096, 2, 128)
+    for n in (1025, 1500, 2048):
+        _api.attention(meta(4, 1, 8, 128), cache_k[:, :n], cache_v[:, :n], causal_bottom_right=True,
+                       shape_classes=(1024, 2048))
+    assert len(override) == 1 and (override[0].seqlen_q, override[0].seqlen_kv) == (1, 2048)
+    _, _, kw = _plans.plans[next(iter(_plans.plans))].plan.calls[-1]
+    assert kw["at"][:2] == (1, 2048) and kw["at"][3] == (4096 * 256, 128, 256, 1)  # the cache's batch stride
+    assert len(_shape_classes._arrays) == 0
+
+
+def test_calls_with_lengths_take_the_ragged_class_plan(override):
+    q, k, v = meta(3, 50, 4, 64), meta(3, 60, 4, 64), meta(3, 60, 4, 64)
+    lq, lkv = meta(3, dtype=torch.int32), meta(3, dtype=torch.int32)
+    _api.attention(q, k, v, seq_lens_q=lq, seq_lens_kv=lkv, shape_classes="64")
+    assert [(c.ragged, c.shape_override) for c in override] == [(True, False)]
+
+
+def test_an_override_plan_cudnn_refuses_leaves_the_call_the_ragged_one(override, monkeypatch):
+    asked = []
+
+    def plan(cfg, device=None):
+        asked.append(cfg)
+        if cfg.shape_override:
+            raise fastattn.NotSupportedError("shape override: not with this")
+        return RecordingPlan(cfg)
+
+    monkeypatch.setattr(fastattn, "plan", plan)
+    for s in (100, 120):
+        q, k, v = (meta(1, s, 4, 64) for _ in range(3))
+        _api.attention(q, k, v, shape_classes=(128,))
+    assert [c.shape_override for c in asked] == [True, False]  # each asked once
+    _, _, kw = _plans.plans[next(iter(_plans.plans))].plan.calls[-1]
+    assert "ragged_q" in kw and "at" not in kw
+
+
+def test_a_training_call_takes_the_ragged_class_plan(override):
+    # (the override is forward only: a training plan's backward graph keeps tensors of its
+    # own at the declared lengths)
+    q, k, v = (meta(2, 40, 4, 64, grad=True) for _ in range(3))
+    o = _api.attention(q, k, v, shape_classes=(64,))
+    o.backward(torch.ones_like(o))
+    assert [(c.ragged, c.shape_override, c.training) for c in override] == [(True, False, True)]
+    with torch.no_grad():
+        _api.attention(*(meta(2, 40, 4, 64) for _ in range(3)), shape_classes=(64,))
+    assert [c.shape_override for c in override] == [False, True]
+
+
+def test_with_ragged_preferred_an_override_cudnn_still_takes_the_ragged_plan(fake, monkeypatch):
+    monkeypatch.setattr(_shape_classes, "_override_ok", [True])
+    _api.attention(*(meta(2, 40, 4, 64) for _ in range(3)), shape_classes=(64,))
+    assert [(c.ragged, c.shape_override) for c in fake] == [(True, False)]

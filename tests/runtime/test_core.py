@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from fastattn import errors
+from fastattn.config import AttentionConfig
 from fastattn._slots import ARG, SLOTS
 
 from helpers.paths import ROOT
@@ -152,12 +153,12 @@ SIGNATURES = {
     "forward": "(self, q, k, v, o, stats=0, workspace=0, stream=0, seq_len_q=0, seq_len_kv=0, *, ragged_q=0, "
                "ragged_k=0, ragged_v=0, ragged_o=0, ragged_stats=0, bias=0, seed=0, offset=0, sink=0, page_table_k=0, "
                "page_table_v=0, descale_q=0, descale_k=0, descale_v=0, descale_s=0, scale_s=0, scale_o=0, amax_s=0, "
-               "amax_o=0, cu_seqlens_q=0, cu_seqlens_kv=0)",
+               "amax_o=0, cu_seqlens_q=0, cu_seqlens_kv=0, at=None)",
     "backward": "(self, q, k, v, o, d_o, stats, d_q, d_k, d_v, workspace=0, stream=0, seq_len_q=0, seq_len_kv=0, *, "
                 "ragged_q=0, ragged_k=0, ragged_v=0, ragged_o=0, ragged_stats=0, bias=0, d_bias=0, seed=0, offset=0, "
                 "sink=0, d_sink=0, descale_q=0, descale_k=0, descale_v=0, descale_o=0, descale_d_o=0, descale_s=0, "
                 "descale_d_p=0, scale_s=0, scale_d_q=0, scale_d_k=0, scale_d_v=0, scale_d_p=0, amax_d_q=0, "
-                "amax_d_k=0, amax_d_v=0, amax_d_p=0, cu_seqlens_q=0, cu_seqlens_kv=0)",
+                "amax_d_k=0, amax_d_v=0, amax_d_p=0, cu_seqlens_q=0, cu_seqlens_kv=0, at=None)",
 }
 
 
@@ -190,3 +191,42 @@ def test_a_call_with_every_slot_an_address_reaches_the_core(direction):
 def test_every_slot_is_a_keyword_of_a_direction():
     taken = set(inspect.signature(_core.Plan.forward).parameters) | set(inspect.signature(_core.Plan.backward).parameters)
     assert set(_core.SLOT_NAMES) <= taken
+
+
+# -- at=: a shape-override plan's call shape, read before the core sees it ------------------
+
+_OVERRIDE = AttentionConfig(batch=2, heads_q=4, heads_kv=2, seqlen_q=256, head_dim_qk=64, dtype="bf16",
+                            shape_override=True)
+
+
+@pytest.mark.parametrize("at,message", [
+    ((0, 8), r"^at\[0\] \(seqlen_q\)=0: expected a positive int"),
+    ((8, True), r"^at\[1\] \(seqlen_kv\)=True: expected an int"),
+    ((8, 8.0), r"^at\[1\] \(seqlen_kv\)=8.0: expected an int"),
+    ((8,), r"^at=\(8,\): expected \(seqlen_q, seqlen_kv\)"),
+    ("88", r"^at='88': expected"),
+    ((8, 8, (1, 1, 1, 1), (1, 1, 1), (1, 1, 1, 1), (1, 1, 1, 1)), r"^at\[3\]=\(1, 1, 1\): expected 4 strides"),
+    ((8, 8, (1, 1, 1, 1), (1, 1, 1, -1), (1, 1, 1, 1), (1, 1, 1, 1)), r"^at\[3\]=-1: expected a positive int"),
+])
+def test_a_bad_call_shape_names_its_part(at, message):
+    with pytest.raises(errors.InvalidArgumentError, match=message):
+        _core._graphless_plan(config=_OVERRIDE).forward(16, 16, 16, 16, at=at)
+
+
+def test_at_on_a_plan_without_shape_override_is_refused_before_the_core():
+    plain = _OVERRIDE.replace(shape_override=False)
+    with pytest.raises(errors.InvalidArgumentError, match="built without shape_override"):
+        _core._graphless_plan(config=plain).forward(16, 16, 16, 16, at=(8, 8))
+
+
+@pytest.mark.parametrize("at", [(8, 8), (100, 3, (1, 1, 1, 1), (2, 2, 2, 2), (3, 3, 3, 3), (4, 4, 4, 4))])
+def test_a_good_call_shape_reaches_the_core(at):
+    with pytest.raises(errors.InvalidArgumentError, match="not a forward graph"):
+        _core._graphless_plan(config=_OVERRIDE).forward(16, 16, 16, 16, at=at)
+
+
+def test_at_without_strides_lays_the_tensors_out_in_the_configs_layout():
+    sq, skv, strides = _core._at_strides(_core._graphless_plan(config=_OVERRIDE), (100, 30))
+    assert (sq, skv) == (100, 30)
+    assert strides == [(100 * 4 * 64, 64, 4 * 64, 1), (30 * 2 * 64, 64, 2 * 64, 1), (30 * 2 * 64, 64, 2 * 64, 1),
+                       (100 * 4 * 64, 64, 4 * 64, 1)]

@@ -21,6 +21,7 @@
 
 #include <torch/csrc/utils/pybind.h>  // first: Python.h, then pybind11 with torch's casters
 
+#include <ATen/Context.h>
 #include <ATen/core/Tensor.h>
 
 #include <algorithm>
@@ -45,13 +46,15 @@ PyObject *g_sdpa_route = nullptr;      // fastattn.torch._sdpa_mode._route, once
 py::object to_py(const OptTensor &t) { return given(t) ? py::cast(*t) : py::none(); }
 
 // The Python miss handler's answer: (plan, forward graph, backward graph, forward
-// workspace bytes, backward workspace bytes), as the table keeps it (a new reference).
+// workspace bytes, backward workspace bytes, whether the backward is deterministic), as
+// the table keeps it (a new reference).
 Entry entry_of(const py::object &got) {
     auto t = got.cast<py::tuple>();
     return Entry{py::object(t[0]).inc_ref().ptr(),
                  {reinterpret_cast<const void *>(t[1].cast<intptr_t>()),
                   reinterpret_cast<const void *>(t[2].cast<intptr_t>())},
-                 {t[3].cast<int64_t>(), t[4].cast<int64_t>()}};
+                 {t[3].cast<int64_t>(), t[4].cast<int64_t>()},
+                 t[5].cast<bool>()};
 }
 
 // The miss handler, checked; call with the GIL held.
@@ -132,6 +135,13 @@ SdpaRoute miss_sdpa(const Tensor &q, const Tensor &k, const Tensor &v, const Opt
     return r;
 }
 
+void alert_not_deterministic() {
+    if (!at::globalContext().deterministicAlgorithms()) return;
+    py::gil_scoped_acquire gil;
+    // (a Python exception propagates as error_already_set, as raise_status's below)
+    py::module_::import("fastattn.torch._executor").attr("alert_not_deterministic")();
+}
+
 // Through the dispatcher, which hands a Python exception back to Python as it is.
 [[noreturn]] void raise_status(int code, const char *message) {
     py::gil_scoped_acquire gil;
@@ -195,6 +205,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           "(FASTATTN_MEMORY_MAX_ENTRIES)");
     m.def("raise_status", [](int code, const std::string &message) { raise_status(code, message.c_str()); },
           "raise_status(code, message): raises what a failed execute with this status raises (tests)");
+    m.def("alert_not_deterministic", &alert_not_deterministic,
+          "alert_not_deterministic(): what a backward without cuDNN's deterministic algorithm does before it runs "
+          "(nothing unless torch.use_deterministic_algorithms(True) is set; tests)");
     m.def("table_size", &table_size, "plans in the C++ table");
     m.def("max_entries", &max_entries, "the most entries the plan table and the SDPA routes each hold");
     m.def(

@@ -118,6 +118,7 @@ struct Entry {
     void *plan;            // the fastattn.Plan, a PyObject (a reference the table's entry owns): keeps the graphs alive
     const void *graph[2];  // forward, backward (fastattn_abi_execute's graphs)
     int64_t workspace[2];
+    bool deterministic;  // the backward runs cuDNN's deterministic algorithm (the plan's config.deterministic)
 };
 
 inline void put_tensor(std::vector<int64_t> &key, const Tensor &t) {
@@ -194,7 +195,8 @@ void clear_table();
 [[noreturn]] void raise_status(int code, const char *message);
 
 // Runs direction `direction` of e's plan on q's device and current stream with `slots`
-// (FASTATTN_NUM_SLOTS addresses), its workspace kept per thread and stream.
+// (FASTATTN_NUM_SLOTS addresses), its workspace kept per thread and stream. A backward
+// of a plan without cuDNN's deterministic algorithm first calls alert_not_deterministic.
 void run(const Entry &e, int direction, const Tensor &q, intptr_t *slots);
 
 // ---- outputs and workspaces (table.cpp) --------------------------------------------------------
@@ -234,6 +236,13 @@ pybind11::tuple to_python(const Options &opt);
 
 // The CPU kernels' error: fastattn runs on CUDA tensors (table.cpp).
 [[noreturn]] void cpu_error(const Tensor &q);
+
+// A backward without cuDNN's deterministic algorithm is about to run (run, for every op's
+// and the SDPA mode's backward): while torch.use_deterministic_algorithms(True) is set,
+// what PyTorch's own non-deterministic kernels do there, a warning (warn_only) or an
+// error, from fastattn.torch._executor.alert_not_deterministic under the GIL (the Python
+// path's words and exception); else nothing, at the cost of one flag read.
+void alert_not_deterministic();
 
 // Adds eager.cpp's functions to the Python module: call, call_varlen, call_paged (the eager
 // entries), profile_eager and the tests' read_call, read_varlen_call, check_varlen_tensors.

@@ -14,6 +14,7 @@
 // the arguments' names against the installed torch before registering), and a call
 // fastattn does not take is handed, stack and all, to PyTorch's own kernels:
 // aten::_cudnn_attention_forward / _backward, which its cuDNN SDPA operators run.
+#include <ATen/Context.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/grad_mode.h>
@@ -136,8 +137,11 @@ void count_call(const SdpaRoute &r) {
 }
 
 // The composite's calls handed on before a route is asked, by reason (_sdpa_mode.EARLY,
-// given with the kernels).
-constexpr size_t kEarly = 3;
+// given with the kernels; kCudnnOff: PyTorch's cuDNN backend disabled; kDeterministic:
+// deterministic algorithms required of a call with a backward).
+constexpr size_t kEarly = 5;
+constexpr int kCudnnOff = 3;
+constexpr int kDeterministic = 4;
 std::array<std::string, kEarly> g_early_reasons;
 std::array<std::atomic<uint64_t>, kEarly> g_early_calls{};
 
@@ -454,13 +458,22 @@ void composite(const c10::OperatorHandle &, Stack *stack) {
     const double dropout_p = args[4].toDouble();
     const bool is_causal = args[5].toBool(), enable_gqa = args[7].toBool();
     const std::optional<double> scale = args[6].toOptional<double>();
-    const int e = early(q, k, v, mask, enable_gqa);
+    // PyTorch's cuDNN backend disabled (an sdpa_kernel context without CUDNN_ATTENTION,
+    // enable_cudnn_sdp(False)): the backends the user enabled run the call, as PyTorch's
+    // composite would choose among them. First: one read of the process-wide flag.
+    at::Context &context = at::globalContext();
+    int e = context.userEnabledCuDNNSDP() ? early(q, k, v, mask, enable_gqa) : kCudnnOff;
+    // PyTorch's composite asks its kernels for the logsumexp only where autograd needs it.
+    const bool lse =
+        e < 0 && at::GradMode::is_enabled() && (q.requires_grad() || k.requires_grad() || v.requires_grad());
+    // torch.use_deterministic_algorithms(True) without warn_only, and a backward to come:
+    // fastattn's is not deterministic, and PyTorch's choice, which leaves its own cuDNN
+    // backend out there, runs a deterministic one (or raises where none is enabled).
+    if (lse && context.deterministicAlgorithms() && !context.deterministicAlgorithmsWarnOnly()) e = kDeterministic;
     if (e >= 0) {
         g_early_calls[e].fetch_add(1, std::memory_order_relaxed);
     } else {
         const c10::DeviceGuard device(q.device());  // (as the forward's)
-        // PyTorch's composite asks its kernels for the logsumexp only where autograd needs it.
-        const bool lse = at::GradMode::is_enabled() && (q.requires_grad() || k.requires_grad() || v.requires_grad());
         Tensor empty;
         const OptTensor bias = composite_bias(mask, q, lse, empty);
         const auto route = sdpa_route(q, k, v, bias, dropout_p, is_causal, scale, lse);

@@ -344,6 +344,8 @@ int64_t kept_workspace_bytes() {
 }
 
 void run(const Entry &e, int direction, const Tensor &q, intptr_t *slots) {
+    // Before the workspace and the launch: a raise leaves nothing queued.
+    if (direction == FASTATTN_BACKWARD && !e.deterministic) alert_not_deterministic();
     const int64_t size = e.workspace[direction];
     const c10::Stream stream = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getStream(q.device());
     const Tensor ws = workspace(size, q, stream);  // held until the launch is queued
