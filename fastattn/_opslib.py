@@ -18,12 +18,16 @@ from pathlib import Path
 from ._version import __version__
 
 _TORCH_DIR = Path(__file__).resolve().parent / "torch"
-_CSRC = _TORCH_DIR / "csrc"
+CSRC = _TORCH_DIR / "csrc"  # the hand-written sources and headers
 # The library's sources (fastattn/torch/csrc/ops.h says what each holds), each with its
 # own includes, in link order (the order of their static initializers), and how they are
 # batched into translation units where there are fewer cores than sources (units()).
-BATCHES = (("ops.cpp", "eager.cpp"), ("dense.cpp", "varlen.cpp", "table.cpp", "sdpa.cpp"))
-SOURCES = tuple(_CSRC / name for unit in BATCHES for name in unit)
+# GENERATED are written at the build from the ops' specs (_native.write_generated), beside
+# the library; SOURCES are the hand-written ones, in fastattn/torch/csrc/.
+BATCHES = (("ops.cpp", "eager.cpp"), ("kernels.cpp", "table.cpp", "sdpa.cpp"))
+GENERATED = ("kernels.cpp",)
+NAMES = tuple(name for unit in BATCHES for name in unit)
+SOURCES = tuple(CSRC / name for name in NAMES if name not in GENERATED)
 
 
 def units(cores: int) -> tuple[tuple[str, ...], ...]:
@@ -34,15 +38,17 @@ def units(cores: int) -> tuple[tuple[str, ...], ...]:
     BATCHES, the sources batched by the headers they share (Python's and pybind11's;
     autograd's), which parses them once per batch: on two cores two batches beat one
     unit and six (docs/history/benchmarks-log.md, "The op library's build")."""
-    if cores >= len(SOURCES):
-        return tuple((path.name,) for path in SOURCES)
+    if cores >= len(NAMES):
+        return tuple((name,) for name in NAMES)
     return BATCHES
 INCLUDE = Path(__file__).resolve().parent / "include"
 # The sources' included files: every header beside them, so that a new one is part of the
-# tag unasked, and the declarations the generated headers come from (_options.py, the
-# ops' specs, and the field registry their options take kinds, docs and off values from).
-HEADERS = (INCLUDE / "fastattn_abi.h", *sorted(_CSRC.glob("*.h")), _TORCH_DIR / "_options.py",
-           _TORCH_DIR / "_specs.py", _TORCH_DIR.parent / "config.py", _TORCH_DIR.parent / "_fields.py")
+# tag unasked, and what the generated sources come from (their generators, _options.py and
+# _kernels.py; the ops' specs; the field registry their options take kinds, docs and off
+# values from; the slot table their launches fill).
+HEADERS = (INCLUDE / "fastattn_abi.h", *sorted(CSRC.glob("*.h")), _TORCH_DIR / "_options.py",
+           _TORCH_DIR / "_kernels.py", _TORCH_DIR / "_specs.py", _TORCH_DIR.parent / "config.py",
+           _TORCH_DIR.parent / "_fields.py", _TORCH_DIR.parent / "_slots.py")
 
 
 def tag(torch_version: str, cxx11_abi: int) -> str:

@@ -102,3 +102,19 @@ SLOTS = (
     Slot("cu_seqlens_q", 43, KW, KW, _CU),
     Slot("cu_seqlens_kv", 44, KW, KW, _CU),
 )
+
+
+def _parts(name: str) -> list[str]:
+    """A slot name's parts, "d" joined to the part after it: descale_d_o -> [descale, do]."""
+    parts = []
+    for p in name.split("_"):
+        if parts and parts[-1] == "d":
+            parts[-1] += p
+        else:
+            parts.append(p)
+    return parts
+
+
+def upper(name: str) -> str:
+    """A slot's C name (its FASTATTN_SLOT_ macro's suffix): d_o -> DO, seq_len_kv -> SEQ_LEN_KV."""
+    return "_".join(_parts(name)).upper()

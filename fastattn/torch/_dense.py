@@ -70,8 +70,7 @@ def check_traced(q, k, v, seq_len_q, seq_len_kv, bias, sink, rng, options: Dense
 
 # The work, the custom ops (with fake kernels and autograd): made from SPEC.
 forward_impl, backward_impl, forward_op, backward_op = _executor.install(SPEC, sys.modules[__name__], DenseOptions)
-_native.PLAN_FOR["dense"] = lambda q, k, v, o, seq_len_q, seq_len_kv, bias, sink, options: plan_for(
-    q, k, v, seq_len_q, seq_len_kv, bias, sink, None, o, DenseOptions(*options))  # the op library's misses
+_native.PLAN_FOR[SPEC.name] = plan_for, DenseOptions  # the op library's misses
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str, seq_len_q=None, seq_len_kv=None) -> None:

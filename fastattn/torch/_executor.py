@@ -35,8 +35,9 @@ launch, not in the autograd definition, so that it runs when the backward runs, 
 way it is reached: eager, the backward op of a compiled graph, the SDPA mode's kernel.
 
 An op's custom ops take its tensors first, then its options in their order; the
-backward op takes (d_o, o, stats, tensors..., options...). The op library (_native)
-registers the same schemas under native_<name>.
+backward op takes (d_o, o, stats, tensors..., options...). The op library's kernels
+are written from the same specs (_kernels, at its build) and registered with the same
+schemas under native_<name>.
 """
 
 from __future__ import annotations

@@ -2,10 +2,11 @@
 options, named by config field, their kinds, docs and off values from the field
 registry; CALLS, the arguments attention() and attention_varlen() hand their C entries)
 when the library is built (_native.build), part of its build tag (_opslib):
-`fastattn_options.h` (each op's parameter list, argument list, schema string, struct,
-key words and miss tuple; the layouts' table) and `fastattn_calls.h` (the C entries'
-readers of attention()'s and attention_varlen()'s own arguments). And the reader of a
-positive-or-zero argument that the C entries' fa_read_positive_or_zero mirrors.
+`fastattn_options.h` (each op's parameter list, argument list, struct, key words; the
+layouts' table) and `fastattn_calls.h` (the C entries' readers of attention()'s and
+attention_varlen()'s own arguments); _kernels writes the ops' kernels beside them. And
+the reader of a positive-or-zero argument that the C entries' fa_read_positive_or_zero
+mirrors.
 
 Pure Python and no torch: _opslib hashes this file without importing torch.
 """
@@ -22,6 +23,15 @@ _CPP = {"bool": "bool", "int": "int64_t", "float": "double", "str": "c10::string
 
 # The op library's ops (its C++ kernels take these, fastattn_options.h), in its Kind order.
 OPS: dict[str, tuple[Option, ...]] = {name: s.options for name, s in SPECS.items() if s.native}
+
+
+def struct(op: str) -> str:
+    """An op's options struct in C++ (DenseOptions), and, below, its Kind (kDense)."""
+    return f"{op.capitalize()}Options"
+
+
+def kind(op: str) -> str:
+    return f"k{op.capitalize()}"
 
 
 def _camel(name: str) -> str:
@@ -65,7 +75,7 @@ def calls_header() -> str:
                 f"struct {camel}Call {{",
                 *(f"    PyObject *{a.name} = nullptr;" for a in args if a.read == TENSOR),
                 *(f"    OptTensor {a.name};" for a in args if a.read == OPTIONAL),
-                f"    {op.capitalize()}Options options{{}};",
+                f"    {struct(op)} options{{}};",
                 "};",
                 f"inline constexpr Py_ssize_t k{camel}Args = {len(args)};",
                 f"inline bool read_{entry}(PyObject *const *args, {camel}Call &c) {{",
@@ -100,14 +110,14 @@ def _word(o: Option) -> str:
 
 
 def cpp_header() -> str:
-    """fastattn_options.h: for each op (DENSE, VARLEN, PAGED), FA_<OP>_PARAMS (the C++
-    parameters), _ARGS (passing them on), _SCHEMA (the schema's options), _OF(o) (a
-    struct's fields as arguments), _WORDS(key, o) (push each option's key word),
-    _TUPLE(o) (the miss handler's Python tuple), _FROM(t) (the struct from a Python
-    sequence of the options, as a NamedTuple of _dense holds them), _COUNT, for ops without str options
-    _SAVE(map, o) and _LOAD(map) (an autograd Function's saved_data), and the struct
-    <Op>Options, in namespace fastattn::ops. The macros expect fa_choice and fa_bits
-    (ops.h) where they are expanded."""
+    """fastattn_options.h: for each op (DENSE, VARLEN, PAGED), FA_<OP>_TENSORS and
+    _TENSOR_ARGS (its input tensors as C++ parameters, and passing them on), FA_<OP>_PARAMS
+    (its options as C++ parameters), _ARGS (passing them on), _OF(o) (a struct's fields as arguments),
+    _WORDS(key, o) (push each option's key word), _FROM(t) (the struct from a Python
+    sequence of the options, as a NamedTuple of _dense holds them), and the struct
+    <Op>Options (its Kind, its fields, each() to visit them in order); FA_OPTIONS(X), X
+    of each struct; in namespace fastattn::ops. The macros expect fa_choice, fa_bits and
+    fa_named (ops.h) where they are expanded."""
     out = ["// Generated from fastattn/torch/_specs.py by fastattn.torch._native at build time; "
            "change that file, not this one.",
            "#pragma once", "", "#include <c10/util/string_view.h>", "", "#include <array>", "#include <cstdint>", "",
@@ -122,32 +132,34 @@ def cpp_header() -> str:
            "queries (_specs says why).",
            f"inline constexpr int64_t kVarlenMinQ = {VARLEN_MIN_Q};", "",
            "// The kinds of call (OPS's order): the miss handler's first argument, a table key's first word.",
-           "enum Kind : int64_t { " + ", ".join(f"k{op.capitalize()} = {i}" for i, op in enumerate(OPS)) + " };", ""]
+           "enum Kind : int64_t { " + ", ".join(f"{kind(op)} = {i}" for i, op in enumerate(OPS)) + " };",
+           f"inline constexpr int64_t kNumKinds = {len(OPS)};", "",
+           "// X(the options' struct) for each op (ops.cpp instantiates its templates with each).",
+           "#define FA_OPTIONS(X) " + " ".join(f"X({struct(op)})" for op in OPS), ""]
     for op, options in OPS.items():
-        up, camel = op.upper(), op.capitalize()
+        up = op.upper()
         names = [o.name for o in options]
+        tensors = SPECS[op].inputs
         out.append(f"// {op}: {options_schema(op)}")
+        out.append(f"#define FA_{up}_TENSORS " + ", ".join(
+            f"const {'OptTensor' if i.optional else 'Tensor'} &{i.name}" for i in tensors))
+        out.append(f"#define FA_{up}_TENSOR_ARGS " + ", ".join(i.name for i in tensors))
         out.append(f"#define FA_{up}_PARAMS " + ", ".join(f"{_CPP[o.kind]} {o.name}" for o in options))
         out.append(f"#define FA_{up}_ARGS " + ", ".join(names))
-        out.append(f'#define FA_{up}_SCHEMA "{options_schema(op)}"')
         out.append(f"#define FA_{up}_OF(o) " + ", ".join(f"(o).{n}" for n in names))
         out.append(f"#define FA_{up}_WORDS(key, o) " + " ".join(f"(key).push_back({_word(o)});" for o in options))
-        out.append(f"#define FA_{up}_TUPLE(o) pybind11::make_tuple(" + ", ".join(
-            f"std::string((o).{o.name})" if o.kind == "str" else f"(o).{o.name}" for o in options) + ")")
-        out.append(f"#define FA_{up}_FROM(t) {camel}Options{{" + ", ".join(
+        out.append(f"#define FA_{up}_FROM(t) {struct(op)}{{" + ", ".join(
             f"fa_named((t)[{i}].cast<std::string>(), {{{', '.join(json.dumps(c) for c in o.choices)}}})"
             if o.kind == "str" else f"(t)[{i}].cast<{_CPP[o.kind]}>()" for i, o in enumerate(options)) + "}")
-        out.append(f"#define FA_{up}_COUNT {len(options)}")
-        if not any(o.kind == "str" for o in options):
-            # An autograd Function's saved_data (IValues by name), for ops without str options.
-            to = {"bool": "toBool", "int": "toInt", "float": "toDouble"}
-            out.append(f"#define FA_{up}_SAVE(map, o) " + " ".join(f'(map)["{n}"] = (o).{n};' for n in names))
-            out.append(f"#define FA_{up}_LOAD(map) {camel}Options{{" + ", ".join(
-                f'(map).at("{o.name}").{to[o.kind]}()' for o in options) + "}")
-        out.append(f"struct {camel}Options {{")
+        out.append(f"struct {struct(op)} {{")
+        out.append(f"    static constexpr Kind kind = {kind(op)};")
         out.extend(f"    {_CPP[o.kind]} {o.name}{cpp_initializer(o)};  // {describe(o)}"
                    for o in options)
-        out.append("};")
-        out.append("")
+        out += ["", "    // Calls f with each option, in their order (the NamedTuple's).",
+                "    template <class F>",
+                "    void each(F &&f) const {",
+                *(f"        f({n});" for n in names),
+                "    }",
+                "};", ""]
     out.append("}  // namespace fastattn::ops")
     return "\n".join(out) + "\n"

@@ -86,8 +86,7 @@ def query_lengths(q: torch.Tensor, device: int) -> torch.Tensor:
 
 # The work and the custom op (with its fake kernel): made from SPEC (no backward: cuDNN has none).
 forward_impl, backward_impl, forward_op, backward_op = _executor.install(SPEC, sys.modules[__name__], PagedOptions)
-_native.PLAN_FOR["paged"] = lambda q, k_cache, v_cache, table, seq_lens_q, cache_seqlens, options: plan_for(
-    q, k_cache, v_cache, table, cache_seqlens, seq_lens_q, None, PagedOptions(*options))  # the op library's misses
+_native.PLAN_FOR[SPEC.name] = plan_for, PagedOptions  # the op library's misses
 
 
 def _check_lengths(name: str, t, batch: int, device) -> None:

@@ -14,8 +14,9 @@ entries as they are, in their order, and how each is read there.
 
 What is made from a spec: the options' NamedTuple and the custom ops' schemas (here);
 the executor, the fake kernels and the autograd (_executor); the op library's option
-headers (_options.cpp_header). The op modules (_dense, _varlen, _paged) keep their plan
-lookup and their checks.
+headers (_options.cpp_header) and its kernels, autograd nodes and registration
+(_kernels.source): neither path's execution of an op is written by hand. The op modules
+(_dense, _varlen, _paged) keep their plan lookup and their checks.
 
 "Off": an option's value is the C++ core's Config member it becomes (the window's
 window_left and window_right, an int each; softcap a float), and a field whose value
@@ -27,7 +28,7 @@ are not members (the mask's enum and the alignment's bool do not say "the diagon
 the window"): mask_name and alignment_name turn them into their fields.
 
 Pure Python and no torch: the op library's build hashes this file (_opslib) and
-generates its headers from it without importing torch.
+generates its sources from it without importing torch.
 """
 
 from __future__ import annotations
@@ -105,7 +106,7 @@ class Input(NamedTuple):
     grad_if: str = ""  # when it gets one: "" always, "given" when passed, else the option of that name
     dtype: str = ""  # its dtype: "" the inputs' (q's), else a config dtype name ("float32", "int32", "int64")
     absent: str = ""  # for an optional input: the op module's function (q, device) -> the tensor its slots
-    #                   take when the call passes none ("": the slots stay 0)
+    #                   take when the call passes none, and the op library's of that name (q) ("": the slots stay 0)
 
 
 class Output(NamedTuple):

@@ -72,8 +72,19 @@ def check_traced(q, k, v, cu_q, cu_kv, sink, rng, options: VarlenOptions) -> Non
 # cu_q and cu_kv itself: it derives cuDNN's lengths and offsets from them in its own kernel
 # (csrc/ragged.h).
 forward_impl, backward_impl, forward_op, backward_op = _executor.install(SPEC, sys.modules[__name__], VarlenOptions)
-_native.PLAN_FOR["varlen"] = lambda q, k, v, batch, sink, options: plan(
-    q, k, v, batch, sink, VarlenOptions(*options))  # the op library's misses
+
+
+def native_plan_for(q, k, v, cu_q, cu_kv, sink, rng, o, options: VarlenOptions) -> CachedPlan:
+    """The op library's misses: plan_for, with the cumulative lengths checked as
+    attention_varlen() checks them (the plan's index kernel reads them as int32 arrays of
+    batch + 1 on q's device). Its table's key holds them whole, so every hit is a call
+    checked here; the Python path's callers check them first (attention_varlen, the fake
+    kernel)."""
+    _check_cumulative(q, cu_q, cu_kv)
+    return plan_for(q, k, v, cu_q, cu_kv, sink, rng, o, options)
+
+
+_native.PLAN_FOR[SPEC.name] = native_plan_for, VarlenOptions
 
 
 def _check_varlen(q, k, v, cu_q, cu_kv) -> None:
@@ -89,6 +100,14 @@ def _check_varlen(q, k, v, cu_q, cu_kv) -> None:
     if k.shape[0] != v.shape[0] or k.shape[1] != v.shape[1] or q.shape[1] % k.shape[1] or k.shape[2] != q.shape[2]:
         raise InvalidArgumentError(f"shapes do not fit: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} "
                                    "(k and v: the same tokens and heads, dividing q's heads; k: q's head dim)")
+    _check_cumulative(q, cu_q, cu_kv)
+    for name, t, h, d in (("q", q, q.shape[1], q.shape[2]), ("k", k, k.shape[1], k.shape[2]),
+                          ("v", v, v.shape[1], v.shape[2])):
+        if t.shape[0] * h * d >= 2**31:
+            raise InvalidArgumentError(f"{name} holds {t.shape[0] * h * d} elements: cuDNN's offsets are int32")
+
+
+def _check_cumulative(q, cu_q, cu_kv) -> None:
     for name, t in (("cu_seqlens_q", cu_q), ("cu_seqlens_kv", cu_kv)):
         if not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or t.dim() != 1 or t.shape[0] < 2:
             raise InvalidArgumentError(f"{name}: expected an int32 tensor of batch + 1 cumulative lengths, got "
@@ -99,7 +118,3 @@ def _check_varlen(q, k, v, cu_q, cu_kv) -> None:
             raise InvalidArgumentError(f"{name} is on {t.device}, q on {q.device}")
     if cu_q.shape != cu_kv.shape:
         raise InvalidArgumentError(f"cu_seqlens_q has {cu_q.shape[0]} entries, cu_seqlens_kv {cu_kv.shape[0]}")
-    for name, t, h, d in (("q", q, q.shape[1], q.shape[2]), ("k", k, k.shape[1], k.shape[2]),
-                          ("v", v, v.shape[1], v.shape[2])):
-        if t.shape[0] * h * d >= 2**31:
-            raise InvalidArgumentError(f"{name} holds {t.shape[0] * h * d} elements: cuDNN's offsets are int32")

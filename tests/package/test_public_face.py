@@ -268,6 +268,9 @@ ALLOWED_PRIVATE_IMPORTS = {
     ("fastattn.torch._executor", "fastattn._slots"): (
         "SLOTS: the one slot table, which says which slots Plan.forward and Plan.backward take and how "
         "(positional or by keyword); the executor's source is made from it, and it has no public face"),
+    ("fastattn.torch._kernels", "fastattn._slots"): (
+        "SLOTS and upper: the one slot table (which slots each direction takes) and a slot's C name; the op "
+        "library's kernels are made from it as the executor's source is, and it has no public face"),
     ("fastattn.torch._plans", "fastattn._fields"): _RESHAPE,
     ("fastattn.torch._native", "fastattn._opslib"): _RESHAPE,
     ("fastattn.torch._native", "fastattn._core"): _RESHAPE + "; the C ABI capsule has no public name",

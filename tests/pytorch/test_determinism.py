@@ -15,7 +15,7 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="PyTorch is an optional extra (pip install torch)")
 
-from fastattn.torch import _dense, _executor, _fp8, _native, _sdpa_mode, _shape_classes, _varlen  # noqa: E402
+from fastattn.torch import _dense, _executor, _fp8, _native, _sdpa_mode, _shape_classes, _specs, _varlen  # noqa: E402
 from helpers.torch import deterministic  # noqa: E402
 
 WORDS = "cuDNN Attention defaults to a non-deterministic algorithm."  # PyTorch's cuDNN backward's (its tests match it)
@@ -136,6 +136,8 @@ def test_the_miss_handler_tells_the_op_library_whether_the_backward_is_determini
     class Hit:
         plan, forward_workspace, backward_workspace = Plan(), 16, 32
 
-    monkeypatch.setitem(_native.PLAN_FOR, "dense", lambda *args: Hit)
+    options = _native.PLAN_FOR["dense"][1]
+    monkeypatch.setitem(_native.PLAN_FOR, "dense", (lambda *args: Hit, options))
     monkeypatch.setattr(_core, "abi_graphs", lambda plan: (1, 2))
-    assert _native._miss(_native.KINDS.index("dense"), 1, "args") == (Hit.plan, 1, 2, 16, 32, det)
+    off = tuple(o.off for o in _specs.DENSE.options)  # (the miss hands the options as a plain tuple)
+    assert _native._miss(_native.KINDS.index("dense"), 1, off) == (Hit.plan, 1, 2, 16, 32, det)

@@ -385,24 +385,43 @@ def test_a_pointer_given_lands_in_its_slot(recording):
     assert seen["seed"] == rng.data_ptr() and seen["offset"] == rng.data_ptr() + 16
 
 
-def test_the_op_librarys_misses_reach_each_plan_lookup_with_the_specs_order(monkeypatch):
-    # The C++ table's miss handler passes its own argument order (ops.cpp's miss_*);
-    # _native.PLAN_FOR turns it into plan_for(*inputs, o, options) (varlen: plan, by batch).
+def test_the_op_librarys_misses_reach_each_ops_plan_for_as_the_executor_calls_it(monkeypatch):
+    # kernels.cpp's misses hand _native._miss (kind, direction, the op's inputs in its
+    # spec's order, o, the options as a tuple): the op's plan_for gets what the Python
+    # executor gives it, plan_for(*inputs, o, options), with the options' NamedTuple.
     from fastattn.torch import _native
 
+    class Stop(Exception):
+        pass
+
+    assert _native.KINDS == tuple(_specs.SPECS)
+    assert _native.PLAN_FOR == {"dense": (_dense.plan_for, _dense.DenseOptions),
+                                "varlen": (_varlen.native_plan_for, _varlen.VarlenOptions),
+                                "paged": (_paged.plan_for, _paged.PagedOptions)}
     seen = []
-    monkeypatch.setattr(_dense, "plan_for", lambda *a: seen.append(("dense", a)))
-    monkeypatch.setattr(_varlen, "plan", lambda *a: seen.append(("varlen", a)))
-    monkeypatch.setattr(_paged, "plan_for", lambda *a: seen.append(("paged", a)))
-    q, k, v, o, lq, lkv, bias, sink = (object() for _ in range(8))
-    dense = _dense.DenseOptions("bshd", True, False, -1, -1, 0.0, False, False, True, 0.0, False)
-    _native.PLAN_FOR["dense"](q, k, v, o, lq, lkv, bias, sink, tuple(dense))
-    assert seen.pop() == ("dense", (q, k, v, lq, lkv, bias, sink, None, o, dense))
-    varlen = _varlen.VarlenOptions(64, 64, True, False, -1, -1, 0.0, False, True, False, 0.0)
-    _native.PLAN_FOR["varlen"](q, k, v, 3, sink, tuple(varlen))
-    assert seen.pop() == ("varlen", (q, k, v, 3, sink, varlen))
-    paged = _paged.PagedOptions(True, True, -1, -1, 0.0)
-    table, lens_q, cache_lens = object(), object(), object()
-    _native.PLAN_FOR["paged"](q, k, v, table, lens_q, cache_lens, tuple(paged))
-    assert seen.pop() == ("paged", (q, k, v, table, cache_lens, lens_q, None, paged))
-    assert not seen
+
+    def record(*args):
+        seen.append(args)
+        raise Stop
+
+    for kind, (_, options) in list(_native.PLAN_FOR.items()):
+        monkeypatch.setitem(_native.PLAN_FOR, kind, (record, options))
+        inputs = tuple(object() for _ in _specs.SPECS[kind].inputs)
+        values = tuple(o.off if o.kind != "str" else "bshd" for o in _specs.SPECS[kind].options)
+        o = object()
+        with pytest.raises(Stop):
+            _native._miss(_native.KINDS.index(kind), 1, *inputs, o, values)
+        got = seen.pop()
+        assert got == (*inputs, o, options(*values)) and type(got[-1]) is options
+
+
+def test_a_native_varlen_miss_checks_the_cumulative_lengths_the_plan_reads():
+    # The op library's varlen table keys the cumulative lengths whole, so the check on its
+    # miss is every call's: an int64 array, or one on another device, is refused there.
+    q = torch.zeros(8, 2, 8, dtype=BF16)
+    cu = torch.tensor([0, 8], dtype=torch.int32)
+    options = _varlen.VarlenOptions(8, 8, False, False, -1, -1, 0.0, False, False, False, 0.0)
+    with pytest.raises(InvalidArgumentError, match="cu_seqlens_q: expected an int32 tensor"):
+        _varlen.native_plan_for(q, q, q, cu.long(), cu, None, None, None, options)
+    with pytest.raises(InvalidArgumentError, match="cu_seqlens_kv is on meta"):
+        _varlen.native_plan_for(q, q, q, cu, cu.to("meta"), None, None, None, options)

@@ -41,13 +41,13 @@ def small(request, monkeypatch):
     lib.set_max_entries(8)
     lib.clear()
     misses = []
-    dense = _native.PLAN_FOR["dense"]
+    dense, options = _native.PLAN_FOR["dense"]
 
     def counted(q, *args):
         misses.append(q.shape[1])
         return dense(q, *args)
 
-    monkeypatch.setitem(_native.PLAN_FOR, "dense", counted)
+    monkeypatch.setitem(_native.PLAN_FOR, "dense", (counted, options))
     fastattn.clear()
     state = type("Small", (), {"path": request.param, "lib": lib, "misses": misses})
     yield state

@@ -197,9 +197,10 @@ def test_the_op_librarys_sources_compile_in_as_many_units_as_help_on_the_cores_t
     from fastattn import _opslib
 
     units = _opslib.units(cores)
-    assert sorted(n for unit in units for n in unit) == sorted(p.name for p in _opslib.SOURCES)
-    assert [n for unit in units for n in unit] == [p.name for p in _opslib.SOURCES]  # the link order stays
-    if cores >= len(_opslib.SOURCES):
-        assert len(units) == len(_opslib.SOURCES)
+    sources = [p.name for p in _opslib.SOURCES] + list(_opslib.GENERATED)
+    assert sorted(n for unit in units for n in unit) == sorted(sources)
+    assert [n for unit in units for n in unit] == list(_opslib.NAMES)  # the link order stays
+    if cores >= len(sources):
+        assert len(units) == len(sources)
     else:  # sources batched by the headers they share: parsed once per unit
         assert units == _opslib.BATCHES and len(units) <= max(2, cores)

@@ -9,22 +9,22 @@
 // dispatch modes, torch.func transforms and torch.jit.trace (outside_modes). A call
 // through torch.ops parses its arguments against a 19-argument schema into a boxed
 // stack and crosses the dispatcher twice (Autograd, then CUDA); this reads positional
-// arguments off a METH_FASTCALL call and runs the same kernels (forward_work), the same
+// arguments off a METH_FASTCALL call and runs the same work (dense_forward), the same
 // plan table and the same autograd node (DenseBackward, direct) as the ops do.
 // Gradients are decided here: the grad mode and requires_grad.
 //
-// call_varlen: attention_varlen()'s arguments, likewise (read_attention_varlen). Its Python body
-// (_check_varlen, the option checks, bucketing, the op's argument parsing and the
-// dispatcher) cost about as much host time a call as the native op itself
-// (measured by benchmarks/profile_varlen.py; docs/history/benchmarks-log.md,
-// "attention_varlen per call"). It reads the same arguments, makes every check _check_varlen makes, and
-// runs the op's kernels (varlen.cpp: the same plan table, the same C++ autograd) when all
-// of them pass and every value is one that needs no conversion: plain bools, a None or
-// (left, right) window of ints, a None or positive float scale, int max lengths, the
-// alignment's name, no dropout, no return_lse, plain CUDA tensors outside dispatch modes
-// and torch.func transforms. Anything else returns NotImplemented, and the Python body
-// takes the call, checks it and reports (tests/pytorch/test_torch_native.py holds the two
-// to the same answers).
+// call_varlen: attention_varlen()'s arguments, likewise (read_attention_varlen). Its Python
+// body (_check_varlen, the option checks, bucketing, the op's argument parsing and the
+// dispatcher) cost about as much host time a call as the native op itself (measured by
+// benchmarks/profile_varlen.py; docs/history/benchmarks-log.md, "attention_varlen per
+// call"). It reads the same arguments, makes every check _check_varlen makes, and runs the
+// op's work (varlen_forward; its node, VarlenBackward, for training) when all of them pass
+// and every value is one that needs no conversion: plain bools, a None or (left, right)
+// window of ints, a None or positive float scale, int max lengths, the alignment's name, no
+// dropout, no return_lse, plain CUDA tensors outside dispatch modes and torch.func
+// transforms. Anything else returns NotImplemented, and the Python body takes the call,
+// checks it and reports (tests/pytorch/test_torch_native.py holds the two to the same
+// answers).
 #include <torch/csrc/utils/pybind.h>  // first: Python.h, then pybind11 with torch's casters
 
 #include <algorithm>
@@ -43,6 +43,7 @@
 #include <chrono>
 #include <cmath>
 #include <tuple>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -71,8 +72,8 @@ PyObject *run_eager(const Tensor &q, const Tensor &k, const Tensor &v, const Opt
         pybind11::gil_scoped_release no_gil;
         RECORD_FUNCTION("fastattn::attention", c10::ArrayRef<const c10::IValue>{});
         const OptTensor no_rng;  // dropout draws its seed in Python: the Python body takes it
-        o = std::get<0>(opt.training ? forward_recorded(true, q, k, v, seq_len_q, seq_len_kv, bias, sink, no_rng, opt)
-                                     : forward_work(q, k, v, seq_len_q, seq_len_kv, bias, sink, no_rng, FA_DENSE_OF(opt)));
+        o = std::get<0>(opt.training ? dense_recorded(true, q, k, v, seq_len_q, seq_len_kv, bias, sink, no_rng, opt)
+                                     : dense_forward(q, k, v, seq_len_q, seq_len_kv, bias, sink, no_rng, opt));
     }
     return THPVariable_Wrap(std::move(o));
 }
@@ -269,7 +270,7 @@ PyObject *read_call_for_tests(PyObject *, PyObject *const *args, Py_ssize_t narg
     }
     AttentionCall c;
     if (!read_attention(args, c) || (!c.seq_lens_q && c.seq_lens_kv)) Py_RETURN_NONE;
-    return py::make_tuple(FA_DENSE_TUPLE(c.options), given(c.seq_lens_kv)).release().ptr();
+    return py::make_tuple(to_python(c.options), given(c.seq_lens_kv)).release().ptr();
     END_HANDLE_TH_ERRORS
 }
 
@@ -333,9 +334,8 @@ PyObject *call_varlen(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
     {
         pybind11::gil_scoped_release no_gil;  // as run_eager: a miss takes the GIL back
         RECORD_FUNCTION("fastattn::attention_varlen", c10::ArrayRef<const c10::IValue>{});
-        o_out = std::get<0>(o.training
-                                ? varlen_forward_autograd(q, k, v, cu_q, cu_kv, sink, no_dropout, FA_VARLEN_OF(o))
-                                : varlen_forward_cuda(q, k, v, cu_q, cu_kv, sink, no_dropout, FA_VARLEN_OF(o)));
+        o_out = std::get<0>(o.training ? varlen_recorded(true, q, k, v, cu_q, cu_kv, sink, no_dropout, o)
+                                       : varlen_forward(q, k, v, cu_q, cu_kv, sink, no_dropout, o));
     }
     return THPVariable_Wrap(std::move(o_out));
     END_HANDLE_TH_ERRORS
@@ -354,7 +354,7 @@ PyObject *read_varlen_call_for_tests(PyObject *, PyObject *const *args, Py_ssize
     }
     AttentionVarlenCall c;
     if (!read_attention_varlen(args, c)) Py_RETURN_NONE;
-    return FA_VARLEN_TUPLE(c.options).release().ptr();
+    return to_python(c.options).release().ptr();
     END_HANDLE_TH_ERRORS
 }
 
@@ -374,9 +374,9 @@ bool check_varlen_tensors_for_tests(const Tensor &q, const Tensor &k, const Tens
 py::dict profile_eager(const Tensor &q, const Tensor &k, const Tensor &v, int64_t iters) {
     TORCH_CHECK_VALUE(q.is_cuda() && iters > 0, "profile_eager: q on ", q.device(), ", iters=", iters,
                       ": needs CUDA tensors and iters > 0");
-    const DenseOptions opt{.layout = kLayouts[0], .causal = true};  // the rest off
+    const DenseOptions opt{.layout = "bshd", .causal = true};  // the rest off
     const OptTensor none;
-    const auto ax = axes(opt.layout);
+    const std::array<int64_t, 4> o_shape{q.size(0), q.size(1), q.size(2), v.size(3)};  // bshd
     std::vector<std::pair<const char *, double>> out;
     auto timed = [&](const char *name, auto &&fn) {
         const auto t0 = std::chrono::steady_clock::now();
@@ -386,10 +386,10 @@ py::dict profile_eager(const Tensor &q, const Tensor &k, const Tensor &v, int64_
     };
     {
         py::gil_scoped_release no_gil;  // as the eager entry runs them
-        const Entry &e = find_plan(FASTATTN_FORWARD, q, k, v, nullptr, none, none, none, none, none, opt);
+        const Entry &e = dense_plan(FASTATTN_FORWARD, q, k, v, none, none, none, none, none, nullptr, opt);
         const c10::Stream stream = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getStream(q.device());
         const auto handle = reinterpret_cast<intptr_t>(stream.native_handle());
-        Tensor o = empty_cuda(out_shape(q, v, ax), {}, q.scalar_type(), q);
+        Tensor o = empty_cuda(o_shape, {}, q.scalar_type(), q);
         const Tensor ws = workspace(e.workspace[FASTATTN_FORWARD], q, stream);
         intptr_t slots[FASTATTN_NUM_SLOTS] = {};
         slots[FASTATTN_SLOT_Q] = ptr(q);
@@ -401,9 +401,9 @@ py::dict profile_eager(const Tensor &q, const Tensor &k, const Tensor &v, int64_
         const int code = g_abi->execute(e.graph[FASTATTN_FORWARD], FASTATTN_FORWARD, q.get_device(), slots, ws_ptr,
                                         handle, message, sizeof message);
         if (code != FASTATTN_STATUS_OK) raise_status(code, message);
-        timed("plan_lookup", [&] { find_plan(FASTATTN_FORWARD, q, k, v, nullptr, none, none, none, none, none, opt); });
-        timed("allocate_o", [&] { Tensor t = empty_cuda(out_shape(q, v, ax), {}, q.scalar_type(), q); });
-        timed("allocate_o_dispatcher", [&] { Tensor t = at::empty(out_shape(q, v, ax), q.options()); });
+        timed("plan_lookup", [&] { dense_plan(FASTATTN_FORWARD, q, k, v, none, none, none, none, none, nullptr, opt); });
+        timed("allocate_o", [&] { Tensor t = empty_cuda(o_shape, {}, q.scalar_type(), q); });
+        timed("allocate_o_dispatcher", [&] { Tensor t = at::empty(o_shape, q.options()); });
         timed("current_stream", [&] {
             (void)c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getStream(q.device());
         });
@@ -414,44 +414,52 @@ py::dict profile_eager(const Tensor &q, const Tensor &k, const Tensor &v, int64_
             (void)g_abi->execute(e.graph[FASTATTN_FORWARD], FASTATTN_FORWARD, q.get_device(), slots, ws_ptr, handle,
                                  message, sizeof message);
         });
-        timed("forward_work", [&] { forward_work(q, k, v, none, none, none, none, none, FA_DENSE_OF(opt)); });
+        timed("forward_work", [&] { dense_forward(q, k, v, none, none, none, none, none, opt); });
     }
     timed("gil_release", [&] { py::gil_scoped_release released; });
     timed("allocate_and_wrap_o",
-          [&] { Py_DECREF(THPVariable_Wrap(empty_cuda(out_shape(q, v, ax), {}, q.scalar_type(), q))); });
+          [&] { Py_DECREF(THPVariable_Wrap(empty_cuda(o_shape, {}, q.scalar_type(), q))); });
     py::dict result;
     for (const auto &[name, us] : out) result[name] = us;
     return result;
 }
 
-// A METH_FASTCALL function as the PyCFunction that PyMethodDef holds (CPython casts it back).
 // ---- attention_paged()'s eager callable -------------------------------------------------------
 // _native.PAGED[0]: fastattn::native_paged_forward's arguments, once attention_paged's
-// Python body has checked and converted them. A plain call runs the op's CUDA kernel
-// (paged_forward_cuda) past torch.ops, whose argument parsing and dispatch cost more host
+// Python body has checked and converted them. A plain call runs the op's work
+// (paged_forward) past torch.ops, whose argument parsing and dispatch cost more host
 // time than the call's launch; inside a dispatch mode or torch.jit.trace, for tensor
 // subclasses with a __torch_dispatch__ (all of which must see the op) and for tensors not
 // on CUDA, it runs the op. No autograd either way:
 // attention_paged is forward only.
-Tensor call_paged(const Tensor &q, const Tensor &k_cache, const Tensor &v_cache, const Tensor &table,
-                  const Tensor &cache_seqlens, const OptTensor &seq_lens_q, FA_PAGED_PARAMS) {
-    py::gil_scoped_release no_gil;
-    // A tensor subclass with its own __torch_dispatch__ (the Python key) must see the op too.
-    const bool plain = !(q.key_set() | k_cache.key_set() | v_cache.key_set() | table.key_set() |
-                         cache_seqlens.key_set() | (given(seq_lens_q) ? seq_lens_q->key_set() : c10::DispatchKeySet()))
-                            .has(c10::DispatchKey::Python);
-    if (!plain || !outside_modes() || !q.is_cuda()) {
-        static const auto op =
-            c10::Dispatcher::singleton()
-                .findSchemaOrThrow("fastattn::native_paged_forward", "")
-                .typed<Tensor(const Tensor &, const Tensor &, const Tensor &, const Tensor &, const Tensor &,
-                              const OptTensor &, FA_PAGED_PARAMS)>();
-        return op.call(q, k_cache, v_cache, table, cache_seqlens, seq_lens_q, FA_PAGED_ARGS);
-    }
-    RECORD_FUNCTION("fastattn::attention_paged", c10::ArrayRef<const c10::IValue>{});
-    return paged_forward_cuda(q, k_cache, v_cache, table, cache_seqlens, seq_lens_q, FA_PAGED_ARGS);
+// Whether any of the tensors (a Tensor or an OptTensor each) has `key` in its key set.
+template <class... Tensors>
+bool any_has(c10::DispatchKey key, const Tensors &...tensors) {
+    const auto keys = [](const auto &t) {
+        if constexpr (std::is_same_v<std::decay_t<decltype(t)>, OptTensor>) {
+            return given(t) ? t->key_set() : c10::DispatchKeySet();
+        } else {
+            return t.key_set();
+        }
+    };
+    return (keys(tensors) | ...).has(key);
 }
 
+// Its parameters are the op's, in its spec's order (FA_PAGED_TENSORS, FA_PAGED_PARAMS).
+Tensor call_paged(FA_PAGED_TENSORS, FA_PAGED_PARAMS) {
+    py::gil_scoped_release no_gil;
+    // A tensor subclass with its own __torch_dispatch__ (the Python key) must see the op too.
+    if (any_has(c10::DispatchKey::Python, FA_PAGED_TENSOR_ARGS) || !outside_modes() || !q.is_cuda()) {
+        static const auto op = c10::Dispatcher::singleton()
+                                   .findSchemaOrThrow("fastattn::native_paged_forward", "")
+                                   .typed<decltype(paged_forward_cuda)>();
+        return op.call(FA_PAGED_TENSOR_ARGS, FA_PAGED_ARGS);
+    }
+    RECORD_FUNCTION("fastattn::attention_paged", c10::ArrayRef<const c10::IValue>{});
+    return paged_forward(FA_PAGED_TENSOR_ARGS, PagedOptions{FA_PAGED_ARGS});
+}
+
+// A METH_FASTCALL function as the PyCFunction that PyMethodDef holds (CPython casts it back).
 using FastCall = PyObject *(*)(PyObject *, PyObject *const *, Py_ssize_t);
 PyCFunction as_pycfunction(FastCall f) { return reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(f)); }
 
@@ -460,9 +468,8 @@ PyCFunction as_pycfunction(FastCall f) { return reinterpret_cast<PyCFunction>(re
 void add_eager_entries(py::module_ &m) {
     m.def("profile_eager", &profile_eager, "the eager entry's pieces timed in C++ (benchmarks/profile_native_step.py)");
     m.def("call_paged", &call_paged,
-          "call_paged(q, k_cache, v_cache, block_table, cache_seqlens, seq_lens_q, <the paged options>) -> o: "
-          "attention_paged()'s eager callable (fastattn::native_paged_forward's arguments), past torch.ops "
-          "outside dispatch modes and torch.jit.trace");
+          "call_paged(<fastattn::native_paged_forward's arguments>) -> o: attention_paged()'s eager callable, "
+          "past torch.ops outside dispatch modes and torch.jit.trace");
     m.def("check_varlen_tensors", &check_varlen_tensors_for_tests,
           "check_varlen_tensors(q, k, v, cu_seqlens_q, cu_seqlens_kv): call_varlen's tensor checks (tests)");
     // The eager entries take Python's vectorcall convention (METH_FASTCALL), which

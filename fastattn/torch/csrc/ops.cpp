@@ -1,12 +1,11 @@
 // fastattn's PyTorch op library: the per-call path of fastattn.torch.attention in C++.
 //
-// Registers fastattn::native_attention_forward/_backward (dense.cpp),
-// native_varlen_forward/_backward and native_paged_forward (varlen.cpp): the schemas of the Python custom
-// ops fastattn::attention_*, varlen_* and paged_forward, under other names so that both
-// can be loaded at once, with kernels for CUDA (the work),
-// Meta (shapes only, for torch.compile's fake tensors), CPU (a clear error) and
-// Autograd (a C++ autograd node, so that an eager training step runs no Python
-// for attention).
+// Its ops, fastattn::native_attention_forward/_backward, native_varlen_forward/_backward
+// and native_paged_forward, have the schemas of the Python custom ops fastattn::attention_*,
+// varlen_* and paged_forward, under other names so that both can be loaded at once, with
+// kernels for CUDA (the work), Meta (shapes only, for torch.compile's fake tensors), CPU
+// (a clear error) and Autograd (a C++ autograd node, so that an eager training step runs
+// no Python for attention): kernels.cpp, generated from the ops' specs at the build.
 //
 // The hot path: a key of the tensors' shapes, strides, dtypes, devices and the
 // options -> a plan in a C++ table (a shared lock, no GIL); outputs and workspace
@@ -16,20 +15,19 @@
 // validates the call and gets the plan from the runtime (memory, disk, Redis, build)
 // exactly as the Python path does, so both paths run the very same plans.
 //
-// This unit: the registration, the Python module, and the bridge to Python (the miss
-// handler, exceptions); ops.h lists the others. Never includes cudnn-frontend: its
-// statics live once, in _core. Compiled on first use against the installed torch
-// (fastattn/torch/_native.py).
+// This unit: the Python module, and the bridge to Python (the miss handler, exceptions);
+// ops.h lists the others. Never includes cudnn-frontend: its statics live once, in
+// _core. Compiled on first use against the installed torch (fastattn/torch/_native.py).
 
 #include <torch/csrc/utils/pybind.h>  // first: Python.h, then pybind11 with torch's casters
 
 #include <ATen/Context.h>
 #include <ATen/core/Tensor.h>
-#include <torch/library.h>
 
 #include <algorithm>
 #include <array>
 #include <string>
+#include <type_traits>
 
 #include "ops.h"
 
@@ -67,29 +65,38 @@ py::object handler() {
 
 }  // namespace
 
-// Each takes the GIL before it makes a Python object of an argument.
-Entry miss_dense(int direction, const Tensor &q, const Tensor &k, const Tensor &v, const Tensor *o,
-                 const OptTensor &seq_len_q, const OptTensor &seq_len_kv, const OptTensor &bias, const OptTensor &sink,
-                 const DenseOptions &opt) {
-    py::gil_scoped_acquire gil;
-    return entry_of(handler()(static_cast<int64_t>(kDense), direction, q, k, v,
-                              o != nullptr ? py::cast(*o) : py::none(), to_py(seq_len_q), to_py(seq_len_kv),
-                              to_py(bias), to_py(sink), FA_DENSE_TUPLE(opt)));
+template <class Options>
+py::tuple to_python(const Options &opt) {
+    py::list out;
+    opt.each([&out](const auto &value) {
+        if constexpr (std::is_same_v<std::decay_t<decltype(value)>, c10::string_view>) {
+            out.append(py::str(value.data(), value.size()));
+        } else {
+            out.append(value);
+        }
+    });
+    return py::tuple(out);
 }
 
-Entry miss_varlen(int direction, const Tensor &q, const Tensor &k, const Tensor &v, int64_t batch,
-                  const OptTensor &sink, const VarlenOptions &opt) {
+// The miss handler's arguments: (kind, direction, the inputs, o, the options).
+template <class Options>
+Entry miss(int direction, std::initializer_list<OptTensor> inputs, const Tensor *o, const Options &opt) {
     py::gil_scoped_acquire gil;
-    return entry_of(handler()(static_cast<int64_t>(kVarlen), direction, q, k, v, batch, to_py(sink),
-                              FA_VARLEN_TUPLE(opt)));
+    py::list args;
+    args.append(static_cast<int64_t>(Options::kind));
+    args.append(direction);
+    for (const OptTensor &t : inputs) args.append(to_py(t));
+    args.append(o != nullptr ? py::cast(*o) : py::none());
+    args.append(to_python(opt));
+    return entry_of(handler()(*args));
 }
 
-Entry miss_paged(const Tensor &q, const Tensor &k_cache, const Tensor &v_cache, const Tensor &table,
-                 const OptTensor &seq_lens_q, const Tensor &cache_seqlens, const PagedOptions &opt) {
-    py::gil_scoped_acquire gil;
-    return entry_of(handler()(static_cast<int64_t>(kPaged), static_cast<int64_t>(FASTATTN_FORWARD), q, k_cache,
-                              v_cache, table, to_py(seq_lens_q), cache_seqlens, FA_PAGED_TUPLE(opt)));
-}
+// For each op's generated kernels (miss) and the tests' readers (to_python).
+#define FA_INSTANTIATE(Options)                                                                   \
+    template py::tuple to_python(const Options &);                                                \
+    template Entry miss(int, std::initializer_list<OptTensor>, const Tensor *, const Options &);
+FA_OPTIONS(FA_INSTANTIATE)
+#undef FA_INSTANTIATE
 
 namespace {
 
@@ -189,54 +196,6 @@ void sdpa_kernels(bool on, py::object route, const std::string &key, const std::
 
 using namespace fastattn::ops;
 
-TORCH_LIBRARY_FRAGMENT(fastattn, m) {
-    m.def("native_attention_forward(Tensor q, Tensor k, Tensor v, Tensor? seq_len_q, Tensor? seq_len_kv, "
-          "Tensor? bias, Tensor? sink, Tensor? rng, " FA_DENSE_SCHEMA ") -> (Tensor, Tensor)");
-    m.def("native_attention_backward(Tensor d_o, Tensor o, Tensor stats, Tensor q, Tensor k, Tensor v, "
-          "Tensor? seq_len_q, Tensor? seq_len_kv, Tensor? bias, Tensor? sink, Tensor? rng, " FA_DENSE_SCHEMA
-          ") -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
-    m.def("native_varlen_forward(Tensor q, Tensor k, Tensor v, Tensor cu_q, Tensor cu_kv, Tensor? sink, Tensor? rng, "
-          FA_VARLEN_SCHEMA ") -> (Tensor, Tensor)");
-    m.def("native_varlen_backward(Tensor d_o, Tensor o, Tensor stats, Tensor q, Tensor k, Tensor v, Tensor cu_q, "
-          "Tensor cu_kv, Tensor? sink, Tensor? rng, " FA_VARLEN_SCHEMA ") -> (Tensor, Tensor, Tensor, Tensor)");
-    m.def("native_paged_forward(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor cache_seqlens, "
-          "Tensor? seq_lens_q, " FA_PAGED_SCHEMA ") -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(fastattn, CUDA, m) {
-    m.impl("native_paged_forward", &paged_forward_cuda);
-    m.impl("native_attention_forward", &forward_cuda);
-    m.impl("native_attention_backward", &backward_cuda);
-    m.impl("native_varlen_forward", &varlen_forward_cuda);
-    m.impl("native_varlen_backward", &varlen_backward_cuda);
-}
-
-TORCH_LIBRARY_IMPL(fastattn, Meta, m) {
-    m.impl("native_paged_forward", &paged_forward_meta);
-    m.impl("native_attention_forward", &forward_meta);
-    m.impl("native_attention_backward", &backward_meta);
-    m.impl("native_varlen_forward", &varlen_forward_meta);
-    m.impl("native_varlen_backward", &varlen_backward_meta);
-}
-
-TORCH_LIBRARY_IMPL(fastattn, CPU, m) {
-    m.impl("native_paged_forward", &paged_forward_cpu);
-    m.impl("native_attention_forward", &forward_cpu);
-    m.impl("native_attention_backward", &backward_cpu);
-    m.impl("native_varlen_forward", &varlen_forward_cpu);
-    m.impl("native_varlen_backward", &varlen_backward_cpu);
-}
-
-TORCH_LIBRARY_IMPL(fastattn, Autograd, m) {
-    m.impl("native_attention_forward", &forward_autograd);
-    m.impl("native_varlen_forward", &varlen_forward_autograd);
-    // Not differentiable (no double backward): their outputs are plain tensors, with no
-    // "autograd kernel not registered" warning.
-    m.impl("native_attention_backward", torch::CppFunction::makeFallthrough());
-    m.impl("native_varlen_backward", torch::CppFunction::makeFallthrough());
-    m.impl("native_paged_forward", torch::CppFunction::makeFallthrough());  // forward only
-}
-
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.doc() = "fastattn's PyTorch op library (fastattn/torch/csrc/ops.cpp); loaded by fastattn.torch._native";
     m.attr("abi_version") = FASTATTN_ABI_VERSION;
@@ -290,7 +249,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
             const auto route = sdpa_route(q, k, v, bias, dropout_p, is_causal, scale, training);
             const SdpaRoute &r = *route;
             if (!r.ours) return py::make_tuple(false);
-            return py::make_tuple(true, FA_DENSE_TUPLE(r.opt), r.out_stride, r.lse_shape, r.grad_strides);
+            return py::make_tuple(true, to_python(r.opt), r.out_stride, r.lse_shape, r.grad_strides);
         },
         "sdpa_route(q, k, v, attn_bias, dropout_p, is_causal, scale, training): the route the SDPA mode's C++ "
         "kernels take for this call, as they keep it (tests): (False,) for PyTorch's kernels, else (True, options, "

@@ -1,14 +1,16 @@
 // What the op library's translation units share: tensors, the plan table and its keys,
-// outputs and workspaces, the launch through _core's C ABI, and every kernel's
-// declaration (ops.cpp registers them; eager.cpp calls them directly).
+// outputs and workspaces, the launch through _core's C ABI, the bridge to Python, and
+// the generated kernels' declarations (fastattn_kernels.h).
 //
 // The units are compiled in parallel and linked into one library (fastattn/torch/_native.py):
-//   ops.cpp     registration (schemas, kernels by dispatch key), the Python module, the
-//               bridge to Python (the miss handler, exceptions), init and clear;
+//   kernels.cpp each op's plan lookup, work, kernels by dispatch key, autograd node and
+//               registration: generated from the ops' specs (fastattn/torch/_specs.py) at
+//               the build, by fastattn/torch/_kernels.py;
+//   ops.cpp     the Python module and the bridge to Python (the miss, exceptions), init
+//               and clear;
 //   table.cpp   the plan table, outputs and workspaces, run;
-//   dense.cpp   attention()'s kernels and its autograd node, DenseBackward;
-//   varlen.cpp  attention_varlen()'s and attention_paged()'s kernels, varlen's autograd Function;
-//   eager.cpp   the eager entries past torch.ops (call, call_varlen) and profile_eager;
+//   eager.cpp   the eager entries past torch.ops (call, call_varlen, call_paged) and
+//               profile_eager;
 //   sdpa.cpp    the SDPA mode's kernels over PyTorch's cuDNN SDPA operators.
 // Each includes only the torch headers it needs: torch/extension.h alone takes longer to
 // parse than most units take to compile (docs/history/benchmarks-log.md, "build times").
@@ -38,6 +40,7 @@
 
 namespace pybind11 {
 class module_;
+class tuple;
 }  // namespace pybind11
 
 namespace fastattn::ops {
@@ -54,8 +57,8 @@ inline int64_t fa_bits(double x) {
 }
 
 // A str option's value as the name it is among `names` (string literals: the view stays
-// valid after value is gone), for fastattn_options.h's FA_<OP>_FROM.
-inline c10::string_view fa_named(const std::string &value, std::initializer_list<c10::string_view> names) {
+// valid after value is gone): fastattn_options.h's FA_<OP>_FROM, an autograd node's options.
+inline c10::string_view fa_named(c10::string_view value, std::initializer_list<c10::string_view> names) {
     for (c10::string_view name : names) {
         if (value == name) return name;
     }
@@ -73,7 +76,7 @@ inline int64_t fa_choice(c10::string_view value, std::initializer_list<c10::stri
 
 }  // namespace fastattn::ops
 
-// Each op's options (FA_DENSE_PARAMS, FA_DENSE_SCHEMA, DenseOptions, ...): generated from
+// Each op's options (FA_DENSE_PARAMS, DenseOptions, ...): generated from
 // the ops' specs (fastattn/torch/_specs.py, by _options.py) when this library is built
 // (fastattn.torch._native).
 #include "fastattn_options.h"
@@ -99,10 +102,6 @@ inline intptr_t ptr(const Tensor &t) { return reinterpret_cast<intptr_t>(t.data_
 inline intptr_t ptr(const OptTensor &t) { return given(t) ? ptr(*t) : 0; }
 
 inline OptTensor saved(const Tensor &t) { return t.defined() ? OptTensor(t) : std::nullopt; }
-
-// A backward's d_sink: like the sinks, or empty without them (an op returns tensors).
-// (dense.cpp: this header keeps to ATen's core, which has no factory functions)
-Tensor d_sink_like(const OptTensor &sink, const Tensor &q);
 
 // ---- the plan table (table.cpp) ----------------------------------------------------------------
 
@@ -130,6 +129,15 @@ inline void put_tensor(std::vector<int64_t> &key, const Tensor &t) {
     for (int64_t s : t.strides()) key.push_back(s);
 }
 
+// A packed op's own tensor (tokens, ...): all but its token count, which its plans serve any of.
+inline void put_packed(std::vector<int64_t> &key, const Tensor &t) {
+    key.push_back(static_cast<int64_t>(t.scalar_type()));
+    key.push_back(static_cast<int64_t>(t.device().type()) * 1024 + t.device().index());
+    key.push_back(t.dim());
+    for (int64_t i = 1; i < t.dim(); ++i) key.push_back(t.size(i));
+    for (int64_t s : t.strides()) key.push_back(s);
+}
+
 inline void put_optional(std::vector<int64_t> &key, const OptTensor &t) {
     if (given(t)) {
         put_tensor(key, *t);
@@ -139,8 +147,8 @@ inline void put_optional(std::vector<int64_t> &key, const OptTensor &t) {
 }
 
 // The table's entry for `key` (its first words: a Kind, then the direction). On a miss,
-// `miss` asks Python for it (ops.cpp's miss_dense, miss_varlen, miss_paged: the GIL
-// taken, a new reference to the plan), and the table keeps what it returns. A Python
+// `miss` asks Python for it (miss below: the GIL taken, a new reference to the plan), and
+// the table keeps what it returns. A Python
 // exception of the miss handler (InvalidArgumentError, NotSupportedError, ...) propagates
 // as pybind11::error_already_set, which PyTorch turns back into the same exception.
 // The entry stays valid until this thread's next lookup of the same kind and direction
@@ -197,6 +205,14 @@ void run(const Entry &e, int direction, const Tensor &q, intptr_t *slots);
 // empty: contiguous.
 Tensor empty_cuda(c10::IntArrayRef sizes, c10::IntArrayRef strides, at::ScalarType dtype, const Tensor &like);
 
+// A new tensor of t's shape, strides and dtype (empty_cuda).
+inline Tensor empty_like_cuda(const Tensor &t) { return empty_cuda(t.sizes(), t.strides(), t.scalar_type(), t); }
+
+// paged's seq_lens_q slot when the call passes none (its spec's `absent`, as _paged's
+// function of that name): seqlen_q for each of the batch's sequences, made per call, so
+// that one made inside a CUDA graph capture is filled by the graph itself.
+Tensor query_lengths(const Tensor &q);
+
 // `size` bytes of workspace for a launch on `stream` from q's device: kept per (thread,
 // device, stream), or fresh (capturing, or large). Undefined for 0.
 Tensor workspace(int64_t size, const Tensor &q, const c10::Stream &stream);
@@ -205,16 +221,20 @@ Tensor workspace(int64_t size, const Tensor &q, const c10::Stream &stream);
 void clear_workspaces();
 int64_t kept_workspace_bytes();
 
-// ---- the Python side (ops.cpp): each op's miss, under the GIL ----------------------------------
+// ---- the Python side (ops.cpp) ----------------------------------------------------------------
 
-Entry miss_dense(int direction, const Tensor &q, const Tensor &k, const Tensor &v, const Tensor *o,
-                 const OptTensor &seq_len_q, const OptTensor &seq_len_kv, const OptTensor &bias, const OptTensor &sink,
-                 const DenseOptions &opt);
-Entry miss_varlen(int direction, const Tensor &q, const Tensor &k, const Tensor &v, int64_t batch,
-                  const OptTensor &sink, const VarlenOptions &opt);
-Entry miss_paged(const Tensor &q, const Tensor &k_cache, const Tensor &v_cache, const Tensor &table,
-                 const OptTensor &seq_lens_q, const Tensor &cache_seqlens, const PagedOptions &opt);
+// A miss of an op's kernels (its Options: DenseOptions, VarlenOptions, PagedOptions): under
+// the GIL, the op's plan_for (fastattn.torch._native.PLAN_FOR) with the call's inputs in
+// its spec's order (nullopt: None), o (the backward's forward output, null for the
+// forward) and the options, which validates the call as the Python path does.
+template <class Options>
+Entry miss(int direction, std::initializer_list<OptTensor> inputs, const Tensor *o, const Options &opt);
 
+// An op's options as the tuple of its NamedTuple's fields (under the GIL).
+template <class Options>
+pybind11::tuple to_python(const Options &opt);
+
+// The CPU kernels' error: fastattn runs on CUDA tensors (table.cpp).
 [[noreturn]] void cpu_error(const Tensor &q);
 
 // A backward without cuDNN's deterministic algorithm is about to run (run, for every op's
@@ -224,63 +244,9 @@ Entry miss_paged(const Tensor &q, const Tensor &k_cache, const Tensor &v_cache, 
 // path's words and exception); else nothing, at the cost of one flag read.
 void alert_not_deterministic();
 
-// Adds eager.cpp's functions to the Python module: call, call_varlen (the eager entries),
-// profile_eager and the tests' read_call, read_varlen_call, check_varlen_tensors.
+// Adds eager.cpp's functions to the Python module: call, call_varlen, call_paged (the eager
+// entries), profile_eager and the tests' read_call, read_varlen_call, check_varlen_tensors.
 void add_eager_entries(pybind11::module_ &m);
-
-// ---- attention() (dense.cpp) -----------------------------------------------------------------
-
-using Grads = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor>;
-
-// The plan for a dense call: everything fastattn.torch._dense.plan_for's key holds (so
-// that a hit was validated by the miss that made it), plus the direction. o: the
-// backward's forward output (its strides are the plan's); null for the forward.
-const Entry &find_plan(int direction, const Tensor &q, const Tensor &k, const Tensor &v, const Tensor *o,
-                       const OptTensor &seq_len_q, const OptTensor &seq_len_kv, const OptTensor &bias,
-                       const OptTensor &sink, const OptTensor &rng, const DenseOptions &opt);
-
-// The backward's work: (d_q, d_k, d_v, d_bias, d_sink), the last two undefined where not
-// computed (backward_cuda, the op's kernel, returns empty tensors in their place).
-Grads backward_work(const Tensor &d_o_in, const Tensor &o, const Tensor &stats, const Tensor &q, const Tensor &k,
-                    const Tensor &v, const OptTensor &seq_len_q, const OptTensor &seq_len_kv, const OptTensor &bias,
-                    const OptTensor &sink, const OptTensor &rng, FA_DENSE_PARAMS);
-
-// o's shape: q's, with v's head dim (q is 4-d: its plan was found).
-std::array<int64_t, 4> out_shape(const Tensor &q, const Tensor &v, const std::array<int, 4> &ax);
-
-// The forward's work: (o, stats), stats undefined when not training.
-std::tuple<Tensor, Tensor> forward_work(const Tensor &q, const Tensor &k, const Tensor &v, const OptTensor &seq_len_q,
-                                        const OptTensor &seq_len_kv, const OptTensor &bias, const OptTensor &sink,
-                                        const OptTensor &rng, FA_DENSE_PARAMS);
-// The kernels of fastattn::native_attention_forward / _backward, by dispatch key.
-std::tuple<Tensor, Tensor> forward_cuda(const Tensor &q, const Tensor &k, const Tensor &v, const OptTensor &seq_len_q,
-                                        const OptTensor &seq_len_kv, const OptTensor &bias, const OptTensor &sink,
-                                        const OptTensor &rng, FA_DENSE_PARAMS);
-Grads backward_cuda(const Tensor &d_o, const Tensor &o, const Tensor &stats, const Tensor &q, const Tensor &k,
-                    const Tensor &v, const OptTensor &seq_len_q, const OptTensor &seq_len_kv, const OptTensor &bias,
-                    const OptTensor &sink, const OptTensor &rng, FA_DENSE_PARAMS);
-std::tuple<Tensor, Tensor> forward_meta(const Tensor &q, const Tensor &k, const Tensor &v, const OptTensor &,
-                                        const OptTensor &, const OptTensor &, const OptTensor &, const OptTensor &,
-                                        FA_DENSE_PARAMS);
-Grads backward_meta(const Tensor &, const Tensor &, const Tensor &, const Tensor &q, const Tensor &k, const Tensor &v,
-                    const OptTensor &, const OptTensor &, const OptTensor &bias, const OptTensor &sink,
-                    const OptTensor &, FA_DENSE_PARAMS);
-std::tuple<Tensor, Tensor> forward_cpu(const Tensor &q, const Tensor &, const Tensor &, const OptTensor &,
-                                       const OptTensor &, const OptTensor &, const OptTensor &, const OptTensor &,
-                                       FA_DENSE_PARAMS);
-Grads backward_cpu(const Tensor &, const Tensor &, const Tensor &, const Tensor &q, const Tensor &, const Tensor &,
-                   const OptTensor &, const OptTensor &, const OptTensor &, const OptTensor &, const OptTensor &,
-                   FA_DENSE_PARAMS);
-std::tuple<Tensor, Tensor> forward_autograd(const Tensor &q, const Tensor &k, const Tensor &v,
-                                            const OptTensor &seq_len_q, const OptTensor &seq_len_kv,
-                                            const OptTensor &bias, const OptTensor &sink, const OptTensor &rng,
-                                            FA_DENSE_PARAMS);
-// A forward that records autograd (DenseBackward). direct: the eager entry's plain CUDA
-// tensors, forward_work itself; else the op below Autograd.
-std::tuple<Tensor, Tensor> forward_recorded(bool direct, const Tensor &q, const Tensor &k, const Tensor &v,
-                                            const OptTensor &seq_len_q, const OptTensor &seq_len_kv,
-                                            const OptTensor &bias, const OptTensor &sink, const OptTensor &rng,
-                                            const DenseOptions &opt);
 
 // ---- the SDPA mode (sdpa.cpp; fastattn/torch/_sdpa_mode.py) ------------------------------------
 
@@ -331,37 +297,8 @@ void clear_sdpa_routes();  // a route a call holds stays valid until the call is
 uint64_t sdpa_route_evictions();
 void zero_sdpa_route_evictions();
 
-// ---- attention_varlen() and attention_paged() (varlen.cpp) -------------------------------------
-
-std::tuple<Tensor, Tensor> varlen_forward_cuda(const Tensor &q, const Tensor &k, const Tensor &v, const Tensor &cu_q,
-                                               const Tensor &cu_kv, const OptTensor &sink, const OptTensor &rng,
-                                               FA_VARLEN_PARAMS);
-std::tuple<Tensor, Tensor, Tensor, Tensor> varlen_backward_cuda(const Tensor &d_o_in, const Tensor &o,
-                                                                const Tensor &stats, const Tensor &q, const Tensor &k,
-                                                                const Tensor &v, const Tensor &cu_q,
-                                                                const Tensor &cu_kv, const OptTensor &sink,
-                                                                const OptTensor &rng, FA_VARLEN_PARAMS);
-std::tuple<Tensor, Tensor> varlen_forward_meta(const Tensor &q, const Tensor &, const Tensor &v, const Tensor &,
-                                               const Tensor &, const OptTensor &, const OptTensor &, FA_VARLEN_PARAMS);
-std::tuple<Tensor, Tensor, Tensor, Tensor> varlen_backward_meta(const Tensor &, const Tensor &, const Tensor &,
-                                                                const Tensor &q, const Tensor &k, const Tensor &v,
-                                                                const Tensor &, const Tensor &, const OptTensor &sink,
-                                                                const OptTensor &, FA_VARLEN_PARAMS);
-std::tuple<Tensor, Tensor> varlen_forward_cpu(const Tensor &q, const Tensor &, const Tensor &, const Tensor &,
-                                              const Tensor &, const OptTensor &, const OptTensor &, FA_VARLEN_PARAMS);
-std::tuple<Tensor, Tensor, Tensor, Tensor> varlen_backward_cpu(const Tensor &, const Tensor &, const Tensor &,
-                                                               const Tensor &q, const Tensor &, const Tensor &,
-                                                               const Tensor &, const Tensor &, const OptTensor &,
-                                                               const OptTensor &, FA_VARLEN_PARAMS);
-std::tuple<Tensor, Tensor> varlen_forward_autograd(const Tensor &q, const Tensor &k, const Tensor &v,
-                                                   const Tensor &cu_q, const Tensor &cu_kv, const OptTensor &sink,
-                                                   const OptTensor &rng, FA_VARLEN_PARAMS);
-
-Tensor paged_forward_cuda(const Tensor &q, const Tensor &k_cache, const Tensor &v_cache, const Tensor &table,
-                          const Tensor &cache_seqlens, const OptTensor &seq_lens_q, FA_PAGED_PARAMS);
-Tensor paged_forward_meta(const Tensor &q, const Tensor &, const Tensor &v_cache, const Tensor &, const Tensor &,
-                          const OptTensor &, FA_PAGED_PARAMS);
-Tensor paged_forward_cpu(const Tensor &q, const Tensor &, const Tensor &, const Tensor &, const Tensor &,
-                         const OptTensor &, FA_PAGED_PARAMS);
-
 }  // namespace fastattn::ops
+
+// Each op's plan lookup, work, CUDA kernel and autograd (kernels.cpp): generated from the
+// ops' specs at the build (fastattn/torch/_kernels.py).
+#include "fastattn_kernels.h"

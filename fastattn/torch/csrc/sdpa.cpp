@@ -6,7 +6,7 @@
 // "The SDPA mode"): the dispatcher's call into Python, a signature tuple, the Python
 // path's forward. Here a
 // call is a route lookup (one hash of its shapes, strides and options), permuted views and
-// the dense op's own work (dense.cpp); a new signature asks Python once (_sdpa_mode._route:
+// the dense op's own work (kernels.cpp's dense_forward); a new signature asks Python once (_sdpa_mode._route:
 // PyTorch's checks, the plan's verdict, the Meta kernel's strides).
 //
 // Boxed kernels: they read their arguments off the dispatcher's stack by position, so a
@@ -303,8 +303,8 @@ void forward(const c10::OperatorHandle &, Stack *stack) {
     const c10::string_view layout = r.opt.layout;
     const OptTensor rng = dropout_p > 0 ? OptTensor(at::randint(0, int64_t{1} << 62, {4}, q.options().dtype(at::kLong)))
                                         : std::nullopt;
-    auto [o, stats] = forward_work(to_layout(layout, q), to_layout(layout, k), to_layout(layout, v), std::nullopt,
-                                   std::nullopt, as_bias(bias, q, k, lse), std::nullopt, rng, FA_DENSE_OF(r.opt));
+    auto [o, stats] = dense_forward(to_layout(layout, q), to_layout(layout, k), to_layout(layout, v), std::nullopt,
+                                    std::nullopt, as_bias(bias, q, k, lse), std::nullopt, rng, r.opt);
     if (!stats.defined()) {  // inference writes no stats; the operator still returns the tensor
         stats = empty_cuda(r.lse_shape, {}, at::kFloat, q);
     } else if (stats.sizes() != c10::IntArrayRef(r.lse_shape)) {
@@ -344,9 +344,9 @@ void backward(const c10::OperatorHandle &, Stack *stack) {
         rng = at::stack({seed, seed, offset, offset}).reshape({4});
     }
     const Tensor stats = lse.reshape({q.size(0), q.size(1), q.size(2), 1});
-    auto grads = backward_work(to_layout(layout, d_o), to_layout(layout, o), stats, to_layout(layout, q),
-                               to_layout(layout, k), to_layout(layout, v), std::nullopt, std::nullopt,
-                               as_bias(bias, q, k, true), std::nullopt, rng, FA_DENSE_OF(r.opt));
+    auto grads = dense_backward(to_layout(layout, d_o), to_layout(layout, o), stats, to_layout(layout, q),
+                                to_layout(layout, k), to_layout(layout, v), std::nullopt, std::nullopt,
+                                as_bias(bias, q, k, true), std::nullopt, rng, r.opt);
     torch::jit::drop(*stack, kBackwardArgs);
     torch::jit::push(*stack, matched(to_bhsd(layout, std::get<0>(grads)), r.grad_strides[0]),
                      matched(to_bhsd(layout, std::get<1>(grads)), r.grad_strides[1]),

@@ -7,6 +7,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_strided.h>
+#include <ATen/ops/full.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 
 #include <algorithm>
@@ -85,8 +86,7 @@ struct LastHit {
     std::vector<int64_t> key;
     Owned kept;  // an owner: the entry outlives its eviction while this thread may run it
 };
-thread_local LastHit t_last_hit[3][2];  // [Kind][direction]: every kind's key starts with (kind, direction)
-static_assert(kPaged < 3, "t_last_hit has a row per Kind");
+thread_local LastHit t_last_hit[kNumKinds][2];  // [Kind][direction]: every key starts with (kind, direction)
 
 void mark_used(const Kept &k, uint64_t now) {
     if (k.used.load(std::memory_order_relaxed) != now) k.used.store(now, std::memory_order_relaxed);
@@ -228,6 +228,12 @@ Tensor empty_cuda(c10::IntArrayRef sizes, c10::IntArrayRef strides, at::ScalarTy
     Tensor t = strides.empty() ? at::empty(sizes, options) : at::empty_strided(sizes, strides, options);
     if (allocator == nullptr && t.is_cuda()) g_cuda_allocator.store(t.storage().allocator(), std::memory_order_relaxed);
     return t;
+}
+
+Tensor query_lengths(const Tensor &q) { return at::full({q.size(0)}, q.size(1), q.options().dtype(at::kInt)); }
+
+[[noreturn]] void cpu_error(const Tensor &q) {
+    TORCH_CHECK_VALUE(false, "fastattn: q is on ", q.device(), ": fastattn runs on CUDA tensors");
 }
 
 namespace {
