@@ -366,7 +366,9 @@ Status execute_at(const Graph *g, Direction dir, int device, const intptr_t *slo
     };
     const int64_t b = c.batch, hq = c.heads_q, sq = at.seqlen_q;
     // cuDNN's forward graph holds K as K^T, (b, h, d, s) (cudnn-frontend's SDPA node swaps
-    // its last two dims and strides when it builds the graph): an override speaks cuDNN's view.
+    // its last two dims and strides when it builds the graph), so K's override is given so.
+    // Not yet seen right on any GPU: on SM90 the registry refuses these plans
+    // (fastattn/defects.py, sm90-sdpa-shape-override), and tools/override_probe tries both orders.
     const std::vector<int64_t> kt{b, c.heads_kv, c.head_dim_qk, at.seqlen_kv},
         kt_stride{at.k_stride[0], at.k_stride[1], at.k_stride[3], at.k_stride[2]};
     put(kSlotQ, {b, hq, sq, c.head_dim_qk}, four(at.q_stride));

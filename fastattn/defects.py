@@ -129,6 +129,10 @@ _SM90 = frozenset({(9, 0)})
 _GRID = 65535  # CUDA's largest grid dimension in y and z
 
 
+def _shape_override(c: AttentionConfig) -> bool:
+    return c.shape_override
+
+
 def _batch_past_the_grid(c: AttentionConfig) -> bool:
     return c.batch > _GRID
 
@@ -177,6 +181,22 @@ DEFECTS: tuple[Defect, ...] = (
         direction="backward",
         predicate=_one_row,
         reports=("https://github.com/NVIDIA/cudnn-frontend/issues/1071",),
+        remedy=REFUSE,
+    ),
+    # Measured by tools/override_probe on an H100 with cuDNN 9.24 (docs/BENCHMARKS.md, "Shape
+    # classes"): the override plan builds, and runs out of bounds or wrong, whichever order K's
+    # override is given in. Refused until a run shows the override right.
+    Defect(
+        name="sm90-sdpa-shape-override",
+        summary=("cuDNN's SM90 attention plan built with the shape override (cuDNN 9.21 and newer) gives wrong "
+                 "outputs at its declared lengths and an illegal memory access at shorter ones when q, k, v and o "
+                 "are overridden (measured with cuDNN 9.24 on an H100); use exact plans or ragged shape classes"),
+        first=92100,
+        fixed=None,
+        capabilities=_SM90,
+        direction="forward",
+        predicate=_shape_override,
+        reports=("https://github.com/NVIDIA/cudnn-frontend/issues/1087",),
         remedy=REFUSE,
     ),
     # Plans cuDNN builds whose kernels cannot launch (benchmarks/probe_launch_limits.py, the

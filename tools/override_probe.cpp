@@ -9,6 +9,9 @@
 //
 //   override_probe [--b B] [--h H] [--hk HK] [--d D] [--smax S] [--lengths 1,64,100,...]
 //                  [--causal] [--training] [--iters N] [--rounds R]
+// OVERRIDE_KT=1 gives K's override in cuDNN's view, K^T (b, h, d, s), which cudnn-frontend's SDPA
+// node builds K as; unset, in the caller's (b, h, s, d). (On an H100 with cuDNN 9.24 neither ran
+// right: docs/BENCHMARKS.md, "Shape classes".)
 // Prints one `length` line per length and a `summary` line; exit 0 when every step ran (a
 // refusal is a finding, printed with cuDNN's message), 1 on a failure to run at all.
 // Built and run by tools/override_probe.sh.
@@ -20,6 +23,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <random>
 #include <sstream>
@@ -214,12 +218,16 @@ int main(int argc, char **argv) {
         std::unordered_map<int64_t, void *> pack_exact{{kQ, dq}, {kK, dk}, {kV, dv}, {kO, o_exact}};
         std::vector<int64_t> uids{kQ, kK, kV, kO};
         // K as cuDNN's graph holds it, K^T (b, h, d, s): cudnn-frontend's SDPA node swaps K's
-        // last two dims and strides when it builds the graph, and an override is in cuDNN's view.
+        // last two dims and strides when it builds the graph (OVERRIDE_KT: which view cuDNN reads).
         auto kt = bshd(s, x.hk, x.d);
         std::swap(kt[2], kt[3]);
-        std::vector<std::vector<int64_t>> shapes{{x.b, x.h, s, x.d}, {x.b, x.hk, x.d, s}, {x.b, x.hk, s, x.d},
-                                                 {x.b, x.h, s, x.d}};
-        std::vector<std::vector<int64_t>> strides{bshd(s, x.h, x.d), kt, bshd(s, x.hk, x.d), bshd(s, x.h, x.d)};
+        const bool as_kt = std::getenv("OVERRIDE_KT") != nullptr;
+        std::vector<std::vector<int64_t>> shapes{{x.b, x.h, s, x.d},
+                                                 as_kt ? std::vector<int64_t>{x.b, x.hk, x.d, s}
+                                                       : std::vector<int64_t>{x.b, x.hk, s, x.d},
+                                                 {x.b, x.hk, s, x.d}, {x.b, x.h, s, x.d}};
+        std::vector<std::vector<int64_t>> strides{bshd(s, x.h, x.d), as_kt ? kt : bshd(s, x.hk, x.d),
+                                                  bshd(s, x.hk, x.d), bshd(s, x.h, x.d)};
         if (x.training) {
             pack_cls[kStats] = stats;
             pack_exact[kStats] = stats;

@@ -57,6 +57,14 @@ def test_the_single_query_defect(seqlen_q, seqlen_kv, hit):
     assert ("sm90-bwd-single-query" in names(cfg)) == hit
 
 
+@pytest.mark.parametrize("version,capability,hit", [(92400, (9, 0), True), (92100, (9, 0), True),
+                                                    (92400, (10, 0), False)])
+def test_a_shape_override_plan_is_refused_on_sm90(version, capability, hit):
+    cfg = AttentionConfig(batch=2, heads_q=4, seqlen_q=256, head_dim_qk=64, dtype="bf16", shape_override=True)
+    decision = defects.decide(cfg, version, capability)
+    assert ("sm90-sdpa-shape-override" in decision.refusal) == hit
+
+
 @pytest.mark.parametrize("fields,name,hit", [
     (dict(batch=65536, training=True), "sm90-bwd-batch-past-grid", True),
     (dict(batch=65535, training=True), "sm90-bwd-batch-past-grid", False),
