@@ -52,6 +52,35 @@ class Block(torch.nn.Module):
         return self.out(fastattn.torch.attention(q, k, v, causal=True).reshape(b, s, d))
 
 
+def on_path(which: str, monkeypatch):
+    """fastattn.torch's entry points on the op library ("native": it must load on the GPU
+    machine) or on the Python path ("python"); the op library."""
+    lib = _native.library()
+    assert lib is not None, _native.status()
+    if which == "python":
+        take_python_path(monkeypatch)
+    else:
+        _native._publish_ops()
+    return lib
+
+
+@contextlib.contextmanager
+def sdpa_mode_on(which: str, monkeypatch):
+    """The SDPA mode on, with the op library's C++ kernels ("native") or the Python ones, its
+    routes cleared first; off after."""
+    from fastattn.torch import _sdpa_mode
+
+    lib = on_path(which, monkeypatch)
+    lib.clear()
+    _sdpa_mode._routes.clear()
+    fastattn.torch.enable_sdpa()
+    assert (_sdpa_mode._state.library is lib) == (which == "native")
+    try:
+        yield
+    finally:
+        fastattn.torch.disable_sdpa()
+
+
 def ulps_apart(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """How many units in the last place of a's dtype each element of a lies from b's,
     the unit taken at the larger of the two magnitudes (NaN where either is NaN): what a

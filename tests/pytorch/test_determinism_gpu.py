@@ -20,7 +20,7 @@ import fastattn  # noqa: E402
 import fastattn.torch  # noqa: E402
 from fastattn.flash import flash_attn_func  # noqa: E402
 from fastattn.torch import _native, _sdpa_mode  # noqa: E402
-from helpers.torch import deterministic, take_python_path  # noqa: E402
+from helpers.torch import deterministic, on_path, sdpa_mode_on  # noqa: E402
 
 DEV = "cuda"
 TOL = 3e-2  # bfloat16
@@ -32,12 +32,7 @@ _B = torch.nn.attention.SDPBackend
 def path(request, monkeypatch):
     """fastattn.torch's entry points on the op library (it must load on the GPU machine) or
     on the Python path."""
-    lib = _native.library()
-    assert lib is not None, _native.status()
-    if request.param == "python":
-        take_python_path(monkeypatch)
-    else:
-        _native._publish_ops()
+    on_path(request.param, monkeypatch)
     return request.param
 
 
@@ -135,18 +130,8 @@ def test_attention_varlen_alerts_unless_deterministic(path):
 @pytest.fixture(params=("native", "python"))
 def mode(request, monkeypatch):
     """The mode on, with the op library's C++ kernels or the Python ones (as test_sdpa_mode_gpu.py)."""
-    lib = _native.library()
-    assert lib is not None, _native.status()
-    if request.param == "python":
-        take_python_path(monkeypatch)
-    else:
-        _native._publish_ops()
-    lib.clear()
-    _sdpa_mode._routes.clear()
-    fastattn.torch.enable_sdpa()
-    assert (_sdpa_mode._state.library is lib) == (request.param == "native")
-    yield request.param
-    fastattn.torch.disable_sdpa()
+    with sdpa_mode_on(request.param, monkeypatch):
+        yield request.param
 
 
 def _bhsd():

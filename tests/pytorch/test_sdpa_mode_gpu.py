@@ -24,7 +24,7 @@ import torch.nn.functional as F  # noqa: E402
 
 import fastattn.torch  # noqa: E402
 from fastattn.torch import _native, _sdpa_mode  # noqa: E402
-from helpers.torch import in_threads, take_python_path  # noqa: E402
+from helpers.torch import in_threads, sdpa_mode_on, take_python_path  # noqa: E402
 
 DEV = "cuda"
 TOL = 3e-2  # bfloat16
@@ -34,18 +34,8 @@ TOL = 3e-2  # bfloat16
 def mode(request, monkeypatch):
     """The mode on, with the op library's C++ kernels (csrc/sdpa.cpp; it must load on the
     GPU machine) or the Python ones (_sdpa_mode._forward, _backward)."""
-    lib = _native.library()
-    assert lib is not None, _native.status()
-    if request.param == "python":
-        take_python_path(monkeypatch)
-    else:
-        _native._publish_ops()
-    lib.clear()
-    _sdpa_mode._routes.clear()
-    fastattn.torch.enable_sdpa()
-    assert (_sdpa_mode._state.library is lib) == (request.param == "native")
-    yield request.param
-    fastattn.torch.disable_sdpa()
+    with sdpa_mode_on(request.param, monkeypatch):
+        yield request.param
 
 
 class Attn(torch.nn.Module):
