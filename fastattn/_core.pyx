@@ -532,7 +532,7 @@ def _at_int(str name, x):
         raise InvalidArgumentError(f"{name}={_fields.show(x)}: expected an int")
     n = x.__index__()
     if not 1 <= n < 2**62:
-        raise InvalidArgumentError(f"{name}={_fields.show(x)}: expected a positive int")
+        raise InvalidArgumentError(f"{name}={_fields.show(x)}: expected an int in 1..2**62-1")
     return n
 
 
@@ -541,7 +541,7 @@ def _at_strides(Plan p, at):
     if not p.config.shape_override:
         raise InvalidArgumentError("at: this plan was built without shape_override: it runs at its config's "
                                    "lengths (leave at out)")
-    if isinstance(at, (str, bytes)) or not hasattr(at, "__len__") or len(at) not in (2, 6):
+    if not isinstance(at, (tuple, list)) or len(at) not in (2, 6):
         raise InvalidArgumentError(f"at={_fields.show(at)}: expected (seqlen_q, seqlen_kv) or (seqlen_q, "
                                    "seqlen_kv, q_stride, k_stride, v_stride, o_stride)")
     sq, skv = _at_int("at[0] (seqlen_q)", at[0]), _at_int("at[1] (seqlen_kv)", at[1])
@@ -550,7 +550,7 @@ def _at_strides(Plan p, at):
         strides = []
         for i in range(2, 6):
             s = at[i]
-            if isinstance(s, (str, bytes)) or not hasattr(s, "__len__") or len(s) != 4:
+            if not isinstance(s, (tuple, list)) or len(s) != 4:
                 raise InvalidArgumentError(f"at[{i}]={_fields.show(s)}: expected 4 strides in (batch, head, seq, "
                                            "dim) order")
             strides.append([_at_int(f"at[{i}]", x) for x in s])

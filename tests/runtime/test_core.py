@@ -12,6 +12,8 @@ import re
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from fastattn import errors
 from fastattn.config import AttentionConfig
@@ -200,13 +202,16 @@ _OVERRIDE = AttentionConfig(batch=2, heads_q=4, heads_kv=2, seqlen_q=256, head_d
 
 
 @pytest.mark.parametrize("at,message", [
-    ((0, 8), r"^at\[0\] \(seqlen_q\)=0: expected a positive int"),
+    ((0, 8), r"^at\[0\] \(seqlen_q\)=0: expected an int in 1"),
+    ((2**70, 8), r"^at\[0\] \(seqlen_q\)=1180591620717411303424: expected an int in 1"),
+    ({0: 8, 1: 8}, r"^at=\{0: 8, 1: 8\}: expected \(seqlen_q, seqlen_kv\)"),
+    ((8, 8, {1: 1, 2: 2, 3: 3, 4: 4}, (1,) * 4, (1,) * 4, (1,) * 4), r"^at\[2\]=\{1: 1, 2: 2, 3: 3, 4: 4\}: expected 4"),
     ((8, True), r"^at\[1\] \(seqlen_kv\)=True: expected an int"),
     ((8, 8.0), r"^at\[1\] \(seqlen_kv\)=8.0: expected an int"),
     ((8,), r"^at=\(8,\): expected \(seqlen_q, seqlen_kv\)"),
     ("88", r"^at='88': expected"),
     ((8, 8, (1, 1, 1, 1), (1, 1, 1), (1, 1, 1, 1), (1, 1, 1, 1)), r"^at\[3\]=\(1, 1, 1\): expected 4 strides"),
-    ((8, 8, (1, 1, 1, 1), (1, 1, 1, -1), (1, 1, 1, 1), (1, 1, 1, 1)), r"^at\[3\]=-1: expected a positive int"),
+    ((8, 8, (1, 1, 1, 1), (1, 1, 1, -1), (1, 1, 1, 1), (1, 1, 1, 1)), r"^at\[3\]=-1: expected an int in 1"),
 ])
 def test_a_bad_call_shape_names_its_part(at, message):
     with pytest.raises(errors.InvalidArgumentError, match=message):
@@ -230,3 +235,17 @@ def test_at_without_strides_lays_the_tensors_out_in_the_configs_layout():
     assert (sq, skv) == (100, 30)
     assert strides == [(100 * 4 * 64, 64, 4 * 64, 1), (30 * 2 * 64, 64, 2 * 64, 1), (30 * 2 * 64, 64, 2 * 64, 1),
                        (100 * 4 * 64, 64, 4 * 64, 1)]
+
+
+_ANY = st.recursive(st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats() | st.text(max_size=4)
+                    | st.binary(max_size=4), lambda inner: st.lists(inner, max_size=7) | st.tuples(inner, inner)
+                    | st.dictionaries(st.integers(0, 6), inner, max_size=4), max_leaves=12)
+
+
+@settings(max_examples=300, deadline=None)
+@given(_ANY)
+def test_any_call_shape_is_refused_naming_at_or_reaches_the_core(at):
+    # Whatever `at` is: InvalidArgumentError naming it, or the core's own refusal of the
+    # graphless plan (every part was read as a valid call shape); never another exception.
+    with pytest.raises(errors.InvalidArgumentError, match=r"^(at|not a forward graph)"):
+        _core._graphless_plan(config=_OVERRIDE).forward(16, 16, 16, 16, at=at)
