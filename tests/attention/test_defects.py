@@ -3,6 +3,7 @@ decision's plumbing into the cache key, the probe's result and `fastattn probe` 
 tests/fake_core.py, whose plans make the decision as _core's do)."""
 
 import json
+import pathlib
 
 import fake_core
 import pytest
@@ -14,6 +15,8 @@ from fastattn import defects, runtime, store
 from fastattn.config import AttentionConfig
 from fastattn.errors import InvalidArgumentError
 from fastattn.plan_cache import PlanCache
+
+VERIFICATION = (pathlib.Path(__file__).parents[2] / "docs" / "VERIFICATION.md").read_text()
 
 H200 = (91900, (9, 0))
 BASE = dict(batch=2, heads_q=4, seqlen_q=128, seqlen_kv=192, head_dim_qk=64, dtype="bf16", training=True)
@@ -161,7 +164,18 @@ def test_every_entry_is_well_formed():
         seen.add(d.name)
         # A public report: an issue, a test, or the CUDA documentation of the limit a plan hits.
         assert all(r.startswith(("https://github.com/", "https://docs.nvidia.com/")) for r in d.reports)
-        assert d.fixed is None  # no fix measured yet: see the module's docstring before closing one
+        if d.fixed is not None:  # a closed range is a measurement, and VERIFICATION.md says where
+            bullet = VERIFICATION.split(f"- `{d.name}`", 1)[1].split("\n- ", 1)[0]
+            assert defects.version_text(d.fixed) in bullet, (d.name, bullet)
+
+
+def test_a_fixed_range_ends_where_it_was_measured():
+    # sm90-bwd-kv-tail: NaN d_q with the plain backward on 9.19.0 and 9.24.0, finite on 9.28.1
+    # (H100; test_numerics_gpu.py). 9.28.0 was not measured: it keeps the remedy.
+    cfg = AttentionConfig(**{**BASE, "seqlen_kv": 192, "training": True})
+    for version, remedied in ((91900, True), (92400, True), (92800, True), (92801, False), (93000, False)):
+        decision = defects.decide(cfg, version, (9, 0))
+        assert ("sm90-bwd-kv-tail:full_lengths" in decision.key_part()) == remedied, (version, decision)
 
 
 # -- properties over configs --------------------------------------------------------------
