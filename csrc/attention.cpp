@@ -200,7 +200,10 @@ int64_t cudnn_header_version() { return CUDNN_VERSION; }
 int64_t frontend_version() { return CUDNN_FRONTEND_VERSION; }
 const char *plan_policy() { return "heuristics=A,FALLBACK;build=HEURISTICS_CHOICE"; }
 
-Status build_graph(const Config &cfg, Direction dir, int device, GraphPtr *out, GraphInfo *info) {
+namespace {
+
+// fastattn's own refusals of a graph, before cuDNN is asked anything.
+Status check_refusals(const Config &cfg, Direction dir) {
     if (fe::cudnn_dlhandle == nullptr) return error(Code::kLibraryError, "cuDNN is not loaded");
     if (dir == Direction::kBackward && !cfg.training) {
         return error(Code::kInvalidArgument, "a backward graph needs training=True");
@@ -216,6 +219,21 @@ Status build_graph(const Config &cfg, Direction dir, int device, GraphPtr *out, 
                      "cuDNN 9.19's backward gives wrong d_q and d_k for it (measured by fastattn's float64 tests); "
                      "use it without gradients (training=False) or give the bias seqlen_q rows");
     }
+    return {};
+}
+
+}  // namespace
+
+Status check_graph(const Config &cfg, Direction dir) {
+    FA_RETURN_IF_ERROR(check_refusals(cfg, dir));
+    return guarded(Code::kNotSupported, "graph construction", [&]() -> Status {
+        (void)make_graph(cfg, dir);  // a graph fastattn cannot express throws here (graphs_fp8.h's refuse)
+        return {};
+    });
+}
+
+Status build_graph(const Config &cfg, Direction dir, int device, GraphPtr *out, GraphInfo *info) {
+    FA_RETURN_IF_ERROR(check_refusals(cfg, dir));
     return guarded(Code::kNotSupported, "graph construction", [&]() -> Status {
         auto t0 = std::chrono::steady_clock::now();
         // Builds and loads run on threads beside the user's work (the warm-up, preload in

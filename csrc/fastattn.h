@@ -99,6 +99,10 @@ Status device_info(int device, DeviceInfo *out);
 // for it. The probe, the plan cache and the runtime all call this one function,
 // so a probed plan is the plan that runs. kNotSupported carries cuDNN's reason.
 Status build_graph(const Config &cfg, Direction dir, int device, GraphPtr *out, GraphInfo *info);
+// fastattn's own refusals of that graph alone, without asking cuDNN (and so without a
+// device): what build_graph would refuse before cuDNN is asked. build_plan checks a
+// training plan's backward so before it spends a forward build.
+Status check_graph(const Config &cfg, Direction dir);
 
 // Plan blob without graph structure: what the persistent cache stores.
 Status serialize_graph(const Graph *g, std::vector<uint8_t> *blob);

@@ -78,6 +78,7 @@ cdef extern from "fastattn.h" namespace "fastattn" nogil:
     Status stream_capturing(intptr_t stream, cbool* capturing)
     Status device_info(int device, DeviceInfo* out)
     Status build_graph(const Config& cfg, Direction dir, int device, GraphPtr* out, GraphInfo* info)
+    Status check_graph(const Config& cfg, Direction dir)
     Status serialize_graph(const Graph* g, vector[uint8_t]* blob)
     Status deserialize_graph(const uint8_t* data, size_t size, const Config& cfg, Direction dir, int device,
                              GraphPtr* out, GraphInfo* info)
@@ -655,6 +656,15 @@ def build_plan(cfg, int device, registry=None):
       graphs, for benchmarks and tests that measure a defect. The runtime and the cache
       never pass it: their keys describe the default registry's decision."""
     cdef Plan p = _new_plan(cfg, device, registry)
+    cdef Status st
+    if p._training:
+        # A backward fastattn refuses itself (a graph it cannot express) is refused before
+        # a forward is built: the reason names the option, where a cuDNN that refuses the
+        # forward too would give its own, often "No valid execution plans built".
+        with nogil:
+            st = check_graph(p._c_bwd, Direction.kBackward)
+        if not st.ok():
+            raise _error(st, "backward")
     _build_one(p, p._c, Direction.kForward)
     if p._training:
         _build_one(p, p._c_bwd, Direction.kBackward)
