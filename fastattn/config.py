@@ -194,7 +194,9 @@ class AttentionConfig:
         window apply within each sequence's lengths. cuDNN still reads the padded rows
         of its last tile and multiplies them by zero, so they must hold finite values
         (NaN there leaks into the results); it writes zero to the padded rows of o,
-        d_q, d_k and d_v, and leaves the padded rows of stats unspecified.
+        d_q, d_k and d_v, and leaves the padded rows of stats unspecified. FP8: the
+        padded rows of o are unspecified (cuDNN 9.19 and 9.24 leave them unwritten,
+        9.28.1 computes them as rows of their own); fastattn.torch zeroes them.
       alibi: ALiBi: each score gets slope[h] * (j - i) after scaling, with the slopes
         of the ALiBi paper for heads_q heads (cuDNN computes them; it needs the right
         bound of the mask at the diagonal, as a causal mask has).

@@ -120,8 +120,7 @@ def forward_impl(q, k, v, descale_q, descale_k, descale_v, descale_s, scale_s, s
     scalars = (descale_q, descale_k, descale_v, descale_s, scale_s, scale_o)
     c = plan_for(q, k, v, None, scalars, FORWARD_SCALARS, seq_len_q, seq_len_kv, options)
     padded = seq_len_q is not None
-    new = q.new_zeros if padded else q.new_empty  # padded rows are zero (as fastattn.torch.attention's)
-    o = new(c.out_shape, dtype=TORCH[options.out_dtype])
+    o = q.new_empty(c.out_shape, dtype=TORCH[options.out_dtype])
     stats = q.new_empty(c.stats_shape, dtype=torch.float32) if options.training else None
     amax_s, amax_o = _amax(q), _amax(q)
     stream = raw_stream(c.device)
@@ -131,7 +130,22 @@ def forward_impl(q, k, v, descale_q, descale_k, descale_v, descale_s, scale_s, s
                    seq_len_kv.data_ptr() if padded else 0,
                    **{name: s.data_ptr() for name, s in zip(FORWARD_SCALARS, scalars)},
                    amax_s=amax_s.data_ptr(), amax_o=amax_o.data_ptr())
+    if padded:
+        _zero_padded_rows(o, seq_len_q, options.layout)
     return o, stats, amax_s, amax_o
+
+
+def _zero_padded_rows(o: torch.Tensor, seq_len_q: torch.Tensor, layout: str) -> None:
+    """Padded rows of o are zero (as fastattn.torch.attention's) on every cuDNN: cuDNN 9.19 and
+    9.24's FP8 forward leaves them unwritten, 9.28.1's computes them as rows of their own
+    (measured on an H100; tests/fp8/test_fp8_gpu.py's test_padding). On the stream's order,
+    capturable: a compare and a masked fill."""
+    axis = 1 if layout == "bshd" else 2  # (b, s, h, d) or (b, h, s, d)
+    s = o.shape[axis]
+    past = torch.arange(s, device=o.device) >= seq_len_q.view(-1, 1)  # (b, s): the padded rows
+    shape = (o.shape[0], s, 1, 1) if axis == 1 else (o.shape[0], 1, s, 1)
+    # (an FP8 zero is the byte 0; masked_fill takes no float8 tensor)
+    (o.view(torch.uint8) if o.element_size() == 1 else o).masked_fill_(past.view(shape), 0)
 
 
 def backward_impl(d_o, o, stats, q, k, v, scalars, seq_len_q, seq_len_kv, options: Fp8Options):
