@@ -383,14 +383,13 @@ Status execute_at(const Graph *g, Direction dir, int device, const intptr_t *slo
         o.strides.push_back(std::move(strides));
     };
     const int64_t b = c.batch, hq = c.heads_q, sq = at.seqlen_q;
-    // cuDNN's forward graph holds K as K^T, (b, h, d, s) (cudnn-frontend's SDPA node swaps
-    // its last two dims and strides when it builds the graph), so K's override is given so.
-    // Not yet seen right on any GPU: on SM90 the registry refuses these plans
-    // (fastattn/defects.py, sm90-sdpa-shape-override), and tools/override_probe tries both orders.
-    const std::vector<int64_t> kt{b, c.heads_kv, c.head_dim_qk, at.seqlen_kv},
-        kt_stride{at.k_stride[0], at.k_stride[1], at.k_stride[3], at.k_stride[2]};
+    // K in its declared (b, h, s, d) order: cudnn-frontend 1.28's unified SDPA node, the one it
+    // picks for an override graph, keeps K so (tools/override_probe: bitwise the exact plan's
+    // output at the declared length; K^T there computed another function). Shorter lengths are
+    // not yet seen right on SM90, where the registry refuses these plans
+    // (fastattn/defects.py, sm90-sdpa-shape-override).
     put(kSlotQ, {b, hq, sq, c.head_dim_qk}, four(at.q_stride));
-    put(kSlotK, kt, kt_stride);
+    put(kSlotK, {b, c.heads_kv, at.seqlen_kv, c.head_dim_qk}, four(at.k_stride));
     put(kSlotV, {b, c.heads_kv, at.seqlen_kv, c.head_dim_v}, four(at.v_stride));
     put(kSlotO, {b, hq, sq, c.head_dim_v}, four(at.o_stride));
     void *pack[kNumSlots];

@@ -451,7 +451,7 @@ class AttentionConfig:
         if not bottom or self.padding or self.alibi or (self.bias == "none" and not self.dropout):
             return
         if self.shape_override:
-            return  # the shift is each call's own: the diagonal stays cuDNN's to place (or refuse)
+            return  # refused in _check (the diagonal would stay at the declared lengths)
         shift = self.seqlen_kv - self.seqlen_q
         left, right = self.window
         if self.mask != "none":
@@ -509,6 +509,15 @@ class AttentionConfig:
                 if on:
                     raise _bad("shape_override", True, f"cannot be combined with {what}: each call gives its own "
                                "lengths at execute, and those tensors are declared at seqlen_q and seqlen_kv")
+            if self.mask == "causal_bottom_right" or self.alignment == "bottom_right":
+                # Without per-sequence lengths cudnn-frontend places a bottom-right diagonal from
+                # the declared seqlen_q and seqlen_kv, as constants in the graph
+                # (utils/attn_score_modifiers.h, 1.28): a call's override would not move it.
+                which = (f"mask={self.mask!r}" if self.mask == "causal_bottom_right"
+                         else f"alignment={self.alignment!r}")
+                raise _bad("shape_override", True, f"cannot be combined with a bottom-right diagonal ({which}): "
+                           "cudnn-frontend places it from the declared seqlen_q and seqlen_kv, which a call's own "
+                           "lengths would not move")
             if self.training:
                 # The backward graph keeps tensors of its own in the workspace (softmax sums,
                 # d_q's float32 accumulator), declared at the plan's lengths; cudnn-frontend's

@@ -186,20 +186,25 @@ DEFECTS: tuple[Defect, ...] = (
         reports=("https://github.com/NVIDIA/cudnn-frontend/issues/1071",),
         remedy=REFUSE,
     ),
-    # Measured by tools/override_probe on an H100 with cuDNN 9.24 (docs/BENCHMARKS.md, "Shape
-    # classes"): the override plan builds, and runs out of bounds or wrong, whichever order K's
-    # override is given in. Refused until a run shows the override right.
+    # Measured by tools/override_probe on an H100 with cuDNN 9.24 and 9.28.1 (docs/BENCHMARKS.md,
+    # "Shape classes"): with the buffers laid out for the declared length and the dims alone
+    # overridden, the plan matched the exact plans bitwise (causal at 64 to 3968, and without a
+    # mask at 2048, but not at 1000, off the 64-row tile); with a call's own, shorter strides
+    # it computed another function or ran out of bounds. execute_at takes a call's own
+    # strides (a KV-cache slice, a tensor of the call's length), so the plan is refused.
     Defect(
         name="sm90-sdpa-shape-override",
         summary=("cuDNN's SM90 attention plan built with the shape override (cuDNN 9.21 and newer) gives wrong "
-                 "outputs at its declared lengths and an illegal memory access at shorter ones when q, k, v and o "
-                 "are overridden (measured with cuDNN 9.24 on an H100); use exact plans or ragged shape classes"),
+                 "outputs or an illegal memory access when a call's strides are not the declared ones (tensors laid "
+                 "out for the call's own lengths), and wrong outputs without a causal mask at lengths off the "
+                 "64-row tile (measured with cuDNN 9.24 and 9.28.1 on an H100); use exact plans or ragged shape "
+                 "classes"),
         first=92100,
         fixed=None,
         capabilities=_SM90,
         direction="forward",
         predicate=_shape_override,
-        reports=("https://github.com/NVIDIA/cudnn-frontend/issues/1087",),
+        reports=("https://github.com/NVIDIA/cudnn-frontend/pull/1148",),
         remedy=REFUSE,
     ),
     # Plans cuDNN builds whose kernels cannot launch (benchmarks/probe_launch_limits.py, the

@@ -221,7 +221,9 @@ def class_configs(args) -> tuple[list, list[list[int]]]:
     # inference calls without per-sequence lengths may take the override plan, the others
     # (and every call of a class whose override plan cuDNN refuses) the ragged one
     # (fastattn.torch's _shape_classes).
-    kinds = (True, False) if sc.KIND == "override" and not args.training and _shape_override_loaded() else (False,)
+    # (not with a bottom-right diagonal, which the override would leave at the declared lengths)
+    kinds = ((True, False) if sc.KIND == "override" and not args.training and mask != "causal_bottom_right"
+             and _shape_override_loaded() else (False,))
     for u in uppers:
         # Prefill; and decode (one query, the class's keys), which is inference only.
         pairs = [(u, u)] + ([(1, u)] if u > 1 and not args.training else [])

@@ -307,8 +307,10 @@ def serve(q, k, v, seq_len_q, seq_len_kv, rng, options, choice, grads: bool, ret
     copts = None
     # (a stride of 0, an expanded tensor's, is not one cuDNN's override takes: such calls take
     # the ragged plan's checks, which refuse it, and so their exact plan)
+    # (a bottom-right diagonal neither: cudnn-frontend places it from the declared lengths, and
+    # AttentionConfig refuses it beside shape_override)
     if sc.KIND == OVERRIDE and seq_len_q is None and not options.training and _override_available() \
-            and min(*q.stride(), *k.stride(), *v.stride()) > 0:
+            and min(*q.stride(), *k.stride(), *v.stride()) > 0 and not _bottom_right(options):
         upper_q, upper_kv = classes.upper(q.shape[1]), classes.upper(k.shape[1])
         if upper_q is not None and upper_kv is not None:
             _check(q, k, v, seq_len_q, seq_len_kv)
@@ -336,6 +338,11 @@ def serve(q, k, v, seq_len_q, seq_len_kv, rng, options, choice, grads: bool, ret
     if not options.training:
         return forward_impl(*tensors, copts)[0]
     return _executor.Train.apply(_module, copts, False, *tensors)
+
+
+def _bottom_right(options) -> bool:
+    fields = _specs.config_fields(options)  # (the call's DenseOptions)
+    return fields.get("mask") == "causal_bottom_right" or fields.get("alignment") == "bottom_right"
 
 
 def _class_plan(q, k, v, copts: ClassOptions) -> ClassOptions | None:

@@ -84,8 +84,9 @@ def test_one_forward_plan_serves_every_length_up_to_its_own(mask, dtype):
     assert all(e < FWD_TOL[dtype] for e in errors.values()), errors
 
 
-def test_queries_and_keys_of_different_lengths_and_a_bottom_right_diagonal():
-    plan = _plan_or_refusal(_declared(mask="causal_bottom_right"))
+def test_queries_and_keys_of_different_lengths():
+    # (top-left: a bottom-right diagonal is refused beside shape_override, tests/config)
+    plan = _plan_or_refusal(_declared(mask="causal"))
     if plan is None:
         return
     errors = {}
@@ -148,7 +149,7 @@ def test_without_at_the_plan_runs_at_its_declared_lengths():
 
 def test_explicit_strides_serve_a_cache_slice():
     # k and v: the first n keys of a cache twice as long (their batch stride is the cache's).
-    plan = _plan_or_refusal(_declared(mask="causal_bottom_right", seqlen_q=64))
+    plan = _plan_or_refusal(_declared(mask="causal", seqlen_q=64))
     if plan is None:
         return
     cfg, n = plan.config, 300

@@ -57,15 +57,20 @@ def test_with_the_shape_override_both_kinds_of_class_plan_are_warmed(warmed, cap
 
     monkeypatch.setattr(warm_cli, "_shape_override_loaded", lambda: True)  # a cuDNN of 9.21 or newer
     monkeypatch.setattr(sc, "KIND", "override")
-    run(["warm", "--seqlens", "300", "--shape-classes", "512", *MODEL], capsys)
+    run(["warm", "--seqlens", "300", "--shape-classes", "512", "--mask", "causal", *MODEL], capsys)
     common = dict(batch=1, heads_q=32, heads_kv=8, head_dim_qk=128, head_dim_v=128, dtype="bf16",
-                  mask="causal_bottom_right", alignment="bottom_right")
+                  mask="causal", alignment="top_left")
     assert warmed == [sc.class_config(upper_q=q, upper_kv=512, override=o, **common)
                       for q in (512, 1) for o in (True, False)]
     assert [(c.shape_override, c.ragged) for c in warmed[:2]] == [(True, False), (False, True)]
     warmed.clear()
-    run(["warm", "--seqlens", "300", "--shape-classes", "512", "--training", *MODEL], capsys)
+    run(["warm", "--seqlens", "300", "--shape-classes", "512", "--mask", "causal", "--training", *MODEL], capsys)
     assert [c.shape_override for c in warmed] == [False]  # the override is forward only
+    warmed.clear()
+    # A bottom-right diagonal (the default mask) is not the override's: cudnn-frontend places it
+    # from the declared lengths. Ragged class plans alone.
+    run(["warm", "--seqlens", "300", "--shape-classes", "512", *MODEL], capsys)
+    assert warmed and [c.shape_override for c in warmed] == [False] * len(warmed)
 
 
 def test_lengths_past_the_classes_are_reported_not_warmed(warmed, capsys):

@@ -186,10 +186,17 @@ def test_shape_override_is_in_the_key_only_when_on():
     assert '"shape_override":true' in on.to_json() and "shape_override" not in off.to_json()
 
 
-def test_shape_override_leaves_a_bottom_right_band_beside_dropout_as_given():
-    # Without an override the band is rewritten top-left, shifted by the declared lengths;
-    # a shape-override plan's shift is each call's, so it stays cuDNN's to place (or refuse).
-    c = AttentionConfig(**{**_OVR, "seqlen_kv": 512, "mask": "causal_bottom_right", "dropout": 0.1})
-    assert c.mask == "causal_bottom_right"
+@pytest.mark.parametrize("extra", [dict(mask="causal_bottom_right"), dict(mask="causal_bottom_right", dropout=0.1),
+                                   dict(mask="none", window=(64, 0), alignment="bottom_right"),
+                                   dict(mask="causal_bottom_right", seqlen_kv=256)])
+def test_shape_override_refuses_a_bottom_right_diagonal(extra):
+    # Without per-sequence lengths cudnn-frontend places a bottom-right diagonal from the
+    # declared lengths (graph constants): a call's override would keep the declared diagonal.
+    # (Declared equal lengths too: a call's lengths may differ.)
+    with pytest.raises(InvalidArgumentError, match=r"shape_override=True: cannot be combined with a bottom-right "
+                                                    r"diagonal \((mask|alignment)="):
+        AttentionConfig(**{**_OVR, "seqlen_kv": 512, **extra})
+    # Without the override the band is rewritten top-left, shifted by the declared lengths.
     assert AttentionConfig(**{**_OVR, "shape_override": False, "seqlen_kv": 512, "mask": "causal_bottom_right",
                               "dropout": 0.1}).mask == "none"
+    assert AttentionConfig(**{**_OVR, "mask": "causal"}).shape_override  # top-left stays served

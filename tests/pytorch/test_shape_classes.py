@@ -380,14 +380,24 @@ def test_an_override_class_plan_serves_each_length_at_its_own_shape(override):
 
 
 def test_an_override_plan_takes_a_cache_slice_at_the_caches_strides(override):
+    # (a decode step without a mask: every key of the cache slice is the query's)
     cache_k, cache_v = meta(4, 4096, 2, 128), meta(4, 4096, 2, 128)
     for n in (1025, 1500, 2048):
-        _api.attention(meta(4, 1, 8, 128), cache_k[:, :n], cache_v[:, :n], causal_bottom_right=True,
-                       shape_classes=(1024, 2048))
+        _api.attention(meta(4, 1, 8, 128), cache_k[:, :n], cache_v[:, :n], shape_classes=(1024, 2048))
     assert len(override) == 1 and (override[0].seqlen_q, override[0].seqlen_kv) == (1, 2048)
     _, _, kw = _plans.plans[next(iter(_plans.plans))].plan.calls[-1]
     assert kw["at"][:2] == (1, 2048) and kw["at"][3] == (4096 * 256, 128, 256, 1)  # the cache's batch stride
     assert len(_shape_classes._arrays) == 0
+
+
+@pytest.mark.parametrize("kw", [dict(causal_bottom_right=True), dict(causal_bottom_right=True, window=(64, 0))])
+def test_a_bottom_right_diagonal_takes_the_ragged_class_plan(override, kw):
+    # cudnn-frontend places a bottom-right diagonal from a plan's declared lengths, which an
+    # override would not move (AttentionConfig refuses the pair): such calls take ragged plans.
+    for n in (100, 120):
+        q, k, v = (meta(1, n, 4, 64) for _ in range(3))
+        _api.attention(q, k, v, shape_classes=(128,), **kw)
+    assert override and all(not c.shape_override and c.ragged for c in override)
 
 
 def test_calls_with_lengths_take_the_ragged_class_plan(override):
