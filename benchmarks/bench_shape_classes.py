@@ -8,8 +8,9 @@ is the one that serves, which the policy's row records as the class plan's time.
 For each candidate class (lo, hi] of fastattn.shape_classes.CANDIDATES up to --max, at
 the lengths lo + 1 (the worst case: the most rows the plan declares and the call lacks),
 the middle and hi, two calls of one model shape (--heads, --heads-kv, --head-dim,
---dtype, causal bottom-right, --batch):
-- prefill: s_q = s_kv = n (forward; with --training also the backward);
+--dtype, --batch):
+- prefill: s_q = s_kv = n, causal (forward; with --training also the backward), the first n
+  rows of buffers of hi rows;
 - decode: s_q = 1, s_kv = n (forward), a KV cache's slice of a cache 2 * hi long.
 Kernel time, not host time: `--reps` eager calls are queued behind a GPU sleep long enough
 for the host to enqueue them all, and timed with CUDA events around them, in `--rounds`
@@ -124,19 +125,23 @@ def run(args) -> dict:
         lengths = []
         for n in sorted({lo + 1, (lo + 1 + hi) // 2, hi}):
             m = {"n": n}
-            q, k, v = (torch.randn(b, n, h, d, device="cuda", dtype=dtype) for h in (hq, hkv, hkv))
+            # The first n rows of buffers of the class's hi rows: where an override plan reads a
+            # call's tensors (cudnn-frontend#1148), as a server's preallocated buffers hold them.
+            # Causal top-left: at s_q = s_kv the bottom-right diagonal, which an override plan
+            # cannot take (cudnn-frontend places it from the declared lengths).
+            q, k, v = (torch.randn(b, hi, h, d, device="cuda", dtype=dtype)[:, :n] for h in (hq, hkv, hkv))
 
             def prefill(choice, q=q, k=k, v=v):
-                return lambda: fastattn.torch.attention(q, k, v, causal_bottom_right=True, shape_classes=choice)
+                return lambda: fastattn.torch.attention(q, k, v, causal=True, shape_classes=choice)
 
             with torch.no_grad():
                 m.update(_named("prefill", measure(prefill, classes, kinds, args.reps, args.rounds), hi))
                 cache_k, cache_v = (torch.randn(b, 2 * hi, hkv, d, device="cuda", dtype=dtype) for _ in range(2))
                 q1 = torch.randn(b, 1, hq, d, device="cuda", dtype=dtype)
 
+                # (no mask: one query at the bottom-right diagonal sees every key)
                 def decode(choice, n=n, q1=q1, ck=cache_k, cv=cache_v):
-                    return lambda: fastattn.torch.attention(q1, ck[:, :n], cv[:, :n], causal_bottom_right=True,
-                                                            shape_classes=choice)
+                    return lambda: fastattn.torch.attention(q1, ck[:, :n], cv[:, :n], shape_classes=choice)
 
                 m.update(_named("decode", measure(decode, classes, kinds, args.reps, args.rounds), 1))
             if args.training:
@@ -144,7 +149,7 @@ def run(args) -> dict:
 
                 def step(choice):
                     def fn():
-                        o = fastattn.torch.attention(qg, kg, vg, causal_bottom_right=True, shape_classes=choice)
+                        o = fastattn.torch.attention(qg, kg, vg, causal=True, shape_classes=choice)
                         o.backward(torch.ones_like(o))
                     return fn
 

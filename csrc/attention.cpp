@@ -373,6 +373,34 @@ Status execute_at(const Graph *g, Direction dir, int device, const intptr_t *slo
             if (s[i] < 1) return bad_shape(c, at, "every stride must be positive");
         }
     }
+    // cuDNN reads a call's tensors in the plan's declared storage: the override gives the
+    // call's extents, and its strides must describe that storage (cudnn-frontend#1148). Other
+    // strides computed another function or ran out of bounds on SM90 (tools/override_probe);
+    // along a dimension of one element nothing is stepped, so its stride is free.
+    struct Strides {
+        const char *name;
+        const int64_t *got, *declared;
+        int64_t extent[4];
+    };
+    const Strides tensors[4] = {{"q", at.q_stride, c.q_stride, {c.batch, c.heads_q, at.seqlen_q, c.head_dim_qk}},
+                                {"k", at.k_stride, c.k_stride, {c.batch, c.heads_kv, at.seqlen_kv, c.head_dim_qk}},
+                                {"v", at.v_stride, c.v_stride, {c.batch, c.heads_kv, at.seqlen_kv, c.head_dim_v}},
+                                {"o", at.o_stride, c.o_stride, {c.batch, c.heads_q, at.seqlen_q, c.head_dim_v}}};
+    auto show = [](const int64_t *x) {
+        return "(" + std::to_string(x[0]) + ", " + std::to_string(x[1]) + ", " + std::to_string(x[2]) + ", " +
+               std::to_string(x[3]) + ")";
+    };
+    for (const Strides &t : tensors) {
+        for (int i = 0; i < 4; ++i) {
+            if (t.extent[i] > 1 && t.got[i] != t.declared[i]) {
+                return bad_shape(c, at, std::string(t.name) + "'s strides " + show(t.got) +
+                                            " are not the plan's declared " + show(t.declared) +
+                                            " ((batch, head, seq, dim) order): cuDNN's shape override reads a "
+                                            "call's tensors in the declared storage, so only the stride of a "
+                                            "dimension of one element may differ");
+            }
+        }
+    }
     bool derived = false;
     if (!slots_fit(*g, slots, workspace, &derived)) return slot_error(*g, slots, workspace);
     Overrides o;
@@ -385,9 +413,7 @@ Status execute_at(const Graph *g, Direction dir, int device, const intptr_t *slo
     const int64_t b = c.batch, hq = c.heads_q, sq = at.seqlen_q;
     // K in its declared (b, h, s, d) order: cudnn-frontend 1.28's unified SDPA node, the one it
     // picks for an override graph, keeps K so (tools/override_probe: bitwise the exact plan's
-    // output at the declared length; K^T there computed another function). Shorter lengths are
-    // not yet seen right on SM90, where the registry refuses these plans
-    // (fastattn/defects.py, sm90-sdpa-shape-override).
+    // output with it; K^T computed another function).
     put(kSlotQ, {b, hq, sq, c.head_dim_qk}, four(at.q_stride));
     put(kSlotK, {b, c.heads_kv, at.seqlen_kv, c.head_dim_qk}, four(at.k_stride));
     put(kSlotV, {b, c.heads_kv, at.seqlen_kv, c.head_dim_v}, four(at.v_stride));

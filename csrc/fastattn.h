@@ -122,7 +122,10 @@ Status execute(const Graph *g, Direction dir, int device, const intptr_t *slots,
 
 // A call of a shape-override plan (Config::shape_override, forward only) at lengths of its
 // own: at most the config's seqlen_q and seqlen_kv, and on the same side of seqlen_q == 1
-// (cuDNN's override does not cross it). Strides in (batch, head, seq, dim) order.
+// (cuDNN's override does not cross it). Strides in (batch, head, seq, dim) order, the
+// config's own along every dimension of more than one element: the tensors lie in buffers
+// laid out for the declared lengths (cuDNN may read them all), of which the call uses the
+// first seqlen_q and seqlen_kv rows.
 struct CallShape {
     int64_t seqlen_q = 0, seqlen_kv = 0;
     int64_t q_stride[4] = {}, k_stride[4] = {}, v_stride[4] = {}, o_stride[4] = {};

@@ -14,7 +14,6 @@ from libcpp.string cimport string
 from libcpp.vector cimport vector
 
 from fastattn import _arrays, _fields, defects as _defects
-from fastattn.config import named_strides
 from fastattn.errors import CorruptPlanError, InvalidArgumentError, NotSupportedError, error_for_code
 
 # The core's Config and its enums (csrc/config_gen.h) and the conversion _c_config, generated
@@ -290,11 +289,12 @@ cdef class Plan:
         A plan built with config.shape_override runs at its config's lengths, or at a
         call's own with at=(seqlen_q, seqlen_kv): each at most the config's, and one
         query row only where the config has one (cuDNN's override does not cross it).
-        The tensors are then laid out as the config's named layout at those lengths, or
-        as at=(seqlen_q, seqlen_kv, q_stride, k_stride, v_stride, o_stride) gives them
-        (4 strides each, in (batch, head, seq, dim) order; stats contiguous at
-        seqlen_q); give them as device addresses (ints): a device array is checked
-        against the config's own shapes.
+        The tensors stay in buffers laid out for the config's lengths (cuDNN may read
+        all of them; cudnn-frontend#1148), of which the call uses the first seqlen_q and
+        seqlen_kv rows. at=(seqlen_q, seqlen_kv, q_stride, k_stride, v_stride, o_stride)
+        (4 strides each, in (batch, head, seq, dim) order) states the strides: they must
+        be the config's along every dimension of more than one element (a batch of one
+        may have any batch stride). Give tensors as device addresses (ints).
 
         Asynchronous on `stream`: nothing is allocated, copied or synchronized.
         Raises InvalidArgumentError for a null, misaligned or unexpected pointer or an
@@ -469,6 +469,8 @@ def _graphless_plan(bint training=False, config=None):
     cdef Plan p = Plan.__new__(Plan)
     p._training = training
     p.config = config
+    if config is not None:
+        p._c = _c_config(config)  # (the core's view of the config, which at= reads)
     return p
 
 
@@ -546,7 +548,6 @@ def _at_strides(Plan p, at):
         raise InvalidArgumentError(f"at={_fields.show(at)}: expected (seqlen_q, seqlen_kv) or (seqlen_q, "
                                    "seqlen_kv, q_stride, k_stride, v_stride, o_stride)")
     sq, skv = _at_int("at[0] (seqlen_q)", at[0]), _at_int("at[1] (seqlen_kv)", at[1])
-    cfg = p.config
     if len(at) == 6:
         strides = []
         for i in range(2, 6):
@@ -556,19 +557,16 @@ def _at_strides(Plan p, at):
                                            "dim) order")
             strides.append([_at_int(f"at[{i}]", x) for x in s])
         return sq, skv, strides
-    if not isinstance(cfg.layout, str):
-        raise InvalidArgumentError("at: this plan's layout is explicit strides: give the call's own, (seqlen_q, "
-                                   "seqlen_kv, q_stride, k_stride, v_stride, o_stride)")
-    dims = {"q": (cfg.heads_q, sq, cfg.head_dim_qk), "k": (cfg.heads_kv, skv, cfg.head_dim_qk),
-            "v": (cfg.heads_kv, skv, cfg.head_dim_v), "o": (cfg.heads_q, sq, cfg.head_dim_v)}
-    return sq, skv, [named_strides(cfg.layout, cfg.batch, *dims[t]) for t in "qkvo"]
+    # The declared storage's strides: the config's own, as the core holds them
+    return sq, skv, [[p._c.q_stride[i] for i in range(4)], [p._c.k_stride[i] for i in range(4)],
+                     [p._c.v_stride[i] for i in range(4)], [p._c.o_stride[i] for i in range(4)]]
 
 
 cdef int _call_shape(Plan p, object at, CallShape* out) except -1:
-    """`at` as the core's CallShape: (seqlen_q, seqlen_kv), the tensors laid out as the
-    config's named layout at those lengths, or (seqlen_q, seqlen_kv, q_stride, k_stride,
-    v_stride, o_stride), each stride 4 ints in (batch, head, seq, dim) order. The core
-    checks them against the plan (lengths within its config's, strides positive)."""
+    """`at` as the core's CallShape: (seqlen_q, seqlen_kv), the tensors at the config's own
+    strides, or (seqlen_q, seqlen_kv, q_stride, k_stride, v_stride, o_stride), each stride
+    4 ints in (batch, head, seq, dim) order. The core checks them against the plan (lengths
+    within its config's, strides positive and the declared ones where the call steps)."""
     sq, skv, strides = _at_strides(p, at)
     out.seqlen_q = sq
     out.seqlen_kv = skv

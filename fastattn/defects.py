@@ -133,6 +133,14 @@ def _shape_override(c: AttentionConfig) -> bool:
     return c.shape_override
 
 
+def _override_not_causal(c: AttentionConfig) -> bool:
+    # What ran right with the declared strides: a plain top-left causal mask. Anything else
+    # (no mask, a window, ALiBi, a softcap, sinks, dropout) is unmeasured or measured wrong.
+    plain_causal = (c.mask == "causal" and c.alignment == "top_left" and c.window == (-1, -1) and not c.alibi
+                    and c.softcap is None and not c.sinks and not c.dropout)
+    return c.shape_override and not plain_causal
+
+
 def _batch_past_the_grid(c: AttentionConfig) -> bool:
     return c.batch > _GRID
 
@@ -186,24 +194,36 @@ DEFECTS: tuple[Defect, ...] = (
         reports=("https://github.com/NVIDIA/cudnn-frontend/issues/1071",),
         remedy=REFUSE,
     ),
-    # Measured by tools/override_probe on an H100 with cuDNN 9.24 and 9.28.1 (docs/BENCHMARKS.md,
-    # "Shape classes"): with the buffers laid out for the declared length and the dims alone
-    # overridden, the plan matched the exact plans bitwise (causal at 64 to 3968, and without a
-    # mask at 2048, but not at 1000, off the 64-row tile); with a call's own, shorter strides
-    # it computed another function or ran out of bounds. execute_at takes a call's own
-    # strides (a KV-cache slice, a tensor of the call's length), so the plan is refused.
+    # Measured by tools/override_probe on an H100 (docs/BENCHMARKS.md, "Shape classes"): with
+    # the tensors in the declared storage (buffers laid out for the declared length, the dims
+    # alone overridden; what execute_at now requires), cuDNN 9.28.1's plan matched the exact
+    # plans bitwise with a causal mask at 64 to 3968 of 4096; without a mask at 2048 too, but
+    # not at 1000 (off the 64-row tile). Before 9.28.1 only calls at other strides were run.
     Defect(
         name="sm90-sdpa-shape-override",
-        summary=("cuDNN's SM90 attention plan built with the shape override (cuDNN 9.21 and newer) gives wrong "
-                 "outputs or an illegal memory access when a call's strides are not the declared ones (tensors laid "
-                 "out for the call's own lengths), and wrong outputs without a causal mask at lengths off the "
-                 "64-row tile (measured with cuDNN 9.24 and 9.28.1 on an H100); use exact plans or ragged shape "
-                 "classes"),
+        summary=("cuDNN's SM90 attention plans built with the shape override (cuDNN 9.21 and newer) were not seen "
+                 "right before 9.28.1: with cuDNN 9.24 on an H100 they gave wrong outputs or an illegal memory "
+                 "access (at calls' own strides; the declared ones, which fastattn requires, were first run on "
+                 "9.28.1); use exact plans or ragged shape classes"),
         first=92100,
-        fixed=None,
+        fixed=92801,
         capabilities=_SM90,
         direction="forward",
         predicate=_shape_override,
+        reports=("https://github.com/NVIDIA/cudnn-frontend/pull/1148",),
+        remedy=REFUSE,
+    ),
+    Defect(
+        name="sdpa-shape-override-unmasked",
+        summary=("cuDNN's attention plan built with the shape override gives wrong outputs without a causal mask "
+                 "at lengths off its 64-row tile (measured with cuDNN 9.28.1 on an H100 at length 1000 of 4096; "
+                 "cudnn-frontend#1148 saw the same with 9.26 on SM89); only a plain top-left causal mask was seen "
+                 "right, so other masks and options are refused too; use exact plans or ragged shape classes"),
+        first=92100,
+        fixed=None,
+        capabilities=_SM90 | frozenset({(8, 9)}),
+        direction="forward",
+        predicate=_override_not_causal,
         reports=("https://github.com/NVIDIA/cudnn-frontend/pull/1148",),
         remedy=REFUSE,
     ),

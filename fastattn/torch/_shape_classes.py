@@ -4,10 +4,13 @@ call's own lengths given at run time. A new length inside a known class builds a
 nothing. A class plan is one of two kinds:
 
 - OVERRIDE (cuDNN >= 9.21): the dense bshd graph built with cuDNN's shape override; each
-  call gives its lengths and its tensors' strides at execute (Plan.forward's at=), so any
-  bshd strides are served and no device arrays are made. Inference only (the override is
-  forward only), not for calls with per-sequence lengths (seq_len_q), and not where cuDNN
-  refuses the override graph: those take the RAGGED plan.
+  call gives its lengths at execute (Plan.forward's at=), and no device arrays are made.
+  cuDNN reads the call's tensors in the declared storage (cudnn-frontend#1148), so only
+  calls whose q, k and v lie there are served (_in_declared_storage: a decode step from a
+  KV cache at least as long as the class, or buffers of the class's rows). Inference only
+  (the override is forward only), not for calls with per-sequence lengths (seq_len_q) or a
+  bottom-right diagonal, and not where cuDNN or the registry refuses the override graph:
+  those take the RAGGED plan.
 - RAGGED (every cuDNN): cuDNN's ragged (THD) graph, lengths and offsets read from device
   arrays, as follows.
 
@@ -234,8 +237,11 @@ def _dropout(rng) -> dict:
 
 
 def _forward_override(c: CachedPlan, q, k, v, rng):
-    """An inference call of an OVERRIDE plan (forward only): (o, None)."""
-    o = q.new_empty((*q.shape[:3], v.shape[3]))
+    """An inference call of an OVERRIDE plan (forward only): (o, None); o the first s_q rows
+    of a buffer of the declared rows (cuDNN's storage for it), contiguous (serve takes a
+    batch of one, or a call of the declared rows)."""
+    b, s_q, hq, _ = q.shape
+    o = q.new_empty((b, c.plan.config.seqlen_q, hq, v.shape[3]))[:, :s_q]
     stream = raw_stream(c.device)
     ws = workspace(q, c.forward_workspace, c.device, stream)
     c.plan.forward(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), 0, ws.data_ptr() if ws is not None else 0,
@@ -312,7 +318,9 @@ def serve(q, k, v, seq_len_q, seq_len_kv, rng, options, choice, grads: bool, ret
     if sc.KIND == OVERRIDE and seq_len_q is None and not options.training and _override_available() \
             and min(*q.stride(), *k.stride(), *v.stride()) > 0 and not _bottom_right(options):
         upper_q, upper_kv = classes.upper(q.shape[1]), classes.upper(k.shape[1])
-        if upper_q is not None and upper_kv is not None:
+        if upper_q is not None and upper_kv is not None and _in_declared_storage(q, upper_q) \
+                and _in_declared_storage(k, upper_kv) and _in_declared_storage(v, upper_kv) \
+                and (q.shape[0] == 1 or q.shape[1] == upper_q):  # (o: the declared rows' first s_q, contiguous)
             _check(q, k, v, seq_len_q, seq_len_kv)
             copts = _class_plan(q, k, v, ClassOptions(options, upper_q, upper_kv, OVERRIDE))
     if copts is None:
@@ -338,6 +346,21 @@ def serve(q, k, v, seq_len_q, seq_len_kv, rng, options, choice, grads: bool, ret
     if not options.training:
         return forward_impl(*tensors, copts)[0]
     return _executor.Train.apply(_module, copts, False, *tensors)
+
+
+def _in_declared_storage(t: torch.Tensor, upper: int) -> bool:
+    """t (bshd) lies where an override plan declared for `upper` rows reads it: cuDNN reads a
+    call's tensors in the declared storage (cudnn-frontend#1148), so t's strides are the
+    declared ones (bshd at `upper`) along every dimension of more than one element, and its
+    storage holds the declared rows (cuDNN may read past the call's). A decode step's one
+    query, and a batch of one's keys from a KV cache at least `upper` long, are so; a fresh
+    tensor shorter than its class is not (its calls take the ragged plan)."""
+    b, _, h, d = t.shape
+    declared = (upper * h * d, h * d, d, 1)
+    if any(n > 1 and st != want for n, st, want in zip(t.shape, t.stride(), declared)):
+        return False
+    span = (b - 1) * t.stride(0) + upper * h * d  # elements from t's first to the declared end
+    return t.storage_offset() + span <= t.untyped_storage().nbytes() // t.element_size()
 
 
 def _bottom_right(options) -> bool:

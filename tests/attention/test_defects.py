@@ -60,12 +60,26 @@ def test_the_single_query_defect(seqlen_q, seqlen_kv, hit):
     assert ("sm90-bwd-single-query" in names(cfg)) == hit
 
 
-@pytest.mark.parametrize("version,capability,hit", [(92400, (9, 0), True), (92100, (9, 0), True),
-                                                    (92400, (10, 0), False)])
-def test_a_shape_override_plan_is_refused_on_sm90(version, capability, hit):
-    cfg = AttentionConfig(batch=2, heads_q=4, seqlen_q=256, head_dim_qk=64, dtype="bf16", shape_override=True)
+@pytest.mark.parametrize("version,capability,fields,refused_by", [
+    (92100, (9, 0), dict(mask="causal"), {"sm90-sdpa-shape-override"}),
+    (92400, (9, 0), dict(mask="causal"), {"sm90-sdpa-shape-override"}),  # not run at the declared strides
+    (92400, (9, 0), dict(), {"sm90-sdpa-shape-override", "sdpa-shape-override-unmasked"}),
+    (92801, (9, 0), dict(mask="causal"), set()),  # bitwise right at the declared strides (9.28.1, H100)
+    (93000, (9, 0), dict(mask="causal"), set()),
+    (92801, (9, 0), dict(), {"sdpa-shape-override-unmasked"}),  # wrong off the 64-row tile
+    (92801, (9, 0), dict(mask="causal", window=(128, 0)), {"sdpa-shape-override-unmasked"}),  # unmeasured
+    (92801, (9, 0), dict(mask="causal", softcap=30.0), {"sdpa-shape-override-unmasked"}),
+    (92400, (10, 0), dict(), set()),
+    (92600, (8, 9), dict(), {"sdpa-shape-override-unmasked"}),  # cudnn-frontend#1148's L20
+    (92600, (8, 9), dict(mask="causal"), set()),
+])
+def test_which_shape_override_plans_are_refused_on_sm90(version, capability, fields, refused_by):
+    cfg = AttentionConfig(batch=2, heads_q=4, seqlen_q=256, head_dim_qk=64, dtype="bf16", shape_override=True,
+                          **fields)
     decision = defects.decide(cfg, version, capability)
-    assert ("sm90-sdpa-shape-override" in decision.refusal) == hit
+    assert {d.name for d in decision.avoided} == refused_by
+    assert all(name in decision.refusal for name in refused_by) and bool(decision.refusal) == bool(refused_by)
+    assert not defects.decide(cfg.replace(shape_override=False), version, capability)  # the override's alone
 
 
 @pytest.mark.parametrize("fields,name,hit", [

@@ -1,7 +1,9 @@
 """GPU: shape-override plans (config.shape_override, cuDNN >= 9.21, forward only): one plan
-declared for the longest lengths runs each call at its own (Plan.forward's at=), against a
-float64 reference on fresh random data at that length, outputs poisoned first. Below
-cuDNN 9.21 the plan is refused with cudnn-frontend's reason, which is asserted there."""
+declared for the longest lengths runs each call at its own (Plan.forward's at=), its tensors
+in buffers laid out for the declared lengths (cuDNN's contract, cudnn-frontend#1148), against
+a float64 reference on fresh random data at the call's lengths, outputs poisoned first. Below
+cuDNN 9.21 the plan is refused with cudnn-frontend's reason, and where fastattn.defects
+refuses it (SM90) with the defect's; both are asserted there."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ import numpy as np
 import pytest
 
 import fastattn
-from fastattn import AttentionConfig, runtime
+from fastattn import AttentionConfig, defects, runtime
 from fastattn.errors import InvalidArgumentError, NotSupportedError
 
 from helpers.gpu import DeviceBuffer, Tensor, random_inputs, reference, rel_error, synchronize
@@ -32,16 +34,17 @@ def _declared(**fields) -> AttentionConfig:
 
 
 def _plan_or_refusal(cfg: AttentionConfig):
-    """The plan where cuDNN >= 9.21 runs it; below 9.21 cudnn-frontend's refusal, and on SM90
-    the known defect's (fastattn.defects: sm90-sdpa-shape-override), are asserted and the test
-    ends there."""
+    """The plan where cuDNN >= 9.21 runs it; below 9.21 cudnn-frontend's refusal, and where
+    the registry refuses it (fastattn.defects: sm90-sdpa-shape-override*) the defect's, are
+    asserted and the test ends there."""
     import torch
 
     if _cudnn() < 92100:
         with pytest.raises(NotSupportedError, match="9.21"):
             fastattn.plan(cfg)
         return None
-    if torch.cuda.get_device_capability() == (9, 0):
+    decision = defects.decide(cfg, _cudnn(), torch.cuda.get_device_capability())
+    if decision.refusal:
         with pytest.raises(NotSupportedError, match="sm90-sdpa-shape-override"):
             fastattn.plan(cfg)
         return None
@@ -49,16 +52,19 @@ def _plan_or_refusal(cfg: AttentionConfig):
 
 
 class Call:
-    """One call at (s_q, s_kv) of a plan declared longer: its tensors laid out as the
-    config's layout at those lengths (an exact config of the call describes them)."""
+    """One call at (s_q, s_kv) of a plan declared longer: its tensors in buffers of the
+    declared lengths (the rows past the call's hold other finite values, which must not
+    reach o), its reference on the call's rows alone."""
 
     def __init__(self, plan, s_q: int, s_kv: int, seed: int):
-        self.plan = plan
-        self.at = plan.config.replace(seqlen_q=s_q, seqlen_kv=s_kv, shape_override=False)
+        self.plan, self.s_q = plan, s_q
+        declared = plan.config.replace(shape_override=False)
+        self.at = declared.replace(seqlen_q=s_q, seqlen_kv=s_kv)
         rng = np.random.default_rng(seed)
-        self.q, self.k, self.v, _ = random_inputs(self.at, rng, backward=False)
-        self.t = {n: Tensor(self.at, n) for n in ("q", "k", "v", "o")}
-        for n, x in (("q", self.q), ("k", self.k), ("v", self.v)):
+        q, k, v, _ = random_inputs(declared, rng, backward=False)
+        self.q, self.k, self.v = q[:, :, :s_q], k[:, :, :s_kv], v[:, :, :s_kv]
+        self.t = {n: Tensor(declared, n) for n in ("q", "k", "v", "o")}
+        for n, x in (("q", q), ("k", k), ("v", v)):
             self.t[n].write(x)
         self.ws = DeviceBuffer(plan.workspace_size)
 
@@ -67,6 +73,10 @@ class Call:
         self.plan.forward(t["q"].ptr, t["k"].ptr, t["v"].ptr, t["o"].ptr, workspace=self.ws.ptr,
                           at=at or (self.at.seqlen_q, self.at.seqlen_kv))
         synchronize()
+
+    def error(self) -> float:
+        o_ref, _, _ = reference(self.at, self.q, self.k, self.v)
+        return rel_error(self.t["o"].read()[:, :, :self.s_q], o_ref)
 
 
 @pytest.mark.parametrize("mask", ["none", "causal"])
@@ -79,8 +89,7 @@ def test_one_forward_plan_serves_every_length_up_to_its_own(mask, dtype):
     for n in (2, 17, 64, 100, 255, 256, 257, 511, DECLARED):
         call = Call(plan, n, n, seed=n)
         call.forward()
-        o_ref, _, _ = reference(call.at, call.q, call.k, call.v)
-        errors[n] = rel_error(call.t["o"].read(), o_ref)
+        errors[n] = call.error()
     assert all(e < FWD_TOL[dtype] for e in errors.values()), errors
 
 
@@ -93,8 +102,7 @@ def test_queries_and_keys_of_different_lengths():
     for s_q, s_kv in ((100, 300), (37, 37), (200, 512), (512, 512)):
         call = Call(plan, s_q, s_kv, seed=s_q * 1000 + s_kv)
         call.forward()
-        o_ref, _, _ = reference(call.at, call.q, call.k, call.v)
-        errors[(s_q, s_kv)] = rel_error(call.t["o"].read(), o_ref)
+        errors[(s_q, s_kv)] = call.error()
     assert all(e < FWD_TOL["bf16"] for e in errors.values()), errors
 
 
@@ -106,8 +114,7 @@ def test_a_decode_plan_serves_every_cache_length():
     for n in (1, 63, 1000, 4096):
         call = Call(plan, 1, n, seed=n)
         call.forward()
-        o_ref, _, _ = reference(call.at, call.q, call.k, call.v)
-        errors[n] = rel_error(call.t["o"].read(), o_ref)
+        errors[n] = call.error()
     assert all(e < FWD_TOL["bf16"] for e in errors.values()), errors
 
 
@@ -147,26 +154,29 @@ def test_without_at_the_plan_runs_at_its_declared_lengths():
     assert rel_error(t["o"].read(), o_ref) < FWD_TOL["bf16"]
 
 
-def test_explicit_strides_serve_a_cache_slice():
-    # k and v: the first n keys of a cache twice as long (their batch stride is the cache's).
+def test_strides_must_be_the_declared_ones_where_the_call_steps():
     plan = _plan_or_refusal(_declared(mask="causal", seqlen_q=64))
     if plan is None:
         return
-    cfg, n = plan.config, 300
-    cache = cfg.replace(seqlen_kv=2 * DECLARED, shape_override=False)
-    rng = np.random.default_rng(9)
-    q = random_inputs(cfg.replace(seqlen_q=16, shape_override=False), rng, backward=False)[0]
-    _, k_all, v_all, _ = random_inputs(cache, rng, backward=False)
-    t = {"q": Tensor(cfg.replace(seqlen_q=16, seqlen_kv=n, shape_override=False), "q"),
-         "o": Tensor(cfg.replace(seqlen_q=16, seqlen_kv=n, shape_override=False), "o"),
-         "k": Tensor(cache, "k"), "v": Tensor(cache, "v")}
-    t["q"].write(q)
-    t["k"].write(k_all)
-    t["v"].write(v_all)
-    ws = DeviceBuffer(plan.workspace_size)
-    at = (16, n, t["q"].strides, t["k"].strides, t["v"].strides, t["o"].strides)
-    plan.forward(t["q"].ptr, t["k"].ptr, t["v"].ptr, t["o"].ptr, workspace=ws.ptr, at=at)
-    synchronize()
-    call = cfg.replace(seqlen_q=16, seqlen_kv=n, shape_override=False)
-    o_ref, _, _ = reference(call, q, k_all[:, :, :n], v_all[:, :, :n])
-    assert rel_error(t["o"].read(), o_ref) < FWD_TOL["bf16"]
+    call = Call(plan, 16, 300, seed=9)
+    t = call.t
+    declared = [tuple(t[n].strides) for n in "qkvo"]
+    call.forward(at=(16, 300, *declared))  # the declared strides, stated: the same call
+    assert call.error() < FWD_TOL["bf16"]
+    # k as the first keys of a cache twice as long: another batch stride, with a batch of 2
+    cache_k = (2 * declared[1][0],) + declared[1][1:]
+    with pytest.raises(InvalidArgumentError, match=r"k's strides \(\d+, 128, 256, 1\) are not the plan's declared"):
+        plan.forward(t["q"].ptr, t["k"].ptr, t["v"].ptr, t["o"].ptr, workspace=call.ws.ptr,
+                     at=(16, 300, declared[0], cache_k, declared[2], declared[3]))
+
+
+def test_a_batch_of_one_takes_any_batch_stride():
+    # (nothing steps along a batch of one: a tensor of the call's own length, bshd, has the
+    # declared strides but its batch stride)
+    plan = _plan_or_refusal(_declared(mask="causal", batch=1))
+    if plan is None:
+        return
+    call = Call(plan, 100, 100, seed=3)
+    own = [(100 * s[2],) + tuple(s[1:]) for s in (call.t[n].strides for n in "qkvo")]
+    call.forward(at=(100, 100, *own))
+    assert call.error() < FWD_TOL["bf16"]

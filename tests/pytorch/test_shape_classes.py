@@ -18,7 +18,7 @@ class RecordingPlan:
     forward_workspace_size = backward_workspace_size = 0
 
     def __init__(self, cfg):
-        self.cfg, self.calls = cfg, []
+        self.config, self.calls = cfg, []
 
     def forward(self, *args, **kw):
         self.calls.append(("forward", args, kw))
@@ -363,27 +363,51 @@ def test_arrays_made_inside_a_capture_are_distinct_and_held(monkeypatch):
 
 # -- shape-override class plans (cuDNN >= 9.21) ----------------------------------------------
 
+def declared_rows(b, s, h, d, upper):
+    """A tensor of s rows at the start of a buffer of `upper` (bshd): in an override plan's
+    declared storage."""
+    return meta(b, upper, h, d)[:, :s]
+
+
 def test_an_override_class_plan_serves_each_length_at_its_own_shape(override):
     for s in (100, 200, 256, 2):
-        q, k, v = meta(2, s, 8, 64), meta(2, s, 2, 64), meta(2, s, 2, 64)
+        q, k, v = declared_rows(1, s, 8, 64, 256), declared_rows(1, s, 2, 64, 256), declared_rows(1, s, 2, 64, 256)
         o = _api.attention(q, k, v, causal=True, shape_classes=(256, 1024))
-        assert o.shape == (2, s, 8, 64)
+        assert o.shape == (1, s, 8, 64) and o.is_contiguous()
         plan = _plans.plans[next(iter(_plans.plans))].plan
         _, args, kw = plan.calls[-1]
-        # The call's lengths, and each tensor's strides in (b, h, s, d) order; no arrays.
-        assert kw == {"at": (s, s, (s * 512, 64, 512, 1), (s * 128, 64, 128, 1), (s * 128, 64, 128, 1),
-                             (s * 512, 64, 512, 1))}
+        # The call's lengths, and each tensor's strides in (b, h, s, d) order (the declared
+        # buffers'; o's too); no arrays.
+        assert kw == {"at": (s, s, (256 * 512, 64, 512, 1), (256 * 128, 64, 128, 1), (256 * 128, 64, 128, 1),
+                             (256 * 512, 64, 512, 1))}
     assert len(override) == 1
     cfg = override[0]
     assert (cfg.shape_override, cfg.ragged, cfg.padding, cfg.seqlen_q, cfg.seqlen_kv, cfg.layout, cfg.mask) == \
         (True, False, False, 256, 256, "bshd", "causal")
 
 
+@pytest.mark.parametrize("tensors", [
+    lambda: (meta(1, 100, 8, 64), meta(1, 100, 2, 64), meta(1, 100, 2, 64)),  # shorter than the class: no storage
+    lambda: (declared_rows(2, 100, 8, 64, 256),) + (declared_rows(2, 100, 2, 64, 256),) * 2,  # o not contiguous
+    lambda: (meta(2, 100, 8, 64), meta(2, 512, 2, 64)[:, :100], meta(2, 512, 2, 64)[:, :100]),  # other strides
+    lambda: (declared_rows(1, 100, 8, 64, 256),) + (meta(1, 200, 2, 64)[:, :100],) * 2,  # a cache too short
+])
+def test_a_call_outside_the_declared_storage_takes_the_ragged_plan(override, tensors):
+    # cuDNN reads an override call's tensors in the declared storage (cudnn-frontend#1148):
+    # a call whose tensors do not lie so takes the ragged class plan (where its tensors are
+    # packed) or its exact plan.
+    q, k, v = tensors()
+    _api.attention(q, k, v, causal=True, shape_classes=(256, 1024))
+    assert not any(c.shape_override for c in override)
+
+
 def test_an_override_plan_takes_a_cache_slice_at_the_caches_strides(override):
-    # (a decode step without a mask: every key of the cache slice is the query's)
-    cache_k, cache_v = meta(4, 4096, 2, 128), meta(4, 4096, 2, 128)
+    # A decode step without a mask (every key of the cache slice is the query's), batch 1: a
+    # cache at least as long as the class holds its declared rows, and nothing steps along
+    # its batch stride.
+    cache_k, cache_v = meta(1, 4096, 2, 128), meta(1, 4096, 2, 128)
     for n in (1025, 1500, 2048):
-        _api.attention(meta(4, 1, 8, 128), cache_k[:, :n], cache_v[:, :n], shape_classes=(1024, 2048))
+        _api.attention(meta(1, 1, 8, 128), cache_k[:, :n], cache_v[:, :n], shape_classes=(1024, 2048))
     assert len(override) == 1 and (override[0].seqlen_q, override[0].seqlen_kv) == (1, 2048)
     _, _, kw = _plans.plans[next(iter(_plans.plans))].plan.calls[-1]
     assert kw["at"][:2] == (1, 2048) and kw["at"][3] == (4096 * 256, 128, 256, 1)  # the cache's batch stride
@@ -418,7 +442,7 @@ def test_an_override_plan_cudnn_refuses_leaves_the_call_the_ragged_one(override,
 
     monkeypatch.setattr(fastattn, "plan", plan)
     for s in (100, 120):
-        q, k, v = (meta(1, s, 4, 64) for _ in range(3))
+        q, k, v = (declared_rows(1, s, 4, 64, 128) for _ in range(3))
         _api.attention(q, k, v, shape_classes=(128,))
     assert [c.shape_override for c in asked] == [True, False]  # each asked once
     _, _, kw = _plans.plans[next(iter(_plans.plans))].plan.calls[-1]
@@ -433,7 +457,7 @@ def test_a_training_call_takes_the_ragged_class_plan(override):
     o.backward(torch.ones_like(o))
     assert [(c.ragged, c.shape_override, c.training) for c in override] == [(True, False, True)]
     with torch.no_grad():
-        _api.attention(*(meta(2, 40, 4, 64) for _ in range(3)), shape_classes=(64,))
+        _api.attention(*(declared_rows(1, 40, 4, 64, 64) for _ in range(3)), shape_classes=(64,))
     assert [c.shape_override for c in override] == [False, True]
 
 

@@ -232,3 +232,37 @@ def test_class_plans_captured_in_a_cuda_graph_replay_right(batch):
             for i, ((q, k, v), o) in enumerate(zip(tensors, outs)):
                 torch.testing.assert_close(o.double(), reference(q, k, v, True, False), atol=2e-2, rtol=2e-2,
                                            msg=lambda m, i=i, step=step: f"call {i}, replay {step}: {m}")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_override_class_plans_serve_calls_in_their_declared_storage(dtype, monkeypatch):
+    # shape_classes.KIND "override": a causal prefill in the first rows of buffers of the
+    # class's bound (batch 1) takes the override plan where the loaded cuDNN has it (>= 9.21)
+    # and the registry does not refuse it (fastattn.defects); else the ragged one. Either way
+    # the outputs are right, and a second length in the class builds nothing.
+    from fastattn import defects
+    from fastattn import shape_classes as sc
+    from fastattn.torch import _shape_classes
+
+    monkeypatch.setattr(sc, "KIND", "override")
+    hq, hkv, d, upper = 4, 2, 64, 512
+    bufs = [torch.randn(1, upper, h, d, device="cuda", dtype=dtype) for h in (hq, hkv, hkv)]
+    before = None
+    for n in (129, 200, 300, 512):
+        q, k, v = (t[:, :n] for t in bufs)
+        o = _api.attention(q, k, v, causal=True, shape_classes=CLASSES)
+        assert o.shape == (1, n, hq, d) and o.is_contiguous()
+        torch.testing.assert_close(o.double(), reference(q, k, v, True), atol=FWD_TOL[dtype], rtol=FWD_TOL[dtype])
+        if before is None:
+            before = _counts()
+        else:
+            assert _counts() == before, "a second length in the class built or loaded a plan"
+    # (this test's class plans: batch 1, its heads and dtype, declared for 512 rows)
+    kinds = {key[-1].kind for key in _plans.plans if key[0] == "class" and key[1] == 1
+             and tuple(key[2]) == (hq, d) and key[5] == dtype and key[-1].upper_q == upper}
+    loaded = fastattn.versions()["cudnn_loaded"] or 0
+    cfg = fastattn.AttentionConfig(batch=1, heads_q=hq, heads_kv=hkv, seqlen_q=upper, head_dim_qk=d,
+                                   dtype="bf16" if dtype == torch.bfloat16 else "fp16", mask="causal",
+                                   shape_override=True)
+    served = loaded >= 92100 and not defects.decide(cfg, loaded, torch.cuda.get_device_capability()).refusal
+    assert kinds == ({_shape_classes.OVERRIDE} if served else {_shape_classes.RAGGED}), (kinds, loaded)

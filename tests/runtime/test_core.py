@@ -230,11 +230,15 @@ def test_a_good_call_shape_reaches_the_core(at):
         _core._graphless_plan(config=_OVERRIDE).forward(16, 16, 16, 16, at=at)
 
 
-def test_at_without_strides_lays_the_tensors_out_in_the_configs_layout():
+def test_at_without_strides_keeps_the_tensors_in_the_declared_storage():
+    # cuDNN reads a call's tensors in the buffers laid out for the declared lengths
+    # (cudnn-frontend#1148): the call's lengths change, the strides stay the config's.
     sq, skv, strides = _core._at_strides(_core._graphless_plan(config=_OVERRIDE), (100, 30))
     assert (sq, skv) == (100, 30)
-    assert strides == [(100 * 4 * 64, 64, 4 * 64, 1), (30 * 2 * 64, 64, 2 * 64, 1), (30 * 2 * 64, 64, 2 * 64, 1),
-                       (100 * 4 * 64, 64, 4 * 64, 1)]
+    assert strides == [[256 * 4 * 64, 64, 4 * 64, 1], [256 * 2 * 64, 64, 2 * 64, 1], [256 * 2 * 64, 64, 2 * 64, 1],
+                       [256 * 4 * 64, 64, 4 * 64, 1]]
+    bhsd = _OVERRIDE.replace(layout="bhsd", seqlen_kv=512)
+    assert _core._at_strides(_core._graphless_plan(config=bhsd), (7, 9))[2][1] == [2 * 512 * 64, 512 * 64, 64, 1]
 
 
 _ANY = st.recursive(st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats() | st.text(max_size=4)
