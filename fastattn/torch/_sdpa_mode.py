@@ -13,10 +13,7 @@ operators:
   choice, its errors. So does every call while the cuDNN backend is disabled
   (torch.backends.cuda.cudnn_sdp_enabled() False: an `sdpa_kernel` context without
   CUDNN_ATTENTION, or `enable_cudnn_sdp(False)`), as PyTorch would not run cuDNN for it:
-  a user who restricts the backends gets those backends' kernels and numerics. And so
-  does a call with a backward while torch.use_deterministic_algorithms(True) is set
-  without warn_only: PyTorch's choice then leaves its cuDNN backend out too, and gives the
-  call a backend with a deterministic backward, or its error where none is enabled.
+  a user who restricts the backends gets those backends' kernels and numerics.
 - `aten::_scaled_dot_product_cudnn_attention` and its backward (`_forward`, `_backward`):
   what the composite's served calls run, and what PyTorch's composite, torch.compile's
   graphs or a direct caller give the cuDNN operator. A call fastattn cannot take exactly
@@ -29,10 +26,13 @@ the graph, whose Meta kernel, PyTorch's, gives the shapes), so compiled graphs a
 CUDA-graph captures are served without a graph break; a TorchFunctionMode would be per
 thread and cost host time on every torch call.
 
-Determinism: the mode's backward is fastattn's dense backward without cuDNN's
-deterministic algorithm; where it runs while torch.use_deterministic_algorithms(True) is
-set (warn_only, or a forward served before the flag was set), it warns or raises as
-PyTorch's cuDNN backward does (fastattn.torch._executor.alert_not_deterministic).
+Determinism: while torch.use_deterministic_algorithms(True) is set without warn_only, a
+call with a backward (and any backward, whenever its forward ran) takes cuDNN's
+deterministic backward, a plan of its own (DenseOptions.deterministic); where cuDNN builds
+none for it, PyTorch's choice runs it (NO_DETERMINISTIC), which leaves its own cuDNN
+backend out and gives a deterministic backend, or its error where none is enabled. With
+warn_only the mode serves as PyTorch's cuDNN backend does: cuDNN's default backward,
+which warns (fastattn.torch._executor.alert_not_deterministic).
 
 What fastattn takes: float16 / bfloat16 CUDA tensors of 4 dims, heads_q a multiple of
 heads_kv (enable_gqa), a boolean mask or an additive one in the query's dtype or float32
@@ -75,19 +75,21 @@ FALLBACK_FORWARD_ARGS = ("query", "key", "value", "attn_bias", "cum_seq_q", "cum
 
 # Why the composite kernel hands a call to PyTorch's composite before a route is asked:
 # its tensors are not ones a route is kept for, or PyTorch raises its own error for them,
-# or the user's choice of backends leaves cuDNN out, or the user requires deterministic
-# algorithms (without warn_only) of a call with a backward, which PyTorch's own choice then
-# gives a backend with a deterministic backward (or, with none enabled, its error) (the op
-# library's kernel is given these, by index: csrc/sdpa.cpp early() and composite()).
+# or the user's choice of backends leaves cuDNN out (the op library's kernel is given
+# these, by index: csrc/sdpa.cpp early() and composite()).
 EARLY = ("query, key, value or attn_mask: not a plain strided tensor of static shape on the query's device, "
          "or query, key, value not of 4 dims",
          "attn_mask: requires grad, or is neither boolean nor floating, or has fewer than 2 dims (PyTorch 2.11's "
          "SDPA raises an IndexError for it) or does not broadcast to (batch, heads, seq_q, seq_kv)",
          "heads: key and value have fewer heads than query and enable_gqa is False (PyTorch's error)",
          "PyTorch's cuDNN SDPA backend is disabled (torch.backends.cuda.cudnn_sdp_enabled() is False: an "
-         "sdpa_kernel context without CUDNN_ATTENTION, or enable_cudnn_sdp(False)): the backends enabled run it",
-         "torch.use_deterministic_algorithms(True) and a call with a backward: fastattn's cuDNN backward is not "
-         "deterministic; PyTorch's deterministic backends run it (its cuDNN backend stands aside too)")
+         "sdpa_kernel context without CUDNN_ATTENTION, or enable_cudnn_sdp(False)): the backends enabled run it")
+# A route's refusal of a call with a backward while torch.use_deterministic_algorithms(True)
+# is set without warn_only (the route then asks for cuDNN's deterministic backward, and
+# this is its answer where cuDNN builds none for the call): PyTorch's own choice, which
+# leaves its cuDNN backend out there, runs it on a deterministic backend (or raises).
+NO_DETERMINISTIC = ("torch.use_deterministic_algorithms(True) and a call with a backward: cuDNN builds no "
+                    "deterministic backward for it here; PyTorch's deterministic backends run it")
 # torch.backends.cuda.cudnn_sdp_enabled() without its Python wrapper: the process-wide flag
 # that sdpa_kernel(...), torch.backends.cuda.enable_cudnn_sdp(...) and the deprecated
 # sdp_kernel(enable_cudnn=...) set, and PyTorch's own backend choice reads per call.
@@ -140,10 +142,10 @@ def enable_sdpa() -> None:
     backend is disabled (torch.backends.cuda.cudnn_sdp_enabled() False: inside
     `sdpa_kernel(...)` without SDPBackend.CUDNN_ATTENTION, or after
     `enable_cudnn_sdp(False)`, which a library may call process-wide), every call is
-    PyTorch's, on the backends enabled; so is every call with a backward while
-    torch.use_deterministic_algorithms(True) is set without warn_only (fastattn's backward
-    is not deterministic; with warn_only the mode serves it and its backward warns, as
-    PyTorch's cuDNN backward does). A mask's rows that keep no key (False, or -inf,
+    PyTorch's, on the backends enabled. While torch.use_deterministic_algorithms(True) is
+    set without warn_only, a call with a backward takes cuDNN's deterministic backward, or
+    is PyTorch's where cuDNN builds none for it; with warn_only the mode serves it with
+    cuDNN's default backward, which warns, as PyTorch's cuDNN backward does. A mask's rows that keep no key (False, or -inf,
     throughout) give zeros, as PyTorch's math kernel. Works under torch.compile
     (fullgraph: the cuDNN operator, not fastattn's Python, is what the graph holds) and
     CUDA-graph capture (after one call of each shape outside the capture, as
@@ -348,21 +350,31 @@ def _bias(attn_bias: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor, trai
     return m if m.is_contiguous() else m.contiguous()
 
 
-def _signature(q, k, v, attn_bias, dropout_p, is_causal, scale, training) -> tuple:
+def _signature(q, k, v, attn_bias, dropout_p, is_causal, scale, training, deterministic) -> tuple:
     bias = None if attn_bias is None else (attn_bias.shape, attn_bias.stride(), attn_bias.dtype)
     return (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype,
-            q.get_device(), bias, float(dropout_p), bool(is_causal), scale, bool(training))
+            q.get_device(), bias, float(dropout_p), bool(is_causal), scale, bool(training), bool(deterministic))
 
 
-def _route(q, k, v, attn_bias, dropout_p, is_causal, scale, training) -> _Route | str:
+def _strict() -> bool:
+    """torch.use_deterministic_algorithms(True) without warn_only: a call with a backward
+    then takes cuDNN's deterministic backward, or PyTorch's kernels (NO_DETERMINISTIC).
+    With warn_only the mode serves as PyTorch's cuDNN backend does: its default backward,
+    which warns (PyTorch's test_fused_backwards_throws_determinism_warning)."""
+    return deterministic_algorithms() and not deterministic_warn_only()
+
+
+def _route(q, k, v, attn_bias, dropout_p, is_causal, scale, training, deterministic=False) -> _Route | str:
     """fastattn's way to run this call, or why PyTorch's kernels run it. One dict lookup
-    once the signature has been seen."""
-    key = _signature(q, k, v, attn_bias, dropout_p, is_causal, scale, training)
+    once the signature has been seen. deterministic: a training call's route takes cuDNN's
+    deterministic backward (_strict)."""
+    deterministic = bool(deterministic and training)
+    key = _signature(q, k, v, attn_bias, dropout_p, is_causal, scale, training, deterministic)
     hit = _routes.get(key)
     if hit is not None:
         hit[1] = _clock[0]
         return hit[0]
-    route = _decide(q, k, v, attn_bias, dropout_p, is_causal, scale, training)
+    route = _decide(q, k, v, attn_bias, dropout_p, is_causal, scale, training, deterministic)
     if isinstance(route, _Route) or not (q.is_cuda and capturing()):
         # (a refusal inside a capture, for a plan not loaded yet, is not kept: the same call
         # outside a capture can load it)
@@ -386,7 +398,7 @@ def _keep(key: tuple, route: _Route | str) -> None:
             bounded.evicted("sdpa_routes", drop)
 
 
-def _decide(q, k, v, attn_bias, dropout_p, is_causal, scale, training) -> _Route | str:
+def _decide(q, k, v, attn_bias, dropout_p, is_causal, scale, training, deterministic=False) -> _Route | str:
     if q.dtype not in DTYPES or not (q.dtype == k.dtype == v.dtype):
         return f"dtype {q.dtype}: fastattn takes float16 and bfloat16"
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
@@ -401,11 +413,13 @@ def _decide(q, k, v, attn_bias, dropout_p, is_causal, scale, training) -> _Route
     if layout is None:
         return f"query strides {q.stride()}: in no memory order fastattn reads (bhsd, bshd, sbhd)"
     options = _dense.DenseOptions(layout, bool(is_causal), False, -1, -1, 0.0 if scale is None else float(scale),
-                                  False, False, bool(training), float(dropout_p), False, 0.0)
+                                  bool(deterministic), False, bool(training), float(dropout_p), False, 0.0)
     ql, kl, vl = _views(layout, q, k, v)
     try:
         _dense.plan_for(ql, kl, vl, None, None, _bias(attn_bias, q, k, training), None, None, None, options)
     except (NotSupportedError, InvalidArgumentError) as e:  # cuDNN's refusal, or a plan not loadable now
+        if deterministic and isinstance(e, NotSupportedError):
+            return NO_DETERMINISTIC
         return f"{type(e).__name__}: {e}"
     except FastAttnError as e:
         # fastattn cannot run here (cuDNN not loadable, a CUDA or cuDNN failure): the mode
@@ -505,7 +519,8 @@ def _forward(query, key, value, attn_bias, compute_log_sumexp, dropout_p=0.0, is
     gives (output in the query's memory order, logsumexp (b, h, seq_q, 1) float32, the
     lengths, Philox's seed and offset as 0-d int64 tensors; cum_seq and the debug mask
     undefined, as PyTorch's Meta kernel returns them)."""
-    route = _route(query, key, value, attn_bias, dropout_p, is_causal, scale, compute_log_sumexp)
+    route = _route(query, key, value, attn_bias, dropout_p, is_causal, scale, compute_log_sumexp,
+                   compute_log_sumexp and _strict())
     counted = getattr(_local, "counted", False)  # (the composite's call, counted there)
     if not isinstance(route, _Route) or return_debug_mask:
         if not counted:
@@ -538,7 +553,9 @@ def _backward(grad_out, query, key, value, out, logsumexp, philox_seed, philox_o
     """aten::_scaled_dot_product_cudnn_attention_backward's CUDA kernel: (d_query, d_key,
     d_value), from the side (fastattn or PyTorch's) that ran the forward."""
     bias = attn_bias if attn_bias is not None and attn_bias.numel() else None
-    route = _route(query, key, value, bias, dropout_p, is_causal, scale, True)
+    # (determinism as required now, at the backward: a forward run before it was required
+    # takes the deterministic backward too, the forward graph being the same)
+    route = _route(query, key, value, bias, dropout_p, is_causal, scale, True, _strict())
     if not isinstance(route, _Route):
         return torch.ops.aten._cudnn_attention_backward(
             grad_out, query, key, value, out, logsumexp, philox_seed, philox_offset, attn_bias, cum_seq_q, cum_seq_k,
@@ -640,11 +657,9 @@ def _composite(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False
     # PyTorch's composite asks its kernels for the logsumexp only where autograd needs it.
     lse = reason is None and torch.is_grad_enabled() and (query.requires_grad or key.requires_grad
                                                           or value.requires_grad)
-    if lse and deterministic_algorithms() and not deterministic_warn_only():
-        reason = EARLY[4]
     if reason is None:
         bias, empty = _composite_bias(attn_mask, query, lse)
-        route = _route(query, key, value, bias, dropout_p, is_causal, scale, lse)
+        route = _route(query, key, value, bias, dropout_p, is_causal, scale, lse, lse and _strict())
         if isinstance(route, _Route):
             _count(None)
             _local.counted = True

@@ -105,11 +105,16 @@ def test_every_python_backward_launch_alerts_before_its_work_unless_its_plan_is_
                     backward()
 
 
-def test_the_sdpa_modes_python_backward_alerts_through_the_dense_launch(monkeypatch):
-    # The mode's backward kernel runs _dense.backward_impl, whose launch alerts: a forward
-    # served before determinism was set gets PyTorch's error at its backward.
+def test_the_sdpa_modes_python_backward_takes_the_deterministic_plan_or_alerts(monkeypatch):
+    # The mode's backward kernel runs _dense.backward_impl. While determinism is required
+    # without warn_only its route asks for cuDNN's deterministic backward (a forward served
+    # before the flag was set included); with warn_only it keeps the default one, whose
+    # launch warns in PyTorch's words.
+    asked = []
+
     def plan_for(q, k, v, seq_len_q, seq_len_kv, bias, sink, rng, o, options):
         if o is not None:  # the backward's lookup, past the alert
+            asked.append(options.deterministic)
             raise Reached
 
     monkeypatch.setattr(_dense, "plan_for", plan_for)
@@ -120,8 +125,11 @@ def test_the_sdpa_modes_python_backward_alerts_through_the_dense_launch(monkeypa
     try:
         with pytest.raises(Reached):
             _sdpa_mode._backward(*args)
-        with deterministic(warn_only=False), pytest.raises(RuntimeError, match=WORDS):
+        with deterministic(warn_only=False), pytest.raises(Reached):
             _sdpa_mode._backward(*args)
+        with deterministic(warn_only=True), pytest.warns(UserWarning, match=WORDS), pytest.raises(Reached):
+            _sdpa_mode._backward(*args)
+        assert asked == [False, True, False]
     finally:
         _sdpa_mode._routes.clear()
 

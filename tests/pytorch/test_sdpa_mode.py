@@ -57,11 +57,14 @@ class Model:
 
     def __init__(self):
         self.calls = []
+        self.no_deterministic = False  # a cuDNN that builds no deterministic backward
 
     def plan_for(self, q, k, v, seq_len_q, seq_len_kv, bias, sink, rng, o, options):
         assert o is None and seq_len_q is None and sink is None
         if 0 in (*q.shape, *k.shape):  # as fastattn's config refuses it
             raise InvalidArgumentError("an extent of 0: must be >= 1")
+        if options.deterministic and self.no_deterministic:
+            raise NotSupportedError("backward: no deterministic engine here")
         if bias is not None:
             assert bias.is_contiguous() and bias.dim() == 4 and bias.dtype == q.dtype
         self.calls.append(("plan", options))
@@ -329,17 +332,23 @@ def test_the_op_librarys_kernels_keep_the_route_python_decides(lib, model, layou
     lib.clear()
     q, k, v = (t.detach() for t in _qkv(2, 8, 2, 16, 24, 64, layout))
     bias = torch.randn(1, 1, 16, 24, dtype=torch.bfloat16)
-    for args in ((q, k, v, None, 0.0, True, None, True), (q, k, v, bias, 0.25, False, 0.125, False),
-                 (q, k, v, bias.float(), 0.0, False, None, True)):
+    # (the last: the deterministic backward's route, a signature of its own)
+    for args in ((q, k, v, None, 0.0, True, None, True, False), (q, k, v, bias, 0.25, False, 0.125, False, False),
+                 (q, k, v, bias.float(), 0.0, False, None, True, False), (q, k, v, None, 0.0, True, None, True, True)):
         want = _sdpa_mode._route(*args)
         got = lib.sdpa_route(*args)
         assert got == (True, tuple(want.options), list(want.out_stride), list(want.lse_shape),
                        [list(s) for s in want.grad_strides]), (got, want)
-    assert lib.sdpa_route_count() == 3
-    lib.sdpa_route(q, k, v, None, 0.0, True, None, True)
-    assert lib.sdpa_route_count() == 3 and len(model.calls) == 3  # kept: no second miss
+        assert want.options.deterministic == args[-1]
+    assert lib.sdpa_route_count() == 4
+    lib.sdpa_route(q, k, v, None, 0.0, True, None, True, False)
+    assert lib.sdpa_route_count() == 4 and len(model.calls) == 4  # kept: no second miss
+    # deterministic without training is the plain route (inference has no backward to choose)
+    assert lib.sdpa_route(q, k, v, bias, 0.25, False, 0.125, False, True)[1] == tuple(
+        _sdpa_mode._route(q, k, v, bias, 0.25, False, 0.125, False, False).options)
+    assert lib.sdpa_route_count() == 4
     fp32 = q.float()
-    assert lib.sdpa_route(fp32, fp32, fp32, None, 0.0, False, None, False) == (False,)
+    assert lib.sdpa_route(fp32, fp32, fp32, None, 0.0, False, None, False, False) == (False,)
     assert isinstance(_sdpa_mode._route(fp32, fp32, fp32, None, 0.0, False, None, False), str)
     lib.clear()
     assert lib.sdpa_route_count() == 0
@@ -366,7 +375,7 @@ def test_the_op_librarys_routes_are_bounded_least_recently_used_first_and_their_
     try:
         def signature(s, dtype=torch.bfloat16):
             q = torch.randn(1, 2, s, 16, dtype=dtype)
-            return (q, q, q, None, 0.0, False, None, False)
+            return (q, q, q, None, 0.0, False, None, False, False)
 
         for s in (1, 2, 3, 4):
             assert lib.sdpa_route(*signature(s))[0] is True
@@ -1054,19 +1063,27 @@ def test_the_priority_order_is_not_read_where_cudnn_is_enabled(either_composite)
     assert (served, handed) == (1, {})
 
 
-@pytest.mark.parametrize("warn_only", [False, True])
-def test_while_deterministic_algorithms_are_required_a_call_with_a_backward_is_pytorchs(either_composite, warn_only):
-    # torch.use_deterministic_algorithms(True): PyTorch's choice leaves its cuDNN backend
-    # out (it has no deterministic backward) and so does the mode for a call with a backward,
-    # fastattn's being none either: PyTorch's answer, bit for bit. A call without one, and
-    # every call with warn_only, is served (its backward warns: test_determinism*.py).
+@pytest.mark.parametrize("warn_only,cudnn_has_one", [(False, True), (False, False), (True, True)])
+def test_while_deterministic_algorithms_are_required_a_call_with_a_backward_takes_a_deterministic_one(
+        either_composite, model, warn_only, cudnn_has_one):
+    # torch.use_deterministic_algorithms(True): a call with a backward takes cuDNN's
+    # deterministic backward (a plan of its own), and where cuDNN builds none PyTorch's
+    # choice runs it (which leaves its cuDNN backend out): its answer, bit for bit. With
+    # warn_only the mode serves as PyTorch's cuDNN backend: its default backward, which
+    # warns (test_determinism*.py). A call without a backward is served either way.
     from helpers.torch import deterministic
 
-    served, handed, out, want, _ = _the_call_under(either_composite, lambda: deterministic(warn_only))
-    if warn_only:
-        assert (served, handed) == (1, {})
+    model.no_deterministic = not cudnn_has_one
+    served, handed, out, want, (q, k, v) = _the_call_under(either_composite, lambda: deterministic(warn_only))
+    plans = [options for what, options in (c for c in model.calls if c[0] == "plan")]
+    if not cudnn_has_one:
+        assert (served, handed) == (0, {_sdpa_mode.NO_DETERMINISTIC: 1}) and torch.equal(out, want)
     else:
-        assert (served, handed) == (0, {_sdpa_mode.EARLY[4]: 1}) and torch.equal(out, want)
+        assert (served, handed) == (1, {})
+        assert plans[-1].training and plans[-1].deterministic == (not warn_only)
+        with deterministic(warn_only):
+            out.float().sum().backward()  # the backward's route: the same deterministic plan
+        assert all(t.grad is not None for t in (q, k, v)) and model.calls[-1][0] == "backward"
     q, k, v = (t.detach() for t in _qkv(1, 4, 4, 5, 7, 16, "bhsd"))
     served = either_composite()[0]
     with deterministic(warn_only):
@@ -1074,6 +1091,7 @@ def test_while_deterministic_algorithms_are_required_a_call_with_a_backward_is_p
         with torch.no_grad():
             SDPA(*(t.requires_grad_() for t in (q, k, v)), is_causal=True)
     assert either_composite()[0] == served + 2
+    assert not any(o.deterministic for o in (c[1] for c in model.calls[-2:] if c[0] == "plan"))  # inference
 
 
 def test_a_compiled_call_traced_under_a_math_only_context_holds_pytorchs_math(either_composite):

@@ -114,11 +114,11 @@ std::array<int64_t, N> ints(const py::handle &seq) {
 // _sdpa_mode._route's answer: a _Route (layout, options, out_stride, lse_shape,
 // grad_strides) or the reason PyTorch's kernels run the call (a str).
 SdpaRoute miss_sdpa(const Tensor &q, const Tensor &k, const Tensor &v, const OptTensor &bias, double dropout_p,
-                    bool is_causal, std::optional<double> scale, bool training) {
+                    bool is_causal, std::optional<double> scale, bool training, bool deterministic) {
     py::gil_scoped_acquire gil;
     TORCH_CHECK(g_sdpa_route != nullptr, "fastattn: the SDPA mode's kernels run without enable_sdpa()");
     py::object got = py::reinterpret_borrow<py::object>(g_sdpa_route)(
-        q, k, v, to_py(bias), dropout_p, is_causal, scale ? py::cast(*scale) : py::none(), training);
+        q, k, v, to_py(bias), dropout_p, is_causal, scale ? py::cast(*scale) : py::none(), training, deterministic);
     SdpaRoute r;
     if (py::isinstance<py::str>(got)) {
         r.reason = got.cast<std::string>();
@@ -245,13 +245,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def(
         "sdpa_route",
         [](const Tensor &q, const Tensor &k, const Tensor &v, const OptTensor &bias, double dropout_p, bool is_causal,
-           std::optional<double> scale, bool training) -> py::tuple {
-            const auto route = sdpa_route(q, k, v, bias, dropout_p, is_causal, scale, training);
+           std::optional<double> scale, bool training, bool deterministic) -> py::tuple {
+            const auto route = sdpa_route(q, k, v, bias, dropout_p, is_causal, scale, training, deterministic);
             const SdpaRoute &r = *route;
             if (!r.ours) return py::make_tuple(false);
             return py::make_tuple(true, to_python(r.opt), r.out_stride, r.lse_shape, r.grad_strides);
         },
-        "sdpa_route(q, k, v, attn_bias, dropout_p, is_causal, scale, training): the route the SDPA mode's C++ "
+        "sdpa_route(q, k, v, attn_bias, dropout_p, is_causal, scale, training, deterministic): the route the SDPA "
+        "mode's C++ "
         "kernels take for this call, as they keep it (tests): (False,) for PyTorch's kernels, else (True, options, "
         "out_stride, lse_shape, grad_strides)");
     add_eager_entries(m);

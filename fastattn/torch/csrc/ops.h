@@ -275,16 +275,21 @@ void zero_sdpa_calls();
 
 // The route of a signature seen for the first time: _sdpa_mode._route's answer (ops.cpp,
 // under the GIL). bias: attn_bias as the kernel got it; training: the forward's
-// compute_log_sumexp (true for the backward).
+// compute_log_sumexp (true for the backward); deterministic: cuDNN's deterministic
+// backward asked for (strict_determinism() of a training call).
 SdpaRoute miss_sdpa(const Tensor &q, const Tensor &k, const Tensor &v, const OptTensor &bias, double dropout_p,
-                    bool is_causal, std::optional<double> scale, bool training);
+                    bool is_causal, std::optional<double> scale, bool training, bool deterministic);
 
 // A call signature's route: from the map, else miss_sdpa's (kept, but for a refusal
 // inside a CUDA-graph capture). Shared: valid for as long as the caller holds it, whether
 // or not the map drops it meanwhile.
 std::shared_ptr<const SdpaRoute> sdpa_route(const Tensor &q, const Tensor &k, const Tensor &v, const OptTensor &bias,
                                             double dropout_p, bool is_causal, const std::optional<double> &scale,
-                                            bool training);
+                                            bool training, bool deterministic);
+
+// torch.use_deterministic_algorithms(True) without warn_only (_sdpa_mode._strict): a call
+// with a backward then takes cuDNN's deterministic backward, or PyTorch's kernels.
+bool strict_determinism();
 
 // Registers the mode's kernels over PyTorch's for `key` (CUDA; the CPU for tests of
 // their fallback): the cuDNN operator's two, and the composite's for the key and its

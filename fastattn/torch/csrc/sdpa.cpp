@@ -137,11 +137,9 @@ void count_call(const SdpaRoute &r) {
 }
 
 // The composite's calls handed on before a route is asked, by reason (_sdpa_mode.EARLY,
-// given with the kernels; kCudnnOff: PyTorch's cuDNN backend disabled; kDeterministic:
-// deterministic algorithms required of a call with a backward).
-constexpr size_t kEarly = 5;
+// given with the kernels; kCudnnOff: PyTorch's cuDNN backend disabled).
+constexpr size_t kEarly = 4;
 constexpr int kCudnnOff = 3;
-constexpr int kDeterministic = 4;
 std::array<std::string, kEarly> g_early_reasons;
 std::array<std::atomic<uint64_t>, kEarly> g_early_calls{};
 
@@ -152,9 +150,15 @@ bool capturing(const Tensor &q) {
 
 }  // namespace
 
+bool strict_determinism() {
+    at::Context &context = at::globalContext();
+    return context.deterministicAlgorithms() && !context.deterministicAlgorithmsWarnOnly();
+}
+
 std::shared_ptr<const SdpaRoute> sdpa_route(const Tensor &q, const Tensor &k, const Tensor &v, const OptTensor &bias,
                                             double dropout_p, bool is_causal, const std::optional<double> &scale,
-                                            bool training) {
+                                            bool training, bool deterministic) {
+    deterministic = deterministic && training;  // (as _sdpa_mode._route: a backward's choice)
     thread_local std::vector<int64_t> key;
     key.clear();
     put_tensor(key, q);
@@ -165,6 +169,7 @@ std::shared_ptr<const SdpaRoute> sdpa_route(const Tensor &q, const Tensor &k, co
     key.push_back(is_causal);
     put_scale(key, scale);
     key.push_back(training);
+    key.push_back(deterministic);
     {
         const uint64_t now = g_route_clock.load(std::memory_order_relaxed);
         std::shared_lock<std::shared_mutex> lock(g_routes_lock);
@@ -178,7 +183,7 @@ std::shared_ptr<const SdpaRoute> sdpa_route(const Tensor &q, const Tensor &k, co
     // The miss runs Python, which may run another call on this thread (a finalizer): this
     // key is copied first.
     std::vector<int64_t> mine = key;
-    SdpaRoute r = miss_sdpa(q, k, v, bias, dropout_p, is_causal, scale, training);
+    SdpaRoute r = miss_sdpa(q, k, v, bias, dropout_p, is_causal, scale, training, deterministic);
     if (!r.ours && q.is_cuda() && capturing(q)) {
         // Not kept: a refusal inside a capture may be a plan not loadable there, which the
         // same call outside a capture loads (as _sdpa_mode._route). This call's own.
@@ -276,7 +281,7 @@ void forward(const c10::OperatorHandle &, Stack *stack) {
     // q's device current, as PyTorch's generated CUDA wrappers make it (this kernel
     // replaces one): the route's capture check and Python's read the same device.
     const c10::DeviceGuard device(q.device());
-    const auto route = sdpa_route(q, k, v, bias, dropout_p, is_causal, scale, lse);
+    const auto route = sdpa_route(q, k, v, bias, dropout_p, is_causal, scale, lse, lse && strict_determinism());
     const SdpaRoute &r = *route;
     if (t_counted) {
         // (the composite's call, counted there)
@@ -329,7 +334,8 @@ void backward(const c10::OperatorHandle &, Stack *stack) {
     const bool is_causal = args[14].toBool();
     const std::optional<double> scale = args[15].toOptional<double>();
     const c10::DeviceGuard device(q.device());  // (as the forward's)
-    const auto route = sdpa_route(q, k, v, bias, dropout_p, is_causal, scale, true);
+    // (determinism as required now, at the backward: _sdpa_mode._backward)
+    const auto route = sdpa_route(q, k, v, bias, dropout_p, is_causal, scale, true, strict_determinism());
     const SdpaRoute &r = *route;
     if (!r.ours) {
         static const c10::OperatorHandle fallback = op("aten::_cudnn_attention_backward");  // the same arguments
@@ -466,17 +472,13 @@ void composite(const c10::OperatorHandle &, Stack *stack) {
     // PyTorch's composite asks its kernels for the logsumexp only where autograd needs it.
     const bool lse =
         e < 0 && at::GradMode::is_enabled() && (q.requires_grad() || k.requires_grad() || v.requires_grad());
-    // torch.use_deterministic_algorithms(True) without warn_only, and a backward to come:
-    // fastattn's is not deterministic, and PyTorch's choice, which leaves its own cuDNN
-    // backend out there, runs a deterministic one (or raises where none is enabled).
-    if (lse && context.deterministicAlgorithms() && !context.deterministicAlgorithmsWarnOnly()) e = kDeterministic;
     if (e >= 0) {
         g_early_calls[e].fetch_add(1, std::memory_order_relaxed);
     } else {
         const c10::DeviceGuard device(q.device());  // (as the forward's)
         Tensor empty;
         const OptTensor bias = composite_bias(mask, q, lse, empty);
-        const auto route = sdpa_route(q, k, v, bias, dropout_p, is_causal, scale, lse);
+        const auto route = sdpa_route(q, k, v, bias, dropout_p, is_causal, scale, lse, lse && strict_determinism());
         count_call(*route);
         if (route->ours) {
             static const c10::OperatorHandle cudnn = op("aten::_scaled_dot_product_cudnn_attention");
