@@ -134,11 +134,14 @@ def _shape_override(c: AttentionConfig) -> bool:
 
 
 def _override_not_causal(c: AttentionConfig) -> bool:
-    # What ran right with the declared strides: a plain top-left causal mask. Anything else
-    # (no mask, a window, ALiBi, a softcap, sinks, dropout) is unmeasured or measured wrong.
-    plain_causal = (c.mask == "causal" and c.alignment == "top_left" and c.window == (-1, -1) and not c.alibi
-                    and c.softcap is None and not c.sinks and not c.dropout)
-    return c.shape_override and not plain_causal
+    # What ran right with the declared strides: the same shapes with a plain top-left causal
+    # mask and no other option. Anything else (no mask, a window, a score modifier, ...) is
+    # unmeasured or measured wrong.
+    if not c.shape_override:
+        return False
+    shapes = ("batch", "heads_q", "heads_kv", "seqlen_q", "seqlen_kv", "head_dim_qk", "head_dim_v", "dtype",
+              "layout")
+    return c != AttentionConfig(**{n: getattr(c, n) for n in shapes}, mask="causal", shape_override=True)
 
 
 def _batch_past_the_grid(c: AttentionConfig) -> bool:
