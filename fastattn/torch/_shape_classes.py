@@ -316,7 +316,7 @@ def serve(q, k, v, seq_len_q, seq_len_kv, rng, options, choice, grads: bool, ret
     # (a bottom-right diagonal neither: cudnn-frontend places it from the declared lengths, and
     # AttentionConfig refuses it beside shape_override)
     if sc.KIND == OVERRIDE and seq_len_q is None and not options.training and _override_available() \
-            and min(*q.stride(), *k.stride(), *v.stride()) > 0 and not _bottom_right(options):
+            and min(*q.stride(), *k.stride(), *v.stride()) > 0 and not options.bottom_right:
         upper_q, upper_kv = classes.upper(q.shape[1]), classes.upper(k.shape[1])
         if upper_q is not None and upper_kv is not None and _in_declared_storage(q, upper_q) \
                 and _in_declared_storage(k, upper_kv) and _in_declared_storage(v, upper_kv) \
@@ -361,11 +361,6 @@ def _in_declared_storage(t: torch.Tensor, upper: int) -> bool:
         return False
     span = (b - 1) * t.stride(0) + upper * h * d  # elements from t's first to the declared end
     return t.storage_offset() + span <= t.untyped_storage().nbytes() // t.element_size()
-
-
-def _bottom_right(options) -> bool:
-    fields = _specs.config_fields(options)  # (the call's DenseOptions)
-    return fields.get("mask") == "causal_bottom_right" or fields.get("alignment") == "bottom_right"
 
 
 def _class_plan(q, k, v, copts: ClassOptions) -> ClassOptions | None:
