@@ -78,6 +78,30 @@ def lib(op_library):
     return loaded
 
 
+@pytest.fixture(scope="session")
+def readers(tmp_path_factory):
+    """The op library's argument readers (fastattn/torch/csrc/readers.h and the readers
+    generated from _specs.CALLS) in an extension of the tests' own,
+    tests/pytorch/csrc/readers.cpp, compiled by the op library's compiler line against
+    this build's generated headers: read_call, read_varlen_call, check_varlen_tensors."""
+    import importlib.machinery
+    import subprocess
+    from pathlib import Path
+
+    pytest.importorskip("torch", reason="PyTorch is an optional extra (pip install torch)")
+    from fastattn.torch import _native
+
+    folder = tmp_path_factory.mktemp("readers")
+    generated = _native.write_generated(folder / "generated")
+    name = "fastattn_readers_for_tests"
+    source, target = Path(__file__).parent / "pytorch" / "csrc" / "readers.cpp", folder / "readers.o"
+    library = folder / (name + importlib.machinery.EXTENSION_SUFFIXES[0])
+    for cmd in (_native.compile_command(source, target, name, generated), _native.link_command([target], library)):
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
+        assert done.returncode == 0, (done.stderr or done.stdout)[-4000:]
+    return _native._import(library)
+
+
 @pytest.fixture
 def cache_dir(tmp_path, monkeypatch):
     """A fresh cache directory under tmp_path, no remote tier, the runtime cleared: tmp_path."""

@@ -586,6 +586,7 @@ def header() -> str:
             lines += [f"{_returns(len(grads))} {spec.name}_backward(const Tensor &d_o_in, const Tensor &o, "
                       f"const Tensor &stats, {_params(spec)}, const {o} &opt);",
                       f"std::tuple<Tensor, Tensor> {spec.name}_recorded(bool direct, {_params(spec)}, const {o} &opt);"]
-        lines += [f"{_returns(len(spec.outputs))} {spec.name}_forward_cuda({_params(spec)}, {m}_PARAMS);", ""]
+        lines += [f"{_returns(len(spec.outputs))} {spec.name}_forward_cuda({_params(spec)}, {m}_PARAMS);",
+                  f"{_returns(len(spec.outputs))} {spec.name}_forward_op({_params(spec)}, const {o} &opt);", ""]
     lines.append("}  // namespace fastattn::ops")
     return "\n".join(_wrap(line) for line in lines) + "\n"

@@ -118,8 +118,8 @@ def in_threads(n, fn):
 
 
 def assert_options_mean_the_same(kw, causal, bottom_right, deterministic, alibi, left, right, scale):
-    """What a C entry (eager.cpp's read_call and read_varlen_call) read
-    from the keyword arguments `kw` is what the Python body makes of them."""
+    """What a C entry's reader (fastattn/torch/csrc/readers.h, through the tests' `readers`
+    extension) read from the keyword arguments `kw` is what the Python body makes of them."""
     from fastattn import _fields
     from fastattn.torch import _plans
 

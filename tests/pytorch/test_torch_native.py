@@ -178,12 +178,6 @@ def test_varlen_meta_and_cpp_autograd(lib, training):
         assert o.grad_fn is None
 
 
-def test_the_eager_profile_hook_refuses_cpu_tensors_and_bad_iters(lib):
-    q, k, v = dense(device="cpu")
-    with pytest.raises(ValueError, match="profile_eager: q on cpu"):
-        lib.profile_eager(q, k, v, 10)
-
-
 def test_varlen_cpu_tensors_get_a_clear_error(lib):
     q = torch.empty(8, 2, 8, dtype=torch.float16)
     cu = torch.zeros(2, dtype=torch.int32)
@@ -241,13 +235,15 @@ def test_cpu_tensors_get_a_clear_error(lib):
 
 def test_the_only_eager_entry_takes_attentions_own_arguments(lib):
     assert not hasattr(lib, "attention")  # the 13-argument entry with bit-packed flags is gone
+    # The tests' readers and the benchmark's profile are built beside the library, not into it.
+    assert not {"read_call", "read_varlen_call", "check_varlen_tensors", "profile_eager"} & set(dir(lib))
     q, k, v = dense(device="cpu")
     assert lib.call(*call_args(q, k, v, causal=True)) is NotImplemented  # CPU tensors: the Python body reports
     with pytest.raises(TypeError, match=r"18 positional arguments \(3 given\)"):
         lib.call(q, k, v)
 
 
-# attention()'s 17 arguments in its order, for lib.call / lib.read_call.
+# attention()'s 17 arguments in its order, for lib.call / readers.read_call.
 CALL_DEFAULTS = dict(causal=False, causal_bottom_right=False, window=None, scale=None, layout="bshd",
                      deterministic=False, seq_lens_q=None, seq_lens_kv=None, alibi=False, bias=None, dropout_p=0.0,
                      sinks=None, alignment="top_left", return_lse=False, softcap=0.0)
@@ -275,7 +271,7 @@ _lse = st.sampled_from([False, True, 0, None])
        deterministic=_any_bool, alibi=_any_bool, dropout_p=_dropout, alignment=_alignment, return_lse=_lse,
        softcap=SOFTCAPS,
        lens=st.sampled_from(["none", "q", "both", "kv only"]), extras=st.booleans())
-def test_call_takes_only_values_the_python_body_takes_with_the_same_meaning(lib, lens, extras, **kw):
+def test_call_takes_only_values_the_python_body_takes_with_the_same_meaning(readers, lens, extras, **kw):
     # What the C entry takes must be what attention()'s Python body would accept, with
     # the same meaning; whatever else it hands back (None) to the body, which checks
     # and reports. The body's own converters decide here.
@@ -285,7 +281,7 @@ def test_call_takes_only_values_the_python_body_takes_with_the_same_meaning(lib,
     kw["seq_lens_kv"] = lengths if lens in ("both", "kv only") else None
     if extras:
         kw["bias"], kw["sinks"] = torch.empty(1, 1, 16, 32, device="meta"), torch.empty(4, device="meta")
-    got = lib.read_call(*call_args(q, k, v, **kw))
+    got = readers.read_call(*call_args(q, k, v, **kw))
     if got is None:
         return
     options, lens_kv = got
@@ -322,12 +318,12 @@ def test_the_c_entries_read_the_entry_points_own_arguments(entry):
     {"scale": 0.125}, {"layout": "bhsd"}, {"layout": "sbhd"}, {"alignment": "bottom_right", "causal": True},
     {"deterministic": True}, {"alibi": True, "causal": True}, {"dropout_p": 0}, {"bias": "tensor"},
 ], ids=repr)
-def test_call_takes_the_common_calls(lib, kw):
+def test_call_takes_the_common_calls(readers, kw):
     # The calls that should never pay for attention()'s Python body.
     q, k, v = dense()
     if kw.get("bias") == "tensor":
         kw["bias"] = torch.empty(1, 1, 16, 32, device="meta")
-    assert lib.read_call(*call_args(q, k, v, **kw)) is not None
+    assert readers.read_call(*call_args(q, k, v, **kw)) is not None
 
 
 def test_call_hands_back_what_it_does_not_run(lib):

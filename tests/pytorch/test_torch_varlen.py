@@ -1,6 +1,7 @@
 """attention_varlen()'s C entry (fastattn/torch/csrc/eager.cpp's call_varlen) without a GPU: it
-takes only calls that attention_varlen()'s Python body takes, with the same meaning,
-and hands everything else back. Its CUDA work is exercised by test_torch_gpu.py and
+takes only calls that attention_varlen()'s Python body takes, with the same meaning (its
+readers, readers.h, through the tests' own extension: the `readers` fixture), and hands
+everything else back. Its CUDA work is exercised by test_torch_gpu.py and
 test_ragged_gpu.py."""
 
 
@@ -51,8 +52,8 @@ _lse = st.sampled_from([False, True, 0, None])
 @given(max_seqlen_q=_length, max_seqlen_kv=_length, causal=_any_bool, causal_bottom_right=_any_bool, window=_window,
        scale=_scale, deterministic=_any_bool, alignment=_alignment, alibi=_any_bool, dropout_p=_dropout,
        return_lse=_lse, softcap=SOFTCAPS)
-def test_call_varlen_takes_only_values_the_python_body_takes_with_the_same_meaning(lib, **kw):
-    got = lib.read_varlen_call(*args(packed(), **kw))
+def test_call_varlen_takes_only_values_the_python_body_takes_with_the_same_meaning(readers, **kw):
+    got = readers.read_varlen_call(*args(packed(), **kw))
     if got is None:
         return  # the Python body takes the call, and checks and reports
     o = _varlen.VarlenOptions(*got)
@@ -72,8 +73,8 @@ def test_call_varlen_takes_only_values_the_python_body_takes_with_the_same_meani
     {"dropout_p": 0}, {"max_seqlen_q": 1, "max_seqlen_kv": 4097},
     {"sinks": torch.empty(4, device="meta"), "causal": True, "alignment": "bottom_right"},
 ], ids=repr)
-def test_call_varlen_takes_the_common_calls(lib, kw):
-    assert lib.read_varlen_call(*args(packed(), **kw)) is not None
+def test_call_varlen_takes_the_common_calls(readers, kw):
+    assert readers.read_varlen_call(*args(packed(), **kw)) is not None
 
 
 def _tensor_cases():
@@ -101,14 +102,14 @@ def _make(spec):
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(case=_tensor_cases())
-def test_call_varlen_tensor_checks_pass_only_what_check_varlen_passes(lib, case):
+def test_call_varlen_tensor_checks_pass_only_what_check_varlen_passes(readers, case):
     q, k, v = _make(case["q"]), _make(case["k"]), _make(case["v"])
     n, cu_dtype, cu_contiguous, cu_dim = case["cu"]
     cu_q = torch.zeros((n * 2,) if not cu_contiguous else (n,), device="meta", dtype=cu_dtype)
     cu_q = cu_q if cu_contiguous else cu_q[::2]
     cu_q = cu_q if cu_dim == 1 else cu_q[None]
     cu_kv = cu_q if case["cu_kv_len"] is None else torch.zeros(case["cu_kv_len"], device="meta", dtype=torch.int32)
-    ok = lib.check_varlen_tensors(q, k, v, cu_q, cu_kv)
+    ok = readers.check_varlen_tensors(q, k, v, cu_q, cu_kv)
     try:
         _varlen._check_varlen(q, k, v, cu_q, cu_kv)
         python_ok = True
@@ -117,12 +118,12 @@ def test_call_varlen_tensor_checks_pass_only_what_check_varlen_passes(lib, case)
     assert not ok or python_ok, "the C entry took tensors the Python body refuses"
 
 
-def test_call_varlen_tensor_checks_take_the_common_tensors(lib):
+def test_call_varlen_tensor_checks_take_the_common_tensors(readers):
     for kw in ({}, {"hkv": 4}, {"hkv": 1, "dv": 16}, {"dtype": torch.float16}, {"tokens": (5, 900)}):
-        assert lib.check_varlen_tensors(*packed(**kw)), kw
+        assert readers.check_varlen_tensors(*packed(**kw)), kw
 
 
-def test_call_varlen_hands_back_what_it_does_not_run(lib):
+def test_call_varlen_hands_back_what_it_does_not_run(lib, readers):
     assert lib.call_varlen(*args(packed(device="cpu"))) is NotImplemented  # not CUDA
     assert lib.call_varlen(*args(packed())) is NotImplemented  # meta
     q, k, v, cu, _ = packed(device="cpu")
@@ -131,7 +132,7 @@ def test_call_varlen_hands_back_what_it_does_not_run(lib):
     with pytest.raises(TypeError, match=r"18 positional arguments \(3 given\)"):
         lib.call_varlen(q, k, v)
     with pytest.raises(TypeError, match=r"18 positional arguments \(2 given\)"):
-        lib.read_varlen_call(q, k)
+        readers.read_varlen_call(q, k)
 
 
 def test_attention_varlen_reports_through_its_python_body_with_the_c_entry_published(lib, monkeypatch):

@@ -63,8 +63,7 @@ py::object handler() {
     return py::reinterpret_borrow<py::object>(g_miss);
 }
 
-}  // namespace
-
+// An op's options as the tuple of its NamedTuple's fields (under the GIL).
 template <class Options>
 py::tuple to_python(const Options &opt) {
     py::list out;
@@ -77,6 +76,8 @@ py::tuple to_python(const Options &opt) {
     });
     return py::tuple(out);
 }
+
+}  // namespace
 
 // The miss handler's arguments: (kind, direction, the inputs, o, the options).
 template <class Options>
@@ -91,9 +92,8 @@ Entry miss(int direction, std::initializer_list<OptTensor> inputs, const Tensor 
     return entry_of(handler()(*args));
 }
 
-// For each op's generated kernels (miss) and the tests' readers (to_python).
-#define FA_INSTANTIATE(Options)                                                                   \
-    template py::tuple to_python(const Options &);                                                \
+// For each op's generated kernels.
+#define FA_INSTANTIATE(Options) \
     template Entry miss(int, std::initializer_list<OptTensor>, const Tensor *, const Options &);
 FA_OPTIONS(FA_INSTANTIATE)
 #undef FA_INSTANTIATE

@@ -9,8 +9,8 @@
 //   ops.cpp     the Python module and the bridge to Python (the miss, exceptions), init
 //               and clear;
 //   table.cpp   the plan table, outputs and workspaces, run;
-//   eager.cpp   the eager entries past torch.ops (call, call_varlen, call_paged) and
-//               profile_eager;
+//   eager.cpp   the eager entries past torch.ops (call, call_varlen, call_paged), with
+//               their argument readers (readers.h, which the tests' extension includes too);
 //   sdpa.cpp    the SDPA mode's kernels over PyTorch's cuDNN SDPA operators.
 // Each includes only the torch headers it needs: torch/extension.h alone takes longer to
 // parse than most units take to compile (docs/history/benchmarks-log.md, "build times").
@@ -40,7 +40,6 @@
 
 namespace pybind11 {
 class module_;
-class tuple;
 }  // namespace pybind11
 
 namespace fastattn::ops {
@@ -230,10 +229,6 @@ int64_t kept_workspace_bytes();
 template <class Options>
 Entry miss(int direction, std::initializer_list<OptTensor> inputs, const Tensor *o, const Options &opt);
 
-// An op's options as the tuple of its NamedTuple's fields (under the GIL).
-template <class Options>
-pybind11::tuple to_python(const Options &opt);
-
 // The CPU kernels' error: fastattn runs on CUDA tensors (table.cpp).
 [[noreturn]] void cpu_error(const Tensor &q);
 
@@ -245,7 +240,7 @@ pybind11::tuple to_python(const Options &opt);
 void alert_not_deterministic();
 
 // Adds eager.cpp's functions to the Python module: call, call_varlen, call_paged (the eager
-// entries), profile_eager and the tests' read_call, read_varlen_call, check_varlen_tensors.
+// entries).
 void add_eager_entries(pybind11::module_ &m);
 
 // ---- the SDPA mode (sdpa.cpp; fastattn/torch/_sdpa_mode.py) ------------------------------------
