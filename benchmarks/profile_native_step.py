@@ -3,8 +3,9 @@ the pieces of an inference call and of a training step, each timed on its
 own in one process (median of 15 samples; the GPU queue is drained between samples).
 
 Inference: attention() whole; its C entry (call) called directly (no Python wrapper), and
-its pieces looped in C++ (the op library's profile_eager: plan lookup, output
-allocation, stream, capture check, workspace, execute, GIL release, wrapping); the
+its pieces looped in C++ (profile_eager, benchmarks/csrc/profile_eager.cpp, which this
+script builds into its own copy of the op library: plan lookup, output allocation, stream,
+capture check, workspace, execute, GIL release, wrapping); the
 dispatcher's op (torch.ops) called directly; plan.forward with ints (the Cython
 floor); SDPA cuDNN. Training: a whole step (forward, then backward through
 torch.autograd.grad); the forward alone with gradients on (what the autograd node
@@ -13,22 +14,32 @@ plus the backward kernel's host work); the backward op called directly; and the
 engine's own floor (autograd.grad through a multiplication). The same for SDPA where it
 applies.
 
-    python benchmarks/profile_native_step.py [--json out.json]   (needs the op library: fastattn warm builds it)
+    python benchmarks/profile_native_step.py [--json out.json]   (builds its op library at the first run)
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
+from pathlib import Path
 
-import torch
+# The op library with profile_eager beside its units (_native.EXTRA) is this process's: built
+# at the first run (native mode), and decided here, not by the warm-up that importing
+# fastattn.torch starts, which would load the plain library first.
+os.environ["FASTATTN_TORCH_PATH"] = "native"
+os.environ["FASTATTN_WARM_UP"] = "off"
+
+import torch  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-import fastattn.torch as fat
-from fastattn._loader import import_core  # (at use: a checkout without its extension still says it needs a GPU)
-from fastattn.torch import _dense, _native, _plans
-from _common import interleaved, report, require_cuda, time_us as _us  # (benchmarks/ is on sys.path)
+import fastattn.torch as fat  # noqa: E402
+from fastattn._loader import import_core  # noqa: E402  (at use: a checkout without its extension still says it needs a GPU)
+from fastattn.torch import _dense, _native, _plans  # noqa: E402
+from _common import interleaved, report, require_cuda, time_us as _us  # noqa: E402  (benchmarks/ is on sys.path)
+
+_native.EXTRA = (Path(__file__).resolve().parent / "csrc" / "profile_eager.cpp",)
 
 
 def main(argv=None) -> int:
@@ -70,9 +81,8 @@ def main(argv=None) -> int:
         res["inference_dispatcher_op"] = _us(lambda: dense(q, k, v, None, None, None, None, None, *opts, False, 0.0,
                                                            False))
         res["empty_like"] = _us(lambda: torch.empty_like(q))
-        # The eager entry's pieces, each looped in C++ (eager.cpp's profile_eager): medians of 15 samples.
-        lib = _native.library()
-        pieces = [lib.profile_eager(q, k, v, 2000) for _ in range(15)]
+        # The eager entry's pieces, each looped in C++ (profile_eager): medians of 15 samples.
+        pieces = [torch.ops.fastattn_bench.profile_eager(q, k, v, 2000) for _ in range(15)]
         for name in pieces[0]:
             res[f"eager_piece_{name}"] = statistics.median(p[name] for p in pieces)
         res["eager_piece_wrap_o"] = res["eager_piece_allocate_and_wrap_o"] - res["eager_piece_allocate_o"]

@@ -51,10 +51,12 @@ HEADERS = (INCLUDE / "fastattn_abi.h", *sorted(CSRC.glob("*.h")), _TORCH_DIR / "
            _TORCH_DIR.parent / "_fields.py", _TORCH_DIR.parent / "_slots.py")
 
 
-def tag(torch_version: str, cxx11_abi: int) -> str:
-    """What the built library depends on: a change to any of these builds anew."""
+def tag(torch_version: str, cxx11_abi: int, extra: tuple[Path, ...] = ()) -> str:
+    """What the built library depends on: a change to any of these builds anew. extra:
+    sources a tool builds into it beside its own (fastattn.torch._native.EXTRA), which
+    make it another library, under another tag."""
     digest = hashlib.sha256()
-    for path in SOURCES + HEADERS:
+    for path in SOURCES + HEADERS + tuple(extra):
         digest.update(path.read_bytes())
     py = f"{sys.version_info.major}{sys.version_info.minor}"
     return f"fastattn{__version__}-torch{torch_version}-cxx11abi{cxx11_abi}-py{py}-{digest.hexdigest()[:12]}"

@@ -43,8 +43,8 @@ def _names(values: tuple[str, ...]) -> str:
 
 
 def calls_header() -> str:
-    """fastattn_calls.h, for eager.cpp alone (it needs Python.h, and the fa_read_*
-    readers and fa_diagonal that eager.cpp defines before including it): for each entry
+    """fastattn_calls.h, for readers.h alone (it needs Python.h, and the fa_read_*
+    readers and fa_diagonal that readers.h defines before including it): for each entry
     of CALLS, the struct <Entry>Call (its tensors, its op's options), k<Entry>Args and
     read_<entry>(args, call), true when every argument is one the C entry takes."""
     out = ["// Generated from fastattn/torch/_specs.py (CALLS) by fastattn.torch._native at build time; "
@@ -88,7 +88,7 @@ def calls_header() -> str:
 
 
 def positive_or_zero(name: str, value) -> float:
-    """An argument read as eager.cpp's fa_read_positive_or_zero reads it (the
+    """An argument read as readers.h's fa_read_positive_or_zero reads it (the
     "positive_or_zero" Args, a logit cap): 0.0 (none: 0, 0.0 and -0.0 alike, FlashAttention's
     convention) or a positive finite float32 value. Raises InvalidArgumentError naming
     `name` otherwise."""

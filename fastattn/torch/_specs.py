@@ -209,13 +209,13 @@ VARLEN_MIN_Q = 2
 
 class Arg(NamedTuple):
     """One parameter of an entry point, in its order, and how the op library's C entry
-    (eager.cpp) reads it. An argument whose name is one of the op's options becomes that
+    (eager.cpp, through readers.h's readers) reads it. An argument whose name is one of the op's options becomes that
     option; "window" fills window_left and window_right; causal, causal_bottom_right and
     alignment together give the options causal and bottom_right (fa_diagonal, the rule of
     _plans.options and _plans.bottom_right); tensors become the call's fields."""
 
     name: str
-    read: str  # eager.cpp's reader: fa_read_<read>; "name" reads one of `choices`
+    read: str  # readers.h's reader: fa_read_<read>; "name" reads one of `choices`
     choices: tuple[str, ...] = ()
     option: str = ""  # the option it becomes, where its name differs
 

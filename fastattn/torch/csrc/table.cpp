@@ -200,8 +200,8 @@ namespace {
 // ---- outputs ------------------------------------------------------------------------------------
 // From the caching allocator directly, as at::empty's CUDA kernel allocates them, but
 // not through the dispatcher: its empty (the dispatch, TensorOptions unpacking, a
-// device guard) costs host time that shows beside a small call's launch (profile_eager,
-// the rows "output allocation, direct / through at::empty" in docs/history/
+// device guard) costs host time that shows beside a small call's launch
+// (benchmarks/csrc/profile_eager.cpp: the rows "output allocation, direct / through at::empty" in docs/history/
 // benchmarks-log.md; "Numbers moved out of code comments" there). The allocator is the
 // one at::empty gave the process's first output (a configured backend, cudaMallocAsync or a pluggable
 // one, stays in use), and allocates on the current device: used only while the tensor's
