@@ -52,7 +52,7 @@ def main(argv=None) -> int:
         return 1
     call, dense = _native.CALL, _native.DENSE[0]
     # attention()'s own arguments in its order (causal, bshd), as its C entry takes them.
-    args = (True, False, None, None, "bshd", False, None, None, False, None, 0.0, None, "top_left", False, 0.0)
+    call_args = (True, False, None, None, "bshd", False, None, None, False, None, 0.0, None, "top_left", False, 0.0)
     backward_op = torch.ops.fastattn.native_attention_backward.default
     q, k, v = (torch.randn(1, 128, 8, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     qt, kt, vt = (t.transpose(1, 2).contiguous() for t in (q, k, v))
@@ -62,9 +62,9 @@ def main(argv=None) -> int:
     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
         res["inference_sdpa_cudnn"] = _us(lambda: sdpa(qt, kt, vt, is_causal=True))
         res["inference_attention"] = _us(lambda: fat.attention(q, k, v, causal=True))
-        res["inference_call_entry"] = _us(lambda: call(q, k, v, *args))
-        fixed = call(q, k, v, *args)
-        _native.CALL = lambda *args: fixed  # attention()'s Python alone (plus a lambda's call)
+        res["inference_call_entry"] = _us(lambda: call(q, k, v, *call_args))
+        fixed = call(q, k, v, *call_args)
+        _native.CALL = lambda *_: fixed  # attention()'s Python alone (plus a lambda's call)
         try:
             res["inference_attention_python_only"] = _us(lambda: fat.attention(q, k, v, causal=True))
         finally:
@@ -117,7 +117,7 @@ def main(argv=None) -> int:
         interleaved(res, {"train_step": step, "train_step_sdpa_cudnn": step_sdpa})
         res["train_forward"] = _us(lambda: fat.attention(*leaves, causal=True), iters=300)
         res["train_forward_sdpa_cudnn"] = _us(lambda: sdpa(*leaves_t, is_causal=True), iters=300)
-        res["train_forward_call_entry"] = _us(lambda: call(*leaves, *args), iters=300)
+        res["train_forward_call_entry"] = _us(lambda: call(*leaves, *call_args), iters=300)
         graph_o = fat.attention(*leaves, causal=True)
         graph_ot = sdpa(*leaves_t, is_causal=True)
         res["backward_only"] = _us(lambda: torch.autograd.grad(graph_o, leaves, d_o, retain_graph=True), iters=300)
