@@ -18,22 +18,35 @@ def test_the_warm_up_loads_the_cache_and_the_calls_give_what_lazy_loads_give(tmp
     assert warm["hashes"] == lazy["hashes"] == filled["hashes"]
 
 
+def _overlapping(tmp_path, mode: str, overlap: str, tries: int = 4) -> list[dict]:
+    """The worker's runs in `mode` with the plans' warm-up, until one overlapped the loads
+    (its `overlap` count >= 1). Whether the caller's work starts before the warm-up has
+    loaded every plan is the scheduler's: on a GPU busy with other processes the loads
+    can end first (seen once in three processes of a whole-suite run), a run that tests
+    nothing. Each run must keep the invariants; one of them must overlap."""
+    runs = []
+    for _ in range(tries):
+        runs.append(result(worker(tmp_path, mode, "plans")))
+        if runs[-1][overlap] >= 1:
+            break
+    assert runs[-1][overlap] >= 1, runs  # the work and the loads did overlap
+    return runs
+
+
 def test_a_capture_on_another_thread_stays_valid_while_plans_load(tmp_path):
     result(worker(tmp_path, "calls", "off"))
-    run = result(worker(tmp_path, "capture", "plans"))
-    # The worker's eager call of its shape races the warm-up for that one plan: whoever
-    # comes first loads it, the other waits for it (seen: the caller first, once in three
-    # processes). Either way every plan is loaded once, none built.
-    assert run["warm_up"]["state"] == "done" and run["warm_up"]["plans"] >= len(SHAPES) - 1, run["warm_up"]
-    assert run["stats"]["builds"] == 0 and run["stats"]["deserializations"] == len(SHAPES), run["stats"]
-    assert run["captures_while_loading"] >= 1, run  # the capture and the loads did overlap
+    for run in _overlapping(tmp_path, "capture", "captures_while_loading"):
+        # The worker's eager call of its shape races the warm-up for that one plan: whoever
+        # comes first loads it, the other waits for it (seen: the caller first, once in three
+        # processes). Either way every plan is loaded once, none built.
+        assert run["warm_up"]["state"] == "done" and run["warm_up"]["plans"] >= len(SHAPES) - 1, run["warm_up"]
+        assert run["stats"]["builds"] == 0 and run["stats"]["deserializations"] == len(SHAPES), run["stats"]
 
 
 def test_work_and_synchronizations_on_the_legacy_default_stream_go_on_while_plans_load(tmp_path):
     result(worker(tmp_path, "calls", "off"))
-    run = result(worker(tmp_path, "legacy", "plans"))
-    assert run["warm_up"]["state"] == "done" and run["warm_up"]["plans"] == len(SHAPES), run["warm_up"]
-    assert run["rounds_while_loading"] >= 1, run  # the work and the loads did overlap
+    for run in _overlapping(tmp_path, "legacy", "rounds_while_loading"):
+        assert run["warm_up"]["state"] == "done" and run["warm_up"]["plans"] == len(SHAPES), run["warm_up"]
 
 
 def test_new_threads_first_calls_on_passed_on_handles_give_what_lazy_loads_give(tmp_path):
