@@ -33,7 +33,7 @@ from ._fields import show
 from .errors import InvalidArgumentError
 
 __all__ = ["Classes", "parse", "class_of", "measured", "parse_range", "classes_in_range", "class_config",
-           "CANDIDATES", "TOLERANCE", "PATH", "FORMAT", "KIND"]
+           "CANDIDATES", "TOLERANCE", "PATH", "FORMAT", "OVERRIDE_MAX"]
 
 PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_measured", "shape_classes.json")
 FORMAT = 1
@@ -44,12 +44,15 @@ CANDIDATES = tuple(1 << i for i in range(6, 16))  # 64 ... 32768
 # plan's, at every measured length in it (the issue's "a few percent").
 TOLERANCE = 0.05
 _MAX = 2**31 - 1  # cuDNN's lengths and offsets are int32
-# The kind of class plan an inference call without per-sequence lengths takes where the
-# loaded cuDNN has the shape override (9.21 or newer): "override" or "ragged" (every other
-# call, and a class whose override plan cuDNN refuses, takes "ragged"). "ragged" until
-# benchmarks/bench_shape_classes.py has timed the override plans beside it and
-# tests/attention/test_shape_override_gpu.py has passed on such a cuDNN.
-KIND = "ragged"
+# The longest class (its upper bound, in rows) whose inference calls without per-sequence
+# lengths take the shape-override plan where the loaded cuDNN has one (9.21 or newer, less the
+# registry's refusals); longer classes, every other call and a class whose override plan cuDNN
+# refuses take the ragged plan. The bound is where the override stops paying: on an H100 with
+# cuDNN 9.28.1 (docs/BENCHMARKS.md, "Shape classes against exact plans"), prefill on override
+# plans ran 0.90-1.20x the exact plan's kernel time in classes up to 1024 rows against the
+# ragged plans' 1.23-1.47x, and above it 1.59-2.32x (the engine cuDNN picks for the declared
+# length) against 1.08-1.15x. 0: never the override.
+OVERRIDE_MAX = 1024
 
 
 class Classes(NamedTuple):

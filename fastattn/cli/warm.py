@@ -216,20 +216,20 @@ def class_configs(args) -> tuple[list, list[list[int]]]:
                   head_dim_v=args.head_dim_v or args.head_dim, dtype=dtype, training=args.training,
                   mask=mask, alignment="bottom_right" if mask == "causal_bottom_right" else "top_left")
     configs = []
-    # Both kinds of class plan where override plans serve (shape_classes.KIND) and the loaded
-    # cuDNN has the shape override (forward only):
-    # inference calls without per-sequence lengths may take the override plan, the others
+    # Both kinds of class plan for a class that override plans serve (up to
+    # shape_classes.OVERRIDE_MAX rows) where the loaded cuDNN has the shape override (forward
+    # only): inference calls without per-sequence lengths may take the override plan, the others
     # (and every call of a class whose override plan cuDNN refuses) the ragged one
     # (fastattn.torch's _shape_classes).
     # (not with a bottom-right diagonal, which the override would leave at the declared lengths)
-    kinds = ((True, False) if sc.KIND == "override" and not args.training and mask != "causal_bottom_right"
-             and _shape_override_loaded() else (False,))
+    override = not args.training and mask != "causal_bottom_right" and _shape_override_loaded()
     for u in uppers:
+        kinds = (True, False) if override and u <= sc.OVERRIDE_MAX else (False,)
         # Prefill; and decode (one query, the class's keys), which is inference only.
         pairs = [(u, u)] + ([(1, u)] if u > 1 and not args.training else [])
         for u_q, u_kv in pairs:
-            for override in kinds:
-                cfg = sc.class_config(upper_q=u_q, upper_kv=u_kv, override=override, **common)
+            for override_plan in kinds:
+                cfg = sc.class_config(upper_q=u_q, upper_kv=u_kv, override=override_plan, **common)
                 if cfg not in configs:
                     configs.append(cfg)
     return configs, [list(r) for r in uncovered]

@@ -3,7 +3,8 @@ fall in a class runs the class's plan, declared for the class's longest lengths,
 call's own lengths given at run time. A new length inside a known class builds and loads
 nothing. A class plan is one of two kinds:
 
-- OVERRIDE (cuDNN >= 9.21): the dense bshd graph built with cuDNN's shape override; each
+- OVERRIDE (cuDNN >= 9.21, classes up to shape_classes.OVERRIDE_MAX rows, where it
+  measured faster than RAGGED): the dense bshd graph built with cuDNN's shape override; each
   call gives its lengths at execute (Plan.forward's at=), and no device arrays are made.
   cuDNN reads the call's tensors in the declared storage (cudnn-frontend#1148), so only
   calls whose q, k and v lie there are served (_in_declared_storage: a decode step from a
@@ -315,10 +316,11 @@ def serve(q, k, v, seq_len_q, seq_len_kv, rng, options, choice, grads: bool, ret
     # the ragged plan's checks, which refuse it, and so their exact plan)
     # (a bottom-right diagonal neither: cudnn-frontend places it from the declared lengths, and
     # AttentionConfig refuses it beside shape_override)
-    if sc.KIND == OVERRIDE and seq_len_q is None and not options.training and _override_available() \
-            and min(*q.stride(), *k.stride(), *v.stride()) > 0 and not options.bottom_right:
+    if seq_len_q is None and not options.training and not options.bottom_right \
+            and min(*q.stride(), *k.stride(), *v.stride()) > 0 and _override_available():
         upper_q, upper_kv = classes.upper(q.shape[1]), classes.upper(k.shape[1])
-        if upper_q is not None and upper_kv is not None and _in_declared_storage(q, upper_q) \
+        if upper_q is not None and upper_kv is not None and max(upper_q, upper_kv) <= sc.OVERRIDE_MAX \
+                and _in_declared_storage(q, upper_q) \
                 and _in_declared_storage(k, upper_kv) and _in_declared_storage(v, upper_kv) \
                 and (q.shape[0] == 1 or q.shape[1] == upper_q):  # (o: the declared rows' first s_q, contiguous)
             _check(q, k, v, seq_len_q, seq_len_kv)

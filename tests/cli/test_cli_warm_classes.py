@@ -56,7 +56,6 @@ def test_with_the_shape_override_both_kinds_of_class_plan_are_warmed(warmed, cap
     from fastattn.cli import warm as warm_cli
 
     monkeypatch.setattr(warm_cli, "_shape_override_loaded", lambda: True)  # a cuDNN of 9.21 or newer
-    monkeypatch.setattr(sc, "KIND", "override")
     run(["warm", "--seqlens", "300", "--shape-classes", "512", "--mask", "causal", *MODEL], capsys)
     common = dict(batch=1, heads_q=32, heads_kv=8, head_dim_qk=128, head_dim_v=128, dtype="bf16",
                   mask="causal", alignment="top_left")
@@ -71,6 +70,14 @@ def test_with_the_shape_override_both_kinds_of_class_plan_are_warmed(warmed, cap
     # from the declared lengths. Ragged class plans alone.
     run(["warm", "--seqlens", "300", "--shape-classes", "512", *MODEL], capsys)
     assert warmed and [c.shape_override for c in warmed] == [False] * len(warmed)
+    warmed.clear()
+    # A class longer than shape_classes.OVERRIDE_MAX takes ragged plans alone (as fastattn.torch
+    # serves it); the class at the bound both kinds.
+    bound = sc.OVERRIDE_MAX
+    run(["warm", "--seqlens", f"{bound - 5}..{2 * bound - 5}", "--shape-classes", f"{bound},{2 * bound}",
+         "--mask", "causal", *MODEL], capsys)
+    assert sorted({(c.seqlen_kv, c.shape_override) for c in warmed}) == \
+        [(bound, False), (bound, True), (2 * bound, False)]
 
 
 def test_lengths_past_the_classes_are_reported_not_warmed(warmed, capsys):

@@ -236,16 +236,15 @@ def test_class_plans_captured_in_a_cuda_graph_replay_right(batch):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_override_class_plans_serve_calls_in_their_declared_storage(dtype, monkeypatch):
-    # shape_classes.KIND "override": a causal prefill in the first rows of buffers of the
-    # class's bound (batch 1) takes the override plan where the loaded cuDNN has it (>= 9.21)
+    # A causal prefill in the first rows of buffers of the class's bound (batch 1) takes the override plan where the loaded cuDNN has it (>= 9.21)
     # and the registry does not refuse it (fastattn.defects); else the ragged one. Either way
     # the outputs are right, and a second length in the class builds nothing.
     from fastattn import defects
     from fastattn import shape_classes as sc
     from fastattn.torch import _shape_classes
 
-    monkeypatch.setattr(sc, "KIND", "override")
     hq, hkv, d, upper = 4, 2, 64, 512
+    assert upper <= sc.OVERRIDE_MAX  # a class the override serves
     bufs = [torch.randn(1, upper, h, d, device="cuda", dtype=dtype) for h in (hq, hkv, hkv)]
     before = None
     for n in (129, 200, 300, 512):
