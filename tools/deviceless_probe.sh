@@ -138,6 +138,12 @@ same_plan() {  # same_plan A.json B.json: equal once kernelParams' rawData (host
     "$PYTHON" - "$1" "$2" <<'EOF'
 import json, sys
 def strip(x):
+    # cudnn_backend_data is JSON inside a string: its rawData is left out too.
+    if isinstance(x, str) and x[:1] in "{[":
+        try:
+            return strip(json.loads(x))
+        except ValueError:
+            return x
     if isinstance(x, dict):
         return {k: strip(v) for k, v in x.items() if k != "rawData"}
     return [strip(v) for v in x] if isinstance(x, list) else x
