@@ -311,6 +311,9 @@ def write_json(res: dict | list, json_path: str | None) -> dict | list:
     that prints only its own summary, not the JSON, calls it alone)."""
     res = _strict(res)
     if json_path:
+        # Its folder made as needed: a run of minutes must not end in a FileNotFoundError
+        # with its numbers lost.
+        os.makedirs(os.path.dirname(os.path.abspath(json_path)), exist_ok=True)
         with open(json_path, "w") as f:
             json.dump(res, f, indent=2, allow_nan=False)
     return res

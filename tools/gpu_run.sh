@@ -103,6 +103,7 @@ fi
 [ $# -gt 0 ] || set -- tests
 also_pid=
 if [ -n "${ALSO:-}" ]; then
+  mkdir -p "$LOGS/also"
   (OUT="$LOGS/also" bash -c "$ALSO" > "$LOGS/also.log" 2>&1; echo "ALSO exit $?" >> "$LOGS/also.log") &
   also_pid=$!
 fi

@@ -49,6 +49,15 @@ def test_the_benchmarks_that_print_only_a_summary_write_their_json_strictly(tmp_
     assert capsys.readouterr().out == ""  # nothing printed: the script's summary is its own
 
 
+def test_a_result_goes_into_a_folder_not_there_yet(tmp_path):
+    # A run of minutes ends in its write: a --json into a folder that does not exist yet
+    # (tools/gpu_run.sh's ALSO output folder, once) must not lose its numbers.
+    common = benchmarks.load("_common")
+    path = tmp_path / "also" / "deeper" / "out.json"
+    common.write_json({"a": 1.0}, str(path))
+    assert json.loads(path.read_text()) == {"a": 1.0}
+
+
 def test_every_recorded_result_is_strict_json():
     # The benchmark notes link these files; a reader's JSON parser (jq, JavaScript's) refuses
     # NaN and Infinity, which Python's json writes unless told not to.
