@@ -1,8 +1,12 @@
 """A server's stream of requests on shape classes (shape classes' acceptance benchmark).
 
 The model shape is bench_shape_classes.py's default: batch 1, 32 query heads, 8 key/value
-heads (GQA), head dim 128, bf16, causal (bottom right: a decode step's one query sees the
-whole cache). The stream: --requests requests (default 200) with distinct prompt lengths
+heads (GQA), head dim 128, bf16, causal. --masks says how fastattn is asked for it (the
+same attention either way, SDPA's calls unchanged): bottom-right (default) causal bottom
+right for prefill and decode (a decode step's one query sees the whole cache); top-left,
+as SDPA's calls are, causal top left for prefill (s_q = s_kv) and no mask for decode, the
+forms shape-override class plans take (prefill in the first rows of a buffer of the
+longest prompt's rows: the class's declared storage up to MAX_PROMPT). The stream: --requests requests (default 200) with distinct prompt lengths
 drawn from 1 .. 4096 (seeded); each request generates G tokens (G drawn so that its KV
 cache ends at most at 8192 tokens) and runs its prefill (s_q = s_kv = prompt) and
 --decode-steps of its G decode steps (q = 1 against the cache's first n tokens, evenly
@@ -28,6 +32,7 @@ synchronized, as a server returns each token. Steps, each in fresh processes:
    in --first-output-rounds interleaved rounds (default 2).
 
     python benchmarks/bench_server.py [--json out.json] [--quick] [--requests N] [--classes 256,1024,4096]
+                                      [--masks top-left]
 """
 
 from __future__ import annotations
@@ -48,6 +53,10 @@ HEADS, HEADS_KV, HEAD_DIM = 32, 8, 128
 MAX_PROMPT, MAX_KV = 4096, 8192
 DEFAULT_CLASSES = "128,256,512,1024,2048,4096,8192"
 VARIANTS = ("fastattn_classes", "torch_cudnn", "torch_flash")
+# --masks: fastattn.torch.attention()'s mask arguments for (prefill, decode), and warm's --mask.
+MASKS = {"bottom-right": ({"causal_bottom_right": True}, {"causal_bottom_right": True}),
+         "top-left": ({"causal": True}, {})}
+WARM_MASK = {"bottom-right": "causal_bottom_right", "top-left": "causal"}
 
 
 def requests(n: int, steps: int, seed: int) -> list[tuple[int, list[int]]]:
@@ -124,11 +133,13 @@ def child_stream(variant: str, args) -> dict:
 
         classes = args.classes
 
+        prefill_mask, decode_mask = MASKS[args.masks]
+
         def prefill(q, k, v, gqa):
-            return fat.attention(q, k, v, causal_bottom_right=True, shape_classes=classes)
+            return fat.attention(q, k, v, **prefill_mask, shape_classes=classes)
 
         def decode(q1, k, v, gqa):
-            return fat.attention(q1, k, v, causal_bottom_right=True, shape_classes=classes)
+            return fat.attention(q1, k, v, **decode_mask, shape_classes=classes)
 
         t_import = time.perf_counter()
         loaded = fastattn.preload(threads=8)  # every plan `fastattn warm` stored for this GPU and stack
@@ -185,9 +196,9 @@ def child_kernels(args) -> dict:
                    "prefill_class": sc.class_of(s, classes), "decode_class": sc.class_of(mid, classes)}
             for part, qq, n in (("prefill", None, s), ("decode", q1, mid)):
                 for name, choice in (("class", classes), ("exact", "off")):
-                    def call(qq=qq, n=n, choice=choice):
-                        return fat.attention(q[:, :n] if qq is None else qq, k[:, :n], v[:, :n],
-                                             causal_bottom_right=True, shape_classes=choice)
+                    def call(qq=qq, n=n, choice=choice, mask=MASKS[args.masks][qq is not None]):
+                        return fat.attention(q[:, :n] if qq is None else qq, k[:, :n], v[:, :n], **mask,
+                                             shape_classes=choice)
                     row[f"{part}_{name}_ms"] = _common.gpu_ms(call, reps=args.reps, samples=3, warmup=2,
                                                               lead_cycles=5_000_000)
                 row[f"{part}_ratio"] = row[f"{part}_class_ms"] / row[f"{part}_exact_ms"]
@@ -225,11 +236,11 @@ def _kernel_table(rows: list[dict]) -> tuple[list[str], dict]:
     return lines, out
 
 
-def warm(env: dict, classes: str) -> dict:
+def warm(env: dict, classes: str, masks: str) -> dict:
     """`fastattn warm --seqlens 1..MAX_KV` for the model into env's cache directory."""
     cmd = [sys.executable, "-m", "fastattn", "warm", "--seqlens", f"1..{MAX_KV}", "--heads", str(HEADS),
            "--heads-kv", str(HEADS_KV), "--head-dim", str(HEAD_DIM), "--dtype", "bf16",
-           "--mask", "causal_bottom_right", "--shape-classes", classes, "--no-torch-ops", "--no-progress", "--json"]
+           "--mask", WARM_MASK[masks], "--shape-classes", classes, "--no-torch-ops", "--no-progress", "--json"]
     t0 = time.perf_counter()
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
                          env={**os.environ, **env})
@@ -265,7 +276,8 @@ def _default_classes() -> str:
 
 def _child_argv(args) -> list[str]:
     return ["--requests", str(args.requests), "--decode-steps", str(args.decode_steps), "--seed", str(args.seed),
-            "--classes", args.classes, "--kernel-requests", str(args.kernel_requests), "--reps", str(args.reps)]
+            "--classes", args.classes, "--kernel-requests", str(args.kernel_requests), "--reps", str(args.reps),
+            "--masks", args.masks]
 
 
 def main(argv=None) -> int:
@@ -281,6 +293,8 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=10, help="calls per CUDA-event sample in the kernel table")
     ap.add_argument("--first-output-rounds", type=int, default=2)
     ap.add_argument("--quick", action="store_true", help="40 requests, 2 decode steps, 1 round, 20 in the table")
+    ap.add_argument("--masks", choices=tuple(MASKS), default="bottom-right",
+                    help="how fastattn is asked for the causal model (top-left: the forms override plans take)")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     if args.quick:
@@ -300,10 +314,10 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     res: dict = {"date": time.strftime("%Y-%m-%d"), "uname": os.uname().release, "classes": args.classes,
                  "requests": args.requests, "decode_steps": args.decode_steps, "seed": args.seed,
-                 "shape": f"1x{HEADS}(kv {HEADS_KV})xSx{HEAD_DIM} bf16 causal bottom right"}
+                 "shape": f"1x{HEADS}(kv {HEADS_KV})xSx{HEAD_DIM} bf16 causal", "masks": args.masks}
     cache_dir = tempfile.mkdtemp(prefix="fastattn-server-")
     env = _common.fresh_cache_env(cache_dir)  # (the op library where `fastattn warm` built it)
-    res["warm"] = warm(env, args.classes)
+    res["warm"] = warm(env, args.classes, args.masks)
     me = os.path.abspath(__file__)
     rounds: dict = {name: [] for name in VARIANTS}
     for order in _common.rotated(VARIANTS, args.rounds):

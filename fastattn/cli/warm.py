@@ -223,13 +223,17 @@ def class_configs(args) -> tuple[list, list[list[int]]]:
     # (fastattn.torch's _shape_classes).
     # (not with a bottom-right diagonal, which the override would leave at the declared lengths)
     override = not args.training and mask != "causal_bottom_right" and _shape_override_loaded()
+    # A decode step's one query sees every key: with a bottom-right diagonal that is the mask's
+    # own form, and a model whose prefill is causal at the top left (where s_q == s_kv the
+    # same attention) runs its decode steps without a mask.
+    decode_mask = {"mask": "none"} if mask == "causal" else {}
     for u in uppers:
         kinds = (True, False) if override and u <= sc.OVERRIDE_MAX else (False,)
         # Prefill; and decode (one query, the class's keys), which is inference only.
-        pairs = [(u, u)] + ([(1, u)] if u > 1 and not args.training else [])
-        for u_q, u_kv in pairs:
+        pairs = [(u, u, {})] + ([(1, u, decode_mask)] if u > 1 and not args.training else [])
+        for u_q, u_kv, decode in pairs:
             for override_plan in kinds:
-                cfg = sc.class_config(upper_q=u_q, upper_kv=u_kv, override=override_plan, **common)
+                cfg = sc.class_config(upper_q=u_q, upper_kv=u_kv, override=override_plan, **{**common, **decode})
                 if cfg not in configs:
                     configs.append(cfg)
     return configs, [list(r) for r in uncovered]

@@ -59,8 +59,9 @@ def test_with_the_shape_override_both_kinds_of_class_plan_are_warmed(warmed, cap
     run(["warm", "--seqlens", "300", "--shape-classes", "512", "--mask", "causal", *MODEL], capsys)
     common = dict(batch=1, heads_q=32, heads_kv=8, head_dim_qk=128, head_dim_v=128, dtype="bf16",
                   mask="causal", alignment="top_left")
-    assert warmed == [sc.class_config(upper_q=q, upper_kv=512, override=o, **common)
-                      for q in (512, 1) for o in (True, False)]
+    # (decode: one query seeing every key, the model's decode step without a mask)
+    assert warmed == [sc.class_config(upper_q=q, upper_kv=512, override=o, **{**common, "mask": mask})
+                      for q, mask in ((512, "causal"), (1, "none")) for o in (True, False)]
     assert [(c.shape_override, c.ragged) for c in warmed[:2]] == [(True, False), (False, True)]
     warmed.clear()
     run(["warm", "--seqlens", "300", "--shape-classes", "512", "--mask", "causal", "--training", *MODEL], capsys)

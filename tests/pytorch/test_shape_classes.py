@@ -288,14 +288,17 @@ def test_a_cache_slice_takes_the_smallest_class_that_covers_its_offsets(fake):
     assert len(fake) == 1 and (fake[0].seqlen_q, fake[0].seqlen_kv) == (1, 4096)
 
 
-def test_the_server_benchmarks_stream_asks_only_for_plans_warm_builds(fake):
+@pytest.mark.parametrize("masks", ["bottom-right", "top-left"])
+def test_the_server_benchmarks_stream_asks_only_for_plans_warm_builds(override, monkeypatch, masks):
     """benchmarks/bench_server.py's claim, on CPU: every plan its request stream asks for
     (prefills of distinct lengths, decode steps up to 8192 KV tokens) is one that
-    `fastattn warm --seqlens 1..8192` with the same classes builds."""
+    `fastattn warm --seqlens 1..8192` with the same classes and mask builds, on a cuDNN
+    with the shape override (top-left: override class plans up to OVERRIDE_MAX)."""
     import argparse
 
-    from fastattn.cli.warm import class_configs
+    from fastattn.cli import warm as warm_cli
 
+    monkeypatch.setattr(warm_cli, "_shape_override_loaded", lambda: True)
     bench = benchmarks.load("bench_server")
     bounds = bench.DEFAULT_CLASSES
     reqs = bench.requests(200, 3, 30)
@@ -304,16 +307,19 @@ def test_the_server_benchmarks_stream_asks_only_for_plans_warm_builds(fake):
     q, q1 = meta(1, 4096, 32, 128), meta(1, 1, 32, 128)
     k, v = meta(1, 8192, 8, 128), meta(1, 8192, 8, 128)
     classes = sc.parse(bounds)
+    prefill_mask, decode_mask = bench.MASKS[masks]
     for s, kv in reqs[:60]:
-        _api.attention(q[:, :s], k[:, :s], v[:, :s], causal_bottom_right=True, shape_classes=classes)
+        _api.attention(q[:, :s], k[:, :s], v[:, :s], **prefill_mask, shape_classes=classes)
         for n in kv:
-            _api.attention(q1, k[:, :n], v[:, :n], causal_bottom_right=True, shape_classes=classes)
+            _api.attention(q1, k[:, :n], v[:, :n], **decode_mask, shape_classes=classes)
     args = argparse.Namespace(file=None, heads=32, heads_kv=8, head_dim=128, head_dim_v=None, dtype="bf16",
-                              mask="causal_bottom_right", batch=1, training=False, shape_classes=classes,
+                              mask=bench.WARM_MASK[masks], batch=1, training=False, shape_classes=classes,
                               seqlens=(1, 8192))
-    warmed, uncovered = class_configs(args)
-    assert uncovered == [] and len(warmed) <= 16
-    assert fake and all(cfg in warmed for cfg in fake), [c for c in fake if c not in warmed][:2]
+    warmed, uncovered = warm_cli.class_configs(args)
+    assert uncovered == [] and len(warmed) <= (16 if masks == "bottom-right" else 16 + 8)
+    assert override and all(cfg in warmed for cfg in override), [c for c in override if c not in warmed][:2]
+    # top-left: the prefills of the classes up to OVERRIDE_MAX took override plans
+    assert any(c.shape_override for c in override) == (masks == "top-left")
 
 
 def test_the_server_benchmarks_kernel_table():
