@@ -172,7 +172,9 @@ def paired_ratio(a: list[float], b: list[float]) -> float | None:
 def calls_since(before: dict, after: dict) -> dict:
     """The SDPA mode's counts (fastattn.stats()["sdpa"]) between two readings."""
     passed = {r: n - before["passed_on"].get(r, 0) for r, n in after["passed_on"].items()}
-    return {"served": after["served"] - before["served"], "passed_on": {r: n for r, n in passed.items() if n}}
+    return {"served": after["served"] - before["served"],
+            "head_dim_padded": after.get("head_dim_padded", 0) - before.get("head_dim_padded", 0),
+            "passed_on": {r: n for r, n in passed.items() if n}}
 
 
 # The held host-time loop's length and the sleep kernel in front of it (~20 ms at the

@@ -1,8 +1,9 @@
 """Can a plan's kernels be loaded off the caller's path by launching the plan once, in a
 thread of fastattn's own, on a private stream, with that thread's stream-capture mode
-relaxed? (Issue 58's lever, a candidate: CUDA's lazy loading loads a kernel at its first
-launch, ~2.7 ms of a warmed plan's first call on cuDNN 9.19; a throwaway capture cannot
-load it without disturbing the caller's other threads, benchmarks/probe_first_launch_capture.py.)
+relaxed? (A candidate way for the warm-up to load kernels: CUDA's lazy loading loads a
+kernel at its first launch, most of a warmed plan's first call (docs/BENCHMARKS.md); a
+throwaway capture cannot load it without disturbing the caller's other threads,
+benchmarks/probe_first_launch_capture.py.)
 
 Each case runs in a child process of its own (a kernel once loaded stays loaded in a
 process) on a cache a first child filled, so that its plans are loaded from the cache

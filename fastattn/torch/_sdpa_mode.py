@@ -37,7 +37,10 @@ which warns (fastattn.torch._executor.alert_not_deterministic).
 What fastattn takes: float16 / bfloat16 CUDA tensors of 4 dims, heads_q a multiple of
 heads_kv (enable_gqa), a boolean mask or an additive one in the query's dtype or float32
 (copied into a contiguous bias of cuDNN's broadcast shapes in the query's dtype where it
-is not one), dropout, is_causal (top left), scale. The verdict is kept per call signature
+is not one), dropout, is_causal (top left), scale. Head dims that are not multiples of 8,
+which cuDNN does not take, are padded with zeros as PyTorch's flash backend pads them (the
+scale kept at the real head dim's, the output cut back; autograd pads its gradient), and
+counted (fastattn.stats()["sdpa"]["head_dim_padded"]). The verdict is kept per call signature
 (shapes, strides, dtypes, options), so the forward and the backward of one call always
 take the same side.
 """
@@ -131,6 +134,9 @@ _calls_lock = threading.Lock()
 _local = threading.local()
 _native_kernels = None
 _DEBUG = "return_debug_mask: PyTorch's kernels give the dropout mask"
+# The served calls whose head dims the composite padded (_padded): their count's key in
+# _calls, and the op library's (csrc/sdpa.cpp kPadded: a served count under this name).
+PADDED = "head_dim_padded"
 
 
 def enable_sdpa() -> None:
@@ -233,18 +239,22 @@ def sdpa_routes() -> dict[tuple, str]:
 
 def sdpa_calls() -> dict:
     """The mode's calls so far, one per SDPA call while the mode was on (and per direct
-    call of PyTorch's cuDNN operator): {"served": calls fastattn ran, "passed_on":
-    {reason: calls PyTorch's kernels ran}} (fastattn.stats()["sdpa"])."""
+    call of PyTorch's cuDNN operator): {"served": calls fastattn ran, "head_dim_padded":
+    those of them whose head dims it padded to multiples of 8, "passed_on": {reason:
+    calls PyTorch's kernels ran}} (fastattn.stats()["sdpa"])."""
     with _calls_lock:
-        served = _calls.get(None, 0)
-        passed = {reason: n for reason, n in _calls.items() if reason is not None}
+        padded = _calls.get(PADDED, 0)
+        served = _calls.get(None, 0) + padded
+        passed = {reason: n for reason, n in _calls.items() if reason is not None and reason is not PADDED}
     if _native_kernels is not None:
         for ours, reason, n in _native_kernels.sdpa_calls():
-            if ours:
+            if ours and reason == PADDED:  # (of the served ones its routes counted)
+                padded += n
+            elif ours:
                 served += n
             elif n:  # ("": the calls of dropped routes whose reasons were past the cap)
                 bounded.count_reason(passed, reason or bounded.OTHER_REASONS, n)
-    return {"served": served, "passed_on": passed}
+    return {"served": served, "head_dim_padded": padded, "passed_on": passed}
 
 
 def _zero_calls() -> None:
@@ -256,8 +266,8 @@ def _zero_calls() -> None:
 
 def _count(reason: str | None) -> None:
     with _calls_lock:
-        if reason is None:
-            _calls[None] = _calls.get(None, 0) + 1
+        if reason is None or reason is PADDED:
+            _calls[reason] = _calls.get(reason, 0) + 1
         else:  # (a reason may quote shapes: bounded)
             bounded.count_reason(_calls, reason)
 
@@ -647,6 +657,24 @@ def _zero_and_minus_inf(like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     return hit
 
 
+def _padded(q, k, v, scale):
+    """(q, k, v, scale, head_dim_v): the head dims padded with zeros to multiples of 8, the
+    scale at the real head dim's (zeros add nothing to q . k and give output columns that
+    are cut off), and v's real head dim to cut the output back to; head_dim_v None where
+    nothing is padded (no copy). PyTorch's flash backend pads so (sdp_utils'
+    pad_last_dim), and cuDNN takes head dims of multiples of 8 only."""
+    d_qk, d_v = q.shape[-1], v.shape[-1]
+    if d_qk % 8 == 0 and d_v % 8 == 0:
+        return q, k, v, scale, None
+    if scale is None:
+        scale = d_qk ** -0.5
+    if d_qk % 8:
+        q, k = (torch.nn.functional.pad(t, (0, -d_qk % 8)) for t in (q, k))
+    if d_v % 8:
+        v = torch.nn.functional.pad(v, (0, -d_v % 8))
+    return q, k, v, scale, d_v
+
+
 def _composite(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None, enable_gqa=False):
     """aten::scaled_dot_product_attention, every backend's entry (registered for the
     device's key and its autograd key): a call fastattn takes runs as the cuDNN
@@ -658,16 +686,19 @@ def _composite(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False
     lse = reason is None and torch.is_grad_enabled() and (query.requires_grad or key.requires_grad
                                                           or value.requires_grad)
     if reason is None:
-        bias, empty = _composite_bias(attn_mask, query, lse)
-        route = _route(query, key, value, bias, dropout_p, is_causal, scale, lse, lse and _strict())
+        q, k, v, s, head_dim_v = _padded(query, key, value, scale)
+        bias, empty = _composite_bias(attn_mask, q, lse)
+        route = _route(q, k, v, bias, dropout_p, is_causal, s, lse, lse and _strict())
         if isinstance(route, _Route):
-            _count(None)
+            _count(None if head_dim_v is None else PADDED)
             _local.counted = True
             try:
-                o = torch.ops.aten._scaled_dot_product_cudnn_attention(query, key, value, bias, lse, dropout_p,
-                                                                       is_causal, False, scale=scale)[0]
+                o = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, bias, lse, dropout_p, is_causal,
+                                                                       False, scale=s)[0]
             finally:
                 _local.counted = False
+            if head_dim_v is not None:
+                o = o.narrow(-1, 0, head_dim_v)
             if empty is None:
                 return o
             # In place where autograd saves nothing (a copy kernel fewer); out of place where

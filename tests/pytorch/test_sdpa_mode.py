@@ -63,6 +63,8 @@ class Model:
         assert o is None and seq_len_q is None and sink is None
         if 0 in (*q.shape, *k.shape):  # as fastattn's config refuses it
             raise InvalidArgumentError("an extent of 0: must be >= 1")
+        if q.shape[-1] % 8 or v.shape[-1] % 8:  # as cuDNN refuses them
+            raise NotSupportedError("head dims: cuDNN takes multiples of 8")
         if options.deterministic and self.no_deterministic:
             raise NotSupportedError("backward: no deterministic engine here")
         if bias is not None:
@@ -206,7 +208,7 @@ def test_served_and_passed_on_calls_are_counted_in_fastattns_stats(model, monkey
     q, k, v = _qkv(1, 2, 2, 3, 3, 8)
     for _ in range(3):
         OP(q, k, v, None, False, 0.0, True, False, scale=None)  # served: the model's plan
-    assert fastattn.stats()["sdpa"] == {"served": 3, "passed_on": {}}
+    assert fastattn.stats()["sdpa"] == {"served": 3, "head_dim_padded": 0, "passed_on": {}}
     monkeypatch.setattr(torch.ops.aten, "_cudnn_attention_forward", lambda *a, **kw: ("pytorch's",), raising=False)
     _sdpa_mode._forward(q, k, v, None, False, 0.0, True, True, scale=None)  # the debug mask: PyTorch's
     fp32 = torch.randn(1, 2, 3, 8)
@@ -216,7 +218,7 @@ def test_served_and_passed_on_calls_are_counted_in_fastattns_stats(model, monkey
     [(reason, n)] = [(r, n) for r, n in got["passed_on"].items() if "float32" in r]
     assert got["served"] == 3 and n == 2 and got["passed_on"][_sdpa_mode._DEBUG] == 1 and len(got["passed_on"]) == 2
     fastattn.clear()
-    assert fastattn.stats()["sdpa"] == {"served": 0, "passed_on": {}}
+    assert fastattn.stats()["sdpa"] == {"served": 0, "head_dim_padded": 0, "passed_on": {}}
 
 
 def test_dtypes_and_strides_fastattn_does_not_read_go_to_pytorch_without_asking_it(model):
@@ -666,7 +668,7 @@ def test_every_sdpa_call_fastattn_takes_is_served_with_gradients(composite, mask
     q, k, v = _qkv(2, 4, 2 if gqa else 4, 5, 7, 16, "bshd")
     mask = _masks(2, 4, 5, 7)[mask_name]
     out = SDPA(q, k, v, attn_mask=mask, enable_gqa=gqa)
-    assert _sdpa_mode.sdpa_calls() == {"served": 1, "passed_on": {}}
+    assert _sdpa_mode.sdpa_calls() == {"served": 1, "head_dim_padded": 0, "passed_on": {}}
     assert [c[0] for c in composite.calls] == ["plan", "forward"]
     _assert_sdpas_in_float64(out, q, k, v, mask, enable_gqa=gqa)
     # the reference itself (float64) is PyTorch's, counted as passed on with the dtype's reason
@@ -790,7 +792,7 @@ def _calls(draw):
     of -inf alone: zeros, as PyTorch's math kernel gives)."""
     b, hk, rep = draw(st.integers(1, 2)), draw(st.integers(1, 2)), draw(st.sampled_from([1, 2]))
     sq, skv, d = (draw(st.sampled_from([0, 1, 2, 3, 4, 5, 5])), draw(st.sampled_from([0, 1, 2, 3, 4, 5, 6])),
-                  draw(st.sampled_from([8, 16])))
+                  draw(st.sampled_from([8, 16, 12])))  # (12: padded to 16)
     call = dict(b=b, hq=hk * rep, hk=hk, sq=sq, skv=skv, d=d, layout=draw(st.sampled_from(["bhsd", "bshd"])),
                 dtype=draw(st.sampled_from([torch.bfloat16, torch.bfloat16, torch.float16, torch.float32])),
                 gqa=rep > 1 or draw(st.booleans()), causal=False, mask=None,
@@ -852,9 +854,11 @@ def either_composite(request, model, monkeypatch):
         python.impl(_sdpa_mode._COMPOSITE, _sdpa_mode._composite, "AutogradCPU")
 
         def counts():
-            served = _sdpa_mode._calls.get(None, 0)
+            served = _sdpa_mode._calls.get(None, 0) + _sdpa_mode._calls.get(_sdpa_mode.PADDED, 0)
             return served, sum(_sdpa_mode._calls.values()) - served
-        counts.handed_on = lambda: {r: n for r, n in _sdpa_mode._calls.items() if r is not None}
+        counts.handed_on = lambda: {r: n for r, n in _sdpa_mode._calls.items()
+                                    if r is not None and r != _sdpa_mode.PADDED}
+        counts.padded = lambda: _sdpa_mode._calls.get(_sdpa_mode.PADDED, 0)
         yield counts
         python._destroy()
         return
@@ -869,7 +873,7 @@ def either_composite(request, model, monkeypatch):
 
     def counts():
         calls = native.sdpa_calls()
-        served = sum(n for ours, _, n in calls if ours)
+        served = sum(n for ours, reason, n in calls if ours and reason != _sdpa_mode.PADDED)
         return served, sum(n for ours, _, n in calls if not ours)
 
     def handed_on():
@@ -879,6 +883,7 @@ def either_composite(request, model, monkeypatch):
                 out[reason] = out.get(reason, 0) + n
         return out
     counts.handed_on = handed_on
+    counts.padded = lambda: sum(n for _, reason, n in native.sdpa_calls() if reason == _sdpa_mode.PADDED)
     try:
         yield counts
     finally:
@@ -926,6 +931,29 @@ def test_the_composite_serves_or_hands_on_any_call_as_pytorch_would_answer_it(ei
         assert (out[empty] == 0).all() and (q.grad[empty] == 0).all()
 
 
+@pytest.mark.parametrize("d_qk,d_v", [(12, 12), (12, 20), (16, 12), (59, 59), (16, 16)])
+def test_head_dims_not_multiples_of_8_are_served_padded(either_composite, d_qk, d_v):
+    # cuDNN takes head dims of multiples of 8 (the model refuses others, as cuDNN): the mode
+    # pads them with zeros as PyTorch's flash backend does, the scale at the real head dim's
+    # (SDPA's default, 1/sqrt(d_qk)), the output cut back to v's; autograd pads the gradients.
+    counts = either_composite
+    g = torch.Generator().manual_seed(d_qk * 100 + d_v)
+    q = torch.randn(2, 4, 5, d_qk, generator=g).bfloat16().requires_grad_()
+    k = torch.randn(2, 2, 7, d_qk, generator=g).bfloat16().requires_grad_()
+    v = torch.randn(2, 2, 7, d_v, generator=g).bfloat16().requires_grad_()
+    out = SDPA(q, k, v, is_causal=True, enable_gqa=True)
+    assert counts() == (1, 0), counts.handed_on()
+    assert counts.padded() == (d_qk % 8 != 0 or d_v % 8 != 0)
+    assert out.shape == (2, 4, 5, d_v)
+    _assert_sdpas_in_float64(out, q, k, v, None, is_causal=True, enable_gqa=True)
+    assert q.grad.shape == q.shape and v.grad.shape == v.shape
+    with torch.no_grad():  # an explicit scale is kept as given
+        scaled = SDPA(q, k, v, scale=0.3, enable_gqa=True)
+    ref = SDPA(q.double(), k.double(), v.double(), scale=0.3, enable_gqa=True)
+    torch.testing.assert_close(scaled.double(), ref, atol=2e-2, rtol=2e-2)
+    assert counts()[0] == 2
+
+
 def test_where_fastattn_cannot_run_the_mode_stands_aside_and_says_so_once(composite, monkeypatch, caplog):
     # cuDNN not loadable (or a CUDA failure) is no refusal of one call: every call is then
     # PyTorch's, counted with the reason, and the reason is logged once, not per call.
@@ -943,7 +971,7 @@ def test_where_fastattn_cannot_run_the_mode_stands_aside_and_says_so_once(compos
             out = SDPA(q, k, v, is_causal=True)
             assert torch.equal(out, torch.ops.aten.scaled_dot_product_attention.default.decompose(
                 q, k, v, None, 0.0, True))  # PyTorch's own answer
-    assert _sdpa_mode.sdpa_calls() == {"served": 0, "passed_on": {reason: 3}}
+    assert _sdpa_mode.sdpa_calls() == {"served": 0, "head_dim_padded": 0, "passed_on": {reason: 3}}
     assert [r.getMessage() for r in caplog.records] == [
         f"the SDPA mode hands calls to PyTorch's kernels (counted in fastattn.stats()['sdpa']): {reason}"]
 

@@ -265,6 +265,29 @@ def test_calls_pytorch_gives_other_backends_are_served_too(mode, name):
         assert (out[~keep.expand(2, 8, 96, 96).any(-1)] == 0).all()
 
 
+@pytest.mark.parametrize("d_qk,d_v", [(60, 60), (12, 20), (64, 36)])
+def test_head_dims_not_multiples_of_8_are_served_padded(mode, d_qk, d_v):
+    # cuDNN takes head dims of multiples of 8; PyTorch's flash backend pads the others, and the
+    # mode serves them padded likewise (the scale at the real head dim's), forward and backward.
+    torch.manual_seed(0)
+    q = torch.randn(2, 8, 96, d_qk, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(2, 2, 96, d_qk, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn(2, 2, 96, d_v, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    before = fastattn.stats()["sdpa"]
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    g = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), g)
+    after = fastattn.stats()["sdpa"]
+    assert after["served"] == before["served"] + 1 and after["passed_on"] == before["passed_on"], after
+    assert after["head_dim_padded"] == before["head_dim_padded"] + 1
+    assert out.shape == (2, 8, 96, d_v)
+    ref, leaves = _math64(q, k, v, None, True, True)
+    want = torch.autograd.grad(ref, leaves, g.double())
+    for got, r in zip((out, *grads), (ref, *want)):
+        assert got.shape == r.shape and torch.isfinite(got).all()
+        torch.testing.assert_close(got.double(), r, atol=TOL * r.abs().max().item(), rtol=TOL)
+
+
 def _step(q, k, v, g, backends=None):
     """(output, d_q, d_k, d_v) of one causal SDPA training call, in an sdpa_kernel context
     of `backends` where given."""

@@ -240,7 +240,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           "for tests");
     m.def("sdpa_route_count", &sdpa_route_count, "call signatures the SDPA mode's C++ kernels have a route for");
     m.def("sdpa_calls", &sdpa_calls,
-          "the SDPA mode's C++ forward calls so far: [(served, reason where not, calls)], by route");
+          "the SDPA mode's C++ forward calls so far: [(served, reason where not, calls)], by route, and "
+          "(True, 'head_dim_padded', calls): of the served ones, those padded");
     m.def("zero_sdpa_calls", &zero_sdpa_calls, "start the SDPA mode's call counts again");
     m.def(
         "sdpa_route",

@@ -263,7 +263,8 @@ struct SdpaRoute {
 // The mode's forward calls so far, by route: (ours, the reason where not, calls) for each
 // kept route, those of dropped routes (served, and by reason; the reason "" for those past
 // the cap's worth of reasons), and the calls no kept route counts (a refusal inside a
-// capture, which is not kept; PyTorch's kernels for return_debug_mask) with their reasons.
+// capture, which is not kept; PyTorch's kernels for return_debug_mask) with their reasons,
+// and (true, "head_dim_padded", n): n of the served calls had their head dims padded.
 // zero_sdpa_calls() starts them again (fastattn.clear()).
 std::vector<std::tuple<bool, std::string, uint64_t>> sdpa_calls();
 void zero_sdpa_calls();

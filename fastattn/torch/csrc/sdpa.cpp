@@ -19,6 +19,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/grad_mode.h>
 #include <ATen/core/stack.h>
+#include <ATen/ops/constant_pad_nd.h>
 #include <ATen/ops/full.h>
 #include <ATen/ops/randint.h>
 #include <ATen/ops/scaled_dot_product_attention_native.h>
@@ -33,6 +34,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <limits>
 #include <map>
 #include <memory>
@@ -114,8 +116,10 @@ void put_scale(std::vector<int64_t> &key, const std::optional<double> &scale) {
 // Forward calls no kept route counts (sdpa_calls).
 std::atomic<uint64_t> g_unkept_calls{0};  // a refusal inside a capture: its route is not kept
 std::atomic<uint64_t> g_debug_calls{0};   // return_debug_mask: PyTorch's kernels give the mask
+std::atomic<uint64_t> g_padded_calls{0};  // served with head dims padded (padded()): counted apart too
 constexpr const char *kUnkept = "refused inside a CUDA-graph capture (a plan not loaded before it)";
 constexpr const char *kDebug = "return_debug_mask: PyTorch's kernels give the dropout mask";
+constexpr const char *kPadded = "head_dim_padded";  // _sdpa_mode.PADDED
 
 // A forward call the composite kernel (below) counted itself, served or handed to
 // PyTorch's composite: the cuDNN operator's kernel under it on this thread does not
@@ -453,6 +457,20 @@ OptTensor composite_bias(const OptTensor &mask, const Tensor &q, bool lse, Tenso
     return at::where(m, zero, lse ? at::where(kept, minus_inf, zero) : minus_inf);
 }
 
+// Head dims that are not multiples of 8 padded with zeros to them, as PyTorch's flash
+// backend pads them (cuDNN takes multiples of 8 only), the scale kept at the real head
+// dim's: zeros add nothing to q . k and give output columns that are cut off (v's real
+// head dim, returned; 0 where nothing is padded). _sdpa_mode._padded.
+int64_t padded(Tensor &q, Tensor &k, Tensor &v, std::optional<double> &scale) {
+    const int64_t d_qk = q.size(-1), d_v = v.size(-1);
+    if (d_qk % 8 == 0 && d_v % 8 == 0) return 0;
+    if (!scale) scale = 1.0 / std::sqrt(static_cast<double>(d_qk));
+    const auto pad = [](const Tensor &t) { return at::constant_pad_nd(t, {0, (8 - t.size(-1) % 8) % 8}); };
+    if (d_qk % 8 != 0) q = pad(q), k = pad(k);
+    if (d_v % 8 != 0) v = pad(v);
+    return d_v;
+}
+
 // aten::scaled_dot_product_attention, every backend's entry (registered for the device's
 // key and its autograd key): a call fastattn takes runs as the cuDNN operator's call
 // through the dispatcher (PyTorch's autograd formula for it; the kernels above), any
@@ -476,18 +494,22 @@ void composite(const c10::OperatorHandle &, Stack *stack) {
         g_early_calls[e].fetch_add(1, std::memory_order_relaxed);
     } else {
         const c10::DeviceGuard device(q.device());  // (as the forward's)
-        Tensor empty;
-        const OptTensor bias = composite_bias(mask, q, lse, empty);
-        const auto route = sdpa_route(q, k, v, bias, dropout_p, is_causal, scale, lse, lse && strict_determinism());
+        Tensor qp = q, kp = k, vp = v, empty;
+        std::optional<double> s = scale;
+        const int64_t head_dim_v = padded(qp, kp, vp, s);
+        const OptTensor bias = composite_bias(mask, qp, lse, empty);
+        const auto route = sdpa_route(qp, kp, vp, bias, dropout_p, is_causal, s, lse, lse && strict_determinism());
         count_call(*route);
         if (route->ours) {
+            if (head_dim_v != 0) g_padded_calls.fetch_add(1, std::memory_order_relaxed);
             static const c10::OperatorHandle cudnn = op("aten::_scaled_dot_product_cudnn_attention");
-            Stack call{q, k, v, bias, lse, dropout_p, is_causal, false, scale};
+            Stack call{qp, kp, vp, bias, lse, dropout_p, is_causal, false, s};
             {
                 const Counted counted;
                 cudnn.callBoxed(&call);
             }
             Tensor o = call[0].toTensor();
+            if (head_dim_v != 0) o = o.narrow(-1, 0, head_dim_v);
             // In place where autograd saves nothing (a copy kernel fewer); out of place where
             // the cuDNN operator's backward saves o (_sdpa_mode._composite alike).
             if (empty.defined()) o = lse ? o.masked_fill(empty, 0.0) : o.masked_fill_(empty, 0.0);
@@ -566,6 +588,7 @@ void zero_dropped_and_unkept() {
     }
     g_unkept_calls = 0;
     g_debug_calls = 0;
+    g_padded_calls = 0;
     for (auto &n : g_early_calls) n = 0;
 }
 
@@ -601,6 +624,7 @@ std::vector<std::tuple<bool, std::string, uint64_t>> sdpa_calls() {
     }
     out.emplace_back(false, kUnkept, g_unkept_calls.load());
     out.emplace_back(false, kDebug, g_debug_calls.load());
+    out.emplace_back(true, kPadded, g_padded_calls.load());  // (of the served ones above)
     for (size_t i = 0; i < kEarly; ++i) out.emplace_back(false, g_early_reasons[i], g_early_calls[i].load());
     return out;
 }
