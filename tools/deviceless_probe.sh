@@ -34,6 +34,10 @@
 #       (--export-props), each direction built from them with the stand-in libcuda and with the
 #       real driver (the same plan, rawData left out?), and the stand-in's plan loaded with a
 #       handle and run against the plan built there on the same inputs (--check: bitwise?).
+#   bash tools/deviceless_probe.sh gpu-check-fields
+#       step 4: the GPU's properties with one field changed at a time (a smaller part, an older
+#       driver, another name, SM 8.0, ...), a forward plan built from each by the stand-in, then
+#       loaded with a handle and run there: which fields cuDNN checks at load.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 BUILD="${BUILD:-/tmp/fastattn-deviceless}"
@@ -181,10 +185,37 @@ gpu_check() {  # DECISIONS.md's steps 1 to 3, on the GPU machine
     return $rc
 }
 
+gpu_check_fields() {  # DECISIONS.md's step 4, on the GPU machine, after gpu-check (its gpu.json)
+    # One field of the GPU's own properties changed at a time: a forward plan built from them
+    # by the stand-in libcuda, then loaded with a handle and run here (--check): which fields
+    # does cuDNN check at load (refused), and which change the plan it builds?
+    [ -f "$BUILD/gpu.json" ] || TAG=export-props run system --export-props "$BUILD/gpu.json" || return 1
+    local field
+    for field in multiProcessorCount driverVer deviceName deviceVer maxSharedMemoryPerBlockOptin l2CacheSize \
+            smClockRateKHz totalGlobalMem; do
+        "$PYTHON" - "$BUILD/gpu.json" "$field" "$BUILD/gpu-$field.json" <<'EOF'
+import json, sys
+props, field, out = json.load(open(sys.argv[1])), sys.argv[2], sys.argv[3]
+v = props[field]
+# another GPU's value: a smaller part of the same family, an older driver, another name,
+# another architecture (SM 8.0)
+props[field] = {"deviceVer": 800, "driverVer": 12040, "deviceName": str(v) + " (another)"}.get(
+    field, v // 2 if isinstance(v, int) else v)
+json.dump(props, open(out, "w"))
+print(f"{field}: {v!r} -> {props[field]!r}")
+EOF
+        TAG="fake-fwd-$field" run fake --props "$BUILD/gpu-$field.json" --dir fwd --out "$BUILD/fwd-$field.plan" || true
+        TAG="check-fwd-$field" run system --dir fwd --check "$BUILD/fwd-$field.plan" || true
+        grep -h '^CHECK\|^plan built here\|^STEP .*FAIL' "$BUILD/logs/check-fwd-$field.out" || true
+        grep -h 'e! .*Reason\|isCompatible' "$BUILD/logs/check-fwd-$field.err" | sort -u | head -3 || true
+    done
+}
+
 case "${1:-}" in
     build) build ;;
     run) shift; run "$@" ;;
     matrix) matrix ;;
     gpu-check) gpu_check ;;
-    *) sed -n '2,36p' "${BASH_SOURCE[0]}"; exit 2 ;;
+    gpu-check-fields) gpu_check_fields ;;
+    *) sed -n '2,40p' "${BASH_SOURCE[0]}"; exit 2 ;;
 esac
