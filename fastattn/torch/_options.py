@@ -45,8 +45,10 @@ def _names(values: tuple[str, ...]) -> str:
 def calls_header() -> str:
     """fastattn_calls.h, for readers.h alone (it needs Python.h, and the fa_read_*
     readers and fa_diagonal that readers.h defines before including it): for each entry
-    of CALLS, the struct <Entry>Call (its tensors, its op's options), k<Entry>Args and
-    read_<entry>(args, call), true when every argument is one the C entry takes."""
+    of CALLS, the struct <Entry>Call (its tensors, its op's options), <entry>_args(fn,
+    nargs), true when nargs is the entry point's argument count (else a TypeError naming
+    the C entry fn is set), and read_<entry>(args, call), true when every argument is one
+    the C entry takes."""
     out = ["// Generated from fastattn/torch/_specs.py (CALLS) by fastattn.torch._native at build time; "
            "change that file, not this one.",
            "#pragma once", "", "namespace fastattn::ops {", ""]
@@ -77,7 +79,12 @@ def calls_header() -> str:
                 *(f"    OptTensor {a.name};" for a in args if a.read == OPTIONAL),
                 f"    {struct(op)} options{{}};",
                 "};",
-                f"inline constexpr Py_ssize_t k{camel}Args = {len(args)};",
+                f"// Whether nargs is {entry}()'s {len(args)} arguments; if not, a TypeError naming the C entry fn is set.",
+                f"inline bool {entry}_args(const char *fn, Py_ssize_t nargs) {{",
+                f"    if (nargs == {len(args)}) return true;",
+                f'    PyErr_Format(PyExc_TypeError, "%s() takes {len(args)} positional arguments (%zd given)", fn, nargs);',
+                "    return false;",
+                "}",
                 f"inline bool read_{entry}(PyObject *const *args, {camel}Call &c) {{",
                 "    bool causal = false, causal_bottom_right = false;",
                 "    c10::string_view alignment;",

@@ -103,10 +103,7 @@ constexpr const char *kCallDoc =
 
 PyObject *call_attention(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
     HANDLE_TH_ERRORS
-    if (nargs != kAttentionArgs) {
-        PyErr_Format(PyExc_TypeError, "call() takes %zd positional arguments (%zd given)", kAttentionArgs, nargs);
-        return nullptr;
-    }
+    if (!attention_args("call", nargs)) return nullptr;
     AttentionCall c;
     // q a plain tensor (attention()'s Python body: q.__class__ is Tensor), on CUDA, outside
     // modes; seq_lens_kv seq_lens_q's by default.
@@ -131,11 +128,7 @@ bool plain_tensor(PyObject *arg) { return Py_TYPE(arg) == reinterpret_cast<PyTyp
 
 PyObject *call_varlen(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
     HANDLE_TH_ERRORS
-    if (nargs != kAttentionVarlenArgs) {
-        PyErr_Format(PyExc_TypeError, "call_varlen() takes %zd positional arguments (%zd given)", kAttentionVarlenArgs,
-                     nargs);
-        return nullptr;
-    }
+    if (!attention_varlen_args("call_varlen", nargs)) return nullptr;
     AttentionVarlenCall c;
     if (!read_attention_varlen(args, c)) Py_RETURN_NOTIMPLEMENTED;
     for (PyObject *t : {c.q, c.k, c.v, c.cu_seqlens_q, c.cu_seqlens_kv}) {

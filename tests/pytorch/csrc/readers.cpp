@@ -36,11 +36,7 @@ py::tuple fields(const Options &opt) {
 // whether seq_lens_kv is given), or None where attention()'s Python body takes the call.
 PyObject *read_call(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
     HANDLE_TH_ERRORS
-    if (nargs != fastattn::ops::kAttentionArgs) {
-        PyErr_Format(PyExc_TypeError, "read_call() takes %zd positional arguments (%zd given)",
-                     fastattn::ops::kAttentionArgs, nargs);
-        return nullptr;
-    }
+    if (!fastattn::ops::attention_args("read_call", nargs)) return nullptr;
     AttentionCall c;
     if (!fastattn::ops::read_call(args, c)) Py_RETURN_NONE;
     return py::make_tuple(fields(c.options), fastattn::ops::given(c.seq_lens_kv)).release().ptr();
@@ -53,11 +49,7 @@ PyObject *read_call(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
 // (check_varlen_tensors does).
 PyObject *read_varlen_call(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
     HANDLE_TH_ERRORS
-    if (nargs != fastattn::ops::kAttentionVarlenArgs) {
-        PyErr_Format(PyExc_TypeError, "read_varlen_call() takes %zd positional arguments (%zd given)",
-                     fastattn::ops::kAttentionVarlenArgs, nargs);
-        return nullptr;
-    }
+    if (!fastattn::ops::attention_varlen_args("read_varlen_call", nargs)) return nullptr;
     AttentionVarlenCall c;
     if (!fastattn::ops::read_attention_varlen(args, c)) Py_RETURN_NONE;
     return fields(c.options).release().ptr();
