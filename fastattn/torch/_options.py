@@ -16,7 +16,8 @@ from __future__ import annotations
 import json
 
 from ..config import LAYOUTS, axes
-from ._specs import CALLS, DIAGONAL, OPTIONAL, TENSOR, SPECS, VARLEN_MIN_Q, Option, cpp_initializer, describe, options_schema
+from ._specs import (CALLS, DIAGONAL, OPTIONAL, SPECS, TENSOR, VARLEN_MIN_Q, Input, Option, cpp_initializer, describe,
+                     options_schema)
 
 # The types of each kind in C++ parameters and in the C++ struct.
 _CPP = {"bool": "bool", "int": "int64_t", "float": "double", "str": "c10::string_view"}
@@ -48,10 +49,10 @@ def calls_header() -> str:
     of CALLS, the struct <Entry>Call (its tensors, its op's options), <entry>_args(fn,
     nargs), true when nargs is the entry point's argument count (else a TypeError naming
     the C entry fn is set), and read_<entry>(args, call), true when every argument is one
-    the C entry takes."""
+    the C entry takes; for each op of CALLS, decide_<op>_grads (_grads)."""
     out = ["// Generated from fastattn/torch/_specs.py (CALLS) by fastattn.torch._native at build time; "
            "change that file, not this one.",
-           "#pragma once", "", "namespace fastattn::ops {", ""]
+           "#pragma once", "", "#include <ATen/core/grad_mode.h>", "", "namespace fastattn::ops {", ""]
     choices = {a.name: a.choices for _, args in CALLS.values() for a in args if a.read == "name"}
     out.extend(f"inline constexpr c10::string_view kNames{_camel(n)}[] = {_names(c)};" for n, c in choices.items())
     for entry, (op, args) in CALLS.items():
@@ -90,8 +91,46 @@ def calls_header() -> str:
                 "    c10::string_view alignment;",
                 "    return " + " &&\n           ".join(reads) + ";",
                 "}"]
+    for op in dict.fromkeys(op for op, _ in CALLS.values()):
+        out += ["", *_grads(op)]
     out += ["", "}  // namespace fastattn::ops"]
     return "\n".join(out) + "\n"
+
+
+def _grads(op: str) -> list[str]:
+    """decide_<op>_grads: the options that say which gradients a C entry's call of the op
+    computes, as autograd decides (the spec's differentiable inputs, and when each gets
+    one): training, where the grad mode is on and one of them wants a gradient; an option
+    that gates an input's gradient (Input.grad_if), where that input wants one too."""
+    grads = SPECS[op].differentiable()
+
+    def wants(i: Input) -> str:
+        return f"given({i.name}) && {i.name}->requires_grad()" if i.optional else f"{i.name}.requires_grad()"
+
+    gated = [i for i in grads if i.grad_if not in ("", "given")]
+    head = f"inline void decide_{op}_grads("
+    params = [f"const {'OptTensor' if i.optional else 'Tensor'} &{i.name}" for i in grads] + [f"{struct(op)} &opt"]
+    return [f"// The gradients a call of {op}'s work computes, as autograd decides: training where the grad mode is on",
+            f"// and an input that takes one ({', '.join(i.name for i in grads)}) wants one"
+            + "".join(f"; {i.grad_if} where {i.name} does" for i in gated) + ".",
+            *_packed(head, params, ", ", ") {"),
+            "    opt.training = at::GradMode::is_enabled() &&",
+            *_packed(" " * 19 + "(", [f"({wants(i)})" if i.optional else wants(i) for i in grads], " || ", ");"),
+            *(f"    opt.{i.grad_if} = opt.training && {wants(i)};" for i in gated),
+            "}"]
+
+
+def _packed(head: str, pieces: list[str], sep: str, tail: str, width: int = 120) -> list[str]:
+    """head, the pieces joined by sep and tail, in lines of at most width, each continuation
+    aligned after head."""
+    lines, line = [], head + pieces[0]
+    for piece in pieces[1:]:
+        if len(line) + len(sep) + len(piece) + len(tail) > width:
+            lines.append(line + sep.rstrip())
+            line = " " * len(head) + piece
+        else:
+            line += sep + piece
+    return [*lines, line + tail]
 
 
 def positive_or_zero(name: str, value) -> float:

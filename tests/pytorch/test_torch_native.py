@@ -5,6 +5,7 @@ input each lands on); CPU tensors get a clear error; a missing compiler or a fai
 build falls back to the Python path with one warning naming the cause; the path is
 chosen by FASTATTN_TORCH_PATH. The CUDA kernels are exercised by test_torch_gpu.py."""
 
+import itertools
 import os
 import subprocess
 import sys
@@ -324,6 +325,20 @@ def test_call_takes_the_common_calls(readers, kw):
     if kw.get("bias") == "tensor":
         kw["bias"] = torch.empty(1, 1, 16, 32, device="meta")
     assert readers.read_call(*call_args(q, k, v, **kw)) is not None
+
+
+@pytest.mark.parametrize("grad_mode", [True, False])
+def test_call_decides_gradients_as_autograd_does(readers, grad_mode):
+    # training where the grad mode is on and an input that takes a gradient wants one (as
+    # attention()'s Python body decides), bias_grad where bias wants one too.
+    # Each input: 0 wants no gradient, 1 wants one, 2 (bias, sink) not given.
+    for wanted in itertools.product((0, 1), (0, 1), (0, 1), (0, 1, 2), (0, 1, 2)):
+        q, k, v = dense()
+        tensors = [q, k, v, torch.empty(1, 1, 16, 32, device="meta"), torch.empty(4, device="meta")]
+        tensors = [None if w == 2 else t.requires_grad_(w == 1) for t, w in zip(tensors, wanted)]
+        with torch.set_grad_enabled(grad_mode):
+            training = grad_mode and 1 in wanted
+            assert readers.dense_grads(*tensors) == (training, training and wanted[3] == 1), wanted
 
 
 def test_call_hands_back_what_it_does_not_run(lib):

@@ -5,6 +5,8 @@ everything else back. Its CUDA work is exercised by test_torch_gpu.py and
 test_ragged_gpu.py."""
 
 
+import itertools
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -121,6 +123,19 @@ def test_call_varlen_tensor_checks_pass_only_what_check_varlen_passes(readers, c
 def test_call_varlen_tensor_checks_take_the_common_tensors(readers):
     for kw in ({}, {"hkv": 4}, {"hkv": 1, "dv": 16}, {"dtype": torch.float16}, {"tokens": (5, 900)}):
         assert readers.check_varlen_tensors(*packed(**kw)), kw
+
+
+@pytest.mark.parametrize("grad_mode", [True, False])
+def test_call_varlen_decides_gradients_as_autograd_does(readers, grad_mode):
+    # training where the grad mode is on and an input that takes a gradient wants one, as
+    # attention_varlen()'s Python body decides. Each input: 0 wants no gradient, 1 wants
+    # one, 2 (sink) not given.
+    for wanted in itertools.product((0, 1), (0, 1), (0, 1), (0, 1, 2)):
+        q, k, v, _, _ = packed()
+        tensors = [q, k, v, torch.empty(4, device="meta")]
+        tensors = [None if w == 2 else t.requires_grad_(w == 1) for t, w in zip(tensors, wanted)]
+        with torch.set_grad_enabled(grad_mode):
+            assert readers.varlen_grads(*tensors) == (grad_mode and 1 in wanted), wanted
 
 
 def test_call_varlen_hands_back_what_it_does_not_run(lib, readers):

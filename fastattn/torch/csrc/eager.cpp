@@ -30,7 +30,6 @@
 #include <algorithm>
 
 #include <ATen/core/Tensor.h>
-#include <ATen/core/grad_mode.h>
 #include <ATen/record_function.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/core/impl/TorchDispatchModeTLS.h>
@@ -50,16 +49,11 @@ namespace py = pybind11;
 
 namespace {
 
-bool wants_grad(const OptTensor &t) { return given(t) && t->requires_grad(); }
-
-// The eager call itself, shared by both entries: gradients are decided here, from the
-// grad mode and requires_grad, as autograd would.
+// The eager call itself: gradients are decided here, from the grad mode and
+// requires_grad, as autograd would (decide_dense_grads, generated from the op's spec).
 PyObject *run_eager(const Tensor &q, const Tensor &k, const Tensor &v, const OptTensor &seq_len_q,
                     const OptTensor &seq_len_kv, const OptTensor &bias, const OptTensor &sink, DenseOptions opt) {
-    opt.training = at::GradMode::is_enabled() &&
-                   (q.requires_grad() || k.requires_grad() || v.requires_grad() || wants_grad(bias) ||
-                    wants_grad(sink));
-    opt.bias_grad = opt.training && wants_grad(bias);
+    decide_dense_grads(q, k, v, bias, sink, opt);
     Tensor o;
     {
         // As torch's own ops do: other Python threads run while this one is in cuDNN.
@@ -143,8 +137,7 @@ PyObject *call_varlen(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
         Py_RETURN_NOTIMPLEMENTED;  // the Python body names what is wrong (_dense.check_sink)
     }
     VarlenOptions &o = c.options;
-    o.training = at::GradMode::is_enabled() &&
-                 (q.requires_grad() || k.requires_grad() || v.requires_grad() || wants_grad(sink));
+    decide_varlen_grads(q, k, v, sink, o);
     // Training plans and plans with sinks declare at least kVarlenMinQ queries (_specs.py says why).
     if (o.training || given(sink)) o.max_q = std::max(o.max_q, kVarlenMinQ);
     const OptTensor no_dropout;

@@ -56,6 +56,22 @@ PyObject *read_varlen_call(PyObject *, PyObject *const *args, Py_ssize_t nargs) 
     END_HANDLE_TH_ERRORS
 }
 
+// The gradients the C entries' calls compute (decide_<op>_grads, generated from the ops' specs):
+// (training, bias_grad) for dense, training for varlen.
+py::tuple dense_grads(const at::Tensor &q, const at::Tensor &k, const at::Tensor &v,
+                      const fastattn::ops::OptTensor &bias, const fastattn::ops::OptTensor &sink) {
+    fastattn::ops::DenseOptions opt;
+    fastattn::ops::decide_dense_grads(q, k, v, bias, sink, opt);
+    return py::make_tuple(opt.training, opt.bias_grad);
+}
+
+bool varlen_grads(const at::Tensor &q, const at::Tensor &k, const at::Tensor &v,
+                  const fastattn::ops::OptTensor &sink) {
+    fastattn::ops::VarlenOptions opt;
+    fastattn::ops::decide_varlen_grads(q, k, v, sink, opt);
+    return opt.training;
+}
+
 using FastCall = PyObject *(*)(PyObject *, PyObject *const *, Py_ssize_t);
 PyCFunction as_pycfunction(FastCall f) { return reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(f)); }
 
@@ -64,6 +80,8 @@ PyCFunction as_pycfunction(FastCall f) { return reinterpret_cast<PyCFunction>(re
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("check_varlen_tensors", &fastattn::ops::varlen_tensors_ok,
           "check_varlen_tensors(q, k, v, cu_seqlens_q, cu_seqlens_kv): call_varlen's tensor checks");
+    m.def("dense_grads", &dense_grads, "dense_grads(q, k, v, bias, sink): call's (training, bias_grad)");
+    m.def("varlen_grads", &varlen_grads, "varlen_grads(q, k, v, sink): call_varlen's training");
     // As the C entries: METH_FASTCALL, the arguments by position.
     static PyMethodDef fastcall_defs[] = {
         {"read_call", as_pycfunction(&read_call), METH_FASTCALL, "what call would run with, or None"},
