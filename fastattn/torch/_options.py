@@ -44,15 +44,18 @@ def _names(values: tuple[str, ...]) -> str:
 
 
 def calls_header() -> str:
-    """fastattn_calls.h, for readers.h alone (it needs Python.h, and the fa_read_*
-    readers and fa_diagonal that readers.h defines before including it): for each entry
+    """fastattn_calls.h, for readers.h alone (it needs the fa_read_* readers and
+    fa_diagonal that readers.h defines before including it): for each entry
     of CALLS, the struct <Entry>Call (its tensors, its op's options), <entry>_args(fn,
     nargs), true when nargs is the entry point's argument count (else a TypeError naming
-    the C entry fn is set), and read_<entry>(args, call), true when every argument is one
-    the C entry takes; for each op of CALLS, decide_<op>_grads (_grads)."""
+    the C entry fn is set), read_<entry>(args, call), true when every argument is one
+    the C entry takes, and run_<entry>(call), its call of the op's work (_run); for each
+    op of CALLS, decide_<op>_grads (_grads)."""
     out = ["// Generated from fastattn/torch/_specs.py (CALLS) by fastattn.torch._native at build time; "
            "change that file, not this one.",
-           "#pragma once", "", "#include <ATen/core/grad_mode.h>", "", "namespace fastattn::ops {", ""]
+           "#pragma once", "", "#include <ATen/core/grad_mode.h>", "#include <ATen/record_function.h>",
+           "#include <torch/csrc/utils/pybind.h>", "",
+           "#include <optional>", "#include <tuple>", "#include <utility>", "", "namespace fastattn::ops {", ""]
     choices = {a.name: a.choices for _, args in CALLS.values() for a in args if a.read == "name"}
     out.extend(f"inline constexpr c10::string_view kNames{_camel(n)}[] = {_names(c)};" for n, c in choices.items())
     for entry, (op, args) in CALLS.items():
@@ -93,6 +96,8 @@ def calls_header() -> str:
                 "}"]
     for op in dict.fromkeys(op for op, _ in CALLS.values()):
         out += ["", *_grads(op)]
+    for entry, (op, args) in CALLS.items():
+        out += ["", *_run(entry, op, args)]
     out += ["", "}  // namespace fastattn::ops"]
     return "\n".join(out) + "\n"
 
@@ -117,6 +122,38 @@ def _grads(op: str) -> list[str]:
             "    opt.training = at::GradMode::is_enabled() &&",
             *_packed(" " * 19 + "(", [f"({wants(i)})" if i.optional else wants(i) for i in grads], " || ", ");"),
             *(f"    opt.{i.grad_if} = opt.training && {wants(i)};" for i in gated),
+            "}"]
+
+
+def _run(entry: str, op: str, args) -> list[str]:
+    """run_<entry>: the C entry's call of its op's work with what it read, once it has
+    checked the call and decided its gradients (decide_<op>_grads): o, the op's autograd
+    node recorded where training. An op's input no argument gives (rng: a dropout draws
+    its seed in Python, so the Python body takes those calls) is none."""
+    spec, tensors = SPECS[op], [a for a in args if a.read in (TENSOR, OPTIONAL)]
+    given = {a.input or a.name: a for a in tensors}
+    assert set(given) <= {i.name for i in spec.inputs}, f"{entry}: {set(given)} are not all inputs of {op}"
+    values = []
+    for i in spec.inputs:
+        a = given.get(i.name)
+        assert a or i.optional, f"{entry} gives no {i.name}, which {op} needs"
+        values.append("std::nullopt" if a is None else a.name if a.read == TENSOR else f"c.{a.name}")
+    plain = [a.name for a in tensors if a.read == TENSOR]
+    inputs = ", ".join([*values, "c.options"])
+    return [f"// {entry}()'s call of {op}'s work, once its C entry has checked it and decided its gradients",
+            f"// (decide_{op}_grads): o, {op}'s node recorded where training. The GIL is released, as torch's own ops",
+            "// release it: other Python threads run while this one is in cuDNN (a miss takes it back).",
+            f"inline PyObject *run_{entry}(const {_camel(entry)}Call &c) {{",
+            *_packed("    const Tensor ", [f"&{n} = THPVariable_Unpack(c.{n})" for n in plain], ", ", ";"),
+            "    Tensor o;",
+            "    {",
+            "        pybind11::gil_scoped_release no_gil;",
+            f'        RECORD_FUNCTION("fastattn::{entry}", c10::ArrayRef<const c10::IValue>{{}});',
+            "        o = std::get<0>(c.options.training",
+            *_packed(f"                            ? {op}_recorded(", ["true", *inputs.split(", ")], ", ", ")"),
+            *_packed(f"                            : {op}_forward(", inputs.split(", "), ", ", "));"),
+            "    }",
+            "    return THPVariable_Wrap(std::move(o));",
             "}"]
 
 

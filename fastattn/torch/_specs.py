@@ -212,12 +212,14 @@ class Arg(NamedTuple):
     (eager.cpp, through readers.h's readers) reads it. An argument whose name is one of the op's options becomes that
     option; "window" fills window_left and window_right; causal, causal_bottom_right and
     alignment together give the options causal and bottom_right (fa_diagonal, the rule of
-    _plans.options and _plans.bottom_right); tensors become the call's fields."""
+    _plans.options and _plans.bottom_right); tensors become the call's fields, each the op's
+    input of its name (or `input`); an op's input no argument gives is None there."""
 
     name: str
     read: str  # readers.h's reader: fa_read_<read>; "name" reads one of `choices`
     choices: tuple[str, ...] = ()
     option: str = ""  # the option it becomes, where its name differs
+    input: str = ""  # a tensor's: the op's input it becomes, where its name differs
 
 
 TENSOR, OPTIONAL, _BOOL = "tensor", "optional", "bool"
@@ -233,17 +235,18 @@ _SCALARS = (Arg("window", "window"), Arg("scale", "positive_or_none"))
 CALLS: dict[str, tuple[str, tuple[Arg, ...]]] = {
     "attention": ("dense", (
         Arg("q", TENSOR), Arg("k", TENSOR), Arg("v", TENSOR), Arg("causal", _BOOL), Arg("causal_bottom_right", _BOOL),
-        *_SCALARS, Arg("layout", "name", LAYOUTS), Arg("deterministic", _BOOL), Arg("seq_lens_q", OPTIONAL),
-        Arg("seq_lens_kv", OPTIONAL), Arg("alibi", _BOOL), Arg("bias", OPTIONAL), Arg("dropout_p", "zero"),
-        Arg("sinks", OPTIONAL), Arg("alignment", "name", ALIGNMENTS), Arg("return_lse", "false"),
-        Arg("softcap", "positive_or_zero"),
+        *_SCALARS, Arg("layout", "name", LAYOUTS), Arg("deterministic", _BOOL),
+        Arg("seq_lens_q", OPTIONAL, input="seq_len_q"), Arg("seq_lens_kv", OPTIONAL, input="seq_len_kv"),
+        Arg("alibi", _BOOL), Arg("bias", OPTIONAL), Arg("dropout_p", "zero"), Arg("sinks", OPTIONAL, input="sink"),
+        Arg("alignment", "name", ALIGNMENTS), Arg("return_lse", "false"), Arg("softcap", "positive_or_zero"),
     )),
     "attention_varlen": ("varlen", (
-        Arg("q", TENSOR), Arg("k", TENSOR), Arg("v", TENSOR), Arg("cu_seqlens_q", TENSOR), Arg("cu_seqlens_kv", TENSOR),
+        Arg("q", TENSOR), Arg("k", TENSOR), Arg("v", TENSOR), Arg("cu_seqlens_q", TENSOR, input="cu_q"),
+        Arg("cu_seqlens_kv", TENSOR, input="cu_kv"),
         Arg("max_seqlen_q", "max_length", option="max_q"), Arg("max_seqlen_kv", "max_length", option="max_kv"),
         Arg("causal", _BOOL), Arg("causal_bottom_right", _BOOL), *_SCALARS, Arg("deterministic", _BOOL),
         Arg("alignment", "name", ALIGNMENTS), Arg("alibi", _BOOL), Arg("dropout_p", "zero"),
-        Arg("return_lse", "false"), Arg("softcap", "positive_or_zero"), Arg("sinks", OPTIONAL),
+        Arg("return_lse", "false"), Arg("softcap", "positive_or_zero"), Arg("sinks", OPTIONAL, input="sink"),
     )),
 }
 

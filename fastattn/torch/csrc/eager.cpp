@@ -11,7 +11,9 @@
 // stack and crosses the dispatcher twice (Autograd, then CUDA); this reads positional
 // arguments off a METH_FASTCALL call and runs the same work (dense_forward), the same
 // plan table and the same autograd node (DenseBackward, direct) as the ops do.
-// Gradients are decided here: the grad mode and requires_grad.
+// Gradients are decided here, from the grad mode and requires_grad, as autograd would;
+// what each entry runs, and how, is generated from its op's spec and CALLS
+// (fastattn_calls.h: decide_<op>_grads, run_<entry>).
 //
 // call_varlen: attention_varlen()'s arguments, likewise (read_attention_varlen). Its Python
 // body (_check_varlen, the option checks, bucketing, the op's argument parsing and the
@@ -36,9 +38,7 @@
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
 
-#include <tuple>
 #include <type_traits>
-#include <utility>
 
 #include "ops.h"
 #include "readers.h"
@@ -48,24 +48,6 @@ namespace fastattn::ops {
 namespace py = pybind11;
 
 namespace {
-
-// The eager call itself: gradients are decided here, from the grad mode and
-// requires_grad, as autograd would (decide_dense_grads, generated from the op's spec).
-PyObject *run_eager(const Tensor &q, const Tensor &k, const Tensor &v, const OptTensor &seq_len_q,
-                    const OptTensor &seq_len_kv, const OptTensor &bias, const OptTensor &sink, DenseOptions opt) {
-    decide_dense_grads(q, k, v, bias, sink, opt);
-    Tensor o;
-    {
-        // As torch's own ops do: other Python threads run while this one is in cuDNN.
-        // A miss takes the GIL back for the Python runtime (lookup).
-        pybind11::gil_scoped_release no_gil;
-        RECORD_FUNCTION("fastattn::attention", c10::ArrayRef<const c10::IValue>{});
-        const OptTensor no_rng;  // dropout draws its seed in Python: the Python body takes it
-        o = std::get<0>(opt.training ? dense_recorded(true, q, k, v, seq_len_q, seq_len_kv, bias, sink, no_rng, opt)
-                                     : dense_forward(q, k, v, seq_len_q, seq_len_kv, bias, sink, no_rng, opt));
-    }
-    return THPVariable_Wrap(std::move(o));
-}
 
 // Outside dispatch modes (FakeTensorMode, make_fx's proxy mode) and torch.func
 // transforms, whose tensors the eager kernels do not handle, and outside
@@ -106,8 +88,9 @@ PyObject *call_attention(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
         Py_RETURN_NOTIMPLEMENTED;
     }
     if (!c.seq_lens_kv) c.seq_lens_kv = c.seq_lens_q;
-    return run_eager(THPVariable_Unpack(c.q), THPVariable_Unpack(c.k), THPVariable_Unpack(c.v), c.seq_lens_q,
-                     c.seq_lens_kv, c.bias, c.sinks, c.options);
+    decide_dense_grads(THPVariable_Unpack(c.q), THPVariable_Unpack(c.k), THPVariable_Unpack(c.v), c.bias, c.sinks,
+                       c.options);
+    return run_attention(c);
     END_HANDLE_TH_ERRORS
 }
 
@@ -140,15 +123,7 @@ PyObject *call_varlen(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
     decide_varlen_grads(q, k, v, sink, o);
     // Training plans and plans with sinks declare at least kVarlenMinQ queries (_specs.py says why).
     if (o.training || given(sink)) o.max_q = std::max(o.max_q, kVarlenMinQ);
-    const OptTensor no_dropout;
-    Tensor o_out;
-    {
-        pybind11::gil_scoped_release no_gil;  // as run_eager: a miss takes the GIL back
-        RECORD_FUNCTION("fastattn::attention_varlen", c10::ArrayRef<const c10::IValue>{});
-        o_out = std::get<0>(o.training ? varlen_recorded(true, q, k, v, cu_q, cu_kv, sink, no_dropout, o)
-                                       : varlen_forward(q, k, v, cu_q, cu_kv, sink, no_dropout, o));
-    }
-    return THPVariable_Wrap(std::move(o_out));
+    return run_attention_varlen(c);
     END_HANDLE_TH_ERRORS
 }
 

@@ -136,7 +136,9 @@ inline bool fa_diagonal(bool causal, bool causal_bottom_right, c10::string_view 
 
 }  // namespace fastattn::ops
 
-// read_attention and read_attention_varlen: generated from fastattn/torch/_specs.py's CALLS.
+// Each entry's argument count, reader (read_attention, read_attention_varlen) and call of its
+// op's work (run_<entry>), and each op's gradient decision: generated from
+// fastattn/torch/_specs.py's CALLS and the ops' specs.
 #include "fastattn_calls.h"
 
 namespace fastattn::ops {
