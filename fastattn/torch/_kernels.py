@@ -10,7 +10,8 @@ kernels of its ops by dispatch key (CUDA, Meta, CPU, Autograd) and its autograd 
 (<Op>Backward, the op library's one autograd style: a torch::autograd::Node with its
 saved tensors and options as members, as PyTorch's generated ops have), then the
 registration of every op. `header()` is fastattn_kernels.h, the declarations the
-hand-written units call (eager.cpp's entries, sdpa.cpp's routes, benchmarks/csrc/profile_eager.cpp).
+other units call (the C entries' run_<entry>, which _options writes into fastattn_calls.h,
+sdpa.cpp's routes, benchmarks/csrc/profile_eager.cpp).
 
 The code is what a person would write for one op: straight-line, no loop over the spec
 and no table lookup per call. The rules it follows are the executor's, in C++:

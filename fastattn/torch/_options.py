@@ -3,8 +3,9 @@ options, named by config field, their kinds, docs and off values from the field
 registry; CALLS, the arguments attention() and attention_varlen() hand their C entries)
 when the library is built (_native.build), part of its build tag (_opslib):
 `fastattn_options.h` (each op's parameter list, argument list, struct, key words; the
-layouts' table) and `fastattn_calls.h` (the C entries' readers of attention()'s and
-attention_varlen()'s own arguments); _kernels writes the ops' kernels beside them. And
+layouts' table) and `fastattn_calls.h` (the C entries' argument counts and readers of
+attention()'s and attention_varlen()'s own arguments, their calls of their ops' work, and
+those ops' gradient decisions); _kernels writes the ops' kernels beside them. And
 the reader of a positive-or-zero argument that the C entries' fa_read_positive_or_zero
 mirrors.
 
