@@ -132,15 +132,15 @@ def _run(entry: str, op: str, args) -> list[str]:
     node recorded where training. An op's input no argument gives (rng: a dropout draws
     its seed in Python, so the Python body takes those calls) is none."""
     spec, tensors = SPECS[op], [a for a in args if a.read in (TENSOR, OPTIONAL)]
-    given = {a.input or a.name: a for a in tensors}
-    assert set(given) <= {i.name for i in spec.inputs}, f"{entry}: {set(given)} are not all inputs of {op}"
-    values = []
+    by_input = {a.input or a.name: a for a in tensors}
+    assert set(by_input) <= {i.name for i in spec.inputs}, f"{entry}: {set(by_input)} are not all inputs of {op}"
+    inputs = []
     for i in spec.inputs:
-        a = given.get(i.name)
+        a = by_input.get(i.name)
         assert a or i.optional, f"{entry} gives no {i.name}, which {op} needs"
-        values.append("std::nullopt" if a is None else a.name if a.read == TENSOR else f"c.{a.name}")
+        inputs.append("std::nullopt" if a is None else a.name if a.read == TENSOR else f"c.{a.name}")
+    inputs.append("c.options")
     plain = [a.name for a in tensors if a.read == TENSOR]
-    inputs = ", ".join([*values, "c.options"])
     return [f"// {entry}()'s call of {op}'s work, once its C entry has checked it and decided its gradients",
             f"// (decide_{op}_grads): o, {op}'s node recorded where training. The GIL is released, as torch's own ops",
             "// release it: other Python threads run while this one is in cuDNN (a miss takes it back).",
@@ -151,8 +151,8 @@ def _run(entry: str, op: str, args) -> list[str]:
             "        pybind11::gil_scoped_release no_gil;",
             f'        RECORD_FUNCTION("fastattn::{entry}", c10::ArrayRef<const c10::IValue>{{}});',
             "        o = std::get<0>(c.options.training",
-            *_packed(f"                            ? {op}_recorded(", ["true", *inputs.split(", ")], ", ", ")"),
-            *_packed(f"                            : {op}_forward(", inputs.split(", "), ", ", "));"),
+            *_packed(f"                            ? {op}_recorded(", ["true", *inputs], ", ", ")"),
+            *_packed(f"                            : {op}_forward(", inputs, ", ", "));"),
             "    }",
             "    return THPVariable_Wrap(std::move(o));",
             "}"]

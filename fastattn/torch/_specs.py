@@ -213,7 +213,7 @@ class Arg(NamedTuple):
     option; "window" fills window_left and window_right; causal, causal_bottom_right and
     alignment together give the options causal and bottom_right (fa_diagonal, the rule of
     _plans.options and _plans.bottom_right); tensors become the call's fields, each the op's
-    input of its name (or `input`); an op's input no argument gives is None there."""
+    input of its name (or `input`); an op's input that no argument gives is passed none."""
 
     name: str
     read: str  # readers.h's reader: fa_read_<read>; "name" reads one of `choices`
