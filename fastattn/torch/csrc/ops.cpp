@@ -27,9 +27,9 @@
 #include <algorithm>
 #include <array>
 #include <string>
-#include <type_traits>
 
 #include "ops.h"
+#include "to_python.h"
 
 namespace fastattn::ops {
 
@@ -61,20 +61,6 @@ Entry entry_of(const py::object &got) {
 py::object handler() {
     TORCH_CHECK(g_miss != nullptr && g_abi != nullptr, "fastattn: the op library was not initialized");
     return py::reinterpret_borrow<py::object>(g_miss);
-}
-
-// An op's options as the tuple of its NamedTuple's fields (under the GIL).
-template <class Options>
-py::tuple to_python(const Options &opt) {
-    py::list out;
-    opt.each([&out](const auto &value) {
-        if constexpr (std::is_same_v<std::decay_t<decltype(value)>, c10::string_view>) {
-            out.append(py::str(value.data(), value.size()));
-        } else {
-            out.append(value);
-        }
-    });
-    return py::tuple(out);
 }
 
 }  // namespace

@@ -7,9 +7,9 @@
 
 #include <torch/csrc/Exceptions.h>
 
-#include <type_traits>
 
 #include "readers.h"
+#include "to_python.h"
 
 namespace py = pybind11;
 
@@ -18,20 +18,6 @@ namespace {
 using fastattn::ops::AttentionCall;
 using fastattn::ops::AttentionVarlenCall;
 
-// An op's options as the tuple of its NamedTuple's fields.
-template <class Options>
-py::tuple fields(const Options &opt) {
-    py::list out;
-    opt.each([&out](const auto &value) {
-        if constexpr (std::is_same_v<std::decay_t<decltype(value)>, c10::string_view>) {
-            out.append(py::str(value.data(), value.size()));
-        } else {
-            out.append(value);
-        }
-    });
-    return py::tuple(out);
-}
-
 // read_call(<call's arguments>): (the options call would run with, as DenseOptions' fields,
 // whether seq_lens_kv is given), or None where attention()'s Python body takes the call.
 PyObject *read_call(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
@@ -39,7 +25,7 @@ PyObject *read_call(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
     if (!fastattn::ops::attention_args("read_call", nargs)) return nullptr;
     AttentionCall c;
     if (!fastattn::ops::read_call(args, c)) Py_RETURN_NONE;
-    return py::make_tuple(fields(c.options), fastattn::ops::given(c.seq_lens_kv)).release().ptr();
+    return py::make_tuple(fastattn::ops::to_python(c.options), fastattn::ops::given(c.seq_lens_kv)).release().ptr();
     END_HANDLE_TH_ERRORS
 }
 
@@ -52,7 +38,7 @@ PyObject *read_varlen_call(PyObject *, PyObject *const *args, Py_ssize_t nargs) 
     if (!fastattn::ops::attention_varlen_args("read_varlen_call", nargs)) return nullptr;
     AttentionVarlenCall c;
     if (!fastattn::ops::read_attention_varlen(args, c)) Py_RETURN_NONE;
-    return fields(c.options).release().ptr();
+    return fastattn::ops::to_python(c.options).release().ptr();
     END_HANDLE_TH_ERRORS
 }
 
