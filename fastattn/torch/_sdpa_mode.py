@@ -245,7 +245,7 @@ def sdpa_calls() -> dict:
     with _calls_lock:
         padded = _calls.get(PADDED, 0)
         served = _calls.get(None, 0) + padded
-        passed = {reason: n for reason, n in _calls.items() if reason is not None and reason is not PADDED}
+        passed = {reason: n for reason, n in _calls.items() if reason is not None and reason != PADDED}
     if _native_kernels is not None:
         for ours, reason, n in _native_kernels.sdpa_calls():
             if ours and reason == PADDED:  # (of the served ones its routes counted)
@@ -266,7 +266,7 @@ def _zero_calls() -> None:
 
 def _count(reason: str | None) -> None:
     with _calls_lock:
-        if reason is None or reason is PADDED:
+        if reason is None or reason == PADDED:
             _calls[reason] = _calls.get(reason, 0) + 1
         else:  # (a reason may quote shapes: bounded)
             bounded.count_reason(_calls, reason)
