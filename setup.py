@@ -95,6 +95,28 @@ HEADERS = ["fastattn.h", "config_gen.h", "bench.h", "status.h", "device.h", "slo
            "handles.h", "packs.h", "graphs.h", "graphs_fp8.h"]
 
 
+def nodriver_source(cuda_include: str) -> str:
+    """csrc/nodriver.c, the stand-in libcuda, completed with an entry point for every
+    other driver function that the CUDA headers the build uses declare (cuDNN links
+    some and looks others up; each returns CUDA_ERROR_STUB_LIBRARY, 34), written to
+    build/ and returned as a path relative to the repository."""
+    import re
+
+    headers = "".join((Path(cuda_include) / h).read_text(errors="replace")
+                      for h in ("cuda.h", "cudaProfiler.h") if (Path(cuda_include) / h).exists())
+    names = set(re.findall(r"\bCUresult\s+CUDAAPI\s+(cu[A-Z]\w*)\s*\(", headers))
+    names |= set(re.findall(r"#\s*define\s+cu[A-Z]\w*\s+(cu[A-Z]\w*)\b", headers))  # the _v2, _v3 names
+    # The per-thread default stream's names (__CUDA_API_PTDS(cuX) is cuX_ptds)
+    names |= {f"{n}_{kind.lower()}" for kind, n in re.findall(r"__CUDA_API_(PTDS|PTSZ)\((cu\w+)\)", headers)}
+    own = (ROOT / "csrc" / "nodriver.c").read_text()
+    names -= set(re.findall(r"^int (cu\w+)\(", own, re.M))
+    out = Path("build") / "gen" / "nodriver.c"
+    (ROOT / out).parent.mkdir(parents=True, exist_ok=True)
+    stubs = "".join(f"int {n}(void) {{ return kStubLibrary; }}\n" for n in sorted(names))
+    (ROOT / out).write_text(f'#include "{ROOT / "csrc" / "nodriver.c"}"\n\n// from {cuda_include}\n{stubs}')
+    return str(out)
+
+
 def extensions():
     from Cython.Build import cythonize
 
@@ -112,7 +134,18 @@ def extensions():
         extra_compile_args=["-std=c++17", "-O2", "-fvisibility=hidden", "-Wno-deprecated-declarations"],
         libraries=["dl"],
     )
-    return cythonize([ext], compiler_directives={"language_level": "3"})
+    # The stand-in libcuda (fastattn/target.py), named by its soname when it is loaded.
+    nodriver = Extension(
+        "fastattn._nodriver",
+        sources=[nodriver_source(_include("FASTATTN_CUDA_INCLUDE", "cuda.h", [
+            _wheel_dir("nvidia-cuda-runtime", "nvidia", "cu13", "include"),
+            Path(os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/nonexistent") / "include"],
+            "the CUDA driver API's declarations, nvidia-cuda-runtime"))],
+        depends=["csrc/nodriver.c"],
+        extra_link_args=["-Wl,-soname,libcuda.so.1"],
+        language="c",
+    )
+    return cythonize([ext], compiler_directives={"language_level": "3"}) + [nodriver]
 
 
 # Only when run as the build script (setuptools' build backend runs it as __main__): the

@@ -264,6 +264,55 @@ Status build_graph(const Config &cfg, Direction dir, int device, GraphPtr *out, 
     });
 }
 
+Status export_device_properties(int device, std::string *json) {
+    if (fe::cudnn_dlhandle == nullptr) return error(Code::kLibraryError, "cuDNN is not loaded");
+    return guarded(Code::kCudnnError, "export_device_properties", [&]() -> Status {
+        fe::DeviceProperties props;
+        FA_RETURN_IF_ERROR(build_step(props.set_device_id(device).build(), "device properties"));
+        std::vector<uint8_t> buf;
+        FA_RETURN_IF_ERROR(build_step(props.serialize(buf), "device properties"));
+        json->assign(buf.begin(), buf.end());
+        return {};
+    });
+}
+
+Status build_graph_for(const Config &cfg, Direction dir, const std::string &properties, int sm_version,
+                       std::vector<uint8_t> *blob, GraphInfo *info) {
+    FA_RETURN_IF_ERROR(check_refusals(cfg, dir));
+    return guarded(Code::kNotSupported, "graph construction", [&]() -> Status {
+        auto t0    = std::chrono::steady_clock::now();
+        auto props = std::make_shared<fe::DeviceProperties>();
+        std::vector<uint8_t> buf(properties.begin(), properties.end());
+        if (auto e = props->deserialize(buf); e.is_bad()) {
+            return error(Code::kInvalidArgument, "the GPU's device properties: cuDNN refuses them: " + e.err_msg);
+        }
+        const Target target{props, sm_version};
+        struct Scope {  // t_target for this build alone, whatever it throws
+            explicit Scope(const Target *t) { t_target = t; }
+            ~Scope() { t_target = nullptr; }
+        } scope(&target);
+        Graph graph;
+        set_layout(graph, cfg, dir);
+        graph.g = make_graph(cfg, dir);
+        auto &g = *graph.g;
+        FA_RETURN_IF_ERROR(build_step(g.validate(), "validate"));
+        FA_RETURN_IF_ERROR(build_step(g.build_operation_graph(), "build_operation_graph"));
+        // As build_graph's (plan_policy()).
+        FA_RETURN_IF_ERROR(build_step(g.create_execution_plans({fe::HeurMode_t::A, fe::HeurMode_t::FALLBACK}),
+                                      "create_execution_plans"));
+        FA_RETURN_IF_ERROR(build_step(g.check_support(), "check_support"));
+        FA_RETURN_IF_ERROR(build_step(g.build_plans(fe::BuildPlanPolicy_t::HEURISTICS_CHOICE), "build_plans"));
+        // finish()'s account, without what needs the device (index kernel, direct launch)
+        FA_RETURN_IF_ERROR(build_step(g.get_workspace_size(graph.workspace), "get_workspace_size"));
+        info->workspace_size = place_index(graph.ragged, graph.workspace);
+        FA_RETURN_IF_ERROR(build_step(g.get_plan_name(info->engine_name), "get_plan_name"));
+        auto e = g.serialize(*blob, /*serialize_structure=*/false);
+        if (e.is_bad()) return error(Code::kInternal, "serialize: " + e.err_msg);
+        info->build_ms = ms_since(t0);
+        return {};
+    });
+}
+
 Status serialize_graph(const Graph *graph, std::vector<uint8_t> *blob) {
     if (graph == nullptr) return error(Code::kInvalidArgument, "serialize: no graph");
     return guarded(Code::kInternal, "serialize", [&]() -> Status {

@@ -104,6 +104,15 @@ Status build_graph(const Config &cfg, Direction dir, int device, GraphPtr *out, 
 // training plan's backward so before it spends a forward build.
 Status check_graph(const Config &cfg, Direction dir);
 
+// Plans for a GPU this process does not have (`fastattn warm --for`). The GPU is known by
+// cuDNN's DeviceProperties JSON, exported on it by export_device_properties; build_graph_for
+// then builds the graph build_graph would build there, with no device and no cuDNN handle,
+// and serializes its plan (what serialize_graph gives). cuDNN still needs a libcuda that
+// accepts the kernels it generates (fastattn/target.py loads a stand-in for that).
+Status export_device_properties(int device, std::string *json);
+Status build_graph_for(const Config &cfg, Direction dir, const std::string &properties, int sm_version,
+                       std::vector<uint8_t> *blob, GraphInfo *info);
+
 // Plan blob without graph structure: what the persistent cache stores.
 Status serialize_graph(const Graph *g, std::vector<uint8_t> *blob);
 // `cfg` must be the config the blob was built from: it says which tensors the plan takes.

@@ -95,10 +95,21 @@ struct Common {
     TensorPtr q, k, v, seq_len_q, seq_len_kv, ragged[4], ragged_stats, bias, seed, offset, sink;
 };
 
+// The GPU a graph is built for when it is not this process's (attention.cpp's
+// build_graph_for), set on one thread for one build. The graph builders take what the
+// graph computes (a Config); where it is built is not part of that. Set before any node
+// is added: each node copies the graph's context (its SM version) when it is made.
+struct Target {
+    std::shared_ptr<const fe::DeviceProperties> properties;
+    int32_t sm_version = 0;
+};
+inline thread_local const Target *t_target = nullptr;
+
 inline Common make_common(const Config &c) {
     Common m;
     m.g = std::make_shared<fe::graph::Graph>();
     auto &g = *m.g;
+    if (t_target != nullptr) g.set_device_properties(t_target->properties).set_sm_version(t_target->sm_version);
     g.set_io_data_type(fe_type(c.dtype))
         .set_intermediate_data_type(fe::DataType_t::FLOAT)
         .set_compute_data_type(fe::DataType_t::FLOAT);

@@ -78,6 +78,9 @@ cdef extern from "fastattn.h" namespace "fastattn" nogil:
     Status device_info(int device, DeviceInfo* out)
     Status build_graph(const Config& cfg, Direction dir, int device, GraphPtr* out, GraphInfo* info)
     Status check_graph(const Config& cfg, Direction dir)
+    Status export_device_properties(int device, string* json)
+    Status build_graph_for(const Config& cfg, Direction dir, const string& properties, int sm_version,
+                           vector[uint8_t]* blob, GraphInfo* info)
     Status serialize_graph(const Graph* g, vector[uint8_t]* blob)
     Status deserialize_graph(const uint8_t* data, size_t size, const Config& cfg, Direction dir, int device,
                              GraphPtr* out, GraphInfo* info)
@@ -588,16 +591,17 @@ cdef tuple _capability(int device):
     return cap
 
 
-cdef Plan _new_plan(cfg, int device, registry):
+cdef Plan _new_plan(cfg, int device, registry, tuple capability=None):
     cdef Plan p = Plan.__new__(Plan)
     p.config = cfg
     p.device = device
     p._training = cfg.training
     p._c = _c_config(cfg)
     # The graph builder's side of fastattn.defects: the same decision PlanCache.describe
-    # puts in the cache key, from the same inputs (the cuDNN loaded, the GPU's capability).
+    # puts in the cache key, from the same inputs (the cuDNN loaded, the GPU's capability:
+    # `capability`'s where the GPU is not this process's, build_plan_for).
     registry = _defects.DEFECTS if registry is None else tuple(registry)
-    p.defects = _defects.decide(cfg, cudnn_version(), _capability(device), registry)
+    p.defects = _defects.decide(cfg, cudnn_version(), capability or _capability(device), registry)
     if p.defects.refusal:
         raise NotSupportedError(p.defects.refusal)
     p._c.full_lengths = "forward" in p.defects.full_lengths
@@ -667,6 +671,57 @@ def build_plan(cfg, int device, registry=None):
     if p._training:
         _build_one(p, p._c_bwd, Direction.kBackward)
     return p
+
+
+def device_properties(int device):
+    """cuDNN's description of `device` (its DeviceProperties JSON, bytes), from which
+    build_plan_for builds that GPU's plans where the GPU is not."""
+    cdef string json
+    cdef Status st
+    with nogil:
+        st = export_device_properties(device, &json)
+    if not st.ok():
+        raise _error(st)
+    return bytes(json)
+
+
+cdef _build_for(Plan p, const Config& c, Direction d, const string& props, int sm_version, dict out):
+    cdef GraphInfo info
+    cdef vector[uint8_t] blob
+    cdef Status st
+    with nogil:
+        st = build_graph_for(c, d, props, sm_version, &blob, &info)
+    where = "forward" if d == Direction.kForward else "backward"
+    if not st.ok():
+        raise _error(st, where)
+    out[where] = bytes(blob) if blob.size() else b""
+    out[where + "_engine"] = info.engine_name.decode("utf-8", "replace")
+    out[where + "_workspace_size"] = info.workspace_size
+    out[where + "_ms"] = info.build_ms
+
+
+def build_plan_for(cfg, bytes properties not None, tuple capability not None, registry=None):
+    """What build_plan, then Plan.serialize, would give for `cfg` on the GPU that
+    `properties` describes (device_properties' bytes, exported on it; `capability` is its
+    (major, minor)), built without that GPU and without a cuDNN handle: a dict of the
+    forward blob and, for a training config, the backward blob, with each direction's
+    engine, workspace size and build time. The defects are decided for that GPU. cuDNN
+    needs a libcuda that accepts the kernels it generates (fastattn.target). Raises as
+    build_plan does."""
+    cdef Plan p = _new_plan(cfg, 0, registry, capability)
+    cdef string props = properties
+    cdef int sm = capability[0] * 10 + capability[1]
+    cdef Status st
+    out = {"backward": None, "backward_engine": "", "backward_workspace_size": 0, "backward_ms": 0.0}
+    if p._training:
+        with nogil:
+            st = check_graph(p._c_bwd, Direction.kBackward)
+        if not st.ok():
+            raise _error(st, "backward")
+    _build_for(p, p._c, Direction.kForward, props, sm, out)
+    if p._training:
+        _build_for(p, p._c_bwd, Direction.kBackward, props, sm, out)
+    return out
 
 
 def load_plan(cfg, int device, bytes forward_blob not None, bytes backward_blob=None, str forward_engine="",

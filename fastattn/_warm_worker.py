@@ -51,6 +51,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", type=int, default=None)
     ap.add_argument("--verify", action="store_true")  # fastattn.warm's verify: probe(verify=True)
+    ap.add_argument("--for", dest="gpu_file", default=None)  # fastattn.warm's target: build for that GPU
     args = ap.parse_args()
     results = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)
@@ -63,15 +64,36 @@ def main() -> int:
     import fastattn
     from fastattn import runtime
 
+    target = None
+    if args.gpu_file is not None:
+        # Before anything can load the driver: this process builds for the file's GPU
+        # (fastattn.target), with the stand-in libcuda in the driver's place.
+        from fastattn import target as target_module
+
+        try:
+            target_module.enter_build_process()
+            gpu = target_module.read(args.gpu_file)
+            target = (gpu, runtime.open_plan_cache(gpu=gpu.key_fields()))
+        except fastattn.FastAttnError as e:
+            target = e  # each config's answer says so
+
     for line in sys.stdin:
         if not line.strip():
             continue
         try:
-            result = fastattn.probe(line, device=args.device, verify=args.verify)
-            msg = {k: v for k, v in result.to_dict().items() if k != "config"}
-            if result.source == "built":  # stored by this probe, if the cache took it
-                cache = runtime.plan_cache()
-                msg["key"] = cache.key(result.config, result.device) if cache.store.tiers else None
+            if isinstance(target, fastattn.FastAttnError):
+                raise target
+            if target is not None:
+                result, key = target_module.build(fastattn.AttentionConfig.coerce(line), *target)
+                msg = {k: v for k, v in result.to_dict().items() if k != "config"}
+                if key is not None:  # built and stored now (a refusal is not stored)
+                    msg["key"] = key
+            else:
+                result = fastattn.probe(line, device=args.device, verify=args.verify)
+                msg = {k: v for k, v in result.to_dict().items() if k != "config"}
+                if result.source == "built":  # stored by this probe, if the cache took it
+                    cache = runtime.plan_cache()
+                    msg["key"] = cache.key(result.config, result.device) if cache.store.tiers else None
         except fastattn.FastAttnError as e:
             msg = {"error": type(e).__name__, "message": str(e)}
         except Exception as e:  # a bug: report it as data, keep the worker alive

@@ -18,7 +18,7 @@ import logging
 import threading
 import time
 from dataclasses import replace
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 from . import defects, store, verdict
 from ._version import __version__
@@ -58,13 +58,17 @@ class PlanCache:
       tests); called at each use, never at construction, so that a PlanCache can be
       made, listed and pruned on a machine without a GPU.
     count: receives the runtime's counters (disk_hits=1, ...) as keyword arguments.
+    gpu: the GPU the keys describe where it is not this process's (name,
+      compute_capability, sm_count: fastattn.target.Gpu.key_fields(), for `fastattn warm
+      --for`); None: the device's own.
 
     Methods that take `device` take a CUDA device index, or None for the current one.
     """
 
     def __init__(self, settings: store.CacheSettings, *, core: Callable[[], Any],
-                 count: Callable[..., None] | None = None):
+                 count: Callable[..., None] | None = None, gpu: Mapping[str, Any] | None = None):
         self.settings = settings
+        self.gpu = gpu
         self.store = store.TieredCache(settings)
         self._core = core
         self._count = count or (lambda **deltas: None)
@@ -82,7 +86,7 @@ class PlanCache:
             base = self._bases.get(device)
         if base is None:
             core = self._core()
-            info = core.get_device_info(device)
+            info = self.gpu or core.get_device_info(device)
             loaded, _, frontend = core.versions()
             base = {
                 "fastattn_version": __version__,

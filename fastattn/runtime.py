@@ -184,15 +184,16 @@ def _resolve_device(device: int | None) -> int:
     return device
 
 
-def open_plan_cache(settings: store.CacheSettings | None = None) -> PlanCache:
+def open_plan_cache(settings: store.CacheSettings | None = None, gpu: Mapping[str, Any] | None = None) -> PlanCache:
     """A PlanCache over `settings` (None: the FASTATTN_CACHE_* variables now) that loads
     and describes plans with this process's GPU stack and counts into stats(). Not made
-    the process's cache (configure() does that)."""
+    the process's cache (configure() does that). gpu: PlanCache's, for keys of a GPU
+    that is not this process's (fastattn.target)."""
     if settings is not None and not isinstance(settings, store.CacheSettings):
         raise InvalidArgumentError(f"settings={show(settings)}: must be a fastattn.store.CacheSettings "
                                    "(fastattn.store.settings_from_env() makes one) or None")
     # The lambda looks _core up at each use: tests replace it with a fake.
-    return PlanCache(settings or store.settings_from_env(), core=lambda: _core(), count=_count)
+    return PlanCache(settings or store.settings_from_env(), core=lambda: _core(), count=_count, gpu=gpu)
 
 
 def configure(settings: store.CacheSettings | None = None) -> PlanCache:

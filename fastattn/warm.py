@@ -92,12 +92,14 @@ class WarmReport:
 
 
 class _Worker:
-    def __init__(self, device: int | None, log_dir: str, index: int, verify: bool = False):
+    def __init__(self, device: int | None, log_dir: str, index: int, verify: bool = False,
+                 gpu_file: str | None = None):
         self.index = index
         self.log_path = os.path.join(log_dir, f"worker-{index}.log")
         self.log = open(self.log_path, "ab")
         cmd = [sys.executable, "-m", "fastattn._warm_worker"] + ([] if device is None else ["--device", str(device)])
         cmd += ["--verify"] if verify else []
+        cmd += ["--for", gpu_file] if gpu_file is not None else []  # (absolute: the cwd is log_dir)
         # cwd: `python -m` puts it first on sys.path; from a source checkout that would
         # shadow the installed fastattn with an unbuilt one. FASTATTN_RECORD dropped: a
         # pre-warm is not the workload it records (fastattn._record).
@@ -282,9 +284,9 @@ class _Pool:
 
     def __init__(self, queue: _Queue, size: int, device: int | None, timeout: float, log_dir: str,
                  settle: Callable[[WarmItem], None], verify: bool = False,
-                 no_gpu: Callable[[WarmItem], bool] = lambda item: False):
+                 no_gpu: Callable[[WarmItem], bool] = lambda item: False, gpu_file: str | None = None):
         self.queue, self.size, self.device, self.timeout, self.log_dir = queue, size, device, timeout, log_dir
-        self.verify = verify
+        self.verify, self.gpu_file = verify, gpu_file
         self.settle = settle  # called once per item answered or failed
         self.no_gpu = no_gpu  # whether an answer says no config can run here (then the rest are not sent)
         self.not_tried = 0  # configs settled without a worker, after such an answer
@@ -341,7 +343,7 @@ class _Pool:
             item = self.queue.take(self.spawned)
             if item is None:
                 return
-            w = _Worker(self.device, self.log_dir, self.spawned, self.verify)
+            w = _Worker(self.device, self.log_dir, self.spawned, self.verify, self.gpu_file)
             self.spawned += 1
             self.workers.append(w)
             self.sel.register(w.proc.stdout, selectors.EVENT_READ, w)
@@ -409,6 +411,7 @@ def warm(
     progress: Callable[[int, int, WarmItem], None] | None = None,
     timeout: float = 600.0,
     verify: bool = False,
+    gpu_file: str | None = None,
 ) -> WarmReport:
     """Loads or builds every config in `workers` processes (default: up to 8, at most
     one per config), storing what is built in the persistent cache. Configs the cache
@@ -425,7 +428,12 @@ def warm(
     CudaError) and this process finds none either, the configs left are not sent: each
     fails with that answer's reason (counted in the report's not_tried). Raises
     InvalidArgumentError, before any worker starts, for a bad argument (a config that
-    is not one, workers, device, timeout, verify, progress)."""
+    is not one, workers, device, timeout, verify, progress, gpu_file).
+
+    gpu_file: build for the GPU that file describes (fastattn.target: `fastattn info
+    --export-gpu FILE` wrote it there), here, with or without a GPU: each plan is
+    stored under the key that GPU's processes use. Refusals are reported, not stored
+    (the GPU gives its own verdict); not with device or verify, which need a GPU here."""
     if workers is None:
         workers = min(8, os.cpu_count() or 1)
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
@@ -443,7 +451,17 @@ def warm(
 
     runtime.check_device(device)
     items = [WarmItem(c) for c in runtime.check_configs(configs)]
-    cache = runtime.open_plan_cache()  # bad FASTATTN_CACHE_* values raise here, once, naming the variable
+    gpu = None
+    if gpu_file is not None:
+        from . import target
+
+        if device is not None or verify:
+            raise InvalidArgumentError(f"gpu_file: builds for another GPU, so device={_fields.show(device)} and "
+                                       f"verify={_fields.show(verify)} (which need a GPU here) must be left out")
+        gpu = target.read(gpu_file)
+        gpu_file = os.path.abspath(gpu_file)
+    # bad FASTATTN_CACHE_* values raise here, once, naming the variable
+    cache = runtime.open_plan_cache(gpu=gpu.key_fields() if gpu is not None else None)
     t0 = time.perf_counter()
     done = 0
 
@@ -455,11 +473,15 @@ def warm(
 
     # What the cache already holds needs no worker: a second run costs one process's
     # GPU initialization and a read of each entry, not a worker start per config.
-    for item in _answer_from_cache(items, device, cache, verify):
+    # (For another GPU the workers look: the keys hold the cuDNN version a worker loads,
+    # which this process may not, where no driver lets it.)
+    for item in _answer_from_cache(items, device, cache, verify) if gpu is None else ():
         settle(item)
     queue = _Queue([i for i in items if i.status == "pending"])
     with _log_folder() as log_dir:
-        pool = _Pool(queue, workers, device, seconds, log_dir, settle, verify, _NoGpu(device))
+        # (building for another GPU needs none here: no answer means there is none)
+        no_gpu = _NoGpu(device) if gpu is None else (lambda item: False)
+        pool = _Pool(queue, workers, device, seconds, log_dir, settle, verify, no_gpu, gpu_file)
         pool.run()
     counts = {s: sum(1 for i in items if i.status == s) for s in STATUSES}
     rejected = sum(1 for i in items if i.status == REJECTED)

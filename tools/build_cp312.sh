@@ -18,13 +18,14 @@ venv=${FASTATTN_BUILD_VENV:-/tmp/fastattn-build312}
 src=$(mktemp -d)
 git ls-files -z | xargs -0 cp --parents -t "$src"
 (cd "$src" && "$venv/bin/python" setup.py -q build_ext --inplace -j 2 >/dev/null)
-so=$(ls "$src"/fastattn/_core.cpython-312-*.so)
-strip --strip-debug "$so"
-cp "$so" fastattn/
+for so in "$src"/fastattn/_core.cpython-312-*.so "$src"/fastattn/_nodriver.cpython-312-*.so; do
+  strip --strip-debug "$so"
+  cp "$so" fastattn/
+done
 "$venv/bin/python" - <<'PY'
 from importlib import metadata
 print("built against nvidia-cudnn-cu13", metadata.version("nvidia-cudnn-cu13"),
       "and nvidia-cudnn-frontend", metadata.version("nvidia-cudnn-frontend"))
 PY
-ls -la fastattn/_core.cpython-312-*.so
+ls -la fastattn/_core.cpython-312-*.so fastattn/_nodriver.cpython-312-*.so
 rm -rf "$src"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._common import EXIT_OK, add_json_flag, integer
+from ._common import EXIT_FAILED, EXIT_NO_GPU, EXIT_OK, add_json_flag, integer, output_file, say
 
 
 def add_parser(sub) -> None:
@@ -14,9 +14,14 @@ def add_parser(sub) -> None:
                           "(FASTATTN_MEMORY_MAX_ENTRIES) and this process's counters (their evictions included). "
                           "Exit codes: 0 reported (without a usable GPU too: the report says why there is none), "
                           "2 bad flags or FASTATTN_* values, 3 fastattn's compiled extension does not load (a source "
-                          "tree shadowing the installed package, an unbuilt checkout).")
+                          "tree shadowing the installed package, an unbuilt checkout). With --export-gpu: 0 written, "
+                          "3 no usable GPU here (nothing written), 4 the file could not be written.")
     add_json_flag(info)
     info.add_argument("--device", type=integer(0), default=None, help="CUDA device (default: current)")
+    info.add_argument("--export-gpu", metavar="FILE", type=output_file,
+                      help="also write this GPU's description (its name, capability, SM count and cuDNN's device "
+                           "properties) to FILE, for `fastattn warm --for FILE` to build its plans on another "
+                           "machine, without this GPU; export it with the cuDNN the plans will be built with")
 
 
 def run(args) -> tuple[int, dict[str, Any]]:
@@ -49,7 +54,29 @@ def run(args) -> tuple[int, dict[str, Any]]:
     out["torch"] = _torch_path()
     if out["device"] is not None:
         out["cudnn_in_process"] = runtime.cudnn_in_process()
+    if args.export_gpu is not None:
+        return _export_gpu(args.export_gpu, args.device, out)
     return EXIT_OK, out
+
+
+def _export_gpu(path: str, device: int | None, out: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    from .. import files, target
+    from ..errors import CudaError, LibraryError
+
+    if out["device"] is None:
+        say(f"fastattn: --export-gpu: no usable GPU here ({out['gpu_error']}); nothing was written")
+        return EXIT_NO_GPU, {**out, "exported_gpu": None}
+    try:
+        gpu = target.export(device)
+    except (LibraryError, CudaError) as e:  # cuDNN cannot describe it (older than 9.8, ...)
+        say(f"fastattn: --export-gpu: cuDNN cannot describe this GPU ({e}); nothing was written")
+        return EXIT_NO_GPU, {**out, "exported_gpu": None}
+    try:
+        target.write(path, gpu)
+    except OSError as e:  # the path was checked before the work: what fails now is the writing (ENOSPC, EFBIG, EIO)
+        say(f"fastattn: --export-gpu: cannot write {files.shown(path)} ({e.strerror or e}); nothing was written")
+        return EXIT_FAILED, {**out, "exported_gpu": None}
+    return EXIT_OK, {**out, "exported_gpu": path}
 
 
 def _torch_path() -> dict[str, Any]:

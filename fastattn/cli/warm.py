@@ -50,6 +50,12 @@ def add_parser(sub) -> None:
                       help=f"how long one config may take before its worker is killed ({DURATION_HELP}; at most "
                            f"{env.MAX_SECONDS:.0f} s; default 600)")
     add_verify_flag(warm)
+    warm.add_argument("--for", dest="gpu_file", metavar="FILE", type=input_path,
+                      help="build the plans of the GPU this file describes (`fastattn info --export-gpu FILE` wrote "
+                           "it there), here, with or without a GPU, with the same fastattn and cuDNN as that GPU's "
+                           "processes will have (a deploy's image build): stored under that GPU's keys, so that "
+                           "its processes load them and build nothing. cuDNN's refusals are reported, not stored. "
+                           "Not with --device or --verify; exit 3 does not apply")
     cls = warm.add_argument_group(
         "warm by shape class", "with --seqlens, instead of a file: the class plans (fastattn.shape_classes) that "
         "serve a model's fastattn.torch.attention() calls (bshd, packed tokens) at every length in the range, "
@@ -99,6 +105,11 @@ def run(args) -> tuple[int, dict[str, Any]]:
     from .. import config_files
 
     verify = getattr(args, "verify", False)
+    if getattr(args, "gpu_file", None) is not None:
+        given = [flag for flag, value in (("--device", args.device is not None), ("--verify", verify)) if value]
+        if given:
+            raise InvalidArgumentError(f"--for: builds for another GPU: not with {' or '.join(given)}, which "
+                                       "need a GPU here")
     if verify:
         check_verify_possible()
     if getattr(args, "seqlens", None) is not None:
@@ -121,9 +132,10 @@ def run(args) -> tuple[int, dict[str, Any]]:
 def _run(args, configs, skipped, torch_ops: _TorchOpsBuild | None, verify: bool) -> tuple[int, dict[str, Any]]:
     from ..warm import warm
 
+    gpu_file = getattr(args, "gpu_file", None)
     report = warm(configs, workers=args.workers, device=args.device, timeout=args.timeout,
                   progress=None if args.no_progress or args.json else _progress_bar(),
-                  **({"verify": True} if verify else {}))
+                  **({"verify": True} if verify else {}), **({"gpu_file": gpu_file} if gpu_file else {}))
     out = report.to_dict()
     out["source"] = args.file or "built-in model shapes"
     if skipped is not None:
@@ -141,7 +153,9 @@ def _run(args, configs, skipped, torch_ops: _TorchOpsBuild | None, verify: bool)
     code = exit_code(report)
     if report.not_saved and code in (EXIT_OK, EXIT_UNSUPPORTED):
         code = EXIT_FAILED  # a pre-warm that left the cache without its answers did not do its work
-    out["no_gpu"] = _no_gpu_reason(report, code, args.device)
+    out["no_gpu"] = _no_gpu_reason(report, code, args.device) if not gpu_file else None
+    if gpu_file:
+        out["for"] = gpu_file
     if out["no_gpu"] is not None:
         code = EXIT_NO_GPU
     for warning in report.warnings:  # the workers' own, which would otherwise end in their logs
@@ -197,8 +211,14 @@ def class_configs(args) -> tuple[list, list[list[int]]]:
         from ..runtime import device_info, libraries, versions
 
         libraries()
-        classes = sc.measured(device_info(args.device)["name"], int(versions()["cudnn_loaded"] or 0),
-                              training=args.training)
+        gpu_file = getattr(args, "gpu_file", None)
+        if gpu_file is not None:
+            from .. import target
+
+            name = target.read(gpu_file).name  # the GPU the plans are for
+        else:
+            name = device_info(args.device)["name"]
+        classes = sc.measured(name, int(versions()["cudnn_loaded"] or 0), training=args.training)
         if classes is None:
             raise InvalidArgumentError("--shape-classes=auto: nothing measured for this GPU and cuDNN "
                                        "(benchmarks/bench_shape_classes.py --write), so auto means exact plans: "
