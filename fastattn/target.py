@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import logging
 import os
 import time
 from dataclasses import dataclass
@@ -34,6 +35,8 @@ from ._fields import show
 from .config import AttentionConfig
 from .errors import InvalidArgumentError, LibraryError, NotSupportedError
 from .result import ProbeResult
+
+log = logging.getLogger("fastattn")
 
 FORMAT = "fastattn-gpu"
 VERSION = 1
@@ -202,6 +205,22 @@ def enter_build_process() -> None:
     _standin = ctypes.CDLL(standin_path(), mode=ctypes.RTLD_GLOBAL)
 
 
+_warned: set[tuple[int, int]] = set()
+
+
+def _check_versions(gpu: Gpu, loaded: int) -> None:
+    """Warns, once a process, where the file was exported with another cuDNN than the
+    one building: cuDNN may not read another release's properties (it then refuses each
+    build, saying so), and the plans are keyed by the builder's cuDNN, which the GPU's
+    processes must load to find them."""
+    if loaded == gpu.cudnn_version or (gpu.cudnn_version, loaded) in _warned:
+        return
+    _warned.add((gpu.cudnn_version, loaded))
+    log.warning("the GPU file was exported with cuDNN %d and the plans are built with cuDNN %d: only processes "
+                "that load cuDNN %d find them (export the file with that cuDNN where they differ)",
+                gpu.cudnn_version, loaded, loaded)
+
+
 class _Blobs:
     """What PlanCache.publish serializes: the blobs build_plan_for returned."""
 
@@ -225,6 +244,7 @@ def build(config: AttentionConfig, gpu: Gpu, cache) -> tuple[ProbeResult, str | 
         raise LibraryError("plans for another GPU are built in a process that entered "
                            "fastattn.target.enter_build_process() first")
     core = runtime._core()
+    _check_versions(gpu, int(core.versions()[0]))
     known = cache.stored_answer(config, 0)
     if known is not None:
         return known, None

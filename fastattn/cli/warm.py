@@ -208,9 +208,8 @@ def class_configs(args) -> tuple[list, list[list[int]]]:
         raise InvalidArgumentError(f"--heads-kv={heads_kv}: must divide --heads={args.heads}")
     choice = args.shape_classes if args.shape_classes is not None else env.get("FASTATTN_SHAPE_CLASSES")
     if choice == "auto":
-        from ..runtime import device_info, libraries, versions
+        from ..runtime import device_info
 
-        libraries()
         gpu_file = getattr(args, "gpu_file", None)
         if gpu_file is not None:
             from .. import target
@@ -218,7 +217,7 @@ def class_configs(args) -> tuple[list, list[list[int]]]:
             name = target.read(gpu_file).name  # the GPU the plans are for
         else:
             name = device_info(args.device)["name"]
-        classes = sc.measured(name, int(versions()["cudnn_loaded"] or 0), training=args.training)
+        classes = sc.measured(name, _cudnn_version(gpu_file) or 0, training=args.training)
         if classes is None:
             raise InvalidArgumentError("--shape-classes=auto: nothing measured for this GPU and cuDNN "
                                        "(benchmarks/bench_shape_classes.py --write), so auto means exact plans: "
@@ -242,7 +241,10 @@ def class_configs(args) -> tuple[list, list[list[int]]]:
     # (and every call of a class whose override plan cuDNN refuses) the ragged one
     # (fastattn.torch's _shape_classes).
     # (not with a bottom-right diagonal, which the override would leave at the declared lengths)
-    override = not args.training and mask != "causal_bottom_right" and _shape_override_loaded()
+    gpu_file = getattr(args, "gpu_file", None)
+    version = _cudnn_version(gpu_file) or 0
+    override = not args.training and mask != "causal_bottom_right" and version >= 92100
+    refused = _refused_here(version, gpu_file, getattr(args, "device", None)) if override else (lambda cfg: False)
     # A decode step's one query sees every key: with a bottom-right diagonal that is the mask's
     # own form, and a model whose prefill is causal at the top left (where s_q == s_kv the
     # same attention) runs its decode steps without a mask.
@@ -254,21 +256,50 @@ def class_configs(args) -> tuple[list, list[list[int]]]:
         for u_q, u_kv, decode in pairs:
             for override_plan in kinds:
                 cfg = sc.class_config(upper_q=u_q, upper_kv=u_kv, override=override_plan, **{**common, **decode})
-                if cfg not in configs:
+                # (an override plan the defect registry refuses is not one a call takes: its
+                # calls take the ragged plan, warmed beside it)
+                if cfg not in configs and not (override_plan and refused(cfg)):
                     configs.append(cfg)
     return configs, [list(r) for r in uncovered]
 
 
-def _shape_override_loaded() -> bool:
-    """Whether the cuDNN this process loads has the shape override (9.21 or newer); False
-    where none loads (the workers then say why)."""
-    from ..runtime import libraries, versions
+def _refused_here(version: int, gpu_file: str | None, device: int | None):
+    """Whether fastattn.defects refuses a config with the cuDNN of `version` on the GPU
+    the plans are for (the file's, else the device's; where neither is known, nothing is
+    refused here and the workers answer)."""
+    from .. import defects
+    from ..errors import FastAttnError
+    from ..runtime import device_info
+
+    try:
+        if gpu_file is not None:
+            from .. import target
+
+            capability = target.read(gpu_file).compute_capability
+        else:
+            capability = tuple(device_info(device)["compute_capability"])
+    except (OSError, FastAttnError):
+        return lambda cfg: False
+    return lambda cfg: bool(defects.decide(cfg, version, capability).refusal)
+
+
+def _cudnn_version(gpu_file: str | None) -> int | None:
+    """The version of the cuDNN the plans are built with (the shape override needs 9.21;
+    `auto` classes are measured per cuDNN): the one this process loads, or None where none
+    loads (the plans' workers then say why). For --for, where no driver lets this process
+    load it, the installed wheel's: the workers, with the stand-in, load that one."""
+    from ..runtime import cudnn_location, libraries, versions
 
     try:
         libraries()
-    except OSError:  # no cuDNN here (LibraryError): the plans' workers report it, config by config
-        return False
-    return int(versions()["cudnn_loaded"] or 0) >= 92100
+    except OSError:  # no cuDNN here (LibraryError)
+        if gpu_file is None:
+            return None
+        parts = str(cudnn_location().get("wheel_version") or "").split(".")
+        if len(parts) < 3 or not all(p.isdigit() for p in parts[:3]):
+            return None
+        return int(parts[0]) * 10000 + int(parts[1]) * 100 + int(parts[2])
+    return int(versions()["cudnn_loaded"] or 0) or None
 
 
 def _summary(report) -> str:

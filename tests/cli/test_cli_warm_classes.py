@@ -52,10 +52,24 @@ def test_the_configs_are_the_ones_attention_asks_for(warmed, capsys):
     assert warmed == [want]
 
 
+def test_an_override_plan_the_defect_registry_refuses_for_the_gpu_is_not_warmed(warmed, capsys, monkeypatch):
+    # An H100 (the GPU file's capability; fastattn.defects' sdpa-shape-override-unmasked): the
+    # decode plans without a mask take the ragged plan alone, as their calls do.
+    import os
+
+    from fastattn.cli import warm as warm_cli
+
+    monkeypatch.setattr(warm_cli, "_cudnn_version", lambda gpu_file: 92801)
+    h100 = os.path.join(os.path.dirname(__file__), "..", "warm", "data", "h100.json")
+    run(["warm", "--for", h100, "--seqlens", "300", "--shape-classes", "512", "--mask", "causal", *MODEL], capsys)
+    assert [(c.seqlen_q, c.mask, c.shape_override) for c in warmed] == [
+        (512, "causal", True), (512, "causal", False), (1, "none", False)]
+
+
 def test_with_the_shape_override_both_kinds_of_class_plan_are_warmed(warmed, capsys, monkeypatch):
     from fastattn.cli import warm as warm_cli
 
-    monkeypatch.setattr(warm_cli, "_shape_override_loaded", lambda: True)  # a cuDNN of 9.21 or newer
+    monkeypatch.setattr(warm_cli, "_cudnn_version", lambda gpu_file: 92801)  # a cuDNN of 9.21 or newer
     run(["warm", "--seqlens", "300", "--shape-classes", "512", "--mask", "causal", *MODEL], capsys)
     common = dict(batch=1, heads_q=32, heads_kv=8, head_dim_qk=128, head_dim_v=128, dtype="bf16",
                   mask="causal", alignment="top_left")

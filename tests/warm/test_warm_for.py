@@ -225,3 +225,26 @@ def test_warm_for_builds_that_gpus_plans_here_with_real_cudnn(tmp_path):
 
     second = _warm_for(tmp_path / "cache", str(configs))
     assert second.returncode == 0 and json.loads(second.stdout)["counts"]["loaded"] == len(CONFIGS), second.stderr
+    assert "warning" not in second.stderr  # (the file's cuDNN is the one building)
+
+
+def test_warm_for_by_shape_class_and_another_cudnns_file(tmp_path):
+    """Class plans for that GPU, with the installed cuDNN's shape override where it has one
+    (this process cannot load cuDNN without a driver: the wheel's version decides, the
+    one the workers load); and a warning where the file came from another cuDNN."""
+    obj = h100()
+    obj["cudnn_version"] = 91900  # (a file exported with 9.19)
+    path = write(tmp_path, obj)
+    env = {**os.environ, "FASTATTN_CACHE_DIR": str(tmp_path / "cache")}
+    env.pop("FASTATTN_TEST_FAKE_CORE", None)
+    r = subprocess.run([sys.executable, "-m", "fastattn", "warm", "--for", path, "--no-torch-ops", "--json",
+                        "--seqlens", "1..128", "--heads", "2", "--head-dim", "64", "--mask", "causal",
+                        "--shape-classes", "128"], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
+    report = json.loads(r.stdout)
+    loaded = {item["config"].get("shape_override", False) for item in report["items"]}
+    installed = fastattn.runtime.cudnn_location()["wheel_version"]
+    override = tuple(int(x) for x in installed.split(".")[:2]) >= (9, 21)
+    assert loaded == ({False, True} if override else {False}), report["items"]
+    if installed.startswith("9.19."):
+        return  # (the file's cuDNN: no warning)
+    assert "exported with cuDNN 91900" in r.stderr, r.stderr
