@@ -89,13 +89,13 @@ def read(path: str) -> Gpu:
     range, cuDNN's properties inconsistent with the rest)."""
     where = files.shown(path)
     try:
-        with open(path, "rb") as f:
-            data = f.read(MAX_FILE_BYTES + 1)
-    except OSError as e:
-        raise InvalidArgumentError(f"{where}: {e.strerror or e}") from None
-    if len(data) > MAX_FILE_BYTES:
+        # (never a FIFO waited on, a device read without end, a folder taken for a file)
+        data = files.read_regular(path, MAX_FILE_BYTES)
+    except files.FileTooLargeError:
         raise InvalidArgumentError(f"{where}: larger than {MAX_FILE_BYTES} bytes: not a GPU file "
-                                   "(`fastattn info --export-gpu FILE` writes one)")
+                                   "(`fastattn info --export-gpu FILE` writes one)") from None
+    except (OSError, ValueError) as e:  # (ValueError: a NUL in the name)
+        raise InvalidArgumentError(f"{where}: {getattr(e, 'strerror', None) or e}") from None
     try:
         obj = json.loads(data.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError):

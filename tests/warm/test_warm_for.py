@@ -103,10 +103,20 @@ def test_a_file_that_is_no_gpu_file_is_refused_by_name(tmp_path, content, words)
         target.read(str(path))
 
 
-def test_a_folder_is_refused(tmp_path):
-    (tmp_path / "gpu.json").mkdir()
-    with pytest.raises(InvalidArgumentError, match="gpu.json"):
-        target.read(str(tmp_path / "gpu.json"))
+@pytest.mark.parametrize("make", ["folder", "fifo", "device", "nul"])
+def test_what_is_no_regular_file_is_refused_at_once(tmp_path, make):
+    # A FIFO would wait for a writer forever, /dev/zero never end: never read.
+    path = str(tmp_path / "gpu.json")
+    if make == "folder":
+        os.mkdir(path)
+    elif make == "fifo":
+        os.mkfifo(path)
+    elif make == "device":
+        path = "/dev/zero"
+    else:
+        path += "\0"
+    with pytest.raises(InvalidArgumentError):
+        target.read(path)
 
 
 JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
