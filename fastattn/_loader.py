@@ -335,6 +335,15 @@ def version_text(version: int) -> str:
     return f"{version // 10000}.{version // 100 % 100}.{version % 100}"
 
 
+def version_number(text: str | None) -> int | None:
+    """version_text's inverse, for a wheel's version ("9.24.0.43" is 92400: its fourth
+    part is the build), or None where `text` is no such version."""
+    parts = str(text or "").split(".")
+    if len(parts) < 3 or not all(p.isascii() and p.isdigit() for p in parts[:3]):
+        return None
+    return int(parts[0]) * 10000 + int(parts[1]) * 100 + int(parts[2])
+
+
 def check_cudnn_version(version: int, path: str) -> None:
     """Raises LibraryError, saying what to do, when the loaded cuDNN is older than
     MIN_CUDNN (or not cuDNN 9)."""

@@ -295,10 +295,9 @@ def _cudnn_version(gpu_file: str | None) -> int | None:
     except OSError:  # no cuDNN here (LibraryError)
         if gpu_file is None:
             return None
-        parts = str(cudnn_location().get("wheel_version") or "").split(".")
-        if len(parts) < 3 or not all(p.isdigit() for p in parts[:3]):
-            return None
-        return int(parts[0]) * 10000 + int(parts[1]) * 100 + int(parts[2])
+        from .._loader import version_number
+
+        return version_number(cudnn_location().get("wheel_version"))
     return int(versions()["cudnn_loaded"] or 0) or None
 
 

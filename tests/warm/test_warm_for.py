@@ -210,8 +210,9 @@ def test_info_export_gpu_checks_its_path_before_any_work(tmp_path, capsys):
 def _installed_cudnn() -> int:
     """The version of the cuDNN wheel warm's workers load (this process loads none where
     there is no driver): torch's pinned one where torch is installed, else fastattn's."""
-    major, minor, patch = fastattn.runtime.cudnn_location()["wheel_version"].split(".")[:3]
-    return int(major) * 10000 + int(minor) * 100 + int(patch)
+    from fastattn._loader import version_number
+
+    return version_number(fastattn.runtime.cudnn_location()["wheel_version"])
 
 
 def _warm_for(cache_dir, *argv):
@@ -276,3 +277,13 @@ def test_warm_for_by_shape_class_and_another_cudnns_file(tmp_path):
     if installed // 100 == 919:
         return  # (the file's cuDNN: no warning)
     assert "exported with cuDNN 91900" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("text,number", [("9.24.0.43", 92400), ("9.28.1.4", 92801), ("9.19.0", 91900), (None, None),
+                                         ("9.x.0", None), ("9.24", None), ("٩.24.0", None)])
+def test_a_wheels_version_as_cudnns_number(text, number):
+    from fastattn._loader import version_number, version_text
+
+    assert version_number(text) == number
+    if number is not None:
+        assert version_number(version_text(number)) == number
