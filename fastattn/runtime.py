@@ -723,6 +723,15 @@ def cudnn_location() -> dict[str, str | None]:
     return find()
 
 
+def installed_cudnn_version() -> int | None:
+    """cuDNN's version number (92400 for 9.24.0) of the wheel the first GPU call would load
+    (cudnn_location's), loading nothing; None where no wheel says (FASTATTN_CUDNN_PATH, a
+    system cuDNN): what a process without a driver knows of the cuDNN its build workers load."""
+    from ._loader import version_number
+
+    return version_number(cudnn_location().get("wheel_version"))
+
+
 def cudnn_in_process() -> dict[str, Any]:
     """The cuDNN files this process holds (once fastattn, and PyTorch where it is imported,
     have loaded theirs) and the version each reports, as text: one cuDNN, or the problem

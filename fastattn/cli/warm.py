@@ -288,16 +288,12 @@ def _cudnn_version(gpu_file: str | None) -> int | None:
     `auto` classes are measured per cuDNN): the one this process loads, or None where none
     loads (the plans' workers then say why). For --for, where no driver lets this process
     load it, the installed wheel's: the workers, with the stand-in, load that one."""
-    from ..runtime import cudnn_location, libraries, versions
+    from ..runtime import installed_cudnn_version, libraries, versions
 
     try:
         libraries()
     except OSError:  # no cuDNN here (LibraryError)
-        if gpu_file is None:
-            return None
-        from .._loader import version_number
-
-        return version_number(cudnn_location().get("wheel_version"))
+        return installed_cudnn_version() if gpu_file is not None else None
     return int(versions()["cudnn_loaded"] or 0) or None
 
 

@@ -210,9 +210,7 @@ def test_info_export_gpu_checks_its_path_before_any_work(tmp_path, capsys):
 def _installed_cudnn() -> int:
     """The version of the cuDNN wheel warm's workers load (this process loads none where
     there is no driver): torch's pinned one where torch is installed, else fastattn's."""
-    from fastattn._loader import version_number
-
-    return version_number(fastattn.runtime.cudnn_location()["wheel_version"])
+    return fastattn.runtime.installed_cudnn_version()
 
 
 def _warm_for(cache_dir, *argv):
