@@ -167,7 +167,7 @@ def standin_path() -> str:
         path = os.path.join(here, "_nodriver" + suffix)
         if os.path.exists(path):
             return path
-    raise LibraryError(f"fastattn's stand-in libcuda (fastattn/_nodriver*.so) is not in {here}: this fastattn "
+    raise LibraryError(f"fastattn's stand-in libcuda (fastattn/_nodriver*.so) is not in {files.shown(here)}: this fastattn "
                        "was built without it (reinstall fastattn)")
 
 
@@ -198,7 +198,7 @@ def enter_build_process() -> None:
         return
     loaded = _driver_loaded()
     if loaded is not None:
-        raise LibraryError(f"the driver ({loaded}) is already loaded in this process: plans for another GPU are "
+        raise LibraryError(f"the driver ({files.shown(loaded)}) is already loaded in this process: plans for another GPU are "
                            "built in a process of their own (fastattn warm --for FILE)")
     # RTLD_GLOBAL, and by its soname (libcuda.so.1): a later dlopen("libcuda.so.1"), or a
     # library that needs it, gets this one.
