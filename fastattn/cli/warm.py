@@ -108,8 +108,8 @@ def run(args) -> tuple[int, dict[str, Any]]:
     if getattr(args, "gpu_file", None) is not None:
         given = [flag for flag, value in (("--device", args.device is not None), ("--verify", verify)) if value]
         if given:
-            raise InvalidArgumentError(f"--for: builds for another GPU: not with {' or '.join(given)}, which "
-                                       "need a GPU here")
+            raise InvalidArgumentError(f"--for: builds for another GPU: not with {' or '.join(given)} "
+                                       f"({'it needs' if len(given) == 1 else 'they need'} a GPU here)")
     if verify:
         check_verify_possible()
     if getattr(args, "seqlens", None) is not None:
