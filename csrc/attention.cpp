@@ -345,7 +345,8 @@ Status deserialize_graph(const uint8_t *data, size_t size, const Config &cfg, Di
         // and while that capture is open, every other thread's cudaDeviceSynchronize fails
         // ("operation not permitted when stream is capturing"; seen on the H200 when the
         // warm-up primed plans so, on a non-blocking stream of its own, beside a
-        // torch.cuda.synchronize() on the main thread). Loads run beside the user's work.
+        // torch.cuda.synchronize() on the main thread). Loads run beside the user's work;
+        // prime_graph loads the kernels without a capture.
         auto e = graph->g->deserialize(h, blob, /*enforce_precompiled=*/false, /*run_warmup=*/false);
         if (e.is_bad()) return error(Code::kCorruptPlan, "deserialize: " + e.err_msg);
         FA_RETURN_IF_ERROR(finish(*graph, "deserialize", /*built=*/false, device, info));
@@ -380,6 +381,79 @@ Status execute(const Graph *g, Direction dir, int device, const intptr_t *slots,
     void *pack[kNumSlots];
     for (int i = 0; i < g->n; ++i) pack[i] = reinterpret_cast<void *>(slots[g->order[i]]);
     return run(*g, device, pack, g->n, workspace, stream, Via::kCachedPack, derived ? &index : nullptr);
+}
+
+Status prime_graph(const Graph *g, int device, const int64_t *bytes) {
+    if (g == nullptr) return error(Code::kInvalidArgument, "prime: no graph");
+    for (int s = 0; s < kNumSlots; ++s) {
+        if ((g->slots & bit(static_cast<Slot>(s))) && !(g->by_value & bit(static_cast<Slot>(s))) && bytes[s] < 1) {
+            return error(Code::kInvalidArgument, std::string("prime: no size for tensor ") + kSlots[s].name);
+        }
+    }
+    return guarded(Code::kCudaError, "prime", [&]() -> Status {
+        static MallocAsyncFn *alloc     = cudart<MallocAsyncFn>("cudaMallocAsync");
+        static FreeAsyncFn *free_       = cudart<FreeAsyncFn>("cudaFreeAsync");
+        static MemsetAsyncFn *zero      = cudart<MemsetAsyncFn>("cudaMemsetAsync");
+        static StreamCreateFn *create   = cudart<StreamCreateFn>("cudaStreamCreateWithFlags");
+        static StreamSyncFn *sync       = cudart<StreamSyncFn>("cudaStreamSynchronize");
+        static StreamDestroyFn *destroy = cudart<StreamDestroyFn>("cudaStreamDestroy");
+        using PrimaryStateFn = CUresult(CUdevice, unsigned int *, int *);
+        static auto *primary = reinterpret_cast<PrimaryStateFn *>(
+            cuda_symbol(CudaLibrary::kDriver, "cuDevicePrimaryCtxGetState"));
+        static auto *get_device = reinterpret_cast<DeviceGetFn *>(cuda_symbol(CudaLibrary::kDriver, "cuDeviceGet"));
+        // Every call here may meet another thread's capture in global mode (PyTorch's
+        // default), which a call CUDA counts as unsafe would invalidate: relaxed.
+        RelaxedCaptureMode relaxed;
+        CUdevice dev       = 0;
+        unsigned int flags = 0;
+        int active         = 0;
+        if (get_device(&dev, device) != CUDA_SUCCESS || primary(dev, &flags, &active) != CUDA_SUCCESS || !active) {
+            // A context made here would cost the process memory on a GPU it may not use.
+            return error(Code::kInvalidArgument,
+                         "prime: device " + std::to_string(device) + " has no CUDA context yet; fastattn makes none");
+        }
+        DeviceGuard guard(device);
+        FA_RETURN_IF_ERROR(guard.status());
+        cudaStream_t s = nullptr;
+        FA_RETURN_IF_ERROR(cuda_status(create(&s, cudaStreamNonBlocking), "cudaStreamCreateWithFlags"));
+        // Scratch from the device's stream-ordered pool: its free makes no device-wide
+        // synchronization (cudaFree's), which would wait for the caller's work.
+        std::vector<void *> scratch;
+        auto take = [&](int64_t n, intptr_t *out) -> Status {
+            void *p = nullptr;
+            FA_RETURN_IF_ERROR(cuda_status(alloc(&p, static_cast<size_t>(n), s), "cudaMallocAsync"));
+            scratch.push_back(p);
+            *out = reinterpret_cast<intptr_t>(p);
+            // Zeros: lengths of 0 (a padded or ragged plan reads no row), offsets and pages
+            // of 0 (every read in bounds), finite values elsewhere.
+            return cuda_status(zero(p, 0, static_cast<size_t>(n), s), "cudaMemsetAsync");
+        };
+        static const int64_t host_zero[2] = {0, 0};  // a host_seed plan's seed and offset
+        intptr_t slots[kNumSlots] = {};
+        intptr_t workspace        = 0;
+        Status st;
+        for (int i = 0; i < kNumSlots && st.ok(); ++i) {
+            const uint64_t b = bit(static_cast<Slot>(i));
+            if (!(g->slots & b)) continue;
+            if (g->by_value & b) {
+                slots[i] = reinterpret_cast<intptr_t>(&host_zero[0]);
+            } else {
+                st = take(bytes[i], &slots[i]);
+            }
+        }
+        if (st.ok() && g->workspace > 0) st = take(g->workspace, &workspace);
+        if (st.ok()) st = execute(g, g->dir, device, slots, workspace, reinterpret_cast<intptr_t>(s));
+        // The launch's status first: a failed sync after it says less about what failed.
+        const Status synced = cuda_status(sync(s), "cudaStreamSynchronize");
+        if (st.ok()) st = synced;
+        for (void *p : scratch) (void)free_(p, s);
+        (void)sync(s);
+        // This thread's handle was bound to `s` (LaunchScope): bound to no stream again
+        // before `s` goes, so that it never names a destroyed stream.
+        if (t_state.handle[device] != nullptr) (void)set_stream(device, t_state.handle[device], 0);
+        (void)destroy(s);
+        return st;
+    });
 }
 
 namespace {

@@ -123,6 +123,14 @@ Status deserialize_graph(const uint8_t *data, size_t size, const Config &cfg, Di
 // first launch then skips cudnnCreate): for a thread done with cuDNN on that device.
 Status hand_on_thread_handle(int device);
 
+// Loads the kernels of a built or loaded graph, which CUDA's lazy module loading loads at
+// their first launch: launches it once on a private stream, in relaxed capture mode, on
+// zeroed scratch tensors of `bytes[slot]` bytes each (kNumSlots entries; every slot the
+// graph takes needs its size), allocated stream-ordered there and freed before the return,
+// which waits for that stream alone. Touches no caller's stream and makes no context of
+// its own (the device's primary one must exist). For a thread beside the caller's work
+// (the warm-up), so that the caller's first launch of the graph does not load them.
+Status prime_graph(const Graph *g, int device, const int64_t *bytes);
 // The hot path: validates pointers, then runs. No allocation, synchronization or
 // copy. `slots` holds kNumSlots raw addresses indexed by Slot (0: not given); the
 // stream is a raw address too (0: the default stream). `dir` must be the graph's.

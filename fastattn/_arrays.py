@@ -542,6 +542,18 @@ class DeviceTensor:
                 f"dtype={self.dtype} device={self.desc.device_id} ptr=0x{self.ptr:x}>")
 
 
+def scratch_bytes(cfg: AttentionConfig, slot_names: tuple[str, ...]) -> tuple[int, ...]:
+    """Bytes of each slot's tensor (slot_names: the core's, by slot number), 0 for those
+    the config does not have: what Plan.load_kernels launches the plan on."""
+    sizes = []
+    for name in slot_names:
+        try:
+            sizes.append(max(cfg.storage_elements(name), 1) * cfg.tensor_itemsize(name))
+        except InvalidArgumentError:  # a feature's tensor this config does not have
+            sizes.append(0)
+    return tuple(sizes)
+
+
 def allocate(plan: Any, name: str, stream: Any = None) -> DeviceTensor:
     """A new device buffer for tensor `name` of `plan`'s config (its contents
     undefined), allocated stream-ordered on `stream` (default: the device's default

@@ -96,6 +96,7 @@ cdef extern from "fastattn.h" namespace "fastattn" nogil:
     Status execute_at(const Graph* g, Direction dir, int device, const intptr_t* slots, intptr_t workspace,
                       intptr_t stream, const CallShape& shape)
     Status hand_on_thread_handle(int device)
+    Status prime_graph(const Graph* g, int device, const int64_t* bytes)
 
 
 cdef inline object _error(const Status& st, str prefix=None):
@@ -435,6 +436,29 @@ cdef class Plan:
         allocated stream-ordered on `stream` (None: the device's default stream) through
         cuda.core. Pass it to forward/backward like any device array."""
         return _arrays.allocate(self, name, stream)
+
+    def load_kernels(self):
+        """Loads the plan's kernels, which CUDA loads lazily at a plan's first launch
+        (about a millisecond), by launching each of its graphs once on zeroed scratch
+        tensors of its config's sizes, on a stream of its own, in relaxed capture mode;
+        then frees them. Waits for that stream alone and touches no other: for a thread
+        beside the caller's work (fastattn.torch's warm-up calls it), so that the first
+        launch of the plan on the caller's path loads nothing. Takes the config's
+        tensors and workspaces in device memory while it runs (scratch_bytes), and needs
+        the device's CUDA context to exist already (it makes none)."""
+        cdef int64_t b[kNumSlots]
+        cdef Status st
+        cdef int i
+        sizes = _arrays.scratch_bytes(self.config, SLOT_NAMES)
+        for i in range(kNumSlots):
+            b[i] = sizes[i]
+        with nogil:
+            st = prime_graph(self._fwd.get(), self.device, b)
+        if st.ok() and self._training:
+            with nogil:
+                st = prime_graph(self._bwd.get(), self.device, b)
+        if not st.ok():
+            raise _error(st)
 
     def serialize(self):
         """(forward blob, backward blob or None): the plans without graph structure, for

@@ -17,10 +17,15 @@ two phases:
    of entry files and MAX_PLANS (PlanCache.recent), loaded by LOADERS threads through
    runtime.load_ahead: never a build, and never the entry's last use or FASTATTN_RECORD
    (the first call that uses a plan does both). A call that asks for a plan being loaded
-   waits for that plan alone; a call for any other goes on as it would. Each loader hands
-   its cuDNN handle on when it is done (a caller's first launch then makes none). A plan's
-   first launch still loads its kernels: see csrc/attention.cpp (deserialize_graph) for
-   why nothing here makes that launch ahead of the caller.
+   waits for that plan alone; a call for any other goes on as it would. Then, once every
+   plan is loaded, the same loaders load the plans' kernels (CUDA loads a kernel at its
+   first launch, about a millisecond on the first call of a plan otherwise): each plan,
+   where its config's tensors and workspaces take at most FASTATTN_WARM_UP_KERNELS_MAX_BYTES,
+   is launched once on zeroed scratch on a stream of its own, in relaxed capture mode,
+   and the scratch freed (runtime.load_kernels, Plan.load_kernels). Not a throwaway
+   capture, as cudnn-frontend's own warm-up makes: an open capture of any mode makes the
+   caller's other threads' synchronizations fail (docs/BENCHMARKS.md). Each loader
+   hands its cuDNN handle on when it is done (a caller's first launch then makes none).
 
 It never makes a CUDA context: a context made by fastattn on device 0 would cost every
 rank of a one-process-per-GPU server memory on a GPU it does not use, and a thread's
@@ -67,9 +72,10 @@ _lock = threading.Lock()
 _phase_lock = threading.Lock()
 _suppressed = 0  # suppressed() blocks open
 _STATUS: dict[str, Any] = {
-    "state": "off",  # off, libraries, waiting (for a CUDA context), loading, done, stopped, failed, forked
+    "state": "off",  # off, libraries, waiting (for a CUDA context), loading, kernels, done, stopped, failed, forked
     "devices": [],  # the devices phase 2 loaded for
     "plans": 0,  # plans and refusals it loaded into memory
+    "kernels": 0,  # of those plans, those whose kernels it loaded (FASTATTN_WARM_UP_KERNELS_MAX_BYTES)
     "libraries_seconds": 0.0,
     "plans_seconds": 0.0,
     "error": None,  # why it ended early, in one line
@@ -83,8 +89,9 @@ class _Run:
     goes to its own status, never to a later run's."""
 
     def __init__(self, plans: bool, contexts: Callable[[], list[int]], libraries: Callable[[], None] | None,
-                 max_bytes: int):
+                 max_bytes: int, kernels_max_bytes: int):
         self.plans, self.contexts, self.libraries, self.max_bytes = plans, contexts, libraries, max_bytes
+        self.kernels_max_bytes = kernels_max_bytes
         self.stop = threading.Event()
         self.wake = threading.Event()  # nudge(): look for a CUDA context now
         self.status: dict[str, Any] = {**_STATUS, "devices": [], "state": "libraries"}
@@ -113,6 +120,7 @@ class _Run:
             self.set(state="loading", devices=devices)
             t0 = time.perf_counter()
             for device in devices:
+                self.set(state="loading")
                 self.load_plans(device)
             self.set(plans_seconds=time.perf_counter() - t0, state="done")
         except Exception as e:  # an optimization: the first call does whatever this could not, and reports
@@ -136,18 +144,35 @@ class _Run:
         cache = runtime.open_plan_cache()
         todo = iter(cache.recent(device, self.max_bytes, MAX_PLANS))
         taking = threading.Lock()
+        loaded: list[Any] = []  # the configs whose plans or refusals it loaded, in load order
+        kernels = iter(())  # phase 2b's: set once every plan is loaded
+        barrier = threading.Barrier(LOADERS)
+
+        def take(items: Iterator[Any]) -> Any:
+            with taking:
+                return next(items, None)
 
         def loader() -> None:
+            nonlocal kernels
             try:
-                while not self.stop.is_set():
-                    with taking:
-                        item = next(todo, None)
-                    if item is None:
-                        return
+                while not self.stop.is_set() and (item := take(todo)) is not None:
                     if runtime.load_ahead(item[0], device, cache, item[1]):
                         with _lock:
                             self.status["plans"] += 1
+                            loaded.append(item[0])
+                # Kernels after every plan: a call waits for its plan's load, never for
+                # another plan's kernels (its launch loads them as it would have).
+                if self.kernels_max_bytes > 0:
+                    if barrier.wait() == 0:
+                        kernels = iter(list(loaded))
+                        self.set(state="kernels")
+                    barrier.wait()
+                    while not self.stop.is_set() and (config := take(kernels)) is not None:
+                        self.load_kernels(config, device)
+            except threading.BrokenBarrierError:
+                pass  # another loader ended early: its kernels are left to the first calls
             finally:
+                barrier.abort()
                 self.pass_on_handle(device)
 
         # Daemon threads of its own, not a ThreadPoolExecutor: the interpreter's exit joins
@@ -159,6 +184,14 @@ class _Run:
             t.start()
         for t in loaders:
             t.join()
+
+    def load_kernels(self, config: Any, device: int) -> None:
+        try:
+            if runtime.load_kernels(config, device, self.kernels_max_bytes):
+                with _lock:
+                    self.status["kernels"] += 1
+        except Exception as e:  # an optimization: the plan's first launch loads them, as without it
+            _log.debug("fastattn warm-up: a plan's kernels were not loaded (%s: %s)", type(e).__name__, e)
 
     @staticmethod
     def pass_on_handle(device: int) -> None:
@@ -215,11 +248,12 @@ def off(reason: str) -> None:
 
 
 def start(*, plans: bool, contexts: Callable[[], list[int]], libraries: Callable[[], None] | None = None,
-          max_bytes: int = 32 << 20) -> bool:
+          max_bytes: int = 32 << 20, kernels_max_bytes: int = 0) -> bool:
     """Starts the warm-up thread, once per process (until stop()). plans: run phase 2.
     contexts(): the CUDA devices on which the process has made a context (polled by the
     thread until it names one). libraries(): more of phase 1 (fastattn.torch's op
-    library). Returns whether it started one."""
+    library). kernels_max_bytes: phase 2's kernel loads (0: none). Returns whether it
+    started one."""
     global _run
     global _last
     with _lock:
@@ -229,7 +263,7 @@ def start(*, plans: bool, contexts: Callable[[], list[int]], libraries: Callable
             _last = {**_STATUS, "devices": [], "reason": "not started: this process only builds fastattn.torch's "
                                                         "op library (fastattn warm)"}
             return False
-        run = _run = _Run(plans, contexts, libraries, max_bytes)
+        run = _run = _Run(plans, contexts, libraries, max_bytes, kernels_max_bytes)
     run.thread.start()
     return True
 

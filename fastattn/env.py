@@ -292,6 +292,11 @@ _TABLE = (
     _V("FASTATTN_WARM_UP_MAX_BYTES", "size", 32 << 20, "the warm-up loads the most recently used cache entries "
        "up to this many bytes of entry files (and 64 plans at most; 0: none); read when fastattn.torch is imported",
        "`32M`"),
+    _V("FASTATTN_WARM_UP_KERNELS_MAX_BYTES", "size", 256 << 20, "the warm-up also loads each plan's kernels (CUDA "
+       "loads them at a plan's first launch otherwise, about a millisecond on the first call that uses it) by launching "
+       "it once on zeroed scratch tensors of its config's sizes, on a stream of its own, freed at once; for plans "
+       "whose tensors and workspaces take at most this many bytes (0: loads no kernels); read when fastattn.torch is "
+       "imported", "`256M`"),
     _V("FASTATTN_SHAPE_CLASSES", "classes", lambda: _classes(VARIABLES["FASTATTN_SHAPE_CLASSES"], "off"), "fastattn.torch.attention()'s shape classes (its "
        "`shape_classes=` keyword overrides it per call): `off` (an exact plan per shape), `auto` (the classes "
        "`benchmarks/bench_shape_classes.py` measured on this GPU and cuDNN version in "

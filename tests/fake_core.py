@@ -15,11 +15,13 @@ import os
 import signal
 import time
 
-from fastattn import defects
+from fastattn import _slots, defects
 from fastattn.errors import CorruptPlanError, LibraryError, NotSupportedError
 
 CUDNN_VERSION = [91900]
 PASSED_ON = []  # the device of each pass_on_handle() call
+KERNELS_LOADED = []  # the config of each FakePlan.load_kernels() call
+SLOT_NAMES = tuple(s.name for s in sorted((s for s in _slots.SLOTS if s.index is not None), key=lambda s: s.index))
 GPU_NAME = ["Fake GPU (tests/fake_core.py)"]  # never a real GPU's: fake entries must not match real ones
 
 
@@ -37,6 +39,9 @@ class FakePlan:
 
     def serialize(self):
         return self._blobs
+
+    def load_kernels(self):
+        KERNELS_LOADED.append(self.config)
 
     def output(self):
         """What running the plan would give: a function of the blobs alone."""

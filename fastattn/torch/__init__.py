@@ -121,7 +121,8 @@ def _warm_up() -> None:
     from .. import _warm_up, env
     from . import _native
 
-    setting, max_bytes = env.get("FASTATTN_WARM_UP"), env.get("FASTATTN_WARM_UP_MAX_BYTES")  # both checked here
+    setting, max_bytes = env.get("FASTATTN_WARM_UP"), env.get("FASTATTN_WARM_UP_MAX_BYTES")  # all checked here
+    kernels_max_bytes = env.get("FASTATTN_WARM_UP_KERNELS_MAX_BYTES")
     if setting == "off":
         _warm_up.off("FASTATTN_WARM_UP=off")
     elif torch.version.cuda is None:
@@ -129,7 +130,7 @@ def _warm_up() -> None:
                      "to warm up for (a CUDA build of torch runs it)")
     else:
         _warm_up.start(plans=setting == "plans", contexts=_cuda_contexts, libraries=_native.load_if_built,
-                       max_bytes=max_bytes)
+                       max_bytes=max_bytes, kernels_max_bytes=kernels_max_bytes)
 
 
 _enable_from_environment()

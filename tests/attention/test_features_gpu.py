@@ -584,3 +584,40 @@ def test_every_features_plan_reloads_from_its_blob_and_computes_the_same(name):
         finite = np.isfinite(a) & np.isfinite(b)
         assert np.array_equal(np.isfinite(a), np.isfinite(b)), n
         assert np.abs(a[finite] - b[finite]).max(initial=0) <= 2e-2 * max(1.0, np.abs(a[finite]).max(initial=0)), n
+
+
+@pytest.mark.parametrize("name", list(RELOAD_CASES))
+def test_every_features_plan_loads_its_kernels_on_scratch_and_then_computes_the_same(name):
+    """Plan.load_kernels (the warm-up's, run ahead of a plan's first call) launches each
+    graph on zeroed scratch of the config's sizes: every tensor the plan takes, a host
+    seed as a host value. A plan loaded from its blob and so warmed first computes what
+    the built plan computes."""
+    from fastattn import _core
+
+    base = dict(batch=2, heads_q=4, heads_kv=2, seqlen_q=96, seqlen_kv=80, head_dim_qk=64, dtype="bf16")
+    cfg = AttentionConfig(**{**base, **RELOAD_CASES[name]})
+    result = fastattn.probe(cfg)
+    if name == "sinks" and fastattn.versions()["cudnn_loaded"] < 91300:
+        assert not result.supported
+        return
+    assert result.supported, result.reason
+    built = fastattn.plan(cfg)
+    loaded = _core.load_plan(cfg, built.device, *built.serialize())
+    loaded.load_kernels()
+    loaded.load_kernels()  # again: nothing held from the first
+    synchronize()
+    ins, _ = feature_buffers(cfg, np.random.default_rng(72))
+    runs = []
+    for plan in (built, loaded):
+        _, outs = feature_buffers(cfg, np.random.default_rng(72))
+        runs.append(run_features(plan, cfg, ins, outs))
+    assert runs[0]["o"] == runs[1]["o"]
+    for n in runs[0]:
+        if n == "stats" and cfg.padding:
+            continue  # what cuDNN leaves in padded rows of stats is unspecified
+        a, b = (np.frombuffer(r[n], dtype=np.float32 if n in ("stats", "d_sink") else np.uint16) for r in runs)
+        if n not in ("stats", "d_sink"):
+            a, b = from_raw(a.copy(), cfg.dtype), from_raw(b.copy(), cfg.dtype)
+        finite = np.isfinite(a) & np.isfinite(b)
+        assert np.array_equal(np.isfinite(a), np.isfinite(b)), n
+        assert np.abs(a[finite] - b[finite]).max(initial=0) <= 2e-2 * max(1.0, np.abs(a[finite]).max(initial=0)), n

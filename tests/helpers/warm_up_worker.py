@@ -60,17 +60,19 @@ def _wait_done(fastattn, seconds=60.0) -> dict:
     raise AssertionError(f"the warm-up did not end in {seconds} s: {fastattn.stats()['warm_up']}")
 
 
-def _while_loading(fastattn, step) -> tuple[int, int]:
+def _while_loading(fastattn, step) -> tuple[int, int, int]:
     """step() again and again until a round starts after the warm-up has stopped loading:
-    (rounds, rounds begun while it was still loading)."""
-    rounds = during = 0
+    (rounds, rounds begun while it was still loading, of those while it loaded kernels)."""
+    rounds = during = kernels = 0
     while True:
-        loading = fastattn.stats()["warm_up"]["state"] in ("libraries", "waiting", "loading")
+        state = fastattn.stats()["warm_up"]["state"]
+        loading = state in ("libraries", "waiting", "loading", "kernels")
         step()
         rounds += 1
         during += loading
+        kernels += state == "kernels"
         if not loading:
-            return rounds, during
+            return rounds, during, kernels
 
 
 def main() -> None:
@@ -104,16 +106,18 @@ def main() -> None:
             torch.cuda.synchronize()
             assert torch.equal(o, eager), "a replay differs from the eager call"
 
-        captures, during = _while_loading(fastattn, capture)
-        out.update(captures=captures, captures_while_loading=during, warm_up=_wait_done(fastattn))
+        captures, during, kernels = _while_loading(fastattn, capture)
+        out.update(captures=captures, captures_while_loading=during, captures_while_loading_kernels=kernels,
+                   warm_up=_wait_done(fastattn))
     elif mode == "legacy":
         def work():
             for _ in range(20):
                 assert torch.equal((x @ x).sum(0), first), "work on the legacy stream went wrong"
             torch.cuda.synchronize()
 
-        rounds, during = _while_loading(fastattn, work)
-        out.update(rounds=rounds, rounds_while_loading=during, warm_up=_wait_done(fastattn))
+        rounds, during, kernels = _while_loading(fastattn, work)
+        out.update(rounds=rounds, rounds_while_loading=during, rounds_while_loading_kernels=kernels,
+                   warm_up=_wait_done(fastattn))
     elif mode == "threads":
         import threading
 

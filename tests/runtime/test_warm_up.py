@@ -15,6 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fastattn import AttentionConfig, _warm_up, runtime
+from fastattn import errors as fastattn_errors
 from fastattn.errors import CorruptPlanError, InvalidArgumentError
 
 _real_load_libraries = _warm_up._load_libraries  # before any fixture replaces it
@@ -48,9 +49,10 @@ def warm(env, monkeypatch):
     runtime.clear()
 
 
-def _run(contexts=lambda: [0], max_bytes=32 << 20, plans=True, libraries=None) -> dict:
+def _run(contexts=lambda: [0], max_bytes=32 << 20, plans=True, libraries=None, kernels_max_bytes=0) -> dict:
     """Runs the warm-up to its end; its status."""
-    assert _warm_up.start(plans=plans, contexts=contexts, libraries=libraries, max_bytes=max_bytes)
+    assert _warm_up.start(plans=plans, contexts=contexts, libraries=libraries, max_bytes=max_bytes,
+                          kernels_max_bytes=kernels_max_bytes)
     thread = _warm_up._run.thread
     thread.join(10)
     assert not thread.is_alive()
@@ -117,6 +119,78 @@ def test_the_byte_budget_and_the_plan_cap_bound_it(warm, monkeypatch):
     runtime.clear()
     monkeypatch.setattr(_warm_up, "MAX_PLANS", 2)
     assert _run()["plans"] == 2
+
+
+def _kernel_bytes(cfg: AttentionConfig) -> int:
+    """What runtime.load_kernels holds a fake plan of cfg to: its tensors and workspaces."""
+    from fastattn._arrays import scratch_bytes
+
+    return sum(scratch_bytes(cfg, fake_core.SLOT_NAMES)) + 256 + (1024 if cfg.training else 0)
+
+
+def test_it_loads_the_kernels_of_every_plan_it_loaded_after_every_plan(warm, monkeypatch):
+    configs = [_cfg(64), _cfg(128, training=True), _cfg(256), _cfg(512, training=True), _cfg(1024)]
+    warm(configs)
+    events, lock = [], threading.Lock()
+    real = fake_core.load_plan
+
+    def load(cfg, *a):
+        time.sleep(0.01)
+        with lock:
+            events.append(("plan", cfg.seqlen_q))
+        return real(cfg, *a)
+
+    def kernels(self):
+        with lock:
+            events.append(("kernels", self.config.seqlen_q))
+
+    monkeypatch.setattr(fake_core, "load_plan", load)
+    monkeypatch.setattr(fake_core.FakePlan, "load_kernels", kernels)
+    status = _run(kernels_max_bytes=1 << 40)
+    assert status["state"] == "done" and status["plans"] == 5 and status["kernels"] == 5, status
+    kinds = [kind for kind, _ in events]
+    assert kinds == ["plan"] * 5 + ["kernels"] * 5  # no call waits for another plan's kernels
+    assert sorted(n for kind, n in events if kind == "kernels") == [64, 128, 256, 512, 1024]
+    assert runtime.stats()["builds"] == 0
+
+
+def test_its_kernel_loads_are_bounded_by_their_bytes_and_off_at_zero(warm, monkeypatch):
+    small, large = _cfg(64), _cfg(2048, training=True)
+    warm([small, large])
+    monkeypatch.setattr(fake_core, "KERNELS_LOADED", [])
+    assert _run(kernels_max_bytes=0)["kernels"] == 0 and fake_core.KERNELS_LOADED == []
+    for budget, loaded in ((_kernel_bytes(small) - 1, []), (_kernel_bytes(small), [small]),
+                           (_kernel_bytes(large), [small, large])):
+        _warm_up.stop(wait=10)
+        runtime.clear()
+        fake_core.KERNELS_LOADED.clear()
+        status = _run(kernels_max_bytes=budget)
+        assert status["plans"] == 2 and status["kernels"] == len(loaded), (budget, status)
+        assert sorted(c.seqlen_q for c in fake_core.KERNELS_LOADED) == sorted(c.seqlen_q for c in loaded)
+
+
+def test_a_kernel_load_that_fails_costs_the_plan_nothing(warm, env, monkeypatch):
+    warm([_cfg(64), _cfg(128)])
+
+    def fail(self):
+        raise fastattn_errors.CudaError("prime: cudaMallocAsync failed: out of memory (fake)")
+
+    monkeypatch.setattr(fake_core.FakePlan, "load_kernels", fail)
+    monkeypatch.setenv("FAKE_BUILD_LOG", str(env / "builds.log"))
+    status = _run(kernels_max_bytes=1 << 40)
+    assert status["state"] == "done" and status["plans"] == 2 and status["kernels"] == 0 and status["error"] is None
+    runtime.plan(_cfg(64), device=0)
+    assert runtime.stats()["memory_hits"] == 1 and _builds(env) == 0
+
+
+def test_load_kernels_launches_only_a_plan_held_and_loaded(warm, monkeypatch):
+    monkeypatch.setattr(fake_core, "KERNELS_LOADED", [])
+    cfg = _cfg(64)
+    assert not runtime.load_kernels(cfg, 0, 1 << 40)  # nothing held
+    runtime.plan(cfg, device=0)
+    assert runtime.load_kernels(cfg, 0, 1 << 40) and fake_core.KERNELS_LOADED == [cfg]
+    assert not runtime.load_kernels(cfg, 0, _kernel_bytes(cfg) - 1)
+    assert not runtime.load_kernels(cfg, 1, 1 << 40)  # held for device 0 alone
 
 
 def test_at_most_LOADERS_plans_load_at_once(warm, monkeypatch):
