@@ -253,3 +253,31 @@ def test_any_call_shape_is_refused_naming_at_or_reaches_the_core(at):
     # graphless plan (every part was read as a valid call shape); never another exception.
     with pytest.raises(errors.InvalidArgumentError, match=r"^(at|not a forward graph)"):
         _core._graphless_plan(config=_OVERRIDE).forward(16, 16, 16, 16, at=at)
+
+
+# -- load_kernels: scratch of every slot's size ------------------------------------------------
+
+
+def test_load_kernels_of_a_plan_without_graphs_is_refused_by_the_core():
+    with pytest.raises(errors.InvalidArgumentError, match="^prime: no graph"):
+        _core._graphless_plan(config=_OVERRIDE).load_kernels()
+
+
+@settings(max_examples=60, deadline=None)
+@given(batch=st.integers(1, 9), heads=st.sampled_from([(4, 4), (4, 2), (8, 1)]), sq=st.integers(1, 300),
+       skv=st.integers(1, 300), layout=st.sampled_from(["bshd", "bhsd", "sbhd"]), training=st.booleans(),
+       padding=st.booleans(), bias=st.sampled_from(["none", "1hss", "b11s"]), dropout=st.sampled_from([0.0, 0.1]))
+def test_scratch_has_every_tensor_of_the_config_at_its_storage_size_and_no_other(batch, heads, sq, skv, layout,
+                                                                                  training, padding, bias, dropout):
+    from fastattn._arrays import scratch_bytes
+
+    cfg = AttentionConfig(batch=batch, heads_q=heads[0], heads_kv=heads[1], seqlen_q=sq, seqlen_kv=skv,
+                          head_dim_qk=64, dtype="fp16", layout=layout, training=training, padding=padding,
+                          bias=bias, dropout=dropout)
+    sizes = dict(zip(_core.SLOT_NAMES, scratch_bytes(cfg, _core.SLOT_NAMES)))
+    assert sizes["q"] == batch * sq * heads[0] * 64 * 2  # each layout packs its tensor: no gap, no more
+    assert sizes["k"] == sizes["d_k"] == batch * skv * heads[1] * 64 * 2
+    assert sizes["stats"] == batch * heads[0] * sq * 4
+    assert (sizes["seq_len_q"] == 4 * batch) == padding and (sizes["seq_len_q"] == 0) != padding
+    assert (sizes["bias"] > 0) == (bias != "none") and (sizes["seed"] == 8) == (dropout > 0)
+    assert sizes["page_table_k"] == sizes["ragged_q"] == sizes["descale_q"] == 0
