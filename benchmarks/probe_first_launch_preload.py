@@ -18,6 +18,11 @@ process) on a cache a first child filled, so that its plans are loaded from the 
                        again: does every capture stay valid, every replay equal to eager?
   preload-beside-sync  that thread's launch while the caller's thread loops on
                        torch.cuda.synchronize(): does the caller see an error?
+  load-kernels         the warm-up's own way, Plan.load_kernels() in a thread (scratch of
+                       its own, zeroed, on a stream of its own)
+After its first three launches each case launches twice more with another output tensor
+(a launch's pointers are the key of fastattn's cached variant pack): what a new pointer
+set costs a plan whose kernels ran already (new_pointers_ms), against the first launch.
 The launch takes a memory allocation of the plan's tensors' size while it runs (made by
 PyTorch's allocator on the private stream). Needs a CUDA GPU; exits 2 with one line where
 there is none.
@@ -40,7 +45,7 @@ import time
 
 from _common import header, require_cuda, write_json  # (benchmarks/ on sys.path)
 
-CASES = ("lazy", "preloaded", "preload-beside-capture", "preload-beside-sync")
+CASES = ("lazy", "preloaded", "load-kernels", "preload-beside-capture", "preload-beside-sync")
 FILL = "fill"  # the child that builds the plans into the cache the cases load from
 _RELAXED = 2  # CUstreamCaptureMode: GLOBAL 0, THREAD_LOCAL 1, RELAXED 2
 
@@ -95,7 +100,19 @@ def run_case(name: str) -> dict:
             errors.append(f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
 
     other_errors: list[str] = []
-    if name == "preloaded":
+    if name == "load-kernels":
+        def load_kernels():
+            try:
+                t0 = time.perf_counter()
+                plan.load_kernels()
+                out["preload_launch_ms"] = (time.perf_counter() - t0) * 1e3
+            except Exception as e:
+                errors.append(f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
+
+        t = threading.Thread(target=load_kernels)
+        t.start()
+        t.join()
+    elif name == "preloaded":
         t = threading.Thread(target=preload)
         t.start()
         t.join()
@@ -145,6 +162,15 @@ def run_case(name: str) -> dict:
         times.append((time.perf_counter() - t0) * 1e3)
         torch.cuda.synchronize()
     out["first_launch_ms"], out["second_launch_ms"], out["third_launch_ms"] = times
+    o_first, o_new = torch.empty_like(q), torch.empty_like(q)  # both held: o_new's address is not o's
+    times = []
+    for _ in range(2):
+        t0 = time.perf_counter()
+        launch(plan, o_new, stream, ws)
+        times.append((time.perf_counter() - t0) * 1e3)
+        torch.cuda.synchronize()
+    del o_first
+    out["new_pointers_ms"], out["new_pointers_again_ms"] = times
     out["builds"] = fastattn.stats()["builds"]  # 0: every plan came from the cache
     out["cudnn"] = fastattn.versions()["cudnn_loaded"]  # (after the first plan: loaded by then)
     return out
@@ -185,8 +211,10 @@ def main() -> int:
             continue
         first = statistics.median(x["first_launch_ms"] for x in mine)
         steady = statistics.median(x["third_launch_ms"] for x in mine)
+        fresh = statistics.median(x["new_pointers_ms"] for x in mine)
         summary[name] = {"first_launch_ms": round(first, 3), "steady_launch_ms": round(steady, 3),
-                         "first_over_steady": round(first / steady, 2),
+                         "first_over_steady": round(first / steady, 2), "new_pointers_ms": round(fresh, 3),
+                         "first_over_new_pointers": round(first / fresh, 2),
                          "errors": sorted({e for x in mine for e in x["preload_errors"] + x["caller_errors"]})}
         print(f"{name}: {summary[name]}")
     print(f"cuDNN {sorted({r.get('cudnn') for r in rows}, key=str)} (each case's child process)")
