@@ -383,7 +383,7 @@ Status execute(const Graph *g, Direction dir, int device, const intptr_t *slots,
     return run(*g, device, pack, g->n, workspace, stream, Via::kCachedPack, derived ? &index : nullptr);
 }
 
-Status prime_graph(const Graph *g, int device, const int64_t *bytes) {
+Status prime_graph(const Graph *g, int device, const int64_t *bytes, int32_t seq_len_q, int32_t seq_len_kv) {
     if (g == nullptr) return error(Code::kInvalidArgument, "prime: no graph");
     for (int s = 0; s < kNumSlots; ++s) {
         if ((g->slots & bit(static_cast<Slot>(s))) && !(g->by_value & bit(static_cast<Slot>(s))) && bytes[s] < 1) {
@@ -424,8 +424,7 @@ Status prime_graph(const Graph *g, int device, const int64_t *bytes) {
             FA_RETURN_IF_ERROR(cuda_status(alloc(&p, static_cast<size_t>(n), s), "cudaMallocAsync"));
             scratch.push_back(p);
             *out = reinterpret_cast<intptr_t>(p);
-            // Zeros: lengths of 0 (a padded or ragged plan reads no row), offsets and pages
-            // of 0 (every read in bounds), finite values elsewhere.
+            // Zeros: offsets and pages of 0 (every read in bounds), finite values elsewhere.
             return cuda_status(zero(p, 0, static_cast<size_t>(n), s), "cudaMemsetAsync");
         };
         static const int64_t host_zero[2] = {0, 0};  // a host_seed plan's seed and offset
@@ -437,6 +436,10 @@ Status prime_graph(const Graph *g, int device, const int64_t *bytes) {
             if (!(g->slots & b)) continue;
             if (g->by_value & b) {
                 slots[i] = reinterpret_cast<intptr_t>(&host_zero[0]);
+            } else if (i == kSlotSeqLenQ || i == kSlotSeqLenKV) {
+                // Lengths the caller's calls have (the kernels' common path; a length of 0
+                // is one no test covers), from the device constants own_lengths uses too.
+                st = constant_int32(device, i == kSlotSeqLenQ ? seq_len_q : seq_len_kv, bytes[i] / 4, &slots[i]);
             } else {
                 st = take(bytes[i], &slots[i]);
             }

@@ -127,10 +127,13 @@ Status hand_on_thread_handle(int device);
 // their first launch: launches it once on a private stream, in relaxed capture mode, on
 // zeroed scratch tensors of `bytes[slot]` bytes each (kNumSlots entries; every slot the
 // graph takes needs its size), allocated stream-ordered there and freed before the return,
-// which waits for that stream alone. Touches no caller's stream and makes no context of
-// its own (the device's primary one must exist). For a thread beside the caller's work
-// (the warm-up), so that the caller's first launch of the graph does not load them.
-Status prime_graph(const Graph *g, int device, const int64_t *bytes);
+// which waits for that stream alone; its lengths (seq_len_q, seq_len_kv: int32 arrays of
+// bytes / 4) are `seq_len_q` and `seq_len_kv`, which must fit the scratch (a ragged
+// graph's sequences all start at offset 0). Touches no caller's stream and makes no
+// context of its own (the device's primary one must exist). For a thread beside the
+// caller's work (the warm-up), so that the caller's first launch of the graph does not
+// load them.
+Status prime_graph(const Graph *g, int device, const int64_t *bytes, int32_t seq_len_q, int32_t seq_len_kv);
 // The hot path: validates pointers, then runs. No allocation, synchronization or
 // copy. `slots` holds kNumSlots raw addresses indexed by Slot (0: not given); the
 // stream is a raw address too (0: the default stream). `dir` must be the graph's.

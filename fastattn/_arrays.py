@@ -554,6 +554,15 @@ def scratch_bytes(cfg: AttentionConfig, slot_names: tuple[str, ...]) -> tuple[in
     return tuple(sizes)
 
 
+def scratch_lengths(cfg: AttentionConfig) -> tuple[int, int]:
+    """The sequence lengths of Plan.load_kernels's launch: the config's own (the kernels'
+    common path), each within the packed tokens of a ragged config, whose sequences all
+    start at offset 0 there."""
+    if cfg.ragged:
+        return min(cfg.seqlen_q, cfg.max_tokens_q), min(cfg.seqlen_kv, cfg.max_tokens_kv)
+    return cfg.seqlen_q, cfg.seqlen_kv
+
+
 def allocate(plan: Any, name: str, stream: Any = None) -> DeviceTensor:
     """A new device buffer for tensor `name` of `plan`'s config (its contents
     undefined), allocated stream-ordered on `stream` (default: the device's default

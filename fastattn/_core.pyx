@@ -7,7 +7,7 @@ with the GIL released; a C++ status becomes an exception through one table
 (fastattn.errors). Files, keys and policy live in Python modules, not here.
 """
 
-from libc.stdint cimport int64_t, intptr_t, uint8_t, uint64_t
+from libc.stdint cimport int32_t, int64_t, intptr_t, uint8_t, uint64_t
 from libc.string cimport memset
 from libcpp cimport bool as cbool
 from libcpp.string cimport string
@@ -96,7 +96,7 @@ cdef extern from "fastattn.h" namespace "fastattn" nogil:
     Status execute_at(const Graph* g, Direction dir, int device, const intptr_t* slots, intptr_t workspace,
                       intptr_t stream, const CallShape& shape)
     Status hand_on_thread_handle(int device)
-    Status prime_graph(const Graph* g, int device, const int64_t* bytes)
+    Status prime_graph(const Graph* g, int device, const int64_t* bytes, int32_t seq_len_q, int32_t seq_len_kv)
 
 
 cdef inline object _error(const Status& st, str prefix=None):
@@ -440,8 +440,8 @@ cdef class Plan:
     def load_kernels(self):
         """Loads the plan's kernels, which CUDA loads lazily at a plan's first launch
         (about a millisecond), by launching each of its graphs once on zeroed scratch
-        tensors of its config's sizes, on a stream of its own, in relaxed capture mode;
-        then frees them. Waits for that stream alone and touches no other: for a thread
+        tensors of its config's sizes (its lengths full, within a packed config's tokens),
+        on a stream of its own, in relaxed capture mode; then frees them. Waits for that stream alone and touches no other: for a thread
         beside the caller's work (fastattn.torch's warm-up calls it), so that the first
         launch of the plan on the caller's path loads nothing. Takes the config's
         tensors and workspaces in device memory while it runs (scratch_bytes), and needs
@@ -449,14 +449,16 @@ cdef class Plan:
         cdef int64_t b[kNumSlots]
         cdef Status st
         cdef int i
+        cdef int32_t len_q, len_kv
         sizes = _arrays.scratch_bytes(self.config, SLOT_NAMES)
         for i in range(kNumSlots):
             b[i] = sizes[i]
+        len_q, len_kv = _arrays.scratch_lengths(self.config)
         with nogil:
-            st = prime_graph(self._fwd.get(), self.device, b)
+            st = prime_graph(self._fwd.get(), self.device, b, len_q, len_kv)
         if st.ok() and self._training:
             with nogil:
-                st = prime_graph(self._bwd.get(), self.device, b)
+                st = prime_graph(self._bwd.get(), self.device, b, len_q, len_kv)
         if not st.ok():
             raise _error(st)
 

@@ -281,3 +281,17 @@ def test_scratch_has_every_tensor_of_the_config_at_its_storage_size_and_no_other
     assert (sizes["seq_len_q"] == 4 * batch) == padding and (sizes["seq_len_q"] == 0) != padding
     assert (sizes["bias"] > 0) == (bias != "none") and (sizes["seed"] == 8) == (dropout > 0)
     assert sizes["page_table_k"] == sizes["ragged_q"] == sizes["descale_q"] == 0
+
+
+@pytest.mark.parametrize("fields,lengths", [
+    (dict(seqlen_q=100, seqlen_kv=300), (100, 300)),
+    (dict(seqlen_q=100, seqlen_kv=300, padding=True), (100, 300)),
+    (dict(seqlen_q=100, seqlen_kv=300, padding=True, ragged=True), (100, 300)),
+    # a packed config's sequences all start at offset 0 in the scratch: no longer than its tokens
+    (dict(seqlen_q=100, seqlen_kv=300, padding=True, ragged=True, max_tokens_q=7, max_tokens_kv=250), (7, 250)),
+])
+def test_scratch_lengths_are_the_configs_within_a_packed_configs_tokens(fields, lengths):
+    from fastattn._arrays import scratch_lengths
+
+    cfg = AttentionConfig(batch=3, heads_q=4, head_dim_qk=64, dtype="bf16", **fields)
+    assert scratch_lengths(cfg) == lengths
