@@ -75,7 +75,8 @@ _STATUS: dict[str, Any] = {
     "state": "off",  # off, libraries, waiting (for a CUDA context), loading, kernels, done, stopped, failed, forked
     "devices": [],  # the devices phase 2 loaded for
     "plans": 0,  # plans and refusals it loaded into memory
-    "kernels": 0,  # of those plans, those whose kernels it loaded (FASTATTN_WARM_UP_KERNELS_MAX_BYTES)
+    "kernels": 0,  # of those plans, those whose kernels it loaded
+    "kernels_too_large": 0,  # and those it did not launch: over FASTATTN_WARM_UP_KERNELS_MAX_BYTES
     "libraries_seconds": 0.0,
     "plans_seconds": 0.0,
     "error": None,  # why it ended early, in one line
@@ -187,9 +188,10 @@ class _Run:
 
     def load_kernels(self, config: Any, device: int) -> None:
         try:
-            if runtime.load_kernels(config, device, self.kernels_max_bytes):
+            done = runtime.load_kernels(config, device, self.kernels_max_bytes)
+            if done != "no plan":
                 with _lock:
-                    self.status["kernels"] += 1
+                    self.status["kernels" if done == "loaded" else "kernels_too_large"] += 1
         except Exception as e:  # an optimization: the plan's first launch loads them, as without it
             _log.debug("fastattn warm-up: a plan's kernels were not loaded (%s: %s)", type(e).__name__, e)
 

@@ -374,25 +374,26 @@ def load_ahead(config: AttentionConfig, device: int, cache: PlanCache, key: str)
     return kept
 
 
-def load_kernels(config: AttentionConfig, device: int, max_bytes: int) -> bool:
+def load_kernels(config: AttentionConfig, device: int, max_bytes: int) -> Literal["loaded", "too large", "no plan"]:
     """Loads the kernels of the plan held in memory for (config, device) (Plan.load_kernels:
     one launch on scratch, on a stream of its own), where its config's tensors and its
     workspaces take at most `max_bytes`: for the warm-up, after load_ahead, so that the
     plan's first launch on the caller's path loads none. Never builds or loads a plan.
-    Returns whether it launched the plan; raises what the launch raised."""
+    Returns "loaded", "too large" (over max_bytes: not launched) or "no plan" (none held: a
+    refusal, one dropped meanwhile, or none loaded); raises what the launch raised."""
     with _lock:
         entry = _entries.get((config, device))
         plan = entry.plan if entry is not None and entry.done.is_set() else None
     if plan is None:
-        return False  # a refusal, dropped meanwhile, or not loaded
+        return "no plan"
     from ._arrays import scratch_bytes
 
     need = sum(scratch_bytes(config, _core().SLOT_NAMES)) + plan.forward_workspace_size + \
         plan.backward_workspace_size
     if need > max_bytes:
-        return False
+        return "too large"
     plan.load_kernels()
-    return True
+    return "loaded"
 
 
 def pass_on_handle(device: int) -> None:

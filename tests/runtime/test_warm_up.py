@@ -166,6 +166,7 @@ def test_its_kernel_loads_are_bounded_by_their_bytes_and_off_at_zero(warm, monke
         fake_core.KERNELS_LOADED.clear()
         status = _run(kernels_max_bytes=budget)
         assert status["plans"] == 2 and status["kernels"] == len(loaded), (budget, status)
+        assert status["kernels_too_large"] == 2 - len(loaded), (budget, status)
         assert sorted(c.seqlen_q for c in fake_core.KERNELS_LOADED) == sorted(c.seqlen_q for c in loaded)
 
 
@@ -186,11 +187,12 @@ def test_a_kernel_load_that_fails_costs_the_plan_nothing(warm, env, monkeypatch)
 def test_load_kernels_launches_only_a_plan_held_and_loaded(warm, monkeypatch):
     monkeypatch.setattr(fake_core, "KERNELS_LOADED", [])
     cfg = _cfg(64)
-    assert not runtime.load_kernels(cfg, 0, 1 << 40)  # nothing held
+    assert runtime.load_kernels(cfg, 0, 1 << 40) == "no plan"  # nothing held
     runtime.plan(cfg, device=0)
-    assert runtime.load_kernels(cfg, 0, 1 << 40) and fake_core.KERNELS_LOADED == [cfg]
-    assert not runtime.load_kernels(cfg, 0, _kernel_bytes(cfg) - 1)
-    assert not runtime.load_kernels(cfg, 1, 1 << 40)  # held for device 0 alone
+    assert runtime.load_kernels(cfg, 0, 1 << 40) == "loaded" and fake_core.KERNELS_LOADED == [cfg]
+    assert runtime.load_kernels(cfg, 0, _kernel_bytes(cfg) - 1) == "too large"
+    assert runtime.load_kernels(cfg, 1, 1 << 40) == "no plan"  # held for device 0 alone
+    assert fake_core.KERNELS_LOADED == [cfg]
 
 
 def test_at_most_LOADERS_plans_load_at_once(warm, monkeypatch):
