@@ -542,13 +542,19 @@ class DeviceTensor:
                 f"dtype={self.dtype} device={self.desc.device_id} ptr=0x{self.ptr:x}>")
 
 
-def scratch_bytes(cfg: AttentionConfig, slot_names: tuple[str, ...]) -> tuple[int, ...]:
-    """Bytes of each slot's tensor (slot_names: the core's, by slot number), 0 for those
-    the config does not have: what Plan.load_kernels launches the plan on."""
+def scratch_bytes(cfg: AttentionConfig, slot_names: tuple[str, ...], backward: bool) -> tuple[int, ...]:
+    """Bytes of each slot's tensor (slot_names: the core's, by slot number) that the
+    config's forward (or backward) graph may take, 0 for the others: what
+    Plan.load_kernels launches that graph on."""
+    from ._slots import NO, SLOTS
+
+    takes = {s.name for s in SLOTS if (s.backward if backward else s.forward) is not NO}
+    if not cfg.training:
+        takes.discard("stats")  # written by a training plan's forward alone
     sizes = []
     for name in slot_names:
         try:
-            sizes.append(max(cfg.storage_elements(name), 1) * cfg.tensor_itemsize(name))
+            sizes.append(max(cfg.storage_elements(name), 1) * cfg.tensor_itemsize(name) if name in takes else 0)
         except InvalidArgumentError:  # a feature's tensor this config does not have
             sizes.append(0)
     return tuple(sizes)

@@ -441,26 +441,29 @@ cdef class Plan:
         """Loads the plan's kernels, which CUDA loads lazily at a plan's first launch
         (about a millisecond), by launching each of its graphs once on zeroed scratch
         tensors of its config's sizes (its lengths full, within a packed config's tokens),
-        on a stream of its own, in relaxed capture mode; then frees them. Waits for that stream alone and touches no other: for a thread
-        beside the caller's work (fastattn.torch's warm-up calls it), so that the first
-        launch of the plan on the caller's path loads nothing. Takes the config's
-        tensors and workspaces in device memory while it runs (scratch_bytes), and needs
-        the device's CUDA context to exist already (it makes none)."""
+        on a stream of its own, in relaxed capture mode; then frees them. Waits for that
+        stream alone and touches no other: for a thread beside the caller's work
+        (fastattn.torch's warm-up calls it), so that the first launch of the plan on the
+        caller's path loads nothing. Takes each graph's tensors and workspace in device
+        memory while that graph runs (_arrays.scratch_bytes), and needs the device's CUDA
+        context to exist already (it makes none)."""
         cdef int64_t b[kNumSlots]
         cdef Status st
         cdef int i
         cdef int32_t len_q, len_kv
-        sizes = _arrays.scratch_bytes(self.config, SLOT_NAMES)
-        for i in range(kNumSlots):
-            b[i] = sizes[i]
+        cdef const Graph* g
         len_q, len_kv = _arrays.scratch_lengths(self.config)
-        with nogil:
-            st = prime_graph(self._fwd.get(), self.device, b, len_q, len_kv)
-        if st.ok() and self._training:
+        for backward in (False, True):
+            if backward and not self._training:
+                break
+            sizes = _arrays.scratch_bytes(self.config, SLOT_NAMES, backward)
+            for i in range(kNumSlots):
+                b[i] = sizes[i]
+            g = self._bwd.get() if backward else self._fwd.get()
             with nogil:
-                st = prime_graph(self._bwd.get(), self.device, b, len_q, len_kv)
-        if not st.ok():
-            raise _error(st)
+                st = prime_graph(g, self.device, b, len_q, len_kv)
+            if not st.ok():
+                raise _error(st)
 
     def serialize(self):
         """(forward blob, backward blob or None): the plans without graph structure, for

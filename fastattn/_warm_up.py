@@ -20,7 +20,7 @@ two phases:
    waits for that plan alone; a call for any other goes on as it would. Then, once every
    plan is loaded, the same loaders load the plans' kernels (CUDA loads a kernel at its
    first launch, about a millisecond on the first call of a plan otherwise): each plan,
-   where its config's tensors and workspaces take at most FASTATTN_WARM_UP_KERNELS_MAX_BYTES,
+   where its larger graph's tensors and workspace take at most FASTATTN_WARM_UP_KERNELS_MAX_BYTES,
    is launched once on zeroed scratch on a stream of its own, in relaxed capture mode,
    and the scratch freed (runtime.load_kernels, Plan.load_kernels). Not a throwaway
    capture, as cudnn-frontend's own warm-up makes: an open capture of any mode makes the

@@ -295,7 +295,8 @@ _TABLE = (
     _V("FASTATTN_WARM_UP_KERNELS_MAX_BYTES", "size", 256 << 20, "the warm-up also loads each plan's kernels (CUDA "
        "loads them at a plan's first launch otherwise, about a millisecond on the first call that uses it) by launching "
        "it once on zeroed scratch tensors of its config's sizes, on a stream of its own, freed at once; for plans "
-       "whose tensors and workspaces take at most this many bytes (0: loads no kernels); read when fastattn.torch is "
+       "whose larger graph (forward or backward) takes at most this many bytes of tensors and workspace (0: loads no "
+       "kernels); read when fastattn.torch is "
        "imported", "`256M`"),
     _V("FASTATTN_SHAPE_CLASSES", "classes", lambda: _classes(VARIABLES["FASTATTN_SHAPE_CLASSES"], "off"), "fastattn.torch.attention()'s shape classes (its "
        "`shape_classes=` keyword overrides it per call): `off` (an exact plan per shape), `auto` (the classes "

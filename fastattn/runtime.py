@@ -376,8 +376,8 @@ def load_ahead(config: AttentionConfig, device: int, cache: PlanCache, key: str)
 
 def load_kernels(config: AttentionConfig, device: int, max_bytes: int) -> Literal["loaded", "too large", "no plan"]:
     """Loads the kernels of the plan held in memory for (config, device) (Plan.load_kernels:
-    one launch on scratch, on a stream of its own), where its config's tensors and its
-    workspaces take at most `max_bytes`: for the warm-up, after load_ahead, so that the
+    one launch of each graph on scratch, on a stream of its own), where the larger of its
+    graphs takes at most `max_bytes` of tensors and workspace: for the warm-up, after load_ahead, so that the
     plan's first launch on the caller's path loads none. Never builds or loads a plan.
     Returns "loaded", "too large" (over max_bytes: not launched) or "no plan" (none held: a
     refusal, one dropped meanwhile, or none loaded); raises what the launch raised."""
@@ -388,8 +388,10 @@ def load_kernels(config: AttentionConfig, device: int, max_bytes: int) -> Litera
         return "no plan"
     from ._arrays import scratch_bytes
 
-    need = sum(scratch_bytes(config, _core().SLOT_NAMES)) + plan.forward_workspace_size + \
-        plan.backward_workspace_size
+    names = _core().SLOT_NAMES
+    need = sum(scratch_bytes(config, names, False)) + plan.forward_workspace_size
+    if config.training:  # the graphs run one after the other, each on scratch of its own
+        need = max(need, sum(scratch_bytes(config, names, True)) + plan.backward_workspace_size)
     if need > max_bytes:
         return "too large"
     plan.load_kernels()

@@ -274,13 +274,19 @@ def test_scratch_has_every_tensor_of_the_config_at_its_storage_size_and_no_other
     cfg = AttentionConfig(batch=batch, heads_q=heads[0], heads_kv=heads[1], seqlen_q=sq, seqlen_kv=skv,
                           head_dim_qk=64, dtype="fp16", layout=layout, training=training, padding=padding,
                           bias=bias, dropout=dropout)
-    sizes = dict(zip(_core.SLOT_NAMES, scratch_bytes(cfg, _core.SLOT_NAMES)))
-    assert sizes["q"] == batch * sq * heads[0] * 64 * 2  # each layout packs its tensor: no gap, no more
-    assert sizes["k"] == sizes["d_k"] == batch * skv * heads[1] * 64 * 2
-    assert sizes["stats"] == batch * heads[0] * sq * 4
-    assert (sizes["seq_len_q"] == 4 * batch) == padding and (sizes["seq_len_q"] == 0) != padding
-    assert (sizes["bias"] > 0) == (bias != "none") and (sizes["seed"] == 8) == (dropout > 0)
-    assert sizes["page_table_k"] == sizes["ragged_q"] == sizes["descale_q"] == 0
+    fwd, bwd = (dict(zip(_core.SLOT_NAMES, scratch_bytes(cfg, _core.SLOT_NAMES, b))) for b in (False, True))
+    for sizes in (fwd, bwd):
+        assert sizes["q"] == batch * sq * heads[0] * 64 * 2  # each layout packs its tensor: no gap, no more
+        assert sizes["k"] == batch * skv * heads[1] * 64 * 2
+        assert (sizes["seq_len_q"] == 4 * batch) == padding and (sizes["seq_len_q"] == 0) != padding
+        assert (sizes["bias"] > 0) == (bias != "none") and (sizes["seed"] == 8) == (dropout > 0)
+        assert sizes["page_table_k"] == sizes["ragged_q"] == sizes["descale_q"] == 0
+    assert fwd["stats"] == (batch * heads[0] * sq * 4 if training else 0)  # a training forward writes stats
+    assert fwd["d_q"] == fwd["d_k"] == fwd["d_o"] == fwd["d_bias"] == 0  # the forward takes no gradient
+    if training:  # (an inference plan has no backward graph)
+        assert bwd["stats"] == batch * heads[0] * sq * 4
+        assert bwd["d_k"] == batch * skv * heads[1] * 64 * 2 and bwd["d_o"] == batch * sq * heads[0] * 64 * 2
+        assert (bwd["d_bias"] > 0) == (bias != "none")
 
 
 @pytest.mark.parametrize("fields,lengths", [

@@ -122,10 +122,24 @@ def test_the_byte_budget_and_the_plan_cap_bound_it(warm, monkeypatch):
 
 
 def _kernel_bytes(cfg: AttentionConfig) -> int:
-    """What runtime.load_kernels holds a fake plan of cfg to: its tensors and workspaces."""
+    """What runtime.load_kernels holds a fake plan of cfg to: its larger graph's tensors
+    and workspace (a fake plan's workspaces: 256 forward, 1024 backward)."""
     from fastattn._arrays import scratch_bytes
 
-    return sum(scratch_bytes(cfg, fake_core.SLOT_NAMES)) + 256 + (1024 if cfg.training else 0)
+    forward = sum(scratch_bytes(cfg, fake_core.SLOT_NAMES, False)) + 256
+    return max(forward, sum(scratch_bytes(cfg, fake_core.SLOT_NAMES, True)) + 1024) if cfg.training else forward
+
+
+@pytest.mark.parametrize("training,need", [
+    (False, 4 * (32 << 20) + 256),  # q, k, v, o of 32 MiB each and the forward's workspace: no gradient, no stats
+    (True, 8 * (32 << 20) + 4096 * 32 * 4 + 1024),  # the backward's: those, d_o, d_q, d_k, d_v, stats
+])
+def test_a_plan_is_bounded_by_its_larger_graphs_tensors_and_workspace(warm, monkeypatch, training, need):
+    monkeypatch.setattr(fake_core, "KERNELS_LOADED", [])
+    cfg = AttentionConfig(batch=1, heads_q=32, seqlen_q=4096, head_dim_qk=128, dtype="bf16", training=training)
+    runtime.plan(cfg, device=0)
+    assert runtime.load_kernels(cfg, 0, need - 1) == "too large" and fake_core.KERNELS_LOADED == []
+    assert runtime.load_kernels(cfg, 0, need) == "loaded" and fake_core.KERNELS_LOADED == [cfg]
 
 
 def test_it_loads_the_kernels_of_every_plan_it_loaded_after_every_plan(warm, monkeypatch):
