@@ -29,6 +29,11 @@ median (ms):
                 attention()'s first and second call (synchronized)
   steps_natural the same without the sub-libraries' dlopen: cuDNN opens them itself at the
                 first cudnnCreate, so that step shows what they cost in the natural order
+  call_warm_up_idle_parts  call_warm_up_idle with the first call's parts done first, each
+                timed alone: fastattn.plan() (the warm-up's plan claimed), PyTorch's
+                allocations of the output and workspace, the plan's first raw launch on this
+                thread; the first attention() call after them is fastattn.torch's own first
+                call (not in the default --modes)
   call_warm_up_idle_eager  call_warm_up_idle with CUDA_MODULE_LOADING=EAGER: whether a plan's
                 first launch (~2 ms after the warm-up loaded it) is the driver's lazy kernel
                 loading (not in the default --modes: every module loads at the process's
@@ -53,10 +58,10 @@ import time
 import _common
 
 DEFAULT_MODES = ("call", "call_warm", "call_warm_idle", "call_warm_up", "call_warm_up_idle", "steps", "steps_natural")
-MODES = DEFAULT_MODES + ("call_warm_up_idle_eager",)
+MODES = DEFAULT_MODES + ("call_warm_up_idle_eager", "call_warm_up_idle_parts")
 # What each mode sets FASTATTN_WARM_UP to.
 WARM_UP = {"call_warm": "libraries", "call_warm_idle": "libraries", "call_warm_up": "plans",
-           "call_warm_up_idle": "plans", "call_warm_up_idle_eager": "plans"}
+           "call_warm_up_idle": "plans", "call_warm_up_idle_eager": "plans", "call_warm_up_idle_parts": "plans"}
 HEADS, HEAD_DIM = 32, 128
 FIRST, SECOND = 256, 512
 
@@ -117,6 +122,25 @@ def child(mode: str, idle_ms: float) -> dict:
         mark("plan from the cache (read, deserialize, fastattn's handle)")
         steps.append(("  of which deserialization (stats load_seconds)",
                       round((after["load_seconds"] - before["load_seconds"]) * 1e3, 3)))
+    if mode.endswith("_parts"):
+        # The warmed first call's parts, each alone, in the order the call meets them, so
+        # that the call after them shows what is left: fastattn.torch's own first call.
+        cfg = fastattn.AttentionConfig(batch=1, heads_q=HEADS, seqlen_q=FIRST, head_dim_qk=HEAD_DIM, dtype="bf16",
+                                       layout="bshd", mask="causal")
+        plan = fastattn.plan(cfg)
+        mark("fastattn.plan(): the warm-up's plan, claimed (its record, its entry's last use)")
+        o = torch.empty_like(q)
+        ws = torch.empty(max(plan.workspace_size, 1), device="cuda", dtype=torch.uint8)
+        mark("PyTorch's allocator: the output and the workspace")
+        stream = torch.cuda.current_stream().cuda_stream
+        plan.forward(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), workspace=ws.data_ptr(), stream=stream)
+        mark("plan.forward: the plan's first launch on this thread (host)")
+        torch.cuda.synchronize()
+        mark("its synchronize")
+        plan.forward(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), workspace=ws.data_ptr(), stream=stream)
+        mark("plan.forward again (host)")
+        torch.cuda.synchronize()
+        del o, ws
     fat.attention(q, k, v, causal=True)
     torch.cuda.synchronize()
     mark(f"first attention() call, S={FIRST}, synchronized")
