@@ -55,6 +55,9 @@ class _Entry:
     # that goes into FASTATTN_RECORD and the entry's last use (_claim), so that loading
     # everything ahead neither records it all nor makes it all look just used.
     ahead: bool = False
+    # The cache key it was loaded from ahead of use (load_ahead), which its first use touches:
+    # that use then computes no key (a description of the GPU, versions and environment).
+    key: str | None = None
     # A load ahead of use (load_ahead) that found nothing to load: never an answer. Whoever
     # waited for it asks again, as the first asker (builds it, or finds it built meanwhile).
     abandoned: bool = False
@@ -353,7 +356,7 @@ def load_ahead(config: AttentionConfig, device: int, cache: PlanCache, key: str)
     with _lock:
         if (config, device) in _entries:
             return False
-        entry = _Entry(ahead=True)
+        entry = _Entry(ahead=True, key=key)
         dropped = _keep((config, device), entry)
         generation = _generation
     del dropped
@@ -414,7 +417,7 @@ def _claim(entry: _Entry, config: AttentionConfig, device: int) -> None:
     _record.note(config)
     cache = plan_cache()
     if cache.store.tiers:
-        cache.store.touch(store.key_of(cache.describe(config, device)))
+        cache.store.touch(entry.key or store.key_of(cache.describe(config, device)))
 
 
 def _verifier():

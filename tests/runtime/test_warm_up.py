@@ -334,6 +334,23 @@ def test_loading_ahead_leaves_the_record_and_the_last_use_to_the_first_call(warm
     assert os.stat(paths[0]).st_atime > before[0] and os.stat(paths[1]).st_atime == before[1]
 
 
+def test_the_first_use_touches_the_entry_it_was_loaded_from_without_computing_its_key(warm, env, monkeypatch):
+    # The first call of a warmed plan is on the caller's path: the key load_ahead had is
+    # kept with the plan, where computing it again described the GPU, versions and the
+    # environment (~0.2 ms) on that call.
+    paths = warm([_cfg(64), _cfg(128)])
+    before = [os.stat(p).st_atime for p in paths]
+    assert _run()["plans"] == 2
+    described = []
+    real = runtime.PlanCache.describe
+    monkeypatch.setattr(runtime.PlanCache, "describe", lambda self, *a: described.append(a) or real(self, *a))
+    runtime.plan(_cfg(64), device=0)
+    assert described == []
+    assert os.stat(paths[0]).st_atime > before[0] and os.stat(paths[1]).st_atime == before[1]
+    runtime.plan(_cfg(256), device=0)  # a miss computes its key, as ever
+    assert described
+
+
 def test_clear_stops_it_and_keeps_nothing_it_was_loading(warm, monkeypatch):
     warm([_cfg(64), _cfg(128), _cfg(256)])
     gate, entered = _gated(monkeypatch)
