@@ -18,14 +18,15 @@ two phases:
    runtime.load_ahead: never a build, and never the entry's last use or FASTATTN_RECORD
    (the first call that uses a plan does both). A call that asks for a plan being loaded
    waits for that plan alone; a call for any other goes on as it would. Then, once every
-   plan is loaded, the same loaders load the plans' kernels (CUDA loads a kernel at its
-   first launch, about a millisecond on the first call of a plan otherwise): each plan,
-   where its larger graph's tensors and workspace take at most FASTATTN_WARM_UP_KERNELS_MAX_BYTES,
-   is launched once on zeroed scratch on a stream of its own, in relaxed capture mode,
-   and the scratch freed (runtime.load_kernels, Plan.load_kernels). Not a throwaway
-   capture, as cudnn-frontend's own warm-up makes: an open capture of any mode makes the
-   caller's other threads' synchronizations fail (docs/BENCHMARKS.md). Each loader
-   hands its cuDNN handle on when it is done (a caller's first launch then makes none).
+   plan is loaded, one loader loads their kernels, a plan at a time (CUDA loads a kernel
+   at its first launch: about a millisecond on a plan's first call otherwise). Each plan
+   whose larger graph's tensors and workspace take at most
+   FASTATTN_WARM_UP_KERNELS_MAX_BYTES is launched once on zeroed scratch on a stream of
+   its own, in relaxed capture mode, and the scratch freed (runtime.load_kernels,
+   Plan.load_kernels). Not a throwaway capture, as cudnn-frontend's own warm-up makes:
+   an open capture of any mode makes the caller's other threads' synchronizations fail
+   (docs/BENCHMARKS.md). Each loader hands its cuDNN handle on when it is done (a
+   caller's first launch then makes none).
 
 It never makes a CUDA context: a context made by fastattn on device 0 would cost every
 rank of a one-process-per-GPU server memory on a GPU it does not use, and a thread's
@@ -146,34 +147,37 @@ class _Run:
         todo = iter(cache.recent(device, self.max_bytes, MAX_PLANS))
         taking = threading.Lock()
         loaded: list[Any] = []  # the configs whose plans or refusals it loaded, in load order
-        kernels = iter(())  # phase 2b's: set once every plan is loaded
         barrier = threading.Barrier(LOADERS)
 
-        def take(items: Iterator[Any]) -> Any:
+        def take() -> Any:
             with taking:
-                return next(items, None)
+                return next(todo, None)
 
         def loader() -> None:
-            nonlocal kernels
             try:
-                while not self.stop.is_set() and (item := take(todo)) is not None:
+                while not self.stop.is_set() and (item := take()) is not None:
                     if runtime.load_ahead(item[0], device, cache, item[1]):
                         with _lock:
                             self.status["plans"] += 1
                             loaded.append(item[0])
-                # Kernels after every plan: a call waits for its plan's load, never for
-                # another plan's kernels (its launch loads them as it would have).
-                if self.kernels_max_bytes > 0:
-                    if barrier.wait() == 0:
-                        kernels = iter(list(loaded))
-                        self.set(state="kernels")
-                    barrier.wait()
-                    while not self.stop.is_set() and (config := take(kernels)) is not None:
+                # Kernels after every plan (a call waits for its plan's load, never for
+                # another plan's kernels: its launch loads them as it would have), by one
+                # loader, a plan at a time: at most kernels_max_bytes of scratch at once.
+                if self.kernels_max_bytes > 0 and barrier.wait() == 0:
+                    self.set(state="kernels")
+                    for config in list(loaded):
+                        if self.stop.is_set():
+                            break
                         self.load_kernels(config, device)
             except threading.BrokenBarrierError:
-                pass  # another loader ended early: its kernels are left to the first calls
-            finally:
+                pass  # another loader ended early: the kernels are left to the first calls
+            except Exception as e:  # an optimization: what it leaves, the first calls load
+                # (Aborted here alone, never on a normal end, where a loader still waking
+                # from the barrier would see it broken.)
                 barrier.abort()
+                self.set(error=f"{type(e).__name__}: {e}")
+                _log.debug("fastattn warm-up: a loader stopped early (%s: %s)", type(e).__name__, e)
+            finally:
                 self.pass_on_handle(device)
 
         # Daemon threads of its own, not a ThreadPoolExecutor: the interpreter's exit joins

@@ -198,6 +198,21 @@ def test_a_kernel_load_that_fails_costs_the_plan_nothing(warm, env, monkeypatch)
     assert runtime.stats()["memory_hits"] == 1 and _builds(env) == 0
 
 
+def test_a_loader_that_fails_leaves_no_other_waiting_for_the_kernels(warm, monkeypatch):
+    warm([_cfg(64 * (i + 1)) for i in range(4)])
+    real = runtime.load_ahead
+
+    def load(cfg, *a):
+        if cfg.seqlen_q == 128:
+            raise RuntimeError("fake: a loader's own failure")
+        return real(cfg, *a)
+
+    monkeypatch.setattr(runtime, "load_ahead", load)
+    status = _run(kernels_max_bytes=1 << 40)  # (_run fails if the thread is still alive after 10 s)
+    assert status["state"] == "done" and status["plans"] >= 1
+    assert status["error"] == "RuntimeError: fake: a loader's own failure"  # said, not raised in a thread
+
+
 def test_load_kernels_launches_only_a_plan_held_and_loaded(warm, monkeypatch):
     monkeypatch.setattr(fake_core, "KERNELS_LOADED", [])
     cfg = _cfg(64)
