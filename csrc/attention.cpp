@@ -384,13 +384,13 @@ Status execute(const Graph *g, Direction dir, int device, const intptr_t *slots,
 }
 
 Status prime_graph(const Graph *g, int device, const int64_t *bytes, int32_t seq_len_q, int32_t seq_len_kv) {
-    if (g == nullptr) return error(Code::kInvalidArgument, "prime: no graph");
+    if (g == nullptr) return error(Code::kInvalidArgument, "load_kernels: no graph");
     for (int s = 0; s < kNumSlots; ++s) {
         if ((g->slots & bit(static_cast<Slot>(s))) && !(g->by_value & bit(static_cast<Slot>(s))) && bytes[s] < 1) {
-            return error(Code::kInvalidArgument, std::string("prime: no size for tensor ") + kSlots[s].name);
+            return error(Code::kInvalidArgument, std::string("load_kernels: no size for tensor ") + kSlots[s].name);
         }
     }
-    return guarded(Code::kCudaError, "prime", [&]() -> Status {
+    return guarded(Code::kCudaError, "load_kernels", [&]() -> Status {
         static MallocAsyncFn *alloc     = cudart<MallocAsyncFn>("cudaMallocAsync");
         static FreeAsyncFn *free_       = cudart<FreeAsyncFn>("cudaFreeAsync");
         static MemsetAsyncFn *zero      = cudart<MemsetAsyncFn>("cudaMemsetAsync");
@@ -410,7 +410,8 @@ Status prime_graph(const Graph *g, int device, const int64_t *bytes, int32_t seq
         if (get_device(&dev, device) != CUDA_SUCCESS || primary(dev, &flags, &active) != CUDA_SUCCESS || !active) {
             // A context made here would cost the process memory on a GPU it may not use.
             return error(Code::kInvalidArgument,
-                         "prime: device " + std::to_string(device) + " has no CUDA context yet; fastattn makes none");
+                         "load_kernels: device " + std::to_string(device) +
+                             " has no CUDA context yet, and fastattn makes none: run any CUDA work on it first");
         }
         DeviceGuard guard(device);
         FA_RETURN_IF_ERROR(guard.status());

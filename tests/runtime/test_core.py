@@ -259,7 +259,7 @@ def test_any_call_shape_is_refused_naming_at_or_reaches_the_core(at):
 
 
 def test_load_kernels_of_a_plan_without_graphs_is_refused_by_the_core():
-    with pytest.raises(errors.InvalidArgumentError, match="^prime: no graph"):
+    with pytest.raises(errors.InvalidArgumentError, match="^load_kernels: no graph"):
         _core._graphless_plan(config=_OVERRIDE).load_kernels()
 
 

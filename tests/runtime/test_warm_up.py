@@ -188,7 +188,7 @@ def test_a_kernel_load_that_fails_costs_the_plan_nothing(warm, env, monkeypatch)
     warm([_cfg(64), _cfg(128)])
 
     def fail(self):
-        raise fastattn_errors.CudaError("prime: cudaMallocAsync failed: out of memory (fake)")
+        raise fastattn_errors.CudaError("load_kernels: cudaMallocAsync failed: out of memory (fake)")
 
     monkeypatch.setattr(fake_core.FakePlan, "load_kernels", fail)
     monkeypatch.setenv("FAKE_BUILD_LOG", str(env / "builds.log"))
