@@ -78,6 +78,7 @@ _STATUS: dict[str, Any] = {
     "plans": 0,  # plans and refusals it loaded into memory
     "kernels": 0,  # of those plans, those whose kernels it loaded
     "kernels_too_large": 0,  # and those it did not launch: over FASTATTN_WARM_UP_KERNELS_MAX_BYTES
+    "kernels_failed": 0,  # and those whose launch failed (out of memory: their first calls load them)
     "libraries_seconds": 0.0,
     "plans_seconds": 0.0,
     "error": None,  # why it ended early, in one line
@@ -197,6 +198,8 @@ class _Run:
                 with _lock:
                     self.status["kernels" if done == "loaded" else "kernels_too_large"] += 1
         except Exception as e:  # an optimization: the plan's first launch loads them, as without it
+            with _lock:
+                self.status["kernels_failed"] += 1
             _log.debug("fastattn warm-up: a plan's kernels were not loaded (%s: %s)", type(e).__name__, e)
 
     @staticmethod

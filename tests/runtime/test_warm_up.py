@@ -194,6 +194,7 @@ def test_a_kernel_load_that_fails_costs_the_plan_nothing(warm, env, monkeypatch)
     monkeypatch.setenv("FAKE_BUILD_LOG", str(env / "builds.log"))
     status = _run(kernels_max_bytes=1 << 40)
     assert status["state"] == "done" and status["plans"] == 2 and status["kernels"] == 0 and status["error"] is None
+    assert status["kernels_failed"] == 2
     runtime.plan(_cfg(64), device=0)
     assert runtime.stats()["memory_hits"] == 1 and _builds(env) == 0
 
