@@ -397,6 +397,7 @@ Status prime_graph(const Graph *g, int device, const int64_t *bytes, int32_t seq
         static StreamCreateFn *create   = cudart<StreamCreateFn>("cudaStreamCreateWithFlags");
         static StreamSyncFn *sync       = cudart<StreamSyncFn>("cudaStreamSynchronize");
         static StreamDestroyFn *destroy = cudart<StreamDestroyFn>("cudaStreamDestroy");
+        static MemGetInfoFn *mem_info   = cudart<MemGetInfoFn>("cudaMemGetInfo");
         using PrimaryStateFn = CUresult(CUdevice, unsigned int *, int *);
         static auto *primary = reinterpret_cast<PrimaryStateFn *>(
             cuda_symbol(CudaLibrary::kDriver, "cuDevicePrimaryCtxGetState"));
@@ -415,6 +416,22 @@ Status prime_graph(const Graph *g, int device, const int64_t *bytes, int32_t seq
         }
         DeviceGuard guard(device);
         FA_RETURN_IF_ERROR(guard.status());
+        // Scratch is taken beside the caller's own allocations (a model loading, a server
+        // filling its KV cache): never more than half of what the device has free, so that
+        // it cannot be what makes the caller run out.
+        int64_t need = g->workspace;
+        for (int i = 0; i < kNumSlots; ++i) {
+            const uint64_t b = bit(static_cast<Slot>(i));
+            if ((g->slots & b) && !(g->by_value & b) && i != kSlotSeqLenQ && i != kSlotSeqLenKV) need += bytes[i];
+        }
+        size_t free_bytes = 0, total_bytes = 0;
+        FA_RETURN_IF_ERROR(cuda_status(mem_info(&free_bytes, &total_bytes), "cudaMemGetInfo"));
+        if (static_cast<uint64_t>(need) > free_bytes / 2) {
+            return error(Code::kCudaError, "load_kernels: its scratch (" + std::to_string(need) +
+                                               " bytes) would take more than half of device " +
+                                               std::to_string(device) + "'s free memory (" +
+                                               std::to_string(free_bytes) + " bytes): not launched");
+        }
         cudaStream_t s = nullptr;
         FA_RETURN_IF_ERROR(cuda_status(create(&s, cudaStreamNonBlocking), "cudaStreamCreateWithFlags"));
         // Scratch from the device's stream-ordered pool: its free makes no device-wide

@@ -47,6 +47,7 @@ using ExchangeModeFn     = cudaError_t(cudaStreamCaptureMode *);
 using MallocFn           = cudaError_t(void **, size_t);
 using MallocAsyncFn      = cudaError_t(void **, size_t, cudaStream_t);
 using FreeAsyncFn        = cudaError_t(void *, cudaStream_t);
+using MemGetInfoFn       = cudaError_t(size_t *, size_t *);
 using MemcpyAsyncFn      = cudaError_t(void *, const void *, size_t, cudaMemcpyKind, cudaStream_t);
 using MemsetAsyncFn      = cudaError_t(void *, int, size_t, cudaStream_t);
 using StreamSyncFn       = cudaError_t(cudaStream_t);

@@ -129,7 +129,8 @@ Status hand_on_thread_handle(int device);
 // graph takes needs its size), allocated stream-ordered there and freed before the return,
 // which waits for that stream alone; its lengths (seq_len_q, seq_len_kv: int32 arrays of
 // bytes / 4) are `seq_len_q` and `seq_len_kv`, which must fit the scratch (a ragged
-// graph's sequences all start at offset 0). Touches no caller's stream and makes no
+// graph's sequences all start at offset 0). Refused where that scratch would take more
+// than half of the device's free memory. Touches no caller's stream and makes no
 // context of its own (the device's primary one must exist). For a thread beside the
 // caller's work (the warm-up), so that the caller's first launch of the graph does not
 // load them.

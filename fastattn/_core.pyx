@@ -445,7 +445,8 @@ cdef class Plan:
         stream alone and touches no other: for a thread beside the caller's work
         (fastattn.torch's warm-up calls it), so that the first launch of the plan on the
         caller's path loads nothing. Takes each graph's tensors and workspace in device
-        memory while that graph runs (_arrays.scratch_bytes), and needs the device's CUDA
+        memory while that graph runs (_arrays.scratch_bytes; refused, CudaError, where
+        that is more than half of the device's free memory), and needs the device's CUDA
         context to exist already (it makes none)."""
         cdef int64_t b[kNumSlots]
         cdef Status st

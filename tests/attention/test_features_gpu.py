@@ -621,3 +621,20 @@ def test_every_features_plan_loads_its_kernels_on_scratch_and_then_computes_the_
         finite = np.isfinite(a) & np.isfinite(b)
         assert np.array_equal(np.isfinite(a), np.isfinite(b)), n
         assert np.abs(a[finite] - b[finite]).max(initial=0) <= 2e-2 * max(1.0, np.abs(a[finite]).max(initial=0)), n
+
+
+def test_load_kernels_refuses_scratch_over_half_the_devices_free_memory():
+    """Its scratch is taken beside the caller's allocations: never more than half of the
+    device's free memory. A plan whose forward tensors alone exceed half of the whole
+    device is refused, with a CudaError that says so, whatever else runs there."""
+    import torch
+
+    total = torch.cuda.get_device_properties(0).total_memory
+    per_batch = 4 * 32 * 8192 * 128 * 2  # q, k, v, o of one sequence: 32 heads, 8192 rows, 128 dims, bf16
+    cfg = AttentionConfig(batch=total // 2 // per_batch + 1, heads_q=32, seqlen_q=8192, head_dim_qk=128, dtype="bf16",
+                          mask="causal")
+    result = fastattn.probe(cfg)
+    assert result.supported, result.reason
+    with pytest.raises(fastattn.errors.CudaError, match=r"^load_kernels: its scratch \(\d+ bytes\) would take more "
+                                                        r"than half of device 0's free memory"):
+        fastattn.plan(cfg).load_kernels()
