@@ -380,8 +380,9 @@ def load_ahead(config: AttentionConfig, device: int, cache: PlanCache, key: str)
 def load_kernels(config: AttentionConfig, device: int, max_bytes: int) -> Literal["loaded", "too large", "no plan"]:
     """Loads the kernels of the plan held in memory for (config, device) (Plan.load_kernels:
     one launch of each graph on scratch, on a stream of its own), where the larger of its
-    graphs takes at most `max_bytes` of tensors and workspace: for the warm-up, after load_ahead, so that the
-    plan's first launch on the caller's path loads none. Never builds or loads a plan.
+    graphs takes at most `max_bytes` of tensors and workspace: for the warm-up, after
+    load_ahead, so that the plan's first launch on the caller's path loads none. Never
+    builds or loads a plan.
     Returns "loaded", "too large" (over max_bytes: not launched) or "no plan" (none held: a
     refusal, one dropped meanwhile, or none loaded); raises what the launch raised."""
     with _lock:
