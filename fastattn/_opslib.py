@@ -24,10 +24,22 @@ CSRC = _TORCH_DIR / "csrc"  # the hand-written sources and headers
 # batched into translation units where there are fewer cores than sources (units()).
 # GENERATED are written at the build from the ops' specs (_native.write_generated), beside
 # the library; SOURCES are the hand-written ones, in fastattn/torch/csrc/.
-BATCHES = (("ops.cpp", "eager.cpp"), ("kernels.cpp", "table.cpp", "sdpa.cpp"))
-GENERATED = ("kernels.cpp",)
+BATCHES = (("ops.cpp", "python.cpp", "eager.cpp"), ("kernels.cpp", "registration.cpp", "table.cpp", "sdpa.cpp"))
+GENERATED = ("kernels.cpp", "registration.cpp")
 NAMES = tuple(name for unit in BATCHES for name in unit)
 SOURCES = tuple(CSRC / name for name in NAMES if name not in GENERATED)
+
+
+# Sources compiled at -O1 in a unit of their own: each includes pybind11, whose headers put the same
+# code (its function dispatcher, its internals) into every unit that includes them, which -O2 takes
+# seconds longer to optimize than the unit's own code; neither holds per-call work (python.cpp's
+# functions are a call each; ops.cpp's run on a miss, at init and on an error).
+LIGHT = ("ops.cpp", "python.cpp")
+
+
+def optimization(names: tuple[str, ...]) -> str:
+    """The optimization flag of a unit of these sources: -O1 where every one is LIGHT, else -O2."""
+    return "-O1" if set(names) <= set(LIGHT) else "-O2"
 
 
 def units(cores: int) -> tuple[tuple[str, ...], ...]:
@@ -45,10 +57,12 @@ INCLUDE = Path(__file__).resolve().parent / "include"
 # The sources' included files: every header beside them, so that a new one is part of the
 # tag unasked, and what the generated sources come from (their generators, _options.py and
 # _kernels.py; the ops' specs; the field registry their options take kinds, docs and off
-# values from; the slot table their launches fill).
+# values from; the slot table their launches fill), and how they are compiled (this module's
+# units and flags, _native's compiler lines).
 HEADERS = (INCLUDE / "fastattn_abi.h", *sorted(CSRC.glob("*.h")), _TORCH_DIR / "_options.py",
            _TORCH_DIR / "_kernels.py", _TORCH_DIR / "_specs.py", _TORCH_DIR.parent / "config.py",
-           _TORCH_DIR.parent / "_fields.py", _TORCH_DIR.parent / "_slots.py")
+           _TORCH_DIR.parent / "_fields.py", _TORCH_DIR.parent / "_slots.py", Path(__file__).resolve(),
+           _TORCH_DIR / "_native.py")
 
 
 def tag(torch_version: str, cxx11_abi: int, extra: tuple[Path, ...] = ()) -> str:

@@ -94,9 +94,12 @@ def readers(tmp_path_factory):
     folder = tmp_path_factory.mktemp("readers")
     generated = _native.write_generated(folder / "generated")
     name = "fastattn_readers_for_tests"
-    source, target = Path(__file__).parent / "pytorch" / "csrc" / "readers.cpp", folder / "readers.o"
+    # readers.h's tensors come through python.h, whose functions python.cpp defines.
+    sources = (Path(__file__).parent / "pytorch" / "csrc" / "readers.cpp", _native.CSRC / "python.cpp")
+    objects = [folder / (source.stem + ".o") for source in sources]
     library = folder / (name + importlib.machinery.EXTENSION_SUFFIXES[0])
-    for cmd in (_native.compile_command(source, target, name, generated), _native.link_command([target], library)):
+    for cmd in (*(_native.compile_command(s, o, name, generated) for s, o in zip(sources, objects)),
+                _native.link_command(objects, library)):
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
         assert done.returncode == 0, (done.stderr or done.stdout)[-4000:]
     return _native._import(library)

@@ -194,6 +194,28 @@ def _grad_given(i: Input, suffix: str = "") -> str:
     return f"given({i.name}{suffix})" if i.grad_if == "given" else f"opt.{i.grad_if}"
 
 
+def _directions(spec: Spec) -> tuple[str, ...]:
+    return ("forward", "backward") if spec.backward_op else ("forward",)
+
+
+def _kernels_of(spec: Spec) -> list[tuple[str, str]]:
+    """(direction, key) of each kernel an op has: CUDA, Meta and CPU for each direction, and Autograd for
+    the forward of an op with a backward (a backward is not differentiable, and an op without one has
+    no autograd: _registration)."""
+    return [(d, k) for d in _directions(spec) for k in ("cuda", "meta", "cpu")] + [("forward", "autograd")] * bool(
+        spec.backward_op)
+
+
+def _kernel(spec: Spec, direction: str, key: str) -> str:
+    """The signature of an op's kernel for a dispatch key (cuda, meta, cpu, autograd), which
+    kernels.cpp defines and registration.cpp registers."""
+    params = f"{_params(spec)}, {_macro(spec)}_PARAMS"
+    if direction == "forward":
+        return f"{_returns(len(spec.outputs))} {spec.name}_forward_{key}({params})"
+    return (f"{_returns(len(spec.differentiable()))} {spec.name}_backward_{key}(const Tensor &d_o, const Tensor &o, "
+            f"const Tensor &stats, {params})")
+
+
 # -- each op's section of kernels.cpp ----------------------------------------------------------
 
 def _plan(spec: Spec) -> list[str]:
@@ -324,8 +346,7 @@ def _through_ops(spec: Spec) -> list[str]:
 
 def _cuda_kernels(spec: Spec) -> list[str]:
     q, m, o = spec.inputs[0].name, _macro(spec), _opts(spec)
-    out = [f"// fastattn::{_op_name(spec, 'forward')}'s CUDA kernel.",
-           f"{_returns(len(spec.outputs))} {spec.name}_forward_cuda({_params(spec)}, {m}_PARAMS) {{"]
+    out = [f"// fastattn::{_op_name(spec, 'forward')}'s CUDA kernel.", f"{_kernel(spec, 'forward', 'cuda')} {{"]
     if len(spec.outputs) == 1:
         out.append(f"    return {spec.name}_forward({_args(spec)}, {o}{{{m}_ARGS}});")
     else:
@@ -342,8 +363,7 @@ def _cuda_kernels(spec: Spec) -> list[str]:
     grads = spec.differentiable()
     names = ", ".join(i.grad for i in grads)
     out += ["", f"// fastattn::{_op_name(spec, 'backward')}'s CUDA kernel: an empty tensor for a gradient not computed.",
-            f"{_returns(len(grads))} {spec.name}_backward_cuda(const Tensor &d_o, const Tensor &o, const Tensor &stats, "
-            f"{_params(spec)}, {m}_PARAMS) {{",
+            f"{_kernel(spec, 'backward', 'cuda')} {{",
             f"    auto [{names}] = {spec.name}_backward(d_o, o, stats, {_args(spec)}, {o}{{{m}_ARGS}});"]
     for i in grads:
         if i.grad_if:
@@ -370,7 +390,7 @@ def _meta_kernels(spec: Spec) -> list[str]:
     out = ["// fastattn::" + _op_name(spec, "forward") + "'s Meta kernel (fake tensors: torch.compile), in SymInt "
            "arithmetic: under",
            "// dynamic shapes the sizes are symbols, and sizes() would throw.",
-           f"{_returns(len(spec.outputs))} {spec.name}_forward_meta({_params(spec)}, {m}_PARAMS) {{",
+           f"{_kernel(spec, 'forward', 'meta')} {{",
            *(f"    {line}" for line in body), "}"]
     if not spec.backward_op:
         return out
@@ -383,20 +403,15 @@ def _meta_kernels(spec: Spec) -> list[str]:
             values.append(f"{_grad_given(i)} ? at::empty_like(*{i.name}, at::MemoryFormat::Contiguous)\n"
                           f"            {' ' * len(_grad_given(i))} : at::empty({{0}}, {_options_of(i.dtype, q)})")
     reads = any(i.grad_if not in ("", "given") for i in grads)
-    out += ["", f"{_returns(len(grads))} {spec.name}_backward_meta(const Tensor &d_o, const Tensor &o, "
-            f"const Tensor &stats, {_params(spec)}, {m}_PARAMS) {{",
+    out += ["", f"{_kernel(spec, 'backward', 'meta')} {{",
             *[f"    const {o} opt{{{m}_ARGS}};"] * reads,
             "    return {" + (",\n            ".join(values)) + "};", "}"]
     return out
 
 
 def _cpu_kernels(spec: Spec) -> list[str]:
-    q, m = spec.inputs[0].name, _macro(spec)
-    out = [f"{_returns(len(spec.outputs))} {spec.name}_forward_cpu({_params(spec)}, {m}_PARAMS) {{ cpu_error({q}); }}"]
-    if spec.backward_op:
-        out.append(f"{_returns(len(spec.differentiable()))} {spec.name}_backward_cpu(const Tensor &d_o, const Tensor &o, "
-                   f"const Tensor &stats, {_params(spec)}, {m}_PARAMS) {{ cpu_error({q}); }}")
-    return out
+    q = spec.inputs[0].name
+    return [f"{_kernel(spec, direction, 'cpu')} {{ cpu_error({q}); }}" for direction in _directions(spec)]
 
 
 def _node(spec: Spec) -> list[str]:
@@ -472,7 +487,7 @@ def _node(spec: Spec) -> list[str]:
         "",
         f"// fastattn::{_op_name(spec, 'forward')}'s Autograd kernel: a node where a training call has an input",
         "// that wants a gradient.",
-        f"std::tuple<Tensor, Tensor> {spec.name}_forward_autograd({_params(spec)}, {_macro(spec)}_PARAMS) {{",
+        f"{_kernel(spec, 'forward', 'autograd')} {{",
         f"    const {o} opt{{{_macro(spec)}_ARGS}};",
         f"    if (opt.training && torch::autograd::compute_requires_grad({', '.join(i.name for i in grads)})) {{",
         f"        return {spec.name}_recorded(false, {_args(spec)}, opt);",
@@ -517,9 +532,7 @@ def _registration() -> list[str]:
     for key in ("CUDA", "Meta", "CPU"):
         lines += ["", f"TORCH_LIBRARY_IMPL(fastattn, {key}, m) {{"]
         for s in NATIVE:
-            lines.append(f'    m.impl("{_op_name(s, "forward")}", &{s.name}_forward_{key.lower()});')
-            if s.backward_op:
-                lines.append(f'    m.impl("{_op_name(s, "backward")}", &{s.name}_backward_{key.lower()});')
+            lines += [f'    m.impl("{_op_name(s, d)}", &{s.name}_{d}_{key.lower()});' for d in _directions(s)]
         lines.append("}")
     lines += ["", "// A backward is not differentiable (no double backward), and an op without a backward has no",
               "// autograd: their outputs are plain tensors, with no \"autograd kernel not registered\" warning.",
@@ -544,7 +557,6 @@ _INCLUDES = """#include <ATen/core/Tensor.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/utils.h>
 #include <torch/csrc/autograd/saved_variable.h>
-#include <torch/library.h>
 
 #include <array>
 #include <mutex>
@@ -558,11 +570,11 @@ _INCLUDES = """#include <ATen/core/Tensor.h>
 
 
 def source() -> str:
-    """kernels.cpp: every native op's plan lookup, work, kernels and autograd node, and their registration."""
+    """kernels.cpp: every native op's plan lookup, work, kernels and autograd node."""
     lines = [_HEADER_LINE,
              "//",
              "// Each op's section: its plan lookup, its work (outputs, gradients, the launch), its kernels by dispatch",
-             "// key and its autograd node; the registration of every op at the end. ops.h says what the hand-written",
+             "// key and its autograd node; registration.cpp registers them. ops.h says what the hand-written",
              "// units give them (lookup, miss, run, empty_cuda, ...).",
              _INCLUDES,
              "namespace fastattn::ops {", "",
@@ -570,15 +582,25 @@ def source() -> str:
              "using torch::autograd::variable_list;", ""]
     for spec in NATIVE:
         lines += _section(spec)
-    lines += ["}  // namespace fastattn::ops", "", "using namespace fastattn::ops;", "", *_registration()]
+    lines.append("}  // namespace fastattn::ops")
+    return "\n".join(_wrap(line) for line in "\n".join(lines).split("\n")) + "\n"
+
+
+def registration() -> str:
+    """registration.cpp: every native op's schema and its kernels (kernels.cpp's) by dispatch key. A unit
+    of its own: torch::library's templates take about as long to compile as the ops' work, and the
+    library builds as long as its slowest unit."""
+    lines = [_HEADER_LINE, "", "#include <torch/library.h>", "", '#include "ops.h"', "",
+             "using namespace fastattn::ops;", "", *_registration()]
     return "\n".join(_wrap(line) for line in "\n".join(lines).split("\n")) + "\n"
 
 
 def header() -> str:
-    """fastattn_kernels.h: what the hand-written units call of kernels.cpp."""
+    """fastattn_kernels.h: what the hand-written units call of kernels.cpp, and the kernels registration.cpp
+    registers."""
     lines = [_HEADER_LINE, "#pragma once", "", "namespace fastattn::ops {", ""]
     for spec in NATIVE:
-        o, m = _opts(spec), _macro(spec)
+        o = _opts(spec)
         grads = spec.differentiable()
         lines += [f"// {spec.name} (kernels.cpp)",
                   f"const Entry &{spec.name}_plan(int direction, {_params(spec)}, const Tensor *o, const {o} &opt);",
@@ -587,7 +609,8 @@ def header() -> str:
             lines += [f"{_returns(len(grads))} {spec.name}_backward(const Tensor &d_o_in, const Tensor &o, "
                       f"const Tensor &stats, {_params(spec)}, const {o} &opt);",
                       f"std::tuple<Tensor, Tensor> {spec.name}_recorded(bool direct, {_params(spec)}, const {o} &opt);"]
-        lines += [f"{_returns(len(spec.outputs))} {spec.name}_forward_cuda({_params(spec)}, {m}_PARAMS);",
-                  f"{_returns(len(spec.outputs))} {spec.name}_forward_op({_params(spec)}, const {o} &opt);", ""]
+        lines.append(f"{_returns(len(spec.outputs))} {spec.name}_forward_op({_params(spec)}, const {o} &opt);")
+        lines += [f"{_kernel(spec, d, key)};" for d, key in _kernels_of(spec)]
+        lines.append("")
     lines.append("}  // namespace fastattn::ops")
     return "\n".join(_wrap(line) for line in lines) + "\n"

@@ -79,10 +79,11 @@ def tag() -> str:
     return _opslib.tag(torch.__version__, int(torch._C._GLIBCXX_USE_CXX11_ABI), EXTRA)
 
 
-def compile_command(source: Path, output: Path, name: str, generated: Path) -> list[str]:
+def compile_command(source: Path, output: Path, name: str, generated: Path, optimize: str = "-O2") -> list[str]:
     """The compiler line of one translation unit: torch's include dirs, its C++ ABI, C++20
     (what torch's own extensions use); `generated` holds the sources generated for this
-    build (write_generated), which include the hand-written headers (CSRC)."""
+    build (write_generated), which include the hand-written headers (CSRC); `optimize`, the
+    unit's optimization flag (_opslib.optimization)."""
     from torch.utils import cpp_extension
 
     cxx = shlex.split(os.environ.get("CXX", "c++"))
@@ -90,7 +91,7 @@ def compile_command(source: Path, output: Path, name: str, generated: Path) -> l
     # the warnings that are bugs as errors (a reference to a temporary returned: s14's
     # sdpa.cpp, found by review, would have crashed at its first fallback).
     system = [*cpp_extension.include_paths(), _python_include()]
-    return [*cxx, "-c", "-fPIC", "-O2", "-std=c++20", "-fvisibility=hidden", *_bug_warnings(tuple(cxx)),
+    return [*cxx, "-c", "-fPIC", optimize, "-std=c++20", "-fvisibility=hidden", *_bug_warnings(tuple(cxx)),
             f"-D_GLIBCXX_USE_CXX11_ABI={int(_torch()._C._GLIBCXX_USE_CXX11_ABI)}",
             "-DTORCH_API_INCLUDE_EXTENSION_H", f"-DTORCH_EXTENSION_NAME={name}",
             *(f"-isystem{d}" for d in system), f"-I{INCLUDE}", f"-I{CSRC}", f"-I{generated}", str(source), "-o",
@@ -221,7 +222,8 @@ def build(root: Path | None = None) -> Path:
             cores = _workers()
             groups = _opslib.units(cores) + ((tuple(str(p) for p in EXTRA),) if EXTRA else ())
             units = [write_unit(objects, i, names, generated) for i, names in enumerate(groups)]
-            commands = [compile_command(unit, unit.with_suffix(".o"), name, generated) for unit in units]
+            commands = [compile_command(unit, unit.with_suffix(".o"), name, generated, _opslib.optimization(names))
+                        for unit, names in zip(units, groups)]
             t0 = time.perf_counter()
             with ThreadPoolExecutor(max_workers=max(1, min(len(units), cores))) as pool:
                 results = list(pool.map(_run, commands))
@@ -258,7 +260,8 @@ def write_unit(folder: Path, index: int, names: tuple[str, ...], generated: Path
 def write_generated(folder: Path) -> Path:
     """The op library's generated sources, from the ops' specs (_specs.py), in `folder`,
     which is returned: fastattn_options.h and fastattn_calls.h (by _options.py), and
-    kernels.cpp with its declarations, fastattn_kernels.h (by _kernels.py). They stay
+    kernels.cpp and registration.cpp with their declarations, fastattn_kernels.h (by
+    _kernels.py). They stay
     beside the library, where a person debugging it reads them (the compiler's messages
     name them)."""
     folder.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -266,6 +269,7 @@ def write_generated(folder: Path) -> Path:
     (folder / "fastattn_calls.h").write_text(_options.calls_header())
     (folder / "fastattn_kernels.h").write_text(_kernels.header())
     (folder / "kernels.cpp").write_text(_kernels.source())
+    (folder / "registration.cpp").write_text(_kernels.registration())
     return folder
 
 

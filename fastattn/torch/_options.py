@@ -54,8 +54,7 @@ def calls_header() -> str:
     op of CALLS, decide_<op>_grads (_grads)."""
     out = ["// Generated from fastattn/torch/_specs.py (CALLS) by fastattn.torch._native at build time; "
            "change that file, not this one.",
-           "#pragma once", "", "#include <ATen/core/grad_mode.h>", "#include <ATen/record_function.h>",
-           "#include <torch/csrc/utils/pybind.h>", "",
+           "#pragma once", "", "#include <ATen/core/grad_mode.h>", "#include <ATen/record_function.h>", "",
            "#include <optional>", "#include <tuple>", "#include <utility>", "", "namespace fastattn::ops {", ""]
     choices = {a.name: a.choices for _, args in CALLS.values() for a in args if a.read == "name"}
     out.extend(f"inline constexpr c10::string_view kNames{_camel(n)}[] = {_names(c)};" for n, c in choices.items())
@@ -145,16 +144,16 @@ def _run(entry: str, op: str, args) -> list[str]:
             f"// (decide_{op}_grads): o, {op}'s node recorded where training. The GIL is released, as torch's own ops",
             "// release it: other Python threads run while this one is in cuDNN (a miss takes it back).",
             f"inline PyObject *run_{entry}(const {_camel(entry)}Call &c) {{",
-            *_packed("    const Tensor ", [f"&{n} = THPVariable_Unpack(c.{n})" for n in plain], ", ", ";"),
+            *_packed("    const Tensor ", [f"&{n} = unpack(c.{n})" for n in plain], ", ", ";"),
             "    Tensor o;",
             "    {",
-            "        pybind11::gil_scoped_release no_gil;",
+            "        GilReleased no_gil;",
             f'        RECORD_FUNCTION("fastattn::{entry}", c10::ArrayRef<const c10::IValue>{{}});',
             "        o = std::get<0>(c.options.training",
             *_packed(f"                            ? {op}_recorded(", ["true", *inputs], ", ", ")"),
             *_packed(f"                            : {op}_forward(", inputs, ", ", "));"),
             "    }",
-            "    return THPVariable_Wrap(std::move(o));",
+            "    return wrap(std::move(o));",
             "}"]
 
 

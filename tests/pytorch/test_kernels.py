@@ -16,6 +16,7 @@ from fastattn._slots import NO, SLOTS, upper  # noqa: E402
 from fastattn.torch import _kernels, _native, _specs  # noqa: E402
 
 SOURCE = _kernels.source()
+REGISTRATION = _kernels.registration()
 TAKES = {"forward": {s.name for s in SLOTS if s.forward is not NO},
          "backward": {s.name for s in SLOTS if s.backward is not NO}}
 
@@ -82,7 +83,7 @@ def test_the_autograd_node_has_an_edge_per_differentiable_input_and_one_style():
 
 def test_the_ops_are_registered_with_the_python_ops_schemas():
     # Adjacent string literals joined: each m.def's schema, as the dispatcher reads it.
-    defs = [re.sub(r'"\s*"', "", d) for d in re.findall(r'm\.def\(("(?:[^;])*?")\);', SOURCE, re.S)]
+    defs = [re.sub(r'"\s*"', "", d) for d in re.findall(r'm\.def\(("(?:[^;])*?")\);', REGISTRATION, re.S)]
     expected = []
     for spec in _kernels.NATIVE:
         expected.append(f'"native_{spec.forward_op}{_specs.forward_schema(spec)}"')
@@ -90,11 +91,26 @@ def test_the_ops_are_registered_with_the_python_ops_schemas():
             expected.append(f'"native_{spec.backward_op}{_specs.backward_schema(spec)}"')
     assert defs == expected
     for key in ("CUDA", "Meta", "CPU", "Autograd"):
-        assert f"TORCH_LIBRARY_IMPL(fastattn, {key}, m)" in SOURCE
+        assert f"TORCH_LIBRARY_IMPL(fastattn, {key}, m)" in REGISTRATION
+    assert "TORCH_LIBRARY" not in SOURCE  # (registration.cpp alone: a unit of its own)
+
+
+def test_every_registered_kernel_is_declared_and_defined():
+    """registration.cpp takes each kernel's address by its declaration in fastattn_kernels.h, which
+    must be kernels.cpp's definition: a declaration that differs would leave the library with an
+    undefined symbol that only the library's import finds."""
+    registered = set(re.findall(r"&(\w+)\);", REGISTRATION))
+    assert registered and {f"{s.name}_forward_cuda" for s in _kernels.NATIVE} <= registered
+    flat = lambda text: re.sub(r"\s+", " ", text)  # noqa: E731  (the two wrap their lines apart)
+    header, source = flat(_kernels.header()), flat(SOURCE)
+    for name in registered:
+        declaration = re.search(rf"; ([^;]* {name}\([^;]*\));", header)
+        assert declaration, name
+        assert f"{declaration.group(1)} {{" in source, name
 
 
 def test_the_generated_source_is_readable():
-    for text in (SOURCE, _kernels.header()):
+    for text in (SOURCE, REGISTRATION, _kernels.header()):
         lines = text.splitlines()
         assert lines[0].startswith("// Generated from fastattn/torch/_specs.py by fastattn/torch/_kernels.py")
         assert [line for line in lines if len(line) > 120] == []
@@ -104,6 +120,7 @@ def test_the_generated_source_is_readable():
 def test_the_build_writes_the_kernels_beside_the_option_headers(tmp_path):
     folder = _native.write_generated(tmp_path / "generated")
     assert sorted(p.name for p in folder.iterdir()) == ["fastattn_calls.h", "fastattn_kernels.h",
-                                                         "fastattn_options.h", "kernels.cpp"]
+                                                         "fastattn_options.h", "kernels.cpp", "registration.cpp"]
     assert (folder / "kernels.cpp").read_text() == SOURCE
+    assert (folder / "registration.cpp").read_text() == REGISTRATION
     assert set(_native.GENERATED) <= {p.name for p in folder.iterdir()}

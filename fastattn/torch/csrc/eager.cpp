@@ -27,25 +27,20 @@
 // transforms. Anything else returns NotImplemented, and the Python body takes the call,
 // checks it and reports (tests/pytorch/test_torch_native.py holds the two to the same
 // answers).
-#include <torch/csrc/utils/pybind.h>  // first: Python.h, then pybind11 with torch's casters
-
-#include <algorithm>
+#include "python.h"  // first: Python.h
 
 #include <ATen/core/Tensor.h>
 #include <ATen/record_function.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/core/impl/TorchDispatchModeTLS.h>
-#include <torch/csrc/Exceptions.h>
-#include <torch/csrc/autograd/python_variable.h>
 
+#include <algorithm>
 #include <type_traits>
 
 #include "ops.h"
 #include "readers.h"
 
 namespace fastattn::ops {
-
-namespace py = pybind11;
 
 namespace {
 
@@ -78,20 +73,18 @@ constexpr const char *kCallDoc =
     "attention()'s Python body must convert, check or report.";
 
 PyObject *call_attention(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
-    HANDLE_TH_ERRORS
-    if (!attention_args("call", nargs)) return nullptr;
-    AttentionCall c;
-    // q a plain tensor (attention()'s Python body: q.__class__ is Tensor), on CUDA, outside
-    // modes; seq_lens_kv seq_lens_q's by default.
-    if (Py_TYPE(args[0]) != reinterpret_cast<PyTypeObject *>(THPVariableClass) || !read_call(args, c) ||
-        !THPVariable_Unpack(c.q).is_cuda() || !outside_modes()) {
-        Py_RETURN_NOTIMPLEMENTED;
-    }
-    if (!c.seq_lens_kv) c.seq_lens_kv = c.seq_lens_q;
-    decide_dense_grads(THPVariable_Unpack(c.q), THPVariable_Unpack(c.k), THPVariable_Unpack(c.v), c.bias, c.sinks,
-                       c.options);
-    return run_attention(c);
-    END_HANDLE_TH_ERRORS
+    return translating([&]() -> PyObject * {
+        if (!attention_args("call", nargs)) return nullptr;
+        AttentionCall c;
+        // q a plain tensor (attention()'s Python body: q.__class__ is Tensor), on CUDA, outside
+        // modes; seq_lens_kv seq_lens_q's by default.
+        if (!is_plain_tensor(args[0]) || !read_call(args, c) || !unpack(c.q).is_cuda() || !outside_modes()) {
+            Py_RETURN_NOTIMPLEMENTED;
+        }
+        if (!c.seq_lens_kv) c.seq_lens_kv = c.seq_lens_q;
+        decide_dense_grads(unpack(c.q), unpack(c.k), unpack(c.v), c.bias, c.sinks, c.options);
+        return run_attention(c);
+    });
 }
 
 // ---- attention_varlen()'s arguments ------------------------------------------------------------
@@ -100,31 +93,29 @@ constexpr const char *kVarlenCallDoc =
     "call_varlen(<attention_varlen()'s arguments in its order>) -> o, or NotImplemented: NotImplemented for "
     "anything its Python body must convert, check or report.";
 
-// Exactly torch.Tensor (no subclass, whose __torch_function__ the Python body honours).
-bool plain_tensor(PyObject *arg) { return Py_TYPE(arg) == reinterpret_cast<PyTypeObject *>(THPVariableClass); }
-
 PyObject *call_varlen(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
-    HANDLE_TH_ERRORS
-    if (!attention_varlen_args("call_varlen", nargs)) return nullptr;
-    AttentionVarlenCall c;
-    if (!read_attention_varlen(args, c)) Py_RETURN_NOTIMPLEMENTED;
-    for (PyObject *t : {c.q, c.k, c.v, c.cu_seqlens_q, c.cu_seqlens_kv}) {
-        if (!plain_tensor(t)) Py_RETURN_NOTIMPLEMENTED;
-    }
-    const Tensor &q = THPVariable_Unpack(c.q), &k = THPVariable_Unpack(c.k), &v = THPVariable_Unpack(c.v);
-    const Tensor &cu_q = THPVariable_Unpack(c.cu_seqlens_q), &cu_kv = THPVariable_Unpack(c.cu_seqlens_kv);
-    if (!q.is_cuda() || !varlen_tensors_ok(q, k, v, cu_q, cu_kv) || !outside_modes()) Py_RETURN_NOTIMPLEMENTED;
-    const OptTensor &sink = c.sinks;
-    if (given(sink) && !(sink->scalar_type() == at::kFloat && sink->dim() == 1 && sink->size(0) == q.size(1) &&
-                         sink->is_contiguous() && sink->device() == q.device())) {
-        Py_RETURN_NOTIMPLEMENTED;  // the Python body names what is wrong (_dense.check_sink)
-    }
-    VarlenOptions &o = c.options;
-    decide_varlen_grads(q, k, v, sink, o);
-    // Training plans and plans with sinks declare at least kVarlenMinQ queries (_specs.py says why).
-    if (o.training || given(sink)) o.max_q = std::max(o.max_q, kVarlenMinQ);
-    return run_attention_varlen(c);
-    END_HANDLE_TH_ERRORS
+    return translating([&]() -> PyObject * {
+        if (!attention_varlen_args("call_varlen", nargs)) return nullptr;
+        AttentionVarlenCall c;
+        if (!read_attention_varlen(args, c)) Py_RETURN_NOTIMPLEMENTED;
+        // Exactly torch.Tensor (no subclass, whose __torch_function__ the Python body honours).
+        for (PyObject *t : {c.q, c.k, c.v, c.cu_seqlens_q, c.cu_seqlens_kv}) {
+            if (!is_plain_tensor(t)) Py_RETURN_NOTIMPLEMENTED;
+        }
+        const Tensor &q = unpack(c.q), &k = unpack(c.k), &v = unpack(c.v);
+        const Tensor &cu_q = unpack(c.cu_seqlens_q), &cu_kv = unpack(c.cu_seqlens_kv);
+        if (!q.is_cuda() || !varlen_tensors_ok(q, k, v, cu_q, cu_kv) || !outside_modes()) Py_RETURN_NOTIMPLEMENTED;
+        const OptTensor &sink = c.sinks;
+        if (given(sink) && !(sink->scalar_type() == at::kFloat && sink->dim() == 1 && sink->size(0) == q.size(1) &&
+                             sink->is_contiguous() && sink->device() == q.device())) {
+            Py_RETURN_NOTIMPLEMENTED;  // the Python body names what is wrong (_dense.check_sink)
+        }
+        VarlenOptions &o = c.options;
+        decide_varlen_grads(q, k, v, sink, o);
+        // Training plans and plans with sinks declare at least kVarlenMinQ queries (_specs.py says why).
+        if (o.training || given(sink)) o.max_q = std::max(o.max_q, kVarlenMinQ);
+        return run_attention_varlen(c);
+    });
 }
 
 // ---- attention_paged()'s eager callable -------------------------------------------------------
@@ -148,9 +139,15 @@ bool any_has(c10::DispatchKey key, const Tensors &...tensors) {
     return (keys(tensors) | ...).has(key);
 }
 
+// A METH_FASTCALL function as the PyCFunction that PyMethodDef holds (CPython casts it back).
+using FastCall = PyObject *(*)(PyObject *, PyObject *const *, Py_ssize_t);
+PyCFunction as_pycfunction(FastCall f) { return reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(f)); }
+
+}  // namespace
+
 // Its parameters are the op's, in its spec's order (FA_PAGED_TENSORS, FA_PAGED_PARAMS).
 Tensor call_paged(FA_PAGED_TENSORS, FA_PAGED_PARAMS) {
-    py::gil_scoped_release no_gil;
+    GilReleased no_gil;
     const PagedOptions opt{FA_PAGED_ARGS};
     // A tensor subclass with its own __torch_dispatch__ (the Python key) must see the op too.
     if (any_has(c10::DispatchKey::Python, FA_PAGED_TENSOR_ARGS) || !outside_modes() || !q.is_cuda()) {
@@ -160,16 +157,7 @@ Tensor call_paged(FA_PAGED_TENSORS, FA_PAGED_PARAMS) {
     return paged_forward(FA_PAGED_TENSOR_ARGS, opt);
 }
 
-// A METH_FASTCALL function as the PyCFunction that PyMethodDef holds (CPython casts it back).
-using FastCall = PyObject *(*)(PyObject *, PyObject *const *, Py_ssize_t);
-PyCFunction as_pycfunction(FastCall f) { return reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(f)); }
-
-}  // namespace
-
-void add_eager_entries(py::module_ &m) {
-    m.def("call_paged", &call_paged,
-          "call_paged(<fastattn::native_paged_forward's arguments>) -> o: attention_paged()'s eager callable, "
-          "past torch.ops outside dispatch modes and torch.jit.trace");
+bool add_fastcall_entries(PyObject *module) {
     // The eager entries take Python's vectorcall convention (METH_FASTCALL), which
     // pybind11 does not offer: each is a plain CPython function added to the module.
     static PyMethodDef fastcall_defs[] = {
@@ -177,8 +165,13 @@ void add_eager_entries(py::module_ &m) {
         {"call_varlen", as_pycfunction(&call_varlen), METH_FASTCALL, kVarlenCallDoc},
     };
     for (PyMethodDef &def : fastcall_defs) {
-        m.add_object(def.ml_name, py::reinterpret_steal<py::object>(PyCFunction_NewEx(&def, nullptr, m.ptr())));
+        PyObject *f = PyCFunction_NewEx(&def, nullptr, module);
+        if (f == nullptr || PyModule_AddObject(module, def.ml_name, f) != 0) {  // (which steals f only where it adds it)
+            Py_XDECREF(f);
+            return false;
+        }
     }
+    return true;
 }
 
 }  // namespace fastattn::ops

@@ -29,6 +29,7 @@
 #include <string>
 
 #include "ops.h"
+#include "python.h"
 #include "to_python.h"
 
 namespace fastattn::ops {
@@ -242,5 +243,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "mode's C++ "
         "kernels take for this call, as they keep it (tests): (False,) for PyTorch's kernels, else (True, options, "
         "out_stride, lse_shape, grad_strides)");
-    add_eager_entries(m);
+    m.def("call_paged", &call_paged,
+          "call_paged(<fastattn::native_paged_forward's arguments>) -> o: attention_paged()'s eager callable, "
+          "past torch.ops outside dispatch modes and torch.jit.trace");
+    if (!add_fastcall_entries(m.ptr())) throw py::error_already_set();
 }

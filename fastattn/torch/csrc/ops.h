@@ -38,10 +38,6 @@
 
 #include "fastattn_abi.h"
 
-namespace pybind11 {
-class module_;
-}  // namespace pybind11
-
 namespace fastattn::ops {
 
 using at::Tensor;
@@ -238,10 +234,6 @@ Entry miss(int direction, std::initializer_list<OptTensor> inputs, const Tensor 
 // error, from fastattn.torch._executor.alert_not_deterministic under the GIL (the Python
 // path's words and exception); else nothing, at the cost of one flag read.
 void alert_not_deterministic();
-
-// Adds eager.cpp's functions to the Python module: call, call_varlen, call_paged (the eager
-// entries).
-void add_eager_entries(pybind11::module_ &m);
 
 // ---- the SDPA mode (sdpa.cpp; fastattn/torch/_sdpa_mode.py) ------------------------------------
 

@@ -7,7 +7,7 @@
 // are these, compiled by the same command, and the op library carries no entry for tests.
 #pragma once
 
-#include <torch/csrc/autograd/python_variable.h>  // Python.h, THPVariable_Check and _Unpack
+#include "python.h"  // first: Python.h
 
 #include <cmath>
 #include <cstddef>
@@ -19,14 +19,14 @@ namespace fastattn::ops {
 // A tensor (whether a plain CUDA one is the entry's to check).
 inline bool fa_read_tensor(PyObject *arg, PyObject *&out) {
     out = arg;
-    return THPVariable_Check(arg);
+    return is_tensor(arg);
 }
 
 // None or a tensor.
 inline bool fa_read_optional(PyObject *arg, OptTensor &out) {
     if (arg == Py_None) return true;
-    if (!THPVariable_Check(arg)) return false;
-    out = THPVariable_Unpack(arg);
+    if (!is_tensor(arg)) return false;
+    out = unpack(arg);
     return true;
 }
 
