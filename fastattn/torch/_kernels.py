@@ -8,10 +8,12 @@ every tensor plan_for gets, a miss asks plan_for), the work (<op>_forward,
 <op>_backward: outputs, gradients, the launch with its slots filled from the spec), the
 kernels of its ops by dispatch key (CUDA, Meta, CPU, Autograd) and its autograd node
 (<Op>Backward, the op library's one autograd style: a torch::autograd::Node with its
-saved tensors and options as members, as PyTorch's generated ops have), then the
-registration of every op. `header()` is fastattn_kernels.h, the declarations the
-other units call (the C entries' run_<entry>, which _options writes into fastattn_calls.h,
-sdpa.cpp's routes, benchmarks/csrc/profile_eager.cpp).
+saved tensors and options as members, as PyTorch's generated ops have). `registration()`
+is registration.cpp, every op's schema and kernels registered (a unit of its own: the
+library builds as long as its slowest unit). `header()` is fastattn_kernels.h, the
+declarations the other units call (the C entries' run_<entry>, which _options writes into
+fastattn_calls.h, sdpa.cpp's routes, benchmarks/csrc/profile_eager.cpp) and the kernels
+registration.cpp registers.
 
 The code is what a person would write for one op: straight-line, no loop over the spec
 and no table lookup per call. The rules it follows are the executor's, in C++:

@@ -3,11 +3,12 @@
 // the generated kernels' declarations (fastattn_kernels.h).
 //
 // The units are compiled in parallel and linked into one library (fastattn/torch/_native.py):
-//   kernels.cpp each op's plan lookup, work, kernels by dispatch key, autograd node and
-//               registration: generated from the ops' specs (fastattn/torch/_specs.py) at
-//               the build, by fastattn/torch/_kernels.py;
+//   kernels.cpp each op's plan lookup, work, kernels by dispatch key and autograd node, and
+//   registration.cpp  their registration: generated from the ops' specs
+//               (fastattn/torch/_specs.py) at the build, by fastattn/torch/_kernels.py;
 //   ops.cpp     the Python module and the bridge to Python (the miss, exceptions), init
 //               and clear;
+//   python.cpp  python.h's tensors in Python objects, over torch's Python headers;
 //   table.cpp   the plan table, outputs and workspaces, run;
 //   eager.cpp   the eager entries past torch.ops (call, call_varlen, call_paged), with
 //               their argument readers (readers.h, which the tests' extension includes too);
