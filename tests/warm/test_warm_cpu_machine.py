@@ -190,6 +190,20 @@ def test_info_advises_what_works_here_to_get_the_op_library(capsys, monkeypatch,
 # -- the op library's build: a unit per core ------------------------------------------------------------
 
 
+@pytest.mark.parametrize("cores", [1, 2, 16])
+def test_only_units_without_per_call_work_compile_at_O1(cores):
+    # -O1 saves seconds on pybind11's header code in ops.cpp and python.cpp alone; a unit that
+    # batches them with eager.cpp (fewer cores) holds the per-call path and keeps -O2.
+    from fastattn import _opslib
+
+    flags = {unit: _opslib.optimization(unit) for unit in _opslib.units(cores)}
+    assert set(flags.values()) <= {"-O1", "-O2"}
+    for unit, flag in flags.items():
+        assert flag == ("-O1" if set(unit) <= set(_opslib.LIGHT) else "-O2"), unit
+    assert ("-O1" in flags.values()) == (cores >= len(_opslib.NAMES))
+    assert _opslib.optimization(("/abs/path/profile_eager.cpp",)) == "-O2"  # (a tool's EXTRA source)
+
+
 @pytest.mark.parametrize("cores", [1, 2, 3, 5, 6, 16, 128])
 def test_the_op_librarys_sources_compile_in_as_many_units_as_help_on_the_cores_there_are(cores):
     # Two units whatever the machine: a 16-core one waited for the slower batch where its
