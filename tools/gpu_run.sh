@@ -80,6 +80,13 @@ t0=$(date +%s)
 (cd /tmp && FASTATTN_CACHE_DIR=/tmp/fastattn-warm-cache python3 -m fastattn warm --no-progress --report "$LOGS/warm.json") \
   > "$LOGS/warm.log" 2>&1
 echo "fastattn warm: exit $?, $(( $(date +%s) - t0 )) s; $(grep 'torch op library' "$LOGS/warm.log")" | tee -a "$LOGS/env.log"
+# The op library's own build log: each unit's sources, flag and seconds, the link, and the
+# compile-and-link total (warm's figure above adds importing torch and the generator).
+for f in "$FASTATTN_TORCH_OPS_DIR"/*/build.log; do
+  [ -f "$f" ] || continue
+  cp "$f" "$LOGS/ops-build.log"
+  echo "op library: $(grep -v '^  ' "$f" | paste -sd ';' | sed 's/;/; /g')" | tee -a "$LOGS/env.log"
+done
 (cd /tmp && python3 -c 'from fastattn import _opslib; from fastattn.torch import _native; print("op library found:", _opslib.find_built(), "; built:", _native.build())') \
   >> "$LOGS/env.log" 2>&1 || echo "TORCH OP LIBRARY BUILD FAILED (see env.log)"
 

@@ -234,8 +234,10 @@ def build(root: Path | None = None) -> Path:
             done, link_s = _run(link)
             if done.returncode != 0:
                 raise _failure(f"linking {target.name}", done)
-            log = [f"{shlex.join(cmd)}\n{took:.1f} s" for cmd, (_, took) in zip(commands, results)]
-            log.append(f"{shlex.join(link)}\n{link_s:.1f} s")
+            # Each unit's sources, flag and seconds, then its compiler line: what a slow build is read by.
+            log = [f"{' + '.join(Path(n).name for n in names)} ({_opslib.optimization(names)}): {took:.1f} s\n"
+                   f"  {shlex.join(cmd)}" for names, cmd, (_, took) in zip(groups, commands, results)]
+            log.append(f"link: {link_s:.1f} s\n  {shlex.join(link)}")
             log.append(f"total {time.perf_counter() - t0:.1f} s: {len(units)} units on {cores} cores")
             (folder / "build.log").write_text("\n".join(log) + "\n")
             os.replace(tmp, target)  # atomic: a reader sees no library or a whole one
