@@ -166,10 +166,9 @@ bool add_fastcall_entries(PyObject *module) {
     };
     for (PyMethodDef &def : fastcall_defs) {
         PyObject *f = PyCFunction_NewEx(&def, nullptr, module);
-        if (f == nullptr || PyModule_AddObject(module, def.ml_name, f) != 0) {  // (which steals f only where it adds it)
-            Py_XDECREF(f);
-            return false;
-        }
+        const bool added = f != nullptr && PyModule_AddObjectRef(module, def.ml_name, f) == 0;
+        Py_XDECREF(f);
+        if (!added) return false;
     }
     return true;
 }
