@@ -37,7 +37,8 @@ which warns (fastattn.torch._executor.alert_not_deterministic).
 What fastattn takes: float16 / bfloat16 CUDA tensors of 4 dims, heads_q a multiple of
 heads_kv (enable_gqa), a boolean mask or an additive one in the query's dtype or float32
 (copied into a contiguous bias of cuDNN's broadcast shapes in the query's dtype where it
-is not one), dropout, is_causal (top left), scale. Head dims that are not multiples of 8,
+is not one), dropout, is_causal (top left), scale. A float mask that requires grad runs on
+fastattn's dense op with its bias gradient instead (_trainable_mask). Head dims that are not multiples of 8,
 which cuDNN does not take, are padded with zeros as PyTorch's flash backend pads them (the
 scale kept at the real head dim's, the output cut back; autograd pads its gradient), and
 counted (fastattn.stats()["sdpa"]["head_dim_padded"]). The verdict is kept per call signature
@@ -82,8 +83,8 @@ FALLBACK_FORWARD_ARGS = ("query", "key", "value", "attn_bias", "cum_seq_q", "cum
 # these, by index: csrc/sdpa.cpp early() and composite()).
 EARLY = ("query, key, value or attn_mask: not a plain strided tensor of static shape on the query's device, "
          "or query, key, value not of 4 dims",
-         "attn_mask: requires grad, or is neither boolean nor floating, or has fewer than 2 dims (PyTorch 2.11's "
-         "SDPA raises an IndexError for it) or does not broadcast to (batch, heads, seq_q, seq_kv)",
+         "attn_mask: neither boolean nor floating, or fewer than 2 dims (PyTorch 2.11's SDPA raises an "
+         "IndexError for it), or does not broadcast to (batch, heads, seq_q, seq_kv)",
          "heads: key and value have fewer heads than query and enable_gqa is False (PyTorch's error)",
          "PyTorch's cuDNN SDPA backend is disabled (torch.backends.cuda.cudnn_sdp_enabled() is False: an "
          "sdpa_kernel context without CUDNN_ATTENTION, or enable_cudnn_sdp(False)): the backends enabled run it")
@@ -93,6 +94,12 @@ EARLY = ("query, key, value or attn_mask: not a plain strided tensor of static s
 # leaves its cuDNN backend out there, runs it on a deterministic backend (or raises).
 NO_DETERMINISTIC = ("torch.use_deterministic_algorithms(True) and a call with a backward: cuDNN builds no "
                     "deterministic backward for it here; PyTorch's deterministic backends run it")
+# _early's answer for a call whose mask requires grad (a learned bias: relative positions,
+# trained slopes), where nothing else hands it on: PyTorch's cuDNN operator returns no
+# gradient for its attn_bias, so fastattn's own dense op runs it, with cuDNN's bias
+# gradient (bias_grad), through the dense custom op's autograd (_trainable_mask).
+# The op library's composite hands such a call to _composite (csrc/sdpa.cpp kPython).
+TRAINABLE_MASK = "the mask requires grad: fastattn's dense op with its bias gradient"
 # torch.backends.cuda.cudnn_sdp_enabled() without its Python wrapper: the process-wide flag
 # that sdpa_kernel(...), torch.backends.cuda.enable_cudnn_sdp(...) and the deprecated
 # sdp_kernel(enable_cudnn=...) set, and PyTorch's own backend choice reads per call.
@@ -184,7 +191,7 @@ def enable_sdpa() -> None:
         if native is not None:
             # The op library's kernels (csrc/sdpa.cpp): these below in C++, a new signature's
             # route asked of _route once.
-            native.sdpa_kernels(True, _route, "CUDA", list(EARLY))
+            native.sdpa_kernels(True, _route, "CUDA", list(EARLY), composite=_composite)
             library = native
             global _native_kernels
             _native_kernels = native
@@ -360,10 +367,11 @@ def _bias(attn_bias: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor, trai
     return m if m.is_contiguous() else m.contiguous()
 
 
-def _signature(q, k, v, attn_bias, dropout_p, is_causal, scale, training, deterministic) -> tuple:
+def _signature(q, k, v, attn_bias, dropout_p, is_causal, scale, training, deterministic, bias_grad) -> tuple:
     bias = None if attn_bias is None else (attn_bias.shape, attn_bias.stride(), attn_bias.dtype)
     return (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype,
-            q.get_device(), bias, float(dropout_p), bool(is_causal), scale, bool(training), bool(deterministic))
+            q.get_device(), bias, float(dropout_p), bool(is_causal), scale, bool(training), bool(deterministic),
+            bias_grad)
 
 
 def _strict() -> bool:
@@ -374,17 +382,20 @@ def _strict() -> bool:
     return deterministic_algorithms() and not deterministic_warn_only()
 
 
-def _route(q, k, v, attn_bias, dropout_p, is_causal, scale, training, deterministic=False) -> _Route | str:
+def _route(q, k, v, attn_bias, dropout_p, is_causal, scale, training, deterministic=False,
+           bias_grad=False) -> _Route | str:
     """fastattn's way to run this call, or why PyTorch's kernels run it. One dict lookup
     once the signature has been seen. deterministic: a training call's route takes cuDNN's
-    deterministic backward (_strict)."""
+    deterministic backward (_strict). bias_grad: the backward also gives attn_bias's
+    gradient (a training call of _trainable_mask's; the cuDNN operator's kernels never ask)."""
     deterministic = bool(deterministic and training)
-    key = _signature(q, k, v, attn_bias, dropout_p, is_causal, scale, training, deterministic)
+    bias_grad = bool(bias_grad and training and attn_bias is not None)
+    key = _signature(q, k, v, attn_bias, dropout_p, is_causal, scale, training, deterministic, bias_grad)
     hit = _routes.get(key)
     if hit is not None:
         hit[1] = _clock[0]
         return hit[0]
-    route = _decide(q, k, v, attn_bias, dropout_p, is_causal, scale, training, deterministic)
+    route = _decide(q, k, v, attn_bias, dropout_p, is_causal, scale, training, deterministic, bias_grad)
     if isinstance(route, _Route) or not (q.is_cuda and capturing()):
         # (a refusal inside a capture, for a plan not loaded yet, is not kept: the same call
         # outside a capture can load it)
@@ -408,7 +419,8 @@ def _keep(key: tuple, route: _Route | str) -> None:
             bounded.evicted("sdpa_routes", drop)
 
 
-def _decide(q, k, v, attn_bias, dropout_p, is_causal, scale, training, deterministic=False) -> _Route | str:
+def _decide(q, k, v, attn_bias, dropout_p, is_causal, scale, training, deterministic=False,
+            bias_grad=False) -> _Route | str:
     if q.dtype not in DTYPES or not (q.dtype == k.dtype == v.dtype):
         return f"dtype {q.dtype}: fastattn takes float16 and bfloat16"
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
@@ -423,7 +435,7 @@ def _decide(q, k, v, attn_bias, dropout_p, is_causal, scale, training, determini
     if layout is None:
         return f"query strides {q.stride()}: in no memory order fastattn reads (bhsd, bshd, sbhd)"
     options = _dense.DenseOptions(layout, bool(is_causal), False, -1, -1, 0.0 if scale is None else float(scale),
-                                  bool(deterministic), False, bool(training), float(dropout_p), False, 0.0)
+                                  bool(deterministic), False, bool(training), float(dropout_p), bool(bias_grad), 0.0)
     ql, kl, vl = _views(layout, q, k, v)
     try:
         _dense.plan_for(ql, kl, vl, None, None, _bias(attn_bias, q, k, training), None, None, None, options)
@@ -590,22 +602,25 @@ def _plain(t: torch.Tensor, device) -> bool:
 
 
 def _early(q, k, v, attn_mask, enable_gqa) -> str | None:
-    """Which of EARLY hands this call on before a route is asked, or None where the route
-    decides."""
+    """Which of EARLY hands this call on before a route is asked, TRAINABLE_MASK where
+    _trainable_mask takes it, or None where the route decides."""
     if not _cudnn_sdp_enabled():  # (first: one flag read, and the user's choice outranks the rest)
         return EARLY[3]
     if not all(_plain(t, q.device) for t in (q, k, v)) or not q.dim() == k.dim() == v.dim() == 4 or (
             attn_mask is not None and not _plain(attn_mask, q.device)):
         return EARLY[0]
+    trainable = False
     if attn_mask is not None:
         m = attn_mask
-        if ((m.requires_grad and torch.is_grad_enabled()) or not 2 <= m.dim() <= 4
-                or not (m.dtype == torch.bool or m.dtype.is_floating_point)):
+        if not 2 <= m.dim() <= 4 or not (m.dtype == torch.bool or m.dtype.is_floating_point):
             return EARLY[1]
         out = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
         if any(m.shape[-d] not in (1, out[4 - d]) for d in range(1, m.dim() + 1)):
             return EARLY[1]
-    return EARLY[2] if not enable_gqa and k.shape[1] != q.shape[1] else None
+        trainable = m.requires_grad and torch.is_grad_enabled()
+    if not enable_gqa and k.shape[1] != q.shape[1]:
+        return EARLY[2]
+    return TRAINABLE_MASK if trainable else None
 
 
 def _composite_bias(attn_mask, q, lse: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -682,6 +697,10 @@ def _composite(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False
     kernels above), any other as PyTorch's own composite (its backend choice, its
     errors)."""
     reason = _early(query, key, value, attn_mask, enable_gqa)
+    if reason is TRAINABLE_MASK:
+        reason = _trainable_mask(query, key, value, attn_mask, dropout_p, is_causal, scale)
+        if reason.__class__ is not str:  # (served: the output)
+            return reason
     # PyTorch's composite asks its kernels for the logsumexp only where autograd needs it.
     lse = reason is None and torch.is_grad_enabled() and (query.requires_grad or key.requires_grad
                                                           or value.requires_grad)
@@ -712,3 +731,40 @@ def _composite(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False
             query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
     finally:
         _local.counted = False
+
+
+def _trainable_mask(query, key, value, attn_mask, dropout_p, is_causal, scale) -> torch.Tensor | str:
+    """A call whose float mask requires grad (TRAINABLE_MASK), run by fastattn's dense op
+    with bias_grad (its custom op, whose autograd gives the bias its gradient), counted; or the reason PyTorch's composite runs it (counted by the
+    caller). The mask becomes a bias of cuDNN's shapes through differentiable steps
+    (_composite_bias's -inf rows, a view of 4 dims, expanded over the queries and keys,
+    rounded to the query's dtype), so autograd sums the bias's gradient back to the
+    mask's own shape and dtype. Its broadcast over batch and heads is kept where cuDNN
+    builds the bias gradient for it, else expanded to (batch, heads_q) (the gradient
+    summed back alike); head dims padded as _padded pads them."""
+    if attn_mask.dtype not in (query.dtype, torch.float32):  # (as _decide refuses one for the cuDNN operator)
+        return f"attn_bias is {attn_mask.dtype}, query {query.dtype}"
+    q, k, v, s, head_dim_v = _padded(query, key, value, scale)
+    m, empty = _composite_bias(attn_mask, q, True)
+    deterministic = _strict()
+    route = None
+    for lead in dict.fromkeys((tuple(m.shape[:2]), (q.shape[0], q.shape[1]))):
+        bias = m.expand(*lead, q.shape[2], k.shape[2])
+        bias = (bias.to(q.dtype, memory_format=torch.contiguous_format) if bias.dtype != q.dtype
+                else bias.contiguous())
+        route = _route(q, k, v, bias, dropout_p, is_causal, s, True, deterministic, bias_grad=True)
+        if isinstance(route, _Route):
+            break
+    if not isinstance(route, _Route):
+        return route
+    _count(None if head_dim_v is None else PADDED)
+    layout = route.layout
+    ql, kl, vl = _views(layout, q, k, v)
+    # Philox's seed at element 0 and offset at element 2 (fastattn's rng tensor)
+    rng = torch.randint(0, 2**62, (4,), device=q.device, dtype=torch.int64) if dropout_p else None
+    # The dense custom op (its autograd gives bias its gradient; its fake kernel serves a trace),
+    # with the route's options: the plan the route was decided for.
+    o = _to_bhsd(layout, _dense.forward_op(ql, kl, vl, None, None, bias, None, rng, *route.options)[0])
+    if head_dim_v is not None:
+        o = o.narrow(-1, 0, head_dim_v)
+    return o.masked_fill(empty, 0.0)

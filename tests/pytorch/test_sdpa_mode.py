@@ -58,6 +58,7 @@ class Model:
     def __init__(self):
         self.calls = []
         self.no_deterministic = False  # a cuDNN that builds no deterministic backward
+        self.bias_grad_full_only = False  # a cuDNN that builds a bias gradient for (batch, heads, ...) biases only
 
     def plan_for(self, q, k, v, seq_len_q, seq_len_kv, bias, sink, rng, o, options):
         assert o is None and seq_len_q is None and sink is None
@@ -69,6 +70,8 @@ class Model:
             raise NotSupportedError("backward: no deterministic engine here")
         if bias is not None:
             assert bias.is_contiguous() and bias.dim() == 4 and bias.dtype == q.dtype
+        if options.bias_grad and self.bias_grad_full_only and 1 in bias.shape[:2]:
+            raise NotSupportedError("bias gradient: a bias of (batch, heads, seq_q, seq_kv) only")
         self.calls.append(("plan", options))
 
     def forward_impl(self, q, k, v, seq_len_q, seq_len_kv, bias, sink, rng, options):
@@ -98,7 +101,12 @@ class Model:
         dk = (ds.transpose(-1, -2) @ ql * scale).unflatten(1, (kl.shape[1], rep)).sum(2)
         dv = (p.transpose(-1, -2) @ do).unflatten(1, (kl.shape[1], rep)).sum(2)
         self.calls.append(("backward", layout))
-        return (*(_from_logical(g, layout).to(q.dtype).contiguous() for g in (dq, dk, dv)), None, None, None, None, None)
+        d_bias = None
+        if options.bias_grad:  # ds summed over the bias's broadcast dims, in its dtype
+            dims = [d for d in range(4) if bias.shape[d] == 1]
+            d_bias = (ds.sum(dims, keepdim=True) if dims else ds).to(bias.dtype).contiguous()  # (sum([]): all dims)
+        return (*(_from_logical(g, layout).to(q.dtype).contiguous() for g in (dq, dk, dv)), None, None, d_bias, None,
+                None)
 
 
 @pytest.fixture
@@ -372,7 +380,7 @@ def test_the_op_librarys_routes_are_bounded_least_recently_used_first_and_their_
         return _sdpa_mode._route(q, *rest)
 
     cap = lib.max_entries()
-    lib.sdpa_kernels(True, route, "CPU", list(_sdpa_mode.EARLY))
+    lib.sdpa_kernels(True, route, "CPU", list(_sdpa_mode.EARLY), composite=_sdpa_mode._composite)
     lib.set_max_entries(4)
     try:
         def signature(s, dtype=torch.bfloat16):
@@ -417,7 +425,7 @@ def test_the_op_librarys_kernels_hand_a_refused_call_to_pytorchs_own_operators(l
     # says the hand-over arrived (a null operator handle crashed here before review).
     assert not fastattn.torch.sdpa_enabled()
     lib.clear()
-    lib.sdpa_kernels(True, _sdpa_mode._route, "CPU", list(_sdpa_mode.EARLY))
+    lib.sdpa_kernels(True, _sdpa_mode._route, "CPU", list(_sdpa_mode.EARLY), composite=_sdpa_mode._composite)
     try:
         q = torch.randn(1, 2, 8, 16)
         with pytest.raises(NotImplementedError, match=r"aten::_cudnn_attention_forward' with arguments from the 'CPU'"):
@@ -649,17 +657,27 @@ def _mask64(mask, dtype=torch.bfloat16):
 
 
 def _assert_sdpas_in_float64(out, q, k, v, mask, grad_tol=3e-2, **kwargs):
-    """A served call's output, and the gradients it gives q, k and v (through a random
-    output gradient), against PyTorch's SDPA in float64 with the mask as the mode reads it
-    (_mask64)."""
+    """A served call's output, and the gradients it gives q, k and v (and a mask that
+    requires grad: summed back to its own shape) through a random output gradient, against
+    PyTorch's SDPA in float64 with the mask as the mode reads it (_mask64). A mask's rows
+    that keep no key (-inf throughout) get no gradient: zeros."""
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
-    ref = SDPA(q64, k64, v64, attn_mask=_mask64(mask, q.dtype), **kwargs)
+    trainable = mask is not None and mask.requires_grad
+    m64 = _mask64(mask if not trainable else mask.detach(), q.dtype)
+    if trainable:
+        m64.requires_grad_()
+    ref = SDPA(q64, k64, v64, attn_mask=m64, **kwargs)
     torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=2e-2)
     g = torch.randn_like(ref)
     (out.double() * g).sum().backward()
     (ref * g).sum().backward()
     for ours, theirs in zip((q, k, v), (q64, k64, v64)):
         torch.testing.assert_close(ours.grad.double(), theirs.grad, atol=grad_tol, rtol=grad_tol)
+    if trainable:
+        assert mask.grad is not None and mask.grad.shape == mask.shape and mask.grad.dtype == mask.dtype
+        empty = (m64.detach() == float("-inf")).all(-1, keepdim=True).expand(mask.shape)
+        theirs = m64.grad.masked_fill(empty, 0.0)  # (PyTorch's math: 0 or NaN there, by version)
+        torch.testing.assert_close(mask.grad.double(), theirs, atol=grad_tol, rtol=grad_tol)
 
 
 @pytest.mark.parametrize("mask_name", list(_masks(2, 4, 5, 7)))
@@ -704,10 +722,6 @@ def test_calls_fastattn_does_not_take_run_pytorchs_composite_with_its_answers_an
     q3 = q.flatten(0, 1)
     torch.testing.assert_close(SDPA(q3, q3, q3), torch.ops.aten._scaled_dot_product_attention_math(q3, q3, q3)[0],
                                atol=1e-2, rtol=2e-2)
-    # a mask with a gradient of its own: PyTorch's, the gradient reaches it
-    m = torch.zeros(3, 6, dtype=torch.bfloat16, requires_grad=True)
-    SDPA(q, k, v, attn_mask=m, enable_gqa=True).float().sum().backward()
-    assert m.grad is not None and m.grad.shape == (3, 6)
     # PyTorch's own errors, unchanged: fewer key heads without enable_gqa; an integer mask
     with pytest.raises(RuntimeError):
         SDPA(q, k, v)
@@ -718,7 +732,7 @@ def test_calls_fastattn_does_not_take_run_pytorchs_composite_with_its_answers_an
     calls = _sdpa_mode.sdpa_calls()
     assert calls["served"] == 0 and composite.calls == []
     assert calls["passed_on"] == {"dtype torch.float32: fastattn takes float16 and bfloat16": 1, early[0]: 1,
-                                  early[1]: 3, early[2]: 1}
+                                  early[1]: 2, early[2]: 1}
 
 
 def test_compiled_with_fullgraph_sdpa_is_served(composite):
@@ -745,8 +759,8 @@ def test_the_op_librarys_composite_serves_and_hands_on_the_same_calls(lib, model
     lib.clear()
     monkeypatch.setattr(_sdpa_mode, "_calls", {})
     with pytest.raises(RuntimeError, match=f"{len(_sdpa_mode.EARLY)} early reasons, got 1"):
-        lib.sdpa_kernels(True, _sdpa_mode._route, "CPU", ["one"])
-    lib.sdpa_kernels(True, _sdpa_mode._route, "CPU", list(_sdpa_mode.EARLY))
+        lib.sdpa_kernels(True, _sdpa_mode._route, "CPU", ["one"], composite=_sdpa_mode._composite)
+    lib.sdpa_kernels(True, _sdpa_mode._route, "CPU", list(_sdpa_mode.EARLY), composite=_sdpa_mode._composite)
     python = torch.library.Library("aten", "IMPL")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
@@ -825,7 +839,7 @@ def _calls(draw):
         elif how == "transposed" and rank >= 2:
             m = m.transpose(-1, -2).contiguous().transpose(-1, -2)  # keys not the innermost dim
         if m.is_floating_point() and draw(st.integers(0, 5)) == 0:
-            m = m.requires_grad_()  # a mask's own gradient: PyTorch's kernels
+            m = m.requires_grad_()  # a mask's own gradient: fastattn's dense op with bias_grad
         call["mask"] = m
     return call
 
@@ -864,26 +878,29 @@ def either_composite(request, model, monkeypatch):
         return
     native = request.getfixturevalue("lib")
     native.clear()
-    native.sdpa_kernels(True, _sdpa_mode._route, "CPU", list(_sdpa_mode.EARLY))
+    native.sdpa_kernels(True, _sdpa_mode._route, "CPU", list(_sdpa_mode.EARLY), composite=_sdpa_mode._composite)
     python = torch.library.Library("aten", "IMPL")  # the cuDNN operator's: model's again (C++ ones run cuDNN)
+
+    def forward(*args, **kwargs):  # (below the C++ composite, which counted the call: as its t_counted)
+        _sdpa_mode._local.counted = True
+        try:
+            return _sdpa_mode._forward(*args, **kwargs)
+        finally:
+            _sdpa_mode._local.counted = False
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
-        python.impl(_sdpa_mode._FORWARD, _sdpa_mode._forward, "CPU")
+        python.impl(_sdpa_mode._FORWARD, forward, "CPU")
         python.impl(_sdpa_mode._BACKWARD, _sdpa_mode._backward, "CPU")
 
-    def counts():
-        calls = native.sdpa_calls()
-        served = sum(n for ours, reason, n in calls if ours and reason != _sdpa_mode.PADDED)
-        return served, sum(n for ours, _, n in calls if not ours)
+    # (the op library's counts, and _sdpa_mode's of the calls it hands to the Python composite:
+    # a mask that requires grad)
+    monkeypatch.setattr(_sdpa_mode, "_native_kernels", native)
 
-    def handed_on():
-        out: dict = {}
-        for ours, reason, n in native.sdpa_calls():
-            if n and not ours:
-                out[reason] = out.get(reason, 0) + n
-        return out
-    counts.handed_on = handed_on
-    counts.padded = lambda: sum(n for _, reason, n in native.sdpa_calls() if reason == _sdpa_mode.PADDED)
+    def counts():
+        calls = _sdpa_mode.sdpa_calls()
+        return calls["served"], sum(calls["passed_on"].values())
+    counts.handed_on = lambda: _sdpa_mode.sdpa_calls()["passed_on"]
+    counts.padded = lambda: _sdpa_mode.sdpa_calls()["head_dim_padded"]
     try:
         yield counts
     finally:
@@ -952,6 +969,62 @@ def test_head_dims_not_multiples_of_8_are_served_padded(either_composite, d_qk, 
     ref = SDPA(q.double(), k.double(), v.double(), scale=0.3, enable_gqa=True)
     torch.testing.assert_close(scaled.double(), ref, atol=2e-2, rtol=2e-2)
     assert counts()[0] == 2
+
+
+@pytest.mark.parametrize("shape,dtype,minus_inf_row", [
+    ((5, 7), torch.float32, False),  # a learned (seq_q, seq_kv) bias, float32 beside bfloat16 queries
+    ((4, 5, 7), torch.bfloat16, True),  # per head, with a row of -inf (no key kept: zeros, no gradient)
+    ((2, 1, 1, 7), torch.bfloat16, False),  # one row per sequence, broadcast over heads and queries
+    ((2, 4, 5, 7), torch.float32, False),
+])
+@pytest.mark.parametrize("full_only", [False, True])
+def test_a_mask_that_requires_grad_is_served_and_its_gradient_reaches_it(either_composite, model, shape, dtype,
+                                                                         minus_inf_row, full_only):
+    # PyTorch's cuDNN operator gives no gradient for its attn_bias: the mode runs such a call
+    # on fastattn's dense op with bias_grad, and autograd sums d_bias back to the mask's own
+    # shape and dtype. Where cuDNN builds the bias gradient for (batch, heads) biases only
+    # (full_only), the mask is expanded to that first.
+    counts = either_composite
+    model.bias_grad_full_only = full_only
+    q, k, v = _qkv(2, 4, 2, 5, 7, 16, "bshd")
+    g = torch.Generator().manual_seed(11)
+    mask = torch.randn(shape, generator=g).to(dtype)
+    if minus_inf_row:
+        mask[1, 2] = float("-inf")
+    mask.requires_grad_()
+    out = SDPA(q, k, v, attn_mask=mask, is_causal=False, enable_gqa=True)
+    assert counts() == (1, 0), counts.handed_on()
+    plans = [c[1] for c in model.calls if c[0] == "plan"]
+    assert plans and all(o.bias_grad and o.training for o in plans)
+    _assert_sdpas_in_float64(out, q, k, v, mask, enable_gqa=True)
+    assert [c[0] for c in model.calls][-1] == "backward"
+    if minus_inf_row:
+        assert (out[:, 1, 2] == 0).all() and (mask.grad[1, 2] == 0).all()
+    # Without grad mode, or for a mask that does not require grad, the cuDNN operator's way.
+    with torch.no_grad():
+        SDPA(q, k, v, attn_mask=mask, enable_gqa=True)
+    assert counts()[0] == 2  # (the float64 reference above: handed on)
+    assert not [c for c in model.calls if c[0] == "plan"][-1][1].bias_grad
+
+
+def test_a_mask_that_requires_grad_is_handed_on_where_fastattn_cannot_serve_it(either_composite, model):
+    # A mask of another float dtype than the queries' and float32 (as the cuDNN operator's
+    # route refuses it): PyTorch's composite, and its error. Under required determinism where
+    # cuDNN builds no deterministic backward: PyTorch's composite, whose gradient reaches the mask.
+    counts = either_composite
+    q, k, v = _qkv(1, 4, 2, 3, 6, 16, "bhsd")
+    m = torch.zeros(3, 6, dtype=torch.float16, requires_grad=True)
+    with pytest.raises(RuntimeError, match="attn_mask dtype"):
+        SDPA(q, k, v, attn_mask=m, enable_gqa=True)
+    assert counts() == (0, 1) and list(counts.handed_on()) == ["attn_bias is torch.float16, query torch.bfloat16"]
+    from helpers.torch import deterministic
+
+    model.no_deterministic = True
+    m = torch.zeros(3, 6, dtype=torch.bfloat16, requires_grad=True)
+    with deterministic(False):
+        SDPA(q, k, v, attn_mask=m, enable_gqa=True).float().sum().backward()
+    assert m.grad is not None and counts() == (0, 2)
+    assert counts.handed_on()[_sdpa_mode.NO_DETERMINISTIC] == 1
 
 
 def test_where_fastattn_cannot_run_the_mode_stands_aside_and_says_so_once(composite, monkeypatch, caplog):

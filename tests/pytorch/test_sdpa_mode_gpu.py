@@ -288,6 +288,37 @@ def test_head_dims_not_multiples_of_8_are_served_padded(mode, d_qk, d_v):
         torch.testing.assert_close(got.double(), r, atol=TOL * r.abs().max().item(), rtol=TOL)
 
 
+@pytest.mark.parametrize("shape,dtype", [((8, 96, 96), torch.bfloat16), ((96, 96), torch.float32),
+                                         ((2, 8, 96, 96), torch.bfloat16), ((2, 1, 1, 96), torch.float32)])
+def test_a_mask_that_requires_grad_gets_its_gradient(mode, shape, dtype):
+    # A learned bias: PyTorch's cuDNN operator gives it no gradient, so the mode runs the call
+    # on fastattn's dense op with cuDNN's bias gradient. A per-head (1, heads, seq_q, seq_kv)
+    # bias is the shape cuDNN's bias gradient is built for (fastattn's bias_grad feature): it
+    # is served; any other is served (expanded to (batch, heads) where cuDNN wants that) or
+    # handed on with cuDNN's reason. Either way the gradients, the mask's included, are right.
+    torch.manual_seed(0)
+    q = torch.randn(2, 8, 96, 64, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(2, 2, 96, 64, device=DEV, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    mask = torch.randn(shape, device=DEV, dtype=dtype).requires_grad_()
+    before = fastattn.stats()["sdpa"]
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    g = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v, mask), g)
+    after = fastattn.stats()["sdpa"]
+    served = after["served"] - before["served"]
+    handed = {r: n - before["passed_on"].get(r, 0) for r, n in after["passed_on"].items()
+              if n != before["passed_on"].get(r, 0)}
+    assert (served, handed) == (1, {}) or (served == 0 and len(handed) == 1 and shape != (8, 96, 96)), (served, handed)
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    m64 = mask.detach().to(torch.bfloat16).double().requires_grad_()  # (the mask as the kernels read it)
+    ref = torch.ops.aten._scaled_dot_product_attention_math(*leaves, attn_mask=m64, enable_gqa=True)[0]
+    want = torch.autograd.grad(ref, (*leaves, m64), g.double())
+    assert grads[3].shape == mask.shape and grads[3].dtype == mask.dtype
+    for got, r in zip((out, *grads), (ref, *want)):
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got.double(), r, atol=TOL * r.abs().max().item(), rtol=TOL)
+
+
 def _step(q, k, v, g, backends=None):
     """(output, d_q, d_k, d_v) of one causal SDPA training call, in an sdpa_kernel context
     of `backends` where given."""

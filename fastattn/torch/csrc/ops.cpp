@@ -43,6 +43,7 @@ namespace {
 PyObject *g_miss = nullptr;            // the Python miss handler; a new reference, never released
 PyObject *g_error_for_code = nullptr;  // fastattn.errors.error_for_code; likewise
 PyObject *g_sdpa_route = nullptr;      // fastattn.torch._sdpa_mode._route, once the mode is on; likewise
+PyObject *g_sdpa_composite = nullptr;  // fastattn.torch._sdpa_mode._composite, alike
 
 py::object to_py(const OptTensor &t) { return given(t) ? py::cast(*t) : py::none(); }
 
@@ -122,6 +123,18 @@ SdpaRoute miss_sdpa(const Tensor &q, const Tensor &k, const Tensor &v, const Opt
     return r;
 }
 
+// _sdpa_mode._composite's answer to a call the op library's composite hands to Python
+// (sdpa.cpp kPython): its output, or its exception as error_already_set.
+Tensor python_composite(const Tensor &q, const Tensor &k, const Tensor &v, const OptTensor &mask, double dropout_p,
+                        bool is_causal, std::optional<double> scale, bool enable_gqa) {
+    py::gil_scoped_acquire gil;
+    TORCH_CHECK(g_sdpa_composite != nullptr, "fastattn: the SDPA mode's kernels run without enable_sdpa()");
+    return py::reinterpret_borrow<py::object>(g_sdpa_composite)(
+               q, k, v, to_py(mask), dropout_p, is_causal, py::arg("scale") = scale ? py::cast(*scale) : py::none(),
+               py::arg("enable_gqa") = enable_gqa)
+        .cast<Tensor>();
+}
+
 void alert_not_deterministic() {
     if (!at::globalContext().deterministicAlgorithms()) return;
     py::gil_scoped_acquire gil;
@@ -167,12 +180,18 @@ void clear() {
 }
 
 // The SDPA mode's kernels on (with the route function they ask for a new signature's
-// route) or off; for CUDA, or the CPU (tests: the kernels' fallback, on CPU tensors).
-void sdpa_kernels(bool on, py::object route, const std::string &key, const std::vector<std::string> &early) {
+// route, and the Python composite they hand the calls of kPython to) or off; for CUDA, or
+// the CPU (tests: the kernels' fallback, on CPU tensors).
+void sdpa_kernels(bool on, py::object route, const std::string &key, const std::vector<std::string> &early,
+                  py::object composite) {
     TORCH_CHECK_VALUE(key == "CUDA" || key == "CPU", "fastattn: sdpa_kernels(key='", key, "'): 'CUDA' or 'CPU'");
     if (on) {
+        TORCH_CHECK_VALUE(!route.is_none() && !composite.is_none(),
+                          "fastattn: sdpa_kernels(True, ...): needs route and composite");
         if (g_sdpa_route != nullptr) Py_DECREF(g_sdpa_route);
         g_sdpa_route = route.inc_ref().ptr();
+        if (g_sdpa_composite != nullptr) Py_DECREF(g_sdpa_composite);
+        g_sdpa_composite = composite.inc_ref().ptr();
     }
     set_sdpa_kernels(on, key == "CUDA" ? c10::DispatchKey::CUDA : c10::DispatchKey::CPU, early);
 }
@@ -220,11 +239,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("clear", &clear, "forget every plan and release the kept workspaces (only while no op runs)");
     m.def("kept_workspace_bytes", &kept_workspace_bytes, "bytes of workspace kept per thread and stream for reuse");
     m.def("sdpa_kernels", &sdpa_kernels, py::arg("on"), py::arg("route") = py::none(), py::arg("key") = "CUDA",
-          py::arg("early") = std::vector<std::string>{},
-          "sdpa_kernels(on, route, key='CUDA', early=()): the SDPA mode's C++ kernels over "
+          py::arg("early") = std::vector<std::string>{}, py::arg("composite") = py::none(),
+          "sdpa_kernels(on, route, key='CUDA', early=(), composite=None): the SDPA mode's C++ kernels over "
           "aten::scaled_dot_product_attention, aten::_scaled_dot_product_cudnn_attention and its backward "
-          "registered (route: fastattn.torch._sdpa_mode._route; early: _sdpa_mode.EARLY) or removed; key 'CPU' "
-          "for tests");
+          "registered (route: fastattn.torch._sdpa_mode._route; early: _sdpa_mode.EARLY; composite: "
+          "_sdpa_mode._composite, for a mask that requires grad) or removed; key 'CPU' for tests");
     m.def("sdpa_route_count", &sdpa_route_count, "call signatures the SDPA mode's C++ kernels have a route for");
     m.def("sdpa_calls", &sdpa_calls,
           "the SDPA mode's C++ forward calls so far: [(served, reason where not, calls)], by route, and "

@@ -269,6 +269,11 @@ void zero_sdpa_calls();
 SdpaRoute miss_sdpa(const Tensor &q, const Tensor &k, const Tensor &v, const OptTensor &bias, double dropout_p,
                     bool is_causal, std::optional<double> scale, bool training, bool deterministic);
 
+// _sdpa_mode._composite's output for a call the op library's composite hands to Python
+// (a mask that requires grad: sdpa.cpp kPython); ops.cpp, under the GIL.
+Tensor python_composite(const Tensor &q, const Tensor &k, const Tensor &v, const OptTensor &mask, double dropout_p,
+                        bool is_causal, std::optional<double> scale, bool enable_gqa);
+
 // A call signature's route: from the map, else miss_sdpa's (kept, but for a refusal
 // inside a CUDA-graph capture). Shared: valid for as long as the caller holds it, whether
 // or not the map drops it meanwhile.

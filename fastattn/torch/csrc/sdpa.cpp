@@ -367,8 +367,15 @@ void backward(const c10::OperatorHandle &, Stack *stack) {
 
 constexpr size_t kCompositeArgs = 8;  // _sdpa_mode.COMPOSITE_ARGS
 
-// Which of g_early_reasons hands this call on before a route is asked, or -1 where the
-// route decides (_sdpa_mode._early).
+// early()'s answer for a call whose float mask requires grad (_sdpa_mode.TRAINABLE_MASK):
+// PyTorch's cuDNN operator gives no gradient for its attn_bias, so the Python composite
+// runs it on fastattn's dense op with the bias gradient (_sdpa_mode._trainable_mask),
+// written once there: such calls are few (learned position biases), and each costs one
+// call into Python.
+constexpr int kPython = -2;
+
+// Which of g_early_reasons hands this call on before a route is asked, kPython, or -1
+// where the route decides (_sdpa_mode._early).
 int early(const Tensor &q, const Tensor &k, const Tensor &v, const OptTensor &mask, bool enable_gqa) {
     // A route is kept for the shapes and strides of plain tensors (and a trace with
     // symbolic shapes has none to read).
@@ -380,18 +387,20 @@ int early(const Tensor &q, const Tensor &k, const Tensor &v, const OptTensor &ma
         (given(mask) && !plain(*mask))) {
         return 0;
     }
+    bool trainable = false;
     if (given(mask)) {
         const Tensor &m = *mask;
-        if ((m.requires_grad() && at::GradMode::is_enabled()) || m.dim() < 2 || m.dim() > 4 ||
-            (m.scalar_type() != at::kBool && !at::isFloatingType(m.scalar_type()))) {
+        if (m.dim() < 2 || m.dim() > 4 || (m.scalar_type() != at::kBool && !at::isFloatingType(m.scalar_type()))) {
             return 1;
         }
         const std::array<int64_t, 4> out = {q.size(0), q.size(1), q.size(2), k.size(2)};
         for (int64_t d = 1; d <= m.dim(); ++d) {
             if (m.size(-d) != 1 && m.size(-d) != out[4 - d]) return 1;
         }
+        trainable = m.requires_grad() && at::GradMode::is_enabled();
     }
-    return !enable_gqa && k.size(1) != q.size(1) ? 2 : -1;
+    if (!enable_gqa && k.size(1) != q.size(1)) return 2;
+    return trainable ? kPython : -1;
 }
 
 // 0 and -inf as 0-d tensors of like's dtype on its device, for at::where (a boolean
@@ -490,6 +499,14 @@ void composite(const c10::OperatorHandle &, Stack *stack) {
     // PyTorch's composite asks its kernels for the logsumexp only where autograd needs it.
     const bool lse =
         e < 0 && at::GradMode::is_enabled() && (q.requires_grad() || k.requires_grad() || v.requires_grad());
+    if (e == kPython) {
+        // (it counts the call itself; below it, nothing counts it again)
+        const Counted counted;
+        Tensor o = python_composite(q, k, v, mask, dropout_p, is_causal, scale, enable_gqa);
+        torch::jit::drop(*stack, kCompositeArgs);
+        torch::jit::push(*stack, std::move(o));
+        return;
+    }
     if (e >= 0) {
         g_early_calls[e].fetch_add(1, std::memory_order_relaxed);
     } else {
