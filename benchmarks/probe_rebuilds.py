@@ -1,0 +1,81 @@
+"""Whether cuDNN builds the same plan for the same attention graph every time, on this GPU
+and cuDNN: each config built afresh several times, each build in a process of its own (the
+disk cache off), deterministic backward or not, with the engines cuDNN
+chose and a hash of the outputs and gradients on fixed inputs. Different engines or
+different bits for one graph mean that a plan built elsewhere, or for a config that differs
+only in its backward, is not bitwise the plan built here.
+
+    FASTATTN_CACHE_MODE=off python benchmarks/probe_rebuilds.py [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+import fastattn
+import fastattn.torch
+from _common import fresh, require_cuda, write_json  # (benchmarks/ on sys.path)
+
+CONFIGS = ((2, 96, 128), (1, 256, 128), (1, 512, 128))  # (batch, seq, head dim): 8 heads, causal, bf16
+
+
+def _hash(*tensors: torch.Tensor) -> str:
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.detach().contiguous().view(torch.uint8).cpu().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def one(b: int, s: int, d: int, deterministic: bool) -> dict:
+    """This process's build of the config: its engines and the hashes of o and of the
+    gradients on fixed inputs."""
+    gen = torch.Generator(device="cuda").manual_seed(1234)
+    q, k, v = (torch.randn(b, 8, s, d, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
+               for _ in range(3))
+    g = torch.randn(b, 8, s, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+    o = fastattn.torch.attention(q, k, v, causal=True, layout="bhsd", deterministic=deterministic)
+    grads = torch.autograd.grad(o, (q, k, v), g)
+    cfg = fastattn.AttentionConfig(batch=b, heads_q=8, seqlen_q=s, head_dim_qk=d, layout="bhsd", dtype="bf16",
+                                   mask="causal", training=True, deterministic=deterministic)
+    p = fastattn.plan(cfg)
+    return {"b": b, "s": s, "d": d, "deterministic": deterministic, "forward_engine": p.forward_engine,
+            "backward_engine": p.backward_engine, "o": _hash(o), "grads": _hash(*grads),
+            "builds": fastattn.stats()["builds"]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=3, help="fresh processes per config")
+    ap.add_argument("--json", help="write the results here too")
+    ap.add_argument("--one", nargs=4, type=int, metavar=("B", "S", "D", "DETERMINISTIC"), help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    require_cuda("probe_rebuilds.py")
+    if args.one:
+        b, s, d, det = args.one
+        print(json.dumps(one(b, s, d, bool(det))))
+        return
+    env = {"FASTATTN_CACHE_MODE": "off", "FASTATTN_WARM_UP": "off"}  # every build fresh
+    jobs = [(b, s, d, det) for b, s, d in CONFIGS for det in (0, 1) for _ in range(args.rounds)]
+    with ThreadPoolExecutor(6) as pool:
+        runs = list(pool.map(lambda job: fresh(__file__, ["--one", *map(str, job)], env=env, timeout=300), jobs))
+    same = {}
+    for run in runs:
+        print(json.dumps(run))
+        if "error" not in run:
+            key = f"b{run['b']} s{run['s']} d{run['d']} deterministic={run['deterministic']}"
+            same.setdefault(key, set()).add((run["forward_engine"], run["backward_engine"], run["o"], run["grads"]))
+    summary = {key: ("the same every build" if len(got) == 1 else f"{len(got)} different builds")
+               for key, got in same.items()}
+    for key, verdict in summary.items():
+        print(f"{key}: {verdict}")
+    write_json({"versions": fastattn.versions(), "torch": torch.__version__, "gpu": torch.cuda.get_device_name(),
+                "runs": runs, "summary": summary}, args.json)
+
+
+if __name__ == "__main__":
+    main()
