@@ -144,6 +144,9 @@ _DEBUG = "return_debug_mask: PyTorch's kernels give the dropout mask"
 # The served calls whose head dims the composite padded (_padded): their count's key in
 # _calls, and the op library's (csrc/sdpa.cpp kPadded: a served count under this name).
 PADDED = "head_dim_padded"
+# The served calls whose mask required grad (_trainable_mask; counted by Python alone, as the
+# op library's composite hands them to _composite), counted besides their served count.
+MASK_GRAD = "mask_grad"
 
 
 def enable_sdpa() -> None:
@@ -247,12 +250,14 @@ def sdpa_routes() -> dict[tuple, str]:
 def sdpa_calls() -> dict:
     """The mode's calls so far, one per SDPA call while the mode was on (and per direct
     call of PyTorch's cuDNN operator): {"served": calls fastattn ran, "head_dim_padded":
-    those of them whose head dims it padded to multiples of 8, "passed_on": {reason:
-    calls PyTorch's kernels ran}} (fastattn.stats()["sdpa"])."""
+    those of them whose head dims it padded to multiples of 8, "mask_grad": those of them
+    whose mask required grad (and got it), "passed_on": {reason: calls PyTorch's kernels
+    ran}} (fastattn.stats()["sdpa"])."""
     with _calls_lock:
         padded = _calls.get(PADDED, 0)
         served = _calls.get(None, 0) + padded
-        passed = {reason: n for reason, n in _calls.items() if reason is not None and reason != PADDED}
+        mask_grad = _calls.get(MASK_GRAD, 0)
+        passed = {reason: n for reason, n in _calls.items() if reason not in (None, PADDED, MASK_GRAD)}
     if _native_kernels is not None:
         for ours, reason, n in _native_kernels.sdpa_calls():
             if ours and reason == PADDED:  # (of the served ones its routes counted)
@@ -261,7 +266,7 @@ def sdpa_calls() -> dict:
                 served += n
             elif n:  # ("": the calls of dropped routes whose reasons were past the cap)
                 bounded.count_reason(passed, reason or bounded.OTHER_REASONS, n)
-    return {"served": served, "head_dim_padded": padded, "passed_on": passed}
+    return {"served": served, "head_dim_padded": padded, "mask_grad": mask_grad, "passed_on": passed}
 
 
 def _zero_calls() -> None:
@@ -273,7 +278,7 @@ def _zero_calls() -> None:
 
 def _count(reason: str | None) -> None:
     with _calls_lock:
-        if reason is None or reason == PADDED:
+        if reason is None or reason == PADDED or reason == MASK_GRAD:
             _calls[reason] = _calls.get(reason, 0) + 1
         else:  # (a reason may quote shapes: bounded)
             bounded.count_reason(_calls, reason)
@@ -758,6 +763,7 @@ def _trainable_mask(query, key, value, attn_mask, dropout_p, is_causal, scale) -
     if not isinstance(route, _Route):
         return route
     _count(None if head_dim_v is None else PADDED)
+    _count(MASK_GRAD)
     layout = route.layout
     ql, kl, vl = _views(layout, q, k, v)
     # Philox's seed at element 0 and offset at element 2 (fastattn's rng tensor)

@@ -193,7 +193,7 @@ def test_the_tool_runs_both_modes_and_compares_them(tmp_path):
     assert "test/test_transformers.py: sha256 " in r.stdout
     stats = json.loads((out / "stats-on.json").read_text())
     assert stats["mode"] == "on" and stats["kernels"] == "python"
-    assert stats["sdpa"] == {"served": 0, "head_dim_padded": 0, "passed_on": {}}  # CPU tensors: the mode's kernels are CUDA's
+    assert stats["sdpa"] == {"served": 0, "head_dim_padded": 0, "mask_grad": 0, "passed_on": {}}  # CPU tensors: the mode's kernels are CUDA's
     assert json.loads((out / "stats-off.json").read_text())["kernels"] is None
     summary = json.loads((out / "summary.json").read_text())
     # The same sample in both runs: about a tenth of 200, and the cuDNN test whatever the hash.
@@ -223,7 +223,7 @@ def test_the_plugin_writes_the_mode_s_counts_without_a_gpu(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     body = json.loads(stats.read_text())
     assert body["mode"] == "on" and body["exitstatus"] == 0 and body["kernels"] == "python"
-    assert body["sdpa"] == {"served": 0, "head_dim_padded": 0, "passed_on": {}}
+    assert body["sdpa"] == {"served": 0, "head_dim_padded": 0, "mask_grad": 0, "passed_on": {}}
     assert body["torch"] and body["fastattn"]
 
 

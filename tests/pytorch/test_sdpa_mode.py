@@ -216,7 +216,7 @@ def test_served_and_passed_on_calls_are_counted_in_fastattns_stats(model, monkey
     q, k, v = _qkv(1, 2, 2, 3, 3, 8)
     for _ in range(3):
         OP(q, k, v, None, False, 0.0, True, False, scale=None)  # served: the model's plan
-    assert fastattn.stats()["sdpa"] == {"served": 3, "head_dim_padded": 0, "passed_on": {}}
+    assert fastattn.stats()["sdpa"] == {"served": 3, "head_dim_padded": 0, "mask_grad": 0, "passed_on": {}}
     monkeypatch.setattr(torch.ops.aten, "_cudnn_attention_forward", lambda *a, **kw: ("pytorch's",), raising=False)
     _sdpa_mode._forward(q, k, v, None, False, 0.0, True, True, scale=None)  # the debug mask: PyTorch's
     fp32 = torch.randn(1, 2, 3, 8)
@@ -226,7 +226,7 @@ def test_served_and_passed_on_calls_are_counted_in_fastattns_stats(model, monkey
     [(reason, n)] = [(r, n) for r, n in got["passed_on"].items() if "float32" in r]
     assert got["served"] == 3 and n == 2 and got["passed_on"][_sdpa_mode._DEBUG] == 1 and len(got["passed_on"]) == 2
     fastattn.clear()
-    assert fastattn.stats()["sdpa"] == {"served": 0, "head_dim_padded": 0, "passed_on": {}}
+    assert fastattn.stats()["sdpa"] == {"served": 0, "head_dim_padded": 0, "mask_grad": 0, "passed_on": {}}
 
 
 def test_dtypes_and_strides_fastattn_does_not_read_go_to_pytorch_without_asking_it(model):
@@ -686,7 +686,7 @@ def test_every_sdpa_call_fastattn_takes_is_served_with_gradients(composite, mask
     q, k, v = _qkv(2, 4, 2 if gqa else 4, 5, 7, 16, "bshd")
     mask = _masks(2, 4, 5, 7)[mask_name]
     out = SDPA(q, k, v, attn_mask=mask, enable_gqa=gqa)
-    assert _sdpa_mode.sdpa_calls() == {"served": 1, "head_dim_padded": 0, "passed_on": {}}
+    assert _sdpa_mode.sdpa_calls() == {"served": 1, "head_dim_padded": 0, "mask_grad": 0, "passed_on": {}}
     assert [c[0] for c in composite.calls] == ["plan", "forward"]
     _assert_sdpas_in_float64(out, q, k, v, mask, enable_gqa=gqa)
     # the reference itself (float64) is PyTorch's, counted as passed on with the dtype's reason
@@ -853,6 +853,17 @@ def _theirs(q, k, v, c):
         return e
 
 
+def _counts():
+    """(served, handed on) calls so far, as fastattn.stats()["sdpa"] counts them."""
+    calls = _sdpa_mode.sdpa_calls()
+    return calls["served"], sum(calls["passed_on"].values())
+
+
+_counts.handed_on = lambda: _sdpa_mode.sdpa_calls()["passed_on"]
+_counts.padded = lambda: _sdpa_mode.sdpa_calls()["head_dim_padded"]
+_counts.mask_grad = lambda: _sdpa_mode.sdpa_calls()["mask_grad"]
+
+
 @pytest.fixture(params=["python", "native"])
 def either_composite(request, model, monkeypatch):
     """The composite kernel on the CPU keys, _sdpa_mode's or the op library's (C++), over
@@ -867,13 +878,8 @@ def either_composite(request, model, monkeypatch):
         python.impl(_sdpa_mode._COMPOSITE, _sdpa_mode._composite, "CPU")
         python.impl(_sdpa_mode._COMPOSITE, _sdpa_mode._composite, "AutogradCPU")
 
-        def counts():
-            served = _sdpa_mode._calls.get(None, 0) + _sdpa_mode._calls.get(_sdpa_mode.PADDED, 0)
-            return served, sum(_sdpa_mode._calls.values()) - served
-        counts.handed_on = lambda: {r: n for r, n in _sdpa_mode._calls.items()
-                                    if r is not None and r != _sdpa_mode.PADDED}
-        counts.padded = lambda: _sdpa_mode._calls.get(_sdpa_mode.PADDED, 0)
-        yield counts
+        yield _counts
+
         python._destroy()
         return
     native = request.getfixturevalue("lib")
@@ -895,14 +901,8 @@ def either_composite(request, model, monkeypatch):
     # (the op library's counts, and _sdpa_mode's of the calls it hands to the Python composite:
     # a mask that requires grad)
     monkeypatch.setattr(_sdpa_mode, "_native_kernels", native)
-
-    def counts():
-        calls = _sdpa_mode.sdpa_calls()
-        return calls["served"], sum(calls["passed_on"].values())
-    counts.handed_on = lambda: _sdpa_mode.sdpa_calls()["passed_on"]
-    counts.padded = lambda: _sdpa_mode.sdpa_calls()["head_dim_padded"]
     try:
-        yield counts
+        yield _counts
     finally:
         python._destroy()
         native.sdpa_kernels(False)
@@ -993,7 +993,7 @@ def test_a_mask_that_requires_grad_is_served_and_its_gradient_reaches_it(either_
         mask[1, 2] = float("-inf")
     mask.requires_grad_()
     out = SDPA(q, k, v, attn_mask=mask, is_causal=False, enable_gqa=True)
-    assert counts() == (1, 0), counts.handed_on()
+    assert counts() == (1, 0) and counts.mask_grad() == 1, counts.handed_on()
     plans = [c[1] for c in model.calls if c[0] == "plan"]
     assert plans and all(o.bias_grad and o.training for o in plans)
     _assert_sdpas_in_float64(out, q, k, v, mask, enable_gqa=True)
@@ -1003,7 +1003,7 @@ def test_a_mask_that_requires_grad_is_served_and_its_gradient_reaches_it(either_
     # Without grad mode, or for a mask that does not require grad, the cuDNN operator's way.
     with torch.no_grad():
         SDPA(q, k, v, attn_mask=mask, enable_gqa=True)
-    assert counts()[0] == 2  # (the float64 reference above: handed on)
+    assert counts()[0] == 2 and counts.mask_grad() == 1  # (the float64 reference above: handed on)
     assert not [c for c in model.calls if c[0] == "plan"][-1][1].bias_grad
 
 
@@ -1044,7 +1044,7 @@ def test_where_fastattn_cannot_run_the_mode_stands_aside_and_says_so_once(compos
             out = SDPA(q, k, v, is_causal=True)
             assert torch.equal(out, torch.ops.aten.scaled_dot_product_attention.default.decompose(
                 q, k, v, None, 0.0, True))  # PyTorch's own answer
-    assert _sdpa_mode.sdpa_calls() == {"served": 0, "head_dim_padded": 0, "passed_on": {reason: 3}}
+    assert _sdpa_mode.sdpa_calls() == {"served": 0, "head_dim_padded": 0, "mask_grad": 0, "passed_on": {reason: 3}}
     assert [r.getMessage() for r in caplog.records] == [
         f"the SDPA mode hands calls to PyTorch's kernels (counted in fastattn.stats()['sdpa']): {reason}"]
 
