@@ -1,9 +1,12 @@
 """Whether cuDNN builds the same plan for the same attention graph every time, on this GPU
 and cuDNN: each config built afresh several times, each build in a process of its own (the
-disk cache off), deterministic backward or not, with the engines cuDNN
-chose and a hash of the outputs and gradients on fixed inputs. Different engines or
-different bits for one graph mean that a plan built elsewhere, or for a config that differs
-only in its backward, is not bitwise the plan built here.
+disk cache off), deterministic backward or not, with the engines cuDNN chose and a hash of
+the outputs and gradients on fixed inputs; then, in this one process, the training forward
+of each config with and without deterministic (the same forward graph) at two sets of
+addresses with a poisoned workspace: whether its bits depend on the plan, the addresses or
+the workspace. Different engines or different bits for one graph mean that a plan built
+elsewhere, or for a config that differs only in its backward, is not bitwise the plan built
+here.
 
     FASTATTN_CACHE_MODE=off python benchmarks/probe_rebuilds.py [--rounds 3]
 """
@@ -48,6 +51,32 @@ def one(b: int, s: int, d: int, deterministic: bool) -> dict:
             "builds": fastattn.stats()["builds"]}
 
 
+def in_one_process(b: int, s: int, d: int) -> dict:
+    """In this one process: the training forward of the config built with and without
+    deterministic (the forward graphs are the same), each run at two sets of addresses with
+    a poisoned workspace (0x00 then 0xFF) and the output poisoned (NaN): whether o and the
+    stats depend on which plan, on where the tensors lie, or on the workspace's bytes."""
+    gen = torch.Generator(device="cuda").manual_seed(1234)
+    q, k, v = (torch.randn(b, 8, s, d, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(3))
+    out = {"b": b, "s": s, "d": d}
+    for det in (False, True):
+        cfg = fastattn.AttentionConfig(batch=b, heads_q=8, seqlen_q=s, head_dim_qk=d, layout="bhsd", dtype="bf16",
+                                       mask="causal", training=True, deterministic=det)
+        plan = fastattn.plan(cfg)
+        hashes = []
+        for shift, fill in ((0, 0x00), (4096, 0xFF)):
+            pad = torch.empty(shift + 1, device="cuda", dtype=torch.uint8)  # (moves the allocations below)
+            o = torch.full_like(q, float("nan"))
+            stats = torch.full((b, 8, s, 1), float("nan"), device="cuda", dtype=torch.float32)
+            ws = torch.full((max(plan.forward_workspace_size, 1),), fill, device="cuda", dtype=torch.uint8)
+            plan.forward(q, k, v, o, stats=stats, workspace=ws, stream=torch.cuda.current_stream())
+            torch.cuda.synchronize()
+            hashes.append(_hash(o, stats))
+            del pad
+        out[f"deterministic={det}"] = {"forward_engine": plan.forward_engine, "o_and_stats": hashes}
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=3, help="fresh processes per config")
@@ -59,6 +88,7 @@ def main() -> None:
         b, s, d, det = args.one
         print(json.dumps(one(b, s, d, bool(det))))
         return
+    same_process = [in_one_process(b, s, d) for b, s, d in CONFIGS]
     env = {"FASTATTN_CACHE_MODE": "off", "FASTATTN_WARM_UP": "off"}  # every build fresh
     jobs = [(b, s, d, det) for b, s, d in CONFIGS for det in (0, 1) for _ in range(args.rounds)]
     with ThreadPoolExecutor(6) as pool:
@@ -71,6 +101,22 @@ def main() -> None:
             same.setdefault(key, set()).add((run["forward_engine"], run["backward_engine"], run["o"], run["grads"]))
     summary = {key: ("the same every build" if len(got) == 1 else f"{len(got)} different builds")
                for key, got in same.items()}
+    forwards = {}  # the forward's output per config, deterministic or not (the same forward graph)
+    for run in runs:
+        if "error" not in run:
+            forwards.setdefault(f"b{run['b']} s{run['s']} d{run['d']}", set()).add(run["o"])
+    for key, got in forwards.items():
+        summary[f"{key} o, fresh processes, with and without deterministic"] = (
+            "the same" if len(got) == 1 else f"{len(got)} different")
+    for run in same_process:  # one process: the plans with and without deterministic, two address sets each
+        print(json.dumps(run))
+        got = [run[f"deterministic={det}"] for det in (False, True)]
+        forwards = {g["forward_engine"] for g in got}
+        bits = {h for g in got for h in g["o_and_stats"]}
+        summary[f"b{run['b']} s{run['s']} d{run['d']} in one process"] = (
+            f"forward engines {sorted(forwards)}; o and stats "
+            + ("the same at both address sets, with and without deterministic" if len(bits) == 1 else
+               f"{len(bits)} different results: {[g['o_and_stats'] for g in got]}"))
     for key, verdict in summary.items():
         print(f"{key}: {verdict}")
     write_json({"versions": fastattn.versions(), "torch": torch.__version__, "gpu": torch.cuda.get_device_name(),
