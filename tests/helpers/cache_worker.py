@@ -94,8 +94,10 @@ def main():
     while time.time() < args.wait_until:
         time.sleep(0.001)
     hashes = [run_one(c, seed=1234 + i) for i, c in enumerate(configs)]
+    # (the engines cuDNN chose: what tells a plan built elsewhere from one built here)
+    engines = [[fastattn.plan(c).forward_engine, fastattn.plan(c).backward_engine] for c in configs]
     s = fastattn.stats()
-    print(json.dumps({"hashes": hashes, "builds": s["builds"], "disk_hits": s["disk_hits"],
+    print(json.dumps({"hashes": hashes, "engines": engines, "builds": s["builds"], "disk_hits": s["disk_hits"],
                       "deserializations": s["deserializations"], "misses": s["misses"],
                       "remote_hits": s["cache"].get("remote_hits", 0)}))
 

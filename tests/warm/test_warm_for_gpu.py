@@ -38,7 +38,8 @@ def test_plans_built_for_this_gpu_elsewhere_load_without_a_build_and_match_bitwi
     assert loaded["builds"] == 0 and loaded["deserializations"] == len(CONFIGS), loaded
     here = result(worker(tmp_path / "built-here"))
     assert here["builds"] == len(CONFIGS)
-    assert loaded["hashes"] == here["hashes"]
+    assert loaded["hashes"] == here["hashes"], {"engines built for this GPU elsewhere": loaded["engines"],
+                                                "engines built here": here["engines"]}
 
     # A second `warm --for` finds them: nothing is built again.
     again = fastattn_cli("warm", "--for", str(gpu_file), str(configs), "--no-torch-ops", "--json",
