@@ -170,11 +170,12 @@ def paired_ratio(a: list[float], b: list[float]) -> float | None:
 
 
 def calls_since(before: dict, after: dict) -> dict:
-    """The SDPA mode's counts (fastattn.stats()["sdpa"]) between two readings."""
+    """The SDPA mode's counts (fastattn.stats()["sdpa"]) between two readings: each count
+    (served, and those of them padded or with a mask's gradient), and the calls passed on by
+    reason."""
     passed = {r: n - before["passed_on"].get(r, 0) for r, n in after["passed_on"].items()}
-    return {"served": after["served"] - before["served"],
-            "head_dim_padded": after.get("head_dim_padded", 0) - before.get("head_dim_padded", 0),
-            "passed_on": {r: n for r, n in passed.items() if n}}
+    counts = {name: n - before.get(name, 0) for name, n in after.items() if name != "passed_on"}
+    return {**counts, "passed_on": {r: n for r, n in passed.items() if n}}
 
 
 # The held host-time loop's length and the sleep kernel in front of it (~20 ms at the

@@ -613,9 +613,10 @@ def test_the_benchmarks_medians_ratios_and_summary():
         cold[name].update(import_seconds=3.0, build_seconds=0.5)
     rows = {p: [{"prefill_ms": 3.0, "decode_ms_per_token": 4.0}] for p in bench.STEADY_PEERS}
     others = [p for p in bench.STEADY_PEERS if p != "fastattn"]
-    calls = bench.calls_since({"served": 5, "passed_on": {"a": 1}},
-                              {"served": 71, "passed_on": {"a": 1, "dtype torch.float32: ...": 2}})
-    assert calls == {"served": 66, "head_dim_padded": 0, "mask_grad": 0, "passed_on": {"dtype torch.float32: ...": 2}}
+    calls = bench.calls_since({"served": 5, "head_dim_padded": 1, "passed_on": {"a": 1}},
+                              {"served": 71, "head_dim_padded": 3, "mask_grad": 2,
+                               "passed_on": {"a": 1, "dtype torch.float32: ...": 2}})
+    assert calls == {"served": 66, "head_dim_padded": 2, "mask_grad": 2, "passed_on": {"dtype torch.float32: ...": 2}}
     steady = {"batch": 4, "prompt": 256, "new_tokens": 32, "errors": {}, "path": "native", "sdpa_mode_calls": calls,
               **{k: bench.medians(rows, k, "fastattn", others) for k in ("prefill_ms", "decode_ms_per_token")}}
     text = "\n".join(bench.summary({"coldstart": cold, "steady": steady}))
