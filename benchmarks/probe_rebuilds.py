@@ -8,7 +8,7 @@ the workspace. Different engines or different bits for one graph mean that a pla
 elsewhere, or for a config that differs only in its backward, is not bitwise the plan built
 here.
 
-    FASTATTN_CACHE_MODE=off python benchmarks/probe_rebuilds.py [--rounds 3]
+    python benchmarks/probe_rebuilds.py [--rounds 3] [--json out.json]   (the disk cache and the warm-up off, by itself)
 """
 
 from __future__ import annotations
@@ -16,13 +16,19 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 from concurrent.futures import ThreadPoolExecutor
 
-import torch
+# Every plan this process and its children use is built here and now: no disk cache, and no
+# warm-up loading plans into memory when fastattn.torch is imported (below).
+os.environ["FASTATTN_CACHE_MODE"] = "off"
+os.environ["FASTATTN_WARM_UP"] = "off"
 
-import fastattn
-import fastattn.torch
-from _common import fresh, require_cuda, write_json  # (benchmarks/ on sys.path)
+import torch  # noqa: E402
+
+import fastattn  # noqa: E402
+import fastattn.torch  # noqa: E402
+from _common import fresh, require_cuda, write_json  # noqa: E402  (benchmarks/ on sys.path)
 
 CONFIGS = ((2, 96, 128), (1, 256, 128), (1, 512, 128))  # (batch, seq, head dim): 8 heads, causal, bf16
 
@@ -89,10 +95,9 @@ def main() -> None:
         print(json.dumps(one(b, s, d, bool(det))))
         return
     same_process = [in_one_process(b, s, d) for b, s, d in CONFIGS]
-    env = {"FASTATTN_CACHE_MODE": "off", "FASTATTN_WARM_UP": "off"}  # every build fresh
     jobs = [(b, s, d, det) for b, s, d in CONFIGS for det in (0, 1) for _ in range(args.rounds)]
     with ThreadPoolExecutor(6) as pool:
-        runs = list(pool.map(lambda job: fresh(__file__, ["--one", *map(str, job)], env=env, timeout=300), jobs))
+        runs = list(pool.map(lambda job: fresh(__file__, ["--one", *map(str, job)], timeout=300), jobs))
     same = {}
     for run in runs:
         print(json.dumps(run))
