@@ -751,6 +751,23 @@ def test_compiled_with_fullgraph_sdpa_is_served(composite):
     torch.testing.assert_close(q.grad.double(), leaves[0].grad, atol=3e-2, rtol=3e-2)
 
 
+def test_compiled_with_fullgraph_a_mask_that_requires_grad_gets_its_gradient(composite, monkeypatch):
+    # torch.compile traces the composite on fake tensors: the dense custom op's fake kernel and
+    # its autograd are in the graph, and the mask's gradient comes back summed to its shape.
+    # (The fake kernel's checks refuse CPU tensors, as a miss does: here they pass.)
+    monkeypatch.setattr(_dense, "check_traced", lambda *args: None)
+    q, k, v = _qkv(2, 4, 2, 6, 6, 16, "bshd")
+    mask = torch.randn(4, 6, 6).bfloat16().requires_grad_()
+
+    def f(q, k, v, mask):
+        return SDPA(q, k, v, attn_mask=mask, enable_gqa=True)
+
+    out = torch.compile(f, backend="aot_eager", fullgraph=True)(q, k, v, mask)
+    assert any(c[0] == "plan" and c[1].bias_grad for c in composite.calls)
+    _assert_sdpas_in_float64(out, q, k, v, mask, enable_gqa=True)
+    assert composite.calls[-1][0] == "backward"
+
+
 def test_the_op_librarys_composite_serves_and_hands_on_the_same_calls(lib, model, monkeypatch):
     # The C++ composite (csrc/sdpa.cpp) on the CPU keys; the cuDNN operator's CPU kernels then
     # replaced by the Python ones over `model` (the C++ ones run cuDNN, which the CPU has not).
