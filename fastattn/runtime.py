@@ -671,8 +671,8 @@ def stats() -> dict[str, float]:
     calls}}; empty when none did). "sdpa" (once fastattn.torch is imported): the SDPA mode's
     calls on CUDA while it is on, {"served": calls fastattn ran, "head_dim_padded": those of
     them whose head dims it padded to multiples of 8, "mask_grad": those whose mask
-    required grad, "passed_on": {reason: calls PyTorch's kernels ran}}, whichever backend PyTorch would have picked. (Reasons may
-    quote shapes: past FASTATTN_MEMORY_MAX_ENTRIES of them, each further one is counted
+    required grad, "passed_on": {reason: calls PyTorch's kernels ran}}, whichever backend
+    PyTorch would have picked. (Reasons may quote shapes: past FASTATTN_MEMORY_MAX_ENTRIES of them, each further one is counted
     under fastattn.bounded.OTHER_REASONS.) "warm_up" (once
     fastattn.torch is imported): the background warm-up's state, devices, plans loaded
     and seconds, and where it is off, the reason (fastattn/_warm_up.py). "evictions": the

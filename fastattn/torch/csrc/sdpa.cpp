@@ -496,9 +496,6 @@ void composite(const c10::OperatorHandle &, Stack *stack) {
     // composite would choose among them. First: one read of the process-wide flag.
     at::Context &context = at::globalContext();
     int e = context.userEnabledCuDNNSDP() ? early(q, k, v, mask, enable_gqa) : kCudnnOff;
-    // PyTorch's composite asks its kernels for the logsumexp only where autograd needs it.
-    const bool lse =
-        e < 0 && at::GradMode::is_enabled() && (q.requires_grad() || k.requires_grad() || v.requires_grad());
     if (e == kPython) {
         // (it counts the call itself; below it, nothing counts it again)
         const Counted counted;
@@ -507,6 +504,9 @@ void composite(const c10::OperatorHandle &, Stack *stack) {
         torch::jit::push(*stack, std::move(o));
         return;
     }
+    // PyTorch's composite asks its kernels for the logsumexp only where autograd needs it.
+    const bool lse =
+        e < 0 && at::GradMode::is_enabled() && (q.requires_grad() || k.requires_grad() || v.requires_grad());
     if (e >= 0) {
         g_early_calls[e].fetch_add(1, std::memory_order_relaxed);
     } else {
