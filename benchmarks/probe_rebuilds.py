@@ -8,7 +8,14 @@ the workspace. Different engines or different bits for one graph mean that a pla
 elsewhere, or for a config that differs only in its backward, is not bitwise the plan built
 here.
 
+With --history: whether a build's bits depend on what the process built before it. Fresh
+processes each build a sequence of plans (one causal training config at 512 after others, or
+itself again), each plan a new build (fastattn.clear() between), all run on the same inputs;
+per sequence the hash of each plan's o and stats, and each result's largest difference from a
+float64 reference.
+
     python benchmarks/probe_rebuilds.py [--rounds 3] [--json out.json]   (the disk cache and the warm-up off, by itself)
+    python benchmarks/probe_rebuilds.py --history [--rounds 3] [--json out.json]
 """
 
 from __future__ import annotations
@@ -86,13 +93,79 @@ def in_one_process(b: int, s: int, d: int) -> dict:
     return out
 
 
+# Each a fresh process's builds, in order: (seq, deterministic). The config at 512 is the one
+# whose bits differed between two plans in one process on cuDNN 9.24 (s39-1).
+SEQUENCES = (((512, False), (512, False), (512, False), (512, False)),
+             ((256, False), (512, False), (512, False)),
+             ((512, True), (512, False), (512, True)),
+             ((96, False), (256, False), (512, False), (512, True)))
+
+
+def history(sequence: list[tuple[int, bool]]) -> dict:
+    """In this process: each (seq, deterministic) of `sequence` built afresh in turn (the
+    runtime's plans forgotten between), its training forward run on the same inputs of the
+    last seq: the hash of each plan's o and stats, and the largest |o - float64 reference|."""
+    gen = torch.Generator(device="cuda").manual_seed(4321)
+    inputs = {s: [torch.randn(1, 8, s, 128, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(3)]
+              for s in sorted({s for s, _ in sequence})}
+    rows = []
+    for s, det in sequence:
+        fastattn.clear()
+        cfg = fastattn.AttentionConfig(batch=1, heads_q=8, seqlen_q=s, head_dim_qk=128, layout="bhsd", dtype="bf16",
+                                       mask="causal", training=True, deterministic=det)
+        plan = fastattn.plan(cfg)
+        assert fastattn.stats()["builds"] == 1, fastattn.stats()
+        q, k, v = inputs[s]
+        o = torch.full_like(q, float("nan"))
+        stats = torch.full((1, 8, s, 1), float("nan"), device="cuda", dtype=torch.float32)
+        ws = torch.zeros((max(plan.forward_workspace_size, 1),), device="cuda", dtype=torch.uint8)
+        plan.forward(q, k, v, o, stats=stats, workspace=ws, stream=torch.cuda.current_stream())
+        torch.cuda.synchronize()
+        q64, k64, v64 = (t.double() for t in (q, k, v))
+        logits = (q64 @ k64.transpose(-1, -2)) / 128 ** 0.5
+        logits = logits.masked_fill(torch.ones(s, s, dtype=torch.bool, device="cuda").triu(1), float("-inf"))
+        ref = torch.softmax(logits, -1) @ v64
+        rows.append({"seq": s, "deterministic": det, "forward_engine": plan.forward_engine,
+                     "o_and_stats": _hash(o, stats), "max_error": float((o.double() - ref).abs().max())})
+    return {"sequence": [list(x) for x in sequence], "plans": rows}
+
+
+def main_history(args) -> None:
+    jobs = [i for i in range(len(SEQUENCES)) for _ in range(args.rounds)]
+    runs = [fresh(__file__, ["--sequence", str(i)], timeout=300) for i in jobs]  # one at a time: no load beside
+    summary, seen = {}, {}
+    for i, run in zip(jobs, runs):
+        print(json.dumps(run))
+        if "error" in run:
+            summary.setdefault(f"sequence {i}", []).append(run["error"].strip().splitlines()[-1][:200])
+            continue
+        for row in run["plans"]:
+            seen.setdefault((row["seq"], row["deterministic"]), {}).setdefault(row["o_and_stats"], row["max_error"])
+        summary.setdefault(f"sequence {i} {SEQUENCES[i]}", []).append(
+            " ".join(f"{r['o_and_stats'][:8]}({r['max_error']:.2e})" for r in run["plans"]))
+    for (s, det), got in sorted(seen.items()):
+        summary[f"s{s} deterministic={det}: distinct results"] = {h[:8]: e for h, e in got.items()}
+    for key, verdict in summary.items():
+        print(f"{key}: {verdict}")
+    write_json({"versions": fastattn.versions(), "torch": torch.__version__, "gpu": torch.cuda.get_device_name(),
+                "runs": runs, "summary": summary}, args.json)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=3, help="fresh processes per config")
     ap.add_argument("--json", help="write the results here too")
     ap.add_argument("--one", nargs=4, type=int, metavar=("B", "S", "D", "DETERMINISTIC"), help=argparse.SUPPRESS)
+    ap.add_argument("--history", action="store_true", help="whether a build's bits depend on earlier builds")
+    ap.add_argument("--sequence", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
     require_cuda("probe_rebuilds.py")
+    if args.sequence is not None:
+        print(json.dumps(history(SEQUENCES[args.sequence])))
+        return
+    if args.history:
+        main_history(args)
+        return
     if args.one:
         b, s, d, det = args.one
         print(json.dumps(one(b, s, d, bool(det))))

@@ -1,7 +1,8 @@
 """One "process" of the GPU cache tests: plans the configs given as JSON, runs each
 forward (and backward when training) on seeded random inputs, and prints one JSON
-line: the runtime's stats and a sha256 of every output, so that two processes can be
-compared bit for bit. worker() starts one, result() reads its line.
+line: the runtime's stats, a sha256 of every output, so that two processes can be
+compared bit for bit, and each output's relative error against float64. worker() starts
+one, result() reads its line.
 
     python -m helpers.cache_worker CONFIGS_JSON [--wait-until T] [--fake-cudnn-version V]   (from tests/)
 """
@@ -19,7 +20,7 @@ import numpy as np
 import fastattn
 from fastattn import AttentionConfig, runtime
 
-from helpers.gpu import DeviceBuffer, Tensor, random_inputs, synchronize
+from helpers.gpu import DeviceBuffer, Tensor, random_inputs, reference, rel_error, synchronize
 from helpers.paths import TESTS
 
 CONFIGS = [
@@ -43,7 +44,9 @@ def result(proc):
     return json.loads(out.strip().splitlines()[-1])
 
 
-def run_one(cfg: AttentionConfig, seed: int) -> str:
+def run_one(cfg: AttentionConfig, seed: int) -> tuple[str, dict]:
+    """The sha256 of the config's outputs on seeded inputs, and each output's relative error
+    against the float64 reference."""
     p = fastattn.plan(cfg)
     q, k, v, d_o = random_inputs(cfg, np.random.default_rng(seed), backward=cfg.training)
     t = {n: Tensor(cfg, n) for n in ("q", "k", "v", "o")}
@@ -65,7 +68,9 @@ def run_one(cfg: AttentionConfig, seed: int) -> str:
     synchronize()
     for n in names:
         digest.update(t[n].raw())
-    return digest.hexdigest()
+    o, stats, grads = reference(cfg, q, k, v, d_o)
+    want = {"o": o, "stats": stats, **dict(zip(("d_q", "d_k", "d_v"), grads or ()))}
+    return digest.hexdigest(), {n: rel_error(t[n].read(), want[n]) for n in names}
 
 
 def main():
@@ -93,13 +98,14 @@ def main():
         assert runtime.plan_cache().describe(configs[0], 0)["cudnn"] == args.fake_cudnn_version != desc["cudnn"]
     while time.time() < args.wait_until:
         time.sleep(0.001)
-    hashes = [run_one(c, seed=1234 + i) for i, c in enumerate(configs)]
+    hashes, errors = zip(*(run_one(c, seed=1234 + i) for i, c in enumerate(configs)))
     # (the engines cuDNN chose: what tells a plan built elsewhere from one built here)
     engines = [[fastattn.plan(c).forward_engine, fastattn.plan(c).backward_engine] for c in configs]
     s = fastattn.stats()
-    print(json.dumps({"hashes": hashes, "engines": engines, "builds": s["builds"], "disk_hits": s["disk_hits"],
-                      "deserializations": s["deserializations"], "misses": s["misses"],
-                      "remote_hits": s["cache"].get("remote_hits", 0)}))
+    print(json.dumps({"hashes": list(hashes), "errors": list(errors), "engines": engines, "builds": s["builds"],
+                      "disk_hits": s["disk_hits"], "deserializations": s["deserializations"], "misses": s["misses"],
+                      "remote_hits": s["cache"].get("remote_hits", 0),
+                      "cudnn_loaded": fastattn.versions()["cudnn_loaded"]}))
 
 
 if __name__ == "__main__":

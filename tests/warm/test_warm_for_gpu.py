@@ -1,16 +1,25 @@
 """GPU: plans built for this GPU by processes that do not use it (`fastattn warm --for`, whose
 workers have fastattn's stand-in libcuda in the driver's place) load in a later process with
-no build and give bitwise the outputs of plans built here, on fresh random inputs (the
-configs' training ones are deterministic: their gradients too)."""
+no build, hold the engines and knobs cuDNN chooses here, give outputs right against float64,
+and, where the loaded cuDNN rebuilds a graph bit for bit, the outputs of plans built here bit
+for bit (the configs' training ones are deterministic: their gradients too). From cuDNN 9.24
+two builds of one graph have given other bits on the H100, both right (docs/VERIFICATION.md,
+"Builds of one graph"): there a plan matches only itself, which is what fastattn's cache
+gives every process that loads it."""
 
 import json
 import os
 import subprocess
 import sys
 
-from fastattn import target
+from fastattn import AttentionConfig, target
 
 from helpers.cache_worker import CONFIGS, result, worker
+
+FWD_TOL = {"fp16": 4e-3, "bf16": 2e-2}  # (as tests/attention/test_attention_gpu.py)
+BWD_TOL = {"fp16": 1e-2, "bf16": 4e-2}
+# The first cuDNN seen building one graph to other bits in two builds (VERIFICATION.md).
+REBUILDS_DIFFER_FROM = 92400
 
 
 def fastattn_cli(*argv, cache_dir, cwd):
@@ -19,7 +28,7 @@ def fastattn_cli(*argv, cache_dir, cwd):
                           cwd=cwd, timeout=600)
 
 
-def test_plans_built_for_this_gpu_elsewhere_load_without_a_build_and_match_bitwise(tmp_path):
+def test_plans_built_for_this_gpu_elsewhere_load_without_a_build_and_match_plans_built_here(tmp_path):
     gpu_file = tmp_path / "gpu.json"
     exported = fastattn_cli("info", "--export-gpu", str(gpu_file), cache_dir=tmp_path / "unused", cwd=tmp_path)
     assert exported.returncode == 0, exported.stderr
@@ -34,12 +43,17 @@ def test_plans_built_for_this_gpu_elsewhere_load_without_a_build_and_match_bitwi
     assert warm.returncode == 0, warm.stdout[-2000:] + warm.stderr[-2000:]
     assert json.loads(warm.stdout)["counts"]["built"] == len(CONFIGS)
 
-    loaded = result(worker(built_for))
+    loaded, reloaded = (result(w) for w in [worker(built_for), worker(built_for)])
     assert loaded["builds"] == 0 and loaded["deserializations"] == len(CONFIGS), loaded
+    assert reloaded["hashes"] == loaded["hashes"]  # (one plan: the same bits in every process that loads it)
     here = result(worker(tmp_path / "built-here"))
     assert here["builds"] == len(CONFIGS)
-    assert loaded["hashes"] == here["hashes"], {"engines built for this GPU elsewhere": loaded["engines"],
-                                                "engines built here": here["engines"]}
+    assert loaded["engines"] == here["engines"]
+    for cfg, errors in zip(CONFIGS, loaded["errors"]):
+        dtype = AttentionConfig.from_dict(cfg).dtype
+        assert all(e < (FWD_TOL if n in ("o", "stats") else BWD_TOL)[dtype] for n, e in errors.items()), (cfg, errors)
+    if here["cudnn_loaded"] < REBUILDS_DIFFER_FROM:
+        assert loaded["hashes"] == here["hashes"]
 
     # A second `warm --for` finds them: nothing is built again.
     again = fastattn_cli("warm", "--for", str(gpu_file), str(configs), "--no-torch-ops", "--json",
