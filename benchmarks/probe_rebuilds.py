@@ -94,7 +94,7 @@ def in_one_process(b: int, s: int, d: int) -> dict:
 
 
 # Each a fresh process's builds, in order: (seq, deterministic). The config at 512 is the one
-# whose bits differed between two plans in one process on cuDNN 9.24 (s39-1).
+# whose bits differed between two plans in one process on cuDNN 9.24 (docs/VERIFICATION.md).
 SEQUENCES = (((512, False), (512, False), (512, False), (512, False)),
              ((256, False), (512, False), (512, False)),
              ((512, True), (512, False), (512, True)),
