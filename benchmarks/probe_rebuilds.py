@@ -10,8 +10,8 @@ here.
 
 With --history: whether a build's bits depend on what the process built before it. Fresh
 processes each build a sequence of plans (one causal training config at 512 after others, or
-itself again), each plan a new build (fastattn.clear() between), all run on the same inputs;
-per sequence the hash of each plan's o and stats, and each result's largest difference from a
+itself again), each plan a new build (fastattn.clear() between), each length on inputs of its
+own seed; per sequence the hash of each plan's o and stats, and each result's largest difference from a
 float64 reference.
 
     python benchmarks/probe_rebuilds.py [--rounds 3] [--json out.json]   (the disk cache and the warm-up off, by itself)
@@ -103,11 +103,12 @@ SEQUENCES = (((512, False), (512, False), (512, False), (512, False)),
 
 def history(sequence: list[tuple[int, bool]]) -> dict:
     """In this process: each (seq, deterministic) of `sequence` built afresh in turn (the
-    runtime's plans forgotten between), its training forward run on the same inputs of the
-    last seq: the hash of each plan's o and stats, and the largest |o - float64 reference|."""
-    gen = torch.Generator(device="cuda").manual_seed(4321)
-    inputs = {s: [torch.randn(1, 8, s, 128, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(3)]
-              for s in sorted({s for s, _ in sequence})}
+    runtime's plans forgotten between), its training forward run on its length's inputs: the
+    hash of each plan's o and stats, and the largest |o - float64 reference|."""
+    inputs = {}  # each length's own seed: its inputs are the same in every sequence, so hashes compare across them
+    for s in {s for s, _ in sequence}:
+        gen = torch.Generator(device="cuda").manual_seed(4321 + s)
+        inputs[s] = [torch.randn(1, 8, s, 128, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(3)]
     rows = []
     for s, det in sequence:
         fastattn.clear()
