@@ -24,8 +24,9 @@ CSRC = _TORCH_DIR / "csrc"  # the hand-written sources and headers
 # batched into translation units where there are fewer cores than sources (units()).
 # GENERATED are written at the build from the ops' specs (_native.write_generated), beside
 # the library; SOURCES are the hand-written ones, in fastattn/torch/csrc/.
-BATCHES = (("ops.cpp", "python.cpp", "eager.cpp"), ("kernels.cpp", "registration.cpp", "table.cpp", "sdpa.cpp"))
-GENERATED = ("kernels.cpp", "registration.cpp")
+BATCHES = (("ops.cpp", "python.cpp", "eager.cpp"),
+           ("kernels.cpp", "autograd.cpp", "registration.cpp", "table.cpp", "sdpa.cpp"))
+GENERATED = ("kernels.cpp", "autograd.cpp", "registration.cpp")
 NAMES = tuple(name for unit in BATCHES for name in unit)
 SOURCES = tuple(CSRC / name for name in NAMES if name not in GENERATED)
 

@@ -262,8 +262,8 @@ def write_unit(folder: Path, index: int, names: tuple[str, ...], generated: Path
 def write_generated(folder: Path) -> Path:
     """The op library's generated sources, from the ops' specs (_specs.py), in `folder`,
     which is returned: fastattn_options.h and fastattn_calls.h (by _options.py), and
-    kernels.cpp and registration.cpp with their declarations, fastattn_kernels.h (by
-    _kernels.py). They stay
+    kernels.cpp, autograd.cpp and registration.cpp with their declarations,
+    fastattn_kernels.h (by _kernels.py). They stay
     beside the library, where a person debugging it reads them (the compiler's messages
     name them)."""
     folder.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -271,6 +271,7 @@ def write_generated(folder: Path) -> Path:
     (folder / "fastattn_calls.h").write_text(_options.calls_header())
     (folder / "fastattn_kernels.h").write_text(_kernels.header())
     (folder / "kernels.cpp").write_text(_kernels.source())
+    (folder / "autograd.cpp").write_text(_kernels.autograd())
     (folder / "registration.cpp").write_text(_kernels.registration())
     return folder
 

@@ -16,17 +16,18 @@ from fastattn._slots import NO, SLOTS, upper  # noqa: E402
 from fastattn.torch import _kernels, _native, _specs  # noqa: E402
 
 SOURCE = _kernels.source()
+AUTOGRAD = _kernels.autograd()
 REGISTRATION = _kernels.registration()
 TAKES = {"forward": {s.name for s in SLOTS if s.forward is not NO},
          "backward": {s.name for s in SLOTS if s.backward is not NO}}
 
 
-def function(name: str) -> str:
-    """The body of the generated function `name`."""
-    start = re.search(rf"^\S.* {name}\(", SOURCE, re.M)
+def function(name: str, source: str = SOURCE) -> str:
+    """The body of the generated function `name` (in kernels.cpp, or `source`)."""
+    start = re.search(rf"^\S.* {name}\(", source, re.M)
     assert start, name
-    end = SOURCE.index("\n}\n", start.end())
-    return SOURCE[start.start():end]
+    end = source.index("\n}\n", start.end())
+    return source[start.start():end]
 
 
 def filled(body: str) -> set[str]:
@@ -71,14 +72,21 @@ def test_an_absent_input_takes_the_op_librarys_function_of_its_name():
 def test_the_autograd_node_has_an_edge_per_differentiable_input_and_one_style():
     for spec in _kernels.NATIVE:
         if not spec.backward_op:
-            assert f"{spec.name}_recorded" not in SOURCE
+            assert f"{spec.name}_recorded" not in AUTOGRAD
             continue
         node = spec.name.capitalize() + "Backward"
-        assert f"struct {node} final : torch::autograd::Node" in SOURCE
+        assert f"struct {node} final : torch::autograd::Node" in AUTOGRAD
         edges = ", ".join(i.name for i in spec.differentiable())
-        assert f"collect_next_edges({edges})" in function(f"{spec.name}_recorded")
-        assert f"variable_list out({len(spec.differentiable())});" in SOURCE
-    assert "torch::autograd::Function" not in SOURCE and "AutogradContext" not in SOURCE
+        assert f"collect_next_edges({edges})" in function(f"{spec.name}_recorded", AUTOGRAD)
+        assert f"variable_list out({len(spec.differentiable())});" in AUTOGRAD
+    assert "torch::autograd::Function" not in AUTOGRAD and "AutogradContext" not in AUTOGRAD
+
+
+def test_kernels_cpp_compiles_without_autograds_headers():
+    # Autograd's headers cost more to compile than kernels.cpp's own code with ATen's: the
+    # library builds as long as its slowest unit, so they stay in autograd.cpp alone.
+    assert "torch/csrc/autograd" not in SOURCE and '"node.h"' not in SOURCE
+    assert "torch/csrc/autograd/function.h" in AUTOGRAD
 
 
 def test_the_ops_are_registered_with_the_python_ops_schemas():
@@ -92,7 +100,7 @@ def test_the_ops_are_registered_with_the_python_ops_schemas():
     assert defs == expected
     for key in ("CUDA", "Meta", "CPU", "Autograd"):
         assert f"TORCH_LIBRARY_IMPL(fastattn, {key}, m)" in REGISTRATION
-    assert "TORCH_LIBRARY" not in SOURCE  # (registration.cpp alone: a unit of its own)
+    assert "TORCH_LIBRARY" not in SOURCE + AUTOGRAD  # (registration.cpp alone: a unit of its own)
 
 
 def test_every_registered_kernel_is_declared_and_defined():
@@ -102,7 +110,7 @@ def test_every_registered_kernel_is_declared_and_defined():
     registered = set(re.findall(r"&(\w+)\);", REGISTRATION))
     assert registered and {f"{s.name}_forward_cuda" for s in _kernels.NATIVE} <= registered
     flat = lambda text: re.sub(r"\s+", " ", text)  # noqa: E731  (the two wrap their lines apart)
-    header, source = flat(_kernels.header()), flat(SOURCE)
+    header, source = flat(_kernels.header()), flat(SOURCE + AUTOGRAD)
     for name in registered:
         declaration = re.search(rf"; ([^;]* {name}\([^;]*\));", header)
         assert declaration, name
@@ -110,7 +118,7 @@ def test_every_registered_kernel_is_declared_and_defined():
 
 
 def test_the_generated_source_is_readable():
-    for text in (SOURCE, REGISTRATION, _kernels.header()):
+    for text in (SOURCE, AUTOGRAD, REGISTRATION, _kernels.header()):
         lines = text.splitlines()
         assert lines[0].startswith("// Generated from fastattn/torch/_specs.py by fastattn/torch/_kernels.py")
         assert [line for line in lines if len(line) > 120] == []
@@ -119,8 +127,9 @@ def test_the_generated_source_is_readable():
 
 def test_the_build_writes_the_kernels_beside_the_option_headers(tmp_path):
     folder = _native.write_generated(tmp_path / "generated")
-    assert sorted(p.name for p in folder.iterdir()) == ["fastattn_calls.h", "fastattn_kernels.h",
+    assert sorted(p.name for p in folder.iterdir()) == ["autograd.cpp", "fastattn_calls.h", "fastattn_kernels.h",
                                                          "fastattn_options.h", "kernels.cpp", "registration.cpp"]
     assert (folder / "kernels.cpp").read_text() == SOURCE
+    assert (folder / "autograd.cpp").read_text() == AUTOGRAD
     assert (folder / "registration.cpp").read_text() == REGISTRATION
     assert set(_native.GENERATED) <= {p.name for p in folder.iterdir()}

@@ -1,4 +1,4 @@
-// How the op library's autograd nodes (kernels.cpp's <Op>Backward, generated from the ops'
+// How the op library's autograd nodes (autograd.cpp's <Op>Backward, generated from the ops'
 // specs) are made and owned: a torch::autograd::Node of their own, as PyTorch's generated
 // ops have (its cuDNN attention's is ScaledDotProductCudnnAttentionBackward0), not a
 // torch::autograd::Function, which packs its inputs into a variable list, keeps the

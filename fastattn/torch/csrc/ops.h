@@ -3,9 +3,11 @@
 // the generated kernels' declarations (fastattn_kernels.h).
 //
 // The units are compiled in parallel and linked into one library (fastattn/torch/_native.py):
-//   kernels.cpp each op's plan lookup, work, kernels by dispatch key and autograd node, and
-//   registration.cpp  their registration: generated from the ops' specs
-//               (fastattn/torch/_specs.py) at the build, by fastattn/torch/_kernels.py;
+//   kernels.cpp each op's plan lookup, work and kernels by dispatch key, autograd.cpp its
+//               Autograd kernel and autograd node (apart: autograd's headers are the
+//               slowest to compile), and registration.cpp their registration: generated
+//               from the ops' specs (fastattn/torch/_specs.py) at the build, by
+//               fastattn/torch/_kernels.py;
 //   ops.cpp     the Python module and the bridge to Python (the miss, exceptions), init
 //               and clear;
 //   python.cpp  python.h's tensors in Python objects, over torch's Python headers;
@@ -298,6 +300,6 @@ void zero_sdpa_route_evictions();
 
 }  // namespace fastattn::ops
 
-// Each op's plan lookup, work, CUDA kernel and autograd (kernels.cpp): generated from the
-// ops' specs at the build (fastattn/torch/_kernels.py).
+// Each op's plan lookup, work, CUDA kernel (kernels.cpp) and autograd (autograd.cpp):
+// generated from the ops' specs at the build (fastattn/torch/_kernels.py).
 #include "fastattn_kernels.h"
