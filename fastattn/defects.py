@@ -1,5 +1,6 @@
 """Known cuDNN defects: graphs cuDNN builds that compute the wrong answer, and their remedies;
-and known gaps: graphs a cuDNN release refuses that another builds.
+known gaps: graphs a cuDNN release refuses that another builds; and known variances:
+what a release does that is no wrong answer but that a user counting on bits should know.
 
 A graph cuDNN accepts can still be wrong. Each entry here names the cuDNN versions (the
 library loaded at run time, not the headers) and compute capabilities it was seen on, a
@@ -19,6 +20,8 @@ test_numerics_gpu.py); a release note alone does not move it.
 A gap (`GAPS`) changes no graph and no key: the refusal stays cuDNN's, since the probe
 builds the very graph that would run, and `refusal_notes` adds to cuDNN's reason what is
 known about it (the versions seen refusing and building that graph, and what to do).
+A variance (`VARIANCES`) changes nothing either: `variance_notes` says it for the loaded
+cuDNN and GPU (`fastattn info`), with what fastattn does about it.
 """
 
 from __future__ import annotations
@@ -30,8 +33,8 @@ from . import _fields
 from .config import FIELDS, FP8_DTYPES, AttentionConfig
 from .errors import InvalidArgumentError
 
-__all__ = ["Defect", "Decision", "DEFECTS", "FULL_LENGTHS", "GAPS", "Gap", "REFUSE", "decide", "explain",
-           "refusal_notes", "version_text"]
+__all__ = ["Defect", "Decision", "DEFECTS", "FULL_LENGTHS", "GAPS", "Gap", "REFUSE", "VARIANCES", "Variance",
+           "decide", "explain", "refusal_notes", "variance_notes", "version_text"]
 
 # Remedies. FULL_LENGTHS: the affected direction's graph is built with a padding mask, and
 # the plan gives it each sequence's full lengths itself (csrc: Config.full_lengths), so
@@ -358,17 +361,24 @@ class Gap:
 
     def matches(self, config: AttentionConfig, cudnn_version: int, capability: tuple[int, int],
                 lengths_in_graph: bool) -> bool:
-        # From the oldest release seen refusing on, up to the next one seen building (if any).
-        first = min(self.seen_refusing)
-        newer_built = [v for v in self.seen_building if v > first]
-        in_range = first <= cudnn_version and (not newer_built or cudnn_version < min(newer_built))
-        return in_range and tuple(capability) in self.capabilities and bool(self.predicate(config, lengths_in_graph))
+        return (_seen_range(self.seen_refusing, self.seen_building, cudnn_version)
+                and tuple(capability) in self.capabilities and bool(self.predicate(config, lengths_in_graph)))
 
     def note(self) -> str:
-        refusing = ", ".join(version_text(v) for v in sorted(self.seen_refusing))
-        building = ", ".join(version_text(v) for v in sorted(self.seen_building)) or "none"
-        return (f"known cuDNN gap {self.name}: {self.summary} (seen refusing: cuDNN {refusing}; seen building: "
-                f"cuDNN {building}; {self.evidence}); {self.advice}")
+        return (f"known cuDNN gap {self.name}: {self.summary} ({_seen_text('seen refusing', self.seen_refusing)}; "
+                f"{_seen_text('seen building', self.seen_building)}; {self.evidence}); {self.advice}")
+
+
+def _seen_range(seen: tuple[int, ...], seen_not: tuple[int, ...], cudnn_version: int) -> bool:
+    """From the oldest release seen doing it on, up to the next one seen not doing it (if any):
+    what the runs saw, and the releases between them taken as the older one."""
+    first = min(seen)
+    newer_not = [v for v in seen_not if v > first]
+    return first <= cudnn_version and (not newer_not or cudnn_version < min(newer_not))
+
+
+def _seen_text(label: str, versions: tuple[int, ...]) -> str:
+    return f"{label}: cuDNN {', '.join(version_text(v) for v in sorted(versions)) or 'none'}"
 
 
 def _modifier_with_lengths(c: AttentionConfig, lengths_in_graph: bool) -> bool:
@@ -403,3 +413,51 @@ def refusal_notes(config: AttentionConfig, cudnn_version: int, capability: tuple
     cap = tuple(capability)
     lengths = config.padding or bool(decide(config, cudnn_version, cap).full_lengths)
     return [g.note() for g in gaps if g.matches(config, cudnn_version, cap, lengths)]
+
+
+@dataclass(frozen=True)
+class Variance:
+    """What some cuDNN releases do that is no wrong answer, yet matters to a user who counts
+    on bits: said by `fastattn info` for the loaded cuDNN and GPU, with what fastattn does
+    about it. As a gap's, `seen` and `seen_not` are the releases fastattn's own runs saw."""
+
+    name: str
+    summary: str  # what the release does, in one sentence
+    seen: tuple[int, ...]
+    seen_not: tuple[int, ...]
+    capabilities: frozenset[tuple[int, int]]
+    advice: str  # what fastattn does, and what a user can do
+    evidence: str  # where the runs are recorded
+
+    def __post_init__(self) -> None:
+        if not self.seen:
+            raise InvalidArgumentError(f"Variance {self.name!r}: seen is empty (a variance is what a run saw)")
+
+    def matches(self, cudnn_version: int, capability: tuple[int, int] | list[int]) -> bool:
+        return _seen_range(self.seen, self.seen_not, cudnn_version) and tuple(capability) in self.capabilities
+
+    def note(self) -> str:
+        return (f"known cuDNN variance {self.name}: {self.summary} ({_seen_text('seen', self.seen)}; "
+                f"{_seen_text('seen not', self.seen_not)}; {self.evidence}); {self.advice}")
+
+
+VARIANCES: tuple[Variance, ...] = (
+    Variance(
+        name="sm90-rebuild-bits",
+        summary=("two builds of one graph, with the same engine and knobs, now and then give outputs that differ in "
+                 "bits, both right"),
+        seen=(92400,),
+        seen_not=(91900, 92801),
+        capabilities=_SM90,
+        advice=("a plan is one build, and every process that loads it from the cache runs that build: for the "
+                "same bits in every process, build once (`fastattn warm`) and share the cache directory or the "
+                "Redis tier"),
+        evidence='docs/VERIFICATION.md, "Builds of one graph"',
+    ),
+)
+
+
+def variance_notes(cudnn_version: int, capability: tuple[int, int] | list[int],
+                   variances: tuple[Variance, ...] = VARIANCES) -> list[str]:
+    """The notes of the known variances of this cuDNN on this GPU (empty where none)."""
+    return [v.note() for v in variances if v.matches(cudnn_version, capability)]

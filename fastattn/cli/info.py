@@ -10,7 +10,8 @@ from ._common import EXIT_FAILED, EXIT_NO_GPU, EXIT_OK, add_json_flag, integer, 
 def add_parser(sub) -> None:
     info = sub.add_parser("info", help="GPU, driver, cuDNN, cudnn-frontend and fastattn versions",
                           description="Report fastattn's versions, the cuDNN the first GPU call takes (also without a "
-                          "GPU), the libraries loaded, the GPU, the cache directories, the cap of the in-memory tables "
+                          "GPU), the libraries loaded, the GPU, what the loaded cuDNN is known to do there that is no wrong "
+                          "answer (cudnn_notes), the cache directories, the cap of the in-memory tables "
                           "(FASTATTN_MEMORY_MAX_ENTRIES) and this process's counters (their evictions included). "
                           "Exit codes: 0 reported (without a usable GPU too: the report says why there is none), "
                           "2 bad flags or FASTATTN_* values, 3 fastattn's compiled extension does not load (a source "
@@ -25,7 +26,7 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> tuple[int, dict[str, Any]]:
-    from .. import bounded, runtime
+    from .. import bounded, defects, runtime
     from ..errors import CudaError, LibraryError
 
     out: dict[str, Any] = {"versions": runtime.versions()}
@@ -54,6 +55,10 @@ def run(args) -> tuple[int, dict[str, Any]]:
     out["torch"] = _torch_path()
     if out["device"] is not None:
         out["cudnn_in_process"] = runtime.cudnn_in_process()
+        # What the loaded cuDNN is known to do on this GPU that is no wrong answer (fastattn.defects)
+        loaded = out["versions"]["cudnn_loaded"]
+        out["cudnn_notes"] = [] if loaded is None else defects.variance_notes(loaded,
+                                                                              out["device"]["compute_capability"])
     if args.export_gpu is not None:
         return _export_gpu(args.export_gpu, args.device, out)
     return EXIT_OK, out

@@ -421,3 +421,23 @@ def test_a_refusal_carries_the_gaps_note_and_the_fallback_count_names_it(env, mo
     monkeypatch.setattr(fake_core, "CUDNN_VERSION", [91900])
     runtime.clear()
     assert runtime.probe(cfg).reason == "forward: fake cuDNN refuses head_dim_qk=1024"  # no gap on 9.19
+
+
+def test_a_variance_holds_from_the_release_seen_to_the_next_seen_without_it():
+    var = defects.Variance(name="t", summary="s", seen=(92400,), seen_not=(91900, 92801),
+                           capabilities=frozenset({(9, 0)}), advice="a", evidence="e")
+    assert [var.matches(v, (9, 0)) for v in (91900, 92399, 92400, 92800, 92801, 93000)] == [
+        False, False, True, True, False, False]
+    assert not var.matches(92400, (10, 0)) and var.matches(92400, [9, 0])
+    assert var.note() == "known cuDNN variance t: s (seen: cuDNN 9.24.0; seen not: cuDNN 9.19.0, 9.28.1; e); a"
+    with pytest.raises(InvalidArgumentError, match="seen"):
+        defects.Variance(name="t", summary="s", seen=(), seen_not=(), capabilities=frozenset(), advice="a",
+                         evidence="e")
+
+
+def test_the_rebuild_variance_is_what_the_gpu_runs_saw():
+    # docs/VERIFICATION.md, "Builds of one graph": 9.24.0 varied; 9.19.0 and 9.28.1 did not.
+    notes = {v: defects.variance_notes(v, (9, 0)) for v in (91900, 92400, 92801)}
+    assert notes[91900] == notes[92801] == []
+    assert len(notes[92400]) == 1 and notes[92400][0].startswith("known cuDNN variance sm90-rebuild-bits: ")
+    assert defects.variance_notes(92400, (8, 0)) == []  # seen on SM90 only

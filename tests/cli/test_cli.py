@@ -272,3 +272,22 @@ def test_python_dash_m_runs():
     # From tests/, not the checkout root: its fastattn/ is unbuilt.
     r = subprocess.run([sys.executable, "-m", "fastattn", "--help"], capture_output=True, text=True, timeout=60, cwd=TESTS)
     assert r.returncode == 0 and "probe" in r.stdout and "info" in r.stdout
+
+
+@pytest.mark.parametrize("version,names", [(91900, []), (92400, ["sm90-rebuild-bits"])])
+def test_info_says_what_the_loaded_cudnn_is_known_to_do(capsys, env, monkeypatch, version, names):
+    import fake_core
+    from fastattn import runtime
+
+    real = runtime.versions
+    # (on a machine without a GPU the extension loads no cuDNN: the fake's libraries and version here)
+    monkeypatch.setattr(runtime, "libraries", lambda: {"cudnn": "fake"})
+    monkeypatch.setattr(runtime, "cudnn_in_process", lambda: {"problem": None})
+    monkeypatch.setattr(runtime, "versions", lambda: {**real(), "cudnn_loaded": fake_core.CUDNN_VERSION[0]})
+    monkeypatch.setattr(fake_core, "CUDNN_VERSION", [version])
+    code, out, _ = run(["info", "--json"], capsys)
+    body = json.loads(out)
+    assert code == cli.EXIT_OK and body["versions"]["cudnn_loaded"] == version, body["versions"]
+    assert [n.split(":")[0].rsplit(" ", 1)[-1] for n in body["cudnn_notes"]] == names
+    code, out, _ = run(["info"], capsys)
+    assert code == cli.EXIT_OK and ("sm90-rebuild-bits" in out) == bool(names)

@@ -105,7 +105,8 @@ def main():
     print(json.dumps({"hashes": list(hashes), "errors": list(errors), "engines": engines, "builds": s["builds"],
                       "disk_hits": s["disk_hits"], "deserializations": s["deserializations"], "misses": s["misses"],
                       "remote_hits": s["cache"].get("remote_hits", 0),
-                      "cudnn_loaded": fastattn.versions()["cudnn_loaded"]}))
+                      "cudnn_loaded": fastattn.versions()["cudnn_loaded"],
+                      "capability": list(runtime.device_info(0)["compute_capability"])}))
 
 
 if __name__ == "__main__":
