@@ -9,9 +9,10 @@ every tensor plan_for gets, a miss asks plan_for), the work (<op>_forward,
 the kernels of its ops by dispatch key (CUDA, Meta, CPU). `autograd()` is autograd.cpp:
 each op's Autograd kernel and its autograd node (<Op>Backward, the op library's one
 autograd style: a torch::autograd::Node with its saved tensors and options as members, as
-PyTorch's generated ops have), a unit of its own because autograd's headers cost more to
-compile than the rest of kernels.cpp with its own (on the CPU machine 13.4 s alone against
-ATen's 8.6 s; the two together 17.9 s, apart 12.3 s and ~12 s). `registration()`
+PyTorch's generated ops have), a unit of its own: the library builds as long as its
+slowest unit, and autograd's headers alone take longer to compile than ATen's with all of
+kernels.cpp's code (on the CPU machine, one unit together 17-18 s, apart 12-13 s and 13-14
+s: docs/BENCHMARKS.md, the op library's build). `registration()`
 is registration.cpp, every op's schema and kernels registered (a unit of its own: the
 library builds as long as its slowest unit). `header()` is fastattn_kernels.h, the
 declarations the other units call (the C entries' run_<entry>, which _options writes into
