@@ -41,7 +41,9 @@ _NOT_PLAN_CHANGING = frozenset(
 def build_env_vars(environ: Mapping[str, str] | None = None) -> dict[str, str]:
     """The environment variables that can change how cuDNN builds a graph."""
     environ = os.environ if environ is None else environ
-    return {k: v for k, v in sorted(environ.items()) if k.startswith("CUDNN_") and k not in _NOT_PLAN_CHANGING}
+    # The names first, the values of the few that count after: os.environ decodes each value it
+    # yields, and a describe (every miss, every key) reads it.
+    return {k: environ[k] for k in sorted(k for k in environ if k.startswith("CUDNN_") and k not in _NOT_PLAN_CHANGING)}
 
 
 def describe(

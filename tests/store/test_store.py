@@ -14,6 +14,8 @@ import textwrap
 import time
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from fastattn import store
 from fastattn.store import DiskStore, Entry, TieredCache, CacheSettings, entry as entry_mod
@@ -72,6 +74,16 @@ def test_env_vars_in_the_key():
            "CUDNN_FRONTEND_LOG_INFO": "1", "CUDNN_FRONTEND_CUDART_LIB_NAME": "/x/libcudart.so.13",
            "CUDNN_SOMETHING_NEW": "1"}
     assert store.build_env_vars(env) == {"CUDNN_FRONTEND_ATTN_DP_WORKSPACE_LIMIT": "0", "CUDNN_SOMETHING_NEW": "1"}
+
+
+@given(st.dictionaries(st.sampled_from(["CUDNN_A", "CUDNN_B", "CUDNN_LOGLEVEL_DBG", "PATH", "cudnn_x", "CUDNN_"])
+                       | st.text(max_size=12), st.text(max_size=8), max_size=12))
+def test_env_vars_are_the_cudnn_ones_in_name_order(env):
+    got = store.build_env_vars(env)
+    assert list(got) == sorted(got)
+    ignored = store.keys._NOT_PLAN_CHANGING  # (logging and library locations only)
+    assert "CUDNN_LOGLEVEL_DBG" in ignored
+    assert got == {k: v for k, v in env.items() if k.startswith("CUDNN_") and k not in ignored}
 
 
 # -- entry format -------------------------------------------------------------------------
