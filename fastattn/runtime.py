@@ -55,8 +55,8 @@ class _Entry:
     # that goes into FASTATTN_RECORD and the entry's last use (_claim), so that loading
     # everything ahead neither records it all nor makes it all look just used.
     ahead: bool = False
-    # The cache key it was loaded from ahead of use (load_ahead), which its first use touches:
-    # that use then computes no key (a description of the GPU, versions and environment).
+    # The cache key it was loaded from ahead of use (load_ahead, preload), which its first use
+    # touches: that use then computes no key (a description of the GPU, versions and environment).
     key: str | None = None
     # A load ahead of use (load_ahead) that found nothing to load: never an answer. Whoever
     # waited for it asks again, as the first asker (builds it, or finds it built meanwhile).
@@ -218,8 +218,9 @@ def plan_cache() -> PlanCache:
 
 
 def _build(config: AttentionConfig, device: int, refresh: bool = False, touch: bool = True):
-    """(plan or None, result): from the cache (touch=False: leaving the entry's last use
-    as it was), else built by this process and published."""
+    """(plan or None, result, the cache key or None where there is no cache): from the cache
+    (touch=False: leaving the entry's last use as it was), else built by this process and
+    published."""
     cache = plan_cache()
     tiers = cache.store
     description = cache.describe(config, device) if tiers.tiers else None
@@ -228,26 +229,26 @@ def _build(config: AttentionConfig, device: int, refresh: bool = False, touch: b
     if key is not None and not refresh:
         hit = cache.lookup(config, device, key, touch)
         if hit is not None:
-            return hit
+            return (*hit, key)
     lock = tiers.lock(key) if key is not None else contextlib.nullcontext(False)
     with lock:
         # Another process may have published the entry while we waited for the lock.
         if key is not None and not refresh and tiers.signature(key) != seen:
             hit = cache.lookup(config, device, key, touch)
             if hit is not None:
-                return hit
+                return (*hit, key)
         # Another machine may be building it: wait for its entry (fleet single flight).
         flight = tiers.flight(key) if key is not None and not refresh else contextlib.nullcontext(None)
         with flight as found:
             if found is not None:
                 hit = cache.load(config, device, key, found, tiers.remote)
                 if hit is not None:
-                    return hit
+                    return (*hit, key)
             _count(misses=1)
             p, result = _build_now(config, device)
             if key is not None:
                 cache.publish(key, description, p, result)
-    return p, result
+    return p, result, key
 
 
 def _build_now(config: AttentionConfig, device: int):
@@ -300,7 +301,9 @@ def _lookup(config: Any, device: int | None, refresh: bool = False, ahead: bool 
         try:
             if not ahead:
                 _record.note(config)
-            entry.plan, entry.result = _build(config, device, refresh, touch=not ahead)
+            entry.plan, entry.result, key_found = _build(config, device, refresh, touch=not ahead)
+            if ahead:
+                entry.key = key_found  # (its first use touches it: _claim computes no key)
         except BaseException as e:
             # Not a verdict on the config (a CUDA error, a missing library, an interrupt):
             # forget the entry so that a later call tries again.

@@ -181,7 +181,7 @@ def test_any_sequence_of_requests_stays_within_the_cap_and_keeps_the_last_one(ca
     # A stand-in build (no cache, no sleep): only the registry's bookkeeping is exercised.
     saved = (runtime._build, runtime._resolve_device, bounded._max)
     runtime._build = lambda config, device, refresh=False, touch=True: (
-        object(), runtime.ProbeResult(config, device, True, "", 0, 0, "e", "", 0.0, "built"))
+        object(), runtime.ProbeResult(config, device, True, "", 0, 0, "e", "", 0.0, "built"), None)
     runtime._resolve_device = lambda d: 0
     bounded._max = cap_
     runtime.clear()

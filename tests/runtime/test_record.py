@@ -60,6 +60,25 @@ def test_preloaded_plans_are_recorded_when_first_used_not_when_loaded(env, monke
     assert [AttentionConfig.from_json(line) for line in path.read_text().splitlines()] == [configs[2], configs[0]]
 
 
+def test_a_preloaded_plans_first_use_touches_its_entry_without_computing_its_key(env, monkeypatch):
+    # As the warm-up's loads (test_warm_up.py): preload keeps the key it loaded from, so the
+    # first call, on the caller's path, describes nothing (the GPU, versions, environment).
+    configs = [AttentionConfig(**BASE, seqlen_q=s) for s in (128, 256)]
+    fastattn.preload(configs)  # built and stored
+    fastattn.runtime.clear()
+    assert [r.source for r in fastattn.preload(configs, threads=1)] == ["disk"] * 2
+    entries = list((env / "cache").rglob("*.entry"))
+    assert len(entries) == 2
+    for path in entries:
+        os.utime(path, (1, 1))  # each entry's last use long ago
+    described = []
+    real = fastattn.runtime.PlanCache.describe
+    monkeypatch.setattr(fastattn.runtime.PlanCache, "describe", lambda self, *a: described.append(a) or real(self, *a))
+    fastattn.plan(configs[0])
+    assert described == []
+    assert sorted(os.stat(p).st_atime > 1 for p in entries) == [False, True]  # its own entry, used now
+
+
 def test_unset_or_blank_records_nothing(env, monkeypatch):
     monkeypatch.setenv("FASTATTN_RECORD", "  ")
     fastattn.plan(AttentionConfig(**BASE, seqlen_q=128))

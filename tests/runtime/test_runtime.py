@@ -186,8 +186,8 @@ def fake_build(monkeypatch):
         runtime._count(builds=1)
         if config.head_dim_qk == 1024:
             runtime._count(unsupported=1)
-            return None, runtime.ProbeResult(config, device, False, "forward: cuDNN says no")
-        return FakePlan(), runtime.ProbeResult(config, device, True, "", 128, 0, "fake_engine", "", 0.05, "built")
+            return None, runtime.ProbeResult(config, device, False, "forward: cuDNN says no"), None
+        return FakePlan(), runtime.ProbeResult(config, device, True, "", 128, 0, "fake_engine", "", 0.05, "built"), None
 
     monkeypatch.setattr(runtime, "_build", build)
     monkeypatch.setattr(runtime, "_resolve_device", lambda d: 0 if d is None else d)
