@@ -56,12 +56,28 @@ def one(b: int, s: int, d: int, deterministic: bool) -> dict:
     g = torch.randn(b, 8, s, d, device="cuda", dtype=torch.bfloat16, generator=gen)
     o = fastattn.torch.attention(q, k, v, causal=True, layout="bhsd", deterministic=deterministic)
     grads = torch.autograd.grad(o, (q, k, v), g)
-    cfg = fastattn.AttentionConfig(batch=b, heads_q=8, seqlen_q=s, head_dim_qk=d, layout="bhsd", dtype="bf16",
-                                   mask="causal", training=True, deterministic=deterministic)
-    p = fastattn.plan(cfg)
+    p = fastattn.plan(_config(b, s, d, deterministic))  # (the plan that call ran, from memory)
     return {"b": b, "s": s, "d": d, "deterministic": deterministic, "forward_engine": p.forward_engine,
             "backward_engine": p.backward_engine, "o": _hash(o), "grads": _hash(*grads),
             "builds": fastattn.stats()["builds"]}
+
+
+def _config(b: int, s: int, d: int, deterministic: bool) -> fastattn.AttentionConfig:
+    """The probed config: 8 heads, causal, bf16, training (bhsd: the tensors below)."""
+    return fastattn.AttentionConfig(batch=b, heads_q=8, seqlen_q=s, head_dim_qk=d, layout="bhsd", dtype="bf16",
+                                    mask="causal", training=True, deterministic=deterministic)
+
+
+def _forward(plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fill: int = 0x00) -> tuple:
+    """The plan's training forward, o and the stats poisoned (NaN) first and the workspace
+    filled with `fill`: (o, stats), synchronized."""
+    b, h, s, _ = q.shape
+    o = torch.full_like(q, float("nan"))
+    stats = torch.full((b, h, s, 1), float("nan"), device="cuda", dtype=torch.float32)
+    ws = torch.full((max(plan.forward_workspace_size, 1),), fill, device="cuda", dtype=torch.uint8)
+    plan.forward(q, k, v, o, stats=stats, workspace=ws, stream=torch.cuda.current_stream())
+    torch.cuda.synchronize()
+    return o, stats
 
 
 def in_one_process(b: int, s: int, d: int) -> dict:
@@ -74,20 +90,13 @@ def in_one_process(b: int, s: int, d: int) -> dict:
     q, k, v = (torch.randn(b, 8, s, d, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(3))
     out = {"b": b, "s": s, "d": d}
     for det in (False, True):
-        cfg = fastattn.AttentionConfig(batch=b, heads_q=8, seqlen_q=s, head_dim_qk=d, layout="bhsd", dtype="bf16",
-                                       mask="causal", training=True, deterministic=det)
-        plan = fastattn.plan(cfg)
+        plan = fastattn.plan(_config(b, s, d, det))
         hashes = []
         for shift, fill, load in ((0, 0x00, False), (4096, 0xFF, False), (0, 0x00, True)):
             if load:  # (what fastattn.torch's warm-up does to a plan it loads, before its first call)
                 plan.load_kernels()
             pad = torch.empty(shift + 1, device="cuda", dtype=torch.uint8)  # (moves the allocations below)
-            o = torch.full_like(q, float("nan"))
-            stats = torch.full((b, 8, s, 1), float("nan"), device="cuda", dtype=torch.float32)
-            ws = torch.full((max(plan.forward_workspace_size, 1),), fill, device="cuda", dtype=torch.uint8)
-            plan.forward(q, k, v, o, stats=stats, workspace=ws, stream=torch.cuda.current_stream())
-            torch.cuda.synchronize()
-            hashes.append(_hash(o, stats))
+            hashes.append(_hash(*_forward(plan, q, k, v, fill)))
             del pad
         out[f"deterministic={det}"] = {"forward_engine": plan.forward_engine, "o_and_stats": hashes}
     return out
@@ -112,16 +121,10 @@ def history(sequence: list[tuple[int, bool]]) -> dict:
     rows = []
     for s, det in sequence:
         fastattn.clear()
-        cfg = fastattn.AttentionConfig(batch=1, heads_q=8, seqlen_q=s, head_dim_qk=128, layout="bhsd", dtype="bf16",
-                                       mask="causal", training=True, deterministic=det)
-        plan = fastattn.plan(cfg)
+        plan = fastattn.plan(_config(1, s, 128, det))
         assert fastattn.stats()["builds"] == 1, fastattn.stats()
         q, k, v = inputs[s]
-        o = torch.full_like(q, float("nan"))
-        stats = torch.full((1, 8, s, 1), float("nan"), device="cuda", dtype=torch.float32)
-        ws = torch.zeros((max(plan.forward_workspace_size, 1),), device="cuda", dtype=torch.uint8)
-        plan.forward(q, k, v, o, stats=stats, workspace=ws, stream=torch.cuda.current_stream())
-        torch.cuda.synchronize()
+        o, stats = _forward(plan, q, k, v)
         q64, k64, v64 = (t.double() for t in (q, k, v))
         logits = (q64 @ k64.transpose(-1, -2)) / 128 ** 0.5
         logits = logits.masked_fill(torch.ones(s, s, dtype=torch.bool, device="cuda").triu(1), float("-inf"))

@@ -39,11 +39,11 @@ heads_kv (enable_gqa), a boolean mask or an additive one in the query's dtype or
 (copied into a contiguous bias of cuDNN's broadcast shapes in the query's dtype where it
 is not one), dropout, is_causal (top left), scale. A float mask that requires grad runs on
 fastattn's dense op with its bias gradient instead (_trainable_mask). Head dims that are
-not multiples of 8, which cuDNN does not take, are padded with zeros as PyTorch's flash backend pads them (the
-scale kept at the real head dim's, the output cut back; autograd pads its gradient), and
-counted (fastattn.stats()["sdpa"]["head_dim_padded"]). The verdict is kept per call signature
-(shapes, strides, dtypes, options), so the forward and the backward of one call always
-take the same side.
+not multiples of 8, which cuDNN does not take, are padded with zeros as PyTorch's flash
+backend pads them (the scale kept at the real head dim's, the output cut back; autograd
+pads its gradient), and counted (fastattn.stats()["sdpa"]["head_dim_padded"]). The
+verdict is kept per call signature (shapes, strides, dtypes, options), so the forward and
+the backward of one call always take the same side.
 """
 
 from __future__ import annotations
@@ -278,7 +278,7 @@ def _zero_calls() -> None:
 
 def _count(reason: str | None) -> None:
     with _calls_lock:
-        if reason is None or reason == PADDED or reason == MASK_GRAD:
+        if reason in (None, PADDED, MASK_GRAD):
             _calls[reason] = _calls.get(reason, 0) + 1
         else:  # (a reason may quote shapes: bounded)
             bounded.count_reason(_calls, reason)
@@ -741,8 +741,8 @@ def _composite(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False
 def _trainable_mask(query, key, value, attn_mask, dropout_p, is_causal, scale) -> torch.Tensor | str:
     """A call whose float mask requires grad (TRAINABLE_MASK), run by fastattn's dense op
     with bias_grad (its custom op, whose autograd gives the bias its gradient), counted;
-    or the reason PyTorch's composite runs it (counted by the caller). The mask becomes a bias of cuDNN's shapes through differentiable steps
-    (_composite_bias's -inf rows, a view of 4 dims, expanded over the queries and keys,
+    or the reason PyTorch's composite runs it (counted by the caller). The mask becomes a
+    bias of cuDNN's shapes through differentiable steps (_composite_bias's -inf rows, a view of 4 dims, expanded over the queries and keys,
     rounded to the query's dtype), so autograd sums the bias's gradient back to the
     mask's own shape and dtype. Its broadcast over batch and heads is kept where cuDNN
     builds the bias gradient for it, else expanded to (batch, heads_q) (the gradient
